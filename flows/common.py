@@ -1,0 +1,33 @@
+"""What every stage flow starts with: resolve the config and claim the run's storage prefix."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.runtime import flow_run
+
+from infra.runs import Run, open_run
+from tasks.common import RETRIES, RETRY_DELAYS, retry_on_transient
+from training.config import HlatConfig
+from training.presets import load_config
+
+
+@task(name="open-run", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_on_transient)
+def open_run_task(config: HlatConfig) -> Run:
+    """Write <run>/config.json once, or check it matches."""
+    return open_run(config)
+
+
+def resolve(
+    preset: str, overrides: dict[str, Any] | list[str] | None, run_id: str | None, storage: str | None
+) -> tuple[HlatConfig, Run]:
+    config = load_config(preset, overrides, run_id=run_id, storage=storage)
+    run = open_run_task(config)
+    return config.model_copy(update={"run_id": run.run_id}), run
+
+
+def run_name() -> str:
+    """Flow-run name: '<flow>/<run id or preset>' so the UI lists runs by what they build."""
+    params = flow_run.parameters
+    return f"{flow_run.flow_name}/{params.get('run_id') or params.get('preset', 'run')}"

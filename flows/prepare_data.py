@@ -1,0 +1,42 @@
+"""Stage 1, prepare-data: source -> great-expectations validation -> shards + manifest + report in <run>/data/."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.common import resolve, run_name
+from infra.prepare import DataReport
+from tasks.common import run_cached, stage_cache_key
+from tasks.data import build_shards, fingerprint_source, publish_data_report, shards_present
+
+
+@flow(name="prepare-data", flow_run_name=run_name, log_prints=True)
+def prepare_data(
+    preset: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    storage: str | None = None,
+) -> DataReport:
+    """Download (or build), validate and shard the corpus of a run."""
+    config, run = resolve(preset, overrides, run_id, storage)
+    source_key = fingerprint_source(config.data)
+    key = stage_cache_key("prepare-data", run.uri, config.data.model_dump(mode="json"), source_key)
+    report: DataReport = run_cached(
+        build_shards, lambda r: shards_present(run, r), data_cfg=config.data, run_uri=run.uri, cache_key=key
+    )
+    publish_data_report(report, run.run_id)
+    print(
+        f"prepare-data: {report.rows_read} rows read, {report.rows_kept} kept, {report.rows_quarantined} "
+        f"quarantined {report.quarantined_by_reason} -> {run.uri}/data"
+    )
+    return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    from flows.cli import main
+
+    sys.exit(main(["run", "prepare-data", *sys.argv[1:]]))

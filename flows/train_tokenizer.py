@@ -1,0 +1,48 @@
+"""Stage 2, train-tokenizer: sentencepiece BPE (LLaMA options) on a bounded sample of the shards -> <run>/tokenizer/."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.common import resolve, run_name
+from tasks.common import run_cached, stage_cache_key
+from tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, read_data_checksum, tokenizer_present
+
+
+@flow(name="train-tokenizer", flow_run_name=run_name, log_prints=True)
+def train_tokenizer(
+    preset: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    storage: str | None = None,
+) -> dict[str, Any]:
+    """Train the run's tokenizer from its prepared shards."""
+    config, run = resolve(preset, overrides, run_id, storage)
+    data_checksum = read_data_checksum(run.uri)
+    vocab, seq = config.model.vocab_size, config.model.max_seq_len
+    key = stage_cache_key("train-tokenizer", run.uri, config.tokenizer.model_dump(mode="json"), vocab, seq, data_checksum)
+    report: dict[str, Any] = run_cached(
+        fit_tokenizer,
+        lambda r: tokenizer_present(run, r),
+        tok_cfg=config.tokenizer,
+        vocab_size=vocab,
+        max_seq_len=seq,
+        run_uri=run.uri,
+        cache_key=key,
+    )
+    publish_tokenizer_report(report, run.run_id)
+    print(
+        f"train-tokenizer: vocab {report.get('vocab_size')}, {report.get('bytes_per_token')} bytes/token, "
+        f"byte fallback {report.get('byte_fallback_rate')} -> {run.uri}/tokenizer"
+    )
+    return report
+
+
+if __name__ == "__main__":
+    import sys
+
+    from flows.cli import main
+
+    sys.exit(main(["run", "train-tokenizer", *sys.argv[1:]]))

@@ -1,0 +1,245 @@
+"""Corpus sources for prepare-data, all read through Hugging Face `datasets`.
+
+A source is a Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl/json, parquet, txt),
+or `builtin:python-stdlib`: an offline corpus built deterministically from the installed Python standard
+library (module sources and their docstrings), written as jsonl and then loaded like any local file.
+Sources are read as a stream of pandas batches so the stage's memory stays bounded.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import logging
+import os
+import sys
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from infra.storage import Storage, StorageNotFound
+from training.config import ConfigError, DataConfig
+
+log = logging.getLogger("hlat.data")
+
+BUILTIN_STDLIB = "builtin:python-stdlib"
+_EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
+_FORMAT_BUILDER = {"jsonl": "json", "parquet": "parquet", "txt": "text"}
+# Folders of the standard library that are tests, vendored wheels or third-party installs, not its own text.
+_STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "_bundled"}
+
+
+class SourceError(RuntimeError):
+    """The corpus source cannot be read; the message says which source and what to change."""
+
+
+@dataclass(frozen=True)
+class Source:
+    kind: str  # "builtin" | "files" | "hub"
+    builder: str | None  # datasets builder for files: json | parquet | text
+    data_files: list[str]
+    name: str
+
+
+def cache_dir() -> Path:
+    """Where hlat keeps rebuildable inputs (the builtin corpus); HLAT_CACHE_DIR overrides."""
+    return Path(os.environ.get("HLAT_CACHE_DIR", Path.home() / ".cache" / "hlat"))
+
+
+# -- the offline corpus -----------------------------------------------------------------------------------
+def stdlib_documents() -> Iterator[dict[str, str]]:
+    """Documents from the installed standard library, in a fixed order: per module its docstrings, then its source."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(
+        p for p in root.rglob("*.py") if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1])
+    )
+    for path in files:
+        try:
+            source = path.read_text(encoding="utf-8")
+        except (UnicodeDecodeError, OSError):
+            continue
+        rel = path.relative_to(root).as_posix()
+        docs = _docstrings(source)
+        if docs:
+            yield {"text": docs, "origin": f"{rel}#docstrings"}
+        if source.strip():
+            yield {"text": source, "origin": rel}
+
+
+def _docstrings(source: str) -> str:
+    try:
+        tree = ast.parse(source)
+    except (SyntaxError, ValueError):
+        return ""
+    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef))]
+    texts = [d for n in nodes if (d := ast.get_docstring(n))]
+    return "\n\n".join(texts)
+
+
+def build_stdlib_corpus() -> Path:
+    """Write the builtin corpus as jsonl once per Python version (atomically) and return its path."""
+    version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
+    target = cache_dir() / "corpus" / f"python-stdlib-{version}.jsonl"
+    if target.exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_suffix(f".tmp-{os.getpid()}")
+    with tmp.open("w", encoding="utf-8") as fh:
+        for doc in stdlib_documents():
+            fh.write(json.dumps(doc, ensure_ascii=False) + "\n")
+    os.replace(tmp, target)
+    log.info("built the offline corpus %s (%d bytes)", target, target.stat().st_size)
+    return target
+
+
+# -- resolving a source -----------------------------------------------------------------------------------
+def resolve_source(cfg: DataConfig) -> Source:
+    """Decide how to read data.source; unknown paths and missing buckets fail here, before any reading."""
+    src = cfg.source
+    if src == BUILTIN_STDLIB:
+        return Source("builtin", "json", [str(build_stdlib_corpus())], src)
+    if src.startswith("builtin:"):
+        raise ConfigError(f"data.source: unknown builtin corpus {src!r}; the builtin corpus is {BUILTIN_STDLIB!r}")
+    is_s3 = src.startswith("s3://")
+    local = Path(os.path.expanduser(src))
+    if is_s3 or local.exists() or src.startswith((".", "/", "~")) or os.sep in src and not _looks_like_hub_name(src):
+        if not is_s3 and not local.exists():
+            raise SourceError(f"data.source: local path {str(local)!r} does not exist")
+        files = _list_data_files(src)
+        builder = _builder_for(cfg, files)
+        return Source("files", builder, files, src)
+    return Source("hub", None, [], src)
+
+
+def _looks_like_hub_name(src: str) -> bool:
+    parts = src.split("/")
+    return len(parts) == 2 and all(parts) and not src.startswith((".", "/", "~"))
+
+
+def _list_data_files(src: str) -> list[str]:
+    store = Storage(src)
+    if src.startswith("s3://"):
+        if not store.exists():
+            raise StorageNotFound(f"data.source: {src} does not exist")
+        is_dir = store.fs.isdir(store.root)
+    else:
+        is_dir = os.path.isdir(store.root)
+    if not is_dir:
+        return [store.url]
+    files = [store.uri(rel) for rel in store.walk_files() if Path(rel).suffix in _EXTENSIONS]
+    if not files:
+        raise SourceError(
+            f"data.source: {src} holds no {', '.join(sorted(_EXTENSIONS))} files"
+        )
+    return files
+
+
+def _builder_for(cfg: DataConfig, files: list[str]) -> str:
+    if cfg.file_format != "auto":
+        return _FORMAT_BUILDER[cfg.file_format]
+    kinds = {_EXTENSIONS.get(Path(f).suffix) for f in files}
+    if None in kinds or len(kinds) != 1:
+        raise ConfigError(
+            f"data.file_format: cannot tell the format of {cfg.source} from its file names "
+            f"({sorted(Path(f).suffix or '(none)' for f in files)[:5]}); set data.file_format to jsonl, parquet or txt"
+        )
+    return kinds.pop()  # type: ignore[return-value]
+
+
+def source_fingerprint(cfg: DataConfig) -> str:
+    """What the source's content is, cheaply: file sizes and times (or ETags), or the hub name and revision."""
+    spec = resolve_source(cfg)
+    parts: list[Any] = [spec.kind, spec.name, cfg.hf_config, cfg.split, cfg.revision]
+    if spec.kind != "hub":
+        for f in spec.data_files:
+            store = Storage(f)
+            info = store.fs.info(store.root)
+            parts.append([f, info.get("size"), info.get("ETag") or info.get("mtime")])
+    return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+def iter_batches(cfg: DataConfig) -> Iterator[pd.DataFrame]:
+    """Yield the source as DataFrames of at most data.batch_rows rows, streamed (nothing held whole)."""
+    spec = resolve_source(cfg)
+    dataset = _open_dataset(cfg, spec)
+    if dataset is None:
+        return
+    limit = cfg.max_documents
+    seen = 0
+    for batch in _guarded(dataset.iter(batch_size=cfg.batch_rows), spec.name):
+        frame = pd.DataFrame(batch)
+        if limit is not None and seen + len(frame) > limit:
+            frame = frame.iloc[: limit - seen]
+        seen += len(frame)
+        if len(frame):
+            yield frame
+        if limit is not None and seen >= limit:
+            return
+
+
+def _guarded(batches: Iterator[dict[str, list[Any]]], name: str) -> Iterator[dict[str, list[Any]]]:
+    """Reading errors that are not transient (a malformed file) become one clear SourceError."""
+    try:
+        yield from batches
+    except (ConnectionError, TimeoutError, OSError) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise SourceError(f"data.source: {name}: {_first_line(exc)}") from exc
+        raise
+    except Exception as exc:
+        raise SourceError(f"data.source: cannot read {name}: {_first_line(exc)}") from exc
+
+
+def _open_dataset(cfg: DataConfig, spec: Source) -> Any:
+    import datasets
+
+    if spec.kind == "hub":
+        return _open_hub(cfg, datasets)
+    kwargs: dict[str, Any] = {}
+    if spec.builder in ("json", "text"):
+        # Invalid UTF-8 must be counted per row, not fail the whole file: decode with errors="replace" so
+        # bad bytes become U+FFFD, which validation quarantines as invalid_utf8. datasets' json reader only
+        # re-decodes when the encoding name differs from "utf-8", hence the alias "utf_8".
+        kwargs.update(encoding="utf_8", encoding_errors="replace")
+    if spec.builder == "text":
+        kwargs["sample_by"] = "document"  # one txt file is one document
+    if any(f.startswith("s3://") for f in spec.data_files):
+        kwargs["storage_options"] = Storage(spec.data_files[0]).fs.storage_options
+    try:
+        return datasets.load_dataset(spec.builder, data_files=spec.data_files, split="train", streaming=True, **kwargs)
+    except StopIteration:
+        return None  # datasets' json reader finds no first row in an empty file: an empty data set
+    except Exception as exc:
+        raise SourceError(f"data.source: cannot read {spec.name}: {_first_line(exc)}") from exc
+
+
+def _open_hub(cfg: DataConfig, datasets: Any) -> Any:
+    from datasets.exceptions import DatasetNotFoundError
+
+    try:
+        return datasets.load_dataset(
+            cfg.source, cfg.hf_config, split=cfg.split, streaming=cfg.streaming, revision=cfg.revision
+        )
+    except DatasetNotFoundError as exc:
+        raise SourceError(
+            f"data.source: Hugging Face dataset {cfg.source!r} was not found (or is gated): {_first_line(exc)}"
+        ) from exc
+    except Exception as exc:
+        text = f"{type(exc).__name__}: {exc}"
+        if any(k in text for k in ("Connect", "connect", "Offline", "offline", "resolve", "Timeout", "timed out")):
+            raise SourceError(
+                f"data.source: cannot reach the Hugging Face hub for {cfg.source!r} ({_first_line(exc)}); "
+                "check the network or HF_ENDPOINT, or copy the data set to s3:// or a local folder and point "
+                "data.source there"
+            ) from exc
+        raise SourceError(f"data.source: cannot load {cfg.source!r}: {_first_line(exc)}") from exc
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0] if text else ''}"[:300]

@@ -1,0 +1,97 @@
+"""The run layout: one prefix per run id under the storage root, and the config written there once.
+
+```
+<storage_root>/<run_id>/
+  config.json      the resolved config, written once
+  data/            shards, manifest.json, report.json, quarantine/
+  tokenizer/       tokenizer.model, HF tokenizer files, report.json
+  compile-cache/  burn-in/  checkpoints/  eval/
+```
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from infra.storage import Storage, StorageNotFound
+from training.config import ConfigError, HlatConfig, validate_config
+
+CONFIG_FILE = "config.json"
+STAGE_DIRS = ("data", "tokenizer", "compile-cache", "burn-in", "checkpoints", "eval")
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where one run's outputs live."""
+
+    run_id: str
+    storage: Storage
+
+    @property
+    def uri(self) -> str:
+        return self.storage.url
+
+    def stage(self, name: str) -> Storage:
+        """Storage rooted at one stage's folder (e.g. 'data', 'tokenizer')."""
+        if name not in STAGE_DIRS:
+            raise ValueError(f"unknown stage folder {name!r}; known: {', '.join(STAGE_DIRS)}")
+        return self.storage.child(name)
+
+    def load_config(self) -> HlatConfig:
+        try:
+            return validate_config(self.storage.read_json(CONFIG_FILE))
+        except StorageNotFound:
+            raise StorageNotFound(
+                f"{self.storage.uri(CONFIG_FILE)} does not exist: run 'hlat pretrain' or a stage first"
+            ) from None
+
+
+def run_for(config: HlatConfig) -> Run:
+    """The run of a config (no I/O)."""
+    run_id = config.resolved_run_id()
+    return Run(run_id=run_id, storage=Storage(config.storage.root).child(run_id))
+
+
+def open_run(config: HlatConfig) -> Run:
+    """Write the resolved config to <run>/config.json once; refuse a different config under the same run id.
+
+    The stored config has `run_id` filled in, so the training job reading it needs nothing else. The
+    storage root is not compared: a run may be moved or read through another mount.
+    """
+    run = run_for(config)
+    resolved = config.model_copy(update={"run_id": run.run_id})
+    if run.storage.exists(CONFIG_FILE):
+        existing = validate_config(run.storage.read_json(CONFIG_FILE))
+        if existing.fingerprint() != resolved.fingerprint():
+            raise ConfigError(
+                f"run {run.run_id!r} at {run.uri} was started with a different config "
+                f"({describe_difference(existing, resolved)}); use a new --run-id, or drop --run-id so "
+                "one is derived from the config"
+            )
+        return run
+    run.storage.write_text(CONFIG_FILE, resolved.model_dump_json(indent=2) + "\n")
+    return run
+
+
+def describe_difference(old: HlatConfig, new: HlatConfig, limit: int = 5) -> str:
+    """'training.lr: 0.001 -> 0.002, ...' for the first few differing leaves."""
+
+    def leaves(obj: object, prefix: str = "") -> dict[str, object]:
+        if isinstance(obj, dict):
+            out: dict[str, object] = {}
+            for k, v in obj.items():
+                out.update(leaves(v, f"{prefix}{k}."))
+            return out
+        return {prefix[:-1]: obj}
+
+    skip = {"run_id", "storage"}
+    a = leaves({k: v for k, v in old.model_dump(mode="json").items() if k not in skip})
+    b = leaves({k: v for k, v in new.model_dump(mode="json").items() if k not in skip})
+    diffs = [
+        f"{k}: {json.dumps(a.get(k))} -> {json.dumps(b.get(k))}"
+        for k in sorted(set(a) | set(b))
+        if a.get(k) != b.get(k)
+    ]
+    more = f", and {len(diffs) - limit} more" if len(diffs) > limit else ""
+    return ", ".join(diffs[:limit]) + more

@@ -1,0 +1,123 @@
+"""Prepared-data shards and their manifest: the contract between prepare-data and every later stage.
+
+Shards are parquet (or jsonl) files with one column, `text`, written under `data/<shard_dir>/`. The
+manifest (`data/manifest.json`) is written last and lists every shard with its rows, bytes and sha256; a
+reader trusts only shards the manifest names, so a failed re-run never mixes with a good earlier output.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+from collections.abc import Iterator
+from typing import Literal
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+from pydantic import BaseModel
+
+from infra.storage import Storage
+
+MANIFEST_FILE = "manifest.json"
+Split = Literal["train", "validation"]
+
+
+class ShardInfo(BaseModel):
+    path: str
+    """Path relative to the data/ folder."""
+    split: Split
+    rows: int
+    bytes: int
+    sha256: str
+
+
+class DataManifest(BaseModel):
+    """What prepare-data produced; `fingerprint` is the cache key of the stage run that wrote it."""
+
+    fingerprint: str
+    format: Literal["parquet", "jsonl"]
+    text_column: str = "text"
+    shards: list[ShardInfo]
+
+    def rows(self, split: Split) -> int:
+        return sum(s.rows for s in self.shards if s.split == split)
+
+    def bytes(self, split: Split) -> int:
+        return sum(s.bytes for s in self.shards if s.split == split)
+
+    @property
+    def checksum(self) -> str:
+        """One hash over every shard's checksum: what later stages key their caches on."""
+        return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()
+
+
+def encode_shard(texts: list[str], fmt: Literal["parquet", "jsonl"]) -> bytes:
+    if fmt == "parquet":
+        buf = io.BytesIO()
+        pq.write_table(pa.table({"text": pa.array(texts, pa.string())}), buf, compression="zstd")
+        return buf.getvalue()
+    return "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
+
+
+class ShardWriter:
+    """Buffers documents per split and writes a shard every `shard_rows` documents."""
+
+    def __init__(self, data: Storage, shard_dir: str, fmt: Literal["parquet", "jsonl"], shard_rows: int):
+        self.data, self.shard_dir, self.fmt, self.shard_rows = data, shard_dir, fmt, shard_rows
+        self.buffers: dict[Split, list[str]] = {"train": [], "validation": []}
+        self.shards: list[ShardInfo] = []
+
+    def add(self, text: str, split: Split) -> None:
+        buf = self.buffers[split]
+        buf.append(text)
+        if len(buf) >= self.shard_rows:
+            self._flush(split)
+
+    def _flush(self, split: Split) -> None:
+        texts = self.buffers[split]
+        if not texts:
+            return
+        index = sum(1 for s in self.shards if s.split == split)
+        rel = f"{self.shard_dir}/{split}-{index:05d}.{self.fmt}"
+        payload = encode_shard(texts, self.fmt)
+        self.data.write_bytes(rel, payload)
+        self.shards.append(
+            ShardInfo(path=rel, split=split, rows=len(texts), bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+        )
+        self.buffers[split] = []
+
+    def close(self) -> list[ShardInfo]:
+        for split in ("train", "validation"):
+            self._flush(split)  # type: ignore[arg-type]
+        return self.shards
+
+
+def read_manifest(data: Storage) -> DataManifest:
+    """The manifest of a prepared data folder; a clear error when prepare-data has not completed there."""
+    if not data.exists(MANIFEST_FILE):
+        from infra.storage import StorageNotFound
+
+        raise StorageNotFound(
+            f"{data.uri(MANIFEST_FILE)} does not exist: run the prepare-data stage for this run first"
+        )
+    return DataManifest.model_validate(data.read_json(MANIFEST_FILE))
+
+
+def iter_documents(data: Storage, manifest: DataManifest, split: Split, verify: bool = True) -> Iterator[str]:
+    """Stream documents of one split, shard by shard (never the whole corpus in memory).
+
+    With verify=True each shard's sha256 is checked against the manifest before its rows are used.
+    """
+    for shard in manifest.shards:
+        if shard.split != split:
+            continue
+        payload = data.read_bytes(shard.path)
+        if verify and hashlib.sha256(payload).hexdigest() != shard.sha256:
+            raise ValueError(f"{data.uri(shard.path)} does not match its checksum in the manifest; re-run prepare-data")
+        if manifest.format == "parquet":
+            table = pq.read_table(io.BytesIO(payload), columns=["text"])
+            yield from table.column("text").to_pylist()
+        else:
+            for line in payload.decode("utf-8").splitlines():
+                yield json.loads(line)["text"]

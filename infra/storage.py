@@ -1,0 +1,229 @@
+"""Run storage: one small interface over local folders and s3:// (fsspec), with one-line errors.
+
+`Storage(url)` is rooted at a folder or prefix; every method takes a path relative to it. Writes of whole
+objects are atomic (local: write a temporary file then rename; S3: a PUT is atomic by itself), so a reader
+never sees half a file. S3 errors that users cause (no credentials, missing bucket, access denied) become
+`StorageError` with a one-line message saying what to fix.
+"""
+
+from __future__ import annotations
+
+import builtins
+import contextlib
+import json
+import os
+import posixpath
+import uuid
+from collections.abc import Iterator
+from typing import IO, Any
+
+import fsspec
+
+
+class StorageError(RuntimeError):
+    """A storage operation failed for a reason the user can fix; the message is one line."""
+
+
+class StorageNotFound(StorageError, FileNotFoundError):
+    """The object or folder does not exist."""
+
+
+class TransientStorageError(StorageError):
+    """A fault worth retrying (throttling, timeouts, connection resets)."""
+
+
+_TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "503"}
+
+
+def _is_s3(url: str) -> bool:
+    return url.startswith(("s3://", "s3a://"))
+
+
+@contextlib.contextmanager
+def storage_errors(uri: str) -> Iterator[None]:
+    """Turn fsspec/botocore exceptions raised while touching `uri` into StorageError subclasses."""
+    try:
+        yield
+    except StorageError:
+        raise
+    except Exception as exc:
+        translated = translate_error(exc, uri)
+        if translated is exc:
+            raise  # not a storage fault we know: re-raise as is (not `raise exc from exc`, a cycle)
+        raise translated from exc
+
+
+def translate_error(exc: BaseException, uri: str) -> BaseException:
+    """The StorageError that explains `exc`, or `exc` itself when it is not a storage fault we know."""
+    from botocore import exceptions as bexc
+
+    text = f"{type(exc).__name__}: {exc}"
+    bucket = uri.split("/")[2] if _is_s3(uri) else ""
+    # Look for error codes in the message with the path taken out: a path such as '.../shard-00503.parquet'
+    # or a run id containing '503' must not make, say, an IsADirectoryError look transient (and be retried).
+    # fsspec messages name the path without the 's3://' scheme, so both spellings are removed.
+    bare = uri.split("://", 1)[-1]
+    text = text.replace(uri, "<path>").replace(bare, "<path>") if bare else text
+    if (
+        isinstance(exc, bexc.NoCredentialsError | bexc.PartialCredentialsError)
+        or "Unable to locate credentials" in text
+    ):
+        return StorageError(
+            f"no AWS credentials to reach {uri}: set AWS_PROFILE, or AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, or run with an instance/task role"
+        )
+    if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
+        return StorageNotFound(
+            f"bucket {bucket!r} does not exist (from {uri}): create it or fix storage.root"
+        )
+    if isinstance(exc, PermissionError) or any(
+        code in text for code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
+    ):
+        return StorageError(
+            f"access denied to {uri}: the AWS credentials in use lack permission for this bucket or prefix "
+            "(check the IAM policy, the bucket policy and AWS_PROFILE)"
+        )
+    if isinstance(exc, FileNotFoundError):
+        return StorageNotFound(f"{uri} does not exist")
+    if any(code in text for code in _TRANSIENT_CODES) or isinstance(
+        exc,
+        bexc.EndpointConnectionError | bexc.ConnectionClosedError | bexc.ReadTimeoutError | ConnectionError,
+    ):
+        return TransientStorageError(f"transient storage fault on {uri}: {text.splitlines()[0]}")
+    return exc
+
+
+class Storage:
+    """A folder (local path or s3:// prefix) that run stages read and write through relative paths."""
+
+    def __init__(self, url: str, **storage_options: Any) -> None:
+        url = str(url)
+        if not _is_s3(url) and "://" not in url:
+            url = os.path.abspath(os.path.expanduser(url))
+        self.url = url.rstrip("/")
+        self._options = storage_options
+        if _is_s3(url):
+            # Fresh instances and no listing cache: credentials and objects may change between calls.
+            storage_options = {"skip_instance_cache": True, "use_listings_cache": False, **storage_options}
+        self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
+        self.is_local = not _is_s3(url) and self.fs.protocol in ("file", ("file", "local"), "local")
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    def child(self, *parts: str) -> Storage:
+        """The storage rooted at a sub-folder."""
+        return Storage(self.uri(*parts), **self._options)
+
+    def path(self, *parts: str) -> str:
+        """Filesystem path (as fsspec sees it) of a relative path."""
+        return posixpath.join(self.root, *parts) if parts else self.root
+
+    def uri(self, *parts: str) -> str:
+        """Full URL of a relative path (what users see in messages and reports)."""
+        return "/".join([self.url, *[p.strip("/") for p in parts if p]])
+
+    # -- reading -----------------------------------------------------------------------------------------
+    def exists(self, rel: str = "") -> bool:
+        with storage_errors(self.uri(rel)):
+            return bool(self.fs.exists(self.path(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        with storage_errors(self.uri(rel)):
+            data: bytes = self.fs.cat_file(self.path(rel))
+            return data
+
+    def read_text(self, rel: str) -> str:
+        return self.read_bytes(rel).decode("utf-8")
+
+    def read_json(self, rel: str) -> Any:
+        return json.loads(self.read_bytes(rel))
+
+    def size(self, rel: str) -> int:
+        with storage_errors(self.uri(rel)):
+            return int(self.fs.size(self.path(rel)))
+
+    def list(self, rel: str = "") -> list[str]:
+        """Names (not paths) directly under a folder, sorted; empty when the folder does not exist."""
+        with storage_errors(self.uri(rel)):
+            if not self.fs.exists(self.path(rel)):
+                return []
+            entries = self.fs.ls(self.path(rel), detail=False)
+        return sorted(posixpath.basename(str(e).rstrip("/")) for e in entries)
+
+    # `builtins.list`: inside this class body `list` names the method above (mypy: "not valid as a type").
+    def walk_files(self, rel: str = "") -> builtins.list[str]:
+        """Relative paths of every file under a folder, sorted."""
+        base = self.path(rel)
+        with storage_errors(self.uri(rel)):
+            if not self.fs.exists(base):
+                return []
+            found = self.fs.find(base)
+        prefix = self.root.rstrip("/") + "/"
+        return sorted(str(f)[len(prefix) :] if str(f).startswith(prefix) else str(f) for f in found)
+
+    @contextlib.contextmanager
+    def open(self, rel: str, mode: str = "rb") -> Iterator[IO[Any]]:
+        """Stream a file. Writing through open() is not atomic: prefer write_bytes for whole objects."""
+        with storage_errors(self.uri(rel)):
+            if "w" in mode and self.is_local:
+                os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
+            with self.fs.open(self.path(rel), mode) as fh:
+                yield fh
+
+    # -- writing -----------------------------------------------------------------------------------------
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write a whole object atomically."""
+        target = self.path(rel)
+        with storage_errors(self.uri(rel)):
+            if self.is_local:
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+                try:
+                    with open(tmp, "wb") as fh:
+                        fh.write(data)
+                        fh.flush()
+                        os.fsync(fh.fileno())
+                    os.replace(tmp, target)
+                except BaseException:
+                    # A failed write (disk full, bad data, interrupt) must not leave a stray .tmp file that
+                    # list() and walk_files() would then report next to the real ones.
+                    with contextlib.suppress(OSError):
+                        os.remove(tmp)
+                    raise
+            else:
+                self.fs.pipe_file(target, data)
+
+    def write_text(self, rel: str, text: str) -> None:
+        self.write_bytes(rel, text.encode("utf-8"))
+
+    def write_json(self, rel: str, obj: Any) -> None:
+        self.write_text(rel, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
+
+    def put_file(self, local_path: str, rel: str) -> None:
+        """Upload (or copy) a local file to a relative path, atomically for local targets."""
+        with storage_errors(self.uri(rel)):
+            if self.is_local:
+                with open(local_path, "rb") as fh:
+                    self.write_bytes(rel, fh.read())
+            else:
+                self.fs.put_file(local_path, self.path(rel))
+
+    def get_file(self, rel: str, local_path: str) -> None:
+        """Download a file to a local path."""
+        with storage_errors(self.uri(rel)):
+            os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
+            self.fs.get_file(self.path(rel), local_path)
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        """Delete a file, or a folder with recursive=True; missing paths are ignored."""
+        with storage_errors(self.uri(rel)):
+            if self.fs.exists(self.path(rel)):
+                self.fs.rm(self.path(rel), recursive=recursive)
+
+    def check_writable(self) -> None:
+        """Fail early, with a one-line message, when the root cannot be written (bucket, credentials,
+        policy)."""
+        probe = f".hlat-write-probe-{uuid.uuid4().hex[:8]}"
+        self.write_bytes(probe, b"ok")
+        self.remove(probe)

@@ -1,0 +1,427 @@
+"""The run's tokenizer: sentencepiece BPE trained the LLaMA way, plus an identical Hugging Face export.
+
+The train-tokenizer stage streams a bounded sample of text from the prepared shards into the sentencepiece
+trainer (`training_lines`, `train_sentencepiece`), writes Hugging Face tokenizer files that load offline with
+`AutoTokenizer.from_pretrained` as a fast `LlamaTokenizer` (`export_hf_tokenizer`), measures the result on
+held-out text (`tokenizer_report`) and uploads everything to run storage with `report.json` last
+(`build_tokenizer`).
+
+Contract: for any text without U+2581, both tokenizers give the same ids and decode them back to exactly
+the input. U+2581 ("▁") is sentencepiece's own whitespace symbol, so a literal one decodes as a space (the
+ids still agree; `tokenizer_report` counts such documents as round-trip failures).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import sentencepiece as spm
+
+from infra.shards import iter_documents, read_manifest
+
+if TYPE_CHECKING:
+    from infra.storage import Storage
+    from training.config import TokenizerConfig
+
+MODEL_FILE = "tokenizer.model"
+REPORT_FILE = "report.json"
+UNK, BOS, EOS = "<unk>", "<s>", "</s>"
+UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
+
+# sentencepiece draws from a process-wide generator (sampling and shuffling of input sentences) that is seeded
+# from the clock unless set; a fixed seed makes the same sample give the same model.
+TRAINER_SEED = 0
+# The byte budget already bounds the sample; this caps the sentence count too, so a corpus of very short lines
+# cannot make the trainer hold tens of millions of tiny strings (beyond it the trainer samples, seeded).
+MAX_TRAINING_SENTENCES = 10_000_000
+SNIPPET_CHARS = 120
+
+
+def _char_start(data: bytes, pos: int) -> int:
+    """The largest position <= pos that does not fall inside a UTF-8 multi-byte character."""
+    while 0 < pos < len(data) and data[pos] & 0xC0 == 0x80:
+        pos -= 1
+    return pos
+
+
+def _runs_of_lines(document: str, max_bytes: int) -> Iterator[str]:
+    """The document as runs of whole lines (newlines kept between them) of at most `max_bytes` UTF-8 bytes.
+
+    A line longer than `max_bytes` is cut on character boundaries into runs of its own.
+    """
+    run: list[str] = []
+    size = 0
+    # Only "\n" splits: str.splitlines() would also cut at \r, \x0b, \x1c-\x1e, \x85, \u2028, \u2029, and
+    # those characters would then never be seen by the trainer.
+    for line in document.split("\n"):
+        width = len(line.encode("utf-8"))
+        if run and size + 1 + width > max_bytes:
+            yield "\n".join(run)
+            run, size = [], 0
+        if width <= max_bytes:
+            size += width + (1 if run else 0)
+            run.append(line)
+            continue
+        data = line.encode("utf-8")
+        start = 0
+        while start < len(data):
+            end = _char_start(data, start + max_bytes)
+            yield data[start:end].decode("utf-8")
+            start = end
+    if run:
+        yield "\n".join(run)
+
+
+def training_lines(documents: Iterable[str], sample_bytes: int, max_sentence_length: int) -> Iterator[str]:
+    r"""Trainer input from `documents`: their lines, in sentences of at most `max_sentence_length` bytes and
+    `sample_bytes` in all.
+
+    sentencepiece takes each input as one sentence, silently skips sentences over max_sentence_length bytes
+    and strips a sentence's trailing "\r"/"\n", so a newline only reaches the trainer between lines of the
+    same input. Consecutive lines of a document are therefore packed into one sentence of up to
+    max_sentence_length bytes (never across documents): that lets "\n" and pieces such as ":\n" or "\n\n"
+    into the vocabulary instead of leaving every newline to byte fallback. Longer lines are cut on character
+    boundaries, runs of nothing but newlines are skipped, and the last sentence is cut so that the total
+    stays within sample_bytes.
+    Documents are consumed lazily: one document is in memory at a time.
+    """
+    if sample_bytes < 1:
+        raise ValueError(f"sample_bytes must be positive, got {sample_bytes}")
+    if max_sentence_length < 4:
+        # A sentence must be able to hold the longest UTF-8 character (4 bytes).
+        raise ValueError(f"max_sentence_length must be at least 4 bytes, got {max_sentence_length}")
+    budget = sample_bytes
+    for document in documents:
+        for sentence in _runs_of_lines(document, max_sentence_length):
+            if not sentence.strip("\n"):
+                continue
+            data = sentence.encode("utf-8")
+            if len(data) >= budget:
+                end = _char_start(data, budget)
+                if end:
+                    yield data[:end].decode("utf-8")
+                return
+            budget -= len(data)
+            yield sentence
+
+
+def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
+    """The sentencepiece trainer options of the LLaMA recipe (recorded in the stage report)."""
+    return {
+        "model_type": "bpe",
+        "vocab_size": vocab_size,
+        # The vocabulary is the model's embedding table: exactly vocab_size pieces or a clear error.
+        "hard_vocab_limit": True,
+        "byte_fallback": cfg.byte_fallback,
+        "split_digits": cfg.split_digits,
+        "character_coverage": cfg.character_coverage,
+        # No NFKC and no whitespace folding: text must come back byte for byte.
+        "normalization_rule_name": "identity",
+        "remove_extra_whitespaces": False,
+        # LLaMA prepends a dummy "▁" to every input. The v5 Hugging Face LlamaTokenizer cannot reproduce that
+        # for text that already starts with a space (its Metaspace pre-tokenizer skips the prefix there, so
+        # " x" would get different ids), and decoding would strip the first space of any token slice. Without
+        # the dummy prefix both tokenizers map " " to "▁" and back with nothing added or removed; the cost is
+        # that a document's first word is split like a word at a line start rather than after a space.
+        "add_dummy_prefix": False,
+        "allow_whitespace_only_pieces": True,
+        "unk_id": UNK_ID,
+        "bos_id": BOS_ID,
+        "eos_id": EOS_ID,
+        "pad_id": -1,
+        "unk_piece": UNK,
+        "bos_piece": BOS,
+        "eos_piece": EOS,
+        "max_sentence_length": cfg.max_sentence_length,
+        "input_sentence_size": MAX_TRAINING_SENTENCES,
+        "shuffle_input_sentence": True,
+        "num_threads": cfg.threads or os.cpu_count() or 1,
+        # Warnings and errors only: the INFO log is thousands of lines per training.
+        "minloglevel": 1,
+    }
+
+
+def _trainer_error(exc: RuntimeError, vocab_size: int, cfg: TokenizerConfig) -> Exception:
+    """A ValueError naming the config field to change, for the trainer failures users cause."""
+    text = str(exc)
+    too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
+    if too_high:
+        most = too_high.group(2)
+        return ValueError(
+            f"the tokenizer training sample is too small for model.vocab_size={vocab_size}: sentencepiece "
+            f"can make only {most} pieces from it; raise tokenizer.sample_bytes (now {cfg.sample_bytes}; "
+            f"or prepare more data) or lower model.vocab_size to at most {most}"
+        )
+    chars = re.search(r"Vocabulary size is smaller than required_chars\. (\d+) vs (\d+)", text)
+    if chars:
+        return ValueError(
+            f"model.vocab_size={vocab_size} is too small for the training sample: the characters needed for "
+            f"tokenizer.character_coverage={cfg.character_coverage}, plus the byte and special pieces, take "
+            f"{chars.group(2)}; raise model.vocab_size or lower tokenizer.character_coverage"
+        )
+    return exc
+
+
+def train_sentencepiece(lines: Iterator[str], vocab_size: int, cfg: TokenizerConfig, out_dir: str) -> str:
+    """Train a sentencepiece BPE model of exactly `vocab_size` pieces; return the path of `tokenizer.model`.
+
+    The same lines and options give the same model bytes. The model records the trainer options, thread count
+    included, so bytes differ across machines with different core counts when `cfg.threads` is None; the
+    pieces and scores do not depend on it.
+    """
+    first = next(lines, None)
+    if first is None:
+        raise ValueError("no training text: the train split has no non-empty lines to train the tokenizer on")
+
+    def sentences() -> Iterator[str]:
+        yield first
+        yield from lines
+
+    spm.set_random_generator_seed(TRAINER_SEED)
+    model = io.BytesIO()
+    try:
+        spm.SentencePieceTrainer.train(
+            sentence_iterator=sentences(), model_writer=model, **trainer_options(vocab_size, cfg)
+        )
+    except RuntimeError as exc:
+        raise _trainer_error(exc, vocab_size, cfg) from exc
+    processor = spm.SentencePieceProcessor(model_proto=model.getvalue())
+    if processor.get_piece_size() != vocab_size:
+        raise RuntimeError(f"sentencepiece made {processor.get_piece_size()} pieces instead of {vocab_size}")
+    os.makedirs(out_dir, exist_ok=True)
+    path = os.path.join(out_dir, MODEL_FILE)
+    with open(path, "wb") as fh:
+        fh.write(model.getvalue())
+    return path
+
+
+def _bpe_vocab_and_merges(sp: spm.SentencePieceProcessor) -> tuple[dict[str, int], list[tuple[str, str]]]:
+    """The sentencepiece vocabulary and the merge list under which Hugging Face BPE encodes identically.
+
+    sentencepiece BPE repeatedly joins the adjacent pair whose concatenation is the best-scoring normal piece;
+    Hugging Face BPE joins the pair of lowest merge rank. Ranking every split of every normal piece by that
+    piece's score therefore gives the same merges in the same order. Control, unknown and byte pieces are left
+    out: sentencepiece never produces them from text, so "<s>" or "<0x41>" in a document stays plain text.
+    """
+    size = sp.get_piece_size()
+    vocab = {sp.id_to_piece(i): i for i in range(size)}
+    normal = {
+        sp.id_to_piece(i)
+        for i in range(size)
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))
+    }
+    ranked: list[tuple[float, int, int, str, str]] = []
+    for piece in normal:
+        piece_id = vocab[piece]
+        score = sp.get_score(piece_id)
+        for cut in range(1, len(piece)):
+            left, right = piece[:cut], piece[cut:]
+            if left in normal and right in normal:
+                ranked.append((-score, piece_id, cut, left, right))
+    ranked.sort()
+    return vocab, [(left, right) for *_, left, right in ranked]
+
+
+def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[str]:
+    """Write Hugging Face tokenizer files for the sentencepiece model into `out_dir`; return their names.
+
+    The files load offline with `AutoTokenizer.from_pretrained(out_dir)` as a fast `LlamaTokenizer` that adds
+    `<s>` in front, knows `</s>`, and gives the same ids as the sentencepiece model (`tokenizer.model`, copied
+    beside). Exact equality needs the sentencepiece options of `trainer_options` and byte fallback on.
+    """
+    from transformers import LlamaTokenizer
+
+    processor = spm.SentencePieceProcessor(model_file=model_path)
+    vocab, merges = _bpe_vocab_and_merges(processor)
+    # In transformers 5 LlamaTokenizer is the tokenizers-backed (fast) class and rebuilds its normalizer,
+    # pre-tokenizer and decoder from these arguments on every load, so they are what makes it match:
+    # - add_prefix_space=False: no dummy "▁" (the model has none) and no decoder Strip of a leading space;
+    #   legacy=False only matters when a prefix is added, and is set for the non-legacy behaviour anyway.
+    # - split_special_tokens=True: "<s>" or "</s>" inside a document is text, as in sentencepiece, not a
+    #   control token injected by the data.
+    # - clean_up_tokenization_spaces=False: decoding must not touch spaces around punctuation.
+    tokenizer = LlamaTokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=UNK,
+        bos_token=BOS,
+        eos_token=EOS,
+        add_bos_token=True,
+        add_eos_token=False,
+        add_prefix_space=False,
+        legacy=False,
+        split_special_tokens=True,
+        clean_up_tokenization_spaces=False,
+        model_max_length=max_length,
+    )
+    os.makedirs(out_dir, exist_ok=True)
+    saved = tokenizer.save_pretrained(out_dir)
+    config_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(config_path, encoding="utf-8") as fh:
+        config = json.load(fh)
+    # save_pretrained leaves these out (the post-processor in tokenizer.json carries them); written explicitly
+    # so the files say what they do and a reload cannot fall back to other defaults.
+    config.update({"add_bos_token": True, "add_eos_token": False, "legacy": False})
+    with open(config_path, "w", encoding="utf-8") as fh:
+        json.dump(config, fh, indent=2, sort_keys=True, ensure_ascii=False)
+        fh.write("\n")
+    target = os.path.join(out_dir, MODEL_FILE)
+    if os.path.abspath(model_path) != os.path.abspath(target):
+        shutil.copyfile(model_path, target)
+    names = {os.path.basename(str(p)) for p in saved}
+    return [MODEL_FILE, *sorted(names - {MODEL_FILE})]
+
+
+def _within_budget(text: str, budget: int) -> tuple[str, int]:
+    """`text` cut to at most `budget` UTF-8 bytes on a character boundary, and its size in bytes."""
+    data = text.encode("utf-8")
+    if len(data) <= budget:
+        return text, len(data)
+    end = _char_start(data, budget)
+    return data[:end].decode("utf-8"), end
+
+
+def tokenizer_report(
+    model_path: str,
+    validation_texts: Iterable[str],
+    report_sample_bytes: int,
+    n_samples: int = 3,
+    hf_dir: str | None = None,
+) -> dict[str, Any]:
+    """Quality figures of a tokenizer on held-out text (at most `report_sample_bytes` of it), as JSON data.
+
+    bytes_per_token is UTF-8 bytes per token; byte_fallback_rate is the fraction of tokens that are byte
+    pieces (<0x..>), i.e. characters the vocabulary lacks; round_trip_failures counts texts whose decoding
+    differs from the text. With `hf_dir`, the Hugging Face tokenizer there is run on the same texts and
+    hf_id_mismatches counts texts where its ids differ from sentencepiece's.
+    """
+    processor = spm.SentencePieceProcessor(model_file=model_path)
+    byte_ids = {i for i in range(processor.get_piece_size()) if processor.is_byte(i)}
+    unk_id = processor.unk_id()
+    hf = None
+    if hf_dir is not None:
+        from transformers import AutoTokenizer
+
+        hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
+    texts = total_bytes = tokens = byte_tokens = unk = round_trip_failures = hf_mismatches = 0
+    samples: list[dict[str, Any]] = []
+    budget = report_sample_bytes
+    for full_text in validation_texts:
+        if budget <= 0:
+            break
+        text, size = _within_budget(full_text, budget)
+        if full_text and not text:
+            break
+        budget -= size
+        ids = processor.encode(text)
+        texts += 1
+        total_bytes += size
+        tokens += len(ids)
+        byte_tokens += sum(1 for i in ids if i in byte_ids)
+        unk += sum(1 for i in ids if i == unk_id)
+        round_trip_failures += processor.decode(ids) != text
+        if hf is not None:
+            hf_mismatches += hf.encode(text, add_special_tokens=False, verbose=False) != ids
+        if len(samples) < n_samples and text.strip():
+            snippet = text[:SNIPPET_CHARS]
+            samples.append(
+                {
+                    "text": snippet,
+                    "pieces": processor.encode(snippet, out_type=str),
+                    "ids": processor.encode(snippet),
+                }
+            )
+    report: dict[str, Any] = {
+        "vocab_size": processor.get_piece_size(),
+        "texts": texts,
+        "bytes": total_bytes,
+        "tokens": tokens,
+        "bytes_per_token": round(total_bytes / tokens, 4) if tokens else None,
+        "byte_fallback_tokens": byte_tokens,
+        "byte_fallback_rate": round(byte_tokens / tokens, 6) if tokens else 0.0,
+        "unk_count": unk,
+        "round_trip_failures": round_trip_failures,
+        "samples": samples,
+    }
+    if hf is not None:
+        report["hf_id_mismatches"] = hf_mismatches
+    return report
+
+
+class _CountingLines:
+    """Passes sentences through while counting them and their bytes (the sample actually trained on)."""
+
+    def __init__(self, lines: Iterator[str]) -> None:
+        self.lines, self.count, self.bytes = lines, 0, 0
+
+    def __iter__(self) -> Iterator[str]:
+        return self
+
+    def __next__(self) -> str:
+        line = next(self.lines)
+        self.count += 1
+        self.bytes += len(line.encode("utf-8"))
+        return line
+
+
+def build_tokenizer(
+    data: Storage, out: Storage, vocab_size: int, max_seq_len: int, cfg: TokenizerConfig
+) -> dict[str, Any]:
+    """The train-tokenizer stage: prepared shards in `data` -> tokenizer files and report.json in `out`.
+
+    Trains on a bounded sample of the train split, reports on the validation split (the train split when
+    there is none, said in the report), and uploads tokenizer.model, the Hugging Face files, then report.json:
+    later stages take report.json as the mark of a complete tokenizer. Returns the report.
+    """
+    manifest = read_manifest(data)
+    if manifest.rows("train") == 0:
+        raise ValueError(f"{data.uri()} has no training documents: re-run prepare-data on a non-empty source")
+    with tempfile.TemporaryDirectory(prefix="hlat-tokenizer-") as tmp:
+        sample = _CountingLines(
+            training_lines(iter_documents(data, manifest, "train"), cfg.sample_bytes, cfg.max_sentence_length)
+        )
+        started = time.monotonic()
+        model_path = train_sentencepiece(sample, vocab_size, cfg, tmp)
+        train_seconds = time.monotonic() - started
+        files = export_hf_tokenizer(model_path, tmp, max_seq_len)
+
+        report_split = "validation" if manifest.rows("validation") else "train"
+        report = tokenizer_report(
+            model_path, iter_documents(data, manifest, report_split), cfg.report_sample_bytes, hf_dir=tmp
+        )
+        if report["hf_id_mismatches"]:
+            raise RuntimeError(
+                f"the Hugging Face export disagrees with sentencepiece on {report['hf_id_mismatches']} of "
+                f"{report['texts']} {report_split} texts; the tokenizer was not published"
+            )
+        report.update(
+            {
+                "data_checksum": manifest.checksum,
+                "report_split": report_split,
+                "training_sentences": sample.count,
+                "training_bytes": sample.bytes,
+                "train_seconds": round(train_seconds, 3),
+                "max_seq_len": max_seq_len,
+                "trainer_options": trainer_options(vocab_size, cfg),
+                "files": [*files, REPORT_FILE],
+            }
+        )
+        if report_split == "train":
+            report["report_note"] = (
+                "the data has no validation split, so these figures are measured on training text "
+                "(optimistic); set data.validation_fraction > 0 for held-out figures"
+            )
+        # An old report.json would vouch for a half-replaced tokenizer while the new files upload.
+        out.remove(REPORT_FILE)
+        for name in files:
+            out.put_file(os.path.join(tmp, name), name)
+        out.write_json(REPORT_FILE, report)
+    return report

@@ -1,0 +1,74 @@
+"""What every stage's tasks share: the retry policy, cache keys, and artifact naming."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from prefect import Task
+from prefect.client.schemas.objects import State, TaskRun
+
+from infra.storage import TransientStorageError
+from training.config import stable_hash
+
+# Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
+RETRIES = 3
+RETRY_DELAYS = [2, 5, 15]
+
+
+def is_transient(exc: BaseException | None) -> bool:
+    """Faults worth another attempt: throttling, timeouts, dropped connections."""
+    if exc is None:
+        return False
+    from botocore import exceptions as bexc
+
+    transient: tuple[type[BaseException], ...] = (
+        TransientStorageError,
+        ConnectionError,
+        TimeoutError,
+        bexc.EndpointConnectionError,
+        bexc.ConnectionClosedError,
+        bexc.ReadTimeoutError,
+    )
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, transient):
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+def retry_on_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
+    """Prefect retry condition: retry only transient faults."""
+    try:
+        state.result()
+    except Exception as exc:
+        return is_transient(exc)
+    return False
+
+
+def stage_cache_key(stage: str, run_uri: str, *inputs: Any) -> str:
+    """Cache key of a stage: its name, the run it writes into, and everything its output depends on."""
+    return f"hlat-{stage}-{stable_hash([stage, run_uri, *inputs])[:32]}"
+
+
+def cache_key_param(context: Any, parameters: dict[str, Any]) -> str:
+    """cache_key_fn for tasks that take their precomputed key as the `cache_key` parameter."""
+    return str(parameters["cache_key"])
+
+
+def artifact_key(*parts: str) -> str:
+    """Prefect artifact keys allow lowercase letters, digits and dashes only."""
+    return re.sub(r"[^a-z0-9-]+", "-", "-".join(parts).lower()).strip("-")[:120]
+
+
+def run_cached(task: Task[..., Any], outputs_present: Any, **params: Any) -> Any:
+    """Call a cached stage task; if its cached result's outputs have vanished from run storage, redo it."""
+    from prefect.logging import get_run_logger
+
+    result = task(**params)
+    if not outputs_present(result):
+        get_run_logger().warning("%s: cached result's outputs are missing from run storage; running again", task.name)
+        result = task.with_options(refresh_cache=True)(**params)
+    return result

@@ -1,0 +1,61 @@
+"""train-tokenizer tasks: read the data manifest, train sentencepiece + HF export (cached), publish the report."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from infra.runs import Run
+from infra.shards import read_manifest
+from infra.storage import Storage
+from infra.tokenizer import build_tokenizer
+from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
+from training.config import TokenizerConfig
+
+REPORT_FILE = "report.json"
+
+
+@task(name="read-data-checksum", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_on_transient)
+def read_data_checksum(run_uri: str) -> str:
+    """Checksum of the prepared shards: the tokenizer's input."""
+    return read_manifest(Storage(run_uri).child("data")).checksum
+
+
+@task(
+    name="fit-tokenizer",
+    cache_key_fn=cache_key_param,
+    persist_result=True,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
+def fit_tokenizer(
+    tok_cfg: TokenizerConfig, vocab_size: int, max_seq_len: int, run_uri: str, cache_key: str
+) -> dict[str, Any]:
+    """Train sentencepiece BPE on a bounded sample of the shards and export HF files into <run>/tokenizer/."""
+    run = Storage(run_uri)
+    return build_tokenizer(run.child("data"), run.child("tokenizer"), vocab_size, max_seq_len, tok_cfg)
+
+
+def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:
+    """A cached report counts only while the tokenizer it describes is still in run storage."""
+    out = run.stage("tokenizer")
+    return (
+        out.exists(REPORT_FILE)
+        and out.exists("tokenizer.model")
+        and out.read_json(REPORT_FILE).get("data_checksum") == report.get("data_checksum")
+    )
+
+
+@task(name="publish-tokenizer-report")
+def publish_tokenizer_report(report: dict[str, Any], run_id: str) -> None:
+    """Vocab size, bytes per token and byte-fallback rate as a table; sample encodings as markdown."""
+    rows = [{"metric": k, "value": report[k]} for k in ("vocab_size", "bytes_per_token", "byte_fallback_rate") if k in report]
+    create_table_artifact(rows, key=artifact_key("tokenizer-report", run_id), description=f"train-tokenizer of {run_id}")
+    samples = report.get("samples", [])
+    lines = [f"- `{s.get('text', '')[:60]!r}` → {len(s.get('ids', []))} tokens: `{s.get('pieces', [])[:16]}`" for s in samples]
+    create_markdown_artifact(
+        f"# train-tokenizer: {run_id}\n\n" + "\n".join(lines), key=artifact_key("tokenizer-samples", run_id)
+    )

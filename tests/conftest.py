@@ -1,0 +1,44 @@
+"""Test-session environment: nothing reaches the network or the user's home, and one Prefect test server."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+# Set before anything imports prefect, datasets or huggingface_hub: they read these at import time.
+_SESSION_DIR = Path(tempfile.mkdtemp(prefix="hlat-tests-"))
+os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
+os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
+os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
+os.environ.pop("PREFECT_API_URL", None)
+os.environ["HF_HUB_OFFLINE"] = "1"
+os.environ["HF_HOME"] = str(_SESSION_DIR / "hf")
+os.environ["HF_DATASETS_CACHE"] = str(_SESSION_DIR / "hf" / "datasets")
+os.environ.setdefault("HLAT_CACHE_DIR", str(_SESSION_DIR / "hlat-cache"))
+os.environ["TOKENIZERS_PARALLELISM"] = "false"
+
+# A tiny run that still exercises every stage: small corpus, small vocabulary.
+SMALL_RUN = {
+    "data.max_documents": 300,
+    "model.vocab_size": 512,
+    "tokenizer.sample_bytes": 400_000,
+    "tokenizer.report_sample_bytes": 100_000,
+}
+
+
+@pytest.fixture(scope="session")
+def prefect_server() -> Iterator[None]:
+    """One temporary Prefect server (SQLite) for the whole session (~10 s to start)."""
+    from prefect.testing.utilities import prefect_test_harness
+
+    with prefect_test_harness(server_startup_timeout=120):
+        yield
+
+
+@pytest.fixture
+def small_run() -> dict[str, object]:
+    return dict(SMALL_RUN)

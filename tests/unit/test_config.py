@@ -1,0 +1,134 @@
+"""The config tree: presets carry the published figures, errors name the field, overrides by dotted path."""
+
+from __future__ import annotations
+
+import pytest
+
+from training.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
+from training.presets import PRESETS, load_config
+
+
+def test_every_preset_validates_and_every_field_is_documented() -> None:
+    for name in PRESETS:
+        assert load_config(name).preset == name
+
+    def walk(model: type) -> None:
+        for field_name, field in model.model_fields.items():  # type: ignore[attr-defined]
+            assert field.description, f"{model.__name__}.{field_name} has no docstring"
+            ann = field.annotation
+            if isinstance(ann, type) and hasattr(ann, "model_fields"):
+                walk(ann)
+
+    walk(HlatConfig)
+
+
+def test_hlat_7b_figures() -> None:
+    c = load_config("hlat-7b")
+    m, t = c.model, c.training
+    assert (m.n_layers, m.d_model, m.ffn_hidden, m.n_heads, m.kv_heads) == (32, 4096, 11008, 32, 32)
+    assert (m.vocab_size, t.seq_len, m.norm_eps, m.rope_theta, m.init_std) == (32000, 4096, 1e-5, 10000.0, 0.021)
+    assert not m.tie_embeddings and not m.scale_output_init
+    assert (t.lr, t.lr * t.min_lr_ratio, t.warmup_steps, t.schedule_steps) == (3e-4, pytest.approx(3e-5), 2000, 500_000)
+    assert (t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_clip) == (0.9, 0.95, 1e-8, 0.1, 1.0)
+    assert (t.global_batch_size, t.micro_batch_size, c.tokens_per_step) == (1024, 1, 4_194_304)
+    assert (t.checkpoint_every, t.keep_checkpoints) == (1000, 5)
+    p = c.parallelism
+    assert (p.tensor, p.pipeline, p.sequence_parallel, p.zero1, p.activation_checkpointing) == (8, 1, True, False, "selective")
+    assert c.precision.mode == "bf16-sr"
+    assert (c.job.instance_type, c.job.instance_count) == ("ml.trn1.32xlarge", 64)
+    assert c.data_parallel_size == 4 * c.job.instance_count  # FACTS: DP = 4 x nodes
+    assert 6.5e9 < m.num_params() < 7e9
+
+
+def test_hlat_70b_figures() -> None:
+    c = load_config("hlat-70b")
+    m, t, p = c.model, c.training, c.parallelism
+    assert (m.n_layers, m.d_model, m.ffn_hidden, m.n_heads, m.kv_heads) == (80, 8192, 28672, 64, 8)
+    assert m.scale_output_init
+    assert (t.lr, t.lr * t.min_lr_ratio) == (1.5e-4, pytest.approx(1.5e-5))
+    assert (p.tensor, p.pipeline, p.zero1, p.sequence_parallel) == (32, 8, True, True)
+    assert c.precision.mode == "bf16-mixed"
+    assert (t.checkpoint_every, t.keep_checkpoints, t.async_checkpoint) == (300, 3, True)
+    assert 68e9 < m.num_params() < 71e9
+
+
+@pytest.mark.parametrize(
+    ("name", "tp", "pp", "batch", "params"),
+    [("pythia-6.9b", 8, 1, 256, 6.9e9), ("neox-20b", 8, 4, 16384, 20.5e9)],
+)
+def test_partial_rotary_presets(name: str, tp: int, pp: int, batch: int, params: float) -> None:
+    c = load_config(name)
+    assert c.model.rotary_fraction == 0.25 and c.training.seq_len == 2048
+    assert (c.parallelism.tensor, c.parallelism.pipeline, c.training.global_batch_size) == (tp, pp, batch)
+    assert abs(c.model.num_params() - params) / params < 0.02
+
+
+def test_tiny_is_cpu_sized_and_offline() -> None:
+    c = load_config("tiny")
+    assert c.model.num_params() < 5_000_000
+    assert c.data.source == "builtin:python-stdlib"
+    assert (c.job.backend, c.storage.root) == ("local", "./runs")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["training.lr=-1"], "training.lr: Input should be greater than 0 (got -1)"),
+        (["precision.mode=bf16"], "precision.mode: Input should be 'fp32', 'bf16-mixed' or 'bf16-sr'"),
+        (["training.lrr=1"], "training.lrr: unknown field 'lrr' in training; known: lr,"),
+        (["training.lrr=1"], "did you mean training.lr?"),
+        (["modle.n_layers=1"], "did you mean model"),
+        (["training.seq_len=512"], "training.seq_len=512 exceeds model.max_seq_len=256"),
+        (["model.n_heads=3"], "n_heads=3 must divide d_model=128"),
+        (["training.global_batch_size=7"], "must be a multiple of training.micro_batch_size=4"),
+        (["data.validation.policy=drop"], "data.validation.policy: Input should be 'fail' or 'quarantine'"),
+        (["run_id=../etc"], "run_id: '../etc' is not allowed"),
+        (["training.lr"], "must look like dotted.path=value"),
+    ],
+)
+def test_wrong_values_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", overrides)
+    assert expected in str(err.value)
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="choose one of tiny, hlat-7b"):
+        load_config("llama-7b")
+
+
+def test_overrides_parse_json_and_text() -> None:
+    assert parse_override("training.lr=1e-3") == ("training.lr", 1e-3)
+    assert parse_override("data.source=s3://b/p") == ("data.source", "s3://b/p")
+    assert parse_override("training.keep_every=none") == ("training.keep_every", None)
+    assert parse_override("evaluation.tasks=[\"piqa\"]") == ("evaluation.tasks", ["piqa"])
+    c = load_config("tiny", {"training.lr": 2e-3, "data.validation.max_chars": 500}, run_id="r1", storage="s3://b/x")
+    assert (c.training.lr, c.data.validation.max_chars, c.run_id, c.storage.root) == (2e-3, 500, "r1", "s3://b/x")
+
+
+def test_overrides_do_not_mutate_presets() -> None:
+    before = load_config("tiny").model_dump()
+    load_config("tiny", ["model.n_layers=3"])
+    assert load_config("tiny").model_dump() == before
+    data = {"model": {"n_layers": 1}}
+    apply_overrides(data, {"model.d_model": 64})
+    assert data == {"model": {"n_layers": 1}}
+
+
+def test_run_id_is_derived_from_the_config() -> None:
+    a, b = load_config("tiny"), load_config("tiny", ["training.lr=2e-3"])
+    assert a.resolved_run_id() == load_config("tiny").resolved_run_id()
+    assert a.resolved_run_id() != b.resolved_run_id()
+    assert a.resolved_run_id().startswith("tiny-")
+    # storage root and run id do not change what a run computes
+    assert load_config("tiny", storage="/elsewhere").fingerprint() == a.fingerprint()
+
+
+def test_config_round_trips_through_json() -> None:
+    c = load_config("hlat-70b")
+    assert validate_config(c.model_dump(mode="json")) == c
+
+
+def test_extra_expectations_are_checked() -> None:
+    with pytest.raises(ConfigError, match=r"expectations\[0\] needs a 'type'"):
+        load_config("tiny", {"data.validation.expectations": [{"kwargs": {}}]})

@@ -1,0 +1,211 @@
+"""prepare-data on real files through `datasets` and great-expectations: every bad input has its outcome."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from infra.corpus import SourceError, iter_batches, stdlib_documents
+from infra.prepare import assign_split, prepare_dataset
+from infra.shards import iter_documents, read_manifest
+from infra.storage import Storage
+from infra.validation import DataValidationError
+from training.config import ConfigError, DataConfig
+from training.presets import load_config
+
+WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+
+
+def doc(i: int, words: int = 12) -> str:
+    return " ".join(WORDS[(i + k) % len(WORDS)] for k in range(words)) + f" document {i}."
+
+
+def data_cfg(source: Path | str, **overrides: Any) -> DataConfig:
+    return load_config("tiny", {"data.source": str(source), **{f"data.{k}": v for k, v in overrides.items()}}).data
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
+    return path
+
+
+def run_stage(tmp_path: Path, cfg: DataConfig) -> tuple[Any, Storage]:
+    out = Storage(str(tmp_path / "run" / "data"))
+    return prepare_dataset(cfg, out, fingerprint="f" * 64), out
+
+
+def reconciles(report: Any) -> bool:
+    return (
+        report.rows_read == report.rows_kept + report.rows_quarantined
+        and sum(report.quarantined_by_reason.values()) == report.rows_quarantined
+        and report.train_rows + report.validation_rows == report.rows_kept
+    )
+
+
+def test_clean_jsonl_is_sharded_with_manifest_and_held_out_split(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": doc(i), "id": i} for i in range(400)])
+    report, out = run_stage(tmp_path, data_cfg(src, shard_rows=100, batch_rows=64, validation_fraction=0.1))
+    assert (report.rows_read, report.rows_kept, report.rows_quarantined) == (400, 400, 0)
+    assert reconciles(report) and 10 < report.validation_rows < 80
+    manifest = read_manifest(out)
+    assert manifest.rows("train") == report.train_rows and report.shards == len(manifest.shards) >= 4
+    train = list(iter_documents(out, manifest, "train"))
+    valid = list(iter_documents(out, manifest, "validation"))
+    assert sorted(train + valid) == sorted(doc(i) for i in range(400))
+    assert all(assign_split(t, 0.1) == "validation" for t in valid)
+    assert json.loads((tmp_path / "run/data/report.json").read_text())["rows_kept"] == 400
+
+
+def test_manifest_checksums_catch_a_changed_shard(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": doc(i)} for i in range(50)])
+    _, out = run_stage(tmp_path, data_cfg(src, validation_fraction=0.0, shard_format="jsonl"))
+    manifest = read_manifest(out)
+    shard = Path(out.path(manifest.shards[0].path))
+    shard.write_text(shard.read_text().replace("fox", "cat"))
+    with pytest.raises(ValueError, match="does not match its checksum"):
+        list(iter_documents(out, manifest, "train"))
+
+
+def test_empty_dataset_fails_the_stage(tmp_path: Path) -> None:
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(DataValidationError, match=r"the data set is empty \(0 rows read\)"):
+        run_stage(tmp_path, data_cfg(tmp_path / "empty.jsonl"))
+    assert not (tmp_path / "run/data/manifest.json").exists()
+
+
+def test_missing_text_column_names_the_columns_and_the_fix(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "c.jsonl", [{"content": doc(i)} for i in range(10)])
+    with pytest.raises(DataValidationError, match=r"column 'text' is not in the source; its columns are \['content'\]"):
+        run_stage(tmp_path, data_cfg(src))
+    report, _ = run_stage(tmp_path, data_cfg(src, text_column="content"))
+    assert report.rows_kept == 10
+
+
+@pytest.mark.parametrize("kind", ["jsonl", "txt"])
+def test_invalid_utf8_rows_are_quarantined_and_counted(tmp_path: Path, kind: str) -> None:
+    if kind == "jsonl":
+        lines = [json.dumps({"text": doc(i)}).encode() for i in range(20)]
+        lines[3] = b'{"text": "broken \xff\xfe bytes in an otherwise fine document"}'
+        lines[7] = b'{"text": "more \xc3\x28 bad bytes"}'
+        (tmp_path / "c.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+        src: Path = tmp_path / "c.jsonl"
+        bad = 2
+    else:
+        src = tmp_path / "txt"
+        src.mkdir()
+        for i in range(20):
+            (src / f"{i:02d}.txt").write_text(doc(i))
+        (src / "05.txt").write_bytes(b"a text file with \xc3\x28 an invalid sequence inside it")
+        bad = 1
+    report, out = run_stage(tmp_path, data_cfg(src))
+    assert report.quarantined_by_reason == {"invalid_utf8": bad} and reconciles(report)
+    quarantine = [s for s in out.walk_files() if "quarantine" in s]
+    reasons = pq.read_table(out.path(quarantine[0])).column("reason").to_pylist()
+    assert reasons == ["invalid_utf8"] * bad
+    with pytest.raises(DataValidationError, match=f"policy='fail' and {bad} rows break the rules .*invalid_utf8"):
+        run_stage(tmp_path, data_cfg(src, **{"validation.policy": "fail"}))
+
+
+def test_a_malformed_json_file_is_a_clear_error(tmp_path: Path) -> None:
+    (tmp_path / "c.jsonl").write_text('{"text": "fine document number one"}\n{"text": "unterminated\n')
+    with pytest.raises(SourceError, match=r"data.source: cannot read .*c.jsonl: ArrowInvalid: JSON parse error"):
+        run_stage(tmp_path, data_cfg(tmp_path / "c.jsonl"))
+
+
+def test_null_and_short_rows(tmp_path: Path) -> None:
+    rows: list[dict[str, Any]] = [{"text": doc(i)} for i in range(30)]
+    rows[2] = {"text": None}
+    rows[4] = {"text": None}
+    rows[9] = {"text": "tiny"}
+    report, _ = run_stage(tmp_path, data_cfg(write_jsonl(tmp_path / "c.jsonl", rows)))
+    assert report.quarantined_by_reason == {"null": 2, "too_short": 1} and reconciles(report)
+
+
+def test_a_single_10mb_document(tmp_path: Path) -> None:
+    big = ("All work and no play makes a dull model. " * 250_000)[:10_000_000]
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": big}, *({"text": doc(i)} for i in range(10))])
+    report, _ = run_stage(tmp_path, data_cfg(src))
+    assert report.quarantined_by_reason == {"too_long": 1} and report.rows_kept == 10
+    report, out = run_stage(tmp_path, data_cfg(src, **{"validation.max_chars": 20_000_000}))
+    assert report.rows_kept == 11
+    texts = list(iter_documents(out, read_manifest(out), "train")) + list(
+        iter_documents(out, read_manifest(out), "validation")
+    )
+    assert big in texts
+
+
+def test_ninety_percent_duplicates_fail_the_stage(tmp_path: Path) -> None:
+    rows = [{"text": doc(0)}] * 90 + [{"text": doc(i)} for i in range(1, 11)]
+    src = write_jsonl(tmp_path / "c.jsonl", rows)
+    with pytest.raises(DataValidationError, match=r"duplicate rate 89\.0% exceeds data\.validation\.max_duplicate_rate"):
+        run_stage(tmp_path, data_cfg(src, **{"validation.max_duplicate_rate": 0.5}))
+    with pytest.raises(DataValidationError, match=r"policy='fail' and 89 rows break the rules \(duplicate: 89\)"):
+        run_stage(tmp_path, data_cfg(src, **{"validation.policy": "fail"}))
+    report, _ = run_stage(tmp_path, data_cfg(src, **{"validation.max_duplicate_rate": 0.95}))
+    assert report.quarantined_by_reason == {"duplicate": 89} and report.rows_kept == 11 and reconciles(report)
+
+
+def test_duplicates_are_found_across_batches(tmp_path: Path) -> None:
+    rows = [{"text": doc(i % 40)} for i in range(60)]
+    cfg = data_cfg(write_jsonl(tmp_path / "c.jsonl", rows), batch_rows=16, **{"validation.max_duplicate_rate": 0.5})
+    report, _ = run_stage(tmp_path, cfg)
+    assert report.quarantined_by_reason == {"duplicate": 20} and report.rows_kept == 40
+
+
+def test_unknown_local_path(tmp_path: Path) -> None:
+    with pytest.raises(SourceError, match="local path .*nowhere' does not exist"):
+        run_stage(tmp_path, data_cfg(tmp_path / "nowhere"))
+
+
+def test_folder_of_parquet_and_mixed_folder(tmp_path: Path) -> None:
+    folder = tmp_path / "pq"
+    (folder / "sub").mkdir(parents=True)
+    pq.write_table(pa.table({"text": [doc(i) for i in range(30)]}), folder / "a.parquet")
+    pq.write_table(pa.table({"text": [doc(i) for i in range(30, 50)]}), folder / "sub" / "b.parquet")
+    report, _ = run_stage(tmp_path, data_cfg(folder))
+    assert report.rows_kept == 50
+    write_jsonl(folder / "c.jsonl", [{"text": "x" * 40}])
+    with pytest.raises(ConfigError, match="set data.file_format to jsonl, parquet or txt"):
+        run_stage(tmp_path, data_cfg(folder))
+
+
+def test_user_expectations_quarantine_rows(tmp_path: Path) -> None:
+    rows = [{"text": doc(i)} for i in range(20)] + [{"text": "BUY NOW!!! cheap pills, click this link today"}]
+    extra = [{"type": "expect_column_values_to_not_match_regex", "kwargs": {"column": "text", "regex": "BUY NOW"}}]
+    report, _ = run_stage(tmp_path, data_cfg(write_jsonl(tmp_path / "c.jsonl", rows), **{"validation.expectations": extra}))
+    assert report.quarantined_by_reason == {"expect_column_values_to_not_match_regex": 1} and reconciles(report)
+    bogus = [{"type": "expect_text_to_be_nice", "kwargs": {}}]
+    with pytest.raises(ConfigError, match="'expect_text_to_be_nice' is not a great-expectations expectation"):
+        run_stage(tmp_path, data_cfg(tmp_path / "c.jsonl", **{"validation.expectations": bogus}))
+
+
+def test_a_failed_rerun_leaves_earlier_outputs_intact(tmp_path: Path) -> None:
+    src = write_jsonl(tmp_path / "c.jsonl", [{"text": doc(i)} for i in range(40)])
+    first, out = run_stage(tmp_path, data_cfg(src))
+    before = {p: Path(out.path(p)).read_bytes() for p in out.walk_files()}
+    write_jsonl(src, [{"text": doc(0)}] * 40)  # now 97% duplicates: the re-run fails
+    with pytest.raises(DataValidationError):
+        run_stage(tmp_path, data_cfg(src))
+    manifest = read_manifest(out)
+    assert len(list(iter_documents(out, manifest, "train"))) + manifest.rows("validation") == first.rows_kept
+    assert all(Path(out.path(p)).read_bytes() == b for p, b in before.items())
+
+
+def test_hub_source_without_network_gives_a_clear_error(tmp_path: Path) -> None:
+    # HF_HUB_OFFLINE=1 is set for the test session (tests/conftest.py), as on a machine without the hub.
+    with pytest.raises(SourceError, match="cannot reach the Hugging Face hub for 'someorg/some-corpus'"):
+        list(iter_batches(data_cfg("someorg/some-corpus")))
+
+
+def test_builtin_corpus_is_deterministic_real_text() -> None:
+    first = [d["origin"] for d, _ in zip(stdlib_documents(), range(50), strict=False)]
+    again = [d["origin"] for d, _ in zip(stdlib_documents(), range(50), strict=False)]
+    assert first == again and any(o.endswith("#docstrings") for o in first)
+    batches = list(iter_batches(load_config("tiny", {"data.max_documents": 120, "data.batch_rows": 50}).data))
+    assert [len(b) for b in batches] == [50, 50, 20]
+    assert "def " in " ".join(batches[0]["text"])

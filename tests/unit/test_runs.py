@@ -1,0 +1,117 @@
+"""The run layout on local storage: config.json written once, a different config refused."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from infra.runs import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
+from infra.storage import StorageNotFound
+from training.config import ConfigError
+from training.presets import load_config
+
+
+def test_open_run_writes_config_once_with_run_id(tmp_path: Path) -> None:
+    config = load_config("tiny", storage=str(tmp_path))
+    assert config.run_id is None
+    run = open_run(config)
+
+    assert run.run_id == config.resolved_run_id()
+    assert run.run_id.startswith("tiny-")
+    assert run.uri == str(tmp_path / run.run_id)
+    path = tmp_path / run.run_id / CONFIG_FILE
+    stored = json.loads(path.read_text())
+    assert stored["run_id"] == run.run_id
+    assert stored["training"]["lr"] == config.training.lr
+    assert sorted(p.name for p in (tmp_path / run.run_id).iterdir()) == [CONFIG_FILE]
+
+    loaded = run.load_config()
+    assert loaded.run_id == run.run_id
+    assert loaded.fingerprint() == config.fingerprint()
+
+    # Opening again with the same config is fine and does not rewrite the file.
+    mtime = path.stat().st_mtime_ns
+    again = open_run(load_config("tiny", storage=str(tmp_path)))
+    assert again.run_id == run.run_id
+    assert path.stat().st_mtime_ns == mtime
+    # Naming the derived run id explicitly is the same run.
+    assert open_run(load_config("tiny", run_id=run.run_id, storage=str(tmp_path))).run_id == run.run_id
+
+
+def test_storage_root_is_not_part_of_the_run(tmp_path: Path) -> None:
+    first = open_run(load_config("tiny", run_id="exp", storage=str(tmp_path / "a")))
+    # The same run read through another root (a copy, another mount) is the same config.
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a" / "exp").rename(tmp_path / "b" / "exp")
+    moved = open_run(load_config("tiny", run_id="exp", storage=str(tmp_path / "b")))
+    assert moved.run_id == first.run_id == "exp"
+
+
+def test_a_different_config_under_the_same_run_id_is_refused(tmp_path: Path) -> None:
+    open_run(load_config("tiny", run_id="exp-1", storage=str(tmp_path)))
+    before = (tmp_path / "exp-1" / CONFIG_FILE).read_text()
+
+    overrides = {"training.lr": 0.002, "model.n_layers": 3}
+    changed = load_config("tiny", overrides, run_id="exp-1", storage=str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        open_run(changed)
+    message = str(info.value)
+    assert "\n" not in message
+    assert "'exp-1'" in message
+    assert "training.lr: 0.001 -> 0.002" in message
+    assert "model.n_layers: 2 -> 3" in message
+    assert "new --run-id" in message
+    assert (tmp_path / "exp-1" / CONFIG_FILE).read_text() == before
+
+
+def test_derived_run_id_follows_the_config(tmp_path: Path) -> None:
+    base = load_config("tiny", storage=str(tmp_path))
+    other = load_config("tiny", {"training.lr": 0.002}, storage=str(tmp_path))
+    assert base.resolved_run_id() == load_config("tiny", storage=str(tmp_path)).resolved_run_id()
+    assert base.resolved_run_id() != other.resolved_run_id()
+    # The storage root does not change the derived id.
+    elsewhere = load_config("tiny", storage=str(tmp_path / "elsewhere"))
+    assert base.resolved_run_id() == elsewhere.resolved_run_id()
+    # Both derived runs open side by side without a conflict.
+    assert open_run(base).run_id != open_run(other).run_id
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_describe_difference_limits_the_list() -> None:
+    old = load_config("tiny")
+    new = load_config(
+        "tiny",
+        {
+            "training.lr": 0.002,
+            "training.seed": 1,
+            "training.max_steps": 10,
+            "training.warmup_steps": 1,
+            "training.beta1": 0.8,
+            "training.beta2": 0.9,
+            "run_id": "ignored",
+            "storage.root": "/elsewhere",
+        },
+    )
+    text = describe_difference(old, new, limit=5)
+    assert text.count(" -> ") == 5
+    assert text.endswith(", and 1 more")
+    assert "run_id" not in text and "storage" not in text
+
+
+def test_stage_folders(tmp_path: Path) -> None:
+    run = run_for(load_config("tiny", run_id="exp", storage=str(tmp_path)))
+    assert run.stage("data").url == str(tmp_path / "exp" / "data")
+    for name in STAGE_DIRS:
+        assert run.stage(name).url.endswith(f"/exp/{name}")
+    with pytest.raises(ValueError, match="unknown stage folder 'nope'"):
+        run.stage("nope")
+
+
+def test_load_config_of_a_run_never_opened(tmp_path: Path) -> None:
+    run = run_for(load_config("tiny", run_id="exp", storage=str(tmp_path)))
+    with pytest.raises(StorageNotFound) as info:
+        run.load_config()
+    assert "\n" not in str(info.value)
+    assert "hlat pretrain" in str(info.value)

@@ -1,0 +1,480 @@
+"""The one typed config tree of an hlat run.
+
+The same object is a Prefect flow parameter, the `config.json` saved with every run and checkpoint, and
+what a training job reads (`python -m training.train --config <uri>`). Every field is documented by the
+docstring under it; validation happens here, once, and a wrong value raises `ConfigError` naming the dotted
+field and what is allowed. Presets live in `training/presets.py`; dotted overrides are applied by
+`apply_overrides`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import math
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A user mistake in the config: the message names the field and the fix."""
+
+
+class Section(BaseModel):
+    """Base of every config section: unknown keys are errors, docstrings are field descriptions."""
+
+    model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+
+class ModelConfig(Section):
+    """Decoder-only LLaMA architecture (pre-norm RMSNorm, SwiGLU, RoPE, untied embeddings)."""
+
+    n_layers: int = Field(2, ge=1)
+    """Number of transformer blocks."""
+    d_model: int = Field(128, ge=8)
+    """Hidden size (embedding width)."""
+    n_heads: int = Field(4, ge=1)
+    """Attention heads; must divide d_model."""
+    n_kv_heads: int | None = Field(None, ge=1)
+    """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
+    ffn_hidden: int = Field(344, ge=8)
+    """SwiGLU inner width (11008 for 7B, 28672 for 70B)."""
+    vocab_size: int = Field(4096, ge=260)
+    """Vocabulary size; the tokenizer stage trains exactly this many pieces (>= 260: 256 byte pieces plus specials)."""
+    max_seq_len: int = Field(4096, ge=16)
+    """Longest context the model supports (RoPE tables are built this long)."""
+    norm_eps: float = Field(1e-5, gt=0)
+    """RMSNorm epsilon."""
+    rope_theta: float = Field(10000.0, gt=0)
+    """RoPE base frequency."""
+    rotary_fraction: float = Field(1.0, gt=0, le=1)
+    """Fraction of each head's dimensions that is rotated (0.25 for Pythia/NeoX; 1.0 for LLaMA)."""
+    init_std: float = Field(0.021, gt=0)
+    """Standard deviation of the normal weight initialisation."""
+    scale_output_init: bool = False
+    """Scale output projections' init std by 1/sqrt(2 * n_layers) (HLAT 70B)."""
+    tie_embeddings: bool = False
+    """Share input embedding and output projection weights (HLAT: untied)."""
+
+    @model_validator(mode="after")
+    def _check_heads(self) -> ModelConfig:
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads={self.n_heads} must divide d_model={self.d_model}")
+        kv = self.kv_heads
+        if self.n_heads % kv:
+            raise ValueError(f"n_kv_heads={kv} must divide n_heads={self.n_heads}")
+        head_dim = self.d_model // self.n_heads
+        rotated = head_dim * self.rotary_fraction
+        if rotated != int(rotated) or int(rotated) % 2:
+            raise ValueError(
+                f"rotary_fraction={self.rotary_fraction} rotates {rotated} of {head_dim} head dims; "
+                "it must rotate an even whole number of dims"
+            )
+        return self
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def num_params(self) -> int:
+        """Parameter count (embeddings included)."""
+        d, f, v = self.d_model, self.ffn_hidden, self.vocab_size
+        kv_dim = self.kv_heads * self.head_dim
+        attn = d * d * 2 + d * kv_dim * 2
+        block = attn + 3 * d * f + 2 * d
+        embeddings = v * d * (1 if self.tie_embeddings else 2)
+        return self.n_layers * block + embeddings + d
+
+
+class DataValidationConfig(Section):
+    """great-expectations checks applied to every document of the source."""
+
+    policy: Literal["fail", "quarantine"] = "quarantine"
+    """What a bad row does: 'fail' stops the stage; 'quarantine' sets it aside with its reason."""
+    min_chars: int = Field(16, ge=0)
+    """Shortest document kept, in characters."""
+    max_chars: int = Field(1_000_000, ge=1)
+    """Longest document kept, in characters."""
+    max_duplicate_rate: float = Field(0.5, ge=0, le=1)
+    """Largest fraction of exact-duplicate documents before the whole data set is refused."""
+    min_rows: int = Field(1, ge=1)
+    """Fewest documents (after quarantine) the data set must keep."""
+    expectations: list[dict[str, Any]] = Field(default_factory=list)
+    """Extra great-expectations expectations, each {"type": "expect_...", "kwargs": {...}} (row-level ones
+    quarantine the rows they flag)."""
+
+    @model_validator(mode="after")
+    def _check_bounds(self) -> DataValidationConfig:
+        if self.min_chars > self.max_chars:
+            raise ValueError(f"min_chars={self.min_chars} is larger than max_chars={self.max_chars}")
+        for i, exp in enumerate(self.expectations):
+            if not isinstance(exp.get("type"), str) or not exp["type"].startswith("expect_"):
+                raise ValueError(
+                    f"expectations[{i}] needs a 'type' naming a great-expectations expectation, "
+                    "e.g. 'expect_column_values_to_match_regex'"
+                )
+            unknown = set(exp) - {"type", "kwargs"}
+            if unknown:
+                raise ValueError(f"expectations[{i}] has unknown keys {sorted(unknown)}; allowed: type, kwargs")
+        return self
+
+
+class DataConfig(Section):
+    """Where the corpus comes from and how prepare-data shards it."""
+
+    source: str = "builtin:python-stdlib"
+    """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
+    'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
+    hf_config: str | None = None
+    """Hugging Face dataset configuration name (e.g. 'wikitext-103-raw-v1')."""
+    split: str = "train"
+    """Split to read from the source."""
+    streaming: bool = False
+    """Stream the source instead of downloading it whole (Hugging Face and remote files)."""
+    revision: str | None = None
+    """Hugging Face dataset revision (commit, tag or branch) to pin."""
+    text_column: str = "text"
+    """Column holding the document text."""
+    file_format: Literal["auto", "jsonl", "parquet", "txt"] = "auto"
+    """Format of local or s3:// files; 'auto' goes by the file extension."""
+    max_documents: int | None = Field(None, ge=1)
+    """Read at most this many documents from the source (None: all)."""
+    validation_fraction: float = Field(0.01, ge=0, lt=1)
+    """Fraction of kept documents held out for validation (assigned by content hash, so stable)."""
+    shard_format: Literal["parquet", "jsonl"] = "parquet"
+    """Format of the prepared shards."""
+    shard_rows: int = Field(50_000, ge=1)
+    """Documents per output shard."""
+    batch_rows: int = Field(5_000, ge=1)
+    """Documents read and validated at a time (bounds the stage's memory)."""
+    validation: DataValidationConfig = Field(default_factory=DataValidationConfig)
+    """Validation rules and the bad-row policy."""
+
+
+class TokenizerConfig(Section):
+    """sentencepiece BPE trained the LLaMA way; the vocabulary size is model.vocab_size."""
+
+    sample_bytes: int = Field(50_000_000, ge=1_000)
+    """Bytes of training text streamed from the shards into the tokenizer trainer (a bounded sample)."""
+    character_coverage: float = Field(0.99995, gt=0, le=1)
+    """Fraction of characters covered by pieces; the rest fall back to bytes."""
+    byte_fallback: bool = True
+    """Encode characters outside the vocabulary as UTF-8 byte pieces (<0x..>), so no text is lost."""
+    split_digits: bool = True
+    """Split numbers into single digits."""
+    max_sentence_length: int = Field(16384, ge=256)
+    """Longest training line in bytes; longer lines are cut into pieces of this size."""
+    threads: int | None = Field(None, ge=1)
+    """Trainer threads; None means the number of CPU cores."""
+    report_sample_bytes: int = Field(2_000_000, ge=1_000)
+    """Bytes of validation text encoded for the report's bytes-per-token and byte-fallback figures."""
+
+
+class TrainingConfig(Section):
+    """Optimizer, schedule, batch and checkpointing."""
+
+    lr: float = Field(3e-4, gt=0)
+    """Peak learning rate."""
+    min_lr_ratio: float = Field(0.1, ge=0, le=1)
+    """Cosine floor as a fraction of the peak (HLAT: 0.1)."""
+    warmup_steps: int = Field(2000, ge=0)
+    """Linear warmup steps."""
+    max_steps: int = Field(429_000, ge=1)
+    """Optimizer steps to train."""
+    schedule_steps: int | None = Field(None, ge=1)
+    """Cosine horizon in steps (HLAT 7B: 500k); None means max_steps."""
+    beta1: float = Field(0.9, ge=0, lt=1)
+    """AdamW beta1."""
+    beta2: float = Field(0.95, ge=0, lt=1)
+    """AdamW beta2."""
+    eps: float = Field(1e-8, gt=0)
+    """AdamW epsilon."""
+    weight_decay: float = Field(0.1, ge=0)
+    """AdamW weight decay, applied to all parameters, norms included (HLAT)."""
+    grad_clip: float = Field(1.0, ge=0)
+    """Global gradient-norm clip; 0 disables clipping."""
+    global_batch_size: int = Field(1024, ge=1)
+    """Sequences per optimizer step across all data-parallel ranks."""
+    micro_batch_size: int = Field(1, ge=1)
+    """Sequences per forward/backward on one rank; the rest is gradient accumulation."""
+    seq_len: int = Field(4096, ge=8)
+    """Tokens per training sequence (packed, no padding)."""
+    seed: int = 1234
+    """Seed for initialisation, data order and every RNG."""
+    checkpoint_every: int = Field(1000, ge=1)
+    """Steps between checkpoints."""
+    keep_checkpoints: int = Field(5, ge=1)
+    """Most recent checkpoints kept."""
+    keep_every: int | None = Field(None, ge=1)
+    """Also keep every checkpoint whose step is a multiple of this, permanently (None: none)."""
+    async_checkpoint: bool = False
+    """Write checkpoints in the background; the loop blocks only while state is staged."""
+    nan_policy: Literal["exit", "skip"] = "exit"
+    """On a NaN/inf loss: 'exit' non-zero so the job restarts from the last checkpoint (HLAT), or 'skip' the step."""
+    log_every: int = Field(1, ge=1)
+    """Steps between metric records."""
+    document_masking: bool = False
+    """Stop attention at document boundaries inside packed sequences."""
+
+
+class PrecisionConfig(Section):
+    """Numeric format of compute, weights and optimizer state."""
+
+    mode: Literal["fp32", "bf16-mixed", "bf16-sr"] = "fp32"
+    """'fp32'; 'bf16-mixed' (BF16 compute, FP32 master weights and optimizer states); 'bf16-sr' (pure BF16
+    with stochastic rounding of the parameter update, HLAT 7B)."""
+
+
+class ParallelismConfig(Section):
+    """Parallel degrees; data parallelism takes the devices left over."""
+
+    tensor: int = Field(1, ge=1)
+    """Tensor-parallel degree (HLAT 7B: 8; 70B: 32)."""
+    pipeline: int = Field(1, ge=1)
+    """Pipeline-parallel degree (HLAT 70B: 8)."""
+    sequence_parallel: bool = False
+    """Shard activations along the sequence in norm/dropout regions (with tensor parallelism)."""
+    zero1: bool = False
+    """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
+    activation_checkpointing: Literal["none", "selective", "full"] = "none"
+    """Recompute activations in backward: 'selective' recomputes core attention only."""
+    data_parallel: Literal["ddp", "fsdp"] = "ddp"
+    """Data-parallel wrapper on CPU/CUDA."""
+
+    @model_validator(mode="after")
+    def _check_sequence_parallel(self) -> ParallelismConfig:
+        if self.sequence_parallel and self.tensor == 1:
+            raise ValueError("sequence_parallel needs tensor > 1 (it shards along the tensor-parallel group)")
+        return self
+
+
+class JobConfig(Section):
+    """Where training jobs run, on what, and within which budget."""
+
+    backend: Literal["local", "sagemaker"] = "local"
+    """'local' runs jobs as processes on this machine; 'sagemaker' submits SageMaker training jobs."""
+    instance_type: str = "local"
+    """Instance type: 'local', or e.g. 'ml.trn1.32xlarge'."""
+    instance_count: int = Field(1, ge=1)
+    """Nodes per training job."""
+    processes_per_node: int = Field(1, ge=1)
+    """Worker processes per node (32 NeuronCores on trn1.32xlarge)."""
+    region: str = "us-west-2"
+    """AWS region of the jobs and buckets."""
+    image_uri: str | None = None
+    """Training container image; None uses the Neuron PyTorch training image of the region."""
+    role_arn: str | None = None
+    """IAM role SageMaker assumes (required for the sagemaker backend)."""
+    max_runtime_hours: float = Field(24 * 28, gt=0, le=24 * 28)
+    """Longest a single job may run (SageMaker allows 28 days)."""
+    volume_size_gb: int = Field(512, ge=1)
+    """EBS volume per node."""
+    max_restarts: int = Field(100, ge=0)
+    """Relaunches from the newest checkpoint before the stage gives up (HLAT: 100)."""
+    budget_usd: float | None = Field(None, gt=0)
+    """Stop relaunching once this many dollars have been billed (None: no budget)."""
+    price_per_hour_usd: float | None = Field(None, ge=0)
+    """Price of one node-hour; None uses the instance catalog."""
+
+    @model_validator(mode="after")
+    def _check_backend(self) -> JobConfig:
+        if self.backend == "sagemaker" and not self.instance_type.startswith("ml."):
+            raise ValueError(
+                f"instance_type={self.instance_type!r} is not a SageMaker instance type; "
+                "use e.g. 'ml.trn1.32xlarge' with backend 'sagemaker'"
+            )
+        return self
+
+
+class StorageConfig(Section):
+    """Where runs keep their outputs."""
+
+    root: str = "./runs"
+    """Local folder or s3://bucket/prefix under which each run has its own <run_id>/ prefix."""
+
+
+class EvaluationConfig(Section):
+    """Post-training evaluation."""
+
+    tasks: list[str] = Field(default_factory=list)
+    """lm-eval-harness tasks to run on the exported model."""
+    limit: int | None = Field(None, ge=1)
+    """Examples per task (None: all)."""
+    batch_size: int = Field(8, ge=1)
+    """Evaluation batch size."""
+    perplexity_tokens: int = Field(1_000_000, ge=1)
+    """Held-out tokens scored for perplexity and bits per byte."""
+
+
+class HlatConfig(Section):
+    """An hlat run: everything that determines its outputs."""
+
+    preset: str = "custom"
+    """Preset the config started from (informational)."""
+    run_id: str | None = None
+    """Run identifier; None derives '<preset>-<hash of this config>' so equal configs share a run."""
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    """Model architecture."""
+    data: DataConfig = Field(default_factory=DataConfig)
+    """Corpus source, validation and sharding."""
+    tokenizer: TokenizerConfig = Field(default_factory=TokenizerConfig)
+    """Tokenizer training."""
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    """Optimizer, schedule, batch, checkpoints."""
+    precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
+    """Numeric formats."""
+    parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
+    """Parallel degrees."""
+    job: JobConfig = Field(default_factory=JobConfig)
+    """Job backend, cluster and budget."""
+    storage: StorageConfig = Field(default_factory=StorageConfig)
+    """Run storage."""
+    evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
+    """Evaluation."""
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> HlatConfig:
+        t, m, p = self.training, self.model, self.parallelism
+        if t.seq_len > m.max_seq_len:
+            raise ValueError(
+                f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}; "
+                "raise model.max_seq_len or lower training.seq_len"
+            )
+        if t.global_batch_size % t.micro_batch_size:
+            raise ValueError(
+                f"training.global_batch_size={t.global_batch_size} must be a multiple of "
+                f"training.micro_batch_size={t.micro_batch_size}"
+            )
+        if m.n_heads % p.tensor or m.kv_heads % p.tensor and p.tensor % m.kv_heads:
+            raise ValueError(
+                f"parallelism.tensor={p.tensor} must divide model.n_heads={m.n_heads} "
+                f"(and divide or be a multiple of the {m.kv_heads} KV heads)"
+            )
+        devices = self.job.instance_count * self.job.processes_per_node
+        if devices % (p.tensor * p.pipeline):
+            raise ValueError(
+                f"parallelism.tensor x parallelism.pipeline = {p.tensor * p.pipeline} must divide the "
+                f"{devices} devices of job.instance_count x job.processes_per_node"
+            )
+        if t.global_batch_size % (self.data_parallel_size * t.micro_batch_size):
+            raise ValueError(
+                f"training.global_batch_size={t.global_batch_size} must be a multiple of data-parallel size "
+                f"{self.data_parallel_size} x training.micro_batch_size={t.micro_batch_size}"
+            )
+        if self.run_id is not None:
+            check_run_id(self.run_id)
+        return self
+
+    @property
+    def data_parallel_size(self) -> int:
+        devices = self.job.instance_count * self.job.processes_per_node
+        return devices // (self.parallelism.tensor * self.parallelism.pipeline)
+
+    @property
+    def gradient_accumulation(self) -> int:
+        t = self.training
+        return t.global_batch_size // (self.data_parallel_size * t.micro_batch_size)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.training.global_batch_size * self.training.seq_len
+
+    def fingerprint(self) -> str:
+        """Hash of everything that determines the run's outputs (run_id and storage root excluded)."""
+        body = self.model_dump(mode="json", exclude={"run_id", "storage"})
+        return stable_hash(body)
+
+    def resolved_run_id(self) -> str:
+        return self.run_id or f"{self.preset}-{self.fingerprint()[:10]}"
+
+    def section_hash(self, *sections: str) -> str:
+        """Hash of some sections only: what a stage's cache key depends on."""
+        dump = self.model_dump(mode="json")
+        return stable_hash({s: dump[s] for s in sections})
+
+
+def stable_hash(obj: Any) -> str:
+    """sha256 of the canonical JSON form of obj."""
+    text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def check_run_id(run_id: str) -> str:
+    import re
+
+    if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
+        raise ConfigError(
+            f"run_id: {run_id!r} is not allowed; use 1-100 letters, digits, '.', '_' or '-', "
+            "starting with a letter or digit"
+        )
+    return run_id
+
+
+def _format_errors(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        field = ".".join(str(p) for p in e["loc"]) or "config"
+        msg = e["msg"].removeprefix("Value error, ")
+        if e["type"] == "extra_forbidden":
+            msg = "unknown field"
+        got = e.get("input")
+        shown = "" if isinstance(got, dict) or e["type"] == "extra_forbidden" else f" (got {got!r})"
+        lines.append(f"{field}: {msg}{shown}")
+    return "invalid config:\n  " + "\n  ".join(lines)
+
+
+def validate_config(data: dict[str, Any]) -> HlatConfig:
+    """Build an HlatConfig from plain data; every problem is reported as 'dotted.field: what is allowed'."""
+    try:
+        return HlatConfig.model_validate(data)
+    except ValidationError as err:
+        raise ConfigError(_format_errors(err)) from None
+
+
+def parse_override(item: str) -> tuple[str, Any]:
+    """'training.lr=1e-3' -> ('training.lr', 0.001). Values are read as JSON when they parse, else as text."""
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like dotted.path=value, e.g. training.lr=1e-3")
+    try:
+        value = json.loads(raw)
+    except json.JSONDecodeError:
+        value = {"none": None, "null": None, "true": True, "false": False}.get(raw.lower(), raw)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"override {item!r}: value must be finite")
+    return key.strip(), value
+
+
+def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """Set dotted paths in a plain config dict; an unknown path names the closest known ones."""
+    out = json.loads(json.dumps(data))
+    for dotted, value in overrides.items():
+        node: Any = out
+        model: type[BaseModel] | None = HlatConfig
+        parts = dotted.split(".")
+        for i, part in enumerate(parts):
+            fields = model.model_fields if model is not None else {}
+            if model is not None and part not in fields:
+                where = ".".join(parts[:i]) or "the config"
+                close = difflib.get_close_matches(part, list(fields), n=3)
+                hint = f"; did you mean {', '.join('.'.join([*parts[:i], c]) for c in close)}?" if close else ""
+                raise ConfigError(
+                    f"{dotted}: unknown field {part!r} in {where}; known: {', '.join(fields)}{hint}"
+                )
+            annotation = fields[part].annotation if model is not None else None
+            model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+            if i == len(parts) - 1:
+                node[part] = value
+            else:
+                if not isinstance(node.get(part), dict):
+                    if model is None:
+                        raise ConfigError(f"{dotted}: {'.'.join(parts[: i + 1])} is not a section")
+                    node[part] = {}
+                node = node[part]
+    return out

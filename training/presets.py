@@ -1,0 +1,207 @@
+"""Named presets as data: each is a partial config laid over the defaults of `HlatConfig`.
+
+Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
+(partial rotary 25%, sequence 2048). Pythia and NeoX keep their depth, width, heads and vocabulary; their
+4x GeLU MLP becomes a SwiGLU of 2/3 the width, so parameter counts stay 6.9B and 20B. `tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from training.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
+
+_TRN1 = {
+    "backend": "sagemaker",
+    "instance_type": "ml.trn1.32xlarge",
+    "processes_per_node": 32,
+}
+
+PRESETS: dict[str, dict[str, Any]] = {
+    "tiny": {
+        "model": {
+            "n_layers": 2,
+            "d_model": 128,
+            "n_heads": 4,
+            "ffn_hidden": 344,
+            "vocab_size": 2048,
+            "max_seq_len": 256,
+        },
+        "data": {
+            "source": "builtin:python-stdlib",
+            "max_documents": 1500,
+            "validation_fraction": 0.05,
+            "shard_rows": 500,
+            "batch_rows": 1000,
+            "validation": {"min_chars": 32, "max_chars": 200_000, "max_duplicate_rate": 0.2},
+        },
+        "tokenizer": {"sample_bytes": 3_000_000, "report_sample_bytes": 500_000},
+        "training": {
+            "lr": 1e-3,
+            "warmup_steps": 20,
+            "max_steps": 200,
+            "global_batch_size": 8,
+            "micro_batch_size": 4,
+            "seq_len": 128,
+            "checkpoint_every": 50,
+            "keep_checkpoints": 2,
+        },
+        "precision": {"mode": "fp32"},
+        "evaluation": {"limit": 50, "batch_size": 8, "perplexity_tokens": 20_000},
+    },
+    "hlat-7b": {
+        "model": {
+            "n_layers": 32,
+            "d_model": 4096,
+            "n_heads": 32,
+            "ffn_hidden": 11008,
+            "vocab_size": 32000,
+            "max_seq_len": 4096,
+            "init_std": 0.021,
+        },
+        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "tokenizer": {"sample_bytes": 2_000_000_000},
+        "training": {
+            "lr": 3e-4,
+            "min_lr_ratio": 0.1,
+            "warmup_steps": 2000,
+            "max_steps": 429_000,
+            "schedule_steps": 500_000,
+            "global_batch_size": 1024,
+            "micro_batch_size": 1,
+            "seq_len": 4096,
+            "checkpoint_every": 1000,
+            "keep_checkpoints": 5,
+        },
+        "precision": {"mode": "bf16-sr"},
+        "parallelism": {"tensor": 8, "pipeline": 1, "sequence_parallel": True, "activation_checkpointing": "selective"},
+        "job": {**_TRN1, "instance_count": 64},
+        "evaluation": {
+            "tasks": [
+                "mmlu", "hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge",
+                "openbookqa", "boolq", "triviaqa", "nq_open", "gsm8k",
+            ],
+        },
+    },
+    "hlat-70b": {
+        "model": {
+            "n_layers": 80,
+            "d_model": 8192,
+            "n_heads": 64,
+            "n_kv_heads": 8,
+            "ffn_hidden": 28672,
+            "vocab_size": 32000,
+            "max_seq_len": 4096,
+            "init_std": 0.021,
+            "scale_output_init": True,
+        },
+        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "tokenizer": {"sample_bytes": 2_000_000_000},
+        "training": {
+            "lr": 1.5e-4,
+            "min_lr_ratio": 0.1,
+            "warmup_steps": 2000,
+            "max_steps": 429_000,
+            "schedule_steps": 500_000,
+            "global_batch_size": 1024,
+            "micro_batch_size": 1,
+            "seq_len": 4096,
+            "checkpoint_every": 300,
+            "keep_checkpoints": 3,
+            "async_checkpoint": True,
+        },
+        "precision": {"mode": "bf16-mixed"},
+        "parallelism": {
+            "tensor": 32,
+            "pipeline": 8,
+            "sequence_parallel": True,
+            "zero1": True,
+            "activation_checkpointing": "selective",
+        },
+        "job": {**_TRN1, "instance_count": 256},
+        "evaluation": {
+            "tasks": [
+                "mmlu", "hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge",
+                "openbookqa", "boolq", "triviaqa", "nq_open", "gsm8k",
+            ],
+        },
+    },
+    "pythia-6.9b": {
+        "model": {
+            "n_layers": 32,
+            "d_model": 4096,
+            "n_heads": 32,
+            "ffn_hidden": 10944,
+            "vocab_size": 50432,
+            "max_seq_len": 2048,
+            "rotary_fraction": 0.25,
+            "init_std": 0.02,
+        },
+        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "tokenizer": {"sample_bytes": 2_000_000_000},
+        "training": {
+            "lr": 1.2e-4,
+            "min_lr_ratio": 0.1,
+            "warmup_steps": 1430,
+            "max_steps": 143_000,
+            "global_batch_size": 256,
+            "micro_batch_size": 1,
+            "seq_len": 2048,
+            "weight_decay": 0.01,
+        },
+        "precision": {"mode": "bf16-sr"},
+        "parallelism": {"tensor": 8, "pipeline": 1, "sequence_parallel": True},
+        "job": {**_TRN1, "instance_count": 4},
+    },
+    "neox-20b": {
+        "model": {
+            "n_layers": 44,
+            "d_model": 6144,
+            "n_heads": 64,
+            "ffn_hidden": 16384,
+            "vocab_size": 50432,
+            "max_seq_len": 2048,
+            "rotary_fraction": 0.25,
+            "init_std": 0.01,
+        },
+        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "tokenizer": {"sample_bytes": 2_000_000_000},
+        "training": {
+            "lr": 0.97e-4,
+            "min_lr_ratio": 0.1,
+            "warmup_steps": 1500,
+            "max_steps": 150_000,
+            "global_batch_size": 16384,
+            "micro_batch_size": 1,
+            "seq_len": 2048,
+            "weight_decay": 0.01,
+        },
+        "precision": {"mode": "bf16-sr"},
+        "parallelism": {"tensor": 8, "pipeline": 4, "sequence_parallel": True},
+        "job": {**_TRN1, "instance_count": 32},
+    },
+}
+
+
+def preset_names() -> list[str]:
+    return list(PRESETS)
+
+
+def load_config(
+    preset: str = "tiny",
+    overrides: dict[str, Any] | list[str] | None = None,
+    run_id: str | None = None,
+    storage: str | None = None,
+) -> HlatConfig:
+    """Resolve a preset, then dotted overrides (dict or 'k=v' strings), then run id and storage root."""
+    if preset not in PRESETS:
+        raise ConfigError(f"preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
+    if isinstance(overrides, list):
+        overrides = dict(parse_override(item) for item in overrides)
+    data = {"preset": preset, **PRESETS[preset]}
+    extra: dict[str, Any] = dict(overrides or {})
+    if run_id is not None:
+        extra["run_id"] = run_id
+    if storage is not None:
+        extra["storage.root"] = storage
+    return validate_config(apply_overrides(data, extra))
