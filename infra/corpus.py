@@ -22,7 +22,7 @@ from typing import Any
 
 import pandas as pd
 
-from infra.storage import Storage, StorageNotFound
+from infra.storage import Storage
 from training.config import ConfigError, DataConfig
 
 log = logging.getLogger("hlat.data")
@@ -124,8 +124,7 @@ def _looks_like_hub_name(src: str) -> bool:
 def _list_data_files(src: str) -> list[str]:
     store = Storage(src)
     if src.startswith("s3://"):
-        if not store.exists():
-            raise StorageNotFound(f"data.source: {src} does not exist")
+        store.require(what="data.source")
         is_dir = store.fs.isdir(store.root)
     else:
         is_dir = os.path.isdir(store.root)

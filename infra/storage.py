@@ -128,6 +128,20 @@ class Storage:
         with storage_errors(self.uri(rel)):
             return bool(self.fs.exists(self.path(rel)))
 
+    def require(self, rel: str = "", what: str = "") -> None:
+        """Raise StorageNotFound unless the path exists, saying whether the whole bucket is missing."""
+        if self.exists(rel):
+            return
+        uri = self.uri(rel)
+        prefix = f"{what}: " if what else ""
+        if _is_s3(uri):
+            bucket = uri.split("/")[2]
+            with storage_errors(uri):
+                bucket_exists = self.fs.exists(bucket)
+            if not bucket_exists:
+                raise StorageNotFound(f"{prefix}bucket {bucket!r} does not exist (from {uri}): create it or fix the URI")
+        raise StorageNotFound(f"{prefix}{uri} does not exist")
+
     def read_bytes(self, rel: str) -> bytes:
         with storage_errors(self.uri(rel)):
             data: bytes = self.fs.cat_file(self.path(rel))

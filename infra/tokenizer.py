@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import sentencepiece as spm
 
-from infra.shards import iter_documents, read_manifest
+from infra.shards import Split, iter_documents, read_manifest
 
 if TYPE_CHECKING:
     from infra.storage import Storage
@@ -216,7 +216,7 @@ def _bpe_vocab_and_merges(sp: spm.SentencePieceProcessor) -> tuple[dict[str, int
     normal = {
         sp.id_to_piece(i)
         for i in range(size)
-        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_unused(i))
+        if not (sp.is_control(i) or sp.is_unknown(i) or sp.is_byte(i) or sp.is_unused(i))
     }
     ranked: list[tuple[float, int, int, str, str]] = []
     for piece in normal:
@@ -235,33 +235,44 @@ def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[
 
     The files load offline with `AutoTokenizer.from_pretrained(out_dir)` as a fast `LlamaTokenizer` that adds
     `<s>` in front, knows `</s>`, and gives the same ids as the sentencepiece model (`tokenizer.model`, copied
-    beside). Exact equality needs the sentencepiece options of `trainer_options` and byte fallback on.
+    beside), given the sentencepiece options of `trainer_options`. A model trained without byte fallback is
+    exported as a generic fast tokenizer instead (see below); its ids still match, but text outside its
+    vocabulary becomes <unk> and cannot round-trip.
     """
-    from transformers import LlamaTokenizer
+    from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
     processor = spm.SentencePieceProcessor(model_file=model_path)
     vocab, merges = _bpe_vocab_and_merges(processor)
-    # In transformers 5 LlamaTokenizer is the tokenizers-backed (fast) class and rebuilds its normalizer,
-    # pre-tokenizer and decoder from these arguments on every load, so they are what makes it match:
     # - add_prefix_space=False: no dummy "▁" (the model has none) and no decoder Strip of a leading space;
     #   legacy=False only matters when a prefix is added, and is set for the non-legacy behaviour anyway.
     # - split_special_tokens=True: "<s>" or "</s>" inside a document is text, as in sentencepiece, not a
     #   control token injected by the data.
     # - clean_up_tokenization_spaces=False: decoding must not touch spaces around punctuation.
-    tokenizer = LlamaTokenizer(
-        vocab=vocab,
-        merges=merges,
-        unk_token=UNK,
-        bos_token=BOS,
-        eos_token=EOS,
-        add_bos_token=True,
-        add_eos_token=False,
-        add_prefix_space=False,
-        legacy=False,
-        split_special_tokens=True,
-        clean_up_tokenization_spaces=False,
-        model_max_length=max_length,
-    )
+    common: dict[str, Any] = {
+        "unk_token": UNK,
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "add_bos_token": True,
+        "add_eos_token": False,
+        "split_special_tokens": True,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": max_length,
+    }
+    tokenizer: PreTrainedTokenizerFast
+    if any(processor.is_byte(i) for i in range(processor.get_piece_size())):
+        # In transformers 5 LlamaTokenizer is the tokenizers-backed (fast) class. It rebuilds its
+        # pre-tokenizer (Metaspace) and decoder from these arguments on every load, keeping only the
+        # vocabulary and merges of tokenizer.json, so the arguments are what makes it match sentencepiece.
+        tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=False, legacy=False, **common)
+    else:
+        from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+        # LlamaTokenizer's BPE has no unk token and would silently drop characters outside the vocabulary,
+        # where sentencepiece gives one <unk> per run of them; the generic class loads this BPE as written.
+        backend = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token=UNK, fuse_unk=True))
+        backend.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="never", split=False)
+        backend.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.Fuse()])
+        tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, **common)
     os.makedirs(out_dir, exist_ok=True)
     saved = tokenizer.save_pretrained(out_dir)
     config_path = os.path.join(out_dir, "tokenizer_config.json")
@@ -269,7 +280,7 @@ def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[
         config = json.load(fh)
     # save_pretrained leaves these out (the post-processor in tokenizer.json carries them); written explicitly
     # so the files say what they do and a reload cannot fall back to other defaults.
-    config.update({"add_bos_token": True, "add_eos_token": False, "legacy": False})
+    config.update({"add_bos_token": True, "add_eos_token": False})
     with open(config_path, "w", encoding="utf-8") as fh:
         json.dump(config, fh, indent=2, sort_keys=True, ensure_ascii=False)
         fh.write("\n")
@@ -356,7 +367,7 @@ def tokenizer_report(
     return report
 
 
-class _CountingLines:
+class _CountingSentences:
     """Passes sentences through while counting them and their bytes (the sample actually trained on)."""
 
     def __init__(self, lines: Iterator[str]) -> None:
@@ -385,7 +396,7 @@ def build_tokenizer(
     if manifest.rows("train") == 0:
         raise ValueError(f"{data.uri()} has no training documents: re-run prepare-data on a non-empty source")
     with tempfile.TemporaryDirectory(prefix="hlat-tokenizer-") as tmp:
-        sample = _CountingLines(
+        sample = _CountingSentences(
             training_lines(iter_documents(data, manifest, "train"), cfg.sample_bytes, cfg.max_sentence_length)
         )
         started = time.monotonic()
@@ -393,7 +404,7 @@ def build_tokenizer(
         train_seconds = time.monotonic() - started
         files = export_hf_tokenizer(model_path, tmp, max_seq_len)
 
-        report_split = "validation" if manifest.rows("validation") else "train"
+        report_split: Split = "validation" if manifest.rows("validation") else "train"
         report = tokenizer_report(
             model_path, iter_documents(data, manifest, report_split), cfg.report_sample_bytes, hf_dir=tmp
         )

@@ -462,7 +462,7 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
             fields = model.model_fields if model is not None else {}
             if model is not None and part not in fields:
                 where = ".".join(parts[:i]) or "the config"
-                close = difflib.get_close_matches(part, list(fields), n=3)
+                close = difflib.get_close_matches(part, list(fields), n=1)
                 hint = f"; did you mean {', '.join('.'.join([*parts[:i], c]) for c in close)}?" if close else ""
                 raise ConfigError(
                     f"{dotted}: unknown field {part!r} in {where}; known: {', '.join(fields)}{hint}"

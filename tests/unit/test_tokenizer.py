@@ -169,7 +169,7 @@ def assert_exact(sp: spm.SentencePieceProcessor, hf: Any, text: str) -> None:
     assert hf.decode([sp.bos_id(), *ids], skip_special_tokens=True) == text
 
 
-# -- the stage ------------------------------------------------------------------------------------------------
+# -- the stage ---------------------------------------------------------------------------------------------
 
 
 def test_build_writes_the_files_and_report_json_last(built: dict[str, Any]) -> None:
@@ -219,11 +219,13 @@ def test_hf_tokenizer_loads_offline_as_fast_llama(built: dict[str, Any], hf: Any
     assert config["add_bos_token"] is True and config["add_eos_token"] is False
 
 
-# -- exactness ------------------------------------------------------------------------------------------------
+# -- exactness ---------------------------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("text", TRICKY_TEXTS, ids=range(len(TRICKY_TEXTS)))
-def test_tricky_texts_round_trip_with_identical_ids(sp: spm.SentencePieceProcessor, hf: Any, text: str) -> None:
+def test_tricky_texts_round_trip_with_identical_ids(
+    sp: spm.SentencePieceProcessor, hf: Any, text: str
+) -> None:
     assert_exact(sp, hf, text)
 
 
@@ -249,7 +251,25 @@ def test_literal_metaspace_character_decodes_as_space(sp: spm.SentencePieceProce
     assert sp.decode(ids) == hf.decode(ids) == "a b  "
 
 
-# -- report ---------------------------------------------------------------------------------------------------
+def test_without_byte_fallback_ids_still_match_and_unknown_text_is_unk(tmp_path: Path) -> None:
+    from transformers import AutoTokenizer
+
+    data = write_prepared_data(tmp_path, [inspect.getsource(m) for m in TRAIN_MODULES], ["日本語 and é"])
+    out = Storage(str(tmp_path / "tok"))
+    report = build_tokenizer(data, out, 400, MAX_SEQ, TokenizerConfig(byte_fallback=False))
+    assert report["unk_count"] > 0 and report["byte_fallback_rate"] == 0
+    assert report["round_trip_failures"] == 1 and report["hf_id_mismatches"] == 0
+    sp = spm.SentencePieceProcessor(model_file=out.path(MODEL_FILE))
+    hf = AutoTokenizer.from_pretrained(out.url)
+    assert hf.model_max_length == MAX_SEQ
+    for text in TRICKY_TEXTS + random_texts(200):
+        ids = sp.encode(text)
+        assert hf.encode(text, verbose=False) == [sp.bos_id(), *ids]
+        if sp.unk_id() not in ids:
+            assert hf.decode(ids) == sp.decode(ids) == text
+
+
+# -- report ------------------------------------------------------------------------------------------------
 
 
 def test_byte_fallback_is_rare_in_domain_and_common_for_unseen_scripts(built: dict[str, Any]) -> None:
@@ -276,7 +296,7 @@ def test_report_falls_back_to_train_without_validation(tmp_path: Path) -> None:
     assert report["texts"] > 0 and report["vocab_size"] == 400
 
 
-# -- training -------------------------------------------------------------------------------------------------
+# -- training ----------------------------------------------------------------------------------------------
 
 
 def test_training_is_deterministic(tmp_path: Path) -> None:
@@ -285,7 +305,9 @@ def test_training_is_deterministic(tmp_path: Path) -> None:
 
     def model_bytes(name: str, threads: int | None) -> bytes:
         lines = training_lines(iter(texts), cfg.sample_bytes, cfg.max_sentence_length)
-        path = train_sentencepiece(lines, 400, cfg.model_copy(update={"threads": threads}), str(tmp_path / name))
+        path = train_sentencepiece(
+            lines, 400, cfg.model_copy(update={"threads": threads}), str(tmp_path / name)
+        )
         return Path(path).read_bytes()
 
     assert model_bytes("a", None) == model_bytes("b", None)
@@ -324,11 +346,13 @@ def test_no_training_text_is_a_clear_error(tmp_path: Path) -> None:
 
 
 def test_missing_manifest_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(StorageNotFound, match="manifest.json does not exist: run the prepare-data stage"):
-        build_tokenizer(Storage(str(tmp_path / "data")), Storage(str(tmp_path / "tok")), VOCAB, MAX_SEQ, TokenizerConfig())
+    with pytest.raises(StorageNotFound, match=r"manifest\.json does not exist: run the prepare-data stage"):
+        build_tokenizer(
+            Storage(str(tmp_path / "data")), Storage(str(tmp_path / "tok")), VOCAB, MAX_SEQ, TokenizerConfig()
+        )
 
 
-# -- training_lines -------------------------------------------------------------------------------------------
+# -- training_lines ----------------------------------------------------------------------------------------
 
 
 def utf8_len(text: str) -> int:
@@ -358,7 +382,12 @@ def test_long_lines_are_chunked_under_max_sentence_length_without_breaking_chara
 
 def test_lines_are_packed_per_document_and_empty_lines_skipped() -> None:
     docs = ["\n\n\n", "", "first\n\nsecond\n", "other document", "a" * 10 + "\n" + "b" * 10]
-    assert list(training_lines(docs, 10_000, 16)) == ["first\n\nsecond\n", "other document", "a" * 10, "b" * 10]
+    assert list(training_lines(docs, 10_000, 16)) == [
+        "first\n\nsecond\n",
+        "other document",
+        "a" * 10,
+        "b" * 10,
+    ]
 
 
 def test_training_lines_reject_impossible_bounds() -> None:

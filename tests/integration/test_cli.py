@@ -1,0 +1,60 @@
+"""The `hlat` command line, as users run it (subprocesses, Prefect in ephemeral mode)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_RUN
+
+BIN = Path(sys.executable).parent
+
+
+def hlat(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_API")}
+    return subprocess.run(
+        [str(BIN / "hlat"), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600, check=False
+    )
+
+
+def test_presets_lists_key_figures() -> None:
+    out = hlat("presets")
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].split()[:3] == ["preset", "params", "layers"]
+    row = next(line for line in lines if line.startswith("hlat-70b"))
+    for figure in ("68.98B", "80", "8192", "64/8", "4096", "32000", "1024", "bf16-mixed", "32x8", "256 x ml.trn1.32xlarge"):
+        assert figure in row
+
+
+def test_config_shows_the_resolved_config_and_rejects_bad_fields() -> None:
+    out = hlat("config", "--preset", "hlat-7b", "--set", "training.lr=1e-4", "--set", "job.instance_count=16")
+    assert out.returncode == 0, out.stderr
+    resolved = json.loads(out.stdout)
+    assert resolved["training"]["lr"] == 1e-4 and resolved["job"]["instance_count"] == 16
+    assert resolved["run_id"].startswith("hlat-7b-")
+    bad = hlat("config", "--set", "training.warmup_step=10")
+    assert bad.returncode == 2
+    assert "training.warmup_step: unknown field 'warmup_step' in training" in bad.stderr
+    assert "did you mean training.warmup_steps?" in bad.stderr and "Traceback" not in bad.stderr
+
+
+@pytest.mark.slow
+def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
+    sets = [arg for k, v in SMALL_RUN.items() for arg in ("--set", f"{k}={v}")]
+    common = ["--preset", "tiny", "--run-id", "cli", "--storage", str(tmp_path / "runs"), *sets]
+    out = hlat("run", "prepare-data", *common)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert (tmp_path / "runs/cli/data/manifest.json").exists()
+    mod = subprocess.run(
+        [sys.executable, "-m", "flows.train_tokenizer", *common], capture_output=True, text=True, timeout=600, check=False
+    )
+    assert mod.returncode == 0, mod.stdout[-3000:] + mod.stderr[-3000:]
+    assert (tmp_path / "runs/cli/tokenizer/tokenizer.model").exists()
+    conflict = hlat("run", "prepare-data", *common, "--set", "training.lr=0.5")
+    assert conflict.returncode == 2 and "was started with a different config (training.lr: 0.001 -> 0.5)" in conflict.stderr
