@@ -67,7 +67,20 @@ def _overrides(items: list[str]) -> dict[str, Any]:
 
 
 def presets_table() -> str:
-    head = ("preset", "params", "layers", "d_model", "heads/kv", "seq", "vocab", "batch", "lr", "precision", "TPxPP", "nodes")
+    head = (
+        "preset",
+        "params",
+        "layers",
+        "d_model",
+        "heads/kv",
+        "seq",
+        "vocab",
+        "batch",
+        "lr",
+        "precision",
+        "TPxPP",
+        "nodes",
+    )
     rows = [head]
     for name in PRESETS:
         c = load_config(name)

@@ -20,9 +20,9 @@ def hlat(
 ) -> dict[str, Any]:
     """Pretrain an HLAT-style model: prepare-data -> train-tokenizer (later stages join as they land)."""
     config, run = resolve(preset, overrides, run_id, storage)
-    stage_args = {"preset": preset, "overrides": overrides, "run_id": run.run_id, "storage": config.storage.root}
-    data = prepare_data(**stage_args)
-    tokenizer = train_tokenizer(**stage_args)
+    root = config.storage.root
+    data = prepare_data(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
+    tokenizer = train_tokenizer(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {
         "run_id": run.run_id,

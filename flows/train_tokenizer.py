@@ -22,7 +22,9 @@ def train_tokenizer(
     config, run = resolve(preset, overrides, run_id, storage)
     data_checksum = read_data_checksum(run.uri)
     vocab, seq = config.model.vocab_size, config.model.max_seq_len
-    key = stage_cache_key("train-tokenizer", run.uri, config.tokenizer.model_dump(mode="json"), vocab, seq, data_checksum)
+    key = stage_cache_key(
+        "train-tokenizer", run.uri, config.tokenizer.model_dump(mode="json"), vocab, seq, data_checksum
+    )
     report: dict[str, Any] = run_cached(
         fit_tokenizer,
         lambda r: tokenizer_present(run, r),

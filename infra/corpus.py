@@ -55,9 +55,7 @@ def cache_dir() -> Path:
 def stdlib_documents() -> Iterator[dict[str, str]]:
     """Documents from the installed standard library, in a fixed order: per module its docstrings, then its source."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    files = sorted(
-        p for p in root.rglob("*.py") if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1])
-    )
+    files = sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
     for path in files:
         try:
             source = path.read_text(encoding="utf-8")
@@ -76,7 +74,10 @@ def _docstrings(source: str) -> str:
         tree = ast.parse(source)
     except (SyntaxError, ValueError):
         return ""
-    nodes = [tree, *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef))]
+    nodes = [
+        tree,
+        *(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)),
+    ]
     texts = [d for n in nodes if (d := ast.get_docstring(n))]
     return "\n\n".join(texts)
 
@@ -107,7 +108,7 @@ def resolve_source(cfg: DataConfig) -> Source:
         raise ConfigError(f"data.source: unknown builtin corpus {src!r}; the builtin corpus is {BUILTIN_STDLIB!r}")
     is_s3 = src.startswith("s3://")
     local = Path(os.path.expanduser(src))
-    if is_s3 or local.exists() or src.startswith((".", "/", "~")) or os.sep in src and not _looks_like_hub_name(src):
+    if is_s3 or local.exists() or src.startswith((".", "/", "~")) or (os.sep in src and not _looks_like_hub_name(src)):
         if not is_s3 and not local.exists():
             raise SourceError(f"data.source: local path {str(local)!r} does not exist")
         files = _list_data_files(src)
@@ -132,9 +133,7 @@ def _list_data_files(src: str) -> list[str]:
         return [store.url]
     files = [store.uri(rel) for rel in store.walk_files() if Path(rel).suffix in _EXTENSIONS]
     if not files:
-        raise SourceError(
-            f"data.source: {src} holds no {', '.join(sorted(_EXTENSIONS))} files"
-        )
+        raise SourceError(f"data.source: {src} holds no {', '.join(sorted(_EXTENSIONS))} files")
     return files
 
 
@@ -154,7 +153,9 @@ def source_fingerprint(cfg: DataConfig) -> str:
     """What the source's content is, cheaply: file sizes and times (or ETags), or the hub name and revision."""
     spec = resolve_source(cfg)
     parts: list[Any] = [spec.kind, spec.name, cfg.hf_config, cfg.split, cfg.revision]
-    if spec.kind != "hub":
+    if spec.kind == "builtin":
+        parts.append(sys.version)  # the builtin corpus is a function of the Python installation alone
+    elif spec.kind == "files":
         for f in spec.data_files:
             store = Storage(f)
             info = store.fs.info(store.root)

@@ -64,7 +64,7 @@ def prepare_dataset(cfg: DataConfig, data: Storage, fingerprint: str) -> DataRep
     """Run the whole stage into `data` (the run's data/ folder); raises on invalid data per policy."""
     start = time.perf_counter()
     # A fresh folder per attempt: the current manifest's shards stay valid until the new manifest replaces it.
-    shard_dir = f"shards-{fingerprint[:12]}-{uuid.uuid4().hex[:6]}"
+    shard_dir = f"shards-{fingerprint[-12:]}-{uuid.uuid4().hex[:6]}"
     writer = ShardWriter(data, shard_dir, cfg.shard_format, cfg.shard_rows)
     validator = DocumentValidator(cfg.validation, cfg.text_column)
     quarantine: list[tuple[str | None, str]] = []
@@ -133,4 +133,3 @@ def _write_quarantine(data: Storage, rel: str, rows: list[tuple[str | None, str]
 
 def load_report(data: Storage) -> dict[str, Any] | None:
     return data.read_json(REPORT_FILE) if data.exists(REPORT_FILE) else None
-

@@ -83,13 +83,20 @@ class ShardWriter:
         payload = encode_shard(texts, self.fmt)
         self.data.write_bytes(rel, payload)
         self.shards.append(
-            ShardInfo(path=rel, split=split, rows=len(texts), bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest())
+            ShardInfo(
+                path=rel,
+                split=split,
+                rows=len(texts),
+                bytes=len(payload),
+                sha256=hashlib.sha256(payload).hexdigest(),
+            )
         )
         self.buffers[split] = []
 
     def close(self) -> list[ShardInfo]:
-        for split in ("train", "validation"):
-            self._flush(split)  # type: ignore[arg-type]
+        splits: tuple[Split, ...] = ("train", "validation")
+        for split in splits:
+            self._flush(split)
         return self.shards
 
 

@@ -73,9 +73,7 @@ def translate_error(exc: BaseException, uri: str) -> BaseException:
             "AWS_SECRET_ACCESS_KEY, or run with an instance/task role"
         )
     if "NoSuchBucket" in text or "bucket does not exist" in text.lower():
-        return StorageNotFound(
-            f"bucket {bucket!r} does not exist (from {uri}): create it or fix storage.root"
-        )
+        return StorageNotFound(f"bucket {bucket!r} does not exist (from {uri}): create it or fix storage.root")
     if isinstance(exc, PermissionError) or any(
         code in text for code in ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "Forbidden")
     ):
@@ -139,7 +137,9 @@ class Storage:
             with storage_errors(uri):
                 bucket_exists = self.fs.exists(bucket)
             if not bucket_exists:
-                raise StorageNotFound(f"{prefix}bucket {bucket!r} does not exist (from {uri}): create it or fix the URI")
+                raise StorageNotFound(
+                    f"{prefix}bucket {bucket!r} does not exist (from {uri}): create it or fix the URI"
+                )
         raise StorageNotFound(f"{prefix}{uri} does not exist")
 
     def read_bytes(self, rel: str) -> bytes:

@@ -93,9 +93,14 @@ class DocumentValidator:
                     column=col, min_value=cfg.min_chars, max_value=cfg.max_chars
                 ),
             ),
-            ("duplicate", gx.expectations.ExpectColumnValuesToBeInSet(column=DUPLICATE_COLUMN, value_set=[False])),
+            (
+                "duplicate",
+                gx.expectations.ExpectColumnValuesToBeInSet(column=DUPLICATE_COLUMN, value_set=[False]),
+            ),
         ]
-        custom = [(spec["type"], _expectation_class(spec["type"])(**spec.get("kwargs", {}))) for spec in cfg.expectations]
+        custom = [
+            (spec["type"], _expectation_class(spec["type"])(**spec.get("kwargs", {}))) for spec in cfg.expectations
+        ]
         suite = gx.ExpectationSuite(name="hlat-documents")
         for reason, expectation in [*builtin, *custom]:
             expectation.meta = {**(expectation.meta or {}), "hlat_reason": reason}
@@ -123,20 +128,25 @@ class DocumentValidator:
             self.check_columns(frame)
         texts = [_as_text(v) for v in frame[self.column].tolist()]
         frame = pd.DataFrame(
-            {self.column: pd.Series(texts, dtype=object), DUPLICATE_COLUMN: [self._is_duplicate(t) for t in texts]}
+            {
+                self.column: pd.Series(texts, dtype=object),
+                DUPLICATE_COLUMN: [self._is_duplicate(t) for t in texts],
+            }
         )
         result = self._validation.run(
             batch_parameters={"dataframe": frame}, result_format={"result_format": "COMPLETE"}
         )
         flagged: dict[str, set[int]] = {}
         for res in result.results:
-            reason = (res.expectation_config.meta or {}).get("hlat_reason", res.expectation_config.type)
+            config = res.expectation_config
+            assert config is not None, "great-expectations results carry their expectation"
+            reason = (config.meta or {}).get("hlat_reason", config.type)
             indices = res.result.get("unexpected_index_list")
             if res.success:
                 continue
             if indices is None:
                 raise ConfigError(
-                    f"data.validation.expectations: {res.expectation_config.type} is not a row-level "
+                    f"data.validation.expectations: {config.type} is not a row-level "
                     "expectation (it flags no rows), so it cannot quarantine; use a column-values expectation"
                 )
             self.tally.expectation_failures[reason] += len(indices)
@@ -152,7 +162,7 @@ class DocumentValidator:
             for i in flagged.get(reason, ()):
                 row_reason.setdefault(i, reason)
         outcome = BatchOutcome(
-            kept=[t for i, t in enumerate(texts) if i not in row_reason],
+            kept=[t for i, t in enumerate(texts) if i not in row_reason and t is not None],
             quarantined=[(texts[i], r) for i, r in sorted(row_reason.items())],
         )
         self.tally.rows_read += len(texts)
@@ -181,7 +191,9 @@ class DocumentValidator:
         """Data-set-level checks, after every batch."""
         t, cfg = self.tally, self.cfg
         if t.rows_read == 0:
-            raise DataValidationError("data.source: the data set is empty (0 rows read); check data.source and data.split")
+            raise DataValidationError(
+                "data.source: the data set is empty (0 rows read); check data.source and data.split"
+            )
         if t.duplicate_rate > cfg.max_duplicate_rate:
             raise DataValidationError(
                 f"duplicate rate {t.duplicate_rate:.1%} exceeds data.validation.max_duplicate_rate="
@@ -197,7 +209,7 @@ class DocumentValidator:
 
 def _as_text(value: Any) -> str | None:
     """Coerce a cell to str: bytes are decoded with replacement (so bad bytes show up as invalid_utf8)."""
-    if value is None or isinstance(value, float) and value != value:
+    if value is None or (isinstance(value, float) and value != value):
         return None
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", errors="replace")

@@ -13,7 +13,7 @@ from training.config import stable_hash
 
 # Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
 RETRIES = 3
-RETRY_DELAYS = [2, 5, 15]
+RETRY_DELAYS: list[float] = [2, 5, 15]
 
 
 def is_transient(exc: BaseException | None) -> bool:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
@@ -14,7 +16,12 @@ from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, r
 from training.config import DataConfig
 
 
-@task(name="fingerprint-source", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_on_transient)
+@task(
+    name="fingerprint-source",
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
 def fingerprint_source(data_cfg: DataConfig) -> str:
     """Identify the source's content cheaply (sizes and times, ETags, or hub name and revision)."""
     return source_fingerprint(data_cfg)
@@ -42,14 +49,17 @@ def shards_present(run: Run, report: DataReport) -> bool:
 @task(name="publish-data-report")
 def publish_data_report(report: DataReport, run_id: str) -> None:
     """The report as a Prefect table (counts) and markdown (reasons) artifact."""
-    rows = [
+    rows: list[dict[str, Any]] = [
         {"metric": "rows read", "value": report.rows_read},
         {"metric": "rows kept", "value": report.rows_kept},
         {"metric": "rows quarantined", "value": report.rows_quarantined},
         *({"metric": f"quarantined: {k}", "value": v} for k, v in report.quarantined_by_reason.items()),
         {"metric": "duplicate rate", "value": f"{report.duplicate_rate:.2%}"},
         {"metric": "train rows / bytes", "value": f"{report.train_rows} / {report.train_bytes}"},
-        {"metric": "validation rows / bytes", "value": f"{report.validation_rows} / {report.validation_bytes}"},
+        {
+            "metric": "validation rows / bytes",
+            "value": f"{report.validation_rows} / {report.validation_bytes}",
+        },
         {"metric": "shards", "value": report.shards},
     ]
     create_table_artifact(rows, key=artifact_key("data-report", run_id), description=f"prepare-data of {run_id}")

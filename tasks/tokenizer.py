@@ -17,7 +17,12 @@ from training.config import TokenizerConfig
 REPORT_FILE = "report.json"
 
 
-@task(name="read-data-checksum", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_on_transient)
+@task(
+    name="read-data-checksum",
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
 def read_data_checksum(run_uri: str) -> str:
     """Checksum of the prepared shards: the tokenizer's input."""
     return read_manifest(Storage(run_uri).child("data")).checksum
@@ -52,10 +57,19 @@ def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:
 @task(name="publish-tokenizer-report")
 def publish_tokenizer_report(report: dict[str, Any], run_id: str) -> None:
     """Vocab size, bytes per token and byte-fallback rate as a table; sample encodings as markdown."""
-    rows = [{"metric": k, "value": report[k]} for k in ("vocab_size", "bytes_per_token", "byte_fallback_rate") if k in report]
-    create_table_artifact(rows, key=artifact_key("tokenizer-report", run_id), description=f"train-tokenizer of {run_id}")
+    rows = [
+        {"metric": k, "value": report[k]}
+        for k in ("vocab_size", "bytes_per_token", "byte_fallback_rate")
+        if k in report
+    ]
+    create_table_artifact(
+        rows, key=artifact_key("tokenizer-report", run_id), description=f"train-tokenizer of {run_id}"
+    )
     samples = report.get("samples", [])
-    lines = [f"- `{s.get('text', '')[:60]!r}` → {len(s.get('ids', []))} tokens: `{s.get('pieces', [])[:16]}`" for s in samples]
+    lines = [
+        f"- `{s.get('text', '')[:60]!r}` → {len(s.get('ids', []))} tokens: `{s.get('pieces', [])[:16]}`"
+        for s in samples
+    ]
     create_markdown_artifact(
         f"# train-tokenizer: {run_id}\n\n" + "\n".join(lines), key=artifact_key("tokenizer-samples", run_id)
     )

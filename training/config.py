@@ -351,7 +351,7 @@ class HlatConfig(Section):
                 f"training.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"training.micro_batch_size={t.micro_batch_size}"
             )
-        if m.n_heads % p.tensor or m.kv_heads % p.tensor and p.tensor % m.kv_heads:
+        if m.n_heads % p.tensor or (m.kv_heads % p.tensor and p.tensor % m.kv_heads):
             raise ValueError(
                 f"parallelism.tensor={p.tensor} must divide model.n_heads={m.n_heads} "
                 f"(and divide or be a multiple of the {m.kv_heads} KV heads)"
@@ -464,9 +464,7 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 where = ".".join(parts[:i]) or "the config"
                 close = difflib.get_close_matches(part, list(fields), n=1)
                 hint = f"; did you mean {', '.join('.'.join([*parts[:i], c]) for c in close)}?" if close else ""
-                raise ConfigError(
-                    f"{dotted}: unknown field {part!r} in {where}; known: {', '.join(fields)}{hint}"
-                )
+                raise ConfigError(f"{dotted}: unknown field {part!r} in {where}; known: {', '.join(fields)}{hint}")
             annotation = fields[part].annotation if model is not None else None
             model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
             if i == len(parts) - 1:

@@ -2,7 +2,8 @@
 
 Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
 (partial rotary 25%, sequence 2048). Pythia and NeoX keep their depth, width, heads and vocabulary; their
-4x GeLU MLP becomes a SwiGLU of 2/3 the width, so parameter counts stay 6.9B and 20B. `tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
+4x GeLU MLP becomes a SwiGLU of 2/3 the width, so parameter counts stay 6.9B and 20B.
+`tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
 """
 
 from __future__ import annotations
@@ -74,12 +75,26 @@ PRESETS: dict[str, dict[str, Any]] = {
             "keep_checkpoints": 5,
         },
         "precision": {"mode": "bf16-sr"},
-        "parallelism": {"tensor": 8, "pipeline": 1, "sequence_parallel": True, "activation_checkpointing": "selective"},
+        "parallelism": {
+            "tensor": 8,
+            "pipeline": 1,
+            "sequence_parallel": True,
+            "activation_checkpointing": "selective",
+        },
         "job": {**_TRN1, "instance_count": 64},
         "evaluation": {
             "tasks": [
-                "mmlu", "hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge",
-                "openbookqa", "boolq", "triviaqa", "nq_open", "gsm8k",
+                "mmlu",
+                "hellaswag",
+                "piqa",
+                "winogrande",
+                "arc_easy",
+                "arc_challenge",
+                "openbookqa",
+                "boolq",
+                "triviaqa",
+                "nq_open",
+                "gsm8k",
             ],
         },
     },
@@ -121,8 +136,17 @@ PRESETS: dict[str, dict[str, Any]] = {
         "job": {**_TRN1, "instance_count": 256},
         "evaluation": {
             "tasks": [
-                "mmlu", "hellaswag", "piqa", "winogrande", "arc_easy", "arc_challenge",
-                "openbookqa", "boolq", "triviaqa", "nq_open", "gsm8k",
+                "mmlu",
+                "hellaswag",
+                "piqa",
+                "winogrande",
+                "arc_easy",
+                "arc_challenge",
+                "openbookqa",
+                "boolq",
+                "triviaqa",
+                "nq_open",
+                "gsm8k",
             ],
         },
     },

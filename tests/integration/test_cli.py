@@ -28,7 +28,18 @@ def test_presets_lists_key_figures() -> None:
     lines = out.stdout.splitlines()
     assert lines[0].split()[:3] == ["preset", "params", "layers"]
     row = next(line for line in lines if line.startswith("hlat-70b"))
-    for figure in ("68.98B", "80", "8192", "64/8", "4096", "32000", "1024", "bf16-mixed", "32x8", "256 x ml.trn1.32xlarge"):
+    for figure in (
+        "68.98B",
+        "80",
+        "8192",
+        "64/8",
+        "4096",
+        "32000",
+        "1024",
+        "bf16-mixed",
+        "32x8",
+        "256 x ml.trn1.32xlarge",
+    ):
         assert figure in row
 
 
@@ -52,9 +63,16 @@ def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert (tmp_path / "runs/cli/data/manifest.json").exists()
     mod = subprocess.run(
-        [sys.executable, "-m", "flows.train_tokenizer", *common], capture_output=True, text=True, timeout=600, check=False
+        [sys.executable, "-m", "flows.train_tokenizer", *common],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
     )
     assert mod.returncode == 0, mod.stdout[-3000:] + mod.stderr[-3000:]
     assert (tmp_path / "runs/cli/tokenizer/tokenizer.model").exists()
     conflict = hlat("run", "prepare-data", *common, "--set", "training.lr=0.5")
-    assert conflict.returncode == 2 and "was started with a different config (training.lr: 0.001 -> 0.5)" in conflict.stderr
+    assert (
+        conflict.returncode == 2
+        and "was started with a different config (training.lr: 0.001 -> 0.5)" in conflict.stderr
+    )

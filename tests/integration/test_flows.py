@@ -32,7 +32,12 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     run = tmp_path / first["run_id"]
     assert (run / "config.json").exists()
     assert first["data"]["rows_read"] == first["data"]["rows_kept"] + first["data"]["rows_quarantined"] == 300
-    for rel in ("data/manifest.json", "data/report.json", "tokenizer/tokenizer.model", "tokenizer/report.json"):
+    for rel in (
+        "data/manifest.json",
+        "data/report.json",
+        "tokenizer/tokenizer.model",
+        "tokenizer/report.json",
+    ):
         assert (run / rel).is_file(), rel
     assert first["tokenizer"]["vocab_size"] == 512
     shard_dirs = sorted(p.name for p in (run / "data").glob("shards-*"))

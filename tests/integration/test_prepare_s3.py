@@ -16,7 +16,9 @@ from training.presets import load_config
 def test_s3_source_to_s3_run_storage(s3_env: S3Env) -> None:
     client = s3_env.client()
     for part in range(2):
-        body = "".join(json.dumps({"text": f"document {part}-{i} about tokenizers and packing"}) + "\n" for i in range(30))
+        body = "".join(
+            json.dumps({"text": f"document {part}-{i} about tokenizers and packing"}) + "\n" for i in range(30)
+        )
         client.put_object(Bucket=s3_env.bucket, Key=f"corpus/part-{part}.jsonl", Body=body.encode())
     cfg = load_config("tiny", {"data.source": f"s3://{s3_env.bucket}/corpus", "data.validation_fraction": 0.0}).data
     out = Storage(f"{s3_env.url}/run/data")

@@ -26,14 +26,31 @@ def test_hlat_7b_figures() -> None:
     c = load_config("hlat-7b")
     m, t = c.model, c.training
     assert (m.n_layers, m.d_model, m.ffn_hidden, m.n_heads, m.kv_heads) == (32, 4096, 11008, 32, 32)
-    assert (m.vocab_size, t.seq_len, m.norm_eps, m.rope_theta, m.init_std) == (32000, 4096, 1e-5, 10000.0, 0.021)
+    assert (m.vocab_size, t.seq_len, m.norm_eps, m.rope_theta, m.init_std) == (
+        32000,
+        4096,
+        1e-5,
+        10000.0,
+        0.021,
+    )
     assert not m.tie_embeddings and not m.scale_output_init
-    assert (t.lr, t.lr * t.min_lr_ratio, t.warmup_steps, t.schedule_steps) == (3e-4, pytest.approx(3e-5), 2000, 500_000)
+    assert (t.lr, t.lr * t.min_lr_ratio, t.warmup_steps, t.schedule_steps) == (
+        3e-4,
+        pytest.approx(3e-5),
+        2000,
+        500_000,
+    )
     assert (t.beta1, t.beta2, t.eps, t.weight_decay, t.grad_clip) == (0.9, 0.95, 1e-8, 0.1, 1.0)
     assert (t.global_batch_size, t.micro_batch_size, c.tokens_per_step) == (1024, 1, 4_194_304)
     assert (t.checkpoint_every, t.keep_checkpoints) == (1000, 5)
     p = c.parallelism
-    assert (p.tensor, p.pipeline, p.sequence_parallel, p.zero1, p.activation_checkpointing) == (8, 1, True, False, "selective")
+    assert (p.tensor, p.pipeline, p.sequence_parallel, p.zero1, p.activation_checkpointing) == (
+        8,
+        1,
+        True,
+        False,
+        "selective",
+    )
     assert c.precision.mode == "bf16-sr"
     assert (c.job.instance_type, c.job.instance_count) == ("ml.trn1.32xlarge", 64)
     assert c.data_parallel_size == 4 * c.job.instance_count  # FACTS: DP = 4 x nodes
@@ -101,9 +118,14 @@ def test_overrides_parse_json_and_text() -> None:
     assert parse_override("training.lr=1e-3") == ("training.lr", 1e-3)
     assert parse_override("data.source=s3://b/p") == ("data.source", "s3://b/p")
     assert parse_override("training.keep_every=none") == ("training.keep_every", None)
-    assert parse_override("evaluation.tasks=[\"piqa\"]") == ("evaluation.tasks", ["piqa"])
+    assert parse_override('evaluation.tasks=["piqa"]') == ("evaluation.tasks", ["piqa"])
     c = load_config("tiny", {"training.lr": 2e-3, "data.validation.max_chars": 500}, run_id="r1", storage="s3://b/x")
-    assert (c.training.lr, c.data.validation.max_chars, c.run_id, c.storage.root) == (2e-3, 500, "r1", "s3://b/x")
+    assert (c.training.lr, c.data.validation.max_chars, c.run_id, c.storage.root) == (
+        2e-3,
+        500,
+        "r1",
+        "s3://b/x",
+    )
 
 
 def test_overrides_do_not_mutate_presets() -> None:

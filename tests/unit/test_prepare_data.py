@@ -18,7 +18,24 @@ from infra.validation import DataValidationError
 from training.config import ConfigError, DataConfig
 from training.presets import load_config
 
-WORDS = "the quick brown fox jumps over a lazy dog while seven wizards quietly judge boxing matches".split()
+WORDS = [
+    "the",
+    "quick",
+    "brown",
+    "fox",
+    "jumps",
+    "over",
+    "a",
+    "lazy",
+    "dog",
+    "while",
+    "seven",
+    "wizards",
+    "quietly",
+    "judge",
+    "boxing",
+    "matches",
+]
 
 
 def doc(i: int, words: int = 12) -> str:
@@ -142,7 +159,9 @@ def test_a_single_10mb_document(tmp_path: Path) -> None:
 def test_ninety_percent_duplicates_fail_the_stage(tmp_path: Path) -> None:
     rows = [{"text": doc(0)}] * 90 + [{"text": doc(i)} for i in range(1, 11)]
     src = write_jsonl(tmp_path / "c.jsonl", rows)
-    with pytest.raises(DataValidationError, match=r"duplicate rate 89\.0% exceeds data\.validation\.max_duplicate_rate"):
+    with pytest.raises(
+        DataValidationError, match=r"duplicate rate 89\.0% exceeds data\.validation\.max_duplicate_rate"
+    ):
         run_stage(tmp_path, data_cfg(src, **{"validation.max_duplicate_rate": 0.5}))
     with pytest.raises(DataValidationError, match=r"policy='fail' and 89 rows break the rules \(duplicate: 89\)"):
         run_stage(tmp_path, data_cfg(src, **{"validation.policy": "fail"}))
@@ -158,7 +177,7 @@ def test_duplicates_are_found_across_batches(tmp_path: Path) -> None:
 
 
 def test_unknown_local_path(tmp_path: Path) -> None:
-    with pytest.raises(SourceError, match="local path .*nowhere' does not exist"):
+    with pytest.raises(SourceError, match=r"local path .*nowhere' does not exist"):
         run_stage(tmp_path, data_cfg(tmp_path / "nowhere"))
 
 
@@ -170,14 +189,16 @@ def test_folder_of_parquet_and_mixed_folder(tmp_path: Path) -> None:
     report, _ = run_stage(tmp_path, data_cfg(folder))
     assert report.rows_kept == 50
     write_jsonl(folder / "c.jsonl", [{"text": "x" * 40}])
-    with pytest.raises(ConfigError, match="set data.file_format to jsonl, parquet or txt"):
+    with pytest.raises(ConfigError, match=r"set data\.file_format to jsonl, parquet or txt"):
         run_stage(tmp_path, data_cfg(folder))
 
 
 def test_user_expectations_quarantine_rows(tmp_path: Path) -> None:
     rows = [{"text": doc(i)} for i in range(20)] + [{"text": "BUY NOW!!! cheap pills, click this link today"}]
     extra = [{"type": "expect_column_values_to_not_match_regex", "kwargs": {"column": "text", "regex": "BUY NOW"}}]
-    report, _ = run_stage(tmp_path, data_cfg(write_jsonl(tmp_path / "c.jsonl", rows), **{"validation.expectations": extra}))
+    report, _ = run_stage(
+        tmp_path, data_cfg(write_jsonl(tmp_path / "c.jsonl", rows), **{"validation.expectations": extra})
+    )
     assert report.quarantined_by_reason == {"expect_column_values_to_not_match_regex": 1} and reconciles(report)
     bogus = [{"type": "expect_text_to_be_nice", "kwargs": {}}]
     with pytest.raises(ConfigError, match="'expect_text_to_be_nice' is not a great-expectations expectation"):

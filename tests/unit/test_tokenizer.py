@@ -223,9 +223,7 @@ def test_hf_tokenizer_loads_offline_as_fast_llama(built: dict[str, Any], hf: Any
 
 
 @pytest.mark.parametrize("text", TRICKY_TEXTS, ids=range(len(TRICKY_TEXTS)))
-def test_tricky_texts_round_trip_with_identical_ids(
-    sp: spm.SentencePieceProcessor, hf: Any, text: str
-) -> None:
+def test_tricky_texts_round_trip_with_identical_ids(sp: spm.SentencePieceProcessor, hf: Any, text: str) -> None:
     assert_exact(sp, hf, text)
 
 
@@ -305,9 +303,7 @@ def test_training_is_deterministic(tmp_path: Path) -> None:
 
     def model_bytes(name: str, threads: int | None) -> bytes:
         lines = training_lines(iter(texts), cfg.sample_bytes, cfg.max_sentence_length)
-        path = train_sentencepiece(
-            lines, 400, cfg.model_copy(update={"threads": threads}), str(tmp_path / name)
-        )
+        path = train_sentencepiece(lines, 400, cfg.model_copy(update={"threads": threads}), str(tmp_path / name))
         return Path(path).read_bytes()
 
     assert model_bytes("a", None) == model_bytes("b", None)
