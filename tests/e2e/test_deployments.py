@@ -1,0 +1,140 @@
+"""Deployments for real: a `prefect server` and a process worker started here, flows run through them.
+
+This is how users drive the pipeline from the Prefect UI: `prefect deploy` from deployments/prefect.yaml,
+then `prefect deployment run <flow>/<deployment>` picked up by a worker.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import SMALL_RUN
+from tests.integration.conftest import free_port
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PREFECT = str(Path(sys.executable).parent / "prefect")
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prefect server exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            time.sleep(0.5)
+    raise TimeoutError(f"prefect server at {url} did not answer /health in {timeout} s")
+
+
+@pytest.fixture(scope="module")
+def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME; yields the env to reach it."""
+    home = tmp_path_factory.mktemp("prefect-home")
+    port = free_port()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PREFECT_")}
+    env.update(
+        PREFECT_HOME=str(home),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        PREFECT_UI_ENABLED="false",
+        PREFECT_API_URL=f"http://127.0.0.1:{port}/api",
+        PREFECT_WORKER_QUERY_SECONDS="1",
+        PREFECT_WORKER_PREFETCH_SECONDS="1",
+        HLAT_PROJECT_DIR=str(ROOT),
+    )
+    log = (home / "server.log").open("wb")
+    server = subprocess.Popen(
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=log
+    )
+    try:
+        wait_healthy(env["PREFECT_API_URL"], server)
+        yield env
+    finally:
+        server.send_signal(signal.SIGINT)
+        try:
+            server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            server.kill()
+        log.close()
+
+
+def prefect(env: dict[str, str], *args: str, timeout: float = 300) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run(
+        [PREFECT, "--no-prompt", *args], env=env, cwd=ROOT, capture_output=True, text=True, timeout=timeout, check=False
+    )
+    assert out.returncode == 0, f"prefect {' '.join(args)} failed:\n{out.stdout[-3000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+def run_states(api_url: str) -> tuple[list[tuple[str, str]], list[tuple[str, str]]]:
+    """Flow-run names with their states, and task-run (name, state) oldest first, read from the server."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import TaskRunSort
+    from prefect.settings import PREFECT_API_URL, temporary_settings
+
+    with temporary_settings({PREFECT_API_URL: api_url}), get_client(sync_client=True) as client:
+        flow_runs = client.read_flow_runs(limit=50)
+        task_runs = client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+    flows = [(r.name, r.state.name if r.state else "?") for r in flow_runs]
+    return flows, [(t.name, t.state.name if t.state else "?") for t in task_runs]
+
+
+def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[str, str], tmp_path: Path) -> None:
+    env = prefect_env
+    prefect(env, "work-pool", "create", "hlat-local", "--type", "process")
+    prefect(env, "work-pool", "create", "hlat-aws", "--type", "process")  # only registered: nothing runs on it here
+    deployed = prefect(env, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
+    for name in ("hlat/pretrain-tiny", "train-tokenizer/train-tokenizer-tiny", "hlat/pretrain-7b", "hlat/pretrain-70b"):
+        assert name in deployed.stdout
+
+    worker_log = (tmp_path / "worker.log").open("wb")
+    worker = subprocess.Popen(
+        [PREFECT, "worker", "start", "--pool", "hlat-local", "--limit", "1"],
+        env=env,
+        cwd=ROOT,
+        stdout=worker_log,
+        stderr=worker_log,
+    )
+    storage = str(tmp_path / "runs")
+    params = ["--param", f"storage={storage}", "--param", "run_id=e2e", "--param", f"overrides={json.dumps(SMALL_RUN)}"]
+    try:
+        prefect(
+            env, "deployment", "run", "hlat/pretrain-tiny", *params, "--watch", "--watch-timeout", "400", timeout=450
+        )
+        run = tmp_path / "runs" / "e2e"
+        assert (run / "data/manifest.json").is_file() and (run / "tokenizer/tokenizer.model").is_file()
+        model = (run / "tokenizer/tokenizer.model").read_bytes()
+
+        # A stage re-run alone from its own deployment finds its work cached and leaves the outputs as they were.
+        prefect(env, "deployment", "run", "train-tokenizer/train-tokenizer-tiny", *params, "--watch", timeout=300)
+        assert (run / "tokenizer/tokenizer.model").read_bytes() == model
+        flows, tasks = run_states(env["PREFECT_API_URL"])
+        assert sorted(name for name, _ in flows) == [
+            "hlat/e2e",
+            "prepare-data/e2e",
+            "train-tokenizer/e2e",
+            "train-tokenizer/e2e",
+        ]
+        assert {state for _, state in flows} == {"Completed"}
+        assert [state for name, state in tasks if name.startswith("fit-tokenizer")] == ["Completed", "Cached"]
+    finally:
+        worker.send_signal(signal.SIGINT)
+        try:
+            worker.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            worker.kill()
+        worker_log.close()
