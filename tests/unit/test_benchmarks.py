@@ -1,0 +1,21 @@
+"""The benchmarks keep running (small sizes) and their peers agree with the real code on results."""
+
+from __future__ import annotations
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+
+def test_prepare_data_benchmark_runs_and_agrees_with_its_peer() -> None:
+    from benchmarks.bench_prepare_data import main
+
+    out = main(["--documents", "120", "--repeats", "1"])  # asserts that both keep the same rows
+    assert "plain Python peer" in out and "| 120  |" in out
+
+
+def test_tokenizer_benchmark_runs_with_identical_ids() -> None:
+    from benchmarks.bench_tokenizer import main
+
+    out = main(["--vocab", "1000", "--sample-mb", "0.5", "--encode-mb", "0.1", "--repeats", "1"])
+    assert "HF fast tokenizer" in out
