@@ -18,6 +18,24 @@ _TRN1 = {
     "processes_per_node": 32,
 }
 
+# A public web corpus streamed from the hub; point data.source at your own copy (s3://...) for real runs.
+_WEB_CORPUS = {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True}
+
+# HLAT's evaluation suite (lm-eval-harness task names).
+HLAT_EVAL_TASKS = [
+    "mmlu",
+    "hellaswag",
+    "piqa",
+    "winogrande",
+    "arc_easy",
+    "arc_challenge",
+    "openbookqa",
+    "boolq",
+    "triviaqa",
+    "nq_open",
+    "gsm8k",
+]
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
         "model": {
@@ -60,7 +78,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_seq_len": 4096,
             "init_std": 0.021,
         },
-        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "data": _WEB_CORPUS,
         "tokenizer": {"sample_bytes": 2_000_000_000},
         "training": {
             "lr": 3e-4,
@@ -82,21 +100,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "activation_checkpointing": "selective",
         },
         "job": {**_TRN1, "instance_count": 64},
-        "evaluation": {
-            "tasks": [
-                "mmlu",
-                "hellaswag",
-                "piqa",
-                "winogrande",
-                "arc_easy",
-                "arc_challenge",
-                "openbookqa",
-                "boolq",
-                "triviaqa",
-                "nq_open",
-                "gsm8k",
-            ],
-        },
+        "evaluation": {"tasks": HLAT_EVAL_TASKS},
     },
     "hlat-70b": {
         "model": {
@@ -110,7 +114,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "init_std": 0.021,
             "scale_output_init": True,
         },
-        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "data": _WEB_CORPUS,
         "tokenizer": {"sample_bytes": 2_000_000_000},
         "training": {
             "lr": 1.5e-4,
@@ -134,21 +138,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "activation_checkpointing": "selective",
         },
         "job": {**_TRN1, "instance_count": 256},
-        "evaluation": {
-            "tasks": [
-                "mmlu",
-                "hellaswag",
-                "piqa",
-                "winogrande",
-                "arc_easy",
-                "arc_challenge",
-                "openbookqa",
-                "boolq",
-                "triviaqa",
-                "nq_open",
-                "gsm8k",
-            ],
-        },
+        "evaluation": {"tasks": HLAT_EVAL_TASKS},
     },
     "pythia-6.9b": {
         "model": {
@@ -161,7 +151,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "rotary_fraction": 0.25,
             "init_std": 0.02,
         },
-        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "data": _WEB_CORPUS,
         "tokenizer": {"sample_bytes": 2_000_000_000},
         "training": {
             "lr": 1.2e-4,
@@ -188,7 +178,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "rotary_fraction": 0.25,
             "init_std": 0.01,
         },
-        "data": {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True},
+        "data": _WEB_CORPUS,
         "tokenizer": {"sample_bytes": 2_000_000_000},
         "training": {
             "lr": 0.97e-4,

@@ -41,6 +41,16 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout: float = 120) 
     raise TimeoutError(f"prefect server at {url} did not answer /health in {timeout} s")
 
 
+def interrupt(proc: subprocess.Popen[bytes], grace: float) -> None:
+    """SIGINT, then SIGKILL after `grace` seconds."""
+    proc.send_signal(signal.SIGINT)
+    try:
+        proc.wait(timeout=grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @pytest.fixture(scope="module")
 def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real `prefect server start` on 127.0.0.1 with its own PREFECT_HOME; yields the env to reach it."""
@@ -64,11 +74,7 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
         wait_healthy(env["PREFECT_API_URL"], server)
         yield env
     finally:
-        server.send_signal(signal.SIGINT)
-        try:
-            server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            server.kill()
+        interrupt(server, grace=20)
         log.close()
 
 
@@ -132,9 +138,5 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[
         assert {state for _, state in flows} == {"Completed"}
         assert [state for name, state in tasks if name.startswith("fit-tokenizer")] == ["Completed", "Cached"]
     finally:
-        worker.send_signal(signal.SIGINT)
-        try:
-            worker.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            worker.kill()
+        interrupt(worker, grace=30)  # a worker stops on SIGINT
         worker_log.close()
