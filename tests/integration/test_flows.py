@@ -23,6 +23,13 @@ def task_states(name: str) -> list[str]:
     return [r.state.name for r in runs if r.name.startswith(f"{name}-") and r.state is not None]
 
 
+def artifact_keys() -> set[str]:
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        return {a.key for a in client.read_artifacts(limit=200) if a.key}
+
+
 def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
 ) -> None:
@@ -40,6 +47,7 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     ):
         assert (run / rel).is_file(), rel
     assert first["tokenizer"]["vocab_size"] == 512
+    assert artifact_keys() >= {f"data-report-{first['run_id']}", f"tokenizer-report-{first['run_id']}"}
     shard_dirs = sorted(p.name for p in (run / "data").glob("shards-*"))
     model_bytes = (run / "tokenizer/tokenizer.model").read_bytes()
 

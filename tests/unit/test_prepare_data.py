@@ -230,3 +230,32 @@ def test_builtin_corpus_is_deterministic_real_text() -> None:
     batches = list(iter_batches(load_config("tiny", {"data.max_documents": 120, "data.batch_rows": 50}).data))
     assert [len(b) for b in batches] == [50, 50, 20]
     assert "def " in " ".join(batches[0]["text"])
+
+
+def test_hub_code_path_with_config_split_and_streaming(tmp_path: Path) -> None:
+    """The hub loader (name, config, split, streaming) on a dataset repo laid out here, as the hub lays them out."""
+    from infra.corpus import Source, _open_dataset, resolve_source
+
+    repo = tmp_path / "org-corpus"
+    for config, n in (("small", 5), ("large", 40)):
+        (repo / config).mkdir(parents=True)
+        write_jsonl(repo / config / "train.jsonl", [{"text": doc(i)} for i in range(n)])
+        write_jsonl(repo / config / "test.jsonl", [{"text": doc(100 + i)} for i in range(3)])
+    (repo / "README.md").write_text(
+        "---\nconfigs:\n"
+        + "".join(
+            f"- config_name: {c}\n  data_files:\n  - split: train\n    path: {c}/train.jsonl\n"
+            f"  - split: test\n    path: {c}/test.jsonl\n"
+            for c in ("small", "large")
+        )
+        + "---\n"
+    )
+    assert resolve_source(data_cfg("someorg/corpus")).kind == "hub"
+    # A hub name and a local repo folder go through the same datasets.load_dataset call.
+    as_hub = Source("hub", None, [], str(repo))
+    for streaming in (True, False):
+        cfg = data_cfg(repo, hf_config="large", split="test", streaming=streaming)
+        texts = [t for batch in _open_dataset(cfg, as_hub).iter(batch_size=2) for t in batch["text"]]
+        assert texts == [doc(100 + i) for i in range(3)], f"streaming={streaming}"
+    with pytest.raises(SourceError, match=r"cannot load .*org-corpus"):
+        _open_dataset(data_cfg(repo, hf_config="nope"), as_hub)
