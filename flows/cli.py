@@ -1,7 +1,7 @@
 """The `hlat` command line: run the whole DAG or one stage, list presets, show a resolved config.
 
     hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--set training.lr=1e-3 ...]
-    hlat run prepare-data|train-tokenizer --preset tiny --run-id R --storage DIR
+    hlat run prepare-data|train-tokenizer|train --preset tiny --run-id R --storage DIR
     hlat presets
     hlat config --preset hlat-7b [--set ...]
 
@@ -21,7 +21,7 @@ from typing import Any
 from training.config import ConfigError, parse_override
 from training.presets import PRESETS, load_config
 
-STAGES = ("prepare-data", "train-tokenizer")
+STAGES = ("prepare-data", "train-tokenizer", "train")
 
 
 def _stage_flow(name: str) -> Callable[..., Any]:
@@ -29,6 +29,10 @@ def _stage_flow(name: str) -> Callable[..., Any]:
         from flows.prepare_data import prepare_data
 
         return prepare_data
+    if name == "train":
+        from flows.train import train
+
+        return train
     from flows.train_tokenizer import train_tokenizer
 
     return train_tokenizer

@@ -8,6 +8,7 @@ from prefect import flow
 
 from flows.common import resolve, run_name
 from flows.prepare_data import prepare_data
+from flows.train import train
 from flows.train_tokenizer import train_tokenizer
 
 
@@ -18,17 +19,19 @@ def hlat(
     run_id: str | None = None,
     storage: str | None = None,
 ) -> dict[str, Any]:
-    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer (later stages join as they land)."""
+    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> train (later stages join as they land)."""
     config, run = resolve(preset, overrides, run_id, storage)
     root = config.storage.root
     data = prepare_data(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
     tokenizer = train_tokenizer(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
+    training = train(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {
         "run_id": run.run_id,
         "run_uri": run.uri,
         "data": data.model_dump(mode="json"),
         "tokenizer": tokenizer,
+        "train": training,
     }
 
 

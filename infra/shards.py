@@ -126,5 +126,7 @@ def iter_documents(data: Storage, manifest: DataManifest, split: Split, verify: 
             table = pq.read_table(io.BytesIO(payload), columns=["text"])
             yield from table.column("text").to_pylist()
         else:
-            for line in payload.decode("utf-8").splitlines():
-                yield json.loads(line)["text"]
+            # Only "\n" ends a record: str.splitlines() would also cut at U+2028, U+0085, ... inside the text.
+            for line in payload.decode("utf-8").split("\n"):
+                if line:
+                    yield json.loads(line)["text"]

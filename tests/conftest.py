@@ -27,6 +27,10 @@ SMALL_RUN = {
     "model.vocab_size": 512,
     "tokenizer.sample_bytes": 400_000,
     "tokenizer.report_sample_bytes": 100_000,
+    "training.max_steps": 12,
+    "training.checkpoint_every": 5,
+    "training.eval_every": 6,
+    "training.eval_batches": 2,
 }
 
 

@@ -219,6 +219,12 @@ class TrainingConfig(Section):
     """On a NaN/inf loss: 'exit' non-zero so the job restarts from the last checkpoint (HLAT), or 'skip' the step."""
     log_every: int = Field(1, ge=1)
     """Steps between metric records."""
+    eval_every: int = Field(1000, ge=0)
+    """Steps between validation-loss evaluations on the held-out split (0: only at the end)."""
+    eval_batches: int = Field(8, ge=1)
+    """Micro-batches per rank scored at each validation-loss evaluation (the same ones every time)."""
+    compile: bool = False
+    """Compile the model with torch.compile (CPU and CUDA)."""
     document_masking: bool = False
     """Stop attention at document boundaries inside packed sequences."""
 
@@ -244,8 +250,6 @@ class ParallelismConfig(Section):
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: 'selective' recomputes core attention only."""
-    data_parallel: Literal["ddp", "fsdp"] = "ddp"
-    """Data-parallel wrapper on CPU/CUDA."""
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> ParallelismConfig:

@@ -74,5 +74,5 @@ def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
     conflict = hlat("run", "prepare-data", *common, "--set", "training.lr=0.5")
     assert (
         conflict.returncode == 2
-        and "was started with a different config (training.lr: 0.001 -> 0.5)" in conflict.stderr
+        and "was started with a different config (training.lr: 0.002 -> 0.5)" in conflict.stderr
     )

@@ -80,5 +80,5 @@ def test_stages_run_alone_and_refuse_a_changed_config(
     assert tok["vocab_size"] == 512
 
     changed = {**small_run, "training.lr": 5e-3}
-    with pytest.raises(ConfigError, match=r"run 'alone' .* different config \(training.lr: 0.001 -> 0.005\)"):
+    with pytest.raises(ConfigError, match=r"run 'alone' .* different config \(training.lr: 0.002 -> 0.005\)"):
         prepare_data(preset="tiny", overrides=changed, run_id="alone", storage=str(tmp_path))

@@ -138,7 +138,7 @@ def test_overrides_do_not_mutate_presets() -> None:
 
 
 def test_run_id_is_derived_from_the_config() -> None:
-    a, b = load_config("tiny"), load_config("tiny", ["training.lr=2e-3"])
+    a, b = load_config("tiny"), load_config("tiny", ["training.lr=3e-3"])
     assert a.resolved_run_id() == load_config("tiny").resolved_run_id()
     assert a.resolved_run_id() != b.resolved_run_id()
     assert a.resolved_run_id().startswith("tiny-")

@@ -53,14 +53,14 @@ def test_a_different_config_under_the_same_run_id_is_refused(tmp_path: Path) -> 
     open_run(load_config("tiny", run_id="exp-1", storage=str(tmp_path)))
     before = (tmp_path / "exp-1" / CONFIG_FILE).read_text()
 
-    overrides = {"training.lr": 0.002, "model.n_layers": 3}
+    overrides = {"training.lr": 0.004, "model.n_layers": 3}
     changed = load_config("tiny", overrides, run_id="exp-1", storage=str(tmp_path))
     with pytest.raises(ConfigError) as info:
         open_run(changed)
     message = str(info.value)
     assert "\n" not in message
     assert "'exp-1'" in message
-    assert "training.lr: 0.001 -> 0.002" in message
+    assert "training.lr: 0.002 -> 0.004" in message
     assert "model.n_layers: 2 -> 3" in message
     assert "new --run-id" in message
     assert (tmp_path / "exp-1" / CONFIG_FILE).read_text() == before
@@ -68,7 +68,7 @@ def test_a_different_config_under_the_same_run_id_is_refused(tmp_path: Path) -> 
 
 def test_derived_run_id_follows_the_config(tmp_path: Path) -> None:
     base = load_config("tiny", storage=str(tmp_path))
-    other = load_config("tiny", {"training.lr": 0.002}, storage=str(tmp_path))
+    other = load_config("tiny", {"training.lr": 0.003}, storage=str(tmp_path))
     assert base.resolved_run_id() == load_config("tiny", storage=str(tmp_path)).resolved_run_id()
     assert base.resolved_run_id() != other.resolved_run_id()
     # The storage root does not change the derived id.
@@ -84,7 +84,7 @@ def test_describe_difference_limits_the_list() -> None:
     new = load_config(
         "tiny",
         {
-            "training.lr": 0.002,
+            "training.lr": 0.003,
             "training.seed": 1,
             "training.max_steps": 10,
             "training.warmup_steps": 1,

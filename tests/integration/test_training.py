@@ -1,0 +1,143 @@
+"""The training entrypoint for real, as jobs run it: learning, NaN policy, SIGTERM, and two gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from infra.prepare import prepare_dataset
+from infra.runs import open_run
+from infra.shards import iter_documents, read_manifest
+from infra.storage import Storage
+from infra.tokenizer import build_tokenizer
+from training.checkpoint import CheckpointManager
+from training.presets import load_config
+
+pytestmark = pytest.mark.slow
+
+DATA = {
+    "data.max_documents": 300,
+    "model.vocab_size": 512,
+    "tokenizer.sample_bytes": 400_000,
+    "tokenizer.report_sample_bytes": 100_000,
+}
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder with prepared data and a trained tokenizer, shared by the training tests."""
+    root = tmp_path_factory.mktemp("prepared")
+    cfg = load_config("tiny", DATA, run_id="base", storage=str(root))
+    run = open_run(cfg)
+    prepare_dataset(cfg.data, run.stage("data"), fingerprint="training-tests")
+    build_tokenizer(
+        run.stage("data"), run.stage("tokenizer"), cfg.model.vocab_size, cfg.model.max_seq_len, cfg.tokenizer
+    )
+    return root / "base"
+
+
+def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
+    """A new run (config.json) over the prepared data and tokenizer, with training overrides."""
+    overrides = {**DATA, **{f"training.{k}" if "." not in k else k: v for k, v in training.items()}}
+    open_run(load_config("tiny", overrides, run_id=run_id, storage=str(root)))
+    for stage in ("data", "tokenizer"):
+        shutil.copytree(prepared / stage, root / run_id / stage)
+    return root / run_id
+
+
+def launch(run: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "training.train", "--config", str(run / "config.json")],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def train(run: Path, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str]:
+    proc = launch(run, env)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    manager = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1)
+    step = manager.latest_step()
+    assert step is not None
+    shared, _ = manager.load(step)
+    return shared["model"]
+
+
+def unigram_entropy(run: Path) -> float:
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(run / "tokenizer/tokenizer.model"))
+    data = Storage(str(run / "data"))
+    counts: Counter[int] = Counter()
+    for doc in iter_documents(data, read_manifest(data), "validation"):
+        counts.update([*sp.encode(doc), sp.eos_id()])
+    n = sum(counts.values())
+    return -sum(c / n * math.log(c / n) for c in counts.values())
+
+
+def test_the_tiny_model_learns(prepared: Path, tmp_path: Path) -> None:
+    run = make_run(prepared, tmp_path, "learn", max_steps=300, eval_every=100, checkpoint_every=100)
+    code, out = train(run)
+    assert code == 0, out[-3000:]
+    records = metrics(run)
+    val = [r["val_loss"] for r in records if "val_loss" in r]
+    entropy = unigram_entropy(run)
+    assert len(val) == 3 and val[-1] < val[0]
+    assert val[-1] < entropy - 0.5, f"validation loss {val[-1]:.3f} vs unigram entropy {entropy:.3f}"
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in steps] == list(range(1, 301))
+    assert {"grad_norm", "lr", "tokens_per_s", "memory_gb", "samples_crc32"} <= set(steps[-1])
+    assert (run / "tensorboard").is_dir() and any((run / "tensorboard").iterdir())
+
+
+def test_nan_loss_exits_for_a_restart_or_skips(prepared: Path, tmp_path: Path) -> None:
+    run = make_run(prepared, tmp_path, "nan-exit", max_steps=12, checkpoint_every=5, eval_every=0)
+    code, out = train(run, {"HLAT_FAULT_NAN_AT_STEP": "8"})
+    assert code == 3, out[-2000:]
+    assert "loss is nan at step 8" in out
+    code, out = train(run, {"HLAT_FAULT_NAN_AT_STEP": "8"})  # the relaunch resumes from step 5 and finishes
+    assert code == 0, out[-2000:]
+    assert "resumed from step 5" in out
+
+    run = make_run(prepared, tmp_path, "nan-skip", max_steps=12, checkpoint_every=5, eval_every=0, nan_policy="skip")
+    code, out = train(run, {"HLAT_FAULT_NAN_AT_STEP": "8"})
+    assert code == 0, out[-2000:]
+    skipped = [r["step"] for r in metrics(run) if r.get("skipped")]
+    assert skipped == [8]
+
+
+def test_sigterm_checkpoints_and_exits_zero(prepared: Path, tmp_path: Path) -> None:
+    run = make_run(prepared, tmp_path, "sigterm", max_steps=2000, checkpoint_every=1000, eval_every=0)
+    proc = launch(run)
+    deadline = time.monotonic() + 120
+    while len(metrics(run)) < 5 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=120)
+    assert proc.returncode == 0, out[-2000:]
+    step = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1).latest_step()
+    assert step is not None and 5 <= step < 2000
+    assert "SIGTERM: checkpointing step" in out

@@ -1,0 +1,430 @@
+"""Atomic per-rank checkpoints (training/checkpoint.py) on a local `Storage`; tests/integration has the S3 ones."""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import random
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from infra.storage import Storage
+from training.checkpoint import (
+    MARKER,
+    META,
+    SHARED_FILE,
+    CheckpointError,
+    CheckpointManager,
+    capture_rng_state,
+    rank_file,
+    restore_rng_state,
+    step_dir,
+)
+from training.config import TrainingConfig
+from training.optim import build_optimizer, build_scheduler
+
+
+class SpyStorage(Storage):
+    """A local Storage that records writes and removes, and can fail the Nth write or block every write."""
+
+    def __init__(self, url: str, fail_on_write: int | None = None) -> None:
+        super().__init__(url)
+        self.fail_on_write = fail_on_write
+        self.writes: list[str] = []
+        self.removes: list[tuple[str, bool]] = []
+        self.gate: threading.Event | None = None
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        if self.gate is not None:
+            self.gate.wait(timeout=30)
+        if self.fail_on_write is not None and len(self.writes) + 1 == self.fail_on_write:
+            self.writes.append(f"FAILED {rel}")
+            raise OSError(f"injected failure writing {rel}")
+        super().write_bytes(rel, data)
+        self.writes.append(rel)
+
+    def remove(self, rel: str, recursive: bool = False) -> None:
+        self.removes.append((rel, recursive))
+        super().remove(rel, recursive=recursive)
+
+
+def tiny_training(steps: int = 3) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 12), nn.LayerNorm(12), nn.ReLU(), nn.Linear(12, 3))
+    cfg = TrainingConfig(lr=1e-2, warmup_steps=2, max_steps=20)
+    opt = build_optimizer(model, cfg, "fp32")
+    sched = build_scheduler(opt, cfg)
+    for _ in range(steps):
+        loss = model(torch.randn(5, 6)).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+def shared_of(model: nn.Module, opt: torch.optim.Optimizer, sched: Any, step: int) -> dict[str, Any]:
+    return {"step": step, "model": model.state_dict(), "optimizer": opt.state_dict(), "scheduler": sched.state_dict()}
+
+
+def assert_same(a: Any, b: Any, where: str = "state") -> None:
+    """Bitwise equality of two state trees (tensors: dtype, shape and every bit)."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        raw_a = a.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+        raw_b = b.detach().cpu().reshape(-1).contiguous().view(torch.uint8)
+        assert torch.equal(raw_a, raw_b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, list | tuple):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def committed(store: Storage) -> list[int]:
+    return CheckpointManager(store, keep_last=1).committed_steps()
+
+
+# -- round trip --------------------------------------------------------------------------------------------
+
+
+def test_round_trip_is_bitwise_and_training_continues_identically(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path / "checkpoints"))
+    manager = CheckpointManager(store, keep_last=3, fingerprint="abc123")
+    model, opt, sched = tiny_training()
+    random.seed(1)
+    np.random.seed(2)
+    torch.manual_seed(3)
+    rank_state = {"loader": {"epoch": 1, "offset": 12345, "order": [3, 1, 2]}, "rng": capture_rng_state()}
+    shared = shared_of(model, opt, sched, 3)
+    manager.save(3, shared, rank_state)
+
+    names = sorted(p.name for p in (tmp_path / "checkpoints" / "step-000000003").iterdir())
+    assert names == sorted([MARKER, META, SHARED_FILE, rank_file(0)])
+    meta = json.loads((tmp_path / "checkpoints" / "step-000000003" / META).read_text())
+    assert meta["step"] == 3 and meta["world_size"] == 1 and meta["fingerprint"] == "abc123"
+    assert set(meta["files"]) == {SHARED_FILE, rank_file(0)}
+
+    assert manager.latest_step() == 3
+    loaded_shared, loaded_rank = manager.load(3)
+    assert_same(shared, loaded_shared)
+    assert_same(rank_state, loaded_rank)
+
+    # The loaded state continues training exactly like the original.
+    expected = [random.random(), np.random.rand(), torch.rand(3)]
+    model2, opt2, sched2 = tiny_training(steps=0)
+    model2.load_state_dict(loaded_shared["model"])
+    opt2.load_state_dict(loaded_shared["optimizer"])
+    sched2.load_state_dict(loaded_shared["scheduler"])
+    restore_rng_state(loaded_rank["rng"])
+    assert_same(expected, [random.random(), np.random.rand(), torch.rand(3)])
+    for m, o, s in ((model, opt, sched), (model2, opt2, sched2)):
+        torch.manual_seed(9)
+        for _ in range(3):
+            loss = m(torch.randn(5, 6)).pow(2).mean()
+            o.zero_grad()
+            loss.backward()
+            o.step()
+            s.step()
+    assert_same(model.state_dict(), model2.state_dict())
+    assert_same(opt.state_dict(), opt2.state_dict())
+
+
+def test_state_that_weights_only_load_would_refuse_is_rejected_before_writing(tmp_path: Path) -> None:
+    manager = CheckpointManager(Storage(str(tmp_path)), keep_last=2)
+    with pytest.raises(CheckpointError, match=r"shared_state\['opt'\]\['lr'\]: a numpy.float64"):
+        manager.save(1, {"opt": {"lr": np.float64(0.1)}}, {})
+    with pytest.raises(CheckpointError, match=r"rank_state\['rng'\]\[0\]: a numpy.ndarray"):
+        manager.save(1, {}, {"rng": [np.zeros(3)]})
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_capture_rng_state_survives_weights_only_load() -> None:
+    state = capture_rng_state()
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    loaded = torch.load(io.BytesIO(buf.getvalue()), weights_only=True)
+    before = (random.random(), np.random.randn(4).tolist(), torch.randn(4))
+    restore_rng_state(loaded)
+    after = (random.random(), np.random.randn(4).tolist(), torch.randn(4))
+    assert_same(before, after)
+
+
+# -- atomicity ---------------------------------------------------------------------------------------------
+
+
+def test_marker_is_written_last(tmp_path: Path) -> None:
+    store = SpyStorage(str(tmp_path))
+    CheckpointManager(store, keep_last=2).save(7, {"w": torch.ones(2)}, {"r": 0})
+    folder = step_dir(7)
+    assert store.writes == [
+        f"{folder}/{SHARED_FILE}",
+        f"{folder}/{rank_file(0)}",
+        f"{folder}/{META}",
+        f"{folder}/{MARKER}",
+    ]
+
+
+@pytest.mark.parametrize("fail_on", [1, 2, 3, 4])
+def test_a_save_failing_midway_is_skipped_and_the_previous_one_loads(
+    tmp_path: Path, fail_on: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = CheckpointManager(Storage(str(tmp_path)), keep_last=5)
+    good.save(1, {"w": torch.full((3,), 1.0)}, {"r": 1})
+    store = SpyStorage(str(tmp_path), fail_on_write=fail_on)
+    failing = CheckpointManager(store, keep_last=5)
+    with pytest.raises(OSError, match="injected"):
+        failing.save(2, {"w": torch.full((3,), 2.0)}, {"r": 2})
+    assert not (tmp_path / step_dir(2) / MARKER).exists()
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert good.latest_step() == 1
+    if (tmp_path / step_dir(2)).exists():
+        assert step_dir(2) in caplog.text and "no COMMITTED marker" in caplog.text
+    shared, mine = good.load(1)
+    assert shared["w"].tolist() == [1.0, 1.0, 1.0] and mine == {"r": 1}
+    with pytest.raises(CheckpointError, match="not usable"):
+        good.load(2)
+
+
+@pytest.mark.parametrize("victim", [SHARED_FILE, rank_file(0)])
+def test_a_truncated_file_in_a_committed_checkpoint_is_skipped_with_a_warning(
+    tmp_path: Path, victim: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    manager = CheckpointManager(Storage(str(tmp_path)), keep_last=5)
+    manager.save(1, {"w": torch.zeros(100)}, {"r": 1})
+    manager.save(2, {"w": torch.ones(100)}, {"r": 2})
+    path = tmp_path / step_dir(2) / victim
+    path.write_bytes(path.read_bytes()[:-10])
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert manager.latest_step() == 1
+    assert step_dir(2) in caplog.text and victim in caplog.text and "truncated" in caplog.text
+    with pytest.raises(CheckpointError, match=victim):
+        manager.load(2)
+    assert manager.load(1)[1] == {"r": 1}
+
+
+def test_tampered_meta_and_corrupted_content_are_detected(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    manager = CheckpointManager(Storage(str(tmp_path)), keep_last=5)
+    manager.save(1, {"w": torch.zeros(100)}, {"r": 1})
+    manager.save(2, {"w": torch.zeros(100)}, {"r": 2})
+    manager.save(3, {"w": torch.zeros(100)}, {"r": 3})
+    # Same size, different bytes: caught by the sha256 when loading.
+    shared = tmp_path / step_dir(3) / SHARED_FILE
+    data = bytearray(shared.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shared.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="sha256"):
+        manager.load(3)
+    # meta.json edited after the commit: no longer matches the marker.
+    meta = tmp_path / step_dir(3) / META
+    meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 1 '))
+    (tmp_path / step_dir(2) / MARKER).write_text("not json")
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert manager.latest_step() == 1
+    assert "does not match" in caplog.text and "unreadable" in caplog.text
+
+
+def test_resaving_a_step_drops_its_stale_marker_first(tmp_path: Path) -> None:
+    CheckpointManager(Storage(str(tmp_path)), keep_last=5).save(4, {"w": torch.zeros(2)}, {"r": 0})
+    store = SpyStorage(str(tmp_path), fail_on_write=2)  # train_state.pt is rewritten, then the rank file fails
+    with pytest.raises(OSError):
+        CheckpointManager(store, keep_last=5).save(4, {"w": torch.ones(2)}, {"r": 0})
+    assert store.removes[0] == (f"{step_dir(4)}/{MARKER}", False)
+    assert CheckpointManager(Storage(str(tmp_path)), keep_last=5).latest_step() is None
+
+
+# -- retention ---------------------------------------------------------------------------------------------
+
+
+def test_retention_keeps_the_last_n_and_every_kth(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=2, keep_every=4)
+    for step in range(1, 11):
+        manager.save(step, {"w": torch.tensor(step)}, {})
+    assert committed(store) == [4, 8, 9, 10]
+    assert store.list() == [step_dir(s) for s in (4, 8, 9, 10)]
+
+    plain = CheckpointManager(Storage(str(tmp_path / "plain")), keep_last=3)
+    for step in range(0, 50, 10):
+        plain.save(step, {}, {})
+    assert committed(plain.storage) == [20, 30, 40]
+
+
+def test_incomplete_older_folders_are_garbage_collected_newer_ones_are_not(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=2)
+    manager.save(1, {}, {})
+    for step, fail_on in ((2, 2), (9, 1 + 2)):  # step 9: only its train_state.pt and rank file are written
+        with pytest.raises(OSError):
+            CheckpointManager(SpyStorage(str(tmp_path), fail_on_write=fail_on), keep_last=2).save(step, {}, {})
+    assert store.list() == [step_dir(1), step_dir(2), step_dir(9)]
+    manager.save(3, {}, {})
+    # step 2 (older than the new commit, marker-less) is gone; step 9 may be another rank's save in progress.
+    assert store.list() == [step_dir(1), step_dir(3), step_dir(9)]
+    assert manager.latest_step() == 3
+
+
+def test_deletion_removes_the_marker_first(tmp_path: Path) -> None:
+    store = SpyStorage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=1)
+    for step in (1, 2, 3):
+        manager.save(step, {}, {})
+    deletions = [r for r in store.removes if r[1]]
+    assert deletions == [(step_dir(1), True), (step_dir(2), True)]
+    for folder, _ in deletions:
+        marker_at = store.removes.index((f"{folder}/{MARKER}", False))
+        assert marker_at < store.removes.index((folder, True))
+    assert store.list() == [step_dir(3)]
+
+
+# -- async -------------------------------------------------------------------------------------------------
+
+
+def test_async_save_writes_what_sync_save_writes(tmp_path: Path) -> None:
+    model, opt, sched = tiny_training()
+    rank_state = {"rng": capture_rng_state(), "loader": {"pos": 3}}
+    sync = CheckpointManager(Storage(str(tmp_path / "sync")), keep_last=2)
+    sync.save(3, shared_of(model, opt, sched, 3), rank_state)
+    background = CheckpointManager(Storage(str(tmp_path / "async")), keep_last=2, async_save=True)
+    background.save(3, shared_of(model, opt, sched, 3), rank_state)
+    # The state was staged before save() returned: changing it now does not change the checkpoint.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)
+    background.wait()
+    expected = sync.load(3)
+    got = background.load(3)
+    assert_same(expected, got)
+    assert not torch.equal(got[0]["model"]["0.weight"], model.state_dict()["0.weight"])
+    background.close()
+
+
+def test_async_save_returns_before_writing_and_the_next_save_waits(tmp_path: Path) -> None:
+    store = SpyStorage(str(tmp_path))
+    store.gate = threading.Event()
+    manager = CheckpointManager(store, keep_last=5, async_save=True)
+    manager.save(1, {"w": torch.zeros(3)}, {})  # returns although every write is blocked
+    assert store.writes == []
+    second_done = threading.Event()
+
+    def second() -> None:
+        manager.save(2, {"w": torch.ones(3)}, {})
+        second_done.set()
+
+    thread = threading.Thread(target=second)
+    thread.start()
+    time.sleep(0.2)
+    assert not second_done.is_set()  # waiting for save 1
+    store.gate.set()
+    thread.join(timeout=30)
+    assert second_done.is_set()
+    manager.wait()
+    assert committed(store) == [1, 2]
+    manager.close()
+
+
+def test_async_errors_surface_on_wait_and_on_the_next_save(tmp_path: Path) -> None:
+    store = SpyStorage(str(tmp_path), fail_on_write=1)
+    manager = CheckpointManager(store, keep_last=5, async_save=True)
+    manager.save(1, {"w": torch.zeros(3)}, {})
+    with pytest.raises(CheckpointError, match=r"background save of .*step-000000001.* failed.*injected"):
+        manager.wait()
+    manager.wait()  # reported once
+    store.fail_on_write = len(store.writes) + 1
+    manager.save(2, {}, {})
+    with pytest.raises(CheckpointError, match="step-000000002"):
+        manager.save(3, {}, {})
+    manager.save(4, {}, {})
+    manager.close()
+    assert committed(store) == [4]
+
+
+# -- several ranks -----------------------------------------------------------------------------------------
+
+
+def test_two_ranks_write_one_checkpoint(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    rank0 = CheckpointManager(store, keep_last=2, rank=0, world_size=2)
+    rank1 = CheckpointManager(store, keep_last=2, rank=1, world_size=2)
+    for step in (10, 20, 30):
+        rank1.save(step, None, {"rank": 1, "pos": step + 1})  # rank 1 first: the barrier is a no-op here
+        assert rank0.latest_step() == (step - 10 or None)
+        rank0.save(step, {"w": torch.tensor(float(step))}, {"rank": 0, "pos": step})
+    assert rank0.latest_step() == rank1.latest_step() == 30
+    assert sorted(p.name for p in (tmp_path / step_dir(30)).iterdir()) == sorted(
+        [SHARED_FILE, rank_file(0), rank_file(1), META, MARKER]
+    )
+    assert store.list() == [step_dir(20), step_dir(30)]
+    shared0, mine0 = rank0.load(30)
+    shared1, mine1 = rank1.load(30)
+    assert shared0["w"].item() == shared1["w"].item() == 30.0
+    assert mine0 == {"rank": 0, "pos": 30} and mine1 == {"rank": 1, "pos": 31}
+    # A job with another world size cannot take over the per-rank state.
+    with pytest.raises(CheckpointError, match="2 ranks"):
+        CheckpointManager(store, keep_last=2).load(30)
+
+
+def test_rank_zero_does_not_commit_without_every_rank_file(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    rank0 = CheckpointManager(store, keep_last=2, rank=0, world_size=3, commit_timeout_s=0.2)
+    CheckpointManager(store, keep_last=2, rank=2, world_size=3).save(5, None, {})
+    with pytest.raises(CheckpointError, match=r"rank-00001\.pt missing"):
+        rank0.save(5, {}, {})
+    assert rank0.latest_step() is None
+
+
+def test_barrier_runs_between_the_rank_files_and_the_commit(tmp_path: Path) -> None:
+    store = SpyStorage(str(tmp_path))
+    seen: list[list[str]] = []
+    rank1 = CheckpointManager(store, keep_last=2, rank=1, world_size=2)
+
+    def barrier() -> None:
+        # The "other rank" writes its file while rank 0 waits in the barrier, as a real barrier would allow.
+        seen.append(list(store.writes))
+        rank1.save(1, None, {"r": 1})
+
+    rank0 = CheckpointManager(store, keep_last=2, rank=0, world_size=2, barrier=barrier)
+    rank0.save(1, {}, {"r": 0})
+    assert seen == [[f"{step_dir(1)}/{SHARED_FILE}", f"{step_dir(1)}/{rank_file(0)}"]]
+    assert store.writes[-2:] == [f"{step_dir(1)}/{META}", f"{step_dir(1)}/{MARKER}"]
+    assert rank0.latest_step() == 1
+
+
+def test_async_rank_zero_waits_for_the_other_ranks_files(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    rank0 = CheckpointManager(store, keep_last=2, rank=0, world_size=2, async_save=True, commit_timeout_s=30)
+    rank1 = CheckpointManager(store, keep_last=2, rank=1, world_size=2, async_save=True)
+    rank0.save(1, {"w": torch.ones(2)}, {"r": 0})  # rank 0 first: its background thread polls for rank 1
+    time.sleep(0.2)
+    assert rank0.latest_step() is None
+    rank1.save(1, None, {"r": 1})
+    rank1.wait()
+    rank0.wait()
+    assert rank1.load(1)[1] == {"r": 1}
+    rank0.close()
+    rank1.close()
+
+
+def test_arguments_are_checked(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    with pytest.raises(ValueError, match="keep_last"):
+        CheckpointManager(store, keep_last=0)
+    with pytest.raises(ValueError, match="rank"):
+        CheckpointManager(store, keep_last=1, rank=2, world_size=2)
+    with pytest.raises(ValueError, match="shared state"):
+        CheckpointManager(store, keep_last=1).save(1, None, {})
+    assert CheckpointManager(store, keep_last=1).latest_step() is None

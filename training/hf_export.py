@@ -1,0 +1,207 @@
+"""Export a trained `training.model.Transformer` as a Hugging Face `LlamaForCausalLM` checkpoint (and back).
+
+`training.model` follows HF Llama's conventions (rotate_half RoPE pairing, `repeat_kv` head grouping,
+float32 RMSNorm statistics, SwiGLU gate/up/down), so the conversion is a renaming of tensors, with no
+permutation. The exported folder (config.json, generation_config.json, model.safetensors, and the tokenizer
+files when given) loads with `LlamaForCausalLM.from_pretrained(out_dir)` offline, e.g. for lm-eval-harness.
+
+Partial rotary (`rotary_fraction < 1`) cannot be exported: transformers' Llama ignores
+`partial_rotary_factor` for the default RoPE type (it rotates every dim) and fails on shape for the others,
+so such a model would load but compute something else; `hf_llama_config` refuses it.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor, nn
+
+from training.config import ModelConfig
+from training.model import Transformer
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig
+
+BOS_ID, EOS_ID = 1, 2  # the sentencepiece ids of <s> and </s> (infra/tokenizer.py)
+
+SAFETENSORS_FILE = "model.safetensors"
+
+# Files a tokenizer folder (infra/tokenizer.py, or any HF tokenizer) may hold that from_pretrained reads;
+# anything else there (e.g. the tokenizer stage's report.json) is not copied.
+TOKENIZER_FILES = (
+    "tokenizer.model",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+)
+
+# (our name, HF name) patterns; {i} is the layer index.
+_NAMES = (
+    ("embed.weight", "model.embed_tokens.weight"),
+    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
+    ("layers.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
+    ("layers.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
+    ("layers.{i}.attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
+    ("layers.{i}.attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
+    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
+    ("layers.{i}.mlp.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
+    ("layers.{i}.mlp.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
+    ("layers.{i}.mlp.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
+    ("norm.weight", "model.norm.weight"),
+    ("output.weight", "lm_head.weight"),
+)
+
+
+def _compile(src: str, dst: str) -> tuple[re.Pattern[str], str]:
+    return re.compile(re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst
+
+
+_TO_HF = [_compile(ours, hf) for ours, hf in _NAMES]
+_FROM_HF = [_compile(hf, ours) for ours, hf in _NAMES]
+
+
+def _rename(name: str, table: list[tuple[re.Pattern[str], str]], direction: str) -> str:
+    for pattern, target in table:
+        m = pattern.match(name)
+        if m:
+            return target.format(i=m.group(1)) if m.groups() else target
+    raise ValueError(f"{direction}: unexpected tensor {name!r} (known: {', '.join(n for n, _ in _NAMES)})")
+
+
+def hf_llama_config(cfg: ModelConfig) -> LlamaConfig:
+    """The `transformers.LlamaConfig` describing the same network as `cfg` (float32 weights).
+
+    Raises ValueError for rotary_fraction < 1, which transformers' Llama cannot represent.
+    """
+    # Imported here: transformers takes seconds to import and training jobs do not need it.
+    from transformers import LlamaConfig
+
+    if cfg.rotary_fraction != 1.0:
+        raise ValueError(
+            f"model.rotary_fraction={cfg.rotary_fraction}: partial rotary embeddings cannot be exported to "
+            "LlamaForCausalLM (transformers' Llama rotates every head dim and ignores partial_rotary_factor); "
+            "only rotary_fraction=1.0 models are exportable"
+        )
+    return LlamaConfig(
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.d_model,
+        intermediate_size=cfg.ffn_hidden,
+        num_hidden_layers=cfg.n_layers,
+        num_attention_heads=cfg.n_heads,
+        num_key_value_heads=cfg.kv_heads,
+        head_dim=cfg.head_dim,
+        hidden_act="silu",
+        max_position_embeddings=cfg.max_seq_len,
+        initializer_range=cfg.init_std,
+        rms_norm_eps=cfg.norm_eps,
+        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        tie_word_embeddings=cfg.tie_embeddings,
+        attention_bias=False,
+        mlp_bias=False,
+        bos_token_id=BOS_ID,
+        eos_token_id=EOS_ID,
+        pad_token_id=None,
+        dtype="float32",
+        architectures=["LlamaForCausalLM"],
+    )
+
+
+def to_hf_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Our tensors under HF Llama names (sharing storage with the model; nothing is copied).
+
+    Accepts a `Transformer` or its state dict (e.g. from a checkpoint). A tied output projection (the same
+    tensor as the embedding) is left out, as HF's own `save_pretrained` does; HF ties it on load.
+    """
+    state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
+    embed, output = state.get("embed.weight"), state.get("output.weight")
+    tied = embed is not None and output is not None and (output is embed or _same_storage(output, embed))
+    return {
+        _rename(name, _TO_HF, "to_hf_state_dict"): t.detach()
+        for name, t in state.items()
+        if not (tied and name == "output.weight")
+    }
+
+
+def from_hf_state_dict(state_dict: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """HF Llama tensors under our names, ready for `Transformer.load_state_dict` (the inverse of
+    `to_hf_state_dict`). Without `lm_head.weight` (tied embeddings) the output projection is the embedding."""
+    out = {_rename(name, _FROM_HF, "from_hf_state_dict"): t for name, t in state_dict.items()}
+    if "output.weight" not in out and "embed.weight" in out:
+        out["output.weight"] = out["embed.weight"]
+    return out
+
+
+def export_hf(
+    model: Transformer | Mapping[str, Tensor], cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | None = None
+) -> Path:
+    """Write `out_dir` as a float32 HF Llama checkpoint that `LlamaForCausalLM.from_pretrained` loads offline.
+
+    `model` is a `Transformer` built from `cfg`, or its (full, gathered) state dict. Tokenizer files found
+    in `tokenizer_dir` (see TOKENIZER_FILES) are copied alongside. Returns the output folder.
+    """
+    from safetensors.torch import save_file
+    from transformers import GenerationConfig
+
+    hf_config = hf_llama_config(cfg)  # refuses unexportable configs before anything is written
+    if isinstance(model, Transformer) and model.cfg != cfg:
+        raise ValueError("export_hf: the model was built from a different ModelConfig than the one given")
+    tensors = {name: t.to("cpu", torch.float32).contiguous() for name, t in to_hf_state_dict(model).items()}
+    if cfg.tie_embeddings:
+        # A checkpoint may hold the tied projection as its own copy; HF ties it to the embedding on load.
+        tensors.pop("lm_head.weight", None)
+    _check_shapes(tensors, cfg)
+    tokenizer_files: list[Path] = []
+    if tokenizer_dir is not None:
+        tokenizer_files = [Path(tokenizer_dir) / n for n in TOKENIZER_FILES if (Path(tokenizer_dir) / n).is_file()]
+        if not tokenizer_files:
+            raise ValueError(f"export_hf: no tokenizer files ({', '.join(TOKENIZER_FILES)}) in {tokenizer_dir}")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    # metadata format=pt: transformers refuses safetensors files without it.
+    save_file(tensors, str(out / SAFETENSORS_FILE), metadata={"format": "pt"})
+    hf_config.save_pretrained(out)
+    GenerationConfig(bos_token_id=BOS_ID, eos_token_id=EOS_ID).save_pretrained(out)
+    for src in tokenizer_files:
+        shutil.copyfile(src, out / src.name)
+    return out
+
+
+def _check_shapes(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> None:
+    """Every tensor HF expects is there with its shape, so a mismatched config fails here, not on load."""
+    d, kv_dim, f, v = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
+    expected = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
+    if not cfg.tie_embeddings:
+        expected["lm_head.weight"] = (v, d)
+    for i in range(cfg.n_layers):
+        p = f"model.layers.{i}."
+        expected |= {
+            p + "input_layernorm.weight": (d,),
+            p + "post_attention_layernorm.weight": (d,),
+            p + "self_attn.q_proj.weight": (d, d),
+            p + "self_attn.k_proj.weight": (kv_dim, d),
+            p + "self_attn.v_proj.weight": (kv_dim, d),
+            p + "self_attn.o_proj.weight": (d, d),
+            p + "mlp.gate_proj.weight": (f, d),
+            p + "mlp.up_proj.weight": (f, d),
+            p + "mlp.down_proj.weight": (d, f),
+        }
+    got = {name: tuple(t.shape) for name, t in tensors.items()}
+    if got != expected:
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        wrong = sorted(n for n in set(got) & set(expected) if got[n] != expected[n])
+        raise ValueError(
+            f"export_hf: tensors do not match the config (missing {missing[:5]}, unexpected {extra[:5]}, "
+            f"wrong shape {[(n, got[n], expected[n]) for n in wrong[:5]]})"
+        )
+
+
+def _same_storage(a: Tensor, b: Tensor) -> bool:
+    return a.shape == b.shape and a.device == b.device and a.data_ptr() == b.data_ptr()

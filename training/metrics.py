@@ -1,0 +1,66 @@
+"""Per-step metrics: one JSON line per record in `<run>/metrics.jsonl`, and TensorBoard scalars.
+
+Only rank 0 writes. On local storage lines are appended as they come; on S3 (no appends) they are buffered
+and the object is rewritten at each flush (every checkpoint and at exit). A resumed job first drops the
+lines past the step it resumes from, so the file always describes one consistent history.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from typing import Any
+
+from infra.storage import Storage
+
+log = logging.getLogger("hlat.train")
+METRICS_FILE = "metrics.jsonl"
+
+
+class MetricsLog:
+    def __init__(self, run: Storage, enabled: bool, tensorboard_dir: str | None = None) -> None:
+        self.run, self.enabled = run, enabled
+        self._lines: list[str] = []
+        self._writer: Any = None
+        if enabled and tensorboard_dir:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=tensorboard_dir)
+
+    def resume_at(self, step: int) -> None:
+        """Keep the history up to `step` (the checkpoint resumed from); later lines are redone."""
+        if not self.enabled:
+            return
+        kept: list[str] = []
+        if self.run.exists(METRICS_FILE):
+            kept = [line for line in self.run.read_text(METRICS_FILE).splitlines() if json.loads(line)["step"] <= step]
+        self.run.write_text(METRICS_FILE, "".join(f"{line}\n" for line in kept))
+        self._lines = kept
+
+    def record(self, step: int, values: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in values.items()}
+        line = json.dumps({"step": step, **clean}, sort_keys=True)
+        self._lines.append(line)
+        if self.run.is_local:
+            with self.run.open(METRICS_FILE, "a") as fh:
+                fh.write(line + "\n")
+        if self._writer is not None:
+            for key, value in values.items():
+                if isinstance(value, int | float) and math.isfinite(value):
+                    self._writer.add_scalar(key, value, step)
+
+    def flush(self) -> None:
+        if not self.enabled:
+            return
+        if not self.run.is_local:
+            self.run.write_text(METRICS_FILE, "".join(f"{line}\n" for line in self._lines))
+        if self._writer is not None:
+            self._writer.flush()
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()

@@ -1,0 +1,266 @@
+"""The HLAT / LLaMA decoder-only transformer: architecture only (no distributed or device code).
+
+`Transformer(cfg)` builds the modules; `init_weights()` initialises them (construction alone does not, so a
+model built on the meta device can be materialised with `to_empty()` and then initialised or loaded).
+
+Architecture, matching Hugging Face `LlamaForCausalLM` so that `training.hf_export` is a pure renaming:
+
+- token embedding → `n_layers` pre-norm blocks → final RMSNorm → output projection (untied unless
+  `cfg.tie_embeddings`);
+- block: `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`;
+- RMSNorm computed in float32 and cast back before the weight multiply (as HF does);
+- attention: grouped-query (`n_kv_heads` key/value heads, query head `h` reads key/value head
+  `h // (n_heads // n_kv_heads)`, HF's `repeat_kv` grouping), no biases, scale `1/sqrt(head_dim)`, causal;
+- SwiGLU MLP: `w2(silu(w1(x)) * w3(x))` (w1 = gate, w3 = up, w2 = down).
+
+Rotary embeddings use the HF Llama ("rotate_half", GPT-NeoX) pairing: within each head, dim `i` is rotated
+together with dim `i + head_dim/2`, pair `i` at angle `pos * inv_freq[i]`, for `i < head_dim/2`.
+Partial rotary (`rotary_fraction < 1`, `r = head_dim * rotary_fraction` rotated dims) is done the
+Trainium-friendly way: the whole head goes through the same rotation, and the pairs that are not meant to
+rotate get frequency zero (cos = 1, sin = 0), so there is no slicing or concatenation of the head. The
+rotated pairs are the first `r/2` ones, with `inv_freq[i] = theta^(-2i/r)` for `i < r/2` and 0 beyond, so
+the rotated dims are `[0, r/2)` and `[head_dim/2, head_dim/2 + r/2)`. That is GPT-NeoX partial rotary (which
+rotates dims `[0, r)` with pairs `(i, i + r/2)` and the same frequencies) up to a fixed permutation of the
+head dims, i.e. the same family of functions; with `rotary_fraction = 1` it is exactly HF Llama.
+
+Positions are absolute within the (packed) sequence also under document masking: RoPE scores depend only
+on the distance between query and key, so a document attends within itself exactly as it would alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from training.config import ModelConfig
+
+
+def rope_tables(
+    cfg: ModelConfig, seq_len: int | None = None, device: torch.device | str | None = None
+) -> tuple[Tensor, Tensor]:
+    """cos and sin tables, each (seq_len, head_dim) float32, for positions 0..seq_len-1 (default max_seq_len).
+
+    Computed in float64 so long positions keep their accuracy, then cast; pairs beyond the rotary fraction
+    have frequency zero (cos = 1, sin = 0), see the module docstring for the pairing.
+    """
+    seq_len = cfg.max_seq_len if seq_len is None else seq_len
+    head_dim = cfg.head_dim
+    rotary_dims = round(head_dim * cfg.rotary_fraction)
+    # On the CPU whatever the default device (also inside `with torch.device("meta")`), then moved.
+    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float64, device="cpu")  # (head_dim/2,)
+    exponents = torch.arange(0, rotary_dims, 2, dtype=torch.float64, device="cpu") / rotary_dims
+    inv_freq[: rotary_dims // 2] = torch.pow(cfg.rope_theta, -exponents)
+    positions = torch.arange(seq_len, dtype=torch.float64, device="cpu")
+    angles = torch.outer(positions, inv_freq)  # (T, head_dim/2)
+    # Both halves of the head share a pair's angle (rotate_half pairing).
+    angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim)
+    return angles.cos().to(device=device, dtype=torch.float32), angles.sin().to(device=device, dtype=torch.float32)
+
+
+def rotate_half(x: Tensor) -> Tensor:
+    """(x1, x2) -> (-x2, x1) over the two halves of the last dim: the 90° turn of each (i, i + d/2) pair."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotate x (..., T, head_dim) by the tables cos, sin (T, head_dim) (cast to x's dtype, as HF does)."""
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos + rotate_half(x) * sin
+
+
+class RMSNorm(nn.Module):
+    """Root-mean-square norm with a learned scale; statistics in float32 whatever the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+    def forward(self, x: Tensor) -> Tensor:
+        # Same order of operations and casts as HF's LlamaRMSNorm, so bf16 outputs match bit for bit.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary embeddings and optional document masking."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
+        d, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, kv_dim, bias=False)
+        self.v_proj = nn.Linear(d, kv_dim, bias=False)
+        self.o_proj = nn.Linear(d, d, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        B, T, _ = x.shape
+        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
+        # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
+        )  # (B, n_heads, T, head_dim)
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
+
+
+class SwiGLU(nn.Module):
+    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up and w2 the down projection."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, d_model)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: attention then SwiGLU, each added to the residual stream."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = Attention(cfg)
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, d_model)
+        return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
+
+
+def document_mask(doc_ids: Tensor) -> Tensor:
+    """Boolean attention mask (B, 1, T, T), True where query t may attend key s: s <= t, same document."""
+    T = doc_ids.shape[1]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
+    same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
+    return (same_doc & causal).unsqueeze(1)  # (B, 1, T, T)
+
+
+class Transformer(nn.Module):
+    """LLaMA-style decoder. The weights are uninitialised memory until `init_weights()` or `load_state_dict`.
+
+    `device` (default: torch's default device) is where the parameters live. With `device="meta"` nothing
+    is allocated; then `to_empty(device=...)` and either `init_weights()`, or `init_rope_tables()` and
+    `load_state_dict(...)` (the RoPE tables are non-persistent buffers: not in the state dict, so they are
+    rebuilt here rather than loaded).
+    """
+
+    rope_cos: Tensor
+    rope_sin: Tensor
+
+    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        # Built on the meta device and then given uninitialised storage: construction draws no random
+        # numbers and spends no time on PyTorch's default inits, so init_weights() alone decides the weights
+        # (the same ones whatever the device or the way the model was built).
+        with torch.device("meta"):
+            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+            self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            cos, sin = rope_tables(cfg, seq_len=cfg.max_seq_len, device="meta")
+        # Non-persistent: derived from the config, so they stay out of checkpoints and HF exports.
+        self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim)
+        self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, head_dim)
+        self._tie()
+        target = torch.device(device) if device is not None else torch.get_default_device()
+        if target.type != "meta":
+            self.to_empty(device=target)
+            self.init_rope_tables()
+
+    def _tie(self) -> None:
+        if self.cfg.tie_embeddings:
+            self.output.weight = self.embed.weight
+
+    def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Transformer:
+        """As nn.Module.to_empty, keeping the tied embedding tied (new storage would otherwise split it)."""
+        super().to_empty(device=device, recurse=recurse)
+        self._tie()
+        return self
+
+    @torch.no_grad()
+    def init_rope_tables(self) -> None:
+        """Recompute the RoPE tables in place (after `to_empty`), keeping their current device and dtype."""
+        cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
+        self.rope_cos = cos.to(self.rope_cos.dtype)
+        self.rope_sin = sin.to(self.rope_sin.dtype)
+
+    @torch.no_grad()
+    def init_weights(self) -> None:
+        """N(0, init_std) for every linear and embedding weight, ones for the norms.
+
+        With `scale_output_init` the projections that write into the residual stream (attention o_proj and
+        MLP w2) use init_std / sqrt(2 * n_layers), so the residual variance does not grow with depth.
+        Deterministic given the torch seed: parameters are drawn in a fixed order.
+        """
+        cfg = self.cfg
+        std = cfg.init_std
+        out_std = std / math.sqrt(2 * cfg.n_layers) if cfg.scale_output_init else std
+        nn.init.normal_(self.embed.weight, mean=0.0, std=std)
+        for layer in self.layers:
+            assert isinstance(layer, Block)
+            attn, mlp = layer.attn, layer.mlp
+            layer.attn_norm.reset_parameters()
+            layer.mlp_norm.reset_parameters()
+            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.w1, mlp.w3):
+                nn.init.normal_(lin.weight, mean=0.0, std=std)
+            nn.init.normal_(attn.o_proj.weight, mean=0.0, std=out_std)
+            nn.init.normal_(mlp.w2.weight, mean=0.0, std=out_std)
+        self.norm.reset_parameters()
+        if not cfg.tie_embeddings:
+            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        self.init_rope_tables()
+
+    def num_params(self) -> int:
+        """Number of distinct parameters (a tied embedding counts once); equals `cfg.num_params()`."""
+        return sum(p.numel() for p in self.parameters())
+
+    def forward(self, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:
+        """Logits (B, T, vocab_size) in float32 for tokens (B, T).
+
+        doc_ids (B, T), optional: document index of each token of a packed sequence; attention then stays
+        within a document (block-diagonal causal mask). Without it, plain causal attention (fast path).
+        The output projection runs in the parameters' dtype; its result is cast to float32 so the loss
+        (log-softmax over a large vocabulary) is computed in full precision.
+        """
+        seq_len = tokens.shape[1]
+        if seq_len > self.cfg.max_seq_len:
+            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+        if doc_ids is not None and doc_ids.shape != tokens.shape:
+            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens {tuple(tokens.shape)}")
+        mask = document_mask(doc_ids) if doc_ids is not None else None  # (B, 1, T, T)
+        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim)
+        h = self.embed(tokens)  # (B, T, d_model)
+        for layer in self.layers:
+            h = layer(h, cos, sin, mask)  # (B, T, d_model)
+        return self.output(self.norm(h)).float()  # (B, T, vocab_size)
+
+
+def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
+    """Training FLOPs (forward + backward) per token, for MFU: 6·N + 12·L·d·T.
+
+    N is the number of parameters used in matrix multiplies: everything but the input embedding table (a
+    lookup), which with tied embeddings is still counted once as the output projection. Each such
+    parameter costs 2 FLOPs forward and 4 backward per token. The attention scores (QKᵀ) and the weighted
+    sum (AV) cost 2·d·T each forward per token and layer, 3x that with backward: 12·L·d·T. As in PaLM's
+    MFU, the causal mask is not discounted (the count is that of full attention over T).
+    """
+    n = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
+    return 6 * n + 12 * cfg.n_layers * cfg.d_model * seq_len
