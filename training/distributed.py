@@ -28,6 +28,14 @@ class World:
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
 
+    def any_rank(self, flag: bool) -> bool:
+        """True on every rank when it is true on any: ranks must take the same branch (stop, checkpoint)."""
+        if not (dist.is_available() and dist.is_initialized()):
+            return flag
+        t = torch.tensor([int(flag)], device=self.device if self.device.type == "cuda" else "cpu")
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        return bool(t.item())
+
     def all_reduce_mean(self, value: float) -> float:
         """Mean of a scalar over all ranks (for logging; not on the gradient path)."""
         if not (dist.is_available() and dist.is_initialized()):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from infra.storage import Storage
 from training.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from training.config import HlatConfig
+from training.config import ConfigError, HlatConfig
 from training.data import PackedLoader
 from training.devices import memory_gb, peak_flops
 from training.distributed import World
@@ -60,6 +60,12 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg, world = self.cfg, self.world
+        expected = cfg.job.instance_count * cfg.job.processes_per_node
+        if world.world_size != expected:
+            raise ConfigError(
+                f"this job has {world.world_size} processes but job.instance_count x job.processes_per_node = "
+                f"{expected}; launch {expected} processes or fix the config"
+            )
         torch.manual_seed(cfg.training.seed)
         model = Transformer(cfg.model)
         model.init_weights()
@@ -81,6 +87,7 @@ class Trainer:
         )
         self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
         self.step = 0
+        self.saved_step: int | None = None
         self.stop_requested = False
         self._flops_per_token = flops_per_token(cfg.model, cfg.training.seq_len)
         self._peak = peak_flops(world.device)
@@ -127,7 +134,7 @@ class Trainer:
         self.scheduler.load_state_dict(shared["scheduler"])
         self.loader.load_state_dict(mine["loader"])
         restore_rng_state(mine["rng"])
-        self.step = int(shared["step"])
+        self.step = self.saved_step = int(shared["step"])
         self.metrics.resume_at(self.step)
         log.info("resumed from step %d of %s", self.step, self.checkpoints.url)
         return self.step
@@ -196,14 +203,14 @@ class Trainer:
                 for hook in self.hooks:
                     if self.step % hook.every == 0:
                         hook.fn(self.step)
-                if self.stop_requested:
+                if self.world.any_rank(self.stop_requested):
                     log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
                     self.save_checkpoint(self.step)
                     return 0
             if self.step > first_step and (not t.eval_every or self.step % t.eval_every):
                 self.evaluate(self.step)
-            self.ckpt.wait()
-            if self.ckpt.latest_step() != self.step:
+            # Decided from local state, not by listing storage: every rank must make the same choice.
+            if self.saved_step != self.step:
                 self.save_checkpoint(self.step)
             return 0
         finally:
@@ -246,6 +253,7 @@ class Trainer:
         }
         mine = {"loader": self.loader.state_dict(), "rng": capture_rng_state()}
         self.ckpt.save(step, shared, mine)
+        self.saved_step = step
         self.metrics.flush()
 
     @torch.no_grad()

@@ -141,3 +141,15 @@ def test_sigterm_checkpoints_and_exits_zero(prepared: Path, tmp_path: Path) -> N
     step = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1).latest_step()
     assert step is not None and 5 <= step < 2000
     assert "SIGTERM: checkpointing step" in out
+
+
+def test_two_ranks_under_torchrun_train_and_resume(prepared: Path, tmp_path: Path) -> None:
+    from infra.local_train import run_training
+
+    run = make_run(
+        prepared, tmp_path, "torchrun", max_steps=6, checkpoint_every=3, eval_every=3, **{"job.processes_per_node": 2}
+    )
+    run_training(str(run / "config.json"), processes=2)
+    step_dir = run / "checkpoints/step-000000006"
+    assert {"rank-00000.pt", "rank-00001.pt", "COMMITTED"} <= {p.name for p in step_dir.iterdir()}
+    assert [r["step"] for r in metrics(run) if "val_loss" in r] == [3, 6]

@@ -1,0 +1,96 @@
+"""Data parallelism on CPU: two gloo ranks give the result of one rank at the same global batch."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.integration.conftest import free_port
+from tests.integration.test_training import DATA, prepared
+from training.presets import load_config
+
+pytestmark = pytest.mark.slow
+__all__ = ["prepared"]
+
+STEPS, SEQ = 3, 32
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Fixed token rows: (8, SEQ) inputs and targets per step, the same for every layout."""
+    gen = torch.Generator().manual_seed(7)
+    out = []
+    for _ in range(STEPS):
+        rows = torch.randint(3, 512, (8, SEQ + 1), generator=gen)
+        out.append((rows[:, :-1], rows[:, 1:]))
+    return out
+
+
+def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    from infra.storage import Storage
+    from training.data import Batch
+    from training.distributed import close_world, init_world
+    from training.trainer import Trainer
+
+    overrides = {
+        **DATA,
+        "training.seq_len": SEQ,
+        "training.global_batch_size": 8,
+        "training.micro_batch_size": 8 // (2 * world_size),
+        "training.eval_every": 0,
+        "job.processes_per_node": world_size,
+    }
+    cfg = load_config("tiny", overrides, run_id="dp")
+    world = init_world("cpu")
+    try:
+        trainer = Trainer(
+            cfg,
+            Storage(run_dir),
+            Storage(f"{run_dir}/ckpt-{world_size}"),
+            world,
+            f"{run_dir}/tokenizer/tokenizer.model",
+        )
+        micro = cfg.training.micro_batch_size
+        batches = []
+        for inputs, targets in global_batches():
+            mine = slice(rank * 2 * micro, (rank + 1) * 2 * micro)  # this rank's share of the global batch
+            for i in range(2):  # gradient-accumulation micro-batches
+                part = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
+                batches.append(Batch(inputs[part], targets[part], None, {}))
+        stream = iter(batches)
+        losses = [trainer.train_step(stream)["loss"] for _ in range(STEPS)]
+        trainer.loader.close()
+        if rank == 0:
+            torch.save({"model": trainer.model.state_dict(), "losses": losses}, out_file)
+    finally:
+        close_world()
+
+
+def test_two_gloo_ranks_match_one_rank(prepared: Path, tmp_path: Path) -> None:
+    results = {}
+    for world_size in (1, 2):
+        out = tmp_path / f"ws{world_size}.pt"
+        mp.start_processes(
+            run_layout, args=(world_size, free_port(), str(prepared), str(out)), nprocs=world_size, start_method="spawn"
+        )
+        results[world_size] = torch.load(out, weights_only=True)
+    one, two = results[1], results[2]
+    assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
+    for name, tensor in one["model"].items():
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+    # and training did move the weights
+    assert not torch.equal(one["model"]["embed.weight"], load_initial(prepared)["embed.weight"])
+
+
+def load_initial(prepared: Path) -> dict[str, torch.Tensor]:
+    from training.model import Transformer
+
+    torch.manual_seed(load_config("tiny", DATA).training.seed)
+    model = Transformer(load_config("tiny", DATA).model)
+    model.init_weights()
+    return model.state_dict()
