@@ -17,6 +17,7 @@ from torch.utils.checkpoint import checkpoint
 
 from training.config import ConfigError, HlatConfig
 from training.distributed import World
+from training.neuron import apply_tensor_parallel, require_neuron
 
 
 def _recompute_in_backward(module: nn.Module) -> None:
@@ -31,12 +32,15 @@ def _recompute_in_backward(module: nn.Module) -> None:
 
 def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     p = cfg.parallelism
-    # 1. Tensor / pipeline parallel: Neuron only.
+    # 1. Tensor parallel: Neuron only (neuronx-distributed's layers); a clear error elsewhere.
     if p.tensor > 1 or p.pipeline > 1:
-        raise ConfigError(
-            f"parallelism.tensor={p.tensor}, parallelism.pipeline={p.pipeline} need the Neuron backend "
-            "(trn1, neuronx-distributed); on CPU and CUDA set both to 1 (data parallelism takes every device)"
-        )
+        if world.device.type != "xla":
+            require_neuron()
+            raise ConfigError(
+                f"parallelism.tensor={p.tensor}, parallelism.pipeline={p.pipeline} run on XLA devices only; "
+                "on CPU and CUDA set both to 1 (data parallelism takes every device)"
+            )
+        apply_tensor_parallel(model, cfg)
     # 2. Activation checkpointing: 'selective' recomputes the attention sub-layer, 'full' the whole block.
     if p.activation_checkpointing != "none":
         for block in model.layers:  # type: ignore[union-attr]

@@ -104,7 +104,7 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[
     prefect(env, "work-pool", "create", "hlat-local", "--type", "process")
     prefect(env, "work-pool", "create", "hlat-aws", "--type", "process")  # only registered: nothing runs on it here
     deployed = prefect(env, "deploy", "--all", "--prefect-file", "deployments/prefect.yaml")
-    for name in ("hlat/pretrain-tiny", "train-tokenizer/train-tokenizer-tiny", "hlat/pretrain-7b", "hlat/pretrain-70b"):
+    for name in ("hlat/pretrain-tiny", "train/train-tiny", "hlat/pretrain-7b", "train/train-7b", "hlat/pretrain-70b"):
         assert name in deployed.stdout
 
     worker_log = (tmp_path / "worker.log").open("wb")
@@ -123,6 +123,7 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[
         )
         run = tmp_path / "runs" / "e2e"
         assert (run / "data/manifest.json").is_file() and (run / "tokenizer/tokenizer.model").is_file()
+        assert (run / "checkpoints/step-000000012/COMMITTED").is_file()
         model = (run / "tokenizer/tokenizer.model").read_bytes()
 
         # A stage re-run alone from its own deployment finds its work cached and leaves the outputs as they were.
@@ -134,6 +135,7 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[
             "prepare-data/e2e",
             "train-tokenizer/e2e",
             "train-tokenizer/e2e",
+            "train/e2e",
         ]
         assert {state for _, state in flows} == {"Completed"}
         assert [state for name, state in tasks if name.startswith("fit-tokenizer")] == ["Completed", "Cached"]

@@ -153,3 +153,35 @@ def test_two_ranks_under_torchrun_train_and_resume(prepared: Path, tmp_path: Pat
     step_dir = run / "checkpoints/step-000000006"
     assert {"rank-00000.pt", "rank-00001.pt", "COMMITTED"} <= {p.name for p in step_dir.iterdir()}
     assert [r["step"] for r in metrics(run) if "val_loss" in r] == [3, 6]
+
+
+@pytest.mark.parametrize(
+    ("precision", "options"),
+    [
+        ("bf16-sr", {"document_masking": True}),
+        ("bf16-mixed", {"async_checkpoint": True, "parallelism.activation_checkpointing": "selective"}),
+    ],
+)
+def test_precision_modes_and_options_train_and_resume(
+    prepared: Path, tmp_path: Path, precision: str, options: dict[str, Any]
+) -> None:
+    run = make_run(
+        prepared,
+        tmp_path,
+        precision,
+        max_steps=8,
+        checkpoint_every=4,
+        eval_every=0,
+        **{"precision.mode": precision},
+        **options,
+    )
+    code, out = train(run, {"HLAT_FAULT_KILL_BEFORE_COMMIT": "8"})
+    assert code == -9, out[-2000:]
+    assert f"precision {precision}" in out
+    code, out = train(run)
+    assert code == 0 and "resumed from step 4" in out, out[-2000:]
+    weights = final_weights(run)
+    expected = torch.bfloat16 if precision == "bf16-sr" else torch.float32
+    assert {t.dtype for t in weights.values()} == {expected}
+    losses = [r["loss"] for r in metrics(run) if "loss" in r]
+    assert len(losses) == 8 and all(math.isfinite(x) for x in losses)

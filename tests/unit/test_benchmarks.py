@@ -19,3 +19,10 @@ def test_tokenizer_benchmark_runs_with_identical_ids() -> None:
 
     out = main(["--vocab", "1000", "--sample-mb", "0.5", "--encode-mb", "0.1", "--repeats", "1"])
     assert "HF fast tokenizer" in out
+
+
+def test_training_step_benchmark_runs() -> None:
+    from benchmarks.bench_train import main
+
+    out = main(["--batch", "2", "--seq", "32", "--steps", "1", "--repeats", "1"])
+    assert "hlat Transformer" in out and "HF LlamaForCausalLM" in out
