@@ -250,6 +250,7 @@ class Trainer:
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
             "config_fingerprint": self.cfg.fingerprint(),
+            "config": self.cfg.model_dump(mode="json"),
         }
         mine = {"loader": self.loader.state_dict(), "rng": capture_rng_state()}
         self.ckpt.save(step, shared, mine)

@@ -174,12 +174,13 @@ def test_open_run_writes_config_once_and_refuses_a_different_one(s3_env: S3Env) 
     after = s3_env.client().head_object(Bucket=s3_env.bucket, Key=f"prefix/exp-1/{CONFIG_FILE}")["ETag"]
     assert before == after
 
-    changed = load_config("tiny", {"training.lr": 0.002}, run_id="exp-1", storage=s3_env.url)
+    new_lr = config.training.lr * 2
+    changed = load_config("tiny", {"training.lr": new_lr}, run_id="exp-1", storage=s3_env.url)
     with pytest.raises(ConfigError) as info:
         open_run(changed)
     message = assert_one_line(info.value)
     assert "training.lr" in message
-    assert "0.002" in message
+    assert f"training.lr: {config.training.lr} -> {new_lr}" in message
     assert "--run-id" in message
     assert run.storage.read_json(CONFIG_FILE)["training"]["lr"] == config.training.lr
 

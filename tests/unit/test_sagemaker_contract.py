@@ -1,0 +1,32 @@
+"""Inside a SageMaker container the job follows its contract; elsewhere it uses run storage."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from infra.storage import Storage
+from training.sagemaker import checkpoint_location, in_sagemaker, tensorboard_location
+
+
+def test_outside_sagemaker_everything_is_in_run_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("SM_TRAINING_ENV", "SM_CURRENT_HOST", "SM_CHECKPOINT_DIR", "HLAT_CHECKPOINT_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    run = Storage(str(tmp_path / "run"))
+    assert not in_sagemaker()
+    assert checkpoint_location(run).url == str(tmp_path / "run" / "checkpoints")
+    assert tensorboard_location(run) == str(tmp_path / "run" / "tensorboard")
+    assert tensorboard_location(Storage("s3://bucket/run")) is None
+
+
+def test_inside_sagemaker_checkpoints_go_to_the_synced_folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HLAT_CHECKPOINT_DIR", raising=False)
+    monkeypatch.delenv("SM_CHECKPOINT_DIR", raising=False)
+    monkeypatch.setenv("SM_TRAINING_ENV", '{"current_host": "algo-1"}')
+    run = Storage("s3://bucket/runs/r1")
+    assert in_sagemaker()
+    assert checkpoint_location(run).url == "/opt/ml/checkpoints"
+    assert tensorboard_location(run) == "/opt/ml/output/tensorboard"
+    monkeypatch.setenv("SM_CHECKPOINT_DIR", str(tmp_path / "ckpt"))
+    assert checkpoint_location(run).url == str(tmp_path / "ckpt")
