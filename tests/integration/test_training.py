@@ -185,3 +185,15 @@ def test_precision_modes_and_options_train_and_resume(
     assert {t.dtype for t in weights.values()} == {expected}
     losses = [r["loss"] for r in metrics(run) if "loss" in r]
     assert len(losses) == 8 and all(math.isfinite(x) for x in losses)
+
+
+def test_torch_compile_matches_eager(prepared: Path, tmp_path: Path) -> None:
+    losses = {}
+    for compiled in (False, True):
+        run = make_run(
+            prepared, tmp_path, f"compile-{compiled}", max_steps=3, checkpoint_every=3, eval_every=0, compile=compiled
+        )
+        code, out = train(run, timeout=600)
+        assert code == 0, out[-2000:]
+        losses[compiled] = [r["loss"] for r in metrics(run) if "loss" in r]
+    assert losses[True] == pytest.approx(losses[False], rel=1e-3)
