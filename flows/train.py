@@ -9,7 +9,7 @@ from prefect import flow
 
 from flows.common import resolve, run_name
 from tasks.common import run_cached, stage_cache_key
-from tasks.tokenizer import read_data_checksum
+from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
 from tasks.train import latest_checkpoint, publish_training_report, train_model
 
 
@@ -22,9 +22,8 @@ def train(
 ) -> dict[str, Any]:
     """Train the run's model from its prepared data and tokenizer."""
     config, run = resolve(preset, overrides, run_id, storage)
-    tokenizer_report = run.stage("tokenizer").read_json("report.json")
     key = stage_cache_key(
-        "train", run.uri, config.fingerprint(), read_data_checksum(run.uri), tokenizer_report.get("data_checksum")
+        "train", run.uri, config.fingerprint(), read_data_checksum(run.uri), read_tokenizer_checksum(run.uri)
     )
     processes = config.job.instance_count * config.job.processes_per_node
     summary: dict[str, Any] = run_cached(

@@ -13,6 +13,8 @@ import subprocess
 import sys
 from dataclasses import dataclass
 
+from training.exit_codes import EXIT_NAN
+
 log = logging.getLogger("hlat.train")
 
 
@@ -23,8 +25,6 @@ class TrainingExit:
     @property
     def resumable(self) -> bool:
         """Worth relaunching from the last checkpoint: killed by a signal, or exited on a NaN/inf loss."""
-        from training.trainer import EXIT_NAN
-
         return self.returncode < 0 or self.returncode in (EXIT_NAN, 128 + signal.SIGKILL, 128 + signal.SIGTERM)
 
 

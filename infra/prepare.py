@@ -17,7 +17,6 @@ import hashlib
 import logging
 import time
 import uuid
-from typing import Any
 
 from pydantic import BaseModel
 
@@ -129,7 +128,3 @@ def _write_quarantine(data: Storage, rel: str, rows: list[tuple[str | None, str]
     buf = io.BytesIO()
     pq.write_table(table, buf, compression="zstd")
     data.write_bytes(rel, buf.getvalue())
-
-
-def load_report(data: Storage) -> dict[str, Any] | None:
-    return data.read_json(REPORT_FILE) if data.exists(REPORT_FILE) else None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 from typing import Any
 
 from prefect import task
@@ -10,11 +11,9 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.runs import Run
 from infra.shards import read_manifest
 from infra.storage import Storage
-from infra.tokenizer import build_tokenizer
+from infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
 from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
 from training.config import TokenizerConfig
-
-REPORT_FILE = "report.json"
 
 
 @task(
@@ -26,6 +25,19 @@ REPORT_FILE = "report.json"
 def read_data_checksum(run_uri: str) -> str:
     """Checksum of the prepared shards: the tokenizer's input."""
     return read_manifest(Storage(run_uri).child("data")).checksum
+
+
+@task(
+    name="read-tokenizer-checksum",
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
+def read_tokenizer_checksum(run_uri: str) -> str:
+    """sha256 of the run's tokenizer.model: what training's cache key depends on."""
+    tokenizer = Storage(run_uri).child("tokenizer")
+    tokenizer.require(MODEL_FILE, what="tokenizer")
+    return hashlib.sha256(tokenizer.read_bytes(MODEL_FILE)).hexdigest()
 
 
 @task(
@@ -49,7 +61,7 @@ def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:
     out = run.stage("tokenizer")
     return (
         out.exists(REPORT_FILE)
-        and out.exists("tokenizer.model")
+        and out.exists(MODEL_FILE)
         and out.read_json(REPORT_FILE).get("data_checksum") == report.get("data_checksum")
     )
 

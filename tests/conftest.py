@@ -21,12 +21,16 @@ os.environ["HF_DATASETS_CACHE"] = str(_SESSION_DIR / "hf" / "datasets")
 os.environ.setdefault("HLAT_CACHE_DIR", str(_SESSION_DIR / "hlat-cache"))
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
-# A tiny run that still exercises every stage: small corpus, small vocabulary.
-SMALL_RUN = {
+# Small data and tokenizer that still exercise every stage: small corpus, small vocabulary.
+SMALL_DATA = {
     "data.max_documents": 300,
     "model.vocab_size": 512,
     "tokenizer.sample_bytes": 400_000,
     "tokenizer.report_sample_bytes": 100_000,
+}
+# ... and a few training steps on it.
+SMALL_RUN = {
+    **SMALL_DATA,
     "training.max_steps": 12,
     "training.checkpoint_every": 5,
     "training.eval_every": 6,
@@ -41,6 +45,24 @@ def prefect_server() -> Iterator[None]:
 
     with prefect_test_harness(server_startup_timeout=120):
         yield
+
+
+@pytest.fixture(scope="session")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder with prepared data and a trained tokenizer, shared by the training tests."""
+    from infra.prepare import prepare_dataset
+    from infra.runs import open_run
+    from infra.tokenizer import build_tokenizer
+    from training.presets import load_config
+
+    root = tmp_path_factory.mktemp("prepared")
+    cfg = load_config("tiny", SMALL_DATA, run_id="base", storage=str(root))
+    run = open_run(cfg)
+    prepare_dataset(cfg.data, run.stage("data"), fingerprint="training-tests")
+    build_tokenizer(
+        run.stage("data"), run.stage("tokenizer"), cfg.model.vocab_size, cfg.model.max_seq_len, cfg.tokenizer
+    )
+    return root / "base"
 
 
 @pytest.fixture

@@ -27,6 +27,7 @@ from training.config import ConfigError, HlatConfig
 from training.data import PackedLoader
 from training.devices import memory_gb, peak_flops
 from training.distributed import World
+from training.exit_codes import EXIT_NAN
 from training.faults import inject_nan
 from training.metrics import MetricsLog
 from training.model import Transformer, flops_per_token
@@ -34,8 +35,6 @@ from training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from training.parallelize import parallelize
 
 log = logging.getLogger("hlat.train")
-
-EXIT_NAN = 3  # a non-finite loss with nan_policy=exit: the job is restarted from the last checkpoint
 
 
 class NonFiniteLoss(RuntimeError):

@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.integration.test_training import final_weights, launch, make_run, metrics, prepared, train
+from tests.jobs import final_weights, launch, make_run, metrics, train
 
 pytestmark = pytest.mark.slow
-__all__ = ["prepared"]  # the session fixture, shared with the training tests
 
 STEPS = 48
 RUN = {"max_steps": STEPS, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 0, "warmup_steps": 5}

@@ -9,12 +9,11 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from tests.conftest import SMALL_DATA
 from tests.integration.conftest import free_port
-from tests.integration.test_training import DATA, prepared
 from training.presets import load_config
 
 pytestmark = pytest.mark.slow
-__all__ = ["prepared"]
 
 STEPS, SEQ = 3, 32
 
@@ -38,7 +37,7 @@ def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: st
     from training.trainer import Trainer
 
     overrides = {
-        **DATA,
+        **SMALL_DATA,
         "training.seq_len": SEQ,
         "training.global_batch_size": 8,
         "training.micro_batch_size": 8 // (2 * world_size),
@@ -90,7 +89,7 @@ def test_two_gloo_ranks_match_one_rank(prepared: Path, tmp_path: Path) -> None:
 def load_initial(prepared: Path) -> dict[str, torch.Tensor]:
     from training.model import Transformer
 
-    torch.manual_seed(load_config("tiny", DATA).training.seed)
-    model = Transformer(load_config("tiny", DATA).model)
+    torch.manual_seed(load_config("tiny", SMALL_DATA).training.seed)
+    model = Transformer(load_config("tiny", SMALL_DATA).model)
     model.init_weights()
     return model.state_dict()

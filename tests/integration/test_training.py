@@ -2,13 +2,8 @@
 
 from __future__ import annotations
 
-import json
 import math
-import os
-import shutil
 import signal
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,73 +12,12 @@ from typing import Any
 import pytest
 import torch
 
-from infra.prepare import prepare_dataset
-from infra.runs import open_run
 from infra.shards import iter_documents, read_manifest
 from infra.storage import Storage
-from infra.tokenizer import build_tokenizer
+from tests.jobs import final_weights, launch, make_run, metrics, train
 from training.checkpoint import CheckpointManager
-from training.presets import load_config
 
 pytestmark = pytest.mark.slow
-
-DATA = {
-    "data.max_documents": 300,
-    "model.vocab_size": 512,
-    "tokenizer.sample_bytes": 400_000,
-    "tokenizer.report_sample_bytes": 100_000,
-}
-
-
-@pytest.fixture(scope="session")
-def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A run folder with prepared data and a trained tokenizer, shared by the training tests."""
-    root = tmp_path_factory.mktemp("prepared")
-    cfg = load_config("tiny", DATA, run_id="base", storage=str(root))
-    run = open_run(cfg)
-    prepare_dataset(cfg.data, run.stage("data"), fingerprint="training-tests")
-    build_tokenizer(
-        run.stage("data"), run.stage("tokenizer"), cfg.model.vocab_size, cfg.model.max_seq_len, cfg.tokenizer
-    )
-    return root / "base"
-
-
-def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
-    """A new run (config.json) over the prepared data and tokenizer, with training overrides."""
-    overrides = {**DATA, **{f"training.{k}" if "." not in k else k: v for k, v in training.items()}}
-    open_run(load_config("tiny", overrides, run_id=run_id, storage=str(root)))
-    for stage in ("data", "tokenizer"):
-        shutil.copytree(prepared / stage, root / run_id / stage)
-    return root / run_id
-
-
-def launch(run: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
-    return subprocess.Popen(
-        [sys.executable, "-m", "training.train", "--config", str(run / "config.json")],
-        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-
-
-def train(run: Path, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str]:
-    proc = launch(run, env)
-    out, _ = proc.communicate(timeout=timeout)
-    return proc.returncode, out
-
-
-def metrics(run: Path) -> list[dict[str, Any]]:
-    path = run / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-
-
-def final_weights(run: Path) -> dict[str, torch.Tensor]:
-    manager = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1)
-    step = manager.latest_step()
-    assert step is not None
-    shared, _ = manager.load(step)
-    return shared["model"]
 
 
 def unigram_entropy(run: Path) -> float:

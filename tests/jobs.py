@@ -1,0 +1,57 @@
+"""Running training jobs in tests: runs over shared prepared data, launched as the job backend would."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from infra.runs import open_run
+from infra.storage import Storage
+from tests.conftest import SMALL_DATA
+from training.checkpoint import CheckpointManager
+from training.presets import load_config
+
+
+def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
+    """A new run (config.json) over the prepared data and tokenizer, with training overrides."""
+    overrides = {**SMALL_DATA, **{f"training.{k}" if "." not in k else k: v for k, v in training.items()}}
+    open_run(load_config("tiny", overrides, run_id=run_id, storage=str(root)))
+    for stage in ("data", "tokenizer"):
+        shutil.copytree(prepared / stage, root / run_id / stage)
+    return root / run_id
+
+
+def launch(run: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, "-m", "training.train", "--config", str(run / "config.json")],
+        env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+
+
+def train(run: Path, env: dict[str, str] | None = None, timeout: float = 300) -> tuple[int, str]:
+    proc = launch(run, env)
+    out, _ = proc.communicate(timeout=timeout)
+    return proc.returncode, out
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def final_weights(run: Path) -> dict[str, torch.Tensor]:
+    manager = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1)
+    step = manager.latest_step()
+    assert step is not None
+    shared, _ = manager.load(step)
+    return shared["model"]
