@@ -25,12 +25,11 @@ def train(
     key = stage_cache_key(
         "train", run.uri, config.fingerprint(), read_data_checksum(run.uri), read_tokenizer_checksum(run.uri)
     )
-    processes = config.job.instance_count * config.job.processes_per_node
     summary: dict[str, Any] = run_cached(
         train_model.with_options(retries=config.job.max_restarts, retry_delay_seconds=2),
         lambda _: latest_checkpoint(run.uri) == config.training.max_steps,
         run_uri=run.uri,
-        processes=processes,
+        processes=config.world_size,
         cache_key=key,
     )
     publish_training_report(summary, run.run_id)

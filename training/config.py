@@ -360,7 +360,7 @@ class HlatConfig(Section):
                 f"parallelism.tensor={p.tensor} must divide model.n_heads={m.n_heads} "
                 f"(and divide or be a multiple of the {m.kv_heads} KV heads)"
             )
-        devices = self.job.instance_count * self.job.processes_per_node
+        devices = self.world_size
         if devices % (p.tensor * p.pipeline):
             raise ValueError(
                 f"parallelism.tensor x parallelism.pipeline = {p.tensor * p.pipeline} must divide the "
@@ -376,9 +376,13 @@ class HlatConfig(Section):
         return self
 
     @property
+    def world_size(self) -> int:
+        """Processes (devices) of one training job: nodes x processes per node."""
+        return self.job.instance_count * self.job.processes_per_node
+
+    @property
     def data_parallel_size(self) -> int:
-        devices = self.job.instance_count * self.job.processes_per_node
-        return devices // (self.parallelism.tensor * self.parallelism.pipeline)
+        return self.world_size // (self.parallelism.tensor * self.parallelism.pipeline)
 
     @property
     def gradient_accumulation(self) -> int:

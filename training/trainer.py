@@ -59,11 +59,10 @@ class Trainer:
 
     def __post_init__(self) -> None:
         cfg, world = self.cfg, self.world
-        expected = cfg.job.instance_count * cfg.job.processes_per_node
-        if world.world_size != expected:
+        if world.world_size != cfg.world_size:
             raise ConfigError(
                 f"this job has {world.world_size} processes but job.instance_count x job.processes_per_node = "
-                f"{expected}; launch {expected} processes or fix the config"
+                f"{cfg.world_size}; launch {cfg.world_size} processes or fix the config"
             )
         torch.manual_seed(cfg.training.seed)
         model = Transformer(cfg.model)
