@@ -1,6 +1,6 @@
 """The `hlat` command line: run the whole DAG or one stage, list presets, show a resolved config.
 
-    hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--set training.lr=1e-3 ...]
+    hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--set training.lr=1e-3 ...] [--dry-run]
     hlat run prepare-data|train-tokenizer|train --preset tiny --run-id R --storage DIR
     hlat presets
     hlat config --preset hlat-7b [--set ...]
@@ -52,14 +52,24 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_dry_run(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="print the training job requests, the hourly cost and an estimate of total time and cost; send nothing",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hlat", description="HLAT-style LLM pretraining pipeline (Prefect DAG).")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("pretrain", help="run the whole DAG (the parent flow 'hlat')")
     _add_run_options(p)
+    _add_dry_run(p)
     p = sub.add_parser("run", help="run one stage flow alone")
     p.add_argument("stage", choices=STAGES)
     _add_run_options(p)
+    _add_dry_run(p)
     sub.add_parser("presets", help="list presets with their key figures")
     p = sub.add_parser("config", help="print the resolved config as JSON")
     _add_run_options(p)
@@ -135,9 +145,10 @@ def _known_error(exc: BaseException) -> str | None:
     """User-facing errors print as one line; anything else keeps its traceback."""
     from infra.corpus import SourceError
     from infra.storage import StorageError
+    from infra.supervisor import SupervisorError
     from infra.validation import DataValidationError
 
-    if isinstance(exc, SourceError | StorageError | DataValidationError | ValueError):
+    if isinstance(exc, SourceError | StorageError | DataValidationError | SupervisorError | ValueError):
         return str(exc)
     return None
 
@@ -152,7 +163,15 @@ def _dispatch(args: argparse.Namespace) -> int:
         print(json.dumps(config.model_dump(mode="json") | {"run_id": config.resolved_run_id()}, indent=2))
         return 0
     # Fail on a bad config before Prefect starts (an ephemeral API takes seconds to come up).
-    load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
+    config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
+    if args.dry_run:
+        from infra.backends import dry_run
+
+        if args.command == "run" and args.stage != "train":
+            print(f"hlat: --dry-run shows the training job; the {args.stage} stage runs in the flow's own process")
+            return 2
+        print(dry_run(config))
+        return 0
     flow_fn: Callable[..., Any]
     if args.command == "pretrain":
         from flows.pretrain import hlat

@@ -8,11 +8,11 @@ from prefect import flow
 
 from flows.common import resolve, run_name
 from flows.prepare_data import prepare_data
-from flows.train import train
+from flows.train import stop_job_on_cancel, train
 from flows.train_tokenizer import train_tokenizer
 
 
-@flow(name="hlat", flow_run_name=run_name, log_prints=True)
+@flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_job_on_cancel])
 def hlat(
     preset: str = "tiny",
     overrides: dict[str, Any] | None = None,

@@ -1,19 +1,34 @@
-"""Stage: train. Launch the training entrypoint on the run's data and tokenizer; relaunch from the newest
-checkpoint until done or job.max_restarts runs out. (The SageMaker and local job backends generalise this.)"""
+"""Stage: train. Supervise training jobs on the configured backend (local processes or SageMaker), relaunching
+from the newest checkpoint until training.max_steps, the relaunch budget or the dollar budget runs out.
+Cancelling the flow run stops the job; a flow process that dies leaves it running, and the next run of this
+flow re-attaches to it."""
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from prefect import flow
+from prefect import Flow, flow
+from prefect.client.schemas.objects import FlowRun, State
 
 from flows.common import resolve, run_name
 from tasks.common import run_cached, stage_cache_key
 from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
-from tasks.train import latest_checkpoint, publish_training_report, train_model
+from tasks.train import latest_checkpoint, publish_training_report, stop_training, train_model
+from training.presets import load_config
 
 
-@flow(name="train", flow_run_name=run_name, log_prints=True)
+def stop_job_on_cancel(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
+    """on_cancellation hook: the job must not outlive a cancelled flow run (a crash, by contrast, leaves it for
+    the next flow run to re-attach to)."""
+    params = flow_run.parameters
+    preset, overrides = params.get("preset", "tiny"), params.get("overrides")
+    config = load_config(preset, overrides, run_id=params.get("run_id"), storage=params.get("storage"))
+    stopped = stop_training(config)
+    logging.getLogger("hlat.train").warning("flow run cancelled: stopped job %s", stopped or "(none running)")
+
+
+@flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_job_on_cancel])
 def train(
     preset: str = "tiny",
     overrides: dict[str, Any] | None = None,
@@ -26,14 +41,18 @@ def train(
         "train", run.uri, config.fingerprint(), read_data_checksum(run.uri), read_tokenizer_checksum(run.uri)
     )
     summary: dict[str, Any] = run_cached(
-        train_model.with_options(retries=config.job.max_restarts, retry_delay_seconds=2),
+        train_model,
         lambda _: latest_checkpoint(run.uri) == config.training.max_steps,
+        config=config,
         run_uri=run.uri,
-        processes=config.world_size,
+        run_id=run.run_id,
         cache_key=key,
     )
     publish_training_report(summary, run.run_id)
-    print(f"train: step {summary.get('final_step')}, loss {summary.get('loss')}, val_loss {summary.get('val_loss')}")
+    print(
+        f"train: step {summary.get('final_step')}, loss {summary.get('loss')}, val_loss {summary.get('val_loss')}, "
+        f"{summary.get('jobs')} job(s), ${summary.get('cost_usd')}"
+    )
     return summary
 
 

@@ -35,6 +35,33 @@ class TransientStorageError(StorageError):
 _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTimeout", "InternalError", "503"}
 
 
+def is_transient(exc: BaseException | None) -> bool:
+    """Faults worth another attempt, anywhere in the exception's chain: throttling, timeouts, dropped
+    connections, AWS 5xx-style error codes."""
+    from botocore import exceptions as bexc
+
+    transient: tuple[type[BaseException], ...] = (
+        TransientStorageError,
+        ConnectionError,
+        TimeoutError,
+        bexc.EndpointConnectionError,
+        bexc.ConnectionClosedError,
+        bexc.ReadTimeoutError,
+    )
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        if isinstance(exc, transient):
+            return True
+        if isinstance(exc, bexc.ClientError) and exc.response.get("Error", {}).get("Code") in _TRANSIENT_API_CODES:
+            return True
+        seen.add(id(exc))
+        exc = exc.__cause__ or exc.__context__
+    return False
+
+
+_TRANSIENT_API_CODES = _TRANSIENT_CODES | {"ServiceUnavailable", "InternalFailure", "RequestLimitExceeded"}
+
+
 def _is_s3(url: str) -> bool:
     return url.startswith(("s3://", "s3a://"))
 

@@ -8,35 +8,12 @@ from typing import Any
 from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
-from infra.storage import TransientStorageError
+from infra.storage import is_transient
 from training.config import stable_hash
 
 # Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
 RETRIES = 3
 RETRY_DELAYS: list[float] = [2, 5, 15]
-
-
-def is_transient(exc: BaseException | None) -> bool:
-    """Faults worth another attempt: throttling, timeouts, dropped connections."""
-    if exc is None:
-        return False
-    from botocore import exceptions as bexc
-
-    transient: tuple[type[BaseException], ...] = (
-        TransientStorageError,
-        ConnectionError,
-        TimeoutError,
-        bexc.EndpointConnectionError,
-        bexc.ConnectionClosedError,
-        bexc.ReadTimeoutError,
-    )
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        if isinstance(exc, transient):
-            return True
-        seen.add(id(exc))
-        exc = exc.__cause__ or exc.__context__
-    return False
 
 
 def retry_on_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:

@@ -1,41 +1,84 @@
-"""train tasks: run the training job (relaunched from its last checkpoint when resumable), publish its summary."""
+"""train tasks: supervise the run's training jobs until the last step, publish progress, attempts and summary."""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import logging
+from typing import Any, cast
+from uuid import UUID
 
-from prefect import Task, task
-from prefect.artifacts import create_table_artifact
-from prefect.client.schemas.objects import State, TaskRun
+from prefect import task
+from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from infra.local_train import TrainingFailed, run_training
+from infra.backends import backend_for, supervisor_for
+from infra.runs import run_for
 from infra.storage import Storage
-from tasks.common import artifact_key, cache_key_param, is_transient
+from infra.supervisor import Attempt, Progress, stop_live_job
+from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
 from training.checkpoint import CheckpointManager
+from training.config import HlatConfig
 from training.metrics import METRICS_FILE
 
-
-def retry_resumable(task: Task[..., Any], task_run: TaskRun, state: State[Any]) -> bool:
-    """Relaunch when the job can resume from its checkpoint (killed, NaN exit) or the fault was transient."""
-    try:
-        state.result()
-    except TrainingFailed as exc:
-        return exc.exit.resumable
-    except Exception as exc:
-        return is_transient(exc)
-    return False
+log = logging.getLogger("hlat.train")
 
 
 def latest_checkpoint(run_uri: str) -> int | None:
     return CheckpointManager(Storage(run_uri).child("checkpoints"), keep_last=1).latest_step()
 
 
-@task(name="train-model", cache_key_fn=cache_key_param, persist_result=True, retry_condition_fn=retry_resumable)
-def train_model(run_uri: str, processes: int, cache_key: str) -> dict[str, Any]:
-    """Run `training.train` on the run until max_steps; each retry resumes from the newest checkpoint."""
-    run_training(f"{run_uri}/config.json", processes)
-    return training_summary(run_uri)
+class _Artifacts:
+    """The stage's live artifacts: a progress bar (with the progress line as its description) and the attempts
+    table. Failing to publish never stops training."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.progress_id: UUID | None = None
+
+    def progress(self, p: Progress) -> None:
+        try:
+            if self.progress_id is None:
+                key = artifact_key("train-progress", self.run_id)
+                made = create_progress_artifact(100 * p.fraction, key=key, description=p.line())
+                self.progress_id = cast(UUID, made)  # sync_compatible: a UUID when called from sync code
+            else:
+                update_progress_artifact(self.progress_id, 100 * p.fraction, description=p.line())
+        except Exception as exc:  # the API being away must not stop a week-long job
+            log.warning("could not update the progress artifact: %s", exc)
+
+    def attempts(self, attempts: list[Attempt]) -> None:
+        try:
+            create_table_artifact(
+                [a.row() for a in attempts],
+                key=artifact_key("train-attempts", self.run_id),
+                description=f"training jobs of {self.run_id}",
+            )
+        except Exception as exc:
+            log.warning("could not update the attempts artifact: %s", exc)
+
+
+@task(
+    name="train-model",
+    cache_key_fn=cache_key_param,
+    persist_result=True,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
+def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
+    """Submit and watch training jobs, relaunching from the newest checkpoint, until training.max_steps."""
+    artifacts = _Artifacts(run_id)
+    supervisor = supervisor_for(
+        config,
+        run_uri,
+        run_id,
+        current_step=lambda: latest_checkpoint(run_uri),
+        on_progress=artifacts.progress,
+        on_attempts=artifacts.attempts,
+    )
+    attempts = supervisor.run_to_completion()
+    summary = training_summary(run_uri)
+    summary.update(jobs=len(attempts), cost_usd=round(supervisor.spent_usd(), 2))
+    return summary
 
 
 def training_summary(run_uri: str) -> dict[str, Any]:
@@ -55,3 +98,9 @@ def training_summary(run_uri: str) -> dict[str, Any]:
 def publish_training_report(summary: dict[str, Any], run_id: str) -> None:
     rows = [{"metric": k, "value": v} for k, v in summary.items()]
     create_table_artifact(rows, key=artifact_key("training-report", run_id), description=f"train of {run_id}")
+
+
+def stop_training(config: HlatConfig) -> str | None:
+    """Stop the run's live training job, if any (used when a flow run is cancelled)."""
+    run = run_for(config)
+    return stop_live_job(backend_for(config, run.uri, run.run_id), run.storage)

@@ -55,3 +55,19 @@ def final_weights(run: Path) -> dict[str, torch.Tensor]:
     assert step is not None
     shared, _ = manager.load(step)
     return shared["model"]
+
+
+def processes_mentioning(text: str) -> list[int]:
+    """Live processes whose command line mentions `text` (the run's folder: job supervisors, training ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+            state = (entry / "stat").read_text().split(")")[-1].split()[0]
+        except OSError:
+            continue
+        if text in cmdline and state != "Z":
+            found.append(int(entry.name))
+    return found

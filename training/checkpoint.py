@@ -47,7 +47,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from datetime import UTC, datetime
+from datetime import datetime, timezone
 from typing import Any
 
 import torch
@@ -332,7 +332,7 @@ class CheckpointManager:
             "format": FORMAT_VERSION,
             "step": step,
             "world_size": self.world_size,
-            "time": datetime.now(UTC).isoformat(timespec="seconds"),
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
             "fingerprint": fingerprint,
             "files": files,
         }

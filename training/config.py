@@ -284,16 +284,51 @@ class JobConfig(Section):
     budget_usd: float | None = Field(None, gt=0)
     """Stop relaunching once this many dollars have been billed (None: no budget)."""
     price_per_hour_usd: float | None = Field(None, ge=0)
-    """Price of one node-hour; None uses the instance catalog."""
+    """Price of one node-hour; None uses the instance catalog (infra/catalog.py)."""
+    poll_seconds: float = Field(60, gt=0)
+    """How often the train stage polls the job's status and logs."""
+    hang_timeout_minutes: float | None = Field(60, gt=0)
+    """Stop and relaunch a job that logs no new step for this long (None: never)."""
+    backoff_seconds: list[float] = Field(default_factory=lambda: [60.0, 300.0, 900.0, 1800.0])
+    """Delays before relaunching after a capacity or throttling failure (the last repeats)."""
+    stop_grace_seconds: float = Field(120, ge=0)
+    """Local backend: time between SIGTERM and SIGKILL when a job is stopped (SageMaker gives 120 s)."""
+    subnets: list[str] = Field(default_factory=list)
+    """SageMaker: VPC subnet ids (empty: no VPC). trn1 clusters need EFA, so subnets in one AZ."""
+    security_group_ids: list[str] = Field(default_factory=list)
+    """SageMaker: VPC security groups (with subnets)."""
+    kms_key_id: str | None = None
+    """SageMaker: KMS key for the training volumes and output."""
+    keep_alive_minutes: int | None = Field(None, ge=1, le=60)
+    """SageMaker: keep the instances as a warm pool this long after a job, so a relaunch starts fast."""
+    training_plan_arn: str | None = None
+    """SageMaker: a training plan (reserved capacity) to run the jobs in."""
+    sagemaker_retry_attempts: int = Field(0, ge=0, le=30)
+    """SageMaker's own RetryStrategy (retries InternalServerError only, inside one job)."""
+    infra_check: bool = False
+    """SageMaker: run its InfraCheckConfig health checks on the instances before the job starts."""
 
     @model_validator(mode="after")
     def _check_backend(self) -> JobConfig:
+        if self.security_group_ids and not self.subnets:
+            raise ValueError("security_group_ids need subnets: set job.subnets as well")
         if self.backend == "sagemaker" and not self.instance_type.startswith("ml."):
             raise ValueError(
                 f"instance_type={self.instance_type!r} is not a SageMaker instance type; "
                 "use e.g. 'ml.trn1.32xlarge' with backend 'sagemaker'"
             )
         return self
+
+
+OPERATIONAL_JOB_FIELDS = frozenset(
+    {
+        "role_arn", "max_runtime_hours", "volume_size_gb", "max_restarts", "budget_usd", "price_per_hour_usd",
+        "poll_seconds", "hang_timeout_minutes", "backoff_seconds", "stop_grace_seconds", "subnets",
+        "security_group_ids", "kms_key_id", "keep_alive_minutes", "training_plan_arn", "sagemaker_retry_attempts",
+        "infra_check",
+    }
+)  # fmt: skip
+"""Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
 
 
 class StorageConfig(Section):
@@ -394,8 +429,11 @@ class HlatConfig(Section):
         return self.training.global_batch_size * self.training.seq_len
 
     def fingerprint(self) -> str:
-        """Hash of everything that determines the run's outputs (run_id and storage root excluded)."""
-        body = self.model_dump(mode="json", exclude={"run_id", "storage"})
+        """Hash of everything that determines the run's outputs. Excluded: run_id, the storage root, evaluation,
+        and the job's operational settings (budget, restarts, polling, networking...), which may change
+        between relaunches of the same run."""
+        body = self.model_dump(mode="json", exclude={"run_id", "storage", "evaluation"})
+        body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         return stable_hash(body)
 
     def resolved_run_id(self) -> str:

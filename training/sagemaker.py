@@ -1,19 +1,27 @@
-"""The SageMaker training-container contract, where a job honours it.
+"""The SageMaker training-container contract, where a job honours it (SageMaker, or the local job backend).
 
-Inside SageMaker (SM_* variables set), checkpoints go to the local folder SageMaker keeps in sync with the
+Inside a job (SM_* variables set), checkpoints go to the local folder SageMaker keeps in sync with the
 job's CheckpointConfig S3 URI (`/opt/ml/checkpoints`, or SM_CHECKPOINT_DIR), which the job backend pins to
-the run's checkpoints/ prefix; TensorBoard events go to /opt/ml/output/tensorboard, SageMaker's default.
-Elsewhere both live in run storage (TensorBoard only when run storage is local).
+the run's checkpoints/ prefix; data and tokenizer are read from the job's input channels (SM_CHANNEL_DATA,
+SM_CHANNEL_TOKENIZER); TensorBoard events go to /opt/ml/output/tensorboard, SageMaker's default; and the reason
+of a failure is written to /opt/ml/output/failure, which SageMaker reports as the job's FailureReason (so the
+train stage can tell a NaN exit from a bug even when torchrun hides the exit code). Elsewhere everything lives
+in run storage (TensorBoard only when run storage is local).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 
 from infra.storage import Storage
 
 SAGEMAKER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 SAGEMAKER_TENSORBOARD_DIR = "/opt/ml/output/tensorboard"
+SAGEMAKER_FAILURE_FILE = "/opt/ml/output/failure"
+MAX_FAILURE_REASON = 1024  # SageMaker's FailureReason limit
+
+log = logging.getLogger("hlat.train")
 
 
 def in_sagemaker() -> bool:
@@ -28,7 +36,32 @@ def checkpoint_location(run: Storage) -> Storage:
     return run.child("checkpoints")
 
 
+def channel_location(run: Storage, channel: str) -> Storage:
+    """The run's `channel`/ folder, or the job's local copy of it when the job has that input channel."""
+    local = os.environ.get(f"SM_CHANNEL_{channel.upper()}")
+    return Storage(local) if local else run.child(channel)
+
+
 def tensorboard_location(run: Storage) -> str | None:
     if in_sagemaker():
         return os.environ.get("SM_TENSORBOARD_DIR", SAGEMAKER_TENSORBOARD_DIR)
     return run.path("tensorboard") if run.is_local else None
+
+
+def failure_file() -> str | None:
+    if "HLAT_FAILURE_FILE" in os.environ:
+        return os.environ["HLAT_FAILURE_FILE"]
+    return SAGEMAKER_FAILURE_FILE if in_sagemaker() else None
+
+
+def write_failure(reason: str) -> None:
+    """Record why the job failed where its backend reports it from (no-op outside a job)."""
+    path = failure_file()
+    if path is None:
+        return
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(reason[:MAX_FAILURE_REASON])
+    except OSError as exc:  # never mask the failure being reported
+        log.warning("could not write the failure reason to %s: %s", path, exc)

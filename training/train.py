@@ -1,23 +1,36 @@
 """Entrypoint of a training job: `python -m training.train --config <path or s3 uri of config.json>`.
 
-Run under torchrun for several processes. The run's folder is the config's folder: data/ and tokenizer/ are
-read from it, metrics.jsonl is written to it, checkpoints go to its checkpoints/ (or, inside a SageMaker
-container, to the local checkpoint folder SageMaker syncs with the run's checkpoint prefix).
+Run under torchrun for several processes; SageMaker's Torchrun driver runs it by path
+(`torchrun ... training/train.py --config <uri>`), hence the sys.path set-up below. The run's folder is the
+config's folder: data/ and tokenizer/ are read from it (or from the job's input channels), metrics.jsonl is
+written to it, checkpoints go to its checkpoints/ (or, inside a job, to the local checkpoint folder the backend
+syncs with the run's checkpoint prefix). A failure's reason is written where the backend reports it from.
 """
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script path: make the project's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
 import argparse
 import logging
 import os
-import sys
 import tempfile
 
 from infra.storage import Storage
 from training.config import validate_config
 from training.distributed import close_world, init_world
+from training.exit_codes import EXIT_NAN
 from training.faults import checkpoint_storage
-from training.sagemaker import checkpoint_location, tensorboard_location
+from training.sagemaker import (
+    channel_location,
+    checkpoint_location,
+    tensorboard_location,
+    write_failure,
+)
 from training.trainer import Trainer
 
 
@@ -27,15 +40,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
+    try:
+        code = _train(args.config.rstrip("/"), args.device)
+    except Exception as exc:
+        write_failure(f"{type(exc).__name__}: {exc}")
+        raise
+    if code == EXIT_NAN:
+        write_failure("NonFiniteLoss: the loss became NaN or inf; relaunch from the last checkpoint")
+    return code
 
-    config_uri = args.config.rstrip("/")
+
+def _train(config_uri: str, device: str) -> int:
     run = Storage(config_uri.rsplit("/", 1)[0])
     cfg = validate_config(run.read_json(config_uri.rsplit("/", 1)[1]))
-    world = init_world(args.device)
+    world = init_world(device)
     try:
         with tempfile.TemporaryDirectory(prefix="hlat-train-") as tmp:
             tokenizer = os.path.join(tmp, "tokenizer.model")
-            run.child("tokenizer").get_file("tokenizer.model", tokenizer)
+            channel_location(run, "tokenizer").get_file("tokenizer.model", tokenizer)
             trainer = Trainer(
                 cfg=cfg,
                 run=run,
@@ -43,6 +65,7 @@ def main(argv: list[str] | None = None) -> int:
                 world=world,
                 tokenizer_model=tokenizer,
                 tensorboard_dir=tensorboard_location(run),
+                data=channel_location(run, "data"),
             )
             trainer.resume()
             return trainer.fit()

@@ -56,6 +56,8 @@ class Trainer:
     tokenizer_model: str
     tensorboard_dir: str | None = None
     hooks: list[Hook] = field(default_factory=list)
+    data: Storage | None = None
+    """The prepared data (default: the run's data/); inside a job, the folder of its data channel."""
 
     def __post_init__(self) -> None:
         cfg, world = self.cfg, self.world
@@ -99,7 +101,7 @@ class Trainer:
     def _loader(self, split: str) -> PackedLoader:
         t = self.cfg.training
         return PackedLoader(
-            self.run.child("data"),
+            self.data or self.run.child("data"),
             self.tokenizer_model,
             seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size,

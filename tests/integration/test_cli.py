@@ -76,3 +76,42 @@ def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
         conflict.returncode == 2
         and "was started with a different config (training.lr: 0.002 -> 0.5)" in conflict.stderr
     )
+
+
+def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_path: Path) -> None:
+    """`hlat pretrain --preset hlat-7b --dry-run`: the CreateTrainingJob request, the uploads it needs, the hourly
+    cost and an estimate, with AWS pointed at a closed port (a request would fail) and nothing written."""
+    from tests.integration.conftest import free_port
+
+    env_before = dict(os.environ)
+    os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{free_port()}"
+    try:
+        out = hlat(
+            "pretrain", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
+            "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
+        )  # fmt: skip
+    finally:
+        os.environ.clear()
+        os.environ.update(env_before)
+    assert out.returncode == 0, out.stderr[-3000:]
+    text = out.stdout
+    assert "placeholder" not in text
+    request = json.loads(text.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\n", 1)[0])
+    assert request["TrainingJobName"].endswith("-train-1")
+    assert request["ResourceConfig"] == {"InstanceType": "ml.trn1.32xlarge", "InstanceCount": 64, "VolumeSizeInGB": 512}
+    run_uri = f"s3://my-bucket/runs/{request['TrainingJobName'].removesuffix('-train-1')}"
+    assert request["CheckpointConfig"]["S3Uri"] == f"{run_uri}/checkpoints"
+    assert request["HyperParameters"] == {"config": f"{run_uri}/config.json"}
+    assert request["Environment"]["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
+    assert "S3 PutObject x " in text and f"under {run_uri}/code/" in text
+    assert "64 x ml.trn1.32xlarge at $21.50/node-hour = $1,376.00/hour" in text
+    assert "1,799.4B tokens in " in text and "MFU, about $" in text
+    assert list(tmp_path.iterdir()) == []  # nothing written locally either
+
+
+def test_dry_run_on_the_local_backend_shows_the_job_command(tmp_path: Path) -> None:
+    out = hlat("pretrain", "--preset", "tiny", "--dry-run", "--storage", str(tmp_path / "runs"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "on the local backend" in out.stdout and "training.train" in out.stdout
+    assert "$0.00/hour" in out.stdout
+    assert not (tmp_path / "runs").exists()

@@ -77,13 +77,20 @@ def test_sigterm_checkpoints_and_exits_zero(prepared: Path, tmp_path: Path) -> N
     assert "SIGTERM: checkpointing step" in out
 
 
-def test_two_ranks_under_torchrun_train_and_resume(prepared: Path, tmp_path: Path) -> None:
-    from infra.local_train import run_training
+def test_two_ranks_under_torchrun_on_the_local_backend(prepared: Path, tmp_path: Path) -> None:
+    from infra.jobs import JobSpec, Status
+    from infra.local_jobs import LocalBackend
 
     run = make_run(
         prepared, tmp_path, "torchrun", max_steps=6, checkpoint_every=3, eval_every=3, **{"job.processes_per_node": 2}
     )
-    run_training(str(run / "config.json"), processes=2)
+    backend = LocalBackend(str(tmp_path / "jobs"))
+    spec = JobSpec("torchrun-train-1", "torchrun", 1, str(run), str(run / "config.json"), "local", 1, 2, 600)
+    backend.submit(spec)
+    deadline = time.monotonic() + 300
+    while (state := backend.describe(spec.name)) is not None and not state.terminal and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert state is not None and state.status == Status.COMPLETED, "\n".join(backend.logs(spec.name)[0][-30:])
     step_dir = run / "checkpoints/step-000000006"
     assert {"rank-00000.pt", "rank-00001.pt", "COMMITTED"} <= {p.name for p in step_dir.iterdir()}
     assert [r["step"] for r in metrics(run) if "val_loss" in r] == [3, 6]

@@ -1,0 +1,169 @@
+"""From a run's config to its job backend, job specs and supervisor; and the dry run of a training job.
+
+The job's environment is built here, the same for both backends: the run id, and on trn1 the Neuron flags
+for the precision mode plus the run's compile cache (`compile-cache/`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from typing import Any
+
+from infra.catalog import CATALOG, price_per_hour
+from infra.jobs import JobBackend, JobSpec, job_name
+from infra.storage import Storage
+from infra.supervisor import Attempt, Progress, Supervisor
+from training.config import HlatConfig
+
+PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
+PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
+
+
+def jobs_dir(run_uri: str, run_id: str) -> str:
+    """Where the local backend keeps its job folders: inside the run when the run is local, else in a cache."""
+    run = Storage(run_uri)
+    if run.is_local:
+        return run.path("jobs")
+    cache = os.environ.get("HLAT_JOBS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hlat", "jobs")
+    return os.path.join(cache, run_id)
+
+
+def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
+    job = config.job
+    if job.backend == "sagemaker":
+        from infra.sagemaker_jobs import SageMakerBackend
+
+        return SageMakerBackend(job)
+    from infra.local_jobs import LocalBackend
+
+    return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds)
+
+
+def job_environment(config: HlatConfig, run_uri: str, run_id: str) -> dict[str, str]:
+    env = {"HLAT_RUN_ID": run_id}
+    if "trn" in config.job.instance_type:
+        from training.devices import neuron_environment
+
+        env.update(neuron_environment(config.precision.mode, compile_cache=f"{run_uri}/compile-cache"))
+    return env
+
+
+def job_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage: str = "train") -> JobSpec:
+    job = config.job
+    return JobSpec(
+        name=job_name(run_id, attempt, stage),
+        run_id=run_id,
+        attempt=attempt,
+        run_uri=run_uri,
+        config_uri=f"{run_uri}/config.json",
+        instance_type=job.instance_type,
+        instance_count=job.instance_count,
+        processes_per_node=job.processes_per_node,
+        max_runtime_s=int(job.max_runtime_hours * 3600),
+        environment=job_environment(config, run_uri, run_id),
+        stage=stage,
+    )
+
+
+def supervisor_for(
+    config: HlatConfig,
+    run_uri: str,
+    run_id: str,
+    current_step: Callable[[], int | None],
+    on_progress: Callable[[Progress], None] = lambda p: None,
+    on_attempts: Callable[[list[Attempt]], None] = lambda a: None,
+) -> Supervisor:
+    job = config.job
+    return Supervisor(
+        backend=backend_for(config, run_uri, run_id),
+        run=Storage(run_uri),
+        run_id=run_id,
+        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt),
+        current_step=current_step,
+        target_step=config.training.max_steps,
+        tokens_per_step=config.tokens_per_step,
+        max_restarts=job.max_restarts,
+        budget_usd=job.budget_usd,
+        price_per_hour=price_per_hour(job.instance_type, job.price_per_hour_usd),
+        poll_seconds=job.poll_seconds,
+        hang_timeout_s=job.hang_timeout_minutes * 60 if job.hang_timeout_minutes else None,
+        backoff_seconds=list(job.backoff_seconds),
+        on_progress=on_progress,
+        on_attempts=on_attempts,
+    )
+
+
+def estimate(config: HlatConfig) -> dict[str, Any]:
+    """Hourly cost, and time and cost to train to max_steps at the catalog's assumed MFU (None when unknown)."""
+    from training.model import flops_per_token
+
+    job, t = config.job, config.training
+    hourly = price_per_hour(job.instance_type, job.price_per_hour_usd) * job.instance_count
+    tokens = t.max_steps * config.tokens_per_step
+    out: dict[str, Any] = {"hourly_usd": hourly, "tokens": tokens, "hours": None, "total_usd": None, "mfu": None}
+    instance = CATALOG.get(job.instance_type)
+    if instance and instance.peak_bf16_flops and instance.estimate_mfu:
+        flops = flops_per_token(config.model, t.seq_len) * tokens
+        seconds = flops / (job.instance_count * instance.peak_bf16_flops * instance.estimate_mfu)
+        out.update(hours=seconds / 3600, total_usd=seconds / 3600 * hourly, mfu=instance.estimate_mfu)
+    return out
+
+
+def _describe_requests(requests: list[dict[str, Any]]) -> list[str]:
+    """Uploads summarised (count, bytes, common prefix); every other request printed in full."""
+    uploads = [r["params"] for r in requests if r.get("operation") == "PutObject"]
+    lines = []
+    if uploads:
+        keys = [f"s3://{u['Bucket']}/{u['Key']}" for u in uploads]
+        prefix = os.path.commonpath(keys).replace("s3:/", "s3://", 1) if len(keys) > 1 else keys[0]
+        size = sum(int(u.get("Size") or 0) for u in uploads)
+        lines.append(
+            f"S3 PutObject x {len(uploads)} ({size / 1024:,.0f} KiB of code and SageMaker drivers) under {prefix}/"
+        )
+    for request in requests:
+        if request.get("operation") != "PutObject":
+            lines.append(f"{request.get('service', '')} {request.get('operation', '')}".strip() + ":")
+            lines.append(json.dumps(request.get("params", request), indent=2, default=str))
+    return lines
+
+
+def dry_run(config: HlatConfig, stage: str = "train") -> str:
+    """What training this config would send, and what it would cost; sends nothing, writes nothing."""
+    run_id = config.resolved_run_id()
+    notes: list[str] = []
+    root = config.storage.root.rstrip("/")
+    if config.job.backend == "sagemaker":
+        if not root.startswith("s3://"):
+            notes.append(f"storage.root is {root!r}: SageMaker needs s3://; shown with {PLACEHOLDER_ROOT}")
+            root = PLACEHOLDER_ROOT
+        if not config.job.role_arn:
+            notes.append(f"job.role_arn is not set; shown with {PLACEHOLDER_ROLE}")
+            config = config.model_copy(update={"job": config.job.model_copy(update={"role_arn": PLACEHOLDER_ROLE})})
+    run_uri = f"{root}/{run_id}"
+    spec = job_spec(config, run_uri, run_id, attempt=1, stage=stage)
+    requests = backend_for(config, run_uri, run_id).dry_run(spec)
+    est = estimate(config)
+    job = config.job
+    lines = [f"dry run: {stage} of run {run_id} on the {job.backend} backend (nothing is sent)"]
+    lines += [f"  placeholder: {n}" for n in notes]
+    lines.append("")
+    lines.append(f"requests of attempt 1 (job {spec.name}):")
+    lines += _describe_requests(requests)
+    lines.append("")
+    lines.append(
+        f"cost: {job.instance_count} x {job.instance_type} at ${est['hourly_usd'] / max(job.instance_count, 1):,.2f}"
+        f"/node-hour = ${est['hourly_usd']:,.2f}/hour"
+    )
+    if est["hours"] is not None:
+        lines.append(
+            f"estimate: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens = "
+            f"{est['tokens'] / 1e9:,.1f}B tokens in {est['hours']:,.0f} h ({est['hours'] / 24:,.1f} days) "
+            f"at an assumed {est['mfu']:.0%} MFU, about ${est['total_usd']:,.0f}"
+        )
+    else:
+        lines.append(f"estimate: no throughput figure for {job.instance_type!r} in the instance catalog")
+    if job.budget_usd is not None:
+        lines.append(f"budget: job.budget_usd = ${job.budget_usd:,.2f}")
+    return "\n".join(lines)

@@ -1,0 +1,547 @@
+"""The `sagemaker` job backend: a run's training jobs as SageMaker training jobs on trn1 nodes.
+
+Requests are built with the SageMaker SDK v3 `ModelTrainer` (the Neuron PyTorch DLC, the `Torchrun` driver,
+`CheckpointConfig` pinned to the run's checkpoints/ prefix) and sent with boto3, under the job name the train
+stage chose (`infra.jobs.job_name`): a restarted flow then finds the job it launched instead of launching a
+duplicate. Describe, stop and logs are plain boto3 calls (SageMaker and CloudWatch Logs).
+
+`dry_run` builds the very same requests with a boto3 session that answers every AWS call itself (`OfflineAWS`)
+and returns what `submit` would send, so a 64-node launch can be reviewed, and tested, without an AWS account.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import re
+import urllib.parse
+from collections.abc import Callable, Mapping
+from datetime import UTC, datetime
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+import boto3
+from boto3.exceptions import S3UploadFailedError
+from botocore.awsrequest import AWSResponse
+from botocore.config import Config
+from botocore.exceptions import ClientError, ParamValidationError
+
+from infra.jobs import JobSpec, JobState, Status, SubmitError
+from training.config import JobConfig
+from training.sagemaker import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
+
+log = logging.getLogger("hlat.sagemaker")
+
+NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
+NEURON_DLC_TAG = "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
+"""The Neuron PyTorch training image used when `job.image_uri` is None (Neuron SDK 2.24.1, PyTorch 2.7)."""
+
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
+"""The folder holding training/ and infra/: uploaded as the job's source code."""
+ENTRY_SCRIPT = "training/train.py"
+REQUIREMENTS = "deployments/job-requirements.txt"
+SOURCE_IGNORE = [
+    # Never shipped: secrets, version control, environments and caches (the SDK's defaults plus ours).
+    ".env", ".git", ".venv", "venv", "__pycache__", "*.pyc", ".DS_Store", ".cache", ".ipynb_checkpoints",
+    ".mypy_cache", ".pytest_cache", ".ruff_cache", "*.egg-info", "build", "dist", ".ci",
+    # Local run outputs can be gigabytes; jobs read their run from S3.
+    "runs",
+    # Not imported by a training job: the orchestration layers (they need Prefect), tests and benchmarks.
+    "flows", "tasks", "tests", "benchmarks", "scripts",
+]  # fmt: skip
+"""Names left out of the uploaded source (matched at every depth, like shutil.ignore_patterns)."""
+
+LOG_GROUP = "/aws/sagemaker/TrainingJobs"
+LOG_LOOKBACK_MS = 60_000
+"""How far back each `logs` call looks again for events that reached CloudWatch late (64 nodes' streams are
+shipped independently, so an event can arrive after a newer one from another node was already read)."""
+LOG_MAX_PAGES = 20
+"""FilterLogEvents pages (up to 10,000 events each) read per `logs` call; the rest is read on the next call."""
+
+# The trainer's progress line (training/trainer.py): "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s".
+METRIC_DEFINITIONS = {
+    "loss": r"step \d+ loss (\S+) grad_norm",
+    "grad_norm": r"grad_norm (\S+) lr",
+    "tokens_per_s": r"lr \S+ ([0-9.]+) tok/s",
+}
+
+# SageMaker rejects a VolumeKmsKeyId for instance types whose storage is local NVMe (encrypted by the
+# hardware instead), and ignores VolumeSizeInGB for them.
+_LOCAL_STORAGE_FAMILIES = ("ml.trn1.", "ml.trn1n.", "ml.trn2.", "ml.p4d.", "ml.p4de.", "ml.p5.", "ml.p5e.", "ml.p5en.")
+
+_READ_OPERATIONS = ("Get", "List", "Describe", "Head", "Simulate", "Search")
+"""Operation name prefixes of calls that change nothing; dry_run reports the others."""
+
+LogCursor = tuple[int, tuple[tuple[int, str], ...]]
+"""(newest event timestamp seen in ms, (timestamp, event id) of every event seen within LOG_LOOKBACK_MS of it)."""
+
+
+def _import_sdk() -> Any:
+    """The SageMaker SDK modules, imported on first use: `sagemaker` is an optional dependency (`hlat[aws]`),
+    and importing it costs about two seconds that local runs should not pay."""
+    try:
+        from sagemaker.core import image_uris
+        from sagemaker.core.common_utils import get_domain_for_region
+        from sagemaker.core.helper.iam_role_resolver import RoleValidationError
+        from sagemaker.core.helper.session_helper import Session
+        from sagemaker.core.training import configs
+        from sagemaker.train import ModelTrainer
+        from sagemaker.train.distributed import Torchrun
+    except ImportError as exc:
+        raise ImportError(
+            f"the sagemaker job backend needs the SageMaker SDK ({exc}): pip install 'hlat[aws]' -c constraints.txt"
+        ) from exc
+
+    return SimpleNamespace(
+        image_uris=image_uris,
+        get_domain_for_region=get_domain_for_region,
+        RoleValidationError=RoleValidationError,
+        Session=Session,
+        configs=configs,
+        ModelTrainer=ModelTrainer,
+        Torchrun=Torchrun,
+    )
+
+
+def neuron_training_image(region: str) -> str | None:
+    """The Neuron PyTorch training DLC in `region`, or None where AWS publishes none. The registry account of
+    each region comes from the SDK's own image table (`pytorch-neuron`), so new regions arrive with the SDK."""
+    sdk = _import_sdk()
+    registries: dict[str, str] = {}
+    for version in sdk.image_uris.config_for_framework("pytorch-neuron")["training"]["versions"].values():
+        registries.update(version.get("registries", {}))
+    account = registries.get(region)
+    if account is None:
+        return None
+    domain = sdk.get_domain_for_region(region)
+    return f"{account}.dkr.ecr.{region}.{domain}/{NEURON_DLC_REPOSITORY}:{NEURON_DLC_TAG}"
+
+
+def split_s3_uri(uri: str) -> tuple[str, str]:
+    """('bucket', 'key/prefix') of an s3:// URI, without trailing slashes."""
+    without = uri.split("://", 1)[1]
+    bucket, _, key = without.partition("/")
+    return bucket, key.strip("/")
+
+
+def _error(exc: ClientError) -> tuple[str, str]:
+    err = exc.response.get("Error", {})
+    return str(err.get("Code", "Unknown")), str(err.get("Message", exc))
+
+
+def _not_found(exc: ClientError) -> bool:
+    """DescribeTrainingJob answers an unknown name with a ValidationException ('Requested resource not found.';
+    moto: "Could not find training job ..."), other APIs with ResourceNotFound."""
+    code, message = _error(exc)
+    if code in ("ResourceNotFound", "ResourceNotFoundException"):
+        return True
+    return code == "ValidationException" and bool(re.search(r"not found|could not find", message, re.IGNORECASE))
+
+
+class OfflineAWS:
+    """A boto3 session that sends nothing: every API call it makes is recorded and answered here.
+
+    Handlers on botocore's event system do it: 'before-parameter-build' sees each call's API parameters (after the
+    caller built them, before validation against the service model), and a 'before-call' handler that returns a
+    (response, parsed) pair makes botocore skip the HTTP request. Reads the SageMaker SDK makes while building a
+    request get plausible answers (the caller's identity, the role and its trust policy, the run's bucket, an
+    allowed policy simulation); writes (S3 uploads, CreateTrainingJob) are only recorded. Clients must be created
+    from `session` after construction: each client copies the session's handlers when it is created.
+    """
+
+    def __init__(self, region: str, role_arn: str, buckets: list[str]) -> None:
+        self.region = region
+        self.role_arn = role_arn
+        arn = role_arn.split(":")  # arn:aws:iam::<account>:role/<name>
+        self.account = arn[4] if len(arn) > 5 and arn[4] else "123456789012"
+        self.buckets = buckets
+        self.calls: list[dict[str, Any]] = []
+        # Static made-up credentials: nothing is signed, and no credential provider (SSO, instance metadata)
+        # is ever consulted.
+        self.session = boto3.Session(
+            aws_access_key_id="hlat-dry-run", aws_secret_access_key="hlat-dry-run", region_name=region
+        )
+        self.session.events.register("before-parameter-build", self._record)
+        self.session.events.register("before-call", self._answer)
+
+    def requests(self) -> list[dict[str, Any]]:
+        """The calls that would have changed something, in the order they were made."""
+        return [c for c in self.calls if not c["operation"].startswith(_READ_OPERATIONS)]
+
+    def _record(self, params: dict[str, Any], model: Any, context: dict[str, Any], **_: Any) -> None:
+        # The request context travels from this event to 'before-call': it carries the parameters to _answer
+        # (uploads run on several threads, so "the last call recorded" would not do).
+        context["hlat_params"] = params
+        recorded = {k: v for k, v in params.items() if k != "Body"}
+        if "Body" in params:
+            # Uploads are summarised: their bodies are the project's files, not worth repeating.
+            recorded["Size"] = _body_size(params["Body"])
+        self.calls.append(
+            {
+                "service": model.service_model.service_name,
+                "operation": model.name,
+                "params": copy.deepcopy(recorded),
+            }
+        )
+
+    def _answer(self, model: Any, context: dict[str, Any], **_: Any) -> tuple[AWSResponse, dict[str, Any]]:
+        answer = self._canned(model.service_model.service_name, model.name, context.get("hlat_params", {}))
+        return AWSResponse("https://hlat-dry-run.invalid", 200, {}, None), answer
+
+    def _canned(self, service: str, operation: str, params: dict[str, Any]) -> dict[str, Any]:
+        if operation == "GetCallerIdentity":
+            return {
+                "Account": self.account,
+                "Arn": f"arn:aws:sts::{self.account}:assumed-role/hlat-dry-run/hlat",
+                "UserId": "AROAHLATDRYRUN:hlat",
+            }
+        if operation == "GetRole":
+            trust = {
+                "Version": "2012-10-17",
+                "Statement": [
+                    {"Effect": "Allow", "Principal": {"Service": "sagemaker.amazonaws.com"}, "Action": "sts:AssumeRole"}
+                ],
+            }
+            name = params.get("RoleName", "hlat")
+            arn = self.role_arn if self.role_arn.endswith(f"/{name}") else f"arn:aws:iam::{self.account}:role/{name}"
+            return {
+                "Role": {
+                    "Path": "/",
+                    "RoleName": name,
+                    "RoleId": "AROAHLATDRYRUN",
+                    "Arn": arn,
+                    "CreateDate": datetime(2024, 1, 1, tzinfo=UTC),
+                    # IAM returns the trust policy URL-encoded.
+                    "AssumeRolePolicyDocument": urllib.parse.quote(json.dumps(trust)),
+                }
+            }
+        if operation == "SimulatePrincipalPolicy":
+            return {
+                "EvaluationResults": [
+                    {"EvalActionName": action, "EvalResourceName": "*", "EvalDecision": "allowed"}
+                    for action in params.get("ActionNames", [])
+                ],
+                "IsTruncated": False,
+            }
+        if operation == "ListBuckets":
+            created = datetime(2024, 1, 1, tzinfo=UTC)
+            return {"Buckets": [{"Name": b, "CreationDate": created} for b in self.buckets], "Owner": {"ID": "hlat"}}
+        if operation == "ListObjectsV2":
+            return {"IsTruncated": False, "KeyCount": 0, "Name": params.get("Bucket", "")}
+        if operation in ("PutObject", "UploadPart", "CompleteMultipartUpload"):
+            return {"ETag": '"hlat-dry-run"'}
+        if operation == "CreateMultipartUpload":
+            return {"Bucket": params.get("Bucket"), "Key": params.get("Key"), "UploadId": "hlat-dry-run"}
+        if operation == "CreateTrainingJob":
+            name = params.get("TrainingJobName", "")
+            return {"TrainingJobArn": f"arn:aws:sagemaker:{self.region}:{self.account}:training-job/{name}"}
+        log.debug("dry run: no canned answer for %s %s; answering with an empty response", service, operation)
+        return {}
+
+
+def _body_size(body: Any) -> int | None:
+    """Bytes in an upload's body: bytes, s3transfer's ReadFileChunk (both have a length) or a seekable file."""
+    try:
+        return len(body)
+    except TypeError:
+        pass
+    try:
+        here = body.tell()
+        body.seek(0, 2)
+        end = int(body.tell())
+        body.seek(here)
+        return end - int(here)
+    except (AttributeError, OSError, ValueError):
+        return None
+
+
+class SageMakerBackend:
+    """Training jobs as SageMaker training jobs (see the module docstring).
+
+    `sagemaker` and `logs_client` are the boto3 clients of describe, stop, CreateTrainingJob and logs: attributes,
+    so tests can stub them (botocore's Stubber) or replace them. The SDK's uploads go through `boto_session`.
+    """
+
+    kind = "sagemaker"
+
+    def __init__(self, job: JobConfig, boto_session: boto3.Session | None = None) -> None:
+        if boto_session is not None and boto_session.region_name not in (None, job.region):
+            raise ValueError(
+                f"the boto session is for region {boto_session.region_name!r} but job.region={job.region!r}: "
+                "make them the same (jobs, buckets and images are regional)"
+            )
+        self.job = job
+        self.boto_session = boto_session or boto3.Session(region_name=job.region)
+        # Standard retries absorb the throttling that polling 64-node jobs every minute can meet.
+        config = Config(retries={"mode": "standard", "max_attempts": 5}, user_agent_extra="hlat")
+        self.sagemaker: Any = self.boto_session.client("sagemaker", region_name=job.region, config=config)
+        self.logs_client: Any = self.boto_session.client("logs", region_name=job.region, config=config)
+        self.now: Callable[[], datetime] = lambda: datetime.now(UTC)
+
+    # -- the JobBackend protocol ----------------------------------------------------------------------------
+    def submit(self, spec: JobSpec) -> None:
+        """Upload the source, then create the training job named `spec.name`. A name already in use is refused
+        (SubmitError 'ResourceInUse') before anything is uploaded: the caller should re-attach to that job."""
+        self._check(spec)
+        try:
+            existing = self.describe(spec.name)
+        except ClientError as exc:  # e.g. throttled: classified like a refused submission
+            raise SubmitError(*_error(exc)) from exc
+        if existing is not None:
+            raise SubmitError(
+                "ResourceInUse",
+                f"a training job named {spec.name} already exists ({existing.status.value}); "
+                "describe it to re-attach instead of submitting it again",
+            )
+        request = self._build_request(spec, self.boto_session)
+        try:
+            self._create(request)
+        except SubmitError as exc:
+            # The job did not exist a moment ago: if it does now, this is our own request, retried by botocore
+            # after a first try that got through (a timeout, say). It is the job we launched.
+            if exc.code != "ResourceInUse" or self.describe(spec.name) is None:
+                raise
+            log.warning("%s was created by an earlier try of this request: %s", spec.name, exc)
+        log.info("created training job %s (%s x %d)", spec.name, spec.instance_type, spec.instance_count)
+
+    def describe(self, name: str) -> JobState | None:
+        try:
+            desc = self.sagemaker.describe_training_job(TrainingJobName=name)
+        except ClientError as exc:
+            if _not_found(exc):
+                return None
+            raise
+        return self._state(desc)
+
+    def stop(self, name: str) -> None:
+        """Ask SageMaker to stop the job (it gets SIGTERM, then SIGKILL 120 s later). A job that already ended,
+        or never existed, has nothing to stop: SageMaker's ValidationException for it is ignored."""
+        try:
+            self.sagemaker.stop_training_job(TrainingJobName=name)
+        except ClientError as exc:
+            code, message = _error(exc)
+            if code == "ValidationException" or _not_found(exc):
+                log.debug("stop %s: nothing to stop (%s: %s)", name, code, message)
+                return
+            raise
+
+    def logs(self, name: str, cursor: LogCursor | None = None) -> tuple[list[str], LogCursor | None]:
+        """New lines of the job's CloudWatch log streams (`<name>/algo-N-...`, one per node) since `cursor`.
+
+        Each event is returned once: the cursor keeps the ids of the events seen in the last LOG_LOOKBACK_MS,
+        and each call reads that window again to pick up events that arrived late. Before the job starts there
+        is no log group or stream, hence no lines."""
+        newest, seen_pairs = cursor if cursor else (0, ())
+        seen = {event_id for _, event_id in seen_pairs}
+        request: dict[str, Any] = {"logGroupName": LOG_GROUP, "logStreamNamePrefix": f"{name}/"}
+        if cursor:
+            request["startTime"] = max(0, newest - LOG_LOOKBACK_MS)
+        events: list[dict[str, Any]] = []
+        try:
+            for _ in range(LOG_MAX_PAGES):
+                page = self.logs_client.filter_log_events(**request)
+                events.extend(page.get("events", []))
+                token = page.get("nextToken")
+                if not token:
+                    break
+                request["nextToken"] = token
+        except ClientError as exc:
+            if _error(exc)[0] != "ResourceNotFoundException":
+                raise
+            return [], cursor  # the job has not started logging yet
+        unseen = {e["eventId"]: e for e in events if e["eventId"] not in seen}
+        fresh = sorted(unseen.values(), key=lambda e: e["timestamp"])
+        pairs = [*seen_pairs, *((int(e["timestamp"]), str(e["eventId"])) for e in fresh)]
+        newest = max([newest, *(ts for ts, _ in pairs)])
+        kept = tuple((ts, event_id) for ts, event_id in pairs if ts >= newest - LOG_LOOKBACK_MS)
+        lines = [str(e.get("message", "")).rstrip("\n") for e in fresh]
+        return lines, (newest, kept)
+
+    def dry_run(self, spec: JobSpec) -> list[dict[str, Any]]:
+        """The requests `submit(spec)` would send: S3 uploads of the source (summarised as bucket, key and size)
+        and CreateTrainingJob with its full parameters, validated against the service model. Sends nothing."""
+        bucket, _ = self._check(spec)
+        assert self.job.role_arn is not None  # _check raised otherwise
+        offline = OfflineAWS(self.job.region, self.job.role_arn, [bucket])
+        request = self._build_request(spec, offline.session)
+        self._create(request, offline.session.client("sagemaker", region_name=self.job.region))
+        return offline.requests()
+
+    # -- building requests ----------------------------------------------------------------------------------
+    @property
+    def training_image(self) -> str:
+        if self.job.image_uri:
+            return self.job.image_uri
+        image = neuron_training_image(self.job.region)
+        if image is None:
+            raise ValueError(
+                f"job.region={self.job.region!r}: AWS publishes no Neuron PyTorch training image there and "
+                f"job.image_uri={self.job.image_uri!r}; set job.image_uri to a training image in that region, "
+                "or use a region with trn1 capacity (e.g. us-east-1, us-west-2)"
+            )
+        return image
+
+    def _check(self, spec: JobSpec) -> tuple[str, str]:
+        """Refuse, with the fix, what SageMaker would refuse later; returns the run's (bucket, key prefix)."""
+        if not spec.run_uri.startswith("s3://"):
+            raise ValueError(
+                f"storage.root: the sagemaker backend needs an s3:// storage root (got {spec.run_uri!r}); "
+                "pass --storage s3://bucket/prefix"
+            )
+        if not self.job.role_arn:
+            raise ValueError(
+                f"job.role_arn={self.job.role_arn!r}: the sagemaker backend needs the IAM role SageMaker assumes to "
+                "run the job; set job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>"
+            )
+        if self.job.subnets and not self.job.security_group_ids:
+            raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
+        if not (PROJECT_ROOT / ENTRY_SCRIPT).is_file() or not (PROJECT_ROOT / REQUIREMENTS).is_file():
+            raise ValueError(
+                f"the sagemaker backend uploads the project's source, which needs {ENTRY_SCRIPT} and {REQUIREMENTS} "
+                f"under {PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
+            )
+        return split_s3_uri(spec.run_uri)
+
+    def _build_request(self, spec: JobSpec, boto_session: boto3.Session) -> dict[str, Any]:
+        """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
+        ModelTrainer. Building it uploads the source and the SDK's container drivers to
+        `<run>/code/<job name>/...` through `boto_session`."""
+        bucket, prefix = self._check(spec)
+        image = self.training_image
+        sdk = _import_sdk()
+        cfg = sdk.configs
+        job = self.job
+        run = spec.run_uri.rstrip("/")
+        session = sdk.Session(
+            boto_session=boto_session, default_bucket=bucket, default_bucket_prefix=f"{prefix}/code".strip("/")
+        )
+        volume_kms = job.kms_key_id
+        if volume_kms and spec.instance_type.startswith(_LOCAL_STORAGE_FAMILIES):
+            log.warning(
+                "job.kms_key_id is not used for the volumes of %s: its storage is local NVMe, encrypted by the "
+                "hardware (SageMaker refuses a VolumeKmsKeyId there); it still encrypts the job's output",
+                spec.instance_type,
+            )
+            volume_kms = None
+        compute = cfg.Compute(
+            instance_type=spec.instance_type,
+            instance_count=spec.instance_count,
+            volume_size_in_gb=job.volume_size_gb,
+            volume_kms_key_id=volume_kms,
+            keep_alive_period_in_seconds=job.keep_alive_minutes * 60 if job.keep_alive_minutes else None,
+            training_plan_arn=job.training_plan_arn,
+        )
+        networking = None
+        if job.subnets:
+            networking = cfg.Networking(
+                subnets=list(job.subnets),
+                security_group_ids=list(job.security_group_ids),
+                # Encrypting traffic between nodes slows the collectives of every step.
+                enable_inter_container_traffic_encryption=False,
+            )
+        try:
+            trainer = sdk.ModelTrainer(
+                sagemaker_session=session,
+                role=job.role_arn,
+                base_job_name=spec.name,
+                training_image=image,
+                source_code=cfg.SourceCode(
+                    source_dir=str(PROJECT_ROOT),
+                    entry_script=ENTRY_SCRIPT,
+                    requirements=REQUIREMENTS,
+                    ignore_patterns=list(SOURCE_IGNORE),
+                ),
+                distributed=sdk.Torchrun(process_count_per_node=spec.processes_per_node),
+                compute=compute,
+                networking=networking,
+                stopping_condition=cfg.StoppingCondition(max_runtime_in_seconds=spec.max_runtime_s),
+                checkpoint_config=cfg.CheckpointConfig(
+                    # The run's prefix, not a per-job one: every attempt resumes from the checkpoints of the last.
+                    s3_uri=f"{run}/checkpoints",
+                    local_path=SAGEMAKER_CHECKPOINT_DIR,
+                ),
+                output_data_config=cfg.OutputDataConfig(
+                    s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
+                ),
+                environment={**spec.environment, "HLAT_RUN_ID": spec.run_id},
+                # The Torchrun driver passes hyperparameters as arguments: this is `--config <uri>`. The config
+                # travels by URI, not as hyperparameters (at most 100 of 256 characters each).
+                hyperparameters={"config": spec.config_uri},
+                tags=[
+                    cfg.Tag(key="hlat:run-id", value=spec.run_id),
+                    cfg.Tag(key="hlat:stage", value=spec.stage),
+                    cfg.Tag(key="hlat:attempt", value=str(spec.attempt)),
+                ],
+            )
+        except sdk.RoleValidationError as exc:
+            raise SubmitError("ValidationException", f"job.role_arn={job.role_arn!r}: {exc}") from exc
+        trainer.with_tensorboard_output_config(
+            cfg.TensorBoardOutputConfig(s3_output_path=f"{run}/tensorboard", local_path=SAGEMAKER_TENSORBOARD_DIR)
+        )
+        trainer.with_metric_definitions(
+            [cfg.MetricDefinition(name=name, regex=regex) for name, regex in METRIC_DEFINITIONS.items()]
+        )
+        if job.sagemaker_retry_attempts > 0:
+            trainer.with_retry_strategy(cfg.RetryStrategy(maximum_retry_attempts=job.sagemaker_retry_attempts))
+        if job.infra_check:
+            trainer.with_infra_check_config(cfg.InfraCheckConfig(enable_infra_check=True))
+        channels = [
+            # FastFile mounts the prefix and streams what is read: the trainer reads its shards from run storage
+            # itself, and File mode would first copy the whole corpus onto every node.
+            self._channel(cfg, "data", f"{run}/data/", "FastFile"),
+            self._channel(cfg, "tokenizer", f"{run}/tokenizer/", "File"),
+        ]
+        try:
+            # A private method, on purpose: ModelTrainer.train() names each job `<base>-<timestamp>`, and the
+            # name must be ours (run id + attempt) so that a restarted flow re-attaches to the job it launched
+            # instead of launching a duplicate. Only the job name is replaced: uploads still go under the SDK's
+            # timestamped key, inside the run's code/ prefix.
+            request: dict[str, Any] = trainer._create_training_job_args(input_data_config=channels, boto3=True)
+        except ClientError as exc:
+            raise SubmitError(*_error(exc)) from exc
+        except S3UploadFailedError as exc:
+            found = re.search(r"\((\w+)\) when calling", str(exc))
+            raise SubmitError(
+                found.group(1) if found else "S3UploadFailed",
+                f"uploading the job's source code under {run}/code: {exc}",
+            ) from exc
+        request["TrainingJobName"] = spec.name
+        return request
+
+    @staticmethod
+    def _channel(cfg: Any, name: str, s3_uri: str, mode: str) -> Any:
+        source = cfg.S3DataSource(s3_data_type="S3Prefix", s3_uri=s3_uri, s3_data_distribution_type="FullyReplicated")
+        return cfg.Channel(channel_name=name, data_source=cfg.DataSource(s3_data_source=source), input_mode=mode)
+
+    def _create(self, request: Mapping[str, Any], client: Any = None) -> None:
+        try:
+            (client or self.sagemaker).create_training_job(**request)
+        except ClientError as exc:
+            raise SubmitError(*_error(exc)) from exc
+        except ParamValidationError as exc:
+            raise SubmitError("ValidationException", str(exc)) from exc
+
+    # -- describing ---------------------------------------------------------------------------------------------
+    def _state(self, desc: Mapping[str, Any]) -> JobState:
+        raw = desc["TrainingJobStatus"]
+        # 'Deleting' (DeleteTrainingJob) is not in the protocol's vocabulary: for the train stage the job is over.
+        status = Status.STOPPED if raw == "Deleting" else Status(raw)
+        billable = desc.get("BillableTimeInSeconds")
+        if billable is None:
+            start, end = desc.get("TrainingStartTime"), desc.get("TrainingEndTime")
+            if start is not None and end is not None:
+                billable = (end - start).total_seconds()
+            elif start is not None and status == Status.IN_PROGRESS:
+                billable = (self.now() - start).total_seconds()
+            else:
+                billable = 0.0
+        return JobState(
+            name=str(desc["TrainingJobName"]),
+            status=status,
+            failure_reason=desc.get("FailureReason"),
+            secondary_status="Deleting" if raw == "Deleting" else desc.get("SecondaryStatus"),
+            billable_seconds=max(0.0, float(billable)),
+            instance_count=int(desc.get("ResourceConfig", {}).get("InstanceCount") or 1),
+        )

@@ -1,0 +1,156 @@
+"""Chaos for the train stage on the local job backend: jobs killed by injected faults, a flow process killed and
+restarted, a dollar budget. Real processes throughout: the flow (in-process or `hlat run train`), the local
+backend's job supervisor, and the training processes."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from infra.local_jobs import LocalBackend
+from infra.storage import Storage
+from infra.supervisor import Ledger
+from tests.conftest import SMALL_DATA
+from tests.jobs import final_weights, make_run, metrics, processes_mentioning
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+RUN = {"max_steps": STEPS, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 0, "warmup_steps": 5}
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def overrides(**training: Any) -> dict[str, Any]:
+    return {**SMALL_DATA, **{f"training.{k}": v for k, v in {**RUN, **training}.items()}}
+
+
+def history(run: Path) -> list[tuple[int, float, int]]:
+    return [(r["step"], r["loss"], r["samples_crc32"]) for r in metrics(run) if "samples_crc32" in r]
+
+
+def cli(tmp_path: Path, run_id: str, sets: dict[str, Any]) -> list[str]:
+    args = [sys.executable, "-m", "flows.cli", "run", "train", "--run-id", run_id, "--storage", str(tmp_path)]
+    for key, value in sets.items():
+        args += ["--set", f"{key}={json.dumps(value)}"]
+    return args
+
+
+def cli_env() -> dict[str, str]:
+    from prefect.settings import PREFECT_API_URL
+
+    return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "OMP_NUM_THREADS": "1"}
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)
+
+
+def test_job_killed_five_times_completes_bitwise_equal(
+    prepared: Path, tmp_path: Path, prefect_server: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from flows.train import train
+
+    reference = make_run(prepared, tmp_path, "reference", **RUN)
+    train(preset="tiny", overrides=overrides(), run_id="reference", storage=str(tmp_path))
+
+    chaos = make_run(prepared, tmp_path, "chaos", **RUN)
+    rng = random.Random(20261122)
+    kill_at, step = [], 1
+    for _ in range(5):  # each attempt gets past at least one checkpoint before it is killed
+        step += rng.randint(5, 7)
+        kill_at.append(step)
+    assert kill_at[-1] < STEPS
+    faults = {str(i + 1): {"kill_at_step": s} for i, s in enumerate(kill_at)}
+    monkeypatch.setenv("HLAT_LOCAL_FAULTS", json.dumps(faults))
+    summary = train(preset="tiny", overrides=overrides(), run_id="chaos", storage=str(tmp_path))
+
+    assert summary["final_step"] == STEPS and summary["jobs"] == 6
+    attempts = Ledger(Storage(str(chaos)), "train").load()
+    assert [a.action for a in attempts] == ["resume"] * 5 + ["done"]
+    assert all("SIGKILL" in (a.reason or "") for a in attempts[:5])
+    assert history(chaos) == history(reference)  # same samples, same order, same losses
+    ours, theirs = final_weights(chaos), final_weights(reference)
+    assert ours.keys() == theirs.keys()
+    for name in ours:
+        assert torch.equal(ours[name], theirs[name]), name
+    assert processes_mentioning(str(chaos)) == []
+
+
+def test_flow_process_killed_and_restarted_reattaches_to_the_same_job(
+    prepared: Path, tmp_path: Path, prefect_server: None
+) -> None:
+    run = make_run(prepared, tmp_path, "reattach", **{**RUN, "max_steps": 150, "log_every": 1})
+    command = cli(tmp_path, "reattach", overrides(max_steps=150, log_every=1))
+    flow = subprocess.Popen(command, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    backend = LocalBackend(str(run / "jobs"))
+    ledger = Ledger(Storage(str(run)), "train")
+    try:
+        wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 120, "the job to start")
+        name = ledger.load()[0].job_name
+        lines = lambda: backend.logs(name)[0]  # noqa: E731
+        wait_for(lambda: any(" step 8 loss" in line for line in lines()), 120, "the job to train a few steps")
+    finally:
+        flow.kill()  # the flow process dies without a chance to clean up
+        flow.wait()
+    state = backend.describe(name)
+    assert state is not None and state.status == "InProgress"  # the job outlives its flow process
+
+    again = subprocess.run(command, cwd=ROOT, env=cli_env(), capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    attempts = ledger.load()
+    assert [(a.job_name, a.status) for a in attempts] == [(name, "Completed")]
+    assert sorted(p.name for p in (run / "jobs").iterdir() if p.is_dir()) == [name]
+    assert max(r["step"] for r in metrics(run)) == 150
+    assert processes_mentioning(str(run)) == []
+
+
+def test_dollar_budget_stops_the_run_with_a_clear_message(prepared: Path, tmp_path: Path, prefect_server: None) -> None:
+    run = make_run(prepared, tmp_path, "budget", **{**RUN, "max_steps": 5000})
+    # $1 per second of job: a $6 budget is spent a few seconds into the job.
+    sets = {**overrides(max_steps=5000), "job.price_per_hour_usd": 3600, "job.budget_usd": 6}
+    out = subprocess.run(cli(tmp_path, "budget", sets), cwd=ROOT, env=cli_env(), capture_output=True, text=True)
+    assert out.returncode == 1, out.stderr[-3000:]
+    error = out.stderr.strip().splitlines()[-1]
+    assert error.startswith("hlat: error: train stopped at step ") and "job.budget_usd=$6.00 is spent" in error
+    attempts = Ledger(Storage(str(run)), "train").load()
+    assert len(attempts) == 1 and attempts[0].stop_requested == "budget" and attempts[0].status == "Stopped"
+    assert attempts[0].cost_usd >= 6
+    assert processes_mentioning(str(run)) == []
+
+
+def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefect_server: None) -> None:
+    """Ctrl-C on `hlat run train`: the job is stopped (SIGTERM, it checkpoints), nothing is left running."""
+    run = make_run(prepared, tmp_path, "interrupt", **{**RUN, "max_steps": 5000, "log_every": 1})
+    flow = subprocess.Popen(
+        cli(tmp_path, "interrupt", overrides(max_steps=5000, log_every=1)),
+        cwd=ROOT,
+        env=cli_env(),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    ledger = Ledger(Storage(str(run)), "train")
+    backend = LocalBackend(str(run / "jobs"))
+    wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 120, "the job to start")
+    name = ledger.load()[0].job_name
+    wait_for(lambda: any(" step 5 loss" in line for line in backend.logs(name)[0]), 120, "a few steps")
+    flow.send_signal(signal.SIGINT)
+    flow.communicate(timeout=120)
+    state = backend.describe(name)
+    assert state is not None and state.status == "Stopped"
+    assert ledger.load()[0].stop_requested == "cancelled"
+    assert processes_mentioning(str(run)) == []

@@ -1,0 +1,339 @@
+"""The train stage's supervision loop, driven through the job-backend protocol by a scripted backend: each
+submitted job plays a script of states (and checkpoint steps), on a fake clock. The same loop is driven by the
+real local backend in tests/chaos and by the SageMaker backend under botocore's Stubber in
+tests/unit/test_sagemaker_supervisor.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
+from infra.storage import Storage
+from infra.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
+
+RUN_ID = "tiny-test"
+TARGET = 100
+
+
+@dataclass
+class Play:
+    """One job's script: states returned by successive describes (the last repeats), the checkpoint step when it
+    ends, log lines per describe, or a submission error."""
+
+    states: list[tuple[str, str | None]] = field(default_factory=lambda: [("InProgress", None), ("Completed", None)])
+    reaches: int = TARGET
+    refuse: SubmitError | None = None
+    logs: list[list[str]] = field(default_factory=list)
+
+
+class ScriptedBackend:
+    kind = "scripted"
+
+    def __init__(self, plays: list[Play], clock: list[float], billable_per_poll: float = 60.0) -> None:
+        self.plays, self.clock, self.billable = plays, clock, billable_per_poll
+        self.submitted: list[JobSpec] = []
+        self.stopped: list[str] = []
+        self.step = 0
+        self.polls: dict[str, int] = {}
+        self.jobs: dict[str, Play] = {}
+
+    def submit(self, spec: JobSpec) -> None:
+        play = self.plays.pop(0)
+        if play.refuse:
+            raise play.refuse
+        self.submitted.append(spec)
+        self.jobs[spec.name] = play
+        self.polls[spec.name] = 0
+
+    def describe(self, name: str) -> JobState | None:
+        play = self.jobs.get(name)
+        if play is None:
+            return None
+        i = min(self.polls[name], len(play.states) - 1)
+        self.polls[name] += 1
+        status, reason = play.states[i]
+        if name in self.stopped and status == "InProgress":
+            status, reason = "Stopped", None
+        state = JobState(
+            name, Status(status), failure_reason=reason, billable_seconds=self.billable * (i + 1), instance_count=2
+        )
+        if state.terminal:
+            self.step = max(self.step, play.reaches)
+        return state
+
+    def stop(self, name: str) -> None:
+        self.stopped.append(name)
+
+    def logs(self, name: str, cursor: Any = None) -> tuple[list[str], Any]:
+        play = self.jobs[name]
+        i = cursor or 0
+        return (play.logs[i] if i < len(play.logs) else []), i + 1
+
+    def dry_run(self, spec: JobSpec) -> list[dict[str, Any]]:
+        return []
+
+
+def supervisor(tmp_path: Path, backend: ScriptedBackend, clock: list[float], **options: Any) -> Supervisor:
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    def spec(attempt: int, name: str) -> JobSpec:
+        return JobSpec(name, RUN_ID, attempt, str(tmp_path), f"{tmp_path}/config.json", "ml.trn1.32xlarge", 2, 32, 3600)
+
+    defaults: dict[str, Any] = {
+        "poll_seconds": 60.0,
+        "hang_timeout_s": None,
+        "backoff_seconds": [60.0, 600.0],
+        "price_per_hour": 36.0,
+        "max_restarts": 10,
+    }
+    return Supervisor(
+        backend=backend,
+        run=Storage(str(tmp_path)),
+        run_id=RUN_ID,
+        make_spec=spec,
+        current_step=lambda: backend.step or None,
+        target_step=TARGET,
+        tokens_per_step=1000,
+        sleep=sleep,
+        clock=lambda: clock[0],
+        **{**defaults, **options},
+    )
+
+
+def test_completes_in_one_job_and_records_it(tmp_path: Path) -> None:
+    clock = [0.0]
+    backend = ScriptedBackend([Play()], clock)
+    attempts = supervisor(tmp_path, backend, clock).run_to_completion()
+    assert [a.job_name for a in attempts] == ["tiny-test-train-1"]
+    assert attempts[0].status == "Completed" and attempts[0].steps_gained == TARGET
+    # 2 polls x 60 s billable x 2 nodes at $36/h = $2.40
+    assert attempts[0].cost_usd == pytest.approx(2 * 60 * 2 * 36 / 3600)
+    assert Ledger(Storage(str(tmp_path)), "train").load()[0].action == "done"
+
+
+def test_resumable_failures_relaunch_from_checkpoint_until_done(tmp_path: Path) -> None:
+    clock = [0.0]
+    plays = [
+        Play([("InProgress", None), ("Failed", "InternalServerError: We encountered an internal error.")], reaches=20),
+        Play([("Failed", "AlgorithmError: NonFiniteLoss: the loss became NaN or inf")], reaches=45),
+        Play([("InProgress", None), ("Stopped", None)], reaches=70),  # e.g. MaxRuntimeExceeded or spot
+        Play(),
+    ]
+    backend = ScriptedBackend(plays, clock)
+    attempts = supervisor(tmp_path, backend, clock).run_to_completion()
+    assert [a.action for a in attempts] == ["resume", "resume", "resume", "done"]
+    assert [a.steps_gained for a in attempts] == [20, 25, 25, 30]
+    assert [s.name for s in backend.submitted] == [job_name(RUN_ID, n) for n in (1, 2, 3, 4)]
+
+
+def test_capacity_backs_off_with_growing_delays(tmp_path: Path) -> None:
+    clock = [0.0]
+    capacity = ("Failed", "CapacityError: Unable to provision requested ML compute capacity.")
+    plays = [Play([capacity], reaches=0), Play([capacity], reaches=0), Play([capacity], reaches=0), Play()]
+    backend = ScriptedBackend(plays, clock)
+    attempts = supervisor(tmp_path, backend, clock, poll_seconds=1.0).run_to_completion()
+    assert [a.action for a in attempts] == ["backoff", "backoff", "backoff", "done"]
+    assert clock[0] >= 60 + 600 + 600  # the last delay repeats
+
+
+def test_throttled_submission_backs_off_then_succeeds(tmp_path: Path) -> None:
+    clock = [0.0]
+    plays = [Play(refuse=SubmitError("ThrottlingException", "Rate exceeded")), Play()]
+    attempts = supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+    assert [(a.status, a.action) for a in attempts] == [("NotSubmitted", "backoff"), ("Completed", "done")]
+
+
+@pytest.mark.parametrize(
+    ("refusal", "message"),
+    [
+        (SubmitError("ResourceLimitExceeded", "The account-level service limit for ml.trn1.32xlarge"), "service limit"),
+        (SubmitError("ValidationException", "Invalid RoleArn"), "Invalid RoleArn"),
+        (SubmitError("AccessDeniedException", "not authorized to perform CreateTrainingJob"), "not authorized"),
+    ],
+)
+def test_fatal_submission_errors_stop_at_once(tmp_path: Path, refusal: SubmitError, message: str) -> None:
+    clock = [0.0]
+    with pytest.raises(JobFailed, match=message) as info:
+        supervisor(tmp_path, ScriptedBackend([Play(refuse=refusal)], clock), clock).run_to_completion()
+    assert len(info.value.attempts) == 1
+
+
+def test_client_error_in_job_is_fatal(tmp_path: Path) -> None:
+    clock = [0.0]
+    plays = [Play([("Failed", "ClientError: Please ensure the S3 path s3://b/data/ exists")], reaches=0)]
+    with pytest.raises(JobFailed, match="ensure the S3 path"):
+        supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+
+
+def test_same_failure_twice_with_no_step_gained_is_fatal(tmp_path: Path) -> None:
+    clock = [0.0]
+    crash = ("Failed", "AlgorithmError: ExecuteUserScriptError: exit code 1 ImportError: no module named x")
+    plays = [Play([crash], reaches=0), Play([crash], reaches=0), Play()]
+    backend = ScriptedBackend(plays, clock)
+    with pytest.raises(JobFailed, match="same failure repeated with no step gained"):
+        supervisor(tmp_path, backend, clock).run_to_completion()
+    assert len(backend.submitted) == 2
+
+
+def test_restart_budget_runs_out(tmp_path: Path) -> None:
+    clock = [0.0]
+    plays = [Play([("Failed", "InternalServerError: boom")], reaches=10 * (i + 1)) for i in range(5)]
+    with pytest.raises(RestartsExhausted, match=r"all 2 relaunches allowed by job.max_restarts") as info:
+        supervisor(tmp_path, ScriptedBackend(plays, clock), clock, max_restarts=2).run_to_completion()
+    assert len(info.value.attempts) == 3
+
+
+def test_dollar_budget_stops_the_running_job(tmp_path: Path) -> None:
+    clock = [0.0]
+    long_job = Play([("InProgress", None)] * 50 + [("Completed", None)], reaches=40)
+    backend = ScriptedBackend([long_job], clock)
+    # 2 nodes x $36/h: each 60 s poll bills $2.40; a $10 budget is spent on the fifth poll
+    with pytest.raises(BudgetExhausted, match=r"job.budget_usd=\$10.00 is spent") as info:
+        supervisor(tmp_path, backend, clock, budget_usd=10.0).run_to_completion()
+    assert backend.stopped == ["tiny-test-train-1"]
+    assert "step 40 of 100" in str(info.value)
+    assert info.value.attempts[0].stop_requested == "budget"
+
+
+def test_budget_already_spent_launches_nothing(tmp_path: Path) -> None:
+    clock = [0.0]
+    plays = [Play([("InProgress", None), ("Failed", "InternalServerError: x")], reaches=30), Play()]
+    backend = ScriptedBackend(plays, clock)
+    with pytest.raises(BudgetExhausted):
+        supervisor(tmp_path, backend, clock, budget_usd=2.0).run_to_completion()
+    assert len(backend.submitted) == 1
+
+
+def test_hung_job_is_stopped_and_relaunched(tmp_path: Path) -> None:
+    clock = [0.0]
+    progress = [[f"rank0 step {s} loss 5.0 grad_norm 1.0 lr 1.0e-03 1000 tok/s"] for s in (1, 2, 3)]
+    hung = Play([("InProgress", None)] * 100, reaches=0, logs=progress)  # logs stop after step 3
+    backend = ScriptedBackend([hung, Play()], clock)
+    attempts = supervisor(tmp_path, backend, clock, hang_timeout_s=600.0).run_to_completion()
+    assert backend.stopped == ["tiny-test-train-1"]
+    assert attempts[0].stop_requested == "hung" and attempts[0].reason.startswith("hung")
+    assert [a.action for a in attempts] == ["resume", "done"]
+
+
+def test_restarted_supervisor_reattaches_instead_of_launching_again(tmp_path: Path) -> None:
+    clock = [0.0]
+    backend = ScriptedBackend([Play([("InProgress", None)] * 3 + [("Completed", None)])], clock)
+
+    class Crash(Exception):
+        pass
+
+    polls = 0
+
+    def crash_on_second_poll(progress: Any) -> None:
+        nonlocal polls
+        polls += 1
+        if polls == 2:
+            raise Crash
+
+    first = supervisor(tmp_path, backend, clock)
+    first.on_progress = crash_on_second_poll
+    with pytest.raises(Crash):
+        first.run_to_completion()
+    assert backend.stopped == []  # a crash leaves the job running
+    attempts = supervisor(tmp_path, backend, clock).run_to_completion()
+    assert len(backend.submitted) == 1 and [a.attempt for a in attempts] == [1]
+    assert attempts[0].status == "Completed"
+
+
+def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None:
+    """The supervisor died between submitting and recording the job as submitted: the ledger says
+    'Submitting', the backend knows the job by its deterministic name, so it is watched, not resubmitted."""
+    clock = [0.0]
+    backend = ScriptedBackend([Play()], clock)
+    spec = JobSpec(job_name(RUN_ID, 1), RUN_ID, 1, str(tmp_path), "c", "ml.trn1.32xlarge", 2, 32, 3600)
+    backend.submit(spec)
+    from infra.supervisor import Attempt
+
+    Ledger(Storage(str(tmp_path)), "train").save([Attempt(1, spec.name)])
+    attempts = supervisor(tmp_path, backend, clock).run_to_completion()
+    assert len(backend.submitted) == 1 and attempts[0].status == "Completed"
+
+
+def test_interruption_stops_the_job_and_a_later_run_resumes(tmp_path: Path) -> None:
+    clock = [0.0]
+    backend = ScriptedBackend([Play([("InProgress", None)] * 5, reaches=30), Play()], clock)
+    sup = supervisor(tmp_path, backend, clock)
+
+    def interrupt(progress: Any) -> None:
+        raise KeyboardInterrupt
+
+    sup.on_progress = interrupt
+    with pytest.raises(KeyboardInterrupt):
+        sup.run_to_completion()
+    assert backend.stopped == ["tiny-test-train-1"]
+    attempts = supervisor(tmp_path, backend, clock).run_to_completion()
+    assert [a.action for a in attempts] == ["resume", "done"]
+
+
+def test_progress_reports_step_loss_eta_and_dollars(tmp_path: Path) -> None:
+    clock = [0.0]
+    logs = [["rank0 step 40 loss 5.4321 grad_norm 0.812 lr 1.99e-03 500 tok/s"]]
+    backend = ScriptedBackend([Play([("InProgress", None), ("Completed", None)], logs=logs)], clock)
+    seen: list[str] = []
+    sup = supervisor(tmp_path, backend, clock)
+    sup.on_progress = lambda p: seen.append(p.line())
+    sup.run_to_completion()
+    # 60 steps left x 1000 tokens at 500 tok/s = 120 s; one poll billed 60 s x 2 nodes at $36/h
+    assert "step 40/100, loss 5.4321, 500 tok/s, ETA 2 min, $1.20 spent" in seen[0]
+
+
+@pytest.mark.parametrize(
+    ("state", "action", "category"),
+    [
+        (JobState("j", Status.COMPLETED), Action.DONE, "completed"),
+        (
+            JobState("j", Status.FAILED, "CapacityError: Unable to provision requested ML compute capacity"),
+            Action.BACKOFF,
+            "capacity",
+        ),
+        (
+            JobState("j", Status.FAILED, "InternalServerError: We encountered an internal error"),
+            Action.RESUME,
+            "internal",
+        ),
+        (JobState("j", Status.FAILED, "AlgorithmError: NonFiniteLoss: the loss became NaN"), Action.RESUME, "nan"),
+        (
+            JobState("j", Status.FAILED, "AlgorithmError: NRT error: NeuronCore 3 hardware failure"),
+            Action.RESUME,
+            "hardware",
+        ),
+        (JobState("j", Status.FAILED, "AlgorithmError: killed by signal SIGKILL"), Action.RESUME, "killed"),
+        (JobState("j", Status.STOPPED, secondary_status="MaxRuntimeExceeded"), Action.RESUME, "max-runtime"),
+        (JobState("j", Status.STOPPED, secondary_status="Interrupted"), Action.RESUME, "interrupted"),
+        (JobState("j", Status.FAILED, "ClientError: Data download failed"), Action.FATAL, "validation"),
+        (
+            JobState("j", Status.FAILED, "AlgorithmError: ConfigError: training.lr must be > 0"),
+            Action.FATAL,
+            "validation",
+        ),
+    ],
+)
+def test_classification(state: JobState, action: Action, category: str) -> None:
+    decision = classify(state)
+    assert (decision.action, decision.category) == (action, category)
+
+
+def test_submission_error_codes_classify() -> None:
+    assert classify_reason("ResourceLimitExceeded: quota").action == Action.FATAL
+    assert classify_reason("ThrottlingException: Rate exceeded").action == Action.BACKOFF
+    assert classify_reason("InsufficientCapacityError: no trn1").action == Action.BACKOFF
+    assert classify_reason("AccessDeniedException: no").action == Action.FATAL
+
+
+def test_job_names_are_deterministic_and_valid() -> None:
+    import re
+
+    assert job_name("tiny-63b61eb6b6", 3) == "tiny-63b61eb6b6-train-3"
+    long = job_name("a_very/long run id " * 8, 12)
+    assert len(long) <= 63 and re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", long)
+    assert long == job_name("a_very/long run id " * 8, 12) != job_name("a_very/long run id " * 7, 12)
