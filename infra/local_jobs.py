@@ -115,6 +115,11 @@ def faults_for_attempt(attempt: int) -> dict[str, Any]:
     return fault
 
 
+def _tensorboard_dir(spec: JobSpec, ml: str) -> str:
+    run = Storage(spec.run_uri)
+    return run.path("tensorboard") if run.is_local else f"{ml}/output/tensorboard"
+
+
 def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
     """What the job's processes get on top of the supervisor's environment: the container contract."""
     ml = os.path.join(job_dir, "opt", "ml")
@@ -123,8 +128,9 @@ def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
         "SM_MODEL_DIR": f"{ml}/model",
         "SM_OUTPUT_DIR": f"{ml}/output",
         "SM_OUTPUT_DATA_DIR": f"{ml}/output/data",
-        # training/sagemaker.py falls back to /opt/ml/output/tensorboard inside a job: keep it in the job folder.
-        "SM_TENSORBOARD_DIR": f"{ml}/output/tensorboard",
+        # SageMaker uploads /opt/ml/output/tensorboard to the run's tensorboard/ (TensorBoardOutputConfig); a
+        # local run gets the events there directly, an S3 run keeps them in the job folder.
+        "SM_TENSORBOARD_DIR": _tensorboard_dir(spec, ml),
         "SM_CHANNEL_DATA": f"{ml}/input/data/data",
         "SM_CHANNEL_TOKENIZER": f"{ml}/input/data/tokenizer",
         "SM_CHECKPOINT_DIR": f"{ml}/checkpoints",

@@ -150,6 +150,7 @@ def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefec
     wait_for(lambda: any(" step 5 loss" in line for line in backend.logs(name)[0]), 120, "a few steps")
     flow.send_signal(signal.SIGINT)
     flow.communicate(timeout=120)
+    wait_for(lambda: (s := backend.describe(name)) is not None and s.terminal, 60, "the job to stop")
     state = backend.describe(name)
     assert state is not None and state.status == "Stopped"
     assert ledger.load()[0].stop_requested == "cancelled"

@@ -140,8 +140,7 @@ def test_a_job_completes_with_its_checkpoints_synced_and_logs_read_once(
     assert (job / "opt/ml/checkpoints/step-000000012/COMMITTED").exists()  # the training wrote locally...
     assert latest_checkpoint(run) == 12  # ... and the mirror put it at the run's URI
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000000010", "step-000000012"]
-    assert (job / "opt/ml/output/tensorboard").is_dir()
-    assert not (run / "tensorboard").exists()
+    assert any((run / "tensorboard").iterdir())  # a local run gets TensorBoard events in its own folder
     assert classify(state).action == Action.DONE
 
 
