@@ -384,14 +384,17 @@ class Supervisor:
 
     # -- backend calls that ride out transient faults ------------------------------------------------------
     def _describe(self, name: str) -> JobState | None:
+        """describe, riding out throttling and dropped connections with a doubling delay (up to 16 polls)."""
+        delay = self.poll_seconds
         while True:
             try:
                 return self.backend.describe(name)
             except Exception as exc:
                 if not is_transient(exc):
                     raise
-                log.warning("describe %s: %s; retrying", name, exc)
-                self.sleep(self.poll_seconds)
+                log.warning("describe %s: %s; retrying in %s", name, exc, _duration(delay))
+                self.sleep(delay)
+                delay = min(delay * 2, 16 * self.poll_seconds)
 
     def _logs(self, name: str, cursor: Any) -> tuple[list[str], Any]:
         try:

@@ -337,3 +337,22 @@ def test_job_names_are_deterministic_and_valid() -> None:
     long = job_name("a_very/long run id " * 8, 12)
     assert len(long) <= 63 and re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", long)
     assert long == job_name("a_very/long run id " * 8, 12) != job_name("a_very/long run id " * 7, 12)
+
+
+def test_throttled_describes_are_retried_with_growing_delays(tmp_path: Path) -> None:
+    from botocore.exceptions import ClientError
+
+    clock = [0.0]
+    backend = ScriptedBackend([Play()], clock)
+    real_describe, failures = backend.describe, [3]
+
+    def flaky(name: str) -> JobState | None:
+        if backend.submitted and failures[0] > 0:
+            failures[0] -= 1
+            raise ClientError({"Error": {"Code": "ThrottlingException", "Message": "Rate exceeded"}}, "Describe")
+        return real_describe(name)
+
+    backend.describe = flaky  # type: ignore[method-assign]
+    attempts = supervisor(tmp_path, backend, clock, poll_seconds=10.0).run_to_completion()
+    assert attempts[0].status == "Completed"
+    assert clock[0] >= 10 + 20 + 40  # three throttled describes, the delay doubling
