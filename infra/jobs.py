@@ -46,7 +46,17 @@ class JobSpec:
     environment: dict[str, str] = field(default_factory=dict)
     """Extra environment for the job's processes (never secrets: it is visible in the job description)."""
     stage: str = "train"
-    """What the job does (tagged on the job): 'train', or 'precompile' later."""
+    """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
+    entry: str = "training.train"
+    """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
+    args: dict[str, str] = field(default_factory=dict)
+
+    def arguments(self) -> list[str]:
+        """The program's command-line arguments."""
+        out = ["--config", self.config_uri]
+        for key, value in self.args.items():
+            out += [f"--{key}", value]
+        return out
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,10 @@ running job through `describe(name)`, all without AWS. Each job lives in `<jobs_
 The supervisor (`python -m infra.local_jobs <job dir>`, a session of its own so it outlives whoever submitted
 it) plays the SageMaker platform: it mounts the input channels (a symlink to the run's data/ and tokenizer/ when
 the run is local, a download when it is on S3), copies the run's checkpoints/ into opt/ml/checkpoints and
-mirrors that folder back every second (CheckpointConfig), runs `training.train` (under torchrun for several
-processes per node) with the SM_* variables, enforces stop requests and max runtime (SIGTERM, then SIGKILL after
-the grace period; max runtime counts from the supervisor's start, downloads included), and turns the exit into
-SageMaker's final status and FailureReason.
+mirrors that folder back every second (CheckpointConfig), runs the job's program (`spec.entry`:
+`training.train` for training; under torchrun for several processes per node) with the SM_* variables, enforces
+stop requests and max runtime (SIGTERM, then SIGKILL after the grace period; max runtime counts from the
+supervisor's start, downloads included), and turns the exit into SageMaker's final status and FailureReason.
 
 Every training process carries HLAT_LOCAL_JOB_DIR=<job dir> in its environment: torchrun starts each rank in a
 session of its own, so neither the process group nor the parent chain finds them all, and the environment also
@@ -149,7 +149,7 @@ def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
 
 
 def training_command(spec: JobSpec) -> list[str]:
-    entry = ["-m", "training.train", "--config", spec.config_uri]
+    entry = ["-m", spec.entry, *spec.arguments()]
     if spec.processes_per_node == 1:
         return [sys.executable, *entry]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.processes_per_node}"]

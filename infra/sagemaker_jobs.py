@@ -40,7 +40,6 @@ NEURON_DLC_TAG = "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The folder holding training/ and infra/: uploaded as the job's source code."""
-ENTRY_SCRIPT = "training/train.py"
 REQUIREMENTS = "deployments/job-requirements.txt"
 SOURCE_IGNORE = [
     # Never shipped: secrets, version control, environments and caches (the SDK's defaults plus ours).
@@ -117,6 +116,12 @@ def neuron_training_image(region: str) -> str | None:
         return None
     domain = sdk.get_domain_for_region(region)
     return f"{account}.dkr.ecr.{region}.{domain}/{NEURON_DLC_REPOSITORY}:{NEURON_DLC_TAG}"
+
+
+def entry_script_of(spec: JobSpec) -> str:
+    """The Torchrun driver runs a script by path: `training.train` -> `training/train.py` (such programs set up
+    sys.path themselves when run that way)."""
+    return spec.entry.replace(".", "/") + ".py"
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
@@ -397,9 +402,10 @@ class SageMakerBackend:
             )
         if self.job.subnets and not self.job.security_group_ids:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
-        if not (PROJECT_ROOT / ENTRY_SCRIPT).is_file() or not (PROJECT_ROOT / REQUIREMENTS).is_file():
+        entry_script = entry_script_of(spec)
+        if not (PROJECT_ROOT / entry_script).is_file() or not (PROJECT_ROOT / REQUIREMENTS).is_file():
             raise ValueError(
-                f"the sagemaker backend uploads the project's source, which needs {ENTRY_SCRIPT} and {REQUIREMENTS} "
+                f"the sagemaker backend uploads the project's source, which needs {entry_script} and {REQUIREMENTS} "
                 f"under {PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
             )
         return split_s3_uri(spec.run_uri)
@@ -449,7 +455,7 @@ class SageMakerBackend:
                 training_image=image,
                 source_code=cfg.SourceCode(
                     source_dir=str(PROJECT_ROOT),
-                    entry_script=ENTRY_SCRIPT,
+                    entry_script=entry_script_of(spec),
                     requirements=REQUIREMENTS,
                     ignore_patterns=list(SOURCE_IGNORE),
                 ),
@@ -466,9 +472,9 @@ class SageMakerBackend:
                     s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
                 ),
                 environment={**spec.environment, "HLAT_RUN_ID": spec.run_id},
-                # The Torchrun driver passes hyperparameters as arguments: this is `--config <uri>`. The config
-                # travels by URI, not as hyperparameters (at most 100 of 256 characters each).
-                hyperparameters={"config": spec.config_uri},
+                # The Torchrun driver passes hyperparameters as arguments: `--config <uri>` (+ the program's own).
+                # The config travels by URI, not as hyperparameters (at most 100 of 256 characters each).
+                hyperparameters={"config": spec.config_uri, **spec.args},
                 tags=[
                     cfg.Tag(key="hlat:run-id", value=spec.run_id),
                     cfg.Tag(key="hlat:stage", value=spec.stage),

@@ -338,6 +338,73 @@ class StorageConfig(Section):
     """Local folder or s3://bucket/prefix under which each run has its own <run_id>/ prefix."""
 
 
+class PrecompileConfig(Section):
+    """The precompile stage: build the training step's compiled graphs once, before training, into compile-cache/."""
+
+    enabled: bool = True
+    """Run the stage (it has nothing to do on CPU/CUDA unless training.compile is on)."""
+    steps: int = Field(2, ge=1, le=100)
+    """Training steps run to trace every graph (forward, backward, optimizer)."""
+
+
+class HealthThresholds(Section):
+    """What a healthy device, collective and checkpoint store deliver on one instance type."""
+
+    min_matmul_tflops: float = Field(0.0, ge=0)
+    """Per device (NeuronCore, GPU, or CPU rank), on burn_in.matmul_size square matrices in the compute dtype."""
+    max_matmul_rel_error: float = Field(1e-2, gt=0)
+    """Largest relative error of a device's matmul against a float64 reference."""
+    min_allreduce_gbps: float = Field(0.0, ge=0)
+    """All-reduce bus bandwidth across all ranks, GB/s (the nccl-tests / nccom-test convention)."""
+    min_write_mbps: float = Field(0.0, ge=0)
+    """Write throughput to the checkpoint location, MB/s."""
+
+
+def _default_thresholds() -> dict[str, HealthThresholds]:
+    # trn1.32xlarge: a NeuronCore peaks at 95 TFLOP/s BF16 (a burn-in matmul reaching a third of it is healthy);
+    # NeuronLink/EFA all-reduce and local NVMe write far above these floors. CPU: floors that catch a broken
+    # or badly oversubscribed machine, not a slow laptop.
+    return {
+        "ml.trn1.32xlarge": HealthThresholds(
+            min_matmul_tflops=30.0, max_matmul_rel_error=2e-2, min_allreduce_gbps=20.0, min_write_mbps=200.0
+        ),
+        "ml.trn1n.32xlarge": HealthThresholds(
+            min_matmul_tflops=30.0, max_matmul_rel_error=2e-2, min_allreduce_gbps=40.0, min_write_mbps=200.0
+        ),
+        "ml.p4d.24xlarge": HealthThresholds(
+            min_matmul_tflops=100.0, max_matmul_rel_error=2e-2, min_allreduce_gbps=50.0, min_write_mbps=200.0
+        ),
+        "local": HealthThresholds(
+            min_matmul_tflops=0.0005, max_matmul_rel_error=1e-4, min_allreduce_gbps=0.001, min_write_mbps=5.0
+        ),
+    }
+
+
+class BurnInConfig(Section):
+    """The burn-in stage (before training, on the training's instance type and count) and periodic health
+    checks inside training jobs."""
+
+    enabled: bool = True
+    """Run the burn-in stage before training."""
+    matmul_size: int = Field(2048, ge=16)
+    """Side of the square matrices multiplied on every device."""
+    matmul_repeats: int = Field(10, ge=1)
+    """Timed matmuls per device (after one warm-up)."""
+    allreduce_mb: float = Field(256.0, gt=0)
+    """Size of the all-reduced buffer, MB."""
+    write_mb: float = Field(1024.0, gt=0)
+    """Bytes written to the checkpoint location by each node, MB."""
+    thresholds: dict[str, HealthThresholds] = Field(default_factory=_default_thresholds)
+    """Per instance type (job.instance_type); an instance type not listed is measured but never failed."""
+    continue_on_failure: bool = False
+    """Go on to training when burn-in fails (the report still names the failing ranks)."""
+    health_check_every: int | None = Field(None, ge=1)
+    """Inside training jobs: every this many steps, time an all-reduce and check its result; a degraded or wrong
+    collective ends the job (it is relaunched from the last checkpoint). None: never."""
+    health_allreduce_mb: float = Field(16.0, gt=0)
+    """Size of the periodic health check's all-reduce, MB."""
+
+
 class EvaluationConfig(Section):
     """Post-training evaluation."""
 
@@ -374,6 +441,10 @@ class HlatConfig(Section):
     """Job backend, cluster and budget."""
     storage: StorageConfig = Field(default_factory=StorageConfig)
     """Run storage."""
+    precompile: PrecompileConfig = Field(default_factory=PrecompileConfig)
+    """Graph precompilation before training."""
+    burn_in: BurnInConfig = Field(default_factory=BurnInConfig)
+    """Pre-flight cluster checks and periodic health checks."""
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     """Evaluation."""
 
@@ -430,9 +501,9 @@ class HlatConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's outputs. Excluded: run_id, the storage root, evaluation,
-        and the job's operational settings (budget, restarts, polling, networking...), which may change
-        between relaunches of the same run."""
-        body = self.model_dump(mode="json", exclude={"run_id", "storage", "evaluation"})
+        precompile, burn-in and the job's operational settings (budget, restarts, polling, networking...), which
+        may change between relaunches of the same run."""
+        body = self.model_dump(mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in"})
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         return stable_hash(body)
 

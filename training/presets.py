@@ -70,6 +70,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "precision": {"mode": "fp32"},
         # A local job: poll often, and give up on a silent job or a failing launch within minutes, not hours.
         "job": {"poll_seconds": 1, "hang_timeout_minutes": 5, "stop_grace_seconds": 20, "backoff_seconds": [2, 5]},
+        "burn_in": {"matmul_size": 256, "matmul_repeats": 3, "allreduce_mb": 4, "write_mb": 8},
         "evaluation": {"limit": 50, "batch_size": 8, "perplexity_tokens": 20_000},
     },
     "hlat-7b": {
