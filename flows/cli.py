@@ -1,7 +1,7 @@
 """The `hlat` command line: run the whole DAG or one stage, list presets, show a resolved config.
 
     hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--set training.lr=1e-3 ...] [--dry-run]
-    hlat run prepare-data|train-tokenizer|train --preset tiny --run-id R --storage DIR
+    hlat run prepare-data|train-tokenizer|precompile|burn-in|train --preset tiny --run-id R --storage DIR
     hlat presets
     hlat config --preset hlat-7b [--set ...]
 
@@ -21,21 +21,14 @@ from typing import Any
 from training.config import ConfigError, parse_override
 from training.presets import PRESETS, load_config
 
-STAGES = ("prepare-data", "train-tokenizer", "train")
+STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train")
 
 
 def _stage_flow(name: str) -> Callable[..., Any]:
-    if name == "prepare-data":
-        from flows.prepare_data import prepare_data
+    import importlib
 
-        return prepare_data
-    if name == "train":
-        from flows.train import train
-
-        return train
-    from flows.train_tokenizer import train_tokenizer
-
-    return train_tokenizer
+    module = importlib.import_module(f"flows.{name.replace('-', '_')}")
+    return getattr(module, name.replace("-", "_"))
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -147,8 +140,10 @@ def _known_error(exc: BaseException) -> str | None:
     from infra.storage import StorageError
     from infra.supervisor import SupervisorError
     from infra.validation import DataValidationError
+    from tasks.jobs import BurnInFailed
 
-    if isinstance(exc, SourceError | StorageError | DataValidationError | SupervisorError | ValueError):
+    known = (SourceError, StorageError, DataValidationError, SupervisorError, BurnInFailed, ValueError)
+    if isinstance(exc, known):
         return str(exc)
     return None
 
@@ -167,10 +162,10 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.dry_run:
         from infra.backends import dry_run
 
-        if args.command == "run" and args.stage != "train":
-            print(f"hlat: --dry-run shows the training job; the {args.stage} stage runs in the flow's own process")
+        if args.command == "run" and args.stage in ("prepare-data", "train-tokenizer"):
+            print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
             return 2
-        print(dry_run(config))
+        print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
         return 0
     flow_fn: Callable[..., Any]
     if args.command == "pretrain":

@@ -27,6 +27,20 @@ def resolve(
     return config.model_copy(update={"run_id": run.run_id}), run
 
 
+def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
+    """on_cancellation hook of every flow that runs jobs: a job must not outlive a cancelled flow run (a crash,
+    by contrast, leaves it running for the next flow run to re-attach to)."""
+    import logging
+
+    from infra.backends import stop_live_jobs
+
+    params = flow_run.parameters
+    preset, overrides = params.get("preset", "tiny"), params.get("overrides")
+    config = load_config(preset, overrides, run_id=params.get("run_id"), storage=params.get("storage"))
+    stopped = stop_live_jobs(config)
+    logging.getLogger("hlat.jobs").warning("flow run cancelled: stopped %s", ", ".join(stopped) or "no running job")
+
+
 def run_name() -> str:
     """Flow-run name: '<flow>/<run id or preset>' so the UI lists runs by what they build."""
     params = flow_run.parameters

@@ -6,31 +6,43 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import resolve, run_name
+from flows.burn_in import burn_in
+from flows.common import resolve, run_name, stop_jobs_on_cancel
+from flows.precompile import precompile
 from flows.prepare_data import prepare_data
-from flows.train import stop_job_on_cancel, train
+from flows.train import train
 from flows.train_tokenizer import train_tokenizer
 
 
-@flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_job_on_cancel])
+@flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def hlat(
     preset: str = "tiny",
     overrides: dict[str, Any] | None = None,
     run_id: str | None = None,
     storage: str | None = None,
 ) -> dict[str, Any]:
-    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> train (later stages join as they land)."""
+    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train
+    (evaluation joins when it lands). A failed burn-in stops the DAG before training."""
     config, run = resolve(preset, overrides, run_id, storage)
-    root = config.storage.root
-    data = prepare_data(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
-    tokenizer = train_tokenizer(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
-    training = train(preset=preset, overrides=overrides, run_id=run.run_id, storage=root)
+    stage: dict[str, Any] = {
+        "preset": preset,
+        "overrides": overrides,
+        "run_id": run.run_id,
+        "storage": config.storage.root,
+    }
+    data = prepare_data(**stage)
+    tokenizer = train_tokenizer(**stage)
+    graphs = precompile(**stage)
+    health = burn_in(**stage)
+    training = train(**stage)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {
         "run_id": run.run_id,
         "run_uri": run.uri,
         "data": data.model_dump(mode="json"),
         "tokenizer": tokenizer,
+        "precompile": graphs,
+        "burn_in": {k: health.get(k) for k in ("status", "passed", "world_size", "failures") if k in health},
         "train": training,
     }
 

@@ -5,30 +5,17 @@ flow re-attaches to it."""
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
-from prefect import Flow, flow
-from prefect.client.schemas.objects import FlowRun, State
+from prefect import flow
 
-from flows.common import resolve, run_name
+from flows.common import resolve, run_name, stop_jobs_on_cancel
 from tasks.common import run_cached, stage_cache_key
 from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
-from tasks.train import latest_checkpoint, publish_training_report, stop_training, train_model
-from training.presets import load_config
+from tasks.train import latest_checkpoint, publish_training_report, train_model
 
 
-def stop_job_on_cancel(flow: Flow[..., Any], flow_run: FlowRun, state: State[Any]) -> None:
-    """on_cancellation hook: the job must not outlive a cancelled flow run (a crash, by contrast, leaves it for
-    the next flow run to re-attach to)."""
-    params = flow_run.parameters
-    preset, overrides = params.get("preset", "tiny"), params.get("overrides")
-    config = load_config(preset, overrides, run_id=params.get("run_id"), storage=params.get("storage"))
-    stopped = stop_training(config)
-    logging.getLogger("hlat.train").warning("flow run cancelled: stopped job %s", stopped or "(none running)")
-
-
-@flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_job_on_cancel])
+@flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def train(
     preset: str = "tiny",
     overrides: dict[str, Any] | None = None,

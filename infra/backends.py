@@ -12,9 +12,9 @@ from collections.abc import Callable
 from typing import Any
 
 from infra.catalog import CATALOG, price_per_hour
-from infra.jobs import JobBackend, JobSpec, job_name
+from infra.jobs import JobBackend, JobSpec, JobState, job_name
 from infra.storage import Storage
-from infra.supervisor import Attempt, Progress, Supervisor
+from infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
 from training.config import HlatConfig
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
@@ -41,17 +41,32 @@ def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
     return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds)
 
 
-def job_environment(config: HlatConfig, run_uri: str, run_id: str) -> dict[str, str]:
+STAGE_PROGRAMS = {"train": "training.train", "precompile": "training.precompile", "burn-in": "training.burn_in"}
+"""The program each stage's jobs run (same image, instance type and count as training)."""
+SHORT_JOB_HOURS = {"precompile": 6.0, "burn-in": 1.0}
+"""Max runtime of the stages' short jobs (capped by job.max_runtime_hours)."""
+
+
+def on_neuron(config: HlatConfig) -> bool:
+    return "trn" in config.job.instance_type
+
+
+def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = "train") -> dict[str, str]:
     env = {"HLAT_RUN_ID": run_id}
-    if "trn" in config.job.instance_type:
+    if on_neuron(config):
         from training.devices import neuron_environment
 
-        env.update(neuron_environment(config.precision.mode, compile_cache=f"{run_uri}/compile-cache"))
+        env.update(neuron_environment(config.precision.mode, compile_cache=f"{run_uri}/compile-cache/neuron"))
+        if stage == "precompile":
+            # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
+            # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
+            env["RUN_NEURON_PARALLEL_COMPILE"] = "1"
     return env
 
 
 def job_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage: str = "train") -> JobSpec:
     job = config.job
+    hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
     return JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
@@ -61,10 +76,36 @@ def job_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage:
         instance_type=job.instance_type,
         instance_count=job.instance_count,
         processes_per_node=job.processes_per_node,
-        max_runtime_s=int(job.max_runtime_hours * 3600),
-        environment=job_environment(config, run_uri, run_id),
+        max_runtime_s=int(hours * 3600),
+        environment=job_environment(config, run_uri, run_id, stage),
         stage=stage,
+        entry=STAGE_PROGRAMS[stage],
+        # Burn-in's write check goes through the checkpoint folder, synced apart from the run's checkpoints.
+        checkpoint_prefix="burn-in/checkpoint-sync" if stage == "burn-in" else "checkpoints",
     )
+
+
+def run_stage_job(config: HlatConfig, run_uri: str, run_id: str, stage: str) -> tuple[Attempt, JobState | None]:
+    """Run a stage's short job (precompile, burn-in) on the run's backend until it ends."""
+    return run_job(
+        backend_for(config, run_uri, run_id),
+        Storage(run_uri),
+        run_id,
+        stage,
+        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt, stage),
+        poll_seconds=config.job.poll_seconds,
+        backoff_seconds=list(config.job.backoff_seconds),
+    )
+
+
+def stop_live_jobs(config: HlatConfig) -> list[str]:
+    """Stop every unfinished job of the run's stages (a flow run was cancelled); returns their names."""
+    from infra.runs import run_for
+
+    run = run_for(config)
+    backend = backend_for(config, run.uri, run.run_id)
+    stopped = [stop_live_job(backend, run.storage, stage) for stage in STAGE_PROGRAMS]
+    return [name for name in stopped if name]
 
 
 def supervisor_for(

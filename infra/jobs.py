@@ -47,6 +47,8 @@ class JobSpec:
     """Extra environment for the job's processes (never secrets: it is visible in the job description)."""
     stage: str = "train"
     """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
+    checkpoint_prefix: str = "checkpoints"
+    """Folder of the run that the job's checkpoint folder (/opt/ml/checkpoints) is synced with."""
     entry: str = "training.train"
     """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
     args: dict[str, str] = field(default_factory=dict)
@@ -144,6 +146,7 @@ class Decision:
 
 # Ordered: the first pattern that matches a failure reason (or a submission error code) decides.
 _RULES: list[tuple[str, Action, str]] = [
+    (r"BurnInFailed", Action.FATAL, "burn-in"),
     (r"ResourceLimitExceeded|ResourceInUse|quota", Action.FATAL, "quota"),
     (r"AccessDenied|UnauthorizedOperation|not authorized|ExpiredToken|InvalidClientTokenId", Action.FATAL, "access"),
     (r"CapacityError|InsufficientCapacity|insufficient capacity|capacity", Action.BACKOFF, "capacity"),
@@ -151,7 +154,7 @@ _RULES: list[tuple[str, Action, str]] = [
     (r"NonFiniteLoss|\bNaN\b|non-finite loss", Action.RESUME, "nan"),
     (r"MaxRuntimeExceeded|max runtime", Action.RESUME, "max-runtime"),
     (r"Interrupted|spot", Action.RESUME, "interrupted"),
-    (r"Neuron|NRT|NCCL|nccom|EFA|hardware|ECC|XID|device", Action.RESUME, "hardware"),
+    (r"Neuron|NRT|NCCL|nccom|EFA|hardware|ECC|XID|device|UnhealthyCollective", Action.RESUME, "hardware"),
     (r"InternalServerError|ServiceUnavailable|InternalFailure", Action.RESUME, "internal"),
     (r"[Kk]illed|signal|SIGKILL|SIGTERM|OOM|[Oo]ut of memory|hung|no step", Action.RESUME, "killed"),
     (r"ValidationException|ValidationError|ClientError|ConfigError|InvalidParameter", Action.FATAL, "validation"),

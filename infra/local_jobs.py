@@ -494,7 +494,7 @@ class Supervisor:
                 source = run.child(channel)
                 for rel in source.walk_files():
                     source.get_file(rel, self._ml("input", "data", channel, rel))
-        mirror = CheckpointMirror(self._ml("checkpoints"), run.child("checkpoints"))
+        mirror = CheckpointMirror(self._ml("checkpoints"), run.child(self.spec.checkpoint_prefix))
         self.say(f"copied {mirror.download()} checkpoint file(s) from {mirror.remote.url}")
         if self._stop_requested():
             return self.ending(Status.STOPPED, None, self.stop_reason or "Stopped", None)

@@ -465,7 +465,7 @@ class SageMakerBackend:
                 stopping_condition=cfg.StoppingCondition(max_runtime_in_seconds=spec.max_runtime_s),
                 checkpoint_config=cfg.CheckpointConfig(
                     # The run's prefix, not a per-job one: every attempt resumes from the checkpoints of the last.
-                    s3_uri=f"{run}/checkpoints",
+                    s3_uri=f"{run}/{spec.checkpoint_prefix}",
                     local_path=SAGEMAKER_CHECKPOINT_DIR,
                 ),
                 output_data_config=cfg.OutputDataConfig(

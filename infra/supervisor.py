@@ -406,6 +406,96 @@ class Supervisor:
             return [], cursor
 
 
+def run_job(
+    backend: JobBackend,
+    run: Storage,
+    run_id: str,
+    stage: str,
+    make_spec: Callable[[int, str], JobSpec],
+    poll_seconds: float,
+    max_attempts: int = 3,
+    backoff_seconds: list[float] | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+    clock: Callable[[], float] = time.time,
+) -> tuple[Attempt, JobState | None]:
+    """Run a short job to its end (precompile, burn-in): the same naming, ledger, re-attach, log streaming and
+    stop-on-interrupt as training, relaunching only on failures classified resume or back-off, up to
+    `max_attempts` jobs. Returns the last attempt and its final state (None: the submission was refused); the
+    caller reads the job's outputs to judge it."""
+    ledger = Ledger(run, stage)
+    attempts = ledger.load()
+    delays = backoff_seconds or [poll_seconds]
+    tries = 0
+    while True:
+        if attempts and not attempts[-1].ended:
+            record = attempts[-1]
+            log.info("re-attaching to %s", record.job_name)
+        else:
+            n = len(attempts) + 1
+            record = Attempt(attempt=n, job_name=job_name(run_id, n, stage), submitted_at=clock())
+            attempts.append(record)
+            ledger.save(attempts)
+        tries += 1
+        state = backend.describe(record.job_name)
+        if state is None:
+            spec = make_spec(record.attempt, record.job_name)
+            try:
+                backend.submit(spec)
+            except SubmitError as exc:
+                record.status, record.reason, record.ended_at = "NotSubmitted", str(exc), clock()
+                ledger.save(attempts)
+                decision = classify_reason(str(exc))
+                if decision.action == Action.FATAL or tries >= max_attempts:
+                    return record, None
+                sleep(delays[min(tries - 1, len(delays) - 1)])
+                continue
+            record.status = Status.IN_PROGRESS.value
+            ledger.save(attempts)
+        state = _follow(backend, record, ledger, attempts, poll_seconds, sleep)
+        record.status = state.status.value
+        record.reason = state.failure_reason or state.secondary_status or state.status.value
+        record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
+        record.ended_at = clock()
+        decision = classify(state)
+        record.action = decision.action.value
+        ledger.save(attempts)
+        if decision.action in (Action.DONE, Action.FATAL) or tries >= max_attempts:
+            return record, state
+        log.warning("%s job %s: %s; relaunching", stage, record.job_name, record.reason)
+        sleep(delays[min(tries - 1, len(delays) - 1)] if decision.action == Action.BACKOFF else poll_seconds)
+
+
+def _follow(
+    backend: JobBackend,
+    record: Attempt,
+    ledger: Ledger,
+    attempts: list[Attempt],
+    poll_seconds: float,
+    sleep: Callable[[float], None],
+) -> JobState:
+    """Stream a job's log until it ends; stop it if we are interrupted."""
+    cursor: Any = None
+    try:
+        while True:
+            lines, cursor = backend.logs(record.job_name, cursor)
+            for line in lines:
+                job_log.info("%s", line)
+            state = backend.describe(record.job_name)
+            if state is not None and state.terminal:
+                lines, cursor = backend.logs(record.job_name, cursor)
+                for line in lines:
+                    job_log.info("%s", line)
+                return state
+            sleep(poll_seconds)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):
+            log.warning("interrupted (%s): stopping %s", type(exc).__name__, record.job_name)
+            record.stop_requested = "cancelled"
+            ledger.save(attempts)
+            backend.stop(record.job_name)
+        raise
+
+
 def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> str | None:
     """Stop the stage's unfinished job, if any (the flow's cancellation hook); returns its name."""
     attempts = Ledger(run, stage).load()

@@ -10,10 +10,9 @@ from uuid import UUID
 from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
 
-from infra.backends import backend_for, supervisor_for
-from infra.runs import run_for
+from infra.backends import supervisor_for
 from infra.storage import Storage
-from infra.supervisor import Attempt, Progress, stop_live_job
+from infra.supervisor import Attempt, Progress
 from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
 from training.checkpoint import CheckpointManager
 from training.config import HlatConfig
@@ -98,9 +97,3 @@ def training_summary(run_uri: str) -> dict[str, Any]:
 def publish_training_report(summary: dict[str, Any], run_id: str) -> None:
     rows = [{"metric": k, "value": v} for k, v in summary.items()]
     create_table_artifact(rows, key=artifact_key("training-report", run_id), description=f"train of {run_id}")
-
-
-def stop_training(config: HlatConfig) -> str | None:
-    """Stop the run's live training job, if any (used when a flow run is cancelled)."""
-    run = run_for(config)
-    return stop_live_job(backend_for(config, run.uri, run.run_id), run.storage)

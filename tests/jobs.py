@@ -71,3 +71,13 @@ def processes_mentioning(text: str) -> list[int]:
         if text in cmdline and state != "Z":
             found.append(int(entry.name))
     return found
+
+
+def task_states(name: str) -> list[str]:
+    """State names of every task run called `name` so far, oldest first."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.sorting import TaskRunSort
+
+    with get_client(sync_client=True) as client:
+        runs = client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
+    return [r.state.name for r in runs if r.name.startswith(f"{name}-") and r.state is not None]

@@ -568,6 +568,10 @@ def parse_override(item: str) -> tuple[str, Any]:
     return key.strip(), value
 
 
+def _plain(value: Any) -> Any:
+    return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
+
+
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Set dotted paths in a plain config dict; an unknown path names the closest known ones."""
     out = json.loads(json.dumps(data))
@@ -582,14 +586,20 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
                 close = difflib.get_close_matches(part, list(fields), n=1)
                 hint = f"; did you mean {', '.join('.'.join([*parts[:i], c]) for c in close)}?" if close else ""
                 raise ConfigError(f"{dotted}: unknown field {part!r} in {where}; known: {', '.join(fields)}{hint}")
-            annotation = fields[part].annotation if model is not None else None
+            field = fields[part] if model is not None else None
+            annotation = field.annotation if field is not None else None
             model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
             if i == len(parts) - 1:
                 node[part] = value
             else:
                 if not isinstance(node.get(part), dict):
-                    if model is None:
+                    default = field.get_default(call_default_factory=True) if field is not None else None
+                    if model is None and isinstance(default, dict):
+                        # A mapping field (e.g. burn_in.thresholds) the preset leaves at its default: start from it.
+                        node[part] = json.loads(json.dumps({k: _plain(v) for k, v in default.items()}))
+                    elif model is None:
                         raise ConfigError(f"{dotted}: {'.'.join(parts[: i + 1])} is not a section")
-                    node[part] = {}
+                    else:
+                        node[part] = {}
                 node = node[part]
     return out

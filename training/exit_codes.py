@@ -2,3 +2,11 @@
 
 EXIT_NAN = 3
 """The loss became NaN or inf with training.nan_policy=exit: relaunch from the last checkpoint (HLAT)."""
+
+EXIT_BURN_IN_FAILED = 4
+"""The burn-in program (`training.burn_in`) found a rank below its instance type's floors or computing wrong results;
+its report (burn-in/report.json) and the failure reason (`BurnInFailed: ...`) name the ranks."""
+
+EXIT_UNHEALTHY = 5
+"""A periodic health check inside training (burn_in.health_check_every) found the all-reduce wrong or below its
+bandwidth floor (`UnhealthyCollective: ...`): relaunch, on other nodes if it repeats, from the last checkpoint."""

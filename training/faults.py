@@ -4,6 +4,8 @@ HLAT_FAULT_KILL_BEFORE_COMMIT=<step>: the process SIGKILLs itself while saving t
 after its files are written and before the commit marker: the torn checkpoint a crash can leave behind.
 HLAT_FAULT_NAN_AT_STEP=<step>: the loss of that step (1-based) becomes NaN, once per run (a flag file in the
 run's faults/ folder records it, so the relaunched job gets past it).
+HLAT_FAULT_BURN_IN_WRONG_RANK=<rank>: in the burn-in program, that rank perturbs one element of its matmul result
+before the checks, as a faulty device would (every burn-in run: the fault is the device's, not a one-off).
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from training.checkpoint import step_dir
 
 KILL_BEFORE_COMMIT = "HLAT_FAULT_KILL_BEFORE_COMMIT"
 NAN_AT_STEP = "HLAT_FAULT_NAN_AT_STEP"
+BURN_IN_WRONG_RANK = "HLAT_FAULT_BURN_IN_WRONG_RANK"
 
 
 class KillBeforeCommit(Storage):
@@ -44,3 +47,9 @@ def inject_nan(run: Storage, step: int) -> bool:
         return False
     run.write_text(flag, "injected\n")
     return True
+
+
+def burn_in_wrong_rank(rank: int) -> bool:
+    """True on the rank named by HLAT_FAULT_BURN_IN_WRONG_RANK: its burn-in matmul result is to be corrupted."""
+    wanted = os.environ.get(BURN_IN_WRONG_RANK)
+    return wanted is not None and wanted != "" and int(wanted) == rank

@@ -4,7 +4,9 @@ Run under torchrun for several processes; SageMaker's Torchrun driver runs it by
 (`torchrun ... training/train.py --config <uri>`), hence the sys.path set-up below. The run's folder is the
 config's folder: data/ and tokenizer/ are read from it (or from the job's input channels), metrics.jsonl is
 written to it, checkpoints go to its checkpoints/ (or, inside a job, to the local checkpoint folder the backend
-syncs with the run's checkpoint prefix). A failure's reason is written where the backend reports it from.
+syncs with the run's checkpoint prefix). Compiled graphs come from its compile-cache/ when the precompile stage
+left ones matching this job (`training/compile_cache.py`). A failure's reason is written where the backend
+reports it from.
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ import os
 import tempfile
 
 from infra.storage import Storage
+from training.compile_cache import load_torch_cache, use_node_local_neuron_cache
 from training.config import validate_config
+from training.devices import neuron_available
 from training.distributed import close_world, init_world
 from training.exit_codes import EXIT_NAN
 from training.faults import checkpoint_storage
@@ -55,6 +59,8 @@ def _train(config_uri: str, device: str) -> int:
     cfg = validate_config(run.read_json(config_uri.rsplit("/", 1)[1]))
     world = init_world(device)
     try:
+        if neuron_available():
+            use_node_local_neuron_cache(world)  # before anything compiles: one copy per node, read locally
         with tempfile.TemporaryDirectory(prefix="hlat-train-") as tmp:
             tokenizer = os.path.join(tmp, "tokenizer.model")
             channel_location(run, "tokenizer").get_file("tokenizer.model", tokenizer)
@@ -67,6 +73,9 @@ def _train(config_uri: str, device: str) -> int:
                 tensorboard_dir=tensorboard_location(run),
                 data=channel_location(run, "data"),
             )
+            # Before the first compiled step: the precompile stage's graphs, when they match this job.
+            cache = load_torch_cache(run, cfg, world.world_size, world.device.type, log_status=world.is_main)
+            trainer.first_step_metrics.update(cache.metrics())
             trainer.resume()
             return trainer.fit()
     finally:

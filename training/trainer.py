@@ -27,12 +27,14 @@ from training.config import ConfigError, HlatConfig
 from training.data import PackedLoader
 from training.devices import memory_gb, peak_flops
 from training.distributed import World
-from training.exit_codes import EXIT_NAN
+from training.exit_codes import EXIT_NAN, EXIT_UNHEALTHY
 from training.faults import inject_nan
+from training.health import UnhealthyCollective, periodic_health_check
 from training.metrics import MetricsLog
 from training.model import Transformer, flops_per_token
 from training.optim import build_optimizer, build_scheduler, clip_grad_norm
 from training.parallelize import parallelize
+from training.sagemaker import write_failure
 
 log = logging.getLogger("hlat.train")
 
@@ -60,6 +62,7 @@ class Trainer:
     """The prepared data (default: the run's data/); inside a job, the folder of its data channel."""
 
     def __post_init__(self) -> None:
+        self._built_at = time.perf_counter()  # time to first step counts from here (first_step_seconds)
         cfg, world = self.cfg, self.world
         if world.world_size != cfg.world_size:
             raise ConfigError(
@@ -89,9 +92,15 @@ class Trainer:
         self.step = 0
         self.saved_step: int | None = None
         self.stop_requested = False
+        # Recorded with this job's first step, next to first_step_seconds (e.g. the compile cache's status).
+        self.first_step_metrics: dict[str, Any] = {}
         self._flops_per_token = flops_per_token(cfg.model, cfg.training.seq_len)
         self._peak = peak_flops(world.device)
         t = cfg.training
+        # Health first: a wrong collective may have corrupted this step's gradients, so it must end the job before
+        # a checkpoint saves them.
+        if cfg.burn_in.health_check_every:
+            self.add_hook(self.health_check, every=cfg.burn_in.health_check_every)
         # Evaluation before checkpointing, so a checkpoint's metrics history includes its own val_loss.
         if t.eval_every:
             self.add_hook(self.evaluate, every=t.eval_every)
@@ -198,11 +207,21 @@ class Trainer:
                     self.scheduler.step()
                     stats = {"loss": float("nan"), "grad_norm": float("nan"), "skipped": True}
                 self.step += 1
-                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                if self.step == first_step + 1:
+                    # Time to first step: build, compile (or load the compile cache), resume, one step. Recorded
+                    # whatever log_every says: it is what precompilation saves a job.
+                    stats = {**stats, "first_step_seconds": time.perf_counter() - self._built_at}
+                    stats.update(self.first_step_metrics)
+                if self.step % t.log_every == 0 or self.step == t.max_steps or self.step == first_step + 1:
                     self._record(stats, time.perf_counter() - start)
-                for hook in self.hooks:
-                    if self.step % hook.every == 0:
-                        hook.fn(self.step)
+                try:
+                    for hook in self.hooks:
+                        if self.step % hook.every == 0:
+                            hook.fn(self.step)
+                except UnhealthyCollective as exc:
+                    log.error("%s: exiting so the job restarts from the last checkpoint", exc)
+                    write_failure(f"UnhealthyCollective: {exc}")
+                    return EXIT_UNHEALTHY
                 if self.world.any_rank(self.stop_requested):
                     log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
                     self.save_checkpoint(self.step)
@@ -243,6 +262,13 @@ class Trainer:
             )  # fmt: skip
 
     # -- hooks -------------------------------------------------------------------------------------------
+    def health_check(self, step: int) -> None:
+        """Time and verify an all-reduce (burn_in.health_check_every); raises UnhealthyCollective on every rank
+        when any rank saw a wrong sum or a bandwidth below its instance type's floor. Touches no RNG or state."""
+        b = self.cfg.burn_in
+        instance_type = self.cfg.job.instance_type
+        periodic_health_check(self.world, b.health_allreduce_mb, b.thresholds.get(instance_type), step, instance_type)
+
     def save_checkpoint(self, step: int) -> None:
         shared = {
             "step": step,

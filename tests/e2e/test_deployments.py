@@ -132,7 +132,16 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(
     prefect_env: dict[str, str], deployed: str, worker: None, tmp_path: Path
 ) -> None:
     env = prefect_env
-    for name in ("hlat/pretrain-tiny", "train/train-tiny", "hlat/pretrain-7b", "train/train-7b", "hlat/pretrain-70b"):
+    for name in (
+        "hlat/pretrain-tiny",
+        "precompile/precompile-tiny",
+        "burn-in/burn-in-tiny",
+        "train/train-tiny",
+        "hlat/pretrain-7b",
+        "burn-in/burn-in-7b",
+        "train/train-7b",
+        "hlat/pretrain-70b",
+    ):
         assert name in deployed
     storage = str(tmp_path / "runs")
     params = ["--param", f"storage={storage}", "--param", "run_id=e2e", "--param", f"overrides={json.dumps(SMALL_RUN)}"]
@@ -147,7 +156,9 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(
     assert (run / "tokenizer/tokenizer.model").read_bytes() == model
     flows, tasks = run_states(env["PREFECT_API_URL"])
     assert sorted(name for name, _ in flows) == [
+        "burn-in/e2e",
         "hlat/e2e",
+        "precompile/e2e",
         "prepare-data/e2e",
         "train-tokenizer/e2e",
         "train-tokenizer/e2e",

@@ -8,19 +8,10 @@ from typing import Any
 
 import pytest
 
+from tests.jobs import task_states
 from training.config import ConfigError
 
 pytestmark = pytest.mark.slow
-
-
-def task_states(name: str) -> list[str]:
-    """State names of every task run called `name` so far, oldest first."""
-    from prefect.client.orchestration import get_client
-    from prefect.client.schemas.sorting import TaskRunSort
-
-    with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
-    return [r.state.name for r in runs if r.name.startswith(f"{name}-") and r.state is not None]
 
 
 def artifact_keys() -> set[str]:

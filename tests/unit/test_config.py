@@ -154,3 +154,12 @@ def test_config_round_trips_through_json() -> None:
 def test_extra_expectations_are_checked() -> None:
     with pytest.raises(ConfigError, match=r"expectations\[0\] needs a 'type'"):
         load_config("tiny", {"data.validation.expectations": [{"kwargs": {}}]})
+
+
+def test_a_field_of_a_default_mapping_can_be_overridden() -> None:
+    from training.presets import load_config
+
+    config = load_config("tiny", {"burn_in.thresholds.local.min_matmul_tflops": 2.5})
+    assert config.burn_in.thresholds["local"].min_matmul_tflops == 2.5
+    assert config.burn_in.thresholds["local"].min_write_mbps == 5.0  # the rest of the default entry is kept
+    assert "ml.trn1.32xlarge" in config.burn_in.thresholds  # and the other entries

@@ -312,6 +312,12 @@ def test_progress_reports_step_loss_eta_and_dollars(tmp_path: Path) -> None:
         (JobState("j", Status.STOPPED, secondary_status="Interrupted"), Action.RESUME, "interrupted"),
         (JobState("j", Status.FAILED, "ClientError: Data download failed"), Action.FATAL, "validation"),
         (
+            JobState("j", Status.FAILED, "AlgorithmError: UnhealthyCollective: all-reduce 0.2 GB/s"),
+            Action.RESUME,
+            "hardware",
+        ),
+        (JobState("j", Status.FAILED, "AlgorithmError: BurnInFailed: rank 3 matmul error"), Action.FATAL, "burn-in"),
+        (
             JobState("j", Status.FAILED, "AlgorithmError: ConfigError: training.lr must be > 0"),
             Action.FATAL,
             "validation",

@@ -1,0 +1,53 @@
+"""Stage: precompile. Build the training step's compiled graphs before training, into the run's compile-cache/:
+on trn1 a short job under neuron_parallel_compile (same image and instances as training), on CPU/CUDA a job that
+saves torch.compile's artifacts. Training jobs load the cache; a stale one is reported and not used."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.common import resolve, run_name, stop_jobs_on_cancel
+from infra.storage import Storage
+from tasks.common import run_cached, stage_cache_key
+from tasks.jobs import COMPILE_LATEST, precompile_graphs
+from tasks.tokenizer import read_tokenizer_checksum
+
+
+@flow(name="precompile", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
+def precompile(
+    preset: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    storage: str | None = None,
+) -> dict[str, Any]:
+    """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""
+    config, run = resolve(preset, overrides, run_id, storage)
+    job = config.job
+    key = stage_cache_key(
+        "precompile",
+        run.uri,
+        config.section_hash("model", "parallelism", "precision", "precompile"),
+        [config.training.seq_len, config.training.micro_batch_size, config.training.compile],
+        [job.backend, job.instance_type, job.instance_count, job.processes_per_node, job.image_uri],
+        read_tokenizer_checksum(run.uri),
+    )
+    result: dict[str, Any] = run_cached(
+        precompile_graphs,
+        lambda r: r.get("status") == "skipped" or Storage(run.uri).exists(COMPILE_LATEST),
+        config=config,
+        run_uri=run.uri,
+        run_id=run.run_id,
+        cache_key=key,
+    )
+    print(f"precompile: {result.get('status')} ({result.get('reason') or result.get('digest', '')})")
+    return result
+
+
+if __name__ == "__main__":
+    import sys
+
+    from flows.cli import main
+
+    sys.exit(main(["run", "precompile", *sys.argv[1:]]))

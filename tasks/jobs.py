@@ -1,0 +1,109 @@
+"""precompile and burn-in tasks: each runs its stage's short job on the run's backend, then reads and publishes
+what the job wrote (the compile cache's manifest, the burn-in report)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from infra.backends import on_neuron, run_stage_job
+from infra.storage import Storage
+from infra.supervisor import Attempt, JobFailed
+from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
+from training.config import HlatConfig
+
+log = logging.getLogger("hlat.jobs")
+
+BURN_IN_REPORT = "burn-in/report.json"
+COMPILE_LATEST = "compile-cache/latest.json"
+
+
+class BurnInFailed(RuntimeError):
+    """The cluster did not pass burn-in: the message names the failing ranks and checks."""
+
+
+def _job_ended_badly(stage: str, record: Attempt) -> JobFailed:
+    return JobFailed(f"{stage}: job {record.job_name} ended {record.status}: {record.reason}", [record])
+
+
+def precompile_needed(config: HlatConfig) -> str | None:
+    """Why the precompile stage has nothing to do, or None when it has work."""
+    if not config.precompile.enabled:
+        return "precompile.enabled is false"
+    if not on_neuron(config) and not config.training.compile:
+        return "training.compile is off: eager PyTorch on CPU/CUDA has no graphs to build"
+    return None
+
+
+@task(
+    name="precompile-graphs",
+    cache_key_fn=cache_key_param,
+    persist_result=True,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
+def precompile_graphs(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
+    """Run the precompile job (a few training steps: torch.compile, or neuron_parallel_compile on trn1) so the
+    compiled graphs land in compile-cache/ before training starts."""
+    skip = precompile_needed(config)
+    if skip:
+        log.info("precompile: skipped (%s)", skip)
+        return {"status": "skipped", "reason": skip}
+    record, state = run_stage_job(config, run_uri, run_id, "precompile")
+    run = Storage(run_uri)
+    if state is None or state.status.value != "Completed" or not run.exists(COMPILE_LATEST):
+        raise _job_ended_badly("precompile", record)
+    latest: dict[str, Any] = run.read_json(COMPILE_LATEST)
+    return {"status": "built", "job": record.job_name, **latest}
+
+
+@task(
+    name="burn-in-cluster",
+    cache_key_fn=cache_key_param,
+    persist_result=True,
+    retries=RETRIES,
+    retry_delay_seconds=RETRY_DELAYS,
+    retry_condition_fn=retry_on_transient,
+)
+def burn_in_cluster(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
+    """Run the burn-in job on the training's instance type and count; publish its report; raise BurnInFailed
+    (unless burn_in.continue_on_failure) when a rank or node failed a check."""
+    run = Storage(run_uri)
+    record, _ = run_stage_job(config, run_uri, run_id, "burn-in")
+    report: dict[str, Any] | None = None
+    if run.exists(BURN_IN_REPORT):
+        candidate = run.read_json(BURN_IN_REPORT)
+        if candidate.get("job") in (None, record.job_name):  # not a report left by an earlier job
+            report = candidate
+    if report is None:
+        raise _job_ended_badly("burn-in", record)
+    publish_burn_in_report(report, run_id)
+    if not report.get("passed"):
+        message = "burn-in failed: " + "; ".join(_failure_text(f) for f in report.get("failures", []))
+        if not config.burn_in.continue_on_failure:
+            raise BurnInFailed(f"{message} (set burn_in.continue_on_failure=true to train anyway)")
+        log.warning("%s; going on to training (burn_in.continue_on_failure)", message)
+    return report
+
+
+def _failure_text(failure: Any) -> str:
+    if isinstance(failure, str):
+        return failure
+    return str(failure.get("message") or failure)
+
+
+def publish_burn_in_report(report: dict[str, Any], run_id: str) -> None:
+    rows = report.get("ranks") or []
+    try:
+        if rows:
+            create_table_artifact(rows, key=artifact_key("burn-in", run_id), description=f"burn-in of {run_id}")
+        verdict = "passed" if report.get("passed") else "FAILED"
+        lines = [f"# Burn-in {verdict}: {report.get('world_size')} rank(s) on {report.get('instance_type')}", ""]
+        lines += [f"- {_failure_text(f)}" for f in report.get("failures", [])] or ["No failures."]
+        create_markdown_artifact("\n".join(lines), key=artifact_key("burn-in-summary", run_id))
+    except Exception as exc:  # publishing never decides the stage
+        log.warning("could not publish the burn-in artifacts: %s", exc)

@@ -1,0 +1,364 @@
+"""The run's graph compile cache (`<run>/compile-cache/`): what the precompile job writes and training jobs load.
+
+Compiling the training step is the slow part of a job's start: Dynamo, AOTAutograd and Inductor for torch.compile
+on CPU/CUDA, neuronx-cc on trn1 (hours for a 70B model). The train stage relaunches jobs from checkpoints, and
+every relaunch would pay it again; the precompile stage pays it once and leaves the compiled graphs with the run:
+
+    compile-cache/
+      latest.json                    what the last precompile produced: digest, kind, manifest path, created
+      torch/<digest>/artifacts.bin   bytes of torch.compiler.save_cache_artifacts() (Mega-Cache)
+      torch/<digest>/manifest.json   key, digest, size and sha256 of artifacts.bin, created, steps traced
+      neuron/                        the Neuron persistent cache (NEURON_COMPILE_CACHE_URL), by neuron_parallel_compile
+      neuron/manifest.json           key, digest, created
+
+A cache is used only when its key (`cache_key`: everything that changes the compiled graphs) equals the job's.
+Anything else is reported in one log line and in the job's first metrics record, and the job compiles as if
+there were no cache: `stale` names the key fields that differ, `corrupt` means the bytes do not match their
+manifest. Artifacts are written before their manifest and the manifest before latest.json, so a manifest always
+describes complete bytes. This module runs inside training jobs: no Prefect, Python 3.10.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import os
+import platform
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
+from datetime import datetime, timezone
+from typing import Any, Literal
+
+import torch
+
+from infra.storage import Storage, StorageNotFound
+from training.config import HlatConfig, stable_hash
+from training.distributed import World
+
+log = logging.getLogger("hlat.train")
+
+CACHE_DIR = "compile-cache"
+LATEST_FILE = "latest.json"
+MANIFEST_FILE = "manifest.json"
+ARTIFACTS_FILE = "artifacts.bin"
+TORCH_DIR = "torch"
+NEURON_DIR = "neuron"
+
+LOCAL_NEURON_CACHE_ENV = "HLAT_LOCAL_NEURON_CACHE"
+"""Where each node keeps its copy of the Neuron cache (default: <tmp>/hlat-neuron-cache)."""
+
+NEURON_PACKAGES = ("neuronx-cc", "torch-neuronx", "torch-xla", "neuronx-distributed")
+"""On trn1 the compiler and the XLA bridge decide the graphs as much as torch does."""
+
+Status = Literal["hit", "stale", "corrupt", "missing", "off"]
+
+
+def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, Any]:
+    """Everything that changes the compiled graphs of the training step, as a flat {dotted name: value} dict.
+
+    Flat so that a stale cache can be explained field by field. The learning rate, the schedule, data, evaluation
+    and checkpointing are left out: they are inputs or side effects of the step, not part of its graphs.
+    """
+    t = cfg.training
+    key: dict[str, Any] = {f"model.{k}": v for k, v in cfg.model.model_dump(mode="json").items()}
+    key.update(
+        {
+            "training.seq_len": t.seq_len,
+            "training.micro_batch_size": t.micro_batch_size,
+            "training.compile": t.compile,
+            "training.document_masking": t.document_masking,
+            # DDP skips the gradient all-reduce on all but the last micro-batch of a step.
+            "gradient_accumulation": cfg.gradient_accumulation,
+        }
+    )
+    key.update({f"parallelism.{k}": v for k, v in cfg.parallelism.model_dump(mode="json").items()})
+    key["precision.mode"] = cfg.precision.mode
+    key["world_size"] = world_size
+    key["device_type"] = device_type
+    if device_type == "cuda" and torch.cuda.is_available():
+        major, minor = torch.cuda.get_device_capability()
+        key["cuda_capability"] = f"{major}.{minor}"  # Triton kernels are built for one architecture
+    key["torch"] = torch.__version__
+    key["python"] = platform.python_version()  # Dynamo traces bytecode, which changes between versions
+    if device_type == "xla":
+        for package in NEURON_PACKAGES:
+            version = _installed_version(package)
+            if version is not None:
+                key[package] = version
+        key["NEURON_CC_FLAGS"] = os.environ.get("NEURON_CC_FLAGS", "")
+    return key
+
+
+def key_digest(key: dict[str, Any]) -> str:
+    """sha256 of the key's canonical JSON: the cache's folder name."""
+    return stable_hash(key)
+
+
+def key_differences(cached: dict[str, Any], current: dict[str, Any]) -> list[str]:
+    """'torch 2.13.0 -> 2.14.0' for each field whose value differs (current fields first, in key order)."""
+    names = [*current, *(k for k in cached if k not in current)]
+    return [
+        f"{k} {_shown(cached.get(k))} -> {_shown(current.get(k))}" for k in names if cached.get(k) != current.get(k)
+    ]
+
+
+@dataclass(frozen=True)
+class CacheStatus:
+    """What a training job found in the compile cache, and the line it logged about it."""
+
+    status: Status
+    uri: str
+    """The cache folder looked at (`<run>/compile-cache/torch/<digest>` when the job's key has one)."""
+    message: str
+    differences: list[str] = field(default_factory=list)
+    """For `stale`: each differing key field, 'name cached -> current'."""
+    size: int = 0
+    """Bytes of artifacts loaded (for `hit`)."""
+    seconds: float = 0.0
+    """Time spent reading, verifying and loading the cache."""
+
+    def metrics(self) -> dict[str, Any]:
+        """Recorded with the job's first step in metrics.jsonl."""
+        out: dict[str, Any] = {"compile_cache": self.status}
+        if self.differences:
+            out["compile_cache_stale"] = ", ".join(self.differences)
+        if self.status == "hit":
+            out["compile_cache_bytes"] = self.size
+            out["compile_cache_load_seconds"] = round(self.seconds, 4)
+        return out
+
+
+def torch_cache_dir(digest: str) -> str:
+    return f"{TORCH_DIR}/{digest}"
+
+
+def write_torch_cache(
+    cache: Storage, key: dict[str, Any], artifacts: bytes | None, steps: int, seconds: float, note: str = ""
+) -> dict[str, Any]:
+    """Write artifacts.bin, then its manifest, then latest.json naming it; return the manifest.
+
+    `artifacts` None records that there is nothing to compile (training.compile off): the manifest says so and
+    `note` says why, so the stage has an answer to show rather than an empty folder.
+    """
+    digest = key_digest(key)
+    folder = torch_cache_dir(digest)
+    manifest: dict[str, Any] = {
+        "kind": "torch",
+        "key": key,
+        "digest": digest,
+        "created": _now(),
+        "steps": steps,
+        "seconds": round(seconds, 3),
+        "nothing_to_compile": artifacts is None,
+        "size": 0 if artifacts is None else len(artifacts),
+        "sha256": None if artifacts is None else hashlib.sha256(artifacts).hexdigest(),
+    }
+    if note:
+        manifest["note"] = note
+    if artifacts is not None:
+        cache.write_bytes(f"{folder}/{ARTIFACTS_FILE}", artifacts)
+    cache.write_json(f"{folder}/{MANIFEST_FILE}", manifest)
+    _write_latest(cache, manifest, f"{folder}/{MANIFEST_FILE}")
+    return manifest
+
+
+def write_neuron_manifest(cache: Storage, key: dict[str, Any], steps: int, seconds: float) -> dict[str, Any]:
+    """Record which key the Neuron cache under neuron/ was extracted for, and point latest.json at it."""
+    manifest = {
+        "kind": "neuron",
+        "key": key,
+        "digest": key_digest(key),
+        "created": _now(),
+        "steps": steps,
+        "seconds": round(seconds, 3),
+    }
+    cache.write_json(f"{NEURON_DIR}/{MANIFEST_FILE}", manifest)
+    _write_latest(cache, manifest, f"{NEURON_DIR}/{MANIFEST_FILE}")
+    return manifest
+
+
+def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) -> None:
+    latest: dict[str, Any] = {k: manifest[k] for k in ("kind", "digest", "created", "steps") if k in manifest}
+    latest["manifest"] = manifest_path
+    if "size" in manifest:
+        latest["size"] = manifest["size"]
+    cache.write_json(LATEST_FILE, latest)
+
+
+def load_torch_cache(
+    run: Storage, cfg: HlatConfig, world_size: int, device_type: str, log_status: bool = True
+) -> CacheStatus:
+    """Load the run's torch.compile artifacts for this job's key into torch's caches, before the first compiled
+    call; return what was found. Never raises for a bad cache: a job without one still trains, only slower.
+
+    Each rank calls it (torch's caches are per process); `log_status` lets only rank 0 log the line.
+    """
+    start = time.perf_counter()
+    cache = run.child(CACHE_DIR)
+    if not cfg.training.compile:
+        result = CacheStatus("off", cache.url, "compile cache: off (training.compile is false: nothing is compiled)")
+        return _report(result, log_status)
+    key = cache_key(cfg, world_size, device_type)
+    digest = key_digest(key)
+    folder = cache.child(torch_cache_dir(digest))
+    try:
+        result = _load(cache, folder, key)
+    except StorageNotFound as exc:  # deleted while we read it
+        result = CacheStatus("missing", folder.url, f"compile cache: missing ({exc}); compiling from scratch")
+    return _report(replace(result, seconds=time.perf_counter() - start), log_status)
+
+
+def _load(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
+    if folder.exists(MANIFEST_FILE):
+        manifest = folder.read_json(MANIFEST_FILE)
+        if manifest.get("key") != key:  # the digest matched but not the key: an edited or colliding manifest
+            return _stale(folder.url, manifest.get("key") or {}, key)
+        if manifest.get("nothing_to_compile"):
+            return CacheStatus(
+                "missing", folder.url, f"compile cache: missing (the manifest at {folder.url} has no artifacts)"
+            )
+        if not folder.exists(ARTIFACTS_FILE):
+            return CacheStatus(
+                "corrupt", folder.url, f"compile cache: corrupt ({folder.uri(ARTIFACTS_FILE)} is missing); not loaded"
+            )
+        data = folder.read_bytes(ARTIFACTS_FILE)
+        actual = hashlib.sha256(data).hexdigest()
+        if len(data) != manifest.get("size") or actual != manifest.get("sha256"):
+            return CacheStatus(
+                "corrupt",
+                folder.url,
+                f"compile cache: corrupt ({folder.uri(ARTIFACTS_FILE)}: {len(data)} bytes with sha256 {actual[:12]}, "
+                f"the manifest says {manifest.get('size')} bytes with sha256 {str(manifest.get('sha256'))[:12]}); "
+                "not loaded, compiling from scratch",
+            )
+        try:
+            info = torch.compiler.load_cache_artifacts(data)
+        except Exception as exc:
+            info, error = None, f"{type(exc).__name__}: {exc}"
+        else:
+            error = "torch could not deserialize them"
+        if info is None:
+            return CacheStatus(
+                "corrupt", folder.url, f"compile cache: corrupt ({folder.uri(ARTIFACTS_FILE)}: {error}); not loaded"
+            )
+        counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(info.artifacts.items()))
+        return CacheStatus(
+            "hit",
+            folder.url,
+            f"compile cache: hit, loaded {human_bytes(len(data))} of torch.compile artifacts ({counts}) "
+            f"from {folder.url}",
+            size=len(data),
+        )
+    if cache.exists(LATEST_FILE):
+        latest = cache.read_json(LATEST_FILE)
+        manifest_path = latest.get("manifest") or f"{torch_cache_dir(str(latest.get('digest')))}/{MANIFEST_FILE}"
+        if cache.exists(manifest_path):
+            return _stale(cache.uri(manifest_path), cache.read_json(manifest_path).get("key") or {}, key)
+    return CacheStatus(
+        "missing",
+        folder.url,
+        f"compile cache: missing (nothing at {folder.url}); compiling from scratch (the precompile stage builds it)",
+    )
+
+
+def _stale(uri: str, cached: dict[str, Any], current: dict[str, Any]) -> CacheStatus:
+    differences = key_differences(cached, current)
+    return CacheStatus(
+        "stale",
+        uri,
+        f"compile cache: stale ({uri} was built for {', '.join(differences)}); not loaded, compiling from scratch "
+        "(run the precompile stage again)",
+        differences=differences,
+    )
+
+
+def _report(result: CacheStatus, log_status: bool) -> CacheStatus:
+    if log_status:
+        level = logging.WARNING if result.status in ("stale", "corrupt") else logging.INFO
+        seconds = f" in {result.seconds:.2f} s" if result.status == "hit" else ""
+        log.log(level, "%s%s", result.message, seconds)
+    return result
+
+
+def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
+    """Copy the shared Neuron compile cache (a local folder or s3:// prefix) to this node's disk; return the local
+    folder, to be used as NEURON_COMPILE_CACHE_URL.
+
+    HLAT found that thousands of NeuronCores reading compiled graphs from shared storage at start-up made it the
+    bottleneck; one copy per node (the caller runs this on each node's local rank 0, then a barrier) turns that
+    into one read per file per node. Files already present with the same size are kept, so a relaunch on a warm
+    instance copies only what is new; each file is written under a temporary name and renamed, so a copy cut
+    short never leaves a truncated graph behind.
+    """
+    source = Storage(url)
+    os.makedirs(local_dir, exist_ok=True)
+    files = source.walk_files()
+
+    def copy(rel: str) -> int:
+        target = os.path.join(local_dir, *rel.split("/"))
+        size = source.size(rel)
+        if os.path.exists(target) and os.path.getsize(target) == size:
+            return 0
+        tmp = f"{target}.tmp-{os.getpid()}"
+        source.get_file(rel, tmp)
+        os.replace(tmp, target)
+        return size
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        copied = list(pool.map(copy, files))
+    fresh = sum(1 for n in copied if n)
+    if not files:
+        log.warning("the Neuron compile cache at %s is empty: graphs compile on this node (run precompile)", url)
+    else:
+        log.info(
+            "Neuron compile cache: %d of %d files (%s) copied from %s to %s in %.1f s",
+            fresh, len(files), human_bytes(sum(copied)), url, local_dir, time.perf_counter() - start,
+        )  # fmt: skip
+    return local_dir
+
+
+def use_node_local_neuron_cache(world: World) -> str | None:
+    """On trn1: copy the shared Neuron cache named by NEURON_COMPILE_CACHE_URL to this node's disk (local rank 0,
+    then a barrier) and point NEURON_COMPILE_CACHE_URL at the copy; return it (None: no cache configured)."""
+    url = os.environ.get("NEURON_COMPILE_CACHE_URL")
+    if not url:
+        return None
+    local = os.environ.get(LOCAL_NEURON_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "hlat-neuron-cache")
+    if world.local_rank == 0:
+        localize_neuron_cache(url, local)
+    world.barrier()
+    os.environ["NEURON_COMPILE_CACHE_URL"] = local  # read by the Neuron compiler when it first compiles
+    return local
+
+
+def _installed_version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def _shown(value: Any) -> str:
+    if value is None:
+        return "(none)"
+    return value if isinstance(value, str) else json.dumps(value)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")  # not datetime.UTC: Python 3.10
+
+
+def human_bytes(size: float) -> str:
+    """905930 -> '905.9 kB'."""
+    if size < 1000:
+        return f"{size:.0f} bytes"
+    for unit in ("kB", "MB", "GB"):
+        size /= 1000
+        if size < 1000 or unit == "GB":
+            break
+    return f"{size:.1f} {unit}"

@@ -1,0 +1,187 @@
+"""Entrypoint of a precompile job: `python -m training.precompile --config <path or s3 uri of config.json>`.
+
+Builds the training step's compiled graphs once, before training, into the run's compile-cache/ (layout and key
+in `training/compile_cache.py`), so that no training job, first or relaunched, compiles from scratch. It runs on
+the same instances and process count as training (under torchrun; SageMaker's Torchrun driver runs it by path,
+hence the sys.path set-up below), because the graphs depend on them.
+
+- CPU/CUDA with training.compile on: the Trainer is built exactly as training builds it (model, parallelism,
+  precision, loader over the run's data and tokenizer, or the job's input channels), but with a throwaway folder
+  for its metrics and checkpoints: the run's history stays training's alone. From a fresh compiler state it runs
+  precompile.steps training steps; torch.compiler.save_cache_artifacts() then holds every graph they compiled
+  (forward and backward), and rank 0 writes them, their manifest and latest.json. The weights are thrown away.
+- CPU/CUDA with training.compile off: eager PyTorch compiles nothing; a manifest says so and the job succeeds.
+- trn1 (torch-neuronx and torch-xla importable): the job runs under neuron_parallel_compile (the job backends
+  set RUN_NEURON_PARALLEL_COMPILE=1, and SageMaker's Torchrun driver wraps torchrun in it). The steps run on the
+  XLA device, where their graphs are extracted rather than executed; after this program exits the wrapper
+  compiles them all in parallel into NEURON_COMPILE_CACHE_URL (the run's compile-cache/neuron/).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script path: make the project's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import logging
+import os
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from infra.storage import Storage
+from training.compile_cache import (
+    CACHE_DIR,
+    cache_key,
+    human_bytes,
+    key_digest,
+    torch_cache_dir,
+    write_neuron_manifest,
+    write_torch_cache,
+)
+from training.config import HlatConfig, validate_config
+from training.devices import neuron_available
+from training.distributed import World, close_world, init_world
+from training.sagemaker import channel_location, write_failure
+from training.trainer import Trainer
+
+log = logging.getLogger("hlat.precompile")
+
+NOTHING_TO_COMPILE = "training.compile is false: eager PyTorch on CPU/CUDA has no graphs to build"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.precompile", description=__doc__)
+    parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
+    try:
+        return _precompile(args.config.rstrip("/"), args.device)
+    except Exception as exc:
+        write_failure(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _precompile(config_uri: str, device: str) -> int:
+    run = Storage(config_uri.rsplit("/", 1)[0])
+    cfg = validate_config(run.read_json(config_uri.rsplit("/", 1)[1]))
+    cache = run.child(CACHE_DIR)
+    if neuron_available():
+        return _precompile_neuron(run, cfg, cache)
+    world = init_world(device)
+    try:
+        key = cache_key(cfg, world.world_size, world.device.type)
+        folder = cache.uri(torch_cache_dir(key_digest(key)))
+        if not cfg.training.compile:
+            if world.is_main:
+                write_torch_cache(cache, key, None, steps=0, seconds=0.0, note=NOTHING_TO_COMPILE)
+                print(f"precompile: nothing to compile ({NOTHING_TO_COMPILE}) -> {folder}", flush=True)
+            return 0
+        steps = cfg.precompile.steps
+        with throwaway_trainer(run, cfg, world) as trainer:
+            torch.compiler.reset()  # every graph compiled from here on is recorded for save_cache_artifacts
+            seconds = run_steps(trainer, steps)
+        saved = torch.compiler.save_cache_artifacts()
+        if saved is None:
+            raise RuntimeError(
+                f"torch.compile recorded no cache artifacts in {steps} steps: are Inductor's caches switched off "
+                "(TORCHINDUCTOR_FX_GRAPH_CACHE=0 or TORCHINDUCTOR_AUTOGRAD_CACHE=0 in the job's environment)?"
+            )
+        artifacts, _ = saved
+        if world.is_main:
+            write_torch_cache(cache, key, artifacts, steps=steps, seconds=seconds)
+            print(
+                f"precompile: {steps} steps traced in {seconds:.1f} s, {human_bytes(len(artifacts))} of artifacts "
+                f"-> {folder}",
+                flush=True,
+            )
+        world.barrier()  # no rank ends the job before the cache is written
+        return 0
+    finally:
+        close_world()
+
+
+@contextmanager
+def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
+    """The Trainer training would build, reading the run's data and tokenizer, writing metrics and checkpoints
+    to a temporary folder that is deleted afterwards."""
+    with tempfile.TemporaryDirectory(prefix="hlat-precompile-") as tmp:
+        tokenizer = os.path.join(tmp, "tokenizer.model")
+        channel_location(run, "tokenizer").get_file("tokenizer.model", tokenizer)
+        scratch = Storage(tmp)
+        trainer = Trainer(
+            cfg=cfg,
+            run=scratch.child("run"),
+            checkpoints=scratch.child("checkpoints"),
+            world=world,
+            tokenizer_model=tokenizer,
+            data=channel_location(run, "data"),
+        )
+        try:
+            yield trainer
+        finally:
+            trainer.loader.close()
+            trainer.metrics.close()
+
+
+def run_steps(trainer: Trainer, steps: int, after_step: Callable[[], None] | None = None) -> float:
+    """Run `steps` training steps (forward, backward, optimizer: every graph a step compiles); return seconds."""
+    batches = iter(trainer.loader)
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        stats = trainer.train_step(batches)
+        if after_step is not None:
+            after_step()
+        trainer.step = step
+        if trainer.world.is_main:
+            log.info(
+                "precompile: step %d of %d done at %.1f s (loss %.4f)", step, steps, time.perf_counter() - start,
+                stats["loss"],
+            )  # fmt: skip
+    return time.perf_counter() - start
+
+
+def _precompile_neuron(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
+    """trn1: run the steps on the XLA device under neuron_parallel_compile; record the key in neuron/manifest.json.
+
+    Not exercised outside a Neuron container: torch-xla and neuronx-distributed exist only there.
+    """
+    from training.neuron import init_neuron, mark_step  # init_neuron fails clearly without torch-neuronx
+
+    url = os.environ.get("NEURON_COMPILE_CACHE_URL")
+    if not url:
+        raise RuntimeError(
+            "NEURON_COMPILE_CACHE_URL is not set: the compiled graphs would not reach the run's compile-cache/neuron/; "
+            "set it to <run>/compile-cache/neuron (the job backends do) and run under neuron_parallel_compile"
+        )
+    import torch.distributed as dist
+
+    device = init_neuron(cfg)
+    try:
+        world = World(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
+            device=device,
+        )
+        key = cache_key(cfg, world.world_size, device.type)
+        steps = cfg.precompile.steps
+        with throwaway_trainer(run, cfg, world) as trainer:
+            seconds = run_steps(trainer, steps, after_step=mark_step)  # one graph per step, as training cuts it
+        if world.is_main:
+            write_neuron_manifest(cache, key, steps=steps, seconds=seconds)
+            print(f"precompile: {steps} steps traced in {seconds:.1f} s, graphs extracted for neuronx-cc -> {url}")
+        return 0
+    finally:
+        close_world()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
