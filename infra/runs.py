@@ -12,11 +12,13 @@
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 
 from infra.storage import Storage, StorageNotFound
 from training.config import ConfigError, HlatConfig, validate_config
 
+log = logging.getLogger("hlat.runs")
 CONFIG_FILE = "config.json"
 STAGE_DIRS = ("data", "tokenizer", "compile-cache", "burn-in", "checkpoints", "eval")
 
@@ -54,13 +56,18 @@ def run_for(config: HlatConfig) -> Run:
 
 
 def open_run(config: HlatConfig) -> Run:
-    """Write the resolved config to <run>/config.json once; refuse a different config under the same run id.
+    """Write the resolved config to <run>/config.json; refuse a different config under the same run id.
+
+    What determines the run's outputs (its fingerprint) is written once. Settings outside it (the job's budget and
+    limits, precompile, burn-in, evaluation) may change between flow runs: config.json is updated to them, so the
+    jobs launched next read what the user asked for now.
 
     The stored config has `run_id` filled in, so the training job reading it needs nothing else. The
     storage root is not compared: a run may be moved or read through another mount.
     """
     run = run_for(config)
     resolved = config.model_copy(update={"run_id": run.run_id})
+    text = resolved.model_dump_json(indent=2) + "\n"
     if run.storage.exists(CONFIG_FILE):
         existing = validate_config(run.storage.read_json(CONFIG_FILE))
         if existing.fingerprint() != resolved.fingerprint():
@@ -69,8 +76,14 @@ def open_run(config: HlatConfig) -> Run:
                 f"({describe_difference(existing, resolved)}); use a new --run-id, or drop --run-id so "
                 "one is derived from the config"
             )
+        if existing.model_dump(exclude={"storage"}) != resolved.model_dump(exclude={"storage"}):
+            # Only settings outside the fingerprint changed (job budget and limits, precompile, burn-in,
+            # evaluation): the jobs started from now on read the new ones.
+            log.info("run %s: updating settings outside its fingerprint (%s)", run.run_id,
+                     describe_difference(existing, resolved))  # fmt: skip
+            run.storage.write_text(CONFIG_FILE, text)
         return run
-    run.storage.write_text(CONFIG_FILE, resolved.model_dump_json(indent=2) + "\n")
+    run.storage.write_text(CONFIG_FILE, text)
     return run
 
 
