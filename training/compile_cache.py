@@ -35,7 +35,7 @@ from typing import Any, Literal
 
 import torch
 
-from infra.storage import Storage, StorageNotFound
+from infra.storage import Storage, StorageError, StorageNotFound
 from training.config import HlatConfig, stable_hash
 from training.distributed import World
 
@@ -182,7 +182,8 @@ def write_neuron_manifest(cache: Storage, key: dict[str, Any], steps: int, secon
 
 
 def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) -> None:
-    latest: dict[str, Any] = {k: manifest[k] for k in ("kind", "digest", "created", "steps") if k in manifest}
+    fields = ("kind", "digest", "created", "steps", "nothing_to_compile")
+    latest: dict[str, Any] = {k: manifest[k] for k in fields if k in manifest}
     latest["manifest"] = manifest_path
     if "size" in manifest:
         latest["size"] = manifest["size"]
@@ -209,6 +210,14 @@ def load_torch_cache(
         result = _load(cache, folder, key)
     except StorageNotFound as exc:  # deleted while we read it
         result = CacheStatus("missing", folder.url, f"compile cache: missing ({exc}); compiling from scratch")
+    except StorageError as exc:  # unreadable (permissions, throttling): a job without its cache still trains
+        result = CacheStatus(
+            "missing", folder.url, f"compile cache: missing (could not read it: {exc}); compiling from scratch"
+        )
+    except ValueError as exc:  # a manifest or latest.json that is not JSON
+        result = CacheStatus(
+            "corrupt", folder.url, f"compile cache: corrupt (unreadable JSON under {cache.url}: {exc}); not loaded"
+        )
     return _report(replace(result, seconds=time.perf_counter() - start), log_status)
 
 

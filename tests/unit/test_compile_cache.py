@@ -188,6 +188,9 @@ def test_bytes_that_do_not_match_their_manifest_are_corrupt(tmp_path: Path, load
     artifacts.unlink()
     status = load_torch_cache(run, cfg, 1, "cpu")
     assert status.status == "corrupt" and "is missing" in status.message
+    (artifacts.parent / MANIFEST_FILE).write_text('{"key": ')  # a torn manifest
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "corrupt" and "unreadable JSON" in status.message
 
 
 def test_bytes_torch_cannot_read_are_corrupt(tmp_path: Path) -> None:
