@@ -1,0 +1,48 @@
+"""From a config to the job specs of each stage, and the dry run's estimate."""
+
+from __future__ import annotations
+
+import pytest
+
+from infra.backends import estimate, job_spec
+from training.presets import load_config
+
+RUN = "s3://bucket/hlat/r1"
+
+
+def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None:
+    config = load_config("hlat-7b")
+    specs = {stage: job_spec(config, RUN, "r1", 1, stage) for stage in ("precompile", "burn-in", "train")}
+    for spec in specs.values():
+        assert (spec.instance_type, spec.instance_count, spec.processes_per_node) == ("ml.trn1.32xlarge", 64, 32)
+        assert spec.environment["NEURON_COMPILE_CACHE_URL"] == f"{RUN}/compile-cache/neuron"
+        assert spec.config_uri == f"{RUN}/config.json"
+    assert {s: spec.entry for s, spec in specs.items()} == {
+        "precompile": "training.precompile",
+        "burn-in": "training.burn_in",
+        "train": "training.train",
+    }
+    # neuron_parallel_compile wraps torchrun only for the precompile job
+    assert specs["precompile"].environment["RUN_NEURON_PARALLEL_COMPILE"] == "1"
+    assert "RUN_NEURON_PARALLEL_COMPILE" not in specs["train"].environment
+    assert specs["train"].environment["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"  # hlat-7b: bf16-sr
+    # burn-in's write check syncs apart from the run's checkpoints; short jobs get short runtimes
+    assert specs["burn-in"].checkpoint_prefix == "burn-in/checkpoint-sync"
+    assert specs["train"].checkpoint_prefix == "checkpoints"
+    assert specs["burn-in"].max_runtime_s == 3600 and specs["train"].max_runtime_s == 28 * 24 * 3600
+    assert [s.name for s in specs.values()] == ["r1-precompile-1", "r1-burn-in-1", "r1-train-1"]
+
+
+def test_local_jobs_carry_no_neuron_settings() -> None:
+    spec = job_spec(load_config("tiny"), "/tmp/runs/r", "r", 2)
+    assert spec.environment == {"HLAT_RUN_ID": "r"} and spec.arguments() == ["--config", "/tmp/runs/r/config.json"]
+
+
+def test_estimate_of_hlat_7b_from_the_catalog() -> None:
+    est = estimate(load_config("hlat-7b"))
+    assert est["hourly_usd"] == pytest.approx(64 * 21.50)
+    assert est["tokens"] == 429_000 * 1024 * 4096
+    # 6N + attention FLOPs per token over 64 nodes x 16 chips x 190 TFLOP/s at 25% MFU: about 20 days
+    assert 15 * 24 < est["hours"] < 25 * 24
+    assert est["total_usd"] == pytest.approx(est["hours"] * est["hourly_usd"])
+    assert estimate(load_config("tiny"))["hours"] is None  # no peak figure for a local machine
