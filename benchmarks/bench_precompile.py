@@ -2,14 +2,14 @@
 against warm (after the precompile job wrote the run's compile-cache/), on a small tiny-preset run, in one run.
 
 Every start is a fresh `python -m training.train` process on a fresh copy of the run, with its own empty
-TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: neither torch's in-memory caches nor Inductor's on-disk cache can
-help either side, so warm gets exactly what compile-cache/ gives it. The figure compared is the trainer's
+TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: neither torch's in-memory caches nor a leftover Inductor disk cache
+can help either side, so warm gets exactly what compile-cache/ gives it (its artifacts, and the Inductor cache
+tarball that the job extracts into a fresh folder of its own). A third row starts from the artifacts alone (the
+tarball removed from the copy and its manifest): on CPU they do not carry the compiled C++ kernels (on CUDA they
+carry the Triton kernels), so it shows what the tarball adds. The figure compared is the trainer's
 `first_step_seconds` (from building the Trainer to the end of step 1: model, compile or cache load, one step);
 the process's wall time (imports, data, evaluation and checkpoint after the step included) is shown beside it.
-Best of N each, cold and warm alternating. A third row, for reference, starts without compile-cache/ but with the
-precompile job's own Inductor disk cache (possible only on the machine that compiled): on CPU it also holds the
-compiled C++ kernels, which torch.compile's portable artifacts do not carry (on CUDA they carry the Triton
-kernels), so it shows how much of a warm start is left to kernel compilation. Run:
+Best of N each, the starts alternating. Run:
 
     .venv/bin/python -m benchmarks.bench_precompile [--repeats N] [--device auto|cpu|cuda]
 """
@@ -32,7 +32,7 @@ from benchmarks.common import table
 from infra.prepare import prepare_dataset
 from infra.runs import open_run
 from infra.tokenizer import build_tokenizer
-from training.compile_cache import CACHE_DIR, human_bytes
+from training.compile_cache import CACHE_DIR, KERNELS_FILE, LATEST_FILE, human_bytes
 from training.presets import load_config
 
 # The tiny preset over a small corpus and vocabulary (as the tests use), one step with torch.compile.
@@ -51,26 +51,24 @@ OVERRIDES: dict[str, Any] = {
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--repeats", type=int, default=2, help="cold and warm starts each (best is reported)")
+    parser.add_argument("--repeats", type=int, default=2, help="starts of each kind (best is reported)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hlat-bench-precompile-") as tmp:
         root = Path(tmp)
         base = prepare(root)
         precompile_s, summary = run_program("training.precompile", base, root / "inductor-precompile", args.device)
-        manifest = json.loads((base / CACHE_DIR / "latest.json").read_text())
-        starts: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": [], "disk": []}
+        manifest = json.loads((base / CACHE_DIR / LATEST_FILE).read_text())
+        starts: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": [], "artifacts": []}
         for repeat in range(args.repeats):
             for mode in starts:
                 run = root / f"{mode}-{repeat}"
-                ignore = None if mode == "warm" else shutil.ignore_patterns(CACHE_DIR)
-                shutil.copytree(base, run, ignore=ignore)
-                inductor = root / ("inductor-precompile" if mode == "disk" else f"inductor-{mode}-{repeat}")
+                shutil.copytree(base, run, ignore=shutil.ignore_patterns(CACHE_DIR) if mode == "cold" else None)
+                if mode == "artifacts":
+                    drop_kernels(run / CACHE_DIR)
+                inductor = root / f"inductor-{mode}-{repeat}"
                 wall, _ = run_program("training.train", run, inductor, args.device)
-                first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
-                expected = "hit" if mode == "warm" else "missing"
-                if first.get("compile_cache") != expected:
-                    raise RuntimeError(f"{mode} start found the compile cache {first.get('compile_cache')!r}")
+                first = checked_first_record(run, mode, inductor)
                 starts[mode].append((float(first["first_step_seconds"]), wall))
     warm = min(starts["warm"])
 
@@ -82,16 +80,42 @@ def main(argv: list[str] | None = None) -> str:
         ["start", "compile cache", "first step (s)", "process (s)", "first step vs warm"],
         [
             row("cold: nothing cached", "cold", "missing"),
-            row("warm: after precompile", "warm", "hit"),
-            row("(reference) precompile's Inductor disk cache", "disk", "missing"),
+            row("warm: artifacts only (no Inductor cache)", "artifacts", "hit"),
+            row("warm: artifacts and Inductor cache", "warm", "hit"),
         ],
     )
     device = args.device if args.device != "auto" else _auto_device()
     print(
         f"tiny model, torch.compile, {device}, best of {args.repeats}; the precompile job took {precompile_s:.1f} s "
-        f"once ({manifest['steps']} steps, {human_bytes(manifest['size'])} of artifacts)\n{out}\n{summary}"
+        f"once ({manifest['steps']} steps, {human_bytes(manifest['size'])} of artifacts, "
+        f"{human_bytes(manifest.get('inductor_bytes', 0))} of Inductor cache)\n{out}\n{summary}"
     )
     return out
+
+
+def drop_kernels(cache: Path) -> None:
+    """Make a copied compile-cache/ an artifacts-only one: its Inductor tarball and the manifest's fields gone."""
+    latest = json.loads((cache / LATEST_FILE).read_text())
+    manifest_path = cache / latest["manifest"]
+    manifest = json.loads(manifest_path.read_text())
+    for name in ("inductor_files", "inductor_bytes", "inductor_sha256"):
+        manifest.pop(name, None)
+    manifest_path.write_text(json.dumps(manifest))
+    (manifest_path.parent / KERNELS_FILE).unlink()
+
+
+def checked_first_record(run: Path, mode: str, inductor: Path) -> dict[str, Any]:
+    """The start's first metrics record, once it shows the start found the cache it was meant to and took the
+    kernels from it only where they were there to take (warm leaves the folder it was given untouched)."""
+    first: dict[str, Any] = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    expected = "missing" if mode == "cold" else "hit"
+    if first.get("compile_cache") != expected:
+        raise RuntimeError(f"{mode} start found the compile cache {first.get('compile_cache')!r}")
+    if ("compile_cache_kernels_bytes" in first) != (mode == "warm"):
+        raise RuntimeError(f"{mode} start: compile_cache_kernels_bytes is {first.get('compile_cache_kernels_bytes')}")
+    if mode == "warm" and inductor.exists() and any(inductor.iterdir()):
+        raise RuntimeError(f"warm start wrote to {inductor}: its Inductor cache was not the extracted one")
+    return first
 
 
 def prepare(root: Path) -> Path:

@@ -7,9 +7,18 @@ every relaunch would pay it again; the precompile stage pays it once and leaves 
     compile-cache/
       latest.json                    what the last precompile produced: digest, kind, manifest path, created
       torch/<digest>/artifacts.bin   bytes of torch.compiler.save_cache_artifacts() (Mega-Cache)
-      torch/<digest>/manifest.json   key, digest, size and sha256 of artifacts.bin, created, steps traced
+      torch/<digest>/inductor.tar.gz the precompile job's Inductor disk cache (TORCHINDUCTOR_CACHE_DIR), compiled
+                                     kernels included
+      torch/<digest>/manifest.json   key, digest, size and sha256 of artifacts.bin and of inductor.tar.gz, created,
+                                     steps traced
       neuron/                        the Neuron persistent cache (NEURON_COMPILE_CACHE_URL), by neuron_parallel_compile
       neuron/manifest.json           key, digest, created
+
+The artifacts are the portable part: graphs and generated code, but on CPU not the compiled C++ kernels, which a
+job loading only them still compiles (most of a CPU start's compile time). The tarball carries those too. It is
+valid wherever the key matches, since the key covers torch, Python, the device (and CUDA capability) and the
+config that shapes the graphs; a training job extracts it into a fresh folder of its own and points
+TORCHINDUCTOR_CACHE_DIR there before its first compile.
 
 A cache is used only when its key (`cache_key`: everything that changes the compiled graphs) equals the job's.
 Anything else is reported in one log line and in the job's first metrics record, and the job compiles as if
@@ -20,14 +29,18 @@ describes complete bytes. This module runs inside training jobs: no Prefect, Pyt
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import importlib.metadata
 import json
 import logging
 import os
 import platform
+import shutil
+import tarfile
 import tempfile
 import time
+import zlib
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
@@ -45,8 +58,12 @@ CACHE_DIR = "compile-cache"
 LATEST_FILE = "latest.json"
 MANIFEST_FILE = "manifest.json"
 ARTIFACTS_FILE = "artifacts.bin"
+KERNELS_FILE = "inductor.tar.gz"
 TORCH_DIR = "torch"
 NEURON_DIR = "neuron"
+
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+"""Inductor's disk cache: FX graphs, AOTAutograd entries, generated code, compiled C++ (and Triton) kernels."""
 
 LOCAL_NEURON_CACHE_ENV = "HLAT_LOCAL_NEURON_CACHE"
 """Where each node keeps its copy of the Neuron cache (default: <tmp>/hlat-neuron-cache)."""
@@ -118,6 +135,10 @@ class CacheStatus:
     """For `stale`: each differing key field, 'name cached -> current'."""
     size: int = 0
     """Bytes of artifacts loaded (for `hit`)."""
+    kernels_size: int = 0
+    """Bytes of the Inductor cache tarball extracted (for `hit`; 0 when the cache has none)."""
+    kernels_dir: str | None = None
+    """Where it was extracted: this process's TORCHINDUCTOR_CACHE_DIR from then on."""
     seconds: float = 0.0
     """Time spent reading, verifying and loading the cache."""
 
@@ -128,6 +149,8 @@ class CacheStatus:
             out["compile_cache_stale"] = ", ".join(self.differences)
         if self.status == "hit":
             out["compile_cache_bytes"] = self.size
+            if self.kernels_dir is not None:
+                out["compile_cache_kernels_bytes"] = self.kernels_size
             out["compile_cache_load_seconds"] = round(self.seconds, 4)
         return out
 
@@ -137,12 +160,20 @@ def torch_cache_dir(digest: str) -> str:
 
 
 def write_torch_cache(
-    cache: Storage, key: dict[str, Any], artifacts: bytes | None, steps: int, seconds: float, note: str = ""
+    cache: Storage,
+    key: dict[str, Any],
+    artifacts: bytes | None,
+    steps: int,
+    seconds: float,
+    note: str = "",
+    inductor_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Write artifacts.bin, then its manifest, then latest.json naming it; return the manifest.
+    """Write artifacts.bin and inductor.tar.gz (`inductor_dir` packed), then their manifest, then latest.json
+    naming it; return the manifest.
 
     `artifacts` None records that there is nothing to compile (training.compile off): the manifest says so and
-    `note` says why, so the stage has an answer to show rather than an empty folder.
+    `note` says why, so the stage has an answer to show rather than an empty folder. An `inductor_dir` with no
+    files is recorded as such (`inductor_files` 0), with no tarball.
     """
     digest = key_digest(key)
     folder = torch_cache_dir(digest)
@@ -161,6 +192,15 @@ def write_torch_cache(
         manifest["note"] = note
     if artifacts is not None:
         cache.write_bytes(f"{folder}/{ARTIFACTS_FILE}", artifacts)
+    if inductor_dir is not None:
+        with tempfile.TemporaryDirectory(prefix="hlat-inductor-pack-") as tmp:
+            tarball = os.path.join(tmp, KERNELS_FILE)
+            files = pack_inductor_cache(inductor_dir, tarball)
+            manifest["inductor_files"] = files
+            manifest["inductor_bytes"] = os.path.getsize(tarball) if files else 0
+            manifest["inductor_sha256"] = _file_sha256(tarball) if files else None
+            if files:
+                cache.put_file(tarball, f"{folder}/{KERNELS_FILE}")
     cache.write_json(f"{folder}/{MANIFEST_FILE}", manifest)
     _write_latest(cache, manifest, f"{folder}/{MANIFEST_FILE}")
     return manifest
@@ -185,9 +225,73 @@ def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) 
     fields = ("kind", "digest", "created", "steps", "nothing_to_compile")
     latest: dict[str, Any] = {k: manifest[k] for k in fields if k in manifest}
     latest["manifest"] = manifest_path
-    if "size" in manifest:
-        latest["size"] = manifest["size"]
+    for name in ("size", "inductor_bytes"):
+        if name in manifest:
+            latest[name] = manifest[name]
     cache.write_json(LATEST_FILE, latest)
+
+
+def pack_inductor_cache(folder: str, tarball: str) -> int:
+    """Pack Inductor's disk cache `folder` into the gzipped tar `tarball`; return the number of files packed
+    (0: the folder holds none, and no tarball is written).
+
+    Regular files only (locks, links and the like are left out), in sorted path order, without owners: a plain
+    archive that extracts under any user.
+    """
+    files: list[str] = []
+    for parent, dirs, names in os.walk(folder):
+        dirs.sort()
+        for name in names:
+            path = os.path.join(parent, name)
+            if name.endswith(".lock") or os.path.islink(path) or not os.path.isfile(path):
+                continue
+            files.append(os.path.relpath(path, folder).replace(os.sep, "/"))
+    if not files:
+        return 0
+    with tarfile.open(tarball, "w:gz", format=tarfile.PAX_FORMAT) as tar:
+        for rel in sorted(files):
+            info = tar.gettarinfo(os.path.join(folder, rel), arcname=rel)
+            info.uid = info.gid = 0
+            info.uname = info.gname = ""
+            with open(os.path.join(folder, rel), "rb") as f:
+                tar.addfile(info, f)
+    return len(files)
+
+
+def unpack_inductor_cache(tarball: str, folder: str) -> int:
+    """Extract a tarball written by `pack_inductor_cache` into `folder`; return the number of files.
+
+    Raises ValueError, extracting nothing, when a member is not a plain file or folder below `folder` (an absolute
+    path, a '..', a link, a device): the tarball is data and never writes elsewhere.
+    """
+    with tarfile.open(tarball, "r:gz") as tar:
+        members = tar.getmembers()
+        for member in members:
+            if os.path.isabs(member.name) or ".." in member.name.split("/"):
+                raise ValueError(f"unsafe member {member.name!r} in {os.path.basename(tarball)}: a path outside it")
+            if not (member.isfile() or member.isdir()):
+                raise ValueError(f"unsafe member {member.name!r} in {os.path.basename(tarball)}: not a plain file")
+        if hasattr(tarfile, "data_filter"):
+            tar.extractall(folder, members=members, filter="data")
+        else:  # Python 3.10 before 3.10.12 has no extraction filters: the checks above stand in for it
+            tar.extractall(folder, members=members)
+    return sum(1 for member in members if member.isfile())
+
+
+def use_inductor_cache_dir(folder: str | None) -> None:
+    """Make `folder` Inductor's disk cache for every compile from here on in this process (None: unset it).
+
+    torch reads TORCHINDUCTOR_CACHE_DIR whenever it resolves a cache path (`cache_dir()`), and its compile workers
+    start with the first compile and inherit it, so setting it before the first compile is enough; clear_caches()
+    forgets the few paths torch memoised from an earlier look.
+    """
+    if folder is None:
+        os.environ.pop(INDUCTOR_CACHE_ENV, None)
+    else:
+        os.environ[INDUCTOR_CACHE_ENV] = folder
+    from torch._inductor.utils import clear_caches  # imported here: Inductor is loaded only when compiling
+
+    clear_caches()
 
 
 def load_torch_cache(
@@ -196,7 +300,12 @@ def load_torch_cache(
     """Load the run's torch.compile artifacts for this job's key into torch's caches, before the first compiled
     call; return what was found. Never raises for a bad cache: a job without one still trains, only slower.
 
-    Each rank calls it (torch's caches are per process); `log_status` lets only rank 0 log the line.
+    When the cache has an Inductor tarball, it is verified, extracted into a fresh folder and made this process's
+    TORCHINDUCTOR_CACHE_DIR (replacing any the job was given), so the compiled kernels come from the run's cache
+    too; a tarball that does not match its manifest makes the whole cache `corrupt`.
+
+    Each rank calls it (torch's caches are per process, and each rank extracts its own copy); `log_status` lets
+    only rank 0 log the line.
     """
     start = time.perf_counter()
     cache = run.child(CACHE_DIR)
@@ -245,22 +354,43 @@ def _load(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
                 "not loaded, compiling from scratch",
             )
         try:
+            kernels = _extract_kernels(folder, manifest)
+        except _Corrupt as exc:
+            return CacheStatus(
+                "corrupt", folder.url, f"compile cache: corrupt ({exc}); not loaded, compiling from scratch"
+            )
+        previous = os.environ.get(INDUCTOR_CACHE_ENV)
+        if kernels is not None:
+            # Before loading the artifacts, which torch writes into the Inductor cache folder of the moment.
+            use_inductor_cache_dir(kernels.folder)
+        try:
             info = torch.compiler.load_cache_artifacts(data)
         except Exception as exc:
             info, error = None, f"{type(exc).__name__}: {exc}"
         else:
             error = "torch could not deserialize them"
         if info is None:
+            if kernels is not None:  # not loaded means not loaded: the job compiles where it would have
+                use_inductor_cache_dir(previous)
+                shutil.rmtree(kernels.folder, ignore_errors=True)
             return CacheStatus(
                 "corrupt", folder.url, f"compile cache: corrupt ({folder.uri(ARTIFACTS_FILE)}: {error}); not loaded"
             )
         counts = ", ".join(f"{len(v)} {k}" for k, v in sorted(info.artifacts.items()))
+        extracted = (
+            ""
+            if kernels is None
+            else f" and {human_bytes(kernels.size)} of Inductor cache ({kernels.files} files, compiled kernels "
+            f"included) into {kernels.folder}"
+        )
         return CacheStatus(
             "hit",
             folder.url,
-            f"compile cache: hit, loaded {human_bytes(len(data))} of torch.compile artifacts ({counts}) "
+            f"compile cache: hit, loaded {human_bytes(len(data))} of torch.compile artifacts ({counts}){extracted} "
             f"from {folder.url}",
             size=len(data),
+            kernels_size=0 if kernels is None else kernels.size,
+            kernels_dir=None if kernels is None else kernels.folder,
         )
     if cache.exists(LATEST_FILE):
         latest = cache.read_json(LATEST_FILE)
@@ -272,6 +402,56 @@ def _load(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
         folder.url,
         f"compile cache: missing (nothing at {folder.url}); compiling from scratch (the precompile stage builds it)",
     )
+
+
+class _Corrupt(Exception):
+    """A cache file that does not match its manifest, or cannot be read as what it should be."""
+
+
+@dataclass(frozen=True)
+class _Kernels:
+    folder: str
+    size: int
+    files: int
+
+
+def _extract_kernels(folder: Storage, manifest: dict[str, Any]) -> _Kernels | None:
+    """Verify the manifest's inductor.tar.gz and extract it into a fresh folder of this process's (deleted when
+    the process exits); None when the manifest lists none (an older precompile, or no files to pack)."""
+    sha256 = manifest.get("inductor_sha256")
+    if not sha256:
+        return None
+    uri = folder.uri(KERNELS_FILE)
+    if not folder.exists(KERNELS_FILE):
+        raise _Corrupt(f"{uri} is missing")
+    target = tempfile.mkdtemp(prefix=f"hlat-inductor-{os.getpid()}-")
+    try:
+        with tempfile.TemporaryDirectory(prefix="hlat-inductor-get-") as tmp:
+            tarball = os.path.join(tmp, KERNELS_FILE)
+            folder.get_file(KERNELS_FILE, tarball)
+            size, actual = os.path.getsize(tarball), _file_sha256(tarball)
+            if size != manifest.get("inductor_bytes") or actual != sha256:
+                raise _Corrupt(
+                    f"{uri}: {size} bytes with sha256 {actual[:12]}, the manifest says "
+                    f"{manifest.get('inductor_bytes')} bytes with sha256 {str(sha256)[:12]}"
+                )
+            try:
+                files = unpack_inductor_cache(tarball, target)
+            except (tarfile.TarError, ValueError, EOFError, zlib.error, OSError) as exc:
+                raise _Corrupt(f"{uri}: {exc}") from exc
+    except BaseException:
+        shutil.rmtree(target, ignore_errors=True)
+        raise
+    atexit.register(shutil.rmtree, target, ignore_errors=True)
+    return _Kernels(target, size, files)
+
+
+def _file_sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
 
 
 def _stale(uri: str, cached: dict[str, Any], current: dict[str, Any]) -> CacheStatus:

@@ -7,9 +7,11 @@ hence the sys.path set-up below), because the graphs depend on them.
 
 - CPU/CUDA with training.compile on: the Trainer is built exactly as training builds it (model, parallelism,
   precision, loader over the run's data and tokenizer, or the job's input channels), but with a throwaway folder
-  for its metrics and checkpoints: the run's history stays training's alone. From a fresh compiler state it runs
-  precompile.steps training steps; torch.compiler.save_cache_artifacts() then holds every graph they compiled
-  (forward and backward), and rank 0 writes them, their manifest and latest.json. The weights are thrown away.
+  for its metrics and checkpoints: the run's history stays training's alone. From a fresh compiler state, with
+  TORCHINDUCTOR_CACHE_DIR pointed at an empty temporary folder, it runs precompile.steps training steps;
+  torch.compiler.save_cache_artifacts() then holds every graph they compiled (forward and backward) and the folder
+  every kernel, and rank 0 writes both (the folder as inductor.tar.gz), their manifest and latest.json. The
+  weights are thrown away.
 - CPU/CUDA with training.compile off: eager PyTorch compiles nothing; a manifest says so and the job succeeds.
 - trn1 (torch-neuronx and torch-xla importable): the job runs under neuron_parallel_compile (the job backends
   set RUN_NEURON_PARALLEL_COMPILE=1, and SageMaker's Torchrun driver wraps torchrun in it). The steps run on the
@@ -42,6 +44,7 @@ from training.compile_cache import (
     human_bytes,
     key_digest,
     torch_cache_dir,
+    use_inductor_cache_dir,
     write_neuron_manifest,
     write_torch_cache,
 )
@@ -85,24 +88,33 @@ def _precompile(config_uri: str, device: str) -> int:
                 print(f"precompile: nothing to compile ({NOTHING_TO_COMPILE}) -> {folder}", flush=True)
             return 0
         steps = cfg.precompile.steps
-        with throwaway_trainer(run, cfg, world) as trainer:
-            torch.compiler.reset()  # every graph compiled from here on is recorded for save_cache_artifacts
-            seconds = run_steps(trainer, steps)
-        saved = torch.compiler.save_cache_artifacts()
-        if saved is None:
-            raise RuntimeError(
-                f"torch.compile recorded no cache artifacts in {steps} steps: are Inductor's caches switched off "
-                "(TORCHINDUCTOR_FX_GRAPH_CACHE=0 or TORCHINDUCTOR_AUTOGRAD_CACHE=0 in the job's environment)?"
-            )
-        artifacts, _ = saved
-        if world.is_main:
-            write_torch_cache(cache, key, artifacts, steps=steps, seconds=seconds)
-            print(
-                f"precompile: {steps} steps traced in {seconds:.1f} s, {human_bytes(len(artifacts))} of artifacts "
-                f"-> {folder}",
-                flush=True,
-            )
-        world.barrier()  # no rank ends the job before the cache is written
+        with tempfile.TemporaryDirectory(prefix="hlat-precompile-inductor-") as inductor:
+            # A fresh Inductor disk cache, set before the first compile: it ends up holding this key's kernels
+            # and nothing else, and is packed next to the artifacts.
+            use_inductor_cache_dir(inductor)
+            with throwaway_trainer(run, cfg, world) as trainer:
+                torch.compiler.reset()  # every graph compiled from here on is recorded for save_cache_artifacts
+                seconds = run_steps(trainer, steps)
+            saved = torch.compiler.save_cache_artifacts()
+            if saved is None:
+                raise RuntimeError(
+                    f"torch.compile recorded no cache artifacts in {steps} steps: are Inductor's caches switched off "
+                    "(TORCHINDUCTOR_FX_GRAPH_CACHE=0 or TORCHINDUCTOR_AUTOGRAD_CACHE=0 in the job's environment)?"
+                )
+            artifacts, _ = saved
+            if world.is_main:  # the other ranks compiled the same kernels
+                manifest = write_torch_cache(cache, key, artifacts, steps=steps, seconds=seconds, inductor_dir=inductor)
+                kernels = (
+                    f"{human_bytes(manifest['inductor_bytes'])} of Inductor cache ({manifest['inductor_files']} files)"
+                    if manifest["inductor_files"]
+                    else "no Inductor cache files"
+                )
+                print(
+                    f"precompile: {steps} steps traced in {seconds:.1f} s, {human_bytes(len(artifacts))} of artifacts "
+                    f"and {kernels} -> {folder}",
+                    flush=True,
+                )
+            world.barrier()  # no rank ends the job before the cache is written
         return 0
     finally:
         close_world()

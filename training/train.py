@@ -73,7 +73,8 @@ def _train(config_uri: str, device: str) -> int:
                 tensorboard_dir=tensorboard_location(run),
                 data=channel_location(run, "data"),
             )
-            # Before the first compiled step: the precompile stage's graphs, when they match this job.
+            # Before the first compiled step: the precompile stage's graphs and kernels, when they match this job
+            # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).
             cache = load_torch_cache(run, cfg, world.world_size, world.device.type, log_status=world.is_main)
             trainer.first_step_metrics.update(cache.metrics())
             trainer.resume()

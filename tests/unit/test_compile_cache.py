@@ -1,11 +1,16 @@
-"""The compile cache's key, its statuses (hit, stale, corrupt, missing, off) and the node-local Neuron cache copy."""
+"""The compile cache's key, its statuses (hit, stale, corrupt, missing, off), the Inductor cache tarball and the
+node-local Neuron cache copy."""
 
 from __future__ import annotations
 
+import hashlib
+import io
 import json
 import logging
 import os
 import platform
+import tarfile
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -17,14 +22,19 @@ from infra.storage import Storage
 from training.compile_cache import (
     ARTIFACTS_FILE,
     CACHE_DIR,
+    INDUCTOR_CACHE_ENV,
+    KERNELS_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
     cache_key,
+    human_bytes,
     key_differences,
     key_digest,
     load_torch_cache,
     localize_neuron_cache,
+    pack_inductor_cache,
     torch_cache_dir,
+    unpack_inductor_cache,
     use_node_local_neuron_cache,
     write_torch_cache,
 )
@@ -56,8 +66,64 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
     return calls
 
 
-def write(run: Storage, cfg: HlatConfig, data: bytes | None = ARTIFACTS) -> dict[str, Any]:
-    return write_torch_cache(run.child(CACHE_DIR), key_of(cfg), data, steps=2, seconds=1.5)
+def write(
+    run: Storage, cfg: HlatConfig, data: bytes | None = ARTIFACTS, inductor_dir: Path | None = None
+) -> dict[str, Any]:
+    inductor = None if inductor_dir is None else str(inductor_dir)
+    return write_torch_cache(run.child(CACHE_DIR), key_of(cfg), data, steps=2, seconds=1.5, inductor_dir=inductor)
+
+
+KERNELS = {  # an Inductor disk cache as a CPU compile leaves it
+    "fxgraph/ab/fabc/entry": b"graph" * 50,
+    "aotautograd/aqd/entry": b"joint graph",
+    "ab/cabc.main.cpp": b'extern "C" void kernel() {}',
+    "ab/cabc.main.so": b"\x7fELF" + bytes(range(256)) * 4,
+    "zz/czz.py": b"def call(args): ...",
+}
+
+
+@pytest.fixture
+def inductor_dir(tmp_path: Path) -> Path:
+    folder = tmp_path / "inductor"
+    for rel, data in KERNELS.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(data)
+    (folder / "locks").mkdir()
+    (folder / "locks" / "cabc.lock").write_bytes(b"")
+    (folder / "ab" / "link.so").symlink_to(folder / "ab" / "cabc.main.so")
+    return folder
+
+
+@pytest.fixture
+def inductor_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """The Inductor cache folder the job was given (restored after the test: loading a tarball replaces it)."""
+    given = tmp_path / "given-inductor-cache"
+    monkeypatch.setenv(INDUCTOR_CACHE_ENV, str(given))
+    return given
+
+
+def files_under(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def extracted_folders() -> set[Path]:
+    """This process's folders of extracted Inductor caches."""
+    return set(Path(tempfile.gettempdir()).glob(f"hlat-inductor-{os.getpid()}-*"))
+
+
+def tarball_of(members: list[tuple[tarfile.TarInfo, bytes]]) -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w:gz") as tar:
+        for info, data in members:
+            info.size = len(data) if info.isfile() else 0
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    return buffer.getvalue()
+
+
+def member(name: str, kind: bytes = tarfile.REGTYPE, target: str = "") -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type, info.linkname = kind, target
+    return info
 
 
 @pytest.mark.parametrize(
@@ -211,6 +277,148 @@ def test_missing_and_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> No
     with caplog.at_level(logging.INFO, logger="hlat.train"):
         load_torch_cache(run, config(), 1, "cpu", log_status=False)  # ranks other than 0 stay quiet
     assert caplog.text == ""
+
+
+def test_the_inductor_cache_packs_its_files_in_path_order_and_extracts_to_the_same_files(
+    tmp_path: Path, inductor_dir: Path
+) -> None:
+    tarball = tmp_path / KERNELS_FILE
+    assert pack_inductor_cache(str(inductor_dir), str(tarball)) == len(KERNELS)
+    with tarfile.open(tarball) as tar:
+        names = tar.getnames()
+        assert {(m.uid, m.gid, m.uname, m.gname) for m in tar.getmembers()} == {(0, 0, "", "")}
+    assert names == sorted(KERNELS)  # no lock files, no links
+    assert unpack_inductor_cache(str(tarball), str(tmp_path / "out")) == len(KERNELS)
+    assert files_under(tmp_path / "out") == KERNELS
+    assert os.access(tmp_path / "out" / "ab" / "cabc.main.so", os.R_OK)
+    empty = tmp_path / "empty"
+    (empty / "locks").mkdir(parents=True)
+    assert pack_inductor_cache(str(empty), str(tmp_path / "none.tar.gz")) == 0
+    assert not (tmp_path / "none.tar.gz").exists()
+
+
+@pytest.mark.parametrize(
+    "unsafe",
+    [
+        member("../outside.so"),
+        member("fxgraph/../../outside.so"),
+        member("/tmp/absolute.so"),
+        member("ab/link.so", tarfile.SYMTYPE, "/etc/passwd"),
+        member("ab/hard.so", tarfile.LNKTYPE, "../../outside.so"),
+        member("ab/device", tarfile.CHRTYPE),
+    ],
+    ids=["dotdot", "nested-dotdot", "absolute", "symlink", "hardlink", "device"],
+)
+def test_unpacking_refuses_members_that_are_not_plain_files_below_the_folder(
+    tmp_path: Path, unsafe: tarfile.TarInfo
+) -> None:
+    tarball = tmp_path / "kernels" / KERNELS_FILE
+    tarball.parent.mkdir()
+    tarball.write_bytes(tarball_of([(member("ab/cabc.main.so"), b"so"), (unsafe, b"evil")]))
+    with pytest.raises(ValueError, match="unsafe member"):
+        unpack_inductor_cache(str(tarball), str(tmp_path / "out" / "inductor"))
+    assert files_under(tmp_path) == {"kernels/" + KERNELS_FILE: tarball.read_bytes()}  # nothing extracted
+
+
+def test_write_packs_the_inductor_cache_next_to_the_artifacts(tmp_path: Path, inductor_dir: Path) -> None:
+    run = Storage(str(tmp_path))
+    manifest = write(run, config(), inductor_dir=inductor_dir)
+    tarball = (tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"]) / KERNELS_FILE).read_bytes()
+    assert manifest["inductor_files"] == len(KERNELS)
+    assert (
+        manifest["inductor_bytes"] == len(tarball)
+        and manifest["inductor_sha256"] == hashlib.sha256(tarball).hexdigest()
+    )
+    assert json.loads((tmp_path / CACHE_DIR / LATEST_FILE).read_text())["inductor_bytes"] == len(tarball)
+    (tmp_path / "nothing").mkdir()
+    manifest = write(Storage(str(tmp_path / "other")), config(), inductor_dir=tmp_path / "nothing")
+    assert (manifest["inductor_files"], manifest["inductor_bytes"], manifest["inductor_sha256"]) == (0, 0, None)
+    assert not (tmp_path / "other" / CACHE_DIR / torch_cache_dir(manifest["digest"]) / KERNELS_FILE).exists()
+
+
+def test_a_hit_extracts_the_kernels_into_a_fresh_folder_before_loading_the_artifacts(
+    tmp_path: Path, inductor_dir: Path, inductor_env: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, cfg = Storage(str(tmp_path)), config()
+    manifest = write(run, cfg, inductor_dir=inductor_dir)
+    seen: list[str] = []
+
+    def load(data: bytes) -> SimpleNamespace:
+        seen.append(os.environ[INDUCTOR_CACHE_ENV])  # torch writes what it loads into the folder of the moment
+        return SimpleNamespace(artifacts={"inductor": ["a"]})
+
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "hit" and status.kernels_dir is not None
+    assert seen == [status.kernels_dir] == [os.environ[INDUCTOR_CACHE_ENV]] and status.kernels_dir != str(inductor_env)
+    assert files_under(Path(status.kernels_dir)) == KERNELS
+    assert status.metrics()["compile_cache_kernels_bytes"] == manifest["inductor_bytes"]
+    assert (
+        f"loaded 1.5 kB of torch.compile artifacts (1 inductor) and {human_bytes(manifest['inductor_bytes'])} of "
+        f"Inductor cache ({len(KERNELS)} files, compiled kernels included) into {status.kernels_dir}"
+    ) in status.message
+    again = load_torch_cache(run, cfg, 1, "cpu")  # another rank of the node: a copy of its own
+    assert again.kernels_dir not in (None, status.kernels_dir)
+
+
+def test_a_cache_without_kernels_loads_the_artifacts_alone(
+    tmp_path: Path, loaded: list[bytes], inductor_env: Path
+) -> None:
+    run, cfg = Storage(str(tmp_path)), config()
+    (tmp_path / "nothing").mkdir()
+    write(run, cfg, inductor_dir=tmp_path / "nothing")
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "hit" and loaded == [ARTIFACTS] and status.kernels_dir is None
+    assert "compile_cache_kernels_bytes" not in status.metrics()
+    assert os.environ[INDUCTOR_CACHE_ENV] == str(inductor_env)
+
+
+def test_a_kernels_tarball_that_does_not_match_its_manifest_is_corrupt_and_nothing_is_loaded(
+    tmp_path: Path, inductor_dir: Path, loaded: list[bytes], inductor_env: Path
+) -> None:
+    run, cfg = Storage(str(tmp_path)), config()
+    manifest = write(run, cfg, inductor_dir=inductor_dir)
+    tarball = tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"]) / KERNELS_FILE
+    data = bytearray(tarball.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    tarball.write_bytes(bytes(data))
+    before = extracted_folders()
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "corrupt" and KERNELS_FILE in status.message and "sha256" in status.message
+    assert extracted_folders() == before  # the fresh folder is gone again
+    assert loaded == [] and os.environ[INDUCTOR_CACHE_ENV] == str(inductor_env)
+    assert status.metrics() == {"compile_cache": "corrupt"}
+    tarball.unlink()
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "corrupt" and "is missing" in status.message and loaded == []
+
+
+def test_an_unsafe_kernels_tarball_is_corrupt_even_when_its_sha256_matches(
+    tmp_path: Path, loaded: list[bytes], inductor_env: Path
+) -> None:
+    run, cfg = Storage(str(tmp_path)), config()
+    manifest = write(run, cfg)
+    folder = tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"])
+    evil = tarball_of([(member("../outside.so"), b"evil")])  # extracted into <tmp>/hlat-inductor-*: <tmp>/outside.so
+    (folder / KERNELS_FILE).write_bytes(evil)
+    manifest.update(inductor_files=1, inductor_bytes=len(evil), inductor_sha256=hashlib.sha256(evil).hexdigest())
+    (folder / MANIFEST_FILE).write_text(json.dumps(manifest))
+    before = extracted_folders()
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "corrupt" and "unsafe member '../outside.so'" in status.message
+    assert loaded == [] and os.environ[INDUCTOR_CACHE_ENV] == str(inductor_env)
+    assert not (Path(tempfile.gettempdir()) / "outside.so").exists() and extracted_folders() == before
+
+
+def test_artifacts_torch_cannot_read_leave_the_inductor_folder_as_it_was(
+    tmp_path: Path, inductor_dir: Path, inductor_env: Path
+) -> None:
+    run, cfg = Storage(str(tmp_path)), config()
+    write(run, cfg, data=b"not torch.compile artifacts", inductor_dir=inductor_dir)
+    before = extracted_folders()
+    status = load_torch_cache(run, cfg, 1, "cpu")
+    assert status.status == "corrupt" and os.environ[INDUCTOR_CACHE_ENV] == str(inductor_env)
+    assert extracted_folders() == before
 
 
 def test_localize_copies_the_folder_tree_and_then_only_what_changed(tmp_path: Path) -> None:
