@@ -26,3 +26,10 @@ def test_training_step_benchmark_runs() -> None:
 
     out = main(["--batch", "2", "--seq", "32", "--steps", "1", "--repeats", "1"])
     assert "hlat Transformer" in out and "HF LlamaForCausalLM" in out
+
+
+def test_precompile_benchmark_runs_cold_and_warm() -> None:
+    from benchmarks.bench_precompile import main
+
+    out = main(["--repeats", "1"])  # asserts the warm start used the run's cache, kernels included
+    assert "cold: nothing cached" in out and "warm: artifacts and Inductor cache" in out
