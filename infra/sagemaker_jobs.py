@@ -78,8 +78,8 @@ LogCursor = tuple[int, tuple[tuple[int, str], ...]]
 
 
 def _import_sdk() -> Any:
-    """The SageMaker SDK modules, imported on first use: `sagemaker` is an optional dependency (`hlat[aws]`),
-    and importing it costs about two seconds that local runs should not pay."""
+    """The SageMaker SDK modules, imported on first use: importing them costs about two seconds that local runs
+    should not pay."""
     try:
         from sagemaker.core import image_uris
         from sagemaker.core.common_utils import get_domain_for_region
@@ -90,7 +90,7 @@ def _import_sdk() -> Any:
         from sagemaker.train.distributed import Torchrun
     except ImportError as exc:
         raise ImportError(
-            f"the sagemaker job backend needs the SageMaker SDK ({exc}): pip install 'hlat[aws]' -c constraints.txt"
+            f"the sagemaker job backend needs the SageMaker SDK ({exc}): reinstall with scripts/install.sh"
         ) from exc
 
     return SimpleNamespace(

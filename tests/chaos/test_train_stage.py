@@ -135,13 +135,14 @@ def test_dollar_budget_stops_the_run_with_a_clear_message(prepared: Path, tmp_pa
 def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefect_server: None) -> None:
     """Ctrl-C on `hlat run train`: the job is stopped (SIGTERM, it checkpoints), nothing is left running."""
     run = make_run(prepared, tmp_path, "interrupt", **{**RUN, "max_steps": 5000, "log_every": 1})
+    # Its output goes to a file: an unread pipe fills up with the job's forwarded log lines and blocks the flow.
+    output = (tmp_path / "flow.log").open("wb")
     flow = subprocess.Popen(
         cli(tmp_path, "interrupt", overrides(max_steps=5000, log_every=1)),
         cwd=ROOT,
         env=cli_env(),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
+        stdout=output,
+        stderr=subprocess.STDOUT,
     )
     ledger = Ledger(Storage(str(run)), "train")
     backend = LocalBackend(str(run / "jobs"))
@@ -149,7 +150,8 @@ def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefec
     name = ledger.load()[0].job_name
     wait_for(lambda: any(" step 5 loss" in line for line in backend.logs(name)[0]), 120, "a few steps")
     flow.send_signal(signal.SIGINT)
-    flow.communicate(timeout=120)
+    flow.wait(timeout=120)
+    output.close()
     wait_for(lambda: (s := backend.describe(name)) is not None and s.terminal, 60, "the job to stop")
     state = backend.describe(name)
     assert state is not None and state.status == "Stopped"
