@@ -197,7 +197,12 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         f"cost: {job.instance_count} x {job.instance_type} at ${est['hourly_usd'] / max(job.instance_count, 1):,.2f}"
         f"/node-hour = ${est['hourly_usd']:,.2f}/hour"
     )
-    if est["hours"] is not None:
+    if stage != "train":
+        hours = spec.max_runtime_s / 3600
+        lines.append(
+            f"bound: the {stage} job stops by its max runtime of {hours:g} h: at most ${hours * est['hourly_usd']:,.2f}"
+        )
+    elif est["hours"] is not None:
         lines.append(
             f"estimate: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens = "
             f"{est['tokens'] / 1e9:,.1f}B tokens in {est['hours']:,.0f} h ({est['hours'] / 24:,.1f} days) "

@@ -115,3 +115,15 @@ def test_dry_run_on_the_local_backend_shows_the_job_command(tmp_path: Path) -> N
     assert "on the local backend" in out.stdout and "training.train" in out.stdout
     assert "$0.00/hour" in out.stdout
     assert not (tmp_path / "runs").exists()
+
+
+def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
+    out = hlat(
+        "run", "burn-in", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
+        "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "dry run: burn-in of run hlat-7b-" in out.stdout and "-burn-in-1" in out.stdout
+    assert "bound: the burn-in job stops by its max runtime of 1 h: at most $1,376.00" in out.stdout
+    refused = hlat("run", "prepare-data", "--preset", "tiny", "--dry-run", cwd=tmp_path)
+    assert refused.returncode == 2 and "runs in the flow's own process" in refused.stderr
