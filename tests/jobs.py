@@ -81,3 +81,11 @@ def task_states(name: str) -> list[str]:
     with get_client(sync_client=True) as client:
         runs = client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
     return [r.state.name for r in runs if r.name.startswith(f"{name}-") and r.state is not None]
+
+
+def default_sigint() -> None:
+    """preexec_fn for children that must react to SIGINT: a test run started in the background (`cmd &`, as CI
+    may do) ignores SIGINT, children inherit that, and Python then installs no KeyboardInterrupt handler."""
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

@@ -21,7 +21,7 @@ from infra.local_jobs import LocalBackend
 from infra.storage import Storage
 from infra.supervisor import Ledger
 from tests.conftest import SMALL_DATA
-from tests.jobs import final_weights, make_run, metrics, processes_mentioning
+from tests.jobs import default_sigint, final_weights, make_run, metrics, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -143,6 +143,7 @@ def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefec
         env=cli_env(),
         stdout=output,
         stderr=subprocess.STDOUT,
+        preexec_fn=default_sigint,
     )
     ledger = Ledger(Storage(str(run)), "train")
     backend = LocalBackend(str(run / "jobs"))

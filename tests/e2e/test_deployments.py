@@ -22,7 +22,7 @@ import pytest
 
 from tests.conftest import SMALL_DATA, SMALL_RUN
 from tests.integration.conftest import free_port
-from tests.jobs import make_run, processes_mentioning
+from tests.jobs import default_sigint, make_run, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -71,7 +71,11 @@ def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, 
     )
     log = (home / "server.log").open("wb")
     server = subprocess.Popen(
-        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)], env=env, stdout=log, stderr=log
+        [PREFECT, "server", "start", "--host", "127.0.0.1", "--port", str(port)],
+        env=env,
+        stdout=log,
+        stderr=log,
+        preexec_fn=default_sigint,  # it stops on SIGINT
     )
     try:
         wait_healthy(env["PREFECT_API_URL"], server)
@@ -120,6 +124,7 @@ def worker(prefect_env: dict[str, str], deployed: str, tmp_path: Path) -> Iterat
         cwd=ROOT,
         stdout=log,
         stderr=log,
+        preexec_fn=default_sigint,  # a worker stops on SIGINT
     )
     try:
         yield
