@@ -293,41 +293,29 @@ class Supervisor:
         return classify(final)
 
     def _watch(self, record: Attempt) -> JobState:
-        """Poll the job until it ends, streaming its log and progress; stop it on hang, budget or interruption."""
-        cursor: Any = None
+        """Follow the job until it ends, streaming its progress; stop it when hung or over budget."""
         progress = Progress(record.attempt, record.job_name, "InProgress", target_step=self.target_step)
         last_advance = self.clock()
-        try:
-            while True:
-                lines, cursor = self._logs(record.job_name, cursor)
-                if self._absorb(lines, progress):
-                    last_advance = self.clock()
-                    record.last_logged_step = progress.step
-                state = self._describe(record.job_name)
-                if state is None:
-                    self.sleep(self.poll_seconds)
-                    continue
-                self._account(record, state)
-                progress.status = state.secondary_status or state.status.value
-                progress.cost_usd = self.spent_usd()
-                self.on_progress(progress)
-                log.info("%s", progress.line())
-                if state.terminal:
-                    lines, cursor = self._logs(record.job_name, cursor)
-                    if self._absorb(lines, progress):
-                        record.last_logged_step = progress.step
-                    return state
-                if record.stop_requested is None:
-                    if self.budget_usd is not None and self.spent_usd() >= self.budget_usd:
-                        self._stop(record, "budget")
-                    elif self.hang_timeout_s and self.clock() - last_advance > self.hang_timeout_s:
-                        self._stop(record, "hung")
-                self.sleep(self.poll_seconds)
-        except BaseException as exc:
-            if not isinstance(exc, Exception):  # Ctrl-C, cancellation, termination: the job must not outlive us
-                log.warning("interrupted (%s): stopping %s", type(exc).__name__, record.job_name)
-                self._stop(record, "cancelled")
-            raise
+
+        def on_poll(lines: list[str], state: JobState | None) -> str | None:
+            nonlocal last_advance
+            if self._absorb(lines, progress):
+                last_advance = self.clock()
+                record.last_logged_step = progress.step
+            if state is None:
+                return None
+            self._account(record, state)
+            progress.status = state.secondary_status or state.status.value
+            progress.cost_usd = self.spent_usd()
+            self.on_progress(progress)
+            log.info("%s", progress.line())
+            if self.budget_usd is not None and self.spent_usd() >= self.budget_usd:
+                return "budget"
+            if self.hang_timeout_s and self.clock() - last_advance > self.hang_timeout_s:
+                return "hung"
+            return None
+
+        return follow(self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll)
 
     def _absorb(self, lines: list[str], progress: Progress) -> bool:
         """Forward job output to our log and pick up progress; True when a new step was seen."""
@@ -345,12 +333,6 @@ class Supervisor:
             if progress.tokens_per_s:
                 progress.eta_s = (self.target_step - step) * self.tokens_per_step / progress.tokens_per_s
         return advanced
-
-    def _stop(self, record: Attempt, why: str) -> None:
-        record.stop_requested = why
-        self._save()
-        log.warning("stopping %s (%s)", record.job_name, why)
-        self.backend.stop(record.job_name)
 
     def _account(self, record: Attempt, state: JobState) -> None:
         record.billable_seconds = state.billable_seconds
@@ -382,28 +364,80 @@ class Supervisor:
         self.ledger.save(self.attempts)
         self.on_attempts(self.attempts)
 
-    # -- backend calls that ride out transient faults ------------------------------------------------------
     def _describe(self, name: str) -> JobState | None:
-        """describe, riding out throttling and dropped connections with a doubling delay (up to 16 polls)."""
-        delay = self.poll_seconds
-        while True:
-            try:
-                return self.backend.describe(name)
-            except Exception as exc:
-                if not is_transient(exc):
-                    raise
-                log.warning("describe %s: %s; retrying in %s", name, exc, _duration(delay))
-                self.sleep(delay)
-                delay = min(delay * 2, 16 * self.poll_seconds)
+        return describe_patiently(self.backend, name, self.poll_seconds, self.sleep)
 
-    def _logs(self, name: str, cursor: Any) -> tuple[list[str], Any]:
+
+# -- following a job: shared by the train stage's supervisor and the short stage jobs ---------------------------
+def follow(
+    backend: JobBackend,
+    record: Attempt,
+    save: Callable[[], None],
+    poll_seconds: float,
+    sleep: Callable[[float], None],
+    on_poll: Callable[[list[str], JobState | None], str | None],
+) -> JobState:
+    """Poll a job until it ends. Each poll reads its new log lines, describes it, and hands both to `on_poll`
+    (state None: not visible yet), which may return a reason to stop the job ('budget', 'hung'). Interrupting
+    the caller (Ctrl-C, a cancelled flow run: anything that is not an Exception) stops the job too; `save` records
+    the stop in the ledger first."""
+
+    def stop(why: str) -> None:
+        record.stop_requested = why
+        save()
+        log.warning("stopping %s (%s)", record.job_name, why)
+        backend.stop(record.job_name)
+
+    cursor: Any = None
+    try:
+        while True:
+            lines, cursor = read_logs(backend, record.job_name, cursor)
+            state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
+            if state is not None and state.terminal:
+                more, cursor = read_logs(backend, record.job_name, cursor)
+                on_poll(lines + more, state)
+                return state
+            why = on_poll(lines, state)
+            if why and record.stop_requested is None:
+                stop(why)
+            sleep(poll_seconds)
+    except BaseException as exc:
+        if not isinstance(exc, Exception):  # the job must not outlive an interrupted supervisor
+            log.warning("interrupted (%s)", type(exc).__name__)
+            stop("cancelled")
+        raise
+
+
+def describe_patiently(
+    backend: JobBackend, name: str, poll_seconds: float, sleep: Callable[[float], None]
+) -> JobState | None:
+    """describe, riding out throttling and dropped connections with a doubling delay (up to 16 polls)."""
+    delay = poll_seconds
+    while True:
         try:
-            return self.backend.logs(name, cursor)
+            return backend.describe(name)
         except Exception as exc:
             if not is_transient(exc):
                 raise
-            log.warning("logs of %s: %s; will retry", name, exc)
-            return [], cursor
+            log.warning("describe %s: %s; retrying in %s", name, exc, _duration(delay))
+            sleep(delay)
+            delay = min(delay * 2, 16 * poll_seconds)
+
+
+def read_logs(backend: JobBackend, name: str, cursor: Any) -> tuple[list[str], Any]:
+    """New log lines; none this time when the log service has a transient fault."""
+    try:
+        return backend.logs(name, cursor)
+    except Exception as exc:
+        if not is_transient(exc):
+            raise
+        log.warning("logs of %s: %s; will retry", name, exc)
+        return [], cursor
+
+
+def _forward(lines: list[str], state: JobState | None) -> None:
+    for line in lines:
+        job_log.info("%s", line)
 
 
 def run_job(
@@ -436,7 +470,7 @@ def run_job(
             attempts.append(record)
             ledger.save(attempts)
         tries += 1
-        state = backend.describe(record.job_name)
+        state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
         if state is None:
             spec = make_spec(record.attempt, record.job_name)
             try:
@@ -451,7 +485,7 @@ def run_job(
                 continue
             record.status = Status.IN_PROGRESS.value
             ledger.save(attempts)
-        state = _follow(backend, record, ledger, attempts, poll_seconds, sleep)
+        state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, _forward)
         record.status = state.status.value
         record.reason = state.failure_reason or state.secondary_status or state.status.value
         record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
@@ -463,37 +497,6 @@ def run_job(
             return record, state
         log.warning("%s job %s: %s; relaunching", stage, record.job_name, record.reason)
         sleep(delays[min(tries - 1, len(delays) - 1)] if decision.action == Action.BACKOFF else poll_seconds)
-
-
-def _follow(
-    backend: JobBackend,
-    record: Attempt,
-    ledger: Ledger,
-    attempts: list[Attempt],
-    poll_seconds: float,
-    sleep: Callable[[float], None],
-) -> JobState:
-    """Stream a job's log until it ends; stop it if we are interrupted."""
-    cursor: Any = None
-    try:
-        while True:
-            lines, cursor = backend.logs(record.job_name, cursor)
-            for line in lines:
-                job_log.info("%s", line)
-            state = backend.describe(record.job_name)
-            if state is not None and state.terminal:
-                lines, cursor = backend.logs(record.job_name, cursor)
-                for line in lines:
-                    job_log.info("%s", line)
-                return state
-            sleep(poll_seconds)
-    except BaseException as exc:
-        if not isinstance(exc, Exception):
-            log.warning("interrupted (%s): stopping %s", type(exc).__name__, record.job_name)
-            record.stop_requested = "cancelled"
-            ledger.save(attempts)
-            backend.stop(record.job_name)
-        raise
 
 
 def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> str | None:
