@@ -8,12 +8,12 @@ from prefect import task
 from prefect.runtime import flow_run
 
 from infra.runs import Run, open_run
-from tasks.common import RETRIES, RETRY_DELAYS, retry_on_transient
+from tasks.common import TRANSIENT_RETRIES
 from training.config import HlatConfig
 from training.presets import load_config
 
 
-@task(name="open-run", retries=RETRIES, retry_delay_seconds=RETRY_DELAYS, retry_condition_fn=retry_on_transient)
+@task(name="open-run", **TRANSIENT_RETRIES)
 def open_run_task(config: HlatConfig) -> Run:
     """Write <run>/config.json once, or check it matches."""
     return open_run(config)

@@ -25,6 +25,14 @@ def retry_on_transient(task: Task[..., Any], task_run: TaskRun, state: State[Any
     return False
 
 
+TRANSIENT_RETRIES: dict[str, Any] = {
+    "retries": RETRIES,
+    "retry_delay_seconds": RETRY_DELAYS,
+    "retry_condition_fn": retry_on_transient,
+}
+"""Task options: retry transient faults only, with backoff."""
+
+
 def stage_cache_key(stage: str, run_uri: str, *inputs: Any) -> str:
     """Cache key of a stage: its name, the run it writes into, and everything its output depends on."""
     return f"hlat-{stage}-{stable_hash([stage, run_uri, *inputs])[:32]}"
@@ -33,6 +41,10 @@ def stage_cache_key(stage: str, run_uri: str, *inputs: Any) -> str:
 def cache_key_param(context: Any, parameters: dict[str, Any]) -> str:
     """cache_key_fn for tasks that take their precomputed key as the `cache_key` parameter."""
     return str(parameters["cache_key"])
+
+
+CACHED_STAGE: dict[str, Any] = {**TRANSIENT_RETRIES, "cache_key_fn": cache_key_param, "persist_result": True}
+"""Task options of a stage's main task: cached under the precomputed `cache_key` parameter, transient retries."""
 
 
 def artifact_key(*parts: str) -> str:

@@ -12,29 +12,17 @@ from infra.prepare import DataReport, prepare_dataset
 from infra.runs import Run
 from infra.shards import MANIFEST_FILE
 from infra.storage import Storage
-from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
+from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
 from training.config import DataConfig
 
 
-@task(
-    name="fingerprint-source",
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="fingerprint-source", **TRANSIENT_RETRIES)
 def fingerprint_source(data_cfg: DataConfig) -> str:
     """Identify the source's content cheaply (sizes and times, ETags, or hub name and revision)."""
     return source_fingerprint(data_cfg)
 
 
-@task(
-    name="build-shards",
-    cache_key_fn=cache_key_param,
-    persist_result=True,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="build-shards", **CACHED_STAGE)
 def build_shards(data_cfg: DataConfig, run_uri: str, cache_key: str) -> DataReport:
     """Read, validate and shard the source into <run>/data/; cached on the config, source and run."""
     return prepare_dataset(data_cfg, Storage(run_uri).child("data"), fingerprint=cache_key)

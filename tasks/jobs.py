@@ -12,7 +12,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from infra.backends import on_neuron, run_stage_job
 from infra.storage import Storage
 from infra.supervisor import Attempt, JobFailed
-from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
+from tasks.common import CACHED_STAGE, artifact_key
 from training.config import HlatConfig
 
 log = logging.getLogger("hlat.jobs")
@@ -38,14 +38,7 @@ def precompile_needed(config: HlatConfig) -> str | None:
     return None
 
 
-@task(
-    name="precompile-graphs",
-    cache_key_fn=cache_key_param,
-    persist_result=True,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="precompile-graphs", **CACHED_STAGE)
 def precompile_graphs(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
     """Run the precompile job (a few training steps: torch.compile, or neuron_parallel_compile on trn1) so the
     compiled graphs land in compile-cache/ before training starts."""
@@ -61,14 +54,7 @@ def precompile_graphs(config: HlatConfig, run_uri: str, run_id: str, cache_key: 
     return {"status": "built", "job": record.job_name, **latest}
 
 
-@task(
-    name="burn-in-cluster",
-    cache_key_fn=cache_key_param,
-    persist_result=True,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="burn-in-cluster", **CACHED_STAGE)
 def burn_in_cluster(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
     """Run the burn-in job on the training's instance type and count; publish its report; raise BurnInFailed
     (unless burn_in.continue_on_failure) when a rank or node failed a check."""

@@ -12,27 +12,17 @@ from infra.runs import Run
 from infra.shards import read_manifest
 from infra.storage import Storage
 from infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
-from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
+from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
 from training.config import TokenizerConfig
 
 
-@task(
-    name="read-data-checksum",
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="read-data-checksum", **TRANSIENT_RETRIES)
 def read_data_checksum(run_uri: str) -> str:
     """Checksum of the prepared shards: the tokenizer's input."""
     return read_manifest(Storage(run_uri).child("data")).checksum
 
 
-@task(
-    name="read-tokenizer-checksum",
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="read-tokenizer-checksum", **TRANSIENT_RETRIES)
 def read_tokenizer_checksum(run_uri: str) -> str:
     """sha256 of the run's tokenizer.model: what training's cache key depends on."""
     tokenizer = Storage(run_uri).child("tokenizer")
@@ -40,14 +30,7 @@ def read_tokenizer_checksum(run_uri: str) -> str:
     return hashlib.sha256(tokenizer.read_bytes(MODEL_FILE)).hexdigest()
 
 
-@task(
-    name="fit-tokenizer",
-    cache_key_fn=cache_key_param,
-    persist_result=True,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="fit-tokenizer", **CACHED_STAGE)
 def fit_tokenizer(
     tok_cfg: TokenizerConfig, vocab_size: int, max_seq_len: int, run_uri: str, cache_key: str
 ) -> dict[str, Any]:

@@ -13,7 +13,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from infra.backends import supervisor_for
 from infra.storage import Storage
 from infra.supervisor import Attempt, Progress
-from tasks.common import RETRIES, RETRY_DELAYS, artifact_key, cache_key_param, retry_on_transient
+from tasks.common import CACHED_STAGE, artifact_key
 from training.checkpoint import CheckpointManager
 from training.config import HlatConfig
 from training.metrics import METRICS_FILE
@@ -55,14 +55,7 @@ class _Artifacts:
             log.warning("could not update the attempts artifact: %s", exc)
 
 
-@task(
-    name="train-model",
-    cache_key_fn=cache_key_param,
-    persist_result=True,
-    retries=RETRIES,
-    retry_delay_seconds=RETRY_DELAYS,
-    retry_condition_fn=retry_on_transient,
-)
+@task(name="train-model", **CACHED_STAGE)
 def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
     """Submit and watch training jobs, relaunching from the newest checkpoint, until training.max_steps."""
     artifacts = _Artifacts(run_id)
