@@ -27,7 +27,7 @@ from typing import Any
 import torch.distributed as dist
 
 from infra.storage import Storage
-from training.config import HlatConfig, validate_config
+from training.config import HlatConfig
 from training.distributed import World, close_world, init_world
 from training.exit_codes import EXIT_BURN_IN_FAILED
 from training.faults import burn_in_wrong_rank
@@ -40,7 +40,13 @@ from training.health import (
     matmul_check,
     write_check,
 )
-from training.sagemaker import checkpoint_location, write_failure
+from training.sagemaker import (
+    checkpoint_location,
+    job_arguments,
+    read_job_config,
+    reporting_failure,
+    write_failure,
+)
 
 log = logging.getLogger("hlat.burn_in")
 
@@ -162,22 +168,15 @@ def _split(uri: str) -> tuple[Storage, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.burn_in", description=__doc__)
-    parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
-    parser.add_argument("--report", default=None, help=f"where to write the report (default: <run>/{REPORT})")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
-    try:
-        return _burn_in(args.config.rstrip("/"), args.report, args.device)
-    except Exception as exc:
-        write_failure(f"{type(exc).__name__}: {exc}")
-        raise
+    def report_option(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--report", default=None, help=f"where to write the report (default: <run>/{REPORT})")
+
+    args = job_arguments("python -m training.burn_in", __doc__, argv, report_option)
+    return reporting_failure(lambda: _burn_in(args.config, args.report, args.device))
 
 
 def _burn_in(config_uri: str, report_uri: str | None, device: str) -> int:
-    run, config_name = _split(config_uri)
-    cfg = validate_config(run.read_json(config_name))
+    run, cfg = read_job_config(config_uri)
     report_uri = report_uri or run.uri(REPORT)
     world = init_world(device)
     try:

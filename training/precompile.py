@@ -27,7 +27,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script path: make the project's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import argparse
 import logging
 import os
 import tempfile
@@ -48,10 +47,10 @@ from training.compile_cache import (
     write_neuron_manifest,
     write_torch_cache,
 )
-from training.config import HlatConfig, validate_config
+from training.config import HlatConfig
 from training.devices import neuron_available
 from training.distributed import World, close_world, init_world
-from training.sagemaker import channel_location, write_failure
+from training.sagemaker import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from training.trainer import Trainer
 
 log = logging.getLogger("hlat.precompile")
@@ -60,21 +59,12 @@ NOTHING_TO_COMPILE = "training.compile is false: eager PyTorch on CPU/CUDA has n
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.precompile", description=__doc__)
-    parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
-    try:
-        return _precompile(args.config.rstrip("/"), args.device)
-    except Exception as exc:
-        write_failure(f"{type(exc).__name__}: {exc}")
-        raise
+    args = job_arguments("python -m training.precompile", __doc__, argv, None)
+    return reporting_failure(lambda: _precompile(args.config, args.device))
 
 
 def _precompile(config_uri: str, device: str) -> int:
-    run = Storage(config_uri.rsplit("/", 1)[0])
-    cfg = validate_config(run.read_json(config_uri.rsplit("/", 1)[1]))
+    run, cfg = read_job_config(config_uri)
     cache = run.child(CACHE_DIR)
     if neuron_available():
         return _precompile_neuron(run, cfg, cache)
@@ -125,8 +115,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
     """The Trainer training would build, reading the run's data and tokenizer, writing metrics and checkpoints
     to a temporary folder that is deleted afterwards."""
     with tempfile.TemporaryDirectory(prefix="hlat-precompile-") as tmp:
-        tokenizer = os.path.join(tmp, "tokenizer.model")
-        channel_location(run, "tokenizer").get_file("tokenizer.model", tokenizer)
+        tokenizer = fetch_tokenizer(run, tmp)
         scratch = Storage(tmp)
         trainer = Trainer(
             cfg=cfg,

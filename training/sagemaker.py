@@ -11,10 +11,13 @@ in run storage (TensorBoard only when run storage is local).
 
 from __future__ import annotations
 
+import argparse
 import logging
 import os
+from collections.abc import Callable
 
 from infra.storage import Storage
+from training.config import HlatConfig, validate_config
 
 SAGEMAKER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 SAGEMAKER_TENSORBOARD_DIR = "/opt/ml/output/tensorboard"
@@ -65,3 +68,42 @@ def write_failure(reason: str) -> None:
             fh.write(reason[:MAX_FAILURE_REASON])
     except OSError as exc:  # never mask the failure being reported
         log.warning("could not write the failure reason to %s: %s", path, exc)
+
+
+# -- what every job program (training.train, training.precompile, training.burn_in) starts and ends with ---------
+def job_arguments(
+    prog: str, description: str | None, argv: list[str] | None, more: Callable[[argparse.ArgumentParser], None] | None
+) -> argparse.Namespace:
+    """Parse `--config <uri> [--device ...]` (plus the program's own options) and set up per-rank logging."""
+    parser = argparse.ArgumentParser(prog=prog, description=description)
+    parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    if more:
+        more(parser)
+    args = parser.parse_args(argv)
+    args.config = args.config.rstrip("/")
+    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
+    return args
+
+
+def read_job_config(config_uri: str) -> tuple[Storage, HlatConfig]:
+    """The run (the config's folder: data/, tokenizer/, checkpoints/ are its children) and its validated config."""
+    folder, _, name = config_uri.rstrip("/").rpartition("/")
+    run = Storage(folder or ".")
+    return run, validate_config(run.read_json(name))
+
+
+def fetch_tokenizer(run: Storage, folder: str) -> str:
+    """Copy the sentencepiece model (from the job's tokenizer channel, or the run) into `folder`; its path."""
+    path = os.path.join(folder, "tokenizer.model")
+    channel_location(run, "tokenizer").get_file("tokenizer.model", path)
+    return path
+
+
+def reporting_failure(program: Callable[[], int]) -> int:
+    """Run a job program; an exception's type and message become the job's failure reason, then propagate."""
+    try:
+        return program()
+    except Exception as exc:
+        write_failure(f"{type(exc).__name__}: {exc}")
+        raise

@@ -17,14 +17,9 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script path: make the project's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import argparse
-import logging
-import os
 import tempfile
 
-from infra.storage import Storage
 from training.compile_cache import load_torch_cache, use_node_local_neuron_cache
-from training.config import validate_config
 from training.devices import neuron_available
 from training.distributed import close_world, init_world
 from training.exit_codes import EXIT_NAN
@@ -32,6 +27,10 @@ from training.faults import checkpoint_storage
 from training.sagemaker import (
     channel_location,
     checkpoint_location,
+    fetch_tokenizer,
+    job_arguments,
+    read_job_config,
+    reporting_failure,
     tensorboard_location,
     write_failure,
 )
@@ -39,31 +38,21 @@ from training.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.train", description=__doc__)
-    parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
-    try:
-        code = _train(args.config.rstrip("/"), args.device)
-    except Exception as exc:
-        write_failure(f"{type(exc).__name__}: {exc}")
-        raise
+    args = job_arguments("python -m training.train", __doc__, argv, None)
+    code = reporting_failure(lambda: _train(args.config, args.device))
     if code == EXIT_NAN:
         write_failure("NonFiniteLoss: the loss became NaN or inf; relaunch from the last checkpoint")
     return code
 
 
 def _train(config_uri: str, device: str) -> int:
-    run = Storage(config_uri.rsplit("/", 1)[0])
-    cfg = validate_config(run.read_json(config_uri.rsplit("/", 1)[1]))
+    run, cfg = read_job_config(config_uri)
     world = init_world(device)
     try:
         if neuron_available():
             use_node_local_neuron_cache(world)  # before anything compiles: one copy per node, read locally
         with tempfile.TemporaryDirectory(prefix="hlat-train-") as tmp:
-            tokenizer = os.path.join(tmp, "tokenizer.model")
-            channel_location(run, "tokenizer").get_file("tokenizer.model", tokenizer)
+            tokenizer = fetch_tokenizer(run, tmp)
             trainer = Trainer(
                 cfg=cfg,
                 run=run,
