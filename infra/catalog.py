@@ -1,10 +1,10 @@
 """Instance catalog: node prices and peak throughput, for cost accounting, budgets and dry-run estimates.
 
-Prices are on-demand dollars per node-hour (trn1 from FACTS.md: about $21.50; p4d $32.77); a run's
-`job.price_per_hour_usd` overrides them (reserved or negotiated rates). `estimate_mfu` is the model-FLOPs
-utilisation assumed when estimating time to train before anything has run: for trn1 it is derived from the
-published GPT-NeoX 20B and Pythia 6.9B throughput in FACTS.md (212 seq/s x 2048 tokens on 64 nodes: 6 x 20.6B
-x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 6.9B on 4 nodes: 25%).
+Prices are on-demand dollars per node-hour from FACTS.md (trn1.32xlarge about $21.50, p4d.24xlarge $32.77); a
+run's `job.price_per_hour_usd` overrides them (reserved or negotiated rates, other instance types).
+`estimate_mfu` is the model-FLOPs utilisation assumed when estimating time to train before anything has run: for
+trn1 it is derived from the published GPT-NeoX 20B and Pythia 6.9B throughput in FACTS.md (212 seq/s x 2048
+tokens on 64 nodes: 6 x 20.6B x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 6.9B on 4 nodes: 25%).
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ CATALOG: dict[str, Instance] = {
     i.name: i
     for i in (
         Instance("ml.trn1.32xlarge", 21.50, 16, 16 * 190e12, 0.25),
-        Instance("ml.trn1n.32xlarge", 24.78, 16, 16 * 190e12, 0.25),
-        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, 0.40),
-        Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, 0.40),
+        # No measured or published training throughput for our models on p4d here: no time estimate (MFU 0).
+        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, 0.0),
         Instance("local", 0.0, 1, 0.0, 0.0),
     )
 }

@@ -56,13 +56,13 @@ from typing import IO, Any
 from infra.jobs import JobSpec, JobState, Status, SubmitError
 from infra.storage import Storage
 from training.exit_codes import EXIT_NAN
+from training.sagemaker import MAX_FAILURE_REASON as MAX_REASON
 
 FAULTS_ENV = "HLAT_LOCAL_FAULTS"
 JOB_DIR_ENV = "HLAT_LOCAL_JOB_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The folder holding training/: the training processes' working directory."""
 
-MAX_REASON = 1024  # SageMaker's FailureReason limit
 POLL_S = 0.25
 SYNC_EVERY_S = 1.0
 _LOG_CHUNK = 4 << 20  # bytes read by one logs() call

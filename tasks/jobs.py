@@ -69,17 +69,11 @@ def burn_in_cluster(config: HlatConfig, run_uri: str, run_id: str, cache_key: st
         raise _job_ended_badly("burn-in", record)
     publish_burn_in_report(report, run_id)
     if not report.get("passed"):
-        message = "burn-in failed: " + "; ".join(_failure_text(f) for f in report.get("failures", []))
+        message = "burn-in failed: " + "; ".join(f["message"] for f in report["failures"])
         if not config.burn_in.continue_on_failure:
             raise BurnInFailed(f"{message} (set burn_in.continue_on_failure=true to train anyway)")
         log.warning("%s; going on to training (burn_in.continue_on_failure)", message)
     return report
-
-
-def _failure_text(failure: Any) -> str:
-    if isinstance(failure, str):
-        return failure
-    return str(failure.get("message") or failure)
 
 
 def publish_burn_in_report(report: dict[str, Any], run_id: str) -> None:
@@ -89,7 +83,7 @@ def publish_burn_in_report(report: dict[str, Any], run_id: str) -> None:
             create_table_artifact(rows, key=artifact_key("burn-in", run_id), description=f"burn-in of {run_id}")
         verdict = "passed" if report.get("passed") else "FAILED"
         lines = [f"# Burn-in {verdict}: {report.get('world_size')} rank(s) on {report.get('instance_type')}", ""]
-        lines += [f"- {_failure_text(f)}" for f in report.get("failures", [])] or ["No failures."]
+        lines += [f"- {f['message']}" for f in report["failures"]] or ["No failures."]
         create_markdown_artifact("\n".join(lines), key=artifact_key("burn-in-summary", run_id))
     except Exception as exc:  # publishing never decides the stage
         log.warning("could not publish the burn-in artifacts: %s", exc)
