@@ -9,6 +9,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
+from infra.backends import job_shape
 from infra.storage import Storage
 from tasks.common import run_cached, stage_cache_key
 from tasks.jobs import BURN_IN_REPORT, burn_in_cluster
@@ -26,12 +27,11 @@ def burn_in(
     if not config.burn_in.enabled:
         print("burn-in: skipped (burn_in.enabled is false)")
         return {"status": "skipped"}
-    job = config.job
     key = stage_cache_key(
         "burn-in",
         run.uri,
         config.section_hash("burn_in", "precision"),
-        [job.backend, job.instance_type, job.instance_count, job.processes_per_node, job.image_uri],
+        job_shape(config),
     )
     report: dict[str, Any] = run_cached(
         burn_in_cluster,

@@ -9,6 +9,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
+from infra.backends import job_shape
 from infra.storage import Storage
 from tasks.common import run_cached, stage_cache_key
 from tasks.jobs import COMPILE_LATEST, precompile_graphs
@@ -24,13 +25,12 @@ def precompile(
 ) -> dict[str, Any]:
     """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""
     config, run = resolve(preset, overrides, run_id, storage)
-    job = config.job
     key = stage_cache_key(
         "precompile",
         run.uri,
         config.section_hash("model", "parallelism", "precision", "precompile"),
         [config.training.seq_len, config.training.micro_batch_size, config.training.compile],
-        [job.backend, job.instance_type, job.instance_count, job.processes_per_node, job.image_uri],
+        job_shape(config),
         read_tokenizer_checksum(run.uri),
     )
     result: dict[str, Any] = run_cached(

@@ -47,6 +47,12 @@ SHORT_JOB_HOURS = {"precompile": 6.0, "burn-in": 1.0}
 """Max runtime of the stages' short jobs (capped by job.max_runtime_hours)."""
 
 
+def job_shape(config: HlatConfig) -> list[Any]:
+    """What a stage job's results depend on about where it ran: backend, image, instance type, count, ranks."""
+    job = config.job
+    return [job.backend, job.image_uri, job.instance_type, job.instance_count, job.processes_per_node]
+
+
 def on_neuron(config: HlatConfig) -> bool:
     return "trn" in config.job.instance_type
 
