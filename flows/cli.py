@@ -1,9 +1,13 @@
 """The `hlat` command line: run the whole DAG or one stage, list presets, show a resolved config.
 
     hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--set training.lr=1e-3 ...] [--dry-run]
-    hlat run prepare-data|train-tokenizer|precompile|burn-in|train --preset tiny --run-id R --storage DIR
+    hlat run prepare-data|train-tokenizer|precompile|burn-in|train|evaluate --preset tiny --run-id R --storage DIR
+    hlat run evaluate ... --step N          evaluate checkpoint N instead of the newest
+    hlat export <checkpoint dir | checkpoints dir | run dir> <out dir> [--step N] [--tokenizer DIR]
+    hlat compare <run A> <run B> [--out DIR] [--labels A B]
     hlat presets
     hlat config --preset hlat-7b [--set ...]
+    hlat plan --preset hlat-7b [--nodes N] [--tokens T] [--json] [--set ...]   rank parallel layouts; time and cost
 
 Flows run on the Prefect API configured in the environment, or in Prefect's ephemeral mode when none is.
 User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1.
@@ -21,7 +25,7 @@ from typing import Any
 from training.config import ConfigError, parse_override
 from training.presets import PRESETS, load_config
 
-STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train")
+STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
 
 
 def _stage_flow(name: str) -> Callable[..., Any]:
@@ -63,9 +67,40 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("stage", choices=STAGES)
     _add_run_options(p)
     _add_dry_run(p)
+    p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder (weights, config, tokenizer)")
+    p.add_argument("source", help="a checkpoint folder (.../checkpoints/step-N), a run's checkpoints folder, or a run")
+    p.add_argument("out", help="output folder (local)")
+    p.add_argument("--step", type=int, help="the step to export when source is a run (default: the newest)")
+    p.add_argument("--tokenizer", help="tokenizer folder or s3:// URI (default: <run>/tokenizer)")
+    p = sub.add_parser("compare", help="two runs' loss and gradient-norm curves on one chart, with the difference")
+    p.add_argument("run_a", help="run folder or s3:// URI (with metrics.jsonl)")
+    p.add_argument("run_b", help="run folder or s3:// URI")
+    p.add_argument("--out", help="where to write compare.md and the charts (default: <run A>/compare/<run B id>)")
+    p.add_argument("--labels", nargs=2, metavar=("A", "B"), help="labels of the two runs (default: their ids)")
     sub.add_parser("presets", help="list presets with their key figures")
     p = sub.add_parser("config", help="print the resolved config as JSON")
     _add_run_options(p)
+    p = sub.add_parser(
+        "plan", help="rank TP/PP/DP, SP, ZeRO-1, checkpointing and micro-batch layouts on trn1, with time and cost"
+    )
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="named preset (default: tiny)")
+    p.add_argument("--nodes", type=_positive_int, help="nodes (default: the preset's job.instance_count)")
+    p.add_argument(
+        "--tokens",
+        type=_token_count,
+        help="token budget, e.g. 1.8e12 or 1.8T (default: training.max_steps x tokens per step)",
+    )
+    p.add_argument("--top", type=_positive_int, default=10, help="layouts shown (default: 10)")
+    p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="PATH=VALUE",
+        help="override a config field by dotted path, e.g. --set planner.prices_usd_per_hour='{...}' (repeatable)",
+    )
     return parser
 
 
@@ -119,6 +154,43 @@ def _human(n: int) -> str:
     return str(n)
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _token_count(text: str) -> float:
+    """'1.8e12', '1800000000000' or '1.8T' (K, M, B, T suffixes)."""
+    scale = {"K": 1e3, "M": 1e6, "B": 1e9, "T": 1e12}.get(text[-1:].upper(), 1.0)
+    try:
+        value = float(text[:-1] if scale != 1.0 else text) * scale
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a token count; use e.g. 1.8e12 or 1.8T") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"the token budget must be > 0, got {text!r}")
+    return value
+
+
+def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from infra import planner
+
+    config = load_config(args.preset, overrides)
+    instance_type, note = planner.planning_instance(config)
+    the_plan = planner.plan(config, nodes=args.nodes, instance_type=instance_type)
+    if note:
+        the_plan.notes.append(note)
+    tokens = args.tokens or planner.default_tokens(config)
+    costs = planner.compare_instances(config, the_plan, tokens) if the_plan.ranked else []
+    if args.json:
+        body = {**the_plan.to_dict(top=args.top), "tokens": tokens, "costs": [c.row() for c in costs]}
+        print(json.dumps(body, indent=2))
+    else:
+        print(planner.render(the_plan, costs, top=args.top))
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -141,8 +213,9 @@ def _known_error(exc: BaseException) -> str | None:
     from infra.supervisor import SupervisorError
     from infra.validation import DataValidationError
     from tasks.jobs import BurnInFailed
+    from training.checkpoint import CheckpointError
 
-    known = (SourceError, StorageError, DataValidationError, SupervisorError, BurnInFailed, ValueError)
+    known = (SourceError, StorageError, DataValidationError, SupervisorError, BurnInFailed, CheckpointError, ValueError)
     if isinstance(exc, known):
         return str(exc)
     return None
@@ -152,7 +225,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "presets":
         print(presets_table())
         return 0
+    if args.command == "export":
+        return _export(args)
+    if args.command == "compare":
+        return _compare(args)
     overrides = _overrides(args.overrides)
+    if args.command == "plan":
+        return _plan(args, overrides)
     if args.command == "config":
         config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
         print(json.dumps(config.model_dump(mode="json") | {"run_id": config.resolved_run_id()}, indent=2))
@@ -175,8 +254,44 @@ def _dispatch(args: argparse.Namespace) -> int:
     else:
         flow_fn = _stage_flow(args.stage)
     start = time.perf_counter()
-    flow_fn(preset=args.preset, overrides=overrides or None, run_id=args.run_id, storage=args.storage)
+    extra = {"step": args.step} if args.command == "run" and args.stage == "evaluate" else {}
+    if args.command == "run" and args.step is not None and args.stage != "evaluate":
+        raise ConfigError(f"--step applies to 'hlat run evaluate' only, not {args.stage}")
+    flow_fn(preset=args.preset, overrides=overrides or None, run_id=args.run_id, storage=args.storage, **extra)
     print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _export(args: argparse.Namespace) -> int:
+    from training.hf_export import export_checkpoint
+
+    start = time.perf_counter()
+    out, ref = export_checkpoint(args.source, args.out, step=args.step, tokenizer=args.tokenizer)
+    files = ", ".join(sorted(p.name for p in out.iterdir()))
+    print(f"hlat: exported {ref.uri} (step {ref.step}) to {out} in {time.perf_counter() - start:.1f} s: {files}")
+    print(f"  load it with transformers: LlamaForCausalLM.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _compare(args: argparse.Namespace) -> int:
+    from infra.eval_report import compare_runs
+    from infra.storage import Storage
+
+    a, b = Storage(args.run_a.rstrip("/")), Storage(args.run_b.rstrip("/"))
+    labels = tuple(args.labels) if args.labels else (a.uri().rsplit("/", 1)[-1], b.uri().rsplit("/", 1)[-1])
+    out = Storage(args.out) if args.out else a.child("compare", labels[1])
+    summary = compare_runs(a, b, out, labels=labels)
+    print(f"hlat: compared {labels[0]} and {labels[1]} over {summary['common_steps']} common steps")
+    for key in ("loss", "grad_norm"):
+        d = summary.get(key) or {}
+        if d:
+            print(
+                f"  {key}: final {d.get('final_a')} vs {d.get('final_b')}, max |diff| {d.get('max_abs_diff')}, "
+                f"max rel diff {d.get('max_rel_diff')}, first divergence (>1e-3 rel) at step "
+                f"{d.get('first_divergence_step')}"
+            )
+    for name, uri in summary.get("files", {}).items():
+        print(f"  {name}: {uri}")
     return 0
 
 

@@ -8,6 +8,7 @@ from prefect import flow
 
 from flows.burn_in import burn_in
 from flows.common import resolve, run_name, stop_jobs_on_cancel
+from flows.evaluate import evaluate
 from flows.precompile import precompile
 from flows.prepare_data import prepare_data
 from flows.train import train
@@ -21,8 +22,8 @@ def hlat(
     run_id: str | None = None,
     storage: str | None = None,
 ) -> dict[str, Any]:
-    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train
-    (evaluation joins when it lands). A failed burn-in stops the DAG before training."""
+    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train -> evaluate.
+    A failed burn-in stops the DAG before training."""
     config, run = resolve(preset, overrides, run_id, storage)
     stage: dict[str, Any] = {
         "preset": preset,
@@ -35,6 +36,7 @@ def hlat(
     graphs = precompile(**stage)
     health = burn_in(**stage)
     training = train(**stage)
+    scores = evaluate(**stage)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {
         "run_id": run.run_id,
@@ -44,6 +46,7 @@ def hlat(
         "precompile": graphs,
         "burn_in": {k: health.get(k) for k in ("status", "passed", "world_size", "failures") if k in health},
         "train": training,
+        "evaluate": {k: scores.get(k) for k in ("step", "perplexity", "lm_eval", "files")},
     }
 
 

@@ -41,8 +41,13 @@ def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
     return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds)
 
 
-STAGE_PROGRAMS = {"train": "training.train", "precompile": "training.precompile", "burn-in": "training.burn_in"}
-"""The program each stage's jobs run (same image, instance type and count as training)."""
+STAGE_PROGRAMS = {
+    "train": "training.train",
+    "precompile": "training.precompile",
+    "burn-in": "training.burn_in",
+    "evaluate": "training.evaluate",
+}
+"""The program each stage's jobs run (the training's image, instance type and count; evaluation: its own)."""
 SHORT_JOB_HOURS = {"precompile": 6.0, "burn-in": 1.0}
 """Max runtime of the stages' short jobs (capped by job.max_runtime_hours)."""
 
@@ -70,8 +75,46 @@ def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = 
     return env
 
 
-def job_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage: str = "train") -> JobSpec:
+def evaluation_image(config: HlatConfig) -> str | None:
+    """The evaluation job's image: evaluation.image_uri, else AWS's PyTorch GPU image on a GPU instance, else
+    the training's (None: the backend's default)."""
+    e, job = config.evaluation, config.job
+    instance = e.instance_type or job.instance_type
+    if e.image_uri or job.backend != "sagemaker":
+        return e.image_uri
+    if instance.startswith(("ml.p", "ml.g")):
+        from infra.sagemaker_jobs import gpu_training_image
+
+        return gpu_training_image(job.region, instance)
+    return job.image_uri
+
+
+def job_spec(
+    config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage: str = "train", step: int | None = None
+) -> JobSpec:
+    """The job of `stage`'s `attempt`. Evaluation (of checkpoint `step`, None: the newest) runs one process on
+    one evaluation.instance_type; every other stage runs on the training's instances."""
     job = config.job
+    if stage == "evaluate":
+        e = config.evaluation
+        return JobSpec(
+            name=job_name(run_id, attempt, stage),
+            run_id=run_id,
+            attempt=attempt,
+            run_uri=run_uri,
+            config_uri=f"{run_uri}/config.json",
+            instance_type=e.instance_type or job.instance_type,
+            instance_count=1,
+            processes_per_node=1,
+            max_runtime_s=int(e.max_runtime_hours * 3600),
+            environment={"HLAT_RUN_ID": run_id},
+            stage=stage,
+            image_uri=evaluation_image(config),
+            entry=STAGE_PROGRAMS[stage],
+            # Not the run's checkpoints: SageMaker would copy every one of them into the container first.
+            checkpoint_prefix="eval/checkpoint-sync",
+            args={"step": str(step)} if step is not None else {},
+        )
     hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
     return JobSpec(
         name=job_name(run_id, attempt, stage),
@@ -91,14 +134,16 @@ def job_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage:
     )
 
 
-def run_stage_job(config: HlatConfig, run_uri: str, run_id: str, stage: str) -> tuple[Attempt, JobState | None]:
-    """Run a stage's short job (precompile, burn-in) on the run's backend until it ends."""
+def run_stage_job(
+    config: HlatConfig, run_uri: str, run_id: str, stage: str, step: int | None = None
+) -> tuple[Attempt, JobState | None]:
+    """Run a stage's short job (precompile, burn-in, evaluate) on the run's backend until it ends."""
     return run_job(
         backend_for(config, run_uri, run_id),
         Storage(run_uri),
         run_id,
         stage,
-        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt, stage),
+        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt, stage, step),
         poll_seconds=config.job.poll_seconds,
         backoff_seconds=list(config.job.backoff_seconds),
     )

@@ -49,6 +49,8 @@ class JobSpec:
     """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
     checkpoint_prefix: str = "checkpoints"
     """Folder of the run that the job's checkpoint folder (/opt/ml/checkpoints) is synced with."""
+    image_uri: str | None = None
+    """Container image (SageMaker); None: the backend's default for the instance type."""
     entry: str = "training.train"
     """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
     args: dict[str, str] = field(default_factory=dict)

@@ -41,6 +41,10 @@ NEURON_DLC_TAG = "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The folder holding training/ and infra/: uploaded as the job's source code."""
 REQUIREMENTS = "deployments/job-requirements.txt"
+EVAL_REQUIREMENTS = "deployments/eval-requirements.txt"
+"""What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it."""
+GPU_DLC_VERSION = "2.10.0"
+"""PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
 SOURCE_IGNORE = [
     # Never shipped: secrets, version control, environments and caches (the SDK's defaults plus ours).
     ".env", ".git", ".venv", "venv", "__pycache__", "*.pyc", ".DS_Store", ".cache", ".ipynb_checkpoints",
@@ -116,6 +120,19 @@ def neuron_training_image(region: str) -> str | None:
         return None
     domain = sdk.get_domain_for_region(region)
     return f"{account}.dkr.ecr.{region}.{domain}/{NEURON_DLC_REPOSITORY}:{NEURON_DLC_TAG}"
+
+
+def gpu_training_image(region: str, instance_type: str) -> str:
+    """AWS's PyTorch GPU training image (the SDK's own image table) for an evaluation job on a GPU instance."""
+    sdk = _import_sdk()
+    image: str = sdk.image_uris.retrieve(
+        "pytorch", region, version=GPU_DLC_VERSION, instance_type=instance_type, image_scope="training"
+    )
+    return image
+
+
+def requirements_of(spec: JobSpec) -> str:
+    return EVAL_REQUIREMENTS if spec.stage == "evaluate" else REQUIREMENTS
 
 
 def entry_script_of(spec: JobSpec) -> str:
@@ -403,9 +420,10 @@ class SageMakerBackend:
         if self.job.subnets and not self.job.security_group_ids:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
         entry_script = entry_script_of(spec)
-        if not (PROJECT_ROOT / entry_script).is_file() or not (PROJECT_ROOT / REQUIREMENTS).is_file():
+        requirements = requirements_of(spec)
+        if not (PROJECT_ROOT / entry_script).is_file() or not (PROJECT_ROOT / requirements).is_file():
             raise ValueError(
-                f"the sagemaker backend uploads the project's source, which needs {entry_script} and {REQUIREMENTS} "
+                f"the sagemaker backend uploads the project's source, which needs {entry_script} and {requirements} "
                 f"under {PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
             )
         return split_s3_uri(spec.run_uri)
@@ -415,7 +433,7 @@ class SageMakerBackend:
         ModelTrainer. Building it uploads the source and the SDK's container drivers to
         `<run>/code/<job name>/...` through `boto_session`."""
         bucket, prefix = self._check(spec)
-        image = self.training_image
+        image = spec.image_uri or self.training_image
         sdk = _import_sdk()
         cfg = sdk.configs
         job = self.job
@@ -456,7 +474,7 @@ class SageMakerBackend:
                 source_code=cfg.SourceCode(
                     source_dir=str(PROJECT_ROOT),
                     entry_script=entry_script_of(spec),
-                    requirements=REQUIREMENTS,
+                    requirements=requirements_of(spec),
                     ignore_patterns=list(SOURCE_IGNORE),
                 ),
                 distributed=sdk.Torchrun(process_count_per_node=spec.processes_per_node),

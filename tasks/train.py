@@ -57,17 +57,30 @@ class _Artifacts:
 
 @task(name="train-model", **CACHED_STAGE)
 def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
-    """Submit and watch training jobs, relaunching from the newest checkpoint, until training.max_steps."""
+    """Submit and watch training jobs, relaunching from the newest checkpoint, until training.max_steps;
+    with evaluation.every_steps, evaluate intermediate checkpoints alongside."""
+    from tasks.evaluate import CheckpointEvaluator
+
     artifacts = _Artifacts(run_id)
+    evaluator = CheckpointEvaluator(config, run_uri, run_id)
+
+    def on_progress(p: Progress) -> None:
+        artifacts.progress(p)
+        if evaluator.every:
+            evaluator.checkpoint_committed(latest_checkpoint(run_uri))
+
     supervisor = supervisor_for(
         config,
         run_uri,
         run_id,
         current_step=lambda: latest_checkpoint(run_uri),
-        on_progress=artifacts.progress,
+        on_progress=on_progress,
         on_attempts=artifacts.attempts,
     )
-    attempts = supervisor.run_to_completion()
+    try:
+        attempts = supervisor.run_to_completion()
+    finally:
+        evaluator.close()
     summary = training_summary(run_uri)
     summary.update(jobs=len(attempts), cost_usd=round(supervisor.spent_usd(), 2))
     return summary

@@ -455,6 +455,12 @@ class CheckpointManager:
         mine = self._read(folder, rank_file(self.rank), meta)
         return shared, mine
 
+    def load_shared(self, step: int) -> State:
+        """The shared state (model, optimizer, step, config...) of checkpoint `step` alone, whatever world size
+        wrote it: what export and evaluation read."""
+        folder = step_dir(step)
+        return self._read(folder, SHARED_FILE, self.read_meta(step))
+
     def _read(self, folder: str, name: str, meta: Mapping[str, Any]) -> State:
         uri = self.storage.uri(folder, name)
         info = meta["files"].get(name)

@@ -347,6 +347,39 @@ class PrecompileConfig(Section):
     """Training steps run to trace every graph (forward, backward, optimizer)."""
 
 
+class PlannerConfig(Section):
+    """The parallelism planner (`hlat plan`, and the plan-parallelism task at the head of the train stage): advice
+    only, it never changes what a run computes."""
+
+    enabled: bool = True
+    """Run the plan-parallelism task before training (it warns; it never stops the stage)."""
+    warn_if_slower_than: float = Field(0.10, ge=0)
+    """Warn when the configured parallelism is predicted this fraction slower than the best layout (0.10: 10%)."""
+    prices_usd_per_hour: dict[str, float] = Field(default_factory=dict)
+    """Node-hour prices by instance type for the planner's cost columns, over the catalog's on-demand figures, e.g.
+    {"ml.trn1.32xlarge": 7.59} for a 3-year reserved rate. job.price_per_hour_usd, when set, prices the run's own
+    instance type unless it is listed here."""
+    micro_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4])
+    """Micro-batch sizes the planner tries."""
+    hbm_usable_fraction: float = Field(0.9, gt=0, le=1)
+    """Share of a NeuronCore's HBM a layout may fill; the rest is left to the runtime, collective buffers and
+    fragmentation (an assumption, not a measured figure)."""
+    compute_efficiency: float | None = Field(None, gt=0, le=1)
+    """Fraction of peak FLOP/s the NeuronCores reach on the model's FLOPs; None: fitted on two rows of the published
+    Pythia 6.9B / GPT-NeoX 20B trn1 throughput (infra/planner.py)."""
+    step_overhead_s: float | None = Field(None, ge=0)
+    """Fixed seconds per optimizer step beyond compute and communication; None: fitted with compute_efficiency."""
+
+    @model_validator(mode="after")
+    def _check_values(self) -> PlannerConfig:
+        bad = {k: v for k, v in self.prices_usd_per_hour.items() if v < 0}
+        if bad:
+            raise ValueError(f"prices_usd_per_hour must be >= 0; got {bad}")
+        if not self.micro_batch_sizes or min(self.micro_batch_sizes) < 1:
+            raise ValueError(f"micro_batch_sizes must list sizes >= 1, e.g. [1, 2, 4]; got {self.micro_batch_sizes}")
+        return self
+
+
 class HealthThresholds(Section):
     """What a healthy device, collective and checkpoint store deliver on one instance type."""
 
@@ -401,16 +434,31 @@ class BurnInConfig(Section):
 
 
 class EvaluationConfig(Section):
-    """Post-training evaluation."""
+    """Post-training evaluation: perplexity on the held-out split and lm-eval-harness tasks on the exported model,
+    in a job of its own (one process on one instance)."""
 
     tasks: list[str] = Field(default_factory=list)
-    """lm-eval-harness tasks to run on the exported model."""
+    """lm-eval-harness task names run on the exported model (e.g. 'hellaswag', 'mmlu'). 'hlat_cloze' and
+    'hlat_choice' are the project's own offline tasks, generated from the run's held-out text."""
     limit: int | None = Field(None, ge=1)
     """Examples per task (None: all)."""
+    num_fewshot: int | None = Field(None, ge=0)
+    """Few-shot examples for every task (None: each task's own default)."""
     batch_size: int = Field(8, ge=1)
-    """Evaluation batch size."""
-    perplexity_tokens: int = Field(1_000_000, ge=1)
-    """Held-out tokens scored for perplexity and bits per byte."""
+    """Evaluation batch size (perplexity windows and lm-eval requests)."""
+    perplexity_tokens: int = Field(1_000_000, ge=0)
+    """Held-out tokens scored for perplexity and bits per byte (0: skip perplexity)."""
+    every_steps: int | None = Field(None, ge=1)
+    """Also evaluate each checkpoint whose step is a multiple of this while training runs (None: only the
+    final one). Results go to eval/step-NNNNNNNNN/; training is not paused."""
+    instance_type: str | None = None
+    """Instance of the evaluation job (None: job.instance_type). lm-eval runs Hugging Face transformers, so on
+    AWS this is a GPU instance, e.g. 'ml.p4d.24xlarge'."""
+    image_uri: str | None = None
+    """Container image of the evaluation job on SageMaker (None: the PyTorch GPU training image of job.region for
+    a GPU instance, job.image_uri otherwise)."""
+    max_runtime_hours: float = Field(24.0, gt=0)
+    """Wall-clock limit of one evaluation job."""
 
 
 class HlatConfig(Section):
@@ -440,6 +488,8 @@ class HlatConfig(Section):
     """Graph precompilation before training."""
     burn_in: BurnInConfig = Field(default_factory=BurnInConfig)
     """Pre-flight cluster checks and periodic health checks."""
+    planner: PlannerConfig = Field(default_factory=PlannerConfig)
+    """Parallelism planning advice and the prices it compares."""
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     """Evaluation."""
 
@@ -496,9 +546,11 @@ class HlatConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's outputs. Excluded: run_id, the storage root, evaluation,
-        precompile, burn-in and the job's operational settings (budget, restarts, polling, networking...), which
-        may change between relaunches of the same run."""
-        body = self.model_dump(mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in"})
+        precompile, burn-in, the planner and the job's operational settings (budget, restarts, polling,
+        networking...), which may change between relaunches of the same run."""
+        body = self.model_dump(
+            mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in", "planner"}
+        )
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         return stable_hash(body)
 

@@ -12,16 +12,21 @@ so such a model would load but compute something else; `hf_llama_config` refuses
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
+import tempfile
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
 
-from training.config import ModelConfig
+from infra.storage import Storage
+from training.checkpoint import CheckpointError, CheckpointManager, step_dir
+from training.config import HlatConfig, ModelConfig, validate_config
 from training.model import Transformer
 
 if TYPE_CHECKING:
@@ -205,3 +210,83 @@ def _check_shapes(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> None:
 
 def _same_storage(a: Tensor, b: Tensor) -> bool:
     return a.shape == b.shape and a.device == b.device and a.data_ptr() == b.data_ptr()
+
+
+# -- from a run's checkpoint ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One committed checkpoint of a run, found from a checkpoint folder, a checkpoints folder or a run folder."""
+
+    checkpoints: Storage
+    """The run's checkpoints/ folder."""
+    step: int
+    run: Storage | None
+    """The run folder (the checkpoints folder's parent) when it has one: where tokenizer/ is."""
+
+    @property
+    def uri(self) -> str:
+        return self.checkpoints.uri(step_dir(self.step))
+
+
+def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
+    """Resolve `source`: `<run>/checkpoints/step-000000600` (that step), `<run>/checkpoints` or `<run>` (the
+    newest complete checkpoint, or `step`). Raises CheckpointError saying what is missing."""
+    source = source.rstrip("/")
+    parent, _, name = source.rpartition("/")
+    match = re.fullmatch(r"step-(\d+)", name)
+    if match:
+        if step is not None and step != int(match.group(1)):
+            raise CheckpointError(f"{source} is step {int(match.group(1))}, not the step {step} asked for")
+        checkpoints, step = Storage(parent or "."), int(match.group(1))
+    else:
+        folder = Storage(source)
+        checkpoints = folder.child("checkpoints") if folder.exists("checkpoints") else folder
+    if not checkpoints.exists():
+        raise CheckpointError(f"no checkpoint at {source}: {checkpoints.uri()} does not exist")
+    manager = CheckpointManager(checkpoints, keep_last=1)
+    if step is None:
+        step = manager.latest_step()
+        if step is None:
+            raise CheckpointError(
+                f"no complete checkpoint under {checkpoints.uri()} (none has its COMMITTED marker); train first, "
+                "or pass a checkpoint folder step-NNNNNNNNN"
+            )
+    manager.read_meta(step)  # raises CheckpointError naming the problem of an incomplete checkpoint
+    base, _, last = checkpoints.uri().rstrip("/").rpartition("/")
+    run = Storage(base) if last == "checkpoints" and base else None
+    return CheckpointRef(checkpoints=checkpoints, step=step, run=run)
+
+
+def load_checkpoint_model(ref: CheckpointRef, device: str | torch.device = "cpu") -> tuple[Transformer, HlatConfig]:
+    """The checkpoint's model (eval mode, the dtype it was saved in) and the run config saved with it."""
+    shared = CheckpointManager(ref.checkpoints, keep_last=1).load_shared(ref.step)
+    if "config" not in shared or "model" not in shared:
+        raise CheckpointError(f"{ref.uri} holds no model and config (keys: {sorted(shared)})")
+    config = validate_config(shared["config"])
+    model = Transformer(config.model, device="meta")
+    model.to_empty(device=device)
+    model.init_rope_tables()
+    model.load_state_dict(shared["model"], strict=True)
+    return model.eval(), config
+
+
+def export_checkpoint(
+    source: str, out_dir: str | Path, step: int | None = None, tokenizer: str | None = None
+) -> tuple[Path, CheckpointRef]:
+    """`hlat export`: write the checkpoint `source` (see `locate_checkpoint`) as a Hugging Face Llama folder
+    with the run's tokenizer files (from `tokenizer`, a folder or s3:// URI, else `<run>/tokenizer/`)."""
+    ref = locate_checkpoint(source, step)
+    shared = CheckpointManager(ref.checkpoints, keep_last=1).load_shared(ref.step)
+    config = validate_config(shared["config"])
+    hf_llama_config(config.model)  # refuse an unexportable model before fetching anything else
+    if tokenizer is None and ref.run is None:
+        raise ValueError(f"{ref.checkpoints.uri()} is not inside a run folder: pass the tokenizer folder too")
+    tokenizer_store = Storage(tokenizer) if tokenizer else ref.run.child("tokenizer")  # type: ignore[union-attr]
+    if not tokenizer_store.exists("tokenizer.model"):
+        raise ValueError(f"no tokenizer.model in {tokenizer_store.uri()}: run train-tokenizer, or pass the tokenizer")
+    with tempfile.TemporaryDirectory(prefix="hlat-export-") as tmp:
+        for name in TOKENIZER_FILES:
+            if tokenizer_store.exists(name):
+                tokenizer_store.get_file(name, os.path.join(tmp, name))
+        out = export_hf(shared["model"], config.model, out_dir, tokenizer_dir=tmp)
+    return out, ref

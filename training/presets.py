@@ -71,7 +71,13 @@ PRESETS: dict[str, dict[str, Any]] = {
         # A local job: poll often, and give up on a silent job or a failing launch within minutes, not hours.
         "job": {"poll_seconds": 1, "hang_timeout_minutes": 5, "stop_grace_seconds": 20, "backoff_seconds": [2, 5]},
         "burn_in": {"matmul_size": 256, "matmul_repeats": 3, "allreduce_mb": 4, "write_mb": 8},
-        "evaluation": {"limit": 50, "batch_size": 8, "perplexity_tokens": 20_000},
+        # The project's offline lm-eval tasks, generated from the run's held-out text: the harness runs for real.
+        "evaluation": {
+            "tasks": ["hlat_cloze", "hlat_choice"],
+            "limit": 50,
+            "batch_size": 8,
+            "perplexity_tokens": 20_000,
+        },
     },
     "hlat-7b": {
         "model": {
@@ -105,7 +111,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "activation_checkpointing": "selective",
         },
         "job": {**_TRN1, "instance_count": 64},
-        "evaluation": {"tasks": HLAT_EVAL_TASKS},
+        "evaluation": {"tasks": HLAT_EVAL_TASKS, "instance_type": "ml.p4d.24xlarge"},
     },
     "hlat-70b": {
         "model": {
@@ -143,7 +149,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "activation_checkpointing": "selective",
         },
         "job": {**_TRN1, "instance_count": 256},
-        "evaluation": {"tasks": HLAT_EVAL_TASKS},
+        "evaluation": {"tasks": HLAT_EVAL_TASKS, "instance_type": "ml.p4d.24xlarge"},
     },
     "pythia-6.9b": {
         "model": {
@@ -171,6 +177,8 @@ PRESETS: dict[str, dict[str, Any]] = {
         "precision": {"mode": "bf16-sr"},
         "parallelism": {"tensor": 8, "pipeline": 1, "sequence_parallel": True},
         "job": {**_TRN1, "instance_count": 4},
+        # Perplexity only (no task list); partial rotary models cannot be exported to Hugging Face Llama.
+        "evaluation": {"instance_type": "ml.p4d.24xlarge"},
     },
     "neox-20b": {
         "model": {
@@ -198,6 +206,7 @@ PRESETS: dict[str, dict[str, Any]] = {
         "precision": {"mode": "bf16-sr"},
         "parallelism": {"tensor": 8, "pipeline": 4, "sequence_parallel": True},
         "job": {**_TRN1, "instance_count": 32},
+        "evaluation": {"instance_type": "ml.p4d.24xlarge"},
     },
 }
 

@@ -1,0 +1,60 @@
+"""Stage: evaluate. Perplexity and bits per byte on the held-out split, lm-eval-harness tasks on the checkpoint
+exported to Hugging Face, and a report (eval/results.json, eval/report.md, loss and gradient-norm plots) with
+published baseline rows. Any committed checkpoint of the run: the newest by default, or `step`."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefect import flow
+
+from flows.common import resolve, run_name, stop_jobs_on_cancel
+from infra.storage import Storage
+from tasks.common import run_cached, stage_cache_key
+from tasks.evaluate import check_task_names, checkpoint_marker, evaluate_checkpoint, write_eval_report
+from training.checkpoint import CheckpointError
+from training.evaluate import results_path
+from training.hf_export import locate_checkpoint
+
+
+@flow(name="evaluate", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
+def evaluate(
+    preset: str = "tiny",
+    overrides: dict[str, Any] | None = None,
+    run_id: str | None = None,
+    storage: str | None = None,
+    step: int | None = None,
+) -> dict[str, Any]:
+    """Evaluate a checkpoint of the run (default: the newest) and write its report."""
+    config, run = resolve(preset, overrides, run_id, storage)
+    check_task_names(config)  # a typo fails here, in seconds, not in a job after the model is loaded
+    try:
+        step = locate_checkpoint(f"{run.uri}/checkpoints", step).step
+    except CheckpointError as exc:
+        raise CheckpointError(f"evaluate: run {run.run_id}: {exc} (run the train stage first)") from None
+    marker = checkpoint_marker(run.uri, step)
+    key = stage_cache_key("evaluate", run.uri, step, marker, config.evaluation.model_dump(mode="json"))
+    results: dict[str, Any] = run_cached(
+        evaluate_checkpoint,
+        lambda _: Storage(run.uri).exists(results_path(step)),
+        config=config,
+        run_uri=run.uri,
+        run_id=run.run_id,
+        step=step,
+        cache_key=key,
+    )
+    files = write_eval_report(results, run.uri, run.run_id)
+    ppl = results.get("perplexity") or {}
+    print(
+        f"evaluate: step {step}: perplexity {ppl.get('perplexity')}, bits/byte {ppl.get('bits_per_byte')}; "
+        f"report {files.get('report.md')}"
+    )
+    return {**results, "files": files}
+
+
+if __name__ == "__main__":
+    import sys
+
+    from flows.cli import main
+
+    sys.exit(main(["run", "evaluate", *sys.argv[1:]]))

@@ -1,0 +1,168 @@
+"""evaluate tasks: run the evaluation job of one checkpoint, then write and publish the report.
+
+The job (`training/evaluate.py`, one process on `evaluation.instance_type`) writes
+`eval/step-NNNNNNNNN/results.json`; the report task copies the newest to `eval/results.json` and writes
+`eval/report.md` with the loss and gradient-norm curves beside it (`infra/eval_report.py`), plus Prefect artifacts.
+Intermediate evaluations (`evaluation.every_steps`) run the same job from the train stage while training goes on.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+from prefect import task
+from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+from infra.backends import run_stage_job
+from infra.storage import Storage
+from infra.supervisor import JobFailed
+from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
+from training.checkpoint import MARKER, step_dir
+from training.config import HlatConfig
+from training.evaluate import EVAL_DIR, OFFLINE_TASK_PREFIX, RESULTS_FILE, results_path
+
+log = logging.getLogger("hlat.evaluate")
+
+
+@task(name="checkpoint-marker", **TRANSIENT_RETRIES)
+def checkpoint_marker(run_uri: str, step: int) -> str:
+    """The checkpoint's commit marker (step and meta.json's sha256): changes whenever the checkpoint does."""
+    return Storage(run_uri).child("checkpoints").read_text(f"{step_dir(step)}/{MARKER}")
+
+
+def check_task_names(config: HlatConfig) -> None:
+    """Fail on an unknown lm-eval task name before a job is launched (lm-eval indexes its task YAML offline)."""
+    standard = [t for t in config.evaluation.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
+    if standard:
+        from training.lm_harness import check_tasks
+
+        check_tasks(standard, None)
+
+
+def run_evaluation_job(config: HlatConfig, run_uri: str, run_id: str, step: int) -> dict[str, Any]:
+    """Run the evaluation job of checkpoint `step` to its end; its results.json."""
+    record, state = run_stage_job(config, run_uri, run_id, "evaluate", step)
+    run = Storage(run_uri)
+    path = results_path(step)
+    if state is None or state.status.value != "Completed" or not run.exists(path):
+        raise JobFailed(f"evaluate: job {record.job_name} ended {record.status}: {record.reason}", [record])
+    results: dict[str, Any] = run.read_json(path)
+    return results
+
+
+@task(name="evaluate-checkpoint", **CACHED_STAGE)
+def evaluate_checkpoint(config: HlatConfig, run_uri: str, run_id: str, step: int, cache_key: str) -> dict[str, Any]:
+    """Perplexity and lm-eval tasks of checkpoint `step`, in an evaluation job on the run's backend."""
+    return run_evaluation_job(config, run_uri, run_id, step)
+
+
+def evaluation_history(run: Storage) -> list[dict[str, Any]]:
+    """One row per evaluated checkpoint (eval/step-*/results.json): step, perplexity, bits per byte, each
+    task's main metric, oldest first."""
+    rows = []
+    for name in sorted(run.list(EVAL_DIR)) if run.exists(EVAL_DIR) else []:
+        if not name.startswith("step-") or not run.exists(f"{EVAL_DIR}/{name}/{RESULTS_FILE}"):
+            continue
+        results = run.read_json(f"{EVAL_DIR}/{name}/{RESULTS_FILE}")
+        row: dict[str, Any] = {"step": results.get("step")}
+        ppl = results.get("perplexity") or {}
+        row["perplexity"] = ppl.get("perplexity")
+        row["bits_per_byte"] = ppl.get("bits_per_byte")
+        for task_name, task_result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
+            metrics = task_result.get("metrics", {})
+            for metric in ("acc_norm", "acc", "exact_match"):
+                if metric in metrics:
+                    row[f"{task_name} {metric}"] = metrics[metric]
+                    break
+        rows.append(row)
+    return rows
+
+
+def _history_markdown(rows: list[dict[str, Any]]) -> str:
+    columns = list(dict.fromkeys(key for row in rows for key in row))
+    lines = ["## Checkpoints evaluated", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    for row in rows:
+        cells = [f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v)) for v in row.values()]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+@task(name="write-eval-report", **TRANSIENT_RETRIES)
+def write_eval_report(results: dict[str, Any], run_uri: str, run_id: str) -> dict[str, str]:
+    """eval/results.json (this evaluation), eval/report.md and its plots; the report as a Prefect artifact."""
+    from infra.eval_report import load_baselines, write_report
+
+    run = Storage(run_uri)
+    files = write_report(run, results, load_baselines())
+    history = evaluation_history(run)
+    if len(history) > 1:  # intermediate checkpoints were evaluated too: show the trajectory
+        report = run.read_text(f"{EVAL_DIR}/report.md")
+        run.write_text(f"{EVAL_DIR}/report.md", report.rstrip() + "\n\n" + _history_markdown(history) + "\n")
+    # Written last: eval/results.json present means the report beside it is this evaluation's.
+    run.write_json(f"{EVAL_DIR}/{RESULTS_FILE}", results)
+    files["results.json"] = run.uri(EVAL_DIR, RESULTS_FILE)
+    publish_eval_report(run, results, run_id)
+    return files
+
+
+def publish_eval_report(run: Storage, results: dict[str, Any], run_id: str) -> None:
+    try:
+        report = run.read_text(f"{EVAL_DIR}/report.md")
+        note = f"\n\nPlots and files: `{run.uri(EVAL_DIR)}/`"
+        create_markdown_artifact(report + note, key=artifact_key("eval-report", run_id))
+        rows = [{"metric": k, "value": v} for k, v in (results.get("perplexity") or {}).items()]
+        for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
+            rows += [{"metric": f"{name} {m}", "value": v} for m, v in result.get("metrics", {}).items()]
+        if rows:
+            create_table_artifact(rows, key=artifact_key("eval-scores", run_id), description=f"evaluate of {run_id}")
+    except Exception as exc:  # publishing never decides the stage
+        log.warning("could not publish the evaluation artifacts: %s", exc)
+
+
+class CheckpointEvaluator:
+    """Evaluates intermediate checkpoints while training runs (`evaluation.every_steps`): each time the train
+    stage reports progress, a newly committed checkpoint whose step is a multiple of every_steps is evaluated by
+    an evaluation job in a background thread, one at a time; training is never paused. `close()` waits for the
+    evaluation under way. A failed evaluation is logged, not raised: it must not stop training."""
+
+    def __init__(self, config: HlatConfig, run_uri: str, run_id: str) -> None:
+        self.config, self.run_uri, self.run_id = config, run_uri, run_id
+        self.every = config.evaluation.every_steps
+        self.done: set[int] = set()
+        self.failed: dict[int, str] = {}
+        self._thread: threading.Thread | None = None
+        run = Storage(run_uri)
+        self.done.update(int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None)
+
+    def checkpoint_committed(self, step: int | None) -> None:
+        if not self.every or step is None or step % self.every or step in self.done or step in self.failed:
+            return
+        if self._thread is not None and self._thread.is_alive():
+            return  # the next progress report after it finishes picks this step up, if it is still the newest
+        self.done.add(step)
+        self._thread = threading.Thread(target=self._evaluate, args=(step,), name=f"evaluate-{step}", daemon=True)
+        self._thread.start()
+
+    def _evaluate(self, step: int) -> None:
+        try:
+            results = run_evaluation_job(self.config, self.run_uri, self.run_id, step)
+            log.info("intermediate evaluation of step %d: %s", step, _summary(results))
+        except Exception as exc:
+            self.done.discard(step)
+            self.failed[step] = str(exc)
+            log.warning("intermediate evaluation of step %d failed: %s", step, exc)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+
+
+def _summary(results: dict[str, Any]) -> str:
+    ppl = results.get("perplexity") or {}
+    parts = [f"perplexity {ppl['perplexity']:.2f}, {ppl['bits_per_byte']:.3f} bits/byte"] if ppl else []
+    for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
+        metrics = result.get("metrics", {})
+        parts += [f"{name} {m} {metrics[m]:.3f}" for m in ("acc_norm", "acc") if metrics.get(m) is not None][:1]
+    return ", ".join(parts) or "no scores"

@@ -1,0 +1,94 @@
+"""`hlat export`: a run's checkpoint as a Hugging Face folder that transformers loads offline with the same logits,
+found from a checkpoint, checkpoints or run folder; clear errors for what cannot be exported."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from flows.cli import main
+from infra.storage import Storage
+from training.checkpoint import MARKER, CheckpointError, CheckpointManager, step_dir
+from training.hf_export import export_checkpoint, locate_checkpoint
+from training.model import Transformer
+from training.presets import load_config
+
+
+def make_run(root: Path, steps: tuple[int, ...] = (5, 10), **overrides: object) -> tuple[Path, Transformer]:
+    """A run folder with committed checkpoints at `steps` (the model changes between them) and tokenizer files."""
+    config = load_config("tiny", {"model.n_layers": 1, "model.d_model": 64, "model.n_heads": 2, **overrides})
+    run = root / "run-a"
+    manager = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=5)
+    torch.manual_seed(3)
+    model = Transformer(config.model)
+    model.init_weights()
+    for step in steps:
+        with torch.no_grad():
+            model.norm.weight.fill_(1.0 + step / 100)
+        shared = {"step": step, "model": model.state_dict(), "config": config.model_dump(mode="json")}
+        manager.save(step, shared, {"rng": {}})
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
+    (run / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    (run / "tokenizer" / "report.json").write_text("{}")
+    return run, model
+
+
+def test_the_newest_checkpoint_exports_and_transformers_reproduces_its_logits(tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    run, model = make_run(tmp_path)
+    out, ref = export_checkpoint(str(run), tmp_path / "hf")
+    assert ref.step == 10 and ref.uri.endswith(step_dir(10))
+    names = {p.name for p in out.iterdir()}
+    assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"} <= names
+    assert "report.json" not in names
+    hf = LlamaForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tokens = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, model.eval()(tokens), rtol=0, atol=1e-5)
+    assert hf.model.norm.weight[0].item() == pytest.approx(1.10)
+
+
+def test_a_checkpoint_is_found_from_its_folder_the_checkpoints_folder_or_the_run(tmp_path: Path) -> None:
+    run, _ = make_run(tmp_path)
+    assert locate_checkpoint(str(run / "checkpoints" / step_dir(5))).step == 5
+    assert locate_checkpoint(str(run / "checkpoints")).step == 10
+    assert locate_checkpoint(str(run), step=5).step == 5
+    ref = locate_checkpoint(str(run / "checkpoints"))
+    assert ref.run is not None and ref.run.uri() == str(run)
+    with pytest.raises(CheckpointError, match="is step 5, not the step 10"):
+        locate_checkpoint(str(run / "checkpoints" / step_dir(5)), step=10)
+
+
+def test_missing_or_incomplete_checkpoints_are_clear_errors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["export", str(tmp_path / "nowhere"), str(tmp_path / "out")]) == 1
+    assert "no checkpoint at" in capsys.readouterr().err
+    run, _ = make_run(tmp_path, steps=(5,))
+    (run / "checkpoints" / step_dir(5) / MARKER).unlink()  # an interrupted save
+    with pytest.raises(CheckpointError, match=r"no complete checkpoint under .*COMMITTED"):
+        locate_checkpoint(str(run))
+    with pytest.raises(CheckpointError, match="not usable: no COMMITTED marker"):
+        locate_checkpoint(str(run), step=5)
+    assert not (tmp_path / "out").exists()
+
+
+def test_partial_rotary_refuses_before_writing_anything(tmp_path: Path) -> None:
+    run, _ = make_run(tmp_path, steps=(5,), **{"model.rotary_fraction": 0.25})
+    with pytest.raises(ValueError, match="partial rotary"):
+        export_checkpoint(str(run), tmp_path / "hf")
+    assert not (tmp_path / "hf").exists()
+
+
+def test_the_cli_exports_and_says_how_to_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run, _ = make_run(tmp_path)
+    assert main(["export", str(run / "checkpoints"), str(tmp_path / "hf"), "--step", "5"]) == 0
+    printed = capsys.readouterr().out
+    assert "step 5" in printed and "LlamaForCausalLM.from_pretrained" in printed
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 1
+    (run / "tokenizer" / "tokenizer.model").unlink()
+    assert main(["export", str(run), str(tmp_path / "hf2")]) == 1
+    assert "no tokenizer.model" in capsys.readouterr().err

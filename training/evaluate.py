@@ -1,0 +1,209 @@
+"""Entrypoint of an evaluation job: `python -m training.evaluate --config <config.json uri> [--step N]`.
+
+Evaluates one committed checkpoint of the run (the newest, or `--step`) in one process on one instance:
+
+1. perplexity, NLL per token and bits per byte on the held-out split with our own model
+   (`training/perplexity.py`; `evaluation.perplexity_tokens`, 0 skips it);
+2. the lm-eval-harness tasks of `evaluation.tasks` through its Python API on the checkpoint exported as a
+   Hugging Face Llama folder (`training/hf_export.py`). The project's own offline tasks (`hlat_cloze`,
+   `hlat_choice`) are generated first from the held-out text (`training/lm_harness.py`), so the harness runs
+   without a network; the standard tasks (MMLU, HellaSwag...) fetch their data sets as lm-eval does.
+
+Writes `<run>/eval/step-NNNNNNNNN/results.json` (the flow turns it into the report). A model that cannot be
+exported (partial rotary) keeps its perplexity; its lm-eval part records why it was skipped. Task names are
+checked before anything heavy runs. SageMaker runs this by path, hence the sys.path set-up below.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script path: make the project's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import itertools
+import logging
+import os
+import tempfile
+import time
+from datetime import datetime, timezone
+from typing import Any
+
+import torch
+
+from infra.shards import iter_documents, read_manifest
+from infra.storage import Storage
+from training.checkpoint import step_dir
+from training.config import EvaluationConfig, HlatConfig, ModelConfig
+from training.hf_export import export_hf, hf_llama_config, load_checkpoint_model, locate_checkpoint
+from training.perplexity import held_out_perplexity
+from training.sagemaker import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
+
+log = logging.getLogger("hlat.evaluate")
+
+EVAL_DIR = "eval"
+RESULTS_FILE = "results.json"
+OFFLINE_TASK_PREFIX = "hlat_"
+"""Task names the project generates from the run's held-out text (see training/lm_harness.py)."""
+OFFLINE_TASK_DOCUMENTS = 2000
+"""Held-out documents read to make the offline tasks' examples."""
+
+
+def results_path(step: int) -> str:
+    """Where the evaluation of checkpoint `step` is written, relative to the run."""
+    return f"{EVAL_DIR}/{step_dir(step)}/{RESULTS_FILE}"
+
+
+def _device(choice: str) -> torch.device:
+    if choice == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(choice)
+
+
+def _held_out(data: Storage) -> Any:
+    return iter_documents(data, read_manifest(data), "validation")
+
+
+def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device: torch.device) -> dict[str, Any]:
+    """Evaluate one checkpoint of `run` and write its results.json; returns the results."""
+    from training import lm_harness
+
+    started = time.perf_counter()
+    e = cfg.evaluation
+    data = channel_location(run, "data")
+    standard = [t for t in e.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
+    if standard:
+        lm_harness.check_tasks(standard, None)  # a typo fails in seconds, not after the model is loaded
+    ref = locate_checkpoint(run.uri("checkpoints"), step)
+    log.info("evaluating %s on %s", ref.uri, device)
+    model, saved = load_checkpoint_model(ref, device)
+    results: dict[str, Any] = {
+        "run_id": cfg.resolved_run_id(),
+        "step": ref.step,
+        "checkpoint": ref.uri,
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "model": {"preset": saved.preset, "params": model.num_params()},
+        "device": str(device),
+        "perplexity": None,
+        "lm_eval": None,
+    }
+    with tempfile.TemporaryDirectory(prefix="hlat-eval-") as tmp:
+        tokenizer = fetch_tokenizer(run, tmp)
+        if e.perplexity_tokens:
+            results["perplexity"] = held_out_perplexity(
+                model,
+                _held_out(data),
+                tokenizer,
+                seq_len=saved.training.seq_len,
+                max_tokens=e.perplexity_tokens,
+                batch_size=e.batch_size,
+                device=device,
+                document_masking=saved.training.document_masking,
+            )
+            log.info("perplexity %s", results["perplexity"])
+        if e.tasks:
+            work = os.path.join(tmp, "work")
+            results["lm_eval"] = _run_tasks(run, e, saved.model, cfg.training.seed, model, data, work, device)
+    results["duration_s"] = round(time.perf_counter() - started, 1)
+    run.write_json(results_path(ref.step), results)
+    log.info("wrote %s", run.uri(results_path(ref.step)))
+    return results
+
+
+def _run_tasks(
+    run: Storage,
+    e: EvaluationConfig,
+    model_cfg: ModelConfig,
+    seed: int,
+    model: torch.nn.Module,
+    data: Storage,
+    work: str,
+    device: torch.device,
+) -> dict[str, Any]:
+    """Export the model, make the offline tasks, run the harness; the lm-eval part of results.json."""
+    from training import lm_harness
+
+    try:
+        hf_llama_config(model_cfg)
+    except ValueError as exc:
+        log.warning("lm-eval skipped: %s", exc)
+        return {"skipped": str(exc), "tasks": {}}
+    os.makedirs(work, exist_ok=True)
+    hf_dir = os.path.join(work, "hf")
+    tokenizer_dir = os.path.join(work, "tokenizer")
+    os.makedirs(tokenizer_dir)
+    tokenizers = channel_location(run, "tokenizer")
+    for name in tokenizers.list():
+        if not name.endswith("report.json"):
+            tokenizers.get_file(name, os.path.join(tokenizer_dir, name))
+    export_hf(model.state_dict(), model_cfg, hf_dir, tokenizer_dir=tokenizer_dir)
+    include_path = None
+    offline = [t for t in e.tasks if t.startswith(OFFLINE_TASK_PREFIX)]
+    if offline:
+        include_path = os.path.join(work, "tasks")
+        texts = list(itertools.islice(_held_out(data), OFFLINE_TASK_DOCUMENTS))
+        made = lm_harness.write_offline_tasks(texts, include_path, seed=seed)
+        unknown = sorted(set(offline) - set(made))
+        if unknown:
+            raise ValueError(
+                f"evaluation.tasks: unknown offline task(s) {', '.join(unknown)}; the project defines {', '.join(made)}"
+            )
+    truncated = _TruncationCounter()
+    hf_logger = logging.getLogger("lm_eval.models.huggingface")
+    hf_logger.addFilter(truncated)
+    try:
+        results: dict[str, Any] = lm_harness.run_harness(
+            hf_dir,
+            list(e.tasks),
+            include_path,
+            limit=e.limit,
+            batch_size=e.batch_size,
+            device=str(device),
+            num_fewshot=e.num_fewshot,
+            seed=seed,
+        )
+    finally:
+        hf_logger.removeFilter(truncated)
+    if truncated.count:
+        log.warning(
+            "%d lm-eval requests were longer than the model's %d tokens and lost their oldest context tokens",
+            truncated.count,
+            model_cfg.max_seq_len,
+        )
+    results["truncated_requests"] = truncated.count
+    return results
+
+
+class _TruncationCounter(logging.Filter):
+    """Counts lm-eval's per-request 'Truncating ... tokens from the left' warnings instead of logging each one
+    (thousands with a short-context model); one summary line follows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "tokens from the left" in record.getMessage():
+            self.count += 1
+            return False
+        return True
+
+
+def main(argv: list[str] | None = None) -> int:
+    def more(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+
+    args = job_arguments("python -m training.evaluate", __doc__, argv, more)
+
+    def program() -> int:
+        run, cfg = read_job_config(args.config)
+        evaluate_checkpoint(run, cfg, args.step, _device(args.device))
+        return 0
+
+    return reporting_failure(program)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
