@@ -11,6 +11,7 @@ from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
 from tasks.common import run_cached, stage_cache_key
+from tasks.plan import plan_parallelism
 from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
 from tasks.train import latest_checkpoint, publish_training_report, train_model
 
@@ -24,6 +25,7 @@ def train(
 ) -> dict[str, Any]:
     """Train the run's model from its prepared data and tokenizer."""
     config, run = resolve(preset, overrides, run_id, storage)
+    plan_parallelism(config, run.run_id)  # advice: warns on a slow configured layout, never stops the stage
     key = stage_cache_key(
         "train", run.uri, config.fingerprint(), read_data_checksum(run.uri), read_tokenizer_checksum(run.uri)
     )

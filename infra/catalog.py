@@ -1,15 +1,113 @@
-"""Instance catalog: node prices and peak throughput, for cost accounting, budgets and dry-run estimates.
+"""Instance catalog: node prices, peak throughput and topology, for cost accounting, budgets, dry-run estimates and
+the parallelism planner.
 
-Prices are on-demand dollars per node-hour from FACTS.md (trn1.32xlarge about $21.50, p4d.24xlarge $32.77); a
-run's `job.price_per_hour_usd` overrides them (reserved or negotiated rates, other instance types).
+Prices are on-demand dollars per node-hour (EC2 figures; SageMaker's `ml.` rates differ): trn1.32xlarge about $21.50
+and p4d.24xlarge $32.77 from FACTS.md, p5.48xlarge $98.32 (see its entry). A run's `job.price_per_hour_usd`
+overrides the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved
+or negotiated rates, other instance types).
 `estimate_mfu` is the model-FLOPs utilisation assumed when estimating time to train before anything has run: for
 trn1 it is derived from the published GPT-NeoX 20B and Pythia 6.9B throughput in FACTS.md (212 seq/s x 2048
 tokens on 64 nodes: 6 x 20.6B x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 6.9B on 4 nodes: 25%).
+`topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
+
+GIB = 1024**3
+
+
+@dataclass(frozen=True)
+class Topology:
+    """One node as the parallelism planner sees it. Bandwidths are per direction, as vendors quote them."""
+
+    kind: Literal["neuron", "gpu"]
+    devices_per_node: int
+    """Trainium chips or GPUs."""
+    cores_per_device: int
+    """Ranks per device: 2 NeuronCores per Trainium chip, 1 per GPU."""
+    memory_per_device_gib: float
+    """Accelerator memory (HBM) of one device, GiB."""
+    peak_bf16_flops_per_device: float
+    """Dense BF16 FLOP/s of one device."""
+    peak_fp32_flops_per_device: float
+    """Dense FP32 FLOP/s of one device (what `precision.mode = 'fp32'` computes at)."""
+    device_link_gib_per_s: float
+    """Device-to-device bandwidth inside a node, GiB/s per device (NeuronLink-v2, NVLink)."""
+    efa_gbit_per_s: float
+    """Network bandwidth of the node to the others, Gbit/s (EFA)."""
+    comparison_mfu: float = 0.0
+    """MFU the planner assumes when it compares time and cost across instance types without modelling this one
+    (GPUs): a published figure for a comparable dense model, not a measurement of ours. 0: modelled instead."""
+
+    @property
+    def cores_per_node(self) -> int:
+        return self.devices_per_node * self.cores_per_device
+
+    @property
+    def memory_per_core_bytes(self) -> float:
+        return self.memory_per_device_gib * GIB / self.cores_per_device
+
+    @property
+    def link_bytes_per_s_per_core(self) -> float:
+        """The device's link bandwidth shared by its cores."""
+        return self.device_link_gib_per_s * GIB / self.cores_per_device
+
+    @property
+    def efa_bytes_per_s(self) -> float:
+        return self.efa_gbit_per_s * 1e9 / 8
+
+    def peak_flops_per_core(self, fp32: bool = False) -> float:
+        per_device = self.peak_fp32_flops_per_device if fp32 else self.peak_bf16_flops_per_device
+        return per_device / self.cores_per_device
+
+
+# trn1.32xlarge, from the AWS Neuron documentation (Trainium and Trn1/Trn1n architecture pages, read 2026): 16
+# Trainium chips of 2 NeuronCore-v2 each; 190 BF16 / 47.5 FP32 TFLOP/s and 32 GiB HBM per chip (512 GB per node, as
+# in FACTS.md: 16 GiB per NeuronCore); NeuronLink-v2 384 GiB/s per chip (2D torus); EFA 800 Gbit/s per node.
+TRN1_TOPOLOGY = Topology(
+    kind="neuron",
+    devices_per_node=16,
+    cores_per_device=2,
+    memory_per_device_gib=32,
+    peak_bf16_flops_per_device=190e12,
+    peak_fp32_flops_per_device=47.5e12,
+    device_link_gib_per_s=384,
+    efa_gbit_per_s=800,
+)
+
+# p4d.24xlarge: 8 x A100 40GB (FACTS.md). NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 19.5 FP32, NVLink 600 GB/s
+# per GPU; EC2 Capacity Blocks pricing page: 400 Gbit/s EFA. Comparison MFU 0.42 is an assumption: Korthikanti et al.
+# 2022 (arXiv 2205.05198, abstract) report 42.1% MFU with full recomputation and 54.2% with selective recomputation
+# for a 530B GPT on A100s; 7-70B models on 40 GB A100s are taken at the lower figure.
+P4D_TOPOLOGY = Topology(
+    kind="gpu",
+    devices_per_node=8,
+    cores_per_device=1,
+    memory_per_device_gib=40,
+    peak_bf16_flops_per_device=312e12,
+    peak_fp32_flops_per_device=19.5e12,
+    device_link_gib_per_s=600e9 / GIB,
+    efa_gbit_per_s=400,
+    comparison_mfu=0.42,
+)
+
+# p5.48xlarge: 8 x H100 SXM 80GB. NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 67 FP32,
+# NVLink 900 GB/s per GPU; EC2 Capacity Blocks pricing page: 640 GB HBM3, 3200 Gbit/s EFA.
+# Comparison MFU 0.40 is an assumption from Llama 3 (Dubey et al. 2024, arXiv 2407.21783): 38-43% BF16 MFU on H100s.
+P5_TOPOLOGY = Topology(
+    kind="gpu",
+    devices_per_node=8,
+    cores_per_device=1,
+    memory_per_device_gib=80,
+    peak_bf16_flops_per_device=989e12,
+    peak_fp32_flops_per_device=67e12,
+    device_link_gib_per_s=900e9 / GIB,
+    efa_gbit_per_s=3200,
+    comparison_mfu=0.40,
+)
 
 
 @dataclass(frozen=True)
@@ -21,14 +119,22 @@ class Instance:
     peak_bf16_flops: float
     """Peak dense BF16 FLOP/s of one node."""
     estimate_mfu: float
+    topology: Topology | None = None
+    """Devices, memory and links of one node, for the planner; None where unknown (local)."""
 
 
 CATALOG: dict[str, Instance] = {
     i.name: i
     for i in (
-        Instance("ml.trn1.32xlarge", 21.50, 16, 16 * 190e12, 0.25),
+        Instance("ml.trn1.32xlarge", 21.50, 16, 16 * 190e12, 0.25, TRN1_TOPOLOGY),
         # No measured or published training throughput for our models on p4d here: no time estimate (MFU 0).
-        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, 0.0),
+        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, 0.0, P4D_TOPOLOGY),
+        # $98.32/h: EC2 on-demand list price of p5.48xlarge (us-east-1) as quoted by computespec.pages.dev ("Cloud GPU
+        # Pricing Explained") and disintermediate.global ("How GPU Cloud Pricing Works", Q1 2026), read in 2026. AWS
+        # cut P5 on-demand prices by up to 45% in June 2025 (usage.ai, "LLM Cost Optimization on AWS"), so this is the
+        # list price comparable with FACTS' trn1/p4d figures, not today's bill: set planner.prices_usd_per_hour.
+        # No time estimate for our models either (MFU 0), as for p4d.
+        Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, 0.0, P5_TOPOLOGY),
         Instance("local", 0.0, 1, 0.0, 0.0),
     )
 }
