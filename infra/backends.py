@@ -248,6 +248,13 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         f"cost: {job.instance_count} x {job.instance_type} at ${est['hourly_usd'] / max(job.instance_count, 1):,.2f}"
         f"/node-hour = ${est['hourly_usd']:,.2f}/hour"
     )
+    if stage == "evaluate":  # its own instance, not the training's
+        node = price_per_hour(spec.instance_type, None)
+        est["hourly_usd"] = node * spec.instance_count
+        lines[-1] = (
+            f"cost: {spec.instance_count} x {spec.instance_type} at ${node:,.2f}/node-hour = "
+            f"${est['hourly_usd']:,.2f}/hour"
+        )
     if stage != "train":
         hours = spec.max_runtime_s / 3600
         lines.append(

@@ -142,6 +142,7 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(
         "precompile/precompile-tiny",
         "burn-in/burn-in-tiny",
         "train/train-tiny",
+        "evaluate/evaluate-tiny",
         "hlat/pretrain-7b",
         "burn-in/burn-in-7b",
         "train/train-7b",
@@ -154,6 +155,7 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(
     run = tmp_path / "runs" / "e2e"
     assert (run / "data/manifest.json").is_file() and (run / "tokenizer/tokenizer.model").is_file()
     assert (run / "checkpoints/step-000000012/COMMITTED").is_file()
+    assert json.loads((run / "eval/results.json").read_text())["step"] == 12 and (run / "eval/report.md").is_file()
     model = (run / "tokenizer/tokenizer.model").read_bytes()
 
     # A stage re-run alone from its own deployment finds its work cached and leaves the outputs as they were.
@@ -162,6 +164,7 @@ def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(
     flows, tasks = run_states(env["PREFECT_API_URL"])
     assert sorted(name for name, _ in flows) == [
         "burn-in/e2e",
+        "evaluate/e2e",
         "hlat/e2e",
         "precompile/e2e",
         "prepare-data/e2e",

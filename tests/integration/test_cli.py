@@ -127,3 +127,19 @@ def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
     assert "bound: the burn-in job stops by its max runtime of 1 h: at most $1,376.00" in out.stdout
     refused = hlat("run", "prepare-data", "--preset", "tiny", "--dry-run", cwd=tmp_path)
     assert refused.returncode == 2 and "runs in the flow's own process" in refused.stderr
+
+
+def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp_path: Path) -> None:
+    out = hlat(
+        "run", "evaluate", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
+        "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    request = json.loads(out.stdout.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\ncost:", 1)[0])
+    assert request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
+    assert request["ResourceConfig"]["InstanceCount"] == 1
+    assert "/pytorch-training:" in request["AlgorithmSpecification"]["TrainingImage"]
+    assert request["CheckpointConfig"]["S3Uri"].endswith("/eval/checkpoint-sync")  # not the run's checkpoints
+    assert {"Key": "hlat:stage", "Value": "evaluate"} in request["Tags"]
+    assert "cost: 1 x ml.p4d.24xlarge at $32.77/node-hour" in out.stdout
+    assert "at most $786.48" in out.stdout

@@ -33,6 +33,24 @@ def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None
     assert [s.name for s in specs.values()] == ["r1-precompile-1", "r1-burn-in-1", "r1-train-1"]
 
 
+def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> None:
+    config = load_config("hlat-7b", {"job.region": "eu-west-1"})
+    spec = job_spec(config, RUN, "r1", 2, "evaluate", step=1000)
+    assert (spec.instance_type, spec.instance_count, spec.processes_per_node) == ("ml.p4d.24xlarge", 1, 1)
+    assert spec.entry == "training.evaluate" and spec.args == {"step": "1000"} and spec.name == "r1-evaluate-2"
+    assert spec.image_uri is not None and spec.image_uri.startswith("763104351884.dkr.ecr.eu-west-1.")
+    assert "pytorch-training:" in spec.image_uri and "gpu" in spec.image_uri
+    assert spec.checkpoint_prefix == "eval/checkpoint-sync" and spec.max_runtime_s == 24 * 3600
+    assert "NEURON_COMPILE_CACHE_URL" not in spec.environment
+    mine = load_config(
+        "hlat-7b", {"evaluation.image_uri": "1.dkr.ecr/me:1", "evaluation.instance_type": "ml.g5.48xlarge"}
+    )
+    assert job_spec(mine, RUN, "r1", 1, "evaluate").image_uri == "1.dkr.ecr/me:1"
+    assert job_spec(mine, RUN, "r1", 1, "evaluate").args == {}  # the newest checkpoint
+    local = job_spec(load_config("tiny"), RUN, "r1", 1, "evaluate")
+    assert (local.instance_type, local.image_uri) == ("local", None)
+
+
 def test_local_jobs_carry_no_neuron_settings() -> None:
     spec = job_spec(load_config("tiny"), "/tmp/runs/r", "r", 2)
     assert spec.environment == {"HLAT_RUN_ID": "r"} and spec.arguments() == ["--config", "/tmp/runs/r/config.json"]
