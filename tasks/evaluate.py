@@ -19,7 +19,7 @@ from infra.backends import run_stage_job
 from infra.storage import Storage
 from infra.supervisor import JobFailed
 from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
-from training.checkpoint import MARKER, step_dir
+from training.checkpoint import MARKER, CheckpointManager, step_dir
 from training.config import HlatConfig
 from training.evaluate import EVAL_DIR, OFFLINE_TASK_PREFIX, RESULTS_FILE, results_path
 
@@ -123,40 +123,58 @@ def publish_eval_report(run: Storage, results: dict[str, Any], run_id: str) -> N
 
 class CheckpointEvaluator:
     """Evaluates intermediate checkpoints while training runs (`evaluation.every_steps`): each time the train
-    stage reports progress, a newly committed checkpoint whose step is a multiple of every_steps is evaluated by
-    an evaluation job in a background thread, one at a time; training is never paused. `close()` waits for the
-    evaluation under way. A failed evaluation is logged, not raised: it must not stop training."""
+    stage reports progress, every newly committed checkpoint whose step is a multiple of every_steps is queued, and
+    a background thread evaluates the queue in step order, one evaluation job at a time; training is never
+    paused. `close()` looks once more (checkpoints committed just before the job ended) and waits for the queue.
+    A failed evaluation is logged, not raised: it must not stop training."""
 
     def __init__(self, config: HlatConfig, run_uri: str, run_id: str) -> None:
         self.config, self.run_uri, self.run_id = config, run_uri, run_id
         self.every = config.evaluation.every_steps
-        self.done: set[int] = set()
+        self.seen: set[int] = set()
         self.failed: dict[int, str] = {}
+        self._pending: list[int] = []
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
+        self._checkpoints = CheckpointManager(Storage(run_uri).child("checkpoints"), keep_last=1)
         run = Storage(run_uri)
-        self.done.update(int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None)
+        self.seen.update(int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None)
 
-    def checkpoint_committed(self, step: int | None) -> None:
-        if not self.every or step is None or step % self.every or step in self.done or step in self.failed:
+    def poll(self) -> None:
+        """Queue the committed checkpoints not evaluated yet; start the worker if it is idle."""
+        if not self.every:
             return
-        if self._thread is not None and self._thread.is_alive():
-            return  # the next progress report after it finishes picks this step up, if it is still the newest
-        self.done.add(step)
-        self._thread = threading.Thread(target=self._evaluate, args=(step,), name=f"evaluate-{step}", daemon=True)
-        self._thread.start()
+        steps = [s for s in self._checkpoints.committed_steps() if s % self.every == 0 and s not in self.seen]
+        with self._lock:
+            for step in steps:
+                self.seen.add(step)
+                self._pending.append(step)
+            self._pending.sort()
+            if self._pending and (self._thread is None or not self._thread.is_alive()):
+                self._thread = threading.Thread(target=self._work, name="evaluate-checkpoints", daemon=True)
+                self._thread.start()
 
-    def _evaluate(self, step: int) -> None:
-        try:
-            results = run_evaluation_job(self.config, self.run_uri, self.run_id, step)
-            log.info("intermediate evaluation of step %d: %s", step, _summary(results))
-        except Exception as exc:
-            self.done.discard(step)
-            self.failed[step] = str(exc)
-            log.warning("intermediate evaluation of step %d failed: %s", step, exc)
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                step = self._pending.pop(0)
+            try:
+                results = run_evaluation_job(self.config, self.run_uri, self.run_id, step)
+                log.info("intermediate evaluation of step %d: %s", step, _summary(results))
+            except Exception as exc:
+                self.failed[step] = str(exc)
+                log.warning("intermediate evaluation of step %d failed: %s", step, exc)
 
     def close(self) -> None:
-        if self._thread is not None:
+        self.poll()
+        while self._thread is not None and self._thread.is_alive():
             self._thread.join()
+            with self._lock:  # a poll racing the worker's exit may have left steps queued
+                if self._pending and not self._thread.is_alive():
+                    self._thread = threading.Thread(target=self._work, name="evaluate-checkpoints", daemon=True)
+                    self._thread.start()
 
 
 def _summary(results: dict[str, Any]) -> str:

@@ -66,8 +66,7 @@ def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -
 
     def on_progress(p: Progress) -> None:
         artifacts.progress(p)
-        if evaluator.every:
-            evaluator.checkpoint_committed(latest_checkpoint(run_uri))
+        evaluator.poll()
 
     supervisor = supervisor_for(
         config,
@@ -77,10 +76,10 @@ def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -
         on_progress=on_progress,
         on_attempts=artifacts.attempts,
     )
-    try:
-        attempts = supervisor.run_to_completion()
-    finally:
-        evaluator.close()
+    attempts = supervisor.run_to_completion()
+    # Only on success: a failed or interrupted stage must not wait for evaluations (a cancelled flow's hook stops
+    # the evaluation job with the others).
+    evaluator.close()
     summary = training_summary(run_uri)
     summary.update(jobs=len(attempts), cost_usd=round(supervisor.spent_usd(), 2))
     return summary

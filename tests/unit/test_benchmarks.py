@@ -33,3 +33,11 @@ def test_precompile_benchmark_runs_cold_and_warm() -> None:
 
     out = main(["--repeats", "1"])  # asserts the warm start used the run's cache, kernels included
     assert "cold: nothing cached" in out and "warm: artifacts and Inductor cache" in out
+
+
+def test_evaluate_benchmark_runs_with_the_same_nll_as_its_peer() -> None:
+    from benchmarks.bench_evaluate import main
+
+    args = ["--kb", "40", "--vocab", "512", "--layers", "2", "--d-model", "128", "--seq-len", "64", "--batch", "4"]
+    out = main([*args, "--repeats", "1", "--harness-limit", "5", "--threads", "1"])  # asserts the NLLs agree
+    assert "hlat score_stream" in out and "HF LlamaForCausalLM loop" in out and "limit 5 | " in out
