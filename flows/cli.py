@@ -36,9 +36,13 @@ def _stage_flow(name: str) -> Callable[..., Any]:
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="named preset (default: tiny)")
+    _add_config_options(p)
     p.add_argument("--run-id", help="run identifier (default: <preset>-<config hash>)")
     p.add_argument("--storage", help="storage root: a folder or s3://bucket/prefix (default: ./runs)")
+
+
+def _add_config_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="named preset (default: tiny)")
     p.add_argument(
         "--set",
         dest="overrides",
@@ -84,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "plan", help="rank TP/PP/DP, SP, ZeRO-1, checkpointing and micro-batch layouts on trn1, with time and cost"
     )
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="named preset (default: tiny)")
+    _add_config_options(p)
     p.add_argument("--nodes", type=_positive_int, help="nodes (default: the preset's job.instance_count)")
     p.add_argument(
         "--tokens",
@@ -93,14 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=_positive_int, default=10, help="layouts shown (default: 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override a config field by dotted path, e.g. --set planner.prices_usd_per_hour='{...}' (repeatable)",
-    )
     return parser
 
 

@@ -94,43 +94,30 @@ def job_spec(
 ) -> JobSpec:
     """The job of `stage`'s `attempt`. Evaluation (of checkpoint `step`, None: the newest) runs one process on
     one evaluation.instance_type; every other stage runs on the training's instances."""
-    job = config.job
-    if stage == "evaluate":
-        e = config.evaluation
-        return JobSpec(
-            name=job_name(run_id, attempt, stage),
-            run_id=run_id,
-            attempt=attempt,
-            run_uri=run_uri,
-            config_uri=f"{run_uri}/config.json",
-            instance_type=e.instance_type or job.instance_type,
-            instance_count=1,
-            processes_per_node=1,
-            max_runtime_s=int(e.max_runtime_hours * 3600),
-            environment={"HLAT_RUN_ID": run_id},
-            stage=stage,
-            image_uri=evaluation_image(config),
-            entry=STAGE_PROGRAMS[stage],
-            # Not the run's checkpoints: SageMaker would copy every one of them into the container first.
-            checkpoint_prefix="eval/checkpoint-sync",
-            args={"step": str(step)} if step is not None else {},
-        )
+    job, e = config.job, config.evaluation
+    evaluating = stage == "evaluate"
     hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
+    if evaluating:
+        hours = e.max_runtime_hours
+    # Burn-in's write check and evaluation sync their checkpoint folders apart from the run's checkpoints
+    # (SageMaker would otherwise copy every checkpoint into the evaluation container first).
+    sync = {"burn-in": "burn-in/checkpoint-sync", "evaluate": "eval/checkpoint-sync"}
     return JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
         attempt=attempt,
         run_uri=run_uri,
         config_uri=f"{run_uri}/config.json",
-        instance_type=job.instance_type,
-        instance_count=job.instance_count,
-        processes_per_node=job.processes_per_node,
+        instance_type=(e.instance_type or job.instance_type) if evaluating else job.instance_type,
+        instance_count=1 if evaluating else job.instance_count,
+        processes_per_node=1 if evaluating else job.processes_per_node,
         max_runtime_s=int(hours * 3600),
-        environment=job_environment(config, run_uri, run_id, stage),
+        environment={"HLAT_RUN_ID": run_id} if evaluating else job_environment(config, run_uri, run_id, stage),
         stage=stage,
+        image_uri=evaluation_image(config) if evaluating else job.image_uri,
         entry=STAGE_PROGRAMS[stage],
-        # Burn-in's write check goes through the checkpoint folder, synced apart from the run's checkpoints.
-        checkpoint_prefix="burn-in/checkpoint-sync" if stage == "burn-in" else "checkpoints",
+        checkpoint_prefix=sync.get(stage, "checkpoints"),
+        args={"step": str(step)} if step is not None else {},
     )
 
 
@@ -244,22 +231,16 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     lines.append(f"requests of attempt 1 (job {spec.name}):")
     lines += _describe_requests(requests)
     lines.append("")
+    # The job's own instances: the evaluation job does not run on the training's.
+    own_price = job.price_per_hour_usd if spec.instance_type == job.instance_type else None
+    node_price = price_per_hour(spec.instance_type, own_price)
+    hourly = node_price * spec.instance_count
     lines.append(
-        f"cost: {job.instance_count} x {job.instance_type} at ${est['hourly_usd'] / max(job.instance_count, 1):,.2f}"
-        f"/node-hour = ${est['hourly_usd']:,.2f}/hour"
+        f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.2f}/node-hour = ${hourly:,.2f}/hour"
     )
-    if stage == "evaluate":  # its own instance, not the training's
-        node = price_per_hour(spec.instance_type, None)
-        est["hourly_usd"] = node * spec.instance_count
-        lines[-1] = (
-            f"cost: {spec.instance_count} x {spec.instance_type} at ${node:,.2f}/node-hour = "
-            f"${est['hourly_usd']:,.2f}/hour"
-        )
     if stage != "train":
         hours = spec.max_runtime_s / 3600
-        lines.append(
-            f"bound: the {stage} job stops by its max runtime of {hours:g} h: at most ${hours * est['hourly_usd']:,.2f}"
-        )
+        lines.append(f"bound: the {stage} job stops by its max runtime of {hours:g} h: at most ${hours * hourly:,.2f}")
     elif est["hours"] is not None:
         lines.append(
             f"estimate: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens = "
