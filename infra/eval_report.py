@@ -22,12 +22,12 @@ from pathlib import Path
 from typing import Any
 
 from infra.storage import Storage
+from training.evaluate import EVAL_DIR, RESULTS_FILE
 from training.metrics import METRICS_FILE
 
 log = logging.getLogger("hlat.eval_report")
 
 BASELINES_FILE = Path(__file__).with_name("baselines.json")
-EVAL_DIR = "eval"
 REPORT_FILE = "report.md"
 COMPARE_FILE = "compare.md"
 MISSING = "—"
@@ -410,6 +410,39 @@ def _has_values(records: Sequence[Mapping[str, Any]], *keys: str) -> bool:
     return any(_number(record.get(key)) is not None for record in records for key in keys)
 
 
+def evaluation_history(run: Storage) -> list[dict[str, Any]]:
+    """One row per evaluated checkpoint (eval/step-*/results.json), oldest first: step, perplexity, bits per byte
+    and each task's main metric (`choose_metric`)."""
+    rows = []
+    for name in sorted(run.list(EVAL_DIR)) if run.exists(EVAL_DIR) else []:
+        rel = f"{EVAL_DIR}/{name}/{RESULTS_FILE}"
+        if not name.startswith("step-") or not run.exists(rel):
+            continue
+        results = run.read_json(rel)
+        ppl = results.get("perplexity") or {}
+        row: dict[str, Any] = {
+            "step": results.get("step"),
+            "perplexity": ppl.get("perplexity"),
+            "bits_per_byte": ppl.get("bits_per_byte"),
+        }
+        for task, entry in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
+            metrics = entry.get("metrics") or {}
+            metric = choose_metric(metrics)
+            if metric:
+                row[f"{task} {_split_metric(metric)[0]}"] = metrics[metric]
+        rows.append(row)
+    return rows
+
+
+def _history_section(history: Sequence[Mapping[str, Any]]) -> list[str]:
+    columns = list(dict.fromkeys(key for row in history for key in row))
+    rows = [
+        [_fmt(row.get(c), ".4g") if isinstance(row.get(c), float) else row.get(c, MISSING) for c in columns]
+        for row in history
+    ]
+    return ["## Checkpoints evaluated", "", *_table(columns, ["--:"] * len(columns), rows), ""]
+
+
 def write_report(
     run: Storage, results: Mapping[str, Any], baselines: Mapping[str, Any] | None = None
 ) -> dict[str, str]:
@@ -445,7 +478,11 @@ def write_report(
         plots[caption] = name
     if records and not plots:
         notes.append(f"No training curves: {run.uri(METRICS_FILE)} holds no loss or grad_norm values.")
-    run.write_text(f"{EVAL_DIR}/{REPORT_FILE}", render_report(results, baselines, plots, notes=notes))
+    report = render_report(results, baselines, plots, notes=notes)
+    history = evaluation_history(run)
+    if len(history) > 1:  # intermediate checkpoints were evaluated too: show the trajectory
+        report += "\n" + "\n".join(_history_section(history))
+    run.write_text(f"{EVAL_DIR}/{REPORT_FILE}", report)
     files[REPORT_FILE] = run.uri(EVAL_DIR, REPORT_FILE)
     return files
 

@@ -16,6 +16,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.backends import run_stage_job
+from infra.eval_report import choose_metric, evaluation_history, load_baselines, write_report
 from infra.storage import Storage
 from infra.supervisor import JobFailed
 from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
@@ -58,48 +59,12 @@ def evaluate_checkpoint(config: HlatConfig, run_uri: str, run_id: str, step: int
     return run_evaluation_job(config, run_uri, run_id, step)
 
 
-def evaluation_history(run: Storage) -> list[dict[str, Any]]:
-    """One row per evaluated checkpoint (eval/step-*/results.json): step, perplexity, bits per byte, each
-    task's main metric, oldest first."""
-    rows = []
-    for name in sorted(run.list(EVAL_DIR)) if run.exists(EVAL_DIR) else []:
-        if not name.startswith("step-") or not run.exists(f"{EVAL_DIR}/{name}/{RESULTS_FILE}"):
-            continue
-        results = run.read_json(f"{EVAL_DIR}/{name}/{RESULTS_FILE}")
-        row: dict[str, Any] = {"step": results.get("step")}
-        ppl = results.get("perplexity") or {}
-        row["perplexity"] = ppl.get("perplexity")
-        row["bits_per_byte"] = ppl.get("bits_per_byte")
-        for task_name, task_result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
-            metrics = task_result.get("metrics", {})
-            for metric in ("acc_norm", "acc", "exact_match"):
-                if metric in metrics:
-                    row[f"{task_name} {metric}"] = metrics[metric]
-                    break
-        rows.append(row)
-    return rows
-
-
-def _history_markdown(rows: list[dict[str, Any]]) -> str:
-    columns = list(dict.fromkeys(key for row in rows for key in row))
-    lines = ["## Checkpoints evaluated", "", "| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
-    for row in rows:
-        cells = [f"{v:.4g}" if isinstance(v, float) else ("—" if v is None else str(v)) for v in row.values()]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)
-
-
 @task(name="write-eval-report", **TRANSIENT_RETRIES)
 def write_eval_report(results: dict[str, Any], run_uri: str, run_id: str) -> dict[str, str]:
     """eval/results.json (this evaluation), eval/report.md and its plots; the report as a Prefect artifact."""
-    from infra.eval_report import load_baselines, write_report
 
     run = Storage(run_uri)
     files = write_report(run, results, load_baselines())
-    history = evaluation_history(run)
-    if len(history) > 1:  # intermediate checkpoints were evaluated too: show the trajectory
-        report = run.read_text(f"{EVAL_DIR}/report.md")
-        run.write_text(f"{EVAL_DIR}/report.md", report.rstrip() + "\n\n" + _history_markdown(history) + "\n")
     # Written last: eval/results.json present means the report beside it is this evaluation's.
     run.write_json(f"{EVAL_DIR}/{RESULTS_FILE}", results)
     files["results.json"] = run.uri(EVAL_DIR, RESULTS_FILE)
@@ -131,26 +96,22 @@ class CheckpointEvaluator:
     def __init__(self, config: HlatConfig, run_uri: str, run_id: str) -> None:
         self.config, self.run_uri, self.run_id = config, run_uri, run_id
         self.every = config.evaluation.every_steps
-        self.seen: set[int] = set()
-        self.failed: dict[int, str] = {}
+        run = Storage(run_uri)
+        self._checkpoints = CheckpointManager(run.child("checkpoints"), keep_last=1)
+        self._seen = {int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None}
         self._pending: list[int] = []
         self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-        self._checkpoints = CheckpointManager(Storage(run_uri).child("checkpoints"), keep_last=1)
-        run = Storage(run_uri)
-        self.seen.update(int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None)
+        self._thread: threading.Thread | None = None  # set while the worker runs; the worker clears it on exit
 
     def poll(self) -> None:
-        """Queue the committed checkpoints not evaluated yet; start the worker if it is idle."""
+        """Queue the committed checkpoints not evaluated yet; start the worker if none runs."""
         if not self.every:
             return
-        steps = [s for s in self._checkpoints.committed_steps() if s % self.every == 0 and s not in self.seen]
+        new = [s for s in self._checkpoints.committed_steps() if s % self.every == 0 and s not in self._seen]
         with self._lock:
-            for step in steps:
-                self.seen.add(step)
-                self._pending.append(step)
-            self._pending.sort()
-            if self._pending and (self._thread is None or not self._thread.is_alive()):
+            self._seen.update(new)
+            self._pending = sorted(self._pending + new)
+            if self._pending and self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="evaluate-checkpoints", daemon=True)
                 self._thread.start()
 
@@ -158,29 +119,28 @@ class CheckpointEvaluator:
         while True:
             with self._lock:
                 if not self._pending:
+                    self._thread = None  # under the lock: a poll after this starts a new worker
                     return
                 step = self._pending.pop(0)
             try:
                 results = run_evaluation_job(self.config, self.run_uri, self.run_id, step)
                 log.info("intermediate evaluation of step %d: %s", step, _summary(results))
             except Exception as exc:
-                self.failed[step] = str(exc)
                 log.warning("intermediate evaluation of step %d failed: %s", step, exc)
 
     def close(self) -> None:
         self.poll()
-        while self._thread is not None and self._thread.is_alive():
-            self._thread.join()
-            with self._lock:  # a poll racing the worker's exit may have left steps queued
-                if self._pending and not self._thread.is_alive():
-                    self._thread = threading.Thread(target=self._work, name="evaluate-checkpoints", daemon=True)
-                    self._thread.start()
+        worker = self._thread
+        if worker is not None:
+            worker.join()  # it exits only with the queue empty, and nothing queues after this
 
 
 def _summary(results: dict[str, Any]) -> str:
     ppl = results.get("perplexity") or {}
     parts = [f"perplexity {ppl['perplexity']:.2f}, {ppl['bits_per_byte']:.3f} bits/byte"] if ppl else []
     for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
-        metrics = result.get("metrics", {})
-        parts += [f"{name} {m} {metrics[m]:.3f}" for m in ("acc_norm", "acc") if metrics.get(m) is not None][:1]
+        metrics = result.get("metrics") or {}
+        metric = choose_metric(metrics)
+        if metric:
+            parts.append(f"{name} {metric} {metrics[metric]:.3f}")
     return ", ".join(parts) or "no scores"

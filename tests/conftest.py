@@ -21,6 +21,13 @@ os.environ["HF_DATASETS_CACHE"] = str(_SESSION_DIR / "hf" / "datasets")
 os.environ.setdefault("HLAT_CACHE_DIR", str(_SESSION_DIR / "hlat-cache"))
 os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
+# Prefect's console log handler keeps the stream it is built with. Build it now, on the session's stderr: built
+# lazily inside a test that uses capsys (the first CLI call imports Prefect), it would write to that test's
+# captured stream after it is closed, failing every later Prefect flow of the session.
+from prefect.logging.configuration import setup_logging  # noqa: E402
+
+setup_logging()
+
 # Small data and tokenizer that still exercise every stage: small corpus, small vocabulary.
 SMALL_DATA = {
     "data.max_documents": 300,

@@ -37,7 +37,13 @@ from infra.shards import iter_documents, read_manifest
 from infra.storage import Storage
 from training.checkpoint import step_dir
 from training.config import EvaluationConfig, HlatConfig, ModelConfig
-from training.hf_export import export_hf, hf_llama_config, load_checkpoint_model, locate_checkpoint
+from training.hf_export import (
+    export_hf,
+    fetch_tokenizer_files,
+    hf_llama_config,
+    load_checkpoint_model,
+    locate_checkpoint,
+)
 from training.perplexity import held_out_perplexity
 from training.sagemaker import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 
@@ -133,11 +139,7 @@ def _run_tasks(
     os.makedirs(work, exist_ok=True)
     hf_dir = os.path.join(work, "hf")
     tokenizer_dir = os.path.join(work, "tokenizer")
-    os.makedirs(tokenizer_dir)
-    tokenizers = channel_location(run, "tokenizer")
-    for name in tokenizers.list():
-        if not name.endswith("report.json"):
-            tokenizers.get_file(name, os.path.join(tokenizer_dir, name))
+    fetch_tokenizer_files(channel_location(run, "tokenizer"), tokenizer_dir)
     export_hf(model.state_dict(), model_cfg, hf_dir, tokenizer_dir=tokenizer_dir)
     include_path = None
     offline = [t for t in e.tasks if t.startswith(OFFLINE_TASK_PREFIX)]

@@ -19,7 +19,7 @@ import tempfile
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -257,12 +257,17 @@ def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
     return CheckpointRef(checkpoints=checkpoints, step=step, run=run)
 
 
-def load_checkpoint_model(ref: CheckpointRef, device: str | torch.device = "cpu") -> tuple[Transformer, HlatConfig]:
-    """The checkpoint's model (eval mode, the dtype it was saved in) and the run config saved with it."""
+def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
+    """The checkpoint's shared state (with the model's state dict) and the run config saved with it."""
     shared = CheckpointManager(ref.checkpoints, keep_last=1).load_shared(ref.step)
     if "config" not in shared or "model" not in shared:
         raise CheckpointError(f"{ref.uri} holds no model and config (keys: {sorted(shared)})")
-    config = validate_config(shared["config"])
+    return shared, validate_config(shared["config"])
+
+
+def load_checkpoint_model(ref: CheckpointRef, device: str | torch.device = "cpu") -> tuple[Transformer, HlatConfig]:
+    """The checkpoint's model (eval mode, the dtype it was saved in) and the run config saved with it."""
+    shared, config = read_checkpoint(ref)
     model = Transformer(config.model, device="meta")
     model.to_empty(device=device)
     model.init_rope_tables()
@@ -276,8 +281,7 @@ def export_checkpoint(
     """`hlat export`: write the checkpoint `source` (see `locate_checkpoint`) as a Hugging Face Llama folder
     with the run's tokenizer files (from `tokenizer`, a folder or s3:// URI, else `<run>/tokenizer/`)."""
     ref = locate_checkpoint(source, step)
-    shared = CheckpointManager(ref.checkpoints, keep_last=1).load_shared(ref.step)
-    config = validate_config(shared["config"])
+    shared, config = read_checkpoint(ref)
     hf_llama_config(config.model)  # refuse an unexportable model before fetching anything else
     if tokenizer is None and ref.run is None:
         raise ValueError(f"{ref.checkpoints.uri()} is not inside a run folder: pass the tokenizer folder too")
@@ -285,8 +289,14 @@ def export_checkpoint(
     if not tokenizer_store.exists("tokenizer.model"):
         raise ValueError(f"no tokenizer.model in {tokenizer_store.uri()}: run train-tokenizer, or pass the tokenizer")
     with tempfile.TemporaryDirectory(prefix="hlat-export-") as tmp:
-        for name in TOKENIZER_FILES:
-            if tokenizer_store.exists(name):
-                tokenizer_store.get_file(name, os.path.join(tmp, name))
+        fetch_tokenizer_files(tokenizer_store, tmp)
         out = export_hf(shared["model"], config.model, out_dir, tokenizer_dir=tmp)
     return out, ref
+
+
+def fetch_tokenizer_files(tokenizer: Storage, folder: str) -> None:
+    """Copy the tokenizer files (TOKENIZER_FILES) found in `tokenizer` (a folder or s3:// URI) into `folder`."""
+    os.makedirs(folder, exist_ok=True)
+    for name in TOKENIZER_FILES:
+        if tokenizer.exists(name):
+            tokenizer.get_file(name, os.path.join(folder, name))

@@ -15,6 +15,7 @@ from infra.eval_report import (
     MISSING,
     choose_metric,
     compare_runs,
+    evaluation_history,
     load_baselines,
     plot_curves,
     read_metrics,
@@ -381,3 +382,19 @@ def test_compare_runs_without_a_common_step_is_an_error(tmp_path: Path) -> None:
     assert str(tmp_path / "a" / "metrics.jsonl") in str(info.value)
     with pytest.raises(ValueError, match="labels must differ"):
         compare_runs(a, a, None, labels=("A", "A"))
+
+
+def test_the_report_tabulates_every_evaluated_checkpoint(tmp_path: Path) -> None:
+    run = fake_run(tmp_path, "run", [{"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0} for s in range(1, 7)])
+    early = results(step=3, perplexity={"perplexity": 300.0, "bits_per_byte": 2.9})
+    run.write_json("eval/step-000000003/results.json", early)
+    run.write_json("eval/step-000000006/results.json", results())
+    assert [(r["step"], r["perplexity"]) for r in evaluation_history(run)] == [(3, 300.0), (6, 221.4)]
+    assert evaluation_history(run)[0]["hlat_cloze acc"] == 0.12
+    write_report(run, results(), BASELINES)
+    report = run.read_text("eval/report.md")
+    assert "## Checkpoints evaluated" in report
+    assert table_row(report, "3")[1] == "300" and table_row(report, "6")[1] == "221.4"
+    run.remove("eval/step-000000003", recursive=True)
+    write_report(run, results(), BASELINES)
+    assert "Checkpoints evaluated" not in run.read_text("eval/report.md")  # one checkpoint: nothing to trace
