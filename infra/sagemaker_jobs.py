@@ -28,6 +28,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
+from infra import aws
 from infra.jobs import JobSpec, JobState, Status, SubmitError
 from training.config import JobConfig
 from training.sagemaker import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
@@ -307,6 +308,7 @@ class SageMakerBackend:
         """Upload the source, then create the training job named `spec.name`. A name already in use is refused
         (SubmitError 'ResourceInUse') before anything is uploaded: the caller should re-attach to that job."""
         self._check(spec)
+        role = self._role()
         try:
             existing = self.describe(spec.name)
         except ClientError as exc:  # e.g. throttled: classified like a refused submission
@@ -317,7 +319,7 @@ class SageMakerBackend:
                 f"a training job named {spec.name} already exists ({existing.status.value}); "
                 "describe it to re-attach instead of submitting it again",
             )
-        request = self._build_request(spec, self.boto_session)
+        request = self._build_request(spec, self.boto_session, role)
         try:
             self._create(request)
         except SubmitError as exc:
@@ -385,9 +387,9 @@ class SageMakerBackend:
         """The requests `submit(spec)` would send: S3 uploads of the source (summarised as bucket, key and size)
         and CreateTrainingJob with its full parameters, validated against the service model. Sends nothing."""
         bucket, _ = self._check(spec)
-        assert self.job.role_arn is not None  # _check raised otherwise
-        offline = OfflineAWS(self.job.region, self.job.role_arn, [bucket])
-        request = self._build_request(spec, offline.session)
+        role = self._role()
+        offline = OfflineAWS(self.job.region, role, [bucket])
+        request = self._build_request(spec, offline.session, role)
         self._create(request, offline.session.client("sagemaker", region_name=self.job.region))
         return offline.requests()
 
@@ -412,10 +414,12 @@ class SageMakerBackend:
                 f"storage.root: the sagemaker backend needs an s3:// storage root (got {spec.run_uri!r}); "
                 "pass --storage s3://bucket/prefix"
             )
-        if not self.job.role_arn:
+        if not (self.job.role_arn or self.job.role_arn_secret):
             raise ValueError(
-                f"job.role_arn={self.job.role_arn!r}: the sagemaker backend needs the IAM role SageMaker assumes to "
-                "run the job; set job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>"
+                f"job.role_arn={self.job.role_arn!r} and job.role_arn_secret={self.job.role_arn_secret!r}: the "
+                "sagemaker backend needs the IAM role SageMaker assumes to run the job; set "
+                "job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>, or "
+                "job.role_arn_secret=<name of a Prefect Secret block holding that ARN>"
             )
         if self.job.subnets and not self.job.security_group_ids:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
@@ -428,9 +432,15 @@ class SageMakerBackend:
             )
         return split_s3_uri(spec.run_uri)
 
-    def _build_request(self, spec: JobSpec, boto_session: boto3.Session) -> dict[str, Any]:
-        """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
-        ModelTrainer. Building it uploads the source and the SDK's container drivers to
+    def _role(self) -> str:
+        """The role the job assumes: job.role_arn, or the Secret block job.role_arn_secret read now."""
+        role = aws.role_arn(self.job)
+        assert role is not None  # _check refused a job with neither
+        return role
+
+    def _build_request(self, spec: JobSpec, boto_session: boto3.Session, role: str) -> dict[str, Any]:
+        """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it) with the IAM `role`, made by
+        the SDK's ModelTrainer. Building it uploads the source and the SDK's container drivers to
         `<run>/code/<job name>/...` through `boto_session`."""
         bucket, prefix = self._check(spec)
         image = spec.image_uri or self.training_image
@@ -468,7 +478,7 @@ class SageMakerBackend:
         try:
             trainer = sdk.ModelTrainer(
                 sagemaker_session=session,
-                role=job.role_arn,
+                role=role,
                 base_job_name=spec.name,
                 training_image=image,
                 source_code=cfg.SourceCode(
@@ -500,7 +510,8 @@ class SageMakerBackend:
                 ],
             )
         except sdk.RoleValidationError as exc:
-            raise SubmitError("ValidationException", f"job.role_arn={job.role_arn!r}: {exc}") from exc
+            source = "job.role_arn" if job.role_arn else f"the Secret block job.role_arn_secret={job.role_arn_secret!r}"
+            raise SubmitError("ValidationException", f"role {role!r} of {source}: {exc}") from exc
         trainer.with_tensorboard_output_config(
             cfg.TensorBoardOutputConfig(s3_output_path=f"{run}/tensorboard", local_path=SAGEMAKER_TENSORBOARD_DIR)
         )

@@ -13,6 +13,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -274,7 +275,14 @@ class JobConfig(Section):
     image_uri: str | None = None
     """Training container image; None uses the Neuron PyTorch training image of the region."""
     role_arn: str | None = None
-    """IAM role SageMaker assumes (required for the sagemaker backend)."""
+    """IAM role SageMaker assumes (the sagemaker backend needs it, or role_arn_secret)."""
+    role_arn_secret: str | None = None
+    """Name of a Prefect Secret block holding the IAM role ARN SageMaker assumes, read when a job is submitted;
+    used when role_arn is not set (create it with `Secret(value="arn:aws:iam::...").save("<name>")`)."""
+    aws_credentials_block: str | None = None
+    """Name of a prefect-aws AwsCredentials block whose credentials every AWS client of the run uses (S3 storage,
+    SageMaker, CloudWatch, local job processes); None: boto3's default chain (environment, profile, instance or
+    task role). See infra/aws.py for how the block's settings override the environment's."""
     max_runtime_hours: float = Field(24 * 28, gt=0, le=24 * 28)
     """Longest a single job may run (SageMaker allows 28 days)."""
     volume_size_gb: int = Field(512, ge=1)
@@ -310,6 +318,17 @@ class JobConfig(Section):
 
     @model_validator(mode="after")
     def _check_backend(self) -> JobConfig:
+        if self.role_arn and self.role_arn_secret:
+            raise ValueError(
+                "job.role_arn and job.role_arn_secret are both set: the role comes from one place; unset "
+                "job.role_arn to read it from the Secret block, or job.role_arn_secret to use job.role_arn"
+            )
+        for field in ("role_arn_secret", "aws_credentials_block"):
+            name = getattr(self, field)
+            if name is not None and not re.fullmatch(r"[a-z0-9-]+", name):
+                raise ValueError(
+                    f"job.{field}={name!r} is not a Prefect block name: use lowercase letters, digits and dashes"
+                )
         if self.security_group_ids and not self.subnets:
             raise ValueError("security_group_ids need subnets: set job.subnets as well")
         if self.backend == "sagemaker" and not self.instance_type.startswith("ml."):
@@ -325,7 +344,7 @@ OPERATIONAL_JOB_FIELDS = frozenset(
         "role_arn", "max_runtime_hours", "volume_size_gb", "max_restarts", "budget_usd", "price_per_hour_usd",
         "poll_seconds", "hang_timeout_minutes", "backoff_seconds", "stop_grace_seconds", "subnets",
         "security_group_ids", "kms_key_id", "keep_alive_minutes", "training_plan_arn", "sagemaker_retry_attempts",
-        "infra_check",
+        "infra_check", "role_arn_secret", "aws_credentials_block",
     }
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
@@ -570,8 +589,6 @@ def stable_hash(obj: Any) -> str:
 
 
 def check_run_id(run_id: str) -> str:
-    import re
-
     if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}", run_id):
         raise ConfigError(
             f"run_id: {run_id!r} is not allowed; use 1-100 letters, digits, '.', '_' or '-', "

@@ -1,0 +1,190 @@
+"""Where a run's AWS credentials and SageMaker role come from: Prefect blocks, or boto3's default chain and config.
+
+`activate(job)` loads the prefect-aws `AwsCredentials` block named by `job.aws_credentials_block` and exports its
+settings into this process's environment, where boto3's default chain reads them: every client the run makes
+(boto3, s3fs, datasets, the SageMaker SDK) and every local job process it starts (they inherit the environment)
+then uses the block's credentials, without passing a session around. Without a block nothing changes: boto3's
+default chain (environment variables, profile, container or instance role) applies as before.
+
+Precedence, when a block is set: what the block defines wins over the environment, and variables that would
+otherwise override or spoil it are removed:
+- access keys: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (removed when the block has none: a
+  stale token would be sent with the block's keys); AWS_PROFILE is set to the block's profile_name when it has
+  one (boto3 then takes its region and settings; the keys still win) and removed otherwise (a stale profile name
+  that does not exist fails every client);
+- a profile only: AWS_PROFILE; environment keys are removed, since botocore reads them before any profile;
+- neither keys nor profile: the credentials stay with the default chain; only the region and endpoint apply;
+- region_name: AWS_DEFAULT_REGION and AWS_REGION. SageMaker and CloudWatch clients still use job.region;
+- aws_client_parameters.endpoint_url: AWS_ENDPOINT_URL, for every service (as the block's own clients would),
+  with the service-specific AWS_ENDPOINT_URL_<SERVICE> variables removed; verify_cert_path: AWS_CA_BUNDLE.
+With keys or a profile, AWS_DEFAULT_PROFILE is removed too: botocore reads it before AWS_PROFILE. A block's
+assume_role_arn is refused (temporary credentials exported once would expire during a long run: use a profile
+that assumes the role); its other client parameters have no environment variable and are ignored with a warning.
+
+`role_arn(job)` is the IAM role SageMaker jobs assume: `job.role_arn`, else the value of the Prefect `Secret`
+block named by `job.role_arn_secret`, read when called (at submission), else None. SageMaker jobs get the role,
+never the credentials: nothing here reaches a job's Environment.
+
+infra/ does not depend on Prefect otherwise: Prefect is imported only when a block is named, so what training
+jobs import of infra/ still loads without it. Secret values are never logged nor put in exception messages.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from training.config import ConfigError, JobConfig
+
+log = logging.getLogger("hlat.aws")
+
+CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
+"""The environment's access keys (AWS_SECURITY_TOKEN: botocore's older name of the session token)."""
+PROFILE_VARIABLES = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE")
+SETTING_VARIABLES = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_CA_BUNDLE")
+_SERVICE_ENDPOINT = re.compile(r"AWS_ENDPOINT_URL_[A-Z0-9_]+")
+_ROLE_ARN = re.compile(r"arn:aws[a-z-]*:iam::\d{12}:role/[\w+=,.@/-]+")
+
+
+class AwsBlockError(ConfigError):
+    """A block named in job.* is missing or unusable; the message names the field, the block and the fix."""
+
+
+def managed_variables(environ: Mapping[str, str] | None = None) -> list[str]:
+    """Every environment variable `activate` may set or remove (for tests that must restore them)."""
+    env = os.environ if environ is None else environ
+    service = sorted(name for name in env if _SERVICE_ENDPOINT.fullmatch(name))
+    return [*CREDENTIAL_VARIABLES, *PROFILE_VARIABLES, *SETTING_VARIABLES, *service]
+
+
+def activate(job: JobConfig) -> None:
+    """Make the AwsCredentials block `job.aws_credentials_block` this process's AWS credentials (see the module
+    docstring for what it overrides); nothing when it is None."""
+    name = job.aws_credentials_block
+    if name is None:
+        return
+    env = credential_environment(_load_credentials(name), name)
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+    region = env.get("AWS_DEFAULT_REGION")
+    if region and region != job.region:
+        log.warning(
+            "the AwsCredentials block %r is for region %s but job.region=%s: SageMaker jobs and their logs use "
+            "job.region, other clients (S3) default to %s",
+            name, region, job.region, region,
+        )  # fmt: skip
+
+
+def credential_environment(block: Any, name: str) -> dict[str, str | None]:
+    """The environment variables that make boto3's default chain use `block` (an AwsCredentials): a value to
+    set, or None to remove. `name` is the block's, for messages."""
+    if block.assume_role_arn:
+        raise AwsBlockError(
+            f"job.aws_credentials_block={name!r}: the block sets assume_role_arn, which hlat cannot hand to the "
+            "processes a run starts (its temporary credentials would expire during the run); put the role in an "
+            "AWS profile instead (role_arn and source_profile in ~/.aws/config) and set the block's profile_name"
+        )
+    key_id = block.aws_access_key_id
+    secret = block.aws_secret_access_key.get_secret_value() if block.aws_secret_access_key else None
+    if bool(key_id) != bool(secret):
+        missing = "aws_secret_access_key" if key_id else "aws_access_key_id"
+        raise AwsBlockError(
+            f"job.aws_credentials_block={name!r}: the block has one half of an access key ({missing} is empty); "
+            "set both aws_access_key_id and aws_secret_access_key, or neither to use its profile or the default chain"
+        )
+    env: dict[str, str | None] = {}
+    if key_id:
+        env.update(
+            AWS_DEFAULT_PROFILE=None,
+            AWS_ACCESS_KEY_ID=key_id,
+            AWS_SECRET_ACCESS_KEY=secret,
+            AWS_SESSION_TOKEN=block.aws_session_token or None,
+            AWS_SECURITY_TOKEN=None,
+            AWS_PROFILE=block.profile_name or None,
+        )
+    elif block.profile_name:
+        env.update(dict.fromkeys(CREDENTIAL_VARIABLES), AWS_DEFAULT_PROFILE=None, AWS_PROFILE=block.profile_name)
+    if block.region_name:
+        env.update(AWS_DEFAULT_REGION=block.region_name, AWS_REGION=block.region_name)
+    params = block.aws_client_parameters
+    if params.endpoint_url:
+        env.update(dict.fromkeys(var for var in os.environ if _SERVICE_ENDPOINT.fullmatch(var)))
+        env["AWS_ENDPOINT_URL"] = params.endpoint_url
+    bundle = params.verify_cert_path or (params.verify if not isinstance(params.verify, bool) else None)
+    if bundle:
+        env["AWS_CA_BUNDLE"] = str(bundle)
+    ignored = [
+        field
+        for field, is_set in (
+            ("api_version", params.api_version is not None),
+            ("use_ssl", not params.use_ssl and not params.endpoint_url),  # an endpoint URL names its scheme
+            ("verify", params.verify is False),
+            ("config", bool(params.config)),
+        )
+        if is_set
+    ]
+    if ignored:
+        log.warning(
+            "job.aws_credentials_block=%r: aws_client_parameters %s have no environment variable and are ignored",
+            name, ", ".join(ignored),
+        )  # fmt: skip
+    source = "access key" if key_id else f"profile {block.profile_name!r}" if block.profile_name else "default chain"
+    log.info("AWS credentials: AwsCredentials block %r (%s)", name, source)
+    return env
+
+
+def role_arn(job: JobConfig) -> str | None:
+    """The IAM role SageMaker jobs assume: job.role_arn, else the Secret block job.role_arn_secret (read now),
+    else None."""
+    if job.role_arn or not job.role_arn_secret:
+        return job.role_arn or None
+    name = job.role_arn_secret
+    from prefect.blocks.system import Secret
+
+    value = _load(Secret, name, "role_arn_secret", 'Secret(value="arn:aws:iam::<account>:role/<role>")').get()
+    # The block may hold something else by mistake (a password): its value is never repeated in a message.
+    if not isinstance(value, str) or not _ROLE_ARN.fullmatch(value.strip()):
+        raise AwsBlockError(
+            f"job.role_arn_secret={name!r}: the Secret block's value is not an IAM role ARN; save one like "
+            f'Secret(value="arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>").save("{name}", '
+            "overwrite=True)"
+        )
+    return value.strip()
+
+
+def _load_credentials(name: str) -> Any:
+    from prefect_aws import AwsCredentials
+
+    return _load(
+        AwsCredentials,
+        name,
+        "aws_credentials_block",
+        'AwsCredentials(aws_access_key_id="...", aws_secret_access_key="...", region_name="us-west-2")',
+    )
+
+
+def _load(block_type: Any, name: str, field: str, example: str) -> Any:
+    """`block_type.load(name)`, synchronously even inside an async flow; a missing block raises AwsBlockError
+    saying how to create it."""
+    from prefect.exceptions import ObjectNotFound
+
+    try:
+        return block_type.load(name, _sync=True)
+    except ValueError as exc:
+        if isinstance(exc.__cause__, ObjectNotFound):
+            raise AwsBlockError(
+                f"job.{field}={name!r}: no {block_type.__name__} block named {name!r} on the Prefect server; "
+                f"create it in the UI (Blocks; `prefect block register -m prefect_aws` adds the AWS types), or with "
+                f'`{example}.save("{name}")` in Python'
+            ) from None
+        # e.g. a block saved with another schema: its pydantic error could quote the stored (secret) values.
+        raise AwsBlockError(
+            f"job.{field}={name!r}: the {block_type.__name__} block could not be loaded ({type(exc).__name__}); "
+            "open it in the Prefect UI and save it again"
+        ) from None
