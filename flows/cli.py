@@ -8,6 +8,8 @@
     hlat presets
     hlat config --preset hlat-7b [--set ...]
     hlat plan --preset hlat-7b [--nodes N] [--tokens T] [--json] [--set ...]   rank parallel layouts; time and cost
+    hlat deploy [--name '*-tiny' ...] [--type process|ecs|kubernetes]   register deployments/prefect.yaml
+    hlat worker [--pool hlat] [--type process|ecs|kubernetes] [--limit N]   create the pool if missing, serve it
 
 Flows run on the Prefect API configured in the environment, or in Prefect's ephemeral mode when none is.
 User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1.
@@ -97,7 +99,32 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=_positive_int, default=10, help="layouts shown (default: 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p = sub.add_parser("deploy", help="register deployments/prefect.yaml on the Prefect API (prefect deploy, checked)")
+    p.add_argument(
+        "--name",
+        dest="names",
+        action="append",
+        default=[],
+        metavar="PATTERN",
+        help="deploy only these deployments, by name or glob, e.g. --name '*-tiny' (repeatable; default: all)",
+    )
+    _add_pool_type(p, "type of the work pool when it is created")
+    p = sub.add_parser("worker", help="create the work pool if missing and start a worker on it")
+    p.add_argument("--pool", default="hlat", help="work pool (default: hlat)")
+    _add_pool_type(p, "worker and pool type")
+    p.add_argument("--limit", type=_positive_int, help="most flow runs at once (default: no limit)")
+    p.add_argument("--name", help="worker name (default: Prefect's)")
     return parser
+
+
+def _add_pool_type(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument(
+        "--type",
+        dest="pool_type",
+        default="process",
+        choices=("process", "ecs", "kubernetes"),
+        help=f"{what}: process (this host), ecs or kubernetes (production) (default: process)",
+    )
 
 
 def _overrides(items: list[str]) -> dict[str, Any]:
@@ -225,6 +252,14 @@ def _dispatch(args: argparse.Namespace) -> int:
         return _export(args)
     if args.command == "compare":
         return _compare(args)
+    if args.command == "deploy":
+        from flows.deploy import deploy
+
+        return deploy(args.names, pool_type=args.pool_type)
+    if args.command == "worker":
+        from flows.deploy import worker
+
+        worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name)
     overrides = _overrides(args.overrides)
     if args.command == "plan":
         return _plan(args, overrides)

@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from prefect import flow
 
 from flows.common import resolve, run_name
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
 from infra.prepare import DataReport
 from tasks.common import run_cached, stage_cache_key
 from tasks.data import build_shards, fingerprint_source, publish_data_report, shards_present
@@ -14,10 +13,10 @@ from tasks.data import build_shards, fingerprint_source, publish_data_report, sh
 
 @flow(name="prepare-data", flow_run_name=run_name, log_prints=True)
 def prepare_data(
-    preset: str = "tiny",
-    overrides: dict[str, Any] | None = None,
-    run_id: str | None = None,
-    storage: str | None = None,
+    preset: PresetName = PRESET,
+    run_id: str | None = RUN_ID,
+    storage: str | None = STORAGE,
+    overrides: Overrides = OVERRIDES,
 ) -> DataReport:
     """Download (or build), validate and shard the corpus of a run."""
     config, run = resolve(preset, overrides, run_id, storage)

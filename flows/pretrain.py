@@ -9,6 +9,7 @@ from prefect import flow
 from flows.burn_in import burn_in
 from flows.common import resolve, run_name, stop_jobs_on_cancel
 from flows.evaluate import evaluate
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
 from flows.precompile import precompile
 from flows.prepare_data import prepare_data
 from flows.train import train
@@ -17,10 +18,10 @@ from flows.train_tokenizer import train_tokenizer
 
 @flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def hlat(
-    preset: str = "tiny",
-    overrides: dict[str, Any] | None = None,
-    run_id: str | None = None,
-    storage: str | None = None,
+    preset: PresetName = PRESET,
+    run_id: str | None = RUN_ID,
+    storage: str | None = STORAGE,
+    overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
     """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train -> evaluate.
     A failed burn-in stops the DAG before training."""

@@ -1,0 +1,67 @@
+"""Flow parameters as the UI renders them: a preset choice, typed override fields, a clear error for a
+deployment placeholder that was never filled in."""
+
+from __future__ import annotations
+
+import inspect
+from typing import get_args
+
+import pytest
+from prefect.utilities.callables import parameter_schema
+from pydantic import ValidationError
+
+from flows.cli import STAGES, _stage_flow
+from flows.common import resolve
+from flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
+from flows.pretrain import hlat
+from training.config import ConfigError, HlatConfig
+from training.presets import PRESETS
+
+
+def test_the_preset_choice_lists_every_preset() -> None:
+    assert list(get_args(PresetName)) == list(PRESETS)
+
+
+def test_form_fields_are_config_fields_with_the_configs_own_descriptions() -> None:
+    schema = Overrides.model_json_schema()
+    for dotted in FORM_FIELDS:
+        section, name = dotted.split(".")
+        field = HlatConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
+        assert schema["properties"][dotted]["description"] == field.description
+        assert schema["properties"][dotted]["default"] is None
+    assert schema["additionalProperties"] is True
+
+
+def test_overrides_keep_set_fields_and_extra_paths_and_drop_empty_ones() -> None:
+    model = Overrides.model_validate(
+        {"training.max_steps": 50, "evaluation.tasks": ["hlat_cloze"], "job.max_restarts": 3, "job.budget_usd": None}
+    )
+    assert model.as_dict() == {"training.max_steps": 50, "evaluation.tasks": ["hlat_cloze"], "job.max_restarts": 3}
+    # As a flow run stores it (every form field, empty ones as null) and back.
+    stored = model.model_dump(mode="json")
+    assert stored["training.lr"] is None and overrides_dict(stored) == model.as_dict()
+    assert overrides_dict(None) == {} and overrides_dict({"job.kms_key_id": None}) == {"job.kms_key_id": None}
+
+
+def test_a_form_field_is_checked_like_the_config_field() -> None:
+    with pytest.raises(ValidationError, match=r"training\.max_steps"):
+        Overrides.model_validate({"training.max_steps": 0})
+
+
+@pytest.mark.parametrize("name", [*STAGES, "pretrain"])
+def test_every_flow_takes_the_same_typed_parameters(name: str) -> None:
+    fn = hlat if name == "pretrain" else _stage_flow(name)
+    schema = parameter_schema(fn.fn).model_dump()
+    props = schema["properties"]
+    assert list(props)[:4] == ["preset", "run_id", "storage", "overrides"]
+    assert props["preset"]["enum"] == list(PRESETS) and props["preset"]["default"] == "tiny"
+    assert all(props[p].get("description") for p in props)
+    assert schema["definitions"]["Overrides"]["properties"].keys() == set(FORM_FIELDS)
+    assert list(inspect.signature(fn.fn).parameters)[4:] == (["step"] if name == "evaluate" else [])
+
+
+def test_an_unfilled_deployment_placeholder_is_named_before_anything_runs() -> None:
+    with pytest.raises(ConfigError, match=r"storage='\{\{ \$HLAT_S3_ROOT \}\}'.*hlat deploy"):
+        resolve("hlat-7b", None, None, "{{ $HLAT_S3_ROOT }}")
+    with pytest.raises(ConfigError, match=r"overrides\['job.role_arn'\]"):
+        resolve("tiny", {"job.role_arn": "{{ prefect.blocks.secret.role }}"}, None, None)
