@@ -277,20 +277,27 @@ def _dispatch(args: argparse.Namespace) -> int:
             return 2
         print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
         return 0
-    flow_fn: Callable[..., Any]
+    flow_fn, params = flow_call(args, overrides)
+    start = time.perf_counter()
+    flow_fn(**params)
+    print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+    """The flow `hlat pretrain` or `hlat run <stage>` calls, and its parameters."""
     if args.command == "pretrain":
         from flows.pretrain import hlat
 
-        flow_fn = hlat
+        flow_fn: Any = hlat
     else:
         flow_fn = _stage_flow(args.stage)
-    start = time.perf_counter()
-    extra = {"step": args.step} if args.command == "run" and args.stage == "evaluate" else {}
     if args.command == "run" and args.step is not None and args.stage != "evaluate":
         raise ConfigError(f"--step applies to 'hlat run evaluate' only, not {args.stage}")
-    flow_fn(preset=args.preset, overrides=overrides or None, run_id=args.run_id, storage=args.storage, **extra)
-    print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")
-    return 0
+    params = {"preset": args.preset, "overrides": overrides, "run_id": args.run_id, "storage": args.storage}
+    if args.command == "run" and args.stage == "evaluate":
+        params["step"] = args.step
+    return flow_fn, params
 
 
 def _export(args: argparse.Namespace) -> int:

@@ -10,11 +10,11 @@ import pytest
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
-from flows.cli import STAGES, _stage_flow
+from flows.cli import STAGES, _overrides, _stage_flow, build_parser, flow_call
 from flows.common import resolve
 from flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
 from flows.pretrain import hlat
-from training.config import ConfigError, HlatConfig
+from training.config import ConfigError, HlatConfig, parse_override
 from training.presets import PRESETS
 
 
@@ -65,3 +65,14 @@ def test_an_unfilled_deployment_placeholder_is_named_before_anything_runs() -> N
         resolve("hlat-7b", None, None, "{{ $HLAT_S3_ROOT }}")
     with pytest.raises(ConfigError, match=r"overrides\['job.role_arn'\]"):
         resolve("tiny", {"job.role_arn": "{{ prefect.blocks.secret.role }}"}, None, None)
+
+
+@pytest.mark.parametrize(
+    "argv", [["pretrain"], *(["run", stage] for stage in STAGES), ["run", "evaluate", "--step", "3", "--set", "a.b=1"]]
+)
+def test_what_the_cli_passes_is_valid_for_the_flow(argv: list[str]) -> None:
+    """With or without --set: the flow's own parameter validation accepts the CLI's call (as Prefect runs it)."""
+    args = build_parser().parse_args(argv)
+    fn, params = flow_call(args, _overrides(args.overrides))
+    validated = fn.validate_parameters(params)
+    assert overrides_dict(validated["overrides"]) == dict(parse_override(o) for o in args.overrides)
