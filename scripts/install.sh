@@ -18,6 +18,6 @@ if [ "$extras" = "dev" ] && ! command -v chromium >/dev/null 2>&1; then
     "${as_root[@]}" apt-get update -qq
     DEBIAN_FRONTEND=noninteractive "${as_root[@]}" apt-get install -y -qq --no-install-recommends chromium >/dev/null
   else
-    echo "install.sh: chromium not found and apt-get not usable: tests/e2e/test_ui.py will be skipped" >&2
+    echo "install.sh: chromium not found and apt-get not usable: the browser test (tests/e2e) will be skipped" >&2
   fi
 fi

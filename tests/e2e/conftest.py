@@ -95,7 +95,7 @@ class Started:
         return leftovers
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def prefect_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
     """A real Prefect server with its UI on 127.0.0.1 and its own PREFECT_HOME; yields the env that reaches it."""
     home = tmp_path_factory.mktemp("prefect-home")
@@ -129,13 +129,13 @@ def run_ok(env: dict[str, str], args: list[str], timeout: float = 300) -> subpro
     return out
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def deployed(prefect_env: dict[str, str]) -> str:
     """`hlat deploy`: the work pool created and every deployment of deployments/prefect.yaml registered."""
     return run_ok(prefect_env, [HLAT, "deploy"], timeout=600).stdout
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def worker(prefect_env: dict[str, str], deployed: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Started]:
     """`hlat worker`: a process worker on the pool `hlat`, one flow run at a time."""
     log = tmp_path_factory.mktemp("worker") / "worker.log"
