@@ -231,6 +231,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _known_error(exc: BaseException) -> str | None:
     """User-facing errors print as one line; anything else keeps its traceback."""
+    from flows.deploy import DeployError
     from infra.corpus import SourceError
     from infra.storage import StorageError
     from infra.supervisor import SupervisorError
@@ -238,7 +239,16 @@ def _known_error(exc: BaseException) -> str | None:
     from tasks.jobs import BurnInFailed
     from training.checkpoint import CheckpointError
 
-    known = (SourceError, StorageError, DataValidationError, SupervisorError, BurnInFailed, CheckpointError, ValueError)
+    known = (
+        DeployError,
+        SourceError,
+        StorageError,
+        DataValidationError,
+        SupervisorError,
+        BurnInFailed,
+        CheckpointError,
+        ValueError,
+    )
     if isinstance(exc, known):
         return str(exc)
     return None

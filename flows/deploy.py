@@ -95,6 +95,10 @@ def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], 
     return sorted(v for v in needed if not env.get(v))
 
 
+class DeployError(RuntimeError):
+    """A work pool could not be created (the message says why); the CLI prints it as one line."""
+
+
 def api_url() -> str:
     """The Prefect API this process talks to; deploying to an ephemeral one would register nothing lasting."""
     from prefect.settings import PREFECT_API_URL
@@ -133,7 +137,7 @@ def ensure_pool(name: str, pool_type: str, env: dict[str, str]) -> str:
     if create.returncode != 0:
         detail = (create.stderr or create.stdout).strip().splitlines()[-1:] or ["no output"]
         hint = " (the kubernetes type needs `pip install prefect-kubernetes`)" if pool_type == "kubernetes" else ""
-        raise RuntimeError(f"could not create work pool {name!r} of type {pool_type}{hint}: {detail[0]}")
+        raise DeployError(f"could not create work pool {name!r} of type {pool_type}{hint}: {detail[0]}")
     return f"created (type {pool_type})"
 
 
@@ -163,7 +167,7 @@ def worker(
     api_url()
     env = deploy_env()
     print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}", flush=True)
-    cmd = [_prefect(), "worker", "start", "--pool", pool, "--type", pool_type]
+    cmd = [_prefect(), "worker", "start", "--pool", pool]  # the worker type follows the pool's own
     if limit is not None:
         cmd += ["--limit", str(limit)]
     if name:
