@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from flows.deploy import DEFAULT_POOL, POOL_TYPES
 from training.config import ConfigError, parse_override
 from training.presets import PRESETS, load_config
 
@@ -110,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_pool_type(p, "type of the work pool when it is created")
     p = sub.add_parser("worker", help="create the work pool if missing and start a worker on it")
-    p.add_argument("--pool", default="hlat", help="work pool (default: hlat)")
+    p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (default: {DEFAULT_POOL})")
     _add_pool_type(p, "worker and pool type")
     p.add_argument("--limit", type=_positive_int, help="most flow runs at once (default: no limit)")
     p.add_argument("--name", help="worker name (default: Prefect's)")
@@ -122,7 +123,7 @@ def _add_pool_type(p: argparse.ArgumentParser, what: str) -> None:
         "--type",
         dest="pool_type",
         default="process",
-        choices=("process", "ecs", "kubernetes"),
+        choices=POOL_TYPES,
         help=f"{what}: process (this host), ecs or kubernetes (production) (default: process)",
     )
 
@@ -285,6 +286,13 @@ def _dispatch(args: argparse.Namespace) -> int:
         if args.command == "run" and args.stage in ("prepare-data", "train-tokenizer"):
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
             return 2
+        from infra.aws import AwsBlockError
+        from tasks.aws import with_role
+
+        try:
+            config = with_role(config)
+        except AwsBlockError as exc:  # shown with the placeholder role, as when none is set
+            print(f"hlat: note: {exc}", file=sys.stderr)
         print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
         return 0
     flow_fn, params = flow_call(args, overrides)

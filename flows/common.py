@@ -8,8 +8,8 @@ from prefect import task
 from prefect.runtime import flow_run
 
 from flows.params import overrides_dict
-from infra import aws
 from infra.runs import Run, open_run
+from tasks import aws
 from tasks.common import TRANSIENT_RETRIES
 from training.config import ConfigError, HlatConfig
 from training.presets import load_config
@@ -21,8 +21,9 @@ def open_run_task(config: HlatConfig) -> Run:
     return open_run(config)
 
 
-def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
-    """The run's config (preset, then the overrides model or dict of dotted paths, run id, storage) and its run."""
+def resolve_config(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> HlatConfig:
+    """A flow run's config from its parameters (the overrides model, or the dict a flow run stores), with the
+    AwsCredentials block it names, if any, made this process's AWS credentials."""
     changes = overrides_dict(overrides)
     given = {"run_id": run_id, "storage": storage, **{f"overrides[{k!r}]": v for k, v in changes.items()}}
     unfilled = [f"{name}={value!r}" for name, value in given.items() if isinstance(value, str) and "{{" in value]
@@ -32,9 +33,16 @@ def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None
             "`hlat deploy` (deployments/prefect.yaml lists them), or give the value as a parameter of this run"
         )
     config = load_config(preset, changes, run_id=run_id, storage=storage)
-    aws.activate(config.job)  # the AwsCredentials block, if any, before the first AWS call (the run's storage)
+    aws.activate(config.job)  # before the first AWS call (the run's storage)
+    return config
+
+
+def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
+    """The run's config and its run; the SageMaker role is read from its Secret block after config.json is written
+    (which keeps the block's name, not its value)."""
+    config = resolve_config(preset, overrides, run_id, storage)
     run = open_run_task(config)
-    return config.model_copy(update={"run_id": run.run_id}), run
+    return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
 
 
 def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
@@ -45,9 +53,9 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
     from infra.backends import stop_live_jobs
 
     params = flow_run.parameters
-    preset, overrides = params.get("preset", "tiny"), overrides_dict(params.get("overrides"))
-    config = load_config(preset, overrides, run_id=params.get("run_id"), storage=params.get("storage"))
-    aws.activate(config.job)  # a hook runs in a fresh context: the run's credentials again, to stop its jobs
+    config = resolve_config(
+        params.get("preset", "tiny"), params.get("overrides"), params.get("run_id"), params.get("storage")
+    )
     stopped = stop_live_jobs(config)
     logging.getLogger("hlat.jobs").warning("flow run cancelled: stopped %s", ", ".join(stopped) or "no running job")
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import fnmatch
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -37,7 +36,6 @@ ENV_HELP = {
     "HLAT_GIT_REPOSITORY": "the git URL production workers clone (no 'origin' remote to default to)",
     "HLAT_GIT_BRANCH": "the branch production workers clone",
 }
-_ENV_PLACEHOLDER = re.compile(r"{{\s*\$(\w+)\s*}}")
 
 
 def _prefect() -> str:
@@ -88,10 +86,14 @@ def select(deployments: list[dict[str, Any]], patterns: Sequence[str]) -> list[d
 
 def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], env: dict[str, str]) -> list[str]:
     """Environment variables that the deployments' `{{ $VAR }}` placeholders name and `env` lacks."""
-    needed: set[str] = set()
-    for dep in deployments:
-        text = yaml.safe_dump({**dep, "pull": dep.get("pull", default_pull)})
-        needed.update(_ENV_PLACEHOLDER.findall(text))
+    from prefect.utilities.templating import PlaceholderType, find_placeholders
+
+    needed = {
+        p.name.lstrip("$")
+        for dep in deployments
+        for p in find_placeholders({**dep, "pull": dep.get("pull", default_pull)})
+        if p.type is PlaceholderType.ENV_VAR
+    }
     return sorted(v for v in needed if not env.get(v))
 
 
@@ -117,8 +119,6 @@ def ensure_pool(name: str, pool_type: str, env: dict[str, str]) -> str:
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    if pool_type not in POOL_TYPES:
-        raise ConfigError(f"--type {pool_type!r}: choose one of {', '.join(POOL_TYPES)}")
     with get_client(sync_client=True) as client:
         try:
             found = client.read_work_pool(name).type

@@ -1,7 +1,8 @@
-"""Where a run's AWS credentials and SageMaker role come from: Prefect blocks, or boto3's default chain and config.
+"""A run's AWS credentials as boto3's default chain reads them, and the SageMaker role's check. No Prefect here:
+tasks/aws.py loads the blocks (AwsCredentials, Secret) and hands them to these functions.
 
-`activate(job)` loads the prefect-aws `AwsCredentials` block named by `job.aws_credentials_block` and exports its
-settings into this process's environment, where boto3's default chain reads them: every client the run makes
+`credential_environment(block)` turns a prefect-aws `AwsCredentials` block into environment variables, which
+`apply_environment` exports into this process, where boto3's default chain reads them: every client the run makes
 (boto3, s3fs, datasets, the SageMaker SDK) and every local job process it starts (they inherit the environment)
 then uses the block's credentials, without passing a session around. Without a block nothing changes: boto3's
 default chain (environment variables, profile, container or instance role) applies as before.
@@ -21,12 +22,8 @@ With keys or a profile, AWS_DEFAULT_PROFILE is removed too: botocore reads it be
 assume_role_arn is refused (temporary credentials exported once would expire during a long run: use a profile
 that assumes the role); its other client parameters have no environment variable and are ignored with a warning.
 
-`role_arn(job)` is the IAM role SageMaker jobs assume: `job.role_arn`, else the value of the Prefect `Secret`
-block named by `job.role_arn_secret`, read when called (at submission), else None. SageMaker jobs get the role,
-never the credentials: nothing here reaches a job's Environment.
-
-infra/ does not depend on Prefect otherwise: Prefect is imported only when a block is named, so what training
-jobs import of infra/ still loads without it. Secret values are never logged nor put in exception messages.
+`check_role_arn` accepts only an IAM role ARN from a Secret block. SageMaker jobs get the role, never the
+credentials: nothing here reaches a job's Environment. Secret values are never logged nor put in messages.
 """
 
 from __future__ import annotations
@@ -37,7 +34,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from training.config import ConfigError, JobConfig
+from training.config import ConfigError
 
 log = logging.getLogger("hlat.aws")
 
@@ -60,25 +57,13 @@ def managed_variables(environ: Mapping[str, str] | None = None) -> list[str]:
     return [*CREDENTIAL_VARIABLES, *PROFILE_VARIABLES, *SETTING_VARIABLES, *service]
 
 
-def activate(job: JobConfig) -> None:
-    """Make the AwsCredentials block `job.aws_credentials_block` this process's AWS credentials (see the module
-    docstring for what it overrides); nothing when it is None."""
-    name = job.aws_credentials_block
-    if name is None:
-        return
-    env = credential_environment(_load_credentials(name), name)
+def apply_environment(env: Mapping[str, str | None]) -> None:
+    """Set (a value) or remove (None) each variable in this process's environment."""
     for key, value in env.items():
         if value is None:
             os.environ.pop(key, None)
         else:
             os.environ[key] = value
-    region = env.get("AWS_DEFAULT_REGION")
-    if region and region != job.region:
-        log.warning(
-            "the AwsCredentials block %r is for region %s but job.region=%s: SageMaker jobs and their logs use "
-            "job.region, other clients (S3) default to %s",
-            name, region, job.region, region,
-        )  # fmt: skip
 
 
 def credential_environment(block: Any, name: str) -> dict[str, str | None]:
@@ -139,52 +124,13 @@ def credential_environment(block: Any, name: str) -> dict[str, str | None]:
     return env
 
 
-def role_arn(job: JobConfig) -> str | None:
-    """The IAM role SageMaker jobs assume: job.role_arn, else the Secret block job.role_arn_secret (read now),
-    else None."""
-    if job.role_arn or not job.role_arn_secret:
-        return job.role_arn or None
-    name = job.role_arn_secret
-    from prefect.blocks.system import Secret
-
-    value = _load(Secret, name, "role_arn_secret", 'Secret(value="arn:aws:iam::<account>:role/<role>")').get()
-    # The block may hold something else by mistake (a password): its value is never repeated in a message.
+def check_role_arn(value: object, secret_name: str) -> str:
+    """The IAM role ARN a Secret block named `secret_name` held; anything else (a password saved there by mistake)
+    is refused without being repeated."""
     if not isinstance(value, str) or not _ROLE_ARN.fullmatch(value.strip()):
         raise AwsBlockError(
-            f"job.role_arn_secret={name!r}: the Secret block's value is not an IAM role ARN; save one like "
-            f'Secret(value="arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>").save("{name}", '
-            "overwrite=True)"
+            f"job.role_arn_secret={secret_name!r}: the Secret block's value is not an IAM role ARN; save one like "
+            f'Secret(value="arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>").save('
+            f'"{secret_name}", overwrite=True)'
         )
     return value.strip()
-
-
-def _load_credentials(name: str) -> Any:
-    from prefect_aws import AwsCredentials
-
-    return _load(
-        AwsCredentials,
-        name,
-        "aws_credentials_block",
-        'AwsCredentials(aws_access_key_id="...", aws_secret_access_key="...", region_name="us-west-2")',
-    )
-
-
-def _load(block_type: Any, name: str, field: str, example: str) -> Any:
-    """`block_type.load(name)`, synchronously even inside an async flow; a missing block raises AwsBlockError
-    saying how to create it."""
-    from prefect.exceptions import ObjectNotFound
-
-    try:
-        return block_type.load(name, _sync=True)
-    except ValueError as exc:
-        if isinstance(exc.__cause__, ObjectNotFound):
-            raise AwsBlockError(
-                f"job.{field}={name!r}: no {block_type.__name__} block named {name!r} on the Prefect server; "
-                f"create it in the UI (Blocks; `prefect block register -m prefect_aws` adds the AWS types), or with "
-                f'`{example}.save("{name}")` in Python'
-            ) from None
-        # e.g. a block saved with another schema: its pydantic error could quote the stored (secret) values.
-        raise AwsBlockError(
-            f"job.{field}={name!r}: the {block_type.__name__} block could not be loaded ({type(exc).__name__}); "
-            "open it in the Prefect UI and save it again"
-        ) from None

@@ -11,7 +11,6 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from infra.aws import AwsBlockError, role_arn
 from infra.catalog import CATALOG, price_per_hour
 from infra.jobs import JobBackend, JobSpec, JobState, job_name
 from infra.storage import Storage
@@ -218,16 +217,9 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         if not root.startswith("s3://"):
             notes.append(f"storage.root is {root!r}: SageMaker needs s3://; shown with {PLACEHOLDER_ROOT}")
             root = PLACEHOLDER_ROOT
-        try:
-            role = role_arn(config.job)
-            if role is None:
-                notes.append(f"job.role_arn and job.role_arn_secret are not set; shown with {PLACEHOLDER_ROLE}")
-        except AwsBlockError as exc:  # the Secret block is missing or holds no role ARN
-            role = None
-            notes.append(f"{exc}; shown with {PLACEHOLDER_ROLE}")
-        # The role read once, here: the backend does not read the Secret block again.
-        job = config.job.model_copy(update={"role_arn": role or PLACEHOLDER_ROLE, "role_arn_secret": None})
-        config = config.model_copy(update={"job": job})
+        if not config.job.role_arn:  # job.role_arn_secret is read by the caller (tasks/aws.py: with_role)
+            notes.append(f"job.role_arn is not set; shown with {PLACEHOLDER_ROLE}")
+            config = config.model_copy(update={"job": config.job.model_copy(update={"role_arn": PLACEHOLDER_ROLE})})
     run_uri = f"{root}/{run_id}"
     spec = job_spec(config, run_uri, run_id, attempt=1, stage=stage)
     requests = backend_for(config, run_uri, run_id).dry_run(spec)

@@ -28,7 +28,6 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
-from infra import aws
 from infra.jobs import JobSpec, JobState, Status, SubmitError
 from training.config import JobConfig
 from training.sagemaker import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
@@ -48,7 +47,7 @@ GPU_DLC_VERSION = "2.10.0"
 """PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
 SOURCE_IGNORE = [
     # Never shipped: secrets, version control, environments and caches (the SDK's defaults plus ours).
-    ".env", ".git", ".venv", "venv", "__pycache__", "*.pyc", ".DS_Store", ".cache", ".ipynb_checkpoints",
+    ".env", ".git", ".venv*", "venv", "__pycache__", "*.pyc", ".DS_Store", ".cache", ".ipynb_checkpoints",
     ".mypy_cache", ".pytest_cache", ".ruff_cache", "*.egg-info", "build", "dist", ".ci",
     # Local run outputs can be gigabytes; jobs read their run from S3.
     "runs",
@@ -308,7 +307,6 @@ class SageMakerBackend:
         """Upload the source, then create the training job named `spec.name`. A name already in use is refused
         (SubmitError 'ResourceInUse') before anything is uploaded: the caller should re-attach to that job."""
         self._check(spec)
-        role = self._role()
         try:
             existing = self.describe(spec.name)
         except ClientError as exc:  # e.g. throttled: classified like a refused submission
@@ -319,7 +317,7 @@ class SageMakerBackend:
                 f"a training job named {spec.name} already exists ({existing.status.value}); "
                 "describe it to re-attach instead of submitting it again",
             )
-        request = self._build_request(spec, self.boto_session, role)
+        request = self._build_request(spec, self.boto_session)
         try:
             self._create(request)
         except SubmitError as exc:
@@ -387,9 +385,9 @@ class SageMakerBackend:
         """The requests `submit(spec)` would send: S3 uploads of the source (summarised as bucket, key and size)
         and CreateTrainingJob with its full parameters, validated against the service model. Sends nothing."""
         bucket, _ = self._check(spec)
-        role = self._role()
-        offline = OfflineAWS(self.job.region, role, [bucket])
-        request = self._build_request(spec, offline.session, role)
+        assert self.job.role_arn is not None  # _check raised otherwise
+        offline = OfflineAWS(self.job.region, self.job.role_arn, [bucket])
+        request = self._build_request(spec, offline.session)
         self._create(request, offline.session.client("sagemaker", region_name=self.job.region))
         return offline.requests()
 
@@ -414,12 +412,11 @@ class SageMakerBackend:
                 f"storage.root: the sagemaker backend needs an s3:// storage root (got {spec.run_uri!r}); "
                 "pass --storage s3://bucket/prefix"
             )
-        if not (self.job.role_arn or self.job.role_arn_secret):
+        if not self.job.role_arn:
             raise ValueError(
-                f"job.role_arn={self.job.role_arn!r} and job.role_arn_secret={self.job.role_arn_secret!r}: the "
-                "sagemaker backend needs the IAM role SageMaker assumes to run the job; set "
-                "job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>, or "
-                "job.role_arn_secret=<name of a Prefect Secret block holding that ARN>"
+                f"job.role_arn={self.job.role_arn!r}: the sagemaker backend needs the IAM role SageMaker assumes to "
+                "run the job; set job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>, "
+                "or job.role_arn_secret=<a Prefect Secret block holding it>, which the flows read before submitting"
             )
         if self.job.subnets and not self.job.security_group_ids:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
@@ -432,15 +429,9 @@ class SageMakerBackend:
             )
         return split_s3_uri(spec.run_uri)
 
-    def _role(self) -> str:
-        """The role the job assumes: job.role_arn, or the Secret block job.role_arn_secret read now."""
-        role = aws.role_arn(self.job)
-        assert role is not None  # _check refused a job with neither
-        return role
-
-    def _build_request(self, spec: JobSpec, boto_session: boto3.Session, role: str) -> dict[str, Any]:
-        """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it) with the IAM `role`, made by
-        the SDK's ModelTrainer. Building it uploads the source and the SDK's container drivers to
+    def _build_request(self, spec: JobSpec, boto_session: boto3.Session) -> dict[str, Any]:
+        """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
+        ModelTrainer. Building it uploads the source and the SDK's container drivers to
         `<run>/code/<job name>/...` through `boto_session`."""
         bucket, prefix = self._check(spec)
         image = spec.image_uri or self.training_image
@@ -478,7 +469,7 @@ class SageMakerBackend:
         try:
             trainer = sdk.ModelTrainer(
                 sagemaker_session=session,
-                role=role,
+                role=job.role_arn,
                 base_job_name=spec.name,
                 training_image=image,
                 source_code=cfg.SourceCode(
@@ -510,8 +501,7 @@ class SageMakerBackend:
                 ],
             )
         except sdk.RoleValidationError as exc:
-            source = "job.role_arn" if job.role_arn else f"the Secret block job.role_arn_secret={job.role_arn_secret!r}"
-            raise SubmitError("ValidationException", f"role {role!r} of {source}: {exc}") from exc
+            raise SubmitError("ValidationException", f"job.role_arn={job.role_arn!r}: {exc}") from exc
         trainer.with_tensorboard_output_config(
             cfg.TensorBoardOutputConfig(s3_output_path=f"{run}/tensorboard", local_path=SAGEMAKER_TENSORBOARD_DIR)
         )

@@ -277,7 +277,7 @@ class JobConfig(Section):
     role_arn: str | None = None
     """IAM role SageMaker assumes (the sagemaker backend needs it, or role_arn_secret)."""
     role_arn_secret: str | None = None
-    """Name of a Prefect Secret block holding the IAM role ARN SageMaker assumes, read when a job is submitted;
+    """Name of a Prefect Secret block holding the IAM role ARN SageMaker assumes, read by each flow run;
     used when role_arn is not set (create it with `Secret(value="arn:aws:iam::...").save("<name>")`)."""
     aws_credentials_block: str | None = None
     """Name of a prefect-aws AwsCredentials block whose credentials every AWS client of the run uses (S3 storage,

@@ -21,6 +21,7 @@ from infra import aws
 from infra.backends import PLACEHOLDER_ROLE, dry_run
 from infra.runs import open_run
 from infra.storage import Storage, StorageError
+from tasks.aws import activate, role_arn, with_role
 from tests.integration.conftest import AWS_CREDENTIAL_VARS, FAKE_KEY, REGION, IamS3, S3Env, free_port
 from training.config import ConfigError, JobConfig
 from training.presets import load_config
@@ -86,7 +87,7 @@ def test_the_blocks_keys_sign_s3_requests_and_override_a_stale_environment(
     monkeypatch.setenv("AWS_SESSION_TOKEN", "stale-token")
     monkeypatch.setenv("AWS_ENDPOINT_URL_S3", f"http://127.0.0.1:{free_port()}")
 
-    aws.activate(JobConfig(aws_credentials_block=name, region=REGION))
+    activate(JobConfig(aws_credentials_block=name, region=REGION))
 
     credentials = boto3.Session().get_credentials()
     assert credentials is not None and credentials.access_key == iam_s3_server.key
@@ -106,7 +107,7 @@ def test_the_blocks_keys_sign_s3_requests_and_override_a_stale_environment(
 
 
 def test_without_a_block_the_default_chain_is_used(s3_env: S3Env) -> None:
-    aws.activate(JobConfig(region=REGION))  # no block: nothing is loaded or changed
+    activate(JobConfig(region=REGION))  # no block: nothing is loaded or changed
 
     credentials = boto3.Session().get_credentials()
     assert credentials is not None and credentials.access_key == FAKE_KEY  # from the environment
@@ -125,7 +126,7 @@ def test_a_block_with_a_profile_beats_the_environments_keys(
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "from-env")
     name = save_credentials(profile_name="hlat-profile")
 
-    aws.activate(JobConfig(aws_credentials_block=name, region=REGION))
+    activate(JobConfig(aws_credentials_block=name, region=REGION))
 
     credentials = boto3.Session().get_credentials()
     assert credentials is not None and credentials.access_key == "AKIAPROFILE"
@@ -134,7 +135,7 @@ def test_a_block_with_a_profile_beats_the_environments_keys(
 def test_a_missing_block_says_how_to_create_it(no_aws_env: None) -> None:
     job = JobConfig(aws_credentials_block="hlat-no-such-block")
     with pytest.raises(ConfigError) as err:
-        aws.activate(job)
+        activate(job)
     text = str(err.value)
     assert "job.aws_credentials_block='hlat-no-such-block'" in text
     assert "prefect block register -m prefect_aws" in text and "AwsCredentials(" in text
@@ -150,11 +151,11 @@ def test_the_secret_key_reaches_no_message_log_or_run_config(
     assume = save_credentials(aws_access_key_id="AKIAHLAT", aws_secret_access_key=secret, assume_role_arn=ROLE)
 
     config = load_config("tiny", {"job.aws_credentials_block": good}, run_id="secret-check", storage=str(tmp_path))
-    aws.activate(config.job)
+    activate(config.job)
     errors = []
     for name in (half, assume):
         with pytest.raises(ConfigError) as err:
-            aws.activate(JobConfig(aws_credentials_block=name))
+            activate(JobConfig(aws_credentials_block=name))
         errors.append(str(err.value))
     open_run(config)
 
@@ -170,10 +171,10 @@ def test_the_secret_key_reaches_no_message_log_or_run_config(
 def test_the_dry_run_request_carries_the_role_from_the_secret_block_and_no_credentials(no_aws_env: None) -> None:
     secret = f"hlat-secret-{uuid.uuid4().hex}"
     block = save_credentials(aws_access_key_id="AKIAHLAT", aws_secret_access_key=secret)
-    aws.activate(JobConfig(aws_credentials_block=block))
+    activate(JobConfig(aws_credentials_block=block))
 
     def request(overrides: dict[str, object]) -> tuple[dict[str, Any], str]:
-        config = load_config("hlat-7b", overrides, storage="s3://hlat-runs/prod")
+        config = with_role(load_config("hlat-7b", overrides, storage="s3://hlat-runs/prod"))
         text = dry_run(config)  # the real CreateTrainingJob request, validated against botocore's service model
         return json.loads(text.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\n", 1)[0]), text
 
@@ -183,19 +184,20 @@ def test_the_dry_run_request_carries_the_role_from_the_secret_block_and_no_crede
     assert not [k for k in create["Environment"] if k.startswith("AWS_")]
     assert secret not in text and "AKIAHLAT" not in text
 
-    create, text = request({"job.role_arn_secret": "hlat-no-such-secret"})
-    assert create["RoleArn"] == PLACEHOLDER_ROLE
-    assert "placeholder: job.role_arn_secret='hlat-no-such-secret': no Secret block named" in text
+    with pytest.raises(ConfigError, match=r"job\.role_arn_secret='hlat-no-such-secret': no Secret block named"):
+        request({"job.role_arn_secret": "hlat-no-such-secret"})
+    unresolved = load_config("hlat-7b", {"job.role_arn_secret": "hlat-role"}, storage="s3://hlat-runs/prod")
+    assert f"job.role_arn is not set; shown with {PLACEHOLDER_ROLE}" in dry_run(unresolved)
 
 
 def test_a_secret_that_is_not_a_role_arn_is_refused_without_repeating_it(no_aws_env: None) -> None:
     password = f"hunter2-{uuid.uuid4().hex}"
     job = sagemaker_job(role_arn_secret=save_secret(password))
     with pytest.raises(ConfigError, match="not an IAM role ARN") as err:
-        aws.role_arn(job)
+        role_arn(job)
     assert password not in str(err.value)
-    assert aws.role_arn(sagemaker_job(role_arn=ROLE)) == ROLE  # no block read: role_arn is used as is
-    assert aws.role_arn(sagemaker_job()) is None
+    assert role_arn(sagemaker_job(role_arn=ROLE)) == ROLE  # no block read: role_arn is used as is
+    assert role_arn(sagemaker_job()) is None
 
 
 def test_role_arn_and_its_secret_together_are_refused_and_neither_block_field_changes_the_run_id() -> None:
