@@ -29,8 +29,8 @@ def precompile(
     key = stage_cache_key(
         "precompile",
         run.uri,
-        config.section_hash("model", "parallelism", "precision", "precompile"),
-        [config.training.seq_len, config.training.micro_batch_size, config.training.compile],
+        config.section_hash("model", "parallelism", "precision", "precompile", "neuron"),
+        [config.training.seq_len, config.training.micro_batch_size, config.training.compile, config.training.device],
         job_shape(config),
         read_tokenizer_checksum(run.uri),
     )

@@ -15,7 +15,7 @@ from infra.catalog import CATALOG, price_per_hour
 from infra.jobs import JobBackend, JobSpec, JobState, job_name
 from infra.storage import Storage
 from infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
-from training.config import HlatConfig
+from training.config import ConfigError, HlatConfig
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
 PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
@@ -53,26 +53,64 @@ SHORT_JOB_HOURS = {"precompile": 6.0, "burn-in": 1.0}
 
 
 def job_shape(config: HlatConfig) -> list[Any]:
-    """What a stage job's results depend on about where it ran: backend, image, instance type, count, ranks."""
+    """What a stage job's results depend on about where it ran: backend, image, instance type, count, ranks, device."""
     job = config.job
-    return [job.backend, job.image_uri, job.instance_type, job.instance_count, job.processes_per_node]
+    return [
+        job.backend, job.image_uri, job.instance_type, job.instance_count, job.processes_per_node,
+        config.training.device,
+    ]  # fmt: skip
 
 
 def on_neuron(config: HlatConfig) -> bool:
-    return "trn" in config.job.instance_type
+    from training.devices import on_trainium
+
+    return on_trainium(config)
 
 
 def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = "train") -> dict[str, str]:
+    """A stage job's environment: the run id, and for the jobs on the training's instances (train, precompile,
+    burn-in) what XLA needs: on trn1 the precision flags, the `neuron` section's compiler and runtime settings and
+    the run's Neuron compile cache; with training.device=xla elsewhere, XLA:CPU's (precision flags, PJRT_DEVICE).
+    The evaluation job runs Hugging Face transformers on its own instance: none of it."""
     env = {"HLAT_RUN_ID": run_id}
-    if on_neuron(config):
-        from training.devices import neuron_environment
+    if stage == "evaluate":
+        return env
+    if on_neuron(config) or config.training.device == "xla":
+        from training.devices import xla_job_environment
 
-        env.update(neuron_environment(config.precision.mode, compile_cache=f"{run_uri}/compile-cache/neuron"))
-        if stage == "precompile":
-            # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
-            # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
-            env["RUN_NEURON_PARALLEL_COMPILE"] = "1"
+        # The compile cache's key is computed from the same function (training.compile_cache.cache_key).
+        env.update(xla_job_environment(config, compile_cache=f"{run_uri}/compile-cache/neuron"))
+    if on_neuron(config) and stage == "precompile":
+        # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
+        # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
+        env["RUN_NEURON_PARALLEL_COMPILE"] = "1"
     return env
+
+
+XLA_PYTHON = ".venv-xla/bin/python"
+"""The XLA environment `scripts/install.sh xla` makes (the Neuron image's torch and torch-xla, run on the CPU),
+relative to the project root."""
+
+
+def job_python(config: HlatConfig, stage: str) -> str | None:
+    """The interpreter of a local stage job: job.python, else the XLA environment when the jobs run on XLA outside
+    trn1, else None (the flow's own). Evaluation always runs in the flow's environment (transformers, lm-eval)."""
+    job = config.job
+    if job.backend != "local" or stage == "evaluate":
+        return None
+    if job.python:
+        return job.python
+    if config.training.device != "xla":
+        return None
+    from infra.local_jobs import PROJECT_ROOT
+
+    path = PROJECT_ROOT / XLA_PYTHON
+    if not path.exists():
+        raise ConfigError(
+            f"training.device=xla runs the local jobs in the XLA environment, and {path} does not exist: run "
+            "`scripts/install.sh xla` first, or set job.python to an interpreter that has torch-xla"
+        )
+    return str(path)
 
 
 def evaluation_image(config: HlatConfig) -> str | None:
@@ -99,9 +137,14 @@ def job_spec(
     hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
     if evaluating:
         hours = e.max_runtime_hours
-    # Burn-in's write check and evaluation sync their checkpoint folders apart from the run's checkpoints
-    # (SageMaker would otherwise copy every checkpoint into the evaluation container first).
-    sync = {"burn-in": "burn-in/checkpoint-sync", "evaluate": "eval/checkpoint-sync"}
+    # Only training syncs the run's checkpoints: SageMaker copies a job's checkpoint folder onto every node before
+    # it starts, and precompile (throwaway weights), burn-in (its write check) and evaluation have no use for
+    # every checkpoint of the run there.
+    sync = {
+        "precompile": "precompile/checkpoint-sync",
+        "burn-in": "burn-in/checkpoint-sync",
+        "evaluate": "eval/checkpoint-sync",
+    }
     return JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
@@ -118,6 +161,7 @@ def job_spec(
         entry=STAGE_PROGRAMS[stage],
         checkpoint_prefix=sync.get(stage, "checkpoints"),
         args={"step": str(step)} if step is not None else {},
+        python=job_python(config, stage),
     )
 
 

@@ -54,6 +54,9 @@ class JobSpec:
     entry: str = "training.train"
     """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
     args: dict[str, str] = field(default_factory=dict)
+    python: str | None = None
+    """Local backend: the Python interpreter that runs the program (None: the backend's own); SageMaker ignores it
+    (the image decides)."""
 
     def arguments(self) -> list[str]:
         """The program's command-line arguments."""

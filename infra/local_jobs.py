@@ -149,11 +149,12 @@ def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
 
 
 def training_command(spec: JobSpec) -> list[str]:
+    python = spec.python or sys.executable
     entry = ["-m", spec.entry, *spec.arguments()]
     if spec.processes_per_node == 1:
-        return [sys.executable, *entry]
+        return [python, *entry]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={spec.processes_per_node}"]
-    return [sys.executable, *launcher, *entry]
+    return [python, *launcher, *entry]
 
 
 def job_processes(job_dir: str) -> list[int]:

@@ -175,10 +175,10 @@ def main(argv: list[str] | None = None) -> int:
     return reporting_failure(lambda: _burn_in(args.config, args.report, args.device))
 
 
-def _burn_in(config_uri: str, report_uri: str | None, device: str) -> int:
+def _burn_in(config_uri: str, report_uri: str | None, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
     report_uri = report_uri or run.uri(REPORT)
-    world = init_world(device)
+    world = init_world(device or cfg.training.device, cfg)
     try:
         row = run_checks(cfg, run, world)
         rows = gather(world, row)

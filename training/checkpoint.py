@@ -42,6 +42,7 @@ import json
 import logging
 import random
 import re
+import sys
 import threading
 import time
 from collections import OrderedDict
@@ -123,29 +124,54 @@ def check_loadable(obj: Any, where: str = "state") -> None:
     )
 
 
-def stage_to_cpu(obj: Any, _memo: dict[int, torch.Tensor] | None = None) -> Any:
-    """A copy of a state tree whose tensors are fresh CPU copies (what the loop may mutate after save returns).
+def stage_to_cpu(obj: Any, copy: bool = True) -> Any:
+    """The state tree with CPU tensors: fresh copies (copy=True: what the loop may mutate after save returns), or
+    the CPU tensors themselves and host copies of the others (copy=False).
 
-    Tensors appearing more than once (tied weights) stay shared in the copy, as torch.save would keep them.
+    Device tensors reach the host together: on XLA in one transfer (torch.save or `.cpu()` would fetch them one by
+    one). Tensors appearing more than once (tied weights) stay shared in the copy, as torch.save would keep them.
     """
-    memo = {} if _memo is None else _memo
+    memo: dict[int, torch.Tensor] = {}
+    xla_tensors: dict[int, torch.Tensor] = {}
+    _collect_xla(obj, xla_tensors)
+    if xla_tensors:
+        from training import xla
+
+        fetched = xla.to_host(list(xla_tensors.values()))
+        memo.update(zip(xla_tensors, fetched, strict=True))
+    return _staged(obj, memo, copy)
+
+
+def _collect_xla(obj: Any, found: dict[int, torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        if obj.device.type == "xla":
+            found.setdefault(id(obj), obj.detach())
+    elif isinstance(obj, Mapping):
+        for value in obj.values():
+            _collect_xla(value, found)
+    elif isinstance(obj, list | tuple):
+        for value in obj:
+            _collect_xla(value, found)
+
+
+def _staged(obj: Any, memo: dict[int, torch.Tensor], copy: bool) -> Any:
     if isinstance(obj, torch.Tensor):
         key = id(obj)
         if key not in memo:
-            memo[key] = obj.detach().to("cpu", copy=True)
+            memo[key] = obj.detach().to("cpu", copy=copy)
         return memo[key]
     if isinstance(obj, OrderedDict):
-        copied = OrderedDict((k, stage_to_cpu(v, memo)) for k, v in obj.items())
+        copied = OrderedDict((k, _staged(v, memo, copy)) for k, v in obj.items())
         # Module.state_dict() hangs per-module versions on the dict; load_state_dict reads them back.
         if hasattr(obj, "_metadata"):
             copied._metadata = obj._metadata  # type: ignore[attr-defined]
         return copied
     if isinstance(obj, Mapping):
-        return {k: stage_to_cpu(v, memo) for k, v in obj.items()}
+        return {k: _staged(v, memo, copy) for k, v in obj.items()}
     if isinstance(obj, list):
-        return [stage_to_cpu(v, memo) for v in obj]
+        return [_staged(v, memo, copy) for v in obj]
     if isinstance(obj, tuple):
-        return tuple(stage_to_cpu(v, memo) for v in obj)
+        return tuple(_staged(v, memo, copy) for v in obj)
     return obj
 
 
@@ -154,7 +180,8 @@ def stage_to_cpu(obj: Any, _memo: dict[int, torch.Tensor] | None = None) -> Any:
 
 def capture_rng_state() -> State:
     """This process's RNG states as weights_only-loadable values: Python `random`, NumPy's global generator
-    (when NumPy is installed), torch CPU, and torch CUDA (every device, when CUDA is initialised)."""
+    (when NumPy is installed), torch CPU, torch CUDA (every device, when CUDA is initialised) and the XLA device's
+    (when torch-xla is in use)."""
     version, internal, gauss = random.getstate()
     state: State = {"python": {"version": version, "state": list(internal), "gauss_next": gauss}}
     try:
@@ -172,6 +199,10 @@ def capture_rng_state() -> State:
             "gauss": float(np_state["gauss"]),
         }
     state["torch"] = torch.get_rng_state()
+    if "torch_xla" in sys.modules:  # the XLA device's generator (a seed), once this process uses the device
+        from training import xla
+
+        state["xla"] = xla.rng_state()
     # Only when CUDA is already in use: querying it would otherwise initialise CUDA in a CPU-only process.
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         state["cuda"] = torch.cuda.get_rng_state_all()
@@ -198,6 +229,10 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
         )
     if "torch" in state:
         torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
+    if "xla" in state and "torch_xla" in sys.modules:
+        from training import xla
+
+        xla.set_rng_state(int(state["xla"]))
     if "cuda" in state and torch.cuda.is_available():
         saved = list(state["cuda"])
         if len(saved) != torch.cuda.device_count():
@@ -268,7 +303,8 @@ class CheckpointManager:
         check_loadable(rank_state, "rank_state")
         self.wait()
         if not self.async_save:
-            self._write(step, shared, rank_state, use_barrier=True)
+            staged = stage_to_cpu(shared, copy=False) if shared is not None else None
+            self._write(step, staged, stage_to_cpu(rank_state, copy=False), use_barrier=True)
             return
         # The only part that blocks the loop: CPU copies the loop may not change under the writer's feet.
         staged_shared = stage_to_cpu(shared) if shared is not None else None

@@ -50,6 +50,7 @@ import torch
 
 from infra.storage import Storage, StorageError, StorageNotFound
 from training.config import HlatConfig, stable_hash
+from training.devices import shapes_graphs, xla_job_environment
 from training.distributed import World
 
 log = logging.getLogger("hlat.train")
@@ -106,7 +107,11 @@ def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, A
             version = _installed_version(package)
             if version is not None:
                 key[package] = version
-        key["NEURON_CC_FLAGS"] = os.environ.get("NEURON_CC_FLAGS", "")
+        # The environment the config gives the job (compiler flags, precision flags, neuron.env), not this
+        # process's: the precompile job and every training job compute the same key from the same config, and a
+        # changed neuron.compiler_flags shows up as a stale cache naming NEURON_CC_FLAGS.
+        env = xla_job_environment(cfg)
+        key.update({name: env[name] for name in sorted(env) if shapes_graphs(name)})
     return key
 
 

@@ -16,7 +16,7 @@ import math
 import re
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 
 class ConfigError(ValueError):
@@ -225,7 +225,11 @@ class TrainingConfig(Section):
     eval_batches: int = Field(8, ge=1)
     """Micro-batches per rank scored at each validation-loss evaluation (the same ones every time)."""
     compile: bool = False
-    """Compile the model with torch.compile (CPU and CUDA)."""
+    """Compile the model with torch.compile (CPU and CUDA; on XLA the graph is compiled by XLA itself)."""
+    device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
+    """Device of the training, precompile and burn-in jobs: 'auto' (XLA inside a Neuron container, else CUDA when
+    present, else CPU), or one of them. 'xla' outside a Neuron container runs on XLA:CPU (PJRT_DEVICE=CPU): the local
+    rehearsal of the trn1 code path, in the environment that `scripts/install.sh xla` makes."""
     document_masking: bool = False
     """Stop attention at document boundaries inside packed sequences."""
 
@@ -236,6 +240,68 @@ class PrecisionConfig(Section):
     mode: Literal["fp32", "bf16-mixed", "bf16-sr"] = "fp32"
     """'fp32'; 'bf16-mixed' (BF16 compute, FP32 master weights and optimizer states); 'bf16-sr' (pure BF16
     with stochastic rounding of the parameter update, HLAT 7B)."""
+
+
+NEURON_RESERVED_ENV = frozenset({"NEURON_COMPILE_CACHE_URL", "RUN_NEURON_PARALLEL_COMPILE", "HLAT_RUN_ID"})
+"""Variables the job backends set themselves (the run's compile cache, the precompile wrapper, the run id)."""
+
+
+class NeuronConfig(Section):
+    """Neuron compiler and runtime settings of the trn1 jobs (train, precompile, burn-in), as HLAT ran them; the
+    defaults are HLAT 7B's. They become environment variables of those jobs, next to the precision flags of
+    precision.mode (`training.devices.neuron_environment`); jobs off trn1 get none of them. A boolean that is off
+    leaves its variable unset: the reader's own default."""
+
+    compiler_flags: str = "--model-type transformer --distribution-strategy=llm-training"
+    """neuronx-cc options (NEURON_CC_FLAGS). Part of the compile cache's key: changing them recompiles."""
+    fuse_softmax: bool = True
+    """Use the fused softmax kernel (NEURON_FUSE_SOFTMAX=1)."""
+    async_inflight_requests: int = Field(3, ge=1)
+    """Asynchronous executions the Neuron runtime keeps in flight (NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS;
+    HLAT 7B: 3, 70B: 31)."""
+    exec_timeout: int = Field(4000, ge=1)
+    """Timeout of one execution in the Neuron runtime, in seconds (NEURON_RT_EXEC_TIMEOUT; HLAT: 4000)."""
+    malloc_arena_max: int | None = Field(64, ge=1)
+    """glibc malloc arenas per process (MALLOC_ARENA_MAX; HLAT: 64, against host out-of-memory); None leaves
+    glibc's default."""
+    compress_rg: bool = False
+    """Compress the replica groups of collectives (NEURON_EXPERIMENTAL_COMPRESS_RG=1; HLAT 70B). Part of the compile
+    cache's key."""
+    dist_init_barrier: bool = True
+    """Leave TORCH_DIST_INIT_BARRIER unset (torch's and torch-xla's defaults); False sets it to 0, skipping the
+    store-based barrier at process-group init (HLAT 70B)."""
+    efa: bool = True
+    """Use EFA for inter-node collectives (FI_PROVIDER=efa, FI_EFA_USE_DEVICE_RDMA=1). SageMaker's Torchrun driver
+    sets both on trn1.32xlarge too; turn it off on instance types without EFA (trn1.2xlarge)."""
+    efa_fork_safe: bool = True
+    """Make libfabric's EFA provider safe across fork() (FI_EFA_FORK_SAFE=1; SageMaker's Torchrun driver sets
+    RDMAV_FORK_SAFE=1 itself)."""
+    env: dict[str, str] = Field(default_factory=dict)
+    """Extra or overriding variables of the trn1 jobs, applied last (e.g. {"NEURON_RT_LOG_LEVEL": "INFO"}); numbers
+    are taken as text. NEURON_COMPILE_CACHE_URL, RUN_NEURON_PARALLEL_COMPILE and HLAT_RUN_ID are the backends'."""
+
+    @field_validator("env", mode="before")
+    @classmethod
+    def _env_as_text(cls, value: Any) -> Any:
+        # An override `neuron.env.SOME_VAR=8` reads the value as a JSON number; an environment variable is text.
+        if isinstance(value, dict):
+            return {
+                k: str(v) if isinstance(v, int | float) and not isinstance(v, bool) else v for k, v in value.items()
+            }
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _check_env(cls, env: dict[str, str]) -> dict[str, str]:
+        bad = [k for k in env if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", k)]
+        if bad:
+            raise ValueError(
+                f"{bad} are not environment variable names: use letters, digits and '_', not starting with a digit"
+            )
+        reserved = sorted(NEURON_RESERVED_ENV & set(env))
+        if reserved:
+            raise ValueError(f"{reserved} are set by the job backends for the run: remove them from neuron.env")
+        return env
 
 
 class ParallelismConfig(Section):
@@ -274,6 +340,9 @@ class JobConfig(Section):
     """AWS region of the jobs and buckets."""
     image_uri: str | None = None
     """Training container image; None uses the Neuron PyTorch training image of the region."""
+    python: str | None = None
+    """Local backend: the Python interpreter that runs the job programs (its stand-in for image_uri); None: the
+    flow's own, or with training.device=xla the XLA environment of `scripts/install.sh xla` (.venv-xla)."""
     role_arn: str | None = None
     """IAM role SageMaker assumes (the sagemaker backend needs it, or role_arn_secret)."""
     role_arn_secret: str | None = None
@@ -344,7 +413,7 @@ OPERATIONAL_JOB_FIELDS = frozenset(
         "role_arn", "max_runtime_hours", "volume_size_gb", "max_restarts", "budget_usd", "price_per_hour_usd",
         "poll_seconds", "hang_timeout_minutes", "backoff_seconds", "stop_grace_seconds", "subnets",
         "security_group_ids", "kms_key_id", "keep_alive_minutes", "training_plan_arn", "sagemaker_retry_attempts",
-        "infra_check", "role_arn_secret", "aws_credentials_block",
+        "infra_check", "role_arn_secret", "aws_credentials_block", "python",
     }
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
@@ -497,6 +566,8 @@ class HlatConfig(Section):
     """Optimizer, schedule, batch, checkpoints."""
     precision: PrecisionConfig = Field(default_factory=PrecisionConfig)
     """Numeric formats."""
+    neuron: NeuronConfig = Field(default_factory=NeuronConfig)
+    """Neuron compiler and runtime settings of the trn1 jobs."""
     parallelism: ParallelismConfig = Field(default_factory=ParallelismConfig)
     """Parallel degrees."""
     job: JobConfig = Field(default_factory=JobConfig)
@@ -565,10 +636,12 @@ class HlatConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's outputs. Excluded: run_id, the storage root, evaluation,
-        precompile, burn-in, the planner and the job's operational settings (budget, restarts, polling,
-        networking...), which may change between relaunches of the same run."""
+        precompile, burn-in, the planner, the Neuron compiler and runtime settings and the job's operational
+        settings (budget, restarts, polling, networking...), which may change between relaunches of the same run.
+        A relaunch with other Neuron settings continues the same run; the compile cache's key holds the ones that
+        change the compiled graphs, so those are rebuilt."""
         body = self.model_dump(
-            mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in", "planner"}
+            mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in", "planner", "neuron"}
         )
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         return stable_hash(body)

@@ -1,16 +1,25 @@
-"""Process-group set-up for a training job: torchrun's environment, gloo on CPU, nccl on CUDA.
+"""The one place that decides a job program's device and process group, and how its collectives run.
 
-A single process (no torchrun) runs without a process group; everything here then degrades to no-ops, so
-the same loop runs on a laptop, under torchrun with several CPU ranks, or on GPUs.
+- Device (`init_world(kind)`): `xla` inside a Neuron container (or when asked: XLA:CPU elsewhere, the local
+  rehearsal of trn1), else CUDA when present, else CPU; `--device` / `training.device` choose.
+- Process group, under torchrun (WORLD_SIZE > 1): `xla` on XLA devices, nccl on CUDA, gloo on CPU. A single
+  process (no torchrun) runs without one and every collective below degrades to a no-op, so the same loop runs on
+  a laptop, under torchrun with several CPU ranks, on GPUs or on NeuronCores.
+- Collectives take and return tensors on the job's device (`all_reduce`): nothing reaches the host unless the
+  caller reads it, once, through `to_host` at its sync points. On CPU (gloo) the device is the host.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from training.config import HlatConfig
+from training.devices import neuron_available, xla_precision_environment
 
 
 @dataclass(frozen=True)
@@ -24,43 +33,128 @@ class World:
     def is_main(self) -> bool:
         return self.rank == 0
 
+    @property
+    def on_xla(self) -> bool:
+        return self.device.type == "xla"
+
     def barrier(self) -> None:
-        if dist.is_available() and dist.is_initialized():
+        if _grouped():
             dist.barrier()
 
+    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        """`tensor` (on this job's device) reduced over every rank, as a tensor on the device: 'sum' or 'max'. Use
+        the result: on CPU and CUDA it is `tensor`, reduced in place; on XLA a new tensor."""
+        if self.on_xla:
+            from training import xla
+
+            return xla.all_reduce(tensor, op)
+        if _grouped():  # in place
+            dist.all_reduce(tensor, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        return tensor
+
+    def mean(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean over ranks of a device tensor (for metrics: never on the gradient path)."""
+        return self.all_reduce(tensor) / self.world_size
+
+    @property
+    def collective(self) -> bool:
+        """Whether collectives really run: several ranks, or one XLA process told to (XLA_ALWAYS_ALLREDUCE=1, which
+        makes torch-xla emit a one-process all-reduce: how tests exercise the multi-process path)."""
+        if self.on_xla:
+            return self.world_size > 1 or os.environ.get("XLA_ALWAYS_ALLREDUCE") == "1"
+        return _grouped()
+
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when it is true on any: ranks must take the same branch (stop, checkpoint)."""
-        if not (dist.is_available() and dist.is_initialized()):
+        """True on every rank when it is true on any: ranks must take the same branch (stop, checkpoint). A
+        collective and a host read: call it at a sync point, not every step."""
+        if not self.collective:
             return flag
-        t = torch.tensor([int(flag)], device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        return bool(t.item())
+        vote = self.all_reduce(torch.tensor([float(flag)], device=self.device), op="max")
+        return bool(self.to_host(vote).item())
 
-    def all_reduce_mean(self, value: float) -> float:
-        """Mean of a scalar over all ranks (for logging; not on the gradient path)."""
-        if not (dist.is_available() and dist.is_initialized()):
-            return value
-        t = torch.tensor([value], dtype=torch.float64, device=self.device if self.device.type == "cuda" else "cpu")
-        dist.all_reduce(t)
-        return float(t.item()) / self.world_size
+    def mark_step(self) -> None:
+        """End of an optimizer step: on XLA, cut and launch the step's graph; elsewhere nothing."""
+        if self.on_xla:
+            from training import xla
+
+            xla.mark_step()
+
+    def to_host(self, tree: Any) -> Any:
+        """`tree` with its device tensors as CPU tensors, in one transfer on XLA (the one host read of a sync point)."""
+        if self.on_xla:
+            from training import xla
+
+            return xla.to_host(tree)
+        if self.device.type == "cpu":
+            return tree
+        return _map_tensors(tree, lambda t: t.cpu())
+
+    def seed(self, seed: int) -> None:
+        """Seed every generator the job uses: torch's (CPU, and CUDA through it) and the XLA device's."""
+        torch.manual_seed(seed)
+        if self.on_xla:
+            from training import xla
+
+            xla.set_rng_state(seed)
 
 
-def init_world(device_kind: str = "auto") -> World:
-    """Join torchrun's process group when WORLD_SIZE > 1; pick the device for this rank."""
+def _grouped() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _map_tensors(tree: Any, fn: Any) -> Any:
+    if isinstance(tree, torch.Tensor):
+        return fn(tree)
+    if isinstance(tree, dict):
+        return {k: _map_tensors(v, fn) for k, v in tree.items()}
+    if isinstance(tree, list | tuple):
+        return type(tree)(_map_tensors(v, fn) for v in tree)
+    return tree
+
+
+def resolve_device_kind(kind: str) -> str:
+    """'auto' made concrete: xla in a Neuron container, else cuda when present, else cpu."""
+    if kind != "auto":
+        return kind
+    if neuron_available():
+        return "xla"
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> World:
+    """Pick this rank's device and join torchrun's process group when WORLD_SIZE > 1. On XLA, the precision flags
+    of `cfg` (`xla_precision_environment`) are set first, unless the job's environment already has them; on trn1,
+    neuronx-distributed's model-parallel groups are formed from `cfg.parallelism`."""
+    precision = cfg.precision.mode if cfg is not None else "fp32"
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    use_cuda = device_kind == "cuda" or (device_kind == "auto" and torch.cuda.is_available())
-    if use_cuda:
+    kind = resolve_device_kind(device_kind)
+    if kind == "xla":
+        from training import xla
+
+        xla.require_xla()
+        on_neuron = neuron_available()
+        xla.prepare_environment(xla_precision_environment(precision), on_neuron=on_neuron)
+        if world_size > 1:
+            if not on_neuron and os.environ.get("PJRT_DEVICE") == "CPU":
+                raise RuntimeError(f"this job has {world_size} processes: {xla.XLA_CPU_NOTE}")
+            xla.init_process_group()
+        if on_neuron and cfg is not None:
+            from training.neuron import init_model_parallel
+
+            init_model_parallel(cfg)
+        return World(rank=rank, world_size=world_size, local_rank=local_rank, device=xla.device())
+    if kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if use_cuda else "gloo", rank=rank, world_size=world_size)
+        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
     return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
 
 
 def close_world() -> None:
-    if dist.is_available() and dist.is_initialized():
+    if _grouped():
         dist.destroy_process_group()

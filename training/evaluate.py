@@ -62,8 +62,10 @@ def results_path(step: int) -> str:
     return f"{EVAL_DIR}/{step_dir(step)}/{RESULTS_FILE}"
 
 
-def _device(choice: str) -> torch.device:
-    if choice == "auto":
+def _device(choice: str | None) -> torch.device:
+    """The evaluation job's device: it runs Hugging Face models on its own instance (CPU or CUDA), whatever device
+    the training used."""
+    if choice in (None, "auto", "xla"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
 

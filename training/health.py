@@ -27,7 +27,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from infra.storage import Storage
 from training.config import HealthThresholds
@@ -80,15 +79,6 @@ def _materialize(device: torch.device) -> None:
         import torch_xla.core.xla_model as xm
 
         xm.mark_step()
-
-
-def _distributed() -> bool:
-    return dist.is_available() and dist.is_initialized()
-
-
-def _collective_device(world: World) -> torch.device:
-    # As `World.any_rank`: nccl needs CUDA tensors, gloo CPU ones.
-    return world.device if world.device.type == "cuda" else torch.device("cpu")
 
 
 # -- inventory -------------------------------------------------------------------------------------------
@@ -161,10 +151,13 @@ def inventory(world: World, expected_world_size: int | None = None) -> dict[str,
                     f"(local rank {world.local_rank})",
                 }
             )
+    on_xla_cpu = world.device.type == "xla" and os.environ.get("PJRT_DEVICE") == "CPU"
+    if on_xla_cpu:  # the local rehearsal of trn1: the XLA device is this host's CPU, there is no NeuronCore
+        out["pjrt_device"] = "CPU"
     neuron = neuron_inventory()
-    if neuron["available"] or world.device.type == "xla":
+    if neuron["available"] or (world.device.type == "xla" and not on_xla_cpu):
         out["neuron"] = neuron
-    if world.device.type == "xla":
+    if world.device.type == "xla" and not on_xla_cpu:
         cores = int(neuron.get("neuron_cores", 0))
         if cores < local_ranks:
             problems.append(
@@ -252,17 +245,18 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
     One rank gets busbw = algbw (the formula gives 0), and one process without a process group has nothing to
     all-reduce: the sum over one rank is its own buffer, so a copy of it is timed. `note` says so."""
     n = world.world_size
-    device = _collective_device(world) if _distributed() else world.device
+    device = world.device
     numel = max(1, int(mb * MB) // 4)
     nbytes = numel * 4
     buf = torch.full((numel,), float(world.rank + 1), dtype=torch.float32, device=device)
     expected = n * (n + 1) / 2
     out: dict[str, Any] = {"mb": nbytes / MB, "ranks": n, "iters": iters, "expected": expected}
-    if _distributed():
-        dist.all_reduce(buf)  # also the warm-up: the first collective sets up the connections
+    if world.collective:
+        buf = world.all_reduce(buf)  # also the warm-up: the first collective sets up the connections
 
         def reduce() -> None:
-            dist.all_reduce(buf)
+            nonlocal buf
+            buf = world.all_reduce(buf)
     else:
         copy = torch.empty_like(buf)
 
@@ -282,8 +276,7 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
             f"({bad} of {numel} elements wrong)"
         )
     buf.zero_()  # sums of zeros stay zero however often they are reduced (no overflow over the timed runs)
-    if _distributed():
-        dist.barrier()  # start the clock together
+    world.barrier()  # start the clock together
     synchronize(device)
     start = time.perf_counter()
     for _ in range(iters):
@@ -297,7 +290,7 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
     else:
         out["busbw_gbps"] = algbw
         out["note"] = "one rank: busbw reported as algbw" + (
-            "" if _distributed() else " (no process group: the time of a local copy of the buffer)"
+            "" if world.collective else " (no process group: the time of a local copy of the buffer)"
         )
     return out
 
@@ -451,12 +444,12 @@ def periodic_health_check(
     below `thresholds.min_allreduce_gbps`."""
     result = allreduce_check(world, mb)
     floor = thresholds.min_allreduce_gbps if thresholds is not None else None
-    mine = torch.zeros(world.world_size, 2, dtype=torch.float64)  # per rank: (wrong result, busbw)
-    mine[world.rank] = torch.tensor([0.0 if result["correct"] else 1.0, result["busbw_gbps"]])
-    if _distributed():
-        mine = mine.to(_collective_device(world))
-        dist.all_reduce(mine)
-    table = mine.cpu().tolist()
+    # Per rank: (wrong result, busbw in KB/s), as integers: under XLA_USE_BF16 a float would be BF16 on the device.
+    mine = torch.zeros(world.world_size, 2, dtype=torch.int64)
+    mine[world.rank] = torch.tensor([0 if result["correct"] else 1, round(min(result["busbw_gbps"], 1e9) * 1e6)])
+    if world.collective:
+        mine = world.to_host(world.all_reduce(mine.to(world.device)))
+    table = [(wrong, kbps / 1e6) for wrong, kbps in mine.tolist()]
     problems = []
     for rank, (wrong, busbw) in enumerate(table):
         if wrong:

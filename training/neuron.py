@@ -74,17 +74,13 @@ def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelKind]:
     return plan
 
 
-def init_neuron(cfg: HlatConfig) -> Any:
-    """Join the XLA process group and neuronx-distributed's model-parallel groups; return the XLA device."""
+def init_model_parallel(cfg: HlatConfig) -> None:
+    """Form neuronx-distributed's tensor/pipeline/data-parallel groups (after the `xla` process group exists:
+    `training.distributed.init_world` calls this on trn1)."""
     require_neuron()
-    import torch.distributed as dist
-    import torch_xla.core.xla_model as xm
     from neuronx_distributed.parallel_layers import parallel_state
 
-    if not dist.is_initialized():
-        dist.init_process_group("xla")
     parallel_state.initialize_model_parallel(**parallel_settings(cfg)["initialize_model_parallel"])
-    return xm.xla_device()
 
 
 def apply_tensor_parallel(model: nn.Module, cfg: HlatConfig) -> nn.Module:
@@ -135,11 +131,3 @@ def zero1_optimizer(model: nn.Module, cfg: HlatConfig) -> Any:
         sharding_groups=parallel_state.get_data_parallel_group(as_list=True),
         grad_norm_groups=parallel_state.get_tensor_model_parallel_group(as_list=True),
     )
-
-
-def mark_step() -> None:
-    """Cut the XLA graph: call once per optimizer step so every step runs the same compiled graph."""
-    require_neuron()
-    import torch_xla.core.xla_model as xm
-
-    xm.mark_step()

@@ -13,7 +13,9 @@
   nothing here is BF16. 'bf16-sr' uses `AdamWStochasticRounding`: pure BF16 parameters and BF16 Adam states,
   the update computed in FP32 and written back with stochastic rounding (HLAT 7B).
 - `stochastic_round_to_bf16(x, generator)`: unbiased rounding of FP32 to BF16.
-- `clip_grad_norm(params, max_norm)`: clip to a global norm, returning the pre-clip norm.
+- `clip_grad_norm(params, max_norm)`: clip to a global norm, returning the pre-clip norm (a device tensor).
+- `masked_step(optimizer, apply)`: an optimizer step kept only where a device-side flag says so (nan_policy=skip
+  without a host read).
 
 Why stochastic rounding: a BF16 weight has 8 significant bits, so an update smaller than half its ulp is lost
 entirely under round-to-nearest (late in training most updates are). Rounding up with probability equal to
@@ -118,6 +120,29 @@ def _round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return stochastic_round_to_bf16(x.cpu(), generator).to(x.device)
 
 
+def adamw_update(
+    param: torch.Tensor,
+    grad: torch.Tensor,
+    exp_avg: torch.Tensor,
+    exp_avg_sq: torch.Tensor,
+    step: int,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamW update, in place, exactly as `torch.optim.AdamW` computes it (decoupled weight decay, bias-corrected
+    moments); `step` is 1 on the first update. The tensors are the high-precision working copies."""
+    param.mul_(1.0 - lr * weight_decay)
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    bias1 = 1.0 - beta1**step
+    bias2 = 1.0 - beta2**step
+    denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
+    param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+
+
 class AdamWStochasticRounding(torch.optim.Optimizer):
     """AdamW for pure BF16 training: BF16 parameters and BF16 states, FP32 arithmetic, stochastic rounding.
 
@@ -186,13 +211,7 @@ class AdamWStochasticRounding(torch.optim.Optimizer):
                 exp_avg = state["exp_avg"].float()
                 exp_avg_sq = state["exp_avg_sq"].float()
 
-                param.mul_(1.0 - lr * wd)
-                exp_avg.lerp_(grad, 1.0 - beta1)
-                exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-                bias1 = 1.0 - beta1**step
-                bias2 = 1.0 - beta2**step
-                denom = (exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(eps)
-                param.addcdiv_(exp_avg, denom, value=-lr / bias1)
+                adamw_update(param, grad, exp_avg, exp_avg_sq, step, lr, beta1, beta2, eps, wd)
 
                 if group["stochastic_rounding"]:
                     # One generator per (step, parameter) and a fixed draw order: parameter, exp_avg, exp_avg_sq.
@@ -207,14 +226,104 @@ class AdamWStochasticRounding(torch.optim.Optimizer):
         return loss
 
 
+class MasterWeightAdamW(torch.optim.Optimizer):
+    """AdamW with FP32 master weights for BF16 compute on XLA (HLAT 70B's recipe, `bf16-mixed` on trn1).
+
+    Under XLA_DOWNCAST_BF16=1 the device keeps every float32 tensor in BF16 and every float64 tensor in FP32. The
+    parameters are float32 tensors, so the model computes in BF16; this optimizer keeps a float64-typed master copy
+    of each parameter and float64-typed moments, which live in FP32 on the device: the update is computed and
+    accumulated in FP32, then written to the BF16 parameter (rounded to nearest: stochastic rounding is off in this
+    mode). The masters are part of the optimizer's state, so checkpoints carry them. Off XLA (no downcast) the
+    masters would be real float64: CPU and CUDA use torch.autocast with FP32 parameters instead.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[torch.Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+    ) -> None:
+        if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+            raise ValueError(f"invalid AdamW hyper-parameters: lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        for group in self.param_groups:
+            for p in group["params"]:  # the masters start as the parameters themselves, before any step
+                master = p.detach().to(torch.float64)
+                self.state[p].update(step=0, master=master, exp_avg=torch.zeros_like(master))
+                self.state[p]["exp_avg_sq"] = torch.zeros_like(master)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, except that the FP64-typed masters and moments keep their dtype: torch's loader would cast
+        them to the parameters' float32, which the device would then store in BF16."""
+        tensors = {
+            int(i): {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for i, s in state_dict["state"].items()
+        }
+        plain = {
+            i: {k: v for k, v in s.items() if not isinstance(v, torch.Tensor)} for i, s in state_dict["state"].items()
+        }
+        super().load_state_dict({**state_dict, "state": plain})
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, values in tensors.items():
+            p = params[index]
+            self.state[p].update({k: v.to(device=p.device, dtype=torch.float64) for k, v in values.items()})
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                state["step"] = step = int(state["step"]) + 1
+                master = state["master"]
+                grad = p.grad.to(torch.float64)
+                adamw_update(master, grad, state["exp_avg"], state["exp_avg_sq"], step, lr, beta1, beta2, eps, wd)
+                p.copy_(master)
+        return loss
+
+
+def masked_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor) -> None:
+    """`optimizer.step()`, kept only where the boolean device tensor `apply` is true: otherwise the parameters and
+    the optimizer's tensor state are left as they were (a skipped step), decided on the device, with no host read.
+    Costs one copy of the parameters and tensor states while it runs. Step counters kept as Python numbers or host
+    tensors advance either way (as the learning-rate schedule does for a skipped step)."""
+
+    def tensors(p: torch.Tensor) -> dict[str, torch.Tensor]:
+        state = optimizer.state.get(p, {})
+        found = {k: v for k, v in state.items() if isinstance(v, torch.Tensor) and v.dim() > 0}
+        return {"": p, **{k: v for k, v in found.items() if v.device == apply.device}}
+
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    before = [{k: t.detach().clone() for k, t in tensors(p).items()} for p in params]
+    optimizer.step()
+    with torch.no_grad():
+        for p, kept in zip(params, before, strict=True):
+            for key, tensor in tensors(p).items():
+                # State the step created (moments on a first step) starts from zeros, as the optimizers create it.
+                old = kept[key] if key in kept else torch.zeros_like(tensor)
+                tensor.copy_(torch.where(apply, tensor, old))
+
+
 # -- building ----------------------------------------------------------------------------------------------
 
 
-def build_optimizer(model: nn.Module, cfg: TrainingConfig, precision: str) -> torch.optim.Optimizer:
+def build_optimizer(
+    model: nn.Module, cfg: TrainingConfig, precision: str, device_type: str = "cpu"
+) -> torch.optim.Optimizer:
     """AdamW over every trainable parameter of `model`, one group, weight decay on all of them (HLAT).
 
-    precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master weights; the
-    training loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model.
+    On CPU and CUDA, precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master
+    weights; the training loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model. On XLA the
+    device's own precision flags do the work (`training.devices.xla_precision_environment`) and the model stays
+    FP32-typed: 'bf16-sr' is plain AdamW whose BF16 storage the NeuronCore rounds stochastically (HLAT 7B),
+    'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -227,7 +336,7 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig, precision: str) -> to
         "eps": cfg.eps,
         "weight_decay": cfg.weight_decay,
     }
-    if precision == "bf16-sr":
+    if precision == "bf16-sr" and device_type != "xla":
         return AdamWStochasticRounding(params, seed=cfg.seed, **hyper)
     wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
     if wrong:
@@ -235,21 +344,22 @@ def build_optimizer(model: nn.Module, cfg: TrainingConfig, precision: str) -> to
             f"precision {precision!r} keeps FP32 parameters (master weights), but the model has {', '.join(wrong)} "
             "ones; do not cast the model (bf16-mixed computes in BF16 under torch.autocast)"
         )
+    if precision == "bf16-mixed" and device_type == "xla":
+        return MasterWeightAdamW(params, **hyper)
     # fused=False: the fused kernels do not exist on every device this runs on (CPU builds, XLA); foreach is
     # left to torch (on where supported).
     return torch.optim.AdamW(params, fused=False, **hyper)
 
 
-def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> float:
-    """Clip gradients to a global L2 norm of max_norm; return the norm before clipping (max_norm 0: no clip).
+def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
+    """Clip gradients to a global L2 norm of max_norm; return the norm before clipping (max_norm 0: no clip), as a
+    0-dim tensor on the gradients' device: reading it is the caller's choice (a host sync on CUDA and XLA).
 
     Non-finite norms are returned, not raised: the loop's nan_policy decides what a NaN step does.
     """
     params = [p for p in params if p.grad is not None]
     if not params:
-        return 0.0
+        return torch.zeros(())
     if max_norm > 0:
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
-    else:
-        norm = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
-    return float(norm)
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])

@@ -31,7 +31,7 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
@@ -63,13 +63,13 @@ def main(argv: list[str] | None = None) -> int:
     return reporting_failure(lambda: _precompile(args.config, args.device))
 
 
-def _precompile(config_uri: str, device: str) -> int:
+def _precompile(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
     cache = run.child(CACHE_DIR)
-    if neuron_available():
-        return _precompile_neuron(run, cfg, cache)
-    world = init_world(device)
+    world = init_world(device or cfg.training.device, cfg)
     try:
+        if world.on_xla:
+            return _precompile_xla(run, cfg, cache, world)
         key = cache_key(cfg, world.world_size, world.device.type)
         folder = cache.uri(torch_cache_dir(key_digest(key)))
         if not cfg.training.compile:
@@ -132,56 +132,46 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
             trainer.metrics.close()
 
 
-def run_steps(trainer: Trainer, steps: int, after_step: Callable[[], None] | None = None) -> float:
+def run_steps(trainer: Trainer, steps: int) -> float:
     """Run `steps` training steps (forward, backward, optimizer: every graph a step compiles); return seconds."""
-    batches = iter(trainer.loader)
+    batches = trainer.device_batches(trainer.loader, trainer.cfg.gradient_accumulation)
     start = time.perf_counter()
     for step in range(1, steps + 1):
         stats = trainer.train_step(batches)
-        if after_step is not None:
-            after_step()
         trainer.step = step
+        loss = float(trainer.world.to_host(stats["loss"]))  # a host read per step: here, time is not the point
         if trainer.world.is_main:
             log.info(
-                "precompile: step %d of %d done at %.1f s (loss %.4f)", step, steps, time.perf_counter() - start,
-                stats["loss"],
+                "precompile: step %d of %d done at %.1f s (loss %.4f)", step, steps, time.perf_counter() - start, loss
             )  # fmt: skip
     return time.perf_counter() - start
 
 
-def _precompile_neuron(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
-    """trn1: run the steps on the XLA device under neuron_parallel_compile; record the key in neuron/manifest.json.
+def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage, world: World) -> int:
+    """The XLA device: run the steps, one graph each (the loop's own mark_step). On trn1, under
+    neuron_parallel_compile, their graphs are extracted rather than executed and compiled into
+    NEURON_COMPILE_CACHE_URL after this program exits; the key goes to neuron/manifest.json.
 
-    Not exercised outside a Neuron container: torch-xla and neuronx-distributed exist only there.
-    """
-    from training.neuron import init_neuron, mark_step  # init_neuron fails clearly without torch-neuronx
-
+    Only trn1 runs the Neuron part: torch-neuronx and neuronx-cc exist only there."""
+    if not neuron_available():
+        raise RuntimeError(
+            "precompile on XLA outside trn1 (XLA:CPU) has no Neuron compiler to feed: the rehearsal's graphs are "
+            "compiled by the training job itself; set precompile.enabled=false"
+        )
     url = os.environ.get("NEURON_COMPILE_CACHE_URL")
     if not url:
         raise RuntimeError(
             "NEURON_COMPILE_CACHE_URL is not set: the compiled graphs would not reach the run's compile-cache/neuron/; "
             "set it to <run>/compile-cache/neuron (the job backends do) and run under neuron_parallel_compile"
         )
-    import torch.distributed as dist
-
-    device = init_neuron(cfg)
-    try:
-        world = World(
-            rank=dist.get_rank(),
-            world_size=dist.get_world_size(),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            device=device,
-        )
-        key = cache_key(cfg, world.world_size, device.type)
-        steps = cfg.precompile.steps
-        with throwaway_trainer(run, cfg, world) as trainer:
-            seconds = run_steps(trainer, steps, after_step=mark_step)  # one graph per step, as training cuts it
-        if world.is_main:
-            write_neuron_manifest(cache, key, steps=steps, seconds=seconds)
-            print(f"precompile: {steps} steps traced in {seconds:.1f} s, graphs extracted for neuronx-cc -> {url}")
-        return 0
-    finally:
-        close_world()
+    key = cache_key(cfg, world.world_size, world.device.type)
+    steps = cfg.precompile.steps
+    with throwaway_trainer(run, cfg, world) as trainer:
+        seconds = run_steps(trainer, steps)
+    if world.is_main:
+        write_neuron_manifest(cache, key, steps=steps, seconds=seconds)
+        print(f"precompile: {steps} steps traced in {seconds:.1f} s, graphs extracted for neuronx-cc -> {url}")
+    return 0
 
 
 if __name__ == "__main__":

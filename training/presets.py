@@ -4,6 +4,10 @@ Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia
 (partial rotary 25%, sequence 2048). Pythia and NeoX keep their depth, width, heads and vocabulary; their
 4x GeLU MLP becomes a SwiGLU of 2/3 the width, so parameter counts stay 6.9B and 20B.
 `tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
+
+The Neuron compiler and runtime settings of the trn1 jobs (`neuron`) default to HLAT 7B's launch script; hlat-7b,
+pythia-6.9b and neox-20b keep them (like HLAT 7B they train in pure BF16 with stochastic rounding at TP 8);
+hlat-70b sets what HLAT 70B changed.
 """
 
 from __future__ import annotations
@@ -141,6 +145,8 @@ PRESETS: dict[str, dict[str, Any]] = {
             "async_checkpoint": True,
         },
         "precision": {"mode": "bf16-mixed"},
+        # HLAT 70B's launch script: HLAT 7B's compiler and runtime settings (the NeuronConfig defaults) plus these.
+        "neuron": {"async_inflight_requests": 31, "compress_rg": True, "dist_init_barrier": False},
         "parallelism": {
             "tensor": 32,
             "pipeline": 8,

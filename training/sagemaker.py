@@ -77,7 +77,11 @@ def job_arguments(
     """Parse `--config <uri> [--device ...]` (plus the program's own options) and set up per-rank logging."""
     parser = argparse.ArgumentParser(prog=prog, description=description)
     parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
-    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument(
+        "--device",
+        choices=["auto", "cpu", "cuda", "xla"],
+        help="the job's device (default: the config's training.device; see training/distributed.py)",
+    )
     if more:
         more(parser)
     args = parser.parse_args(argv)

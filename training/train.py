@@ -45,9 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     return code
 
 
-def _train(config_uri: str, device: str) -> int:
+def _train(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
-    world = init_world(device)
+    world = init_world(device or cfg.training.device, cfg)
     try:
         if neuron_available():
             use_node_local_neuron_cache(world)  # before anything compiles: one copy per node, read locally

@@ -4,16 +4,25 @@ Fault tolerance follows HLAT: state is checkpointed every `training.checkpoint_e
 optimizer, scheduler, step, each rank's data-loader and RNG state); a job resumes from the newest complete
 checkpoint; a NaN/inf loss exits non-zero (or skips the step) so the job restarts from the last checkpoint;
 SIGTERM (sent by SageMaker before it stops a job) checkpoints and exits 0.
+
+No host round trip inside a step, on any device. A step is traced (XLA) or queued (CUDA) without reading a device
+tensor: its loss, gradient norm and non-finite check stay on the device (`StepTally`), batches arrive on the
+device from a background thread, and on XLA the step ends with one `mark_step()`, so every step runs the same
+compiled graph. The host reads them at sync points only: steps that log (`training.log_every`), steps with a hook
+(checkpoint, evaluation, health check), the job's first and last step. There, in one transfer, it learns the
+loss and whether any step since the last sync was non-finite; under nan_policy=exit it then exits, and a
+checkpoint is only ever saved after that check, so no checkpoint holds the NaN weights of the steps between. Under
+nan_policy=skip the decision is made on the device (`masked_step`). SIGTERM is voted on at sync points too.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import signal
+import sys
 import time
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,21 +41,55 @@ from training.faults import inject_nan
 from training.health import UnhealthyCollective, periodic_health_check
 from training.metrics import MetricsLog
 from training.model import Transformer, flops_per_token
-from training.optim import build_optimizer, build_scheduler, clip_grad_norm
-from training.parallelize import parallelize
+from training.optim import build_optimizer, build_scheduler, clip_grad_norm, masked_step
+from training.parallelize import parallelize, reduce_gradients
 from training.sagemaker import write_failure
 
 log = logging.getLogger("hlat.train")
-
-
-class NonFiniteLoss(RuntimeError):
-    """The loss became NaN or inf."""
 
 
 @dataclass
 class Hook:
     fn: Callable[[int], object]
     every: int
+
+
+@dataclass(frozen=True)
+class DeviceBatch:
+    """A micro-batch on the job's device, with what the host knows of it: the loader's state right after it and a
+    checksum of the step's tokens so far (the CRC-32 chained over the micro-batches of its optimizer step)."""
+
+    inputs: torch.Tensor
+    targets: torch.Tensor
+    doc_ids: torch.Tensor | None
+    state: dict[str, Any]
+    crc: int
+
+
+class StepTally:
+    """What the loop tracks on the device across steps and reads only at sync points: the step counter, how many
+    steps were non-finite, and the first such step and its loss. Integer counters: under XLA_USE_BF16 a float32
+    counter would be BF16 on the device."""
+
+    def __init__(self, device: torch.device, step: int) -> None:
+        def counter(value: int) -> torch.Tensor:
+            return torch.tensor(value, dtype=torch.int32, device=device)
+
+        self.step, self.nonfinite, self.first_step = counter(step), counter(0), counter(0)
+        self.first_loss = torch.zeros((), dtype=torch.float32, device=device)
+
+    def update(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> torch.Tensor:
+        """Count this step (on the device); return its 'finite' flag (a bool tensor)."""
+        finite = torch.isfinite(loss) & torch.isfinite(grad_norm)
+        first = ~finite & (self.nonfinite == 0)
+        self.step += 1
+        self.first_step = torch.where(first, self.step, self.first_step)
+        self.first_loss = torch.where(first, loss.float(), self.first_loss)
+        self.nonfinite += (~finite).int()
+        return finite
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {"nonfinite": self.nonfinite, "first_step": self.first_step, "first_loss": self.first_loss}
 
 
 @dataclass
@@ -69,14 +112,14 @@ class Trainer:
                 f"this job has {world.world_size} processes but job.instance_count x job.processes_per_node = "
                 f"{cfg.world_size}; launch {cfg.world_size} processes or fix the config"
             )
-        torch.manual_seed(cfg.training.seed)
+        world.seed(cfg.training.seed)
         model = Transformer(cfg.model)
-        model.init_weights()
-        if cfg.precision.mode == "bf16-sr":
-            model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states
+        model.init_weights()  # on the host, so every device starts from the same weights
+        if cfg.precision.mode == "bf16-sr" and not world.on_xla:
+            model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (XLA: XLA_USE_BF16 does it)
         self.model = model.to(world.device)
         self.wrapped = parallelize(self.model, cfg, world)
-        self.optimizer = build_optimizer(self.model, cfg.training, cfg.precision.mode)
+        self.optimizer = build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.loader = self._loader("train")
         self.ckpt = CheckpointManager(
@@ -90,6 +133,8 @@ class Trainer:
         )
         self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
         self.step = 0
+        self.tally = StepTally(world.device, 0)
+        self._loader_state: dict[str, Any] | None = None  # of the last batch a step consumed
         self.saved_step: int | None = None
         self.stop_requested = False
         # Recorded with this job's first step, next to first_step_seconds (e.g. the compile cache's status).
@@ -126,9 +171,38 @@ class Trainer:
         self.hooks.append(Hook(fn, every))
 
     def autocast(self) -> AbstractContextManager[Any]:
-        if self.cfg.precision.mode == "bf16-mixed":
+        # On XLA, bf16-mixed is XLA_DOWNCAST_BF16 (the device computes in BF16), not autocast.
+        if self.cfg.precision.mode == "bf16-mixed" and not self.world.on_xla:
             return torch.autocast(self.world.device.type, dtype=torch.bfloat16)
         return nullcontext()
+
+    def device_batches(self, loader: PackedLoader, accumulation: int, background: bool = True) -> Iterator[DeviceBatch]:
+        """The loader's batches on the device, each with its loader state and step checksum. On XLA a background
+        thread sends them ahead (MpDeviceLoader, unless `background` is off); the checksum and state are computed
+        on the host, before."""
+        device = self.world.device
+
+        def host_side() -> Iterator[tuple[Any, ...]]:
+            crc = 0
+            for i, batch in enumerate(loader):
+                crc = zlib.crc32(batch.inputs.numpy().tobytes(), crc if i % accumulation else 0)
+                doc_ids = batch.doc_ids if batch.doc_ids is not None else torch.zeros(0, dtype=torch.long)
+                yield batch.inputs, batch.targets, doc_ids, {"state": batch.state, "crc": crc}
+
+        items: Iterable[tuple[Any, ...]] = host_side()
+        if self.world.on_xla and background:
+            from training import xla
+
+            # Never let the loader cut the graph itself: the step's mark_step is the one cut.
+            items = xla.device_loader(items, device, batches_per_execution=sys.maxsize)
+        for inputs, targets, doc_ids, meta in items:
+            yield DeviceBatch(
+                inputs=inputs.to(device),
+                targets=targets.to(device),
+                doc_ids=doc_ids.to(device) if doc_ids.numel() else None,
+                state=meta["state"],
+                crc=meta["crc"],
+            )
 
     def resume(self) -> int:
         """Load the newest complete checkpoint, if any; return the step to continue from."""
@@ -144,76 +218,92 @@ class Trainer:
         self.loader.load_state_dict(mine["loader"])
         restore_rng_state(mine["rng"])
         self.step = self.saved_step = int(shared["step"])
+        self.tally = StepTally(self.world.device, self.step)
         self.metrics.resume_at(self.step)
         log.info("resumed from step %d of %s", self.step, self.checkpoints.url)
         return self.step
 
     # -- the loop ----------------------------------------------------------------------------------------
-    def train_step(self, batches: Any) -> dict[str, Any]:
-        """One optimizer step over `gradient_accumulation` micro-batches; loss normalised by tokens."""
+    def train_step(self, batches: Iterator[DeviceBatch]) -> dict[str, Any]:
+        """One optimizer step over `gradient_accumulation` micro-batches; loss normalised by tokens. Reads nothing
+        from the device: returns the step's loss (mean over ranks), gradient norm and 'finite' flag as device
+        tensors, and the host-side checksum of its tokens."""
         accum = self.cfg.gradient_accumulation
         self.optimizer.zero_grad(set_to_none=True)
-        total = 0.0
+        total: torch.Tensor | None = None
         crc = 0
         for i in range(accum):
             batch = next(batches)
             # A checksum of the tokens seen: resumed and uninterrupted runs must consume the same samples.
-            crc = zlib.crc32(batch.inputs.numpy().tobytes(), crc)
-            inputs = batch.inputs.to(self.world.device)
-            targets = batch.targets.to(self.world.device)
-            doc_ids = batch.doc_ids.to(self.world.device) if batch.doc_ids is not None else None
+            crc, self._loader_state = batch.crc, batch.state
             # DDP all-reduces gradients on the last micro-batch only.
             no_sync = getattr(self.wrapped, "no_sync", None)
             skip_sync = no_sync is not None and i < accum - 1
             with self.autocast(), no_sync() if skip_sync else nullcontext():  # type: ignore[misc]
-                logits = self.wrapped(inputs, doc_ids)  # (B, T, V)
+                logits = self.wrapped(batch.inputs, batch.doc_ids)  # (B, T, V)
                 # Every micro-batch holds the same number of tokens (packed, no padding), so the mean over a
                 # micro-batch divided by the accumulation steps is the mean over all the step's tokens.
-                loss = F.cross_entropy(logits.float().flatten(0, 1), targets.flatten()) / accum
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
                 loss.backward()
-            total += float(loss.detach())
+            total = loss.detach() if total is None else total + loss.detach()
+        assert total is not None
         if self.world.is_main and inject_nan(self.run, self.step + 1):
-            total = float("nan")
-        loss_mean = self.world.all_reduce_mean(total)
-        if not math.isfinite(loss_mean):
-            raise NonFiniteLoss(f"loss is {loss_mean} at step {self.step + 1}")
+            total = total * float("nan")
+        reduce_gradients(self.model, self.world)
+        loss_mean = self.world.mean(total)
         grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.grad_clip)
-        self.optimizer.step()
+        finite = self.tally.update(loss_mean, grad_norm)
+        if self.cfg.training.nan_policy == "skip":
+            masked_step(self.optimizer, finite)
+        else:  # a non-finite step is caught at the next sync point, before any checkpoint can save it
+            self.optimizer.step()
         self.scheduler.step()
-        return {"loss": loss_mean, "grad_norm": grad_norm, "samples_crc32": crc}
+        self.world.mark_step()
+        return {"loss": loss_mean, "grad_norm": grad_norm, "finite": finite, "samples_crc32": crc}
 
     def fit(self) -> int:
         """Train to training.max_steps; return the process exit code."""
         t = self.cfg.training
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         log.info(
-            "training %s: %d params, precision %s, %d rank(s) x %d micro-batch x %d accumulation, seq %d",
+            "training %s: %d params, precision %s, %d rank(s) x %d micro-batch x %d accumulation, seq %d on %s",
             self.cfg.preset, self.model.num_params(), self.cfg.precision.mode, self.world.world_size,
-            t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len,
+            t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len, self.world.device.type,
         )  # fmt: skip
-        batches = iter(self.loader)
+        batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
         first_step = self.step
+        since, since_step, nonfinite_seen = time.perf_counter(), self.step, 0
         try:
             while self.step < t.max_steps:
-                start = time.perf_counter()
-                try:
-                    stats = self.train_step(batches)
-                except NonFiniteLoss as exc:
-                    if t.nan_policy == "exit":
-                        log.error("%s: exiting so the job restarts from the last checkpoint", exc)
-                        return EXIT_NAN
-                    log.warning("%s: step skipped (training.nan_policy=skip)", exc)
-                    self.optimizer.zero_grad(set_to_none=True)
-                    self.scheduler.step()
-                    stats = {"loss": float("nan"), "grad_norm": float("nan"), "skipped": True}
+                stats = self.train_step(batches)
                 self.step += 1
+                if not self._sync_point(first_step):
+                    continue
+                # The sync point: everything the host needs of the steps since the last one, in one transfer.
+                seen = self.world.to_host({k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors())
+                seconds = (time.perf_counter() - since) / (self.step - since_step)
+                nonfinite = int(seen["nonfinite"])
+                if nonfinite > nonfinite_seen:
+                    where = f"loss is {float(seen['first_loss'])} at step {int(seen['first_step'])}"
+                    if t.nan_policy == "exit":
+                        log.error("%s: exiting so the job restarts from the last checkpoint", where)
+                        return EXIT_NAN
+                    log.warning("%s: %d step(s) skipped so far (training.nan_policy=skip)", where, nonfinite)
+                    nonfinite_seen = nonfinite
+                values: dict[str, Any] = {
+                    "loss": float(seen["loss"]),
+                    "grad_norm": float(seen["grad_norm"]),
+                    "samples_crc32": stats["samples_crc32"],
+                }
+                if not bool(seen["finite"]):
+                    values["skipped"] = True
                 if self.step == first_step + 1:
                     # Time to first step: build, compile (or load the compile cache), resume, one step. Recorded
                     # whatever log_every says: it is what precompilation saves a job.
-                    stats = {**stats, "first_step_seconds": time.perf_counter() - self._built_at}
-                    stats.update(self.first_step_metrics)
+                    values["first_step_seconds"] = time.perf_counter() - self._built_at
+                    values.update(self.first_step_metrics)
                 if self.step % t.log_every == 0 or self.step == t.max_steps or self.step == first_step + 1:
-                    self._record(stats, time.perf_counter() - start)
+                    self._record(values, seconds)
                 try:
                     for hook in self.hooks:
                         if self.step % hook.every == 0:
@@ -226,6 +316,7 @@ class Trainer:
                     log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
                     self.save_checkpoint(self.step)
                     return 0
+                since, since_step = time.perf_counter(), self.step  # hooks do not count as step time
             if self.step > first_step and (not t.eval_every or self.step % t.eval_every):
                 self.evaluate(self.step)
             # Decided from local state, not by listing storage: every rank must make the same choice.
@@ -238,10 +329,18 @@ class Trainer:
             self.loader.close()
             signal.signal(signal.SIGTERM, previous)
 
+    def _sync_point(self, first_step: int) -> bool:
+        """Whether the host reads the device after this step: the same steps on every rank (the stop vote and the
+        hooks' collectives must line up)."""
+        s, t = self.step, self.cfg.training
+        hooks = any(s % hook.every == 0 for hook in self.hooks)
+        return hooks or s % t.log_every == 0 or s == t.max_steps or s == first_step + 1
+
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         self.stop_requested = True
 
     def _record(self, stats: dict[str, Any], seconds: float) -> None:
+        """Record a sync point's values; `seconds` is the mean step time since the previous sync point."""
         tokens = self.cfg.tokens_per_step
         tokens_per_s = tokens / seconds if seconds > 0 else float("nan")
         values: dict[str, Any] = {
@@ -278,33 +377,37 @@ class Trainer:
             "config_fingerprint": self.cfg.fingerprint(),
             "config": self.cfg.model_dump(mode="json"),
         }
-        mine = {"loader": self.loader.state_dict(), "rng": capture_rng_state()}
+        # The state after the last batch a step consumed: the device loader may have fetched more.
+        loader_state = self._loader_state if self._loader_state is not None else self.loader.state_dict()
+        mine = {"loader": loader_state, "rng": capture_rng_state()}
         self.ckpt.save(step, shared, mine)
         self.saved_step = step
         self.metrics.flush()
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
-        """Mean loss over the first eval_batches micro-batches of the held-out split (the same each time)."""
+        """Mean loss over the first eval_batches micro-batches of the held-out split (the same each time); one host
+        read at the end."""
         loader = self._loader("validation")
         self.wrapped.eval()
-        total, count = 0.0, 0
+        total: torch.Tensor | None = None
+        count = 0
         try:
-            for batch, _ in zip(loader, range(self.cfg.training.eval_batches), strict=False):
-                doc_ids = batch.doc_ids.to(self.world.device) if batch.doc_ids is not None else None
+            batches = self.device_batches(loader, accumulation=1, background=False)
+            for batch, _ in zip(batches, range(self.cfg.training.eval_batches), strict=False):
                 with self.autocast():
-                    logits = self.model(batch.inputs.to(self.world.device), doc_ids)
-                total += float(
-                    F.cross_entropy(logits.float().flatten(0, 1), batch.targets.to(self.world.device).flatten())
-                )
+                    logits = self.model(batch.inputs, batch.doc_ids)
+                loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+                total = loss if total is None else total + loss
                 count += 1
+                self.world.mark_step()  # one forward per graph: the same graph for every batch
         finally:
             loader.close()
             self.wrapped.train()
-        if count == 0:
+        if total is None:
             log.warning("the held-out split has no tokens: no validation loss at step %d", step)
             return float("nan")
-        val_loss = self.world.all_reduce_mean(total / count)
+        val_loss = float(self.world.to_host(self.world.mean(total / count)))
         self.metrics.record(step, {"val_loss": val_loss})
         if self.world.is_main:
             log.info("step %d val_loss %.4f", step, val_loss)

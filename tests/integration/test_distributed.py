@@ -32,9 +32,8 @@ def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: st
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from infra.storage import Storage
-    from training.data import Batch
     from training.distributed import close_world, init_world
-    from training.trainer import Trainer
+    from training.trainer import DeviceBatch, Trainer
 
     overrides = {
         **SMALL_DATA,
@@ -60,9 +59,9 @@ def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: st
             mine = slice(rank * 2 * micro, (rank + 1) * 2 * micro)  # this rank's share of the global batch
             for i in range(2):  # gradient-accumulation micro-batches
                 part = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
-                batches.append(Batch(inputs[part], targets[part], None, {}))
+                batches.append(DeviceBatch(inputs[part], targets[part], None, {}, 0))
         stream = iter(batches)
-        losses = [trainer.train_step(stream)["loss"] for _ in range(STEPS)]
+        losses = [float(trainer.train_step(stream)["loss"]) for _ in range(STEPS)]
         trainer.loader.close()
         if rank == 0:
             torch.save({"model": trainer.model.state_dict(), "losses": losses}, out_file)

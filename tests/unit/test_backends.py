@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from infra.backends import estimate, job_spec
+from infra.backends import estimate, job_environment, job_spec
+from training.devices import neuron_environment, xla_precision_environment
 from training.presets import load_config
 
 RUN = "s3://bucket/hlat/r1"
@@ -26,7 +29,8 @@ def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None
     assert specs["precompile"].environment["RUN_NEURON_PARALLEL_COMPILE"] == "1"
     assert "RUN_NEURON_PARALLEL_COMPILE" not in specs["train"].environment
     assert specs["train"].environment["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"  # hlat-7b: bf16-sr
-    # burn-in's write check syncs apart from the run's checkpoints; short jobs get short runtimes
+    # precompile and burn-in sync apart from the run's checkpoints; short jobs get short runtimes
+    assert specs["precompile"].checkpoint_prefix == "precompile/checkpoint-sync"
     assert specs["burn-in"].checkpoint_prefix == "burn-in/checkpoint-sync"
     assert specs["train"].checkpoint_prefix == "checkpoints"
     assert specs["burn-in"].max_runtime_s == 3600 and specs["train"].max_runtime_s == 28 * 24 * 3600
@@ -54,6 +58,62 @@ def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> 
 def test_local_jobs_carry_no_neuron_settings() -> None:
     spec = job_spec(load_config("tiny"), "/tmp/runs/r", "r", 2)
     assert spec.environment == {"HLAT_RUN_ID": "r"} and spec.arguments() == ["--config", "/tmp/runs/r/config.json"]
+
+
+TRN1_STAGES = ("train", "precompile", "burn-in")
+
+
+@pytest.mark.parametrize("preset", ["hlat-7b", "hlat-70b"])
+def test_every_trn1_stage_job_carries_the_presets_neuron_settings(preset: str) -> None:
+    config = load_config(preset)
+    expected = neuron_environment(config, f"{RUN}/compile-cache/neuron")
+    for stage in TRN1_STAGES:
+        env = job_spec(config, RUN, "r1", 1, stage).environment
+        assert {k: env[k] for k in expected} == expected, stage
+        assert env["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
+        assert env["NEURON_RT_EXEC_TIMEOUT"] == "4000" and env["MALLOC_ARENA_MAX"] == "64"
+        assert env["FI_EFA_FORK_SAFE"] == "1" and env["HLAT_RUN_ID"] == "r1"
+    env = job_spec(config, RUN, "r1", 1, "train").environment
+    if preset == "hlat-7b":
+        assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"
+        assert "NEURON_EXPERIMENTAL_COMPRESS_RG" not in env and "TORCH_DIST_INIT_BARRIER" not in env
+        assert (env["XLA_USE_BF16"], env["NEURON_RT_STOCHASTIC_ROUNDING_EN"]) == ("1", "1")
+    else:
+        assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "31"
+        assert (env["NEURON_EXPERIMENTAL_COMPRESS_RG"], env["TORCH_DIST_INIT_BARRIER"]) == ("1", "0")
+        assert (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"]) == ("0", "1")
+    evaluation = job_spec(config, RUN, "r1", 1, "evaluate").environment
+    assert evaluation == {"HLAT_RUN_ID": "r1"}  # a GPU job of its own: none of it
+
+
+def test_neuron_overrides_reach_every_trn1_stage_job_and_neuron_env_wins() -> None:
+    config = load_config(
+        "hlat-7b",
+        {
+            "neuron.exec_timeout": 7200,
+            "neuron.compiler_flags": "--model-type transformer -O1",
+            "neuron.env.NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": 5,  # over neuron.async_inflight_requests
+            "neuron.env.NEURON_RT_LOG_LEVEL": "INFO",
+        },
+    )
+    for stage in TRN1_STAGES:
+        env = job_spec(config, RUN, "r1", 1, stage).environment
+        assert env["NEURON_RT_EXEC_TIMEOUT"] == "7200"
+        assert env["NEURON_CC_FLAGS"] == "--model-type transformer -O1"
+        assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "5"
+        assert env["NEURON_RT_LOG_LEVEL"] == "INFO"
+
+
+def test_the_xla_cpu_rehearsal_runs_with_the_precision_flags_on_pjrt_cpu() -> None:
+    config = load_config("tiny", {"training.device": "xla", "precision.mode": "bf16-mixed"})
+    for stage in TRN1_STAGES:
+        env = job_environment(config, "/tmp/runs/r", "r", stage)
+        assert env == {"HLAT_RUN_ID": "r", "PJRT_DEVICE": "CPU", **xla_precision_environment("bf16-mixed")}
+    assert job_environment(config, "/tmp/runs/r", "r", "evaluate") == {"HLAT_RUN_ID": "r"}
+    # The same through the job spec, with an interpreter that exists everywhere (the XLA one may not).
+    spec = job_spec(load_config("tiny", {"training.device": "xla", "job.python": sys.executable}), "/tmp/r", "r", 1)
+    assert spec.environment["PJRT_DEVICE"] == "CPU" and spec.environment["XLA_USE_BF16"] == "0"
+    assert not [k for k in spec.environment if k.startswith(("NEURON_CC", "NEURON_RT_ASYNC", "FI_", "MALLOC"))]
 
 
 def test_estimate_of_hlat_7b_from_the_catalog() -> None:

@@ -160,8 +160,68 @@ def test_the_digest_changes_with_the_job_and_the_software(monkeypatch: pytest.Mo
     assert key_differences(base, key_of(cfg)) == [f"torch {base['torch']} -> 2.14.0"]
     monkeypatch.setattr(platform, "python_version", lambda: "3.10.14")
     assert f"python {base['python']} -> 3.10.14" in key_differences(base, key_of(cfg))
-    xla = key_of(cfg, device_type="xla")
-    assert xla["NEURON_CC_FLAGS"] == os.environ.get("NEURON_CC_FLAGS", "")  # versions only where installed
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--from-the-shell")  # the key is the config's, not this process's
+    xla = key_of(cfg, device_type="xla")  # tiny: XLA:CPU (versions of the Neuron packages only where installed)
+    assert {k: xla[k] for k in ("PJRT_DEVICE", "XLA_USE_BF16", "XLA_DOWNCAST_BF16")} == {
+        "PJRT_DEVICE": "CPU",
+        "XLA_USE_BF16": "0",
+        "XLA_DOWNCAST_BF16": "0",
+    }
+    assert "NEURON_CC_FLAGS" not in xla and "PJRT_DEVICE" not in key_of(cfg)
+
+
+def trn1(**overrides: Any) -> HlatConfig:
+    """tiny with trn1's Neuron environment (its jobs' instance type)."""
+    return config(**{"job.instance_type": "ml.trn1.32xlarge", **overrides})
+
+
+def flat(key: dict[str, Any]) -> bool:
+    return all(isinstance(v, str | int | float | bool | None) for v in key.values())
+
+
+def test_on_trn1_the_key_holds_the_neuron_environment_the_config_gives_the_job() -> None:
+    key = key_of(trn1(), device_type="xla")
+    assert key["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
+    assert (key["NEURON_FUSE_SOFTMAX"], key["XLA_USE_BF16"]) == ("1", "0")
+    # Runtime, network and host settings do not change a graph; neither does where the cache lives.
+    assert not [k for k in key if k.startswith(("NEURON_RT_", "FI_", "MALLOC_", "TORCH_DIST", "NEURON_COMPILE"))]
+    assert flat(key)  # still {dotted name: plain value}
+
+
+@pytest.mark.parametrize(
+    ("override", "field"),
+    [
+        ({"neuron.compiler_flags": "--model-type transformer -O1"}, "NEURON_CC_FLAGS"),
+        ({"neuron.compress_rg": True}, "NEURON_EXPERIMENTAL_COMPRESS_RG"),
+        ({"neuron.fuse_softmax": False}, "NEURON_FUSE_SOFTMAX"),
+        ({"neuron.env.NEURON_CC_FLAGS": "--model-type transformer"}, "NEURON_CC_FLAGS"),
+        ({"neuron.env.XLA_IR_DEBUG": 1}, "XLA_IR_DEBUG"),
+        ({"precision.mode": "bf16-sr"}, "XLA_USE_BF16"),
+    ],
+)
+def test_a_changed_neuron_setting_that_shapes_the_graphs_makes_the_cache_stale(
+    tmp_path: Path, loaded: list[bytes], override: dict[str, Any], field: str
+) -> None:
+    run = Storage(str(tmp_path))
+    write_torch_cache(run.child(CACHE_DIR), key_of(trn1(), device_type="xla"), ARTIFACTS, steps=2, seconds=1.0)
+    status = load_torch_cache(run, trn1(**override), 1, "xla")
+    assert status.status == "stale" and loaded == []
+    assert field in [d.split(" ")[0] for d in status.differences]
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        {"neuron.exec_timeout": 9000},
+        {"neuron.async_inflight_requests": 31},
+        {"neuron.malloc_arena_max": None},
+        {"neuron.dist_init_barrier": False},
+        {"neuron.efa": False},
+        {"neuron.env.NEURON_RT_LOG_LEVEL": "INFO"},
+    ],
+)
+def test_runtime_only_neuron_settings_keep_the_cache(override: dict[str, Any]) -> None:
+    assert key_digest(key_of(trn1(**override), device_type="xla")) == key_digest(key_of(trn1(), device_type="xla"))
 
 
 @pytest.mark.parametrize(

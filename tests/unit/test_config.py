@@ -101,6 +101,9 @@ def test_tiny_is_cpu_sized_and_offline() -> None:
         (["data.validation.policy=drop"], "data.validation.policy: Input should be 'fail' or 'quarantine'"),
         (["run_id=../etc"], "run_id: '../etc' is not allowed"),
         (["training.lr"], "must look like dotted.path=value"),
+        (["neuron.exec_timeout=0"], "neuron.exec_timeout: Input should be greater than or equal to 1 (got 0)"),
+        (["neuron.env.NEURON_COMPILE_CACHE_URL=/x"], "neuron.env: ['NEURON_COMPILE_CACHE_URL'] are set by the job"),
+        (["neuron.env.1X=1"], "neuron.env: ['1X'] are not environment variable names"),
     ],
 )
 def test_wrong_values_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:
@@ -163,3 +166,37 @@ def test_a_field_of_a_default_mapping_can_be_overridden() -> None:
     assert config.burn_in.thresholds["local"].min_matmul_tflops == 2.5
     assert config.burn_in.thresholds["local"].min_write_mbps == 5.0  # the rest of the default entry is kept
     assert "ml.trn1.32xlarge" in config.burn_in.thresholds  # and the other entries
+
+
+def test_neuron_settings_of_the_presets() -> None:
+    seven = load_config("hlat-7b").neuron
+    assert seven.model_dump() == {
+        "compiler_flags": "--model-type transformer --distribution-strategy=llm-training",
+        "fuse_softmax": True,
+        "async_inflight_requests": 3,
+        "exec_timeout": 4000,
+        "malloc_arena_max": 64,
+        "compress_rg": False,
+        "dist_init_barrier": True,
+        "efa": True,
+        "efa_fork_safe": True,
+        "env": {},
+    }
+    seventy = load_config("hlat-70b").neuron
+    assert seventy.model_dump() == {
+        **seven.model_dump(),
+        "async_inflight_requests": 31,
+        "compress_rg": True,
+        "dist_init_barrier": False,
+    }
+    for name in ("pythia-6.9b", "neox-20b", "tiny"):
+        assert load_config(name).neuron == seven
+
+
+def test_neuron_settings_are_not_part_of_the_run() -> None:
+    base = load_config("hlat-7b")
+    changed = load_config(
+        "hlat-7b", {"neuron.exec_timeout": 9000, "neuron.compiler_flags": "-O1", "neuron.env.NEURON_RT_LOG_LEVEL": 3}
+    )
+    assert changed.neuron.env == {"NEURON_RT_LOG_LEVEL": "3"}  # a number on the command line is the variable's text
+    assert changed.fingerprint() == base.fingerprint() and changed.resolved_run_id() == base.resolved_run_id()

@@ -122,7 +122,12 @@ def test_settings_outside_the_fingerprint_follow_the_latest_flow_run(tmp_path: P
     from training.presets import load_config
 
     first = open_run(load_config("tiny", storage=str(tmp_path)))
-    later = load_config("tiny", {"job.budget_usd": 50, "burn_in.continue_on_failure": True}, storage=str(tmp_path))
+    later = load_config(
+        "tiny",
+        {"job.budget_usd": 50, "burn_in.continue_on_failure": True, "neuron.exec_timeout": 9000},
+        storage=str(tmp_path),
+    )
     assert open_run(later).run_id == first.run_id  # the same run: nothing it computes changed
     stored = first.storage.read_json("config.json")
     assert stored["job"]["budget_usd"] == 50 and stored["burn_in"]["continue_on_failure"] is True
+    assert stored["neuron"]["exec_timeout"] == 9000  # the next job's environment follows it

@@ -3,6 +3,7 @@ service model, and nothing leaves this machine (a guard fails any socket connect
 
 from __future__ import annotations
 
+import json
 import re
 import socket
 from collections.abc import Iterator
@@ -18,6 +19,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.stub import ANY, Stubber
 from botocore.validate import validate_parameters
 
+from infra.backends import dry_run
 from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
 from infra.sagemaker_jobs import (
     LOG_GROUP,
@@ -29,6 +31,8 @@ from infra.sagemaker_jobs import (
     neuron_training_image,
 )
 from training.config import JobConfig
+from training.devices import neuron_environment
+from training.presets import load_config
 
 REGION = "us-west-2"
 ROLE = "arn:aws:iam::111122223333:role/hlat-training"
@@ -552,6 +556,30 @@ def test_dry_run_carries_every_job_setting() -> None:
     p4 = SageMakerBackend(make_job(instance_type="ml.m5.24xlarge", kms_key_id="alias/hlat"))
     spec = make_spec(instance_type="ml.m5.24xlarge")
     assert p4.dry_run(spec)[-1]["params"]["ResourceConfig"]["VolumeKmsKeyId"] == "alias/hlat"
+
+
+@pytest.mark.parametrize("preset", ["hlat-7b", "hlat-70b"])
+def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str) -> None:
+    config = load_config(
+        preset,
+        {"job.role_arn": ROLE, "neuron.exec_timeout": 6000, "neuron.env": {"NEURON_RT_LOG_LEVEL": "INFO"}},
+        storage=f"s3://{BUCKET}/prod",
+    )
+    run_uri = f"s3://{BUCKET}/prod/{config.resolved_run_id()}"
+    expected = neuron_environment(config, f"{run_uri}/compile-cache/neuron")
+    assert (expected["NEURON_RT_EXEC_TIMEOUT"], expected["NEURON_RT_LOG_LEVEL"]) == ("6000", "INFO")
+    inflight = {"hlat-7b": "3", "hlat-70b": "31"}[preset]
+    # Only training syncs the run's checkpoints (SageMaker copies the folder onto every node first).
+    sync = {"train": "checkpoints", "precompile": "precompile/checkpoint-sync", "burn-in": "burn-in/checkpoint-sync"}
+    for stage in sync:
+        text = dry_run(config, stage=stage)  # the real CreateTrainingJob request, as submit would send it
+        create = json.loads(text.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\n", 1)[0])
+        environment = create["Environment"]
+        assert {k: environment.get(k) for k in expected} == expected, stage
+        assert environment["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == inflight
+        assert environment["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
+        assert ("RUN_NEURON_PARALLEL_COMPILE" in environment) == (stage == "precompile")
+        assert create["CheckpointConfig"]["S3Uri"] == f"{run_uri}/{sync[stage]}"
 
 
 # -- images and user mistakes -------------------------------------------------------------------------------------

@@ -1,0 +1,239 @@
+"""The training loop on the XLA device (XLA:CPU): one graph per step, no host reads between sync points, the
+eager CPU run's losses, collectives on device tensors, one transfer per checkpoint, bitwise kill-and-resume.
+
+Counts come from torch_xla.debug.metrics (training/xla.py: `counters`). Executions are asynchronous, so each
+step's counts are taken after waiting for the device."""
+
+from __future__ import annotations
+
+import itertools
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from infra.storage import Storage
+from tests.xla.conftest import make_run
+from training import xla
+from training.checkpoint import CheckpointManager
+from training.config import HlatConfig, validate_config
+from training.distributed import World, init_world
+from training.exit_codes import EXIT_NAN
+from training.trainer import Trainer
+
+STEPS = 20
+PROJECT = Path(__file__).resolve().parents[2]
+
+
+def build(run: Path) -> Trainer:
+    cfg: HlatConfig = validate_config(Storage(str(run)).read_json("config.json"))
+    world = init_world(cfg.training.device, cfg)
+    return Trainer(
+        cfg=cfg,
+        run=Storage(str(run)),
+        checkpoints=Storage(str(run / "checkpoints")),
+        world=world,
+        tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),
+    )
+
+
+def counted_fit(trainer: Trainer) -> tuple[int, list[dict[str, float]]]:
+    """Run `fit()`; the XLA counters after each step's train_step (device work finished) and at the end."""
+    marks: list[dict[str, float]] = []
+    step = trainer.train_step
+
+    def train_step(batches: Any) -> dict[str, Any]:
+        out = step(batches)
+        xla.wait()
+        marks.append(xla.counters())
+        return out
+
+    trainer.train_step = train_step  # type: ignore[method-assign]
+    code = trainer.fit()
+    xla.wait()
+    marks.append(xla.counters())
+    return code, marks
+
+
+def deltas(marks: list[dict[str, float]]) -> list[dict[str, float]]:
+    """deltas[k]: what happened between the end of step k and the end of step k+1 (1-based k): the sync work of
+    step k, if any, and the whole of step k+1."""
+    return [{key: b[key] - a[key] for key in b} for a, b in itertools.pairwise(marks)]
+
+
+VARIANTS = {
+    # tiny: global batch 8, micro-batch 4 -> 2 micro-batches per step
+    "fp32-accumulation-document-masking-selective": {
+        "training.document_masking": True,
+        "parallelism.activation_checkpointing": "selective",
+    },
+    "fp32-no-accumulation-full-checkpointing": {
+        "training.micro_batch_size": 8,
+        "parallelism.activation_checkpointing": "full",
+    },
+    "bf16-sr-accumulation": {"precision.mode": "bf16-sr"},
+    "bf16-mixed-accumulation-full-checkpointing": {
+        "precision.mode": "bf16-mixed",
+        "parallelism.activation_checkpointing": "full",
+    },
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_one_graph_per_step_and_no_host_read_between_sync_points(prepared: Path, tmp_path: Path, variant: str) -> None:
+    log_every = 5
+    run = make_run(
+        prepared, tmp_path, variant, **VARIANTS[variant],
+        **{"training.max_steps": STEPS, "training.log_every": log_every, "training.checkpoint_every": 10},
+    )  # fmt: skip
+    trainer = build(run)
+    code, marks = counted_fit(trainer)
+    assert code == 0
+    steps = deltas(marks)  # steps[k - 1]: step k's sync work, then step k + 1
+    # From the end of step 2 to the end of step 20 (what follows the loop, the final evaluation, has graphs of its
+    # own: the held-out forward pass, compiled once).
+    after_step_2 = steps[1:-1]
+    assert len(after_step_2) == STEPS - 2
+    assert sum(d["compilations"] for d in after_step_2) == 0, after_step_2
+    sync = {1, *range(log_every, STEPS + 1, log_every)}
+    quiet = [k for k in range(2, STEPS) if k not in sync]  # step k + 1 follows a step without a sync point
+    assert quiet, "the run has steps that do not log"
+    for k in quiet:
+        d = steps[k - 1]
+        assert d["executions"] == 1 and d["transfers_to_host"] == 0, (k + 1, d)
+
+
+def test_fp32_losses_on_xla_equal_the_eager_cpu_run(prepared: Path, tmp_path: Path) -> None:
+    losses = {}
+    for device in ("cpu", "xla"):
+        trainer = build(make_run(prepared, tmp_path, device, device=device, **{"training.max_steps": STEPS}))
+        batches = trainer.device_batches(trainer.loader, trainer.cfg.gradient_accumulation)
+        out = [trainer.train_step(batches)["loss"] for _ in range(STEPS)]
+        losses[device] = [float(x) for x in trainer.world.to_host(out)]
+        trainer.loader.close()
+    cpu, on_xla = losses["cpu"], losses["xla"]
+    assert on_xla[-1] < on_xla[0]
+    worst = max(abs(a - b) / abs(a) for a, b in zip(cpu, on_xla, strict=True))
+    assert worst <= 1e-5, (worst, cpu, on_xla)
+
+
+def test_a_checkpoint_reaches_the_host_in_one_transfer_and_resumes_on_the_device(
+    prepared: Path, tmp_path: Path
+) -> None:
+    run = make_run(prepared, tmp_path, "save", **{"training.max_steps": 4, "precision.mode": "bf16-mixed"})
+    trainer = build(run)
+    assert trainer.fit() == 0
+    xla.wait()
+    before = xla.counters()
+    trainer.save_checkpoint(trainer.step + 1)  # model, optimizer (FP32 masters and moments), RNG: all at once
+    xla.wait()
+    assert xla.counters()["transfers_to_host"] - before["transfers_to_host"] == 1
+    shared, mine = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=2).load(5)
+    master = next(iter(shared["optimizer"]["state"].values()))["master"]
+    assert master.dtype == torch.float64 and "xla" in mine["rng"]
+
+    resumed = build(run)
+    assert resumed.resume() == 5
+    restored = next(iter(resumed.optimizer.state.values()))["master"]
+    assert restored.device.type == "xla" and restored.dtype == torch.float64  # not cast to the parameters' dtype
+    assert torch.equal(restored.cpu(), master)
+
+
+def test_nan_exit_and_skip_are_decided_at_the_sync_point(
+    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.setenv("HLAT_FAULT_NAN_AT_STEP", "3")
+    changes = {"training.max_steps": 8, "training.log_every": 4, "training.checkpoint_every": 4}
+    trainer = build(make_run(prepared, tmp_path, "exit", **changes))
+    assert trainer.fit() == EXIT_NAN  # found at step 4, the first sync point after the NaN
+    assert "loss is nan at step 3" in caplog.text
+    assert CheckpointManager(Storage(str(tmp_path / "exit" / "checkpoints")), keep_last=1).latest_step() is None
+
+    skip = make_run(prepared, tmp_path, "skip", **changes, **{"training.nan_policy": "skip"})
+    trainer = build(skip)
+    assert trainer.fit() == 0
+    weights = trainer.world.to_host(trainer.model.state_dict())
+    assert all(torch.isfinite(w).all() for w in weights.values())
+    assert "1 step(s) skipped so far" in caplog.text
+
+
+def test_with_xla_always_allreduce_the_loops_collectives_run_on_device_tensors(
+    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("XLA_ALWAYS_ALLREDUCE", "1")  # read at each all-reduce: one process runs the real collective
+    run = make_run(
+        prepared, tmp_path, "collectives",
+        **{"training.max_steps": 6, "training.log_every": 3, "burn_in.health_check_every": 3,
+           "burn_in.health_allreduce_mb": 1},
+    )  # fmt: skip
+    trainer = build(run)
+    world: World = trainer.world
+    assert world.collective and not torch.distributed.is_initialized()  # no CPU process group is involved
+    seen: list[torch.device] = []
+    reduce = world.all_reduce
+
+    def recording(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
+        seen.append(tensor.device)
+        return reduce(tensor, op)
+
+    object.__setattr__(world, "all_reduce", recording)  # World is frozen: a test seam, not an API
+    before = xla.counters()["all_reduces"]
+    assert trainer.fit() == 0
+    # loss mean every step (6); stop vote at the sync points 1, 3, 6 (3); health check at 3 and 6 (2 x warm-up,
+    # timed runs, verdict)
+    assert len(seen) >= 6 + 3 + 2 * 3
+    assert {d.type for d in seen} == {"xla"}
+    assert xla.counters()["all_reduces"] - before >= len(seen)
+
+
+def job(run: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """The training program as a job runs it, on XLA:CPU."""
+    return subprocess.run(
+        [sys.executable, "-m", "training.train", "--config", str(run / "config.json")],
+        cwd=PROJECT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def final_state(run: Path) -> dict[str, Any]:
+    manager = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1)
+    step = manager.latest_step()
+    assert step is not None
+    shared, _ = manager.load(step)
+    return {"step": step, "model": shared["model"], "optimizer": shared["optimizer"]["state"]}
+
+
+def test_killed_and_resumed_on_xla_the_weights_are_bitwise_those_of_an_uninterrupted_run(
+    prepared: Path, tmp_path: Path
+) -> None:
+    changes = {"training.max_steps": 12, "training.checkpoint_every": 4, "training.log_every": 2}
+    straight = make_run(prepared, tmp_path, "straight", **changes)
+    done = job(straight)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+
+    broken = make_run(prepared, tmp_path, "broken", **changes)
+    killed = job(broken, {"HLAT_FAULT_KILL_BEFORE_COMMIT": "8"})  # dies writing step 8's commit marker
+    assert killed.returncode == -9, killed.stderr[-3000:]
+    resumed = job(broken)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from step 4" in resumed.stderr + resumed.stdout
+
+    a, b = final_state(straight), final_state(broken)
+    assert a["step"] == b["step"] == 12
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), name
+    for index, state in a["optimizer"].items():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                assert torch.equal(value, b["optimizer"][index][key]), (index, key)
+
+
+def test_the_xla_benchmark_runs_and_reports_one_execution_per_quiet_step() -> None:
+    from benchmarks.bench_xla import main
+
+    out = main(["--steps", "12", "--log-every", "4"])
+    xla_row = next(line for line in out.splitlines() if line.startswith("| XLA:CPU"))
+    assert [cell.strip() for cell in xla_row.split("|")[2:5]] == ["0", "1", "0"]
