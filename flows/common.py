@@ -8,6 +8,7 @@ from prefect import task
 from prefect.runtime import flow_run
 
 from flows.params import overrides_dict
+from infra.backends import job_python
 from infra.runs import Run, open_run
 from tasks import aws
 from tasks.common import TRANSIENT_RETRIES
@@ -33,6 +34,7 @@ def resolve_config(preset: str, overrides: Any, run_id: str | None, storage: str
             "`hlat deploy` (deployments/prefect.yaml lists them), or give the value as a parameter of this run"
         )
     config = load_config(preset, changes, run_id=run_id, storage=storage)
+    job_python(config, "train")  # training.device=xla without the XLA environment: say so before any stage runs
     aws.activate(config.job)  # before the first AWS call (the run's storage)
     return config
 

@@ -103,6 +103,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "schedule_steps": 500_000,
             "global_batch_size": 1024,
             "micro_batch_size": 1,
+            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
             "seq_len": 4096,
             "checkpoint_every": 1000,
             "keep_checkpoints": 5,
@@ -139,6 +140,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "schedule_steps": 500_000,
             "global_batch_size": 1024,
             "micro_batch_size": 1,
+            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
             "seq_len": 4096,
             "checkpoint_every": 300,
             "keep_checkpoints": 3,
@@ -177,6 +179,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_steps": 143_000,
             "global_batch_size": 256,
             "micro_batch_size": 1,
+            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
             "seq_len": 2048,
             "weight_decay": 0.01,
         },
@@ -206,6 +209,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "max_steps": 150_000,
             "global_batch_size": 16384,
             "micro_batch_size": 1,
+            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
             "seq_len": 2048,
             "weight_decay": 0.01,
         },

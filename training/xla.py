@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import warnings
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -49,6 +50,8 @@ def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> No
     environment already says otherwise. Must run before torch_xla is first imported."""
     for key, value in precision_env.items():
         os.environ.setdefault(key, value)
+    # torch-xla 2.7 warns at import that these will go away: the default image's SDK (2.24) is chosen for them.
+    warnings.filterwarnings("ignore", message=r"XLA_(USE|DOWNCAST)_BF16 will be deprecated")
     if not on_neuron:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
 

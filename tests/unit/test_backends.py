@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 
 from infra.backends import estimate, job_environment, job_spec
+from training.config import ConfigError
 from training.devices import neuron_environment, xla_precision_environment
 from training.presets import load_config
 
@@ -124,3 +126,23 @@ def test_estimate_of_hlat_7b_from_the_catalog() -> None:
     assert 15 * 24 < est["hours"] < 25 * 24
     assert est["total_usd"] == pytest.approx(est["hours"] * est["hourly_usd"])
     assert estimate(load_config("tiny"))["hours"] is None  # no peak figure for a local machine
+
+
+def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import infra.local_jobs
+    from infra.backends import XLA_PYTHON, job_python
+
+    config = load_config("tiny", {"training.device": "xla"})
+    monkeypatch.setattr(infra.local_jobs, "PROJECT_ROOT", tmp_path)
+    with pytest.raises(ConfigError, match=r"training\.device=xla .* run `scripts/install\.sh xla` first"):
+        job_python(config, "train")
+    python = tmp_path / XLA_PYTHON
+    python.parent.mkdir(parents=True)
+    python.touch()
+    assert [job_python(config, stage) for stage in ("train", "precompile", "burn-in")] == [str(python)] * 3
+    assert job_python(config, "evaluate") is None  # evaluation runs transformers and lm-eval in the flow's Python
+    assert job_python(load_config("tiny"), "train") is None
+    own = load_config("tiny", {"training.device": "xla", "job.python": "/opt/image/bin/python"})
+    assert job_python(own, "train") == "/opt/image/bin/python"

@@ -13,10 +13,12 @@ from torch import nn
 from training.config import TrainingConfig
 from training.optim import (
     AdamWStochasticRounding,
+    MasterWeightAdamW,
     build_optimizer,
     build_scheduler,
     clip_grad_norm,
     lr_at,
+    masked_step,
     sr_seed,
     stochastic_round_to_bf16,
 )
@@ -379,3 +381,71 @@ def test_stochastic_rounding_on_cuda_uses_a_device_generator_and_resumes_bitwise
             opt.step()
         results.append([p.detach().clone() for p in model.parameters()])
     assert all(torch.equal(p, q) for p, q in zip(*results, strict=True))
+
+
+def _loss_step(model: nn.Module, scale: float = 1.0) -> None:
+    torch.manual_seed(3)
+    dtype = next(model.parameters()).dtype
+    x, y = torch.randn(32, 8, dtype=dtype), torch.randn(32, 1, dtype=dtype)
+    (((model(x) - y) ** 2).mean() * scale).backward()
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_a_masked_step_applies_or_discards_the_whole_update_without_a_host_read(precision: str) -> None:
+    cfg = TrainingConfig(lr=1e-2, warmup_steps=0, max_steps=10)
+
+    def pair() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        model = TinyModel() if precision == "fp32" else TinyModel().to(torch.bfloat16)
+        return model, build_optimizer(model, cfg, precision)
+
+    # Discarded (a non-finite step): the weights, and moments that start from zero, as if it never ran.
+    model, opt = pair()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    _loss_step(model, float("nan"))
+    masked_step(opt, torch.tensor(False))
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    moments = [t for st in opt.state.values() for t in st.values() if torch.is_tensor(t) and t.dim()]
+    assert moments and all(not t.any() for t in moments)
+
+    # Applied: bitwise the optimizer's own step.
+    (model, opt), (plain, plain_opt) = pair(), pair()
+    _loss_step(model)
+    _loss_step(plain)
+    masked_step(opt, torch.tensor(True))
+    plain_opt.step()
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), plain.parameters(), strict=True))
+    for p, q in zip(model.parameters(), plain.parameters(), strict=True):
+        for key, value in opt.state[p].items():
+            if torch.is_tensor(value):
+                assert torch.equal(value, plain_opt.state[q][key]), key
+
+
+def test_master_weight_adamw_is_adamw_on_its_fp64_masters_and_keeps_them_through_a_checkpoint() -> None:
+    torch.manual_seed(0)
+    model, twin = TinyModel(), TinyModel().double()
+    twin.load_state_dict({k: v.double() for k, v in model.state_dict().items()})
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8, "weight_decay": 0.1}
+    opt, ref = MasterWeightAdamW(model.parameters(), **hyper), torch.optim.AdamW(twin.parameters(), **hyper)
+    for _ in range(3):
+        for m, o in ((model, opt), (twin, ref)):
+            o.zero_grad()
+            _loss_step(m)
+        for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+            q.grad = p.grad.double()  # the masters see the parameters' gradients, as on the device
+        opt.step()
+        ref.step()
+    for p, q in zip(model.parameters(), twin.parameters(), strict=True):
+        master = opt.state[p]["master"]
+        assert master.dtype == torch.float64
+        torch.testing.assert_close(master, q.detach(), rtol=1e-12, atol=1e-12)
+        assert torch.equal(p.detach(), master.float())
+
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    fresh = MasterWeightAdamW(model.parameters(), **hyper)
+    fresh.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=True))
+    for p in model.parameters():
+        assert fresh.state[p]["master"].dtype == torch.float64  # torch's loader would have cast it to float32
+        assert torch.equal(fresh.state[p]["master"], opt.state[p]["master"])
+        assert fresh.state[p]["step"] == 3
