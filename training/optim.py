@@ -120,6 +120,13 @@ def _round(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     return stochastic_round_to_bf16(x.cpu(), generator).to(x.device)
 
 
+def _adamw_defaults(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
+    """The hyper-parameters every AdamW here takes, checked."""
+    if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
+        raise ValueError(f"invalid AdamW hyper-parameters: lr={lr} betas={betas} eps={eps} wd={weight_decay}")
+    return {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay}
+
+
 def adamw_update(
     param: torch.Tensor,
     grad: torch.Tensor,
@@ -164,17 +171,8 @@ class AdamWStochasticRounding(torch.optim.Optimizer):
         seed: int = 0,
         stochastic_rounding: bool = True,
     ) -> None:
-        if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid AdamW hyper-parameters: lr={lr} betas={betas} eps={eps} wd={weight_decay}")
-        defaults = {
-            "lr": lr,
-            "betas": tuple(betas),
-            "eps": eps,
-            "weight_decay": weight_decay,
-            "seed": seed,
-            "stochastic_rounding": stochastic_rounding,
-        }
-        super().__init__(params, defaults)
+        defaults = {**_adamw_defaults(lr, betas, eps, weight_decay), "seed": seed}
+        super().__init__(params, {**defaults, "stochastic_rounding": stochastic_rounding})
         for group in self.param_groups:
             for p in group["params"]:
                 if p.dtype != torch.bfloat16:
@@ -245,9 +243,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
         eps: float = 1e-8,
         weight_decay: float = 0.0,
     ) -> None:
-        if lr < 0 or eps <= 0 or weight_decay < 0 or not all(0 <= b < 1 for b in betas):
-            raise ValueError(f"invalid AdamW hyper-parameters: lr={lr} betas={betas} eps={eps} wd={weight_decay}")
-        super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps, "weight_decay": weight_decay})
+        super().__init__(params, _adamw_defaults(lr, betas, eps, weight_decay))
         for group in self.param_groups:
             for p in group["params"]:  # the masters start as the parameters themselves, before any step
                 master = p.detach().to(torch.float64)

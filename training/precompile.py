@@ -125,6 +125,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
             tokenizer_model=tokenizer,
             data=channel_location(run, "data"),
         )
+        trainer.metrics.resume_at(0)  # a fresh history in the scratch folder, as a job's first resume starts one
         try:
             yield trainer
         finally:
@@ -148,7 +149,7 @@ def run_steps(trainer: Trainer, steps: int) -> float:
 
 
 def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage, world: World) -> int:
-    """The XLA device: run the steps, one graph each (the loop's own mark_step). On trn1, under
+    """The XLA device: run the steps, one graph each (the loop's own mark_step), and one validation pass. On trn1, under
     neuron_parallel_compile, their graphs are extracted rather than executed and compiled into
     NEURON_COMPILE_CACHE_URL after this program exits; the key goes to neuron/manifest.json.
 
@@ -168,6 +169,7 @@ def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage, world: World)
     steps = cfg.precompile.steps
     with throwaway_trainer(run, cfg, world) as trainer:
         seconds = run_steps(trainer, steps)
+        trainer.evaluate(steps)  # the held-out forward pass is a graph of its own (every job ends with one)
     if world.is_main:
         write_neuron_manifest(cache, key, steps=steps, seconds=seconds)
         print(f"precompile: {steps} steps traced in {seconds:.1f} s, graphs extracted for neuronx-cc -> {url}")

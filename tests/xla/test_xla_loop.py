@@ -237,3 +237,28 @@ def test_the_xla_benchmark_runs_and_reports_one_execution_per_quiet_step() -> No
     out = main(["--steps", "12", "--log-every", "4"])
     xla_row = next(line for line in out.splitlines() if line.startswith("| XLA:CPU"))
     assert [cell.strip() for cell in xla_row.split("|")[2:5]] == ["0", "1", "0"]
+
+
+def test_the_precompile_programs_xla_path_runs_the_steps_and_a_validation_pass_and_records_its_key(
+    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the trn1 precompile job does before neuron_parallel_compile takes over (which exists only on trn1)."""
+    from training import precompile
+    from training.compile_cache import CACHE_DIR, cache_key, key_digest
+
+    run = make_run(prepared, tmp_path, "precompile", **{"precompile.steps": 2})
+    cfg = validate_config(Storage(str(run)).read_json("config.json"))
+    world = init_world("xla", cfg)
+    cache = Storage(str(run / CACHE_DIR))
+    with pytest.raises(RuntimeError, match="no Neuron compiler to feed"):
+        precompile._precompile_xla(Storage(str(run)), cfg, cache, world)
+
+    monkeypatch.setattr(precompile, "neuron_available", lambda: True)
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(run / CACHE_DIR / "neuron"))
+    before = xla.counters()["compilations"]
+    assert precompile._precompile_xla(Storage(str(run)), cfg, cache, world) == 0
+    assert xla.counters()["compilations"] - before >= 3  # step 1, step 2 (optimizer state), the validation pass
+    manifest = cache.read_json("neuron/manifest.json")
+    assert manifest["steps"] == 2 and manifest["digest"] == key_digest(cache_key(cfg, 1, "xla"))
+    assert cache.read_json("latest.json")["kind"] == "neuron"
+    assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()  # a throwaway trainer
