@@ -38,6 +38,8 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
         recompute, reentrant = checkpoint, False
 
     def checkpointed(*args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():  # evaluation: no backward, nothing to recompute
+            return forward(*args, **kwargs)
         return recompute(forward, *args, use_reentrant=reentrant, **kwargs)
 
     module.forward = checkpointed
