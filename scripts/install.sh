@@ -36,10 +36,12 @@ fi
 if [ "$xla" = 1 ]; then
   [ -x .venv-xla/bin/python ] || python3 -m venv .venv-xla
   image=deployments/neuron-image-2.24.1.txt
-  pytest_pin=$(grep -E '^pytest==' constraints.txt)
-  # Everything the image pins that a job program imports, as the image has it; then the job's own installs.
+  pins=$(grep -E '^(pytest|safetensors|tenacity)==' constraints.txt | tr '\n' ' ')
+  # Everything the image pins that a job program imports, as the image has it; the job's own installs; what the
+  # image's neuronx-distributed needs besides torch-xla (safetensors, tenacity: tests/nxd runs NxD's source); pytest.
+  # shellcheck disable=SC2086
   .venv-xla/bin/python -m pip install "${quiet[@]}" -c "$image" \
-    torch torch-xla numpy protobuf tensorboard -r deployments/job-requirements.txt "$pytest_pin"
+    torch torch-xla numpy protobuf tensorboard -r deployments/job-requirements.txt $pins
 fi
 
 # The browser test drives Debian's Chromium (not a Playwright download): install it where we may.

@@ -28,8 +28,9 @@ from prefect.logging.configuration import setup_logging  # noqa: E402
 
 setup_logging()
 
-# tests/xla is the XLA tier: it runs in .venv-xla (scripts/test.sh), without this conftest (--confcutdir).
-collect_ignore = ["xla"]
+# tests/xla and tests/nxd are the XLA and NxD tiers: they run in .venv-xla (scripts/test.sh), without this conftest
+# (--confcutdir).
+collect_ignore = ["xla", "nxd"]
 
 # Small data and tokenizer that still exercise every stage: small corpus, small vocabulary.
 SMALL_DATA = {

@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -28,6 +28,21 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
+    dp_rank: int = -1
+    """This rank's data-parallel rank (what the loader shards by): the rank itself unless the model is split."""
+    dp_size: int = -1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    nxd: dict[str, Any] | None = None
+    """neuronx-distributed's trainer config when the model is split (tensor/pipeline parallel, ZeRO-1)."""
+
+    def __post_init__(self) -> None:
+        if self.dp_rank < 0:
+            object.__setattr__(self, "dp_rank", self.rank)
+        if self.dp_size < 0:
+            object.__setattr__(self, "dp_size", self.world_size)
 
     @property
     def is_main(self) -> bool:
@@ -140,11 +155,7 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
             if not on_neuron and os.environ.get("PJRT_DEVICE") == "CPU":
                 raise RuntimeError(f"this job has {world_size} processes: {xla.XLA_CPU_NOTE}")
             xla.init_process_group()
-        if on_neuron and cfg is not None:
-            from training.neuron import init_model_parallel
-
-            init_model_parallel(cfg)
-        return World(rank=rank, world_size=world_size, local_rank=local_rank, device=xla.device())
+        return _model_parallel(World(rank=rank, world_size=world_size, local_rank=local_rank, device=xla.device()), cfg)
     if kind == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
@@ -152,7 +163,25 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
-    return World(rank=rank, world_size=world_size, local_rank=local_rank, device=device)
+    return _model_parallel(World(rank=rank, world_size=world_size, local_rank=local_rank, device=device), cfg)
+
+
+def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
+    """`world` with neuronx-distributed's groups formed and this rank's place in them, when `cfg` splits the model
+    (on trn1, or in NxD's CPU mode); unchanged otherwise."""
+    from training.neuron import needs_nxd
+
+    if cfg is None or not needs_nxd(cfg):
+        return world
+    from training import neuron
+
+    neuron.require_nxd()
+    config = neuron.nxd_config(cfg)
+    at = neuron.coordinates()
+    return replace(
+        world, nxd=config, tp_rank=at["tp_rank"], tp_size=at["tp_size"], pp_rank=at["pp_rank"],
+        pp_size=at["pp_size"], dp_rank=at["dp_rank"], dp_size=at["dp_size"],
+    )  # fmt: skip
 
 
 def close_world() -> None:

@@ -25,17 +25,25 @@ head dims, i.e. the same family of functions; with `rotary_fraction = 1` it is e
 
 Positions are absolute within the (packed) sequence also under document masking: RoPE scores depend only
 on the distance between query and key, so a document attends within itself exactly as it would alone.
+
+Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory.
+`DenseLayers` (the default) gives nn.Linear and nn.Embedding; `training.neuron.NxdLayers` gives
+neuronx-distributed's tensor-parallel layers, and each rank then holds its heads and slices (attention computes
+with the local head counts). Either way `init_weights(seed)` draws every parameter's dense tensor the same way
+(`training.sharding`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the dense one.
+This file imports no distributed code.
 """
 
 from __future__ import annotations
 
-import math
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from training.config import ModelConfig
+from training.sharding import DenseParameter, dense_init, dense_parameters
 
 
 def rope_tables(
@@ -90,23 +98,83 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
-class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary embeddings and optional document masking."""
+class Layers(Protocol):
+    """Where the model's linear and embedding layers come from, and how its parameters are split (see
+    `DenseLayers`; `training.neuron.NxdLayers` for tensor parallelism)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    tensor_parallel: int
+
+    def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module: ...
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module: ...
+
+    def grouped_qkv(self, cfg: ModelConfig) -> nn.Module | None: ...
+
+    def norm(self, weight: nn.Parameter) -> None: ...
+
+    def local_name(self, name: str) -> str: ...
+
+    def shard(self, param: DenseParameter, full: Tensor) -> Tensor: ...
+
+
+LinearKind = Literal["column", "row", "output"]
+
+
+class DenseLayers:
+    """The whole model on one device: nn.Linear (no bias) and nn.Embedding, parameters unsplit."""
+
+    tensor_parallel = 1
+
+    def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=False)
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        return nn.Embedding(num_embeddings, dim)
+
+    def grouped_qkv(self, cfg: ModelConfig) -> nn.Module | None:
+        """A fused query/key/value layer, or None for separate q_proj, k_proj, v_proj."""
+        return None
+
+    def norm(self, weight: nn.Parameter) -> None:
+        """Mark a norm's scale (sequence parallelism reduces their gradients over the TP group)."""
+
+    def local_name(self, name: str) -> str:
+        """The name of this model's parameter that holds (a slice of) dense parameter `name`."""
+        return name
+
+    def shard(self, param: DenseParameter, full: Tensor) -> Tensor:
+        """This rank's slice of `param`'s dense tensor."""
+        return full
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention with rotary embeddings and optional document masking; with tensor
+    parallelism, this rank's heads only."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
-        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.kv_heads, cfg.head_dim
-        d, kv_dim = cfg.d_model, cfg.kv_heads * cfg.head_dim
-        self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, kv_dim, bias=False)
-        self.v_proj = nn.Linear(d, kv_dim, bias=False)
-        self.o_proj = nn.Linear(d, d, bias=False)
+        tp = parallel.tensor_parallel
+        # Local heads: each rank a run of query heads, and its KV heads (one replicated KV head when TP exceeds
+        # them: training/sharding.py).
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, max(1, cfg.kv_heads // tp), cfg.head_dim
+        d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        self.qkv = parallel.grouped_qkv(cfg)
+        if self.qkv is None:
+            self.q_proj = parallel.linear("column", d, q_dim)
+            self.k_proj = parallel.linear("column", d, kv_dim)
+            self.v_proj = parallel.linear("column", d, kv_dim)
+        self.o_proj = parallel.linear("row", q_dim, d)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        B, T, _ = x.shape
-        q = self.q_proj(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
-        k = self.k_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
-        v = self.v_proj(x).view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        if self.qkv is not None:
+            q, k, v = self.qkv(x)
+        else:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        # The whole sequence: under sequence parallelism x holds this rank's part, the projections gather it.
+        B, T = q.shape[:2]
+        q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
+        k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
         # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
@@ -119,11 +187,11 @@ class Attention(nn.Module):
 class SwiGLU(nn.Module):
     """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up and w2 the down projection."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
-        self.w1 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.w3 = nn.Linear(cfg.d_model, cfg.ffn_hidden, bias=False)
-        self.w2 = nn.Linear(cfg.ffn_hidden, cfg.d_model, bias=False)
+        self.w1 = parallel.linear("column", cfg.d_model, cfg.ffn_hidden)
+        self.w3 = parallel.linear("column", cfg.d_model, cfg.ffn_hidden)
+        self.w2 = parallel.linear("row", cfg.ffn_hidden, cfg.d_model)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, d_model)
@@ -132,12 +200,14 @@ class SwiGLU(nn.Module):
 class Block(nn.Module):
     """Pre-norm transformer block: attention then SwiGLU, each added to the residual stream."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
         self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, parallel)
         self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg)
+        self.mlp = SwiGLU(cfg, parallel)
+        parallel.norm(self.attn_norm.weight)
+        parallel.norm(self.mlp_norm.weight)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
         x = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, d_model)
@@ -164,17 +234,22 @@ class Transformer(nn.Module):
     rope_cos: Tensor
     rope_sin: Tensor
 
-    def __init__(self, cfg: ModelConfig, device: torch.device | str | None = None) -> None:
+    def __init__(
+        self, cfg: ModelConfig, device: torch.device | str | None = None, layers: Layers | None = None
+    ) -> None:
         super().__init__()
         self.cfg = cfg
+        self.parallel: Layers = layers if layers is not None else DenseLayers()
         # Built on the meta device and then given uninitialised storage: construction draws no random
-        # numbers and spends no time on PyTorch's default inits, so init_weights() alone decides the weights
-        # (the same ones whatever the device or the way the model was built).
+        # numbers and spends no time on default inits, so init_weights() alone decides the weights (the same
+        # ones whatever the device, the way the model was built, or how it is split), and a model too big for
+        # one process is never materialised whole.
         with torch.device("meta"):
-            self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-            self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+            self.embed = self.parallel.embedding(cfg.vocab_size, cfg.d_model)
+            self.layers = nn.ModuleList(Block(cfg, self.parallel) for _ in range(cfg.n_layers))
             self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.output = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+            self.output = self.parallel.linear("output", cfg.d_model, cfg.vocab_size)
+            self.parallel.norm(self.norm.weight)
             cos, sin = rope_tables(cfg, seq_len=cfg.max_seq_len, device="meta")
         # Non-persistent: derived from the config, so they stay out of checkpoints and HF exports.
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim)
@@ -190,9 +265,14 @@ class Transformer(nn.Module):
             self.output.weight = self.embed.weight
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Transformer:
-        """As nn.Module.to_empty, keeping the tied embedding tied (new storage would otherwise split it)."""
+        """As nn.Module.to_empty, keeping the tied embedding tied (new storage would otherwise split it) and the
+        attributes layers hang on their parameters (neuronx-distributed's tensor_model_parallel, partition_dim,
+        sequence_parallel_enabled...: the new parameters would lose them)."""
+        marks = {name: dict(vars(p)) for name, p in self.named_parameters() if vars(p)}
         super().to_empty(device=device, recurse=recurse)
         self._tie()
+        for name, attributes in marks.items():
+            vars(self.get_parameter(name)).update(attributes)
         return self
 
     @torch.no_grad()
@@ -203,33 +283,25 @@ class Transformer(nn.Module):
         self.rope_sin = sin.to(self.rope_sin.dtype)
 
     @torch.no_grad()
-    def init_weights(self) -> None:
-        """N(0, init_std) for every linear and embedding weight, ones for the norms.
+    def init_weights(self, seed: int | None = None) -> None:
+        """N(0, init_std) for every linear and embedding weight, ones for the norms; this rank's slice of each.
 
         With `scale_output_init` the projections that write into the residual stream (attention o_proj and
         MLP w2) use init_std / sqrt(2 * n_layers), so the residual variance does not grow with depth.
-        Deterministic given the torch seed: parameters are drawn in a fixed order.
+        Each parameter's dense tensor comes from a generator seeded by `seed` and its name
+        (`training.sharding.dense_init`): the same weights whatever the device or tensor-parallel degree.
+        Without `seed`, one is drawn from torch's global generator (deterministic given torch's seed).
         """
-        cfg = self.cfg
-        std = cfg.init_std
-        out_std = std / math.sqrt(2 * cfg.n_layers) if cfg.scale_output_init else std
-        nn.init.normal_(self.embed.weight, mean=0.0, std=std)
-        for layer in self.layers:
-            assert isinstance(layer, Block)
-            attn, mlp = layer.attn, layer.mlp
-            layer.attn_norm.reset_parameters()
-            layer.mlp_norm.reset_parameters()
-            for lin in (attn.q_proj, attn.k_proj, attn.v_proj, mlp.w1, mlp.w3):
-                nn.init.normal_(lin.weight, mean=0.0, std=std)
-            nn.init.normal_(attn.o_proj.weight, mean=0.0, std=out_std)
-            nn.init.normal_(mlp.w2.weight, mean=0.0, std=out_std)
-        self.norm.reset_parameters()
-        if not cfg.tie_embeddings:
-            nn.init.normal_(self.output.weight, mean=0.0, std=std)
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        for param in dense_parameters(self.cfg):
+            local = self.get_parameter(self.parallel.local_name(param.name))
+            local.copy_(self.parallel.shard(param, dense_init(param, self.cfg, seed)))
         self.init_rope_tables()
 
     def num_params(self) -> int:
-        """Number of distinct parameters (a tied embedding counts once); equals `cfg.num_params()`."""
+        """Number of distinct parameters held here (a tied embedding counts once); equals `cfg.num_params()`
+        unsplit, this rank's share under tensor parallelism."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:

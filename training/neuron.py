@@ -1,133 +1,250 @@
-"""Trainium (trn1) through torch-xla and neuronx-distributed: thin, and imported only inside a Neuron container.
+"""Model parallelism through neuronx-distributed (NxD): thin, and imported only where NxD is.
 
-What can be checked anywhere lives in plain functions: the environment a precision needs
-(`training.devices.neuron_environment`), the translation of our parallel degrees into neuronx-distributed's
-arguments (`parallel_settings`), and which layer of our model becomes which tensor-parallel layer
-(`tensor_parallel_plan`). The functions that touch torch-xla or neuronx-distributed call `require_neuron()`
-first, which fails with a clear message outside a Neuron container (the PyPI packages of the same names are
-empty placeholders).
+NxD exists in the Neuron training container (with torch-neuronx: the NeuronCores). Its CPU mode
+(`NXD_CPU_MODE=1`: gloo collectives on CPU tensors) runs the same layers and process groups on any machine that has
+its source, which is how the tests prove this module against the real library (tests/nxd). Nothing here imports NxD
+at module level; the functions that do call `require_nxd()` first, which fails with a clear message elsewhere (the
+PyPI packages of NxD and torch-neuronx are empty placeholders).
+
+- `nxd_config(cfg)`: our parallel degrees as NxD's trainer config (`neuronx_distributed_config`), which also
+  forms NxD's process groups (`parallel_state`: tensor, pipeline, data parallel).
+- `NxdLayers`: the model's layer factory (`training.model.Layers`) on NxD's parallel layers:
+  `ColumnParallelLinear`, `RowParallelLinear`, `ParallelEmbedding`, and `GQAQKVColumnParallelLinear` where TP
+  exceeds the KV heads; sequence parallelism along the model's sequence dimension (1: the model is (batch, time,
+  dim)); each rank's slices of the dense initialisation (`training.sharding`).
+- `parallel_optimizer(...)`: the optimizer through NxD's `initialize_parallel_optimizer`: gradients all-reduced
+  over the data-parallel group, the sequence-parallel norms' gradients over the tensor-parallel group, clipping
+  by the global norm across TP and PP, and ZeRO-1 (optimizer states sharded over DP, FP32 masters in mixed
+  precision: HLAT 70B) when `parallelism.zero1`. ZeRO-1 needs the XLA device: it is verified only on trn1.
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+import importlib.util
+import os
+from typing import Any
 
+import torch
 from torch import nn
 
-from training.config import ConfigError, HlatConfig
+from training.config import ConfigError, HlatConfig, ModelConfig
 from training.devices import neuron_available
-
-ParallelKind = Literal["column", "row", "embedding"]
-
-# Megatron-style split of a LLaMA block: the projections that fan out are split by output features (column),
-# the ones that fan back in by input features (row), so each block needs one all-reduce per sub-layer.
-_PLAN: dict[str, ParallelKind] = {
-    "attn.q_proj": "column",
-    "attn.k_proj": "column",
-    "attn.v_proj": "column",
-    "attn.o_proj": "row",
-    "mlp.w1": "column",
-    "mlp.w3": "column",
-    "mlp.w2": "row",
-}
+from training.model import LinearKind
+from training.sharding import DenseParameter, kv_multiplier, local_name, shard
 
 
 class NeuronUnavailable(ImportError):
-    """torch-neuronx / torch-xla / neuronx-distributed are not installed (outside a Neuron container)."""
+    """neuronx-distributed is not available (outside a Neuron container, and not in NxD's CPU mode)."""
 
 
-def require_neuron() -> None:
-    if not neuron_available():
+def nxd_cpu_mode() -> bool:
+    """NxD's CPU mode: its layers and groups on CPU tensors over gloo (NXD_CPU_MODE=1), where its source is."""
+    return os.environ.get("NXD_CPU_MODE", "0") not in ("", "0")
+
+
+def nxd_available() -> bool:
+    """NxD can run here: inside a Neuron container, or in its CPU mode with its source importable."""
+    if importlib.util.find_spec("neuronx_distributed") is None:
+        return False
+    return neuron_available() or nxd_cpu_mode()
+
+
+def require_nxd() -> None:
+    if not nxd_available():
         raise NeuronUnavailable(
-            "Trainium support needs torch-neuronx, torch-xla and neuronx-distributed, which exist only in the AWS "
-            "Neuron training container (the PyPI packages of those names are placeholders); run on trn1 with "
-            "job.backend=sagemaker, or set parallelism.tensor=1 and parallelism.pipeline=1 on CPU/CUDA"
+            "tensor and pipeline parallelism and ZeRO-1 run through neuronx-distributed, which exists only in the "
+            "AWS Neuron training container (the PyPI packages of that name are placeholders); run on trn1 with "
+            "job.backend=sagemaker, or set parallelism.tensor=1, parallelism.pipeline=1 and parallelism.zero1=false "
+            "on CPU/CUDA (data parallelism takes every device)"
         )
 
 
+def needs_nxd(cfg: HlatConfig) -> bool:
+    p = cfg.parallelism
+    return p.tensor > 1 or p.pipeline > 1 or p.zero1
+
+
 def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:
-    """Our parallel config as neuronx-distributed's arguments (checked against the device count)."""
-    p, m = cfg.parallelism, cfg.model
+    """Our parallel config as the arguments of NxD's `neuronx_distributed_config` (checked against the heads)."""
+    p, m, t = cfg.parallelism, cfg.model, cfg.training
     if m.kv_heads % p.tensor and p.tensor % m.kv_heads:
         raise ConfigError(f"parallelism.tensor={p.tensor} must divide or be a multiple of {m.kv_heads} KV heads")
     return {
-        "initialize_model_parallel": {
-            "tensor_model_parallel_size": p.tensor,
-            "pipeline_model_parallel_size": p.pipeline,
+        "tensor_parallel_size": p.tensor,
+        "pipeline_parallel_size": p.pipeline,
+        "sequence_parallel": p.sequence_parallel,
+        "optimizer_config": {
+            "zero_one_enabled": p.zero1,
+            "grad_clipping": t.grad_clip > 0,
+            "max_grad_norm": t.grad_clip if t.grad_clip > 0 else 1.0,
         },
-        "sequence_parallel_enabled": p.sequence_parallel,
-        "zero1": p.zero1,
-        "data_parallel_size": cfg.data_parallel_size,
-        # With GQA and more TP ranks than KV heads, each KV head is replicated across tensor-parallel ranks.
-        "kv_replication": max(1, p.tensor // m.kv_heads),
-        "activation_checkpointing": p.activation_checkpointing,
+        # HLAT 70B: ZeRO-1 keeps FP32 master weights (and accumulates gradients in FP32) under bf16-mixed.
+        "mixed_precision_config": {
+            "use_master_weights": p.zero1 and cfg.precision.mode == "bf16-mixed",
+            "use_fp32_grad_acc": p.zero1 and cfg.precision.mode == "bf16-mixed",
+            "use_master_weights_in_ckpt": False,
+        },
     }
 
 
-def tensor_parallel_plan(model: nn.Module) -> dict[str, ParallelKind]:
-    """Fully qualified module name -> the tensor-parallel layer that replaces it."""
-    plan: dict[str, ParallelKind] = {"embed": "embedding", "output": "column"}
-    for name, _ in model.named_modules():
-        for suffix, kind in _PLAN.items():
-            if name.endswith(suffix) and name.startswith("layers."):
-                plan[name] = kind
-    return plan
+def nxd_config(cfg: HlatConfig) -> dict[str, Any]:
+    """NxD's trainer config for `cfg`; forms NxD's process groups (after torch.distributed's). On trn1 the
+    `xla` process group, in CPU mode gloo's."""
+    require_nxd()
+    from neuronx_distributed.trainer import neuronx_distributed_config
+
+    return dict(neuronx_distributed_config(**parallel_settings(cfg)))
 
 
-def init_model_parallel(cfg: HlatConfig) -> None:
-    """Form neuronx-distributed's tensor/pipeline/data-parallel groups (after the `xla` process group exists:
-    `training.distributed.init_world` calls this on trn1)."""
-    require_neuron()
+def coordinates() -> dict[str, int]:
+    """This rank's place in NxD's groups: tensor, pipeline and data parallel rank and size."""
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    return {
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "tp_size": ps.get_tensor_model_parallel_size(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+        "pp_size": ps.get_pipeline_model_parallel_size(),
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_size(),
+    }
+
+
+class NxdLayers:
+    """`training.model.Layers` on NxD's tensor-parallel layers (see the module docstring). Build the model under
+    `torch.device("meta")` (Transformer does), then `to_empty` and `init_weights`: NxD's own initialisation is
+    never used, every rank keeps its slice of the dense weights."""
+
+    def __init__(self, cfg: HlatConfig) -> None:
+        require_nxd()
+        from neuronx_distributed.parallel_layers import parallel_state as ps
+
+        self.model: ModelConfig = cfg.model
+        self.tensor_parallel = ps.get_tensor_model_parallel_size()
+        self.rank = ps.get_tensor_model_parallel_rank()
+        self.sequence_parallel = cfg.parallelism.sequence_parallel and self.tensor_parallel > 1
+        self.grouped = self.tensor_parallel > cfg.model.kv_heads
+
+    def _sequence(self) -> dict[str, Any]:
+        return {"sequence_parallel_enabled": self.sequence_parallel, "sequence_dimension": 1}
+
+    def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module:
+        from neuronx_distributed.parallel_layers import layers
+
+        if kind == "row":
+            return layers.RowParallelLinear(
+                in_features, out_features, bias=False, input_is_parallel=True, **self._sequence()
+            )
+        if kind == "column":
+            return layers.ColumnParallelLinear(
+                in_features, out_features, bias=False, gather_output=False, **self._sequence()
+            )
+        # The output projection gathers the vocabulary: the loss sees whole logits. NxD's layer cannot gather both
+        # the sequence and its output, so under SP the sequence is gathered first (its backward only splits: the
+        # layer's own backward already sums the input gradient over the TP group).
+        output = layers.ColumnParallelLinear(in_features, out_features, bias=False, gather_output=True)
+        if self.sequence_parallel:
+            output.register_forward_pre_hook(_gather_sequence)
+        return output
+
+    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
+        from neuronx_distributed.parallel_layers import layers
+
+        embedding = layers.ParallelEmbedding(num_embeddings, dim, **self._sequence())
+        if self.sequence_parallel:
+            # Given a sequence dimension, NxD's embedding returns its partial sums unreduced for the caller to
+            # reduce-scatter along that dimension: each rank keeps its part of the sequence.
+            embedding.register_forward_hook(_reduce_scatter_sequence)
+        return embedding
+
+    def grouped_qkv(self, cfg: ModelConfig) -> nn.Module | None:
+        if not self.grouped:
+            return None
+        from neuronx_distributed.modules.qkv_linear import GQAQKVColumnParallelLinear
+
+        qkv = GQAQKVColumnParallelLinear(
+            cfg.d_model,
+            [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim],
+            bias=False,
+            gather_output=False,
+            kv_size_multiplier=kv_multiplier(cfg, self.tensor_parallel),
+            fuse_qkv=False,
+            sequence_parallel_enabled=self.sequence_parallel,
+        )
+        if self.sequence_parallel:
+            # This layer gathers the sequence along dimension 0 (NxD's sequence-first layout): give it (T, B, d)
+            # and hand (B, T, ...) back.
+            qkv.register_forward_pre_hook(lambda module, args: (_swap_batch_and_time(args[0]), *args[1:]))
+            qkv.register_forward_hook(lambda module, args, out: tuple(_swap_batch_and_time(t) for t in out))
+        return qkv
+
+    def norm(self, weight: nn.Parameter) -> None:
+        # NxD's optimizer all-reduces these parameters' gradients over the TP group (each rank saw its part of the
+        # sequence).
+        if self.sequence_parallel:
+            weight.sequence_parallel_enabled = True  # type: ignore[attr-defined]
+
+    def local_name(self, name: str) -> str:
+        return local_name(name, self.model, self.tensor_parallel)
+
+    def shard(self, param: DenseParameter, full: torch.Tensor) -> torch.Tensor:
+        return shard(param, full, self.rank, self.tensor_parallel, self.model)
+
+
+class _SwapBatchAndTime(torch.autograd.Function):
+    """(B, T, ...) <-> (T, B, ...), contiguous both ways: NxD's layers `.view` their inputs and gradients."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.transpose(0, 1).contiguous()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return grad.transpose(0, 1).contiguous()
+
+
+def _swap_batch_and_time(x: torch.Tensor) -> torch.Tensor:
+    out: torch.Tensor = _SwapBatchAndTime.apply(x)
+    return out
+
+
+def _gather_sequence(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
     from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.parallel_layers.mappings import gather_from_sequence_parallel_region
 
-    parallel_state.initialize_model_parallel(**parallel_settings(cfg)["initialize_model_parallel"])
-
-
-def apply_tensor_parallel(model: nn.Module, cfg: HlatConfig) -> nn.Module:
-    """Swap the layers of `tensor_parallel_plan` for neuronx-distributed's parallel layers, in place."""
-    require_neuron()
-    from neuronx_distributed.parallel_layers import layers
-
-    sequence_parallel = cfg.parallelism.sequence_parallel
-    for name, kind in tensor_parallel_plan(model).items():
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        old = getattr(parent, child)
-        new: nn.Module
-        if kind == "embedding":
-            new = layers.ParallelEmbedding(old.num_embeddings, old.embedding_dim)
-        elif kind == "column":
-            new = layers.ColumnParallelLinear(
-                old.in_features, old.out_features, bias=False, gather_output=child == "output",
-                sequence_parallel_enabled=sequence_parallel,
-            )  # fmt: skip
-        else:
-            new = layers.RowParallelLinear(
-                old.in_features, old.out_features, bias=False, input_is_parallel=True,
-                sequence_parallel_enabled=sequence_parallel,
-            )  # fmt: skip
-        setattr(parent, child, new)
-    return model
+    group = parallel_state.get_tensor_model_parallel_group()
+    whole = gather_from_sequence_parallel_region(args[0], 1, to_model_parallel=False, process_group=group)
+    return (whole.contiguous(), *args[1:])  # gathered along dim 1: a transposed view, which NxD's backward views
 
 
-def zero1_optimizer(model: nn.Module, cfg: HlatConfig) -> Any:
-    """AdamW with optimizer states sharded over data-parallel ranks (HLAT 70B)."""
-    require_neuron()
-    import torch
-    from neuronx_distributed.optimizer import NeuronZero1Optimizer
+def _reduce_scatter_sequence(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor:
     from neuronx_distributed.parallel_layers import parallel_state
+    from neuronx_distributed.parallel_layers.mappings import reduce_scatter_to_sequence_parallel_region
 
-    t = cfg.training
-    return NeuronZero1Optimizer(
-        model.parameters(),
-        torch.optim.AdamW,
-        lr=t.lr,
-        betas=(t.beta1, t.beta2),
-        eps=t.eps,
-        weight_decay=t.weight_decay,
-        grad_clipping=t.grad_clip > 0,
-        max_norm=t.grad_clip,
-        pin_layout=False,
-        sharding_groups=parallel_state.get_data_parallel_group(as_list=True),
-        grad_norm_groups=parallel_state.get_tensor_model_parallel_group(as_list=True),
-    )
+    group = parallel_state.get_tensor_model_parallel_group()
+    return reduce_scatter_to_sequence_parallel_region(output, sequence_dimension=1, process_group=group)
+
+
+def parallel_optimizer(
+    config: dict[str, Any], optimizer_class: type[torch.optim.Optimizer], params: list[nn.Parameter], **hyper: Any
+) -> Any:
+    """The optimizer through NxD's trainer API (`initialize_parallel_optimizer`); its `step()` reduces gradients
+    over DP, the sequence-parallel norms over TP, clips by the global norm, and exposes it as `grad_norm`."""
+    require_nxd()
+    from neuronx_distributed.trainer import initialize_parallel_optimizer
+
+    if config["optimizer_config"]["zero_one_enabled"] and not neuron_available():
+        raise NeuronUnavailable(
+            "parallelism.zero1: NxD's ZeRO-1 optimizer runs on the XLA device only (it refuses CPU mode); it is "
+            "verified only on trn1"
+        )
+    return initialize_parallel_optimizer(config, optimizer_class, params, **hyper)
+
+
+def shard_name(coords: dict[str, int]) -> str:
+    """The checkpoint shard a model-parallel position writes: one per (TP rank, PP rank)."""
+    return f"tp{coords['tp_rank']:02d}-pp{coords['pp_rank']:02d}"
+
+
+def shard_names(tp: int, pp: int) -> list[str]:
+    return [f"tp{t:02d}-pp{p:02d}" for p in range(pp) for t in range(tp)]

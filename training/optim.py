@@ -7,7 +7,8 @@
 - `build_scheduler(optimizer, cfg)`: the same schedule as a stateful `LambdaLR` (its state_dict holds only
   plain numbers, so it checkpoints under `torch.load(weights_only=True)`). The optimizer's lr during step k is
   `lr_at(k)` when the loop calls `scheduler.step()` once after every `optimizer.step()`.
-- `build_optimizer(model, cfg, precision)`: AdamW with weight decay on every parameter, norms included (HLAT).
+- `build_optimizer(model, cfg, precision)`: AdamW with weight decay on every parameter, norms included (HLAT);
+  `optimizer_recipe` gives its class and arguments (NxD's optimizer wrapper builds from them).
   'fp32' and 'bf16-mixed' use `torch.optim.AdamW` on FP32 parameters: in 'bf16-mixed' the parameters *are* the
   FP32 master weights and the training loop runs forward/backward under `torch.autocast(dtype=bfloat16)`, so
   nothing here is BF16. 'bf16-sr' uses `AdamWStochasticRounding`: pure BF16 parameters and BF16 Adam states,
@@ -310,22 +311,27 @@ def masked_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor) -> None:
 # -- building ----------------------------------------------------------------------------------------------
 
 
-def build_optimizer(
-    model: nn.Module, cfg: TrainingConfig, precision: str, device_type: str = "cpu"
-) -> torch.optim.Optimizer:
-    """AdamW over every trainable parameter of `model`, one group, weight decay on all of them (HLAT).
+def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
+    params = [p for p in model.parameters() if p.requires_grad]
+    if not params:
+        raise ValueError("the model has no trainable parameters")
+    return params
+
+
+def optimizer_recipe(
+    params: list[nn.Parameter], cfg: TrainingConfig, precision: str, device_type: str = "cpu", zero1: bool = False
+) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
+    """The optimizer class and its arguments for `params`: AdamW, one group, weight decay on all of them (HLAT).
 
     On CPU and CUDA, precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master
     weights; the training loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model. On XLA the
     device's own precision flags do the work (`training.devices.xla_precision_environment`) and the model stays
     FP32-typed: 'bf16-sr' is plain AdamW whose BF16 storage the NeuronCore rounds stochastically (HLAT 7B),
-    'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B).
+    'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps the FP32 masters itself (`zero1`: NxD's
+    optimizer, `training.neuron.parallel_optimizer`, wraps plain AdamW).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
-    params = [p for p in model.parameters() if p.requires_grad]
-    if not params:
-        raise ValueError("the model has no trainable parameters")
     hyper: dict[str, Any] = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
@@ -333,18 +339,27 @@ def build_optimizer(
         "weight_decay": cfg.weight_decay,
     }
     if precision == "bf16-sr" and device_type != "xla":
-        return AdamWStochasticRounding(params, seed=cfg.seed, **hyper)
+        return AdamWStochasticRounding, {**hyper, "seed": cfg.seed}
     wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
     if wrong:
         raise TypeError(
             f"precision {precision!r} keeps FP32 parameters (master weights), but the model has {', '.join(wrong)} "
             "ones; do not cast the model (bf16-mixed computes in BF16 under torch.autocast)"
         )
-    if precision == "bf16-mixed" and device_type == "xla":
-        return MasterWeightAdamW(params, **hyper)
+    if precision == "bf16-mixed" and device_type == "xla" and not zero1:
+        return MasterWeightAdamW, hyper
     # fused=False: the fused kernels do not exist on every device this runs on (CPU builds, XLA); foreach is
     # left to torch (on where supported).
-    return torch.optim.AdamW(params, fused=False, **hyper)
+    return torch.optim.AdamW, {**hyper, "fused": False}
+
+
+def build_optimizer(
+    model: nn.Module, cfg: TrainingConfig, precision: str, device_type: str = "cpu"
+) -> torch.optim.Optimizer:
+    """`optimizer_recipe` over every trainable parameter of `model`."""
+    params = trainable_parameters(model)
+    optimizer_class, arguments = optimizer_recipe(params, cfg, precision, device_type)
+    return optimizer_class(params, **arguments)
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:

@@ -1,12 +1,17 @@
-"""Parallelism applied to a built model, in a fixed order driven by the validated parallel degrees.
+"""Parallelism of a job's model, in a fixed order driven by the validated parallel degrees.
 
-Order: tensor parallel → activation checkpointing → compile → data-parallel wrapping. Tensor and pipeline
-parallelism exist on trn1 only (neuronx-distributed, see `training/neuron.py`); on CPU and CUDA data
-parallelism is DistributedDataParallel over gloo or nccl. On XLA there is no DDP and no torch.compile (XLA
-compiles the whole step): the loop averages the gradients itself (`reduce_gradients`, one all-reduce per
-optimizer step, inside the step's graph), and activation checkpointing uses torch-xla's checkpoint. The
-returned module is what the loop calls; the model passed in keeps the parameters, so its state dict is the same
-whatever was applied.
+Order: tensor parallel → activation checkpointing → compile → data-parallel wrapping.
+1. Tensor (and sequence) parallelism is part of the model's construction: `model_layers` gives the Transformer
+   neuronx-distributed's parallel layers when the model is split (`training/neuron.py`; NxD's groups were formed
+   by `init_world`), dense layers otherwise.
+2. Activation checkpointing: 'selective' recomputes the attention sub-layer, 'full' the whole block (torch-xla's
+   checkpoint on XLA).
+3. torch.compile on CPU and CUDA (XLA compiles the whole step itself).
+4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA. When the model is split, NxD's
+   optimizer reduces the gradients over the data-parallel group (never over TP peers); on XLA without NxD the loop
+   averages them itself (`reduce_gradients`, one all-reduce per optimizer step, inside the step's graph).
+The returned module is what the loop calls; the model passed in keeps the parameters, so its state dict is the
+same whatever was applied.
 """
 
 from __future__ import annotations
@@ -19,9 +24,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from training.config import ConfigError, HlatConfig
+from training.config import HlatConfig
 from training.distributed import World
-from training.neuron import apply_tensor_parallel, require_neuron
+from training.model import DenseLayers, Layers
 
 log = logging.getLogger("hlat.train")
 
@@ -45,17 +50,18 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
     module.forward = checkpointed
 
 
+def model_layers(cfg: HlatConfig, world: World) -> Layers:
+    """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise."""
+    if world.nxd is not None and world.tp_size > 1:
+        from training.neuron import NxdLayers
+
+        return NxdLayers(cfg)
+    return DenseLayers()
+
+
 def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     p = cfg.parallelism
-    # 1. Tensor parallel: Neuron only (neuronx-distributed's layers); a clear error elsewhere.
-    if p.tensor > 1 or p.pipeline > 1:
-        if world.device.type != "xla":
-            require_neuron()
-            raise ConfigError(
-                f"parallelism.tensor={p.tensor}, parallelism.pipeline={p.pipeline} run on XLA devices only; "
-                "on CPU and CUDA set both to 1 (data parallelism takes every device)"
-            )
-        apply_tensor_parallel(model, cfg)
+    # 1. Tensor parallelism: built into the model (model_layers).
     # 2. Activation checkpointing: 'selective' recomputes the attention sub-layer, 'full' the whole block.
     if p.activation_checkpointing != "none":
         for block in model.layers:  # type: ignore[union-attr]
@@ -66,8 +72,8 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
         log.warning("training.compile is ignored on XLA: XLA compiles the whole training step itself")
     elif cfg.training.compile:
         runner = torch.compile(model)  # type: ignore[assignment]
-    # 4. Data parallel (on XLA: reduce_gradients, called by the loop).
-    if world.world_size > 1 and not world.on_xla:
+    # 4. Data parallel (NxD's optimizer when the model is split; on XLA: reduce_gradients, called by the loop).
+    if world.world_size > 1 and not world.on_xla and world.nxd is None:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [world.local_rank] if world.device.type == "cuda" else None
@@ -78,7 +84,7 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
 def reduce_gradients(model: nn.Module, world: World) -> None:
     """On XLA, average the gradients over the data-parallel processes (DDP does it on CPU and CUDA); call once per
     optimizer step, after the last backward."""
-    if world.on_xla and world.world_size > 1:
+    if world.on_xla and world.world_size > 1 and world.nxd is None:
         from training import xla
 
         xla.reduce_gradients(model.parameters(), world.world_size)

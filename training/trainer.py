@@ -41,8 +41,15 @@ from training.faults import inject_nan
 from training.health import UnhealthyCollective, periodic_health_check
 from training.metrics import MetricsLog
 from training.model import Transformer, flops_per_token
-from training.optim import build_optimizer, build_scheduler, clip_grad_norm, masked_step
-from training.parallelize import parallelize, reduce_gradients
+from training.optim import (
+    build_optimizer,
+    build_scheduler,
+    clip_grad_norm,
+    masked_step,
+    optimizer_recipe,
+    trainable_parameters,
+)
+from training.parallelize import model_layers, parallelize, reduce_gradients
 from training.sagemaker import write_failure
 
 log = logging.getLogger("hlat.train")
@@ -113,13 +120,15 @@ class Trainer:
                 f"{cfg.world_size}; launch {cfg.world_size} processes or fix the config"
             )
         world.seed(cfg.training.seed)
-        model = Transformer(cfg.model)
-        model.init_weights()  # on the host, so every device starts from the same weights
+        # Built with its parallelism (each TP rank holds its slices), initialised on the host from the seed, so every
+        # device and every split starts from the same weights.
+        model = Transformer(cfg.model, layers=model_layers(cfg, world))
+        model.init_weights(cfg.training.seed)
         if cfg.precision.mode == "bf16-sr" and not world.on_xla:
             model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (XLA: XLA_USE_BF16 does it)
         self.model = model.to(world.device)
         self.wrapped = parallelize(self.model, cfg, world)
-        self.optimizer = build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
+        self.optimizer = self._optimizer()
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.loader = self._loader("train")
         self.ckpt = CheckpointManager(
@@ -152,6 +161,21 @@ class Trainer:
         self.add_hook(self.save_checkpoint, every=t.checkpoint_every)
 
     # -- set-up ------------------------------------------------------------------------------------------
+    def _optimizer(self) -> Any:
+        """AdamW as `training.optim` prescribes; when the model is split, through NxD's optimizer, which reduces the
+        gradients over the data-parallel group and clips by the global norm across TP and PP (`grad_norm`)."""
+        cfg, world = self.cfg, self.world
+        if world.nxd is None:
+            return build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
+        from training.neuron import parallel_optimizer
+
+        params = trainable_parameters(self.model)
+        zero1 = cfg.parallelism.zero1
+        optimizer_class, arguments = optimizer_recipe(
+            params, cfg.training, cfg.precision.mode, world.device.type, zero1=zero1
+        )
+        return parallel_optimizer(world.nxd, optimizer_class, params, **arguments)
+
     def _loader(self, split: str) -> PackedLoader:
         t = self.cfg.training
         return PackedLoader(
@@ -160,8 +184,8 @@ class Trainer:
             seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size,
             seed=t.seed,
-            dp_rank=self.world.rank,
-            dp_size=self.world.world_size,
+            dp_rank=self.world.dp_rank,  # TP and PP peers read the same tokens
+            dp_size=self.world.dp_size,
             split=split,
             document_masking=t.document_masking,
         )
@@ -249,14 +273,29 @@ class Trainer:
         assert total is not None
         if self.world.is_main and inject_nan(self.run, self.step + 1):
             total = total * float("nan")
-        reduce_gradients(self.model, self.world)
         loss_mean = self.world.mean(total)
-        grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.grad_clip)
-        finite = self.tally.update(loss_mean, grad_norm)
-        if self.cfg.training.nan_policy == "skip":
-            masked_step(self.optimizer, finite)
-        else:  # a non-finite step is caught at the next sync point, before any checkpoint can save it
-            self.optimizer.step()
+        skip = self.cfg.training.nan_policy == "skip"
+        if self.world.nxd is None:
+            reduce_gradients(self.model, self.world)
+            grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.grad_clip)
+            finite = self.tally.update(loss_mean, grad_norm)
+            if skip:
+                masked_step(self.optimizer, finite)
+            else:  # a non-finite step is caught at the next sync point, before any checkpoint can save it
+                self.optimizer.step()
+        else:
+            # NxD's optimizer reduces over DP and clips by the global norm inside step(): skip on the loss alone.
+            if skip:
+                masked_step(self.optimizer, torch.isfinite(loss_mean))
+            else:
+                self.optimizer.step()
+            grad_norm = self.optimizer.grad_norm
+            if grad_norm is None:  # no clipping asked for: the norm is only reported
+                from neuronx_distributed.parallel_layers.grads import get_grad_norm
+
+                grad_norm = get_grad_norm(trainable_parameters(self.model))
+            grad_norm = grad_norm.reshape(())  # NxD's norm has shape (1,)
+            finite = self.tally.update(loss_mean, grad_norm)
         self.scheduler.step()
         self.world.mark_step()
         return {"loss": loss_mean, "grad_norm": grad_norm, "finite": finite, "samples_crc32": crc}

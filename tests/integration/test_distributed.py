@@ -80,7 +80,9 @@ def test_two_gloo_ranks_match_one_rank(prepared: Path, tmp_path: Path) -> None:
     one, two = results[1], results[2]
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
     for name, tensor in one["model"].items():
-        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=1e-6, msg=name)
+        # Summation order differs (gloo's all-reduce vs one rank's accumulation) and Adam divides by sqrt(v): after 3
+        # steps single elements of the embedding differ by ~1e-6 (1.3e-6 seen, at weights of ~0.015).
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=3e-6, msg=name)
     # and training did move the weights
     assert not torch.equal(one["model"]["embed.weight"], load_initial(prepared)["embed.weight"])
 

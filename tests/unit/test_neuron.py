@@ -1,17 +1,14 @@
-"""Trainium support checked where it can be here: environment, config translation, the tensor-parallel plan."""
+"""Trainium support checked where it can be here without neuronx-distributed: environment, config translation, the
+checkpoint shards, clear errors (tests/nxd runs NxD itself)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 
-from training.config import ModelConfig
 from training.devices import neuron_available, neuron_environment, xla_job_environment, xla_precision_environment
-from training.distributed import World
-from training.model import Transformer
-from training.neuron import NeuronUnavailable, parallel_settings, require_neuron, tensor_parallel_plan
-from training.parallelize import parallelize
+from training.distributed import World, _model_parallel
+from training.neuron import NeuronUnavailable, parallel_settings, require_nxd, shard_name, shard_names
 from training.presets import load_config
 
 pytestmark = pytest.mark.skipif(neuron_available(), reason="checks the behaviour outside a Neuron container")
@@ -89,33 +86,27 @@ def test_the_xla_cpu_rehearsal_gets_the_precision_flags_and_no_neuron_runtime() 
 
 def test_parallel_settings_of_the_hlat_presets() -> None:
     s7 = parallel_settings(load_config("hlat-7b"))
-    assert s7["initialize_model_parallel"] == {"tensor_model_parallel_size": 8, "pipeline_model_parallel_size": 1}
-    assert (s7["sequence_parallel_enabled"], s7["zero1"], s7["data_parallel_size"], s7["kv_replication"]) == (
-        True,
-        False,
-        256,
-        1,
-    )
+    assert (s7["tensor_parallel_size"], s7["pipeline_parallel_size"], s7["sequence_parallel"]) == (8, 1, True)
+    assert s7["optimizer_config"] == {"zero_one_enabled": False, "grad_clipping": True, "max_grad_norm": 1.0}
+    assert not s7["mixed_precision_config"]["use_master_weights"]
     s70 = parallel_settings(load_config("hlat-70b"))
-    assert s70["initialize_model_parallel"] == {"tensor_model_parallel_size": 32, "pipeline_model_parallel_size": 8}
-    assert (s70["zero1"], s70["data_parallel_size"], s70["kv_replication"]) == (True, 32, 4)
+    assert (s70["tensor_parallel_size"], s70["pipeline_parallel_size"]) == (32, 8)
+    assert s70["optimizer_config"]["zero_one_enabled"]
+    # HLAT 70B: ZeRO-1 keeps FP32 master weights under bf16-mixed.
+    assert s70["mixed_precision_config"]["use_master_weights"] and s70["mixed_precision_config"]["use_fp32_grad_acc"]
 
 
-def test_tensor_parallel_plan_covers_every_linear_layer() -> None:
-    model = Transformer(ModelConfig(n_layers=2, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=176, vocab_size=300))
-    plan = tensor_parallel_plan(model)
-    linears = {name for name, m in model.named_modules() if isinstance(m, nn.Linear)}
-    assert set(plan) - {"embed"} == linears
-    assert (
-        plan["embed"] == "embedding" and plan["layers.1.attn.o_proj"] == "row" and plan["layers.0.mlp.w1"] == "column"
-    )
+def test_the_checkpoint_shards_of_a_split_model() -> None:
+    assert shard_name({"tp_rank": 3, "pp_rank": 1}) == "tp03-pp01"
+    assert shard_names(2, 2) == ["tp00-pp00", "tp01-pp00", "tp00-pp01", "tp01-pp01"]
 
 
-def test_clear_errors_outside_a_neuron_container() -> None:
-    with pytest.raises(NeuronUnavailable, match="exist only in the AWS Neuron training container"):
-        require_neuron()
+def test_clear_errors_without_neuronx_distributed(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("NXD_CPU_MODE", raising=False)
+    with pytest.raises(NeuronUnavailable, match="exists only in the AWS Neuron training container"):
+        require_nxd()
     cfg = load_config("tiny", {"parallelism.tensor": 2, "job.processes_per_node": 2})
-    model = Transformer(cfg.model)
-    world = World(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(NeuronUnavailable, match=r"set parallelism\.tensor=1"):
-        parallelize(model, cfg, world)
+        _model_parallel(world, cfg)
+    assert _model_parallel(world, load_config("tiny")) is world  # nothing split: nothing needed

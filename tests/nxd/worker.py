@@ -1,0 +1,174 @@
+"""One torchrun rank of an NxD-tier scenario: `python -m tests.nxd.worker <scenario> <out dir> <json args>`.
+
+Installs the Neuron stand-ins, joins gloo and NxD's groups through the project's own `init_world`, runs the
+scenario and writes what it found to `<out dir>/rank-<rank>.pt` for the test to check.
+"""
+
+from __future__ import annotations
+
+from tests.nxd import stubs
+
+stubs.install()  # before anything imports neuronx_distributed
+
+import json  # noqa: E402
+import os  # noqa: E402
+import sys  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from training.config import HlatConfig  # noqa: E402
+from training.distributed import World, close_world, init_world  # noqa: E402
+from training.model import Transformer  # noqa: E402
+from training.neuron import NxdLayers  # noqa: E402
+from training.presets import load_config  # noqa: E402
+from training.sagemaker import read_job_config  # noqa: E402
+from training.sharding import dense_parameters, unshard  # noqa: E402
+
+SEED = 7
+SMALL_MODEL = {
+    "model.n_layers": 2,
+    "model.d_model": 64,
+    "model.n_heads": 4,
+    "model.ffn_hidden": 96,
+    "model.vocab_size": 320,
+    "model.max_seq_len": 64,
+    "training.seq_len": 32,
+}
+
+
+def config(args: dict[str, Any], processes: int) -> HlatConfig:
+    changes = {**SMALL_MODEL, "job.processes_per_node": processes, **args.get("config", {})}
+    return load_config("tiny", changes)
+
+
+def tp_group() -> Any:
+    from neuronx_distributed.parallel_layers import parallel_state
+
+    return parallel_state.get_tensor_model_parallel_group()
+
+
+def gather_dense(model: Transformer, world: World, grads: bool) -> dict[str, torch.Tensor]:
+    """The dense state (or gradients) of a tensor-parallel model: every parameter's slices gathered over the TP
+    group and put back together (`training.sharding.unshard`)."""
+    out = {}
+    for param in dense_parameters(model.cfg):
+        local = model.get_parameter(model.parallel.local_name(param.name))
+        value = (local.grad if grads else local).detach().contiguous()
+        pieces = [torch.empty_like(value) for _ in range(world.tp_size)]
+        dist.all_gather(pieces, value, group=tp_group())
+        out[param.name] = unshard(param, pieces, model.cfg)
+    return out
+
+
+def batch(cfg: HlatConfig, rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, cfg.model.vocab_size, (rows, cfg.training.seq_len + 1), generator=g)
+    # Three documents per row, for document masking.
+    doc_ids = (torch.arange(cfg.training.seq_len) * 3 // cfg.training.seq_len).expand(rows, -1)
+    return tokens[:, :-1], tokens[:, 1:], doc_ids
+
+
+def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
+    """Forward and backward of the tensor-parallel model against the dense one, from the same seed."""
+    layers = NxdLayers(cfg)
+    model = Transformer(cfg.model, layers=layers)
+    model.init_weights(SEED)
+    dense = Transformer(cfg.model)
+    dense.init_weights(SEED)
+    inputs, targets, doc_ids = batch(cfg, 2, seed=11)
+    masks = doc_ids if args.get("document_masking") else None
+    loss = F.cross_entropy(model(inputs, masks).flatten(0, 1), targets.flatten())
+    loss.backward()
+    ref = F.cross_entropy(dense(inputs, masks).flatten(0, 1), targets.flatten())
+    ref.backward()
+    # Sequence parallelism: each rank saw part of the sequence through the norms; NxD's optimizer sums their
+    # gradients over the TP group (allreduce_sequence_parallel_gradients): do the same here.
+    for p in model.parameters():
+        if getattr(p, "sequence_parallel_enabled", False) and p.grad is not None:
+            dist.all_reduce(p.grad, group=tp_group())
+    weights, grads = gather_dense(model, world, grads=False), gather_dense(model, world, grads=True)
+    dense_weights = dict(dense.named_parameters())
+    return {
+        "loss": float(loss),
+        "dense_loss": float(ref),
+        "local_heads": (model.layers[0].attn.n_heads, model.layers[0].attn.n_kv_heads),
+        "weight_error": max(float((weights[n] - dense_weights[n]).abs().max()) for n in weights),
+        "grad_error": {n: float((grads[n] - dense_weights[n].grad).abs().max()) for n in grads},
+        "grad_scale": max(float(dense_weights[n].grad.abs().max()) for n in grads),
+        "tp": (world.tp_rank, world.tp_size),
+    }
+
+
+def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
+    from infra.storage import Storage
+    from training.trainer import Trainer
+
+    return Trainer(
+        cfg=cfg,
+        run=Storage(run),
+        checkpoints=Storage(f"{run}/checkpoints"),
+        world=world,
+        tokenizer_model=f"{run}/tokenizer/tokenizer.model",
+    )
+
+
+def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
+    """The first batch this rank's loader gives (its checksum), then one optimizer step of the Trainer on a fixed
+    global batch, this data-parallel rank's share of it; the dense weights after the step (gathered over TP)."""
+    import zlib
+
+    from training.trainer import DeviceBatch
+
+    trainer = trainer_for(cfg, world, args["run"])
+    first = next(iter(trainer.loader))
+    trainer.loader.close()
+    t = cfg.training
+    inputs, targets, _ = batch(cfg, t.global_batch_size, seed=23)
+    share = t.global_batch_size // world.dp_size  # rows of this data-parallel rank, in micro-batches
+    rows = slice(world.dp_rank * share, (world.dp_rank + 1) * share)
+    micro = [
+        DeviceBatch(inputs[rows][i : i + t.micro_batch_size], targets[rows][i : i + t.micro_batch_size], None, {}, 0)
+        for i in range(0, share, t.micro_batch_size)
+    ]
+    stats = trainer.train_step(iter(micro))
+    if world.tp_size > 1:
+        weights = gather_dense(trainer.model, world, grads=False)
+    else:
+        weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    return {
+        "first_batch_crc": zlib.crc32(first.inputs.numpy().tobytes()),
+        "loss": float(stats["loss"]),
+        "grad_norm": float(stats["grad_norm"]),
+        "weights": weights,
+        "coordinates": {"dp": (world.dp_rank, world.dp_size), "tp": (world.tp_rank, world.tp_size)},
+    }
+
+
+SCENARIOS: dict[str, Callable[[HlatConfig, World, dict[str, Any]], dict[str, Any]]] = {
+    "tp_equals_dense": tp_equals_dense,
+    "one_step": one_step,
+}
+
+
+def main() -> None:
+    scenario, out, raw = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
+    args = json.loads(raw)
+    processes = int(os.environ["WORLD_SIZE"])
+    cfg = read_job_config(f"{args['run']}/config.json")[1] if "run" in args else config(args, processes)
+    world = init_world("cpu", cfg)
+    stubs.patch_gqa_collectives()
+    stubs.patch_sequence_layout()
+    try:
+        result = SCENARIOS[scenario](cfg, world, args)
+        torch.save(result, out / f"rank-{world.rank}.pt")
+    finally:
+        close_world()
+
+
+if __name__ == "__main__":
+    main()
