@@ -2,7 +2,8 @@
 
 `Storage(url)` is rooted at a folder or prefix; every method takes a path relative to it. Writes of whole
 objects are atomic (local: write a temporary file then rename; S3: a PUT is atomic by itself), so a reader
-never sees half a file. S3 errors that users cause (no credentials, missing bucket, access denied) become
+never sees half a file; so are objects streamed through `atomic_writer` (S3: a multipart upload, which becomes
+visible only when completed). S3 errors that users cause (no credentials, missing bucket, access denied) become
 `StorageError` with a one-line message saying what to fix.
 """
 
@@ -10,12 +11,13 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import io
 import json
 import os
 import posixpath
 import uuid
 from collections.abc import Iterator
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import fsspec
 
@@ -118,6 +120,26 @@ def translate_error(exc: BaseException, uri: str) -> BaseException:
     return exc
 
 
+class _PartWriter:
+    """Feeds an s3fs upload at most one part per write. s3fs copies each write whole into its buffer before
+    cutting parts from it: a 2 GB tensor written at once would be held twice in memory."""
+
+    def __init__(self, upload: Any) -> None:
+        self._upload = upload
+        self._part = int(upload.blocksize)
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if view.ndim != 1 or view.format != "B":
+            view = view.cast("B")
+        for start in range(0, view.nbytes, self._part):
+            self._upload.write(view[start : start + self._part])
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._upload.flush()
+
+
 class Storage:
     """A folder (local path or s3:// prefix) that run stages read and write through relative paths."""
 
@@ -205,7 +227,7 @@ class Storage:
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[IO[Any]]:
-        """Stream a file. Writing through open() is not atomic: prefer write_bytes for whole objects."""
+        """Stream a file. Writing through open() is not atomic: prefer write_bytes or atomic_writer."""
         with storage_errors(self.uri(rel)):
             if "w" in mode and self.is_local:
                 os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
@@ -234,6 +256,53 @@ class Storage:
                     raise
             else:
                 self.fs.pipe_file(target, data)
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
+        """A binary file to stream one object into: it appears whole when the block ends, and not at all when the
+        block raises. What is too big to hold in memory twice (checkpoints) goes through here.
+
+        Local: a temporary file in the same folder, fsynced, then renamed over the target. S3: s3fs's writable
+        file, a multipart upload (a part or two in memory at a time) that S3 shows only once completed on close,
+        aborted on error. Other filesystems: gathered in memory, then written like write_bytes.
+        """
+        uri, target = self.uri(rel), self.path(rel)
+        if self.is_local:
+            with storage_errors(uri):
+                os.makedirs(os.path.dirname(target), exist_ok=True)
+                tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+                fh = open(tmp, "wb")  # noqa: SIM115 (closed below, before the rename or on error)
+            try:
+                with storage_errors(uri):
+                    yield fh
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                    fh.close()
+                    os.replace(tmp, target)
+            except BaseException:
+                # As in write_bytes: no stray .tmp file next to the real ones.
+                fh.close()
+                with contextlib.suppress(OSError):
+                    os.remove(tmp)
+                raise
+        elif _is_s3(self.url):
+            with storage_errors(uri):
+                upload = self.fs.open(target, "wb")
+            try:
+                with storage_errors(uri):
+                    yield cast(IO[bytes], _PartWriter(upload))
+                    upload.close()  # completes the upload: the object appears now, whole
+            except BaseException:
+                # Not close(): it would complete the upload and publish the partial object. discard() aborts the
+                # multipart upload; marking the file closed keeps its __del__ from closing (publishing) it later.
+                with contextlib.suppress(Exception):
+                    upload.discard()
+                upload.closed = True
+                raise
+        else:
+            buffer = io.BytesIO()
+            yield buffer
+            self.write_bytes(rel, buffer.getvalue())
 
     def write_text(self, rel: str, text: str) -> None:
         self.write_bytes(rel, text.encode("utf-8"))

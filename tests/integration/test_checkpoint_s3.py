@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
+import json
 import logging
-from typing import Any
+from collections.abc import Iterator
+from typing import IO, Any, cast
 
 import pytest
 import torch
 from torch import nn
 
-from infra.storage import Storage
-from training.checkpoint import MARKER, META, SHARED_FILE, CheckpointManager, rank_file, step_dir
+from infra.storage import Storage, TransientStorageError
+from training.checkpoint import (
+    MARKER,
+    META,
+    SHARED_FILE,
+    CheckpointError,
+    CheckpointManager,
+    rank_file,
+    shard_file,
+    step_dir,
+)
 
 # Fixture type (conftest's classes are not imported by name).
 S3Env = Any
@@ -56,3 +69,98 @@ def test_checkpoints_round_trip_prune_and_skip_broken_ones_on_s3(
     assert step_dir(5) in caplog.text and rank_file(1) in caplog.text
     assert rank0.load(4)[0]["step"] == 4
     rank1.close()
+
+
+def test_a_sharded_checkpoint_round_trips_and_prunes_on_s3(s3_env: S3Env) -> None:
+    """TP 2 x DP 2: ranks 0 and 1 write shards tp00 and tp01; the replicas (2, 3) save asynchronously."""
+    store = Storage(f"{s3_env.url}/run/checkpoints")
+    shards = ("tp00", "tp01")
+    ranks = [
+        CheckpointManager(
+            store,
+            keep_last=1,
+            rank=rank,
+            world_size=4,
+            shard=shards[rank % 2],
+            shard_writer=rank < 2,
+            shards=shards,
+            async_save=rank >= 2,
+        )
+        for rank in range(4)
+    ]
+
+    def shard_state(rank: int, step: int) -> dict[str, Any]:
+        return {"step": step, "model": {"w": torch.full((8, 4), float(10 * (rank % 2) + step))}}
+
+    for step in (1, 2):
+        for rank in (3, 2, 1, 0):
+            ranks[rank].save(step, shard_state(rank, step), {"rank": rank, "step": step})
+            if rank >= 2:
+                ranks[rank].wait()
+
+    keys = object_keys(s3_env)
+    assert sorted(k.split("/", 3)[3] for k in keys) == sorted(
+        f"{step_dir(2)}/{name}"
+        for name in [shard_file("tp00"), shard_file("tp01"), *(rank_file(r) for r in range(4)), META, MARKER]
+    )  # step 1, its shard files included, was pruned
+    for rank, manager in enumerate(ranks):
+        shared, mine = manager.load(2)
+        assert torch.equal(shared["model"]["w"], shard_state(rank, 2)["model"]["w"])
+        assert mine == {"rank": rank, "step": 2}
+    assert list(ranks[0].load_shards(2)) == ["tp00", "tp01"]
+    with pytest.raises(CheckpointError, match="load_shards"):
+        ranks[0].load_shared(2)
+    for manager in ranks:
+        manager.close()
+
+
+class FailingUpload:
+    """An upload that fails like a dropped connection once `budget` bytes have gone into it."""
+
+    def __init__(self, inner: IO[bytes], budget: int) -> None:
+        self.inner, self.budget, self.written = inner, budget, 0
+
+    def write(self, data: Any) -> int:
+        self.written += memoryview(data).nbytes
+        if self.written > self.budget:
+            raise ConnectionError("connection reset (injected)")
+        return self.inner.write(data)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+class FlakyStorage(Storage):
+    def __init__(self, url: str, budget: int, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.budget = budget
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
+        with super().atomic_writer(rel) as fh:
+            yield cast(IO[bytes], FailingUpload(fh, self.budget))
+
+
+def test_a_checkpoint_streams_to_s3_as_a_multipart_upload_that_appears_only_when_complete(s3_env: S3Env) -> None:
+    # 5 MiB parts (S3's smallest): a 12 MB tensor is uploaded in three, a part at a time.
+    url, part = f"{s3_env.url}/run/checkpoints", 5 * 2**20
+    state: dict[str, Any] = {"w": torch.randn(3_000_000), "step": 1}
+    manager = CheckpointManager(Storage(url, default_block_size=part), keep_last=2)
+    manager.save(1, state, {"rank": 0})
+    key = f"prefix/run/checkpoints/{step_dir(1)}/{SHARED_FILE}"
+    etag = s3_env.client().head_object(Bucket=s3_env.bucket, Key=key)["ETag"]
+    assert etag.strip('"').endswith("-3")  # the ETag of a multipart upload of 3 parts, not of one PUT
+    body = s3_env.client().get_object(Bucket=s3_env.bucket, Key=key)["Body"].read()
+    meta = json.loads(
+        s3_env.client().get_object(Bucket=s3_env.bucket, Key=key.replace(SHARED_FILE, META))["Body"].read()
+    )
+    assert meta["files"][SHARED_FILE] == {"size": len(body), "sha256": hashlib.sha256(body).hexdigest()}
+    assert torch.equal(manager.load(1)[0]["w"], state["w"])
+
+    # The connection drops after two parts are uploaded: the upload is aborted, nothing appears.
+    flaky = CheckpointManager(FlakyStorage(url, budget=2 * part + 1000, default_block_size=part), keep_last=2)
+    with pytest.raises(TransientStorageError, match=r"step-000000002/train_state\.pt: ConnectionError.*injected"):
+        flaky.save(2, state, {"rank": 0})
+    assert not [k for k in object_keys(s3_env) if step_dir(2) in k]
+    assert not s3_env.client().list_multipart_uploads(Bucket=s3_env.bucket).get("Uploads")
+    assert flaky.latest_step() == 1

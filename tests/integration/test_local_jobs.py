@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
 from infra.local_jobs import FAULTS_ENV, CheckpointMirror, LocalBackend, failure_reason
@@ -359,6 +360,34 @@ def test_the_mirror_writes_markers_last_and_deletes_them_first(tmp_path: Path) -
     mirror.sync()
     assert remote.calls[0] == "remove step-000000001/COMMITTED"
     assert remote.list() == ["step-000000002"]  # no empty folder left behind
+
+
+def test_the_mirror_carries_every_shard_of_a_sharded_checkpoint(tmp_path: Path) -> None:
+    """TP 2 x DP 2: two shard files and four rank files in the job's folder reach the URI, and a manager reading
+    the URI loads every shard (what a resumed job and the exporter read)."""
+    local, remote = tmp_path / "local", Storage(str(tmp_path / "remote"))
+    mirror = CheckpointMirror(str(local), remote)
+    mirror.download()
+    shards = ["tp00-pp00", "tp01-pp00"]
+    ranks = [
+        CheckpointManager(
+            Storage(str(local)), keep_last=2, rank=r, world_size=4, shard=shards[r % 2], shard_writer=r < 2,
+            shards=shards, commit_timeout_s=5,
+        )
+        for r in range(4)
+    ]  # fmt: skip
+    for rank in (3, 2, 1, 0):  # rank 0, which commits, last: every other file is there by then
+        shared = {"model": {"w": torch.full((2,), float(rank))}} if rank < 2 else None
+        ranks[rank].save(7, shared, {"loader": {"offset": rank}})
+    mirror.sync()
+    reader = CheckpointManager(remote, keep_last=2)
+    assert reader.latest_step() == 7
+    assert reader.shard_names(7) == shards
+    loaded = reader.load_shards(7)
+    assert [float(loaded[s]["model"]["w"][0]) for s in shards] == [0.0, 1.0]
+    resumed = CheckpointManager(remote, keep_last=2, rank=3, world_size=4, shard="tp01-pp00", shards=shards)
+    shared, mine = resumed.load(7)
+    assert float(shared["model"]["w"][0]) == 1.0 and mine["loader"]["offset"] == 3
 
 
 def test_two_ranks_under_torchrun_are_stopped_together(

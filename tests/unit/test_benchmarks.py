@@ -41,3 +41,12 @@ def test_evaluate_benchmark_runs_with_the_same_nll_as_its_peer() -> None:
     args = ["--kb", "40", "--vocab", "512", "--layers", "2", "--d-model", "128", "--seq-len", "64", "--batch", "4"]
     out = main([*args, "--repeats", "1", "--harness-limit", "5", "--threads", "1"])  # asserts the NLLs agree
     assert "hlat score_stream" in out and "HF LlamaForCausalLM loop" in out and "limit 5 | " in out
+
+
+def test_checkpoint_benchmark_runs_and_loads_back_what_its_peer_saved() -> None:
+    from benchmarks.bench_checkpoint import main
+
+    args = ["--layers", "1", "--d-model", "64", "--heads", "2", "--ffn", "128", "--vocab", "512"]
+    out = main([*args, "--batch", "2", "--seq", "16", "--repeats", "1"])  # asserts the checkpoint equals the peer's
+    assert "raw torch.save + fsync (peer)" in out and "CheckpointManager, sync (streamed)" in out
+    assert "async: save() blocks, later saves" in out

@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import io
 import json
 import logging
 import random
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import IO, Any, cast
 
 import numpy as np
 import pytest
@@ -23,9 +26,12 @@ from training.checkpoint import (
     SHARED_FILE,
     CheckpointError,
     CheckpointManager,
+    StagingBuffers,
     capture_rng_state,
     rank_file,
     restore_rng_state,
+    shard_file,
+    stage_to_cpu,
     step_dir,
 )
 from training.config import TrainingConfig
@@ -42,13 +48,24 @@ class SpyStorage(Storage):
         self.removes: list[tuple[str, bool]] = []
         self.gate: threading.Event | None = None
 
-    def write_bytes(self, rel: str, data: bytes) -> None:
+    def _before_write(self, rel: str) -> None:
         if self.gate is not None:
             self.gate.wait(timeout=30)
         if self.fail_on_write is not None and len(self.writes) + 1 == self.fail_on_write:
             self.writes.append(f"FAILED {rel}")
             raise OSError(f"injected failure writing {rel}")
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        self._before_write(rel)
         super().write_bytes(rel, data)
+        self.writes.append(rel)
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
+        # The state files stream through here: they count as writes like the small files above.
+        self._before_write(rel)
+        with super().atomic_writer(rel) as fh:
+            yield fh
         self.writes.append(rel)
 
     def remove(self, rel: str, recursive: bool = False) -> None:
@@ -428,3 +445,274 @@ def test_arguments_are_checked(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="shared state"):
         CheckpointManager(store, keep_last=1).save(1, None, {})
     assert CheckpointManager(store, keep_last=1).latest_step() is None
+    with pytest.raises(ValueError, match="shard name"):
+        CheckpointManager(store, keep_last=1, world_size=2, shard="tp/0", shards=["tp/0", "tp1"])
+    with pytest.raises(ValueError, match="distinct"):
+        CheckpointManager(store, keep_last=1, world_size=2, shard="tp0", shards=["tp0", "tp0"])
+    with pytest.raises(ValueError, match="not among"):
+        CheckpointManager(store, keep_last=1, world_size=2, shard="tp2", shards=["tp0", "tp1"])
+    with pytest.raises(ValueError, match="also pass this rank's shard"):
+        CheckpointManager(store, keep_last=1, shards=["tp0"])
+    with pytest.raises(ValueError, match="at least as many ranks"):
+        CheckpointManager(store, keep_last=1, shard="tp0", shards=["tp0", "tp1"])
+    writer = CheckpointManager(
+        store, keep_last=1, world_size=2, rank=1, shard="tp1", shard_writer=True, shards=["tp0", "tp1"]
+    )
+    with pytest.raises(ValueError, match=r"rank 1 writes model-tp1\.pt: .*shared state"):
+        writer.save(1, None, {})
+
+
+# -- streaming -----------------------------------------------------------------------------------------------
+
+
+class FailingSink:
+    """A file that takes `budget` bytes, then fails like a full disk."""
+
+    def __init__(self, inner: IO[bytes], budget: int) -> None:
+        self.inner, self.budget, self.sizes = inner, budget, list[int]()
+
+    def write(self, data: Any) -> int:
+        n = memoryview(data).nbytes
+        if sum(self.sizes) + n > self.budget:
+            raise OSError(28, "No space left on device (injected)")
+        self.sizes.append(n)
+        return self.inner.write(data)
+
+    def flush(self) -> None:
+        self.inner.flush()
+
+
+class SinkStorage(Storage):
+    """Hands torch.save a FailingSink: records the size of every write it streams, fails past `budget`."""
+
+    def __init__(self, url: str, budget: int = 1 << 40) -> None:
+        super().__init__(url)
+        self.budget = budget
+        self.streams: dict[str, list[int]] = {}
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
+        with super().atomic_writer(rel) as fh:
+            sink = FailingSink(fh, self.budget)
+            self.streams[rel] = sink.sizes
+            yield cast(IO[bytes], sink)
+
+
+def awkward_state() -> dict[str, Any]:
+    """Big and small tensors, a tied pair, a transposed and a sliced view, and a pickle over 64 KiB (memory torch
+    frees as soon as it is written): every path through the streaming writer's hashing."""
+    torch.manual_seed(5)
+    big = torch.randn(300, 400)
+    return {
+        "big": big,
+        "tied": big,
+        "transposed": torch.randn(200, 300).t(),
+        "slice": torch.randn(1000, 100)[10:20],
+        "small": torch.arange(10),
+        "bf16": torch.randn(256, 256).to(torch.bfloat16),
+        "long_list": list(range(30_000)),
+    }
+
+
+def test_a_streamed_file_is_what_its_meta_says_and_is_never_whole_in_memory(tmp_path: Path) -> None:
+    store = SinkStorage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=2)
+    state = awkward_state()
+    manager.save(1, state, {"rng": capture_rng_state()})
+    meta = json.loads((tmp_path / step_dir(1) / META).read_text())
+    for name in (SHARED_FILE, rank_file(0)):
+        data = (tmp_path / step_dir(1) / name).read_bytes()
+        assert meta["files"][name] == {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    # torch.save wrote into the storage piece by piece: no write holds more than the biggest tensor.
+    writes = store.streams[f"{step_dir(1)}/{SHARED_FILE}"]
+    assert len(writes) > 10 and max(writes) <= 300 * 400 * 4
+    loaded, _ = manager.load(1)
+    assert_same(state, loaded)
+    assert loaded["tied"] is loaded["big"]
+
+
+def test_a_stream_failing_midway_leaves_no_file(tmp_path: Path) -> None:
+    CheckpointManager(Storage(str(tmp_path)), keep_last=5).save(1, {"w": torch.zeros(10)}, {})
+    failing = CheckpointManager(SinkStorage(str(tmp_path), budget=200_000), keep_last=5)
+    with pytest.raises(OSError, match="No space left"):
+        failing.save(2, awkward_state(), {})
+    assert sorted(p.name for p in (tmp_path / step_dir(2)).iterdir()) == []  # no train_state.pt, no .tmp
+    assert failing.latest_step() == 1
+
+
+def test_staging_buffers_are_refilled_by_the_next_copy() -> None:
+    model = nn.Linear(64, 64)
+    weights = model.state_dict()
+    state = {"model": weights, "step": torch.tensor(1), "tied": weights["weight"]}
+    buffers = StagingBuffers()
+    first = stage_to_cpu(state, reuse=buffers)
+    assert first["tied"] is first["model"]["weight"]
+    kept = first["model"]["weight"]
+    with torch.no_grad():
+        model.weight.add_(1.0)
+    second = stage_to_cpu(state, reuse=buffers)
+    assert second["model"]["weight"] is kept and torch.equal(kept, model.weight.detach())  # same memory, new values
+    assert second["tied"] is second["model"]["weight"]
+    third = stage_to_cpu({"model": nn.Linear(64, 32).state_dict()}, reuse=buffers)  # another shape: fresh buffers
+    assert third["model"]["weight"] is not kept and third["model"]["weight"].shape == (32, 64)
+    with pytest.raises(ValueError, match="copy=True"):
+        stage_to_cpu(state, copy=False, reuse=buffers)
+
+
+def test_async_saves_refill_their_buffers_only_after_the_previous_write(tmp_path: Path) -> None:
+    manager = CheckpointManager(Storage(str(tmp_path)), keep_last=5, async_save=True)
+    w = torch.zeros(1000)
+    for step in (1, 2, 3):
+        w.fill_(float(step))
+        manager.save(step, {"w": w}, {"step": torch.tensor(step)})
+    manager.close()
+    for step in (1, 2, 3):
+        shared, mine = manager.load(step)
+        assert shared["w"].eq(float(step)).all() and mine["step"].item() == step
+
+
+# -- sharded checkpoints (tensor/pipeline parallel) -----------------------------------------------------------
+
+TP_SHARDS = ("tp00", "tp01")
+
+
+def tp2_dp2(store: Storage, **kwargs: Any) -> list[CheckpointManager]:
+    """Four ranks as TP 2 x DP 2: rank r holds TP slice r % 2 of data-parallel replica r // 2; the first replica
+    (ranks 0 and 1) writes the shards."""
+    return [
+        CheckpointManager(
+            store,
+            rank=rank,
+            world_size=4,
+            shard=TP_SHARDS[rank % 2],
+            shard_writer=rank < 2,
+            shards=TP_SHARDS,
+            **{"keep_last": 2, **kwargs},
+        )
+        for rank in range(4)
+    ]
+
+
+def tp_state(rank: int, step: int) -> dict[str, Any]:
+    """What a rank of TP slice rank % 2 holds at `step` (replicas hold the same)."""
+    tp = rank % 2
+    return {"step": step, "model": {"w": torch.full((4, 3), float(10 * tp + step))}, "tp": tp}
+
+
+def save_tp2_dp2(ranks: list[CheckpointManager], step: int, skip: tuple[int, ...] = ()) -> None:
+    for rank in (3, 2, 1, 0):  # rank 0 last: here the barrier is a no-op, so it must find the others' files
+        if rank not in skip:
+            ranks[rank].save(step, tp_state(rank, step), {"rank": rank, "pos": step * 100 + rank})
+
+
+def test_tp2_dp2_ranks_save_one_sharded_checkpoint_and_each_loads_its_own_shard(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store)
+    save_tp2_dp2(ranks, 5)
+    folder = tmp_path / step_dir(5)
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        [shard_file("tp00"), shard_file("tp01"), *(rank_file(r) for r in range(4)), META, MARKER]
+    )
+    meta = json.loads((folder / META).read_text())
+    assert meta["shards"] == ["tp00", "tp01"] and meta["world_size"] == 4
+    assert set(meta["files"]) == {shard_file("tp00"), shard_file("tp01"), *(rank_file(r) for r in range(4))}
+    for name, info in meta["files"].items():
+        assert info["size"] == (folder / name).stat().st_size
+    assert meta["files"][shard_file("tp00")]["sha256"]  # rank 0 wrote it, so its hash is known
+
+    for rank, manager in enumerate(ranks):
+        assert manager.latest_step() == 5
+        shared, mine = manager.load(5)
+        assert_same(shared, tp_state(rank, 5))  # replicas (ranks 2, 3) read their writer's shard
+        assert mine == {"rank": rank, "pos": 500 + rank}
+    assert ranks[2].shard_names(5) == ["tp00", "tp01"]
+    every = ranks[3].load_shards(5)
+    assert list(every) == ["tp00", "tp01"]
+    assert_same(every["tp01"], tp_state(1, 5))
+    with pytest.raises(CheckpointError, match=r"is sharded \(2 shards \(tp00, tp01\)\).*load_shards\(5\)"):
+        ranks[0].load_shared(5)
+
+
+def test_a_missing_shard_file_prevents_the_commit(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store)
+    save_tp2_dp2(ranks, 1)
+    # Misconfigured: no rank writes tp01 (every rank file is there, the shard file never comes).
+    ranks[1] = CheckpointManager(store, keep_last=2, rank=1, world_size=4, shard="tp01", shards=TP_SHARDS)
+    ranks[0].commit_timeout_s = 0.2
+    with pytest.raises(CheckpointError, match=r": model-tp01\.pt missing after 0\.2s.*shard_writer=True"):
+        save_tp2_dp2(ranks, 2)
+    assert not (tmp_path / step_dir(2) / MARKER).exists()
+    assert ranks[0].latest_step() == 1
+
+
+def test_a_truncated_shard_file_skips_the_checkpoint(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store, keep_last=5)
+    save_tp2_dp2(ranks, 1)
+    save_tp2_dp2(ranks, 2)
+    victim = tmp_path / step_dir(2) / shard_file("tp01")
+    victim.write_bytes(victim.read_bytes()[:-7])
+    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+        assert ranks[3].latest_step() == 1
+    assert step_dir(2) in caplog.text and shard_file("tp01") in caplog.text and "truncated" in caplog.text
+    with pytest.raises(CheckpointError, match=r"model-tp01\.pt"):
+        ranks[1].load(2)
+    assert ranks[1].load(1)[0]["model"]["w"][0, 0].item() == 11.0
+
+
+def test_a_checkpoint_of_another_layout_is_refused_naming_both(tmp_path: Path) -> None:
+    sharded = Storage(str(tmp_path / "sharded"))
+    save_tp2_dp2(tp2_dp2(sharded), 1)
+    unsharded = Storage(str(tmp_path / "unsharded"))
+    for rank in (3, 2, 1, 0):
+        CheckpointManager(unsharded, keep_last=1, rank=rank, world_size=4).save(1, {"w": torch.ones(1)}, {})
+
+    plain = CheckpointManager(sharded, keep_last=1, rank=0, world_size=4)
+    with pytest.raises(
+        CheckpointError,
+        match=r"written by 4 ranks with 2 shards \(tp00, tp01\), this job has 4 ranks "
+        r"with one shared train_state\.pt: .*model-parallel layout",
+    ):
+        plain.load(1)
+    tp4 = CheckpointManager(sharded, keep_last=1, world_size=4, shard="tp00", shards=["tp00", "tp01", "tp02", "tp03"])
+    with pytest.raises(CheckpointError, match=r"2 shards \(tp00, tp01\), this job has 4 ranks with 4 shards"):
+        tp4.load(1)
+    tp2_on_8 = CheckpointManager(sharded, keep_last=1, world_size=8, shard="tp00", shards=TP_SHARDS)
+    with pytest.raises(CheckpointError, match=r"this job has 8 ranks .*per-rank state .* cannot be reassigned"):
+        tp2_on_8.load(1)
+    with pytest.raises(CheckpointError, match=r"one shared train_state\.pt, this job has 4 ranks with 2 shards"):
+        tp2_dp2(unsharded)[0].load(1)
+    with pytest.raises(CheckpointError, match=r"not sharded: read its shared state with load_shared\(1\)"):
+        CheckpointManager(unsharded, keep_last=1).load_shards(1)
+    assert CheckpointManager(unsharded, keep_last=1).shard_names(1) == []
+    assert CheckpointManager(unsharded, keep_last=1).load_shared(1)["w"].item() == 1.0
+    # An exporter reads every shard whatever its own layout.
+    assert list(plain.load_shards(1)) == ["tp00", "tp01"]
+
+
+def test_async_sharded_saves_commit_and_load(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store, async_save=True, commit_timeout_s=30)
+    states = {rank: tp_state(rank, 3) for rank in range(4)}
+    for rank in (0, 1, 2, 3):  # rank 0 first: its background thread polls for the others' files
+        ranks[rank].save(3, states[rank], {"rank": rank})
+    for rank in range(4):
+        states[rank]["model"]["w"].add_(100.0)  # the state was staged before save() returned
+    for manager in ranks:
+        manager.close()
+    assert ranks[0].latest_step() == 3
+    for rank, manager in enumerate(ranks):
+        shared, mine = manager.load(3)
+        assert_same(shared, tp_state(rank, 3))
+        assert mine == {"rank": rank}
+
+
+def test_pruning_and_deleting_remove_shard_files(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store, keep_last=1)
+    for step in (1, 2, 3):
+        save_tp2_dp2(ranks, step)
+    assert store.list() == [step_dir(3)]
+    ranks[0].delete(3)
+    assert store.list() == []
