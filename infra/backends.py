@@ -252,6 +252,23 @@ def _describe_requests(requests: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def describe_layout(config: HlatConfig) -> str:
+    """How a training job splits the model and the batch, in one line (what the dry run shows)."""
+    p, t = config.parallelism, config.training
+    parts = [
+        f"{config.world_size} ranks = TP {p.tensor} x PP {p.pipeline} x DP {config.data_parallel_size}",
+        f"micro-batch {t.micro_batch_size} x {config.gradient_accumulation}"
+        + (" pipeline micro-batches" if p.pipeline > 1 else " accumulation steps"),
+    ]
+    if p.sequence_parallel:
+        parts.append("sequence parallel")
+    if p.zero1:
+        parts.append("ZeRO-1" + (" with FP32 master weights" if config.precision.mode == "bf16-mixed" else ""))
+    parts.append(f"{p.activation_checkpointing} activation checkpointing")
+    parts.append(f"precision {config.precision.mode}")
+    return ", ".join(parts)
+
+
 def dry_run(config: HlatConfig, stage: str = "train") -> str:
     """What training this config would send, and what it would cost; sends nothing, writes nothing."""
     run_id = config.resolved_run_id()
@@ -270,6 +287,7 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     est = estimate(config)
     job = config.job
     lines = [f"dry run: {stage} of run {run_id} on the {job.backend} backend (nothing is sent)"]
+    lines.append(f"layout: {describe_layout(config)}")
     lines += [f"  placeholder: {n}" for n in notes]
     lines.append("")
     lines.append(f"requests of attempt 1 (job {spec.name}):")

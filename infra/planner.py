@@ -35,6 +35,7 @@ Constants come from FACTS.md, `infra.catalog` (each with its public source), or 
 from __future__ import annotations
 
 import functools
+import json
 import math
 from collections import Counter
 from collections.abc import Iterator
@@ -148,6 +149,18 @@ class Layout:
     zero1: bool
     activation_checkpointing: Checkpointing
     micro_batch: int
+
+    def overrides(self) -> dict[str, Any]:
+        """The config fields that train this layout (the data-parallel degree follows from the node count): one to
+        one with what training.neuron gives neuronx-distributed."""
+        return {
+            "parallelism.tensor": self.tensor,
+            "parallelism.pipeline": self.pipeline,
+            "parallelism.sequence_parallel": self.sequence_parallel,
+            "parallelism.zero1": self.zero1,
+            "parallelism.activation_checkpointing": self.activation_checkpointing,
+            "training.micro_batch_size": self.micro_batch,
+        }
 
     def label(self) -> str:
         parts = [f"TP{self.tensor}", f"PP{self.pipeline}", f"DP{self.data}"]
@@ -840,7 +853,12 @@ def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 1
     lines.append("")
     if not p.ranked:
         lines.append("no layout fits: more nodes, a smaller micro-batch or model, or ZeRO-1 / checkpointing may help")
-    elif isinstance(p.configured, Estimate):
+    else:
+        sets = " ".join(
+            f"--set {k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in p.best.layout.overrides().items()
+        )
+        lines.append(f"best: {sets}")
+    if p.ranked and isinstance(p.configured, Estimate):
         lines.append(
             f"configured: {p.configured.layout.label()}: rank {p.rank_of(p.configured)} of {len(p.ranked)}, "
             f"{p.configured.tokens_per_s:,.0f} tokens/s, {p.gap(p.configured):.1%} slower than the best"

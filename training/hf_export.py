@@ -28,6 +28,7 @@ from infra.storage import Storage
 from training.checkpoint import CheckpointError, CheckpointManager, step_dir
 from training.config import HlatConfig, ModelConfig, validate_config
 from training.model import Transformer
+from training.sharding import consolidate
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
@@ -258,11 +259,27 @@ def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
 
 
 def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
-    """The checkpoint's shared state (with the model's state dict) and the run config saved with it."""
-    shared = CheckpointManager(ref.checkpoints, keep_last=1).load_shared(ref.step)
-    if "config" not in shared or "model" not in shared:
-        raise CheckpointError(f"{ref.uri} holds no model and config (keys: {sorted(shared)})")
-    return shared, validate_config(shared["config"])
+    """The checkpoint's shared state (with the model's dense state dict) and the run config saved with it. A
+    checkpoint of a split model (one shard per tensor/pipeline-parallel position) is consolidated: each TP rank's
+    pipeline stages merged, then every parameter's slices put back together (`training.sharding.consolidate`)."""
+    manager = CheckpointManager(ref.checkpoints, keep_last=1)
+    names = manager.shard_names(ref.step)
+    shared = manager.load_shards(ref.step) if names else {"": manager.load_shared(ref.step)}
+    for name, state in shared.items():
+        if "config" not in state or "model" not in state:
+            raise CheckpointError(f"{ref.uri} {name or ''} holds no model and config (keys: {sorted(state)})".strip())
+    first = next(iter(shared.values()))
+    config = validate_config(first["config"])
+    if not names:
+        return first, config
+    by_tp: dict[int, dict[str, Tensor]] = {}
+    for name, state in shared.items():
+        match = re.fullmatch(r"tp(\d+)-pp(\d+)", name)
+        if match is None:
+            raise CheckpointError(f"{ref.uri}: shard {name!r} is not a tensor/pipeline-parallel position (tpXX-ppYY)")
+        by_tp.setdefault(int(match.group(1)), {}).update(state["model"])
+    states = [by_tp[rank] for rank in sorted(by_tp)]
+    return {**first, "model": consolidate(states, config.model)}, config
 
 
 def load_checkpoint_model(ref: CheckpointRef, device: str | torch.device = "cpu") -> tuple[Transformer, HlatConfig]:

@@ -36,7 +36,7 @@ This file imports no distributed code.
 
 from __future__ import annotations
 
-from typing import Literal, Protocol
+from typing import Any, Literal, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -151,6 +151,9 @@ class Attention(nn.Module):
     """Grouped-query causal self-attention with rotary embeddings and optional document masking; with tensor
     parallelism, this rank's heads only."""
 
+    rope_cos: Tensor
+    rope_sin: Tensor
+
     def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
         tp = parallel.tensor_parallel
@@ -164,8 +167,12 @@ class Attention(nn.Module):
             self.k_proj = parallel.linear("column", d, kv_dim)
             self.v_proj = parallel.linear("column", d, kv_dim)
         self.o_proj = parallel.linear("row", q_dim, d)
+        # The RoPE tables: the model's own, shared by every layer (Transformer._share_rope_tables); each layer holds
+        # them so that a pipeline stage of layers is self-contained.
+        self.register_buffer("rope_cos", torch.empty(0), persistent=False)
+        self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
         if self.qkv is not None:
             q, k, v = self.qkv(x)
         else:
@@ -175,6 +182,7 @@ class Attention(nn.Module):
         q = q.view(B, T, self.n_heads, self.head_dim).transpose(1, 2)  # (B, n_heads, T, head_dim)
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
+        cos, sin = rope_window(self.rope_cos, T), rope_window(self.rope_sin, T)  # (T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
         # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
@@ -209,9 +217,22 @@ class Block(nn.Module):
         parallel.norm(self.attn_norm.weight)
         parallel.norm(self.mlp_norm.weight)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, mask: Tensor | None) -> Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, mask)  # (B, T, d_model)
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+        x = x + self.attn(self.attn_norm(x), mask)  # (B, T, d_model)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
+
+
+def _fx_tracing() -> bool:
+    """Whether torch.fx is tracing this forward (NxD's pipeline does). Newer torch names the check that excludes
+    torch.export/compile `is_fx_symbolic_tracing` and warns on the older, broader one."""
+    trace = torch.fx._symbolic_trace
+    check = getattr(trace, "is_fx_symbolic_tracing", trace.is_fx_tracing)
+    return bool(check())
+
+
+def rope_window(table: Tensor, length: int) -> Tensor:
+    """The first `length` rows of a RoPE table (max_seq_len, head_dim)."""
+    return table[:length]
 
 
 def document_mask(doc_ids: Tensor) -> Tensor:
@@ -281,6 +302,17 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(self.cfg, device=self.rope_cos.device)
         self.rope_cos = cos.to(self.rope_cos.dtype)
         self.rope_sin = sin.to(self.rope_sin.dtype)
+        self._share_rope_tables()
+
+    def _share_rope_tables(self) -> None:
+        """Point every layer's RoPE buffers at the model's (one copy, whatever device moves made of them)."""
+        for layer in self.layers:
+            layer.attn.rope_cos, layer.attn.rope_sin = self.rope_cos, self.rope_sin  # type: ignore[union-attr]
+
+    def _apply(self, fn: Any, recurse: bool = True) -> Transformer:
+        super()._apply(fn, recurse)
+        self._share_rope_tables()
+        return self
 
     @torch.no_grad()
     def init_weights(self, seed: int | None = None) -> None:
@@ -304,8 +336,9 @@ class Transformer(nn.Module):
         unsplit, this rank's share under tensor parallelism."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, tokens: Tensor, doc_ids: Tensor | None = None) -> Tensor:
-        """Logits (B, T, vocab_size) in float32 for tokens (B, T).
+    def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
+        """Logits (B, T, vocab_size) in float32 for tokens (B, T); with `targets` (B, T), their mean cross-entropy
+        instead (the form a pipeline-parallel stage computes: the last stage ends with the loss).
 
         doc_ids (B, T), optional: document index of each token of a packed sequence; attention then stays
         within a document (block-diagonal causal mask). Without it, plain causal attention (fast path).
@@ -313,16 +346,19 @@ class Transformer(nn.Module):
         (log-softmax over a large vocabulary) is computed in full precision.
         """
         seq_len = tokens.shape[1]
-        if seq_len > self.cfg.max_seq_len:
-            raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
-        if doc_ids is not None and doc_ids.shape != tokens.shape:
-            raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens {tuple(tokens.shape)}")
+        if not _fx_tracing():  # the pipeline traces this forward: no branching on shapes
+            if seq_len > self.cfg.max_seq_len:
+                raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
+            if doc_ids is not None and doc_ids.shape != tokens.shape:
+                raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens {tuple(tokens.shape)}")
         mask = document_mask(doc_ids) if doc_ids is not None else None  # (B, 1, T, T)
-        cos, sin = self.rope_cos[:seq_len], self.rope_sin[:seq_len]  # (T, head_dim)
         h = self.embed(tokens)  # (B, T, d_model)
         for layer in self.layers:
-            h = layer(h, cos, sin, mask)  # (B, T, d_model)
-        return self.output(self.norm(h)).float()  # (B, T, vocab_size)
+            h = layer(h, mask)  # (B, T, d_model)
+        logits = self.output(self.norm(h)).float()  # (B, T, vocab_size)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
 
 
 def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:

@@ -241,6 +241,33 @@ def parallel_optimizer(
     return initialize_parallel_optimizer(config, optimizer_class, params, **hyper)
 
 
+def pipeline_model(model: nn.Module, cfg: HlatConfig) -> Any:
+    """`model` split into pipeline stages by NxD's NxDPPModel (FX-traced; a stage per PP rank): cuts from the layer
+    count (auto partition: the blocks spread evenly, any remainder to the later stages), the step's
+    `gradient_accumulation` micro-batches through the 1F1B schedule, the loss computed on the last stage and
+    averaged over the micro-batches and the data-parallel group onto every rank. Gradients are left to NxD's
+    optimizer (`parallel_optimizer`), which reduces them over DP and clips by the norm across every stage."""
+    require_nxd()
+    from neuronx_distributed.pipeline import NxDPPModel
+
+    from training.model import Block, RMSNorm
+
+    inputs = ["tokens", "doc_ids", "targets"] if cfg.training.document_masking else ["tokens", "targets"]
+    return NxDPPModel(
+        model,
+        transformer_layer_cls=Block,
+        num_microbatches=cfg.gradient_accumulation,
+        output_loss_value_spec=True,
+        input_names=inputs,
+        tracer_cls="torch",
+        # The final norm uses its own parameters outside the blocks: a leaf, or its weight has no stage.
+        leaf_module_cls=[RMSNorm.__name__],
+        auto_partition=True,
+        use_optimizer_wrapper=True,
+        broadcast_and_average_loss=True,
+    )
+
+
 def shard_name(coords: dict[str, int]) -> str:
     """The checkpoint shard a model-parallel position writes: one per (TP rank, PP rank)."""
     return f"tp{coords['tp_rank']:02d}-pp{coords['pp_rank']:02d}"

@@ -86,7 +86,8 @@ def job_arguments(
         more(parser)
     args = parser.parse_args(argv)
     args.config = args.config.rstrip("/")
-    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s")
+    # force: a library imported first (NxD configures logging at import) must not decide the job's log format.
+    logging.basicConfig(level=logging.INFO, format="rank" + os.environ.get("RANK", "0") + " %(message)s", force=True)
     return args
 
 

@@ -127,7 +127,11 @@ class Trainer:
         if cfg.precision.mode == "bf16-sr" and not world.on_xla:
             model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (XLA: XLA_USE_BF16 does it)
         self.model = model.to(world.device)
-        self.wrapped = parallelize(self.model, cfg, world)
+        self.wrapped: Any = parallelize(self.model, cfg, world)
+        if world.pp_size > 1:  # after activation checkpointing: the stages keep the recomputing blocks
+            from training.neuron import pipeline_model
+
+            self.wrapped = pipeline_model(self.wrapped, cfg)
         self.optimizer = self._optimizer()
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.loader = self._loader("train")
@@ -139,6 +143,7 @@ class Trainer:
             world_size=world.world_size,
             barrier=world.barrier,
             async_save=cfg.training.async_checkpoint,
+            **self._shard_layout(),
         )
         self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
         self.step = 0
@@ -169,7 +174,7 @@ class Trainer:
             return build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
         from training.neuron import parallel_optimizer
 
-        params = trainable_parameters(self.model)
+        params = list(self.wrapped.local_parameters()) if world.pp_size > 1 else trainable_parameters(self.model)
         zero1 = cfg.parallelism.zero1
         optimizer_class, arguments = optimizer_recipe(
             params, cfg.training, cfg.precision.mode, world.device.type, zero1=zero1
@@ -189,6 +194,33 @@ class Trainer:
             split=split,
             document_masking=t.document_masking,
         )
+
+    def _shard_layout(self) -> dict[str, Any]:
+        """A split model is checkpointed as one shard per (TP, PP) position, written by its first data-parallel
+        replica; every rank writes its own loader and RNG state."""
+        world = self.world
+        if world.nxd is None:
+            return {}
+        from training.neuron import shard_name, shard_names
+
+        at = {"tp_rank": world.tp_rank, "pp_rank": world.pp_rank}
+        return {
+            "shard": shard_name(at),
+            "shard_writer": world.dp_rank == 0,
+            "shards": shard_names(world.tp_size, world.pp_size),
+        }
+
+    def model_state(self) -> dict[str, Any]:
+        """This rank's model state: its pipeline stage's parameters (original names) and its TP slices."""
+        if self.world.pp_size > 1:
+            return dict(self.wrapped.local_state_dict())
+        return self.model.state_dict()
+
+    def load_model_state(self, state: dict[str, Any]) -> None:
+        if self.world.pp_size > 1:
+            self.wrapped.load_state_dict(state, strict=True)
+        else:
+            self.model.load_state_dict(state)
 
     def add_hook(self, fn: Callable[[int], object], every: int) -> None:
         """Run fn(step) after every `every`-th optimizer step."""
@@ -236,8 +268,9 @@ class Trainer:
             self.metrics.resume_at(0)
             return 0
         shared, mine = self.ckpt.load(step)
-        self.model.load_state_dict(shared["model"])
-        self.optimizer.load_state_dict(shared["optimizer"])
+        self.load_model_state(shared["model"])
+        # ZeRO-1's optimizer states are sharded over the data-parallel ranks: each rank keeps its own.
+        self.optimizer.load_state_dict(mine["optimizer"] if self.cfg.parallelism.zero1 else shared["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.loader.load_state_dict(mine["loader"])
         restore_rng_state(mine["rng"])
@@ -254,6 +287,8 @@ class Trainer:
         tensors, and the host-side checksum of its tokens."""
         accum = self.cfg.gradient_accumulation
         self.optimizer.zero_grad(set_to_none=True)
+        if self.world.pp_size > 1:
+            return self._pipeline_step(batches)
         total: torch.Tensor | None = None
         crc = 0
         for i in range(accum):
@@ -273,7 +308,23 @@ class Trainer:
         assert total is not None
         if self.world.is_main and inject_nan(self.run, self.step + 1):
             total = total * float("nan")
-        loss_mean = self.world.mean(total)
+        return self._update(self.world.mean(total), crc)
+
+    def _pipeline_step(self, batches: Iterator[DeviceBatch]) -> dict[str, Any]:
+        """The pipeline-parallel step: the step's micro-batches go through NxD's schedule together; the loss comes
+        back averaged over them and the data-parallel group, on every stage."""
+        micro = [next(batches) for _ in range(self.cfg.gradient_accumulation)]
+        self._loader_state = micro[-1].state
+        inputs = {"tokens": torch.cat([b.inputs for b in micro]), "targets": torch.cat([b.targets for b in micro])}
+        if self.cfg.training.document_masking:
+            inputs["doc_ids"] = torch.cat([b.doc_ids for b in micro if b.doc_ids is not None])
+        loss = torch.as_tensor(self.wrapped.run_train(**inputs), dtype=torch.float32).reshape(())
+        if self.world.is_main and inject_nan(self.run, self.step + 1):
+            loss = loss * float("nan")
+        return self._update(loss.to(self.world.device), micro[-1].crc)
+
+    def _update(self, loss_mean: torch.Tensor, crc: int) -> dict[str, Any]:
+        """The optimizer step after the gradients of `loss_mean` (the step's loss, averaged over every rank)."""
         skip = self.cfg.training.nan_policy == "skip"
         if self.world.nxd is None:
             reduce_gradients(self.model, self.world)
@@ -293,7 +344,7 @@ class Trainer:
             if grad_norm is None:  # no clipping asked for: the norm is only reported
                 from neuronx_distributed.parallel_layers.grads import get_grad_norm
 
-                grad_norm = get_grad_norm(trainable_parameters(self.model))
+                grad_norm = get_grad_norm([p for group in self.optimizer.param_groups for p in group["params"]])
             grad_norm = grad_norm.reshape(())  # NxD's norm has shape (1,)
             finite = self.tally.update(loss_mean, grad_norm)
         self.scheduler.step()
@@ -408,20 +459,32 @@ class Trainer:
         periodic_health_check(self.world, b.health_allreduce_mb, b.thresholds.get(instance_type), step, instance_type)
 
     def save_checkpoint(self, step: int) -> None:
-        shared = {
+        zero1 = self.cfg.parallelism.zero1
+        shared: dict[str, Any] = {
             "step": step,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
+            "model": self.model_state(),
             "scheduler": self.scheduler.state_dict(),
             "config_fingerprint": self.cfg.fingerprint(),
             "config": self.cfg.model_dump(mode="json"),
         }
         # The state after the last batch a step consumed: the device loader may have fetched more.
         loader_state = self._loader_state if self._loader_state is not None else self.loader.state_dict()
-        mine = {"loader": loader_state, "rng": capture_rng_state()}
+        mine: dict[str, Any] = {"loader": loader_state, "rng": capture_rng_state()}
+        (mine if zero1 else shared)["optimizer"] = self.optimizer.state_dict()
         self.ckpt.save(step, shared, mine)
         self.saved_step = step
         self.metrics.flush()
+
+    def _held_out_loss(self, chunk: list[DeviceBatch]) -> torch.Tensor:
+        if self.world.pp_size > 1:  # averaged over the micro-batches and the data-parallel group, on every stage
+            inputs = {"tokens": torch.cat([b.inputs for b in chunk]), "targets": torch.cat([b.targets for b in chunk])}
+            if self.cfg.training.document_masking:
+                inputs["doc_ids"] = torch.cat([b.doc_ids for b in chunk if b.doc_ids is not None])
+            return torch.as_tensor(self.wrapped.run_eval(**inputs), dtype=torch.float32).reshape(())
+        (batch,) = chunk
+        with self.autocast():
+            logits = self.model(batch.inputs, batch.doc_ids)
+        return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:
@@ -431,12 +494,18 @@ class Trainer:
         self.wrapped.eval()
         total: torch.Tensor | None = None
         count = 0
+        # Under pipeline parallelism the stages score a step's worth of micro-batches at a time.
+        group = self.cfg.gradient_accumulation if self.world.pp_size > 1 else 1
         try:
             batches = self.device_batches(loader, accumulation=1, background=False)
-            for batch, _ in zip(batches, range(self.cfg.training.eval_batches), strict=False):
-                with self.autocast():
-                    logits = self.model(batch.inputs, batch.doc_ids)
-                loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+            wanted = max(group, self.cfg.training.eval_batches // group * group)
+            chunk: list[DeviceBatch] = []
+            for batch, _ in zip(batches, range(wanted), strict=False):
+                chunk.append(batch)
+                if len(chunk) < group:
+                    continue
+                loss = self._held_out_loss(chunk)
+                chunk = []
                 total = loss if total is None else total + loss
                 count += 1
                 self.world.mark_step()  # one forward per graph: the same graph for every batch

@@ -24,6 +24,16 @@ import pytest
 import torch
 
 PROJECT = Path(__file__).resolve().parents[2]
+SMALL_MODEL = {
+    "model.n_layers": 2,
+    "model.d_model": 64,
+    "model.n_heads": 4,
+    "model.ffn_hidden": 96,
+    "model.vocab_size": 320,
+    "model.max_seq_len": 64,
+    "training.seq_len": 32,
+}
+"""A model small enough for 4 ranks on 2 cores, with room for TP 4 (heads) and SP (sequence)."""
 NXD_SRC = Path(os.environ.get("HLAT_NXD_SRC", PROJECT.parent / "shared/vendor/neuronx-distributed-2.24.0/src"))
 
 
@@ -69,7 +79,23 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_run(prepared: Path, root: Path, run_id: str, **overrides: Any) -> Path:
     """A run folder of the worker's small model (`tests.nxd.worker.SMALL_MODEL`) on CPU with `overrides`."""
     from benchmarks.bench_xla import make_run as make_xla_run
-    from tests.nxd.worker import SMALL_MODEL
 
     changes = {**SMALL_MODEL, "model.vocab_size": 512, **overrides}
     return make_xla_run(prepared, root, run_id, "cpu", **changes)
+
+
+def run_job(run: Path, processes: int, program: str = "train", env: dict[str, str] | None = None) -> Any:
+    """A job program (training.<program>) on `processes` torchrun ranks in NxD's CPU mode, as a job runs it."""
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+        "-m", "tests.nxd.job", program, "--config", str(run / "config.json"), "--device", "cpu",
+    ]  # fmt: skip
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(PROJECT), str(NXD_SRC)]),
+        "NXD_CPU_MODE": "1",
+        "PJRT_DEVICE": "CPU",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
+    return subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=900)

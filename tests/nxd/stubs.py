@@ -152,7 +152,7 @@ def patch_gqa_collectives() -> None:
     """NxD's GQAQKVColumnParallelLinear calls torch-xla's collectives directly (xm.all_reduce of the key/value
     gradients over the KV-shared groups, xm.all_gather of the sequence), not the CPU-mode wrappers its other layers
     use; on CPU tensors torch-xla's would do nothing. Route that module's calls through torch.distributed on the
-    same NxD groups (call after torch.distributed and NxD's groups exist)."""
+    same NxD groups (looked up at each call: patch any time after install)."""
     import neuronx_distributed.modules.qkv_linear_utils as qkv_utils
     import torch
     import torch.distributed as dist

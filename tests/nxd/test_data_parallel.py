@@ -38,3 +38,34 @@ def test_tp2_x_dp2_one_step_equals_the_dense_step_and_tp_peers_read_the_same_tok
             assert torch.allclose(r["weights"][name], weight, rtol=0, atol=1e-5), name
     moved = max(float((dense["weights"][n] - ranks[0]["weights"][n]).abs().max()) for n in dense["weights"])
     assert moved <= 1e-5
+
+
+def test_pp2_one_step_through_nxd_pipeline_equals_the_dense_step(prepared: Path, tmp_path: Path) -> None:
+    dense_run = make_run(prepared, tmp_path, "dense", **COMMON)
+    (dense,) = run_ranks(1, "one_step", tmp_path / "dense-ranks", run=str(dense_run))
+    split = {"parallelism.pipeline": 2, "job.processes_per_node": 2}
+    ranks = run_ranks(
+        2, "one_step", tmp_path / "pp-ranks", run=str(make_run(prepared, tmp_path, "pp2", **COMMON, **split))
+    )
+
+    stages = [set(r["local_parameters"]) for r in ranks]
+    assert not stages[0] & stages[1]  # each stage holds its own layers
+    assert "embed.weight" in stages[0] and "output.weight" in stages[1] and "norm.weight" in stages[1]
+    for r in ranks:
+        assert abs(r["loss"] - dense["loss"]) <= 1e-5 * dense["loss"]  # the last stage's loss, on every stage
+        assert abs(r["grad_norm"] - dense["grad_norm"]) <= 1e-5 * dense["grad_norm"]  # the norm across both stages
+        for name, weight in dense["weights"].items():
+            assert torch.allclose(r["weights"][name], weight, rtol=0, atol=1e-5), name
+
+
+def test_zero1_is_given_its_groups_and_fp32_masters_and_refused_clearly_off_the_xla_device(
+    prepared: Path, tmp_path: Path
+) -> None:
+    """NxD's ZeRO-1 optimizer needs the XLA device (it refuses CPU tensors): verified only on trn1. Here: what it is
+    given (HLAT 70B: bf16-mixed keeps FP32 master weights) and the clear refusal."""
+    split = {"parallelism.tensor": 2, "parallelism.zero1": True, "precision.mode": "bf16-mixed"}
+    run = make_run(prepared, tmp_path, "zero1", **COMMON, **split, **{"job.processes_per_node": 4})
+    for result in run_ranks(4, "zero1_is_thin", tmp_path / "ranks", run=str(run)):
+        assert result["optimizer_config"] == {"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 1.0}
+        assert result["mixed_precision_config"]["use_master_weights"]
+        assert "ZeRO-1 optimizer runs on the XLA device only" in result["refusal"]

@@ -9,6 +9,8 @@ from __future__ import annotations
 from tests.nxd import stubs
 
 stubs.install()  # before anything imports neuronx_distributed
+stubs.patch_gqa_collectives()
+stubs.patch_sequence_layout()
 
 import json  # noqa: E402
 import os  # noqa: E402
@@ -21,6 +23,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from tests.nxd.conftest import SMALL_MODEL  # noqa: E402
 from training.config import HlatConfig  # noqa: E402
 from training.distributed import World, close_world, init_world  # noqa: E402
 from training.model import Transformer  # noqa: E402
@@ -30,15 +33,6 @@ from training.sagemaker import read_job_config  # noqa: E402
 from training.sharding import dense_parameters, unshard  # noqa: E402
 
 SEED = 7
-SMALL_MODEL = {
-    "model.n_layers": 2,
-    "model.d_model": 64,
-    "model.n_heads": 4,
-    "model.ffn_hidden": 96,
-    "model.vocab_size": 320,
-    "model.max_seq_len": 64,
-    "training.seq_len": 32,
-}
 
 
 def config(args: dict[str, Any], processes: int) -> HlatConfig:
@@ -117,6 +111,21 @@ def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
     )
 
 
+def dense_weights(trainer: Any, world: World) -> dict[str, torch.Tensor]:
+    """The dense model from every rank's state (its pipeline stage, its TP slices), as an exporter consolidates it."""
+    from training.sharding import consolidate
+
+    local = {k: v.detach().clone() for k, v in trainer.model_state().items()}
+    everyone: list[Any] = [(world.tp_rank, local)]
+    if world.world_size > 1:
+        everyone = [None] * world.world_size
+        dist.all_gather_object(everyone, (world.tp_rank, local))
+    by_tp: dict[int, dict[str, torch.Tensor]] = {}
+    for tp_rank, state in everyone:
+        by_tp.setdefault(tp_rank, {}).update(state)
+    return consolidate([by_tp[r] for r in sorted(by_tp)], trainer.cfg.model)
+
+
 def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
     """The first batch this rank's loader gives (its checksum), then one optimizer step of the Trainer on a fixed
     global batch, this data-parallel rank's share of it; the dense weights after the step (gathered over TP)."""
@@ -136,20 +145,41 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
         for i in range(0, share, t.micro_batch_size)
     ]
     stats = trainer.train_step(iter(micro))
-    if world.tp_size > 1:
-        weights = gather_dense(trainer.model, world, grads=False)
-    else:
-        weights = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    weights = dense_weights(trainer, world)
     return {
         "first_batch_crc": zlib.crc32(first.inputs.numpy().tobytes()),
         "loss": float(stats["loss"]),
         "grad_norm": float(stats["grad_norm"]),
         "weights": weights,
-        "coordinates": {"dp": (world.dp_rank, world.dp_size), "tp": (world.tp_rank, world.tp_size)},
+        "coordinates": {
+            "dp": (world.dp_rank, world.dp_size),
+            "tp": (world.tp_rank, world.tp_size),
+            "pp": (world.pp_rank, world.pp_size),
+        },
+        "local_parameters": sorted(trainer.model_state()),
+    }
+
+
+def zero1_is_thin(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
+    """What NxD is given for ZeRO-1 (which needs the XLA device), and the clear refusal in CPU mode."""
+    from training.neuron import NeuronUnavailable
+
+    assert world.nxd is not None
+    try:
+        trainer_for(cfg, world, args["run"])
+    except NeuronUnavailable as exc:
+        refusal = str(exc)
+    else:
+        refusal = ""
+    return {
+        "optimizer_config": world.nxd["optimizer_config"],
+        "mixed_precision_config": world.nxd["mixed_precision_config"],
+        "refusal": refusal,
     }
 
 
 SCENARIOS: dict[str, Callable[[HlatConfig, World, dict[str, Any]], dict[str, Any]]] = {
+    "zero1_is_thin": zero1_is_thin,
     "tp_equals_dense": tp_equals_dense,
     "one_step": one_step,
 }
@@ -161,8 +191,6 @@ def main() -> None:
     processes = int(os.environ["WORLD_SIZE"])
     cfg = read_job_config(f"{args['run']}/config.json")[1] if "run" in args else config(args, processes)
     world = init_world("cpu", cfg)
-    stubs.patch_gqa_collectives()
-    stubs.patch_sequence_layout()
     try:
         result = SCENARIOS[scenario](cfg, world, args)
         torch.save(result, out / f"rank-{world.rank}.pt")

@@ -146,3 +146,16 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
     assert job_python(load_config("tiny"), "train") is None
     own = load_config("tiny", {"training.device": "xla", "job.python": "/opt/image/bin/python"})
     assert job_python(own, "train") == "/opt/image/bin/python"
+
+
+def test_the_dry_run_shows_hlats_layouts() -> None:
+    from infra.backends import describe_layout
+
+    assert describe_layout(load_config("hlat-7b")) == (
+        "2048 ranks = TP 8 x PP 1 x DP 256, micro-batch 1 x 4 accumulation steps, sequence parallel, selective "
+        "activation checkpointing, precision bf16-sr"
+    )
+    assert describe_layout(load_config("hlat-70b")) == (
+        "8192 ranks = TP 32 x PP 8 x DP 32, micro-batch 1 x 32 pipeline micro-batches, sequence parallel, ZeRO-1 "
+        "with FP32 master weights, selective activation checkpointing, precision bf16-mixed"
+    )

@@ -92,3 +92,44 @@ def test_the_cli_exports_and_says_how_to_load(tmp_path: Path, capsys: pytest.Cap
     (run / "tokenizer" / "tokenizer.model").unlink()
     assert main(["export", str(run), str(tmp_path / "hf2")]) == 1
     assert "no tokenizer.model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("kv_heads", [2, 1])  # 1: TP exceeds the KV heads (NxD's GQA layer, heads reordered)
+def test_a_tensor_parallel_checkpoint_consolidates_and_exports_as_the_dense_model(
+    tmp_path: Path, kv_heads: int
+) -> None:
+    """Two TP ranks' shards, sliced as training/sharding.py slices them (the layout tests/nxd proves against NxD's
+    layers), written as a sharded checkpoint: the export equals the dense model."""
+    from transformers import LlamaForCausalLM
+
+    from training.sharding import dense_parameters, local_name, shard
+
+    config = load_config(
+        "tiny", {"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": kv_heads}
+    )
+    dense = Transformer(config.model)
+    dense.init_weights(seed=5)
+    weights = dense.state_dict()
+    run = tmp_path / "run-tp"
+    names = ["tp00-pp00", "tp01-pp00"]
+    for rank, name in reversed(list(enumerate(names))):  # rank 0 last: it commits once the other's files exist
+        local = {
+            local_name(p.name, config.model, 2): shard(p, weights[p.name], rank, 2, config.model)
+            for p in dense_parameters(config.model)
+        }
+        manager = CheckpointManager(
+            Storage(str(run / "checkpoints")), keep_last=2, rank=rank, world_size=2, shard=name, shard_writer=True,
+            shards=names, commit_timeout_s=30,
+        )  # fmt: skip
+        shared = {"step": 7, "model": local, "config": config.model_dump(mode="json")}
+        manager.save(7, shared, {"rng": {}})
+    if kv_heads == 1:
+        assert "layers.0.attn.qkv.weight_q" in manager.load_shards(7)["tp01-pp00"]["model"]
+    (run / "tokenizer").mkdir(parents=True)
+    (run / "tokenizer" / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
+    out, ref = export_checkpoint(str(run), tmp_path / "hf")
+    assert ref.step == 7
+    hf = LlamaForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    tokens = torch.randint(0, config.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        torch.testing.assert_close(hf(tokens).logits, dense.eval()(tokens), rtol=0, atol=1e-5)

@@ -449,3 +449,16 @@ def test_master_weight_adamw_is_adamw_on_its_fp64_masters_and_keeps_them_through
         assert fresh.state[p]["master"].dtype == torch.float64  # torch's loader would have cast it to float32
         assert torch.equal(fresh.state[p]["master"], opt.state[p]["master"])
         assert fresh.state[p]["step"] == 3
+
+
+def test_the_optimizer_recipe_follows_the_precision_the_device_and_zero1() -> None:
+    from training.optim import optimizer_recipe
+
+    cfg = TrainingConfig()
+    params = list(TinyModel().parameters())
+    assert optimizer_recipe(params, cfg, "bf16-mixed", "xla")[0] is MasterWeightAdamW  # HLAT 70B without ZeRO-1
+    cls, arguments = optimizer_recipe(params, cfg, "bf16-mixed", "xla", zero1=True)  # ZeRO-1 keeps the masters
+    assert cls is torch.optim.AdamW and arguments["fused"] is False
+    assert optimizer_recipe(params, cfg, "bf16-sr", "xla")[0] is torch.optim.AdamW  # the NeuronCore rounds
+    bf16 = list(TinyModel().to(torch.bfloat16).parameters())
+    assert optimizer_recipe(bf16, cfg, "bf16-sr", "cpu")[0] is AdamWStochasticRounding

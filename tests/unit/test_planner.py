@@ -325,3 +325,17 @@ def test_task_publishes_the_table_and_warns_on_a_slow_layout(
     fine = tasks.plan.plan_parallelism.fn(load_config("hlat-7b"), "hlat-7b-run")
     assert fine["applicable"] and fine["warning"] is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
+    """The planner's layouts map one to one onto the config's parallelism (what training.neuron hands NxD)."""
+    from infra.planner import configured_layout
+
+    config = load_config("hlat-70b")
+    the_plan = planner.plan(config, nodes=256)
+    topology = planner._topology("ml.trn1.32xlarge")
+    for estimate in the_plan.ranked[:25]:
+        layout = estimate.layout
+        applied = load_config("hlat-70b", layout.overrides())  # validates: heads, KV heads, batch, world size
+        assert configured_layout(applied, 256, topology) == layout
+        assert applied.data_parallel_size == layout.data
