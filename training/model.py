@@ -36,6 +36,7 @@ This file imports no distributed code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal, Protocol
 
 import torch
@@ -330,6 +331,29 @@ class Transformer(nn.Module):
             local = self.get_parameter(self.parallel.local_name(param.name))
             local.copy_(self.parallel.shard(param, dense_init(param, self.cfg, seed)))
         self.init_rope_tables()
+
+    def initialiser(self, seed: int) -> Callable[[nn.Module, torch.device], None]:
+        """`init_weights(seed)` one module at a time, for a model built on the meta device and materialised in parts
+        (NxD's pipeline materialises only its own stage's modules: its `param_init_fn`). The function fills the
+        module's own parameters (already given empty storage) with their slices of the dense weights, and gives an
+        attention module its RoPE tables; the same weights as `init_weights(seed)`."""
+        owners: dict[tuple[int, str], DenseParameter] = {}
+        for param in dense_parameters(self.cfg):
+            path, _, key = self.parallel.local_name(param.name).rpartition(".")
+            owners[(id(self.get_submodule(path)), key)] = param
+
+        @torch.no_grad()
+        def init(module: nn.Module, device: torch.device) -> None:
+            for key, local in module.named_parameters(recurse=False):
+                param = owners.get((id(module), key))
+                if param is not None:
+                    local.copy_(self.parallel.shard(param, dense_init(param, self.cfg, seed)))
+            if isinstance(module, Attention):
+                cos, sin = rope_tables(self.cfg, device=device)
+                module.rope_cos = cos.to(module.rope_cos.dtype)
+                module.rope_sin = sin.to(module.rope_sin.dtype)
+
+        return init
 
     def num_params(self) -> int:
         """Number of distinct parameters held here (a tied embedding counts once); equals `cfg.num_params()`

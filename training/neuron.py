@@ -16,12 +16,20 @@ PyPI packages of NxD and torch-neuronx are empty placeholders).
   over the data-parallel group, the sequence-parallel norms' gradients over the tensor-parallel group, clipping
   by the global norm across TP and PP, and ZeRO-1 (optimizer states sharded over DP, FP32 masters in mixed
   precision: HLAT 70B) when `parallelism.zero1`. ZeRO-1 needs the XLA device: it is verified only on trn1.
+- `pipeline_model(model, cfg)`: NxD's `NxDPPModel` over the built model (stages cut from the layer count, the step's
+  micro-batches through its 1F1B schedule, the loss from the last stage on every rank).
+- `shard_name(s)`: the checkpoint shard of each (TP, PP) position (`training.checkpoint`).
+
+NxD's `initialize_parallel_model` is not used: it builds and moves the model itself (to the XLA device, also in
+CPU mode), where ours is built by its own factory with the dense initialisation sliced; the parallel layers,
+process groups, optimizer wrapper and pipeline are NxD's.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -241,12 +249,17 @@ def parallel_optimizer(
     return initialize_parallel_optimizer(config, optimizer_class, params, **hyper)
 
 
-def pipeline_model(model: nn.Module, cfg: HlatConfig) -> Any:
+def pipeline_model(
+    model: nn.Module, cfg: HlatConfig, init: Callable[[nn.Module, torch.device], None] | None = None
+) -> Any:
     """`model` split into pipeline stages by NxD's NxDPPModel (FX-traced; a stage per PP rank): cuts from the layer
     count (auto partition: the blocks spread evenly, any remainder to the later stages), the step's
     `gradient_accumulation` micro-batches through the 1F1B schedule, the loss computed on the last stage and
     averaged over the micro-batches and the data-parallel group onto every rank. Gradients are left to NxD's
-    optimizer (`parallel_optimizer`), which reduces them over DP and clips by the norm across every stage."""
+    optimizer (`parallel_optimizer`), which reduces them over DP and clips by the norm across every stage.
+
+    A model built on the meta device is materialised stage by stage: each rank gives storage to its own stage's
+    parameters only and fills them with `init(module, device)` (`Transformer.initialiser`)."""
     require_nxd()
     from neuronx_distributed.pipeline import NxDPPModel
 
@@ -265,6 +278,7 @@ def pipeline_model(model: nn.Module, cfg: HlatConfig) -> Any:
         auto_partition=True,
         use_optimizer_wrapper=True,
         broadcast_and_average_loss=True,
+        param_init_fn=init,
     )
 
 

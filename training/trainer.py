@@ -121,17 +121,20 @@ class Trainer:
             )
         world.seed(cfg.training.seed)
         # Built with its parallelism (each TP rank holds its slices), initialised on the host from the seed, so every
-        # device and every split starts from the same weights.
-        model = Transformer(cfg.model, layers=model_layers(cfg, world))
-        model.init_weights(cfg.training.seed)
+        # device and every split starts from the same weights. Under pipeline parallelism the model stays on the meta
+        # device: NxD's pipeline materialises and initialises this rank's stage only.
+        staged = world.pp_size > 1
+        model = Transformer(cfg.model, device="meta" if staged else "cpu", layers=model_layers(cfg, world))
+        if not staged:
+            model.init_weights(cfg.training.seed)
         if cfg.precision.mode == "bf16-sr" and not world.on_xla:
             model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (XLA: XLA_USE_BF16 does it)
-        self.model = model.to(world.device)
+        self.model = model if staged else model.to(world.device)
         self.wrapped: Any = parallelize(self.model, cfg, world)
-        if world.pp_size > 1:  # after activation checkpointing: the stages keep the recomputing blocks
+        if staged:  # after activation checkpointing: the stages keep the recomputing blocks
             from training.neuron import pipeline_model
 
-            self.wrapped = pipeline_model(self.wrapped, cfg)
+            self.wrapped = pipeline_model(self.wrapped, cfg, init=model.initialiser(cfg.training.seed))
         self.optimizer = self._optimizer()
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.loader = self._loader("train")

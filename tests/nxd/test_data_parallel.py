@@ -51,6 +51,8 @@ def test_pp2_one_step_through_nxd_pipeline_equals_the_dense_step(prepared: Path,
     stages = [set(r["local_parameters"]) for r in ranks]
     assert not stages[0] & stages[1]  # each stage holds its own layers
     assert "embed.weight" in stages[0] and "output.weight" in stages[1] and "norm.weight" in stages[1]
+    # Built on the meta device: each process gave storage to its own stage's parameters only.
+    assert [set(r["materialised"]) for r in ranks] == stages
     for r in ranks:
         assert abs(r["loss"] - dense["loss"]) <= 1e-5 * dense["loss"]  # the last stage's loss, on every stage
         assert abs(r["grad_norm"] - dense["grad_norm"]) <= 1e-5 * dense["grad_norm"]  # the norm across both stages

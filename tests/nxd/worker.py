@@ -157,6 +157,8 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
             "pp": (world.pp_rank, world.pp_size),
         },
         "local_parameters": sorted(trainer.model_state()),
+        # Parameters given storage in this process (under PP, this stage's only: the rest stay on the meta device).
+        "materialised": sorted(n for n, p in trainer.model.named_parameters() if p.device.type != "meta"),
     }
 
 
