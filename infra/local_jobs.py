@@ -32,6 +32,8 @@ submit and kept in job.json, e.g. `{"1": {"kill_at_step": 8}, "2": {"fail": "Cap
 - `{"kill_at_step": N}`: SIGKILL the training processes once a `step <n> loss` line with n >= N is logged.
 - `{"hang_at_step": N}`: SIGSTOP them instead: the job stops logging and stays InProgress until stopped.
 - `{"fail": "<reason>", "after_s": S}`: launch nothing, wait S seconds, end Failed with exactly that reason.
+- `{"complete": true, "after_s": S}`: launch nothing, wait S seconds, end Completed: a job that reports success
+  without having written its outputs (no checkpoint, no report), as a broken image or entrypoint can.
 """
 
 from __future__ import annotations
@@ -69,7 +71,7 @@ _LOG_CHUNK = 4 << 20  # bytes read by one logs() call
 START_TIMEOUT_S = 60.0
 """A job folder with no supervisor this long after submit is a submitter that died mid-submit."""
 
-_FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "after_s"}
+_FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s"}
 _JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 _PROGRESS = re.compile(rb"\bstep (\d+) loss")
 _TEMP_FILE = re.compile(r"\.tmp-[0-9a-f]{8}$")  # Storage.write_bytes's file before its rename
@@ -475,14 +477,17 @@ class Supervisor:
         self._phase("Starting")
         if self.spec.instance_count > 1:
             self.say(f"instance_count={self.spec.instance_count}: the local backend runs one instance (algo-1)")
-        if "fail" in self.faults:
-            self.say(f"fault: failing before launch in {self.faults.get('after_s', 0)}s: {self.faults['fail']}")
+        if "fail" in self.faults or self.faults.get("complete"):
+            outcome = f"failing: {self.faults['fail']}" if "fail" in self.faults else "completing without running"
+            self.say(f"fault: {outcome}, before launch, in {self.faults.get('after_s', 0)}s")
             deadline = time.monotonic() + float(self.faults.get("after_s", 0))
             while time.monotonic() < deadline and not self._stop_requested():
                 time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
             if self.stop_reason:
                 return self.ending(Status.STOPPED, None, self.stop_reason, None)
-            return self.ending(Status.FAILED, str(self.faults["fail"]), "Failed", None)
+            if "fail" in self.faults:
+                return self.ending(Status.FAILED, str(self.faults["fail"]), "Failed", None)
+            return self.ending(Status.COMPLETED, None, "Completed", 0)
 
         self._phase("Downloading")
         for folder in ("model", "output/data", "input/data"):

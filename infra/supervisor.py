@@ -6,9 +6,15 @@ deterministic name) and watches it instead of launching a second one.
 
 Each attempt ends in one of four ways (`infra.jobs.classify`): done; resume at once (killed, NaN exit, hardware,
 internal error, max runtime); resume after a growing delay (capacity, throttling); fatal (bad config, access,
-quota, or the same failure twice in a row with no step gained). The loop also stops when the relaunches allowed
+quota, or the same failure twice in a row with no step gained). A job that reports Completed without the
+checkpoint of the last step is no 'done': it is resumed, as 'completed without a checkpoint at step N', and stops
+the stage when that repeats with no step gained. The loop also stops when the relaunches allowed
 (`job.max_restarts`) or the dollar budget (billable seconds x instance count x node-hour price) run out. A job that
 logs no new step for `job.hang_timeout_minutes` is stopped and relaunched.
+
+What it logs stays short on a long run: the progress line (step, loss, tokens/s and ETA measured over a window of
+recent steps, dollars) when its status changes or, while steps advance, at most every ten polls, ending with the
+attempt's average throughput; the trainer's own step lines go to the debug level.
 
 Interrupting the supervisor itself (Ctrl-C, a cancelled flow run: anything that is not an Exception) stops the
 job; a supervisor that crashes or is killed leaves the job running for the next supervisor to re-attach to.
@@ -20,8 +26,10 @@ import logging
 import math
 import re
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from infra.catalog import job_cost
@@ -83,11 +91,14 @@ class Attempt:
     instance_count: int = 1
     cost_usd: float = 0.0
     submitted_at: float = 0.0
+    """Seconds since the epoch in memory; ISO 8601 UTC in the ledger."""
     ended_at: float | None = None
     stop_requested: str | None = None
     """Why we stopped it ('cancelled', 'budget', 'hung'), when we did."""
     last_logged_step: int | None = None
     """The newest step the job logged (it may not have reached a checkpoint)."""
+    category: str | None = None
+    """How its ending was classified ('completed', 'capacity', 'completed-early'...): what a repeat is judged by."""
 
     @property
     def steps_gained(self) -> int:
@@ -102,13 +113,19 @@ class Attempt:
     def ended(self) -> bool:
         return self.ended_at is not None
 
+    @property
+    def ending(self) -> str:
+        """The status, with the reason when there is one: 'Completed', 'Failed: CapacityError: ...'."""
+        return f"{self.status}: {self.reason}" if self.reason else self.status
+
     def row(self) -> dict[str, Any]:
         """A row of the attempts table artifact."""
+        reason = "" if self.reason in (None, self.status) else self.reason  # the status column already says it
         return {
             "attempt": self.attempt,
             "job": self.job_name,
             "status": self.status,
-            "reason": (self.reason or "")[:200],
+            "reason": (reason or "")[:200],
             "action": self.action or "",
             "steps gained": self.steps_gained,
             "cost ($)": round(self.cost_usd, 2),
@@ -128,6 +145,8 @@ class Progress:
     tokens_per_s: float | None = None
     eta_s: float | None = None
     cost_usd: float = 0.0
+    final: bool = False
+    """The job has ended: tokens_per_s is the attempt's average, and there is no ETA."""
 
     @property
     def fraction(self) -> float:
@@ -140,15 +159,97 @@ class Progress:
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
         if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s")
-        if self.eta_s is not None:
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s" + (" average" if self.final else ""))
+        if self.eta_s is not None and not self.final:
             parts.append(f"ETA {_duration(self.eta_s)}")
         parts.append(f"${self.cost_usd:,.2f} spent")
         return ", ".join(parts)
 
 
+class Throughput:
+    """Tokens per second of one job, from the steps it logs as the supervisor sees them arrive.
+
+    The trainer's own reading is one sync point's mean step time: it jumps on a step that checkpoints, evaluates
+    or compiles (an ETA that followed it swung between 38 s and 56 min in one run). So the rate is the steps gained
+    over a window of recent observations (at least `window_s` of them, when there are), and the attempt's average
+    is the steps gained over the time between its first and last observation; the trainer's readings stand in
+    only until two observations exist."""
+
+    def __init__(self, tokens_per_step: int, window_s: float) -> None:
+        self.tokens_per_step, self.window_s = tokens_per_step, window_s
+        self.recent: deque[tuple[float, int]] = deque()
+        self.first: tuple[float, int] | None = None
+        self.readings: list[float] = []
+
+    def observe(self, now: float, step: int, reading: float | None) -> None:
+        """The newest step seen at `now` (one call per poll), with the trainer's tokens/s for it."""
+        if reading:
+            self.readings.append(reading)
+        if self.recent and step <= self.recent[-1][1]:
+            return
+        self.recent.append((now, step))
+        self.first = self.first or (now, step)
+        # Keep one observation at or before the window's start: the rate then spans the whole window.
+        while len(self.recent) > 2 and self.recent[1][0] <= now - self.window_s:
+            self.recent.popleft()
+
+    def _between(self, start: tuple[float, int] | None) -> float | None:
+        if start is None or not self.recent or self.recent[-1][0] <= start[0]:
+            return None
+        (t0, s0), (t1, s1) = start, self.recent[-1]
+        return (s1 - s0) * self.tokens_per_step / (t1 - t0)
+
+    def rate(self) -> float | None:
+        """Tokens/s over the recent window (the trainer's last reading before there is a window)."""
+        rate = self._between(self.recent[0] if self.recent else None)
+        return rate if rate is not None else (self.readings[-1] if self.readings else None)
+
+    def average(self) -> float | None:
+        """Tokens/s over the attempt: tokens gained over the time they took (the readings' mean as a fallback)."""
+        rate = self._between(self.first)
+        return rate if rate is not None else (sum(self.readings) / len(self.readings) if self.readings else None)
+
+
+class ProgressGate:
+    """When the progress line goes to the log: the first, each change of status and the final one at once; a new
+    step at most every `every_s`; the same line again only after `quiet_s` (a heartbeat that shows the job and
+    its bill still going). The progress artifact is updated on every poll regardless."""
+
+    def __init__(self, every_s: float, quiet_s: float) -> None:
+        self.every_s, self.quiet_s = every_s, quiet_s
+        self.printed_at: float | None = None
+        self.shown: tuple[str, int | None] | None = None
+
+    def due(self, p: Progress, now: float) -> bool:
+        key = (p.status, p.step)
+        if p.final or self.printed_at is None or self.shown is None or p.status != self.shown[0]:
+            due = True
+        else:
+            due = now - self.printed_at >= (self.quiet_s if key == self.shown else self.every_s)
+        if due:
+            self.printed_at, self.shown = now, key
+        return due
+
+
+def _iso(seconds: float | None) -> str | None:
+    if seconds is None:
+        return None
+    return datetime.fromtimestamp(seconds, UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+
+def _epoch(value: str | float | None) -> float | None:
+    """A ledger timestamp: ISO 8601 (this version) or epoch seconds (ledgers written before it)."""
+    if value is None or isinstance(value, int | float):
+        return value
+    return datetime.fromisoformat(value).timestamp()
+
+
+_TIMESTAMPS = ("submitted_at", "ended_at")
+
+
 class Ledger:
-    """The attempts of one stage of a run, in run storage; rewritten whole (atomically) on each change."""
+    """The attempts of one stage of a run, in run storage; rewritten whole (atomically) on each change.
+    Timestamps are ISO 8601 UTC strings there (older ledgers' epoch seconds still read)."""
 
     def __init__(self, run: Storage, stage: str) -> None:
         self.storage, self.rel = run, f"jobs/{stage}-attempts.json"
@@ -156,10 +257,30 @@ class Ledger:
     def load(self) -> list[Attempt]:
         if not self.storage.exists(self.rel):
             return []
-        return [Attempt(**a) for a in self.storage.read_json(self.rel)["attempts"]]
+        attempts = []
+        for a in self.storage.read_json(self.rel)["attempts"]:
+            times = {k: _epoch(a[k]) for k in _TIMESTAMPS if k in a}
+            attempts.append(Attempt(**{**a, **times}))
+        return attempts
 
     def save(self, attempts: list[Attempt]) -> None:
-        self.storage.write_json(self.rel, {"attempts": [asdict(a) for a in attempts]})
+        rows = [{**asdict(a), **{k: _iso(getattr(a, k)) for k in _TIMESTAMPS}} for a in attempts]
+        self.storage.write_json(self.rel, {"attempts": rows})
+
+    def update(self, record: Attempt) -> None:
+        """Replace one attempt (by number) with `record`: a stage that judged the job's outputs afterwards."""
+        attempts = [record if a.attempt == record.attempt else a for a in self.load()]
+        self.save(attempts)
+
+
+def ending_reason(state: JobState) -> str | None:
+    """What a job's ending adds to its status: the failure reason, or a finer status (MaxRuntimeExceeded); None
+    for a plain Completed or Stopped (a reason column that repeats the status says nothing)."""
+    if state.failure_reason:
+        return state.failure_reason
+    if state.secondary_status and state.secondary_status != state.status.value:
+        return state.secondary_status
+    return None
 
 
 @dataclass
@@ -184,10 +305,18 @@ class Supervisor:
     on_attempts: Callable[[list[Attempt]], None] = lambda a: None
     sleep: Callable[[float], None] = time.sleep
     clock: Callable[[], float] = time.time
+    progress_every_s: float | None = None
+    """Fewest seconds between two progress lines in the log while steps advance (None: 10 polls); an unchanged
+    line is repeated only after six times that."""
+    rate_window_s: float | None = None
+    """The span of recent steps that tokens/s and the ETA are measured over (None: 30 polls). Longer is smoother
+    and slower to follow a real change of pace."""
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.run, self.stage)
         self.attempts: list[Attempt] = []
+        self.resumed = False
+        """The attempt being run came unfinished from the ledger (a restarted supervisor)."""
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_to_completion(self) -> list[Attempt]:
@@ -201,25 +330,19 @@ class Supervisor:
                 return self.attempts
             record = self._next_attempt(current)
             decision = self._run_attempt(record)
-            record.action = decision.action.value
+            record.action, record.category = decision.action.value, decision.category
+            repeat = self._repeated_without_progress(decision)
+            if repeat:
+                record.action = Action.FATAL.value
             self._save()
             level = logging.INFO if decision.action == Action.DONE else logging.WARNING
             log.log(
-                level,
-                "attempt %d (%s) ended: %s -> %s",
-                record.attempt,
-                record.job_name,
-                record.reason,
-                decision.action,
+                level, "attempt %d (%s) ended %s -> %s", record.attempt, record.job_name, record.ending, record.action
             )
             if decision.action == Action.DONE:
-                if self._latest_step() >= self.target_step:
-                    return self.attempts
-                # Completed without reaching the target (e.g. stopped itself after SIGTERM): carry on.
-                decision = Decision(Action.RESUME, "completed-early", "the job ended before the last step")
+                return self.attempts
             if decision.action == Action.FATAL:
                 raise JobFailed(f"{self.stage} stopped: {decision.reason}", self.attempts)
-            repeat = self._repeated_without_progress(decision)
             if repeat:
                 raise JobFailed(repeat, self.attempts)
             if decision.action == Action.BACKOFF:
@@ -238,10 +361,9 @@ class Supervisor:
 
     def _next_attempt(self, current: int) -> Attempt:
         """The attempt to watch: an unfinished one from the ledger (re-attach), or a new one (after the checks)."""
-        if self.attempts and not self.attempts[-1].ended:
-            record = self.attempts[-1]
-            log.info("re-attaching to attempt %d (%s)", record.attempt, record.job_name)
-            return record
+        self.resumed = bool(self.attempts) and not self.attempts[-1].ended
+        if self.resumed:
+            return self.attempts[-1]
         used = len(self.attempts)
         if used > self.max_restarts:
             last = self.attempts[-1]
@@ -261,6 +383,8 @@ class Supervisor:
 
     def _run_attempt(self, record: Attempt) -> Decision:
         state = self._describe(record.job_name)
+        if self.resumed:
+            announce_resumed(record, state)
         if state is None:
             spec = self.make_spec(record.attempt, record.job_name)
             record.instance_count = spec.instance_count
@@ -275,7 +399,7 @@ class Supervisor:
             self._save()
         final = self._watch(record)
         record.status = final.status.value
-        record.reason = final.failure_reason or final.secondary_status or final.status.value
+        record.reason = ending_reason(final)
         record.end_step = self._latest_step()
         record.ended_at = self.clock()
         self._account(record, final)
@@ -290,25 +414,46 @@ class Supervisor:
             # the run is being started again, so go on from the last checkpoint.
             record.reason = "stopped when an earlier flow run was cancelled"
             return Decision(Action.RESUME, "cancelled", record.reason)
-        return classify(final)
+        decision = classify(final)
+        if decision.action == Action.DONE and record.end_step < self.target_step:
+            decision = self._completed_short(record)
+            record.reason = decision.reason
+        return decision
+
+    def _completed_short(self, record: Attempt) -> Decision:
+        """A job that reported success without the checkpoint of the last step. It may have stopped itself (a
+        SIGTERM checkpoints and exits 0), so it is resumed; the same ending twice with no step gained stops."""
+        newest = self.current_step()
+        found = f"step {newest}" if newest is not None else "none"
+        logged = record.last_logged_step
+        trained = f"the job logged step {logged}" if logged is not None else "the job logged no training step"
+        reason = f"completed without a checkpoint at step {self.target_step} (newest: {found}; {trained})"
+        return Decision(Action.RESUME, "completed-early", reason)
 
     def _watch(self, record: Attempt) -> JobState:
         """Follow the job until it ends, streaming its progress; stop it when hung or over budget."""
         progress = Progress(record.attempt, record.job_name, "InProgress", target_step=self.target_step)
+        every = self.progress_every_s or 10 * self.poll_seconds
+        gate = ProgressGate(every, 6 * every)
+        meter = Throughput(self.tokens_per_step, self.rate_window_s or 30 * self.poll_seconds)
         last_advance = self.clock()
 
         def on_poll(lines: list[str], state: JobState | None) -> str | None:
             nonlocal last_advance
-            if self._absorb(lines, progress):
-                last_advance = self.clock()
+            now = self.clock()
+            if self._absorb(lines, progress, meter, now):
+                last_advance = now
                 record.last_logged_step = progress.step
             if state is None:
                 return None
             self._account(record, state)
             progress.status = state.secondary_status or state.status.value
             progress.cost_usd = self.spent_usd()
+            if state.terminal:
+                progress.final, progress.tokens_per_s = True, meter.average()
             self.on_progress(progress)
-            log.info("%s", progress.line())
+            if gate.due(progress, now):
+                log.info("%s", progress.line())
             if self.budget_usd is not None and self.spent_usd() >= self.budget_usd:
                 return "budget"
             if self.hang_timeout_s and self.clock() - last_advance > self.hang_timeout_s:
@@ -317,21 +462,27 @@ class Supervisor:
 
         return follow(self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll)
 
-    def _absorb(self, lines: list[str], progress: Progress) -> bool:
-        """Forward job output to our log and pick up progress; True when a new step was seen."""
-        advanced = False
+    def _absorb(self, lines: list[str], progress: Progress, meter: Throughput, now: float) -> bool:
+        """Forward job output to our log and pick up progress; True when a new step was seen. The trainer's step
+        lines go to the debug level only: the progress line sums them up (they stay in the job's own log and in
+        metrics.jsonl), and a job logging every step would otherwise fill the terminal."""
+        advanced, reading = False, None
         for line in lines:
-            job_log.info("%s", line)
             match = PROGRESS_LINE.search(line)
             if not match:
+                job_log.info("%s", line)
                 continue
+            job_log.debug("%s", line)
             step = int(match["step"])
             advanced = advanced or step != progress.step
             progress.step = step
             progress.loss = _float(match["loss"])
-            progress.tokens_per_s = _float(match["tps"])
+            reading = _float(match["tps"])
+        if advanced and progress.step is not None:
+            meter.observe(now, progress.step, reading)
+            progress.tokens_per_s = meter.rate()
             if progress.tokens_per_s:
-                progress.eta_s = (self.target_step - step) * self.tokens_per_step / progress.tokens_per_s
+                progress.eta_s = (self.target_step - progress.step) * self.tokens_per_step / progress.tokens_per_s
         return advanced
 
     def _account(self, record: Attempt, state: JobState) -> None:
@@ -346,11 +497,17 @@ class Supervisor:
         last, before = self.attempts[-1], self.attempts[-2]
         if last.progressed or before.progressed:
             return None
-        if classify_reason(before.reason or "").category != classify_reason(last.reason or "").category:
+        if _category(before) != (decision.category or _category(last)):
             return None
+        hint = ""
+        if decision.category == "completed-early":
+            hint = (
+                "; the job exits successfully before its last step: its log says why (a job must write the "
+                "checkpoint of training.max_steps to the run's checkpoints/)"
+            )
         return (
             f"{self.stage} stopped: the same failure repeated with no step gained "
-            f"(attempts {before.attempt} and {last.attempt}, both at step {last.start_step}): {last.reason}"
+            f"(attempts {before.attempt} and {last.attempt}, both at step {last.start_step}): {last.reason}{hint}"
         )
 
     def _budget_message(self, step: int | None) -> str:
@@ -435,6 +592,20 @@ def read_logs(backend: JobBackend, name: str, cursor: Any) -> tuple[list[str], A
         return [], cursor
 
 
+def _category(attempt: Attempt) -> str:
+    """The attempt's failure class (older ledgers did not record it: classified again from the reason)."""
+    return attempt.category or classify_reason(attempt.reason or "").category
+
+
+def announce_resumed(record: Attempt, state: JobState | None) -> None:
+    """Say what became of an unfinished attempt found in the ledger: its job is re-attached to, or, when the
+    job was never created (the last supervisor stopped before its submission went through), submitted now."""
+    if state is None:
+        log.info("attempt %d (%s): recorded but never created; submitting it", record.attempt, record.job_name)
+    else:
+        log.info("re-attaching to attempt %d (%s, %s)", record.attempt, record.job_name, state.status.value)
+
+
 def _forward(lines: list[str], state: JobState | None) -> None:
     for line in lines:
         job_log.info("%s", line)
@@ -461,9 +632,9 @@ def run_job(
     delays = backoff_seconds or [poll_seconds]
     tries = 0
     while True:
-        if attempts and not attempts[-1].ended:
+        resumed = bool(attempts) and not attempts[-1].ended
+        if resumed:
             record = attempts[-1]
-            log.info("re-attaching to %s", record.job_name)
         else:
             n = len(attempts) + 1
             record = Attempt(attempt=n, job_name=job_name(run_id, n, stage), submitted_at=clock())
@@ -471,6 +642,8 @@ def run_job(
             ledger.save(attempts)
         tries += 1
         state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
+        if resumed:
+            announce_resumed(record, state)
         if state is None:
             spec = make_spec(record.attempt, record.job_name)
             try:
@@ -487,15 +660,15 @@ def run_job(
             ledger.save(attempts)
         state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, _forward)
         record.status = state.status.value
-        record.reason = state.failure_reason or state.secondary_status or state.status.value
+        record.reason = ending_reason(state)
         record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
         record.ended_at = clock()
         decision = classify(state)
-        record.action = decision.action.value
+        record.action, record.category = decision.action.value, decision.category
         ledger.save(attempts)
         if decision.action in (Action.DONE, Action.FATAL) or tries >= max_attempts:
             return record, state
-        log.warning("%s job %s: %s; relaunching", stage, record.job_name, record.reason)
+        log.warning("%s job %s ended %s; relaunching", stage, record.job_name, record.ending)
         sleep(delays[min(tries - 1, len(delays) - 1)] if decision.action == Action.BACKOFF else poll_seconds)
 
 

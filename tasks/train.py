@@ -9,6 +9,8 @@ from uuid import UUID
 
 from prefect import task
 from prefect.artifacts import create_progress_artifact, create_table_artifact, update_progress_artifact
+from prefect.client.orchestration import get_client
+from prefect.client.schemas.actions import ArtifactUpdate
 
 from infra.backends import supervisor_for
 from infra.storage import Storage
@@ -27,11 +29,14 @@ def latest_checkpoint(run_uri: str) -> int | None:
 
 class _Artifacts:
     """The stage's live artifacts: a progress bar (with the progress line as its description) and the attempts
-    table. Failing to publish never stops training."""
+    table, each created once and then updated in place: one card per artifact in the flow run, not a new keyed
+    version on every change. Failing to publish never stops training."""
 
     def __init__(self, run_id: str) -> None:
         self.run_id = run_id
         self.progress_id: UUID | None = None
+        self.attempts_id: UUID | None = None
+        self.rows: list[dict[str, Any]] | None = None
 
     def progress(self, p: Progress) -> None:
         try:
@@ -45,12 +50,19 @@ class _Artifacts:
             log.warning("could not update the progress artifact: %s", exc)
 
     def attempts(self, attempts: list[Attempt]) -> None:
+        rows = [a.row() for a in attempts]
+        if rows == self.rows:  # the ledger is saved more often than its table changes
+            return
         try:
-            create_table_artifact(
-                [a.row() for a in attempts],
-                key=artifact_key("train-attempts", self.run_id),
-                description=f"training jobs of {self.run_id}",
-            )
+            if self.attempts_id is None:
+                made = create_table_artifact(
+                    rows, key=artifact_key("train-attempts", self.run_id), description=f"training jobs of {self.run_id}"
+                )
+                self.attempts_id = cast(UUID, made)
+            else:
+                with get_client(sync_client=True) as client:  # a table's data is its rows as JSON, as created
+                    client.update_artifact(self.attempts_id, ArtifactUpdate(data=json.dumps(rows)))
+            self.rows = rows
         except Exception as exc:
             log.warning("could not update the attempts artifact: %s", exc)
 
