@@ -43,6 +43,9 @@ def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None
     """The run's config and its run; the SageMaker role is read from its Secret block after config.json is written
     (which keeps the block's name, not its value)."""
     config = resolve_config(preset, overrides, run_id, storage)
+    from infra.backends import preflight
+
+    preflight(config)  # what SageMaker would refuse (an instance type's typo...): before any stage, and config.json
     run = open_run_task(config)
     return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
 

@@ -6,7 +6,9 @@ for the precision mode plus the run's compile cache (`compile-cache/`).
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import math
 import os
 from collections.abc import Callable
 from typing import Any
@@ -269,6 +271,52 @@ def describe_layout(config: HlatConfig) -> str:
     return ", ".join(parts)
 
 
+def chaining(config: HlatConfig, hours: float, max_runtime_s: int) -> list[str]:
+    """How a training longer than one job's max runtime is split into jobs. A job that reaches its
+    MaxRuntimeInSeconds ends 'MaxRuntimeExceeded', which the supervisor classifies as resume-at-once
+    (infra.jobs.classify): the next attempt resumes from the newest checkpoint. Each counts against job.max_restarts."""
+    job_hours = max_runtime_s / 3600
+    if hours <= job_hours:
+        return []
+    jobs = math.ceil(hours / job_hours)
+    days, cap = hours / 24, job_hours / 24
+    why = "SageMaker's 28-day cap" if job_hours >= 24 * 28 else "job.max_runtime_hours"
+    lines = [
+        f"chaining: {days:,.1f} days > {cap:g}-day max runtime ({why}): {jobs} jobs of at most "
+        f"MaxRuntimeInSeconds={max_runtime_s:,}, each resuming from the newest checkpoint (every "
+        f"{config.training.checkpoint_every:,} steps) when the previous one stops at its max runtime"
+    ]
+    if jobs - 1 > config.job.max_restarts:
+        lines.append(
+            f"  warning: that is {jobs - 1} relaunches and job.max_restarts is {config.job.max_restarts}: the run "
+            f"would stop early; set job.max_restarts to at least {jobs - 1} plus a margin for failures"
+        )
+    return lines
+
+
+def preflight(config: HlatConfig) -> None:
+    """Check the values of a SageMaker run's config that its jobs' requests carry (instance types, role ARN, the
+    S3 URIs under storage.root...) against the service model, before any stage runs: a typo then fails the flow
+    run at once, not after data preparation. Settings not given yet (no role) are left to the stage that needs
+    them; nothing is sent or uploaded."""
+    if config.job.backend != "sagemaker" or not config.storage.root.startswith("s3://"):
+        return
+    from infra.sagemaker_jobs import SageMakerBackend, check_request
+
+    run_id = config.resolved_run_id()
+    run_uri = f"{config.storage.root.rstrip('/')}/{run_id}"
+    backend = SageMakerBackend(config.job)  # boto3 clients are made, nothing is called
+    spec = job_spec(config, run_uri, run_id, attempt=1)
+    check_request("CreateTrainingJob", backend.config_request(spec), "train", partial=True)
+    # The evaluation job's own instance type and image, without job_spec's default GPU image (which would import
+    # the SageMaker SDK: seconds, for a value AWS's own table made).
+    e = config.evaluation
+    evaluating = dataclasses.replace(
+        spec, stage="evaluate", instance_type=e.instance_type or config.job.instance_type, image_uri=e.image_uri
+    )
+    check_request("CreateTrainingJob", backend.config_request(evaluating), "evaluate", partial=True)
+
+
 def dry_run(config: HlatConfig, stage: str = "train") -> str:
     """What training this config would send, and what it would cost; sends nothing, writes nothing."""
     run_id = config.resolved_run_id()
@@ -295,20 +343,31 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     lines.append("")
     # The job's own instances: the evaluation job does not run on the training's.
     own_price = job.price_per_hour_usd if spec.instance_type == job.instance_type else None
-    node_price = price_per_hour(spec.instance_type, own_price)
-    hourly = node_price * spec.instance_count
-    lines.append(
-        f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.2f}/node-hour = ${hourly:,.2f}/hour"
-    )
+    if own_price is None and spec.instance_type not in CATALOG:
+        # An instance type the catalog does not price: saying $0.00 would be a wrong figure, not an unknown one.
+        field = "job.price_per_hour_usd" if spec.instance_type == job.instance_type else "a catalog entry"
+        lines.append(
+            f"cost: {spec.instance_count} x {spec.instance_type}: no price in the instance catalog (infra/catalog.py); "
+            f"set {field} to see costs and enforce job.budget_usd"
+        )
+        hourly = None
+    else:
+        node_price = price_per_hour(spec.instance_type, own_price)
+        hourly = node_price * spec.instance_count
+        lines.append(
+            f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.2f}/node-hour = ${hourly:,.2f}/hour"
+        )
     if stage != "train":
         hours = spec.max_runtime_s / 3600
-        lines.append(f"bound: the {stage} job stops by its max runtime of {hours:g} h: at most ${hours * hourly:,.2f}")
+        bound = f": at most ${hours * hourly:,.2f}" if hourly is not None else ""
+        lines.append(f"bound: the {stage} job stops by its max runtime of {hours:g} h{bound}")
     elif est["hours"] is not None:
         lines.append(
             f"estimate: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens = "
             f"{est['tokens'] / 1e9:,.1f}B tokens in {est['hours']:,.0f} h ({est['hours'] / 24:,.1f} days) "
             f"at an assumed {est['mfu']:.0%} MFU, about ${est['total_usd']:,.0f}"
         )
+        lines += chaining(config, est["hours"], spec.max_runtime_s)
     else:
         lines.append(f"estimate: no throughput figure for {job.instance_type!r} in the instance catalog")
     if job.budget_usd is not None:

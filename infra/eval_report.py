@@ -17,6 +17,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -273,6 +274,16 @@ def _citation(sources: Mapping[str, Any], key: str | None) -> str:
     return text
 
 
+def _column_label(index: int) -> str:
+    """A, B, ..., Z, AA...: a baseline model's column in the published-scores table."""
+    label = ""
+    index += 1
+    while index:
+        index, rest = divmod(index - 1, 26)
+        label = chr(ord("A") + rest) + label
+    return label
+
+
 def _benchmark_section(results: Mapping[str, Any], baselines: Mapping[str, Any]) -> list[str]:
     lm_eval = results.get("lm_eval")
     lm_eval = lm_eval if isinstance(lm_eval, Mapping) else {}
@@ -288,22 +299,19 @@ def _benchmark_section(results: Mapping[str, Any], baselines: Mapping[str, Any])
         scope = f"up to {limit} samples per task" if limit else "full task sets"
         lines += [f"lm-eval {lm_eval.get('lm_eval_version', '?')}, {scope}.", ""]
     else:
-        lines += ["_No lm-eval task was run for this evaluation: the published baselines alone._", ""]
+        lines += ["_No lm-eval task was run for this evaluation._", ""]
 
     model_scores = [{_task_key(t): s for t, s in (m.get("scores") or {}).items()} for m in models]
     ours = {_task_key(t) for t in tasks}
-    # Every baseline model gets a column, and every task a baseline reports gets a row (after ours), so the
-    # published figures are always there to read a run against, even one that ran other tasks (the tiny preset's
-    # offline tasks).
-    shown = list(range(len(models)))
-    published = sorted({t for scores in model_scores for t in scores} - ours)
+    # Two narrow tables rather than one wide one (a report is read in the Prefect UI, whose artifact pane clips
+    # wide tables): this run's scores, then the published scores of the tasks run here, baseline models as short
+    # column labels (A, B...) named in a legend. Tasks only the baselines report are named on one line, not given
+    # a row each: a tiny run's offline tasks would otherwise sit above eleven "not run" rows of a 7B suite.
     footnotes: dict[str, int] = {}
-    for i in shown:
-        footnotes.setdefault(str(models[i].get("source") or ""), len(footnotes) + 1)
-
-    header = ["Task", "Metric", "Shots", "N", "This run"]
-    header += [f"{models[i].get('model', '?')} [^{footnotes[str(models[i].get('source') or '')]}]" for i in shown]
+    for m in models:
+        footnotes.setdefault(str(m.get("source") or ""), len(footnotes) + 1)
     rows: list[list[str]] = []
+    compared: list[list[str]] = []
     for task, entry in sorted(tasks.items()):
         entry = entry if isinstance(entry, Mapping) else {}
         metrics = entry.get("metrics") or {}
@@ -311,36 +319,48 @@ def _benchmark_section(results: Mapping[str, Any], baselines: Mapping[str, Any])
         shots = entry.get("num_fewshot", lm_eval.get("num_fewshot"))
         base = _split_metric(metric)[0] if metric else ""
         unit = " (%)" if base in _FRACTION_METRICS else ""
-        row = [
-            task,
-            f"{base}{unit}" if metric else MISSING,
-            MISSING if shots is None else str(shots),
-            str(entry.get("n_samples", MISSING)),
-            _our_score(metrics, metric) if metric else MISSING,
-        ]
-        for i in shown:
-            score = model_scores[i].get(_task_key(task))
-            row.append(MISSING if score is None else _baseline_cell(score, base, shots))
-        rows.append(row)
-    for task in published:  # reported by a baseline, not run here: the baselines' metric and shots in each cell
-        row = [task, MISSING, MISSING, MISSING, "not run"]
-        for i in shown:
-            score = model_scores[i].get(task)
-            row.append(MISSING if score is None else _baseline_cell(score, "", None))
-        rows.append(row)
-    lines += _table(header, [":--", ":--", "--:", "--:", "--:"] + ["--:"] * len(shown), rows)
-    lines.append("")
-    lines.append(
-        "Scores marked (%) are percentages; ± is one standard error of this run's score. Published numbers follow "
-        "each paper's own protocol (prompt format, number of shots, metric, full test sets, model size), so they "
-        "place this run on a scale rather than compare like for like; a baseline's metric and shots are given in "
-        f"parentheses where they differ from ours. {MISSING}: no published value for that task."
-    )
+        ours_text = _our_score(metrics, metric) if metric else MISSING
+        rows.append(
+            [
+                task,
+                f"{base}{unit}" if metric else MISSING,
+                MISSING if shots is None else str(shots),
+                str(entry.get("n_samples", MISSING)),
+                ours_text,
+            ]
+        )
+        published = [scores.get(_task_key(task)) for scores in model_scores]
+        if any(score is not None for score in published):
+            cells = [MISSING if score is None else _baseline_cell(score, base, shots) for score in published]
+            compared.append([task, ours_text, *cells])
+    if rows:
+        lines += _table(["Task", "Metric", "Shots", "N", "This run"], [":--", ":--", "--:", "--:", "--:"], rows)
+        lines += ["", "Scores marked (%) are percentages; ± is one standard error of this run's score.", ""]
+    if models:
+        labels = [_column_label(i) for i in range(len(models))]
+        if compared:
+            lines += ["Published scores of the same tasks:", ""]
+            lines += _table(["Task", "This run", *labels], [":--", "--:", *["--:"] * len(labels)], compared)
+            lines.append("")
+            lines.append(
+                "Published numbers follow each paper's own protocol (prompt format, number of shots, metric, full "
+                "test sets, model size), so they place this run on a scale rather than compare like for like; a "
+                f"baseline's metric and shots are given in parentheses where they differ from ours. {MISSING}: no "
+                "published value for that task."
+            )
+            lines.append("")
+            lines += [
+                f"- **{label}:** {m.get('model', '?')} [^{footnotes[str(m.get('source') or '')]}]"
+                for label, m in zip(labels, models, strict=True)
+            ]
+            lines.append("")
+        not_run = sorted({t for scores in model_scores for t in scores} - ours)
+        if not_run:
+            lines += [f"Not run here, with published baselines: {', '.join(not_run)}.", ""]
     note = baselines.get("note")
-    if note:
-        lines += ["", f"> {note}"]
-    if footnotes:
-        lines.append("")
+    if note and compared:
+        lines += [f"> {note}", ""]
+    if footnotes and compared:
         sources = baselines.get("sources") or {}
         lines += [f"[^{n}]: {_citation(sources, key or None)}" for key, n in footnotes.items()]
     lines.append("")
@@ -404,6 +424,44 @@ def render_report(
     for note in notes:
         lines += [f"_{note}_", ""]
     return "\n".join(lines).rstrip("\n") + "\n"
+
+
+UI_IMAGE_WIDTH = 640
+"""Width in pixels of the charts embedded in the Prefect artifact (report.md keeps the full-size files)."""
+_IMAGE_LINK = re.compile(r"!\[(?P<caption>[^\]]*)\]\((?P<target>[^)\s]+\.png)\)")
+
+
+def embed_images(markdown: str, folder: Storage, width: int = UI_IMAGE_WIDTH) -> str:
+    """`markdown` with each image link relative to `folder` replaced by a data: URI of that PNG, scaled down to
+    `width` pixels: the Prefect UI shows an artifact on its own page, where a relative path (and a run's s3://
+    URI) points nowhere. A link whose file is missing is left as it is, with a warning."""
+    import base64
+
+    def inline(match: re.Match[str]) -> str:
+        target = match.group("target")
+        if "://" in target or target.startswith(("data:", "/")) or not folder.exists(target):
+            if not target.startswith("data:"):
+                log.warning("report image %s is not in %s: left as a link", target, folder.uri())
+            return match.group(0)
+        png = _shrink_png(folder.read_bytes(target), width)
+        return f"![{match.group('caption')}](data:image/png;base64,{base64.b64encode(png).decode('ascii')})"
+
+    return _IMAGE_LINK.sub(inline, markdown)
+
+
+def _shrink_png(png: bytes, width: int) -> bytes:
+    """The PNG scaled to at most `width` pixels wide (Pillow, which matplotlib depends on), as an 8-bit palette
+    image: a chart of a few lines loses nothing visible, and its data URI shrinks several times."""
+    from PIL import Image
+
+    with Image.open(io.BytesIO(png)) as opened:
+        image = opened.convert("RGB")
+    if image.width > width:
+        image = image.resize((width, round(image.height * width / image.width)), Image.Resampling.LANCZOS)
+    small = image.quantize(colors=64)
+    buffer = io.BytesIO()
+    small.save(buffer, format="PNG", optimize=True)
+    return buffer.getvalue()
 
 
 def _has_values(records: Sequence[Mapping[str, Any]], *keys: str) -> bool:

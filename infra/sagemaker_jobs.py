@@ -12,6 +12,8 @@ and returns what `submit` would send, so a 64-node launch can be reviewed, and t
 from __future__ import annotations
 
 import copy
+import difflib
+import functools
 import json
 import logging
 import re
@@ -160,6 +162,150 @@ def _not_found(exc: ClientError) -> bool:
     if code in ("ResourceNotFound", "ResourceNotFoundException"):
         return True
     return code == "ValidationException" and bool(re.search(r"not found|could not find", message, re.IGNORECASE))
+
+
+@functools.cache
+def sagemaker_service_model() -> Any:
+    """botocore's SageMaker service model (the JSON botocore ships): the source of the limits checked below."""
+    import botocore.session
+
+    return botocore.session.get_session().get_service_model("sagemaker")
+
+
+@functools.cache
+def _compiled(pattern: str) -> re.Pattern[str] | None:
+    try:
+        return re.compile(pattern)
+    except re.error:  # a construct Python's re does not know (none today): that pattern is left to SageMaker
+        return None
+
+
+def request_problems(operation: str, params: Mapping[str, Any], partial: bool = False) -> list[tuple[str, str]]:
+    """(path, problem) of every value of `params` that `operation`'s input shape in the service model refuses.
+
+    botocore's own check before sending (ParamValidationError) covers types, required members and minimums (of
+    numbers and lengths), but not enums, patterns or maximums: SageMaker applies those, after the source was
+    uploaded. They are applied here from the same model. `partial`: `params` is only part of a request (what a
+    run's config decides, checked before any stage runs), so absent required members are not problems."""
+    shape = sagemaker_service_model().operation_model(operation).input_shape
+    problems: list[tuple[str, str]] = []
+    _walk(shape, params, "", partial, problems)
+    return problems
+
+
+def _walk(shape: Any, value: Any, path: str, partial: bool, problems: list[tuple[str, str]]) -> None:
+    meta = shape.metadata
+    kind = shape.type_name
+    if kind == "structure":
+        if not isinstance(value, Mapping):
+            return  # a wrong type: botocore's own validation names it
+        if not partial:
+            for name in shape.required_members:
+                if value.get(name) is None:
+                    problems.append((f"{path}{name}", "is required"))
+        for name, member in value.items():
+            if name in shape.members and member is not None:
+                _walk(shape.members[name], member, f"{path}{name}.", partial, problems)
+        return
+    here = path.rstrip(".")
+    if kind == "list" and isinstance(value, list | tuple):
+        _length(meta, len(value), here, "items", problems)
+        for i, item in enumerate(value):
+            _walk(shape.member, item, f"{here}[{i}].", partial, problems)
+    elif kind == "map" and isinstance(value, Mapping):
+        _length(meta, len(value), here, "entries", problems)
+        for key, item in value.items():
+            _walk(shape.key, key, f"{here} key {key!r}.", partial, problems)
+            _walk(shape.value, item, f"{here}[{key!r}].", partial, problems)
+    elif kind == "string" and isinstance(value, str):
+        if shape.enum and value not in shape.enum:
+            close = difflib.get_close_matches(value, shape.enum, n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            # A long enum (225 instance types) is shown as the values of the same family ('ml.trn1...').
+            family = value.rsplit(".", 1)[0] if value.count(".") > 1 else value
+            shown = [v for v in shape.enum if v.startswith(family)] if len(shape.enum) > 20 else []
+            allowed = ", ".join(shown or shape.enum) if shown or len(shape.enum) <= 20 else ""
+            listing = (
+                f"of the {len(shape.enum)} allowed values, those like it are {allowed}"
+                if shown
+                else f"the allowed values are {allowed}"
+                if allowed
+                else f"none of the {len(shape.enum)} allowed values is like it; botocore's SageMaker model lists them"
+            )
+            problems.append((here, f"{value!r} is not an allowed value ({listing}){hint}"))
+            return
+        _length(meta, len(value), here, "characters", problems)
+        pattern = meta.get("pattern")
+        compiled = _compiled(pattern) if pattern else None
+        if compiled is not None and not compiled.fullmatch(value):
+            problems.append((here, f"{_short(value)} does not match the pattern {pattern}"))
+    elif kind in ("integer", "long", "float", "double") and isinstance(value, int | float):
+        if "min" in meta and value < meta["min"]:
+            problems.append((here, f"{value} is below the minimum {meta['min']}"))
+        if "max" in meta and value > meta["max"]:
+            problems.append((here, f"{value} is above the maximum {meta['max']}"))
+
+
+def _length(meta: Mapping[str, Any], n: int, path: str, unit: str, problems: list[tuple[str, str]]) -> None:
+    if "min" in meta and n < meta["min"]:
+        problems.append((path, f"has {n} {unit}, fewer than the minimum {meta['min']}"))
+    if "max" in meta and n > meta["max"]:
+        problems.append((path, f"has {n:,} {unit}, more than SageMaker's limit of {meta['max']:,}"))
+
+
+def _short(value: str) -> str:
+    return repr(value) if len(value) <= 120 else repr(value[:60] + "..." + value[-40:])
+
+
+def _config_field(path: str, stage: str) -> str:
+    """The config setting a request member comes from, so that a problem names what to change."""
+    if path.endswith(("S3Uri", "S3OutputPath")) or path.startswith(("HyperParameters", "Environment['NEURON_COMP")):
+        return "storage.root (the run's URI is <storage.root>/<run id>)"
+    if path.startswith("Environment"):
+        return "neuron.env (or the Neuron settings the job's environment is made of)"
+    fields = {
+        "ResourceConfig.InstanceType": "evaluation.instance_type" if stage == "evaluate" else "job.instance_type",
+        "ResourceConfig.InstanceCount": "job.instance_count",
+        "ResourceConfig.VolumeSizeInGB": "job.volume_size_gb",
+        "ResourceConfig.VolumeKmsKeyId": "job.kms_key_id",
+        "OutputDataConfig.KmsKeyId": "job.kms_key_id",
+        "RoleArn": "job.role_arn",
+        "TrainingJobName": "run_id",
+        "StoppingCondition.MaxRuntimeInSeconds": "job.max_runtime_hours",
+        "AlgorithmSpecification.TrainingImage": "evaluation.image_uri" if stage == "evaluate" else "job.image_uri",
+        "VpcConfig.Subnets": "job.subnets",
+        "VpcConfig.SecurityGroupIds": "job.security_group_ids",
+        "Tags": "run_id",
+    }
+    for prefix, field in fields.items():
+        if path.startswith(prefix):
+            return field
+    return "the request"
+
+
+def check_request(operation: str, params: Mapping[str, Any], stage: str = "train", partial: bool = False) -> None:
+    """Raise ValueError naming each config field whose value `operation`'s service model refuses (see
+    `request_problems`), with the limit or the allowed values."""
+    problems = request_problems(operation, params, partial)
+    if not problems:
+        return
+    by_field: dict[str, list[tuple[str, str]]] = {}
+    for path, problem in problems:
+        by_field.setdefault(_config_field(path, stage), []).append((path, problem))
+    lines = []
+    for field, found in by_field.items():
+        # One line per setting: a long storage root makes every S3 URI of the request too long, say so once.
+        path, problem = found[0]
+        more = f" (and {len(found) - 1} more member(s) of the request)" if len(found) > 1 else ""
+        if field == "job.role_arn":
+            problem = (
+                f"{_short(str(params.get('RoleArn')))} is not an IAM role ARN: SageMaker needs the full ARN, "
+                "arn:aws:iam::<account>:role/<name> (a bare role name is not expanded: its account would be a guess), "
+                "or job.role_arn_secret=<a Prefect Secret block holding it>"
+            )
+            more = ""
+        lines.append(f"{field}: {operation} {path} {problem}{more}")
+    raise ValueError("SageMaker would refuse this job: " + "; ".join(lines))
 
 
 class OfflineAWS:
@@ -319,7 +465,7 @@ class SageMakerBackend:
             )
         request = self._build_request(spec, self.boto_session)
         try:
-            self._create(request)
+            self._create(request, stage=spec.stage)
         except SubmitError as exc:
             # The job did not exist a moment ago: if it does now, this is our own request, retried by botocore
             # after a first try that got through (a timeout, say). It is the job we launched.
@@ -388,7 +534,7 @@ class SageMakerBackend:
         assert self.job.role_arn is not None  # _check raised otherwise
         offline = OfflineAWS(self.job.region, self.job.role_arn, [bucket])
         request = self._build_request(spec, offline.session)
-        self._create(request, offline.session.client("sagemaker", region_name=self.job.region))
+        self._create(request, offline.session.client("sagemaker", region_name=self.job.region), spec.stage)
         return offline.requests()
 
     # -- building requests ----------------------------------------------------------------------------------
@@ -420,6 +566,7 @@ class SageMakerBackend:
             )
         if self.job.subnets and not self.job.security_group_ids:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
+        check_request("CreateTrainingJob", self.config_request(spec), spec.stage, partial=True)
         entry_script = entry_script_of(spec)
         requirements = requirements_of(spec)
         if not (PROJECT_ROOT / entry_script).is_file() or not (PROJECT_ROOT / requirements).is_file():
@@ -428,6 +575,36 @@ class SageMakerBackend:
                 f"under {PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
             )
         return split_s3_uri(spec.run_uri)
+
+    def config_request(self, spec: JobSpec) -> dict[str, Any]:
+        """The members of `spec`'s CreateTrainingJob request that the run's config decides, as `_build_request`
+        sets them (the SDK adds the rest): what can be checked against the service model before anything is
+        uploaded, or before any stage of a flow runs."""
+        job, run = self.job, spec.run_uri.rstrip("/")
+        request: dict[str, Any] = {
+            "TrainingJobName": spec.name,
+            "RoleArn": job.role_arn,
+            "ResourceConfig": {
+                "InstanceType": spec.instance_type,
+                "InstanceCount": spec.instance_count,
+                "VolumeSizeInGB": job.volume_size_gb,
+            },
+            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
+            "CheckpointConfig": {"S3Uri": f"{run}/{spec.checkpoint_prefix}"},
+            "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
+            "InputDataConfig": [
+                {"ChannelName": name, "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": uri}}}
+                for name, uri in (("data", f"{run}/data/"), ("tokenizer", f"{run}/tokenizer/"))
+            ],
+            "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
+            "HyperParameters": {"config": spec.config_uri, **spec.args},
+            "Environment": {**spec.environment, "HLAT_RUN_ID": spec.run_id},
+        }
+        if spec.image_uri or job.image_uri:
+            request["AlgorithmSpecification"] = {"TrainingImage": spec.image_uri or job.image_uri}
+        if job.subnets:
+            request["VpcConfig"] = {"Subnets": list(job.subnets), "SecurityGroupIds": list(job.security_group_ids)}
+        return request
 
     def _build_request(self, spec: JobSpec, boto_session: boto3.Session) -> dict[str, Any]:
         """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
@@ -540,7 +717,12 @@ class SageMakerBackend:
         source = cfg.S3DataSource(s3_data_type="S3Prefix", s3_uri=s3_uri, s3_data_distribution_type="FullyReplicated")
         return cfg.Channel(channel_name=name, data_source=cfg.DataSource(s3_data_source=source), input_mode=mode)
 
-    def _create(self, request: Mapping[str, Any], client: Any = None) -> None:
+    def _create(self, request: Mapping[str, Any], client: Any = None, stage: str = "train") -> None:
+        # The whole request, as the SDK built it, against what botocore's client-side validation skips.
+        try:
+            check_request("CreateTrainingJob", request, stage)
+        except ValueError as exc:
+            raise SubmitError("ValidationException", str(exc)) from exc
         try:
             (client or self.sagemaker).create_training_job(**request)
         except ClientError as exc:

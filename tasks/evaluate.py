@@ -16,7 +16,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from infra.backends import run_stage_job
-from infra.eval_report import choose_metric, evaluation_history, load_baselines, write_report
+from infra.eval_report import choose_metric, embed_images, evaluation_history, load_baselines, write_report
 from infra.storage import Storage
 from infra.supervisor import JobFailed
 from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
@@ -48,7 +48,9 @@ def run_evaluation_job(config: HlatConfig, run_uri: str, run_id: str, step: int)
     run = Storage(run_uri)
     path = results_path(step)
     if state is None or state.status.value != "Completed" or not run.exists(path):
-        raise JobFailed(f"evaluate: job {record.job_name} ended {record.status}: {record.reason}", [record])
+        # A job that reports success without its results is named as such, with the missing file's path.
+        ended = record.ending if record.status != "Completed" else f"Completed but wrote no {run.uri(path)}"
+        raise JobFailed(f"evaluate: job {record.job_name} ended {ended}", [record])
     results: dict[str, Any] = run.read_json(path)
     return results
 
@@ -74,8 +76,9 @@ def write_eval_report(results: dict[str, Any], run_uri: str, run_id: str) -> dic
 
 def publish_eval_report(run: Storage, results: dict[str, Any], run_id: str) -> None:
     try:
-        report = run.read_text(f"{EVAL_DIR}/report.md")
-        note = f"\n\nPlots and files: `{run.uri(EVAL_DIR)}/`"
+        # The UI shows the artifact on its own page: the charts travel inside it (report.md links the files).
+        report = embed_images(run.read_text(f"{EVAL_DIR}/report.md"), run.child(EVAL_DIR))
+        note = f"\n\nFull-size charts and files: `{run.uri(EVAL_DIR)}/`"
         create_markdown_artifact(report + note, key=artifact_key("eval-report", run_id))
         rows = [{"metric": k, "value": v} for k, v in (results.get("perplexity") or {}).items()]
         for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():

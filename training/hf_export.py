@@ -252,6 +252,14 @@ def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
                 f"no complete checkpoint under {checkpoints.uri()} (none has its COMMITTED marker); train first, "
                 "or pass a checkpoint folder step-NNNNNNNNN"
             )
+    if step not in manager.all_steps():
+        # A step that was never saved (or was pruned): say which exist, not why a folder is incomplete.
+        committed = manager.committed_steps()
+        have = ", ".join(str(s) for s in committed) if committed else "none"
+        raise CheckpointError(
+            f"no checkpoint of step {step} under {checkpoints.uri()}: the committed steps are {have}; "
+            "ask for one of them (--step N), or for no step to get the newest"
+        )
     manager.read_meta(step)  # raises CheckpointError naming the problem of an incomplete checkpoint
     base, _, last = checkpoints.uri().rstrip("/").rpartition("/")
     run = Storage(base) if last == "checkpoints" and base else None

@@ -5,6 +5,11 @@ Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia
 4x GeLU MLP becomes a SwiGLU of 2/3 the width, so parameter counts stay 6.9B and 20B.
 `tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
 
+Each trn1 preset's token budget (training.max_steps x global batch x sequence) follows one named source, recorded
+in TOKEN_BUDGETS: the steps and the batch come from the same training run, never a step count of one and a batch of
+another. The published trn1 throughput runs (FACTS.md) set only the layout (TP, PP, nodes); the planner lays its
+calibration runs out with their own batches.
+
 The Neuron compiler and runtime settings of the trn1 jobs (`neuron`) default to HLAT 7B's launch script; hlat-7b,
 pythia-6.9b and neox-20b keep them (like HLAT 7B they train in pure BF16 with stochastic rounding at TP 8);
 hlat-70b sets what HLAT 70B changed.
@@ -39,6 +44,21 @@ HLAT_EVAL_TASKS = [
     "nq_open",
     "gsm8k",
 ]
+
+TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
+    "hlat-7b": (1.8e12, "HLAT paper (arXiv 2404.10630): 1.8T tokens = ~429k steps of 1024 x 4096 tokens"),
+    "hlat-70b": (1.8e12, "HLAT paper (arXiv 2404.10630): 1.8T tokens = ~429k steps of 1024 x 4096 tokens"),
+    "pythia-6.9b": (
+        299_892_736_000,
+        "Pythia paper (Biderman et al. 2023, arXiv 2304.01373): 143k steps of 1024 x 2048 tokens = 300B tokens",
+    ),
+    "neox-20b": (
+        150_000 * 1536 * 2048,
+        "GPT-NeoX-20B paper (Black et al. 2022, arXiv 2204.06745): 150k steps of ~3.15M tokens (1538 x 2048; "
+        "1536 here) = ~472B tokens",
+    ),
+}
+"""Per trn1 preset: the tokens it trains on and where that figure comes from (`tiny` is sized to run in minutes)."""
 
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": {
@@ -99,7 +119,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "lr": 3e-4,
             "min_lr_ratio": 0.1,
             "warmup_steps": 2000,
-            "max_steps": 429_000,
+            "max_steps": 429_000,  # HLAT's 1.8T tokens (TOKEN_BUDGETS); schedule horizon 500k as in HLAT
             "schedule_steps": 500_000,
             "global_batch_size": 1024,
             "micro_batch_size": 1,
@@ -136,7 +156,7 @@ PRESETS: dict[str, dict[str, Any]] = {
             "lr": 1.5e-4,
             "min_lr_ratio": 0.1,
             "warmup_steps": 2000,
-            "max_steps": 429_000,
+            "max_steps": 429_000,  # HLAT's 1.8T tokens (TOKEN_BUDGETS); schedule horizon 500k as in HLAT
             "schedule_steps": 500_000,
             "global_batch_size": 1024,
             "micro_batch_size": 1,
@@ -172,12 +192,14 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "data": _WEB_CORPUS,
         "tokenizer": {"sample_bytes": 2_000_000_000},
+        # Pythia's own schedule (TOKEN_BUDGETS): 143k steps of 1024 sequences, LR 1.2e-4 after 1% warmup. The
+        # published trn1 runs of Pythia 6.9B used a global batch of 256: a throughput benchmark, not a budget.
         "training": {
             "lr": 1.2e-4,
             "min_lr_ratio": 0.1,
             "warmup_steps": 1430,
             "max_steps": 143_000,
-            "global_batch_size": 256,
+            "global_batch_size": 1024,
             "micro_batch_size": 1,
             "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
             "seq_len": 2048,
@@ -202,12 +224,16 @@ PRESETS: dict[str, dict[str, Any]] = {
         },
         "data": _WEB_CORPUS,
         "tokenizer": {"sample_bytes": 2_000_000_000},
+        # GPT-NeoX-20B's own schedule (TOKEN_BUDGETS): 150k steps of ~3.15M tokens, LR 0.97e-4 after 1% warmup.
+        # The paper's 1538 sequences become 1536 so that 32 data-parallel replicas (32 nodes at TP 8 x PP 4) split
+        # it evenly (48 pipeline micro-batches each). The published trn1 runs' batch of 16,384 sequences is a
+        # throughput benchmark: with NeoX's 150k steps it would be 5.0T tokens, ten times what NeoX trained on.
         "training": {
             "lr": 0.97e-4,
             "min_lr_ratio": 0.1,
             "warmup_steps": 1500,
             "max_steps": 150_000,
-            "global_batch_size": 16384,
+            "global_batch_size": 1536,
             "micro_batch_size": 1,
             "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
             "seq_len": 2048,

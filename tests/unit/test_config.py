@@ -71,13 +71,35 @@ def test_hlat_70b_figures() -> None:
 
 @pytest.mark.parametrize(
     ("name", "tp", "pp", "batch", "params"),
-    [("pythia-6.9b", 8, 1, 256, 6.9e9), ("neox-20b", 8, 4, 16384, 20.5e9)],
+    [("pythia-6.9b", 8, 1, 1024, 6.9e9), ("neox-20b", 8, 4, 1536, 20.5e9)],
 )
 def test_partial_rotary_presets(name: str, tp: int, pp: int, batch: int, params: float) -> None:
     c = load_config(name)
     assert c.model.rotary_fraction == 0.25 and c.training.seq_len == 2048
     assert (c.parallelism.tensor, c.parallelism.pipeline, c.training.global_batch_size) == (tp, pp, batch)
     assert abs(c.model.num_params() - params) / params < 0.02
+
+
+@pytest.mark.parametrize("name", ["hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"])
+def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
+    from infra import planner
+    from infra.backends import estimate
+    from training.presets import TOKEN_BUDGETS
+
+    tokens, source = TOKEN_BUDGETS[name]
+    c = load_config(name)
+    t = c.training
+    # Steps and batch from the same run: NeoX's 150k steps with the trn1 benchmark's 16,384 sequences was 5.0T.
+    assert t.max_steps * t.global_batch_size * t.seq_len == pytest.approx(tokens, rel=2e-3), source
+    assert t.global_batch_size * t.seq_len == pytest.approx(tokens / t.max_steps, rel=2e-3)
+    # The dry run's estimate and the planner's default budget read the same figure.
+    assert estimate(c)["tokens"] == planner.default_tokens(c) == t.max_steps * c.tokens_per_step
+    assert c.data_parallel_size * t.micro_batch_size * c.gradient_accumulation == t.global_batch_size
+    assert "arXiv" in source
+    from flows.cli import presets_table
+
+    [row] = [line for line in presets_table().splitlines() if line.startswith(f"{name} ")]
+    assert f" {t.global_batch_size} " in row  # `hlat presets` shows the batch the budget is made of
 
 
 def test_tiny_is_cpu_sized_and_offline() -> None:

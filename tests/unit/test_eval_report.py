@@ -220,33 +220,37 @@ def table_row(report: str, first_cell: str) -> list[str]:
     raise AssertionError(f"no row {first_cell!r} in:\n{report}")
 
 
+def published_row(report: str, task: str) -> list[str]:
+    """The task's row in the second table (published scores beside this run's)."""
+    return table_row(report.split("Published scores of the same tasks:")[1], task)
+
+
 def test_render_report_puts_our_scores_beside_cited_baselines() -> None:
     report = render_report(results(), BASELINES, {"loss": "loss.png", "gradient norm": "grad_norm.png"})
 
     assert report.startswith("# Evaluation report: tiny-abc\n")
     for text in ("step-000000006", "2026-11-22T10:00:00+00:00", "912,000", "20,000", "221.40", "5.4000", "2.5700"):
         assert text in report
-    header = table_row(report, "Task")
-    # Columns: ours, then every baseline model, even one with no score on our tasks ("Unrelated").
-    assert header[:5] == ["Task", "Metric", "Shots", "N", "This run"]
-    assert header[5].startswith("Big A 7B [^") and header[6].startswith("Big B 1B [^")
-    assert header[7].startswith("Unrelated [^") and len(header) == 8
-    # A task only a baseline reports gets its row after ours, with the baseline's own metric and shots.
-    assert table_row(report, "mmlu")[4:] == ["not run", MISSING, MISSING, "45.3 (acc, 5-shot)"]
-
-    hellaswag = table_row(report, "hellaswag")
-    assert hellaswag[1] == "acc_norm (%)"
-    assert hellaswag[4] == "27.3 ± 2.1"
-    assert hellaswag[5] == "77.2"  # same metric and shots: no remark
-    assert hellaswag[6] == "61.5 (acc)"
-    arc = table_row(report, "arc_easy")
-    assert arc[4] == "31.4 ± 3.0"
-    assert arc[5] == "75.2 (25-shot)"
-    assert arc[6] == MISSING
-    # Our offline task has no published counterpart and is listed all the same.
-    cloze = table_row(report, "hlat_cloze")
-    assert cloze[1:5] == ["acc (%)", "0", "50", "12.0 ± 4.0"]
-    assert cloze[5:] == [MISSING, MISSING, MISSING]
+    # This run's scores: a narrow table of the tasks run, nothing else.
+    assert table_row(report, "Task") == ["Task", "Metric", "Shots", "N", "This run"]
+    assert table_row(report, "hellaswag") == ["hellaswag", "acc_norm (%)", "0", "50", "27.3 ± 2.1"]
+    assert table_row(report, "arc_easy")[4] == "31.4 ± 3.0"
+    assert table_row(report, "hlat_cloze")[1:5] == ["acc (%)", "0", "50", "12.0 ± 4.0"]
+    # Published scores of the tasks run here, each baseline model a one-letter column named in a legend.
+    published = report.split("Published scores of the same tasks:")[1]
+    assert table_row(published, "Task") == ["Task", "This run", "A", "B", "C"]
+    hellaswag = published_row(report, "hellaswag")
+    assert hellaswag[1] == "27.3 ± 2.1"
+    assert hellaswag[2] == "77.2"  # same metric and shots: no remark
+    assert hellaswag[3] == "61.5 (acc)"
+    assert hellaswag[4] == MISSING
+    arc = published_row(report, "arc_easy")
+    assert arc[1:] == ["31.4 ± 3.0", "75.2 (25-shot)", MISSING, MISSING]
+    assert "| hlat_cloze |" not in published.split("\n\n")[1]  # no baseline has it: not in the second table
+    assert "- **A:** Big A 7B [^1]" in report and "- **C:** Unrelated [^2]" in report
+    # A task only a baseline reports is named on one line, not given a "not run" row.
+    assert "| mmlu |" not in report and "not run |" not in report
+    assert "Not run here, with published baselines: mmlu." in report
 
     # Every baseline column is footnoted with its source's title, table and URL.
     for source in ("paper-a", "paper-b"):

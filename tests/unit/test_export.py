@@ -76,6 +76,25 @@ def test_missing_or_incomplete_checkpoints_are_clear_errors(tmp_path: Path, caps
     assert not (tmp_path / "out").exists()
 
 
+def test_a_step_that_was_never_saved_lists_the_committed_steps(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run, _ = make_run(tmp_path, steps=(5, 10))
+    with pytest.raises(CheckpointError, match=r"no checkpoint of step 999 under .*: the committed steps are 5, 10"):
+        locate_checkpoint(str(run), step=999)
+    # Through the CLI, as a user types it: one line naming the steps that exist, nothing written.
+    assert main(["export", str(run), str(tmp_path / "out"), "--step", "999"]) == 1
+    err = capsys.readouterr().err
+    assert "committed steps are 5, 10" in err and "COMMITTED marker" not in err
+    assert not (tmp_path / "out").exists()
+    # An interrupted save is not listed as committed, and keeps its own message when asked for.
+    (run / "checkpoints" / step_dir(10) / MARKER).unlink()
+    with pytest.raises(CheckpointError, match="committed steps are 5;"):
+        locate_checkpoint(str(run), step=7)
+    with pytest.raises(CheckpointError, match="no COMMITTED marker"):
+        locate_checkpoint(str(run), step=10)
+
+
 def test_partial_rotary_refuses_before_writing_anything(tmp_path: Path) -> None:
     run, _ = make_run(tmp_path, steps=(5,), **{"model.rotary_fraction": 0.25})
     with pytest.raises(ValueError, match="partial rotary"):
