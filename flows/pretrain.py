@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+import logging
+from typing import Any, cast
+from uuid import UUID
 
 from prefect import flow
+from prefect.artifacts import create_progress_artifact, update_progress_artifact
+from prefect.logging import get_run_logger
 
 from flows.burn_in import burn_in
 from flows.common import resolve, run_name, stop_jobs_on_cancel
@@ -14,6 +18,32 @@ from flows.precompile import precompile
 from flows.prepare_data import prepare_data
 from flows.train import train
 from flows.train_tokenizer import train_tokenizer
+from tasks.common import artifact_key
+
+STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
+
+
+class _Progress:
+    """The DAG's place for the terminal ("stage k of 6: <name>") and for the parent run's page (one progress
+    artifact, updated in place). Failing to publish never stops the run."""
+
+    def __init__(self, run_id: str) -> None:
+        self.run_id = run_id
+        self.artifact: UUID | None = None
+
+    def stage(self, done: int, name: str | None = None) -> None:
+        if name is not None:
+            get_run_logger().info("stage %d of %d: %s", done + 1, len(STAGES), name)
+        what = f"{done} of {len(STAGES)} stages done" + (f"; running {name}" if name else "")
+        try:
+            if self.artifact is None:
+                key = artifact_key("pretrain-progress", self.run_id)
+                made = create_progress_artifact(100 * done / len(STAGES), key=key, description=what)
+                self.artifact = cast(UUID, made)  # sync_compatible: a UUID when called from sync code
+            else:
+                update_progress_artifact(self.artifact, 100 * done / len(STAGES), description=what)
+        except Exception as exc:
+            logging.getLogger("hlat.pretrain").warning("could not update the progress artifact: %s", exc)
 
 
 @flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -32,12 +62,20 @@ def hlat(
         "run_id": run.run_id,
         "storage": config.storage.root,
     }
+    progress = _Progress(run.run_id)
+    progress.stage(0, STAGES[0])
     data = prepare_data(**stage)
+    progress.stage(1, STAGES[1])
     tokenizer = train_tokenizer(**stage)
+    progress.stage(2, STAGES[2])
     graphs = precompile(**stage)
+    progress.stage(3, STAGES[3])
     health = burn_in(**stage)
+    progress.stage(4, STAGES[4])
     training = train(**stage)
+    progress.stage(5, STAGES[5])
     scores = evaluate(**stage)
+    progress.stage(6)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {
         "run_id": run.run_id,

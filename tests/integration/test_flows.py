@@ -21,6 +21,14 @@ def artifact_keys() -> set[str]:
         return {a.key for a in client.read_artifacts(limit=200) if a.key}
 
 
+def artifacts_of(key: str) -> list[Any]:
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
+
+    with get_client(sync_client=True) as client:
+        return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), limit=50)
+
+
 def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
 ) -> None:
@@ -39,6 +47,10 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
         assert (run / rel).is_file(), rel
     assert first["tokenizer"]["vocab_size"] == 512
     assert artifact_keys() >= {f"data-report-{first['run_id']}", f"tokenizer-report-{first['run_id']}"}
+    # The parent run's progress: one artifact, updated in place through the six stages.
+    progress = artifacts_of(f"pretrain-progress-{first['run_id']}")
+    assert len(progress) == 1 and progress[0].data == 100.0
+    assert progress[0].description == "6 of 6 stages done"
     shard_dirs = sorted(p.name for p in (run / "data").glob("shards-*"))
     model_bytes = (run / "tokenizer/tokenizer.model").read_bytes()
 
