@@ -12,7 +12,9 @@
     hlat worker [--pool hlat] [--type process|ecs|kubernetes] [--limit N]   create the pool if missing, serve it
 
 Flows run on the Prefect API configured in the environment, or in Prefect's ephemeral mode when none is.
-User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1.
+User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1; any other
+failure ends with one line too, its traceback in the command's log file (flows/cli_log.py) or, with --verbose, on
+the terminal.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,32 +68,41 @@ def _add_dry_run(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v",
+        "--verbose",
+        action="store_true",
+        help="print tracebacks on the terminal too (they always go to the command's log file)",
+    )
     parser = argparse.ArgumentParser(prog="hlat", description="HLAT-style LLM pretraining pipeline (Prefect DAG).")
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("pretrain", help="run the whole DAG (the parent flow 'hlat')")
+
+    def add(name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return sub.add_parser(name, parents=[common], **kwargs)
+
+    p = add("pretrain", help="run the whole DAG (the parent flow 'hlat')")
     _add_run_options(p)
     _add_dry_run(p)
-    p = sub.add_parser("run", help="run one stage flow alone")
+    p = add("run", help="run one stage flow alone")
     p.add_argument("stage", choices=STAGES)
     _add_run_options(p)
     _add_dry_run(p)
     p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
-    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face Llama folder (weights, config, tokenizer)")
+    p = add("export", help="write a checkpoint as a Hugging Face Llama folder (weights, config, tokenizer)")
     p.add_argument("source", help="a checkpoint folder (.../checkpoints/step-N), a run's checkpoints folder, or a run")
     p.add_argument("out", help="output folder (local)")
     p.add_argument("--step", type=int, help="the step to export when source is a run (default: the newest)")
     p.add_argument("--tokenizer", help="tokenizer folder or s3:// URI (default: <run>/tokenizer)")
-    p = sub.add_parser("compare", help="two runs' loss and gradient-norm curves on one chart, with the difference")
+    p = add("compare", help="two runs' loss and gradient-norm curves on one chart, with the difference")
     p.add_argument("run_a", help="run folder or s3:// URI (with metrics.jsonl)")
     p.add_argument("run_b", help="run folder or s3:// URI")
     p.add_argument("--out", help="where to write compare.md and the charts (default: <run A>/compare/<run B id>)")
     p.add_argument("--labels", nargs=2, metavar=("A", "B"), help="labels of the two runs (default: their ids)")
-    sub.add_parser("presets", help="list presets with their key figures")
-    p = sub.add_parser("config", help="print the resolved config as JSON")
+    add("presets", help="list presets with their key figures")
+    p = add("config", help="print the resolved config as JSON")
     _add_run_options(p)
-    p = sub.add_parser(
-        "plan", help="rank TP/PP/DP, SP, ZeRO-1, checkpointing and micro-batch layouts on trn1, with time and cost"
-    )
+    p = add("plan", help="rank TP/PP/DP, SP, ZeRO-1, checkpointing and micro-batch layouts on trn1, with time and cost")
     _add_config_options(p)
     p.add_argument("--nodes", type=_positive_int, help="nodes (default: the preset's job.instance_count)")
     p.add_argument(
@@ -100,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=_positive_int, default=10, help="layouts shown (default: 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
-    p = sub.add_parser("deploy", help="register deployments/prefect.yaml on the Prefect API (prefect deploy, checked)")
+    p = add("deploy", help="register deployments/prefect.yaml on the Prefect API (prefect deploy, checked)")
     p.add_argument(
         "--name",
         dest="names",
@@ -110,7 +122,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="deploy only these deployments, by name or glob, e.g. --name '*-tiny' (repeatable; default: all)",
     )
     _add_pool_type(p, "type of the work pool when it is created")
-    p = sub.add_parser("worker", help="create the work pool if missing and start a worker on it")
+    p = add("worker", help="create the work pool if missing and start a worker on it")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (default: {DEFAULT_POOL})")
     _add_pool_type(p, "worker and pool type")
     p.add_argument("--limit", type=_positive_int, help="most flow runs at once (default: no limit)")
@@ -215,18 +227,34 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     return 0
 
 
+FLOW_COMMANDS = ("pretrain", "run")  # the commands that run flows: their whole log goes to a file
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    from flows.cli_log import CommandLog
+
     args = build_parser().parse_args(argv)
+    log = CommandLog(args.command)
+    runs_flows = args.command in FLOW_COMMANDS and not getattr(args, "dry_run", False)
     try:
+        if runs_flows:
+            log.attach(verbose=args.verbose)
         return _dispatch(args)
     except ConfigError as exc:
         print(f"hlat: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("hlat: interrupted", file=sys.stderr)
+        return 130
     except Exception as exc:
+        log.write(traceback.format_exc())
+        if args.verbose:
+            traceback.print_exc()
         known = _known_error(exc)
-        if known is None:
-            raise
-        print(f"hlat: error: {known}", file=sys.stderr)
+        cause = known if known is not None else f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
+        print(f"hlat: error: {cause}", file=sys.stderr)
+        if runs_flows or known is None:
+            print(f"hlat: the full log: {log.path}", file=sys.stderr)
         return 1
 
 

@@ -15,13 +15,14 @@ from tests.conftest import SMALL_RUN
 BIN = Path(sys.executable).parent
 
 
-def hlat(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess[str]:
+def hlat(*args: str, cwd: Path | None = None, **extra_env: str) -> subprocess.CompletedProcess[str]:
     # Without the test session's Prefect settings: the CLI's own defaults (no telemetry from its temporary server).
     env = {
         k: v
         for k, v in os.environ.items()
         if not k.startswith("PREFECT_API") and k != "PREFECT_SERVER_ANALYTICS_ENABLED"
     }
+    env.update(extra_env)
     return subprocess.run(
         [str(BIN / "hlat"), *args], capture_output=True, text=True, env=env, cwd=cwd, timeout=600, check=False
     )
@@ -150,3 +151,24 @@ def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp
     assert {"Key": "hlat:stage", "Value": "evaluate"} in request["Tags"]
     assert "cost: 1 x ml.p4d.24xlarge at $32.77/node-hour" in out.stdout
     assert "at most $786.48" in out.stdout
+
+
+def test_a_failure_inside_a_flow_is_one_line_with_the_trace_in_the_log_file(tmp_path: Path) -> None:
+    logs = tmp_path / "logs"
+    args = ("run", "train", "--run-id", "no-data", "--storage", str(tmp_path / "runs"))
+    quiet = hlat(*args, HLAT_LOG_DIR=str(logs))
+    assert quiet.returncode == 1, quiet.stderr
+    assert "Traceback" not in quiet.stderr, quiet.stderr
+    errors = [line for line in quiet.stderr.splitlines() if line.startswith("hlat: error:")]
+    assert errors == [
+        f"hlat: error: {tmp_path}/runs/no-data/data/manifest.json does not exist: "
+        "run the prepare-data stage for this run first"
+    ]
+    (log_file,) = logs.glob("*-run.log")
+    assert f"hlat: the full log: {log_file}" in quiet.stderr
+    text = log_file.read_text()
+    assert "Traceback" in text and "StorageNotFound" in text and "Beginning flow run" in text
+    assert len(quiet.stderr.splitlines()) < 20, quiet.stderr
+
+    verbose = hlat(*args, "--verbose", HLAT_LOG_DIR=str(logs))
+    assert verbose.returncode == 1 and "Traceback" in verbose.stderr
