@@ -22,10 +22,35 @@ def open_run_task(config: HlatConfig) -> Run:
     return open_run(config)
 
 
-def resolve_config(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> HlatConfig:
+def deployment_overrides(deployment_id: Any = None) -> dict[str, Any]:
+    """The `overrides` parameter of the deployment this flow run (or `deployment_id`) comes from; {} for a run
+    started without a deployment."""
+    from prefect.client.orchestration import get_client
+    from prefect.runtime import deployment
+
+    deployment_id = deployment_id or deployment.id
+    if not deployment_id:
+        return {}
+    with get_client(sync_client=True) as client:
+        parameters = client.read_deployment(deployment_id).parameters
+    return overrides_dict(parameters.get("overrides"))
+
+
+def merged_overrides(overrides: Any, deployment_id: Any = None) -> dict[str, Any]:
+    """A flow run's overrides over its deployment's (see resolve_config)."""
+    return {**deployment_overrides(deployment_id), **overrides_dict(overrides)}
+
+
+def resolve_config(
+    preset: str, overrides: Any, run_id: str | None, storage: str | None, deployment_id: Any = None
+) -> HlatConfig:
     """A flow run's config from its parameters (the overrides model, or the dict a flow run stores), with the
-    AwsCredentials block it names, if any, made this process's AWS credentials."""
-    changes = overrides_dict(overrides)
+    AwsCredentials block it names, if any, made this process's AWS credentials.
+
+    A deployment run's `overrides` are merged over the deployment's own: `--param overrides='{...}'` changes the
+    paths it names and keeps the deployment's others (its job.role_arn_secret, say), where Prefect would replace
+    the whole parameter."""
+    changes = merged_overrides(overrides, deployment_id)
     given = {"run_id": run_id, "storage": storage, **{f"overrides[{k!r}]": v for k, v in changes.items()}}
     unfilled = [f"{name}={value!r}" for name, value in given.items() if isinstance(value, str) and "{{" in value]
     if unfilled:
@@ -59,7 +84,11 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
 
     params = flow_run.parameters
     config = resolve_config(
-        params.get("preset", "tiny"), params.get("overrides"), params.get("run_id"), params.get("storage")
+        params.get("preset", "tiny"),
+        params.get("overrides"),
+        params.get("run_id"),
+        params.get("storage"),
+        deployment_id=flow_run.deployment_id,
     )
     stopped = stop_live_jobs(config)
     logging.getLogger("hlat.jobs").warning("flow run cancelled: stopped %s", ", ".join(stopped) or "no running job")

@@ -11,7 +11,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
 from flows.burn_in import burn_in
-from flows.common import resolve, run_name, stop_jobs_on_cancel
+from flows.common import merged_overrides, resolve, run_name, stop_jobs_on_cancel
 from flows.evaluate import evaluate
 from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
 from flows.precompile import precompile
@@ -58,7 +58,7 @@ def hlat(
     config, run = resolve(preset, overrides, run_id, storage)
     stage: dict[str, Any] = {
         "preset": preset,
-        "overrides": overrides,
+        "overrides": merged_overrides(overrides),  # the deployment's under the run's: the stages see both
         "run_id": run.run_id,
         "storage": config.storage.root,
     }

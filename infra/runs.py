@@ -56,7 +56,8 @@ def run_for(config: HlatConfig) -> Run:
 
 
 def open_run(config: HlatConfig) -> Run:
-    """Write the resolved config to <run>/config.json; refuse a different config under the same run id.
+    """Write the resolved config to <run>/config.json; refuse a different config under the same run id, except a
+    new training.max_steps under the same cosine schedule (the run is extended, or shortened).
 
     What determines the run's outputs (its fingerprint) is written once. Settings outside it (the job's budget and
     limits, precompile, burn-in, evaluation) may change between flow runs: config.json is updated to them, so the
@@ -71,11 +72,18 @@ def open_run(config: HlatConfig) -> Run:
     if run.storage.exists(CONFIG_FILE):
         existing = validate_config(run.storage.read_json(CONFIG_FILE))
         if existing.fingerprint() != resolved.fingerprint():
-            raise ConfigError(
-                f"run {run.run_id!r} at {run.uri} was started with a different config "
-                f"({describe_difference(existing, resolved)}); use a new --run-id, or drop --run-id so "
-                "one is derived from the config"
-            )
+            if existing.trajectory_fingerprint() != resolved.trajectory_fingerprint():
+                raise ConfigError(
+                    f"run {run.run_id!r} at {run.uri} was started with a different config "
+                    f"({describe_difference(existing, resolved)}){_extension_hint(existing, resolved)}; use another "
+                    "run id for this config, or none so that one is derived from the config"
+                )
+            # Only the length changed, under the same schedule: the steps trained so far stay valid.
+            log.info("run %s: training.max_steps %d -> %d (the cosine horizon stays %d steps)", run.run_id,
+                     existing.training.max_steps, resolved.training.max_steps,
+                     resolved.training.schedule_steps or resolved.training.max_steps)  # fmt: skip
+            run.storage.write_text(CONFIG_FILE, text)
+            return run
         if existing.model_dump(exclude={"storage"}) != resolved.model_dump(exclude={"storage"}):
             # Only settings outside the fingerprint changed (job budget and limits, precompile, burn-in,
             # evaluation): the jobs started from now on read the new ones.
@@ -85,6 +93,23 @@ def open_run(config: HlatConfig) -> Run:
         return run
     run.storage.write_text(CONFIG_FILE, text)
     return run
+
+
+def _extension_hint(old: HlatConfig, new: HlatConfig) -> str:
+    """How to extend the run when a new training.max_steps (or length-related field) is all that differs."""
+
+    def without_length(config: HlatConfig) -> str:
+        length = {"max_steps": 1, "schedule_steps": None}
+        return config.model_copy(update={"training": config.training.model_copy(update=length)}).fingerprint()
+
+    if without_length(old) != without_length(new):
+        return ""
+    horizon = old.training.schedule_steps or old.training.max_steps
+    return (
+        f"; training.max_steps sets the cosine schedule's horizon unless training.schedule_steps is set, so the "
+        f"steps already trained followed another schedule: to extend the run on its own schedule, also set "
+        f"training.schedule_steps={horizon}"
+    )
 
 
 def describe_difference(old: HlatConfig, new: HlatConfig, limit: int = 5) -> str:

@@ -646,6 +646,14 @@ class HlatConfig(Section):
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         return stable_hash(body)
 
+    def trajectory_fingerprint(self) -> str:
+        """The fingerprint less the run's length: training.max_steps is left out and the cosine horizon made explicit
+        (schedule_steps or max_steps). Two configs with the same one compute the same weights at every step both
+        reach, so a run may be extended from one to the other (open_run allows it)."""
+        horizon = self.training.schedule_steps or self.training.max_steps
+        same_length = self.training.model_copy(update={"max_steps": 1, "schedule_steps": horizon})
+        return self.model_copy(update={"training": same_length}).fingerprint()
+
     def resolved_run_id(self) -> str:
         return self.run_id or f"{self.preset}-{self.fingerprint()[:10]}"
 

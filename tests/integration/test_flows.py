@@ -7,7 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
+from tests.conftest import SMALL_RUN
 from tests.jobs import task_states
 from training.config import ConfigError
 
@@ -85,3 +87,48 @@ def test_stages_run_alone_and_refuse_a_changed_config(
     changed = {**small_run, "training.lr": 5e-3}
     with pytest.raises(ConfigError, match=r"run 'alone' .* different config \(training.lr: 0.002 -> 0.005\)"):
         prepare_data(preset="tiny", overrides=changed, run_id="alone", storage=str(tmp_path))
+
+
+def test_a_trained_run_is_extended_by_the_train_flow_to_the_weights_of_a_longer_run(
+    prefect_server: None, prepared: Path, tmp_path: Path
+) -> None:
+    """The README's example: more steps for an existing run, on its own schedule (training.schedule_steps kept)."""
+    from flows.train import train
+    from tests.jobs import final_weights, make_run
+    from tests.jobs import train as train_job
+
+    length = {"training.checkpoint_every": 5, "training.eval_every": 5, "training.eval_batches": 1}
+    make_run(prepared, tmp_path, "ext", max_steps=10, **length)
+    overrides = {**SMALL_RUN, **length, "training.max_steps": 10}
+    assert train(preset="tiny", overrides=overrides, run_id="ext", storage=str(tmp_path))["final_step"] == 10
+
+    with pytest.raises(ConfigError, match=r"also set training.schedule_steps=10"):
+        train(preset="tiny", overrides={**overrides, "training.max_steps": 14}, run_id="ext", storage=str(tmp_path))
+    longer = {**overrides, "training.max_steps": 14, "training.schedule_steps": 10}
+    assert train(preset="tiny", overrides=longer, run_id="ext", storage=str(tmp_path))["final_step"] == 14
+
+    # The same 14 steps trained in one go, on the same schedule: bitwise the same weights.
+    straight = make_run(prepared, tmp_path, "straight", max_steps=14, schedule_steps=10, **length)
+    assert train_job(straight)[0] == 0
+    extended, reference = final_weights(tmp_path / "ext"), final_weights(straight)
+    assert extended.keys() == reference.keys()
+    assert all(torch.equal(extended[k], reference[k]) for k in reference)
+
+
+def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_path: Path) -> None:
+    """`--param overrides=...` on a deployment changes the paths it names and keeps the deployment's others."""
+    from prefect.client.orchestration import get_client
+
+    from flows.common import resolve_config
+    from flows.train import train
+
+    deployment = {"training.lr": 3e-3, "job.max_restarts": 7, "data.max_documents": 300}
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow(train)
+        deployment_id = client.create_deployment(flow_id, "merge-test", parameters={"overrides": deployment})
+    config = resolve_config("tiny", {"training.lr": 1e-3, "training.max_steps": 5}, None, None, deployment_id)
+    assert (config.training.lr, config.training.max_steps) == (1e-3, 5)  # the run's own
+    assert (config.job.max_restarts, config.data.max_documents) == (7, 300)  # the deployment's, kept
+    # Without a deployment, the run's overrides are all there is.
+    alone = resolve_config("tiny", {"training.max_steps": 5}, None, None)
+    assert (alone.training.lr, alone.job.max_restarts) != (3e-3, 7)

@@ -181,7 +181,7 @@ def test_open_run_writes_config_once_and_refuses_a_different_one(s3_env: S3Env) 
     message = assert_one_line(info.value)
     assert "training.lr" in message
     assert f"training.lr: {config.training.lr} -> {new_lr}" in message
-    assert "--run-id" in message
+    assert "use another run id" in message and "--run-id" not in message  # the same words for CLI and UI runs
     assert run.storage.read_json(CONFIG_FILE)["training"]["lr"] == config.training.lr
 
 

@@ -62,8 +62,45 @@ def test_a_different_config_under_the_same_run_id_is_refused(tmp_path: Path) -> 
     assert "'exp-1'" in message
     assert "training.lr: 0.002 -> 0.004" in message
     assert "model.n_layers: 2 -> 3" in message
-    assert "new --run-id" in message
+    assert "use another run id" in message and "--run-id" not in message  # the same words for CLI and UI runs
+    assert "schedule_steps" not in message  # not a length change: no hint about extending
     assert (tmp_path / "exp-1" / CONFIG_FILE).read_text() == before
+
+
+def test_a_run_is_extended_when_its_schedule_stays_and_refused_with_the_fix_when_not(tmp_path: Path) -> None:
+    first = load_config("tiny", {"training.max_steps": 40}, run_id="ext", storage=str(tmp_path))
+    open_run(first)
+    config_file = tmp_path / "ext" / CONFIG_FILE
+
+    # The horizon follows max_steps (schedule_steps unset): a longer run would have trained its first 40 steps on
+    # another learning-rate curve. Refused, with the setting that keeps the schedule.
+    longer = load_config("tiny", {"training.max_steps": 60}, run_id="ext", storage=str(tmp_path))
+    with pytest.raises(ConfigError) as info:
+        open_run(longer)
+    message = str(info.value)
+    assert "training.max_steps: 40 -> 60" in message
+    assert "also set training.schedule_steps=40" in message
+    assert json.loads(config_file.read_text())["training"]["max_steps"] == 40
+
+    # With the horizon kept, the run is extended: config.json says so, the jobs read the new length.
+    kept = load_config(
+        "tiny", {"training.max_steps": 60, "training.schedule_steps": 40}, run_id="ext", storage=str(tmp_path)
+    )
+    assert kept.trajectory_fingerprint() == first.trajectory_fingerprint() != longer.trajectory_fingerprint()
+    assert open_run(kept).run_id == "ext"
+    stored = json.loads(config_file.read_text())["training"]
+    assert (stored["max_steps"], stored["schedule_steps"]) == (60, 40)
+
+    # A length change beside any other change is still refused (and no extension hint is given).
+    other = load_config(
+        "tiny",
+        {"training.max_steps": 80, "training.schedule_steps": 40, "training.lr": 0.004},
+        run_id="ext",
+        storage=str(tmp_path),
+    )
+    with pytest.raises(ConfigError, match=r"training\.lr: 0\.002 -> 0\.004") as info:
+        open_run(other)
+    assert "also set" not in str(info.value)
 
 
 def test_derived_run_id_follows_the_config(tmp_path: Path) -> None:
