@@ -9,7 +9,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from infra.backends import job_shape
 from infra.storage import Storage
 from tasks.common import run_cached, stage_cache_key
@@ -19,8 +19,8 @@ from tasks.jobs import BURN_IN_REPORT, burn_in_cluster
 @flow(name="burn-in", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def burn_in(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
     """Burn in the instances (or local ranks) the run's training will use."""

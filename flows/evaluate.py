@@ -9,7 +9,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STEP, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STEP, STORAGE, OptionalStep, OptionalText, Overrides, PresetName
 from infra.storage import Storage
 from tasks.common import run_cached, stage_cache_key
 from tasks.evaluate import check_task_names, checkpoint_marker, evaluate_checkpoint, write_eval_report
@@ -21,10 +21,10 @@ from training.hf_export import locate_checkpoint
 @flow(name="evaluate", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def evaluate(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
-    step: int | None = STEP,
+    step: OptionalStep = STEP,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint of the run (default: the newest) and write its report."""
     config, run = resolve(preset, overrides, run_id, storage)

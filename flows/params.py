@@ -15,12 +15,32 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, create_model
+from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, model_serializer
 
 from training.config import HlatConfig
 
 PresetName = Literal["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
 """The presets of training/presets.py (a test keeps the two lists equal)."""
+
+
+def optional_in_form(schema: dict[str, Any]) -> None:
+    """JSON-schema hook of an optional field: show it as its type alone, empty by default.
+
+    Pydantic writes `X | None = None` as `anyOf: [X, null], default: null`, which Prefect's form draws as a type
+    switch stuck on "None" ('Property is type "None"'). A field left empty is absent from the parameters, and
+    absent means None here, so the null branch and the null default add nothing to the form."""
+    branches = [b for b in schema.get("anyOf", []) if b.get("type") != "null"]
+    if len(branches) == 1:
+        del schema["anyOf"]
+        schema.update(branches[0])
+    if schema.get("default", 0) is None:
+        del schema["default"]
+
+
+# Optional parameters as the form shows them: their type alone (see optional_in_form). Prefect builds the flows'
+# parameter schema from the annotations and keeps only the description of a Field default.
+OptionalText = Annotated[str | None, WithJsonSchema({"type": "string"})]
+OptionalStep = Annotated[int | None, WithJsonSchema({"type": "integer", "minimum": 0})]
 
 # Defaults of the flows' parameters, with the descriptions the UI shows under each field.
 PRESET: Any = Field("tiny", description="Named preset the run starts from (`hlat presets` lists them).")
@@ -30,9 +50,14 @@ RUN_ID: Any = Field(
     "from the config, so equal configs share a run and re-runs reuse its cached stages.",
 )
 STORAGE: Any = Field(
-    None, description="Folder or s3://bucket/prefix that holds the runs. Empty: the preset's (./runs)."
+    None,
+    description="Folder or s3://bucket/prefix that holds the runs. Empty: the preset's (./runs).",
 )
-STEP: Any = Field(None, ge=0, description="Checkpoint step to evaluate. Empty: the newest committed checkpoint.")
+STEP: Any = Field(
+    None,
+    ge=0,
+    description="Checkpoint step to evaluate. Empty: the newest committed checkpoint.",
+)
 
 FORM_FIELDS = (
     "data.max_documents",
@@ -48,12 +73,32 @@ FORM_FIELDS = (
 """Config fields with their own typed field in the overrides form."""
 
 
+def preset_values(dotted: str) -> str:
+    """'tiny 600 · hlat-7b 429,000 · ...': a config field's value in each preset, for the form's descriptions."""
+    from training.presets import PRESETS, load_config
+
+    def shown(value: Any) -> str:
+        if value is None:
+            return "none"
+        if isinstance(value, int) and not isinstance(value, bool):
+            return f"{value:,}"
+        if isinstance(value, list):
+            return ", ".join(map(str, value)) or "none"
+        return str(value)
+
+    section, name = dotted.split(".")
+    return " · ".join(f"{p} {shown(getattr(getattr(load_config(p), section), name))}" for p in PRESETS)
+
+
 def _config_field(dotted: str) -> tuple[Any, Any]:
-    """(annotation, FieldInfo) of a form field: the config field's type made optional, its docstring, its path."""
+    """(annotation, FieldInfo) of a form field: the config field's type made optional, its docstring and each
+    preset's value, its path."""
     section, name = dotted.split(".")
     info = HlatConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
     annotation = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
-    return annotation | None, Field(None, alias=dotted, title=dotted, description=info.description)
+    description = f"{info.description} Empty: the preset's value ({preset_values(dotted)})."
+    field = Field(None, alias=dotted, title=dotted, description=description, json_schema_extra=optional_in_form)
+    return annotation | None, field
 
 
 class _OverridesBase(BaseModel):
@@ -61,11 +106,17 @@ class _OverridesBase(BaseModel):
         extra="allow", frozen=True, validate_by_alias=True, validate_by_name=True, serialize_by_alias=True
     )
 
+    @model_serializer(mode="wrap")
+    def _without_empty_fields(self, handler: Any) -> dict[str, Any]:
+        """Form fields left empty are not written (the form's default is then `{}`, not nine nulls); an extra path
+        set to None is kept: it sets that config field to None."""
+        dumped: dict[str, Any] = handler(self)
+        return {k: v for k, v in dumped.items() if v is not None or k not in FORM_FIELDS}
+
     def as_dict(self) -> dict[str, Any]:
         """The dotted-path overrides load_config takes: the form fields that are set, then every extra path (an
         extra path set to None is kept: it sets that config field to None)."""
-        dumped = self.model_dump(mode="json", by_alias=True)
-        return {k: v for k, v in dumped.items() if v is not None or k not in FORM_FIELDS}
+        return self.model_dump(mode="json", by_alias=True)
 
 
 if TYPE_CHECKING:

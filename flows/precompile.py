@@ -9,7 +9,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from infra.backends import job_shape
 from infra.storage import Storage
 from tasks.common import run_cached, stage_cache_key
@@ -20,8 +20,8 @@ from tasks.tokenizer import read_tokenizer_checksum
 @flow(name="precompile", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def precompile(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
     """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prefect import flow
 
 from flows.common import resolve, run_name
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from infra.prepare import DataReport
 from tasks.common import run_cached, stage_cache_key
 from tasks.data import build_shards, fingerprint_source, publish_data_report, shards_present
@@ -14,8 +14,8 @@ from tasks.data import build_shards, fingerprint_source, publish_data_report, sh
 @flow(name="prepare-data", flow_run_name=run_name, log_prints=True)
 def prepare_data(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> DataReport:
     """Download (or build), validate and shard the corpus of a run."""

@@ -13,7 +13,7 @@ from prefect.logging import get_run_logger
 from flows.burn_in import burn_in
 from flows.common import merged_overrides, resolve, run_name, stop_jobs_on_cancel
 from flows.evaluate import evaluate
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from flows.precompile import precompile
 from flows.prepare_data import prepare_data
 from flows.train import train
@@ -49,8 +49,8 @@ class _Progress:
 @flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def hlat(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
     """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train -> evaluate.

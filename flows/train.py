@@ -10,7 +10,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from tasks.common import run_cached, stage_cache_key
 from tasks.plan import plan_parallelism
 from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
@@ -20,8 +20,8 @@ from tasks.train import latest_checkpoint, publish_training_report, train_model
 @flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def train(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
     """Train the run's model from its prepared data and tokenizer."""

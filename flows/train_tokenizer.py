@@ -7,7 +7,7 @@ from typing import Any
 from prefect import flow
 
 from flows.common import resolve, run_name
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, Overrides, PresetName
+from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from tasks.common import run_cached, stage_cache_key
 from tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, read_data_checksum, tokenizer_present
 
@@ -15,8 +15,8 @@ from tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, read_data_c
 @flow(name="train-tokenizer", flow_run_name=run_name, log_prints=True)
 def train_tokenizer(
     preset: PresetName = PRESET,
-    run_id: str | None = RUN_ID,
-    storage: str | None = STORAGE,
+    run_id: OptionalText = RUN_ID,
+    storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
     """Train the run's tokenizer from its prepared shards."""

@@ -27,9 +27,14 @@ def test_form_fields_are_config_fields_with_the_configs_own_descriptions() -> No
     for dotted in FORM_FIELDS:
         section, name = dotted.split(".")
         field = HlatConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
-        assert schema["properties"][dotted]["description"] == field.description
-        assert schema["properties"][dotted]["default"] is None
+        description = schema["properties"][dotted]["description"]
+        assert description.startswith(f"{field.description} Empty: the preset's value (tiny ")
+        # An empty field is absent: the form shows the type alone, not a null branch ('Property is type "None"').
+        assert "anyOf" not in schema["properties"][dotted] and "default" not in schema["properties"][dotted]
     assert schema["additionalProperties"] is True
+    assert "tiny 600 · hlat-7b 429,000 · hlat-70b 429,000 · pythia-6.9b 143,000 · neox-20b 150,000" in (
+        schema["properties"]["training.max_steps"]["description"]
+    )
 
 
 def test_overrides_keep_set_fields_and_extra_paths_and_drop_empty_ones() -> None:
@@ -37,9 +42,10 @@ def test_overrides_keep_set_fields_and_extra_paths_and_drop_empty_ones() -> None
         {"training.max_steps": 50, "evaluation.tasks": ["hlat_cloze"], "job.max_restarts": 3, "job.budget_usd": None}
     )
     assert model.as_dict() == {"training.max_steps": 50, "evaluation.tasks": ["hlat_cloze"], "job.max_restarts": 3}
-    # As a flow run stores it (every form field, empty ones as null) and back.
+    # As a flow run stores it (the fields that are set, extra paths as given) and back.
     stored = model.model_dump(mode="json")
-    assert stored["training.lr"] is None and overrides_dict(stored) == model.as_dict()
+    assert "training.lr" not in stored and overrides_dict(stored) == model.as_dict()
+    assert Overrides().model_dump(mode="json") == {}  # the form's default: nothing changed
     assert overrides_dict(None) == {} and overrides_dict({"job.kms_key_id": None}) == {"job.kms_key_id": None}
 
 
@@ -56,6 +62,10 @@ def test_every_flow_takes_the_same_typed_parameters(name: str) -> None:
     assert list(props)[:4] == ["preset", "run_id", "storage", "overrides"]
     assert props["preset"]["enum"] == list(PRESETS) and props["preset"]["default"] == "tiny"
     assert all(props[p].get("description") for p in props)
+    # Optional parameters show as their type alone in the form, not as a str/None switch.
+    assert all("anyOf" not in props[p] for p in props), props
+    assert props["run_id"]["type"] == props["storage"]["type"] == "string"
+    assert props["overrides"]["default"] == {}
     assert schema["definitions"]["Overrides"]["properties"].keys() == set(FORM_FIELDS)
     assert list(inspect.signature(fn.fn).parameters)[4:] == (["step"] if name == "evaluate" else [])
 
