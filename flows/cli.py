@@ -134,9 +134,9 @@ def _add_pool_type(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument(
         "--type",
         dest="pool_type",
-        default="process",
         choices=POOL_TYPES,
-        help=f"{what}: process (this host), ecs or kubernetes (production) (default: process)",
+        help=f"{what}: process (this host), ecs or kubernetes (production) (default: the existing pool's type; "
+        "process for a new pool)",
     )
 
 

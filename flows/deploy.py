@@ -1,13 +1,17 @@
 """`hlat deploy` and `hlat worker`: register deployments/prefect.yaml and serve its work pool.
 
-`hlat deploy` is `prefect deploy` on the project's file, from the project root, with three things added: the
-work pool is created when missing (so the deployments are runnable at once), the `{{ $VAR }}` placeholders of
-the deployments being registered are checked against the environment first (a missing one is named with what
-it is for, instead of a literal '{{ $HLAT_S3_ROOT }}' landing in a deployment's parameters), and
-HLAT_PROJECT_DIR, HLAT_GIT_REPOSITORY and HLAT_GIT_BRANCH default to this checkout.
+`hlat deploy` is `prefect deploy` on the project's file, from the project root, with these things added: the
+work pool is created when missing (so the deployments are runnable at once) and an existing pool of another
+type than --type is an error (not silently kept); the `{{ $VAR }}` placeholders of the deployments being
+registered are checked against the environment first (a missing one is named with what it is for, instead of a
+literal '{{ $HLAT_S3_ROOT }}' landing in a deployment's parameters); HLAT_PROJECT_DIR, HLAT_GIT_REPOSITORY and
+HLAT_GIT_BRANCH default to this checkout; and with --type ecs or kubernetes and no --name, the deployments that
+run from this checkout (no git clone in their pull steps), which such a worker cannot reach, are left out.
 
-`hlat worker` creates the pool when missing and then becomes `prefect worker start` (same process id, so a
-supervisor or a test stops it with one signal).
+`hlat worker` creates the pool when missing (or refuses one of another type) and then becomes `prefect worker
+start` (same process id, so a supervisor or a test stops it with one signal: SIGINT or SIGTERM, which Prefect
+turns into SIGINT; SIGINT is reset to its default first, since a worker started in the background by a
+non-interactive shell inherits it ignored and would then ignore SIGTERM as well).
 """
 
 from __future__ import annotations
@@ -15,12 +19,14 @@ from __future__ import annotations
 import fnmatch
 import os
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
+import httpx
 import yaml
 
 from training.config import ConfigError
@@ -84,6 +90,32 @@ def select(deployments: list[dict[str, Any]], patterns: Sequence[str]) -> list[d
     return chosen
 
 
+# Pull steps that fetch the flow code from somewhere (a git clone, remote storage, a block): a deployment with
+# none of them runs from the checkout its `set_working_directory` step names, on the worker's own machine.
+_FETCHING_STEPS = ("git_clone", "pull_from_", "pull_with_")
+
+
+def runs_from_checkout(deployment: dict[str, Any], default_pull: list[Any]) -> bool:
+    """Whether a deployment's pull steps (its own, else the file's) only point at a local folder."""
+    steps = deployment.get("pull", default_pull) or []
+    names = [str(name).rsplit(".", 1)[-1] for step in steps if isinstance(step, dict) for name in step]
+    return not any(n.startswith(_FETCHING_STEPS) for n in names)
+
+
+def default_selection(
+    deployments: list[dict[str, Any]], default_pull: list[Any], pool_type: str
+) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """What `hlat deploy` without --name registers on a pool of `pool_type`, and what it leaves out.
+
+    A process pool gets every deployment. An ecs or kubernetes pool runs each flow run in a fresh container,
+    where a local checkout's path means nothing: the deployments that run from it are left out.
+    """
+    if pool_type == "process":
+        return deployments, []
+    local = [d for d in deployments if runs_from_checkout(d, default_pull)]
+    return [d for d in deployments if d not in local], local
+
+
 def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], env: dict[str, str]) -> list[str]:
     """Environment variables that the deployments' `{{ $VAR }}` placeholders name and `env` lacks."""
     from prefect.utilities.templating import PlaceholderType, find_placeholders
@@ -98,7 +130,8 @@ def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], 
 
 
 class DeployError(RuntimeError):
-    """A work pool could not be created (the message says why); the CLI prints it as one line."""
+    """A work pool could not be created, or is of another type (the message says why); the CLI prints it as one
+    line."""
 
 
 def api_url() -> str:
@@ -114,19 +147,48 @@ def api_url() -> str:
     return str(url)
 
 
-def ensure_pool(name: str, pool_type: str, env: dict[str, str]) -> str:
-    """Create the work pool `name` of `pool_type` unless it exists; returns what was done."""
+def existing_pool_type(name: str) -> str | None:
+    """The type of the work pool `name`, or None when there is no such pool."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
-    with get_client(sync_client=True) as client:
-        try:
-            found = client.read_work_pool(name).type
-        except ObjectNotFound:
-            found = None
+    try:
+        with get_client(sync_client=True) as client:
+            return str(client.read_work_pool(name).type)
+    except ObjectNotFound:
+        return None
+    except (OSError, httpx.TransportError) as exc:
+        raise DeployError(
+            f"cannot reach the Prefect API at {api_url()} ({type(exc).__name__}: {exc}): start the server, or set "
+            "PREFECT_API_URL to the one you use"
+        ) from exc
+
+
+def _existing_type(pools: Iterable[str]) -> str | None:
+    """The type of the first of `pools` that exists; None if none does or the API is not reached (the checks that
+    follow say what is wrong more usefully)."""
+    try:
+        return next((t for p in sorted(pools) if (t := existing_pool_type(p))), None)
+    except DeployError:
+        return None
+
+
+def ensure_pool(name: str, pool_type: str | None, env: dict[str, str]) -> str:
+    """Create the work pool `name` of `pool_type` (None: process) unless it exists; returns what was done.
+
+    An existing pool of another type than the one asked for is an error: its worker would run the flows elsewhere
+    than asked (a process pool asked for as ecs runs them on the worker's host, from paths a container would not
+    have). With no type asked for, an existing pool is taken as it is.
+    """
+    found = existing_pool_type(name)
+    if found is not None and pool_type is not None and found != pool_type:
+        raise DeployError(
+            f"work pool {name!r} exists with type {found}, not {pool_type}: use --type {found}, or delete it "
+            f"(`prefect work-pool delete {name}`) and run this again to create it as {pool_type}"
+        )
     if found is not None:
-        note = "" if found == pool_type else f"; asked for {pool_type}, kept as it is"
-        return f"exists (type {found}{note})"
+        return f"exists (type {found})"
+    pool_type = pool_type or "process"
     # The CLI fills in the worker type's default base job template.
     create = subprocess.run(
         [_prefect(), "--no-prompt", "work-pool", "create", name, "--type", pool_type],
@@ -141,12 +203,24 @@ def ensure_pool(name: str, pool_type: str, env: dict[str, str]) -> str:
     return f"created (type {pool_type})"
 
 
-def deploy(patterns: Sequence[str] = (), pool_type: str = "process", prefect_file: Path = PREFECT_FILE) -> int:
-    """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`."""
+def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_file: Path = PREFECT_FILE) -> int:
+    """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`. `pool_type`
+    None: the existing pool's type, or process for a new pool."""
     api = api_url()
     env = deploy_env()
     deployments, default_pull = load_deployments(prefect_file)
-    chosen = select(deployments, patterns)
+    skipped: list[dict[str, Any]] = []
+    if patterns:
+        chosen = select(deployments, patterns)
+    else:
+        pools = {(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in deployments}
+        kind = pool_type or _existing_type(pools) or "process"
+        chosen, skipped = default_selection(deployments, default_pull, kind)
+        if not chosen:
+            raise ConfigError(
+                f"every deployment of {prefect_file.name} runs from this checkout, which {kind} workers "
+                "cannot reach: name the ones to deploy anyway with --name, or deploy them with --type process"
+            )
     missing = missing_env(chosen, default_pull, env)
     if missing:
         lines = "; ".join(f"{v}: {ENV_HELP.get(v, 'named by a {{ $' + v + ' }} placeholder')}" for v in missing)
@@ -155,15 +229,27 @@ def deploy(patterns: Sequence[str] = (), pool_type: str = "process", prefect_fil
     for pool in sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen}):
         print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}")
     cmd = [_prefect(), "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
-    cmd += ["--all"] if not patterns else [a for d in chosen for a in ("--name", d["name"])]
+    if skipped:
+        names = ", ".join(d["name"] for d in skipped)
+        print(
+            f"hlat: skipping {len(skipped)} deployment(s) that run from this checkout, which {kind} workers "
+            f"cannot reach: {names} (deploy them anyway with --name, e.g. --name '*-tiny')"
+        )
+    everything = not patterns and not skipped
+    cmd += ["--all"] if everything else [a for d in chosen for a in ("--name", d["name"])]
     print(f"hlat: deploying {len(chosen)} deployment(s) to {api}", flush=True)
     return subprocess.run(cmd, cwd=PROJECT_ROOT, env=env).returncode
 
 
 def worker(
-    pool: str = DEFAULT_POOL, pool_type: str = "process", limit: int | None = None, name: str | None = None
+    pool: str = DEFAULT_POOL, pool_type: str | None = None, limit: int | None = None, name: str | None = None
 ) -> NoReturn:
-    """Create the pool if missing, then replace this process with `prefect worker start` on it."""
+    """Create the pool if missing, then replace this process with `prefect worker start` on it.
+
+    SIGINT is reset to its default before the exec (a handled signal would be reset by the exec anyway; an
+    ignored one would stay ignored): Prefect's worker stops on SIGTERM by sending itself SIGINT, so an inherited
+    SIG_IGN, as `hlat worker &` in a script or a supervisor's shell gives, would make it ignore SIGTERM too.
+    """
     api_url()
     env = deploy_env()
     print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}", flush=True)
@@ -173,4 +259,5 @@ def worker(
     if name:
         cmd += ["--name", name]
     os.chdir(PROJECT_ROOT)
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
     os.execvpe(cmd[0], cmd, env)

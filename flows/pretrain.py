@@ -46,6 +46,13 @@ class _Progress:
             logging.getLogger("hlat.pretrain").warning("could not update the progress artifact: %s", exc)
 
 
+def _after(previous: Any, stage_flow: Any, **params: Any) -> Any:
+    """Run the next stage with the previous stage's result as its `wait_for`. The stages read their inputs from the
+    run's storage, not from each other's return values; Prefect finds the subflow run that returned `previous` and
+    records the edge, so the parent run's graph draws the chain prepare-data -> ... -> evaluate."""
+    return stage_flow(**params, wait_for=[previous])
+
+
 @flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def hlat(
     preset: PresetName = PRESET,
@@ -66,15 +73,15 @@ def hlat(
     progress.stage(0, STAGES[0])
     data = prepare_data(**stage)
     progress.stage(1, STAGES[1])
-    tokenizer = train_tokenizer(**stage)
+    tokenizer = _after(data, train_tokenizer, **stage)
     progress.stage(2, STAGES[2])
-    graphs = precompile(**stage)
+    graphs = _after(tokenizer, precompile, **stage)
     progress.stage(3, STAGES[3])
-    health = burn_in(**stage)
+    health: dict[str, Any] = _after(graphs, burn_in, **stage)
     progress.stage(4, STAGES[4])
-    training = train(**stage)
+    training = _after(health, train, **stage)
     progress.stage(5, STAGES[5])
-    scores = evaluate(**stage)
+    scores: dict[str, Any] = _after(training, evaluate, **stage)
     progress.stage(6)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {

@@ -4,6 +4,11 @@ A source is a Hugging Face dataset name, an s3:// URI, a local file or folder (j
 or `builtin:python-stdlib`: an offline corpus built deterministically from the installed Python standard
 library (module sources and their docstrings), written as jsonl and then loaded like any local file.
 Sources are read as a stream of pandas batches so the stage's memory stays bounded.
+
+Before a hub data set is loaded, the hub endpoint (HF_ENDPOINT, by default https://huggingface.co) is probed
+with one request of a few seconds: when it does not answer, the data set is loaded in offline mode (a copy in
+the datasets cache is still used) instead of through the minutes of retries `datasets` and `huggingface_hub`
+would spend, and without such a copy the stage fails at once with a SourceError that says what to do.
 """
 
 from __future__ import annotations
@@ -15,7 +20,9 @@ import logging
 import os
 import sys
 import sysconfig
+import threading
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +37,8 @@ log = logging.getLogger("hlat.data")
 BUILTIN_STDLIB = "builtin:python-stdlib"
 _EXTENSIONS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text"}
 _FORMAT_BUILDER = {"jsonl": "json", "parquet": "parquet", "txt": "text"}
+# How long the probe of the Hugging Face hub waits for an answer before the hub counts as unreachable.
+HUB_PROBE_SECONDS = 5.0
 # Folders of the standard library that are tests, vendored wheels or third-party installs, not its own text.
 _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__", "_bundled"}
 
@@ -221,23 +230,93 @@ def _open_dataset(cfg: DataConfig, spec: Source) -> Any:
 def _open_hub(cfg: DataConfig, datasets: Any) -> Any:
     from datasets.exceptions import DatasetNotFoundError
 
+    unreachable = None
+    # Not for a local folder (datasets reads it directly), nor in offline mode, nor behind an ALL_PROXY (a SOCKS
+    # proxy, usually), which httpx follows and urllib does not.
+    probe = not (datasets.config.HF_HUB_OFFLINE or os.path.isdir(cfg.source) or _env_any("ALL_PROXY", "all_proxy"))
+    if probe:
+        unreachable = hub_unreachable(datasets.config.HF_ENDPOINT)
     try:
-        return datasets.load_dataset(
-            cfg.source, cfg.hf_config, split=cfg.split, streaming=cfg.streaming, revision=cfg.revision
-        )
+        if unreachable is None:
+            return datasets.load_dataset(
+                cfg.source, cfg.hf_config, split=cfg.split, streaming=cfg.streaming, revision=cfg.revision
+            )
+        with _offline(datasets):
+            dataset = datasets.load_dataset(
+                cfg.source, cfg.hf_config, split=cfg.split, streaming=cfg.streaming, revision=cfg.revision
+            )
+        log.warning("the Hugging Face hub does not answer (%s): %s read from its cached copy", unreachable, cfg.source)
+        return dataset
     except DatasetNotFoundError as exc:
+        if unreachable:  # offline mode, no cached copy
+            raise _unreachable(cfg, unreachable) from exc
         raise SourceError(
             f"data.source: Hugging Face dataset {cfg.source!r} was not found (or is gated): {_first_line(exc)}"
         ) from exc
     except Exception as exc:
         text = f"{type(exc).__name__}: {exc}"
-        if any(k in text for k in ("Connect", "connect", "Offline", "offline", "resolve", "Timeout", "timed out")):
-            raise SourceError(
-                f"data.source: cannot reach the Hugging Face hub for {cfg.source!r} ({_first_line(exc)}); "
-                "check the network or HF_ENDPOINT, or copy the data set to s3:// or a local folder and point "
-                "data.source there"
-            ) from exc
+        if unreachable or any(
+            k in text for k in ("Connect", "connect", "Offline", "offline", "resolve", "Timeout", "timed out")
+        ):
+            raise _unreachable(cfg, unreachable or _first_line(exc)) from exc
         raise SourceError(f"data.source: cannot load {cfg.source!r}: {_first_line(exc)}") from exc
+
+
+def _unreachable(cfg: DataConfig, why: str) -> SourceError:
+    return SourceError(
+        f"data.source: cannot reach the Hugging Face hub for {cfg.source!r} ({why}); "
+        "check the network or HF_ENDPOINT, or copy the data set to s3:// or a local folder and point "
+        "data.source there"
+    )
+
+
+def _env_any(*names: str) -> bool:
+    return any(os.environ.get(n) for n in names)
+
+
+def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
+    """Why `endpoint` gives no HTTP answer within about `timeout` seconds, or None when it answers (any status).
+
+    One HEAD request through the environment's proxies, as huggingface_hub's own requests go; it runs in a
+    daemon thread so that name resolution, which no socket timeout bounds, cannot hold the caller longer. A TLS
+    failure counts as an answer: whether the hub's requests fail on it is for them to say.
+    """
+    import ssl
+    import urllib.error
+    import urllib.request
+
+    outcome: list[str | None] = []
+
+    def probe() -> None:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=timeout):
+                outcome.append(None)
+        except urllib.error.HTTPError:
+            outcome.append(None)  # it answered
+        except (urllib.error.URLError, OSError) as exc:
+            reason = exc.reason if isinstance(exc, urllib.error.URLError) else exc
+            answered = isinstance(reason, ssl.SSLError)
+            outcome.append(None if answered else f"{endpoint}: {type(reason).__name__}: {reason}"[:300])
+        except Exception:  # an endpoint urllib cannot even parse: let the hub's own client report it
+            outcome.append(None)
+
+    thread = threading.Thread(target=probe, name="hlat-hub-probe", daemon=True)
+    thread.start()
+    thread.join(timeout + 1.0)
+    return outcome[0] if outcome else f"{endpoint}: no answer in {timeout:.0f} s"
+
+
+@contextmanager
+def _offline(datasets: Any) -> Iterator[None]:
+    """Hugging Face offline mode for one load (as HF_HUB_OFFLINE=1 gives): a cached copy or an error, at once."""
+    from huggingface_hub import constants
+
+    before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE
+    datasets.config.HF_HUB_OFFLINE = constants.HF_HUB_OFFLINE = True
+    try:
+        yield
+    finally:
+        datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE = before
 
 
 def _first_line(exc: BaseException) -> str:

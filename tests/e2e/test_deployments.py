@@ -59,8 +59,8 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
     assert schema["properties"]["preset"]["enum"] == ["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
     assert list(schema["properties"]) == ["preset", "run_id", "storage", "overrides", "step"]
     form = schema["definitions"]["Overrides"]["properties"]
-    assert form["training.max_steps"]["description"] == "Optimizer steps to train."
-    assert {"type": "integer", "minimum": 1} in form["training.max_steps"]["anyOf"]
+    assert form["training.max_steps"]["description"].startswith("Optimizer steps to train. Empty: the preset's")
+    assert (form["training.max_steps"]["type"], form["training.max_steps"]["minimum"]) == ("integer", 1)
 
     # The AWS deployments: S3 storage and the role's Secret block filled in; a git clone pull step; paused schedules.
     seven = deployments["pretrain-7b"]
@@ -84,11 +84,13 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
 def test_production_pool_types_are_created_with_their_workers_templates(prefect_env: dict[str, str]) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deploy import ensure_pool
+    from flows.deploy import DeployError, ensure_pool
 
     with temporary_settings({PREFECT_API_URL: prefect_env["PREFECT_API_URL"]}):
         assert ensure_pool("hlat-ecs", "ecs", prefect_env) == "created (type ecs)"
-        assert ensure_pool("hlat-ecs", "process", prefect_env) == "exists (type ecs; asked for process, kept as it is)"
+        assert ensure_pool("hlat-ecs", "ecs", prefect_env) == "exists (type ecs)"
+        with pytest.raises(DeployError, match="exists with type ecs, not process: use --type ecs"):
+            ensure_pool("hlat-ecs", "process", prefect_env)
     with api(prefect_env) as client:
         template = client.read_work_pool("hlat-ecs").base_job_template
     assert {"image", "cluster", "task_role_arn", "cpu", "memory"} <= set(template["variables"]["properties"])
@@ -230,6 +232,8 @@ def test_a_stage_started_from_the_ui_form_completes(
     page.wait_for_url(re.compile(r".*/run(\?.*)?$"))
     page.get_by_text("Named preset the run starts from").wait_for()  # the parameter descriptions are shown
     page.get_by_text("training.max_steps", exact=False).first.wait_for()  # the overrides form's typed fields
+    page.get_by_text("tiny 600 · hlat-7b 429,000", exact=False).first.wait_for()  # each preset's value
+    assert "Property is type" not in page.content()  # no optional field stuck on a "None" type switch
     storage_box = page.locator("textarea").filter(has_text="./runs")
     if storage_box.count() == 0:  # the textarea's value is not its text in every UI version
         storage_box = page.locator("textarea").nth(0)

@@ -1,16 +1,33 @@
-"""`hlat deploy` and `hlat worker` before they reach a server: which deployments, which placeholders they need,
-and the one-line errors (the registration itself runs against a real server in tests/e2e)."""
+"""`hlat deploy` and `hlat worker`: which deployments, which placeholders they need, the one-line errors, work
+pools of another type and a worker stopped by SIGTERM, against the Prefect test server (the registration itself
+runs against a real server in tests/e2e)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from flows.deploy import PREFECT_FILE, deploy_env, load_deployments, missing_env, select
+from flows.deploy import (
+    PREFECT_FILE,
+    DeployError,
+    default_selection,
+    deploy,
+    deploy_env,
+    ensure_pool,
+    load_deployments,
+    missing_env,
+    runs_from_checkout,
+    select,
+)
 from training.config import ConfigError
 
 BIN = Path(sys.executable).parent
@@ -78,3 +95,127 @@ def test_deploy_and_worker_refuse_an_ephemeral_api(tmp_path: Path) -> None:
         out = hlat(*command, PREFECT_HOME=str(tmp_path))
         assert out.returncode == 2, out.stderr
         assert "PREFECT_API_URL is not set" in out.stderr and "prefect server start" in out.stderr
+
+
+def test_without_names_an_ecs_or_kubernetes_pool_gets_only_the_deployments_that_clone_the_code() -> None:
+    deployments, default_pull = load_deployments()
+    local = [d["name"] for d in deployments if runs_from_checkout(d, default_pull)]
+    assert local == [d["name"] for d in select(deployments, ["*-tiny"])]
+    assert default_selection(deployments, default_pull, "process") == (deployments, [])
+    for pool_type in ("ecs", "kubernetes"):
+        chosen, skipped = default_selection(deployments, default_pull, pool_type)
+        assert [d["name"] for d in skipped] == local
+        assert len(chosen) == 10 and all(not runs_from_checkout(d, default_pull) for d in chosen)
+    # Any fetching step counts as remote, a shell step or a working directory alone does not.
+    assert not runs_from_checkout({"pull": [{"prefect_aws.deployments.steps.pull_from_s3": {}}]}, [])
+    assert runs_from_checkout({"pull": [{"prefect.deployments.steps.run_shell_script": {}}]}, [])
+
+
+# -- against the Prefect test server ------------------------------------------------------------------------
+@pytest.fixture
+def api(prefect_server: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """The test server's API URL, also in the environment (the `prefect` subprocesses read it there), and the
+    placeholders of the AWS deployments set."""
+    from prefect.settings import PREFECT_API_URL
+
+    url = str(PREFECT_API_URL.value())
+    monkeypatch.setenv("PREFECT_API_URL", url)
+    monkeypatch.setenv("HLAT_S3_ROOT", "s3://hlat-test-bucket/runs")
+    monkeypatch.setenv("HLAT_GIT_REPOSITORY", "https://git.example.com/hlat.git")
+    monkeypatch.setenv("HLAT_GIT_BRANCH", "main")
+    yield url
+
+
+def prefect_file_on_pool(tmp_path: Path, pool: str) -> Path:
+    """The project's prefect.yaml with its work pool renamed (the test server is shared by the session)."""
+    text = PREFECT_FILE.read_text()
+    old = "      name: hlat\n      work_queue_name: default"
+    assert old in text
+    path = tmp_path / "prefect.yaml"
+    path.write_text(text.replace(old, f"      name: {pool}\n      work_queue_name: default"))
+    return path
+
+
+def test_a_pool_of_another_type_is_an_error_that_names_the_fix(api: str, tmp_path: Path) -> None:
+    pool = f"hlat-{uuid.uuid4().hex[:8]}"
+    env = deploy_env()
+    assert ensure_pool(pool, "process", env) == "created (type process)"
+    assert ensure_pool(pool, "process", env) == "exists (type process)"
+    with pytest.raises(DeployError) as err:
+        deploy(["pretrain-7b"], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool))
+    message = str(err.value)
+    assert f"work pool {pool!r} exists with type process, not ecs" in message
+    assert "use --type process" in message and f"`prefect work-pool delete {pool}`" in message
+    # The CLI prints it as one line (`hlat worker` checks its pool the same way, before starting anything).
+    out = hlat("worker", "--pool", pool, "--type", "ecs", PREFECT_HOME=str(tmp_path), PREFECT_API_URL=api)
+    assert out.returncode == 1, out.stderr
+    assert f"hlat: error: work pool {pool!r} exists with type process, not ecs" in out.stderr
+    assert "Traceback" not in out.stderr and "started" not in out.stdout
+    # Without --type, the existing pool is taken as it is.
+    assert ensure_pool(pool, None, env) == "exists (type process)"
+
+
+def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
+    api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import flows.deploy
+
+    pool = f"hlat-{uuid.uuid4().hex[:8]}"
+    assert ensure_pool(pool, "ecs", deploy_env()) == "created (type ecs)"
+    calls: list[list[str]] = []
+
+    def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+        calls.append(cmd)  # `prefect deploy` itself is tested in tests/e2e
+        return subprocess.CompletedProcess(cmd, 0, "", "")
+
+    monkeypatch.setattr(flows.deploy.subprocess, "run", run)
+    assert deploy([], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool)) == 0
+    out = capsys.readouterr().out
+    assert f"work pool {pool!r}: exists (type ecs)" in out
+    assert "skipping 7 deployment(s) that run from this checkout, which ecs workers cannot reach" in out
+    assert "pretrain-tiny, prepare-data-tiny" in out and "deploy them anyway with --name" in out
+    (cmd,) = [c for c in calls if "deploy" in c]
+    names = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--name"]
+    assert "--all" not in cmd and len(names) == 10 and "pretrain-7b" in names and "train-tiny" not in names
+    # Without --type, the existing pool's type decides the same way.
+    calls.clear()
+    assert deploy([], prefect_file=prefect_file_on_pool(tmp_path, pool)) == 0
+    assert "skipping 7 deployment(s)" in capsys.readouterr().out
+
+
+def test_worker_stops_promptly_on_sigterm_even_with_sigint_ignored(api: str, tmp_path: Path) -> None:
+    """A worker started in the background by a script (`hlat worker &`) inherits SIGINT ignored; Prefect's worker
+    stops on SIGTERM by sending itself SIGINT, so it ignored SIGTERM until it was killed."""
+    pool = f"hlat-{uuid.uuid4().hex[:8]}"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PREFECT_", "HLAT_"))}
+    env.update(PREFECT_HOME=str(tmp_path / "prefect"), PREFECT_API_URL=api, PREFECT_WORKER_QUERY_SECONDS="1")
+    log = tmp_path / "worker.log"
+    with log.open("wb") as out:
+        proc = subprocess.Popen(
+            [str(BIN / "hlat"), "worker", "--pool", pool],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN),
+        )
+    try:
+        deadline = time.monotonic() + 120
+        while "started" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the worker did not start in 120 s"
+            time.sleep(0.3)
+        time.sleep(1.5)  # polling
+        assert proc.poll() is None, log.read_text()[-3000:]
+        sent = time.monotonic()
+        os.kill(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"hlat worker still running 15 s after SIGTERM:\n{log.read_text()[-3000:]}")
+        assert time.monotonic() - sent < 15
+        assert "stopped" in log.read_text(), log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -31,13 +31,30 @@ def artifacts_of(key: str) -> list[Any]:
         return client.read_artifacts(artifact_filter=ArtifactFilter(key=ArtifactFilterKey(any_=[key])), limit=50)
 
 
+def stage_edges(flow_run_id: Any) -> set[tuple[str, str]]:
+    """(upstream, downstream) flow names of the edges between subflow runs in a flow run's graph, as the UI draws it."""
+    from prefect.client.orchestration import get_client
+
+    with get_client(sync_client=True) as client:
+        graph = client._client.get(f"/flow_runs/{flow_run_id}/graph-v2").json()
+    nodes = dict(graph["nodes"])
+    flows = {i: n["label"].split(" / ")[0] for i, n in nodes.items() if n["kind"] == "flow-run"}
+    return {
+        (flows[p["id"]], flows[i]) for i, n in nodes.items() if i in flows for p in n["parents"] if p["id"] in flows
+    }
+
+
 def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
 ) -> None:
     from flows.pretrain import hlat
 
-    first = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path))
+    state = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path), return_state=True)
+    first = state.result()
     run = tmp_path / first["run_id"]
+    # The parent run's graph (the UI's) chains the six stages in order.
+    chain = ["prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate"]
+    assert stage_edges(state.state_details.flow_run_id) == set(zip(chain, chain[1:], strict=False))
     assert (run / "config.json").exists()
     assert first["data"]["rows_read"] == first["data"]["rows_kept"] + first["data"]["rows_quarantined"] == 300
     for rel in (

@@ -32,8 +32,9 @@ def test_form_fields_are_config_fields_with_the_configs_own_descriptions() -> No
         # An empty field is absent: the form shows the type alone, not a null branch ('Property is type "None"').
         assert "anyOf" not in schema["properties"][dotted] and "default" not in schema["properties"][dotted]
     assert schema["additionalProperties"] is True
-    assert "tiny 600 · hlat-7b 429,000 · hlat-70b 429,000 · pythia-6.9b 143,000 · neox-20b 150,000" in (
-        schema["properties"]["training.max_steps"]["description"]
+    assert (
+        "tiny 600 · hlat-7b 429,000 · hlat-70b 429,000 · pythia-6.9b 143,000 · neox-20b 150,000"
+        in (schema["properties"]["training.max_steps"]["description"])
     )
 
 
