@@ -57,7 +57,7 @@ def run_for(config: HlatConfig) -> Run:
 
 def open_run(config: HlatConfig) -> Run:
     """Write the resolved config to <run>/config.json; refuse a different config under the same run id, except a
-    new training.max_steps under the same cosine schedule (the run is extended, or shortened).
+    longer training.max_steps under the same cosine schedule (the run is extended).
 
     What determines the run's outputs (its fingerprint) is written once. Settings outside it (the job's budget and
     limits, precompile, burn-in, evaluation) may change between flow runs: config.json is updated to them, so the
@@ -72,7 +72,8 @@ def open_run(config: HlatConfig) -> Run:
     if run.storage.exists(CONFIG_FILE):
         existing = validate_config(run.storage.read_json(CONFIG_FILE))
         if existing.fingerprint() != resolved.fingerprint():
-            if existing.trajectory_fingerprint() != resolved.trajectory_fingerprint():
+            longer = resolved.training.max_steps > existing.training.max_steps
+            if not longer or existing.trajectory_fingerprint() != resolved.trajectory_fingerprint():
                 raise ConfigError(
                     f"run {run.run_id!r} at {run.uri} was started with a different config "
                     f"({describe_difference(existing, resolved)}){_extension_hint(existing, resolved)}; use another "
@@ -105,6 +106,12 @@ def _extension_hint(old: HlatConfig, new: HlatConfig) -> str:
     if without_length(old) != without_length(new):
         return ""
     horizon = old.training.schedule_steps or old.training.max_steps
+    if new.training.max_steps < old.training.max_steps:
+        return (
+            f"; the run trains to {old.training.max_steps} steps (it may have been extended): give every stage of it "
+            f"training.max_steps={old.training.max_steps}"
+            + (f" and training.schedule_steps={horizon}" if old.training.schedule_steps else "")
+        )
     return (
         f"; training.max_steps sets the cosine schedule's horizon unless training.schedule_steps is set, so the "
         f"steps already trained followed another schedule: to extend the run on its own schedule, also set "

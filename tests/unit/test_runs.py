@@ -91,6 +91,12 @@ def test_a_run_is_extended_when_its_schedule_stays_and_refused_with_the_fix_when
     stored = json.loads(config_file.read_text())["training"]
     assert (stored["max_steps"], stored["schedule_steps"]) == (60, 40)
 
+    # Once extended, a stage given the run's first length is refused (not silently shortened), saying what to give.
+    with pytest.raises(ConfigError) as info:
+        open_run(first)
+    assert "give every stage of it training.max_steps=60 and training.schedule_steps=40" in str(info.value)
+    assert json.loads(config_file.read_text())["training"]["max_steps"] == 60
+
     # A length change beside any other change is still refused (and no extension hint is given).
     other = load_config(
         "tiny",
