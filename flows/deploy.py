@@ -147,6 +147,34 @@ def api_url() -> str:
     return str(url)
 
 
+API_WAIT_SECONDS = 90.0
+
+
+def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
+    """Wait until the Prefect API at `url` answers its health check: a server started a moment ago with
+    `prefect server start --background` takes some 20 s to answer on 2 cores."""
+    import time
+    import urllib.request
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    deadline = time.monotonic() + timeout
+    said = False
+    while True:
+        try:
+            with opener.open(f"{url.rstrip('/')}/health", timeout=5):
+                return
+        except OSError as exc:
+            if time.monotonic() > deadline:
+                raise DeployError(
+                    f"cannot reach the Prefect API at {url} ({exc}): start the server, or set PREFECT_API_URL to "
+                    "the one you use"
+                ) from exc
+        if not said:
+            print(f"hlat: waiting for the Prefect API at {url} (up to {timeout:.0f} s)", flush=True)
+            said = True
+        time.sleep(1)
+
+
 def existing_pool_type(name: str) -> str | None:
     """The type of the work pool `name`, or None when there is no such pool."""
     from prefect.client.orchestration import get_client
@@ -226,6 +254,7 @@ def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_f
         lines = "; ".join(f"{v}: {ENV_HELP.get(v, 'named by a {{ $' + v + ' }} placeholder')}" for v in missing)
         hint = " (or deploy the local ones only: hlat deploy --name '*-tiny')" if "HLAT_S3_ROOT" in missing else ""
         raise ConfigError(f"set {', '.join(missing)} before deploying {len(chosen)} deployment(s): {lines}{hint}")
+    wait_for_api(api)
     for pool in sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen}):
         print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}")
     cmd = [_prefect(), "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
@@ -250,7 +279,7 @@ def worker(
     ignored one would stay ignored): Prefect's worker stops on SIGTERM by sending itself SIGINT, so an inherited
     SIG_IGN, as `hlat worker &` in a script or a supervisor's shell gives, would make it ignore SIGTERM too.
     """
-    api_url()
+    wait_for_api(api_url())
     env = deploy_env()
     print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}", flush=True)
     cmd = [_prefect(), "worker", "start", "--pool", pool]  # the worker type follows the pool's own

@@ -219,3 +219,34 @@ def test_worker_stops_promptly_on_sigterm_even_with_sigint_ignored(api: str, tmp
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+
+
+def test_deploy_and_worker_wait_for_a_server_that_is_still_starting() -> None:
+    """`prefect server start --background` returns some 20 s before its API answers: the next README line waits."""
+    import http.server
+    import threading
+
+    from flows.deploy import wait_for_api
+    from tests.integration.conftest import free_port
+
+    port = free_port()
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+            self.send_response(200 if self.path == "/api/health" else 404)
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", port), Health)
+    threading.Timer(2.0, server.serve_forever).start()  # bound now, answering only in 2 s
+    try:
+        started = time.monotonic()
+        wait_for_api(f"http://127.0.0.1:{port}/api", timeout=30)
+        assert 1.5 < time.monotonic() - started < 15
+    finally:
+        server.shutdown()
+        server.server_close()
+    with pytest.raises(DeployError, match=r"cannot reach the Prefect API at http://127\.0\.0\.1:9/api"):
+        wait_for_api("http://127.0.0.1:9/api", timeout=1)
