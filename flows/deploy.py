@@ -7,6 +7,9 @@ registered are checked against the environment first (a missing one is named wit
 literal '{{ $HLAT_S3_ROOT }}' landing in a deployment's parameters); HLAT_PROJECT_DIR, HLAT_GIT_REPOSITORY and
 HLAT_GIT_BRANCH default to this checkout; and with --type ecs or kubernetes and no --name, the deployments that
 run from this checkout (no git clone in their pull steps), which such a worker cannot reach, are left out.
+Last, the registered deployments' parameter forms are made submittable as they open: an optional parameter
+(`run_id`, `storage`, `step`) is drawn as its type alone, and its `"default": null` is taken out of the stored
+schema, since the UI would fill the field with that null and then refuse it as not a string (or integer).
 
 `hlat worker` creates the pool when missing (or refuses one of another type) and then becomes `prefect worker
 start` (same process id, so a supervisor or a test stops it with one signal: SIGINT or SIGTERM, which Prefect
@@ -267,7 +270,35 @@ def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_f
     everything = not patterns and not skipped
     cmd += ["--all"] if everything else [a for d in chosen for a in ("--name", d["name"])]
     print(f"hlat: deploying {len(chosen)} deployment(s) to {api}", flush=True)
-    return subprocess.run(cmd, cwd=PROJECT_ROOT, env=env).returncode
+    code = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env).returncode
+    if code == 0:
+        submittable_forms([d["name"] for d in chosen])
+    return code
+
+
+def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
+    """A deployment's parameter schema without the `"default": null` of its optional typed parameters (see the
+    module's docstring); what a field left empty means is said in its description."""
+    properties = {
+        name: {k: v for k, v in prop.items() if not (k == "default" and v is None and "type" in prop)}
+        for name, prop in schema.get("properties", {}).items()
+    }
+    return {**schema, "properties": properties}
+
+
+def submittable_forms(names: Sequence[str]) -> None:
+    """Store `form_schema` of each named deployment's parameter schema (as `prefect deploy` registered it)."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import DeploymentUpdate
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
+
+    with get_client(sync_client=True) as client:
+        found = client.read_deployments(deployment_filter=DeploymentFilter(name=DeploymentFilterName(any_=list(names))))
+        for deployment in found:
+            schema = deployment.parameter_openapi_schema or {}
+            fixed = form_schema(schema)
+            if fixed != schema:
+                client.update_deployment(deployment.id, DeploymentUpdate(parameter_openapi_schema=fixed))
 
 
 def worker(

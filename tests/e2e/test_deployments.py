@@ -5,6 +5,7 @@ Prefect UI in headless Chromium (the last test).
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import re
@@ -58,6 +59,9 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
     schema = deployments["evaluate-7b"].parameter_openapi_schema
     assert schema["properties"]["preset"]["enum"] == ["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
     assert list(schema["properties"]) == ["preset", "run_id", "storage", "overrides", "step"]
+    # Optional parameters: their type alone, no null default for the UI to fill in and then refuse.
+    for name, kind in (("run_id", "string"), ("storage", "string"), ("step", "integer")):
+        assert schema["properties"][name]["type"] == kind and "default" not in schema["properties"][name]
     form = schema["definitions"]["Overrides"]["properties"]
     assert form["training.max_steps"]["description"].startswith("Optimizer steps to train. Empty: the preset's")
     assert (form["training.max_steps"]["type"], form["training.max_steps"]["minimum"]) == ("integer", 1)
@@ -96,14 +100,28 @@ def test_production_pool_types_are_created_with_their_workers_templates(prefect_
     assert {"image", "cluster", "task_role_arn", "cpu", "memory"} <= set(template["variables"]["properties"])
 
 
-def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(
-    prefect_env: dict[str, str], worker: Started, tmp_path: Path
-) -> None:
-    env = prefect_env
-    storage = str(tmp_path / "runs")
+class DagRun:
+    """The pretrain-tiny DAG run once through the worker, shared by the tests that look at it."""
+
+    def __init__(self, storage: Path, params: list[str], flow_run_id: str) -> None:
+        self.storage, self.params, self.flow_run_id = storage, params, flow_run_id
+        self.run = storage / "e2e"
+
+
+@pytest.fixture(scope="module")
+def dag_run(prefect_env: dict[str, str], worker: Started, tmp_path_factory: pytest.TempPathFactory) -> DagRun:
+    """`prefect deployment run hlat/pretrain-tiny --watch`: the six stages through the worker, as run id e2e."""
+    storage = tmp_path_factory.mktemp("dag") / "runs"
     params = ["--param", f"storage={storage}", "--param", "run_id=e2e", "--param", f"overrides={json.dumps(SMALL_RUN)}"]
-    prefect(env, "deployment", "run", "hlat/pretrain-tiny", *params, "--watch", "--watch-timeout", "400", timeout=450)
-    run = tmp_path / "runs" / "e2e"
+    watch = ["--watch", "--watch-timeout", "400"]
+    out = prefect(prefect_env, "deployment", "run", "hlat/pretrain-tiny", *params, *watch, timeout=450)
+    match = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout)
+    assert match, out.stdout
+    return DagRun(storage, params, match[1])
+
+
+def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[str, str], dag_run: DagRun) -> None:
+    env, run, params = prefect_env, dag_run.run, dag_run.params
     assert (run / "data/manifest.json").is_file() and (run / "tokenizer/tokenizer.model").is_file()
     assert (run / "checkpoints/step-000000012/COMMITTED").is_file()
     assert json.loads((run / "eval/results.json").read_text())["step"] == 12 and (run / "eval/report.md").is_file()
@@ -234,10 +252,12 @@ def test_a_stage_started_from_the_ui_form_completes(
     page.get_by_text("training.max_steps", exact=False).first.wait_for()  # the overrides form's typed fields
     page.get_by_text("tiny 600 · hlat-7b 429,000", exact=False).first.wait_for()  # each preset's value
     assert "Property is type" not in page.content()  # no optional field stuck on a "None" type switch
-    storage_box = page.locator("textarea").filter(has_text="./runs")
-    if storage_box.count() == 0:  # the textarea's value is not its text in every UI version
-        storage_box = page.locator("textarea").nth(0)
-    assert storage_box.input_value() == "./runs"
+    # The storage field shows the deployment's value (its text box is found by that value: the form's layout
+    # varies between UI versions).
+    boxes = page.locator("textarea, input[type=text]")
+    found = [boxes.nth(i) for i in range(boxes.count()) if boxes.nth(i).input_value() == "./runs"]
+    assert len(found) == 1, [boxes.nth(i).input_value() for i in range(boxes.count())]
+    storage_box = found[0]
     storage = tmp_path / "from-the-ui"
     storage_box.fill(str(storage))
     page.get_by_role("button", name="Submit").click()
@@ -269,3 +289,43 @@ def test_a_stage_started_from_the_ui_form_completes(
     shot = ARTIFACTS / "flow-run-graph.png"
     page.screenshot(path=str(shot))
     assert shot.stat().st_size > 20_000
+
+
+def test_the_ui_shows_the_stage_chain_one_card_per_artifact_and_the_reports_images(
+    prefect_env: dict[str, str], dag_run: DagRun, page: Any
+) -> None:
+    ui = prefect_env["PREFECT_UI_URL"]
+    page.set_default_timeout(60_000)
+    with api(prefect_env) as client:
+        runs = {r.name: str(r.id) for r in client.read_flow_runs(limit=50)}
+        artifacts = client.read_artifacts(limit=100)
+
+    # The parent run's graph, as the page fetches it, chains the six stages in order.
+    with page.expect_response(lambda r: r.url.endswith(f"/flow_runs/{dag_run.flow_run_id}/graph-v2")) as graph:
+        page.goto(f"{ui}/runs/flow-run/{dag_run.flow_run_id}", wait_until="networkidle")
+    nodes = dict(graph.value.json()["nodes"])
+    stages = {i: n["label"].split(" / ")[0] for i, n in nodes.items() if n["kind"] == "flow-run"}
+    edges = {(stages[p["id"]], stages[i]) for i in stages for p in nodes[i]["parents"] if p["id"] in stages}
+    assert edges == set(itertools.pairwise(STAGES))
+    page.wait_for_timeout(2000)  # the graph draws on a canvas after the data arrives
+    ARTIFACTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(ARTIFACTS / "dag-graph.png"))
+
+    # The train run's Artifacts tab: one card per key (an updated table is one artifact, not one per version).
+    train_keys = sorted(a.key for a in artifacts if str(a.flow_run_id) == runs["train/e2e"])
+    assert train_keys == ["train-attempts-e2e", "train-progress-e2e", "training-report-e2e"]
+    page.goto(f"{ui}/runs/flow-run/{runs['train/e2e']}", wait_until="networkidle")
+    page.locator("li.p-tab", has_text="Artifacts").click()
+    cards = page.locator(".artifact-card .artifact-card__title")
+    cards.first.wait_for()
+    assert sorted(cards.all_inner_texts()) == train_keys
+
+    # The evaluation report renders with its images loaded (embedded, not links to files the UI cannot reach).
+    (report,) = [a for a in artifacts if a.key == "eval-report-e2e"]
+    page.goto(f"{ui}/artifacts/artifact/{report.id}", wait_until="networkidle")
+    page.get_by_text("Evaluation report: e2e").wait_for()
+    page.wait_for_function("Array.from(document.images).every(i => i.complete)")
+    images = page.evaluate("Array.from(document.images).map(i => [i.src.slice(0, 22), i.naturalWidth])")
+    assert images and all(src == "data:image/png;base64," and width > 0 for src, width in images), images
+    assert page.locator("td", has_text="not run").count() == 0  # the suite it did not run is one line, not rows
+    page.screenshot(path=str(ARTIFACTS / "eval-report.png"))
