@@ -124,7 +124,7 @@ def test_dollar_budget_stops_the_run_with_a_clear_message(prepared: Path, tmp_pa
     sets = {**overrides(max_steps=5000), "job.price_per_hour_usd": 3600, "job.budget_usd": 6}
     out = subprocess.run(cli(tmp_path, "budget", sets), cwd=ROOT, env=cli_env(), capture_output=True, text=True)
     assert out.returncode == 1, out.stderr[-3000:]
-    error = out.stderr.strip().splitlines()[-1]
+    (error,) = [line for line in out.stderr.splitlines() if line.startswith("hlat: error:")]  # then the log's path
     assert error.startswith("hlat: error: train stopped at step ") and "job.budget_usd=$6.00 is spent" in error
     attempts = Ledger(Storage(str(run)), "train").load()
     assert len(attempts) == 1 and attempts[0].stop_requested == "budget" and attempts[0].status == "Stopped"

@@ -232,7 +232,7 @@ def test_deploy_and_worker_wait_for_a_server_that_is_still_starting() -> None:
     port = free_port()
 
     class Health(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 (the stdlib's name)
+        def do_GET(self) -> None:  # the stdlib's name
             self.send_response(200 if self.path == "/api/health" else 404)
             self.end_headers()
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     run = tmp_path / first["run_id"]
     # The parent run's graph (the UI's) chains the six stages in order.
     chain = ["prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate"]
-    assert stage_edges(state.state_details.flow_run_id) == set(zip(chain, chain[1:], strict=False))
+    assert stage_edges(state.state_details.flow_run_id) == set(itertools.pairwise(chain))
     assert (run / "config.json").exists()
     assert first["data"]["rows_read"] == first["data"]["rows_kept"] + first["data"]["rows_quarantined"] == 300
     for rel in (
