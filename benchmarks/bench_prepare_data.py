@@ -1,9 +1,19 @@
-"""prepare-data throughput: the real stage (datasets + great-expectations + shards) against a plain-Python peer.
+"""prepare-data throughput per worker process: the real worker path against a plain-Python peer.
 
-The peer reads the same jsonl with `json`, applies the same row checks (null, U+FFFD, length, exact duplicate)
-by hand and writes the same parquet shards; the ratio is what the real libraries cost per document. Run:
+A deterministic jsonl corpus of `--mb` MB (default 200) is generated in a temporary folder: documents of varied
+length (log-normal, median about 2.5 KB, up to 200 KB) drawn from a Zipf vocabulary with some non-ASCII words,
+JSON escapes and paragraphs, plus what real corpora hold now and then: truncated lines, empty and short
+documents, exact duplicates, invalid UTF-8, a lone-surrogate escape, objects without the text key, blank lines.
 
-    .venv/bin/python -m benchmarks.bench_prepare_data [--documents N] [--repeats R]
+The worker path is what each prepare-data worker runs: `plan_units` -> `read_unit` -> `DocumentValidator.validate`
+(every great-expectations expectation on: null, invalid_utf8 regex, length bounds, duplicate) -> the held-out split
+-> `ShardWriter`, unit by unit (infra.prepare.run_worker, which also commits each unit). The peer reads the same
+file with `json`, applies the same row checks by hand and writes the same parquet shards; both must keep the same
+documents. MB/s is raw jsonl bytes per second of one process; the one-off cost of a worker process (importing
+great-expectations, building the suite) is timed apart. Then the job program itself (`training.prepare_data`:
+worker processes, then the merge) runs over the corpus with 1 and with 2 workers. Run:
+
+    .venv/bin/python -m benchmarks.bench_prepare_data [--mb 200] [--repeats 3] [--batch-rows N]
 """
 
 from __future__ import annotations
@@ -11,83 +21,232 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from benchmarks.common import best_of, table
-from infra.corpus import build_stdlib_corpus
-from infra.prepare import assign_split, prepare_dataset
-from infra.shards import ShardWriter
-from infra.storage import Storage
-from training.config import DataConfig
-from training.presets import load_config
+
+SEED = 1234
 
 
-def plain_python(cfg: DataConfig, source: Path, out: Storage) -> int:
-    """The same checks and shards without datasets or great-expectations."""
+# -- the corpus -----------------------------------------------------------------------------------------------
+# Common English words, Zipf-weighted in this order, then rarer ones: non-ASCII, characters JSON escapes.
+_COMMON = (
+    "the of and to in a is that for it as was with be by on not he this are or his from at which but have an they "
+    "you were her she there been one all we their has would when if can more will no out so said what up its about "
+    "into than them only other time new some could these two may then do first any my now such like our over man "
+    "me even most made after also did many before must through back years where much your way well down should "
+    "because each just those people how too little state good very make world still own see men work long get here "
+    "between both life being under never day same another know while last might us great old year off come since "
+    "against go came right used take three data model training tokens shard corpus"
+)
+_RARE = ["naïve", "café", "Zürich", "résumé", "日本語", "データ", "Москва", "π", "—", "“quoted”", '"q"', "a\\b", "\t"]
+
+
+def generate_corpus(path: Path, mb: float, documents: int | None = None, seed: int = SEED) -> tuple[int, int]:
+    """Write the corpus (`documents` lines when given, else about `mb` MB); returns (lines, bytes)."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = np.array([*_COMMON.split(), *_RARE], dtype=object)
+    weights = 1.0 / np.arange(1, len(words) + 1) ** 1.1
+    weights /= weights.sum()
+    target = int(mb * 1e6)
+    written = lines = 0
+    previous = ""
+    with path.open("wb") as fh:
+        while (documents is None and written < target) or (documents is not None and lines < documents):
+            chars = int(min(200_000, max(20, rng.lognormal(np.log(2500), 1.0))))
+            text = " ".join(words[rng.choice(len(words), size=max(3, chars // 6), p=weights)].tolist())
+            text = text.replace(" and ", ".\n\nAnd ", 3)
+            row: dict[str, Any] = {"id": lines, "text": text, "meta": {"url": f"https://example.org/{lines}"}}
+            k = lines % 1000
+            if k == 101:
+                row["text"] = ""  # empty: too short
+            elif k == 202:
+                row["text"] = "tiny"
+            elif k == 303:
+                row["text"] = previous  # an exact duplicate
+            elif k == 404:
+                del row["text"]  # no text key: null
+            line = json.dumps(row, ensure_ascii=False).encode()
+            if lines % 4999 == 11:
+                line = line[: len(line) // 2]  # truncated: not JSON
+            elif lines % 3001 == 17:
+                line = line.replace(b"the", b"th\xff", 1)  # invalid UTF-8
+            elif lines % 7919 == 23:
+                line = line.replace(b'"text": "', b'"text": "\\udc80', 1)  # a lone surrogate escape
+            elif lines % 2003 == 29:
+                line += b"\n"  # followed by a blank line
+            fh.write(line + b"\n")
+            written += len(line) + 1
+            previous = text
+            lines += 1
+    return lines, written
+
+
+# -- the two pipelines ----------------------------------------------------------------------------------------
+def worker_path(cfg: Any, out: Any) -> tuple[int, int, int]:
+    """One worker over every unit of the plan, as the stage runs it (infra.prepare.run_worker: read, validate,
+    shard, set aside, commit each unit); returns rows read, kept, held out."""
+    from infra.prepare import plan, run_worker
+
+    work = "work-bench"
+    results = run_worker(cfg, out, work, plan(cfg, out, work), worker=0)
+    held = sum(s.rows for r in results for s in r.shards if s.split == "validation")
+    return sum(r.rows_read for r in results), sum(r.rows_kept for r in results), held
+
+
+def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[float, float]:
+    """Wall-clock of the prepare-data job program (`python -m training.prepare_data`, what each instance of the job
+    runs: the workers as processes, then the merge) over the corpus with `workers` workers, and the MB/s of its
+    workers together while they work (the report's bytes over the busiest worker's seconds in its units: what a
+    long job approaches, once the fixed start of processes and the merge no longer count)."""
+    import time
+
+    from infra.runs import open_run
+    from training.presets import load_config
+
+    overrides = {"data.source": str(corpus), "data.max_documents": None, "data.workers": workers,
+                 "data.unit_mb": unit_mb, "data.validation_fraction": 0.01, "data.shard_rows": 50_000,
+                 "data.batch_rows": 20_000, "data.validation.min_chars": 16, "data.validation.max_chars": 1_000_000,
+                 "data.validation.max_duplicate_rate": 0.5}  # fmt: skip
+    config = load_config("tiny", overrides, run_id=f"w{workers}", storage=str(tmp / "jobs"))
+    run = open_run(config)
+    start = time.perf_counter()
+    command = [sys.executable, "-m", "training.prepare_data", "--config", run.uri + "/config.json", "--key", "bench"]
+    subprocess.run(command, check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])
+    wall = time.perf_counter() - start
+    report = run.stage("data").read_json("report.json")
+    busiest = max(w["seconds"] for w in report["workers"])
+    return wall, report["raw_bytes"] / 1e6 / busiest
+
+
+def plain_python(cfg: Any, source: Path, out: Any) -> tuple[int, int, int]:
+    """The same checks and shards without great-expectations, pandas or the reader."""
+    from infra.prepare import assign_split
+    from infra.shards import ShardWriter
+
     v = cfg.validation
     seen: set[bytes] = set()
     writer = ShardWriter(out, "plain", cfg.shard_format, cfg.shard_rows)
-    kept = 0
-    with source.open(encoding="utf-8", errors="replace") as fh:
-        for n, line in enumerate(fh):
-            if cfg.max_documents is not None and n >= cfg.max_documents:
-                break
-            text = json.loads(line).get(cfg.text_column)
-            if text is None or "\ufffd" in text or not v.min_chars <= len(text) <= v.max_chars:
+    read = kept = 0
+    with source.open(encoding="utf-8", errors="replace", newline="\n") as fh:
+        for line in fh:
+            if not line.strip():
                 continue
-            digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            read += 1
+            try:
+                row = json.loads(line)
+            except ValueError:
+                continue
+            text = row.get(cfg.text_column) if isinstance(row, dict) else None
+            if not isinstance(text, str) or "\ufffd" in text or not v.min_chars <= len(text) <= v.max_chars:
+                continue
+            try:
+                digest = hashlib.blake2b(text.encode(), digest_size=16).digest()
+            except UnicodeEncodeError:  # a lone surrogate: invalid UTF-8
+                continue
             if digest in seen:
                 continue
             seen.add(digest)
             writer.add(text, assign_split(text, cfg.validation_fraction))  # type: ignore[arg-type]
             kept += 1
-    writer.close()
-    return kept
+    return read, kept, _held_out(writer.close())
+
+
+def _held_out(shards: list[Any]) -> int:
+    return sum(s.rows for s in shards if s.split == "validation")
+
+
+_SETUP = """
+import time
+start = time.perf_counter()
+from infra.validation import DocumentValidator
+from training.config import DataConfig
+cfg = DataConfig()
+DocumentValidator(cfg.validation, cfg.text_column)
+print(time.perf_counter() - start)
+"""
+
+
+def worker_setup_seconds(repeats: int = 2) -> float:
+    """What a fresh worker process spends before its first row (imports, the great-expectations suite), best of
+    `repeats` fresh processes."""
+    times = []
+    for _ in range(repeats):
+        done = subprocess.run([sys.executable, "-c", _SETUP], capture_output=True, text=True, check=True)
+        times.append(float(done.stdout.strip().splitlines()[-1]))
+    return min(times)
+
+
+def job_row(workers: int, run: tuple[float, float], docs: int, mb: float, one: tuple[float, float]) -> list[Any]:
+    """A job program's row: MB/s while its workers work, then with everything (process starts, merge) counted."""
+    (seconds, working), name = run, f"job program, {workers} worker{'s' * (workers > 1)}"
+    speed = f"{seconds / one[0]:.2f}x of 1 worker's time; {working / one[1]:.2f}x its working MB/s"
+    return [name, docs, "", f"{seconds:.2f}", f"{docs / seconds:,.0f}", f"{working:.1f}", f"{mb / seconds:.1f}", speed]
 
 
 def main(argv: list[str] | None = None) -> str:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--documents", type=int, default=1500)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--mb", type=float, default=200, help="size of the generated corpus in MB")
+    parser.add_argument("--documents", type=int, default=None, help="generate this many lines instead of --mb")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--batch-rows", type=int, default=None, help="data.batch_rows (default: the config's)")
+    parser.add_argument("--job-unit-mb", type=int, default=16, help="data.unit_mb of the job rows")
     args = parser.parse_args(argv)
-    corpus = build_stdlib_corpus()
-    cfg = load_config("tiny", {"data.source": str(corpus), "data.max_documents": args.documents}).data
-    lines = [line for _, line in zip(range(args.documents), corpus.open(encoding="utf-8"), strict=False)]
-    docs, mb = len(lines), sum(len(line.encode()) for line in lines) / 1e6
-    with tempfile.TemporaryDirectory() as tmp:
-        kept = {}
 
-        def hlat_stage() -> None:
-            kept["hlat"] = prepare_dataset(cfg, Storage(f"{tmp}/hlat"), "bench").rows_kept
+    from infra.storage import Storage
+    from training.config import DataConfig
+
+    with tempfile.TemporaryDirectory() as tmp:
+        corpus = Path(tmp) / "corpus.jsonl"
+        lines, size = generate_corpus(corpus, args.mb, args.documents)
+        overrides = {} if args.batch_rows is None else {"batch_rows": args.batch_rows}
+        cfg = DataConfig(source=str(corpus), **overrides)
+        counts: dict[str, tuple[int, int, int]] = {}
+
+        runs = iter(range(1_000))
+
+        def hlat_worker() -> None:  # a fresh folder each time: committed units would be skipped
+            counts["hlat"] = worker_path(cfg, Storage(f"{tmp}/out-hlat-{next(runs)}"))
 
         def peer() -> None:
-            kept["plain"] = plain_python(cfg, corpus, Storage(f"{tmp}/plain"))
+            counts["plain"] = plain_python(cfg, corpus, Storage(f"{tmp}/out-plain"))
 
-        t_hlat, t_peer = best_of(hlat_stage, args.repeats), best_of(peer, args.repeats)
-    assert kept["hlat"] == kept["plain"], f"the two disagree on what to keep: {kept}"
+        hlat_worker()  # warm: imports, the page cache, great-expectations' first run
+        t_hlat, t_peer = best_of(hlat_worker, args.repeats), best_of(peer, args.repeats)
+        # The job program with 1 and 2 workers (fresh processes, merge included), smaller units so 2 can share.
+        jobs = {n: job_seconds(corpus, Path(tmp) / f"job{n}", n, args.job_unit_mb) for n in (1, 2)}
+    assert counts["hlat"] == counts["plain"], f"the two disagree on rows read, kept and held out: {counts}"
+    setup = worker_setup_seconds()
+    mb = size / 1e6
+    docs, kept, _ = counts["hlat"]
     rows = [
         [
-            "hlat prepare-data (datasets + GX)",
+            "hlat worker (reader + GX + shards)",
             docs,
-            kept["hlat"],
+            kept,
             f"{t_hlat:.2f}",
             f"{docs / t_hlat:,.0f}",
             f"{mb / t_hlat:.1f}",
+            f"{mb / (t_hlat + setup):.1f}",
             f"{t_hlat / t_peer:.1f}x",
         ],
-        [
-            "plain Python peer",
-            docs,
-            kept["plain"],
-            f"{t_peer:.2f}",
-            f"{docs / t_peer:,.0f}",
-            f"{mb / t_peer:.1f}",
-            "1.0x",
-        ],
+        ["plain Python peer", docs, kept, f"{t_peer:.2f}", f"{docs / t_peer:,.0f}", f"{mb / t_peer:.1f}", "", "1.0x"],
+        *(job_row(n, t, docs, mb, jobs[1]) for n, t in jobs.items()),
     ]
-    out = table(["pipeline", "docs", "kept", "seconds", "docs/s", "MB/s", "time vs peer"], rows)
-    print(f"prepare-data on {mb:.1f} MB of the builtin corpus, best of {args.repeats}\n{out}")
+    head = ["pipeline", "docs", "kept", "seconds", "docs/s", "MB/s", "MB/s with setup", "time vs peer"]
+    out = table(head, rows)
+    print(
+        f"prepare-data on {mb:.1f} MB of generated jsonl ({lines} lines), one process, batch_rows {cfg.batch_rows}, "
+        f"best of {args.repeats}; a worker's setup (imports, great-expectations suite): {setup:.1f} s; job rows: "
+        f"one run each, units of {args.job_unit_mb} MB, {os.cpu_count()} cores\n{out}"
+    )
     return out
 
 

@@ -211,6 +211,7 @@ def _token_count(text: str) -> float:
 
 def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from infra import planner
+    from infra.backends import data_estimate
 
     config = load_config(args.preset, overrides)
     instance_type, note = planner.planning_instance(config)
@@ -219,11 +220,17 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         the_plan.notes.append(note)
     tokens = args.tokens or planner.default_tokens(config)
     costs = planner.compare_instances(config, the_plan, tokens) if the_plan.ranked else []
+    data = data_estimate(config, tokens)  # the text behind those tokens, prepared before training
     if args.json:
         body = {**the_plan.to_dict(top=args.top), "tokens": tokens, "costs": [c.row() for c in costs]}
+        body["prepare_data"] = {
+            "bytes": data.bytes, "hours": round(data.hours, 3), "usd": None if data.usd is None else round(data.usd, 2),
+            "workers": data.workers, "instances": data.instances, "instance_type": data.instance_type,
+            "mb_per_s_per_worker": data.mb_per_s_per_worker, "basis": data.basis,
+        }  # fmt: skip
         print(json.dumps(body, indent=2))
     else:
-        print(planner.render(the_plan, costs, top=args.top))
+        print(planner.render(the_plan, costs, top=args.top, also=[data.line()]))
     return 0
 
 
@@ -311,7 +318,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.dry_run:
         from infra.backends import dry_run
 
-        if args.command == "run" and args.stage in ("prepare-data", "train-tokenizer"):
+        if args.command == "run" and args.stage == "train-tokenizer":
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
             return 2
         from infra.aws import AwsBlockError

@@ -4,26 +4,25 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import resolve, run_name
+from flows.common import resolve, run_name, stop_jobs_on_cancel
 from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from infra.prepare import DataReport
-from tasks.common import run_cached, stage_cache_key
-from tasks.data import build_shards, fingerprint_source, publish_data_report, shards_present
+from tasks.common import run_cached
+from tasks.data import build_shards, data_cache_key, fingerprint_source, publish_data_report, shards_present
 
 
-@flow(name="prepare-data", flow_run_name=run_name, log_prints=True)
+@flow(name="prepare-data", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
 def prepare_data(
     preset: PresetName = PRESET,
     run_id: OptionalText = RUN_ID,
     storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> DataReport:
-    """Download (or build), validate and shard the corpus of a run."""
+    """Download (or build), validate and shard the corpus of a run: a job of data.workers workers."""
     config, run = resolve(preset, overrides, run_id, storage)
-    source_key = fingerprint_source(config.data)
-    key = stage_cache_key("prepare-data", run.uri, config.data.model_dump(mode="json"), source_key)
+    key = data_cache_key(config, run.uri, fingerprint_source(config.data))
     report: DataReport = run_cached(
-        build_shards, lambda r: shards_present(run, r), data_cfg=config.data, run_uri=run.uri, cache_key=key
+        build_shards, lambda r: shards_present(run, r), config=config, run_uri=run.uri, run_id=run.run_id, cache_key=key
     )
     publish_data_report(report, run.run_id)
     print(

@@ -11,9 +11,11 @@ import json
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from infra.catalog import CATALOG, price_per_hour
+from infra.catalog import CATALOG, Instance, price_per_hour
 from infra.jobs import JobBackend, JobSpec, JobState, job_name
 from infra.storage import Storage
 from infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
@@ -44,12 +46,14 @@ def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
 
 
 STAGE_PROGRAMS = {
+    "prepare-data": "training.prepare_data",
     "train": "training.train",
     "precompile": "training.precompile",
     "burn-in": "training.burn_in",
     "evaluate": "training.evaluate",
 }
-"""The program each stage's jobs run (the training's image, instance type and count; evaluation: its own)."""
+"""The program each stage's jobs run (the training's image, instance type and count; evaluation and prepare-data:
+their own)."""
 SHORT_JOB_HOURS = {"precompile": 6.0, "burn-in": 1.0}
 """Max runtime of the stages' short jobs (capped by job.max_runtime_hours)."""
 
@@ -75,7 +79,7 @@ def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = 
     the run's Neuron compile cache; with training.device=xla elsewhere, XLA:CPU's (precision flags, PJRT_DEVICE).
     The evaluation job runs Hugging Face transformers on its own instance: none of it."""
     env = {"HLAT_RUN_ID": run_id}
-    if stage == "evaluate":
+    if stage in ("evaluate", "prepare-data"):
         return env
     if on_neuron(config) or config.training.device == "xla":
         from training.devices import xla_job_environment
@@ -96,9 +100,10 @@ relative to the project root."""
 
 def job_python(config: HlatConfig, stage: str) -> str | None:
     """The interpreter of a local stage job: job.python, else the XLA environment when the jobs run on XLA outside
-    trn1, else None (the flow's own). Evaluation always runs in the flow's environment (transformers, lm-eval)."""
+    trn1, else None (the flow's own). Evaluation and prepare-data always run in the flow's environment (transformers,
+    lm-eval, great-expectations)."""
     job = config.job
-    if job.backend != "local" or stage == "evaluate":
+    if job.backend != "local" or stage in ("evaluate", "prepare-data"):
         return None
     if job.python:
         return job.python
@@ -123,17 +128,42 @@ def evaluation_image(config: HlatConfig) -> str | None:
     if e.image_uri or job.backend != "sagemaker":
         return e.image_uri
     if instance.startswith(("ml.p", "ml.g")):
-        from infra.sagemaker_jobs import gpu_training_image
+        from infra.sagemaker_jobs import pytorch_training_image
 
-        return gpu_training_image(job.region, instance)
+        return pytorch_training_image(job.region, instance)
     return job.image_uri
 
 
+def data_image(config: HlatConfig) -> str | None:
+    """The prepare-data job's image: data.image_uri, else (SageMaker) AWS's PyTorch CPU training image."""
+    if config.data.image_uri or config.job.backend != "sagemaker":
+        return config.data.image_uri
+    from infra.sagemaker_jobs import pytorch_training_image
+
+    return pytorch_training_image(config.job.region, config.data.instance_type)
+
+
+def data_instances(config: HlatConfig) -> int:
+    """Instances of the prepare-data job: one locally (its workers are processes), else data.workers spread
+    data.workers_per_instance to an instance."""
+    d = config.data
+    return 1 if config.job.backend == "local" else -(-d.workers // d.workers_per_instance)
+
+
 def job_spec(
-    config: HlatConfig, run_uri: str, run_id: str, attempt: int, stage: str = "train", step: int | None = None
+    config: HlatConfig,
+    run_uri: str,
+    run_id: str,
+    attempt: int,
+    stage: str = "train",
+    step: int | None = None,
+    args: dict[str, str] | None = None,
 ) -> JobSpec:
     """The job of `stage`'s `attempt`. Evaluation (of checkpoint `step`, None: the newest) runs one process on
-    one evaluation.instance_type; every other stage runs on the training's instances."""
+    one evaluation.instance_type; prepare-data on its own CPU instances (`data_spec`); every other stage on the
+    training's instances."""
+    if stage == "prepare-data":
+        return data_spec(config, run_uri, run_id, attempt, args or {})
     job, e = config.job, config.evaluation
     evaluating = stage == "evaluate"
     hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
@@ -167,16 +197,45 @@ def job_spec(
     )
 
 
+def data_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, args: dict[str, str]) -> JobSpec:
+    """The prepare-data job: `training.prepare_data` once per instance (it starts the workers), no input channel."""
+    d = config.data
+    return JobSpec(
+        name=job_name(run_id, attempt, "prepare-data"),
+        run_id=run_id,
+        attempt=attempt,
+        run_uri=run_uri,
+        config_uri=f"{run_uri}/config.json",
+        instance_type=d.instance_type if config.job.backend == "sagemaker" else config.job.instance_type,
+        instance_count=data_instances(config),
+        processes_per_node=1,
+        max_runtime_s=int(d.max_runtime_hours * 3600),
+        environment=job_environment(config, run_uri, run_id, "prepare-data"),
+        stage="prepare-data",
+        checkpoint_prefix="prepare-data/checkpoint-sync",
+        image_uri=data_image(config),
+        entry=STAGE_PROGRAMS["prepare-data"],
+        args=args,
+        python=job_python(config, "prepare-data"),
+        channels=(),
+    )
+
+
 def run_stage_job(
-    config: HlatConfig, run_uri: str, run_id: str, stage: str, step: int | None = None
+    config: HlatConfig,
+    run_uri: str,
+    run_id: str,
+    stage: str,
+    step: int | None = None,
+    args: dict[str, str] | None = None,
 ) -> tuple[Attempt, JobState | None]:
-    """Run a stage's short job (precompile, burn-in, evaluate) on the run's backend until it ends."""
+    """Run a stage's short job (prepare-data, precompile, burn-in, evaluate) on the run's backend until it ends."""
     return run_job(
         backend_for(config, run_uri, run_id),
         Storage(run_uri),
         run_id,
         stage,
-        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt, stage, step),
+        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt, stage, step, args),
         poll_seconds=config.job.poll_seconds,
         backoff_seconds=list(config.job.backoff_seconds),
     )
@@ -234,6 +293,67 @@ def estimate(config: HlatConfig) -> dict[str, Any]:
         seconds = flops / (job.instance_count * instance.peak_bf16_flops * instance.estimate_mfu)
         out.update(hours=seconds / 3600, total_usd=seconds / 3600 * hourly, mfu=instance.estimate_mfu)
     return out
+
+
+BYTES_PER_TOKEN = 4.0
+"""UTF-8 bytes of raw text per token of a LLaMA-style 32k BPE on English web text (HLAT's 1.8T tokens are about
+7 TB of text); what prepare-data reads per training token, before duplicates and bad rows are dropped."""
+MEASURED = Path(__file__).with_name("measured.json")
+"""Throughput figures measured by benchmarks/ (with the machine and date), which the estimates use."""
+
+
+@dataclass(frozen=True)
+class DataEstimate:
+    """Time and cost of the prepare-data job for the text behind a token budget."""
+
+    bytes: float
+    workers: int
+    instances: int
+    instance_type: str
+    mb_per_s_per_worker: float
+    usd_per_node_hour: float | None
+    basis: str
+
+    @property
+    def hours(self) -> float:
+        return self.bytes / 1e6 / (self.mb_per_s_per_worker * self.workers) / 3600
+
+    @property
+    def usd(self) -> float | None:
+        return None if self.usd_per_node_hour is None else self.hours * self.instances * self.usd_per_node_hour
+
+    def line(self) -> str:
+        price = (
+            f"${self.usd:,.2f} at ${self.usd_per_node_hour:,.3f}/node-hour"
+            if self.usd is not None
+            else f"no price for {self.instance_type} in the catalog: set data.price_per_hour_usd"
+        )
+        return (
+            f"prepare-data: {self.bytes / 1e12:,.2f} TB of text in {self.hours:,.2f} h on {self.workers} worker(s) "
+            f"({self.instances} x {self.instance_type}) at {self.mb_per_s_per_worker:g} MB/s per worker, {price} "
+            f"({self.basis})"
+        )
+
+
+def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstimate:
+    """The prepare-data job for `tokens` (None: the run's training tokens) at BYTES_PER_TOKEN, with the per-worker
+    throughput benchmarks/bench_prepare_data measured (infra/measured.json)."""
+    d = config.data
+    tokens = config.training.max_steps * config.tokens_per_step if tokens is None else tokens
+    measured = json.loads(MEASURED.read_text())["prepare_data"]
+    sagemaker = config.job.backend == "sagemaker"
+    instance_type = d.instance_type if sagemaker else "local"
+    price = d.price_per_hour_usd if d.price_per_hour_usd is not None else CATALOG.get(instance_type, None)
+    hourly = price.price_per_hour_usd if isinstance(price, Instance) else price
+    return DataEstimate(
+        bytes=tokens * BYTES_PER_TOKEN,
+        workers=d.workers,
+        instances=data_instances(config),
+        instance_type=instance_type,
+        mb_per_s_per_worker=float(measured["mb_per_s_per_worker"]),
+        usd_per_node_hour=hourly,
+        basis=f"{BYTES_PER_TOKEN:g} bytes/token; throughput measured {measured['measured']} on {measured['machine']}",
+    )
 
 
 def _describe_requests(requests: list[dict[str, Any]]) -> list[str]:
@@ -330,7 +450,9 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
             notes.append(f"job.role_arn is not set; shown with {PLACEHOLDER_ROLE}")
             config = config.model_copy(update={"job": config.job.model_copy(update={"role_arn": PLACEHOLDER_ROLE})})
     run_uri = f"{root}/{run_id}"
-    spec = job_spec(config, run_uri, run_id, attempt=1, stage=stage)
+    # prepare-data's key hashes the source's listing, read only when the stage runs.
+    args = {"key": "<the stage's cache key>"} if stage == "prepare-data" else None
+    spec = job_spec(config, run_uri, run_id, attempt=1, stage=stage, args=args)
     requests = backend_for(config, run_uri, run_id).dry_run(spec)
     est = estimate(config)
     job = config.job
@@ -341,11 +463,14 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     lines.append(f"requests of attempt 1 (job {spec.name}):")
     lines += _describe_requests(requests)
     lines.append("")
-    # The job's own instances: the evaluation job does not run on the training's.
+    # The job's own instances: the evaluation and prepare-data jobs do not run on the training's.
     own_price = job.price_per_hour_usd if spec.instance_type == job.instance_type else None
+    if stage == "prepare-data":
+        own_price = config.data.price_per_hour_usd
     if own_price is None and spec.instance_type not in CATALOG:
         # An instance type the catalog does not price: saying $0.00 would be a wrong figure, not an unknown one.
         field = "job.price_per_hour_usd" if spec.instance_type == job.instance_type else "a catalog entry"
+        field = "data.price_per_hour_usd" if stage == "prepare-data" else field
         lines.append(
             f"cost: {spec.instance_count} x {spec.instance_type}: no price in the instance catalog (infra/catalog.py); "
             f"set {field} to see costs and enforce job.budget_usd"
@@ -361,6 +486,8 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         hours = spec.max_runtime_s / 3600
         bound = f": at most ${hours * hourly:,.2f}" if hourly is not None else ""
         lines.append(f"bound: the {stage} job stops by its max runtime of {hours:g} h{bound}")
+        if stage == "prepare-data":
+            lines.append("estimate: " + data_estimate(config).line() + " for the text of the run's training tokens")
     elif est["hours"] is not None:
         lines.append(
             f"estimate: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens = "
@@ -368,6 +495,7 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
             f"at an assumed {est['mfu']:.0%} MFU, about ${est['total_usd']:,.0f}"
         )
         lines += chaining(config, est["hours"], spec.max_runtime_s)
+        lines.append(data_estimate(config).line())
     else:
         lines.append(f"estimate: no throughput figure for {job.instance_type!r} in the instance catalog")
     if job.budget_usd is not None:

@@ -135,6 +135,13 @@ CATALOG: dict[str, Instance] = {
         # list price comparable with FACTS' trn1/p4d figures, not today's bill: set planner.prices_usd_per_hour.
         # No time estimate for our models either (MFU 0), as for p4d.
         Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, 0.0, P5_TOPOLOGY),
+        # CPU instances for the prepare-data job: SageMaker training on-demand prices, us-east-1, as recalled here
+        # (not read from AWS in this project): set data.price_per_hour_usd for your region and discounts.
+        Instance("ml.c5.2xlarge", 0.408, 0, 0.0, 0.0),
+        Instance("ml.c5.4xlarge", 0.816, 0, 0.0, 0.0),
+        Instance("ml.c5.9xlarge", 1.836, 0, 0.0, 0.0),
+        Instance("ml.c5.18xlarge", 3.672, 0, 0.0, 0.0),
+        Instance("ml.m5.4xlarge", 0.922, 0, 0.0, 0.0),
         Instance("local", 0.0, 1, 0.0, 0.0),
     )
 }

@@ -57,6 +57,9 @@ class JobSpec:
     python: str | None = None
     """Local backend: the Python interpreter that runs the program (None: the backend's own); SageMaker ignores it
     (the image decides)."""
+    channels: tuple[str, ...] = ("data", "tokenizer")
+    """The run's folders the job gets as input channels (SageMaker InputDataConfig; local: links): none for
+    prepare-data, which writes data/."""
 
     def arguments(self) -> list[str]:
         """The program's command-line arguments."""
@@ -152,6 +155,7 @@ class Decision:
 # Ordered: the first pattern that matches a failure reason (or a submission error code) decides.
 _RULES: list[tuple[str, Action, str]] = [
     (r"BurnInFailed", Action.FATAL, "burn-in"),
+    (r"DataValidationError|SourceError", Action.FATAL, "data"),
     (r"ResourceLimitExceeded|ResourceInUse|quota", Action.FATAL, "quota"),
     (r"AccessDenied|UnauthorizedOperation|not authorized|ExpiredToken|InvalidClientTokenId", Action.FATAL, "access"),
     (r"CapacityError|InsufficientCapacity|insufficient capacity|capacity", Action.BACKOFF, "capacity"),

@@ -493,7 +493,7 @@ class Supervisor:
         for folder in ("model", "output/data", "input/data"):
             os.makedirs(self._ml(folder), exist_ok=True)
         run = Storage(self.spec.run_uri)
-        for channel in ("data", "tokenizer"):
+        for channel in self.spec.channels:
             if run.is_local:
                 os.symlink(run.path(channel), self._ml("input", "data", channel))
             else:  # SageMaker's File mode

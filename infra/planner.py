@@ -38,7 +38,7 @@ import functools
 import json
 import math
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -816,8 +816,9 @@ def _fmt_tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
-def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 10) -> str:
-    """The ranked table, what does not fit and why, the configured layout, and time and cost for a budget."""
+def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 10, also: Sequence[str] = ()) -> str:
+    """The ranked table, what does not fit and why, the configured layout, and time and cost for a budget (with
+    the lines of `also` under it: the preparation of its data)."""
     p = the_plan
     gib = 1024**3
     cal = p.calibration
@@ -873,5 +874,6 @@ def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 1
                 f"  {c.instance_type:<18} {c.tokens_per_s:>12,.0f} tokens/s  {c.hours / 24:>8,.1f} days  "
                 f"${c.usd:>14,.0f}  {per_usd}  ({c.basis}; ${c.usd_per_node_hour:,.2f}/node-hour)"
             )
+        lines += [f"  {line}" for line in also]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)

@@ -1,39 +1,107 @@
-"""The prepare-data stage body: read the source, validate every document, write shards, manifest and report.
+"""The prepare-data stage body: cut the source into units, validate and shard each unit, merge them into one
+manifest and one report.
+
+The work is split so that many workers can share it and none has to start over: `plan` cuts the source into
+deterministic units (infra.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
+share of a hub data set per worker); `assign` deals them out to `data.workers` workers, largest first; each
+worker runs `prepare_unit` on its units, which writes the unit's shards and commits it with `unit.json`, written
+last; `merge` then finds the exact duplicates *across* units (each unit drops its own), rewrites the few shards
+that hold them, and writes the manifest and the report. The output depends on the plan alone, not on how many
+workers ran it or how often one was restarted: a committed unit is never redone.
 
 Outputs under the run's `data/` folder:
 ```
-data/shards-<key>-<attempt>/train-00000.parquet ...       kept documents (validation-00000... for the held-out split)
-data/shards-<key>-<attempt>/quarantine-00000.parquet ...  set-aside rows with their reason
-data/manifest.json                              shards with rows, bytes, sha256 (written after the shards)
-data/report.json                                counts, reasons, expectations, timing (written last)
+data/work-<key>/plan.json                              the units, in output order
+data/work-<key>/units/000003/train-00000.parquet ...   kept documents of unit 3 (validation-00000... held out)
+data/work-<key>/units/000003/quarantine-00000.parquet  set-aside rows: text, reason, file, line (in the unit)
+data/work-<key>/units/000003/digests.npz               a 16-byte hash and the split of every kept row
+data/work-<key>/units/000003/unit.json                 the unit's counts and shards: its commit marker
+data/manifest.json                                     every shard once, with rows, bytes, sha256 (after the units)
+data/report.json                                       counts that reconcile, reasons, per worker, timing (last)
 ```
-A run that fails leaves the previous manifest and its shards untouched; shards of earlier successful runs
-that the new manifest no longer names are removed only after the new manifest is in place.
+A run that fails leaves the previous manifest and its shards untouched; the work folders of earlier keys are
+removed only after the new manifest is in place.
 """
 
 from __future__ import annotations
 
 import hashlib
+import io
 import logging
 import time
-import uuid
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import asdict
 
-from pydantic import BaseModel
+import numpy as np
+import pandas as pd
+from pydantic import BaseModel, Field
 
-from infra.corpus import iter_batches
-from infra.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from infra.reader import BadRow, Unit, absolute_line, plan_units, read_unit
+from infra.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, Split, encode_shard
 from infra.storage import Storage
-from infra.validation import DocumentValidator
+from infra.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
 from training.config import DataConfig
 
 log = logging.getLogger("hlat.data")
 
 REPORT_FILE = "report.json"
+PLAN_FILE = "plan.json"
+UNIT_FILE = "unit.json"
+DIGEST_FILE = "digests.npz"
 QUARANTINE_TEXT_LIMIT = 65_536  # characters of a quarantined row kept for inspection
+EXAMPLES_PER_UNIT = 20  # set-aside rows named (file and line) in a unit's record, and so in the report
+
+
+def work_dir(fingerprint: str) -> str:
+    """The folder (under data/) of one key's units: the same key finds the units committed before."""
+    return f"work-{fingerprint[-12:]}"
+
+
+class BadExample(BaseModel):
+    reason: str
+    file: str
+    line: int
+    """1-based line in the unit for jsonl (row group for parquet); the report turns it into the file's line."""
+    excerpt: str = ""
+
+
+class UnitResult(BaseModel):
+    """What one unit produced: its commit record (unit.json)."""
+
+    index: int
+    label: str
+    file: str
+    kind: str
+    start: int
+    rows_read: int
+    rows_kept: int
+    non_null_rows: int
+    quarantined_by_reason: dict[str, int]
+    expectation_failures: dict[str, int]
+    lines: int
+    """jsonl: the unit's lines, blank ones included: the next unit of the same file starts after them."""
+    bytes: int
+    seconds: float
+    worker: int
+    job: str = ""
+    """The job that committed the unit (its name; empty outside a job)."""
+    shards: list[ShardInfo]
+    quarantine: list[str]
+    examples: list[BadExample]
+
+
+class WorkerReport(BaseModel):
+    worker: int
+    units: int
+    bytes: int
+    rows_read: int
+    seconds: float
+    mb_per_s: float
 
 
 class DataReport(BaseModel):
-    """What prepare-data did; rows_read == rows_kept + rows_quarantined always."""
+    """What prepare-data did; rows_read == rows_kept + rows_quarantined always, and per reason."""
 
     source: str
     fingerprint: str
@@ -44,56 +112,318 @@ class DataReport(BaseModel):
     quarantined_by_reason: dict[str, int]
     expectation_failures: dict[str, int]
     duplicate_rate: float
+    cross_unit_duplicates: int = 0
+    """Exact duplicates of a document kept by an earlier unit (found by the merge, across workers)."""
     train_rows: int
     validation_rows: int
     train_bytes: int
     validation_bytes: int
     shards: int
+    units: int = 1
+    raw_bytes: int = 0
+    workers: list[WorkerReport] = Field(default_factory=list)
+    examples: list[BadExample] = Field(default_factory=list)
+    """The first set-aside rows with their file and 1-based line (or row group)."""
     manifest_checksum: str
     seconds: float
 
 
+def held_out(sha256: bytes, validation_fraction: float) -> bool:
+    """Held-out membership by content hash (the text's sha256): stable across re-runs, orders and shard sizes."""
+    return int.from_bytes(sha256[:8], "big") < validation_fraction * 2**64
+
+
 def assign_split(text: str, validation_fraction: float) -> str:
-    """Held-out membership by content hash: stable across re-runs, orders and shard sizes."""
-    h = int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
-    return "validation" if h / 2**64 < validation_fraction else "train"
+    """The split of `text` (see held_out)."""
+    return "validation" if held_out(hashlib.sha256(text.encode("utf-8")).digest(), validation_fraction) else "train"
+
+
+# -- the plan ---------------------------------------------------------------------------------------------------
+def plan(cfg: DataConfig, data: Storage, work: str) -> list[Unit]:
+    """The units of `work` (data/<work>/plan.json), made once: a restarted job reads the plan it started with."""
+    rel = f"{work}/{PLAN_FILE}"
+    if data.exists(rel):
+        return [Unit(**u) for u in data.read_json(rel)["units"]]
+    units = plan_units(cfg, cfg.unit_mb * 2**20, cfg.workers)
+    data.write_json(rel, {"source": cfg.source, "units": [asdict(u) for u in units]})
+    return units
+
+
+def assign(units: list[Unit], workers: int) -> list[list[Unit]]:
+    """Units per worker: largest first to the least loaded (ties: the lower worker), each list in plan order."""
+    load = [0] * workers
+    shares: list[list[Unit]] = [[] for _ in range(workers)]
+    for unit in sorted(units, key=lambda u: (-u.size, u.index)):
+        w = min(range(workers), key=lambda i: (load[i], i))
+        shares[w].append(unit)
+        load[w] += max(unit.size, 1)
+    return [sorted(share, key=lambda u: u.index) for share in shares]
+
+
+def unit_dir(work: str, unit: Unit | int) -> str:
+    index = unit if isinstance(unit, int) else unit.index
+    return f"{work}/units/{index:06d}"
+
+
+def committed(data: Storage, work: str, unit: Unit) -> UnitResult | None:
+    rel = f"{unit_dir(work, unit)}/{UNIT_FILE}"
+    return UnitResult.model_validate(data.read_json(rel)) if data.exists(rel) else None
+
+
+# -- one unit -----------------------------------------------------------------------------------------------------
+def prepare_unit(
+    cfg: DataConfig,
+    data: Storage,
+    work: str,
+    unit: Unit,
+    worker: int = 0,
+    limit: int | None = None,
+    on_batch: Callable[[Unit, int], None] = lambda unit, rows: None,
+    job: str = "",
+) -> UnitResult:
+    """Read, validate and shard one unit (at most `limit` rows), then commit it; a committed unit is returned as it
+    was. Within the unit exact duplicates are dropped; under policy 'fail' the first bad row raises
+    DataValidationError naming its file and 1-based line."""
+    done = committed(data, work, unit)
+    if done is not None:
+        return done
+    start = time.perf_counter()
+    folder = unit_dir(work, unit)
+    if data.exists(folder):  # what a worker that died left of this unit
+        data.remove(folder, recursive=True)
+    writer = ShardWriter(data, folder, cfg.shard_format, cfg.shard_rows)
+    # The stage's policy is applied here, where each row's file and line are known.
+    validator = DocumentValidator(cfg.validation.model_copy(update={"policy": "quarantine"}), cfg.text_column)
+    quarantine = QuarantineWriter(data, folder, unit.file)
+    digests: list[bytes] = []
+    splits: list[bool] = []
+    examples: list[BadExample] = []
+    unreadable: Counter[str] = Counter()
+    rows_read = lines = raw = 0
+    for batch in read_unit(unit, cfg):
+        if rows_read == 0 and batch.columns:
+            validator.check_columns(pd.DataFrame(columns=batch.columns))  # the text column is in the source
+        raw += batch.bytes
+        lines = batch.lines_so_far
+        texts, where = batch.texts, batch.lines
+        if limit is not None and rows_read + len(texts) + len(batch.bad) > limit:
+            texts, where, bad = _cut(texts, where, batch.bad, limit - rows_read)
+        else:
+            bad = batch.bad
+        for row in bad:
+            unreadable[row.reason] += 1
+            quarantine.add(row.excerpt, row.reason, row.line)
+            _example(examples, row.reason, unit.file, row.line, row.excerpt)
+        if bad and cfg.validation.policy == "fail":
+            raise _refused(cfg, unit, bad[0].line, bad[0].reason)
+        rows_read += len(texts) + len(bad)
+        if texts:
+            outcome = validator.validate(pd.DataFrame({cfg.text_column: pd.Series(texts, dtype=object)}))
+            for i, (text, reason) in zip(outcome.quarantined_index, outcome.quarantined, strict=True):
+                quarantine.add(text, reason, where[i])
+                _example(examples, reason, unit.file, where[i], text or "")
+            if outcome.quarantined and cfg.validation.policy == "fail":
+                first = outcome.quarantined_index[0]
+                raise _refused(cfg, unit, where[first], outcome.quarantined[0][1])
+            # The validator's sha256 of each kept text: its first 16 bytes find duplicates across units (as they
+            # did within this one), its first 8 are assign_split's hash.
+            for text, sha in zip(outcome.kept, outcome.kept_digests, strict=True):
+                validation = held_out(sha, cfg.validation_fraction)
+                writer.add(text, "validation" if validation else "train")
+                digests.append(sha[:16])
+                splits.append(validation)
+        on_batch(unit, rows_read)
+        if limit is not None and rows_read >= limit:
+            break
+    shards = writer.close()
+    tally = validator.tally
+    by_reason = tally.by_reason + unreadable
+    _write_digests(data, f"{folder}/{DIGEST_FILE}", digests, splits)
+    result = UnitResult(
+        index=unit.index,
+        label=unit.label(),
+        file=unit.file,
+        kind=unit.kind,
+        start=unit.start,
+        rows_read=rows_read,
+        rows_kept=tally.rows_kept,
+        non_null_rows=tally.non_null_rows,
+        quarantined_by_reason=dict(sorted(by_reason.items())),
+        expectation_failures=dict(sorted(tally.expectation_failures.items())),
+        lines=lines,
+        bytes=raw,
+        seconds=round(time.perf_counter() - start, 3),
+        worker=worker,
+        job=job,
+        shards=shards,
+        quarantine=quarantine.close(),
+        examples=examples,
+    )
+    assert result.rows_read == result.rows_kept + sum(by_reason.values()), "a unit's row counts must reconcile"
+    data.write_json(f"{folder}/{UNIT_FILE}", result.model_dump(mode="json"))  # the commit
+    return result
+
+
+def _cut(
+    texts: list[str | None], lines: list[int], bad: list[BadRow], room: int
+) -> tuple[list[str | None], list[int], list[BadRow]]:
+    """The first `room` rows of a batch, good and bad, in line order."""
+    rows = sorted([(line, 0, i) for i, line in enumerate(lines)] + [(b.line, 1, i) for i, b in enumerate(bad)])
+    keep = rows[: max(room, 0)]
+    good = [i for _, kind, i in keep if kind == 0]
+    return [texts[i] for i in good], [lines[i] for i in good], [bad[i] for _, kind, i in keep if kind == 1]
+
+
+def _example(examples: list[BadExample], reason: str, file: str, line: int, text: str) -> None:
+    if len(examples) < EXAMPLES_PER_UNIT:
+        examples.append(BadExample(reason=reason, file=file, line=line, excerpt=text[:200]))
+
+
+REFUSALS = {
+    "null": "has no text",
+    "invalid_utf8": "is not valid UTF-8",
+    "too_short": "is shorter than data.validation.min_chars",
+    "too_long": "is longer than data.validation.max_chars",
+    "duplicate": "is an exact duplicate of an earlier document",
+    "unparseable_json": "is not valid JSON",
+    "not_an_object": "is not a JSON object",
+    "corrupt_row_group": "cannot be read",
+}
+"""What a bad row is, by reason, as the 'fail' policy's message says it."""
+
+
+def _refused(cfg: DataConfig, unit: Unit, line: int, reason: str) -> DataValidationError:
+    where = {"parquet": f" row group {line}", "txt": ""}.get(unit.kind, f" line {absolute_line(unit, line)}")
+    what = REFUSALS.get(reason, f"breaks the expectation {reason}")
+    return DataValidationError(
+        f"data.validation.policy='fail': {unit.file}{where} {what}; fix the source or set "
+        "data.validation.policy=quarantine to set such rows aside"
+    )
+
+
+class QuarantineWriter:
+    """Set-aside rows of one unit, with their reason and line, in parquet files of at most shard_rows rows."""
+
+    def __init__(self, data: Storage, folder: str, file: str, rows_per_file: int = 50_000) -> None:
+        self.data, self.folder, self.file, self.rows_per_file = data, folder, file, rows_per_file
+        self.rows: list[tuple[str | None, str, int]] = []
+        self.files: list[str] = []
+
+    def add(self, text: str | None, reason: str, line: int) -> None:
+        self.rows.append((text, reason, line))
+        if len(self.rows) >= self.rows_per_file:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.rows:
+            return
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        table = pa.table(
+            {
+                "text": pa.array([t if t is None else t[:QUARANTINE_TEXT_LIMIT] for t, _, _ in self.rows], pa.string()),
+                "reason": [r for _, r, _ in self.rows],
+                "file": [self.file] * len(self.rows),
+                "line": pa.array([n for _, _, n in self.rows], pa.int64()),
+            }
+        )
+        rel = f"{self.folder}/quarantine-{len(self.files):05d}.parquet"
+        buf = io.BytesIO()
+        pq.write_table(table, buf, compression="zstd")
+        self.data.write_bytes(rel, buf.getvalue())
+        self.files.append(rel)
+        self.rows = []
+
+    def close(self) -> list[str]:
+        self.flush()
+        return self.files
+
+
+def _write_digests(data: Storage, rel: str, digests: list[bytes], validation: list[bool]) -> None:
+    buf = io.BytesIO()
+    raw = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, 16)
+    np.savez(buf, digests=raw, validation=np.array(validation, dtype=bool))
+    data.write_bytes(rel, buf.getvalue())
+
+
+def _read_digests(data: Storage, rel: str) -> tuple[np.ndarray, np.ndarray]:
+    with np.load(io.BytesIO(data.read_bytes(rel))) as npz:
+        return npz["digests"], npz["validation"]
+
+
+# -- one worker, and the whole stage in this process -------------------------------------------------------------
+def run_worker(
+    cfg: DataConfig,
+    data: Storage,
+    work: str,
+    units: list[Unit],
+    worker: int,
+    limit: int | None = None,
+    on_batch: Callable[[Unit, int], None] | None = None,
+    job: str = "",
+) -> list[UnitResult]:
+    """Prepare `units` in order (skipping committed ones); with `limit`, stop once that many rows are read.
+    `on_batch(unit, rows read in it)` is called after each batch; `job` names the job committing them."""
+    results: list[UnitResult] = []
+    read = 0
+    for unit in units:
+        if limit is not None and read >= limit:
+            break
+        was = committed(data, work, unit)
+        room = None if limit is None else limit - read
+        result = was or prepare_unit(cfg, data, work, unit, worker, room, on_batch or (lambda u, rows: None), job)
+        log.info(
+            "worker %d: unit %d (%s) %s: %d rows read, %d kept", worker, unit.index, unit.label(),
+            "committed before" if was else f"done in {result.seconds:.1f} s", result.rows_read, result.rows_kept,
+        )  # fmt: skip
+        results.append(result)
+        read += result.rows_read
+    return results
 
 
 def prepare_dataset(cfg: DataConfig, data: Storage, fingerprint: str) -> DataReport:
-    """Run the whole stage into `data` (the run's data/ folder); raises on invalid data per policy."""
-    start = time.perf_counter()
-    # A fresh folder per attempt: the current manifest's shards stay valid until the new manifest replaces it.
-    shard_dir = f"shards-{fingerprint[-12:]}-{uuid.uuid4().hex[:6]}"
-    writer = ShardWriter(data, shard_dir, cfg.shard_format, cfg.shard_rows)
-    validator = DocumentValidator(cfg.validation, cfg.text_column)
-    quarantine: list[tuple[str | None, str]] = []
-    quarantine_files = 0
+    """The whole stage in this process, one unit after another (what each worker of the job does, then the merge)."""
+    start = time.time()
+    work = work_dir(fingerprint)
+    units = plan(cfg, data, work)
+    run_worker(cfg, data, work, units, worker=0, limit=cfg.max_documents)
+    return merge(cfg, data, work, units, fingerprint, started=start)
 
-    def flush_quarantine() -> None:
-        nonlocal quarantine, quarantine_files
-        if quarantine:
-            _write_quarantine(data, f"{shard_dir}/quarantine-{quarantine_files:05d}.parquet", quarantine)
-            quarantine_files += 1
-            quarantine = []
 
-    for frame in iter_batches(cfg):
-        outcome = validator.validate(frame)
-        for text in outcome.kept:
-            writer.add(text, assign_split(text, cfg.validation_fraction))  # type: ignore[arg-type]
-        quarantine.extend(outcome.quarantined)
-        if len(quarantine) >= cfg.shard_rows:
-            flush_quarantine()
-        log.info("read %d rows, kept %d", validator.tally.rows_read, validator.tally.rows_kept)
-    validator.finish()
-    flush_quarantine()
-    shards = writer.close()
+# -- the merge ----------------------------------------------------------------------------------------------------
+def merge(cfg: DataConfig, data: Storage, work: str, units: list[Unit], fingerprint: str, started: float) -> DataReport:
+    """Drop exact duplicates across units (the first in plan order is kept), write the manifest, then the report;
+    data-set-level rules (empty, duplicate rate, too few rows) fail the stage here, before the manifest."""
+    results = _results(cfg, data, work, units)
+    dropped = _cross_unit_duplicates(data, work, results)
+    shards: list[ShardInfo] = []
+    for result in results:
+        rows = dropped.get(result.index)
+        if rows is not None and rows.size:
+            result = _drop_rows(cfg, data, work, result, rows)
+        shards.extend(result.shards)
+    tally = ValidationTally()
+    for r in results:
+        tally.rows_read += r.rows_read
+        tally.non_null_rows += r.non_null_rows
+        tally.by_reason.update(r.quarantined_by_reason)
+        tally.expectation_failures.update(r.expectation_failures)
+    cross = sum(int(v.size) for v in dropped.values())
+    tally.by_reason["duplicate"] += cross
+    tally.expectation_failures["duplicate"] += cross
+    tally.by_reason = +tally.by_reason
+    tally.expectation_failures = +tally.expectation_failures
+    tally.rows_kept = tally.rows_read - tally.rows_quarantined
+    check_totals(tally, cfg.validation)
+
     manifest = DataManifest(fingerprint=fingerprint, format=cfg.shard_format, shards=shards)
+    assert manifest.rows("train") + manifest.rows("validation") == tally.rows_kept, "the manifest must hold every row"
     data.write_json(MANIFEST_FILE, manifest.model_dump(mode="json"))
     for old in data.list():
-        if old.startswith("shards-") and old != shard_dir:
+        if old.startswith(("work-", "shards-")) and old != work:
             data.remove(old, recursive=True)
 
-    tally = validator.tally
     report = DataReport(
         source=cfg.source,
         fingerprint=fingerprint,
@@ -104,27 +434,132 @@ def prepare_dataset(cfg: DataConfig, data: Storage, fingerprint: str) -> DataRep
         quarantined_by_reason=dict(sorted(tally.by_reason.items())),
         expectation_failures=dict(sorted(tally.expectation_failures.items())),
         duplicate_rate=round(tally.duplicate_rate, 6),
+        cross_unit_duplicates=cross,
         train_rows=manifest.rows("train"),
         validation_rows=manifest.rows("validation"),
         train_bytes=manifest.bytes("train"),
         validation_bytes=manifest.bytes("validation"),
         shards=len(shards),
+        units=len(results),
+        raw_bytes=sum(r.bytes for r in results),
+        workers=_per_worker(results),
+        examples=_examples(results)[:100],
         manifest_checksum=manifest.checksum,
-        seconds=round(time.perf_counter() - start, 3),
+        seconds=round(time.time() - started, 3),
     )
     assert report.rows_read == report.rows_kept + report.rows_quarantined, "row counts must reconcile"
     data.write_json(REPORT_FILE, report.model_dump(mode="json"))
     return report
 
 
-def _write_quarantine(data: Storage, rel: str, rows: list[tuple[str | None, str]]) -> None:
-    import io
+def _results(cfg: DataConfig, data: Storage, work: str, units: list[Unit]) -> list[UnitResult]:
+    """The committed units in plan order; under data.max_documents the plan's prefix that was read."""
+    results: list[UnitResult] = []
+    for unit in units:
+        result = committed(data, work, unit)
+        if result is None:
+            if cfg.max_documents is not None and sum(r.rows_read for r in results) >= cfg.max_documents:
+                break
+            raise RuntimeError(f"prepare-data: unit {unit.index} ({unit.label()}) has no {UNIT_FILE}: not prepared")
+        results.append(result)
+    return results
 
-    import pyarrow as pa
-    import pyarrow.parquet as pq
 
-    texts = [t if t is None else t[:QUARANTINE_TEXT_LIMIT] for t, _ in rows]
-    table = pa.table({"text": pa.array(texts, pa.string()), "reason": [r for _, r in rows]})
-    buf = io.BytesIO()
-    pq.write_table(table, buf, compression="zstd")
-    data.write_bytes(rel, buf.getvalue())
+def _cross_unit_duplicates(data: Storage, work: str, results: list[UnitResult]) -> dict[int, np.ndarray]:
+    """Per unit, the positions (in its kept rows) of documents an earlier unit already kept."""
+    arrays = [_read_digests(data, f"{unit_dir(work, r.index)}/{DIGEST_FILE}")[0] for r in results]
+    if not arrays:
+        return {}
+    every = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
+    keys = np.ascontiguousarray(every).view(np.dtype([("hi", "<u8"), ("lo", "<u8")])).ravel()
+    _, first = np.unique(keys, return_index=True)
+    later = np.ones(len(keys), dtype=bool)
+    later[first] = False
+    out: dict[int, np.ndarray] = {}
+    offset = 0
+    for r, a in zip(results, arrays, strict=True):
+        rows = np.flatnonzero(later[offset : offset + len(a)])
+        if rows.size:
+            out[r.index] = rows
+        offset += len(a)
+    return out
+
+
+def _drop_rows(cfg: DataConfig, data: Storage, work: str, result: UnitResult, rows: np.ndarray) -> UnitResult:
+    """Rewrite the unit's shards without the kept rows at `rows` (duplicates of an earlier unit's), set them aside
+    with reason 'duplicate', and record the new counts in the unit's result (not committed again: the merge is
+    redone from the units as committed)."""
+    _, validation = _read_digests(data, f"{unit_dir(work, result.index)}/{DIGEST_FILE}")
+    index_in_split = np.where(validation, np.cumsum(validation) - 1, np.cumsum(~validation) - 1)
+    drop: dict[tuple[str, int], set[int]] = {}
+    for row in rows.tolist():
+        split = "validation" if validation[row] else "train"
+        shard, at = divmod(int(index_in_split[row]), cfg.shard_rows)
+        drop.setdefault((split, shard), set()).add(at)
+    quarantine = QuarantineWriter(data, f"{unit_dir(work, result.index)}/merge", result.file)
+    shards: list[ShardInfo] = []
+    counters: Counter[str] = Counter()
+    for info in result.shards:
+        number = counters[info.split]
+        counters[info.split] += 1
+        gone = drop.get((info.split, number))
+        if not gone:
+            shards.append(info)
+            continue
+        texts = list(_shard_texts(data, info, cfg))
+        for at in sorted(gone):
+            quarantine.add(texts[at], "duplicate", 0)
+        kept = [t for i, t in enumerate(texts) if i not in gone]
+        if kept:
+            shards.append(_write_shard(data, info.path.replace(f".{cfg.shard_format}", f"-dedup.{cfg.shard_format}"),
+                                       info.split, kept, cfg))  # fmt: skip
+    quarantine.close()
+    by_reason = Counter(result.quarantined_by_reason)
+    by_reason["duplicate"] += int(rows.size)
+    return result.model_copy(
+        update={"shards": shards, "rows_kept": result.rows_kept - int(rows.size), "quarantined_by_reason": by_reason}
+    )
+
+
+def _shard_texts(data: Storage, info: ShardInfo, cfg: DataConfig) -> Iterator[str]:
+    from infra.shards import iter_documents
+
+    yield from iter_documents(data, DataManifest(fingerprint="", format=cfg.shard_format, shards=[info]), info.split)
+
+
+def _write_shard(data: Storage, rel: str, split: Split, texts: list[str], cfg: DataConfig) -> ShardInfo:
+    payload = encode_shard(texts, cfg.shard_format)
+    data.write_bytes(rel, payload)
+    digest_hex = hashlib.sha256(payload).hexdigest()
+    return ShardInfo(path=rel, split=split, rows=len(texts), bytes=len(payload), sha256=digest_hex)
+
+
+def _per_worker(results: list[UnitResult]) -> list[WorkerReport]:
+    out = []
+    for w in sorted({r.worker for r in results}):
+        mine = [r for r in results if r.worker == w]
+        seconds = sum(r.seconds for r in mine)
+        size = sum(r.bytes for r in mine)
+        out.append(
+            WorkerReport(
+                worker=w,
+                units=len(mine),
+                bytes=size,
+                rows_read=sum(r.rows_read for r in mine),
+                seconds=round(seconds, 3),
+                mb_per_s=round(size / 1e6 / seconds, 2) if seconds else 0.0,
+            )
+        )
+    return out
+
+
+def _examples(results: list[UnitResult]) -> list[BadExample]:
+    """Set-aside rows with their line in the whole file: a unit's lines count from its own first line."""
+    before: dict[str, int] = {}
+    out: list[BadExample] = []
+    for r in results:
+        offset = before.get(r.file, 0) if r.kind == "jsonl" else 0
+        out.extend(e.model_copy(update={"line": e.line + offset}) for e in r.examples)
+        if r.kind == "jsonl":
+            before[r.file] = offset + r.lines
+    return out

@@ -44,6 +44,8 @@ PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The folder holding training/ and infra/: uploaded as the job's source code."""
 REQUIREMENTS = "deployments/job-requirements.txt"
 EVAL_REQUIREMENTS = "deployments/eval-requirements.txt"
+DATA_REQUIREMENTS = "deployments/data-requirements.txt"
+"""What the prepare-data job installs on the PyTorch CPU image (great-expectations, datasets...)."""
 """What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it."""
 GPU_DLC_VERSION = "2.10.0"
 """PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
@@ -124,8 +126,9 @@ def neuron_training_image(region: str) -> str | None:
     return f"{account}.dkr.ecr.{region}.{domain}/{NEURON_DLC_REPOSITORY}:{NEURON_DLC_TAG}"
 
 
-def gpu_training_image(region: str, instance_type: str) -> str:
-    """AWS's PyTorch GPU training image (the SDK's own image table) for an evaluation job on a GPU instance."""
+def pytorch_training_image(region: str, instance_type: str) -> str:
+    """AWS's PyTorch training image (the SDK's own image table) for `instance_type`: the GPU build for an evaluation
+    job on a GPU instance, the CPU build for the prepare-data job."""
     sdk = _import_sdk()
     image: str = sdk.image_uris.retrieve(
         "pytorch", region, version=GPU_DLC_VERSION, instance_type=instance_type, image_scope="training"
@@ -134,7 +137,7 @@ def gpu_training_image(region: str, instance_type: str) -> str:
 
 
 def requirements_of(spec: JobSpec) -> str:
-    return EVAL_REQUIREMENTS if spec.stage == "evaluate" else REQUIREMENTS
+    return {"evaluate": EVAL_REQUIREMENTS, "prepare-data": DATA_REQUIREMENTS}.get(spec.stage, REQUIREMENTS)
 
 
 def entry_script_of(spec: JobSpec) -> str:
@@ -277,6 +280,13 @@ def _config_field(path: str, stage: str) -> str:
         "VpcConfig.SecurityGroupIds": "job.security_group_ids",
         "Tags": "run_id",
     }
+    if stage == "prepare-data":
+        fields.update({
+            "ResourceConfig.InstanceType": "data.instance_type",
+            "ResourceConfig.InstanceCount": "data.workers (with data.workers_per_instance)",
+            "StoppingCondition.MaxRuntimeInSeconds": "data.max_runtime_hours",
+            "AlgorithmSpecification.TrainingImage": "data.image_uri",
+        })  # fmt: skip
     for prefix, field in fields.items():
         if path.startswith(prefix):
             return field
@@ -592,14 +602,15 @@ class SageMakerBackend:
             "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
             "CheckpointConfig": {"S3Uri": f"{run}/{spec.checkpoint_prefix}"},
             "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
-            "InputDataConfig": [
-                {"ChannelName": name, "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": uri}}}
-                for name, uri in (("data", f"{run}/data/"), ("tokenizer", f"{run}/tokenizer/"))
-            ],
             "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
             "HyperParameters": {"config": spec.config_uri, **spec.args},
             "Environment": {**spec.environment, "HLAT_RUN_ID": spec.run_id},
         }
+        if spec.channels:  # (the SDK adds its code channels; a request's list, when given, may not be empty)
+            request["InputDataConfig"] = [
+                {"ChannelName": c, "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{run}/{c}/"}}}
+                for c in spec.channels
+            ]
         if spec.image_uri or job.image_uri:
             request["AlgorithmSpecification"] = {"TrainingImage": spec.image_uri or job.image_uri}
         if job.subnets:
@@ -689,12 +700,11 @@ class SageMakerBackend:
             trainer.with_retry_strategy(cfg.RetryStrategy(maximum_retry_attempts=job.sagemaker_retry_attempts))
         if job.infra_check:
             trainer.with_infra_check_config(cfg.InfraCheckConfig(enable_infra_check=True))
-        channels = [
-            # FastFile mounts the prefix and streams what is read: the trainer reads its shards from run storage
-            # itself, and File mode would first copy the whole corpus onto every node.
-            self._channel(cfg, "data", f"{run}/data/", "FastFile"),
-            self._channel(cfg, "tokenizer", f"{run}/tokenizer/", "File"),
-        ]
+        # FastFile mounts the prefix and streams what is read: the trainer reads its shards from run storage itself,
+        # and File mode would first copy the whole corpus onto every node. (prepare-data has no input channel: its
+        # workers read the source themselves, each its own units.)
+        modes = {"data": "FastFile", "tokenizer": "File"}
+        channels = [self._channel(cfg, name, f"{run}/{name}/", modes[name]) for name in spec.channels]
         try:
             # A private method, on purpose: ModelTrainer.train() names each job `<base>-<timestamp>`, and the
             # name must be ours (run id + attempt) so that a restarted flow re-attaches to the job it launched

@@ -5,6 +5,11 @@ expectation users add in config) flag rows by index; each flagged row gets one r
 `REASON_ORDER`, so counts reconcile: rows read = rows kept + rows quarantined, and the reasons add up to
 the quarantined rows. Data-set-level checks (column present, not empty, duplicate rate, enough rows) run
 once at the end and fail the stage under either policy.
+
+Each batch runs the whole suite once through great-expectations. What keeps that cheap: the text reaches it as
+pyarrow-backed strings (the form its regex and length metrics convert to anyway, and which it fingerprints several
+times faster than Python objects), only the unexpected row indices are asked of it (not the unexpected values nor
+their counts), and the column check sees the columns alone, not the rows.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import pandas as pd
+import pyarrow as pa
 
 from training.config import ConfigError, DataValidationConfig
 
@@ -24,6 +31,10 @@ log = logging.getLogger("hlat.data")
 
 DUPLICATE_COLUMN = "_hlat_duplicate"
 REASON_ORDER = ("null", "invalid_utf8", "too_short", "too_long", "duplicate")
+# Only unexpected_index_list is used: the values themselves and their most common ones (a Counter over whole
+# documents) are not asked for.
+_RESULT_FORMAT = {"result_format": "COMPLETE", "partial_unexpected_count": 0, "exclude_unexpected_values": True}
+_TEXT_DTYPE = pd.StringDtype("pyarrow", na_value=np.nan)
 
 
 class DataValidationError(RuntimeError):
@@ -34,6 +45,13 @@ class DataValidationError(RuntimeError):
 class BatchOutcome:
     kept: list[str]
     quarantined: list[tuple[str | None, str]]
+    """(text, reason) of each row set aside, in row order."""
+    quarantined_index: list[int] = field(default_factory=list)
+    """For each quarantined row: its position in the validated frame."""
+    kept_digests: list[bytes] = field(default_factory=list)
+    """For each kept text: hashlib.sha256 of its UTF-8 bytes (32 bytes), computed here anyway. Its first 16 bytes
+    are the key exact duplicates are found by; its first 8 are the hash `infra.prepare.assign_split` takes of the
+    text, so a caller need not hash the text again for either."""
 
 
 @dataclass
@@ -114,7 +132,8 @@ class DocumentValidator:
         """Column presence, checked on the first batch with great-expectations itself."""
         import great_expectations as gx
 
-        result = self._source_batch.get_batch(batch_parameters={"dataframe": frame}).validate(
+        # The columns are all it needs: not the rows, which great-expectations would fingerprint (hash) whole.
+        result = self._source_batch.get_batch(batch_parameters={"dataframe": frame.iloc[:0]}).validate(
             gx.expectations.ExpectColumnToExist(column=self.column)
         )
         if not result.success:
@@ -126,16 +145,16 @@ class DocumentValidator:
     def validate(self, frame: pd.DataFrame) -> BatchOutcome:
         if self.tally.rows_read == 0:
             self.check_columns(frame)
-        texts = [_as_text(v) for v in frame[self.column].tolist()]
+        texts, array, duplicate, keys = self._texts(frame[self.column])
+        # The text as pyarrow-backed strings: what great-expectations' regex and length metrics convert the column to
+        # anyway (astype(str)), and hashed several times faster than Python objects for the batch fingerprint it takes.
         frame = pd.DataFrame(
             {
-                self.column: pd.Series(texts, dtype=object),
-                DUPLICATE_COLUMN: [self._is_duplicate(t) for t in texts],
+                self.column: pd.array(array, dtype=_TEXT_DTYPE),
+                DUPLICATE_COLUMN: duplicate,
             }
         )
-        result = self._validation.run(
-            batch_parameters={"dataframe": frame}, result_format={"result_format": "COMPLETE"}
-        )
+        result = self._validation.run(batch_parameters={"dataframe": frame}, result_format=_RESULT_FORMAT)
         flagged: dict[str, set[int]] = {}
         for res in result.results:
             config = res.expectation_config
@@ -161,9 +180,18 @@ class DocumentValidator:
         for reason in order:
             for i in flagged.get(reason, ()):
                 row_reason.setdefault(i, reason)
+        kept: list[str] = []
+        kept_digests: list[bytes] = []
+        for i, text in enumerate(texts):
+            if text is not None and i not in row_reason:
+                kept.append(text)
+                kept_digests.append(keys[i])
+        quarantined = sorted(row_reason.items())
         outcome = BatchOutcome(
-            kept=[t for i, t in enumerate(texts) if i not in row_reason and t is not None],
-            quarantined=[(texts[i], r) for i, r in sorted(row_reason.items())],
+            kept=kept,
+            quarantined=[(texts[i], r) for i, r in quarantined],
+            quarantined_index=[i for i, _ in quarantined],
+            kept_digests=kept_digests,
         )
         self.tally.rows_read += len(texts)
         self.tally.rows_kept += len(outcome.kept)
@@ -178,44 +206,73 @@ class DocumentValidator:
             )
         return outcome
 
-    def _is_duplicate(self, text: str | None) -> bool:
-        if text is None:
-            return False
-        digest = hashlib.blake2b(text.encode("utf-8", "surrogatepass"), digest_size=16).digest()
-        if digest in self._seen:
-            return True
-        self._seen.add(digest)
-        return False
+    def _texts(self, column: pd.Series) -> tuple[list[str | None], pa.Array, np.ndarray, list[bytes]]:
+        """The column as text (see _as_text) and as a pyarrow array, which rows repeat an earlier text, and each
+        text's sha256. pyarrow encodes the whole column to UTF-8 in one call (refusing lone surrogates), and the
+        digests are taken from its buffer: cheaper than encoding text by text."""
+        values = column.tolist()
+        try:
+            array = pa.array(values, pa.large_string())
+        except (pa.ArrowException, UnicodeEncodeError):
+            array = None
+        if array is None or not all(v is None or type(v) is str for v in values):
+            # Bytes, NaN, numbers, lone surrogates: the slow way.
+            values = [v if v is None or type(v) is str else _as_text(v) for v in values]
+            try:
+                array = pa.array(values, pa.large_string())
+            except UnicodeEncodeError:
+                values = [_as_text(v) for v in values]
+                array = pa.array(values, pa.large_string())
+        offsets = np.frombuffer(array.buffers()[1], dtype=np.int64).tolist()
+        data = memoryview(array.buffers()[2] or b"")
+        duplicate = np.zeros(len(values), dtype=bool)
+        keys: list[bytes] = [b""] * len(values)
+        # sha256: the hash assign_split takes of a text (so callers can reuse it), and faster than blake2b on CPUs with
+        # SHA instructions; its first 16 bytes are the duplicate key.
+        seen, sha256 = self._seen, hashlib.sha256
+        for i, value in enumerate(values):
+            if value is None:
+                continue
+            keys[i] = digest = sha256(data[offsets[i] : offsets[i + 1]]).digest()
+            key = digest[:16]
+            if key in seen:
+                duplicate[i] = True
+            else:
+                seen.add(key)
+        return values, array, duplicate, keys
 
     def finish(self) -> None:
         """Data-set-level checks, after every batch."""
-        t, cfg = self.tally, self.cfg
-        if t.rows_read == 0:
-            raise DataValidationError(
-                "data.source: the data set is empty (0 rows read); check data.source and data.split"
-            )
-        if t.duplicate_rate > cfg.max_duplicate_rate:
-            raise DataValidationError(
-                f"duplicate rate {t.duplicate_rate:.1%} exceeds data.validation.max_duplicate_rate="
-                f"{cfg.max_duplicate_rate:.1%} ({t.by_reason['duplicate']} of {t.non_null_rows} non-null rows are "
-                "exact duplicates); deduplicate the source or raise the threshold"
-            )
-        if t.rows_kept < cfg.min_rows:
-            raise DataValidationError(
-                f"only {t.rows_kept} rows kept of {t.rows_read} read ({_describe(t.by_reason)} quarantined), fewer "
-                f"than data.validation.min_rows={cfg.min_rows}"
-            )
+        check_totals(self.tally, self.cfg)
+
+
+def check_totals(tally: ValidationTally, cfg: DataValidationConfig) -> None:
+    """Data-set-level checks on the counts of a whole data set (not empty, duplicate rate, enough rows kept)."""
+    t = tally
+    if t.rows_read == 0:
+        raise DataValidationError("data.source: the data set is empty (0 rows read); check data.source and data.split")
+    if t.duplicate_rate > cfg.max_duplicate_rate:
+        raise DataValidationError(
+            f"duplicate rate {t.duplicate_rate:.1%} exceeds data.validation.max_duplicate_rate="
+            f"{cfg.max_duplicate_rate:.1%} ({t.by_reason['duplicate']} of {t.non_null_rows} non-null rows are "
+            "exact duplicates); deduplicate the source or raise the threshold"
+        )
+    if t.rows_kept < cfg.min_rows:
+        raise DataValidationError(
+            f"only {t.rows_kept} rows kept of {t.rows_read} read ({_describe(t.by_reason)} quarantined), fewer "
+            f"than data.validation.min_rows={cfg.min_rows}"
+        )
 
 
 def _as_text(value: Any) -> str | None:
     """Coerce a cell to str: bytes are decoded with replacement (so bad bytes show up as invalid_utf8)."""
-    if value is None or (isinstance(value, float) and value != value):
+    if value is None or value is pd.NA or (isinstance(value, float) and value != value):
         return None
     if isinstance(value, bytes | bytearray):
         return bytes(value).decode("utf-8", errors="replace")
     if isinstance(value, str):
         # Lone surrogates (e.g. from JSON "\udc80" escapes) cannot be encoded as UTF-8: mark them like bad bytes.
-        return value if not _SURROGATE.search(value) else _SURROGATE.sub("\ufffd", value)
+        return value if value.isascii() or not _SURROGATE.search(value) else _SURROGATE.sub("\ufffd", value)
     return str(value)
 
 

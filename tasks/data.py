@@ -1,4 +1,4 @@
-"""prepare-data tasks: fingerprint the source, build validated shards (cached), publish the report."""
+"""prepare-data tasks: fingerprint the source, run the prepare-data job (cached), publish the report."""
 
 from __future__ import annotations
 
@@ -7,13 +7,15 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
+from infra.backends import run_stage_job
 from infra.corpus import source_fingerprint
-from infra.prepare import DataReport, prepare_dataset
+from infra.prepare import REPORT_FILE, DataReport
 from infra.runs import Run
 from infra.shards import MANIFEST_FILE
 from infra.storage import Storage
-from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
-from training.config import DataConfig
+from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
+from tasks.jobs import job_ended_badly, log_hint
+from training.config import OPERATIONAL_DATA_FIELDS, DataConfig, HlatConfig
 
 
 @task(name="fingerprint-source", **TRANSIENT_RETRIES)
@@ -22,10 +24,25 @@ def fingerprint_source(data_cfg: DataConfig) -> str:
     return source_fingerprint(data_cfg)
 
 
+def data_cache_key(config: HlatConfig, run_uri: str, source_key: str) -> str:
+    """The stage's cache key: the data settings that decide what it writes (not how many workers write it), the
+    source's content and the run."""
+    settings = config.data.model_dump(mode="json", exclude=set(OPERATIONAL_DATA_FIELDS))
+    return stage_cache_key("prepare-data", run_uri, settings, source_key)
+
+
 @task(name="build-shards", **CACHED_STAGE)
-def build_shards(data_cfg: DataConfig, run_uri: str, cache_key: str) -> DataReport:
-    """Read, validate and shard the source into <run>/data/; cached on the config, source and run."""
-    return prepare_dataset(data_cfg, Storage(run_uri).child("data"), fingerprint=cache_key)
+def build_shards(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> DataReport:
+    """Run the prepare-data job (data.workers workers on the run's job backend) into <run>/data/ and read its
+    report; cached on the data settings, the source and the run."""
+    record, _ = run_stage_job(config, run_uri, run_id, "prepare-data", args={"key": cache_key})
+    run = Storage(run_uri)
+    report = f"data/{REPORT_FILE}"
+    if run.exists(report):
+        found = DataReport.model_validate(run.read_json(report))
+        if found.fingerprint == cache_key:  # not the report of an earlier key
+            return found
+    raise job_ended_badly("prepare-data", record, run, report, log_hint(config, run, record))
 
 
 def shards_present(run: Run, report: DataReport) -> bool:
@@ -43,6 +60,12 @@ def publish_data_report(report: DataReport, run_id: str) -> None:
         {"metric": "rows quarantined", "value": report.rows_quarantined},
         *({"metric": f"quarantined: {k}", "value": v} for k, v in report.quarantined_by_reason.items()),
         {"metric": "duplicate rate", "value": f"{report.duplicate_rate:.2%}"},
+        {"metric": "duplicates across units", "value": report.cross_unit_duplicates},
+        {"metric": "units / workers", "value": f"{report.units} / {len(report.workers)}"},
+        *(
+            {"metric": f"worker {w.worker}", "value": f"{w.units} units, {w.bytes / 1e6:,.1f} MB, {w.mb_per_s} MB/s"}
+            for w in report.workers
+        ),
         {"metric": "train rows / bytes", "value": f"{report.train_rows} / {report.train_bytes}"},
         {
             "metric": "validation rows / bytes",
@@ -52,9 +75,12 @@ def publish_data_report(report: DataReport, run_id: str) -> None:
     ]
     create_table_artifact(rows, key=artifact_key("data-report", run_id), description=f"prepare-data of {run_id}")
     reasons = "\n".join(f"| {k} | {v} |" for k, v in report.quarantined_by_reason.items()) or "| (none) | 0 |"
+    examples = "\n".join(f"| {e.reason} | `{e.file}` | {e.line} |" for e in report.examples[:20])
+    if examples:
+        examples = "\n\nFirst set-aside rows:\n\n| reason | file | line |\n| --- | --- | --- |\n" + examples
     create_markdown_artifact(
         f"# prepare-data: {run_id}\n\nSource `{report.source}`, policy `{report.policy}`: "
         f"{report.rows_read} rows read = {report.rows_kept} kept + {report.rows_quarantined} quarantined.\n\n"
-        f"| reason | rows |\n| --- | --- |\n{reasons}\n",
+        f"| reason | rows |\n| --- | --- |\n{reasons}\n{examples}\n",
         key=artifact_key("data-summary", run_id),
     )

@@ -26,7 +26,7 @@ class BurnInFailed(RuntimeError):
     """The cluster did not pass burn-in: the message names the failing ranks and checks."""
 
 
-def _job_ended_badly(stage: str, record: Attempt, run: Storage, output: str, log_hint: str) -> JobFailed:
+def job_ended_badly(stage: str, record: Attempt, run: Storage, output: str, log_hint: str) -> JobFailed:
     """The stage's error for a job without its output. A job that failed says why; one that reported success
     without writing the file is named as such, with the file's full path, and its attempt is marked fatal in the
     stage's ledger (a 'done' there would be untrue)."""
@@ -42,7 +42,7 @@ def _job_ended_badly(stage: str, record: Attempt, run: Storage, output: str, log
     )
 
 
-def _log_hint(config: HlatConfig, run: Storage, record: Attempt) -> str:
+def log_hint(config: HlatConfig, run: Storage, record: Attempt) -> str:
     """Where the job's own output can be read."""
     if config.job.backend == "local":
         return f"its log: {run.uri('jobs', record.job_name, 'output.log')}"
@@ -73,7 +73,7 @@ def precompile_graphs(config: HlatConfig, run_uri: str, run_id: str, cache_key: 
     record, state = run_stage_job(config, run_uri, run_id, "precompile")
     run = Storage(run_uri)
     if state is None or state.status.value != "Completed" or not run.exists(COMPILE_LATEST):
-        raise _job_ended_badly("precompile", record, run, COMPILE_LATEST, _log_hint(config, run, record))
+        raise job_ended_badly("precompile", record, run, COMPILE_LATEST, log_hint(config, run, record))
     latest: dict[str, Any] = run.read_json(COMPILE_LATEST)
     return {"status": "built", "job": record.job_name, **latest}
 
@@ -90,7 +90,7 @@ def burn_in_cluster(config: HlatConfig, run_uri: str, run_id: str, cache_key: st
         if candidate.get("job") in (None, record.job_name):  # not a report left by an earlier job
             report = candidate
     if report is None:
-        raise _job_ended_badly("burn-in", record, run, BURN_IN_REPORT, _log_hint(config, run, record))
+        raise job_ended_badly("burn-in", record, run, BURN_IN_REPORT, log_hint(config, run, record))
     publish_burn_in_report(report, run_id)
     if not report.get("passed"):
         message = "burn-in failed: " + "; ".join(f["message"] for f in report["failures"])

@@ -152,10 +152,29 @@ class DataConfig(Section):
     """Format of the prepared shards."""
     shard_rows: int = Field(50_000, ge=1)
     """Documents per output shard."""
-    batch_rows: int = Field(5_000, ge=1)
+    batch_rows: int = Field(20_000, ge=1)
     """Documents read and validated at a time (bounds the stage's memory)."""
     validation: DataValidationConfig = Field(default_factory=DataValidationConfig)
     """Validation rules and the bad-row policy."""
+    unit_mb: int = Field(64, ge=1)
+    """Size of the pieces (units) the source is cut into for the workers: a jsonl file larger than this is read as
+    byte ranges, parquet as groups of row groups; each unit is written and committed on its own, so a worker that
+    dies redoes only its unfinished unit."""
+    workers: int = Field(1, ge=1)
+    """Worker processes of the prepare-data job (locally: processes on this machine; on SageMaker:
+    data.workers_per_instance per instance of data.instance_type). With data.max_documents set one worker reads."""
+    workers_per_instance: int = Field(8, ge=1)
+    """SageMaker: worker processes per instance; the job's instance count is data.workers / this (rounded up)."""
+    instance_type: str = "ml.c5.4xlarge"
+    """SageMaker instance type of the prepare-data job (CPU: it streams, validates and writes shards)."""
+    image_uri: str | None = None
+    """Container image of the prepare-data job on SageMaker; None: AWS's PyTorch CPU training image."""
+    price_per_hour_usd: float | None = Field(None, ge=0)
+    """Price of one data.instance_type node-hour; None: the instance catalog's."""
+    worker_retries: int = Field(2, ge=0)
+    """Times a worker that dies (killed, out of memory) is started again, alone, before the job fails."""
+    max_runtime_hours: float = Field(24.0, gt=0)
+    """Max runtime of one prepare-data job; a relaunch resumes from the committed units."""
 
 
 class TokenizerConfig(Section):
@@ -418,6 +437,13 @@ OPERATIONAL_JOB_FIELDS = frozenset(
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
 
+OPERATIONAL_DATA_FIELDS = frozenset(
+    {"workers", "workers_per_instance", "instance_type", "image_uri", "price_per_hour_usd", "worker_retries",
+     "max_runtime_hours"}
+)  # fmt: skip
+"""Data settings that decide where and how fast prepare-data runs, not what it writes: outside the fingerprint, the
+run id and the stage's cache key."""
+
 
 class StorageConfig(Section):
     """Where runs keep their outputs."""
@@ -644,6 +670,7 @@ class HlatConfig(Section):
             mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in", "planner", "neuron"}
         )
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
+        body["data"] = {k: v for k, v in body["data"].items() if k not in OPERATIONAL_DATA_FIELDS}
         return stable_hash(body)
 
     def trajectory_fingerprint(self) -> str:

@@ -10,3 +10,7 @@ its report (burn-in/report.json) and the failure reason (`BurnInFailed: ...`) na
 EXIT_UNHEALTHY = 5
 """A periodic health check inside training (burn_in.health_check_every) found the all-reduce wrong or below its
 bandwidth floor (`UnhealthyCollective: ...`): relaunch, on other nodes if it repeats, from the last checkpoint."""
+
+EXIT_DATA_INVALID = 6
+"""The prepare-data job (`training.prepare_data`) met data its policy refuses (data.validation.policy=fail, an empty
+source, too many duplicates...): not worth relaunching; the failure reason (`DataValidationError: ...`) says where."""

@@ -28,7 +28,14 @@ _TRN1 = {
 }
 
 # A public web corpus streamed from the hub; point data.source at your own copy (s3://...) for real runs.
-_WEB_CORPUS = {"source": "HuggingFaceFW/fineweb", "hf_config": "sample-350BT", "streaming": True}
+# Prepared by a job of 64 workers (8 x ml.c5.4xlarge): the hub data set's files are split between them.
+_WEB_CORPUS = {
+    "source": "HuggingFaceFW/fineweb",
+    "hf_config": "sample-350BT",
+    "streaming": True,
+    "workers": 64,
+    "workers_per_instance": 8,
+}
 
 # HLAT's evaluation suite (lm-eval-harness task names).
 HLAT_EVAL_TASKS = [

@@ -133,8 +133,22 @@ def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: burn-in of run hlat-7b-" in out.stdout and "-burn-in-1" in out.stdout
     assert "bound: the burn-in job stops by its max runtime of 1 h: at most $1,376.00" in out.stdout
-    refused = hlat("run", "prepare-data", "--preset", "tiny", "--dry-run", cwd=tmp_path)
+    refused = hlat("run", "train-tokenizer", "--preset", "tiny", "--dry-run", cwd=tmp_path)
     assert refused.returncode == 2 and "runs in the flow's own process" in refused.stderr
+
+
+def test_dry_run_of_prepare_data_prices_the_job_for_the_runs_tokens(tmp_path: Path) -> None:
+    out = hlat(
+        "run", "prepare-data", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
+        "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "-prepare-data-1" in out.stdout and "cost: 8 x ml.c5.4xlarge at $0.82/node-hour" in out.stdout
+    # HLAT's 1.8T tokens at 4 bytes per token, 64 workers at the measured per-worker throughput.
+    (line,) = [x for x in out.stdout.splitlines() if x.startswith("estimate: prepare-data: 7.20 TB of text in")]
+    assert "on 64 worker(s) (8 x ml.c5.4xlarge)" in line and "MB/s per worker" in line
+    plan = hlat("plan", "--preset", "hlat-7b", cwd=tmp_path)
+    assert plan.returncode == 0 and "  prepare-data: 7.20 TB of text in" in plan.stdout
 
 
 def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp_path: Path) -> None:

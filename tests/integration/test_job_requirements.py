@@ -2,8 +2,10 @@
 
 Training, precompile and burn-in jobs pip-install deployments/job-requirements.txt on the Neuron training image
 (deployments/neuron-image-2.24.1.txt, Python 3.10); evaluation jobs install deployments/eval-requirements.txt on
-the PyTorch GPU image (deployments/gpu-image-2.10.txt, Python 3.13). A requirement that moved one of the image's
-pins would break the image under the job: a newer protobuf breaks neuronx-cc, a newer fsspec the image's datasets.
+the PyTorch GPU image (deployments/gpu-image-2.10.txt, Python 3.13), and prepare-data jobs
+deployments/data-requirements.txt on the CPU image of the same PyTorch release (checked against the same pin
+list). A requirement that moved one of the image's pins would break the image under the job: a newer protobuf
+breaks neuronx-cc, a newer fsspec the image's datasets.
 
 For each pair, pip's own resolver runs as that install would, but for the image's Python and platform (Ubuntu
 22.04: glibc 2.35, x86_64) instead of this machine's: `pip install --dry-run --report` into an empty --target (so
@@ -69,6 +71,7 @@ PAIRS = [
         "3.13",
         sdist_only=("sqlitedict", "rouge-score", "word2number"),  # lm_eval's
     ),
+    JobImage("data-requirements.txt", "gpu-image-2.10.txt", "3.13"),
 ]
 NEURON = PAIRS[0]
 

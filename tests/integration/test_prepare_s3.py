@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -34,3 +35,34 @@ def test_missing_bucket_is_a_one_line_error(s3_env: S3Env) -> None:
     with pytest.raises(StorageNotFound) as err:
         prepare_dataset(cfg, Storage(f"{s3_env.url}/run/data"), fingerprint="b" * 64)
     assert "bucket 'no-such-bucket-hlat' does not exist" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
+    s3_env: S3Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The prepare-data job on the local backend, its 2 workers reading their own objects of an s3:// source and
+    writing an s3:// run; a duplicate planted in every object is found across workers."""
+    from infra.backends import run_stage_job
+    from infra.corpus import source_fingerprint
+    from infra.prepare import REPORT_FILE, DataReport
+    from infra.runs import open_run
+    from tasks.data import data_cache_key
+
+    monkeypatch.setenv("HLAT_JOBS_DIR", str(tmp_path / "jobs"))  # the local backend's job folders of an S3 run
+    client = s3_env.client()
+    for part in range(4):
+        docs = [f"document {part}-{i} about tokenizers, shards and packing" for i in range(25)]
+        docs.append("the same planted document in every object of the corpus")
+        body = "".join(json.dumps({"text": d}) + "\n" for d in docs)
+        client.put_object(Bucket=s3_env.bucket, Key=f"corpus/part-{part}.jsonl", Body=body.encode())
+    overrides = {"data.source": f"s3://{s3_env.bucket}/corpus", "data.workers": 2, "data.max_documents": None}
+    config = load_config("tiny", overrides, run_id="s3job", storage=s3_env.url)
+    run = open_run(config)
+    key = data_cache_key(config, run.uri, source_fingerprint(config.data))
+    record, state = run_stage_job(config, run.uri, run.run_id, "prepare-data", args={"key": key})
+    assert state is not None and state.status.value == "Completed", record
+    report = DataReport.model_validate(run.stage("data").read_json(REPORT_FILE))
+    assert (report.rows_read, report.rows_kept, report.cross_unit_duplicates) == (104, 101, 3)
+    assert report.units == 4 and [w.worker for w in report.workers] == [0, 1]
+    data = run.stage("data")
+    assert len(list(iter_documents(data, read_manifest(data), "train"))) == report.train_rows

@@ -10,12 +10,12 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from infra.corpus import SourceError, iter_batches, stdlib_documents
+from infra.corpus import SourceError, iter_batches, source_fingerprint, stdlib_documents
 from infra.prepare import assign_split, prepare_dataset
 from infra.shards import iter_documents, read_manifest
 from infra.storage import Storage
 from infra.validation import DataValidationError
-from training.config import ConfigError, DataConfig
+from training.config import ConfigError, DataConfig, stable_hash
 from training.presets import load_config
 
 WORDS = [
@@ -52,8 +52,10 @@ def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
 
 
 def run_stage(tmp_path: Path, cfg: DataConfig) -> tuple[Any, Storage]:
+    """The stage in this process, keyed as the flow keys it: by the data settings and the source's content."""
     out = Storage(str(tmp_path / "run" / "data"))
-    return prepare_dataset(cfg, out, fingerprint="f" * 64), out
+    key = stable_hash([cfg.model_dump(mode="json"), source_fingerprint(cfg)])
+    return prepare_dataset(cfg, out, fingerprint=key), out
 
 
 def reconciles(report: Any) -> bool:
@@ -124,14 +126,22 @@ def test_invalid_utf8_rows_are_quarantined_and_counted(tmp_path: Path, kind: str
     quarantine = [s for s in out.walk_files() if "quarantine" in s]
     reasons = pq.read_table(out.path(quarantine[0])).column("reason").to_pylist()
     assert reasons == ["invalid_utf8"] * bad
-    with pytest.raises(DataValidationError, match=f"policy='fail' and {bad} rows break the rules .*invalid_utf8"):
+    where = "c.jsonl line 4" if kind == "jsonl" else "05.txt"  # the first bad row's file and 1-based line
+    with pytest.raises(DataValidationError, match=f"policy='fail': .*/{where} is not valid UTF-8; fix the source"):
         run_stage(tmp_path, data_cfg(src, **{"validation.policy": "fail"}))
 
 
-def test_a_malformed_json_file_is_a_clear_error(tmp_path: Path) -> None:
-    (tmp_path / "c.jsonl").write_text('{"text": "fine document number one"}\n{"text": "unterminated\n')
-    with pytest.raises(SourceError, match=r"data.source: cannot read .*c.jsonl: ArrowInvalid: JSON parse error"):
-        run_stage(tmp_path, data_cfg(tmp_path / "c.jsonl"))
+def test_an_unparseable_line_costs_one_row_or_names_its_file_and_line(tmp_path: Path) -> None:
+    src = tmp_path / "c.jsonl"
+    src.write_text(f'{{"text": "{doc(1)}"}}\n{{"text": "unterminated\n{{"text": "{doc(2)}"}}\n')
+    report, out = run_stage(tmp_path, data_cfg(src))
+    assert report.quarantined_by_reason == {"unparseable_json": 1} and report.rows_kept == 2 and reconciles(report)
+    assert [(e.reason, e.file, e.line) for e in report.examples] == [("unparseable_json", str(src), 2)]
+    (quarantine,) = [s for s in out.walk_files() if "quarantine" in s]
+    table = pq.read_table(out.path(quarantine)).to_pylist()
+    assert [(r["reason"], r["file"], r["line"]) for r in table] == [("unparseable_json", str(src), 2)]
+    with pytest.raises(DataValidationError, match=rf"policy='fail': {src} line 2 is not valid JSON"):
+        run_stage(tmp_path, data_cfg(src, **{"validation.policy": "fail"}))
 
 
 def test_null_and_short_rows(tmp_path: Path) -> None:
@@ -163,7 +173,7 @@ def test_ninety_percent_duplicates_fail_the_stage(tmp_path: Path) -> None:
         DataValidationError, match=r"duplicate rate 89\.0% exceeds data\.validation\.max_duplicate_rate"
     ):
         run_stage(tmp_path, data_cfg(src, **{"validation.max_duplicate_rate": 0.5}))
-    with pytest.raises(DataValidationError, match=r"policy='fail' and 89 rows break the rules \(duplicate: 89\)"):
+    with pytest.raises(DataValidationError, match=r"c\.jsonl line 2 is an exact duplicate of an earlier document"):
         run_stage(tmp_path, data_cfg(src, **{"validation.policy": "fail"}))
     report, _ = run_stage(tmp_path, data_cfg(src, **{"validation.max_duplicate_rate": 0.95}))
     assert report.quarantined_by_reason == {"duplicate": 89} and report.rows_kept == 11 and reconciles(report)
@@ -259,3 +269,18 @@ def test_hub_code_path_with_config_split_and_streaming(tmp_path: Path) -> None:
         assert texts == [doc(100 + i) for i in range(3)], f"streaming={streaming}"
     with pytest.raises(SourceError, match=r"cannot load .*org-corpus"):
         _open_dataset(data_cfg(repo, hf_config="nope"), as_hub)
+
+
+def test_bad_lines_in_later_units_of_a_large_file_are_named_by_their_line_in_the_file(tmp_path: Path) -> None:
+    """A jsonl file over data.unit_mb is read as byte ranges (units); the report numbers lines in the whole file."""
+    lines = [json.dumps({"text": doc(i, words=40) + " " + "pad " * 50}) for i in range(9000)]
+    bad_at = [3, 4500, 8999]  # 1-based lines in the file: in the first, a middle and the last unit
+    for at in bad_at:
+        lines[at - 1] = '{"text": "cut short'
+    src = tmp_path / "big.jsonl"
+    src.write_text("\n".join(lines) + "\n")
+    assert src.stat().st_size > 3 * 2**20
+    report, _ = run_stage(tmp_path, data_cfg(src, unit_mb=1, max_documents=None))
+    assert report.units >= 3 and report.quarantined_by_reason == {"unparseable_json": 3}
+    assert [e.line for e in report.examples] == bad_at
+    assert report.rows_read == 9000 and reconciles(report)

@@ -685,3 +685,31 @@ def test_supervisor_relaunches_through_capacity_and_internal_errors_to_completio
     # 1800 billable seconds x 2 nodes x $21.50/h per job
     assert [a.cost_usd for a in attempts] == [pytest.approx(21.50)] * 3
     assert 60.0 in delays  # the first capacity back-off
+
+
+def test_the_dry_run_of_a_16_worker_prepare_data_job_is_a_valid_request() -> None:
+    """prepare-data on SageMaker: a CPU training job of data.workers / data.workers_per_instance instances running
+    training.prepare_data once per instance (it starts the workers), with no input channel of the run."""
+    config = load_config(
+        "hlat-7b",
+        {"job.role_arn": ROLE, "data.workers": 16, "data.workers_per_instance": 8},
+        storage=f"s3://{BUCKET}/p",
+    )
+    text = dry_run(config, stage="prepare-data")
+    create = json.loads(text.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\n", 1)[0])
+    model = plain_client("sagemaker").meta.service_model
+    validate_parameters(create, model.operation_model("CreateTrainingJob").input_shape)
+    run_uri = f"s3://{BUCKET}/p/{config.resolved_run_id()}"
+    assert create["TrainingJobName"] == job_name(config.resolved_run_id(), 1, "prepare-data")
+    assert create["ResourceConfig"]["InstanceType"] == "ml.c5.4xlarge"
+    assert create["ResourceConfig"]["InstanceCount"] == 2
+    # AWS's PyTorch CPU training image; the job's own program and requirements.
+    assert re.fullmatch(r"763104351884\.dkr\.ecr\.us-west-2\.amazonaws\.com/pytorch-training:2\.10\.0-cpu-py3\d+",
+                        create["AlgorithmSpecification"]["TrainingImage"])  # fmt: skip
+    assert create["HyperParameters"]["config"] == f"{run_uri}/config.json"
+    assert create["HyperParameters"]["key"] == "<the stage's cache key>"
+    channels = [c["ChannelName"] for c in create["InputDataConfig"]]
+    assert "data" not in channels and "tokenizer" not in channels
+    assert create["StoppingCondition"]["MaxRuntimeInSeconds"] == 24 * 3600
+    assert "Neuron" not in json.dumps(create["Environment"]) and "NEURON_CC_FLAGS" not in create["Environment"]
+    assert "prepare-data: 7.20 TB of text in" in text and "16 worker(s) (2 x ml.c5.4xlarge)" in text

@@ -1,0 +1,467 @@
+"""The prepare-data reading layer: the source cut into deterministic units, each streamed in batches of rows.
+
+A *unit* is a piece of the source that one worker reads on its own: a byte range of a jsonl file that starts at
+a line start, a whole txt file (one document), a run of whole parquet row groups, or one of N shards of a Hugging
+Face hub data set. `plan_units` lays them out in a fixed order (the output order); `read_unit` streams one.
+
+Reading never fails on one bad row: a jsonl line that is not JSON, or not an object, and a parquet row group that
+cannot be decoded are set aside as `BadRow`s (with their line, or row group, and an excerpt) and reading goes on.
+Invalid UTF-8 is decoded with U+FFFD in place of the bad bytes, as are lone surrogates from JSON escapes such as
+"\\udc80", so validation quarantines those rows as invalid_utf8. Only a missing file or an unreadable source
+(a parquet footer that cannot be read, a hub data set that does not load) raises, as `SourceError`.
+
+jsonl keeps the semantics of the `datasets` reader it replaces: only b"\\n" ends a record (a "\\r" before it is
+JSON whitespace), blank lines are not rows, and an object without the text key gives a None text. Files are read
+through fsspec (`infra.storage.Storage`), so local paths and s3:// read alike.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import pairwise
+from typing import IO, Any
+
+from infra.corpus import SourceError, resolve_source
+from infra.storage import Storage, StorageNotFound, storage_errors
+from training.config import DataConfig
+
+# Bytes read from a jsonl file at a time; a batch never waits for more than one such read.
+READ_BYTES = 4 << 20
+# Bytes read around a planned cut to find the next line start (repeated while a line runs on).
+CUT_WINDOW = 64 << 10
+# Characters of a bad row kept in its BadRow for the report.
+EXCERPT_CHARS = 200
+# A batch also ends once it holds this many bytes of input, so that a corpus of long documents keeps memory bounded
+# whatever data.batch_rows says.
+BATCH_BYTES = 64 << 20
+
+_KINDS = {"json": "jsonl", "text": "txt", "parquet": "parquet"}
+_SURROGATE = re.compile("[\ud800-\udfff]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_JSON_SPACE = " \t\r\n"
+# The C scanner that json.loads runs, without its wrapper: (value, end) of the JSON value at an index.
+_scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class Unit:
+    """A piece of the source that one worker reads on its own; the plan's order is the output order."""
+
+    index: int
+    """Position in the plan (0-based)."""
+    kind: str
+    """"jsonl" | "txt" | "parquet" | "hub"."""
+    file: str
+    """File URI or path as `resolve_source` lists it; for "hub", the data set name."""
+    start: int = 0
+    """jsonl: byte offset of the unit's first line; parquet: first row group (0-based); hub: worker shard index."""
+    end: int | None = None
+    """jsonl: byte offset where the unit ends (exclusive; None = end of file); parquet: row group end (exclusive);
+    hub: number of hub shards."""
+    size: int = 0
+    """Bytes of raw input in this unit (parquet: compressed bytes of its row groups; hub: 0, unknown beforehand)."""
+
+    def label(self) -> str:
+        """How messages name the unit: the file, and the part of it when the unit is not the whole file."""
+        if self.kind == "jsonl" and (self.start or self.end is not None):
+            end = "end" if self.end is None else str(self.end)
+            return f"{self.file} bytes {self.start}-{end}"
+        if self.kind == "parquet":
+            # Row groups as BadRow numbers them: 1-based, both ends included.
+            return f"{self.file} row groups {self.start + 1}-{self.end}"
+        if self.kind == "hub":
+            return f"{self.file} shard {self.start + 1} of {self.end}"
+        return self.file
+
+
+@dataclass
+class BadRow:
+    """A row set aside while reading, with where it was and what it looked like."""
+
+    reason: str
+    """"unparseable_json" | "not_an_object" | "not_a_string" (a jsonl text value that is a number, list, ...) |
+    "corrupt_row_group"."""
+    file: str
+    line: int
+    """jsonl: 1-based line within the unit (see `absolute_line`); parquet: 1-based row group number in the file."""
+    excerpt: str
+    """Up to 200 characters of the raw line (decoded with errors="replace"), or the error message."""
+
+
+@dataclass
+class Rows:
+    """One batch of a unit: the text of every good row, in order, and the rows set aside meanwhile."""
+
+    texts: list[str | None]
+    """The text column's values, one per good row (None when the key is missing or null)."""
+    lines: list[int]
+    """For each text: its 1-based line within the unit (jsonl), 1 (txt), 1-based row group (parquet), running row
+    number within the unit (hub)."""
+    bad: list[BadRow]
+    """Rows set aside while reading this batch, in order."""
+    bytes: int
+    """Raw input bytes this batch covered (bad rows and blank lines included)."""
+    columns: list[str] = field(default_factory=list)
+    """Column names the source showed in this batch (jsonl: keys of its objects, in first-seen order; parquet and
+    hub: the schema's): lets the caller say which columns there are when data.text_column is not one of them."""
+    lines_so_far: int = 0
+    """jsonl: the lines of the unit read so far, blank ones included (after its last batch: the unit's line count,
+    which numbers the lines of the file's next unit)."""
+
+
+# -- planning ---------------------------------------------------------------------------------------------
+def plan_units(cfg: DataConfig, unit_bytes: int, workers: int = 1) -> list[Unit]:
+    """Deterministic units for data.source, in output order; for files the plan does not depend on `workers`.
+
+    jsonl files larger than `unit_bytes` are cut into byte ranges of at least `unit_bytes` that start at a line
+    start (only a small window around each cut is read); a txt file is one unit; parquet files are cut into runs
+    of whole row groups of about `unit_bytes` (from the footer); a hub data set becomes `workers` units, unit i
+    reading shard i of `workers`.
+    """
+    if unit_bytes < 1:
+        raise ValueError(f"unit_bytes must be at least 1, got {unit_bytes}")
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    spec = resolve_source(cfg)
+    if spec.kind == "hub":
+        return [Unit(index=i, kind="hub", file=spec.name, start=i, end=workers) for i in range(workers)]
+    kind = _KINDS[spec.builder or ""]
+    units: list[Unit] = []
+    for file in spec.data_files:
+        if kind == "jsonl":
+            ranges = _jsonl_ranges(file, unit_bytes)
+        elif kind == "parquet":
+            ranges = _row_group_runs(file, unit_bytes)
+        else:
+            ranges = [(0, None, _size(file))]
+        base = len(units)
+        units.extend(Unit(base + k, kind, file, s, e, n) for k, (s, e, n) in enumerate(ranges))
+    return units
+
+
+def _jsonl_ranges(file: str, unit_bytes: int) -> list[tuple[int, int | None, int]]:
+    size = _size(file)
+    starts = [0]
+    if size > unit_bytes:
+        with _open(file, block_size=CUT_WINDOW) as fh:  # a window per cut, not a whole read-ahead block
+            cut = unit_bytes
+            while cut < size:
+                start = _next_line_start(fh, cut, size)
+                if start is None or start >= size:
+                    break
+                starts.append(start)
+                cut = start + unit_bytes
+    ends: list[int | None] = [*starts[1:], None]
+    return [(s, e, (size if e is None else e) - s) for s, e in zip(starts, ends, strict=True)]
+
+
+def _next_line_start(fh: IO[bytes], cut: int, size: int) -> int | None:
+    """The first line start at or after `cut` (the byte after the first b"\\n" at or after cut - 1), or None."""
+    pos = cut - 1
+    while pos < size:
+        fh.seek(pos)
+        window = fh.read(CUT_WINDOW)
+        if not window:
+            return None
+        found = window.find(b"\n")
+        if found >= 0:
+            return pos + found + 1
+        pos += len(window)
+    return None
+
+
+def _row_group_runs(file: str, unit_bytes: int) -> list[tuple[int, int | None, int]]:
+    with _parquet(file) as pf:
+        meta = pf.metadata
+        sizes = [
+            sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+            for rg in (meta.row_group(i) for i in range(meta.num_row_groups))
+        ]
+    runs: list[tuple[int, int | None, int]] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        acc += n
+        if acc >= unit_bytes:
+            runs.append((start, i + 1, acc))
+            start, acc = i + 1, 0
+    if start < len(sizes) or not runs:
+        runs.append((start, len(sizes), acc))
+    return runs
+
+
+# -- reading ----------------------------------------------------------------------------------------------
+def read_unit(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
+    """Stream one unit in batches of about data.batch_rows rows (fewer when a batch reaches BATCH_BYTES of input).
+
+    Bad rows become BadRows, never errors; data.max_documents is not applied here (the caller counts). A missing
+    file or an unreadable source raises SourceError naming the file.
+    """
+    if unit.kind == "jsonl":
+        yield from _read_jsonl(unit, cfg.text_column, cfg.batch_rows)
+    elif unit.kind == "txt":
+        yield from _read_txt(unit)
+    elif unit.kind == "parquet":
+        yield from _read_parquet(unit, cfg.text_column, cfg.batch_rows)
+    elif unit.kind == "hub":
+        yield from _read_hub(unit, cfg)
+    else:
+        raise ValueError(f"unit {unit.label()}: unknown kind {unit.kind!r}")
+
+
+def absolute_line(unit: Unit, line_in_unit: int) -> int:
+    """The 1-based line in the whole file of a unit's line (jsonl counts the b"\\n" before the unit, streamed);
+    other kinds number their rows absolutely already. For messages under policy=fail."""
+    if unit.kind != "jsonl" or unit.start == 0:
+        return line_in_unit
+    before = 0
+    with _open(unit.file) as fh:
+        left = unit.start
+        while left > 0:
+            chunk = fh.read(min(READ_BYTES, left))
+            if not chunk:
+                break
+            before += chunk.count(b"\n")
+            left -= len(chunk)
+    return before + line_in_unit
+
+
+def _read_jsonl(unit: Unit, column: str, batch_rows: int) -> Iterator[Rows]:
+    batch = _JsonlBatch(unit.file, column)
+    for block in _jsonl_blocks(unit):
+        i, n = 0, len(block.lines)
+        while i < n:
+            j = min(n, i + max(1, batch_rows - batch.rows))
+            batch.add(block.lines[i:j], block.escapes)
+            batch.bytes += block.bytes_of(i, j)
+            i = j
+            if batch.rows >= batch_rows or batch.bytes >= BATCH_BYTES:
+                yield batch.take()
+    if batch.rows or batch.bytes:
+        yield batch.take()
+
+
+class _Block:
+    """Whole lines of a jsonl file from one read, decoded at once: several times faster than line by line, and
+    exact, as b"\\n" never occurs inside a UTF-8 sequence and errors="replace" never swallows one."""
+
+    def __init__(self, raw: bytes | memoryview, first: bool) -> None:
+        self.raw = raw
+        self.size = len(raw)
+        text = codecs.utf_8_decode(raw, "replace", True)[0]
+        self.lines = text.split("\n")
+        self.ends_line = text.endswith("\n")
+        if self.ends_line:
+            self.lines.pop()
+        if first and self.lines and self.lines[0].startswith("\ufeff"):
+            self.lines[0] = self.lines[0][1:]  # a UTF-8 byte order mark opens the file
+        # Whether a JSON escape here may be a lone surrogate ("\udc80"): only then are texts searched for one.
+        self.escapes = _SURROGATE_ESCAPE.search(raw) is not None
+        self._sizes: list[int] | None = None
+
+    def bytes_of(self, i: int, j: int) -> int:
+        """Bytes of lines i to j (exclusive), their b"\\n" included; per-line sizes only when a batch ends inside."""
+        if i == 0 and j == len(self.lines):
+            return self.size
+        if self._sizes is None:
+            parts = bytes(self.raw).split(b"\n")
+            if self.ends_line:
+                parts.pop()
+            self._sizes = [len(p) + 1 for p in parts]
+            if not self.ends_line:
+                self._sizes[-1] -= 1
+        return sum(self._sizes[i:j])
+
+
+def _jsonl_blocks(unit: Unit) -> Iterator[_Block]:
+    """The unit's lines, one read at a time (a line longer than a read waits for the reads that complete it)."""
+    with _open(unit.file) as fh:
+        fh.seek(unit.start)
+        left = None if unit.end is None else unit.end - unit.start
+        pending: list[bytes] = []  # the start of a line that runs on past the last read
+        first = unit.start == 0
+        while left is None or left > 0:
+            chunk = fh.read(READ_BYTES if left is None else min(READ_BYTES, left))
+            if not chunk:
+                break
+            if left is not None:
+                left -= len(chunk)
+            cut = chunk.rfind(b"\n") + 1
+            if not cut:
+                pending.append(chunk)
+                continue
+            head = memoryview(chunk)[:cut]
+            yield _Block(b"".join([*pending, head]) if pending else head, first)
+            pending = [chunk[cut:]] if cut < len(chunk) else []
+            first = False
+        if pending:  # the file's last line, without a b"\n"
+            yield _Block(b"".join(pending), first)
+
+
+class _JsonlBatch:
+    """Parses lines into the Rows of one batch; line numbers run on across the batches of a unit."""
+
+    def __init__(self, file: str, column: str) -> None:
+        self.file, self.column = file, column
+        self.line = 0  # lines of the unit so far, blank ones included
+        self._reset()
+
+    def _reset(self) -> None:
+        self.texts: list[str | None] = []
+        self.lines: list[int] = []
+        self.bad: list[BadRow] = []
+        self.columns: dict[str, None] = {}
+        self.rows = 0  # lines in this batch, blank ones included
+        self.bytes = 0
+
+    def add(self, lines: list[str], escapes: bool) -> None:
+        scan, column, texts, numbers, columns, bad = _scan, self.column, self.texts, self.lines, self.columns, []
+        n = self.line
+        for text in lines:
+            n += 1
+            try:
+                # The C scanner of json.loads, without its wrapper: a line that does not start with a value (blank,
+                # leading whitespace) or has anything after it takes json.loads' own way below.
+                obj, end = scan(text, 0)
+                if end != len(text):
+                    raise StopIteration(end)
+            except StopIteration:
+                if not text.strip(_JSON_SPACE):
+                    continue  # a blank line is not a row
+                try:
+                    obj = json.loads(text)
+                except (ValueError, RecursionError):
+                    bad.append(BadRow("unparseable_json", self.file, n, text[:EXCERPT_CHARS]))
+                    continue
+            except (ValueError, RecursionError):
+                bad.append(BadRow("unparseable_json", self.file, n, text[:EXCERPT_CHARS]))
+                continue
+            if type(obj) is not dict:
+                bad.append(BadRow("not_an_object", self.file, n, text[:EXCERPT_CHARS]))
+                continue
+            if len(columns) < 100:  # the first keys seen are enough to name the columns
+                columns.update(dict.fromkeys(obj))
+            value = obj.get(column)
+            if value is None or type(value) is str:
+                if escapes and value is not None and not value.isascii():
+                    # A JSON escape of a lone surrogate gives a str that UTF-8 cannot encode (pandas and pyarrow
+                    # refuse it): U+FFFD takes its place, as for an invalid byte.
+                    value = _SURROGATE.sub("\ufffd", value)
+                texts.append(value)
+                numbers.append(n)
+            else:
+                bad.append(BadRow("not_a_string", self.file, n, text[:EXCERPT_CHARS]))
+        self.bad.extend(bad)
+        self.rows += n - self.line
+        self.line = n
+
+    def take(self) -> Rows:
+        rows = Rows(self.texts, self.lines, self.bad, self.bytes, list(self.columns), self.line)
+        self._reset()
+        return rows
+
+
+def _read_txt(unit: Unit) -> Iterator[Rows]:
+    with _open(unit.file) as fh:
+        data = fh.read()
+    yield Rows([data.decode("utf-8", errors="replace")], [1], [], len(data), ["text"])
+
+
+def _read_parquet(unit: Unit, column: str, batch_rows: int) -> Iterator[Rows]:
+    import pyarrow as pa
+
+    with _parquet(unit.file) as pf:
+        names = list(pf.schema_arrow.names)
+        for rg in range(unit.start, unit.end if unit.end is not None else pf.metadata.num_row_groups):
+            group = pf.metadata.row_group(rg)
+            size = sum(group.column(c).total_compressed_size for c in range(group.num_columns))
+            if column not in names:  # no row has the text: None texts, and `columns` says which columns there are
+                values: list[Any] = [None] * group.num_rows
+            else:
+                try:
+                    # The whole row group at once: a corrupt page sets the group aside before any of its rows is used.
+                    values = pf.read_row_group(rg, columns=[column]).column(0).to_pylist()
+                except (pa.ArrowException, OSError, ValueError) as exc:
+                    excerpt = f"{type(exc).__name__}: {exc}"[:EXCERPT_CHARS]
+                    yield Rows([], [], [BadRow("corrupt_row_group", unit.file, rg + 1, excerpt)], size, names)
+                    continue
+            texts = [_as_text(v) for v in values]
+            # The row group's bytes are shared out by rows, so that the batches add up to the unit's size.
+            n = max(1, len(texts))
+            for a, b in pairwise([*range(0, len(texts), batch_rows), len(texts)] if texts else [0, 0]):
+                share = (size * b) // n - (size * a) // n if texts else size
+                yield Rows(texts[a:b], [rg + 1] * (b - a), [], share, names)
+
+
+def _read_hub(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
+    import datasets
+    from datasets.distributed import split_dataset_by_node
+
+    from infra.corpus import _guarded, _open_hub
+
+    dataset = _open_hub(cfg, datasets)
+    if (unit.end or 1) > 1:
+        dataset = split_dataset_by_node(dataset, rank=unit.start, world_size=unit.end)
+    row = 0
+    for batch in _guarded(dataset.iter(batch_size=cfg.batch_rows), cfg.source):
+        names = list(batch)
+        n = len(batch[names[0]]) if names else 0
+        texts = [_as_text(v) for v in batch.get(cfg.text_column, [None] * n)]
+        size = sum(len(t.encode("utf-8")) for t in texts if t is not None)
+        yield Rows(texts, list(range(row + 1, row + n + 1)), [], size, names)
+        row += n
+
+
+def _as_text(value: Any) -> str | None:
+    """A parquet or hub cell as text: bytes decoded with U+FFFD for bad bytes, lone surrogates replaced likewise,
+    other types through str()."""
+    if value is None or (isinstance(value, float) and value != value):
+        return None
+    if type(value) is str:
+        return value if value.isascii() or not _SURROGATE.search(value) else _SURROGATE.sub("\ufffd", value)
+    if isinstance(value, bytes | bytearray):
+        return bytes(value).decode("utf-8", errors="replace")
+    return str(value)
+
+
+# -- files ------------------------------------------------------------------------------------------------
+@contextmanager
+def _storage(file: str) -> Iterator[tuple[Any, str]]:
+    """(fs, path) of a source file, with its faults translated: a missing file is a SourceError that names it;
+    other storage faults keep their StorageError kind, so that transient ones are retried."""
+    store = Storage(file)
+    try:
+        with storage_errors(file):
+            yield store.fs, store.root
+    except StorageNotFound as exc:
+        raise SourceError(f"data.source: {file} does not exist") from exc
+
+
+def _size(file: str) -> int:
+    with _storage(file) as (fs, path):
+        return int(fs.size(path))
+
+
+@contextmanager
+def _open(file: str, block_size: int = READ_BYTES) -> Iterator[IO[bytes]]:
+    """A source file for reading; `block_size` is what each read asks remote storage for (s3fs reads ahead)."""
+    with _storage(file) as (fs, path), fs.open(path, "rb", block_size=block_size) as fh:
+        yield fh
+
+
+@contextmanager
+def _parquet(file: str) -> Iterator[Any]:
+    """A pyarrow ParquetFile; a footer that cannot be read makes the whole file unreadable: a SourceError."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with _open(file) as fh:
+        try:
+            pf = pq.ParquetFile(fh, page_checksum_verification=True)
+        except (pa.ArrowException, OSError, ValueError) as exc:
+            raise SourceError(f"data.source: cannot read {file}: {type(exc).__name__}: {exc}"[:400]) from exc
+        yield pf

@@ -1,0 +1,227 @@
+"""The prepare-data job: `python -m training.prepare_data --config <run>/config.json --key <the stage's cache key>`.
+
+On each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local backend set
+them) this program starts the workers that host owns, data.workers / H of them (the local backend runs one host:
+all data.workers), as child processes (`--worker w`). Each prepares its share of the plan's units
+(infra.prepare: read, validate with great-expectations, write shards, commit the unit). A worker that dies
+(killed, out of memory) is started again, alone, up to data.worker_retries times; the units it committed are
+kept, so it redoes only the one it was in. Host 0 makes the plan, and once every unit is committed, merges them:
+duplicates across units, the manifest, the report.
+
+Exit codes: 0 done; EXIT_DATA_INVALID (6) when the data breaks a rule of its policy (the failure reason names the
+file and line), which is not worth relaunching; 1 otherwise (a worker died more often than allowed, a source that
+cannot be read), with the reason in the job's failure file. A relaunched job finds the plan and the committed units
+of its key and continues from them.
+
+Faults, for tests: HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}' SIGKILLs that worker in that
+life (1: its first start) once it has read that many rows of a unit; "job": <name> limits it to that job (attempt),
+"unit_at_least": N to units from the N-th of the plan on.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script path (SageMaker's driver): make the project's packages importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import tempfile
+import time
+from typing import Any
+
+from infra.corpus import SourceError
+from infra.prepare import assign, committed, merge, plan, run_worker, work_dir
+from infra.reader import Unit
+from infra.storage import Storage
+from infra.validation import DataValidationError
+from training.config import HlatConfig
+from training.exit_codes import EXIT_DATA_INVALID
+from training.sagemaker import read_job_config, write_failure
+
+log = logging.getLogger("hlat.data")
+
+FAULTS_ENV = "HLAT_PREPARE_FAULTS"
+WORKER_FAILURE_ENV = "HLAT_WORKER_FAILURE"
+POLL_S = 0.5
+
+
+def hosts() -> tuple[int, int]:
+    """(this host's index, the number of hosts) of the job."""
+    names = json.loads(os.environ.get("SM_HOSTS", '["algo-1"]'))
+    current = os.environ.get("SM_CURRENT_HOST", names[0])
+    return names.index(current), len(names)
+
+
+def host_workers(workers: int, host: int, count: int) -> range:
+    """The workers host `host` of `count` runs: a contiguous block of ceil(workers / count)."""
+    per = -(-workers // count)
+    return range(min(host * per, workers), min((host + 1) * per, workers))
+
+
+def shares(cfg: HlatConfig, units: list[Unit]) -> list[list[Unit]]:
+    """Each worker's units; with data.max_documents the plan is read in order by worker 0 (the limit is a prefix)."""
+    workers = cfg.data.workers
+    if cfg.data.max_documents is not None:
+        return [units] + [[] for _ in range(workers - 1)]
+    return assign(units, workers)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m training.prepare_data", description=__doc__)
+    parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
+    parser.add_argument("--key", required=True, help="the stage's cache key: it names the work folder")
+    parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
+    parser.add_argument("--life", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    prefix = f"worker{args.worker} " if args.worker is not None else "prepare-data "
+    logging.basicConfig(level=logging.INFO, format=prefix + "%(message)s", force=True)
+    _quiet_great_expectations(worker=args.worker is not None)
+    run, cfg = read_job_config(args.config.rstrip("/"))
+    data, work = run.child("data"), work_dir(args.key)
+    try:
+        if args.worker is not None:
+            return _worker(cfg, data, work, args.worker, args.life)
+        return _host(cfg, data, work, args)
+    except (DataValidationError, SourceError) as exc:
+        reason = f"{type(exc).__name__}: {exc}"
+        log.error("%s", reason)
+        _report(reason)
+        return EXIT_DATA_INVALID
+    except Exception as exc:
+        _report(f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _quiet_great_expectations(worker: bool) -> None:
+    """great-expectations logs about itself at INFO, on import and after (one of its loggers sets its own level
+    then): warnings only, in the job log. Only workers import it."""
+    logging.getLogger("great_expectations").setLevel(logging.WARNING)
+    if worker:
+        import great_expectations  # noqa: F401
+
+        logging.getLogger("great_expectations.data_context.types.base").setLevel(logging.WARNING)
+
+
+def _report(reason: str) -> None:
+    """A worker tells its host (a file the host named); the host tells the job's backend (the failure file)."""
+    path = os.environ.get(WORKER_FAILURE_ENV)
+    if path:
+        Path(path).write_text(reason, encoding="utf-8")
+    else:
+        write_failure(reason)
+
+
+def _worker(cfg: HlatConfig, data: Storage, work: str, worker: int, life: int) -> int:
+    units = plan(cfg.data, data, work)
+    mine = shares(cfg, units)[worker]
+    job = os.environ.get("TRAINING_JOB_NAME", "")
+    fault = json.loads(os.environ.get(FAULTS_ENV) or "{}")
+    ours = fault.get("worker") == worker and fault.get("life", 1) == life and fault.get("job", job) == job
+    on_batch = _fault(fault) if ours else None
+    run_worker(cfg.data, data, work, mine, worker, limit=cfg.data.max_documents, on_batch=on_batch, job=job)
+    return 0
+
+
+def _fault(fault: dict[str, Any]) -> Any:
+    def check(unit: Unit, rows: int) -> None:
+        if unit.index >= int(fault.get("unit_at_least", 0)) and rows >= int(fault.get("after_rows", 0)):
+            log.warning("fault: SIGKILL in unit %d after %d rows", unit.index, rows)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return check
+
+
+def _host(cfg: HlatConfig, data: Storage, work: str, args: argparse.Namespace) -> int:
+    host, count = hosts()
+    started = time.time()
+    if host == 0:
+        units = plan(cfg.data, data, work)
+    else:  # host 0 writes the plan
+        while not data.exists(f"{work}/plan.json"):
+            time.sleep(POLL_S)
+        units = plan(cfg.data, data, work)
+    mine = [w for w in host_workers(cfg.data.workers, host, count) if shares(cfg, units)[w]]
+    log.info(
+        "%d units of %s; host %d of %d runs worker(s) %s", len(units), cfg.data.source, host, count,
+        ", ".join(map(str, mine)) or "none",
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="hlat-prepare-") as tmp:
+        _supervise_workers(args, mine, cfg.data.worker_retries, Path(tmp))
+    if host != 0:
+        return 0
+    _await_units(data, work, units, cfg)
+    report = merge(cfg.data, data, work, units, args.key, started=started)
+    log.info(
+        "merged %d units: %d rows read = %d kept + %d quarantined %s; %d duplicates across units",
+        report.units, report.rows_read, report.rows_kept, report.rows_quarantined, report.quarantined_by_reason,
+        report.cross_unit_duplicates,
+    )  # fmt: skip
+    return 0
+
+
+class WorkerFailed(RuntimeError):
+    """A worker died more often than data.worker_retries allows."""
+
+
+def _supervise_workers(args: argparse.Namespace, workers: list[int], retries: int, tmp: Path) -> None:
+    """Run the workers as child processes; start one that dies again, alone; stop all on a data error."""
+    lives = dict.fromkeys(workers, 1)
+    procs = {w: _start(args, w, 1, tmp) for w in workers}
+    try:
+        while procs:
+            time.sleep(POLL_S)
+            for w, proc in list(procs.items()):
+                code = proc.poll()
+                if code is None:
+                    continue
+                del procs[w]
+                if code == 0:
+                    continue
+                failure = tmp / f"worker-{w}.failure"
+                reason = failure.read_text(encoding="utf-8") if failure.exists() else ""
+                if code == EXIT_DATA_INVALID:
+                    kind, _, message = reason.partition(": ")
+                    raise (SourceError if kind == "SourceError" else DataValidationError)(message or reason)
+                how = f"killed by {signal.Signals(-code).name}" if code < 0 else f"exit {code}"
+                if lives[w] > retries:
+                    raise WorkerFailed(
+                        f"worker {w} died {lives[w]} times ({how}{': ' + reason if reason else ''}); "
+                        "its committed units are kept for the next attempt"
+                    )
+                lives[w] += 1
+                log.warning("worker %d died (%s): starting it again, alone (life %d of %d)", w, how, lives[w],
+                            retries + 1)  # fmt: skip
+                procs[w] = _start(args, w, lives[w], tmp)
+    finally:
+        for proc in procs.values():
+            proc.kill()
+            proc.wait()
+
+
+def _start(args: argparse.Namespace, worker: int, life: int, tmp: Path) -> subprocess.Popen[bytes]:
+    env = {**os.environ, WORKER_FAILURE_ENV: str(tmp / f"worker-{worker}.failure")}
+    env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: the workers are the parallelism
+    command = [sys.executable, "-m", "training.prepare_data", "--config", args.config, "--key", args.key,
+               "--worker", str(worker), "--life", str(life)]  # fmt: skip
+    return subprocess.Popen(command, env=env, cwd=Path(__file__).resolve().parents[1])
+
+
+def _await_units(data: Storage, work: str, units: list[Unit], cfg: HlatConfig) -> None:
+    """Host 0: wait until every unit to read is committed (the other hosts' workers write theirs)."""
+    if cfg.data.max_documents is not None:
+        return  # worker 0 (this host) read the prefix it needed
+    waiting = [u for u in units if committed(data, work, u) is None]
+    while waiting:
+        time.sleep(POLL_S * 4)
+        waiting = [u for u in waiting if committed(data, work, u) is None]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
