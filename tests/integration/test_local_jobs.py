@@ -15,8 +15,9 @@ from typing import Any
 import pytest
 import torch
 
+from infra.job_daemon import CheckpointMirror, failure_reason
 from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
-from infra.local_jobs import FAULTS_ENV, CheckpointMirror, LocalBackend, failure_reason
+from infra.local_jobs import FAULTS_ENV, LocalBackend
 from infra.storage import Storage
 from tests.jobs import make_run
 from training.checkpoint import CheckpointManager
