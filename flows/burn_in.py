@@ -10,10 +10,8 @@ from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
 from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from infra.backends import job_shape
-from infra.storage import Storage
-from tasks.common import run_cached, stage_cache_key
-from tasks.jobs import BURN_IN_REPORT, burn_in_cluster
+from tasks.common import run_cached
+from tasks.jobs import burn_in_cache_key, burn_in_cluster, burn_in_present
 
 
 @flow(name="burn-in", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -28,19 +26,13 @@ def burn_in(
     if not config.burn_in.enabled:
         print("burn-in: skipped (burn_in.enabled is false)")
         return {"status": "skipped"}
-    key = stage_cache_key(
-        "burn-in",
-        run.uri,
-        config.section_hash("burn_in", "precision"),
-        job_shape(config),
-    )
     report: dict[str, Any] = run_cached(
         burn_in_cluster,
-        lambda _: Storage(run.uri).exists(BURN_IN_REPORT),
+        lambda r: burn_in_present(run.uri, r),
         config=config,
         run_uri=run.uri,
         run_id=run.run_id,
-        cache_key=key,
+        cache_key=burn_in_cache_key(config, run.uri),
     )
     print(f"burn-in: {'passed' if report.get('passed') else 'FAILED'} on {report.get('world_size')} rank(s)")
     return report

@@ -10,11 +10,15 @@ from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
 from flows.params import OVERRIDES, PRESET, RUN_ID, STEP, STORAGE, OptionalStep, OptionalText, Overrides, PresetName
-from infra.storage import Storage
-from tasks.common import run_cached, stage_cache_key
-from tasks.evaluate import check_task_names, checkpoint_marker, evaluate_checkpoint, write_eval_report
+from tasks.common import run_cached
+from tasks.evaluate import (
+    check_task_names,
+    evaluate_checkpoint,
+    evaluation_cache_key,
+    evaluation_present,
+    write_eval_report,
+)
 from training.checkpoint import CheckpointError
-from training.evaluate import results_path
 from training.hf_export import locate_checkpoint
 
 
@@ -33,11 +37,10 @@ def evaluate(
         step = locate_checkpoint(f"{run.uri}/checkpoints", step).step
     except CheckpointError as exc:
         raise CheckpointError(f"evaluate: run {run.run_id}: {exc} (run the train stage first)") from None
-    marker = checkpoint_marker(run.uri, step)
-    key = stage_cache_key("evaluate", run.uri, step, marker, config.evaluation.model_dump(mode="json"))
+    key = evaluation_cache_key(config, run.uri, step)
     results: dict[str, Any] = run_cached(
         evaluate_checkpoint,
-        lambda _: Storage(run.uri).exists(results_path(step)),
+        lambda _: evaluation_present(run.uri, step),
         config=config,
         run_uri=run.uri,
         run_id=run.run_id,

@@ -10,11 +10,8 @@ from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
 from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from infra.backends import job_shape
-from infra.storage import Storage
-from tasks.common import run_cached, stage_cache_key
-from tasks.jobs import COMPILE_LATEST, precompile_graphs
-from tasks.tokenizer import read_tokenizer_checksum
+from tasks.common import run_cached
+from tasks.jobs import precompile_cache_key, precompile_graphs, precompile_present
 
 
 @flow(name="precompile", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -26,21 +23,13 @@ def precompile(
 ) -> dict[str, Any]:
     """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""
     config, run = resolve(preset, overrides, run_id, storage)
-    key = stage_cache_key(
-        "precompile",
-        run.uri,
-        config.section_hash("model", "parallelism", "precision", "precompile", "neuron"),
-        [config.training.seq_len, config.training.micro_batch_size, config.training.compile, config.training.device],
-        job_shape(config),
-        read_tokenizer_checksum(run.uri),
-    )
     result: dict[str, Any] = run_cached(
         precompile_graphs,
-        lambda r: r.get("status") == "skipped" or Storage(run.uri).exists(COMPILE_LATEST),
+        lambda r: precompile_present(run.uri, r),
         config=config,
         run_uri=run.uri,
         run_id=run.run_id,
-        cache_key=key,
+        cache_key=precompile_cache_key(config, run.uri),
     )
     print(f"precompile: {result.get('status')} ({result.get('reason') or result.get('digest', '')})")
     return result

@@ -11,10 +11,9 @@ from prefect import flow
 
 from flows.common import resolve, run_name, stop_jobs_on_cancel
 from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from tasks.common import run_cached, stage_cache_key
+from tasks.common import run_cached
 from tasks.plan import plan_parallelism
-from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
-from tasks.train import latest_checkpoint, publish_training_report, train_model
+from tasks.train import publish_training_report, train_cache_key, train_model, training_present
 
 
 @flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -27,12 +26,10 @@ def train(
     """Train the run's model from its prepared data and tokenizer."""
     config, run = resolve(preset, overrides, run_id, storage)
     plan_parallelism(config, run.run_id)  # advice: warns on a slow configured layout, never stops the stage
-    key = stage_cache_key(
-        "train", run.uri, config.fingerprint(), read_data_checksum(run.uri), read_tokenizer_checksum(run.uri)
-    )
+    key = train_cache_key(config, run.uri)
     summary: dict[str, Any] = run_cached(
         train_model,
-        lambda _: latest_checkpoint(run.uri) == config.training.max_steps,
+        lambda _: training_present(config, run.uri),
         config=config,
         run_uri=run.uri,
         run_id=run.run_id,

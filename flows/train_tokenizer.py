@@ -8,8 +8,8 @@ from prefect import flow
 
 from flows.common import resolve, run_name
 from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from tasks.common import run_cached, stage_cache_key
-from tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, read_data_checksum, tokenizer_present
+from tasks.common import run_cached
+from tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
 
 
 @flow(name="train-tokenizer", flow_run_name=run_name, log_prints=True)
@@ -21,11 +21,8 @@ def train_tokenizer(
 ) -> dict[str, Any]:
     """Train the run's tokenizer from its prepared shards."""
     config, run = resolve(preset, overrides, run_id, storage)
-    data_checksum = read_data_checksum(run.uri)
     vocab, seq = config.model.vocab_size, config.model.max_seq_len
-    key = stage_cache_key(
-        "train-tokenizer", run.uri, config.tokenizer.model_dump(mode="json"), vocab, seq, data_checksum
-    )
+    key = tokenizer_cache_key(config, run.uri)
     report: dict[str, Any] = run_cached(
         fit_tokenizer,
         lambda r: tokenizer_present(run, r),

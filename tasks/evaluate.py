@@ -19,7 +19,7 @@ from infra.backends import run_stage_job
 from infra.eval_report import choose_metric, embed_images, evaluation_history, load_baselines, write_report
 from infra.storage import Storage
 from infra.supervisor import JobFailed
-from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
+from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 from training.checkpoint import MARKER, CheckpointManager, step_dir
 from training.config import HlatConfig
 from training.evaluate import EVAL_DIR, OFFLINE_TASK_PREFIX, RESULTS_FILE, results_path
@@ -31,6 +31,16 @@ log = logging.getLogger("hlat.evaluate")
 def checkpoint_marker(run_uri: str, step: int) -> str:
     """The checkpoint's commit marker (step and meta.json's sha256): changes whenever the checkpoint does."""
     return Storage(run_uri).child("checkpoints").read_text(f"{step_dir(step)}/{MARKER}")
+
+
+def evaluation_cache_key(config: HlatConfig, run_uri: str, step: int) -> str:
+    """What an evaluation depends on: the checkpoint (its step and commit marker) and the evaluation settings."""
+    marker = checkpoint_marker(run_uri, step)
+    return stage_cache_key("evaluate", run_uri, step, marker, config.evaluation.model_dump(mode="json"))
+
+
+def evaluation_present(run_uri: str, step: int) -> bool:
+    return Storage(run_uri).exists(results_path(step))
 
 
 def check_task_names(config: HlatConfig) -> None:

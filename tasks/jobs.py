@@ -9,11 +9,12 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.backends import on_neuron, run_stage_job
+from infra.backends import job_shape, on_neuron, run_stage_job
 from infra.jobs import Action
 from infra.storage import Storage
 from infra.supervisor import Attempt, JobFailed, Ledger
-from tasks.common import CACHED_STAGE, artifact_key
+from tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
+from tasks.tokenizer import read_tokenizer_checksum
 from training.config import HlatConfig
 
 log = logging.getLogger("hlat.jobs")
@@ -60,6 +61,34 @@ def precompile_needed(config: HlatConfig) -> str | None:
     if not config.training.compile:
         return "training.compile is off: eager PyTorch on CPU/CUDA has no graphs to build"
     return None
+
+
+def precompile_cache_key(config: HlatConfig, run_uri: str) -> str:
+    """What the compiled graphs depend on: model, parallelism, precision, the precompile and Neuron settings, the
+    step's shape, where the jobs run, and the run's tokenizer."""
+    t = config.training
+    return stage_cache_key(
+        "precompile",
+        run_uri,
+        config.section_hash("model", "parallelism", "precision", "precompile", "neuron"),
+        [t.seq_len, t.micro_batch_size, t.compile, t.device],
+        job_shape(config),
+        read_tokenizer_checksum(run_uri),
+    )
+
+
+def precompile_present(run_uri: str, result: dict[str, Any]) -> bool:
+    """A cached precompile counts while its cache's latest.json is there (or it had nothing to build)."""
+    return result.get("status") == "skipped" or Storage(run_uri).exists(COMPILE_LATEST)
+
+
+def burn_in_cache_key(config: HlatConfig, run_uri: str) -> str:
+    """What a burn-in's verdict depends on: its checks and thresholds, the precision, and where the jobs run."""
+    return stage_cache_key("burn-in", run_uri, config.section_hash("burn_in", "precision"), job_shape(config))
+
+
+def burn_in_present(run_uri: str, report: dict[str, Any]) -> bool:
+    return Storage(run_uri).exists(BURN_IN_REPORT)
 
 
 @task(name="precompile-graphs", **CACHED_STAGE)

@@ -12,8 +12,8 @@ from infra.runs import Run
 from infra.shards import read_manifest
 from infra.storage import Storage
 from infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
-from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key
-from training.config import TokenizerConfig
+from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
+from training.config import HlatConfig, TokenizerConfig
 
 
 @task(name="read-data-checksum", **TRANSIENT_RETRIES)
@@ -37,6 +37,15 @@ def fit_tokenizer(
     """Train sentencepiece BPE on a bounded sample of the shards and export HF files into <run>/tokenizer/."""
     run = Storage(run_uri)
     return build_tokenizer(run.child("data"), run.child("tokenizer"), vocab_size, max_seq_len, tok_cfg)
+
+
+def tokenizer_cache_key(config: HlatConfig, run_uri: str) -> str:
+    """What the tokenizer depends on: its settings, the vocabulary size and context length, and the shards."""
+    m = config.model
+    settings = config.tokenizer.model_dump(mode="json")
+    return stage_cache_key(
+        "train-tokenizer", run_uri, settings, m.vocab_size, m.max_seq_len, read_data_checksum(run_uri)
+    )
 
 
 def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:

@@ -15,7 +15,8 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from infra.backends import supervisor_for
 from infra.storage import Storage
 from infra.supervisor import Attempt, Progress
-from tasks.common import CACHED_STAGE, artifact_key
+from tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
+from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
 from training.checkpoint import CheckpointManager
 from training.config import HlatConfig
 from training.metrics import METRICS_FILE
@@ -25,6 +26,18 @@ log = logging.getLogger("hlat.train")
 
 def latest_checkpoint(run_uri: str) -> int | None:
     return CheckpointManager(Storage(run_uri).child("checkpoints"), keep_last=1).latest_step()
+
+
+def train_cache_key(config: HlatConfig, run_uri: str) -> str:
+    """What the trained weights depend on: the run's fingerprint, its shards and its tokenizer."""
+    return stage_cache_key(
+        "train", run_uri, config.fingerprint(), read_data_checksum(run_uri), read_tokenizer_checksum(run_uri)
+    )
+
+
+def training_present(config: HlatConfig, run_uri: str) -> bool:
+    """A cached training counts while the run's newest committed checkpoint is its last step."""
+    return latest_checkpoint(run_uri) == config.training.max_steps
 
 
 class _Artifacts:
