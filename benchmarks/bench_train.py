@@ -20,7 +20,7 @@ from benchmarks.common import best_of, table
 from training.config import ModelConfig
 from training.devices import peak_flops
 from training.hf_export import hf_llama_config, to_hf_state_dict
-from training.model import Transformer, flops_per_token
+from training.model import Transformer
 
 SIZES = {
     "small": ModelConfig(n_layers=4, d_model=256, n_heads=8, ffn_hidden=688, vocab_size=2048, max_seq_len=512),
@@ -73,7 +73,7 @@ def main(argv: list[str] | None = None) -> str:
     t_hf = best_of(stepper(theirs, hf=True), args.repeats) / args.steps
     n_tokens = args.batch * args.seq
     peak = peak_flops(device)
-    fpt = flops_per_token(cfg, args.seq)
+    fpt = cfg.flops_per_token(args.seq)
 
     def row(name: str, t: float, ratio: str) -> list[str]:
         mfu = f"{n_tokens / t * fpt / peak:.1%}" if peak else "n/a"

@@ -281,15 +281,13 @@ def supervisor_for(
 
 def estimate(config: HlatConfig) -> dict[str, Any]:
     """Hourly cost, and time and cost to train to max_steps at the catalog's assumed MFU (None when unknown)."""
-    from training.model import flops_per_token
-
     job, t = config.job, config.training
     hourly = price_per_hour(job.instance_type, job.price_per_hour_usd) * job.instance_count
     tokens = t.max_steps * config.tokens_per_step
     out: dict[str, Any] = {"hourly_usd": hourly, "tokens": tokens, "hours": None, "total_usd": None, "mfu": None}
     instance = CATALOG.get(job.instance_type)
     if instance and instance.peak_bf16_flops and instance.estimate_mfu:
-        flops = flops_per_token(config.model, t.seq_len) * tokens
+        flops = config.model.flops_per_token(t.seq_len) * tokens
         seconds = flops / (job.instance_count * instance.peak_bf16_flops * instance.estimate_mfu)
         out.update(hours=seconds / 3600, total_usd=seconds / 3600 * hourly, mfu=instance.estimate_mfu)
     return out

@@ -327,10 +327,8 @@ class Plan:
 
 
 def block_params(config: HlatConfig) -> int:
-    """Parameters of one transformer block (attention with GQA, SwiGLU MLP, two RMSNorms), as ModelConfig counts."""
-    m = config.model
-    d, kv_dim = m.d_model, m.kv_heads * m.head_dim
-    return 2 * d * d + 2 * d * kv_dim + 3 * d * m.ffn_hidden + 2 * d
+    """Parameters of one transformer block (ModelConfig.block_params)."""
+    return config.model.block_params()
 
 
 def stage_params(config: HlatConfig, pipeline: int) -> int:
@@ -344,21 +342,18 @@ def stage_params(config: HlatConfig, pipeline: int) -> int:
 
 
 def layer_flops_per_token(config: HlatConfig) -> float:
-    """Forward + backward FLOPs of one block per token: 6 per matmul parameter, 12·h·s for attention scores and
-    their weighted sum (training.model.flops_per_token's count, split by layer)."""
-    m, s = config.model, config.training.seq_len
-    return 6 * block_params(config) + 12 * m.d_model * s
+    """Forward + backward FLOPs of one block per token at the run's sequence length (ModelConfig's count)."""
+    return config.model.layer_flops_per_token(config.training.seq_len)
 
 
 def head_flops_per_token(config: HlatConfig) -> float:
-    """Output layer and final norm, forward + backward."""
-    m = config.model
-    return 6 * (m.vocab_size * m.d_model + m.d_model)
+    """Output layer and final norm, forward + backward (ModelConfig's count)."""
+    return config.model.head_flops_per_token()
 
 
 def flops_per_token(config: HlatConfig) -> float:
-    """Model FLOPs per token (no recomputation): equals training.model.flops_per_token (a test checks it)."""
-    return config.model.n_layers * layer_flops_per_token(config) + head_flops_per_token(config)
+    """Model FLOPs per token (no recomputation) at the run's sequence length (ModelConfig's count)."""
+    return config.model.flops_per_token(config.training.seq_len)
 
 
 def recompute_flops_per_token(config: HlatConfig, checkpointing: Checkpointing) -> float:

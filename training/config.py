@@ -83,14 +83,35 @@ class ModelConfig(Section):
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
 
+    # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
+    # (training/trainer.py), the dry run's estimate (infra/backends.py) and the planner (infra/planner.py) use these.
+    def block_params(self) -> int:
+        """Parameters of one transformer block: attention with GQA (Q and O d x d, K and V d x kv_dim), the SwiGLU
+        MLP (three d x ffn_hidden), two RMSNorm weights."""
+        d, kv_dim = self.d_model, self.kv_heads * self.head_dim
+        return 2 * d * d + 2 * d * kv_dim + 3 * d * self.ffn_hidden + 2 * d
+
     def num_params(self) -> int:
-        """Parameter count (embeddings included)."""
-        d, f, v = self.d_model, self.ffn_hidden, self.vocab_size
-        kv_dim = self.kv_heads * self.head_dim
-        attn = d * d * 2 + d * kv_dim * 2
-        block = attn + 3 * d * f + 2 * d
-        embeddings = v * d * (1 if self.tie_embeddings else 2)
-        return self.n_layers * block + embeddings + d
+        """Parameter count (embeddings included; a tied embedding counts once)."""
+        embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return self.n_layers * self.block_params() + embeddings + self.d_model
+
+    def layer_flops_per_token(self, seq_len: int) -> int:
+        """Forward + backward FLOPs of one block per token: 6 per matmul parameter (2 forward, 4 backward), and
+        12·d·T for the attention scores (QKᵀ) and their weighted sum (AV) over T positions."""
+        return 6 * self.block_params() + 12 * self.d_model * seq_len
+
+    def head_flops_per_token(self) -> int:
+        """The output projection and the final norm, forward + backward (6 per parameter)."""
+        return 6 * (self.vocab_size * self.d_model + self.d_model)
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs (forward + backward) per token, for MFU: 6·N + 12·L·d·T.
+
+        N is the number of parameters used in matrix multiplies: everything but the input embedding table (a
+        lookup), which with tied embeddings is still counted once as the output projection. As in PaLM's MFU, the
+        causal mask is not discounted (the count is that of full attention over T)."""
+        return self.n_layers * self.layer_flops_per_token(seq_len) + self.head_flops_per_token()
 
 
 class DataValidationConfig(Section):

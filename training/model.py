@@ -383,16 +383,3 @@ class Transformer(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
-
-
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> int:
-    """Training FLOPs (forward + backward) per token, for MFU: 6·N + 12·L·d·T.
-
-    N is the number of parameters used in matrix multiplies: everything but the input embedding table (a
-    lookup), which with tied embeddings is still counted once as the output projection. Each such
-    parameter costs 2 FLOPs forward and 4 backward per token. The attention scores (QKᵀ) and the weighted
-    sum (AV) cost 2·d·T each forward per token and layer, 3x that with backward: 12·L·d·T. As in PaLM's
-    MFU, the causal mask is not discounted (the count is that of full attention over T).
-    """
-    n = cfg.num_params() - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.d_model)
-    return 6 * n + 12 * cfg.n_layers * cfg.d_model * seq_len

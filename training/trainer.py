@@ -40,7 +40,7 @@ from training.exit_codes import EXIT_NAN, EXIT_UNHEALTHY
 from training.faults import inject_nan
 from training.health import UnhealthyCollective, periodic_health_check
 from training.metrics import MetricsLog
-from training.model import Transformer, flops_per_token
+from training.model import Transformer
 from training.optim import (
     build_optimizer,
     build_scheduler,
@@ -156,7 +156,7 @@ class Trainer:
         self.stop_requested = False
         # Recorded with this job's first step, next to first_step_seconds (e.g. the compile cache's status).
         self.first_step_metrics: dict[str, Any] = {}
-        self._flops_per_token = flops_per_token(cfg.model, cfg.training.seq_len)
+        self._flops_per_token = cfg.model.flops_per_token(cfg.training.seq_len)
         self._peak = peak_flops(world.device)
         t = cfg.training
         # Health first: a wrong collective may have corrupted this step's gradients, so it must end the job before

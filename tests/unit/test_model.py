@@ -13,7 +13,7 @@ import torch
 
 from training.config import ModelConfig
 from training.hf_export import export_hf, from_hf_state_dict, hf_llama_config, to_hf_state_dict
-from training.model import Transformer, apply_rotary, flops_per_token, rope_tables, rotate_half
+from training.model import Transformer, apply_rotary, rope_tables, rotate_half
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -193,9 +193,9 @@ def test_full_rotary_tables_match_hf_llama() -> None:
 def test_flops_per_token() -> None:
     cfg = ModelConfig(**SMALL)
     n = cfg.num_params() - 300 * 64
-    assert flops_per_token(cfg, 32) == 6 * n + 12 * 2 * 64 * 32
+    assert cfg.flops_per_token(32) == 6 * n + 12 * 2 * 64 * 32
     tied = ModelConfig(**SMALL, tie_embeddings=True)
-    assert flops_per_token(tied, 32) == 6 * tied.num_params() + 12 * 2 * 64 * 32
+    assert tied.flops_per_token(32) == 6 * tied.num_params() + 12 * 2 * 64 * 32
 
 
 def _hf_logits(hf: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -99,12 +99,14 @@ def test_a_layout_that_does_not_fit_says_by_how_much() -> None:
     assert "GiB of 14.4 GiB usable per NeuronCore" in result.reason
 
 
-def test_flops_per_token_match_the_model() -> None:
-    from training.model import flops_per_token
-
-    for preset in ("hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b", "tiny"):
-        config = load_config(preset)
-        assert planner.flops_per_token(config) == flops_per_token(config.model, config.training.seq_len)
+def test_the_planner_counts_with_the_models_arithmetic() -> None:
+    # LLaMA-7B's published 6,738,415,616 parameters; per token 6 x (N less the input embedding) + 12·L·d·T.
+    config = load_config("hlat-7b")
+    assert config.model.num_params() == 6_738_415_616
+    expected = 6 * (6_738_415_616 - 32000 * 4096) + 12 * 32 * 4096 * 4096
+    assert planner.flops_per_token(config) == config.model.flops_per_token(4096) == expected
+    layers = config.model.n_layers * planner.layer_flops_per_token(config)
+    assert layers + planner.head_flops_per_token(config) == expected
 
 
 # --- calibration ---------------------------------------------------------------------------------------------------
