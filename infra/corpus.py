@@ -1,9 +1,9 @@
-"""Corpus sources for prepare-data, all read through Hugging Face `datasets`.
+"""Corpus sources for prepare-data: what a source is, its fingerprint, and opening a hub data set.
 
 A source is a Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl/json, parquet, txt),
 or `builtin:python-stdlib`: an offline corpus built deterministically from the installed Python standard
-library (module sources and their docstrings), written as jsonl and then loaded like any local file.
-Sources are read as a stream of pandas batches so the stage's memory stays bounded.
+library (module sources and their docstrings), written as jsonl and then read like any local file. Files are cut
+into units and streamed by infra.reader; a hub data set is opened here, through Hugging Face `datasets`.
 
 Before a hub data set is loaded, the hub endpoint (HF_ENDPOINT, by default https://huggingface.co) is probed
 with one request of a few seconds: when it does not answer, the data set is loaded in offline mode (a copy in
@@ -26,8 +26,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import pandas as pd
 
 from infra.storage import Storage
 from training.config import ConfigError, DataConfig
@@ -172,26 +170,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-# -- reading ----------------------------------------------------------------------------------------------
-def iter_batches(cfg: DataConfig) -> Iterator[pd.DataFrame]:
-    """Yield the source as DataFrames of at most data.batch_rows rows, streamed (nothing held whole)."""
-    spec = resolve_source(cfg)
-    dataset = _open_dataset(cfg, spec)
-    if dataset is None:
-        return
-    limit = cfg.max_documents
-    seen = 0
-    for batch in _guarded(dataset.iter(batch_size=cfg.batch_rows), spec.name):
-        frame = pd.DataFrame(batch)
-        if limit is not None and seen + len(frame) > limit:
-            frame = frame.iloc[: limit - seen]
-        seen += len(frame)
-        if len(frame):
-            yield frame
-        if limit is not None and seen >= limit:
-            return
-
-
+# -- reading a hub data set (files are read by infra.reader) -------------------------------------------
 def _guarded(batches: Iterator[dict[str, list[Any]]], name: str) -> Iterator[dict[str, list[Any]]]:
     """Reading errors that are not transient (a malformed file) become one clear SourceError."""
     try:
@@ -202,29 +181,6 @@ def _guarded(batches: Iterator[dict[str, list[Any]]], name: str) -> Iterator[dic
         raise
     except Exception as exc:
         raise SourceError(f"data.source: cannot read {name}: {_first_line(exc)}") from exc
-
-
-def _open_dataset(cfg: DataConfig, spec: Source) -> Any:
-    import datasets
-
-    if spec.kind == "hub":
-        return _open_hub(cfg, datasets)
-    kwargs: dict[str, Any] = {}
-    if spec.builder in ("json", "text"):
-        # Invalid UTF-8 must be counted per row, not fail the whole file: decode with errors="replace" so
-        # bad bytes become U+FFFD, which validation quarantines as invalid_utf8. datasets' json reader only
-        # re-decodes when the encoding name differs from "utf-8", hence the alias "utf_8".
-        kwargs.update(encoding="utf_8", encoding_errors="replace")
-    if spec.builder == "text":
-        kwargs["sample_by"] = "document"  # one txt file is one document
-    if any(f.startswith("s3://") for f in spec.data_files):
-        kwargs["storage_options"] = Storage(spec.data_files[0]).fs.storage_options
-    try:
-        return datasets.load_dataset(spec.builder, data_files=spec.data_files, split="train", streaming=True, **kwargs)
-    except StopIteration:
-        return None  # datasets' json reader finds no first row in an empty file: an empty data set
-    except Exception as exc:
-        raise SourceError(f"data.source: cannot read {spec.name}: {_first_line(exc)}") from exc
 
 
 def _open_hub(cfg: DataConfig, datasets: Any) -> Any:

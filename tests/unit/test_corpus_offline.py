@@ -73,13 +73,14 @@ def test_the_probe_tells_an_answering_endpoint_from_a_closed_or_silent_one(
 # the test session sets HF_HUB_OFFLINE=1 (tests/conftest.py).
 SCRIPT = """
 import json, sys, time
-from infra.corpus import SourceError, iter_batches
+from infra.corpus import SourceError
+from infra.reader import plan_units, read_unit
 from training.presets import load_config
 
 cfg = load_config("tiny", {"data.source": "Salesforce/wikitext", "data.hf_config": "wikitext-2-raw-v1"}).data
 start = time.monotonic()
 try:
-    list(iter_batches(cfg))
+    [rows for unit in plan_units(cfg, 1 << 30) for rows in read_unit(unit, cfg)]
     message = None
 except SourceError as exc:
     message = str(exc)

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from infra.corpus import SourceError, iter_batches, source_fingerprint, stdlib_documents
+from infra.corpus import SourceError, source_fingerprint, stdlib_documents
 from infra.prepare import assign_split, prepare_dataset
 from infra.shards import iter_documents, read_manifest
 from infra.storage import Storage
@@ -227,24 +227,33 @@ def test_a_failed_rerun_leaves_earlier_outputs_intact(tmp_path: Path) -> None:
     assert all(Path(out.path(p)).read_bytes() == b for p, b in before.items())
 
 
+def read_source(cfg: DataConfig) -> list[Any]:
+    """Every batch of rows of the source, unit after unit, as the workers read it."""
+    from infra.reader import plan_units, read_unit
+
+    return [rows for unit in plan_units(cfg, 1 << 30) for rows in read_unit(unit, cfg)]
+
+
 def test_hub_source_without_network_gives_a_clear_error(tmp_path: Path) -> None:
     # HF_HUB_OFFLINE=1 is set for the test session (tests/conftest.py), as on a machine without the hub.
     with pytest.raises(SourceError, match="cannot reach the Hugging Face hub for 'someorg/some-corpus'"):
-        list(iter_batches(data_cfg("someorg/some-corpus")))
+        read_source(data_cfg("someorg/some-corpus"))
 
 
 def test_builtin_corpus_is_deterministic_real_text() -> None:
     first = [d["origin"] for d, _ in zip(stdlib_documents(), range(50), strict=False)]
     again = [d["origin"] for d, _ in zip(stdlib_documents(), range(50), strict=False)]
     assert first == again and any(o.endswith("#docstrings") for o in first)
-    batches = list(iter_batches(load_config("tiny", {"data.max_documents": 120, "data.batch_rows": 50}).data))
-    assert [len(b) for b in batches] == [50, 50, 20]
-    assert "def " in " ".join(batches[0]["text"])
+    batches = read_source(load_config("tiny", {"data.batch_rows": 50}).data)
+    assert [len(b.texts) for b in batches[:3]] == [50, 50, 50] and sum(len(b.texts) for b in batches) > 1000
+    assert "def " in " ".join(batches[0].texts)
 
 
 def test_hub_code_path_with_config_split_and_streaming(tmp_path: Path) -> None:
     """The hub loader (name, config, split, streaming) on a dataset repo laid out here, as the hub lays them out."""
-    from infra.corpus import Source, _open_dataset, resolve_source
+    import datasets
+
+    from infra.corpus import _open_hub, resolve_source
 
     repo = tmp_path / "org-corpus"
     for config, n in (("small", 5), ("large", 40)):
@@ -262,13 +271,12 @@ def test_hub_code_path_with_config_split_and_streaming(tmp_path: Path) -> None:
     )
     assert resolve_source(data_cfg("someorg/corpus")).kind == "hub"
     # A hub name and a local repo folder go through the same datasets.load_dataset call.
-    as_hub = Source("hub", None, [], str(repo))
     for streaming in (True, False):
         cfg = data_cfg(repo, hf_config="large", split="test", streaming=streaming)
-        texts = [t for batch in _open_dataset(cfg, as_hub).iter(batch_size=2) for t in batch["text"]]
+        texts = [t for batch in _open_hub(cfg, datasets).iter(batch_size=2) for t in batch["text"]]
         assert texts == [doc(100 + i) for i in range(3)], f"streaming={streaming}"
     with pytest.raises(SourceError, match=r"cannot load .*org-corpus"):
-        _open_dataset(data_cfg(repo, hf_config="nope"), as_hub)
+        _open_hub(data_cfg(repo, hf_config="nope"), datasets)
 
 
 def test_bad_lines_in_later_units_of_a_large_file_are_named_by_their_line_in_the_file(tmp_path: Path) -> None:
