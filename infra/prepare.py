@@ -30,7 +30,7 @@ import io
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict
 
 import numpy as np
@@ -38,7 +38,7 @@ import pandas as pd
 from pydantic import BaseModel, Field
 
 from infra.reader import BadRow, Unit, absolute_line, plan_units, read_unit
-from infra.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, Split, encode_shard
+from infra.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, shard_texts, write_shard
 from infra.storage import Storage
 from infra.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
 from training.config import DataConfig
@@ -360,7 +360,7 @@ def run_worker(
     units: list[Unit],
     worker: int,
     limit: int | None = None,
-    on_batch: Callable[[Unit, int], None] | None = None,
+    on_batch: Callable[[Unit, int], None] = lambda unit, rows: None,
     job: str = "",
 ) -> list[UnitResult]:
     """Prepare `units` in order (skipping committed ones); with `limit`, stop once that many rows are read.
@@ -372,7 +372,7 @@ def run_worker(
             break
         was = committed(data, work, unit)
         room = None if limit is None else limit - read
-        result = was or prepare_unit(cfg, data, work, unit, worker, room, on_batch or (lambda u, rows: None), job)
+        result = was or prepare_unit(cfg, data, work, unit, worker, room, on_batch, job)
         log.info(
             "worker %d: unit %d (%s) %s: %d rows read, %d kept", worker, unit.index, unit.label(),
             "committed before" if was else f"done in {result.seconds:.1f} s", result.rows_read, result.rows_kept,
@@ -506,32 +506,19 @@ def _drop_rows(cfg: DataConfig, data: Storage, work: str, result: UnitResult, ro
         if not gone:
             shards.append(info)
             continue
-        texts = list(_shard_texts(data, info, cfg))
+        texts = list(shard_texts(data, info, cfg.shard_format))
         for at in sorted(gone):
             quarantine.add(texts[at], "duplicate", 0)
         kept = [t for i, t in enumerate(texts) if i not in gone]
         if kept:
-            shards.append(_write_shard(data, info.path.replace(f".{cfg.shard_format}", f"-dedup.{cfg.shard_format}"),
-                                       info.split, kept, cfg))  # fmt: skip
+            rel = info.path.replace(f".{cfg.shard_format}", f"-dedup.{cfg.shard_format}")
+            shards.append(write_shard(data, rel, info.split, kept, cfg.shard_format))
     quarantine.close()
     by_reason = Counter(result.quarantined_by_reason)
     by_reason["duplicate"] += int(rows.size)
     return result.model_copy(
         update={"shards": shards, "rows_kept": result.rows_kept - int(rows.size), "quarantined_by_reason": by_reason}
     )
-
-
-def _shard_texts(data: Storage, info: ShardInfo, cfg: DataConfig) -> Iterator[str]:
-    from infra.shards import iter_documents
-
-    yield from iter_documents(data, DataManifest(fingerprint="", format=cfg.shard_format, shards=[info]), info.split)
-
-
-def _write_shard(data: Storage, rel: str, split: Split, texts: list[str], cfg: DataConfig) -> ShardInfo:
-    payload = encode_shard(texts, cfg.shard_format)
-    data.write_bytes(rel, payload)
-    digest_hex = hashlib.sha256(payload).hexdigest()
-    return ShardInfo(path=rel, split=split, rows=len(texts), bytes=len(payload), sha256=digest_hex)
 
 
 def _per_worker(results: list[UnitResult]) -> list[WorkerReport]:

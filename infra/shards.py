@@ -60,6 +60,15 @@ def encode_shard(texts: list[str], fmt: Literal["parquet", "jsonl"]) -> bytes:
     return "".join(json.dumps({"text": t}, ensure_ascii=False) + "\n" for t in texts).encode("utf-8")
 
 
+def write_shard(data: Storage, rel: str, split: Split, texts: list[str], fmt: Literal["parquet", "jsonl"]) -> ShardInfo:
+    """Write one shard of `texts` at `rel` (under the data folder) and describe it for the manifest."""
+    payload = encode_shard(texts, fmt)
+    data.write_bytes(rel, payload)
+    return ShardInfo(
+        path=rel, split=split, rows=len(texts), bytes=len(payload), sha256=hashlib.sha256(payload).hexdigest()
+    )
+
+
 class ShardWriter:
     """Buffers documents per split and writes a shard every `shard_rows` documents."""
 
@@ -80,17 +89,7 @@ class ShardWriter:
             return
         index = sum(1 for s in self.shards if s.split == split)
         rel = f"{self.shard_dir}/{split}-{index:05d}.{self.fmt}"
-        payload = encode_shard(texts, self.fmt)
-        self.data.write_bytes(rel, payload)
-        self.shards.append(
-            ShardInfo(
-                path=rel,
-                split=split,
-                rows=len(texts),
-                bytes=len(payload),
-                sha256=hashlib.sha256(payload).hexdigest(),
-            )
-        )
+        self.shards.append(write_shard(self.data, rel, split, texts, self.fmt))
         self.buffers[split] = []
 
     def close(self) -> list[ShardInfo]:
@@ -117,16 +116,21 @@ def iter_documents(data: Storage, manifest: DataManifest, split: Split, verify: 
     With verify=True each shard's sha256 is checked against the manifest before its rows are used.
     """
     for shard in manifest.shards:
-        if shard.split != split:
-            continue
-        payload = data.read_bytes(shard.path)
-        if verify and hashlib.sha256(payload).hexdigest() != shard.sha256:
-            raise ValueError(f"{data.uri(shard.path)} does not match its checksum in the manifest; re-run prepare-data")
-        if manifest.format == "parquet":
-            table = pq.read_table(io.BytesIO(payload), columns=["text"])
-            yield from table.column("text").to_pylist()
-        else:
-            # Only "\n" ends a record: str.splitlines() would also cut at U+2028, U+0085, ... inside the text.
-            for line in payload.decode("utf-8").split("\n"):
-                if line:
-                    yield json.loads(line)["text"]
+        if shard.split == split:
+            yield from shard_texts(data, shard, manifest.format, verify)
+
+
+def shard_texts(
+    data: Storage, shard: ShardInfo, fmt: Literal["parquet", "jsonl"], verify: bool = True
+) -> Iterator[str]:
+    """The documents of one shard, its sha256 checked first (verify=True)."""
+    payload = data.read_bytes(shard.path)
+    if verify and hashlib.sha256(payload).hexdigest() != shard.sha256:
+        raise ValueError(f"{data.uri(shard.path)} does not match its checksum in the manifest; re-run prepare-data")
+    if fmt == "parquet":
+        yield from pq.read_table(io.BytesIO(payload), columns=["text"]).column("text").to_pylist()
+    else:
+        # Only "\n" ends a record: str.splitlines() would also cut at U+2028, U+0085, ... inside the text.
+        for line in payload.decode("utf-8").split("\n"):
+            if line:
+                yield json.loads(line)["text"]

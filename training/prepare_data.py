@@ -124,8 +124,8 @@ def _worker(cfg: HlatConfig, data: Storage, work: str, worker: int, life: int) -
     job = os.environ.get("TRAINING_JOB_NAME", "")
     fault = json.loads(os.environ.get(FAULTS_ENV) or "{}")
     ours = fault.get("worker") == worker and fault.get("life", 1) == life and fault.get("job", job) == job
-    on_batch = _fault(fault) if ours else None
-    run_worker(cfg.data, data, work, mine, worker, limit=cfg.data.max_documents, on_batch=on_batch, job=job)
+    faults = {"on_batch": _fault(fault)} if ours else {}
+    run_worker(cfg.data, data, work, mine, worker, limit=cfg.data.max_documents, job=job, **faults)
     return 0
 
 

@@ -125,11 +125,15 @@ def test_dry_run_on_the_local_backend_shows_the_job_command(tmp_path: Path) -> N
     assert not (tmp_path / "runs").exists()
 
 
+def aws_dry_run(stage: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    """`hlat run STAGE --dry-run` of the 7B preset on S3 with a role: what the stage's job would send."""
+    role = "job.role_arn=arn:aws:iam::123456789012:role/hlat"
+    return hlat("run", stage, "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs", "--set", role,
+                cwd=cwd)  # fmt: skip
+
+
 def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
-    out = hlat(
-        "run", "burn-in", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
-        "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
-    )  # fmt: skip
+    out = aws_dry_run("burn-in", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: burn-in of run hlat-7b-" in out.stdout and "-burn-in-1" in out.stdout
     assert "bound: the burn-in job stops by its max runtime of 1 h: at most $1,376.00" in out.stdout
@@ -138,10 +142,7 @@ def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
 
 
 def test_dry_run_of_prepare_data_prices_the_job_for_the_runs_tokens(tmp_path: Path) -> None:
-    out = hlat(
-        "run", "prepare-data", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
-        "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
-    )  # fmt: skip
+    out = aws_dry_run("prepare-data", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "-prepare-data-1" in out.stdout and "cost: 8 x ml.c5.4xlarge at $0.82/node-hour" in out.stdout
     # HLAT's 1.8T tokens at 4 bytes per token, 64 workers at the measured per-worker throughput.
@@ -152,10 +153,7 @@ def test_dry_run_of_prepare_data_prices_the_job_for_the_runs_tokens(tmp_path: Pa
 
 
 def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp_path: Path) -> None:
-    out = hlat(
-        "run", "evaluate", "--preset", "hlat-7b", "--dry-run", "--storage", "s3://my-bucket/runs",
-        "--set", "job.role_arn=arn:aws:iam::123456789012:role/hlat", cwd=tmp_path,
-    )  # fmt: skip
+    out = aws_dry_run("evaluate", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     request = json.loads(out.stdout.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\ncost:", 1)[0])
     assert request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
