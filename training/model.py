@@ -42,6 +42,7 @@ from typing import Any, Literal, Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from training.config import ModelConfig
 from training.sharding import DenseParameter, dense_init, dense_parameters
@@ -173,7 +174,7 @@ class Attention(nn.Module):
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
         self.register_buffer("rope_sin", torch.empty(0), persistent=False)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
         if self.qkv is not None:
             q, k, v = self.qkv(x)
         else:
@@ -185,11 +186,16 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         cos, sin = rope_window(self.rope_cos, T), rope_window(self.rope_sin, T)  # (T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
-        # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=self.n_kv_heads != self.n_heads
-        )  # (B, n_heads, T, head_dim)
+        gqa = self.n_kv_heads != self.n_heads
+        if isinstance(mask, BlockMask):
+            # Document masking with a fused kernel: FlexAttention skips the blocks the mask empties (compiled, since
+            # the block runs under torch.compile; see `Transformer.flex_document_mask`).
+            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        else:
+            # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
+            # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
+        # out: (B, n_heads, T, head_dim)
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
 
 
@@ -218,7 +224,7 @@ class Block(nn.Module):
         parallel.norm(self.attn_norm.weight)
         parallel.norm(self.mlp_norm.weight)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:
+    def forward(self, x: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
         x = x + self.attn(self.attn_norm(x), mask)  # (B, T, d_model)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
 
@@ -244,6 +250,17 @@ def document_mask(doc_ids: Tensor) -> Tensor:
     return (same_doc & causal).unsqueeze(1)  # (B, 1, T, T)
 
 
+def document_block_mask(doc_ids: Tensor) -> BlockMask:
+    """`document_mask` as FlexAttention's block-sparse mask: the same attention pattern, never materialised as
+    (B, T, T); blocks wholly outside a document are skipped rather than computed and masked."""
+    B, T = doc_ids.shape
+
+    def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
+        return (kv <= q) & (doc_ids[b, q] == doc_ids[b, kv])
+
+    return create_block_mask(same_document_causal, B, None, T, T, device=doc_ids.device)
+
+
 class Transformer(nn.Module):
     """LLaMA-style decoder. The weights are uninitialised memory until `init_weights()` or `load_state_dict`.
 
@@ -255,6 +272,9 @@ class Transformer(nn.Module):
 
     rope_cos: Tensor
     rope_sin: Tensor
+    flex_document_mask: bool = False
+    """Document masks as FlexAttention block masks (`document_block_mask`) instead of dense (B, 1, T, T) masks for
+    SDPA. Set by `training.parallelize.compile_blocks` on CUDA: FlexAttention is fused only under torch.compile."""
 
     def __init__(
         self, cfg: ModelConfig, device: torch.device | str | None = None, layers: Layers | None = None
@@ -375,7 +395,9 @@ class Transformer(nn.Module):
                 raise ValueError(f"sequence length {seq_len} exceeds max_seq_len={self.cfg.max_seq_len}")
             if doc_ids is not None and doc_ids.shape != tokens.shape:
                 raise ValueError(f"doc_ids shape {tuple(doc_ids.shape)} differs from tokens {tuple(tokens.shape)}")
-        mask = document_mask(doc_ids) if doc_ids is not None else None  # (B, 1, T, T)
+        mask: Tensor | BlockMask | None = None
+        if doc_ids is not None:
+            mask = document_block_mask(doc_ids) if self.flex_document_mask else document_mask(doc_ids)  # (B, 1, T, T)
         h = self.embed(tokens)  # (B, T, d_model)
         for layer in self.layers:
             h = layer(h, mask)  # (B, T, d_model)

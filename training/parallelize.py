@@ -6,7 +6,8 @@ Order: tensor parallel → activation checkpointing → compile → data-paralle
    by `init_world`), dense layers otherwise.
 2. Activation checkpointing: 'selective' recomputes the attention sub-layer, 'full' the whole block (torch-xla's
    checkpoint on XLA).
-3. torch.compile on CPU and CUDA (XLA compiles the whole step itself).
+3. torch.compile on CPU and CUDA, one transformer block at a time (`compile_blocks`; XLA compiles the whole step
+   itself).
 4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA. When the model is split, NxD's
    optimizer reduces the gradients over the data-parallel group (never over TP peers); on XLA without NxD the loop
    averages them itself (`reduce_gradients`, one all-reduce per optimizer step, inside the step's graph).
@@ -59,6 +60,20 @@ def model_layers(cfg: HlatConfig, world: World) -> Layers:
     return DenseLayers()
 
 
+def compile_blocks(model: nn.Module) -> None:
+    """torch.compile every transformer block in place (`nn.Module.compile`: names and state dict unchanged).
+
+    The blocks run one code path, so Dynamo traces one graph (forward and backward) that every block reuses: the
+    compile time of one block, not of the whole depth, and the compiled code fuses the norms, the rotary embedding
+    and SwiGLU's elementwise work around the matrix multiplies. The embedding and the output head stay eager. On
+    CUDA, document masks become FlexAttention block masks, fused inside the compiled block (SDPA with a dense
+    (B, 1, T, T) mask has no flash kernel)."""
+    for block in model.layers:  # type: ignore[union-attr]
+        block.compile()
+    if next(model.parameters()).device.type == "cuda":
+        model.flex_document_mask = True  # type: ignore[assignment]
+
+
 def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     p = cfg.parallelism
     # 1. Tensor parallelism: built into the model (model_layers).
@@ -71,7 +86,7 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     if cfg.training.compile and world.on_xla:
         log.warning("training.compile is ignored on XLA: XLA compiles the whole training step itself")
     elif cfg.training.compile:
-        runner = torch.compile(model)  # type: ignore[assignment]
+        compile_blocks(model)
     # 4. Data parallel (NxD's optimizer when the model is split; on XLA: reduce_gradients, called by the loop).
     if world.world_size > 1 and not world.on_xla and world.nxd is None:
         from torch.nn.parallel import DistributedDataParallel
