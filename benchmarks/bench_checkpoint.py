@@ -37,10 +37,10 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import best_of, table
-from infra.storage import Storage
-from training.checkpoint import SHARED_FILE, CheckpointManager, capture_rng_state, step_dir
-from training.config import ModelConfig
-from training.model import Transformer
+from hlat.core.config import ModelConfig
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import SHARED_FILE, CheckpointManager, capture_rng_state, step_dir
+from hlat.training.model import Transformer
 
 
 def trained_state(cfg: ModelConfig, batch: int, seq: int, repeats: int) -> tuple[dict[str, Any], float]:

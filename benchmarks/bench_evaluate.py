@@ -35,12 +35,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from benchmarks.common import best_of, table
-from infra.corpus import build_stdlib_corpus
-from infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
-from training.config import ModelConfig, TokenizerConfig
-from training.hf_export import export_hf
-from training.model import Transformer
-from training.perplexity import score_stream, token_stream
+from hlat.core.config import ModelConfig, TokenizerConfig
+from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+from hlat.training.corpus import build_stdlib_corpus
+from hlat.training.hf_export import export_hf
+from hlat.training.model import Transformer
+from hlat.training.perplexity import score_stream, token_stream
 
 RELATIVE_TOLERANCE = 1e-5
 """Most relative difference allowed between the two NLLs per token (float32, the same weights)."""
@@ -186,7 +186,7 @@ def time_harness(hf_dir: Path, texts: list[str], args: argparse.Namespace, devic
     import datasets
     import lm_eval  # noqa: F401  (seconds to import, once per process)
 
-    from training.lm_harness import CHOICE_TASK, CHOICES, CLOZE_TASK, run_harness, write_offline_tasks
+    from hlat.training.lm_harness import CHOICE_TASK, CHOICES, CLOZE_TASK, run_harness, write_offline_tasks
 
     datasets.disable_progress_bars()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # one warning per context cut to the model's length

@@ -22,12 +22,12 @@ from typing import Any
 import sentencepiece as spm
 
 from benchmarks.common import best_of, table
-from infra.corpus import build_stdlib_corpus
-from infra.shards import MANIFEST_FILE, DataManifest, ShardWriter
-from infra.storage import Storage
-from infra.tokenizer import train_sentencepiece, training_lines
-from training.config import TokenizerConfig
-from training.data import PackedLoader
+from hlat.core.config import TokenizerConfig
+from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.storage import Storage
+from hlat.infra.tokenizer import train_sentencepiece, training_lines
+from hlat.training.corpus import build_stdlib_corpus
+from hlat.training.data import PackedLoader
 
 
 def corpus_head(megabytes: float) -> list[str]:

@@ -29,11 +29,11 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import table
-from infra.prepare import prepare_dataset
-from infra.runs import open_run
-from infra.tokenizer import build_tokenizer
-from training.compile_cache import CACHE_DIR, KERNELS_FILE, LATEST_FILE, human_bytes
-from training.presets import load_config
+from hlat.core.presets import load_config
+from hlat.infra.runs import open_run
+from hlat.infra.tokenizer import build_tokenizer
+from hlat.training.compile_cache import CACHE_DIR, KERNELS_FILE, LATEST_FILE, human_bytes
+from hlat.training.prepare import prepare_dataset
 
 # The tiny preset over a small corpus and vocabulary (as the tests use), one step with torch.compile.
 OVERRIDES: dict[str, Any] = {
@@ -57,7 +57,7 @@ def main(argv: list[str] | None = None) -> str:
     with tempfile.TemporaryDirectory(prefix="hlat-bench-precompile-") as tmp:
         root = Path(tmp)
         base = prepare(root)
-        precompile_s, summary = run_program("training.precompile", base, root / "inductor-precompile", args.device)
+        precompile_s, summary = run_program("hlat.training.precompile", base, root / "inductor-precompile", args.device)
         manifest = json.loads((base / CACHE_DIR / LATEST_FILE).read_text())
         starts: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": [], "artifacts": []}
         for repeat in range(args.repeats):
@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> str:
                 if mode == "artifacts":
                     drop_kernels(run / CACHE_DIR)
                 inductor = root / f"inductor-{mode}-{repeat}"
-                wall, _ = run_program("training.train", run, inductor, args.device)
+                wall, _ = run_program("hlat.training.train", run, inductor, args.device)
                 first = checked_first_record(run, mode, inductor)
                 starts[mode].append((float(first["first_step_seconds"]), wall))
     warm = min(starts["warm"])

@@ -7,7 +7,7 @@ documents, exact duplicates, invalid UTF-8, a lone-surrogate escape, objects wit
 
 The worker path is what each prepare-data worker runs: `plan_units` -> `read_unit` -> `DocumentValidator.validate`
 (every great-expectations expectation on: null, invalid_utf8 regex, length bounds, duplicate) -> the held-out split
--> `ShardWriter`, unit by unit (infra.prepare.run_worker, which also commits each unit). The peer reads the same
+-> `ShardWriter`, unit by unit (training.prepare.run_worker, which also commits each unit). The peer reads the same
 file with `json`, applies the same row checks by hand and writes the same parquet shards; both must keep the same
 documents. MB/s is raw jsonl bytes per second of one process; the one-off cost of a worker process (importing
 great-expectations, building the suite) is timed apart. Then the job program itself (`training.prepare_data`:
@@ -91,9 +91,9 @@ def generate_corpus(path: Path, mb: float, documents: int | None = None, seed: i
 
 # -- the two pipelines ----------------------------------------------------------------------------------------
 def worker_path(cfg: Any, out: Any) -> tuple[int, int, int]:
-    """One worker over every unit of the plan, as the stage runs it (infra.prepare.run_worker: read, validate,
+    """One worker over every unit of the plan, as the stage runs it (training.prepare.run_worker: read, validate,
     shard, set aside, commit each unit); returns rows read, kept, held out."""
-    from infra.prepare import plan, run_worker
+    from hlat.training.prepare import plan, run_worker
 
     work = "work-bench"
     results = run_worker(cfg, out, work, plan(cfg, out, work), worker=0)
@@ -108,8 +108,8 @@ def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[fl
     long job approaches, once the fixed start of processes and the merge no longer count)."""
     import time
 
-    from infra.runs import open_run
-    from training.presets import load_config
+    from hlat.core.presets import load_config
+    from hlat.infra.runs import open_run
 
     overrides = {"data.source": str(corpus), "data.max_documents": None, "data.workers": workers,
                  "data.unit_mb": unit_mb, "data.validation_fraction": 0.01, "data.shard_rows": 50_000,
@@ -118,7 +118,15 @@ def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[fl
     config = load_config("tiny", overrides, run_id=f"w{workers}", storage=str(tmp / "jobs"))
     run = open_run(config)
     start = time.perf_counter()
-    command = [sys.executable, "-m", "training.prepare_data", "--config", run.uri + "/config.json", "--key", "bench"]
+    command = [
+        sys.executable,
+        "-m",
+        "hlat.training.prepare_data",
+        "--config",
+        run.uri + "/config.json",
+        "--key",
+        "bench",
+    ]
     subprocess.run(command, check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])
     wall = time.perf_counter() - start
     report = run.stage("data").read_json("report.json")
@@ -128,8 +136,8 @@ def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[fl
 
 def plain_python(cfg: Any, source: Path, out: Any) -> tuple[int, int, int]:
     """The same checks and shards without great-expectations, pandas or the reader."""
-    from infra.prepare import assign_split
-    from infra.shards import ShardWriter
+    from hlat.core.shards import ShardWriter
+    from hlat.training.prepare import assign_split
 
     v = cfg.validation
     seen: set[bytes] = set()
@@ -166,8 +174,8 @@ def _held_out(shards: list[Any]) -> int:
 _SETUP = """
 import time
 start = time.perf_counter()
-from infra.validation import DocumentValidator
-from training.config import DataConfig
+from hlat.training.validation import DocumentValidator
+from hlat.core.config import DataConfig
 cfg = DataConfig()
 DocumentValidator(cfg.validation, cfg.text_column)
 print(time.perf_counter() - start)
@@ -200,8 +208,8 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--job-unit-mb", type=int, default=16, help="data.unit_mb of the job rows")
     args = parser.parse_args(argv)
 
-    from infra.storage import Storage
-    from training.config import DataConfig
+    from hlat.core.config import DataConfig
+    from hlat.core.storage import Storage
 
     with tempfile.TemporaryDirectory() as tmp:
         corpus = Path(tmp) / "corpus.jsonl"

@@ -15,9 +15,9 @@ import time
 import sentencepiece as spm
 
 from benchmarks.common import best_of, table
-from infra.corpus import stdlib_documents
-from infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
-from training.presets import load_config
+from hlat.core.presets import load_config
+from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+from hlat.training.corpus import stdlib_documents
 
 
 def main(argv: list[str] | None = None) -> str:

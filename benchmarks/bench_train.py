@@ -28,11 +28,11 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.common import best_of, table
-from training.config import ModelConfig
-from training.devices import peak_flops
-from training.hf_export import hf_llama_config, to_hf_state_dict
-from training.model import Transformer
-from training.parallelize import compile_blocks
+from hlat.core.config import ModelConfig
+from hlat.training.devices import peak_flops
+from hlat.training.hf_export import hf_llama_config, to_hf_state_dict
+from hlat.training.model import Transformer
+from hlat.training.parallelize import compile_blocks
 
 SIZES = {
     "small": ModelConfig(n_layers=4, d_model=256, n_heads=8, ffn_hidden=688, vocab_size=2048, max_seq_len=512),

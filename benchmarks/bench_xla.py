@@ -23,10 +23,10 @@ from typing import Any
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from benchmarks.common import table
-from infra.shards import MANIFEST_FILE, DataManifest, ShardWriter, iter_documents
-from infra.storage import Storage
-from infra.tokenizer import train_sentencepiece, training_lines
-from training.presets import load_config
+from hlat.core.presets import load_config
+from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter, iter_documents
+from hlat.core.storage import Storage
+from hlat.infra.tokenizer import train_sentencepiece, training_lines
 
 VOCAB = 512
 
@@ -78,9 +78,9 @@ def make_run(prepared: Path, root: Path, run_id: str, device: str = "xla", **ove
 
 def measure(run: Path, sync_steps: set[int]) -> dict[str, Any]:
     """Train the run's steps with `Trainer.fit`; per step, the time and (XLA) counters once its work is done."""
-    from training.config import validate_config
-    from training.distributed import init_world
-    from training.trainer import Trainer
+    from hlat.core.config import validate_config
+    from hlat.training.distributed import init_world
+    from hlat.training.trainer import Trainer
 
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
     world = init_world(cfg.training.device, cfg)
@@ -93,7 +93,7 @@ def measure(run: Path, sync_steps: set[int]) -> dict[str, Any]:
     )
     on_xla = world.on_xla
     if on_xla:
-        from training import xla
+        from hlat.training import xla
     marks: list[tuple[float, dict[str, float]]] = []
     step_fn = trainer.train_step
 

@@ -8,10 +8,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from tasks.common import run_cached
-from tasks.jobs import burn_in_cache_key, burn_in_cluster, burn_in_present
+from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
+from hlat.tasks.common import run_cached
+from hlat.tasks.jobs import burn_in_cache_key, burn_in_cluster, burn_in_present
 
 
 @flow(name="burn-in", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -41,6 +41,6 @@ def burn_in(
 if __name__ == "__main__":
     import sys
 
-    from flows.cli import main
+    from hlat.cli import main
 
     sys.exit(main(["run", "burn-in", *sys.argv[1:]]))

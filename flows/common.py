@@ -7,13 +7,13 @@ from typing import Any
 from prefect import task
 from prefect.runtime import flow_run
 
-from flows.params import overrides_dict
-from infra.backends import job_python
-from infra.runs import Run, open_run
-from tasks import aws
-from tasks.common import TRANSIENT_RETRIES
-from training.config import ConfigError, HlatConfig
-from training.presets import load_config
+from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.presets import load_config
+from hlat.flows.params import overrides_dict
+from hlat.infra.backends import job_python
+from hlat.infra.runs import Run, open_run
+from hlat.tasks import aws
+from hlat.tasks.common import TRANSIENT_RETRIES
 
 
 @task(name="open-run", **TRANSIENT_RETRIES)
@@ -68,7 +68,7 @@ def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None
     """The run's config and its run; the SageMaker role is read from its Secret block after config.json is written
     (which keeps the block's name, not its value)."""
     config = resolve_config(preset, overrides, run_id, storage)
-    from infra.backends import preflight
+    from hlat.infra.backends import preflight
 
     preflight(config)  # what SageMaker would refuse (an instance type's typo...): before any stage, and config.json
     run = open_run_task(config)
@@ -80,7 +80,7 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
     by contrast, leaves it running for the next flow run to re-attach to)."""
     import logging
 
-    from infra.backends import stop_live_jobs
+    from hlat.infra.backends import stop_live_jobs
 
     params = flow_run.parameters
     config = resolve_config(

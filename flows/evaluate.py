@@ -8,18 +8,27 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STEP, STORAGE, OptionalStep, OptionalText, Overrides, PresetName
-from tasks.common import run_cached
-from tasks.evaluate import (
+from hlat.core.layout import CheckpointError, locate_checkpoint
+from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.params import (
+    OVERRIDES,
+    PRESET,
+    RUN_ID,
+    STEP,
+    STORAGE,
+    OptionalStep,
+    OptionalText,
+    Overrides,
+    PresetName,
+)
+from hlat.tasks.common import run_cached
+from hlat.tasks.evaluate import (
     check_task_names,
     evaluate_checkpoint,
     evaluation_cache_key,
     evaluation_present,
     write_eval_report,
 )
-from training.checkpoint import CheckpointError
-from training.hf_export import locate_checkpoint
 
 
 @flow(name="evaluate", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -59,6 +68,6 @@ def evaluate(
 if __name__ == "__main__":
     import sys
 
-    from flows.cli import main
+    from hlat.cli import main
 
     sys.exit(main(["run", "evaluate", *sys.argv[1:]]))

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, model_serializer
 
-from training.config import HlatConfig
+from hlat.core.config import HlatConfig
 
 PresetName = Literal["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
-"""The presets of training/presets.py (a test keeps the two lists equal)."""
+"""The presets of core/presets.py (a test keeps the two lists equal)."""
 
 
 def optional_in_form(schema: dict[str, Any]) -> None:
@@ -75,7 +75,7 @@ FORM_FIELDS = (
 
 def preset_values(dotted: str) -> str:
     """'tiny 600 · hlat-7b 429,000 · ...': a config field's value in each preset, for the form's descriptions."""
-    from training.presets import PRESETS, load_config
+    from hlat.core.presets import PRESETS, load_config
 
     def shown(value: Any) -> str:
         if value is None:

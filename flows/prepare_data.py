@@ -4,11 +4,11 @@ from __future__ import annotations
 
 from prefect import flow
 
-from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from infra.prepare import DataReport
-from tasks.common import run_cached
-from tasks.data import build_shards, data_cache_key, fingerprint_source, publish_data_report, shards_present
+from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
+from hlat.tasks.common import run_cached
+from hlat.tasks.data import build_shards, data_cache_key, fingerprint_source, publish_data_report, shards_present
+from hlat.training.prepare import DataReport
 
 
 @flow(name="prepare-data", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -35,6 +35,6 @@ def prepare_data(
 if __name__ == "__main__":
     import sys
 
-    from flows.cli import main
+    from hlat.cli import main
 
     sys.exit(main(["run", "prepare-data", *sys.argv[1:]]))

@@ -10,15 +10,15 @@ from prefect import flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
-from flows.burn_in import burn_in
-from flows.common import merged_overrides, resolve, run_name, stop_jobs_on_cancel
-from flows.evaluate import evaluate
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from flows.precompile import precompile
-from flows.prepare_data import prepare_data
-from flows.train import train
-from flows.train_tokenizer import train_tokenizer
-from tasks.common import artifact_key
+from hlat.flows.burn_in import burn_in
+from hlat.flows.common import merged_overrides, resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.evaluate import evaluate
+from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
+from hlat.flows.precompile import precompile
+from hlat.flows.prepare_data import prepare_data
+from hlat.flows.train import train
+from hlat.flows.train_tokenizer import train_tokenizer
+from hlat.tasks.common import artifact_key
 
 STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
 
@@ -99,6 +99,6 @@ def hlat(
 if __name__ == "__main__":
     import sys
 
-    from flows.cli import main
+    from hlat.cli import main
 
     sys.exit(main(["pretrain", *sys.argv[1:]]))

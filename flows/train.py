@@ -9,11 +9,11 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import resolve, run_name, stop_jobs_on_cancel
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from tasks.common import run_cached
-from tasks.plan import plan_parallelism
-from tasks.train import publish_training_report, train_cache_key, train_model, training_present
+from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
+from hlat.tasks.common import run_cached
+from hlat.tasks.plan import plan_parallelism
+from hlat.tasks.train import publish_training_report, train_cache_key, train_model, training_present
 
 
 @flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -46,6 +46,6 @@ def train(
 if __name__ == "__main__":
     import sys
 
-    from flows.cli import main
+    from hlat.cli import main
 
     sys.exit(main(["run", "train", *sys.argv[1:]]))

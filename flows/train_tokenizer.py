@@ -6,10 +6,10 @@ from typing import Any
 
 from prefect import flow
 
-from flows.common import resolve, run_name
-from flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from tasks.common import run_cached
-from tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
+from hlat.flows.common import resolve, run_name
+from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
+from hlat.tasks.common import run_cached
+from hlat.tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
 
 
 @flow(name="train-tokenizer", flow_run_name=run_name, log_prints=True)
@@ -43,6 +43,6 @@ def train_tokenizer(
 if __name__ == "__main__":
     import sys
 
-    from flows.cli import main
+    from hlat.cli import main
 
     sys.exit(main(["run", "train-tokenizer", *sys.argv[1:]]))

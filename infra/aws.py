@@ -34,7 +34,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
-from training.config import ConfigError
+from hlat.core.config import ConfigError
 
 log = logging.getLogger("hlat.aws")
 

@@ -15,11 +15,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from infra.catalog import CATALOG, Instance, price_per_hour
-from infra.jobs import JobBackend, JobSpec, JobState, job_name
-from infra.storage import Storage
-from infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
-from training.config import ConfigError, HlatConfig
+from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, NEURON_CACHE
+from hlat.core.storage import Storage
+from hlat.infra.catalog import CATALOG, Instance, InstanceCost, price_per_hour, tokens_per_s_at
+from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
+from hlat.infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
 PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
@@ -29,7 +30,7 @@ def jobs_dir(run_uri: str, run_id: str) -> str:
     """Where the local backend keeps its job folders: inside the run when the run is local, else in a cache."""
     run = Storage(run_uri)
     if run.is_local:
-        return run.path("jobs")
+        return run.path(JOBS_DIR)
     cache = os.environ.get("HLAT_JOBS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hlat", "jobs")
     return os.path.join(cache, run_id)
 
@@ -37,20 +38,20 @@ def jobs_dir(run_uri: str, run_id: str) -> str:
 def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
     job = config.job
     if job.backend == "sagemaker":
-        from infra.sagemaker_jobs import SageMakerBackend
+        from hlat.infra.sagemaker_jobs import SageMakerBackend
 
         return SageMakerBackend(job)
-    from infra.local_jobs import LocalBackend
+    from hlat.infra.local_jobs import LocalBackend
 
     return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds)
 
 
 STAGE_PROGRAMS = {
-    "prepare-data": "training.prepare_data",
-    "train": "training.train",
-    "precompile": "training.precompile",
-    "burn-in": "training.burn_in",
-    "evaluate": "training.evaluate",
+    "prepare-data": "hlat.training.prepare_data",
+    "train": "hlat.training.train",
+    "precompile": "hlat.training.precompile",
+    "burn-in": "hlat.training.burn_in",
+    "evaluate": "hlat.training.evaluate",
 }
 """The program each stage's jobs run (the training's image, instance type and count; evaluation and prepare-data:
 their own)."""
@@ -68,7 +69,7 @@ def job_shape(config: HlatConfig) -> list[Any]:
 
 
 def on_neuron(config: HlatConfig) -> bool:
-    from training.devices import on_trainium
+    from hlat.core.environment import on_trainium
 
     return on_trainium(config)
 
@@ -82,10 +83,10 @@ def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = 
     if stage in ("evaluate", "prepare-data"):
         return env
     if on_neuron(config) or config.training.device == "xla":
-        from training.devices import xla_job_environment
+        from hlat.core.environment import xla_job_environment
 
         # The compile cache's key is computed from the same function (training.compile_cache.cache_key).
-        env.update(xla_job_environment(config, compile_cache=f"{run_uri}/compile-cache/neuron"))
+        env.update(xla_job_environment(config, compile_cache=f"{run_uri}/{NEURON_CACHE}"))
     if on_neuron(config) and stage == "precompile":
         # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
         # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
@@ -109,7 +110,7 @@ def job_python(config: HlatConfig, stage: str) -> str | None:
         return job.python
     if config.training.device != "xla":
         return None
-    from infra.local_jobs import PROJECT_ROOT
+    from hlat.infra.local_jobs import PROJECT_ROOT
 
     path = PROJECT_ROOT / XLA_PYTHON
     if not path.exists():
@@ -128,7 +129,7 @@ def evaluation_image(config: HlatConfig) -> str | None:
     if e.image_uri or job.backend != "sagemaker":
         return e.image_uri
     if instance.startswith(("ml.p", "ml.g")):
-        from infra.sagemaker_jobs import pytorch_training_image
+        from hlat.infra.sagemaker_jobs import pytorch_training_image
 
         return pytorch_training_image(job.region, instance)
     return job.image_uri
@@ -138,7 +139,7 @@ def data_image(config: HlatConfig) -> str | None:
     """The prepare-data job's image: data.image_uri, else (SageMaker) AWS's PyTorch CPU training image."""
     if config.data.image_uri or config.job.backend != "sagemaker":
         return config.data.image_uri
-    from infra.sagemaker_jobs import pytorch_training_image
+    from hlat.infra.sagemaker_jobs import pytorch_training_image
 
     return pytorch_training_image(config.job.region, config.data.instance_type)
 
@@ -191,7 +192,7 @@ def job_spec(
         stage=stage,
         image_uri=evaluation_image(config) if evaluating else job.image_uri,
         entry=STAGE_PROGRAMS[stage],
-        checkpoint_prefix=sync.get(stage, "checkpoints"),
+        checkpoint_prefix=sync.get(stage, CHECKPOINTS_DIR),
         args={"step": str(step)} if step is not None else {},
         python=job_python(config, stage),
     )
@@ -243,7 +244,7 @@ def run_stage_job(
 
 def stop_live_jobs(config: HlatConfig) -> list[str]:
     """Stop every unfinished job of the run's stages (a flow run was cancelled); returns their names."""
-    from infra.runs import run_for
+    from hlat.infra.runs import run_for
 
     run = run_for(config)
     backend = backend_for(config, run.uri, run.run_id)
@@ -287,9 +288,13 @@ def estimate(config: HlatConfig) -> dict[str, Any]:
     out: dict[str, Any] = {"hourly_usd": hourly, "tokens": tokens, "hours": None, "total_usd": None, "mfu": None}
     instance = CATALOG.get(job.instance_type)
     if instance and instance.peak_bf16_flops and instance.estimate_mfu:
-        flops = config.model.flops_per_token(t.seq_len) * tokens
-        seconds = flops / (job.instance_count * instance.peak_bf16_flops * instance.estimate_mfu)
-        out.update(hours=seconds / 3600, total_usd=seconds / 3600 * hourly, mfu=instance.estimate_mfu)
+        rate = tokens_per_s_at(
+            instance, job.instance_count, instance.estimate_mfu, config.model.flops_per_token(t.seq_len)
+        )
+        cost = InstanceCost(
+            job.instance_type, job.instance_count, rate, hourly / job.instance_count, tokens, "catalog estimate MFU"
+        )
+        out.update(hours=cost.hours, total_usd=cost.usd, mfu=instance.estimate_mfu)
     return out
 
 
@@ -419,7 +424,7 @@ def preflight(config: HlatConfig) -> None:
     them; nothing is sent or uploaded."""
     if config.job.backend != "sagemaker" or not config.storage.root.startswith("s3://"):
         return
-    from infra.sagemaker_jobs import SageMakerBackend, check_request
+    from hlat.infra.sagemaker_jobs import SageMakerBackend, check_request
 
     run_id = config.resolved_run_id()
     run_uri = f"{config.storage.root.rstrip('/')}/{run_id}"

@@ -14,7 +14,7 @@ tokens on 64 nodes: 6 x 20.6B x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 GIB = 1024**3
 
@@ -159,3 +159,47 @@ def price_per_hour(instance_type: str, override: float | None = None) -> float:
 def job_cost(billable_seconds: float, instance_count: int, price: float) -> float:
     """SageMaker bills BillableTimeInSeconds x InstanceCount at the node-hour price."""
     return billable_seconds * instance_count * price / 3600.0
+
+
+def tokens_per_s_at(instance: Instance, nodes: int, mfu: float, flops_per_token: float) -> float:
+    """Training throughput of `nodes` nodes of `instance` running at model-FLOPs utilisation `mfu`."""
+    return nodes * instance.peak_bf16_flops * mfu / flops_per_token
+
+
+@dataclass(frozen=True)
+class InstanceCost:
+    """Time and cost to train a token budget on `nodes` nodes of one instance type: the one cost arithmetic, used by
+    the dry run (`infra.backends.estimate`, at the catalog's estimate MFU) and the planner's comparison
+    (`infra.planner.compare_instances`, at the planned layout's throughput, or a GPU's comparison MFU)."""
+
+    instance_type: str
+    nodes: int
+    tokens_per_s: float
+    usd_per_node_hour: float
+    tokens: float
+    basis: str
+    """How tokens_per_s was obtained: the planner's best layout, or an assumed MFU."""
+
+    @property
+    def hours(self) -> float:
+        return self.tokens / self.tokens_per_s / 3600
+
+    @property
+    def usd(self) -> float:
+        return self.hours * self.nodes * self.usd_per_node_hour
+
+    @property
+    def tokens_per_usd(self) -> float | None:
+        return self.tokens / self.usd if self.usd else None
+
+    def row(self) -> dict[str, Any]:
+        return {
+            "instance_type": self.instance_type,
+            "nodes": self.nodes,
+            "tokens_per_s": round(self.tokens_per_s),
+            "days": round(self.hours / 24, 2),
+            "usd": round(self.usd),
+            "usd_per_node_hour": self.usd_per_node_hour,
+            "tokens_per_usd": round(self.tokens_per_usd) if self.tokens_per_usd else None,
+            "basis": self.basis,
+        }

@@ -22,9 +22,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from infra.storage import Storage
-from training.evaluate import EVAL_DIR, RESULTS_FILE
-from training.metrics import METRICS_FILE
+from hlat.core.layout import EVAL_DIR, METRICS_FILE
+from hlat.core.layout import EVAL_RESULTS_FILE as RESULTS_FILE
+from hlat.core.storage import Storage
 
 log = logging.getLogger("hlat.eval_report")
 

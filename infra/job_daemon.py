@@ -32,10 +32,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import IO, Any
 
-from infra.jobs import JobSpec, Status
-from infra.storage import Storage
-from training.exit_codes import EXIT_NAN
-from training.sagemaker import MAX_FAILURE_REASON as MAX_REASON
+from hlat.core.contract import EXIT_NAN
+from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
+from hlat.core.layout import CHECKPOINT_MARKER
+from hlat.core.storage import Storage
+from hlat.infra.jobs import JobSpec, Status
 
 FAULTS_ENV = "HLAT_LOCAL_FAULTS"
 """Faults for tests, read by the submitting process (see infra.local_jobs); kept out of the job's environment."""
@@ -48,7 +49,6 @@ SYNC_EVERY_S = 1.0
 _PROGRESS = re.compile(rb"\bstep (\d+) loss")
 _TEMP_FILE = re.compile(r"\.tmp-[0-9a-f]{8}$")  # Storage.write_bytes's file before its rename
 _SIGNALS = {int(sig) for sig in signal.Signals}
-_MARKER = "COMMITTED"  # training/checkpoint.py's commit marker (not imported: that module imports torch)
 
 
 def write_json(path: str, obj: Any) -> None:
@@ -212,21 +212,22 @@ class CheckpointMirror:
     def sync(self) -> None:
         local = self._local_files()
         changed = {rel for rel, sig in local.items() if self.synced.get(rel) != sig}
-        for folder in {posixpath.dirname(rel) for rel in changed if posixpath.basename(rel) != _MARKER}:
-            marker = posixpath.join(folder, _MARKER)
+        for folder in {posixpath.dirname(rel) for rel in changed if posixpath.basename(rel) != CHECKPOINT_MARKER}:
+            marker = posixpath.join(folder, CHECKPOINT_MARKER)
             if marker in self.synced:
                 self.remote.remove(marker)
                 del self.synced[marker]
                 if marker in local:
                     changed.add(marker)
-        for rel in sorted(changed, key=lambda r: (posixpath.basename(r) == _MARKER, r)):
+        for rel in sorted(changed, key=lambda r: (posixpath.basename(r) == CHECKPOINT_MARKER, r)):
             try:
                 self.remote.put_file(os.path.join(self.local_dir, rel), rel)
             except FileNotFoundError:  # deleted locally meanwhile: the next pass removes it remotely
                 continue
             self.synced[rel] = local[rel]
         gone = sorted(
-            (rel for rel in self.synced if rel not in local), key=lambda r: (posixpath.basename(r) != _MARKER, r)
+            (rel for rel in self.synced if rel not in local),
+            key=lambda r: (posixpath.basename(r) != CHECKPOINT_MARKER, r),
         )
         for rel in gone:
             self.remote.remove(rel)

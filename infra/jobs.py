@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from hlat.core.layout import CHECKPOINTS_DIR
+
 
 class Status(StrEnum):
     IN_PROGRESS = "InProgress"
@@ -47,11 +49,11 @@ class JobSpec:
     """Extra environment for the job's processes (never secrets: it is visible in the job description)."""
     stage: str = "train"
     """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
-    checkpoint_prefix: str = "checkpoints"
+    checkpoint_prefix: str = CHECKPOINTS_DIR
     """Folder of the run that the job's checkpoint folder (/opt/ml/checkpoints) is synced with."""
     image_uri: str | None = None
     """Container image (SageMaker); None: the backend's default for the instance type."""
-    entry: str = "training.train"
+    entry: str = "hlat.training.train"
     """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
     args: dict[str, str] = field(default_factory=dict)
     python: str | None = None

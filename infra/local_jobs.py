@@ -43,7 +43,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
-from infra.job_daemon import (
+from hlat.infra.job_daemon import (
     FAULTS_ENV,
     PROJECT_ROOT,
     job_environment,
@@ -53,7 +53,7 @@ from infra.job_daemon import (
     training_command,
     write_json,
 )
-from infra.jobs import JobSpec, JobState, Status, SubmitError
+from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
 
 __all__ = ["FAULTS_ENV", "PROJECT_ROOT", "LocalBackend", "faults_for_attempt"]
 
@@ -123,7 +123,7 @@ class LocalBackend:
         started = time.time()
         with open(os.path.join(job_dir, "output.log"), "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "infra.job_daemon", job_dir],
+                [sys.executable, "-m", "hlat.infra.job_daemon", job_dir],
                 cwd=PROJECT_ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=log,

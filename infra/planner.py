@@ -42,8 +42,8 @@ from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
-from infra.catalog import CATALOG, Instance, Topology, price_per_hour
-from training.config import HlatConfig
+from hlat.core.config import HlatConfig
+from hlat.infra.catalog import CATALOG, Instance, InstanceCost, Topology, price_per_hour, tokens_per_s_at
 
 Checkpointing = Literal["none", "selective", "full"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
@@ -569,7 +569,7 @@ def evaluate(
 
 def published_config(run: PublishedRun) -> HlatConfig:
     """The preset laid out as the published run was."""
-    from training.presets import load_config
+    from hlat.core.presets import load_config
 
     return load_config(
         run.preset,
@@ -732,43 +732,6 @@ def plan(config: HlatConfig, nodes: int | None = None, instance_type: str | None
     return Plan(config.preset, instance_type, nodes, price, calibration, ranked, rejected, configured)
 
 
-@dataclass(frozen=True)
-class InstanceCost:
-    """Time and cost to train a token budget on `nodes` nodes of one instance type."""
-
-    instance_type: str
-    nodes: int
-    tokens_per_s: float
-    usd_per_node_hour: float
-    tokens: float
-    basis: str
-    """How tokens_per_s was obtained: the planner's best layout, or an assumed MFU."""
-
-    @property
-    def hours(self) -> float:
-        return self.tokens / self.tokens_per_s / 3600
-
-    @property
-    def usd(self) -> float:
-        return self.hours * self.nodes * self.usd_per_node_hour
-
-    @property
-    def tokens_per_usd(self) -> float | None:
-        return self.tokens / self.usd if self.usd else None
-
-    def row(self) -> dict[str, Any]:
-        return {
-            "instance_type": self.instance_type,
-            "nodes": self.nodes,
-            "tokens_per_s": round(self.tokens_per_s),
-            "days": round(self.hours / 24, 2),
-            "usd": round(self.usd),
-            "usd_per_node_hour": self.usd_per_node_hour,
-            "tokens_per_usd": round(self.tokens_per_usd) if self.tokens_per_usd else None,
-            "basis": self.basis,
-        }
-
-
 def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list[InstanceCost]:
     """Time and cost for `tokens` on the planned Trainium layout and, on as many nodes, each GPU instance of the
     catalog at its assumed MFU (GPU layouts and memory are not modelled)."""
@@ -784,8 +747,7 @@ def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list
         topo = instance.topology
         if topo is None or topo.kind != "gpu" or not topo.comparison_mfu:
             continue
-        peak = topo.devices_per_node * topo.peak_bf16_flops_per_device
-        rate = the_plan.nodes * peak * topo.comparison_mfu / per_token
+        rate = tokens_per_s_at(instance, the_plan.nodes, topo.comparison_mfu, per_token)
         rows.append(
             InstanceCost(
                 name, the_plan.nodes, rate, node_price(config, name), tokens,

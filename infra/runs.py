@@ -15,12 +15,11 @@ import json
 import logging
 from dataclasses import dataclass
 
-from infra.storage import Storage, StorageNotFound
-from training.config import ConfigError, HlatConfig, validate_config
+from hlat.core.config import ConfigError, HlatConfig, validate_config
+from hlat.core.layout import CONFIG_FILE, STAGE_DIRS
+from hlat.core.storage import Storage, StorageNotFound
 
 log = logging.getLogger("hlat.runs")
-CONFIG_FILE = "config.json"
-STAGE_DIRS = ("data", "tokenizer", "compile-cache", "burn-in", "checkpoints", "eval")
 
 
 @dataclass(frozen=True)

@@ -30,9 +30,9 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
-from infra.jobs import JobSpec, JobState, Status, SubmitError
-from training.config import JobConfig
-from training.sagemaker import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
+from hlat.core.config import JobConfig
+from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
+from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
 
 log = logging.getLogger("hlat.sagemaker")
 
@@ -141,9 +141,9 @@ def requirements_of(spec: JobSpec) -> str:
 
 
 def entry_script_of(spec: JobSpec) -> str:
-    """The Torchrun driver runs a script by path: `training.train` -> `training/train.py` (such programs set up
+    """The Torchrun driver runs a script by path: `hlat.training.train` -> `training/train.py` (such programs set up
     sys.path themselves when run that way)."""
-    return spec.entry.replace(".", "/") + ".py"
+    return spec.entry.removeprefix("hlat.").replace(".", "/") + ".py"
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:

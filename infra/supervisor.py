@@ -32,8 +32,9 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from infra.catalog import job_cost
-from infra.jobs import (
+from hlat.core.storage import Storage, is_transient
+from hlat.infra.catalog import job_cost
+from hlat.infra.jobs import (
     Action,
     Decision,
     JobBackend,
@@ -45,7 +46,6 @@ from infra.jobs import (
     classify_reason,
     job_name,
 )
-from infra.storage import Storage, is_transient
 
 log = logging.getLogger("hlat.supervisor")
 job_log = logging.getLogger("hlat.job")

@@ -25,13 +25,13 @@ from typing import TYPE_CHECKING, Any
 
 import sentencepiece as spm
 
-from infra.shards import Split, iter_documents, read_manifest
+from hlat.core.layout import TOKENIZER_MODEL as MODEL_FILE
+from hlat.core.shards import Split, iter_documents, read_manifest
 
 if TYPE_CHECKING:
-    from infra.storage import Storage
-    from training.config import TokenizerConfig
+    from hlat.core.config import TokenizerConfig
+    from hlat.core.storage import Storage
 
-MODEL_FILE = "tokenizer.model"
 REPORT_FILE = "report.json"
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2

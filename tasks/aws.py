@@ -14,8 +14,8 @@ from typing import Any
 
 from prefect.exceptions import ObjectNotFound
 
-from infra.aws import AwsBlockError, apply_environment, check_role_arn, credential_environment
-from training.config import HlatConfig, JobConfig
+from hlat.core.config import HlatConfig, JobConfig
+from hlat.infra.aws import AwsBlockError, apply_environment, check_role_arn, credential_environment
 
 log = logging.getLogger("hlat.aws")
 

@@ -8,8 +8,8 @@ from typing import Any
 from prefect import Task
 from prefect.client.schemas.objects import State, TaskRun
 
-from infra.storage import is_transient
-from training.config import stable_hash
+from hlat.core.config import stable_hash
+from hlat.core.storage import is_transient
 
 # Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
 RETRIES = 3

@@ -15,14 +15,28 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.backends import run_stage_job
-from infra.eval_report import choose_metric, embed_images, evaluation_history, load_baselines, write_report
-from infra.storage import Storage
-from infra.supervisor import JobFailed
-from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
-from training.checkpoint import MARKER, CheckpointManager, step_dir
-from training.config import HlatConfig
-from training.evaluate import EVAL_DIR, OFFLINE_TASK_PREFIX, RESULTS_FILE, results_path
+from hlat.core.config import OFFLINE_TASK_PREFIX, HlatConfig
+from hlat.core.layout import (
+    CHECKPOINT_MARKER,
+    CHECKPOINTS_DIR,
+    EVAL_DIR,
+    EVAL_RESULTS_FILE,
+    CheckpointIndex,
+    eval_results_path,
+    step_dir,
+)
+from hlat.core.storage import Storage
+from hlat.infra.backends import run_stage_job
+from hlat.infra.eval_report import (
+    REPORT_FILE,
+    choose_metric,
+    embed_images,
+    evaluation_history,
+    load_baselines,
+    write_report,
+)
+from hlat.infra.supervisor import JobFailed
+from hlat.tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 
 log = logging.getLogger("hlat.evaluate")
 
@@ -30,7 +44,7 @@ log = logging.getLogger("hlat.evaluate")
 @task(name="checkpoint-marker", **TRANSIENT_RETRIES)
 def checkpoint_marker(run_uri: str, step: int) -> str:
     """The checkpoint's commit marker (step and meta.json's sha256): changes whenever the checkpoint does."""
-    return Storage(run_uri).child("checkpoints").read_text(f"{step_dir(step)}/{MARKER}")
+    return Storage(run_uri).child(CHECKPOINTS_DIR).read_text(f"{step_dir(step)}/{CHECKPOINT_MARKER}")
 
 
 def evaluation_cache_key(config: HlatConfig, run_uri: str, step: int) -> str:
@@ -40,14 +54,14 @@ def evaluation_cache_key(config: HlatConfig, run_uri: str, step: int) -> str:
 
 
 def evaluation_present(run_uri: str, step: int) -> bool:
-    return Storage(run_uri).exists(results_path(step))
+    return Storage(run_uri).exists(eval_results_path(step))
 
 
 def check_task_names(config: HlatConfig) -> None:
     """Fail on an unknown lm-eval task name before a job is launched (lm-eval indexes its task YAML offline)."""
     standard = [t for t in config.evaluation.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
     if standard:
-        from training.lm_harness import check_tasks
+        from hlat.training.lm_harness import check_tasks
 
         check_tasks(standard, None)
 
@@ -56,7 +70,7 @@ def run_evaluation_job(config: HlatConfig, run_uri: str, run_id: str, step: int)
     """Run the evaluation job of checkpoint `step` to its end; its results.json."""
     record, state = run_stage_job(config, run_uri, run_id, "evaluate", step)
     run = Storage(run_uri)
-    path = results_path(step)
+    path = eval_results_path(step)
     if state is None or state.status.value != "Completed" or not run.exists(path):
         # A job that reports success without its results is named as such, with the missing file's path.
         ended = record.ending if record.status != "Completed" else f"Completed but wrote no {run.uri(path)}"
@@ -78,8 +92,8 @@ def write_eval_report(results: dict[str, Any], run_uri: str, run_id: str) -> dic
     run = Storage(run_uri)
     files = write_report(run, results, load_baselines())
     # Written last: eval/results.json present means the report beside it is this evaluation's.
-    run.write_json(f"{EVAL_DIR}/{RESULTS_FILE}", results)
-    files["results.json"] = run.uri(EVAL_DIR, RESULTS_FILE)
+    run.write_json(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}", results)
+    files[EVAL_RESULTS_FILE] = run.uri(EVAL_DIR, EVAL_RESULTS_FILE)
     publish_eval_report(run, results, run_id)
     return files
 
@@ -87,7 +101,7 @@ def write_eval_report(results: dict[str, Any], run_uri: str, run_id: str) -> dic
 def publish_eval_report(run: Storage, results: dict[str, Any], run_id: str) -> None:
     try:
         # The UI shows the artifact on its own page: the charts travel inside it (report.md links the files).
-        report = embed_images(run.read_text(f"{EVAL_DIR}/report.md"), run.child(EVAL_DIR))
+        report = embed_images(run.read_text(f"{EVAL_DIR}/{REPORT_FILE}"), run.child(EVAL_DIR))
         note = f"\n\nFull-size charts and files: `{run.uri(EVAL_DIR)}/`"
         create_markdown_artifact(report + note, key=artifact_key("eval-report", run_id))
         rows = [{"metric": k, "value": v} for k, v in (results.get("perplexity") or {}).items()]
@@ -110,7 +124,7 @@ class CheckpointEvaluator:
         self.config, self.run_uri, self.run_id = config, run_uri, run_id
         self.every = config.evaluation.every_steps
         run = Storage(run_uri)
-        self._checkpoints = CheckpointManager(run.child("checkpoints"), keep_last=1)
+        self._checkpoints = CheckpointIndex(run.child(CHECKPOINTS_DIR))
         self._seen = {int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None}
         self._pending: list[int] = []
         self._lock = threading.Lock()

@@ -9,18 +9,16 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.backends import job_shape, on_neuron, run_stage_job
-from infra.jobs import Action
-from infra.storage import Storage
-from infra.supervisor import Attempt, JobFailed, Ledger
-from tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
-from tasks.tokenizer import read_tokenizer_checksum
-from training.config import HlatConfig
+from hlat.core.config import HlatConfig
+from hlat.core.layout import BURN_IN_REPORT, COMPILE_LATEST, JOBS_DIR
+from hlat.core.storage import Storage
+from hlat.infra.backends import job_shape, on_neuron, run_stage_job
+from hlat.infra.jobs import Action
+from hlat.infra.supervisor import Attempt, JobFailed, Ledger
+from hlat.tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
+from hlat.tasks.tokenizer import read_tokenizer_checksum
 
 log = logging.getLogger("hlat.jobs")
-
-BURN_IN_REPORT = "burn-in/report.json"
-COMPILE_LATEST = "compile-cache/latest.json"
 
 
 class BurnInFailed(RuntimeError):
@@ -46,7 +44,7 @@ def job_ended_badly(stage: str, record: Attempt, run: Storage, output: str, log_
 def log_hint(config: HlatConfig, run: Storage, record: Attempt) -> str:
     """Where the job's own output can be read."""
     if config.job.backend == "local":
-        return f"its log: {run.uri('jobs', record.job_name, 'output.log')}"
+        return f"its log: {run.uri(JOBS_DIR, record.job_name, 'output.log')}"
     return f"its log: CloudWatch /aws/sagemaker/TrainingJobs, streams {record.job_name}/*"
 
 

@@ -13,9 +13,9 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_table_artifact
 
-from infra import planner
-from tasks.common import artifact_key
-from training.config import HlatConfig
+from hlat.core.config import HlatConfig
+from hlat.infra import planner
+from hlat.tasks.common import artifact_key
 
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)
 

@@ -8,12 +8,13 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from infra.runs import Run
-from infra.shards import read_manifest
-from infra.storage import Storage
-from infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
-from tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
-from training.config import HlatConfig, TokenizerConfig
+from hlat.core.config import HlatConfig, TokenizerConfig
+from hlat.core.layout import TOKENIZER_DIR
+from hlat.core.shards import read_manifest
+from hlat.core.storage import Storage
+from hlat.infra.runs import Run
+from hlat.infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
+from hlat.tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 
 
 @task(name="read-data-checksum", **TRANSIENT_RETRIES)
@@ -25,7 +26,7 @@ def read_data_checksum(run_uri: str) -> str:
 @task(name="read-tokenizer-checksum", **TRANSIENT_RETRIES)
 def read_tokenizer_checksum(run_uri: str) -> str:
     """sha256 of the run's tokenizer.model: what training's cache key depends on."""
-    tokenizer = Storage(run_uri).child("tokenizer")
+    tokenizer = Storage(run_uri).child(TOKENIZER_DIR)
     tokenizer.require(MODEL_FILE, what="tokenizer")
     return hashlib.sha256(tokenizer.read_bytes(MODEL_FILE)).hexdigest()
 

@@ -12,20 +12,19 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from infra.backends import supervisor_for
-from infra.storage import Storage
-from infra.supervisor import Attempt, Progress
-from tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
-from tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
-from training.checkpoint import CheckpointManager
-from training.config import HlatConfig
-from training.metrics import METRICS_FILE
+from hlat.core.config import HlatConfig
+from hlat.core.layout import CHECKPOINTS_DIR, METRICS_FILE, CheckpointIndex
+from hlat.core.storage import Storage
+from hlat.infra.backends import supervisor_for
+from hlat.infra.supervisor import Attempt, Progress
+from hlat.tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
+from hlat.tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
 
 log = logging.getLogger("hlat.train")
 
 
 def latest_checkpoint(run_uri: str) -> int | None:
-    return CheckpointManager(Storage(run_uri).child("checkpoints"), keep_last=1).latest_step()
+    return CheckpointIndex(Storage(run_uri).child(CHECKPOINTS_DIR)).latest_step()
 
 
 def train_cache_key(config: HlatConfig, run_uri: str) -> str:
@@ -84,7 +83,7 @@ class _Artifacts:
 def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
     """Submit and watch training jobs, relaunching from the newest checkpoint, until training.max_steps;
     with evaluation.every_steps, evaluate intermediate checkpoints alongside."""
-    from tasks.evaluate import CheckpointEvaluator
+    from hlat.tasks.evaluate import CheckpointEvaluator
 
     artifacts = _Artifacts(run_id)
     evaluator = CheckpointEvaluator(config, run_uri, run_id)

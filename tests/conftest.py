@@ -61,10 +61,10 @@ def prefect_server() -> Iterator[None]:
 @pytest.fixture(scope="session")
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder with prepared data and a trained tokenizer, shared by the training tests."""
-    from infra.prepare import prepare_dataset
-    from infra.runs import open_run
-    from infra.tokenizer import build_tokenizer
-    from training.presets import load_config
+    from hlat.core.presets import load_config
+    from hlat.infra.runs import open_run
+    from hlat.infra.tokenizer import build_tokenizer
+    from hlat.training.prepare import prepare_dataset
 
     root = tmp_path_factory.mktemp("prepared")
     cfg = load_config("tiny", SMALL_DATA, run_id="base", storage=str(root))

@@ -12,11 +12,11 @@ from typing import Any
 
 import torch
 
-from infra.runs import open_run
-from infra.storage import Storage
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage
+from hlat.infra.runs import open_run
+from hlat.training.checkpoint import CheckpointManager
 from tests.conftest import SMALL_DATA
-from training.checkpoint import CheckpointManager
-from training.presets import load_config
 
 
 def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
@@ -30,7 +30,7 @@ def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
 
 def launch(run: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
-        [sys.executable, "-m", "training.train", "--config", str(run / "config.json")],
+        [sys.executable, "-m", "hlat.training.train", "--config", str(run / "config.json")],
         env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

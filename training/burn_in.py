@@ -26,12 +26,20 @@ from typing import Any
 
 import torch.distributed as dist
 
-from infra.storage import Storage
-from training.config import HlatConfig
-from training.distributed import World, close_world, init_world
-from training.exit_codes import EXIT_BURN_IN_FAILED
-from training.faults import burn_in_wrong_rank
-from training.health import (
+from hlat.core.config import HlatConfig
+from hlat.core.contract import (
+    EXIT_BURN_IN_FAILED,
+    checkpoint_location,
+    job_arguments,
+    read_job_config,
+    reporting_failure,
+    write_failure,
+)
+from hlat.core.layout import BURN_IN_REPORT as REPORT
+from hlat.core.storage import Storage
+from hlat.training.distributed import World, close_world, init_world
+from hlat.training.faults import burn_in_wrong_rank
+from hlat.training.health import (
     allreduce_check,
     compute_dtype,
     evaluate,
@@ -40,17 +48,9 @@ from training.health import (
     matmul_check,
     write_check,
 )
-from training.sagemaker import (
-    checkpoint_location,
-    job_arguments,
-    read_job_config,
-    reporting_failure,
-    write_failure,
-)
 
 log = logging.getLogger("hlat.burn_in")
 
-REPORT = "burn-in/report.json"
 SCRATCH = "burn-in-scratch"
 
 

@@ -73,35 +73,32 @@ from typing import IO, Any, cast
 import torch
 from torch import nn
 
-from infra.storage import Storage, storage_errors
+from hlat.core.layout import (
+    CHECKPOINT_MARKER as MARKER,
+)
+from hlat.core.layout import (
+    CHECKPOINT_META as META,
+)
+from hlat.core.layout import (
+    CheckpointError,
+    CheckpointIndex,
+    shard_file,
+    step_dir,
+)
+from hlat.core.storage import Storage
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
-MARKER = "COMMITTED"
-META = "meta.json"
 SHARED_FILE = "train_state.pt"
-_STEP_DIR = re.compile(r"step-(\d+)")
 # Shard names become file names (model-<shard>.pt) and must not look like anything else in the folder.
 _SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
 State = dict[str, Any]
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint could not be written or read; the message names it and why."""
-
-
-def step_dir(step: int) -> str:
-    return f"step-{step:09d}"
-
-
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
-
-
-def shard_file(shard: str) -> str:
-    return f"model-{shard}.pt"
 
 
 def _deserialize(data: bytes, what: str) -> Any:
@@ -192,7 +189,7 @@ def stage_to_cpu(obj: Any, copy: bool = True, reuse: StagingBuffers | None = Non
     xla_tensors: dict[int, torch.Tensor] = {}
     _collect_xla(obj, xla_tensors)
     if xla_tensors:
-        from training import xla
+        from hlat.training import xla
 
         fetched = xla.to_host(list(xla_tensors.values()))  # already fresh host tensors: nothing to refill
         memo.update(zip(xla_tensors, fetched, strict=True))
@@ -397,7 +394,7 @@ def capture_rng_state() -> State:
         }
     state["torch"] = torch.get_rng_state()
     if "torch_xla" in sys.modules:  # the XLA device's generator (a seed), once this process uses the device
-        from training import xla
+        from hlat.training import xla
 
         state["xla"] = xla.rng_state()
     # Only when CUDA is already in use: querying it would otherwise initialise CUDA in a CPU-only process.
@@ -427,7 +424,7 @@ def restore_rng_state(state: Mapping[str, Any]) -> None:
     if "torch" in state:
         torch.set_rng_state(torch.as_tensor(state["torch"], dtype=torch.uint8).cpu())
     if "xla" in state and "torch_xla" in sys.modules:
-        from training import xla
+        from hlat.training import xla
 
         xla.set_rng_state(int(state["xla"]))
     if "cuda" in state and torch.cuda.is_available():
@@ -448,8 +445,9 @@ def _no_barrier() -> None:
     return None
 
 
-class CheckpointManager:
-    """Saves, finds, loads and prunes checkpoints for one rank of a run (see the module docstring)."""
+class CheckpointManager(CheckpointIndex):
+    """Saves, finds, loads and prunes checkpoints for one rank of a run (see the module docstring); finding is
+    `CheckpointIndex`'s (core/layout.py, no torch)."""
 
     def __init__(
         self,
@@ -665,79 +663,6 @@ class CheckpointManager:
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 2.0)
-
-    def _file_sizes(self, folder: str) -> dict[str, int]:
-        # One listing (paginated on S3) instead of a HEAD request per file: thousands of ranks mean thousands
-        # of rank files.
-        path = self.storage.path(folder)
-        with storage_errors(self.storage.uri(folder)):
-            if not self.storage.fs.exists(path):
-                return {}
-            entries = self.storage.fs.ls(path, detail=True)
-        sizes = {}
-        for entry in entries:
-            if entry.get("type") == "file":
-                sizes[str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
-        return sizes
-
-    # -- finding -----------------------------------------------------------------------------------------
-    def all_steps(self) -> list[int]:
-        """Steps of every checkpoint folder, complete or not, ascending."""
-        steps = []
-        for name in self.storage.list():
-            match = _STEP_DIR.fullmatch(name)
-            if match:
-                steps.append(int(match.group(1)))
-        return sorted(steps)
-
-    def committed_steps(self) -> list[int]:
-        """Steps whose folder has the commit marker (not otherwise validated), ascending."""
-        return [s for s in self.all_steps() if self.storage.exists(f"{step_dir(s)}/{MARKER}")]
-
-    def latest_step(self) -> int | None:
-        """The newest complete checkpoint's step (None: none); newer broken ones are skipped with a warning."""
-        for step in reversed(self.all_steps()):
-            problem = self._problem(step)
-            if problem is None:
-                return step
-            log.warning("skipping checkpoint %s: %s", self.storage.uri(step_dir(step)), problem)
-        return None
-
-    def read_meta(self, step: int) -> dict[str, Any]:
-        """meta.json of a committed checkpoint."""
-        problem = self._problem(step)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {self.storage.uri(step_dir(step))} is not usable: {problem}")
-        meta: dict[str, Any] = self.storage.read_json(f"{step_dir(step)}/{META}")
-        return meta
-
-    def _problem(self, step: int) -> str | None:
-        """Why checkpoint `step` is not complete, or None when it is."""
-        folder = step_dir(step)
-        try:
-            sizes = self._file_sizes(folder)
-            if MARKER not in sizes:
-                return f"no {MARKER} marker (an interrupted save)"
-            if META not in sizes:
-                return f"{META} is missing"
-            meta_bytes = self.storage.read_bytes(f"{folder}/{META}")
-            marker = json.loads(self.storage.read_bytes(f"{folder}/{MARKER}"))
-            if marker.get("meta_sha256") != hashlib.sha256(meta_bytes).hexdigest():
-                return f"{META} does not match the sha256 recorded in {MARKER}"
-            meta = json.loads(meta_bytes)
-            if meta.get("step") != step:
-                return f"{META} is for step {meta.get('step')}"
-            for shard in meta.get("shards") or ():
-                if shard_file(shard) not in meta["files"]:
-                    return f"{META} lists shard {shard!r} but not its file {shard_file(shard)}"
-            for name, info in meta["files"].items():
-                if name not in sizes:
-                    return f"{name} is missing"
-                if sizes[name] != info["size"]:
-                    return f"{name} is {sizes[name]} bytes, {info['size']} were written (truncated or replaced)"
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return f"unreadable ({type(exc).__name__}: {exc})"
-        return None
 
     # -- loading -----------------------------------------------------------------------------------------
     def load(self, step: int) -> tuple[State, State]:

@@ -48,20 +48,20 @@ from typing import Any, Literal
 
 import torch
 
-from infra.storage import Storage, StorageError, StorageNotFound
-from training.config import HlatConfig, stable_hash
-from training.devices import shapes_graphs, xla_job_environment
-from training.distributed import World
+from hlat.core.config import HlatConfig, stable_hash
+from hlat.core.environment import shapes_graphs, xla_job_environment
+from hlat.core.layout import COMPILE_CACHE_DIR as CACHE_DIR
+from hlat.core.layout import COMPILE_LATEST_FILE as LATEST_FILE
+from hlat.core.layout import NEURON_CACHE_DIR as NEURON_DIR
+from hlat.core.layout import TORCH_CACHE_DIR as TORCH_DIR
+from hlat.core.storage import Storage, StorageError, StorageNotFound
+from hlat.training.distributed import World
 
 log = logging.getLogger("hlat.train")
 
-CACHE_DIR = "compile-cache"
-LATEST_FILE = "latest.json"
 MANIFEST_FILE = "manifest.json"
 ARTIFACTS_FILE = "artifacts.bin"
 KERNELS_FILE = "inductor.tar.gz"
-TORCH_DIR = "torch"
-NEURON_DIR = "neuron"
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 """Inductor's disk cache: FX graphs, AOTAutograd entries, generated code, compiled C++ (and Triton) kernels."""

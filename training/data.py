@@ -66,8 +66,8 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 import torch
 
-from infra.shards import DataManifest, ShardInfo, read_manifest
-from infra.storage import Storage
+from hlat.core.shards import DataManifest, ShardInfo, read_manifest
+from hlat.core.storage import Storage
 
 STATE_VERSION = 1
 SEED_STRIDE = 1_000_003

@@ -1,17 +1,10 @@
-"""What the device can do: peak FLOPs for MFU, memory in use, and the Trainium (Neuron) environment.
-
-torch-neuronx / torch-xla / neuronx-distributed exist only inside the Neuron training container; they are
-imported only through `neuron_available()` so that everything else runs on CPU and CUDA.
-"""
+"""What the device can do: peak FLOPs for MFU and memory in use (the Trainium job environment: core/environment.py)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 
 import torch
-
-from training.config import HlatConfig
 
 # Dense BF16 peak FLOP/s per device (tensor cores / NeuronCore), from vendor data sheets.
 _CUDA_PEAK_BF16 = {
@@ -48,85 +41,3 @@ def memory_gb(device: torch.device) -> float | None:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # kB on Linux
     except (ImportError, OSError):
         return None
-
-
-def neuron_available() -> bool:
-    """True inside a Neuron container (torch-neuronx and torch-xla installed). A stand-in module without a spec (the
-    NxD tests' stubs of torch-neuronx) does not count."""
-
-    def installed(name: str) -> bool:
-        try:
-            return importlib.util.find_spec(name) is not None
-        except ValueError:  # in sys.modules without a __spec__: not an installed package
-            return False
-
-    return installed("torch_neuronx") and installed("torch_xla")
-
-
-def xla_precision_environment(precision: str) -> dict[str, str]:
-    """What torch-xla and the Neuron runtime read for a precision mode, as HLAT ran it (set before torch_xla is
-    imported). bf16-sr (HLAT 7B): every FP32 tensor is BF16 on the device (XLA_USE_BF16=1) and the NeuronCore
-    rounds stochastically. bf16-mixed (HLAT 70B): FP32 tensors are downcast to BF16 and FP64 ones to FP32 on the
-    device (XLA_DOWNCAST_BF16=1), which is how the optimizer keeps FP32 master weights; rounding to nearest.
-    fp32: none of it. XLA_USE_BF16 and XLA_DOWNCAST_BF16 are honoured up to Neuron SDK 2.24 (torch-xla 2.7)."""
-    use_bf16, downcast, sr = tuple({"bf16-sr": "101", "bf16-mixed": "010", "fp32": "000"}[precision])
-    return {"XLA_USE_BF16": use_bf16, "XLA_DOWNCAST_BF16": downcast, "NEURON_RT_STOCHASTIC_ROUNDING_EN": sr}
-
-
-def on_trainium(config: HlatConfig) -> bool:
-    """The jobs run on Trainium instances (trn1): the test `infra.backends.on_neuron` makes too."""
-    return "trn" in config.job.instance_type
-
-
-def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
-    """The environment of a trn1 job (set before torch_xla is imported), as HLAT's launch scripts set it: the
-    precision flags of precision.mode, then the compiler, runtime and EFA settings of the `neuron` section, then
-    neuron.env (last, so it overrides any of them), and NEURON_COMPILE_CACHE_URL when `compile_cache` is given."""
-    n = config.neuron
-    env = xla_precision_environment(config.precision.mode)
-    env["NEURON_CC_FLAGS"] = n.compiler_flags
-    if n.fuse_softmax:
-        env["NEURON_FUSE_SOFTMAX"] = "1"
-    env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = str(n.async_inflight_requests)
-    env["NEURON_RT_EXEC_TIMEOUT"] = str(n.exec_timeout)
-    if n.malloc_arena_max is not None:
-        env["MALLOC_ARENA_MAX"] = str(n.malloc_arena_max)
-    if n.compress_rg:
-        env["NEURON_EXPERIMENTAL_COMPRESS_RG"] = "1"
-    if not n.dist_init_barrier:
-        env["TORCH_DIST_INIT_BARRIER"] = "0"
-    if n.efa:
-        env.update(FI_PROVIDER="efa", FI_EFA_USE_DEVICE_RDMA="1")
-    if n.efa_fork_safe:
-        env["FI_EFA_FORK_SAFE"] = "1"
-    env.update(n.env)
-    if compile_cache:
-        env["NEURON_COMPILE_CACHE_URL"] = compile_cache
-    return env
-
-
-def xla_cpu_environment(precision: str) -> dict[str, str]:
-    """The environment of a job on XLA:CPU (training.device=xla off trn1, the local rehearsal of the trn1 code
-    path): torch-xla on the host's CPU with the precision flags a trn1 job gets, and no Neuron runtime settings
-    (there is no Neuron runtime)."""
-    return {**xla_precision_environment(precision), "PJRT_DEVICE": "CPU"}
-
-
-def xla_job_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
-    """The environment the config gives a job that runs on XLA: trn1's (`neuron_environment`, with the Neuron
-    compile cache) on Trainium instances, else XLA:CPU's (`compile_cache` unused)."""
-    if on_trainium(config):
-        return neuron_environment(config, compile_cache)
-    return xla_cpu_environment(config.precision.mode)
-
-
-_RUNTIME_ONLY_PREFIXES = ("NEURON_RT_", "FI_", "RDMAV_")
-_RUNTIME_ONLY = frozenset({"MALLOC_ARENA_MAX", "TORCH_DIST_INIT_BARRIER", "NEURON_COMPILE_CACHE_URL"})
-
-
-def shapes_graphs(name: str) -> bool:
-    """Whether an environment variable of an XLA job can change the graphs it compiles. The Neuron runtime's
-    (NEURON_RT_*: timeouts, queue depth, stochastic rounding), libfabric's, malloc's, the process-group barrier and
-    where the cache lives cannot; the precision flags, NEURON_CC_FLAGS, NEURON_FUSE_SOFTMAX, compress-RG and any
-    variable neuron.env adds are taken to (the compile cache's key holds them)."""
-    return name not in _RUNTIME_ONLY and not name.startswith(_RUNTIME_ONLY_PREFIXES)

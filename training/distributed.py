@@ -18,8 +18,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from training.config import HlatConfig
-from training.devices import neuron_available, xla_precision_environment
+from hlat.core.config import HlatConfig
+from hlat.core.environment import neuron_available, xla_precision_environment
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ class World:
         """`tensor` (on this job's device) reduced over every rank, as a tensor on the device: 'sum' or 'max'. Use
         the result: on CPU and CUDA it is `tensor`, reduced in place; on XLA a new tensor."""
         if self.on_xla:
-            from training import xla
+            from hlat.training import xla
 
             return xla.all_reduce(tensor, op)
         if _grouped():  # in place
@@ -90,14 +90,14 @@ class World:
     def mark_step(self) -> None:
         """End of an optimizer step: on XLA, cut and launch the step's graph; elsewhere nothing."""
         if self.on_xla:
-            from training import xla
+            from hlat.training import xla
 
             xla.mark_step()
 
     def to_host(self, tree: Any) -> Any:
         """`tree` with its device tensors as CPU tensors, in one transfer on XLA (the one host read of a sync point)."""
         if self.on_xla:
-            from training import xla
+            from hlat.training import xla
 
             return xla.to_host(tree)
         if self.device.type == "cpu":
@@ -108,7 +108,7 @@ class World:
         """Seed every generator the job uses: torch's (CPU, and CUDA through it) and the XLA device's."""
         torch.manual_seed(seed)
         if self.on_xla:
-            from training import xla
+            from hlat.training import xla
 
             xla.set_rng_state(seed)
 
@@ -146,7 +146,7 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     kind = resolve_device_kind(device_kind)
     if kind == "xla":
-        from training import xla
+        from hlat.training import xla
 
         xla.require_xla()
         on_neuron = neuron_available()
@@ -169,11 +169,11 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
 def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
     """`world` with neuronx-distributed's groups formed and this rank's place in them, when `cfg` splits the model
     (on trn1, or in NxD's CPU mode); unchanged otherwise."""
-    from training.neuron import needs_nxd
+    from hlat.training.neuron import needs_nxd
 
     if cfg is None or not needs_nxd(cfg):
         return world
-    from training import neuron
+    from hlat.training import neuron
 
     neuron.require_nxd()
     config = neuron.nxd_config(cfg)

@@ -33,33 +33,26 @@ from typing import Any
 
 import torch
 
-from infra.shards import iter_documents, read_manifest
-from infra.storage import Storage
-from training.checkpoint import step_dir
-from training.config import EvaluationConfig, HlatConfig, ModelConfig
-from training.hf_export import (
+from hlat.core.config import OFFLINE_TASK_PREFIX, EvaluationConfig, HlatConfig, ModelConfig
+from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
+from hlat.core.layout import CHECKPOINTS_DIR
+from hlat.core.layout import eval_results_path as results_path
+from hlat.core.shards import iter_documents, read_manifest
+from hlat.core.storage import Storage
+from hlat.training.hf_export import (
     export_hf,
     fetch_tokenizer_files,
     hf_llama_config,
     load_checkpoint_model,
     locate_checkpoint,
 )
-from training.perplexity import held_out_perplexity
-from training.sagemaker import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
+from hlat.training.perplexity import held_out_perplexity
 
 log = logging.getLogger("hlat.evaluate")
 
-EVAL_DIR = "eval"
-RESULTS_FILE = "results.json"
-OFFLINE_TASK_PREFIX = "hlat_"
 """Task names the project generates from the run's held-out text (see training/lm_harness.py)."""
 OFFLINE_TASK_DOCUMENTS = 2000
 """Held-out documents read to make the offline tasks' examples."""
-
-
-def results_path(step: int) -> str:
-    """Where the evaluation of checkpoint `step` is written, relative to the run."""
-    return f"{EVAL_DIR}/{step_dir(step)}/{RESULTS_FILE}"
 
 
 def _device(choice: str | None) -> torch.device:
@@ -76,7 +69,7 @@ def _held_out(data: Storage) -> Any:
 
 def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device: torch.device) -> dict[str, Any]:
     """Evaluate one checkpoint of `run` and write its results.json; returns the results."""
-    from training import lm_harness
+    from hlat.training import lm_harness
 
     started = time.perf_counter()
     e = cfg.evaluation
@@ -84,7 +77,7 @@ def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device:
     standard = [t for t in e.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
     if standard:
         lm_harness.check_tasks(standard, None)  # a typo fails in seconds, not after the model is loaded
-    ref = locate_checkpoint(run.uri("checkpoints"), step)
+    ref = locate_checkpoint(run.uri(CHECKPOINTS_DIR), step)
     log.info("evaluating %s on %s", ref.uri, device)
     model, saved = load_checkpoint_model(ref, device)
     results: dict[str, Any] = {
@@ -131,7 +124,7 @@ def _run_tasks(
     device: torch.device,
 ) -> dict[str, Any]:
     """Export the model, make the offline tasks, run the harness; the lm-eval part of results.json."""
-    from training import lm_harness
+    from hlat.training import lm_harness
 
     try:
         hf_llama_config(model_cfg)

@@ -13,8 +13,9 @@ from __future__ import annotations
 import os
 import signal
 
-from infra.storage import Storage
-from training.checkpoint import step_dir
+from hlat.core.layout import CHECKPOINT_MARKER
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import step_dir
 
 KILL_BEFORE_COMMIT = "HLAT_FAULT_KILL_BEFORE_COMMIT"
 NAN_AT_STEP = "HLAT_FAULT_NAN_AT_STEP"
@@ -29,7 +30,7 @@ class KillBeforeCommit(Storage):
         self.folder = f"{step_dir(step)}/"
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        if rel.startswith(self.folder) and rel.endswith("COMMITTED"):
+        if rel.startswith(self.folder) and rel.endswith(CHECKPOINT_MARKER):
             os.kill(os.getpid(), signal.SIGKILL)
         super().write_bytes(rel, data)
 

@@ -28,9 +28,9 @@ from typing import Any
 
 import torch
 
-from infra.storage import Storage
-from training.config import HealthThresholds
-from training.distributed import World
+from hlat.core.config import HealthThresholds
+from hlat.core.storage import Storage
+from hlat.training.distributed import World
 
 log = logging.getLogger("hlat.health")
 

@@ -17,18 +17,18 @@ import re
 import shutil
 import tempfile
 from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
-from infra.storage import Storage
-from training.checkpoint import CheckpointError, CheckpointManager, step_dir
-from training.config import HlatConfig, ModelConfig, validate_config
-from training.model import Transformer
-from training.sharding import consolidate
+from hlat.core.config import HlatConfig, ModelConfig, validate_config
+from hlat.core.layout import TOKENIZER_MODEL, CheckpointError, CheckpointRef, locate_checkpoint
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import CheckpointManager
+from hlat.training.model import Transformer
+from hlat.training.sharding import consolidate
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig
@@ -40,7 +40,7 @@ SAFETENSORS_FILE = "model.safetensors"
 # Files a tokenizer folder (infra/tokenizer.py, or any HF tokenizer) may hold that from_pretrained reads;
 # anything else there (e.g. the tokenizer stage's report.json) is not copied.
 TOKENIZER_FILES = (
-    "tokenizer.model",
+    TOKENIZER_MODEL,
     "tokenizer.json",
     "tokenizer_config.json",
     "special_tokens_map.json",
@@ -214,58 +214,6 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 
 
 # -- from a run's checkpoint ------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class CheckpointRef:
-    """One committed checkpoint of a run, found from a checkpoint folder, a checkpoints folder or a run folder."""
-
-    checkpoints: Storage
-    """The run's checkpoints/ folder."""
-    step: int
-    run: Storage | None
-    """The run folder (the checkpoints folder's parent) when it has one: where tokenizer/ is."""
-
-    @property
-    def uri(self) -> str:
-        return self.checkpoints.uri(step_dir(self.step))
-
-
-def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
-    """Resolve `source`: `<run>/checkpoints/step-000000600` (that step), `<run>/checkpoints` or `<run>` (the
-    newest complete checkpoint, or `step`). Raises CheckpointError saying what is missing."""
-    source = source.rstrip("/")
-    parent, _, name = source.rpartition("/")
-    match = re.fullmatch(r"step-(\d+)", name)
-    if match:
-        if step is not None and step != int(match.group(1)):
-            raise CheckpointError(f"{source} is step {int(match.group(1))}, not the step {step} asked for")
-        checkpoints, step = Storage(parent or "."), int(match.group(1))
-    else:
-        folder = Storage(source)
-        checkpoints = folder.child("checkpoints") if folder.exists("checkpoints") else folder
-    if not checkpoints.exists():
-        raise CheckpointError(f"no checkpoint at {source}: {checkpoints.uri()} does not exist")
-    manager = CheckpointManager(checkpoints, keep_last=1)
-    if step is None:
-        step = manager.latest_step()
-        if step is None:
-            raise CheckpointError(
-                f"no complete checkpoint under {checkpoints.uri()} (none has its COMMITTED marker); train first, "
-                "or pass a checkpoint folder step-NNNNNNNNN"
-            )
-    if step not in manager.all_steps():
-        # A step that was never saved (or was pruned): say which exist, not why a folder is incomplete.
-        committed = manager.committed_steps()
-        have = ", ".join(str(s) for s in committed) if committed else "none"
-        raise CheckpointError(
-            f"no checkpoint of step {step} under {checkpoints.uri()}: the committed steps are {have}; "
-            "ask for one of them (--step N), or for no step to get the newest"
-        )
-    manager.read_meta(step)  # raises CheckpointError naming the problem of an incomplete checkpoint
-    base, _, last = checkpoints.uri().rstrip("/").rpartition("/")
-    run = Storage(base) if last == "checkpoints" and base else None
-    return CheckpointRef(checkpoints=checkpoints, step=step, run=run)
-
-
 def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
     """The checkpoint's shared state (with the model's dense state dict) and the run config saved with it. A
     checkpoint of a split model (one shard per tensor/pipeline-parallel position) is consolidated: each TP rank's
@@ -311,7 +259,7 @@ def export_checkpoint(
     if tokenizer is None and ref.run is None:
         raise ValueError(f"{ref.checkpoints.uri()} is not inside a run folder: pass the tokenizer folder too")
     tokenizer_store = Storage(tokenizer) if tokenizer else ref.run.child("tokenizer")  # type: ignore[union-attr]
-    if not tokenizer_store.exists("tokenizer.model"):
+    if not tokenizer_store.exists(TOKENIZER_MODEL):
         raise ValueError(f"no tokenizer.model in {tokenizer_store.uri()}: run train-tokenizer, or pass the tokenizer")
     with tempfile.TemporaryDirectory(prefix="hlat-export-") as tmp:
         fetch_tokenizer_files(tokenizer_store, tmp)

@@ -12,10 +12,10 @@ import logging
 import math
 from typing import Any
 
-from infra.storage import Storage
+from hlat.core.layout import METRICS_FILE
+from hlat.core.storage import Storage
 
 log = logging.getLogger("hlat.train")
-METRICS_FILE = "metrics.jsonl"
 
 
 class MetricsLog:

@@ -44,8 +44,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-from training.config import ModelConfig
-from training.sharding import DenseParameter, dense_init, dense_parameters
+from hlat.core.config import ModelConfig
+from hlat.training.sharding import DenseParameter, dense_init, dense_parameters
 
 
 def rope_tables(

@@ -35,10 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.config import ConfigError, HlatConfig, ModelConfig
-from training.devices import neuron_available
-from training.model import LinearKind
-from training.sharding import DenseParameter, kv_multiplier, local_name, shard
+from hlat.core.config import ConfigError, HlatConfig, ModelConfig
+from hlat.core.environment import neuron_available
+from hlat.training.model import LinearKind
+from hlat.training.sharding import DenseParameter, kv_multiplier, local_name, shard
 
 
 class NeuronUnavailable(ImportError):
@@ -263,7 +263,7 @@ def pipeline_model(
     require_nxd()
     from neuronx_distributed.pipeline import NxDPPModel
 
-    from training.model import Block, RMSNorm
+    from hlat.training.model import Block, RMSNorm
 
     inputs = ["tokens", "doc_ids", "targets"] if cfg.training.document_masking else ["tokens", "targets"]
     return NxDPPModel(

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from training.config import TrainingConfig
+from hlat.core.config import TrainingConfig
 
 PRECISIONS = ("fp32", "bf16-mixed", "bf16-sr")
 
@@ -325,7 +325,7 @@ def optimizer_recipe(
 
     On CPU and CUDA, precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master
     weights; the training loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model. On XLA the
-    device's own precision flags do the work (`training.devices.xla_precision_environment`) and the model stays
+    device's own precision flags do the work (`core.environment.xla_precision_environment`) and the model stays
     FP32-typed: 'bf16-sr' is plain AdamW whose BF16 storage the NeuronCore rounds stochastically (HLAT 7B),
     'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps the FP32 masters itself (`zero1`: NxD's
     optimizer, `training.neuron.parallel_optimizer`, wraps plain AdamW).

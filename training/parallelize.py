@@ -25,9 +25,9 @@ import torch
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from training.config import HlatConfig
-from training.distributed import World
-from training.model import DenseLayers, Layers
+from hlat.core.config import HlatConfig
+from hlat.training.distributed import World
+from hlat.training.model import DenseLayers, Layers
 
 log = logging.getLogger("hlat.train")
 
@@ -36,7 +36,7 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
     """Make module's forward recompute its activations in backward (its parameters and names unchanged)."""
     forward: Callable[..., Any] = module.forward
     if on_xla:
-        from training import xla
+        from hlat.training import xla
 
         # torch-xla's checkpoint is the re-entrant kind only, and takes positional inputs (as the model passes them).
         recompute, reentrant = xla.checkpoint_function(), True
@@ -54,7 +54,7 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
 def model_layers(cfg: HlatConfig, world: World) -> Layers:
     """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise."""
     if world.nxd is not None and world.tp_size > 1:
-        from training.neuron import NxdLayers
+        from hlat.training.neuron import NxdLayers
 
         return NxdLayers(cfg)
     return DenseLayers()
@@ -100,6 +100,6 @@ def reduce_gradients(model: nn.Module, world: World) -> None:
     """On XLA, average the gradients over the data-parallel processes (DDP does it on CPU and CUDA); call once per
     optimizer step, after the last backward."""
     if world.on_xla and world.world_size > 1 and world.nxd is None:
-        from training import xla
+        from hlat.training import xla
 
         xla.reduce_gradients(model.parameters(), world.world_size)

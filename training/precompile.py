@@ -36,8 +36,12 @@ from contextlib import contextmanager
 
 import torch
 
-from infra.storage import Storage
-from training.compile_cache import (
+from hlat.core.config import HlatConfig
+from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
+from hlat.core.environment import neuron_available
+from hlat.core.layout import CHECKPOINTS_DIR
+from hlat.core.storage import Storage
+from hlat.training.compile_cache import (
     CACHE_DIR,
     cache_key,
     human_bytes,
@@ -47,11 +51,8 @@ from training.compile_cache import (
     write_neuron_manifest,
     write_torch_cache,
 )
-from training.config import HlatConfig
-from training.devices import neuron_available
-from training.distributed import World, close_world, init_world
-from training.sagemaker import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
-from training.trainer import Trainer
+from hlat.training.distributed import World, close_world, init_world
+from hlat.training.trainer import Trainer
 
 log = logging.getLogger("hlat.precompile")
 
@@ -120,7 +121,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
         trainer = Trainer(
             cfg=cfg,
             run=scratch.child("run"),
-            checkpoints=scratch.child("checkpoints"),
+            checkpoints=scratch.child(CHECKPOINTS_DIR),
             world=world,
             tokenizer_model=tokenizer,
             data=channel_location(run, "data"),

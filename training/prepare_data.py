@@ -3,7 +3,7 @@
 On each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local backend set
 them) this program starts the workers that host owns, data.workers / H of them (the local backend runs one host:
 all data.workers), as child processes (`--worker w`). Each prepares its share of the plan's units
-(infra.prepare: read, validate with great-expectations, write shards, commit the unit). A worker that dies
+(training.prepare: read, validate with great-expectations, write shards, commit the unit). A worker that dies
 (killed, out of memory) is started again, alone, up to data.worker_retries times; the units it committed are
 kept, so it redoes only the one it was in. Host 0 makes the plan, and once every unit is committed, merges them:
 duplicates across units, the manifest, the report.
@@ -36,14 +36,13 @@ import tempfile
 import time
 from typing import Any
 
-from infra.corpus import SourceError
-from infra.prepare import assign, committed, merge, plan, run_worker, work_dir
-from infra.reader import Unit
-from infra.storage import Storage
-from infra.validation import DataValidationError
-from training.config import HlatConfig
-from training.exit_codes import EXIT_DATA_INVALID
-from training.sagemaker import read_job_config, write_failure
+from hlat.core.config import HlatConfig
+from hlat.core.contract import EXIT_DATA_INVALID, read_job_config, write_failure
+from hlat.core.storage import Storage
+from hlat.training.corpus import SourceError
+from hlat.training.prepare import assign, committed, merge, plan, run_worker, work_dir
+from hlat.training.reader import Unit
+from hlat.training.validation import DataValidationError
 
 log = logging.getLogger("hlat.data")
 
@@ -208,7 +207,7 @@ def _supervise_workers(args: argparse.Namespace, workers: list[int], retries: in
 def _start(args: argparse.Namespace, worker: int, life: int, tmp: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, WORKER_FAILURE_ENV: str(tmp / f"worker-{worker}.failure")}
     env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: the workers are the parallelism
-    command = [sys.executable, "-m", "training.prepare_data", "--config", args.config, "--key", args.key,
+    command = [sys.executable, "-m", "hlat.training.prepare_data", "--config", args.config, "--key", args.key,
                "--worker", str(worker), "--life", str(life)]  # fmt: skip
     return subprocess.Popen(command, env=env, cwd=Path(__file__).resolve().parents[1])
 

@@ -34,7 +34,7 @@ from typing import Literal
 
 import torch
 
-from training.config import ModelConfig
+from hlat.core.config import ModelConfig
 
 Kind = Literal["column", "row", "vocab", "replicated", "q", "o", "kv"]
 Init = Literal["normal", "output", "ones"]

@@ -19,12 +19,8 @@ if __package__ in (None, ""):  # run as a script path: make the project's packag
 
 import tempfile
 
-from training.compile_cache import load_torch_cache, use_node_local_neuron_cache
-from training.devices import neuron_available
-from training.distributed import close_world, init_world
-from training.exit_codes import EXIT_NAN
-from training.faults import checkpoint_storage
-from training.sagemaker import (
+from hlat.core.contract import (
+    EXIT_NAN,
     channel_location,
     checkpoint_location,
     fetch_tokenizer,
@@ -34,7 +30,11 @@ from training.sagemaker import (
     tensorboard_location,
     write_failure,
 )
-from training.trainer import Trainer
+from hlat.core.environment import neuron_available
+from hlat.training.compile_cache import load_torch_cache, use_node_local_neuron_cache
+from hlat.training.distributed import close_world, init_world
+from hlat.training.faults import checkpoint_storage
+from hlat.training.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -30,18 +30,18 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from infra.storage import Storage
-from training.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
-from training.config import ConfigError, HlatConfig
-from training.data import PackedLoader
-from training.devices import memory_gb, peak_flops
-from training.distributed import World
-from training.exit_codes import EXIT_NAN, EXIT_UNHEALTHY
-from training.faults import inject_nan
-from training.health import UnhealthyCollective, periodic_health_check
-from training.metrics import MetricsLog
-from training.model import Transformer
-from training.optim import (
+from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, write_failure
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from hlat.training.data import PackedLoader
+from hlat.training.devices import memory_gb, peak_flops
+from hlat.training.distributed import World
+from hlat.training.faults import inject_nan
+from hlat.training.health import UnhealthyCollective, periodic_health_check
+from hlat.training.metrics import MetricsLog
+from hlat.training.model import Transformer
+from hlat.training.optim import (
     build_optimizer,
     build_scheduler,
     clip_grad_norm,
@@ -49,8 +49,7 @@ from training.optim import (
     optimizer_recipe,
     trainable_parameters,
 )
-from training.parallelize import model_layers, parallelize, reduce_gradients
-from training.sagemaker import write_failure
+from hlat.training.parallelize import model_layers, parallelize, reduce_gradients
 
 log = logging.getLogger("hlat.train")
 
@@ -132,7 +131,7 @@ class Trainer:
         self.model = model if staged else model.to(world.device)
         self.wrapped: Any = parallelize(self.model, cfg, world)
         if staged:  # after activation checkpointing: the stages keep the recomputing blocks
-            from training.neuron import pipeline_model
+            from hlat.training.neuron import pipeline_model
 
             self.wrapped = pipeline_model(self.wrapped, cfg, init=model.initialiser(cfg.training.seed))
         self.optimizer = self._optimizer()
@@ -175,7 +174,7 @@ class Trainer:
         cfg, world = self.cfg, self.world
         if world.nxd is None:
             return build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
-        from training.neuron import parallel_optimizer
+        from hlat.training.neuron import parallel_optimizer
 
         params = list(self.wrapped.local_parameters()) if world.pp_size > 1 else trainable_parameters(self.model)
         zero1 = cfg.parallelism.zero1
@@ -204,7 +203,7 @@ class Trainer:
         world = self.world
         if world.nxd is None:
             return {}
-        from training.neuron import shard_name, shard_names
+        from hlat.training.neuron import shard_name, shard_names
 
         at = {"tp_rank": world.tp_rank, "pp_rank": world.pp_rank}
         return {
@@ -250,7 +249,7 @@ class Trainer:
 
         items: Iterable[tuple[Any, ...]] = host_side()
         if self.world.on_xla and background:
-            from training import xla
+            from hlat.training import xla
 
             # Never let the loader cut the graph itself: the step's mark_step is the one cut.
             items = xla.device_loader(items, device, batches_per_execution=sys.maxsize)

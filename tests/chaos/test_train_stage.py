@@ -17,9 +17,9 @@ from typing import Any
 import pytest
 import torch
 
-from infra.local_jobs import LocalBackend
-from infra.storage import Storage
-from infra.supervisor import Ledger
+from hlat.core.storage import Storage
+from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.supervisor import Ledger
 from tests.conftest import SMALL_DATA
 from tests.jobs import default_sigint, final_weights, make_run, metrics, processes_mentioning
 
@@ -39,7 +39,7 @@ def history(run: Path) -> list[tuple[int, float, int]]:
 
 
 def cli(tmp_path: Path, run_id: str, sets: dict[str, Any]) -> list[str]:
-    args = [sys.executable, "-m", "flows.cli", "run", "train", "--run-id", run_id, "--storage", str(tmp_path)]
+    args = [sys.executable, "-m", "hlat.cli", "run", "train", "--run-id", run_id, "--storage", str(tmp_path)]
     for key, value in sets.items():
         args += ["--set", f"{key}={json.dumps(value)}"]
     return args
@@ -62,7 +62,7 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
 def test_job_killed_five_times_completes_bitwise_equal(
     prepared: Path, tmp_path: Path, prefect_server: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.train import train
+    from hlat.flows.train import train
 
     reference = make_run(prepared, tmp_path, "reference", **RUN)
     train(preset="tiny", overrides=overrides(), run_id="reference", storage=str(tmp_path))

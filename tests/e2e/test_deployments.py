@@ -88,7 +88,7 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
 def test_production_pool_types_are_created_with_their_workers_templates(prefect_env: dict[str, str]) -> None:
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
-    from flows.deploy import DeployError, ensure_pool
+    from hlat.deploy import DeployError, ensure_pool
 
     with temporary_settings({PREFECT_API_URL: prefect_env["PREFECT_API_URL"]}):
         assert ensure_pool("hlat-ecs", "ecs", prefect_env) == "created (type ecs)"
@@ -150,9 +150,9 @@ def test_cancelling_a_train_run_stops_its_job(
     prefect_env: dict[str, str], worker: Started, prepared: Path, tmp_path: Path
 ) -> None:
     """Cancel from the API (as from the UI) while the job trains: the job is stopped, no process is left."""
-    from infra.local_jobs import LocalBackend
-    from infra.storage import Storage
-    from infra.supervisor import Ledger
+    from hlat.core.storage import Storage
+    from hlat.infra.local_jobs import LocalBackend
+    from hlat.infra.supervisor import Ledger
 
     training = {"max_steps": 5000, "checkpoint_every": 50, "eval_every": 0, "log_every": 1}
     run = make_run(prepared, tmp_path / "runs", "cancel", **training)

@@ -17,14 +17,14 @@ from typing import Any
 import boto3
 import pytest
 
-from infra import aws
-from infra.backends import PLACEHOLDER_ROLE, dry_run
-from infra.runs import open_run
-from infra.storage import Storage, StorageError
-from tasks.aws import activate, role_arn, with_role
+from hlat.core.config import ConfigError, JobConfig
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage, StorageError
+from hlat.infra import aws
+from hlat.infra.backends import PLACEHOLDER_ROLE, dry_run
+from hlat.infra.runs import open_run
+from hlat.tasks.aws import activate, role_arn, with_role
 from tests.integration.conftest import AWS_CREDENTIAL_VARS, FAKE_KEY, REGION, IamS3, S3Env, free_port
-from training.config import ConfigError, JobConfig
-from training.presets import load_config
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-training"
 

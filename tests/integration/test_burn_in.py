@@ -25,7 +25,7 @@ def burn_in(
     run: Path, nproc: int = 1, env: dict[str, str] | None = None, *args: str
 ) -> tuple[int, str, dict[str, Any]]:
     """Run the program (under torchrun for several ranks); its exit code, output and report."""
-    program = ["-m", "training.burn_in", "--config", str(run / "config.json"), *args]
+    program = ["-m", "hlat.training.burn_in", "--config", str(run / "config.json"), *args]
     launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
     proc = subprocess.run(
         [sys.executable, *launcher, *program],

@@ -13,8 +13,8 @@ import pytest
 import torch
 from torch import nn
 
-from infra.storage import Storage, TransientStorageError
-from training.checkpoint import (
+from hlat.core.storage import Storage, TransientStorageError
+from hlat.training.checkpoint import (
     MARKER,
     META,
     SHARED_FILE,
@@ -64,7 +64,7 @@ def test_checkpoints_round_trip_prune_and_skip_broken_ones_on_s3(
     victim = f"{prefix}/{step_dir(5)}/{rank_file(1)}"
     body = s3_env.client().get_object(Bucket=s3_env.bucket, Key=victim)["Body"].read()
     s3_env.client().put_object(Bucket=s3_env.bucket, Key=victim, Body=body[:-5])
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hlat.training.checkpoint"):
         assert rank0.latest_step() == 4
     assert step_dir(5) in caplog.text and rank_file(1) in caplog.text
     assert rank0.load(4)[0]["step"] == 4

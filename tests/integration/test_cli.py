@@ -71,7 +71,7 @@ def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
     assert "ERROR" not in out.stdout + out.stderr and "telemetry" not in out.stdout + out.stderr
     assert (tmp_path / "runs/cli/data/manifest.json").exists()
     mod = subprocess.run(
-        [sys.executable, "-m", "flows.train_tokenizer", *common],
+        [sys.executable, "-m", "hlat.flows.train_tokenizer", *common],
         capture_output=True,
         text=True,
         timeout=600,
@@ -120,7 +120,7 @@ def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_pat
 def test_dry_run_on_the_local_backend_shows_the_job_command(tmp_path: Path) -> None:
     out = hlat("pretrain", "--preset", "tiny", "--dry-run", "--storage", str(tmp_path / "runs"))
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "on the local backend" in out.stdout and "training.train" in out.stdout
+    assert "on the local backend" in out.stdout and "hlat.training.train" in out.stdout
     assert "$0.00/hour" in out.stdout
     assert not (tmp_path / "runs").exists()
 

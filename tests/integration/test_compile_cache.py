@@ -21,8 +21,7 @@ from typing import Any
 
 import pytest
 
-from tests.jobs import make_run, metrics, train
-from training.compile_cache import (
+from hlat.training.compile_cache import (
     ARTIFACTS_FILE,
     CACHE_DIR,
     KERNELS_FILE,
@@ -30,6 +29,7 @@ from training.compile_cache import (
     MANIFEST_FILE,
     unpack_inductor_cache,
 )
+from tests.jobs import make_run, metrics, train
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def inductor_env(folder: Path) -> dict[str, str]:
 
 def precompile(run: Path, inductor: Path) -> Job:
     proc = subprocess.run(
-        [sys.executable, "-m", "training.precompile", "--config", str(run / "config.json")],
+        [sys.executable, "-m", "hlat.training.precompile", "--config", str(run / "config.json")],
         env={**os.environ, "OMP_NUM_THREADS": "1", **inductor_env(inductor)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,

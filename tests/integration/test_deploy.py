@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from flows.deploy import (
+from hlat.core.config import ConfigError
+from hlat.deploy import (
     PREFECT_FILE,
     DeployError,
     default_selection,
@@ -28,7 +29,6 @@ from flows.deploy import (
     runs_from_checkout,
     select,
 )
-from training.config import ConfigError
 
 BIN = Path(sys.executable).parent
 
@@ -158,7 +158,7 @@ def test_a_pool_of_another_type_is_an_error_that_names_the_fix(api: str, tmp_pat
 def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
     api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import flows.deploy
+    import hlat.deploy
 
     pool = f"hlat-{uuid.uuid4().hex[:8]}"
     assert ensure_pool(pool, "ecs", deploy_env()) == "created (type ecs)"
@@ -168,7 +168,7 @@ def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
         calls.append(cmd)  # `prefect deploy` itself is tested in tests/e2e
         return subprocess.CompletedProcess(cmd, 0, "", "")
 
-    monkeypatch.setattr(flows.deploy.subprocess, "run", run)
+    monkeypatch.setattr(hlat.deploy.subprocess, "run", run)
     assert deploy([], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool)) == 0
     out = capsys.readouterr().out
     assert f"work pool {pool!r}: exists (type ecs)" in out
@@ -226,7 +226,7 @@ def test_deploy_and_worker_wait_for_a_server_that_is_still_starting() -> None:
     import http.server
     import threading
 
-    from flows.deploy import wait_for_api
+    from hlat.deploy import wait_for_api
     from tests.integration.conftest import free_port
 
     port = free_port()

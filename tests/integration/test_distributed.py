@@ -9,9 +9,9 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from hlat.core.presets import load_config
 from tests.conftest import SMALL_DATA
 from tests.integration.conftest import free_port
-from training.presets import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -31,9 +31,9 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
 def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: str) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from infra.storage import Storage
-    from training.distributed import close_world, init_world
-    from training.trainer import DeviceBatch, Trainer
+    from hlat.core.storage import Storage
+    from hlat.training.distributed import close_world, init_world
+    from hlat.training.trainer import DeviceBatch, Trainer
 
     overrides = {
         **SMALL_DATA,
@@ -88,7 +88,7 @@ def test_two_gloo_ranks_match_one_rank(prepared: Path, tmp_path: Path) -> None:
 
 
 def load_initial(prepared: Path) -> dict[str, torch.Tensor]:
-    from training.model import Transformer
+    from hlat.training.model import Transformer
 
     torch.manual_seed(load_config("tiny", SMALL_DATA).training.seed)
     model = Transformer(load_config("tiny", SMALL_DATA).model)

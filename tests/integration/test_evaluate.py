@@ -11,11 +11,11 @@ from typing import Any
 
 import pytest
 
-from flows.cli import main
+from hlat.cli import main
+from hlat.training.checkpoint import CheckpointError
 from tests.conftest import SMALL_DATA
 from tests.integration.test_flows import artifact_keys
 from tests.jobs import make_run, task_states, train
-from training.checkpoint import CheckpointError
 
 pytestmark = pytest.mark.slow
 
@@ -40,7 +40,7 @@ def trained(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_evaluate_scores_the_newest_checkpoint_writes_the_report_and_is_cached(
     prefect_server: None, trained: Path
 ) -> None:
-    from flows.evaluate import evaluate
+    from hlat.flows.evaluate import evaluate
 
     storage = str(trained.parent)
     results = evaluate(preset="tiny", overrides=overrides(), run_id="scored", storage=storage)
@@ -74,7 +74,7 @@ def test_evaluate_scores_the_newest_checkpoint_writes_the_report_and_is_cached(
 
 
 def test_any_committed_checkpoint_can_be_evaluated(prefect_server: None, trained: Path) -> None:
-    from flows.evaluate import evaluate
+    from hlat.flows.evaluate import evaluate
 
     storage = str(trained.parent)
     scores = evaluate(preset="tiny", overrides=overrides(), run_id="scored", storage=storage, step=2)
@@ -87,7 +87,7 @@ def test_any_committed_checkpoint_can_be_evaluated(prefect_server: None, trained
 def test_an_unknown_task_or_a_run_without_checkpoints_fails_before_any_job(
     prefect_server: None, prepared: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    from flows.evaluate import evaluate
+    from hlat.flows.evaluate import evaluate
 
     run = make_run(prepared, tmp_path, "untrained", **TRAINING)
     with pytest.raises(CheckpointError, match=r"no checkpoint at .*run the train stage first"):
@@ -105,7 +105,7 @@ def test_an_unknown_task_or_a_run_without_checkpoints_fails_before_any_job(
 def test_intermediate_checkpoints_are_evaluated_while_training_runs(
     prefect_server: None, prepared: Path, tmp_path: Path
 ) -> None:
-    from flows.train import train as train_flow
+    from hlat.flows.train import train as train_flow
 
     make_run(prepared, tmp_path, "watched", **TRAINING)
     every = overrides(**{"evaluation.every_steps": 2, "evaluation.tasks": ["hlat_cloze"]})

@@ -10,9 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from hlat.core.config import ConfigError
 from tests.conftest import SMALL_RUN
 from tests.jobs import task_states
-from training.config import ConfigError
 
 pytestmark = pytest.mark.slow
 
@@ -48,7 +48,7 @@ def stage_edges(flow_run_id: Any) -> set[tuple[str, str]]:
 def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
 ) -> None:
-    from flows.pretrain import hlat
+    from hlat.flows.pretrain import hlat
 
     state = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path), return_state=True)
     first = state.result()
@@ -91,9 +91,9 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
 def test_stages_run_alone_and_refuse_a_changed_config(
     prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
 ) -> None:
-    from flows.prepare_data import prepare_data
-    from flows.train_tokenizer import train_tokenizer
-    from infra.storage import StorageNotFound
+    from hlat.core.storage import StorageNotFound
+    from hlat.flows.prepare_data import prepare_data
+    from hlat.flows.train_tokenizer import train_tokenizer
 
     with pytest.raises(StorageNotFound, match="run the prepare-data stage for this run first"):
         train_tokenizer(preset="tiny", overrides=small_run, run_id="alone", storage=str(tmp_path))
@@ -111,7 +111,7 @@ def test_a_trained_run_is_extended_by_the_train_flow_to_the_weights_of_a_longer_
     prefect_server: None, prepared: Path, tmp_path: Path
 ) -> None:
     """The README's example: more steps for an existing run, on its own schedule (training.schedule_steps kept)."""
-    from flows.train import train
+    from hlat.flows.train import train
     from tests.jobs import final_weights, make_run
     from tests.jobs import train as train_job
 
@@ -137,8 +137,8 @@ def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_p
     """`--param overrides=...` on a deployment changes the paths it names and keeps the deployment's others."""
     from prefect.client.orchestration import get_client
 
-    from flows.common import resolve_config
-    from flows.train import train
+    from hlat.flows.common import resolve_config
+    from hlat.flows.train import train
 
     deployment = {"training.lr": 3e-3, "job.max_restarts": 7, "data.max_documents": 300}
     with get_client(sync_client=True) as client:

@@ -28,11 +28,11 @@ import pytest
 import torch
 import yaml
 
-from infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
-from training import lm_harness
-from training.config import ModelConfig, TokenizerConfig
-from training.hf_export import export_hf
-from training.lm_harness import (
+from hlat.core.config import ModelConfig, TokenizerConfig
+from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+from hlat.training import lm_harness
+from hlat.training.hf_export import export_hf
+from hlat.training.lm_harness import (
     CHOICE_TASK,
     CHOICES,
     CLOZE_TASK,
@@ -42,7 +42,7 @@ from training.lm_harness import (
     run_harness,
     write_offline_tasks,
 )
-from training.model import Transformer
+from hlat.training.model import Transformer
 
 TEXTS = [inspect.getsource(m) for m in (argparse, textwrap, collections, typing, dataclasses, functools, string, json)]
 STANDARD_TASKS = {

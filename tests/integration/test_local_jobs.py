@@ -15,12 +15,12 @@ from typing import Any
 import pytest
 import torch
 
-from infra.job_daemon import CheckpointMirror, failure_reason
-from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
-from infra.local_jobs import FAULTS_ENV, LocalBackend
-from infra.storage import Storage
+from hlat.core.storage import Storage
+from hlat.infra.job_daemon import CheckpointMirror, failure_reason
+from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
+from hlat.infra.local_jobs import FAULTS_ENV, LocalBackend
+from hlat.training.checkpoint import CheckpointManager
 from tests.jobs import make_run
-from training.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
@@ -292,7 +292,7 @@ def test_dry_run_touches_nothing(tmp_path: Path) -> None:
     job_dir = str(tmp_path / "jobs" / spec.name)
     assert request["backend"] == "local" and request["job_dir"] == job_dir
     assert request["command"][1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    assert request["command"][-4:] == ["-m", "training.train", "--config", str(tmp_path / "run" / "config.json")]
+    assert request["command"][-4:] == ["-m", "hlat.training.train", "--config", str(tmp_path / "run" / "config.json")]
     env = request["environment"]
     assert env["SM_CHECKPOINT_DIR"] == f"{job_dir}/opt/ml/checkpoints"
     assert env["SM_CHANNEL_DATA"] == f"{job_dir}/opt/ml/input/data/data"

@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from infra.jobs import JobSpec, Status, SubmitError, job_name
-from infra.sagemaker_jobs import SageMakerBackend
+from hlat.core.config import JobConfig
+from hlat.infra.jobs import JobSpec, Status, SubmitError, job_name
+from hlat.infra.sagemaker_jobs import SageMakerBackend
 from tests.integration.conftest import REGION, S3Env
-from training.config import JobConfig
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-training"
 

@@ -25,7 +25,7 @@ def overrides(**extra: Any) -> dict[str, Any]:
 def test_burn_in_passes_is_published_and_skips_when_cached(
     prefect_server: None, prepared: Path, tmp_path: Path
 ) -> None:
-    from flows.burn_in import burn_in
+    from hlat.flows.burn_in import burn_in
 
     run = make_run(prepared, tmp_path, "healthy", **TRAINING)
     report = burn_in(preset="tiny", overrides=overrides(), run_id="healthy", storage=str(tmp_path))
@@ -39,8 +39,8 @@ def test_burn_in_passes_is_published_and_skips_when_cached(
 def test_a_wrong_rank_fails_burn_in_and_the_dag_stops_before_training(
     prefect_server: None, prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.pretrain import hlat
-    from tasks.jobs import BurnInFailed
+    from hlat.flows.pretrain import hlat
+    from hlat.tasks.jobs import BurnInFailed
 
     two_ranks = overrides(**{"job.processes_per_node": 2})
     run = make_run(prepared, tmp_path, "faulty", **TRAINING, **{"job.processes_per_node": 2})
@@ -51,8 +51,8 @@ def test_a_wrong_rank_fails_burn_in_and_the_dag_stops_before_training(
 
 
 def test_a_threshold_not_met_fails_unless_told_to_go_on(prefect_server: None, prepared: Path, tmp_path: Path) -> None:
-    from flows.burn_in import burn_in
-    from tasks.jobs import BurnInFailed
+    from hlat.flows.burn_in import burn_in
+    from hlat.tasks.jobs import BurnInFailed
 
     make_run(prepared, tmp_path, "slow", **TRAINING)
     impossible = overrides(**{"burn_in.thresholds": {"local": {"min_matmul_tflops": 1e6}}})
@@ -70,7 +70,7 @@ def test_a_threshold_not_met_fails_unless_told_to_go_on(prefect_server: None, pr
 def test_precompile_skips_without_compile_and_builds_the_cache_with_it(
     prefect_server: None, prepared: Path, tmp_path: Path
 ) -> None:
-    from flows.precompile import precompile
+    from hlat.flows.precompile import precompile
 
     make_run(prepared, tmp_path, "eager", **TRAINING)
     skipped = precompile(preset="tiny", overrides=overrides(), run_id="eager", storage=str(tmp_path))

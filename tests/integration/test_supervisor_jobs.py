@@ -14,13 +14,13 @@ from typing import Any
 
 import pytest
 
-from infra.local_jobs import FAULTS_ENV
-from infra.storage import Storage
-from infra.supervisor import JobFailed, Ledger
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage
+from hlat.infra.local_jobs import FAULTS_ENV
+from hlat.infra.supervisor import JobFailed, Ledger
+from hlat.training.checkpoint import CheckpointManager
 from tests.conftest import SMALL_DATA
 from tests.jobs import make_run, metrics, processes_mentioning
-from training.checkpoint import CheckpointManager
-from training.presets import load_config
 
 pytestmark = pytest.mark.slow
 
@@ -41,7 +41,7 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
 ) -> None:
     """A real tiny job logging each of its 80 steps, polled four times a second: the old supervisor printed a line
     per poll; now the first, each change of status, a new step at most every 10 polls, and the final average."""
-    from infra.backends import supervisor_for
+    from hlat.infra.backends import supervisor_for
 
     training = {"max_steps": 80, "checkpoint_every": 40, "eval_every": 0, "log_every": 1}
     run = make_run(prepared, tmp_path, "quiet", **training)
@@ -87,8 +87,8 @@ def test_a_train_job_completed_without_its_checkpoint_is_relaunched_and_one_tabl
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from flows.train import train
-    from tasks.common import artifact_key
+    from hlat.flows.train import train
+    from hlat.tasks.common import artifact_key
 
     run = make_run(prepared, tmp_path, "early", **TRAINING)
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"1": {"complete": True}}))
@@ -124,8 +124,8 @@ def test_a_train_job_completed_without_its_checkpoint_is_relaunched_and_one_tabl
 def test_burn_in_and_precompile_jobs_completed_without_their_outputs_name_the_missing_file(
     prefect_server: None, prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from flows.burn_in import burn_in
-    from flows.precompile import precompile
+    from hlat.flows.burn_in import burn_in
+    from hlat.flows.precompile import precompile
 
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"1": {"complete": True}}))
     run = make_run(prepared, tmp_path, "hollow", **TRAINING, **BURN_IN, compile=True)

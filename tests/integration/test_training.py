@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 import torch
 
-from infra.shards import iter_documents, read_manifest
-from infra.storage import Storage
+from hlat.core.shards import iter_documents, read_manifest
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import CheckpointManager
 from tests.jobs import final_weights, launch, make_run, metrics, train
-from training.checkpoint import CheckpointManager
 
 pytestmark = pytest.mark.slow
 
@@ -78,8 +78,8 @@ def test_sigterm_checkpoints_and_exits_zero(prepared: Path, tmp_path: Path) -> N
 
 
 def test_two_ranks_under_torchrun_on_the_local_backend(prepared: Path, tmp_path: Path) -> None:
-    from infra.jobs import JobSpec, Status
-    from infra.local_jobs import LocalBackend
+    from hlat.infra.jobs import JobSpec, Status
+    from hlat.infra.local_jobs import LocalBackend
 
     run = make_run(
         prepared, tmp_path, "torchrun", max_steps=6, checkpoint_every=3, eval_every=3, **{"job.processes_per_node": 2}

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from infra.backends import XLA_PYTHON
-from infra.local_jobs import PROJECT_ROOT
+from hlat.infra.backends import XLA_PYTHON
+from hlat.infra.local_jobs import PROJECT_ROOT
 from tests.jobs import metrics
 
 pytestmark = pytest.mark.slow
@@ -31,7 +31,7 @@ def xla_environment() -> None:
 def test_the_tiny_dag_runs_end_to_end_with_its_jobs_on_xla_cpu(
     xla_environment: None, prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
 ) -> None:
-    from flows.pretrain import hlat
+    from hlat.flows.pretrain import hlat
 
     result = hlat(preset="tiny", overrides={**small_run, "training.device": "xla"}, storage=str(tmp_path))
     run = tmp_path / result["run_id"]

@@ -14,4 +14,4 @@ stubs.patch_sequence_layout()
 
 if __name__ == "__main__":
     program = sys.argv.pop(1)
-    runpy.run_module(f"training.{program}", run_name="__main__")
+    runpy.run_module(f"hlat.training.{program}", run_name="__main__")

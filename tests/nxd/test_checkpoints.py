@@ -9,11 +9,11 @@ from typing import Any
 
 import torch
 
-from infra.storage import Storage
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import CheckpointManager
+from hlat.training.hf_export import CheckpointRef, read_checkpoint
+from hlat.training.sharding import dense_parameters
 from tests.nxd.conftest import make_run, run_job
-from training.checkpoint import CheckpointManager
-from training.hf_export import CheckpointRef, read_checkpoint
-from training.sharding import dense_parameters
 
 JOB = {
     "parallelism.tensor": 2,

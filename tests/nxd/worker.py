@@ -23,14 +23,14 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from hlat.core.config import HlatConfig  # noqa: E402
+from hlat.core.contract import read_job_config  # noqa: E402
+from hlat.core.presets import load_config  # noqa: E402
+from hlat.training.distributed import World, close_world, init_world  # noqa: E402
+from hlat.training.model import Transformer  # noqa: E402
+from hlat.training.neuron import NxdLayers  # noqa: E402
+from hlat.training.sharding import dense_parameters, unshard  # noqa: E402
 from tests.nxd.conftest import SMALL_MODEL  # noqa: E402
-from training.config import HlatConfig  # noqa: E402
-from training.distributed import World, close_world, init_world  # noqa: E402
-from training.model import Transformer  # noqa: E402
-from training.neuron import NxdLayers  # noqa: E402
-from training.presets import load_config  # noqa: E402
-from training.sagemaker import read_job_config  # noqa: E402
-from training.sharding import dense_parameters, unshard  # noqa: E402
 
 SEED = 7
 
@@ -99,8 +99,8 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
 
 
 def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
-    from infra.storage import Storage
-    from training.trainer import Trainer
+    from hlat.core.storage import Storage
+    from hlat.training.trainer import Trainer
 
     return Trainer(
         cfg=cfg,
@@ -113,7 +113,7 @@ def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
 
 def dense_weights(trainer: Any, world: World) -> dict[str, torch.Tensor]:
     """The dense model from every rank's state (its pipeline stage, its TP slices), as an exporter consolidates it."""
-    from training.sharding import consolidate
+    from hlat.training.sharding import consolidate
 
     local = {k: v.detach().clone() for k, v in trainer.model_state().items()}
     everyone: list[Any] = [(world.tp_rank, local)]
@@ -131,7 +131,7 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
     global batch, this data-parallel rank's share of it; the dense weights after the step (gathered over TP)."""
     import zlib
 
-    from training.trainer import DeviceBatch
+    from hlat.training.trainer import DeviceBatch
 
     trainer = trainer_for(cfg, world, args["run"])
     first = next(iter(trainer.loader))
@@ -164,7 +164,7 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
 
 def zero1_is_thin(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
     """What NxD is given for ZeRO-1 (which needs the XLA device), and the clear refusal in CPU mode."""
-    from training.neuron import NeuronUnavailable
+    from hlat.training.neuron import NeuronUnavailable
 
     assert world.nxd is not None
     try:

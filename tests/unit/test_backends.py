@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.backends import estimate, job_environment, job_spec
-from training.config import ConfigError
-from training.devices import neuron_environment, xla_precision_environment
-from training.presets import load_config
+from hlat.core.config import ConfigError
+from hlat.core.environment import neuron_environment, xla_precision_environment
+from hlat.core.presets import load_config
+from hlat.infra.backends import estimate, job_environment, job_spec
 
 RUN = "s3://bucket/hlat/r1"
 
@@ -23,9 +23,9 @@ def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None
         assert spec.environment["NEURON_COMPILE_CACHE_URL"] == f"{RUN}/compile-cache/neuron"
         assert spec.config_uri == f"{RUN}/config.json"
     assert {s: spec.entry for s, spec in specs.items()} == {
-        "precompile": "training.precompile",
-        "burn-in": "training.burn_in",
-        "train": "training.train",
+        "precompile": "hlat.training.precompile",
+        "burn-in": "hlat.training.burn_in",
+        "train": "hlat.training.train",
     }
     # neuron_parallel_compile wraps torchrun only for the precompile job
     assert specs["precompile"].environment["RUN_NEURON_PARALLEL_COMPILE"] == "1"
@@ -43,7 +43,7 @@ def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> 
     config = load_config("hlat-7b", {"job.region": "eu-west-1"})
     spec = job_spec(config, RUN, "r1", 2, "evaluate", step=1000)
     assert (spec.instance_type, spec.instance_count, spec.processes_per_node) == ("ml.p4d.24xlarge", 1, 1)
-    assert spec.entry == "training.evaluate" and spec.args == {"step": "1000"} and spec.name == "r1-evaluate-2"
+    assert spec.entry == "hlat.training.evaluate" and spec.args == {"step": "1000"} and spec.name == "r1-evaluate-2"
     assert spec.image_uri is not None and spec.image_uri.startswith("763104351884.dkr.ecr.eu-west-1.")
     assert "pytorch-training:" in spec.image_uri and "gpu" in spec.image_uri
     assert spec.checkpoint_prefix == "eval/checkpoint-sync" and spec.max_runtime_s == 24 * 3600
@@ -131,11 +131,11 @@ def test_estimate_of_hlat_7b_from_the_catalog() -> None:
 def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import infra.local_jobs
-    from infra.backends import XLA_PYTHON, job_python
+    import hlat.infra.local_jobs
+    from hlat.infra.backends import XLA_PYTHON, job_python
 
     config = load_config("tiny", {"training.device": "xla"})
-    monkeypatch.setattr(infra.local_jobs, "PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr(hlat.infra.local_jobs, "PROJECT_ROOT", tmp_path)
     with pytest.raises(ConfigError, match=r"training\.device=xla .* run `scripts/install\.sh xla` first"):
         job_python(config, "train")
     python = tmp_path / XLA_PYTHON
@@ -149,7 +149,7 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
 
 
 def test_the_dry_run_shows_hlats_layouts() -> None:
-    from infra.backends import describe_layout
+    from hlat.infra.backends import describe_layout
 
     assert describe_layout(load_config("hlat-7b")) == (
         "2048 ranks = TP 8 x PP 1 x DP 256, micro-batch 1 x 4 accumulation steps, sequence parallel, selective "

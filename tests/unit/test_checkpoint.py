@@ -19,8 +19,9 @@ import pytest
 import torch
 from torch import nn
 
-from infra.storage import Storage
-from training.checkpoint import (
+from hlat.core.config import TrainingConfig
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import (
     MARKER,
     META,
     SHARED_FILE,
@@ -34,8 +35,7 @@ from training.checkpoint import (
     stage_to_cpu,
     step_dir,
 )
-from training.config import TrainingConfig
-from training.optim import build_optimizer, build_scheduler
+from hlat.training.optim import build_optimizer, build_scheduler
 
 
 class SpyStorage(Storage):
@@ -207,7 +207,7 @@ def test_a_save_failing_midway_is_skipped_and_the_previous_one_loads(
     with pytest.raises(OSError, match="injected"):
         failing.save(2, {"w": torch.full((3,), 2.0)}, {"r": 2})
     assert not (tmp_path / step_dir(2) / MARKER).exists()
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hlat.training.checkpoint"):
         assert good.latest_step() == 1
     if (tmp_path / step_dir(2)).exists():
         assert step_dir(2) in caplog.text and "no COMMITTED marker" in caplog.text
@@ -226,7 +226,7 @@ def test_a_truncated_file_in_a_committed_checkpoint_is_skipped_with_a_warning(
     manager.save(2, {"w": torch.ones(100)}, {"r": 2})
     path = tmp_path / step_dir(2) / victim
     path.write_bytes(path.read_bytes()[:-10])
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hlat.training.checkpoint"):
         assert manager.latest_step() == 1
     assert step_dir(2) in caplog.text and victim in caplog.text and "truncated" in caplog.text
     with pytest.raises(CheckpointError, match=victim):
@@ -250,7 +250,7 @@ def test_tampered_meta_and_corrupted_content_are_detected(tmp_path: Path, caplog
     meta = tmp_path / step_dir(3) / META
     meta.write_text(meta.read_text().replace('"world_size": 1', '"world_size": 1 '))
     (tmp_path / step_dir(2) / MARKER).write_text("not json")
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hlat.training.checkpoint"):
         assert manager.latest_step() == 1
     assert "does not match" in caplog.text and "unreadable" in caplog.text
 
@@ -653,7 +653,7 @@ def test_a_truncated_shard_file_skips_the_checkpoint(tmp_path: Path, caplog: pyt
     save_tp2_dp2(ranks, 2)
     victim = tmp_path / step_dir(2) / shard_file("tp01")
     victim.write_bytes(victim.read_bytes()[:-7])
-    with caplog.at_level(logging.WARNING, logger="training.checkpoint"):
+    with caplog.at_level(logging.WARNING, logger="hlat.training.checkpoint"):
         assert ranks[3].latest_step() == 1
     assert step_dir(2) in caplog.text and shard_file("tp01") in caplog.text and "truncated" in caplog.text
     with pytest.raises(CheckpointError, match=r"model-tp01\.pt"):

@@ -18,8 +18,10 @@ from typing import Any
 import pytest
 import torch
 
-from infra.storage import Storage
-from training.compile_cache import (
+from hlat.core.config import HlatConfig
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage
+from hlat.training.compile_cache import (
     ARTIFACTS_FILE,
     CACHE_DIR,
     INDUCTOR_CACHE_ENV,
@@ -38,9 +40,7 @@ from training.compile_cache import (
     use_node_local_neuron_cache,
     write_torch_cache,
 )
-from training.config import HlatConfig
-from training.distributed import World
-from training.presets import load_config
+from hlat.training.distributed import World
 
 ARTIFACTS = b"compiled graphs" * 100
 

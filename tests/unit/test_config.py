@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from training.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
-from training.presets import PRESETS, load_config
+from hlat.core.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
+from hlat.core.presets import PRESETS, load_config
 
 
 def test_every_preset_validates_and_every_field_is_documented() -> None:
@@ -82,9 +82,9 @@ def test_partial_rotary_presets(name: str, tp: int, pp: int, batch: int, params:
 
 @pytest.mark.parametrize("name", ["hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"])
 def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
-    from infra import planner
-    from infra.backends import estimate
-    from training.presets import TOKEN_BUDGETS
+    from hlat.core.presets import TOKEN_BUDGETS
+    from hlat.infra import planner
+    from hlat.infra.backends import estimate
 
     tokens, source = TOKEN_BUDGETS[name]
     c = load_config(name)
@@ -96,7 +96,7 @@ def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
     assert estimate(c)["tokens"] == planner.default_tokens(c) == t.max_steps * c.tokens_per_step
     assert c.data_parallel_size * t.micro_batch_size * c.gradient_accumulation == t.global_batch_size
     assert "arXiv" in source
-    from flows.cli import presets_table
+    from hlat.cli import presets_table
 
     [row] = [line for line in presets_table().splitlines() if line.startswith(f"{name} ")]
     assert f" {t.global_batch_size} " in row  # `hlat presets` shows the batch the budget is made of
@@ -182,7 +182,7 @@ def test_extra_expectations_are_checked() -> None:
 
 
 def test_a_field_of_a_default_mapping_can_be_overridden() -> None:
-    from training.presets import load_config
+    from hlat.core.presets import load_config
 
     config = load_config("tiny", {"burn_in.thresholds.local.min_matmul_tflops": 2.5})
     assert config.burn_in.thresholds["local"].min_matmul_tflops == 2.5

@@ -21,11 +21,11 @@ import pytest
 import sentencepiece as spm
 import torch
 
-from infra.shards import MANIFEST_FILE, DataManifest, ShardWriter
-from infra.storage import Storage
-from infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
-from training.config import TokenizerConfig
-from training.data import Batch, PackedLoader, epoch_plan
+from hlat.core.config import TokenizerConfig
+from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.storage import Storage
+from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
+from hlat.training.data import Batch, PackedLoader, epoch_plan
 
 SEED = 7
 SEQ, MB = 32, 2  # 64 targets per batch: short enough that long documents span many batches
@@ -94,7 +94,7 @@ def stream_of(batches: list[Batch]) -> list[int]:
 def shard_texts(data: Storage, fmt: str, path: str) -> list[str]:
     if fmt == "parquet":
         return pq.read_table(io.BytesIO(data.read_bytes(path))).column("text").to_pylist()
-    # Not infra.shards.iter_documents: its str.splitlines() also splits at U+2028, which json leaves unescaped.
+    # Not core.shards.iter_documents: its str.splitlines() also splits at U+2028, which json leaves unescaped.
     return [json.loads(line)["text"] for line in data.read_text(path).split("\n") if line]
 
 

@@ -11,7 +11,8 @@ from typing import Any
 
 import pytest
 
-from infra.eval_report import (
+from hlat.core.storage import Storage
+from hlat.infra.eval_report import (
     MISSING,
     choose_metric,
     compare_runs,
@@ -22,7 +23,6 @@ from infra.eval_report import (
     render_report,
     write_report,
 )
-from infra.storage import Storage
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -9,12 +9,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from flows.cli import main
-from infra.storage import Storage
-from training.checkpoint import MARKER, CheckpointError, CheckpointManager, step_dir
-from training.hf_export import export_checkpoint, locate_checkpoint
-from training.model import Transformer
-from training.presets import load_config
+from hlat.cli import main
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import MARKER, CheckpointError, CheckpointManager, step_dir
+from hlat.training.hf_export import export_checkpoint, locate_checkpoint
+from hlat.training.model import Transformer
 
 
 def make_run(root: Path, steps: tuple[int, ...] = (5, 10), **overrides: object) -> tuple[Path, Transformer]:
@@ -121,7 +121,7 @@ def test_a_tensor_parallel_checkpoint_consolidates_and_exports_as_the_dense_mode
     layers), written as a sharded checkpoint: the export equals the dense model."""
     from transformers import LlamaForCausalLM
 
-    from training.sharding import dense_parameters, local_name, shard
+    from hlat.training.sharding import dense_parameters, local_name, shard
 
     config = load_config(
         "tiny", {"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": kv_heads}

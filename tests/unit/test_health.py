@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from infra.storage import Storage
-from training.config import HealthThresholds
-from training.distributed import World
-from training.health import (
+from hlat.core.config import HealthThresholds
+from hlat.core.storage import Storage
+from hlat.training.distributed import World
+from hlat.training.health import (
     UnhealthyCollective,
     allreduce_check,
     compute_dtype,

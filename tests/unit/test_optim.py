@@ -10,8 +10,8 @@ import pytest
 import torch
 from torch import nn
 
-from training.config import TrainingConfig
-from training.optim import (
+from hlat.core.config import TrainingConfig
+from hlat.training.optim import (
     AdamWStochasticRounding,
     MasterWeightAdamW,
     build_optimizer,
@@ -452,7 +452,7 @@ def test_master_weight_adamw_is_adamw_on_its_fp64_masters_and_keeps_them_through
 
 
 def test_the_optimizer_recipe_follows_the_precision_the_device_and_zero1() -> None:
-    from training.optim import optimizer_recipe
+    from hlat.training.optim import optimizer_recipe
 
     cfg = TrainingConfig()
     params = list(TinyModel().parameters())

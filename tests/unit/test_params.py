@@ -10,12 +10,12 @@ import pytest
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
-from flows.cli import STAGES, _overrides, _stage_flow, build_parser, flow_call
-from flows.common import resolve
-from flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
-from flows.pretrain import hlat
-from training.config import ConfigError, HlatConfig, parse_override
-from training.presets import PRESETS
+from hlat.cli import STAGES, _overrides, _stage_flow, build_parser, flow_call
+from hlat.core.config import ConfigError, HlatConfig, parse_override
+from hlat.core.presets import PRESETS
+from hlat.flows.common import resolve
+from hlat.flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
+from hlat.flows.pretrain import hlat
 
 
 def test_the_preset_choice_lists_every_preset() -> None:

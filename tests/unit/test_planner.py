@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from infra import planner
-from infra.catalog import CATALOG, TRN1_TOPOLOGY, price_per_hour
-from infra.planner import Estimate, Layout, Rejected
-from training.presets import load_config
+from hlat.core.presets import load_config
+from hlat.infra import planner
+from hlat.infra.catalog import CATALOG, TRN1_TOPOLOGY, price_per_hour
+from hlat.infra.planner import Estimate, Layout, Rejected
 
 GIB = 1024**3
 GQA_24_6 = {"model.n_heads": 24, "model.n_kv_heads": 6, "model.d_model": 3072, "parallelism.tensor": 2}
@@ -248,7 +248,7 @@ def test_planner_settings_do_not_change_the_run_fingerprint() -> None:
 
 
 def test_cli_prints_the_ranked_table_and_costs(capsys: pytest.CaptureFixture[str]) -> None:
-    from flows.cli import main
+    from hlat.cli import main
 
     assert main(["plan", "--preset", "hlat-7b", "--nodes", "64", "--tokens", "1.8T"]) == 0
     out = capsys.readouterr().out
@@ -265,7 +265,7 @@ def test_cli_prints_the_ranked_table_and_costs(capsys: pytest.CaptureFixture[str
 
 
 def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
-    from flows.cli import main
+    from hlat.cli import main
 
     assert (
         main(["plan", "--preset", "hlat-70b", "--json", "--top", "3", "--set", "planner.warn_if_slower_than=0.2"]) == 0
@@ -281,7 +281,7 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_plans_a_local_preset_as_if_on_trn1(capsys: pytest.CaptureFixture[str]) -> None:
-    from flows.cli import main
+    from hlat.cli import main
 
     assert main(["plan", "--preset", "tiny"]) == 0
     out = capsys.readouterr().out
@@ -299,7 +299,7 @@ pytestmark = pytest.mark.filterwarnings("ignore:Logger 'hlat.plan' attempted to 
 
 
 def test_task_is_not_applicable_to_local_presets() -> None:
-    from tasks.plan import plan_parallelism
+    from hlat.tasks.plan import plan_parallelism
 
     result = plan_parallelism.fn(load_config("tiny"), "tiny-run")
     assert result["applicable"] is False and "not applicable" in result["note"]
@@ -310,28 +310,30 @@ def test_task_is_not_applicable_to_local_presets() -> None:
 def test_task_publishes_the_table_and_warns_on_a_slow_layout(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
-    import tasks.plan
+    import hlat.tasks.plan
 
     published: list[dict[str, Any]] = []
-    monkeypatch.setattr(tasks.plan, "create_table_artifact", lambda rows, **kw: published.append({"rows": rows, **kw}))
+    monkeypatch.setattr(
+        hlat.tasks.plan, "create_table_artifact", lambda rows, **kw: published.append({"rows": rows, **kw})
+    )
     # Full recomputation costs a third more compute than HLAT's selective checkpointing.
     slow = load_config("hlat-7b", {"parallelism.activation_checkpointing": "full"})
     with caplog.at_level(logging.WARNING, logger="hlat.plan"):
-        result = tasks.plan.plan_parallelism.fn(slow, "hlat-7b-run")
+        result = hlat.tasks.plan.plan_parallelism.fn(slow, "hlat-7b-run")
     assert result["applicable"] and result["warning"] and "slower than" in result["warning"]
     assert any("slower than" in r.getMessage() for r in caplog.records)
     assert published[0]["key"] == "parallelism-plan-hlat-7b-run"
-    assert len(published[0]["rows"]) == tasks.plan.TOP_ROWS and published[0]["rows"][0]["rank"] == 1
+    assert len(published[0]["rows"]) == hlat.tasks.plan.TOP_ROWS and published[0]["rows"][0]["rank"] == 1
 
     caplog.clear()
-    fine = tasks.plan.plan_parallelism.fn(load_config("hlat-7b"), "hlat-7b-run")
+    fine = hlat.tasks.plan.plan_parallelism.fn(load_config("hlat-7b"), "hlat-7b-run")
     assert fine["applicable"] and fine["warning"] is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 
 
 def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
     """The planner's layouts map one to one onto the config's parallelism (what training.neuron hands NxD)."""
-    from infra.planner import configured_layout
+    from hlat.infra.planner import configured_layout
 
     config = load_config("hlat-70b")
     the_plan = planner.plan(config, nodes=256)

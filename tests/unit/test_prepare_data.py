@@ -10,13 +10,13 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from infra.corpus import SourceError, source_fingerprint, stdlib_documents
-from infra.prepare import assign_split, prepare_dataset
-from infra.shards import iter_documents, read_manifest
-from infra.storage import Storage
-from infra.validation import DataValidationError
-from training.config import ConfigError, DataConfig, stable_hash
-from training.presets import load_config
+from hlat.core.config import ConfigError, DataConfig, stable_hash
+from hlat.core.presets import load_config
+from hlat.core.shards import iter_documents, read_manifest
+from hlat.core.storage import Storage
+from hlat.training.corpus import SourceError, source_fingerprint, stdlib_documents
+from hlat.training.prepare import assign_split, prepare_dataset
+from hlat.training.validation import DataValidationError
 
 WORDS = [
     "the",
@@ -229,7 +229,7 @@ def test_a_failed_rerun_leaves_earlier_outputs_intact(tmp_path: Path) -> None:
 
 def read_source(cfg: DataConfig) -> list[Any]:
     """Every batch of rows of the source, unit after unit, as the workers read it."""
-    from infra.reader import plan_units, read_unit
+    from hlat.training.reader import plan_units, read_unit
 
     return [rows for unit in plan_units(cfg, 1 << 30) for rows in read_unit(unit, cfg)]
 
@@ -253,7 +253,7 @@ def test_hub_code_path_with_config_split_and_streaming(tmp_path: Path) -> None:
     """The hub loader (name, config, split, streaming) on a dataset repo laid out here, as the hub lays them out."""
     import datasets
 
-    from infra.corpus import _open_hub, resolve_source
+    from hlat.training.corpus import _open_hub, resolve_source
 
     repo = tmp_path / "org-corpus"
     for config, n in (("small", 5), ("large", 40)):

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from infra.eval_report import UI_IMAGE_WIDTH, embed_images, load_baselines, render_report, write_report
-from infra.storage import Storage
+from hlat.core.presets import HLAT_EVAL_TASKS
+from hlat.core.storage import Storage
+from hlat.infra.eval_report import UI_IMAGE_WIDTH, embed_images, load_baselines, render_report, write_report
 from tests.unit.test_eval_report import fake_run, results, training_lines
-from training.presets import HLAT_EVAL_TASKS
 
 DATA_URI = re.compile(r"!\[(?P<caption>[^\]]*)\]\(data:image/png;base64,(?P<data>[A-Za-z0-9+/=]+)\)")
 
@@ -103,7 +103,7 @@ def test_the_published_artifact_carries_its_images(prefect_server: None, tmp_pat
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
-    from tasks.evaluate import publish_eval_report
+    from hlat.tasks.evaluate import publish_eval_report
 
     run = fake_run(tmp_path, "report-ui", training_lines(range(1, 30), eval_every=10))
     write_report(run, results(), load_baselines())

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from infra.runs import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
-from infra.storage import StorageNotFound
-from training.config import ConfigError
-from training.presets import load_config
+from hlat.core.config import ConfigError
+from hlat.core.presets import load_config
+from hlat.core.storage import StorageNotFound
+from hlat.infra.runs import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
 
 
 def test_open_run_writes_config_once_with_run_id(tmp_path: Path) -> None:
@@ -161,8 +161,8 @@ def test_load_config_of_a_run_never_opened(tmp_path: Path) -> None:
 
 
 def test_settings_outside_the_fingerprint_follow_the_latest_flow_run(tmp_path: Path) -> None:
-    from infra.runs import open_run
-    from training.presets import load_config
+    from hlat.core.presets import load_config
+    from hlat.infra.runs import open_run
 
     first = open_run(load_config("tiny", storage=str(tmp_path)))
     later = load_config(

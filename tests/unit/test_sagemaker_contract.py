@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from infra.storage import Storage
-from training.sagemaker import checkpoint_location, in_sagemaker, tensorboard_location
+from hlat.core.contract import checkpoint_location, in_sagemaker, tensorboard_location
+from hlat.core.storage import Storage
 
 
 def test_outside_sagemaker_everything_is_in_run_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -19,9 +19,12 @@ from botocore.awsrequest import AWSResponse
 from botocore.stub import ANY, Stubber
 from botocore.validate import validate_parameters
 
-from infra.backends import dry_run
-from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
-from infra.sagemaker_jobs import (
+from hlat.core.config import JobConfig
+from hlat.core.environment import neuron_environment
+from hlat.core.presets import load_config
+from hlat.infra.backends import dry_run
+from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
+from hlat.infra.sagemaker_jobs import (
     LOG_GROUP,
     LOG_LOOKBACK_MS,
     METRIC_DEFINITIONS,
@@ -30,9 +33,6 @@ from infra.sagemaker_jobs import (
     SageMakerBackend,
     neuron_training_image,
 )
-from training.config import JobConfig
-from training.devices import neuron_environment
-from training.presets import load_config
 
 REGION = "us-west-2"
 ROLE = "arn:aws:iam::111122223333:role/hlat-training"
@@ -213,7 +213,12 @@ def test_submit_creates_the_job_under_its_deterministic_name(
     uploads = {c["params"]["Key"] for c in offline.requests() if c["operation"] == "PutObject"}
     assert all(f"s3://{BUCKET}/{key}".startswith(CODE_PREFIX) for key in uploads)
     names = {key.split("/input/", 1)[1] for key in uploads}
-    assert {"code/training/train.py", "code/infra/storage.py", "code/deployments/job-requirements.txt"} <= names
+    assert {
+        "code/training/train.py",
+        "code/core/storage.py",
+        "code/hlat/__init__.py",
+        "code/deployments/job-requirements.txt",
+    } <= names
     assert "sm_drivers/sm_train.sh" in names
     shipped = [n.removeprefix("code/") for n in names if n.startswith("code/")]
     assert not [n for n in shipped if re.match(r"(.*/)?(tests|\.venv|runs|\.git|flows|tasks|__pycache__)/", n)]
@@ -614,8 +619,8 @@ def test_supervisor_relaunches_through_capacity_and_internal_errors_to_completio
     """Three jobs through the real request and response shapes: CapacityError (back off), InternalServerError
     after progress (resume at once), Completed. Each job is looked up by name first, created under its
     deterministic name, then polled; its logs are read (none written yet)."""
-    from infra.storage import Storage
-    from infra.supervisor import Supervisor
+    from hlat.core.storage import Storage
+    from hlat.infra.supervisor import Supervisor
 
     backend, _, stubber = offline_backend
     logs = Stubber(backend.logs_client)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from botocore.exceptions import ClientError, NoCredentialsError
 
-from infra.storage import Storage, StorageError, StorageNotFound, TransientStorageError, translate_error
+from hlat.core.storage import Storage, StorageError, StorageNotFound, TransientStorageError, translate_error
 
 
 def assert_one_line(exc: BaseException) -> str:

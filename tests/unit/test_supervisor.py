@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
-from infra.storage import Storage
-from infra.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
+from hlat.core.storage import Storage
+from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
+from hlat.infra.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
 
 RUN_ID = "tiny-test"
 TARGET = 100
@@ -252,7 +252,7 @@ def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None
     backend = ScriptedBackend([Play()], clock)
     spec = JobSpec(job_name(RUN_ID, 1), RUN_ID, 1, str(tmp_path), "c", "ml.trn1.32xlarge", 2, 32, 3600)
     backend.submit(spec)
-    from infra.supervisor import Attempt
+    from hlat.infra.supervisor import Attempt
 
     Ledger(Storage(str(tmp_path)), "train").save([Attempt(1, spec.name)])
     attempts = supervisor(tmp_path, backend, clock).run_to_completion()

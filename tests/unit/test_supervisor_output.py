@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from infra.jobs import JobSpec, JobState, Status, job_name
-from infra.storage import Storage
-from infra.supervisor import Attempt, JobFailed, Ledger, Progress, ProgressGate, Throughput, ending_reason
+from hlat.core.storage import Storage
+from hlat.infra.jobs import JobSpec, JobState, Status, job_name
+from hlat.infra.supervisor import Attempt, JobFailed, Ledger, Progress, ProgressGate, Throughput, ending_reason
 from tests.unit.test_supervisor import RUN_ID, TARGET, Play, ScriptedBackend, supervisor
 
 TOKENS_PER_STEP = 1000  # test_supervisor's supervisor()

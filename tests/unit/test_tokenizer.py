@@ -25,9 +25,10 @@ from typing import Any
 import pytest
 import sentencepiece as spm
 
-from infra.shards import MANIFEST_FILE, DataManifest, ShardWriter
-from infra.storage import Storage, StorageNotFound
-from infra.tokenizer import (
+from hlat.core.config import TokenizerConfig
+from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.storage import Storage, StorageNotFound
+from hlat.infra.tokenizer import (
     MODEL_FILE,
     REPORT_FILE,
     build_tokenizer,
@@ -35,7 +36,6 @@ from infra.tokenizer import (
     train_sentencepiece,
     training_lines,
 )
-from training.config import TokenizerConfig
 
 VOCAB = 512
 MAX_SEQ = 1024

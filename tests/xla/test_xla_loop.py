@@ -16,14 +16,14 @@ from typing import Any
 import pytest
 import torch
 
-from infra.storage import Storage
+from hlat.core.config import HlatConfig, validate_config
+from hlat.core.contract import EXIT_NAN
+from hlat.core.storage import Storage
+from hlat.training import xla
+from hlat.training.checkpoint import CheckpointManager
+from hlat.training.distributed import World, init_world
+from hlat.training.trainer import Trainer
 from tests.xla.conftest import make_run
-from training import xla
-from training.checkpoint import CheckpointManager
-from training.config import HlatConfig, validate_config
-from training.distributed import World, init_world
-from training.exit_codes import EXIT_NAN
-from training.trainer import Trainer
 
 STEPS = 20
 PROJECT = Path(__file__).resolve().parents[2]
@@ -193,7 +193,7 @@ def test_with_xla_always_allreduce_the_loops_collectives_run_on_device_tensors(
 def job(run: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     """The training program as a job runs it, on XLA:CPU."""
     return subprocess.run(
-        [sys.executable, "-m", "training.train", "--config", str(run / "config.json")],
+        [sys.executable, "-m", "hlat.training.train", "--config", str(run / "config.json")],
         cwd=PROJECT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 
@@ -243,8 +243,8 @@ def test_the_precompile_programs_xla_path_runs_the_steps_and_a_validation_pass_a
     prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """What the trn1 precompile job does before neuron_parallel_compile takes over (which exists only on trn1)."""
-    from training import precompile
-    from training.compile_cache import CACHE_DIR, cache_key, key_digest
+    from hlat.training import precompile
+    from hlat.training.compile_cache import CACHE_DIR, cache_key, key_digest
 
     run = make_run(prepared, tmp_path, "precompile", **{"precompile.steps": 2})
     cfg = validate_config(Storage(str(run)).read_json("config.json"))

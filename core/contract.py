@@ -1,12 +1,16 @@
-"""The SageMaker training-container contract, where a job honours it (SageMaker, or the local job backend).
+"""The job contract: what a job program and its launcher (SageMaker, or the local job backend) agree on.
 
-Inside a job (SM_* variables set), checkpoints go to the local folder SageMaker keeps in sync with the
-job's CheckpointConfig S3 URI (`/opt/ml/checkpoints`, or SM_CHECKPOINT_DIR), which the job backend pins to
-the run's checkpoints/ prefix; data and tokenizer are read from the job's input channels (SM_CHANNEL_DATA,
-SM_CHANNEL_TOKENIZER); TensorBoard events go to /opt/ml/output/tensorboard, SageMaker's default; and the reason
-of a failure is written to /opt/ml/output/failure, which SageMaker reports as the job's FailureReason (so the
-train stage can tell a NaN exit from a bug even when torchrun hides the exit code). Elsewhere everything lives
-in run storage (TensorBoard only when run storage is local).
+Exit codes tell the launcher what happened; the failure reason (at most MAX_FAILURE_REASON characters, written to
+the failure file) tells it why. Jobs honour SageMaker's training-container contract (on SageMaker, or under the
+local job backend, which plays SageMaker's part). Inside a job (SM_* variables set), checkpoints go to the local
+folder SageMaker keeps in sync with the job's CheckpointConfig S3 URI (`/opt/ml/checkpoints`, or SM_CHECKPOINT_DIR),
+which the job backend pins to the run's checkpoints/ prefix; data and tokenizer are read from the job's input
+channels (SM_CHANNEL_DATA, SM_CHANNEL_TOKENIZER); TensorBoard events go to /opt/ml/output/tensorboard, SageMaker's
+default; and the reason of a failure is written to /opt/ml/output/failure, which SageMaker reports as the job's
+FailureReason (so the train stage can tell a NaN exit from a bug even when torchrun hides the exit code). Elsewhere
+everything lives in run storage (TensorBoard only when run storage is local).
+
+Imported by the job programs (`training/`) and by the control plane (`infra/`): no torch, no Prefect.
 """
 
 from __future__ import annotations
@@ -16,8 +20,24 @@ import logging
 import os
 from collections.abc import Callable
 
-from infra.storage import Storage
-from training.config import HlatConfig, validate_config
+from hlat.core.config import HlatConfig, validate_config
+from hlat.core.layout import CHECKPOINTS_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
+from hlat.core.storage import Storage
+
+EXIT_NAN = 3
+"""The loss became NaN or inf with training.nan_policy=exit: relaunch from the last checkpoint (HLAT)."""
+
+EXIT_BURN_IN_FAILED = 4
+"""The burn-in program (`training.burn_in`) found a rank below its instance type's floors or computing wrong results;
+its report (burn-in/report.json) and the failure reason (`BurnInFailed: ...`) name the ranks."""
+
+EXIT_UNHEALTHY = 5
+"""A periodic health check inside training (burn_in.health_check_every) found the all-reduce wrong or below its
+bandwidth floor (`UnhealthyCollective: ...`): relaunch, on other nodes if it repeats, from the last checkpoint."""
+
+EXIT_DATA_INVALID = 6
+"""The prepare-data job (`training.prepare_data`) met data its policy refuses (data.validation.policy=fail, an empty
+source, too many duplicates...): not worth relaunching; the failure reason (`DataValidationError: ...`) says where."""
 
 SAGEMAKER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 SAGEMAKER_TENSORBOARD_DIR = "/opt/ml/output/tensorboard"
@@ -36,7 +56,7 @@ def checkpoint_location(run: Storage) -> Storage:
         return Storage(os.environ["HLAT_CHECKPOINT_DIR"])
     if in_sagemaker():
         return Storage(os.environ.get("SM_CHECKPOINT_DIR", SAGEMAKER_CHECKPOINT_DIR))
-    return run.child("checkpoints")
+    return run.child(CHECKPOINTS_DIR)
 
 
 def channel_location(run: Storage, channel: str) -> Storage:
@@ -70,7 +90,7 @@ def write_failure(reason: str) -> None:
         log.warning("could not write the failure reason to %s: %s", path, exc)
 
 
-# -- what every job program (training.train, training.precompile, training.burn_in) starts and ends with ---------
+# -- what every job program (train, precompile, burn_in, evaluate, prepare_data) starts and ends with -----------
 def job_arguments(
     prog: str, description: str | None, argv: list[str] | None, more: Callable[[argparse.ArgumentParser], None] | None
 ) -> argparse.Namespace:
@@ -100,8 +120,8 @@ def read_job_config(config_uri: str) -> tuple[Storage, HlatConfig]:
 
 def fetch_tokenizer(run: Storage, folder: str) -> str:
     """Copy the sentencepiece model (from the job's tokenizer channel, or the run) into `folder`; its path."""
-    path = os.path.join(folder, "tokenizer.model")
-    channel_location(run, "tokenizer").get_file("tokenizer.model", path)
+    path = os.path.join(folder, TOKENIZER_MODEL)
+    channel_location(run, TOKENIZER_DIR).get_file(TOKENIZER_MODEL, path)
     return path
 
 

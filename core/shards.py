@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
-from infra.storage import Storage
+from hlat.core.storage import Storage
 
 MANIFEST_FILE = "manifest.json"
 Split = Literal["train", "validation"]
@@ -102,7 +102,7 @@ class ShardWriter:
 def read_manifest(data: Storage) -> DataManifest:
     """The manifest of a prepared data folder; a clear error when prepare-data has not completed there."""
     if not data.exists(MANIFEST_FILE):
-        from infra.storage import StorageNotFound
+        from hlat.core.storage import StorageNotFound
 
         raise StorageNotFound(
             f"{data.uri(MANIFEST_FILE)} does not exist: run the prepare-data stage for this run first"

@@ -13,7 +13,7 @@
 
 Flows run on the Prefect API configured in the environment, or in Prefect's ephemeral mode when none is.
 User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1; any other
-failure ends with one line too, its traceback in the command's log file (flows/cli_log.py) or, with --verbose, on
+failure ends with one line too, its traceback in the command's log file (hlat/cli_log.py) or, with --verbose, on
 the terminal.
 """
 
@@ -27,9 +27,9 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from flows.deploy import DEFAULT_POOL, POOL_TYPES
-from training.config import ConfigError, parse_override
-from training.presets import PRESETS, load_config
+from hlat.core.config import ConfigError, parse_override
+from hlat.core.presets import PRESETS, load_config
+from hlat.deploy import DEFAULT_POOL, POOL_TYPES
 
 STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
 
@@ -37,7 +37,7 @@ STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "
 def _stage_flow(name: str) -> Callable[..., Any]:
     import importlib
 
-    module = importlib.import_module(f"flows.{name.replace('-', '_')}")
+    module = importlib.import_module(f"hlat.flows.{name.replace('-', '_')}")
     return getattr(module, name.replace("-", "_"))
 
 
@@ -210,8 +210,8 @@ def _token_count(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from infra import planner
-    from infra.backends import data_estimate
+    from hlat.infra import planner
+    from hlat.infra.backends import data_estimate
 
     config = load_config(args.preset, overrides)
     instance_type, note = planner.planning_instance(config)
@@ -238,7 +238,7 @@ FLOW_COMMANDS = ("pretrain", "run")  # the commands that run flows: their whole 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from flows.cli_log import CommandLog
+    from hlat.cli_log import CommandLog
 
     args = build_parser().parse_args(argv)
     log = CommandLog(args.command)
@@ -267,13 +267,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _known_error(exc: BaseException) -> str | None:
     """User-facing errors print as one line; anything else keeps its traceback."""
-    from flows.deploy import DeployError
-    from infra.corpus import SourceError
-    from infra.storage import StorageError
-    from infra.supervisor import SupervisorError
-    from infra.validation import DataValidationError
-    from tasks.jobs import BurnInFailed
-    from training.checkpoint import CheckpointError
+    from hlat.core.storage import StorageError
+    from hlat.deploy import DeployError
+    from hlat.infra.supervisor import SupervisorError
+    from hlat.tasks.jobs import BurnInFailed
+    from hlat.training.checkpoint import CheckpointError
+    from hlat.training.corpus import SourceError
+    from hlat.training.validation import DataValidationError
 
     known = (
         DeployError,
@@ -299,11 +299,11 @@ def _dispatch(args: argparse.Namespace) -> int:
     if args.command == "compare":
         return _compare(args)
     if args.command == "deploy":
-        from flows.deploy import deploy
+        from hlat.deploy import deploy
 
         return deploy(args.names, pool_type=args.pool_type)
     if args.command == "worker":
-        from flows.deploy import worker
+        from hlat.deploy import worker
 
         worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name)
     overrides = _overrides(args.overrides)
@@ -316,13 +316,13 @@ def _dispatch(args: argparse.Namespace) -> int:
     # Fail on a bad config before Prefect starts (an ephemeral API takes seconds to come up).
     config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
     if args.dry_run:
-        from infra.backends import dry_run
+        from hlat.infra.backends import dry_run
 
         if args.command == "run" and args.stage == "train-tokenizer":
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
             return 2
-        from infra.aws import AwsBlockError
-        from tasks.aws import with_role
+        from hlat.infra.aws import AwsBlockError
+        from hlat.tasks.aws import with_role
 
         try:
             config = with_role(config)
@@ -340,7 +340,7 @@ def _dispatch(args: argparse.Namespace) -> int:
 def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
     """The flow `hlat pretrain` or `hlat run <stage>` calls, and its parameters."""
     if args.command == "pretrain":
-        from flows.pretrain import hlat
+        from hlat.flows.pretrain import hlat
 
         flow_fn: Any = hlat
     else:
@@ -354,7 +354,7 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
 
 
 def _export(args: argparse.Namespace) -> int:
-    from training.hf_export import export_checkpoint
+    from hlat.training.hf_export import export_checkpoint
 
     start = time.perf_counter()
     out, ref = export_checkpoint(args.source, args.out, step=args.step, tokenizer=args.tokenizer)
@@ -365,8 +365,8 @@ def _export(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from infra.eval_report import compare_runs
-    from infra.storage import Storage
+    from hlat.core.storage import Storage
+    from hlat.infra.eval_report import compare_runs
 
     a, b = Storage(args.run_a.rstrip("/")), Storage(args.run_b.rstrip("/"))
     labels = tuple(args.labels) if args.labels else (a.uri().rsplit("/", 1)[-1], b.uri().rsplit("/", 1)[-1])

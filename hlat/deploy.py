@@ -32,7 +32,7 @@ from typing import Any, NoReturn
 import httpx
 import yaml
 
-from training.config import ConfigError
+from hlat.core.config import ConfigError
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"

@@ -3,7 +3,7 @@
 The same object is a Prefect flow parameter, the `config.json` saved with every run and checkpoint, and
 what a training job reads (`python -m training.train --config <uri>`). Every field is documented by the
 docstring under it; validation happens here, once, and a wrong value raises `ConfigError` naming the dotted
-field and what is allowed. Presets live in `training/presets.py`; dotted overrides are applied by
+field and what is allowed. Presets live in `core/presets.py`; dotted overrides are applied by
 `apply_overrides`.
 """
 
@@ -289,7 +289,7 @@ NEURON_RESERVED_ENV = frozenset({"NEURON_COMPILE_CACHE_URL", "RUN_NEURON_PARALLE
 class NeuronConfig(Section):
     """Neuron compiler and runtime settings of the trn1 jobs (train, precompile, burn-in), as HLAT ran them; the
     defaults are HLAT 7B's. They become environment variables of those jobs, next to the precision flags of
-    precision.mode (`training.devices.neuron_environment`); jobs off trn1 get none of them. A boolean that is off
+    precision.mode (`core.environment.neuron_environment`); jobs off trn1 get none of them. A boolean that is off
     leaves its variable unset: the reader's own default."""
 
     compiler_flags: str = "--model-type transformer --distribution-strategy=llm-training"
@@ -566,6 +566,10 @@ class BurnInConfig(Section):
     collective ends the job (it is relaunched from the last checkpoint). None: never."""
     health_allreduce_mb: float = Field(16.0, gt=0)
     """Size of the periodic health check's all-reduce, MB."""
+
+
+OFFLINE_TASK_PREFIX = "hlat_"
+"""evaluation.tasks starting with this are the project's own offline tasks (`training/lm_harness.py`), not lm-eval's."""
 
 
 class EvaluationConfig(Section):

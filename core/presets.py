@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from training.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
+from hlat.core.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
 
 _TRN1 = {
     "backend": "sagemaker",

@@ -12,7 +12,7 @@ Invalid UTF-8 is decoded with U+FFFD in place of the bad bytes, as are lone surr
 
 jsonl keeps the semantics of the `datasets` reader it replaces: only b"\\n" ends a record (a "\\r" before it is
 JSON whitespace), blank lines are not rows, and an object without the text key gives a None text. Files are read
-through fsspec (`infra.storage.Storage`), so local paths and s3:// read alike.
+through fsspec (`core.storage.Storage`), so local paths and s3:// read alike.
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 from itertools import pairwise
 from typing import IO, Any
 
-from infra.corpus import SourceError, resolve_source
-from infra.storage import Storage, StorageNotFound, storage_errors
-from training.config import DataConfig
+from hlat.core.config import DataConfig
+from hlat.core.storage import Storage, StorageNotFound, storage_errors
+from hlat.training.corpus import SourceError, resolve_source
 
 # Bytes read from a jsonl file at a time; a batch never waits for more than one such read.
 READ_BYTES = 4 << 20
@@ -401,7 +401,7 @@ def _read_hub(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    from infra.corpus import _guarded, _open_hub
+    from hlat.training.corpus import _guarded, _open_hub
 
     dataset = _open_hub(cfg, datasets)
     if (unit.end or 1) > 1:

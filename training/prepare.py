@@ -2,7 +2,7 @@
 manifest and one report.
 
 The work is split so that many workers can share it and none has to start over: `plan` cuts the source into
-deterministic units (infra.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
+deterministic units (training.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
 share of a hub data set per worker); `assign` deals them out to `data.workers` workers, largest first; each
 worker runs `prepare_unit` on its units, which writes the unit's shards and commits it with `unit.json`, written
 last; `merge` then finds the exact duplicates *across* units (each unit drops its own), rewrites the few shards
@@ -37,11 +37,11 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from infra.reader import BadRow, Unit, absolute_line, plan_units, read_unit
-from infra.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, shard_texts, write_shard
-from infra.storage import Storage
-from infra.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
-from training.config import DataConfig
+from hlat.core.config import DataConfig
+from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, shard_texts, write_shard
+from hlat.core.storage import Storage
+from hlat.training.reader import BadRow, Unit, absolute_line, plan_units, read_unit
+from hlat.training.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
 
 log = logging.getLogger("hlat.data")
 

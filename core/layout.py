@@ -1,0 +1,208 @@
+"""The run layout: every file and folder of a run, named once, and how to find a run's committed checkpoints.
+
+A run is one folder (local path or s3:// prefix), `<storage>/<run_id>/`:
+
+    config.json                  the validated config (CONFIG_FILE)
+    data/                        shards, manifest and report of prepare-data (DATA_DIR)
+    tokenizer/                   tokenizer.model and its report (TOKENIZER_DIR)
+    compile-cache/               latest.json, torch/<key>/, neuron/ (COMPILE_CACHE_DIR)
+    burn-in/report.json          the burn-in verdict (BURN_IN_REPORT)
+    checkpoints/step-NNNNNNNNN/  one checkpoint, complete once its COMMITTED marker exists (CHECKPOINTS_DIR)
+    metrics.jsonl                training's metrics, one JSON object per line (METRICS_FILE)
+    eval/                        results.json, report.md, plots; eval/step-NNNNNNNNN/results.json per checkpoint
+    jobs/                        each stage's job ledger (JOBS_DIR)
+
+Finding checkpoints needs no torch: `CheckpointIndex` lists and validates them (the marker against meta.json and
+every listed file's size); `training.checkpoint.CheckpointManager` adds saving, loading and pruning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from hlat.core.storage import Storage, storage_errors
+
+log = logging.getLogger("hlat.training.checkpoint")
+
+CONFIG_FILE = "config.json"
+DATA_DIR = "data"
+TOKENIZER_DIR = "tokenizer"
+TOKENIZER_MODEL = "tokenizer.model"
+COMPILE_CACHE_DIR = "compile-cache"
+COMPILE_LATEST_FILE = "latest.json"
+COMPILE_LATEST = f"{COMPILE_CACHE_DIR}/{COMPILE_LATEST_FILE}"
+"""The precompile stage's record of the cache it built (its key and status): written last."""
+TORCH_CACHE_DIR = "torch"
+NEURON_CACHE_DIR = "neuron"
+NEURON_CACHE = f"{COMPILE_CACHE_DIR}/{NEURON_CACHE_DIR}"
+"""The Neuron compiler's cache (NEURON_COMPILE_CACHE_URL of trn1 jobs)."""
+BURN_IN_DIR = "burn-in"
+BURN_IN_REPORT = f"{BURN_IN_DIR}/report.json"
+CHECKPOINTS_DIR = "checkpoints"
+METRICS_FILE = "metrics.jsonl"
+EVAL_DIR = "eval"
+EVAL_RESULTS_FILE = "results.json"
+JOBS_DIR = "jobs"
+STAGE_DIRS = (DATA_DIR, TOKENIZER_DIR, COMPILE_CACHE_DIR, BURN_IN_DIR, CHECKPOINTS_DIR, EVAL_DIR)
+"""The folders each stage writes, in the DAG's order."""
+
+CHECKPOINT_MARKER = "COMMITTED"
+"""A checkpoint folder counts only once this file exists: {"step", "meta_sha256"}, written last."""
+CHECKPOINT_META = "meta.json"
+STEP_DIR = re.compile(r"step-(\d+)")
+
+
+def step_dir(step: int) -> str:
+    """`step-000001000` for step 1000: 9 digits, so names sort by step."""
+    return f"step-{step:09d}"
+
+
+def shard_file(shard: str) -> str:
+    """A sharded checkpoint's file of one model-parallel shard (e.g. "tp01-pp00")."""
+    return f"model-{shard}.pt"
+
+
+def eval_results_path(step: int) -> str:
+    """Where the evaluation of checkpoint `step` is written, relative to the run."""
+    return f"{EVAL_DIR}/{step_dir(step)}/{EVAL_RESULTS_FILE}"
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint could not be written or read; the message names it and why."""
+
+
+class CheckpointIndex:
+    """The checkpoints under one folder (a run's checkpoints/): which exist, which are complete, their meta.json."""
+
+    def __init__(self, storage: Storage) -> None:
+        self.storage = storage
+
+    def all_steps(self) -> list[int]:
+        """Steps of every checkpoint folder, complete or not, ascending."""
+        steps = []
+        for name in self.storage.list():
+            match = STEP_DIR.fullmatch(name)
+            if match:
+                steps.append(int(match.group(1)))
+        return sorted(steps)
+
+    def committed_steps(self) -> list[int]:
+        """Steps whose folder has the commit marker (not otherwise validated), ascending."""
+        return [s for s in self.all_steps() if self.storage.exists(f"{step_dir(s)}/{CHECKPOINT_MARKER}")]
+
+    def latest_step(self) -> int | None:
+        """The newest complete checkpoint's step (None: none); newer broken ones are skipped with a warning."""
+        for step in reversed(self.all_steps()):
+            problem = self._problem(step)
+            if problem is None:
+                return step
+            log.warning("skipping checkpoint %s: %s", self.storage.uri(step_dir(step)), problem)
+        return None
+
+    def read_meta(self, step: int) -> dict[str, Any]:
+        """meta.json of a committed checkpoint."""
+        problem = self._problem(step)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {self.storage.uri(step_dir(step))} is not usable: {problem}")
+        meta: dict[str, Any] = self.storage.read_json(f"{step_dir(step)}/{CHECKPOINT_META}")
+        return meta
+
+    def _problem(self, step: int) -> str | None:
+        """Why checkpoint `step` is not complete, or None when it is."""
+        folder = step_dir(step)
+        try:
+            sizes = self._file_sizes(folder)
+            if CHECKPOINT_MARKER not in sizes:
+                return f"no {CHECKPOINT_MARKER} marker (an interrupted save)"
+            if CHECKPOINT_META not in sizes:
+                return f"{CHECKPOINT_META} is missing"
+            meta_bytes = self.storage.read_bytes(f"{folder}/{CHECKPOINT_META}")
+            marker = json.loads(self.storage.read_bytes(f"{folder}/{CHECKPOINT_MARKER}"))
+            if marker.get("meta_sha256") != hashlib.sha256(meta_bytes).hexdigest():
+                return f"{CHECKPOINT_META} does not match the sha256 recorded in {CHECKPOINT_MARKER}"
+            meta = json.loads(meta_bytes)
+            if meta.get("step") != step:
+                return f"{CHECKPOINT_META} is for step {meta.get('step')}"
+            for shard in meta.get("shards") or ():
+                if shard_file(shard) not in meta["files"]:
+                    return f"{CHECKPOINT_META} lists shard {shard!r} but not its file {shard_file(shard)}"
+            for name, info in meta["files"].items():
+                if name not in sizes:
+                    return f"{name} is missing"
+                if sizes[name] != info["size"]:
+                    return f"{name} is {sizes[name]} bytes, {info['size']} were written (truncated or replaced)"
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            return f"unreadable ({type(exc).__name__}: {exc})"
+        return None
+
+    def _file_sizes(self, folder: str) -> dict[str, int]:
+        # One listing (paginated on S3) instead of a HEAD request per file: thousands of ranks mean thousands
+        # of rank files.
+        path = self.storage.path(folder)
+        with storage_errors(self.storage.uri(folder)):
+            if not self.storage.fs.exists(path):
+                return {}
+            entries = self.storage.fs.ls(path, detail=True)
+        sizes = {}
+        for entry in entries:
+            if entry.get("type") == "file":
+                sizes[str(entry["name"]).rstrip("/").rsplit("/", 1)[-1]] = int(entry["size"])
+        return sizes
+
+
+# -- from a run's checkpoint ------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointRef:
+    """One committed checkpoint of a run, found from a checkpoint folder, a checkpoints folder or a run folder."""
+
+    checkpoints: Storage
+    """The run's checkpoints/ folder."""
+    step: int
+    run: Storage | None
+    """The run folder (the checkpoints folder's parent) when it has one: where tokenizer/ is."""
+
+    @property
+    def uri(self) -> str:
+        return self.checkpoints.uri(step_dir(self.step))
+
+
+def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
+    """Resolve `source`: `<run>/checkpoints/step-000000600` (that step), `<run>/checkpoints` or `<run>` (the
+    newest complete checkpoint, or `step`). Raises CheckpointError saying what is missing."""
+    source = source.rstrip("/")
+    parent, _, name = source.rpartition("/")
+    match = STEP_DIR.fullmatch(name)
+    if match:
+        if step is not None and step != int(match.group(1)):
+            raise CheckpointError(f"{source} is step {int(match.group(1))}, not the step {step} asked for")
+        checkpoints, step = Storage(parent or "."), int(match.group(1))
+    else:
+        folder = Storage(source)
+        checkpoints = folder.child(CHECKPOINTS_DIR) if folder.exists(CHECKPOINTS_DIR) else folder
+    if not checkpoints.exists():
+        raise CheckpointError(f"no checkpoint at {source}: {checkpoints.uri()} does not exist")
+    manager = CheckpointIndex(checkpoints)
+    if step is None:
+        step = manager.latest_step()
+        if step is None:
+            raise CheckpointError(
+                f"no complete checkpoint under {checkpoints.uri()} (none has its {CHECKPOINT_MARKER} marker); "
+                "train first, or pass a checkpoint folder step-NNNNNNNNN"
+            )
+    if step not in manager.all_steps():
+        # A step that was never saved (or was pruned): say which exist, not why a folder is incomplete.
+        committed = manager.committed_steps()
+        have = ", ".join(str(s) for s in committed) if committed else "none"
+        raise CheckpointError(
+            f"no checkpoint of step {step} under {checkpoints.uri()}: the committed steps are {have}; "
+            "ask for one of them (--step N), or for no step to get the newest"
+        )
+    manager.read_meta(step)  # raises CheckpointError naming the problem of an incomplete checkpoint
+    base, _, last = checkpoints.uri().rstrip("/").rpartition("/")
+    run = Storage(base) if last == CHECKPOINTS_DIR and base else None
+    return CheckpointRef(checkpoints=checkpoints, step=step, run=run)

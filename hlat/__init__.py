@@ -1,0 +1,12 @@
+"""hlat: one import namespace for the whole project.
+
+The project's layers stay top-level folders (see the README's "Layout"), each linked in here, so that every
+import reads `hlat.<layer>.<module>` and an installed hlat adds one name, `hlat`, to site-packages:
+
+    hlat.core       the ground: config schema and presets, run layout, job contract, storage (no torch, no Prefect)
+    hlat.training   what runs inside a job: the job programs and their libraries (no Prefect)
+    hlat.infra      the control plane: job backends, planner, catalog, AWS (no torch, no Prefect)
+    hlat.tasks      Prefect tasks, one retryable unit of work each
+    hlat.flows      Prefect flows chaining the tasks
+    hlat.cli, hlat.deploy   the `hlat` command and the deployment tooling
+"""

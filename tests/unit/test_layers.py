@@ -1,0 +1,182 @@
+"""The project's layers and their import rules (README, "Layout"), read off the source: no arrow runs back up, no
+import circle, one import namespace, every run file named once, and a task or flow that only looks at a run's
+files does not import torch."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import hlat.core.layout
+
+ROOT = Path(__file__).resolve().parents[2]
+LAYERS = ("core", "training", "infra", "tasks", "flows", "hlat")
+# What each layer may import of the others ("hlat": the CLI and deployment tooling in hlat/ itself).
+ALLOWED = {
+    "core": set(),
+    "training": {"core"},
+    "infra": {"core"},
+    "tasks": {"core", "training", "infra"},
+    "flows": {"core", "training", "infra", "tasks"},
+    "hlat": {"core", "training", "infra", "tasks", "flows"},
+}
+# Third-party packages a layer must not import (anywhere in it, lazily included).
+FORBIDDEN = {
+    "core": {"torch", "prefect", "prefect_aws"},
+    "infra": {"torch", "prefect", "prefect_aws"},
+    "training": {"prefect", "prefect_aws"},
+}
+
+
+def modules() -> dict[str, Path]:
+    """'hlat.<layer>.<module>' (or 'hlat.<module>' for hlat/'s own files) -> path, for every module of the project."""
+    found = {}
+    for layer in LAYERS:
+        for path in sorted((ROOT / layer).glob("*.py")):
+            name = path.stem if path.stem != "__init__" else ""
+            prefix = "hlat" if layer == "hlat" else f"hlat.{layer}"
+            found[f"{prefix}.{name}".rstrip(".")] = path
+    return found
+
+
+def layer_of(module: str) -> str:
+    """The layer of 'hlat.<layer>[.<module>]'; 'hlat' for hlat's own modules (hlat.cli, hlat.deploy)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) >= 2 and parts[1] in LAYERS[:-1] else "hlat"
+
+
+def _under_main_guard(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
+    """Inside `if __name__ == "__main__":` (a flow file run as a script hands its arguments to the CLI)."""
+    while node in parents:
+        node = parents[node]
+        if isinstance(node, ast.If) and "__main__" in ast.unparse(node.test):
+            return True
+    return False
+
+
+def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[str, int]]:
+    """(imported module, line) for every import of the file; `top_level_only`: those run when it is imported."""
+    tree = ast.parse(path.read_text())
+    parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
+    found = []
+    for node in ast.walk(tree):
+        if top_level_only and any(
+            isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef))
+            for p in _ancestors(node, parents)  # imports inside functions run only when called
+        ):
+            continue
+        if _under_main_guard(node, parents):
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+        elif isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+    return found
+
+
+def _ancestors(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:
+    out = []
+    while node in parents:
+        node = parents[node]
+        out.append(node)
+    return out
+
+
+def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_packages() -> None:
+    wrong = []
+    for module, path in modules().items():
+        layer = "hlat" if path.parent.name == "hlat" else layer_of(module)
+        for imported, line in imports(path):
+            top = imported.split(".")[0]
+            if top == "hlat" and imported != "hlat":
+                target = layer_of(imported)
+                if target != layer and target not in ALLOWED[layer]:
+                    wrong.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {imported} ({target})")
+            if top in FORBIDDEN.get(layer, ()):
+                wrong.append(f"{path.relative_to(ROOT)}:{line} ({layer}) imports {imported}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_one_import_namespace_no_module_imports_a_layer_by_its_bare_name() -> None:
+    files = [p for layer in LAYERS for p in (ROOT / layer).glob("*.py")]
+    files += [*ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
+    bare = [
+        f"{path.relative_to(ROOT)}:{line} imports {name}"
+        for path in files
+        for name, line in imports(path)
+        if name.split(".")[0] in {"core", "training", "infra", "tasks", "flows"}
+    ]
+    assert not bare, "\n".join(bare)
+
+
+def test_no_import_circle_among_the_modules() -> None:
+    graph = {
+        module: {
+            name
+            for imported, _ in imports(path, top_level_only=True)
+            for name in (imported, imported.rpartition(".")[0])
+            if name in modules() and name != module
+        }
+        for module, path in modules().items()
+    }
+    done: set[str] = set()
+
+    def visit(module: str, stack: list[str]) -> None:
+        if module in stack:
+            raise AssertionError("import circle: " + " -> ".join([*stack[stack.index(module) :], module]))
+        if module in done:
+            return
+        for dep in sorted(graph[module]):
+            visit(dep, [*stack, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_every_run_file_name_is_defined_once_in_the_layout() -> None:
+    names = {
+        value
+        for key, value in vars(hlat.core.layout).items()
+        if key.isupper() and isinstance(value, str) and key not in {"STAGE_DIRS"}
+    }
+    redefined = []
+    for module, path in modules().items():
+        if module == "hlat.core.layout":
+            continue
+        for node in ast.parse(path.read_text()).body:
+            constant = isinstance(node, (ast.Assign, ast.AnnAssign)) and isinstance(node.value, ast.Constant)
+            if constant and node.value.value in names:  # type: ignore[union-attr]
+                redefined.append(f"{path.relative_to(ROOT)}:{node.lineno} = {node.value.value!r}")
+    assert not redefined, "defined again outside core/layout.py:\n" + "\n".join(redefined)
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "hlat.core.config",
+        "hlat.core.presets",
+        "hlat.core.layout",
+        "hlat.core.contract",
+        "hlat.core.environment",
+        "hlat.infra.backends",
+        "hlat.infra.eval_report",
+        "hlat.infra.job_daemon",
+        "hlat.infra.planner",
+        "hlat.tasks.train",
+        "hlat.tasks.evaluate",
+        "hlat.tasks.jobs",
+        "hlat.flows.evaluate",
+        "hlat.flows.pretrain",
+        "hlat.cli",
+    ],
+)
+def test_looking_at_a_run_imports_no_torch(module: str) -> None:
+    code = f"import sys, {module}; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "False", f"importing {module} imports torch"
