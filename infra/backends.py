@@ -12,13 +12,12 @@ import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, NEURON_CACHE
 from hlat.core.storage import Storage
-from hlat.infra.catalog import CATALOG, Instance, InstanceCost, price_per_hour, tokens_per_s_at
+from hlat.infra.catalog import CATALOG, Instance, InstanceCost, measured, price_per_hour, tokens_per_s_at
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
 from hlat.infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
 
@@ -301,8 +300,6 @@ def estimate(config: HlatConfig) -> dict[str, Any]:
 BYTES_PER_TOKEN = 4.0
 """UTF-8 bytes of raw text per token of a LLaMA-style 32k BPE on English web text (HLAT's 1.8T tokens are about
 7 TB of text); what prepare-data reads per training token, before duplicates and bad rows are dropped."""
-MEASURED = Path(__file__).with_name("measured.json")
-"""Throughput figures measured by benchmarks/ (with the machine and date), which the estimates use."""
 
 
 @dataclass(frozen=True)
@@ -343,7 +340,7 @@ def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstima
     throughput benchmarks/bench_prepare_data measured (infra/measured.json)."""
     d = config.data
     tokens = config.training.max_steps * config.tokens_per_step if tokens is None else tokens
-    measured = json.loads(MEASURED.read_text())["prepare_data"]
+    figures = measured("prepare_data")
     sagemaker = config.job.backend == "sagemaker"
     instance_type = d.instance_type if sagemaker else "local"
     price = d.price_per_hour_usd if d.price_per_hour_usd is not None else CATALOG.get(instance_type, None)
@@ -353,9 +350,9 @@ def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstima
         workers=d.workers,
         instances=data_instances(config),
         instance_type=instance_type,
-        mb_per_s_per_worker=float(measured["mb_per_s_per_worker"]),
+        mb_per_s_per_worker=float(figures["mb_per_s_per_worker"]),
         usd_per_node_hour=hourly,
-        basis=f"{BYTES_PER_TOKEN:g} bytes/token; throughput measured {measured['measured']} on {measured['machine']}",
+        basis=f"{BYTES_PER_TOKEN:g} bytes/token; throughput measured {figures['measured']} on {figures['machine']}",
     )
 
 

@@ -13,10 +13,20 @@ tokens on 64 nodes: 6 x 20.6B x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 GIB = 1024**3
+MEASURED = Path(__file__).with_name("measured.json")
+"""Throughput figures measured by benchmarks/ (with the machine, date and command), which the estimates use."""
+
+
+def measured(section: str) -> dict[str, Any]:
+    """One section of infra/measured.json ('prepare_data', 'train_step'), {} when it has none."""
+    data: dict[str, Any] = json.loads(MEASURED.read_text()).get(section, {})
+    return data
 
 
 @dataclass(frozen=True)
@@ -40,7 +50,22 @@ class Topology:
     """Network bandwidth of the node to the others, Gbit/s (EFA)."""
     comparison_mfu: float = 0.0
     """MFU the planner assumes when it compares time and cost across instance types without modelling this one
-    (GPUs): a published figure for a comparable dense model, not a measurement of ours. 0: modelled instead."""
+    (GPUs) and nothing of ours was measured on its device: a published figure for a comparable dense model.
+    0: modelled instead."""
+    device_name: str = ""
+    """The device's name as torch reports it (`torch.cuda.get_device_name()`): where benchmarks/bench_train's MFU
+    on it is recorded in infra/measured.json ('train_step'), which then replaces `comparison_mfu`."""
+
+    def comparison(self) -> tuple[float, str]:
+        """(MFU, where it comes from) for the planner's comparison: measured on this device when a figure was
+        recorded, else the assumed `comparison_mfu`."""
+        figure = measured("train_step").get(self.device_name) if self.device_name else None
+        if figure:
+            return float(figure["mfu"]), (
+                f"measured {figure['mfu']:.0%} MFU: {figure['label']} on one {self.device_name}, {figure['measured']}, "
+                "benchmarks/bench_train; one GPU, no collectives counted"
+            )
+        return self.comparison_mfu, f"assumed {self.comparison_mfu:.0%} MFU"
 
     @property
     def cores_per_node(self) -> int:
@@ -96,7 +121,8 @@ P4D_TOPOLOGY = Topology(
 
 # p5.48xlarge: 8 x H100 SXM 80GB. NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 67 FP32,
 # NVLink 900 GB/s per GPU; EC2 Capacity Blocks pricing page: 640 GB HBM3, 3200 Gbit/s EFA.
-# Comparison MFU 0.40 is an assumption from Llama 3 (Dubey et al. 2024, arXiv 2407.21783): 38-43% BF16 MFU on H100s.
+# Comparison MFU: our own measurement on an H100 (infra/measured.json, benchmarks/bench_train) when recorded; else 0.40,
+# an assumption from Llama 3 (Dubey et al. 2024, arXiv 2407.21783): 38-43% BF16 MFU on H100s.
 P5_TOPOLOGY = Topology(
     kind="gpu",
     devices_per_node=8,
@@ -107,6 +133,7 @@ P5_TOPOLOGY = Topology(
     device_link_gib_per_s=900e9 / GIB,
     efa_gbit_per_s=3200,
     comparison_mfu=0.40,
+    device_name="NVIDIA H100 80GB HBM3",
 )
 
 

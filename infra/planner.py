@@ -747,13 +747,9 @@ def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list
         topo = instance.topology
         if topo is None or topo.kind != "gpu" or not topo.comparison_mfu:
             continue
-        rate = tokens_per_s_at(instance, the_plan.nodes, topo.comparison_mfu, per_token)
-        rows.append(
-            InstanceCost(
-                name, the_plan.nodes, rate, node_price(config, name), tokens,
-                f"assumed {topo.comparison_mfu:.0%} MFU",
-            )
-        )  # fmt: skip
+        mfu, basis = topo.comparison()
+        rate = tokens_per_s_at(instance, the_plan.nodes, mfu, per_token)
+        rows.append(InstanceCost(name, the_plan.nodes, rate, node_price(config, name), tokens, basis))
     return rows
 
 
