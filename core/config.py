@@ -96,6 +96,12 @@ class ModelConfig(Section):
         embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
         return self.n_layers * self.block_params() + embeddings + self.d_model
 
+    def training_state_bytes(self, precision: str) -> int:
+        """Bytes of one whole replica's weights, gradients and AdamW moments (activations not counted): 16 per
+        parameter with FP32 weights (fp32, and bf16-mixed's master weights), 8 in pure BF16 (bf16-sr). What DDP
+        holds on every device, and FSDP2 splits over the ranks."""
+        return (8 if precision == "bf16-sr" else 16) * self.num_params()
+
     def layer_flops_per_token(self, seq_len: int) -> int:
         """Forward + backward FLOPs of one block per token: 6 per matmul parameter (2 forward, 4 backward), and
         12·d·T for the attention scores (QKᵀ) and their weighted sum (AV) over T positions."""
@@ -357,6 +363,10 @@ class ParallelismConfig(Section):
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
     """Recompute activations in backward: 'selective' recomputes core attention only."""
+    fsdp: bool = False
+    """Shard parameters, gradients and optimizer states over the data-parallel ranks with FSDP2 (torch's
+    `fully_shard`, one unit per block), checkpointed with torch.distributed.checkpoint: for CPU and CUDA jobs whose
+    model, gradients and AdamW states do not fit one device under DDP. On trn1: tensor parallelism and zero1."""
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> ParallelismConfig:
@@ -663,9 +673,32 @@ class HlatConfig(Section):
                 f"training.global_batch_size={t.global_batch_size} must be a multiple of data-parallel size "
                 f"{self.data_parallel_size} x training.micro_batch_size={t.micro_batch_size}"
             )
+        if p.fsdp:
+            self._check_fsdp()
         if self.run_id is not None:
             check_run_id(self.run_id)
         return self
+
+    def _check_fsdp(self) -> None:
+        p = self.parallelism
+        refused = [
+            (p.tensor > 1 or p.pipeline > 1, "tensor and pipeline parallelism (NxD's, on trn1)", "set both to 1"),
+            (p.zero1, "parallelism.zero1 (FSDP2 already shards the optimizer states)", "set parallelism.zero1=false"),
+            (self.training.device == "xla", "training.device=xla (XLA jobs shard with NxD)", "use cpu or cuda"),
+            (
+                self.precision.mode == "bf16-sr",
+                "precision.mode=bf16-sr (a BF16 model; FSDP2 keeps FP32 master weights)",
+                "use precision.mode=bf16-mixed",
+            ),
+            (
+                self.training.async_checkpoint,
+                "training.async_checkpoint (sharded checkpoints are written by every rank, synchronously)",
+                "set training.async_checkpoint=false",
+            ),
+        ]
+        for bad, what, fix in refused:
+            if bad:
+                raise ValueError(f"parallelism.fsdp does not combine with {what}: {fix}")
 
     @property
     def world_size(self) -> int:

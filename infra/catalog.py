@@ -206,6 +206,8 @@ class InstanceCost:
     tokens: float
     basis: str
     """How tokens_per_s was obtained: the planner's best layout, or an assumed MFU."""
+    data_parallel: str = ""
+    """GPU rows: 'ddp' when a whole replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
 
     @property
     def hours(self) -> float:
@@ -229,4 +231,5 @@ class InstanceCost:
             "usd_per_node_hour": self.usd_per_node_hour,
             "tokens_per_usd": round(self.tokens_per_usd) if self.tokens_per_usd else None,
             "basis": self.basis,
+            **({"data_parallel": self.data_parallel} if self.data_parallel else {}),
         }

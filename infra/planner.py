@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from hlat.core.config import HlatConfig
-from hlat.infra.catalog import CATALOG, Instance, InstanceCost, Topology, price_per_hour, tokens_per_s_at
+from hlat.infra.catalog import CATALOG, GIB, Instance, InstanceCost, Topology, price_per_hour, tokens_per_s_at
 
 Checkpointing = Literal["none", "selective", "full"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
@@ -749,8 +749,31 @@ def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list
             continue
         mfu, basis = topo.comparison()
         rate = tokens_per_s_at(instance, the_plan.nodes, mfu, per_token)
-        rows.append(InstanceCost(name, the_plan.nodes, rate, node_price(config, name), tokens, basis))
+        how, why = gpu_data_parallel(config, topo, the_plan.nodes)
+        rows.append(InstanceCost(name, the_plan.nodes, rate, node_price(config, name), tokens, f"{basis}; {why}", how))
     return rows
+
+
+def gpu_data_parallel(config: HlatConfig, topology: Topology, nodes: int) -> tuple[str, str]:
+    """('ddp' or 'fsdp', why) for training the config's model on `nodes` nodes of GPUs in bf16-mixed (FP32 master
+    weights, the GPU path's precision): DDP while a whole replica's weights, gradients and AdamW states take at most
+    GPU_STATE_SHARE of one GPU's memory (the rest for activations), else FSDP2, which splits them over every GPU."""
+    state = config.model.training_state_bytes("bf16-mixed")
+    memory = topology.memory_per_device_gib * GIB
+    if state <= GPU_STATE_SHARE * memory:
+        return "ddp", f"DDP: {state / GIB:.0f} GiB of weights, gradients and AdamW states per GPU"
+    gpus = nodes * topology.devices_per_node
+    switch = "--set parallelism.fsdp=true"
+    if config.precision.mode != "bf16-mixed":
+        switch += " --set precision.mode=bf16-mixed"
+    return "fsdp", (
+        f"FSDP2 ({switch}): DDP would hold {state / GIB:.0f} GiB of weights, gradients and AdamW states on each "
+        f"{topology.memory_per_device_gib:g} GiB GPU; sharded over {gpus} GPUs, {state / gpus / GIB:.2f} GiB each"
+    )
+
+
+GPU_STATE_SHARE = 0.5
+"""Largest share of a GPU's memory the replicated training state may take under DDP; activations need the rest."""
 
 
 def default_tokens(config: HlatConfig) -> int:

@@ -43,6 +43,13 @@ whose step is a multiple of `keep_every`, forever; older complete ones and marke
 newest complete checkpoint are deleted, whatever files they hold. Newer marker-less folders are left alone: with
 async saves another rank may already be writing the next checkpoint.
 
+Distributed state (`distributed=True`, FSDP2): the sharded model and optimizer states are written by
+torch.distributed.checkpoint (`save(..., distributed_state=...)`, a collective every rank enters) into the same
+step folder (`__<rank>_0.distcp` per rank, `.metadata` by rank 0), before the rank files and rank 0's
+train_state.pt (step, scheduler, config); meta.json lists and sizes them like every other file, and the commit
+marker still comes last. `load_distributed` reads them back into the caller's (sharded) state dict;
+`load_distributed_full` consolidates them into plain tensors for export.
+
 Async saves (`async_save=True`): `save` copies the state to CPU tensors (the only part that blocks the training
 loop) and a background thread writes it. The copies go into the buffers of the previous save when the shapes
 match (refilling memory already touched is several times faster than allocating it afresh), so an async manager
@@ -59,6 +66,7 @@ import hashlib
 import io
 import json
 import logging
+import os
 import random
 import re
 import sys
@@ -85,12 +93,14 @@ from hlat.core.layout import (
     shard_file,
     step_dir,
 )
-from hlat.core.storage import Storage
+from hlat.core.storage import Storage, storage_errors
 
 log = logging.getLogger(__name__)
 
 FORMAT_VERSION = 1
 SHARED_FILE = "train_state.pt"
+DCP_METADATA = ".metadata"
+"""torch.distributed.checkpoint's index of a distributed checkpoint (written last of its files, by rank 0)."""
 # Shard names become file names (model-<shard>.pt) and must not look like anything else in the folder.
 _SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
 
@@ -463,10 +473,14 @@ class CheckpointManager(CheckpointIndex):
         shard: str | None = None,
         shard_writer: bool = False,
         shards: Sequence[str] = (),
+        distributed: bool = False,
     ) -> None:
         """`shard`: this rank's model-state shard (e.g. "tp01-pp00"), None for an unsharded checkpoint (rank 0
         writes train_state.pt); `shard_writer`: whether this rank writes that shard (one data-parallel replica per
-        shard does); `shards`: every shard name the checkpoint holds (the same on every rank)."""
+        shard does); `shards`: every shard name the checkpoint holds (the same on every rank); `distributed`: the
+        model and optimizer states go through torch.distributed.checkpoint (FSDP2), see the module docstring."""
+        if distributed and (async_save or shard is not None):
+            raise ValueError("distributed checkpoints are written synchronously and hold no per-shard files")
         if keep_last < 1:
             raise ValueError(f"keep_last must be at least 1, got {keep_last}")
         if keep_every is not None and keep_every < 1:
@@ -507,6 +521,7 @@ class CheckpointManager(CheckpointIndex):
         self.shard = shard
         self.shard_writer = shard_writer
         self.shards = tuple(sorted(shards))
+        self.distributed = distributed
         # This rank's shared-state file: the one it loads, and writes when it is that file's writer.
         self._shared_file = SHARED_FILE if shard is None else shard_file(shard)
         self._writes_shared = rank == 0 if shard is None else shard_writer
@@ -521,12 +536,24 @@ class CheckpointManager(CheckpointIndex):
         return f"CheckpointManager({self.storage.url!r}, rank={self.rank}/{self.world_size}{sharding})"
 
     # -- saving ------------------------------------------------------------------------------------------
-    def save(self, step: int, shared_state: Mapping[str, Any] | None, rank_state: Mapping[str, Any]) -> None:
+    def save(
+        self,
+        step: int,
+        shared_state: Mapping[str, Any] | None,
+        rank_state: Mapping[str, Any],
+        distributed_state: Mapping[str, Any] | None = None,
+    ) -> None:
         """Checkpoint `step`: every rank calls this with its own rank_state; shared_state is used by the rank that
-        writes it (unsharded: rank 0; sharded: each shard's writer) and ignored elsewhere (pass None there).
-        Synchronous unless async_save (then: stage, return, write later)."""
+        writes it (unsharded: rank 0; sharded: each shard's writer) and ignored elsewhere (pass None there);
+        distributed_state (a manager made with distributed=True: every rank, its DTensor state dict) goes through
+        torch.distributed.checkpoint. Synchronous unless async_save (then: stage, return, write later)."""
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
+        if (distributed_state is not None) != self.distributed:
+            raise ValueError(
+                "pass distributed_state exactly when the manager was made with distributed=True "
+                f"(distributed={self.distributed})"
+            )
         if self._writes_shared and shared_state is None:
             raise ValueError(
                 f"rank {self.rank} writes {self._shared_file}: it must pass the shared state (model, optimizer, ...) "
@@ -538,6 +565,8 @@ class CheckpointManager(CheckpointIndex):
         check_loadable(rank_state, "rank_state")
         self.wait()
         if not self.async_save:
+            if distributed_state is not None:
+                self._save_distributed(step, distributed_state)
             staged = stage_to_cpu(shared, copy=False) if shared is not None else None
             self._write(step, staged, stage_to_cpu(rank_state, copy=False), use_barrier=True)
             return
@@ -613,6 +642,8 @@ class CheckpointManager(CheckpointIndex):
         }
         if self.shard is not None:
             meta["shards"] = list(self.shards)
+        if self.distributed:
+            meta["distributed"] = True
         meta_bytes = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
         self.storage.write_bytes(f"{folder}/{META}", meta_bytes)
         marker = {"step": step, "meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}
@@ -639,9 +670,74 @@ class CheckpointManager(CheckpointIndex):
                 raise
         return {"size": out.size, "sha256": sha256}
 
-    def _expected_files(self) -> list[str]:
+    def _expected_files(self, listed: Mapping[str, int]) -> list[str]:
         shared = [SHARED_FILE] if self.shard is None else [shard_file(s) for s in self.shards]
-        return [*shared, *(rank_file(r) for r in range(self.world_size))]
+        # torch.distributed.checkpoint's files: every one is complete by the time rank 0's save returned (its
+        # .metadata is written after every rank reported its writes).
+        dcp = [DCP_METADATA, *sorted(n for n in listed if n.endswith(".distcp"))] if self.distributed else []
+        return [*shared, *(rank_file(r) for r in range(self.world_size)), *dcp]
+
+    # -- torch.distributed.checkpoint (FSDP2) ------------------------------------------------------------
+    def _dcp_location(self, step: int) -> tuple[str, dict[str, Any]]:
+        """The step folder as torch.distributed.checkpoint addresses it: a local path, or a URL with the storage's
+        fsspec options (S3 endpoint, credentials)."""
+        folder = step_dir(step)
+        if self.storage.is_local:
+            return self.storage.path(folder), {}
+        return self.storage.uri(folder), dict(getattr(self.storage.fs, "storage_options", {}))
+
+    def _save_distributed(self, step: int, state: Mapping[str, Any]) -> None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+        location, options = self._dcp_location(step)
+        if self.rank == 0:
+            # A folder left by an earlier attempt at this step: its marker must not vouch for the new files.
+            self.storage.remove(f"{step_dir(step)}/{MARKER}")
+        self.barrier()  # no rank writes the new files while the old marker may still be there
+        writer = dcp.FileSystemWriter(location) if self.storage.is_local else FsspecWriter(location, **options)
+        with storage_errors(self.storage.uri(step_dir(step))):
+            dcp.save(dict(state), storage_writer=writer)
+
+    def load_distributed(self, step: int, state: dict[str, Any]) -> None:
+        """Fill `state` (this rank's DTensor state dict, as FSDP2's get_state_dict gives it) in place from the
+        distributed files of committed checkpoint `step`; every rank calls it (a collective)."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+
+        meta = self.read_meta(step)
+        if not meta.get("distributed"):
+            raise CheckpointError(
+                f"checkpoint {self.storage.uri(step_dir(step))} holds no distributed (FSDP2) state: it was written "
+                "without parallelism.fsdp; resume it with the parallelism that wrote it"
+            )
+        location, options = self._dcp_location(step)
+        reader = dcp.FileSystemReader(location) if self.storage.is_local else FsspecReader(location, **options)
+        with storage_errors(self.storage.uri(step_dir(step))):
+            dcp.load(state, storage_reader=reader)
+
+    def load_distributed_full(self, step: int) -> State:
+        """The distributed state of committed checkpoint `step` consolidated into plain CPU tensors (every shard
+        gathered: what export reads), without a process group."""
+        import tempfile
+
+        from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+        meta = self.read_meta(step)
+        if not meta.get("distributed"):
+            raise CheckpointError(f"checkpoint {self.storage.uri(step_dir(step))} holds no distributed state")
+        folder = step_dir(step)
+        with tempfile.TemporaryDirectory(prefix="hlat-dcp-") as tmp:
+            local = self.storage.path(folder) if self.storage.is_local else os.path.join(tmp, "dcp")
+            if not self.storage.is_local:
+                os.makedirs(local)
+                for name in meta["files"]:
+                    if name == DCP_METADATA or name.endswith(".distcp"):
+                        self.storage.get_file(f"{folder}/{name}", os.path.join(local, name))
+            out = os.path.join(tmp, "full.pt")
+            dcp_to_torch_save(local, out)
+            state: State = torch.load(out, map_location="cpu", weights_only=True)
+        return state
 
     def _wait_for_files(self, folder: str) -> dict[str, int]:
         """Sizes of the checkpoint's files once all are visible; CheckpointError after commit_timeout_s."""
@@ -649,9 +745,10 @@ class CheckpointManager(CheckpointIndex):
         delay = 0.05
         while True:
             listed = self._file_sizes(folder)
-            missing = [name for name in self._expected_files() if name not in listed]
+            expected = self._expected_files(listed)
+            missing = [name for name in expected if name not in listed]
             if not missing:
-                return {name: listed[name] for name in self._expected_files()}
+                return {name: listed[name] for name in expected}
             if time.monotonic() >= deadline:
                 shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
                 writers = ""

@@ -217,8 +217,14 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
     """The checkpoint's shared state (with the model's dense state dict) and the run config saved with it. A
     checkpoint of a split model (one shard per tensor/pipeline-parallel position) is consolidated: each TP rank's
-    pipeline stages merged, then every parameter's slices put back together (`training.sharding.consolidate`)."""
+    pipeline stages merged, then every parameter's slices put back together (`training.sharding.consolidate`); an
+    FSDP2 checkpoint's shards are gathered from its torch.distributed.checkpoint files."""
     manager = CheckpointManager(ref.checkpoints, keep_last=1)
+    if manager.read_meta(ref.step).get("distributed"):
+        # FSDP2: every rank's shards of the model, gathered from torch.distributed.checkpoint's files.
+        state = manager.load_shared(ref.step)
+        state["model"] = manager.load_distributed_full(ref.step)["model"]
+        return state, validate_config(state["config"])
     names = manager.shard_names(ref.step)
     shared = manager.load_shards(ref.step) if names else {"": manager.load_shared(ref.step)}
     for name, state in shared.items():

@@ -348,9 +348,9 @@ def optimizer_recipe(
         )
     if precision == "bf16-mixed" and device_type == "xla" and not zero1:
         return MasterWeightAdamW, hyper
-    # fused=False: the fused kernels do not exist on every device this runs on (CPU builds, XLA); foreach is
-    # left to torch (on where supported).
-    return torch.optim.AdamW, {**hyper, "fused": False}
+    # Fused (one kernel for every parameter's update) on CUDA; elsewhere the fused kernels do not exist on every
+    # device this runs on (CPU builds, XLA), and foreach is left to torch (on where supported).
+    return torch.optim.AdamW, {**hyper, "fused": device_type == "cuda"}
 
 
 def build_optimizer(
@@ -371,6 +371,11 @@ def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Ten
     params = [p for p in params if p.grad is not None]
     if not params:
         return torch.zeros(())
-    if max_norm > 0:
-        return torch.nn.utils.clip_grad_norm_(params, max_norm)
-    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    norm = (
+        torch.nn.utils.clip_grad_norm_(params, max_norm)
+        if max_norm > 0
+        else torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    )
+    # FSDP2's gradients are DTensor shards: their norm is a DTensor, reduced over the ranks on full_tensor().
+    full_tensor = getattr(norm, "full_tensor", None)
+    return full_tensor() if full_tensor is not None else norm

@@ -1,6 +1,6 @@
 """Parallelism of a job's model, in a fixed order driven by the validated parallel degrees.
 
-Order: tensor parallel → activation checkpointing → compile → data-parallel wrapping.
+Order: tensor parallel → activation checkpointing → compile → data-parallel wrapping or FSDP2 sharding.
 1. Tensor (and sequence) parallelism is part of the model's construction: `model_layers` gives the Transformer
    neuronx-distributed's parallel layers when the model is split (`training/neuron.py`; NxD's groups were formed
    by `init_world`), dense layers otherwise.
@@ -8,7 +8,10 @@ Order: tensor parallel → activation checkpointing → compile → data-paralle
    checkpoint on XLA).
 3. torch.compile on CPU and CUDA, one transformer block at a time (`compile_blocks`; XLA compiles the whole step
    itself).
-4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA. When the model is split, NxD's
+4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA, or, with parallelism.fsdp, FSDP2
+   (`fully_shard` on every block, then on the whole model: parameters, gradients and optimizer states sharded over
+   the ranks; bf16-mixed gathers parameters in BF16 and reduces gradients in FP32, the FP32 shards being the
+   master weights). When the model is split, NxD's
    optimizer reduces the gradients over the data-parallel group (never over TP peers); on XLA without NxD the loop
    averages them itself (`reduce_gradients`, one all-reduce per optimizer step, inside the step's graph).
 The returned module is what the loop calls; the model passed in keeps the parameters, so its state dict is the
@@ -60,7 +63,12 @@ def model_layers(cfg: HlatConfig, world: World) -> Layers:
     return DenseLayers()
 
 
-def compile_blocks(model: nn.Module) -> None:
+def fsdp_active(cfg: HlatConfig, world: World) -> bool:
+    """FSDP2 shards over the job's ranks: asked for, and more than one rank (one process has nothing to shard)."""
+    return cfg.parallelism.fsdp and world.world_size > 1
+
+
+def compile_blocks(model: nn.Module, device: torch.device | None = None, sharded: bool = False) -> None:
     """torch.compile every transformer block in place (`nn.Module.compile`: names and state dict unchanged).
 
     The blocks run one code path, so Dynamo traces one graph (forward and backward) that every block reuses: the
@@ -69,8 +77,14 @@ def compile_blocks(model: nn.Module) -> None:
     CUDA, document masks become FlexAttention block masks, fused inside the compiled block (SDPA with a dense
     (B, 1, T, T) mask has no flash kernel)."""
     for block in model.layers:  # type: ignore[union-attr]
-        block.compile()
-    if next(model.parameters()).device.type == "cuda":
+        if sharded:
+            # Under FSDP2 only the block's forward is compiled: its hooks (all-gather before, reshard after) stay
+            # outside the graph, and the compiled code sees the gathered, unsharded parameters.
+            block.forward = torch.compile(block.forward)
+        else:
+            block.compile()
+    # The device the model runs on (under FSDP2 it is still on the host here: sharding moves it).
+    if (device or next(model.parameters()).device).type == "cuda":
         model.flex_document_mask = True  # type: ignore[assignment]
 
 
@@ -86,14 +100,52 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     if cfg.training.compile and world.on_xla:
         log.warning("training.compile is ignored on XLA: XLA compiles the whole training step itself")
     elif cfg.training.compile:
-        compile_blocks(model)
+        compile_blocks(model, world.device, sharded=fsdp_active(cfg, world))
     # 4. Data parallel (NxD's optimizer when the model is split; on XLA: reduce_gradients, called by the loop).
-    if world.world_size > 1 and not world.on_xla and world.nxd is None:
+    if fsdp_active(cfg, world):
+        shard_fully(model, cfg, world)
+    else:
+        check_replica_fits(cfg, world)
+    if not fsdp_active(cfg, world) and world.world_size > 1 and not world.on_xla and world.nxd is None:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [world.local_rank] if world.device.type == "cuda" else None
         runner = DistributedDataParallel(runner, device_ids=device_ids)
     return runner
+
+
+def shard_fully(model: nn.Module, cfg: HlatConfig, world: World) -> None:
+    """FSDP2 over every rank of the job: each block its own unit (gathered just before it runs, freed after), then
+    the rest (embedding, final norm, output) as the root unit. The model's parameters become DTensors in place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(world.device.type, (world.world_size,))
+    policy = (
+        MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+        if cfg.precision.mode == "bf16-mixed"
+        else MixedPrecisionPolicy()
+    )
+    for block in model.layers:  # type: ignore[union-attr]
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
+    model.to(world.device)  # this rank's shards only
+
+
+def check_replica_fits(cfg: HlatConfig, world: World) -> None:
+    """On CUDA, refuse a whole replica (DDP, or one process) whose weights, gradients and AdamW states exceed the
+    GPU's memory, with the fix, rather than run out of memory at the first step."""
+    if world.device.type != "cuda" or world.nxd is not None:
+        return
+    need = cfg.model.training_state_bytes(cfg.precision.mode)
+    total = torch.cuda.get_device_properties(world.device).total_memory
+    if need > total:
+        gib = 1024**3
+        raise ValueError(
+            f"the model's weights, gradients and AdamW states take {need / gib:.0f} GiB per replica, more than this "
+            f"GPU's {total / gib:.0f} GiB: shard them over several GPUs with parallelism.fsdp=true "
+            f"(job.processes_per_node x job.instance_count > 1; `hlat plan` says how many)"
+        )
 
 
 def reduce_gradients(model: nn.Module, world: World) -> None:

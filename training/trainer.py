@@ -49,7 +49,7 @@ from hlat.training.optim import (
     optimizer_recipe,
     trainable_parameters,
 )
-from hlat.training.parallelize import model_layers, parallelize, reduce_gradients
+from hlat.training.parallelize import fsdp_active, model_layers, parallelize, reduce_gradients
 
 log = logging.getLogger("hlat.train")
 
@@ -128,7 +128,10 @@ class Trainer:
             model.init_weights(cfg.training.seed)
         if cfg.precision.mode == "bf16-sr" and not world.on_xla:
             model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (XLA: XLA_USE_BF16 does it)
-        self.model = model if staged else model.to(world.device)
+        self.fsdp = fsdp_active(cfg, world)
+        # Under FSDP2 the whole model never goes to the device: it is sharded on the host, then each rank moves its
+        # shards (parallelize).
+        self.model = model if staged or self.fsdp else model.to(world.device)
         self.wrapped: Any = parallelize(self.model, cfg, world)
         if staged:  # after activation checkpointing: the stages keep the recomputing blocks
             from hlat.training.neuron import pipeline_model
@@ -145,6 +148,7 @@ class Trainer:
             world_size=world.world_size,
             barrier=world.barrier,
             async_save=cfg.training.async_checkpoint,
+            distributed=self.fsdp,
             **self._shard_layout(),
         )
         self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
@@ -270,9 +274,18 @@ class Trainer:
             self.metrics.resume_at(0)
             return 0
         shared, mine = self.ckpt.load(step)
-        self.load_model_state(shared["model"])
-        # ZeRO-1's optimizer states are sharded over the data-parallel ranks: each rank keeps its own.
-        self.optimizer.load_state_dict(mine["optimizer"] if self.cfg.parallelism.zero1 else shared["optimizer"])
+        if self.fsdp:  # each rank reads its shards of the model and optimizer states (a collective)
+            from torch.distributed.checkpoint.state_dict import set_state_dict
+
+            state = self._distributed_state()
+            self.ckpt.load_distributed(step, state)
+            set_state_dict(
+                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
+            )
+        else:
+            self.load_model_state(shared["model"])
+            # ZeRO-1's optimizer states are sharded over the data-parallel ranks: each rank keeps its own.
+            self.optimizer.load_state_dict(mine["optimizer"] if self.cfg.parallelism.zero1 else shared["optimizer"])
         self.scheduler.load_state_dict(shared["scheduler"])
         self.loader.load_state_dict(mine["loader"])
         restore_rng_state(mine["rng"])
@@ -460,11 +473,17 @@ class Trainer:
         instance_type = self.cfg.job.instance_type
         periodic_health_check(self.world, b.health_allreduce_mb, b.thresholds.get(instance_type), step, instance_type)
 
+    def _distributed_state(self) -> dict[str, Any]:
+        """FSDP2: this rank's shards of the model and optimizer states, keyed by parameter name (DTensors)."""
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        model, optimizer = get_state_dict(self.model, self.optimizer)
+        return {"model": model, "optimizer": optimizer}
+
     def save_checkpoint(self, step: int) -> None:
         zero1 = self.cfg.parallelism.zero1
         shared: dict[str, Any] = {
             "step": step,
-            "model": self.model_state(),
             "scheduler": self.scheduler.state_dict(),
             "config_fingerprint": self.cfg.fingerprint(),
             "config": self.cfg.model_dump(mode="json"),
@@ -472,8 +491,12 @@ class Trainer:
         # The state after the last batch a step consumed: the device loader may have fetched more.
         loader_state = self._loader_state if self._loader_state is not None else self.loader.state_dict()
         mine: dict[str, Any] = {"loader": loader_state, "rng": capture_rng_state()}
-        (mine if zero1 else shared)["optimizer"] = self.optimizer.state_dict()
-        self.ckpt.save(step, shared, mine)
+        if self.fsdp:  # model and optimizer shards through torch.distributed.checkpoint
+            self.ckpt.save(step, shared, mine, distributed_state=self._distributed_state())
+        else:
+            shared["model"] = self.model_state()
+            (mine if zero1 else shared)["optimizer"] = self.optimizer.state_dict()
+            self.ckpt.save(step, shared, mine)
         self.saved_step = step
         self.metrics.flush()
 

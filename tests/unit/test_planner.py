@@ -236,7 +236,7 @@ def test_time_and_cost_for_a_token_budget() -> None:
     assert p5.tokens_per_s == pytest.approx(64 * 8 * 989e12 * h100["mfu"] / planner.flops_per_token(config))
     assert p5.basis.startswith(f"measured {h100['mfu']:.0%} MFU: ") and h100["measured"] in p5.basis
     assert p4d.tokens_per_s == pytest.approx(64 * 8 * 312e12 * 0.42 / planner.flops_per_token(config))
-    assert p4d.basis == "assumed 42% MFU"
+    assert p4d.basis.startswith("assumed 42% MFU; FSDP2")
     assert p5.usd == pytest.approx(p5.hours * 64 * 98.32)
     assert planner.default_tokens(config) == 429_000 * 1024 * 4096
 
@@ -348,3 +348,19 @@ def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
         applied = load_config("hlat-70b", layout.overrides())  # validates: heads, KV heads, batch, world size
         assert configured_layout(applied, 256, topology) == layout
         assert applied.data_parallel_size == layout.data
+
+
+def test_gpu_rows_choose_fsdp2_where_a_ddp_replica_does_not_fit() -> None:
+    """LLaMA-7B's FP32 weights, gradients and AdamW moments (16 bytes x 6.74B = 108 GB) do not fit beside
+    activations on an 80 GB H100: the p5 row says FSDP2, with the settings; a tiny model stays on DDP."""
+    config = load_config("hlat-7b")
+    assert config.model.training_state_bytes("bf16-mixed") == 16 * 6_738_415_616
+    assert config.model.training_state_bytes("bf16-sr") == 8 * 6_738_415_616
+    costs = {c.instance_type: c for c in planner.compare_instances(config, planner.plan(config), 1e12)}
+    p5 = costs["ml.p5.48xlarge"]
+    assert p5.data_parallel == "fsdp" and p5.row()["data_parallel"] == "fsdp"
+    assert "FSDP2 (--set parallelism.fsdp=true --set precision.mode=bf16-mixed)" in p5.basis
+    assert "100 GiB" in p5.basis and "sharded over 512 GPUs, 0.20 GiB each" in p5.basis
+    tiny = load_config("tiny")
+    how, why = planner.gpu_data_parallel(tiny, CATALOG["ml.p5.48xlarge"].topology, 1)  # type: ignore[arg-type]
+    assert how == "ddp" and why.startswith("DDP: 0 GiB")
