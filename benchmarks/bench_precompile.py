@@ -1,7 +1,7 @@
 """Time to first training step with torch.compile: cold (no compile cache, everything compiled from scratch)
 against warm (after the precompile job wrote the run's compile-cache/), on a small tiny-preset run, in one run.
 
-Every start is a fresh `python -m training.train` process on a fresh copy of the run, with its own empty
+Every start is a fresh `python -m hlat.training.train` process on a fresh copy of the run, with its own empty
 TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR: neither torch's in-memory caches nor a leftover Inductor disk cache
 can help either side, so warm gets exactly what compile-cache/ gives it (its artifacts, and the Inductor cache
 tarball that the job extracts into a fresh folder of its own). A third row starts from the artifacts alone (the

@@ -102,7 +102,7 @@ def worker_path(cfg: Any, out: Any) -> tuple[int, int, int]:
 
 
 def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[float, float]:
-    """Wall-clock of the prepare-data job program (`python -m training.prepare_data`, what each instance of the job
+    """Wall-clock of the prepare-data job program (`python -m hlat.training.prepare_data`, what each instance of the job
     runs: the workers as processes, then the merge) over the corpus with `workers` workers, and the MB/s of its
     workers together while they work (the report's bytes over the busiest worker's seconds in its units: what a
     long job approaches, once the fixed start of processes and the merge no longer count)."""

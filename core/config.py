@@ -1,7 +1,7 @@
 """The one typed config tree of an hlat run.
 
 The same object is a Prefect flow parameter, the `config.json` saved with every run and checkpoint, and
-what a training job reads (`python -m training.train --config <uri>`). Every field is documented by the
+what a training job reads (`python -m hlat.training.train --config <uri>`). Every field is documented by the
 docstring under it; validation happens here, once, and a wrong value raises `ConfigError` naming the dotted
 field and what is allowed. Presets live in `core/presets.py`; dotted overrides are applied by
 `apply_overrides`.

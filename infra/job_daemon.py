@@ -1,6 +1,6 @@
 """The local job daemon: one job's platform, SageMaker's part played on this machine.
 
-`python -m infra.job_daemon <job dir>`, started by `infra.local_jobs.LocalBackend.submit` in a session of its own
+`python -m hlat.infra.job_daemon <job dir>`, started by `infra.local_jobs.LocalBackend.submit` in a session of its own
 (so it outlives whoever submitted it), is the job's `JobDaemon`: it mounts the input channels (a symlink to the
 run's data/ and tokenizer/ when the run is local, a download when it is on S3), copies the run's checkpoint prefix
 into opt/ml/checkpoints and mirrors that folder back every second (CheckpointConfig), runs the job's program
@@ -418,7 +418,7 @@ class JobDaemon:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m infra.job_daemon", description="Run one local job.")
+    parser = argparse.ArgumentParser(prog="python -m hlat.infra.job_daemon", description="Run one local job.")
     parser.add_argument("job_dir", help="the job's folder, holding job.json")
     job_dir = os.path.abspath(parser.parse_args(argv).job_dir)
     stop_signalled = threading.Event()

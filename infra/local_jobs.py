@@ -13,7 +13,7 @@ running job through `describe(name)`, all without AWS. Each job lives in `<jobs_
     opt/ml/...        /opt/ml of the training container: model/, output/data/, output/failure,
                       output/tensorboard/, checkpoints/, input/data/{data,tokenizer}
 
-The daemon (`python -m infra.job_daemon <job dir>`, `infra.job_daemon.JobDaemon`, a session of its own so it
+The daemon (`python -m hlat.infra.job_daemon <job dir>`, `infra.job_daemon.JobDaemon`, a session of its own so it
 outlives whoever submitted it; `supervisor.json` names its process) plays the SageMaker platform for the job: input
 channels, the checkpoint mirror, the program's launch, stop requests and max runtime, the final status. This module
 is the client side, the backend the stages call: it submits (writes job.json, starts the daemon), describes, stops

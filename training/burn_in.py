@@ -1,4 +1,4 @@
-"""The burn-in program: `python -m training.burn_in --config <config.json uri> [--report <uri or path>]`.
+"""The burn-in program: `python -m hlat.training.burn_in --config <config.json uri> [--report <uri or path>]`.
 
 Run under torchrun by the job backends on the exact instance type and count the training job will use, one
 process per device, before training spends days on them. Every rank takes an inventory of its devices, times and
@@ -171,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     def report_option(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--report", default=None, help=f"where to write the report (default: <run>/{REPORT})")
 
-    args = job_arguments("python -m training.burn_in", __doc__, argv, report_option)
+    args = job_arguments("python -m hlat.training.burn_in", __doc__, argv, report_option)
     return reporting_failure(lambda: _burn_in(args.config, args.report, args.device))
 
 

@@ -1,4 +1,4 @@
-"""Entrypoint of an evaluation job: `python -m training.evaluate --config <config.json uri> [--step N]`.
+"""Entrypoint of an evaluation job: `python -m hlat.training.evaluate --config <config.json uri> [--step N]`.
 
 Evaluates one committed checkpoint of the run (the newest, or `--step`) in one process on one instance:
 
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
     def more(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
 
-    args = job_arguments("python -m training.evaluate", __doc__, argv, more)
+    args = job_arguments("python -m hlat.training.evaluate", __doc__, argv, more)
 
     def program() -> int:
         run, cfg = read_job_config(args.config)

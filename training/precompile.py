@@ -1,4 +1,4 @@
-"""Entrypoint of a precompile job: `python -m training.precompile --config <path or s3 uri of config.json>`.
+"""Entrypoint of a precompile job: `python -m hlat.training.precompile --config <path or s3 uri of config.json>`.
 
 Builds the training step's compiled graphs once, before training, into the run's compile-cache/ (layout and key
 in `training/compile_cache.py`), so that no training job, first or relaunched, compiles from scratch. It runs on
@@ -60,7 +60,7 @@ NOTHING_TO_COMPILE = "training.compile is false: eager PyTorch on CPU/CUDA has n
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = job_arguments("python -m training.precompile", __doc__, argv, None)
+    args = job_arguments("python -m hlat.training.precompile", __doc__, argv, None)
     return reporting_failure(lambda: _precompile(args.config, args.device))
 
 

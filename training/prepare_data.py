@@ -1,4 +1,4 @@
-"""The prepare-data job: `python -m training.prepare_data --config <run>/config.json --key <the stage's cache key>`.
+"""The prepare-data job: `python -m hlat.training.prepare_data --config <run>/config.json --key <the stage's key>`.
 
 On each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local backend set
 them) this program starts the workers that host owns, data.workers / H of them (the local backend runs one host:
@@ -73,7 +73,7 @@ def shares(cfg: HlatConfig, units: list[Unit]) -> list[list[Unit]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m training.prepare_data", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m hlat.training.prepare_data", description=__doc__)
     parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
     parser.add_argument("--key", required=True, help="the stage's cache key: it names the work folder")
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)

@@ -1,4 +1,4 @@
-"""Entrypoint of a training job: `python -m training.train --config <path or s3 uri of config.json>`.
+"""Entrypoint of a training job: `python -m hlat.training.train --config <path or s3 uri of config.json>`.
 
 Run under torchrun for several processes; SageMaker's Torchrun driver runs it by path
 (`torchrun ... training/train.py --config <uri>`), hence the sys.path set-up below. The run's folder is the
@@ -38,7 +38,7 @@ from hlat.training.trainer import Trainer
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = job_arguments("python -m training.train", __doc__, argv, None)
+    args = job_arguments("python -m hlat.training.train", __doc__, argv, None)
     code = reporting_failure(lambda: _train(args.config, args.device))
     if code == EXIT_NAN:
         write_failure("NonFiniteLoss: the loss became NaN or inf; relaunch from the last checkpoint")
