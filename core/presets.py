@@ -1,4 +1,5 @@
-"""Named presets as data: each is a partial config laid over the defaults of `HlatConfig`.
+"""Named presets, typed: each is an `HlatConfig` built from its sections (what it does not set keeps the defaults), so a
+wrong field name or value fails when this module is imported, and mypy checks every field.
 
 Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
 (partial rotary 25%, sequence 2048). Pythia and NeoX keep their depth, width, heads and vocabulary; their
@@ -19,23 +20,42 @@ from __future__ import annotations
 
 from typing import Any
 
-from hlat.core.config import ConfigError, HlatConfig, apply_overrides, parse_override, validate_config
+from hlat.core.config import (
+    BurnInConfig,
+    ConfigError,
+    DataConfig,
+    DataValidationConfig,
+    EvaluationConfig,
+    HlatConfig,
+    JobConfig,
+    ModelConfig,
+    NeuronConfig,
+    ParallelismConfig,
+    PrecisionConfig,
+    TokenizerConfig,
+    TrainingConfig,
+    apply_overrides,
+    parse_override,
+    validate_config,
+)
 
-_TRN1 = {
-    "backend": "sagemaker",
-    "instance_type": "ml.trn1.32xlarge",
-    "processes_per_node": 32,
-}
+
+def _trn1_job(instance_count: int) -> JobConfig:
+    """SageMaker jobs on `instance_count` trn1.32xlarge nodes, one process per NeuronCore."""
+    return JobConfig(
+        backend="sagemaker", instance_type="ml.trn1.32xlarge", processes_per_node=32, instance_count=instance_count
+    )
+
 
 # A public web corpus streamed from the hub; point data.source at your own copy (s3://...) for real runs.
 # Prepared by a job of 64 workers (8 x ml.c5.4xlarge): the hub data set's files are split between them.
-_WEB_CORPUS = {
-    "source": "HuggingFaceFW/fineweb",
-    "hf_config": "sample-350BT",
-    "streaming": True,
-    "workers": 64,
-    "workers_per_instance": 8,
-}
+_WEB_CORPUS = DataConfig(
+    source="HuggingFaceFW/fineweb",
+    hf_config="sample-350BT",
+    streaming=True,
+    workers=64,
+    workers_per_instance=8,
+)
 
 # HLAT's evaluation suite (lm-eval-harness task names).
 HLAT_EVAL_TASKS = [
@@ -67,190 +87,195 @@ TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
 }
 """Per trn1 preset: the tokens it trains on and where that figure comes from (`tiny` is sized to run in minutes)."""
 
-PRESETS: dict[str, dict[str, Any]] = {
-    "tiny": {
-        "model": {
-            "n_layers": 2,
-            "d_model": 128,
-            "n_heads": 4,
-            "ffn_hidden": 344,
-            "vocab_size": 2048,
-            "max_seq_len": 256,
-        },
-        "data": {
-            "source": "builtin:python-stdlib",
-            "max_documents": 1500,
-            "validation_fraction": 0.05,
-            "shard_rows": 500,
-            "batch_rows": 1000,
-            "validation": {"min_chars": 32, "max_chars": 200_000, "max_duplicate_rate": 0.2},
-        },
-        "tokenizer": {"sample_bytes": 3_000_000, "report_sample_bytes": 500_000},
-        "training": {
-            "lr": 2e-3,
-            "warmup_steps": 30,
-            "max_steps": 600,
-            "global_batch_size": 8,
-            "micro_batch_size": 4,
-            "seq_len": 128,
-            "checkpoint_every": 100,
-            "keep_checkpoints": 2,
-            "eval_every": 100,
-            "eval_batches": 8,
-        },
-        "precision": {"mode": "fp32"},
+PRESETS: dict[str, HlatConfig] = {
+    "tiny": HlatConfig(
+        preset="tiny",
+        model=ModelConfig(
+            n_layers=2,
+            d_model=128,
+            n_heads=4,
+            ffn_hidden=344,
+            vocab_size=2048,
+            max_seq_len=256,
+        ),
+        data=DataConfig(
+            source="builtin:python-stdlib",
+            max_documents=1500,
+            validation_fraction=0.05,
+            shard_rows=500,
+            batch_rows=1000,
+            validation=DataValidationConfig(min_chars=32, max_chars=200_000, max_duplicate_rate=0.2),
+        ),
+        tokenizer=TokenizerConfig(sample_bytes=3_000_000, report_sample_bytes=500_000),
+        training=TrainingConfig(
+            lr=2e-3,
+            warmup_steps=30,
+            max_steps=600,
+            global_batch_size=8,
+            micro_batch_size=4,
+            seq_len=128,
+            checkpoint_every=100,
+            keep_checkpoints=2,
+            eval_every=100,
+            eval_batches=8,
+        ),
+        precision=PrecisionConfig(mode="fp32"),
         # A local job: poll often, and give up on a silent job or a failing launch within minutes, not hours.
-        "job": {"poll_seconds": 1, "hang_timeout_minutes": 5, "stop_grace_seconds": 20, "backoff_seconds": [2, 5]},
-        "burn_in": {"matmul_size": 256, "matmul_repeats": 3, "allreduce_mb": 4, "write_mb": 8},
+        job=JobConfig(poll_seconds=1, hang_timeout_minutes=5, stop_grace_seconds=20, backoff_seconds=[2, 5]),
+        burn_in=BurnInConfig(matmul_size=256, matmul_repeats=3, allreduce_mb=4, write_mb=8),
         # The project's offline lm-eval tasks, generated from the run's held-out text: the harness runs for real.
-        "evaluation": {
-            "tasks": ["hlat_cloze", "hlat_choice"],
-            "limit": 50,
-            "batch_size": 8,
-            "perplexity_tokens": 20_000,
-        },
-    },
-    "hlat-7b": {
-        "model": {
-            "n_layers": 32,
-            "d_model": 4096,
-            "n_heads": 32,
-            "ffn_hidden": 11008,
-            "vocab_size": 32000,
-            "max_seq_len": 4096,
-            "init_std": 0.021,
-        },
-        "data": _WEB_CORPUS,
-        "tokenizer": {"sample_bytes": 2_000_000_000},
-        "training": {
-            "lr": 3e-4,
-            "min_lr_ratio": 0.1,
-            "warmup_steps": 2000,
-            "max_steps": 429_000,  # HLAT's 1.8T tokens (TOKEN_BUDGETS); schedule horizon 500k as in HLAT
-            "schedule_steps": 500_000,
-            "global_batch_size": 1024,
-            "micro_batch_size": 1,
-            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
-            "seq_len": 4096,
-            "checkpoint_every": 1000,
-            "keep_checkpoints": 5,
-        },
-        "precision": {"mode": "bf16-sr"},
-        "parallelism": {
-            "tensor": 8,
-            "pipeline": 1,
-            "sequence_parallel": True,
-            "activation_checkpointing": "selective",
-        },
-        "job": {**_TRN1, "instance_count": 64},
-        "evaluation": {"tasks": HLAT_EVAL_TASKS, "instance_type": "ml.p4d.24xlarge"},
-    },
-    "hlat-70b": {
-        "model": {
-            "n_layers": 80,
-            "d_model": 8192,
-            "n_heads": 64,
-            "n_kv_heads": 8,
-            "ffn_hidden": 28672,
-            "vocab_size": 32000,
-            "max_seq_len": 4096,
-            "init_std": 0.021,
-            "scale_output_init": True,
-        },
-        "data": _WEB_CORPUS,
-        "tokenizer": {"sample_bytes": 2_000_000_000},
-        "training": {
-            "lr": 1.5e-4,
-            "min_lr_ratio": 0.1,
-            "warmup_steps": 2000,
-            "max_steps": 429_000,  # HLAT's 1.8T tokens (TOKEN_BUDGETS); schedule horizon 500k as in HLAT
-            "schedule_steps": 500_000,
-            "global_batch_size": 1024,
-            "micro_batch_size": 1,
-            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
-            "seq_len": 4096,
-            "checkpoint_every": 300,
-            "keep_checkpoints": 3,
-            "async_checkpoint": True,
-        },
-        "precision": {"mode": "bf16-mixed"},
+        evaluation=EvaluationConfig(
+            tasks=["hlat_cloze", "hlat_choice"],
+            limit=50,
+            batch_size=8,
+            perplexity_tokens=20_000,
+        ),
+    ),
+    "hlat-7b": HlatConfig(
+        preset="hlat-7b",
+        model=ModelConfig(
+            n_layers=32,
+            d_model=4096,
+            n_heads=32,
+            ffn_hidden=11008,
+            vocab_size=32000,
+            max_seq_len=4096,
+            init_std=0.021,
+        ),
+        data=_WEB_CORPUS,
+        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
+        training=TrainingConfig(
+            lr=3e-4,
+            min_lr_ratio=0.1,
+            warmup_steps=2000,
+            max_steps=429_000,  # HLAT's 1.8T tokens (TOKEN_BUDGETS); schedule horizon 500k as in HLAT
+            schedule_steps=500_000,
+            global_batch_size=1024,
+            micro_batch_size=1,
+            log_every=10,  # a sync point: one device round trip on trn1 (training/trainer.py)
+            seq_len=4096,
+            checkpoint_every=1000,
+            keep_checkpoints=5,
+        ),
+        precision=PrecisionConfig(mode="bf16-sr"),
+        parallelism=ParallelismConfig(
+            tensor=8,
+            pipeline=1,
+            sequence_parallel=True,
+            activation_checkpointing="selective",
+        ),
+        job=_trn1_job(64),
+        evaluation=EvaluationConfig(tasks=HLAT_EVAL_TASKS, instance_type="ml.p4d.24xlarge"),
+    ),
+    "hlat-70b": HlatConfig(
+        preset="hlat-70b",
+        model=ModelConfig(
+            n_layers=80,
+            d_model=8192,
+            n_heads=64,
+            n_kv_heads=8,
+            ffn_hidden=28672,
+            vocab_size=32000,
+            max_seq_len=4096,
+            init_std=0.021,
+            scale_output_init=True,
+        ),
+        data=_WEB_CORPUS,
+        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
+        training=TrainingConfig(
+            lr=1.5e-4,
+            min_lr_ratio=0.1,
+            warmup_steps=2000,
+            max_steps=429_000,  # HLAT's 1.8T tokens (TOKEN_BUDGETS); schedule horizon 500k as in HLAT
+            schedule_steps=500_000,
+            global_batch_size=1024,
+            micro_batch_size=1,
+            log_every=10,  # a sync point: one device round trip on trn1 (training/trainer.py)
+            seq_len=4096,
+            checkpoint_every=300,
+            keep_checkpoints=3,
+            async_checkpoint=True,
+        ),
+        precision=PrecisionConfig(mode="bf16-mixed"),
         # HLAT 70B's launch script: HLAT 7B's compiler and runtime settings (the NeuronConfig defaults) plus these.
-        "neuron": {"async_inflight_requests": 31, "compress_rg": True, "dist_init_barrier": False},
-        "parallelism": {
-            "tensor": 32,
-            "pipeline": 8,
-            "sequence_parallel": True,
-            "zero1": True,
-            "activation_checkpointing": "selective",
-        },
-        "job": {**_TRN1, "instance_count": 256},
-        "evaluation": {"tasks": HLAT_EVAL_TASKS, "instance_type": "ml.p4d.24xlarge"},
-    },
-    "pythia-6.9b": {
-        "model": {
-            "n_layers": 32,
-            "d_model": 4096,
-            "n_heads": 32,
-            "ffn_hidden": 10944,
-            "vocab_size": 50432,
-            "max_seq_len": 2048,
-            "rotary_fraction": 0.25,
-            "init_std": 0.02,
-        },
-        "data": _WEB_CORPUS,
-        "tokenizer": {"sample_bytes": 2_000_000_000},
+        neuron=NeuronConfig(async_inflight_requests=31, compress_rg=True, dist_init_barrier=False),
+        parallelism=ParallelismConfig(
+            tensor=32,
+            pipeline=8,
+            sequence_parallel=True,
+            zero1=True,
+            activation_checkpointing="selective",
+        ),
+        job=_trn1_job(256),
+        evaluation=EvaluationConfig(tasks=HLAT_EVAL_TASKS, instance_type="ml.p4d.24xlarge"),
+    ),
+    "pythia-6.9b": HlatConfig(
+        preset="pythia-6.9b",
+        model=ModelConfig(
+            n_layers=32,
+            d_model=4096,
+            n_heads=32,
+            ffn_hidden=10944,
+            vocab_size=50432,
+            max_seq_len=2048,
+            rotary_fraction=0.25,
+            init_std=0.02,
+        ),
+        data=_WEB_CORPUS,
+        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
         # Pythia's own schedule (TOKEN_BUDGETS): 143k steps of 1024 sequences, LR 1.2e-4 after 1% warmup. The
         # published trn1 runs of Pythia 6.9B used a global batch of 256: a throughput benchmark, not a budget.
-        "training": {
-            "lr": 1.2e-4,
-            "min_lr_ratio": 0.1,
-            "warmup_steps": 1430,
-            "max_steps": 143_000,
-            "global_batch_size": 1024,
-            "micro_batch_size": 1,
-            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
-            "seq_len": 2048,
-            "weight_decay": 0.01,
-        },
-        "precision": {"mode": "bf16-sr"},
-        "parallelism": {"tensor": 8, "pipeline": 1, "sequence_parallel": True},
-        "job": {**_TRN1, "instance_count": 4},
+        training=TrainingConfig(
+            lr=1.2e-4,
+            min_lr_ratio=0.1,
+            warmup_steps=1430,
+            max_steps=143_000,
+            global_batch_size=1024,
+            micro_batch_size=1,
+            log_every=10,  # a sync point: one device round trip on trn1 (training/trainer.py)
+            seq_len=2048,
+            weight_decay=0.01,
+        ),
+        precision=PrecisionConfig(mode="bf16-sr"),
+        parallelism=ParallelismConfig(tensor=8, pipeline=1, sequence_parallel=True),
+        job=_trn1_job(4),
         # Perplexity only (no task list); partial rotary models cannot be exported to Hugging Face Llama.
-        "evaluation": {"instance_type": "ml.p4d.24xlarge"},
-    },
-    "neox-20b": {
-        "model": {
-            "n_layers": 44,
-            "d_model": 6144,
-            "n_heads": 64,
-            "ffn_hidden": 16384,
-            "vocab_size": 50432,
-            "max_seq_len": 2048,
-            "rotary_fraction": 0.25,
-            "init_std": 0.01,
-        },
-        "data": _WEB_CORPUS,
-        "tokenizer": {"sample_bytes": 2_000_000_000},
+        evaluation=EvaluationConfig(instance_type="ml.p4d.24xlarge"),
+    ),
+    "neox-20b": HlatConfig(
+        preset="neox-20b",
+        model=ModelConfig(
+            n_layers=44,
+            d_model=6144,
+            n_heads=64,
+            ffn_hidden=16384,
+            vocab_size=50432,
+            max_seq_len=2048,
+            rotary_fraction=0.25,
+            init_std=0.01,
+        ),
+        data=_WEB_CORPUS,
+        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
         # GPT-NeoX-20B's own schedule (TOKEN_BUDGETS): 150k steps of ~3.15M tokens, LR 0.97e-4 after 1% warmup.
         # The paper's 1538 sequences become 1536 so that 32 data-parallel replicas (32 nodes at TP 8 x PP 4) split
         # it evenly (48 pipeline micro-batches each). The published trn1 runs' batch of 16,384 sequences is a
         # throughput benchmark: with NeoX's 150k steps it would be 5.0T tokens, ten times what NeoX trained on.
-        "training": {
-            "lr": 0.97e-4,
-            "min_lr_ratio": 0.1,
-            "warmup_steps": 1500,
-            "max_steps": 150_000,
-            "global_batch_size": 1536,
-            "micro_batch_size": 1,
-            "log_every": 10,  # a sync point: one device round trip on trn1 (training/trainer.py)
-            "seq_len": 2048,
-            "weight_decay": 0.01,
-        },
-        "precision": {"mode": "bf16-sr"},
-        "parallelism": {"tensor": 8, "pipeline": 4, "sequence_parallel": True},
-        "job": {**_TRN1, "instance_count": 32},
-        "evaluation": {"instance_type": "ml.p4d.24xlarge"},
-    },
+        training=TrainingConfig(
+            lr=0.97e-4,
+            min_lr_ratio=0.1,
+            warmup_steps=1500,
+            max_steps=150_000,
+            global_batch_size=1536,
+            micro_batch_size=1,
+            log_every=10,  # a sync point: one device round trip on trn1 (training/trainer.py)
+            seq_len=2048,
+            weight_decay=0.01,
+        ),
+        precision=PrecisionConfig(mode="bf16-sr"),
+        parallelism=ParallelismConfig(tensor=8, pipeline=4, sequence_parallel=True),
+        job=_trn1_job(32),
+        evaluation=EvaluationConfig(instance_type="ml.p4d.24xlarge"),
+    ),
 }
 
 
@@ -269,7 +294,7 @@ def load_config(
         raise ConfigError(f"preset: unknown preset {preset!r}; choose one of {', '.join(PRESETS)}")
     if isinstance(overrides, list):
         overrides = dict(parse_override(item) for item in overrides)
-    data = {"preset": preset, **PRESETS[preset]}
+    data = PRESETS[preset].model_dump(mode="json")
     extra: dict[str, Any] = dict(overrides or {})
     if run_id is not None:
         extra["run_id"] = run_id
