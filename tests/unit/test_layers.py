@@ -180,3 +180,24 @@ def test_looking_at_a_run_imports_no_torch(module: str) -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.strip() == "False", f"importing {module} imports torch"
+
+
+@pytest.mark.parametrize("program", ["train", "precompile", "burn_in", "evaluate", "prepare_data"])
+def test_a_job_program_runs_by_path_as_sagemaker_starts_it(program: str, tmp_path: Path) -> None:
+    """SageMaker's Torchrun driver runs `training/<program>.py` by path from the uploaded source, where hlat is not
+    installed, from another folder: the program puts the source on sys.path and imports all through the namespace.
+    (The editable install's finder is taken out first, so the program finds hlat as a job would.)"""
+    script = ROOT / "training" / f"{program}.py"
+    code = (
+        "import runpy, sys\n"
+        "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
+        "sys.path[0] = sys.argv[1].rsplit('/', 1)[0]  # as `python <script>` sets it\n"
+        "assert not any(m == 'hlat' or m.startswith('hlat.') for m in sys.modules)\n"
+        "sys.argv = [sys.argv[1], '--help']\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert f"python -m hlat.training.{program}" in out.stdout
