@@ -11,9 +11,9 @@ Order: tensor parallel → activation checkpointing → compile → data-paralle
 4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA, or, with parallelism.fsdp, FSDP2
    (`fully_shard` on every block, then on the whole model: parameters, gradients and optimizer states sharded over
    the ranks; bf16-mixed gathers parameters in BF16 and reduces gradients in FP32, the FP32 shards being the
-   master weights). When the model is split, NxD's
-   optimizer reduces the gradients over the data-parallel group (never over TP peers); on XLA without NxD the loop
-   averages them itself (`reduce_gradients`, one all-reduce per optimizer step, inside the step's graph).
+   master weights). When the model is split, NxD's optimizer reduces the gradients over the data-parallel group
+   (never over TP peers); on XLA without NxD the loop averages them itself (`reduce_gradients`, one all-reduce per
+   optimizer step, inside the step's graph).
 The returned module is what the loop calls; the model passed in keeps the parameters, so its state dict is the
 same whatever was applied.
 """
@@ -104,9 +104,9 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     # 4. Data parallel (NxD's optimizer when the model is split; on XLA: reduce_gradients, called by the loop).
     if fsdp_active(cfg, world):
         shard_fully(model, cfg, world)
-    else:
-        check_replica_fits(cfg, world)
-    if not fsdp_active(cfg, world) and world.world_size > 1 and not world.on_xla and world.nxd is None:
+        return runner
+    check_replica_fits(cfg, world)
+    if world.world_size > 1 and not world.on_xla and world.nxd is None:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [world.local_rank] if world.device.type == "cuda" else None

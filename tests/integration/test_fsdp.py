@@ -109,7 +109,7 @@ RUN = {
     "max_steps": 12,
     "checkpoint_every": 4,
     "keep_checkpoints": 2,
-    "eval_every": 0,
+    "eval_every": 6,  # the held-out loss runs through the sharded model on every rank
     "warmup_steps": 3,
     "global_batch_size": 8,
     "micro_batch_size": 2,
