@@ -11,7 +11,10 @@ same initial weights go into every model. Variants:
   under torch.compile, as `training.compile` does in a job);
 - `hlat compiled (doc-masked)`: packed documents (8 per sequence) masked to their own tokens: FlexAttention on CUDA
   (`Transformer.flex_document_mask`), SDPA with a dense mask on CPU;
-- `HF eager` / `HF compiled`: `LlamaForCausalLM` (SDPA attention), eager or with each decoder layer compiled.
+- `HF eager` / `HF compiled`: `LlamaForCausalLM` (SDPA attention), eager or with each decoder layer compiled;
+- `hlat FSDP2`: compiled blocks under FSDP2 as `parallelism.fsdp` sets it up (`training.parallelize.shard_fully`:
+  BF16 parameter gathers, FP32 gradient reduction) in a one-rank process group: what the sharding machinery costs
+  without any communication.
 MFU counts 6N + 12LdT FLOPs per token (PaLM's convention: the causal mask is not discounted) for every variant.
 """
 
@@ -38,7 +41,7 @@ SIZES = {
     "small": ModelConfig(n_layers=4, d_model=256, n_heads=8, ffn_hidden=688, vocab_size=2048, max_seq_len=512),
     "1b": ModelConfig(n_layers=16, d_model=2048, n_heads=16, ffn_hidden=5504, vocab_size=32000, max_seq_len=4096),
 }
-VARIANTS = ["hlat eager", "hlat compiled", "hlat compiled (doc-masked)", "HF eager", "HF compiled"]
+VARIANTS = ["hlat eager", "hlat compiled", "hlat compiled (doc-masked)", "HF eager", "HF compiled", "hlat FSDP2"]
 DOCS_PER_SEQUENCE = 8
 
 
@@ -59,6 +62,31 @@ def doc_ids_for(batch: int, seq: int, device: torch.device) -> torch.Tensor:
         starts[cuts] = 1
         rows.append(starts.cumsum(0))
     return torch.stack(rows).to(device)  # (B, T)
+
+
+_OWN_GROUP: list[bool] = []
+"""Set when the FSDP2 variant started the one-rank process group (main ends it)."""
+
+
+def fsdp_model(cfg: ModelConfig, weights: Transformer, device: torch.device, precision: str) -> torch.nn.Module:
+    """Our model, compiled per block and sharded by FSDP2 over a one-rank process group."""
+    import torch.distributed as dist
+
+    from hlat.core.presets import load_config
+    from hlat.training.distributed import World
+    from hlat.training.parallelize import shard_fully
+
+    if not dist.is_initialized():
+        backend = "nccl" if device.type == "cuda" else "gloo"
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
+        _OWN_GROUP.append(True)
+    mode = "bf16-mixed" if precision == "bf16" else "fp32"
+    run = load_config("tiny", {"parallelism.fsdp": True, "precision.mode": mode})
+    model = Transformer(cfg, device="cpu")
+    model.load_state_dict(weights.state_dict())
+    compile_blocks(model, device, sharded=True)
+    shard_fully(model, run, World(rank=0, world_size=1, local_rank=0, device=device))
+    return model
 
 
 def main(argv: list[str] | None = None) -> str:
@@ -102,6 +130,9 @@ def main(argv: list[str] | None = None) -> str:
                 for layer in hf.model.layers:
                     layer.compile()
             return hf, lambda: hf(inputs).logits
+        if variant == "hlat FSDP2":
+            sharded = fsdp_model(cfg, weights, device, args.precision)
+            return sharded, lambda: sharded(inputs)
         ours = Transformer(cfg, device=device)
         ours.load_state_dict(weights.state_dict())
         if "compiled" in variant:
@@ -138,6 +169,11 @@ def main(argv: list[str] | None = None) -> str:
         gc.collect()  # this variant's model and optimizer state, before the next one is built
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if _OWN_GROUP:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        _OWN_GROUP.clear()
     n_tokens = args.batch * args.seq
     peak = peak_flops(device)
     fpt = cfg.flops_per_token(args.seq)
