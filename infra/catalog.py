@@ -205,7 +205,7 @@ class InstanceCost:
     usd_per_node_hour: float
     tokens: float
     basis: str
-    """How tokens_per_s was obtained: the planner's best layout, or an assumed MFU."""
+    """How tokens_per_s was obtained: the planner's best layout, or a measured or assumed MFU."""
     data_parallel: str = ""
     """GPU rows: 'ddp' when a whole replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
 

@@ -734,7 +734,8 @@ def plan(config: HlatConfig, nodes: int | None = None, instance_type: str | None
 
 def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list[InstanceCost]:
     """Time and cost for `tokens` on the planned Trainium layout and, on as many nodes, each GPU instance of the
-    catalog at its assumed MFU (GPU layouts and memory are not modelled)."""
+    catalog at the MFU measured on its GPU, else an assumed one (`Topology.comparison`), with DDP or FSDP2 chosen
+    from the training state's bytes (`gpu_data_parallel`; GPU layouts are not otherwise modelled)."""
     best = the_plan.best
     rows = [
         InstanceCost(
