@@ -28,7 +28,11 @@ def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
-def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: str) -> None:
+def run_layout(
+    rank: int, world_size: int, port: int, run_dir: str, out_file: str, extra: dict[str, object] | None = None
+) -> None:
+    """One rank of a `world_size`-rank job (`extra`: more config overrides) over the fixed global batches; rank 0
+    saves the losses and the whole model (FSDP2's shards gathered first, on every rank)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from hlat.core.storage import Storage
@@ -42,6 +46,7 @@ def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: st
         "training.micro_batch_size": 8 // (2 * world_size),
         "training.eval_every": 0,
         "job.processes_per_node": world_size,
+        **(extra or {}),
     }
     cfg = load_config("tiny", overrides, run_id="dp")
     world = init_world("cpu")
@@ -63,8 +68,10 @@ def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: st
         stream = iter(batches)
         losses = [float(trainer.train_step(stream)["loss"]) for _ in range(STEPS)]
         trainer.loader.close()
+        sharded = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
+        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}
         if rank == 0:
-            torch.save({"model": trainer.model.state_dict(), "losses": losses}, out_file)
+            torch.save({"model": full, "losses": losses, "sharded": sharded}, out_file)
     finally:
         close_world()
 

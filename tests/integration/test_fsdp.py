@@ -17,76 +17,19 @@ import torch.multiprocessing as mp
 from hlat.core.layout import CheckpointIndex
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
-from tests.conftest import SMALL_DATA
 from tests.integration.conftest import free_port
+from tests.integration.test_distributed import run_layout
 from tests.jobs import make_run, metrics
 
 pytestmark = pytest.mark.slow
-
-STEPS, SEQ = 3, 32
-
-
-def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed token rows: (8, SEQ) inputs and targets per step, the same for every layout."""
-    gen = torch.Generator().manual_seed(11)
-    out = []
-    for _ in range(STEPS):
-        rows = torch.randint(3, 512, (8, SEQ + 1), generator=gen)
-        out.append((rows[:, :-1], rows[:, 1:]))
-    return out
-
-
-def run_layout(rank: int, world_size: int, port: int, run_dir: str, out_file: str) -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hlat.training.distributed import close_world, init_world
-    from hlat.training.trainer import DeviceBatch, Trainer
-
-    overrides = {
-        **SMALL_DATA,
-        "training.seq_len": SEQ,
-        "training.global_batch_size": 8,
-        "training.micro_batch_size": 8 // (2 * world_size),
-        "training.eval_every": 0,
-        "job.processes_per_node": world_size,
-        "parallelism.fsdp": True,
-    }
-    cfg = load_config("tiny", overrides, run_id="fsdp")
-    world = init_world("cpu")
-    try:
-        trainer = Trainer(
-            cfg,
-            Storage(run_dir),
-            Storage(f"{run_dir}/ckpt-{world_size}"),
-            world,
-            f"{run_dir}/tokenizer/tokenizer.model",
-        )
-        sharded = any(hasattr(p, "full_tensor") for p in trainer.model.parameters())
-        micro = cfg.training.micro_batch_size
-        batches = []
-        for inputs, targets in global_batches():
-            mine = slice(rank * 2 * micro, (rank + 1) * 2 * micro)  # this rank's share of the global batch
-            for i in range(2):  # gradient-accumulation micro-batches
-                part = slice(mine.start + i * micro, mine.start + (i + 1) * micro)
-                batches.append(DeviceBatch(inputs[part], targets[part], None, {}, 0))
-        stream = iter(batches)
-        losses = [float(trainer.train_step(stream)["loss"]) for _ in range(STEPS)]
-        trainer.loader.close()
-        # Every rank takes part in gathering the shards (a collective); rank 0 keeps them.
-        full = {k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in trainer.model.state_dict().items()}
-        if rank == 0:
-            torch.save({"model": full, "losses": losses, "sharded": sharded}, out_file)
-    finally:
-        close_world()
 
 
 def test_an_fsdp2_step_on_two_gloo_ranks_equals_the_single_process_step(prepared: Path, tmp_path: Path) -> None:
     results = {}
     for world_size in (1, 2):
         out = tmp_path / f"ws{world_size}.pt"
-        mp.start_processes(
-            run_layout, args=(world_size, free_port(), str(prepared), str(out)), nprocs=world_size, start_method="spawn"
-        )
+        args = (world_size, free_port(), str(prepared), str(out), {"parallelism.fsdp": True})
+        mp.start_processes(run_layout, args=args, nprocs=world_size, start_method="spawn")
         results[world_size] = torch.load(out, weights_only=True)
     one, two = results[1], results[2]
     assert not one["sharded"] and two["sharded"]  # one process has nothing to shard over; two hold DTensor shards
