@@ -262,6 +262,9 @@ class TrainingConfig(Section):
     """Also keep every checkpoint whose step is a multiple of this, permanently (None: none)."""
     async_checkpoint: bool = False
     """Write checkpoints in the background; the loop blocks only while state is staged."""
+    commit_timeout_s: float = Field(600.0, gt=0)
+    """How long rank 0 waits for every rank's checkpoint files to appear in storage before it gives up on a
+    commit (the job then fails and is relaunched from the previous checkpoint)."""
     nan_policy: Literal["exit", "skip"] = "exit"
     """On a NaN/inf loss: 'exit' non-zero so the job restarts from the last checkpoint (HLAT), or 'skip' the step."""
     log_every: int = Field(1, ge=1)
@@ -467,6 +470,9 @@ OPERATIONAL_JOB_FIELDS = frozenset(
     }
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
+
+OPERATIONAL_TRAINING_FIELDS = frozenset({"commit_timeout_s"})
+"""Training settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
 
 OPERATIONAL_DATA_FIELDS = frozenset(
     {"workers", "workers_per_instance", "instance_type", "image_uri", "price_per_hour_usd", "worker_retries",
@@ -729,6 +735,7 @@ class HlatConfig(Section):
         )
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         body["data"] = {k: v for k, v in body["data"].items() if k not in OPERATIONAL_DATA_FIELDS}
+        body["training"] = {k: v for k, v in body["training"].items() if k not in OPERATIONAL_TRAINING_FIELDS}
         return stable_hash(body)
 
     def trajectory_fingerprint(self) -> str:

@@ -2,13 +2,15 @@
 
 Exit codes tell the launcher what happened; the failure reason (at most MAX_FAILURE_REASON characters, written to
 the failure file) tells it why. Jobs honour SageMaker's training-container contract (on SageMaker, or under the
-local job backend, which plays SageMaker's part). Inside a job (SM_* variables set), checkpoints go to the local
-folder SageMaker keeps in sync with the job's CheckpointConfig S3 URI (`/opt/ml/checkpoints`, or SM_CHECKPOINT_DIR),
-which the job backend pins to the run's checkpoints/ prefix; data and tokenizer are read from the job's input
-channels (SM_CHANNEL_DATA, SM_CHANNEL_TOKENIZER); TensorBoard events go to /opt/ml/output/tensorboard, SageMaker's
-default; and the reason of a failure is written to /opt/ml/output/failure, which SageMaker reports as the job's
-FailureReason (so the train stage can tell a NaN exit from a bug even when torchrun hides the exit code). Elsewhere
-everything lives in run storage (TensorBoard only when run storage is local).
+local job backend, which plays SageMaker's part). Checkpoints go straight to the run's checkpoints/ (S3, or a
+shared file system), from every rank of every host, inside a job as outside: SageMaker's own checkpoint folder
+(`/opt/ml/checkpoints`, CheckpointConfig) is local to each instance, so rank 0 on the first host would never see
+the files the other hosts' ranks write there, and every start would copy the whole checkpoint history onto every
+host. Data and tokenizer are read from the job's input channels (SM_CHANNEL_DATA, SM_CHANNEL_TOKENIZER);
+TensorBoard events go to /opt/ml/output/tensorboard, SageMaker's default; and the reason of a failure is written
+to /opt/ml/output/failure, which SageMaker reports as the job's FailureReason (so the train stage can tell a NaN
+exit from a bug even when torchrun hides the exit code). Elsewhere everything lives in run storage (TensorBoard
+only when run storage is local).
 
 Imported by the job programs (`training/`) and by the control plane (`infra/`): no torch, no Prefect.
 """
@@ -52,10 +54,10 @@ def in_sagemaker() -> bool:
 
 
 def checkpoint_location(run: Storage) -> Storage:
+    """Where the job's checkpoints go: the run's checkpoints/, whichever host a rank is on (HLAT_CHECKPOINT_DIR
+    overrides it, e.g. a shared FSx path)."""
     if "HLAT_CHECKPOINT_DIR" in os.environ:
         return Storage(os.environ["HLAT_CHECKPOINT_DIR"])
-    if in_sagemaker():
-        return Storage(os.environ.get("SM_CHECKPOINT_DIR", SAGEMAKER_CHECKPOINT_DIR))
     return run.child(CHECKPOINTS_DIR)
 
 
@@ -78,14 +80,18 @@ def failure_file() -> str | None:
 
 
 def write_failure(reason: str) -> None:
-    """Record why the job failed where its backend reports it from (no-op outside a job)."""
+    """Record why the job failed where its backend reports it from (no-op outside a job). The first reason stays:
+    every process of an instance shares the file, and the rank that failed first says why; the others only see
+    the collective it left (as the SageMaker SDK's driver, which writes the file only when it does not exist)."""
     path = failure_file()
     if path is None:
         return
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "w", encoding="utf-8") as fh:
+        with open(path, "x", encoding="utf-8") as fh:
             fh.write(reason[:MAX_FAILURE_REASON])
+    except FileExistsError:
+        return
     except OSError as exc:  # never mask the failure being reported
         log.warning("could not write the failure reason to %s: %s", path, exc)
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, NEURON_CACHE
+from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, InstanceCost, measured, price_per_hour, tokens_per_s_at
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
@@ -42,7 +42,7 @@ def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
         return SageMakerBackend(job)
     from hlat.infra.local_jobs import LocalBackend
 
-    return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds)
+    return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds, job=job)
 
 
 STAGE_PROGRAMS = {
@@ -169,14 +169,6 @@ def job_spec(
     hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
     if evaluating:
         hours = e.max_runtime_hours
-    # Only training syncs the run's checkpoints: SageMaker copies a job's checkpoint folder onto every node before
-    # it starts, and precompile (throwaway weights), burn-in (its write check) and evaluation have no use for
-    # every checkpoint of the run there.
-    sync = {
-        "precompile": "precompile/checkpoint-sync",
-        "burn-in": "burn-in/checkpoint-sync",
-        "evaluate": "eval/checkpoint-sync",
-    }
     return JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
@@ -191,7 +183,6 @@ def job_spec(
         stage=stage,
         image_uri=evaluation_image(config) if evaluating else job.image_uri,
         entry=STAGE_PROGRAMS[stage],
-        checkpoint_prefix=sync.get(stage, CHECKPOINTS_DIR),
         args={"step": str(step)} if step is not None else {},
         python=job_python(config, stage),
     )
@@ -212,7 +203,6 @@ def data_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, args:
         max_runtime_s=int(d.max_runtime_hours * 3600),
         environment=job_environment(config, run_uri, run_id, "prepare-data"),
         stage="prepare-data",
-        checkpoint_prefix="prepare-data/checkpoint-sync",
         image_uri=data_image(config),
         entry=STAGE_PROGRAMS["prepare-data"],
         args=args,

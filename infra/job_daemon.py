@@ -1,12 +1,15 @@
 """The local job daemon: one job's platform, SageMaker's part played on this machine.
 
 `python -m hlat.infra.job_daemon <job dir>`, started by `infra.local_jobs.LocalBackend.submit` in a session of its own
-(so it outlives whoever submitted it), is the job's `JobDaemon`: it mounts the input channels (a symlink to the
-run's data/ and tokenizer/ when the run is local, a download when it is on S3), copies the run's checkpoint prefix
-into opt/ml/checkpoints and mirrors that folder back every second (CheckpointConfig), runs the job's program
-(`spec.entry`; under torchrun for several processes per node) with the SM_* variables, enforces stop requests and
-max runtime (SIGTERM, then SIGKILL after the grace period; max runtime counts from the daemon's start, downloads
-included), turns the exit into SageMaker's final status and FailureReason, and writes status.json last.
+(so it outlives whoever submitted it), is the job's `JobDaemon`. A one-instance job runs as processes of this
+machine under the container contract: the input channels are a symlink to the run's data/ and tokenizer/ when the
+run is local (a download when it is on S3), the job's program runs directly (under torchrun --standalone for
+several processes) with the SM_* variables. A job of several instances runs on emulated SageMaker hosts
+(`infra.sagemaker_emulator`): its CreateTrainingJob request, one set of namespaces per instance, the SDK's own
+container scripts. Either way the daemon mirrors CheckpointConfig's folder (per instance) when the job has one,
+enforces stop requests and max runtime (SIGTERM, then SIGKILL after the grace period; max runtime counts from the
+daemon's start, downloads included), turns the exit into SageMaker's final status and FailureReason, and writes
+status.json last.
 
 Every process of the job carries HLAT_LOCAL_JOB_DIR=<job dir> in its environment: torchrun starts each rank in a
 session of its own, so neither the process group nor the parent chain finds them all, and the environment also
@@ -29,13 +32,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 from hlat.core.contract import EXIT_NAN
 from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
+from hlat.infra import sagemaker_emulator
 from hlat.infra.jobs import JobSpec, Status
 
 FAULTS_ENV = "HLAT_LOCAL_FAULTS"
@@ -73,7 +78,7 @@ def _tensorboard_dir(spec: JobSpec, ml: str) -> str:
 
 
 def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
-    """What the job's processes get on top of the daemon's environment: the container contract."""
+    """What the processes of a one-instance job get on top of the daemon's environment: the container contract."""
     ml = os.path.join(job_dir, "opt", "ml")
     env = {
         **spec.environment,
@@ -85,7 +90,6 @@ def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
         "SM_TENSORBOARD_DIR": _tensorboard_dir(spec, ml),
         "SM_CHANNEL_DATA": f"{ml}/input/data/data",
         "SM_CHANNEL_TOKENIZER": f"{ml}/input/data/tokenizer",
-        "SM_CHECKPOINT_DIR": f"{ml}/checkpoints",
         "SM_HOSTS": '["algo-1"]',
         "SM_CURRENT_HOST": "algo-1",
         "SM_HOST_COUNT": "1",
@@ -95,6 +99,8 @@ def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
         JOB_DIR_ENV: job_dir,
         "PYTHONUNBUFFERED": "1",  # progress lines as they happen, not when a buffer fills
     }
+    if spec.checkpoint_prefix is not None:
+        env["HLAT_CHECKPOINT_DIR"] = f"{ml}/checkpoints"  # the program writes where CheckpointConfig syncs
     if "OMP_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in env:
         env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // spec.processes_per_node))
     return env
@@ -238,6 +244,38 @@ class CheckpointMirror:
                 self.remote.remove(folder, recursive=True)
 
 
+@dataclass
+class Instance:
+    """One running container of the job: the whole job on the one-instance path, one emulated host otherwise."""
+
+    name: str
+    proc: subprocess.Popen[bytes]
+    ml: str
+    """Its /opt/ml on this machine."""
+    mirror: CheckpointMirror | None
+    emulated: bool
+    last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=5))
+    exited_at: float | None = None
+
+    def init_pid(self) -> int | None:
+        """Its PID 1 (root namespace pid): what SageMaker signals."""
+        return sagemaker_emulator.init_pid(self.proc.pid) if self.emulated else self.proc.pid
+
+    def failure_text(self) -> str | None:
+        try:
+            with open(os.path.join(self.ml, "output", "failure"), encoding="utf-8", errors="replace") as fh:
+                return fh.read()
+        except FileNotFoundError:
+            return None
+
+
+Launch = tuple[str, list[str], dict[str, str], str, CheckpointMirror | None]
+"""An instance about to start: its name, command, environment, /opt/ml folder and checkpoint mirror."""
+
+HOST_FAILURE_WAIT_S = 10.0
+"""After one instance's container fails, how long the others get to end by themselves before they are killed."""
+
+
 class JobDaemon:
     """The platform side of one job, run in its own process: see the module docstring."""
 
@@ -245,13 +283,14 @@ class JobDaemon:
         self.job_dir = job_dir
         record = read_json(os.path.join(job_dir, "job.json"))
         self.spec = JobSpec(**record["spec"])
+        self.request: dict[str, Any] | None = record.get("request")
+        """The CreateTrainingJob request of an emulated multi-host job (None: the one-instance path)."""
         self.faults: dict[str, Any] = record["faults"] or {}
         self.grace = float(record["stop_grace_seconds"])
         self.stop_signalled = stop_signalled
         self.started = time.time()
         self.stop_reason: str | None = None
         """Why we are stopping the job: 'Stopped' (requested) or 'MaxRuntimeExceeded'."""
-        self.last_lines: deque[str] = deque(maxlen=5)
         self.fault_fired = False
         self._out = threading.Lock()
 
@@ -289,8 +328,6 @@ class JobDaemon:
 
     def run(self) -> dict[str, Any]:
         self._phase("Starting")
-        if self.spec.instance_count > 1:
-            self.say(f"instance_count={self.spec.instance_count}: the local backend runs one instance (algo-1)")
         if "fail" in self.faults or self.faults.get("complete"):
             outcome = f"failing: {self.faults['fail']}" if "fail" in self.faults else "completing without running"
             self.say(f"fault: {outcome}, before launch, in {self.faults.get('after_s', 0)}s")
@@ -304,6 +341,61 @@ class JobDaemon:
             return self.ending(Status.COMPLETED, None, "Completed", 0)
 
         self._phase("Downloading")
+        if self.request is not None and not sagemaker_emulator.master_port_free():
+            reason = (
+                f"CapacityError: port {sagemaker_emulator.MASTER_PORT} (SageMaker's master port) is in use on this "
+                "machine: the local backend runs one multi-host job at a time"
+            )
+            return self.ending(Status.FAILED, reason, "Failed", None)
+        launches = self._prepare_hosts(self.request) if self.request is not None else [self._prepare_process()]
+        if self._stop_requested():
+            return self.ending(Status.STOPPED, None, self.stop_reason or "Stopped", None)
+
+        instances = []
+        for name, command, env, ml, mirror in launches:
+            self.say(f"{name}: launching: " + " ".join(command))
+            proc = subprocess.Popen(
+                command, cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+            )  # fmt: skip
+            instances.append(Instance(name, proc, ml, mirror, emulated=self.request is not None))
+        self._phase("Training")
+        readers = [threading.Thread(target=self._pump, args=(i,), daemon=True) for i in instances]
+        for reader in readers:
+            reader.start()
+        synced = threading.Event()
+        mirrors = [i.mirror for i in instances if i.mirror is not None]
+        syncers = [threading.Thread(target=self._mirror_until, args=(m, synced), daemon=True) for m in mirrors]
+        for syncer in syncers:
+            syncer.start()
+
+        failed = self._supervise(instances)
+        # Ranks orphaned by a dead launcher would run on and keep the output pipe open: the container is over.
+        if leftovers := kill_job(self.job_dir):
+            self.say(f"killed {len(leftovers)} leftover training process(es): {leftovers}")
+        for reader in readers:
+            reader.join(timeout=10)
+        if not self.stop_reason:
+            self._phase("Uploading")
+        synced.set()
+        for syncer in syncers:
+            syncer.join()
+        upload_error = next((e for m in mirrors if (e := self._final_sync(m))), None)
+
+        exit_code = failed.proc.returncode if failed is not None else 0
+        if self.stop_reason:
+            return self.ending(Status.STOPPED, None, self.stop_reason, exit_code)
+        if failed is None:
+            if upload_error:
+                remote = mirrors[0].remote.url if mirrors else "S3"
+                reason = f"InternalServerError: uploading checkpoints to {remote} failed: {upload_error}"
+                return self.ending(Status.FAILED, reason, "Failed", exit_code)
+            return self.ending(Status.COMPLETED, None, "Completed", exit_code)
+        reason = failure_reason(exit_code, failed.failure_text(), list(failed.last_lines))
+        return self.ending(Status.FAILED, reason, "Failed", exit_code)
+
+    def _prepare_process(self) -> Launch:
+        """The one-instance path: input channels, CheckpointConfig's folder, the program's command."""
         for folder in ("model", "output/data", "input/data"):
             os.makedirs(self._ml(folder), exist_ok=True)
         run = Storage(self.spec.run_uri)
@@ -314,77 +406,104 @@ class JobDaemon:
                 source = run.child(channel)
                 for rel in source.walk_files():
                     source.get_file(rel, self._ml("input", "data", channel, rel))
-        mirror = CheckpointMirror(self._ml("checkpoints"), run.child(self.spec.checkpoint_prefix))
-        self.say(f"copied {mirror.download()} checkpoint file(s) from {mirror.remote.url}")
-        if self._stop_requested():
-            return self.ending(Status.STOPPED, None, self.stop_reason or "Stopped", None)
-
-        command = training_command(self.spec)
+        mirror = None
+        if self.spec.checkpoint_prefix is not None:
+            mirror = CheckpointMirror(self._ml("checkpoints"), run.child(self.spec.checkpoint_prefix))
+            self.say(f"copied {mirror.download()} checkpoint file(s) from {mirror.remote.url}")
         env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
         env.update(job_environment(self.spec, self.job_dir))
-        self.say("launching: " + " ".join(command))
-        proc = subprocess.Popen(
-            command, cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-        )  # fmt: skip
-        self._phase("Training")
-        assert proc.stdout is not None
-        reader = threading.Thread(target=self._pump, args=(proc.stdout,), daemon=True)
-        reader.start()
-        synced = threading.Event()
-        syncer = threading.Thread(target=self._mirror_until, args=(mirror, synced), daemon=True)
-        syncer.start()
+        return "algo-1", training_command(self.spec), env, self._ml(), mirror
 
-        exit_code = self._supervise(proc)
-        # Ranks orphaned by a dead launcher would run on and keep the output pipe open: the container is over.
-        if leftovers := kill_job(self.job_dir):
-            self.say(f"killed {len(leftovers)} leftover training process(es): {leftovers}")
-        reader.join(timeout=10)
-        if not self.stop_reason:
-            self._phase("Uploading")
-        synced.set()
-        syncer.join()
-        upload_error = self._final_sync(mirror)
+    def _prepare_hosts(self, request: dict[str, Any]) -> list[Launch]:
+        """Emulated SageMaker instances: each one's /opt/ml as SageMaker lays it out, and its namespaced command."""
+        emulator = sagemaker_emulator
+        names = emulator.host_names(request)
+        hosts_path = emulator.hosts_file(self.job_dir, names)
+        command = emulator.container_command(request)
+        base = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
+        base[JOB_DIR_ENV] = self.job_dir
+        python = self.spec.python or sys.executable
+        per_node = self.spec.processes_per_node * len(names)
+        received: dict[str, dict[str, int]] = {}
+        launches: list[Launch] = []
+        for name in names:
+            host = emulator.HostTree(name, os.path.join(self.job_dir, "hosts", name))
+            channel_bytes = emulator.prepare_host(request, host, names)
+            mirror = None
+            checkpoint_bytes = 0
+            if checkpoint := request.get("CheckpointConfig"):
+                local = host.path(*checkpoint.get("LocalPath", "/opt/ml/checkpoints").split("/")[3:])
+                mirror = CheckpointMirror(local, emulator.storage_of(checkpoint["S3Uri"]))
+                files = mirror.download()
+                checkpoint_bytes = sum(size for size, _ in mirror.synced.values())
+                self.say(
+                    f"{name}: copied {files} checkpoint file(s), {checkpoint_bytes:,} bytes, from {mirror.remote.url}"
+                )
+            received[name] = {"channels": channel_bytes, "checkpoints": checkpoint_bytes}
+            env = emulator.container_environment(request, base, name, python, per_node)
+            launches.append((name, emulator.host_command(host, hosts_path, command), env, host.ml, mirror))
+        write_json(os.path.join(self.job_dir, "hosts.json"), {"received_bytes": received})
+        return launches
 
-        if self.stop_reason:
-            return self.ending(Status.STOPPED, None, self.stop_reason, exit_code)
-        if exit_code == 0:
-            if upload_error:
-                reason = f"InternalServerError: uploading checkpoints to {mirror.remote.url} failed: {upload_error}"
-                return self.ending(Status.FAILED, reason, "Failed", exit_code)
-            return self.ending(Status.COMPLETED, None, "Completed", exit_code)
-        try:
-            with open(self._ml("output", "failure"), encoding="utf-8", errors="replace") as fh:
-                failure_text: str | None = fh.read()
-        except FileNotFoundError:
-            failure_text = None
-        reason = failure_reason(exit_code, failure_text, list(self.last_lines))
-        return self.ending(Status.FAILED, reason, "Failed", exit_code)
-
-    def _supervise(self, proc: subprocess.Popen[bytes]) -> int:
-        """Wait for the training to exit, stopping it on request or at max runtime: SIGTERM, then SIGKILL."""
+    def _supervise(self, instances: list[Instance]) -> Instance | None:
+        """Wait for every container to exit, stopping them on request or at max runtime (SIGTERM to each one's PID
+        1, then SIGKILL), and ending the job when one of them fails; the instance that failed first, if any."""
         term_sent: float | None = None
         killed = False
-        while proc.poll() is None:
+        failed: Instance | None = None
+        while any(i.proc.poll() is None for i in instances):
+            now = time.monotonic()
+            for instance in instances:
+                if instance.proc.returncode is not None and instance.exited_at is None:
+                    instance.exited_at = now
+                    if instance.proc.returncode != 0 and failed is None:
+                        failed = instance
+                        if len(instances) > 1 and not self.stop_reason:
+                            self.say(f"{instance.name} failed (exit code {instance.proc.returncode}): ending the job")
             if term_sent is None and self._stop_requested():
-                self.say(f"{self.stop_reason}: SIGTERM to the training processes (SIGKILL in {self.grace:g}s)")
+                self.say(f"{self.stop_reason}: SIGTERM to each instance (SIGKILL in {self.grace:g}s)")
                 self._phase("MaxRuntimeExceeded" if self.stop_reason == "MaxRuntimeExceeded" else "Stopping")
                 signal_job(self.job_dir, signal.SIGCONT)  # a hung (stopped) process cannot handle SIGTERM
-                signal_job(self.job_dir, signal.SIGTERM)
-                term_sent = time.monotonic()
-            elif term_sent is not None and not killed and time.monotonic() - term_sent >= self.grace:
+                self._signal_instances(instances, signal.SIGTERM)
+                term_sent = now
+            elif term_sent is not None and not killed and now - term_sent >= self.grace:
                 self.say(f"still running {self.grace:g}s after SIGTERM: SIGKILL")
-                signal_job(self.job_dir, signal.SIGKILL)
+                self._signal_instances(instances, signal.SIGKILL)
                 killed = True
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=POLL_S)
-        return proc.returncode
+            elif (
+                failed and failed.exited_at is not None and not killed and now - failed.exited_at >= HOST_FAILURE_WAIT_S
+            ):
+                self._signal_instances(instances, signal.SIGKILL)  # SageMaker ends a job one of whose hosts failed
+                killed = True
+            for instance in instances:
+                if instance.proc.poll() is None:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        instance.proc.wait(timeout=POLL_S / len(instances))
+                    break
+        for instance in instances:
+            if instance.proc.returncode != 0 and failed is None:
+                failed = instance
+        return failed
 
-    def _pump(self, stream: IO[bytes]) -> None:
-        """Copy the training output to output.log line by line, watching progress for the injected faults."""
-        for line in stream:
-            self._emit(line if line.endswith(b"\n") else line + b"\n")
-            self.last_lines.append(line.decode("utf-8", "replace").rstrip("\n"))
+    def _signal_instances(self, instances: list[Instance], sig: signal.Signals) -> None:
+        """What SageMaker does: the signal goes to each container's PID 1 (on the one-instance path, where no
+        container shell stands in the way, to every process of the job). SIGKILL takes every process."""
+        if sig == signal.SIGKILL or not instances[0].emulated:
+            signal_job(self.job_dir, sig)
+        for instance in instances:
+            pid = instance.init_pid()
+            if pid is not None and instance.proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, sig)
+
+    def _pump(self, instance: Instance) -> None:
+        """Copy a container's output to output.log line by line (prefixed with its host when there are several),
+        watching progress for the injected faults."""
+        assert instance.proc.stdout is not None
+        prefix = f"[{instance.name}] ".encode() if instance.emulated else b""
+        for line in instance.proc.stdout:
+            self._emit(prefix + (line if line.endswith(b"\n") else line + b"\n"))
+            instance.last_lines.append(line.decode("utf-8", "replace").rstrip("\n"))
             if (match := _PROGRESS.search(line)) and not self.fault_fired:
                 self._inject(int(match.group(1)))
 

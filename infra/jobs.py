@@ -15,8 +15,6 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
-from hlat.core.layout import CHECKPOINTS_DIR
-
 
 class Status(StrEnum):
     IN_PROGRESS = "InProgress"
@@ -49,8 +47,11 @@ class JobSpec:
     """Extra environment for the job's processes (never secrets: it is visible in the job description)."""
     stage: str = "train"
     """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
-    checkpoint_prefix: str = CHECKPOINTS_DIR
-    """Folder of the run that the job's checkpoint folder (/opt/ml/checkpoints) is synced with."""
+    checkpoint_prefix: str | None = None
+    """A folder of the run that SageMaker keeps the job's node-local /opt/ml/checkpoints in sync with
+    (CheckpointConfig); None (every stage's job): no CheckpointConfig. Training writes its checkpoints to the run's
+    checkpoints/ itself: /opt/ml/checkpoints is local to each instance, so rank 0 could not commit a checkpoint
+    whose files other hosts wrote, and SageMaker would copy the whole prefix onto every host at each start."""
     image_uri: str | None = None
     """Container image (SageMaker); None: the backend's default for the instance type."""
     entry: str = "hlat.training.train"
@@ -141,9 +142,26 @@ class Action(StrEnum):
     RESUME = "resume"
     """Relaunch at once from the newest complete checkpoint."""
     BACKOFF = "backoff"
-    """Relaunch from the newest checkpoint after a growing delay (capacity, throttling)."""
+    """Relaunch from the newest checkpoint after a growing delay (capacity, throttling, a platform fault that
+    repeats)."""
     FATAL = "fatal"
     """Stop the stage with the reason: relaunching would fail the same way."""
+
+
+class FailureClass(StrEnum):
+    """Whose fault an ending was, which decides what a repeat of it means (README: "When a job fails")."""
+
+    FATAL = "fatal"
+    """A mistake of the run's settings, data or account: relaunching fails the same way, so the stage stops at once."""
+    JOB = "job"
+    """The job's own failure (its code, its numbers, its exit): relaunched from the newest checkpoint; the same
+    failure twice in a row with no step gained stops the stage (it repeats deterministically)."""
+    PLATFORM = "platform"
+    """The platform's fault (a dead host or daemon, an internal error, hardware, an interruption, a hang): relaunched
+    at once, and after a growing delay when it repeats with no step gained; it never stops the stage by repeating,
+    only job.max_restarts or the budget do."""
+    CAPACITY = "capacity"
+    """No capacity, or throttled: relaunched after a growing delay, until job.max_restarts or the budget."""
 
 
 @dataclass(frozen=True)
@@ -152,33 +170,93 @@ class Decision:
     category: str
     """Short name of the failure class (e.g. 'capacity', 'hardware', 'nan', 'validation')."""
     reason: str
+    failure_class: FailureClass = FailureClass.JOB
+
+
+@dataclass(frozen=True)
+class FailureRule:
+    pattern: str
+    failure_class: FailureClass
+    category: str
+    example: str
+    """A failure reason this rule takes: the README's table shows it, the tests classify it."""
+
+    @property
+    def action(self) -> Action:
+        return {
+            FailureClass.FATAL: Action.FATAL,
+            FailureClass.CAPACITY: Action.BACKOFF,
+        }.get(self.failure_class, Action.RESUME)
 
 
 # Ordered: the first pattern that matches a failure reason (or a submission error code) decides.
-_RULES: list[tuple[str, Action, str]] = [
-    (r"BurnInFailed", Action.FATAL, "burn-in"),
-    (r"DataValidationError|SourceError", Action.FATAL, "data"),
-    (r"ResourceLimitExceeded|ResourceInUse|quota", Action.FATAL, "quota"),
-    (r"AccessDenied|UnauthorizedOperation|not authorized|ExpiredToken|InvalidClientTokenId", Action.FATAL, "access"),
-    (r"CapacityError|InsufficientCapacity|insufficient capacity|capacity", Action.BACKOFF, "capacity"),
-    (r"Throttl|SlowDown|TooManyRequests|Rate exceeded", Action.BACKOFF, "throttling"),
-    (r"NonFiniteLoss|\bNaN\b|non-finite loss", Action.RESUME, "nan"),
-    (r"MaxRuntimeExceeded|max runtime", Action.RESUME, "max-runtime"),
-    (r"Interrupted|spot", Action.RESUME, "interrupted"),
-    (r"Neuron|NRT|NCCL|nccom|EFA|hardware|ECC|XID|device|UnhealthyCollective", Action.RESUME, "hardware"),
-    (r"InternalServerError|ServiceUnavailable|InternalFailure", Action.RESUME, "internal"),
-    (r"[Kk]illed|signal|SIGKILL|SIGTERM|OOM|[Oo]ut of memory|hung|no step", Action.RESUME, "killed"),
-    (r"ValidationException|ValidationError|ClientError|ConfigError|InvalidParameter", Action.FATAL, "validation"),
+F = FailureClass
+FAILURE_RULES: list[FailureRule] = [
+    FailureRule(r"BurnInFailed", F.FATAL, "burn-in", "AlgorithmError: BurnInFailed: rank 3 matmul error"),
+    FailureRule(r"DataValidationError|SourceError", F.FATAL, "data", "AlgorithmError: DataValidationError: 12% bad"),
+    FailureRule(r"ResourceLimitExceeded|ResourceInUse|quota", F.FATAL, "quota", "ResourceLimitExceeded: quota"),
+    FailureRule(
+        r"AccessDenied|UnauthorizedOperation|not authorized|ExpiredToken|InvalidClientTokenId",
+        F.FATAL,
+        "access",
+        "AccessDeniedException: not authorized to perform sagemaker:CreateTrainingJob",
+    ),
+    FailureRule(
+        r"CapacityError|InsufficientCapacity|insufficient capacity|capacity",
+        F.CAPACITY,
+        "capacity",
+        "CapacityError: Unable to provision requested ML compute capacity",
+    ),
+    FailureRule(
+        r"Throttl|SlowDown|TooManyRequests|Rate exceeded",
+        F.CAPACITY,
+        "throttling",
+        "ThrottlingException: Rate exceeded",
+    ),
+    FailureRule(
+        r"NonFiniteLoss|\bNaN\b|non-finite loss", F.JOB, "nan", "AlgorithmError: NonFiniteLoss: loss is nan at step 8"
+    ),
+    FailureRule(r"MaxRuntimeExceeded|max runtime", F.PLATFORM, "max-runtime", "MaxRuntimeExceeded: stopped"),
+    FailureRule(r"Interrupted|spot", F.PLATFORM, "interrupted", "Interrupted: stopped"),
+    # A stop the stage did not ask for (StopTrainingJob from elsewhere): the job checkpointed on its SIGTERM.
+    FailureRule(r"^Stopp(ed|ing)\b", F.PLATFORM, "stopped-elsewhere", "Stopped: stopped"),
+    FailureRule(
+        r"Neuron|NRT|NCCL|nccom|EFA|hardware|ECC|XID|device|UnhealthyCollective",
+        F.PLATFORM,
+        "hardware",
+        "AlgorithmError: NRT error: NeuronCore 3 hardware failure",
+    ),
+    FailureRule(
+        r"InternalServerError|ServiceUnavailable|InternalFailure",
+        F.PLATFORM,
+        "internal",
+        "InternalServerError: the job's supervisor process died",
+    ),
+    FailureRule(
+        r"OOM|[Oo]ut of memory|MemoryError", F.JOB, "out-of-memory", "AlgorithmError: RuntimeError: CUDA out of memory"
+    ),
+    FailureRule(
+        r"[Kk]illed|signal|SIGKILL|SIGTERM|hung|no step|[Cc]onnection (closed|reset)|peer",
+        F.PLATFORM,
+        "killed",
+        "AlgorithmError: training process killed by signal SIGKILL (exit code 137)",
+    ),
+    FailureRule(
+        r"ValidationException|ValidationError|ClientError|ConfigError|InvalidParameter",
+        F.FATAL,
+        "validation",
+        "AlgorithmError: ConfigError: training.lr must be > 0",
+    ),
 ]
+del F
+UNKNOWN = FailureRule(r"", FailureClass.JOB, "unknown", "AlgorithmError: ExecuteUserScriptError: exit code 1")
+"""Anything no rule names: the job's own (an AlgorithmError with no better clue)."""
 
 
 def classify_reason(reason: str) -> Decision:
-    """Classify a failure reason or a submission error. Unknown failures (e.g. an AlgorithmError with no better
-    clue) resume: the supervisor turns a repeat with no step gained into a fatal error."""
-    for pattern, action, category in _RULES:
-        if re.search(pattern, reason):
-            return Decision(action, category, reason)
-    return Decision(Action.RESUME, "unknown", reason)
+    """Classify a failure reason or a submission error by the first rule of FAILURE_RULES whose pattern it matches."""
+    rule = next((r for r in FAILURE_RULES if re.search(r.pattern, reason)), UNKNOWN)
+    return Decision(rule.action, rule.category, reason, rule.failure_class)
 
 
 def classify(state: JobState, stop_requested: bool = False) -> Decision:

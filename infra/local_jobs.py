@@ -28,6 +28,13 @@ submit and kept in job.json, e.g. `{"1": {"kill_at_step": 8}, "2": {"fail": "Cap
 - `{"fail": "<reason>", "after_s": S}`: launch nothing, wait S seconds, end Failed with exactly that reason.
 - `{"complete": true, "after_s": S}`: launch nothing, wait S seconds, end Completed: a job that reports success
   without having written its outputs (no checkpoint, no report), as a broken image or entrypoint can.
+- `{"sdk_entrypoint": true}` (emulated hosts): run the SageMaker SDK's container command without our init in front
+  of it (core/job_init.py), as a job request would be without it.
+
+A job of several instances (`instance_count` > 1) runs on emulated SageMaker hosts (`infra.sagemaker_emulator`):
+job.json then also holds its CreateTrainingJob request, built at submit by the sagemaker backend's own code, and
+each host has its own `hosts/algo-N/opt/ml`; hosts.json records the bytes each host received before its container
+started (input channels, CheckpointConfig).
 """
 
 from __future__ import annotations
@@ -43,6 +50,7 @@ import time
 from dataclasses import asdict
 from typing import Any
 
+from hlat.core.config import JobConfig
 from hlat.infra.job_daemon import (
     FAULTS_ENV,
     PROJECT_ROOT,
@@ -61,7 +69,7 @@ _LOG_CHUNK = 4 << 20  # bytes read by one logs() call
 START_TIMEOUT_S = 60.0
 """A job folder with no daemon this long after submit is a submitter that died mid-submit."""
 
-_FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s"}
+_FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s", "sdk_entrypoint"}
 _JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 _STOPPING = ("Stopping", "MaxRuntimeExceeded")  # the secondary statuses of a job being stopped
 _CHILDREN: dict[str, subprocess.Popen[bytes]] = {}
@@ -96,9 +104,11 @@ class LocalBackend:
 
     kind = "local"
 
-    def __init__(self, jobs_dir: str, stop_grace_seconds: float = 30.0) -> None:
+    def __init__(self, jobs_dir: str, stop_grace_seconds: float = 30.0, job: JobConfig | None = None) -> None:
         self.jobs_dir = os.path.abspath(os.path.expanduser(jobs_dir))
         self.stop_grace_seconds = stop_grace_seconds
+        self.job = job or JobConfig()
+        """The run's job settings: what an emulated multi-host job's CreateTrainingJob request is built from."""
 
     def job_dir(self, name: str) -> str:
         return os.path.join(self.jobs_dir, name)
@@ -107,6 +117,7 @@ class LocalBackend:
         if not _JOB_NAME.fullmatch(spec.name):
             raise SubmitError("ValidationException", f"job name {spec.name!r} must match {_JOB_NAME.pattern}")
         faults = faults_for_attempt(spec.attempt)
+        request = self._emulated_request(spec, faults) if spec.instance_count > 1 else None
         job_dir = self.job_dir(spec.name)
         os.makedirs(self.jobs_dir, exist_ok=True)
         try:
@@ -115,6 +126,7 @@ class LocalBackend:
             raise SubmitError("ResourceInUse", f"a job named {spec.name} already exists ({job_dir})") from None
         record = {
             "spec": asdict(spec),
+            "request": request,
             "faults": faults,
             "stop_grace_seconds": self.stop_grace_seconds,
             "created": time.time(),
@@ -133,6 +145,24 @@ class LocalBackend:
         _CHILDREN[job_dir] = proc
         supervisor = {"pid": proc.pid, "process_start": process_start(proc.pid), "started": started}
         write_json(os.path.join(job_dir, "supervisor.json"), supervisor)
+
+    def _emulated_request(self, spec: JobSpec, faults: dict[str, Any], upload: bool = True) -> dict[str, Any]:
+        """The request a job of several instances runs from on the emulator (`infra.sagemaker_emulator`)."""
+        from hlat.infra import sagemaker_emulator
+
+        if problem := sagemaker_emulator.namespaces_available():
+            raise SubmitError(
+                "ValidationException",
+                f"job.instance_count={spec.instance_count}: the local backend runs several instances as emulated "
+                f"SageMaker hosts, and {problem}; or set job.instance_count=1",
+            )
+        request = sagemaker_emulator.build_request(spec, self.job, upload=upload)
+        if faults.get("sdk_entrypoint"):  # the SDK's container command alone, without our init in front of it
+            from hlat.infra.sagemaker_jobs import JOB_INIT
+
+            algorithm = request["AlgorithmSpecification"]
+            algorithm["ContainerEntrypoint"] = algorithm["ContainerEntrypoint"][len(JOB_INIT) :]
+        return request
 
     def describe(self, name: str) -> JobState | None:
         job_dir = self.job_dir(name)
@@ -214,6 +244,11 @@ class LocalBackend:
 
     def dry_run(self, spec: JobSpec) -> list[dict[str, Any]]:
         job_dir = self.job_dir(spec.name)
+        if spec.instance_count > 1:
+            request = self._emulated_request(spec, {}, upload=False)
+            return [
+                {"backend": self.kind, "job_dir": job_dir, "emulated_hosts": spec.instance_count, "request": request}
+            ]
         return [
             {
                 "backend": self.kind,

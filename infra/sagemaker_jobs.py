@@ -60,6 +60,10 @@ SOURCE_IGNORE = [
 ]  # fmt: skip
 """Names left out of the uploaded source (matched at every depth, like shutil.ignore_patterns)."""
 
+JOB_INIT = ["python3", "/opt/ml/input/data/code/core/job_init.py"]
+"""Put in front of the SDK's ContainerEntrypoint (/bin/bash): the container's PID 1 (core/job_init.py), from the
+source code channel, which SageMaker downloads before the container starts."""
+
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 LOG_LOOKBACK_MS = 60_000
 """How far back each `logs` call looks again for events that reached CloudWatch late (64 nodes' streams are
@@ -327,10 +331,21 @@ class OfflineAWS:
     request get plausible answers (the caller's identity, the role and its trust policy, the run's bucket, an
     allowed policy simulation); writes (S3 uploads, CreateTrainingJob) are only recorded. Clients must be created
     from `session` after construction: each client copies the session's handlers when it is created.
+
+    `store(bucket, key, data)`, when given, receives the bytes of every upload (PutObject, or a multipart upload
+    once completed): how the local backend's SageMaker emulator gets the source and driver channels a request names.
     """
 
-    def __init__(self, region: str, role_arn: str, buckets: list[str]) -> None:
+    def __init__(
+        self,
+        region: str,
+        role_arn: str,
+        buckets: list[str],
+        store: Callable[[str, str, bytes], None] | None = None,
+    ) -> None:
         self.region = region
+        self.store = store
+        self._parts: dict[str, dict[int, bytes]] = {}
         self.role_arn = role_arn
         arn = role_arn.split(":")  # arn:aws:iam::<account>:role/<name>
         self.account = arn[4] if len(arn) > 5 and arn[4] else "123456789012"
@@ -356,6 +371,11 @@ class OfflineAWS:
         if "Body" in params:
             # Uploads are summarised: their bodies are the project's files, not worth repeating.
             recorded["Size"] = _body_size(params["Body"])
+            if self.store is not None:
+                self._keep(model.name, params)
+        elif self.store is not None and model.name == "CompleteMultipartUpload":
+            parts = self._parts.pop(str(params["UploadId"]), {})
+            self.store(str(params["Bucket"]), str(params["Key"]), b"".join(parts[n] for n in sorted(parts)))
         self.calls.append(
             {
                 "service": model.service_model.service_name,
@@ -363,6 +383,17 @@ class OfflineAWS:
                 "params": copy.deepcopy(recorded),
             }
         )
+
+    def _keep(self, operation: str, params: dict[str, Any]) -> None:
+        assert self.store is not None
+        body = params["Body"]
+        data = bytes(body) if isinstance(body, bytes | bytearray) else body.read()
+        if hasattr(body, "seek"):
+            body.seek(0)
+        if operation == "PutObject":
+            self.store(str(params["Bucket"]), str(params["Key"]), data)
+        elif operation == "UploadPart":
+            self._parts.setdefault(str(params["UploadId"]), {})[int(params["PartNumber"])] = data
 
     def _answer(self, model: Any, context: dict[str, Any], **_: Any) -> tuple[AWSResponse, dict[str, Any]]:
         answer = self._canned(model.service_model.service_name, model.name, context.get("hlat_params", {}))
@@ -411,7 +442,9 @@ class OfflineAWS:
         if operation in ("PutObject", "UploadPart", "CompleteMultipartUpload"):
             return {"ETag": '"hlat-dry-run"'}
         if operation == "CreateMultipartUpload":
-            return {"Bucket": params.get("Bucket"), "Key": params.get("Key"), "UploadId": "hlat-dry-run"}
+            # One id per object: s3transfer uploads several files at once, each in its own threads.
+            upload_id = f"hlat-dry-run/{params.get('Bucket')}/{params.get('Key')}"
+            return {"Bucket": params.get("Bucket"), "Key": params.get("Key"), "UploadId": upload_id}
         if operation == "CreateTrainingJob":
             name = params.get("TrainingJobName", "")
             return {"TrainingJobArn": f"arn:aws:sagemaker:{self.region}:{self.account}:training-job/{name}"}
@@ -548,6 +581,10 @@ class SageMakerBackend:
         return offline.requests()
 
     # -- building requests ----------------------------------------------------------------------------------
+    def requirements(self, spec: JobSpec) -> str | None:
+        """The requirements file each instance installs before the job's program runs (None: none)."""
+        return requirements_of(spec)
+
     @property
     def training_image(self) -> str:
         if self.job.image_uri:
@@ -578,7 +615,7 @@ class SageMakerBackend:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
         check_request("CreateTrainingJob", self.config_request(spec), spec.stage, partial=True)
         entry_script = entry_script_of(spec)
-        requirements = requirements_of(spec)
+        requirements = self.requirements(spec) or entry_script
         if not (PROJECT_ROOT / entry_script).is_file() or not (PROJECT_ROOT / requirements).is_file():
             raise ValueError(
                 f"the sagemaker backend uploads the project's source, which needs {entry_script} and {requirements} "
@@ -600,12 +637,13 @@ class SageMakerBackend:
                 "VolumeSizeInGB": job.volume_size_gb,
             },
             "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
-            "CheckpointConfig": {"S3Uri": f"{run}/{spec.checkpoint_prefix}"},
             "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
             "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
             "HyperParameters": {"config": spec.config_uri, **spec.args},
             "Environment": {**spec.environment, "HLAT_RUN_ID": spec.run_id},
         }
+        if spec.checkpoint_prefix is not None:
+            request["CheckpointConfig"] = {"S3Uri": f"{run}/{spec.checkpoint_prefix}"}
         if spec.channels:  # (the SDK adds its code channels; a request's list, when given, may not be empty)
             request["InputDataConfig"] = [
                 {"ChannelName": c, "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{run}/{c}/"}}}
@@ -663,7 +701,7 @@ class SageMakerBackend:
                 source_code=cfg.SourceCode(
                     source_dir=str(PROJECT_ROOT),
                     entry_script=entry_script_of(spec),
-                    requirements=requirements_of(spec),
+                    requirements=self.requirements(spec),
                     ignore_patterns=list(SOURCE_IGNORE),
                 ),
                 distributed=sdk.Torchrun(process_count_per_node=spec.processes_per_node),
@@ -671,10 +709,10 @@ class SageMakerBackend:
                 networking=networking,
                 stopping_condition=cfg.StoppingCondition(max_runtime_in_seconds=spec.max_runtime_s),
                 checkpoint_config=cfg.CheckpointConfig(
-                    # The run's prefix, not a per-job one: every attempt resumes from the checkpoints of the last.
-                    s3_uri=f"{run}/{spec.checkpoint_prefix}",
-                    local_path=SAGEMAKER_CHECKPOINT_DIR,
-                ),
+                    s3_uri=f"{run}/{spec.checkpoint_prefix}", local_path=SAGEMAKER_CHECKPOINT_DIR
+                )
+                if spec.checkpoint_prefix is not None
+                else None,
                 output_data_config=cfg.OutputDataConfig(
                     s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
                 ),
@@ -720,6 +758,10 @@ class SageMakerBackend:
                 f"uploading the job's source code under {run}/code: {exc}",
             ) from exc
         request["TrainingJobName"] = spec.name
+        # Our init in front of the SDK's container command, which runs unchanged: it passes StopTrainingJob's
+        # SIGTERM on to the ranks (core/job_init.py says why the SDK's shell never would).
+        algorithm = request["AlgorithmSpecification"]
+        algorithm["ContainerEntrypoint"] = [*JOB_INIT, *algorithm["ContainerEntrypoint"]]
         return request
 
     @staticmethod

@@ -4,9 +4,11 @@ The same loop drives both job backends. Its memory is a ledger in run storage (`
 written before each submission, so a supervisor that dies and is restarted finds the job it launched (by its
 deterministic name) and watches it instead of launching a second one.
 
-Each attempt ends in one of four ways (`infra.jobs.classify`): done; resume at once (killed, NaN exit, hardware,
-internal error, max runtime); resume after a growing delay (capacity, throttling); fatal (bad config, access,
-quota, or the same failure twice in a row with no step gained). A job that reports Completed without the
+Each attempt ends in one of four ways (`infra.jobs.classify`, by the failure's class): done; resume at once (a
+failure of the job's own: NaN exit, a crash; or of the platform: a dead host or daemon, hardware, an internal
+error, max runtime); resume after a growing delay (capacity, throttling, and a platform fault that repeats with no
+step gained, which never stops the stage by itself); fatal (bad config, access, quota, or the same failure of the
+job's own twice in a row with no step gained). A job that reports Completed without the
 checkpoint of the last step is no 'done': it is resumed, as 'completed without a checkpoint at step N', and stops
 the stage when that repeats with no step gained. The loop also stops when the relaunches allowed
 (`job.max_restarts`) or the dollar budget (billable seconds x instance count x node-hour price) run out. A job that
@@ -28,7 +30,7 @@ import re
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -37,6 +39,7 @@ from hlat.infra.catalog import job_cost
 from hlat.infra.jobs import (
     Action,
     Decision,
+    FailureClass,
     JobBackend,
     JobSpec,
     JobState,
@@ -99,6 +102,8 @@ class Attempt:
     """The newest step the job logged (it may not have reached a checkpoint)."""
     category: str | None = None
     """How its ending was classified ('completed', 'capacity', 'completed-early'...): what a repeat is judged by."""
+    failure_class: str | None = None
+    """Whose fault the ending was (infra.jobs.FailureClass: fatal, job, platform, capacity), None when done."""
 
     @property
     def steps_gained(self) -> int:
@@ -330,7 +335,10 @@ class Supervisor:
                 return self.attempts
             record = self._next_attempt(current)
             decision = self._run_attempt(record)
+            if decision.action == Action.RESUME and self._platform_fault_repeated(decision):
+                decision = replace(decision, action=Action.BACKOFF)
             record.action, record.category = decision.action.value, decision.category
+            record.failure_class = decision.failure_class.value if decision.action != Action.DONE else None
             repeat = self._repeated_without_progress(decision)
             if repeat:
                 record.action = Action.FATAL.value
@@ -345,13 +353,13 @@ class Supervisor:
                 raise JobFailed(f"{self.stage} stopped: {decision.reason}", self.attempts)
             if repeat:
                 raise JobFailed(repeat, self.attempts)
+            if record.progressed:
+                backoffs = 0  # a delay grows only over attempts that got nowhere
             if decision.action == Action.BACKOFF:
                 delay = self.backoff_seconds[min(backoffs, len(self.backoff_seconds) - 1)]
                 backoffs += 1
                 log.warning("%s (%s): relaunching in %s", decision.category, decision.reason, _duration(delay))
                 self.sleep(delay)
-            else:
-                backoffs = 0
 
     def _latest_step(self) -> int:
         return self.current_step() or 0
@@ -408,12 +416,12 @@ class Supervisor:
             raise BudgetExhausted(self._budget_message(record.end_step), self.attempts)
         if record.stop_requested == "hung":
             record.reason = f"hung: no step logged for {_duration(self.hang_timeout_s or 0)}"
-            return Decision(Action.RESUME, "hung", record.reason)
+            return Decision(Action.RESUME, "hung", record.reason, FailureClass.PLATFORM)
         if record.stop_requested == "cancelled" and final.status != Status.COMPLETED:
             # Stopped when an earlier supervisor was cancelled (a cancellation in this one re-raises in _watch):
             # the run is being started again, so go on from the last checkpoint.
             record.reason = "stopped when an earlier flow run was cancelled"
-            return Decision(Action.RESUME, "cancelled", record.reason)
+            return Decision(Action.RESUME, "cancelled", record.reason, FailureClass.PLATFORM)
         decision = classify(final)
         if decision.action == Action.DONE and record.end_step < self.target_step:
             decision = self._completed_short(record)
@@ -490,9 +498,18 @@ class Supervisor:
         record.instance_count = state.instance_count
         record.cost_usd = job_cost(state.billable_seconds, state.instance_count, self.price_per_hour)
 
+    def _platform_fault_repeated(self, decision: Decision) -> bool:
+        """A platform fault right after another one, neither attempt getting anywhere: relaunch after a delay (the
+        platform may need time: a host replaced, a service recovering), but never give up for it."""
+        if decision.failure_class != FailureClass.PLATFORM or len(self.attempts) < 2:
+            return False
+        last, before = self.attempts[-1], self.attempts[-2]
+        return not last.progressed and not before.progressed and _failure_class(before) == FailureClass.PLATFORM
+
     def _repeated_without_progress(self, decision: Decision) -> str | None:
-        """The same failure twice in a row with no step gained by either attempt: relaunching will not help."""
-        if decision.action != Action.RESUME or len(self.attempts) < 2:
+        """The same failure of the job's own twice in a row with no step gained by either attempt: relaunching will
+        not help. (Platform and capacity faults do not stop the stage by repeating: see FailureClass.)"""
+        if decision.action != Action.RESUME or decision.failure_class != FailureClass.JOB or len(self.attempts) < 2:
             return None
         last, before = self.attempts[-1], self.attempts[-2]
         if last.progressed or before.progressed:
@@ -593,8 +610,14 @@ def read_logs(backend: JobBackend, name: str, cursor: Any) -> tuple[list[str], A
 
 
 def _category(attempt: Attempt) -> str:
-    """The attempt's failure class (older ledgers did not record it: classified again from the reason)."""
+    """The attempt's failure category (older ledgers did not record it: classified again from the reason)."""
     return attempt.category or classify_reason(attempt.reason or "").category
+
+
+def _failure_class(attempt: Attempt) -> FailureClass:
+    if attempt.failure_class:
+        return FailureClass(attempt.failure_class)
+    return classify_reason(attempt.reason or "").failure_class
 
 
 def announce_resumed(record: Attempt, state: JobState | None) -> None:

@@ -530,6 +530,8 @@ class CheckpointManager(CheckpointIndex):
         self._pending: Future[None] | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
+        self.bytes_read = 0
+        """Bytes this rank has read from checkpoint files (what a resume costs it)."""
 
     def __repr__(self) -> str:
         sharding = f", shard={self.shard!r}" if self.shard is not None else ""
@@ -823,6 +825,7 @@ class CheckpointManager(CheckpointIndex):
         if info is None:
             raise CheckpointError(f"{uri} is not listed in {META}")
         data = self.storage.read_bytes(f"{folder}/{name}")
+        self.bytes_read += len(data)
         if len(data) != info["size"]:
             raise CheckpointError(f"{uri} is {len(data)} bytes, {info['size']} were written")
         if info.get("sha256") and hashlib.sha256(data).hexdigest() != info["sha256"]:

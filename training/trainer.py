@@ -148,6 +148,7 @@ class Trainer:
             world_size=world.world_size,
             barrier=world.barrier,
             async_save=cfg.training.async_checkpoint,
+            commit_timeout_s=cfg.training.commit_timeout_s,
             distributed=self.fsdp,
             **self._shard_layout(),
         )
@@ -292,7 +293,7 @@ class Trainer:
         self.step = self.saved_step = int(shared["step"])
         self.tally = StepTally(self.world.device, self.step)
         self.metrics.resume_at(self.step)
-        log.info("resumed from step %d of %s", self.step, self.checkpoints.url)
+        log.info("resumed from step %d of %s (read %d bytes)", self.step, self.checkpoints.url, self.ckpt.bytes_read)
         return self.step
 
     # -- the loop ----------------------------------------------------------------------------------------

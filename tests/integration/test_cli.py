@@ -108,7 +108,11 @@ def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_pat
     assert request["TrainingJobName"].endswith("-train-1")
     assert request["ResourceConfig"] == {"InstanceType": "ml.trn1.32xlarge", "InstanceCount": 64, "VolumeSizeInGB": 512}
     run_uri = f"s3://my-bucket/runs/{request['TrainingJobName'].removesuffix('-train-1')}"
-    assert request["CheckpointConfig"]["S3Uri"] == f"{run_uri}/checkpoints"
+    assert "CheckpointConfig" not in request  # the ranks write to <run>/checkpoints/ themselves, from every host
+    assert request["AlgorithmSpecification"]["ContainerEntrypoint"][:2] == [
+        "python3",
+        "/opt/ml/input/data/code/core/job_init.py",
+    ]  # our init in front of the SDK's command: StopTrainingJob's SIGTERM reaches the ranks
     assert request["HyperParameters"] == {"config": f"{run_uri}/config.json"}
     assert request["Environment"]["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     assert "S3 PutObject x " in text and f"under {run_uri}/code/" in text
@@ -159,7 +163,7 @@ def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp
     assert request["ResourceConfig"]["InstanceType"] == "ml.p4d.24xlarge"
     assert request["ResourceConfig"]["InstanceCount"] == 1
     assert "/pytorch-training:" in request["AlgorithmSpecification"]["TrainingImage"]
-    assert request["CheckpointConfig"]["S3Uri"].endswith("/eval/checkpoint-sync")  # not the run's checkpoints
+    assert "CheckpointConfig" not in request  # nothing of the run's checkpoints copied onto the instance
     assert {"Key": "hlat:stage", "Value": "evaluate"} in request["Tags"]
     assert "cost: 1 x ml.p4d.24xlarge at $32.77/node-hour" in out.stdout
     assert "at most $786.48" in out.stdout

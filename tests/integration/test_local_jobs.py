@@ -112,7 +112,7 @@ def latest_checkpoint(run: Path) -> int | None:
     return CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1).latest_step()
 
 
-def test_a_job_completes_with_its_checkpoints_synced_and_logs_read_once(
+def test_a_job_completes_with_its_checkpoints_in_the_run_and_logs_read_once(
     prepared: Path, tmp_path: Path, jobs: LocalBackend
 ) -> None:
     run = make_run(prepared, tmp_path, "done", max_steps=12, checkpoint_every=5, eval_every=0)
@@ -139,14 +139,14 @@ def test_a_job_completes_with_its_checkpoints_synced_and_logs_read_once(
 
     job = Path(jobs.job_dir(spec.name))
     assert (job / "opt/ml/input/data/tokenizer").resolve() == (run / "tokenizer").resolve()
-    assert (job / "opt/ml/checkpoints/step-000000012/COMMITTED").exists()  # the training wrote locally...
-    assert latest_checkpoint(run) == 12  # ... and the mirror put it at the run's URI
+    assert not (job / "opt/ml/checkpoints").exists()  # no CheckpointConfig: the training writes to the run itself
+    assert latest_checkpoint(run) == 12
     assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000000010", "step-000000012"]
     assert any((run / "tensorboard").iterdir())  # a local run gets TensorBoard events in its own folder
     assert classify(state).action == Action.DONE
 
 
-def test_a_run_on_s3_gets_its_channels_downloaded_and_its_checkpoints_uploaded(
+def test_a_run_on_s3_gets_its_channels_downloaded_and_writes_its_checkpoints_there(
     prepared: Path, tmp_path: Path, jobs: LocalBackend, s3_env: Any
 ) -> None:
     local = make_run(prepared, tmp_path, "on-s3", max_steps=6, checkpoint_every=3, eval_every=0)
@@ -294,7 +294,9 @@ def test_dry_run_touches_nothing(tmp_path: Path) -> None:
     assert request["command"][1:5] == ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     assert request["command"][-4:] == ["-m", "hlat.training.train", "--config", str(tmp_path / "run" / "config.json")]
     env = request["environment"]
-    assert env["SM_CHECKPOINT_DIR"] == f"{job_dir}/opt/ml/checkpoints"
+    assert "HLAT_CHECKPOINT_DIR" not in env  # checkpoints go to the run's checkpoints/, as outside a job
+    synced = backend.dry_run(spec_for(tmp_path / "run", checkpoint_prefix="checkpoints"))[0]["environment"]
+    assert synced["HLAT_CHECKPOINT_DIR"] == f"{job_dir}/opt/ml/checkpoints"  # CheckpointConfig's folder, if asked
     assert env["SM_CHANNEL_DATA"] == f"{job_dir}/opt/ml/input/data/data"
     assert env["HLAT_FAILURE_FILE"] == f"{job_dir}/opt/ml/output/failure"
     assert env["SM_HOSTS"] == '["algo-1"]' and env["TRAINING_JOB_NAME"] == spec.name

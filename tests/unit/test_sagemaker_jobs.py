@@ -123,8 +123,9 @@ def expected_create_request() -> dict[str, Any]:
         "AlgorithmSpecification": {
             "TrainingImage": IMAGE,
             "TrainingInputMode": "File",
-            "ContainerEntrypoint": ["/bin/bash"],
-            "ContainerArguments": ANY,
+            # our init (core/job_init.py) as PID 1, in front of the SDK's command, which runs unchanged
+            "ContainerEntrypoint": ["python3", "/opt/ml/input/data/code/core/job_init.py", "/bin/bash"],
+            "ContainerArguments": ["-c", ANY],
             "MetricDefinitions": [{"Name": k, "Regex": v} for k, v in METRIC_DEFINITIONS.items()],
         },
         "HyperParameters": {"config": f"{RUN_URI}/config.json"},
@@ -155,7 +156,6 @@ def expected_create_request() -> dict[str, Any]:
         ],
         "StoppingCondition": {"MaxRuntimeInSeconds": 86400},
         "OutputDataConfig": {"S3OutputPath": f"{RUN_URI}/sagemaker-output", "CompressionType": "GZIP"},
-        "CheckpointConfig": {"S3Uri": f"{RUN_URI}/checkpoints", "LocalPath": "/opt/ml/checkpoints"},
         "Environment": {"NEURON_COMPILE_CACHE_URL": f"{RUN_URI}/compile-cache", "HLAT_RUN_ID": RUN_ID},
         "TensorBoardOutputConfig": {
             "S3OutputPath": f"{RUN_URI}/tensorboard",
@@ -574,9 +574,7 @@ def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str)
     expected = neuron_environment(config, f"{run_uri}/compile-cache/neuron")
     assert (expected["NEURON_RT_EXEC_TIMEOUT"], expected["NEURON_RT_LOG_LEVEL"]) == ("6000", "INFO")
     inflight = {"hlat-7b": "3", "hlat-70b": "31"}[preset]
-    # Only training syncs the run's checkpoints (SageMaker copies the folder onto every node first).
-    sync = {"train": "checkpoints", "precompile": "precompile/checkpoint-sync", "burn-in": "burn-in/checkpoint-sync"}
-    for stage in sync:
+    for stage in ("train", "precompile", "burn-in"):
         text = dry_run(config, stage=stage)  # the real CreateTrainingJob request, as submit would send it
         create = json.loads(text.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\n", 1)[0])
         environment = create["Environment"]
@@ -584,7 +582,8 @@ def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str)
         assert environment["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == inflight
         assert environment["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
         assert ("RUN_NEURON_PARALLEL_COMPILE" in environment) == (stage == "precompile")
-        assert create["CheckpointConfig"]["S3Uri"] == f"{run_uri}/{sync[stage]}"
+        # No CheckpointConfig: its folder is node-local, and SageMaker would copy the prefix onto every node
+        assert "CheckpointConfig" not in create
 
 
 # -- images and user mistakes -------------------------------------------------------------------------------------

@@ -12,7 +12,20 @@ from typing import Any
 import pytest
 
 from hlat.core.storage import Storage
-from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
+from hlat.infra.jobs import (
+    FAILURE_RULES,
+    UNKNOWN,
+    Action,
+    FailureClass,
+    FailureRule,
+    JobSpec,
+    JobState,
+    Status,
+    SubmitError,
+    classify,
+    classify_reason,
+    job_name,
+)
 from hlat.infra.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
 
 RUN_ID = "tiny-test"
@@ -178,6 +191,55 @@ def test_same_failure_twice_with_no_step_gained_is_fatal(tmp_path: Path) -> None
     with pytest.raises(JobFailed, match="same failure repeated with no step gained"):
         supervisor(tmp_path, backend, clock).run_to_completion()
     assert len(backend.submitted) == 2
+
+
+def test_a_nan_at_the_same_step_twice_is_fatal(tmp_path: Path) -> None:
+    clock = [0.0]
+    nan = ("Failed", "AlgorithmError: NonFiniteLoss: loss is nan at step 31")
+    plays = [Play([nan], reaches=30), Play([nan], reaches=30), Play([nan], reaches=30)]
+    with pytest.raises(JobFailed, match="same failure repeated with no step gained"):
+        supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+
+
+def test_platform_faults_keep_relaunching_with_growing_delays(tmp_path: Path) -> None:
+    """A dead host or daemon, again and again before the next checkpoint: never a reason to stop (only
+    job.max_restarts or the budget are); the first relaunch is at once, repeats wait longer and longer."""
+    clock = [0.0]
+    died = ("Failed", "InternalServerError: the job's supervisor process died")
+    killed = ("Failed", "AlgorithmError: training process killed by signal SIGKILL (exit code 137)")
+    plays = [Play([died], reaches=0), Play([killed], reaches=0), Play([died], reaches=0), Play([died], reaches=0)]
+    plays += [Play([killed], reaches=20), Play([died], reaches=20), Play()]
+    backend = ScriptedBackend(plays, clock)
+    delays: list[float] = []
+    sup = supervisor(tmp_path, backend, clock, backoff_seconds=[30.0, 600.0])  # (polls sleep 60 s)
+    sup.sleep = lambda s: (delays.append(s), clock.__setitem__(0, clock[0] + s))  # type: ignore[func-returns-value]
+    attempts = sup.run_to_completion()
+    assert [a.action for a in attempts] == ["resume", "backoff", "backoff", "backoff", "resume", "resume", "done"]
+    assert [a.failure_class for a in attempts] == ["platform"] * 6 + [None]
+    assert [d for d in delays if d != 60.0] == [30.0, 600.0, 600.0]  # an attempt that gained steps resets them
+    with pytest.raises(RestartsExhausted):
+        plays = [Play([died], reaches=0) for _ in range(5)]
+        supervisor(tmp_path / "again", ScriptedBackend(plays, clock), clock, max_restarts=3).run_to_completion()
+
+
+@pytest.mark.parametrize("rule", [*FAILURE_RULES, UNKNOWN], ids=lambda r: r.category)
+def test_each_failure_rule_takes_its_example(rule: FailureRule) -> None:
+    decision = classify_reason(rule.example)
+    assert (decision.category, decision.failure_class, decision.action) == (
+        rule.category,
+        rule.failure_class,
+        rule.action,
+    )
+
+
+def test_the_readme_states_the_retry_rules_by_failure_class() -> None:
+    """README "When a job fails": a row per failure class, naming the categories the rules put in it."""
+    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    section = readme.split("### When a job fails", 1)[1].split("\n#", 1)[0]
+    rows = {line.split("|")[1].strip().strip("*"): line for line in section.splitlines() if line.startswith("| **")}
+    assert set(rows) == {c.value for c in FailureClass}
+    for rule in [*FAILURE_RULES, UNKNOWN]:
+        assert f"`{rule.category}`" in rows[rule.failure_class.value], rule.category
 
 
 def test_restart_budget_runs_out(tmp_path: Path) -> None:

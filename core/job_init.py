@@ -1,0 +1,108 @@
+"""PID 1 of a training container: run the container's command, pass a stop's SIGTERM on to the job's ranks.
+
+SageMaker stops a training job (StopTrainingJob, MaxRuntimeInSeconds) by sending SIGTERM to PID 1 of every
+instance's container, then SIGKILL 120 s later
+(https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). The
+SageMaker SDK's container command is a shell, `/bin/bash -c "... sm_train.sh"`, that runs the SDK's torchrun driver,
+which starts torchrun with `subprocess.Popen` (sagemaker/train/container_drivers/common/utils.py,
+`execute_commands`); none of them handles SIGTERM, and the kernel drops any signal sent to a PID namespace's init
+that has no handler for it (pid_namespaces(7)). So the trainer never hears the stop: SIGKILL ends it 120 s later
+and every step since the last checkpoint is lost.
+
+The job request therefore puts this program in front of the SDK's command (`infra.sagemaker_jobs`:
+ContainerEntrypoint `python3 /opt/ml/input/data/code/core/job_init.py /bin/bash`, the SDK's ContainerArguments
+unchanged), and the SDK's scripts run as they are. On SIGTERM it signals the job's ranks (the processes torchrun
+started: LOCAL_RANK in their environment), which checkpoint the step they are in and exit 0, so torchrun, the
+driver and the shell end as after a normal finish. torchrun itself is not signalled: on SIGTERM it stops its
+workers and SIGKILLs them 30 s later (torch.distributed.elastic's shutdown timeout), which a large checkpoint
+outlives. A stop that comes before any rank exists (installing requirements, starting up) is passed to every
+process, so the container ends at once. As PID 1 it also reaps orphaned processes; it exits with the command's code.
+
+Runs by path with the image's python3 and the standard library only: nothing of the project is importable yet.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+RANK_VARIABLE = b"LOCAL_RANK="
+POLL_S = 0.5
+RESCAN_FOR_S = 30.0
+"""After a stop, ranks that appear later (torchrun was starting them) are signalled too, for this long."""
+
+
+def rank_processes() -> list[int]:
+    """Pids of the job's ranks in this container (torchrun sets LOCAL_RANK in each worker's environment)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit() or int(entry) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as fh:
+                environ = fh.read().split(b"\0")
+        except OSError:  # gone, or a kernel thread
+            continue
+        if any(item.startswith(RANK_VARIABLE) for item in environ):
+            found.append(int(entry))
+    return found
+
+
+class Init:
+    def __init__(self, command: list[str]) -> None:
+        self.command = command
+        self.stop_at: float | None = None
+        self.signalled: set[int] = set()
+        self.everyone = False
+
+    def on_stop(self, signum: int, frame: object) -> None:
+        if self.stop_at is None:
+            self.stop_at = time.monotonic()
+            print(f"job_init: {signal.Signals(signum).name}: stopping the job's ranks", flush=True)
+        self.forward()
+
+    def forward(self) -> None:
+        ranks = [pid for pid in rank_processes() if pid not in self.signalled]
+        if not ranks and not self.signalled and not self.everyone:
+            self.everyone = True
+            os.kill(-1, signal.SIGTERM)  # every process but this one: nothing is training yet
+            return
+        for pid in ranks:
+            try:
+                os.kill(pid, signal.SIGTERM)
+            except ProcessLookupError:
+                continue
+            self.signalled.add(pid)
+
+    def run(self) -> int:
+        signal.signal(signal.SIGTERM, self.on_stop)
+        signal.signal(signal.SIGINT, self.on_stop)
+        child = subprocess.Popen(self.command)
+        while True:
+            try:
+                pid, status = os.waitpid(-1, os.WNOHANG)  # any child: orphans are re-parented to PID 1
+            except ChildProcessError:
+                return 0
+            if pid == child.pid:
+                return os.waitstatus_to_exitcode(status) if os.WIFEXITED(status) else 128 + os.WTERMSIG(status)
+            if pid == 0:
+                time.sleep(POLL_S)
+                if self.stop_at is not None and time.monotonic() - self.stop_at < RESCAN_FOR_S:
+                    self.forward()
+
+
+def main(argv: list[str]) -> int:
+    if not argv:
+        print("usage: job_init.py <command> [args...]", file=sys.stderr)
+        return 2
+    if os.getpid() != 1:
+        # Not a container's init (a test, or a launcher that already forwards signals): just be the command.
+        os.execvp(argv[0], argv)
+    return Init(argv).run()
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,286 @@
+"""A multi-host SageMaker training job on this machine: the local backend's emulator of SageMaker's side of a job.
+
+With `job.instance_count` > 1 the local backend runs a job the way SageMaker runs it, from the same
+CreateTrainingJob request the `sagemaker` backend sends (built by the same code, `EmulatedSageMaker`):
+
+- N instances, `algo-1` ... `algo-N`, each a set of Linux namespaces (mount, UTS, PID) of its own: its own
+  `/opt/ml` (input/config/resourceconfig.json, hyperparameters.json, inputdataconfig.json, input/data/<channel>,
+  model/, output/ with the failure file, checkpoints/), its hostname, an /etc/hosts that resolves every algo-N to
+  the loopback, and the container's command (the request's ContainerEntrypoint + ContainerArguments) as PID 1. The
+  SDK's own scripts (sm_train.sh, environment.py, the torchrun driver) run unmodified from the sm_drivers channel
+  and launch torchrun with its --nnodes, --node_rank and master algo-1:7777, over the loopback.
+- Input channels as SageMaker provides them: File mode copied into every instance, FastFile mounted (a link to a
+  local run's folder; downloaded from S3).
+- CheckpointConfig, when a request has one, per instance: the S3 prefix copied into that instance's local folder at
+  start, and what the instance writes, changes or deletes there mirrored back (`job_daemon.CheckpointMirror`).
+  Another instance's files never appear in it.
+- Stopping (StopTrainingJob, max runtime): SIGTERM to each instance's PID 1, SIGKILL after the grace period. A host
+  whose container fails ends the job: the others are killed.
+
+Where the request names S3, the emulator reads the run's storage: s3:// URIs as they are (a moto server in tests),
+and a local run under the bucket `hlat-local`, whose keys are absolute paths of this machine
+(`s3://hlat-local/home/me/runs/tiny` is /home/me/runs/tiny). The SDK's uploads of the source code and its drivers
+go where the request says they are. The local image is the job's Python environment (job.python, or the flow's),
+with what jobs need already installed: the request carries no requirements file.
+
+Needs Linux namespaces (root, or unprivileged user namespaces) and an /opt/ml mount point. Only one multi-host job
+runs at a time on a machine: the SDK fixes the master port (7777).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from hlat.core.config import JobConfig
+from hlat.core.storage import Storage
+from hlat.infra.jobs import JobSpec
+
+LOCAL_BUCKET = "hlat-local"
+"""The bucket a local run's folders appear under in an emulated request: its keys are absolute paths."""
+MASTER_PORT = 7777
+"""SageMaker's master port: the SDK's drivers fix it (container_drivers/scripts/environment.py, SM_MASTER_PORT)."""
+LOCAL_ROLE = "arn:aws:iam::000000000000:role/hlat-local-emulator"
+LOCAL_IMAGE = "hlat-local/job-python:latest"
+VALIDATED_AS = "ml.m5.xlarge"
+"""The SageMaker instance type the 'local' one stands for when a request is checked against the service model."""
+NETWORK_INTERFACE = "lo"
+GROUP_NAME = "homogeneousCluster"
+HOST_SETUP = Path(__file__).with_name("emulated_host.py")
+HOST_ENV = "HLAT_LOCAL_HOST"
+"""Every process of an emulated instance carries its host name here (tests kill one host's processes by it)."""
+
+
+def request_uri(run_uri: str) -> str:
+    """How a run's folder appears in a request: as it is on S3, under LOCAL_BUCKET when local."""
+    if "://" in run_uri:
+        return run_uri.rstrip("/")
+    return f"s3://{LOCAL_BUCKET}{os.path.abspath(run_uri)}"
+
+
+def storage_of(uri: str) -> Storage:
+    """The storage an S3 URI of an emulated request stands for."""
+    prefix = f"s3://{LOCAL_BUCKET}/"
+    if uri.startswith(prefix):
+        return Storage("/" + uri[len(prefix) :].rstrip("/"))
+    return Storage(uri.rstrip("/"))
+
+
+def _store(bucket: str, key: str, data: bytes) -> None:
+    """An upload of the SDK's (source code, drivers), kept where the request will name it."""
+    folder, _, name = f"s3://{bucket}/{key}".rpartition("/")
+    storage_of(folder).write_bytes(name, data)
+
+
+def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[str, Any]:
+    """The CreateTrainingJob request the emulator runs for `spec`, made by the sagemaker backend's own code; the
+    SDK's uploads land in the run's storage (see the module docstring), unless `upload` is off (a dry run)."""
+    from hlat.infra.sagemaker_jobs import OfflineAWS, SageMakerBackend
+
+    class EmulatedSageMaker(SageMakerBackend):
+        """The sagemaker backend with this machine as its image, and no requirements to install on it."""
+
+        @property
+        def training_image(self) -> str:
+            return LOCAL_IMAGE
+
+        def requirements(self, spec: JobSpec) -> str | None:
+            return None
+
+        def config_request(self, spec: JobSpec) -> dict[str, Any]:
+            return _as_validated(super().config_request(spec))
+
+        def _create(self, request: Mapping[str, Any], client: Any = None, stage: str = "train") -> None:
+            super()._create(_as_validated(request), client, stage)
+
+    emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
+    request_spec = replace(spec, run_uri=request_uri(spec.run_uri), image_uri=LOCAL_IMAGE)
+    bucket = request_spec.run_uri.split("/")[2]
+    offline = OfflineAWS(job.region, LOCAL_ROLE, [bucket], store=_store if upload else None)
+    backend = EmulatedSageMaker(emulated, boto_session=offline.session)
+    request = backend._build_request(request_spec, offline.session)
+    backend._create(request, offline.session.client("sagemaker", region_name=job.region), spec.stage)
+    return request
+
+
+def _as_validated(request: Mapping[str, Any]) -> dict[str, Any]:
+    """`request` as the service model should judge it: the 'local' instance type (the emulated hosts) stands for a
+    SageMaker one; every other member is checked as it is."""
+    checked = copy.deepcopy(dict(request))
+    resources = checked.get("ResourceConfig") or {}
+    if resources.get("InstanceType") == "local":
+        resources["InstanceType"] = VALIDATED_AS
+    return checked
+
+
+@cache
+def namespaces_available() -> str | None:
+    """None when this machine can run emulated hosts, else why not (with the fix)."""
+    if sys.platform != "linux" or shutil.which("unshare") is None:
+        return "emulated hosts need Linux and util-linux's unshare"
+    probe = subprocess.run(
+        [*_unshare(), "true"], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True
+    )
+    if probe.returncode != 0:
+        return (
+            f"emulated hosts need Linux namespaces, and unshare failed here ({probe.stderr.strip()}): run as root, "
+            "or enable unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1)"
+        )
+    return None
+
+
+def _unshare() -> list[str]:
+    user = [] if os.geteuid() == 0 else ["--user", "--map-root-user"]
+    return ["unshare", *user, "--mount", "--uts", "--pid", "--fork", "--kill-child", "--mount-proc"]
+
+
+def master_port_free() -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(("", MASTER_PORT))
+        except OSError:
+            return False
+    return True
+
+
+def host_names(request: Mapping[str, Any]) -> list[str]:
+    return [f"algo-{i + 1}" for i in range(int(request["ResourceConfig"]["InstanceCount"]))]
+
+
+@dataclass
+class HostTree:
+    """One emulated instance's folders: `<job dir>/hosts/<name>/opt/ml`."""
+
+    name: str
+    root: str
+
+    @property
+    def ml(self) -> str:
+        return os.path.join(self.root, "opt", "ml")
+
+    def path(self, *parts: str) -> str:
+        return os.path.join(self.ml, *parts)
+
+
+def _write_json(path: str, obj: Any) -> None:
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=2)
+
+
+def prepare_host(request: Mapping[str, Any], host: HostTree, hosts: list[str]) -> int:
+    """Lay out the instance's /opt/ml as SageMaker does before its container starts; the bytes it received."""
+    instance_type = request["ResourceConfig"]["InstanceType"]
+    _write_json(
+        host.path("input", "config", "resourceconfig.json"),
+        {
+            "current_host": host.name,
+            "current_instance_type": instance_type,
+            "current_group_name": GROUP_NAME,
+            "hosts": hosts,
+            "instance_groups": [{"instance_group_name": GROUP_NAME, "instance_type": instance_type, "hosts": hosts}],
+            "network_interface_name": NETWORK_INTERFACE,
+        },
+    )
+    _write_json(host.path("input", "config", "hyperparameters.json"), dict(request.get("HyperParameters") or {}))
+    channels = list(request.get("InputDataConfig") or [])
+    _write_json(
+        host.path("input", "config", "inputdataconfig.json"),
+        {
+            c["ChannelName"]: {
+                "TrainingInputMode": c.get("InputMode", "File"),
+                "S3DistributionType": c["DataSource"]["S3DataSource"].get("S3DataDistributionType", "FullyReplicated"),
+                "RecordWrapperType": "None",
+            }
+            for c in channels
+        },
+    )
+    for folder in ("model", "output/data", "output/tensorboard", "input/data"):
+        os.makedirs(host.path(*folder.split("/")), exist_ok=True)
+    received = 0
+    for channel in channels:
+        source = storage_of(channel["DataSource"]["S3DataSource"]["S3Uri"])
+        target = host.path("input", "data", channel["ChannelName"])
+        if channel.get("InputMode") == "FastFile" and source.is_local:
+            os.symlink(source.path(), target)  # a mount: nothing is copied before the program reads it
+            continue
+        received += copy_tree(source, target)
+    return received
+
+
+def copy_tree(source: Storage, target: str) -> int:
+    """Copy every file under `source` into the local folder `target`; the bytes copied."""
+    os.makedirs(target, exist_ok=True)
+    total = 0
+    for rel in source.walk_files():
+        path = os.path.join(target, rel)
+        source.get_file(rel, path)
+        total += os.path.getsize(path)
+    return total
+
+
+def hosts_file(job_dir: str, hosts: list[str]) -> str:
+    """/etc/hosts of every emulated instance: this machine's, plus each algo-N at the loopback."""
+    path = os.path.join(job_dir, "hosts", "etc-hosts")
+    try:
+        with open("/etc/hosts", encoding="utf-8") as fh:
+            base = fh.read()
+    except OSError:
+        base = "127.0.0.1 localhost\n"
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as fh:
+        fh.write(base.rstrip("\n") + "\n" + "".join(f"127.0.0.1 {h}\n" for h in hosts))
+    return path
+
+
+def container_command(request: Mapping[str, Any]) -> list[str]:
+    algorithm = request["AlgorithmSpecification"]
+    return [*(algorithm.get("ContainerEntrypoint") or []), *(algorithm.get("ContainerArguments") or [])]
+
+
+def container_environment(
+    request: Mapping[str, Any], base: Mapping[str, str], host: str, python: str, processes: int
+) -> dict[str, str]:
+    """The container's environment: the machine's (credentials, endpoints: what an instance role provides), the
+    request's Environment, what SageMaker sets in every training container, and the local image's PATH."""
+    name = str(request["TrainingJobName"])
+    env = {k: v for k, v in base.items() if not k.startswith("SM_")}
+    env.update(request.get("Environment") or {})
+    region = env.get("AWS_REGION", "us-west-2")
+    env.update(
+        {
+            "TRAINING_JOB_NAME": name,
+            "TRAINING_JOB_ARN": f"arn:aws:sagemaker:{region}:000000000000:training-job/{name}",
+            HOST_ENV: host,
+            # The image: the job's Python environment first, so that python3, pip and torchrun are its own.
+            "PATH": os.pathsep.join([os.path.dirname(python), env.get("PATH", os.defpath)]),
+        }
+    )
+    if "OMP_NUM_THREADS" not in env:  # N instances share this machine's cores
+        env["OMP_NUM_THREADS"] = str(max(1, (os.cpu_count() or 1) // processes))
+    return env
+
+
+def host_command(host: HostTree, hosts_path: str, command: list[str]) -> list[str]:
+    return [*_unshare(), sys.executable, str(HOST_SETUP), host.ml, hosts_path, host.name, "--", *command]
+
+
+def init_pid(launcher_pid: int) -> int | None:
+    """The root-namespace pid of an emulated instance's PID 1 (unshare's one child), once it exists."""
+    try:
+        with open(f"/proc/{launcher_pid}/task/{launcher_pid}/children", encoding="utf-8") as fh:
+            children = fh.read().split()
+    except OSError:
+        return None
+    return int(children[0]) if children else None

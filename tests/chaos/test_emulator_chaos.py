@@ -1,0 +1,225 @@
+"""Chaos on two emulated SageMaker hosts: a 2-host x 2-process training on S3 (a moto server) whose hosts, ranks
+and flow are SIGKILLed and whose job is stopped (StopTrainingJob) at random moments must end bitwise equal to an
+uninterrupted run (weights, optimizer state, every step's loss and samples), with one job alive at a time, each
+recorded in the ledger, and nothing left running.
+
+CI runs one event of each kind (`HLAT_CHAOS_EVENTS`, default 4); the long version is the same test with more:
+`HLAT_CHAOS_EVENTS=16 .venv/bin/python -m pytest tests/chaos/test_emulator_chaos.py -s` (its figures are in the
+README)."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage
+from hlat.infra.job_daemon import job_processes
+from hlat.infra.jobs import TERMINAL
+from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.runs import open_run
+from hlat.infra.sagemaker_emulator import HOST_ENV, namespaces_available
+from hlat.infra.supervisor import Ledger
+from hlat.training.checkpoint import CheckpointManager
+from tests.chaos.test_train_stage import ROOT, cli, cli_env
+from tests.conftest import SMALL_DATA
+from tests.integration.conftest import S3Env
+
+pytestmark = pytest.mark.slow
+
+if problem := namespaces_available():
+    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
+        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
+    pytest.skip(problem, allow_module_level=True)
+
+EVENTS = int(os.environ.get("HLAT_CHAOS_EVENTS", "4"))
+STEPS = 30 + 12 * EVENTS
+KINDS = ("host", "rank", "flow", "stop")
+SETS: dict[str, Any] = {
+    **SMALL_DATA,
+    "training.max_steps": STEPS,
+    "training.checkpoint_every": 3,
+    "training.keep_checkpoints": 2,
+    "training.eval_every": 0,
+    "training.warmup_steps": 5,
+    "training.micro_batch_size": 2,
+    "job.instance_count": 2,
+    "job.processes_per_node": 2,
+    "job.backoff_seconds": [1, 2],
+    "job.stop_grace_seconds": 30,
+    "job.max_restarts": 100,
+}
+
+
+def put_run(prepared: Path, root: str, run_id: str) -> Storage:
+    """A run on S3 over the prepared data and tokenizer."""
+    run = open_run(load_config("tiny", SETS, run_id=run_id, storage=root))
+    for stage in ("data", "tokenizer"):
+        for path in sorted((prepared / stage).rglob("*")):
+            if path.is_file():
+                run.storage.put_file(str(path), f"{stage}/{path.relative_to(prepared / stage).as_posix()}")
+    return run.storage
+
+
+def start_flow(tmp_path: Path, root: str, run_id: str) -> subprocess.Popen[bytes]:
+    command = [*cli(tmp_path, run_id, SETS)]
+    command[command.index("--storage") + 1] = root
+    log = (tmp_path / f"{run_id}-flow.log").open("ab")
+    return subprocess.Popen(command, cwd=ROOT, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
+
+
+def history(run: Storage) -> list[tuple[int, float, int]]:
+    rows = [json.loads(line) for line in run.read_bytes("metrics.jsonl").decode().splitlines()]
+    return [(r["step"], r["loss"], r["samples_crc32"]) for r in rows if "samples_crc32" in r]
+
+
+def final_state(run: Storage) -> tuple[int, dict[str, Any]]:
+    manager = CheckpointManager(run.child("checkpoints"), keep_last=1)
+    step = manager.latest_step()
+    assert step is not None
+    shared, _ = manager.load(step)
+    return step, shared
+
+
+def tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
+    if isinstance(tree, torch.Tensor):
+        return {prefix: tree}
+    if isinstance(tree, dict):
+        return {k: v for key, value in tree.items() for k, v in tensors(value, f"{prefix}/{key}").items()}
+    if isinstance(tree, list | tuple):
+        return {k: v for i, value in enumerate(tree) for k, v in tensors(value, f"{prefix}/{i}").items()}
+    return {}
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+def kill_host(job_dir: str, host: str) -> int:
+    """SIGKILL an emulated instance's whole process tree (its namespace launcher, PID 1 and every child)."""
+    pids = [p for p in job_processes(job_dir) if environ_of(p).get(HOST_ENV) == host]
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    return len(pids)
+
+
+def kill_rank(job_dir: str, rng: random.Random) -> int:
+    ranks = [p for p in job_processes(job_dir) if "LOCAL_RANK" in environ_of(p)]
+    if ranks:
+        os.kill(rng.choice(ranks), signal.SIGKILL)
+    return len(ranks)
+
+
+class Chaos:
+    def __init__(self, tmp_path: Path, root: str, run: Storage, run_id: str) -> None:
+        self.tmp_path, self.root, self.run, self.run_id = tmp_path, root, run, run_id
+        self.jobs = Path(os.environ["HLAT_JOBS_DIR"]) / run_id
+        self.backend = LocalBackend(str(self.jobs))
+        self.flow = start_flow(tmp_path, root, run_id)
+        self.most_alive = 0
+
+    def current_job(self) -> str | None:
+        attempts = Ledger(self.run, "train").load() if self.run.exists("jobs/train-attempts.json") else []
+        return attempts[-1].job_name if attempts else None
+
+    def alive_jobs(self) -> int:
+        names = [p.name for p in self.jobs.iterdir() if p.is_dir()] if self.jobs.exists() else []
+        states = [self.backend.describe(n) for n in names]
+        alive = sum(1 for s in states if s is not None and s.status not in TERMINAL)
+        self.most_alive = max(self.most_alive, alive)
+        return alive
+
+    def wait_for_training(self, timeout: float = 300) -> str | None:
+        """The current job, once it has logged a training step (None: the flow ended first)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            self.alive_jobs()
+            name = self.current_job()
+            if name and " loss " in "\n".join(self.backend.logs(name)[0][-50:]):
+                return name
+            if self.flow.poll() is not None:
+                return None
+            time.sleep(0.3)
+        raise TimeoutError(f"no training step within {timeout}s")
+
+    def act(self, kind: str, name: str, rng: random.Random) -> None:
+        job_dir = str(self.jobs / name)
+        if kind == "host":
+            kill_host(job_dir, rng.choice(["algo-1", "algo-2"]))
+        elif kind == "rank":
+            kill_rank(job_dir, rng)
+        elif kind == "stop":
+            self.backend.stop(name)
+        else:  # the flow process: its job runs on, and the restarted flow re-attaches to it
+            self.flow.kill()
+            self.flow.wait()
+            self.flow = start_flow(self.tmp_path, self.root, self.run_id)
+
+    def finish(self, timeout: float = 900) -> int:
+        deadline = time.monotonic() + timeout
+        while self.flow.poll() is None:
+            assert time.monotonic() < deadline, "the flow did not finish"
+            self.alive_jobs()
+            time.sleep(0.5)
+        return self.flow.returncode
+
+
+def test_two_hosts_under_random_kills_and_stops_end_bitwise_equal(
+    prepared: Path, tmp_path: Path, prefect_server: None, s3_env: S3Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("HLAT_JOBS_DIR", str(tmp_path / "jobs"))
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    started = time.monotonic()
+    reference = put_run(prepared, s3_env.url, "reference")
+    flow = start_flow(tmp_path, s3_env.url, "reference")
+    assert flow.wait(timeout=900) == 0, (tmp_path / "reference-flow.log").read_text()[-3000:]
+    reference_s = time.monotonic() - started
+
+    run = put_run(prepared, s3_env.url, "chaos")
+    rng = random.Random(20261125)
+    plan = [KINDS[i % len(KINDS)] for i in range(EVENTS)]
+    rng.shuffle(plan)
+    chaos = Chaos(tmp_path, s3_env.url, run, "chaos")
+    done: list[str] = []
+    for kind in plan:
+        name = chaos.wait_for_training()
+        if name is None:
+            break
+        time.sleep(rng.uniform(0.5, 3.0))
+        chaos.act(kind, name, rng)
+        done.append(kind)
+    assert chaos.finish() == 0, (tmp_path / "chaos-flow.log").read_text()[-3000:]
+
+    attempts = Ledger(run, "train").load()
+    names = [a.job_name for a in attempts]
+    assert len(set(names)) == len(names) and sorted(names) == sorted(p.name for p in chaos.jobs.iterdir())
+    assert chaos.most_alive == 1  # never two jobs of the run at once
+    assert all(job_processes(str(chaos.jobs / n)) == [] for n in names)  # nothing orphaned
+
+    assert history(run) == history(reference)  # every step: same samples, same loss
+    (step, ours), (their_step, theirs) = final_state(run), final_state(reference)
+    assert step == their_step == STEPS
+    ours_t = tensors({k: ours[k] for k in ("model", "optimizer")})
+    theirs_t = tensors({k: theirs[k] for k in ("model", "optimizer")})
+    assert ours_t.keys() == theirs_t.keys()
+    mismatches = [k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k])]
+    assert mismatches == []
+    print(
+        f"\nchaos on 2 emulated hosts: {len(done)} events ({', '.join(done)}), {len(attempts)} jobs "
+        f"({len(attempts) - 1} relaunches: {[a.category for a in attempts[:-1]]}), {STEPS} steps, "
+        f"{len(ours_t)} tensors compared, {len(mismatches)} mismatches; reference {reference_s:.0f} s, "
+        f"chaos run {time.monotonic() - started - reference_s:.0f} s"
+    )
