@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from hlat.core.config import JobConfig
-from hlat.core.storage import Storage
+from hlat.core.storage import Storage, storage_errors
 from hlat.infra.jobs import JobSpec
 
 LOCAL_BUCKET = "hlat-local"
@@ -76,10 +76,19 @@ def storage_of(uri: str) -> Storage:
     return Storage(uri.rstrip("/"))
 
 
-def _store(bucket: str, key: str, data: bytes) -> None:
-    """An upload of the SDK's (source code, drivers), kept where the request will name it."""
-    folder, _, name = f"s3://{bucket}/{key}".rpartition("/")
-    storage_of(folder).write_bytes(name, data)
+def _store_all(uploads: dict[str, bytes]) -> None:
+    """The SDK's uploads (source code, drivers: about 150 small files), written where the request names them; to
+    S3 in one batch of concurrent PUTs (fsspec's pipe): one by one, an object store's latency adds up."""
+    local = {uri: data for uri, data in uploads.items() if storage_of(uri).is_local}
+    for uri, data in local.items():
+        folder, _, name = uri.rpartition("/")
+        storage_of(folder).write_bytes(name, data)
+    remote = {storage_of(uri).path(): data for uri, data in uploads.items() if uri not in local}
+    if remote:
+        any_uri = next(uri for uri in uploads if uri not in local)
+        fs = storage_of(any_uri).fs
+        with storage_errors(any_uri.rsplit("/", 1)[0]):
+            fs.pipe(remote)
 
 
 def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[str, Any]:
@@ -106,10 +115,16 @@ def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[st
     emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
     request_spec = replace(spec, run_uri=request_uri(spec.run_uri), image_uri=LOCAL_IMAGE)
     bucket = request_spec.run_uri.split("/")[2]
-    offline = OfflineAWS(job.region, LOCAL_ROLE, [bucket], store=_store if upload else None)
+    uploads: dict[str, bytes] = {}
+
+    def keep(bucket: str, key: str, data: bytes) -> None:
+        uploads[f"s3://{bucket}/{key}"] = data
+
+    offline = OfflineAWS(job.region, LOCAL_ROLE, [bucket], store=keep if upload else None)
     backend = EmulatedSageMaker(emulated, boto_session=offline.session)
     request = backend._build_request(request_spec, offline.session)
     backend._create(request, offline.session.client("sagemaker", region_name=job.region), spec.stage)
+    _store_all(uploads)
     return request
 
 
@@ -220,14 +235,18 @@ def prepare_host(request: Mapping[str, Any], host: HostTree, hosts: list[str]) -
 
 
 def copy_tree(source: Storage, target: str) -> int:
-    """Copy every file under `source` into the local folder `target`; the bytes copied."""
+    """Copy every file under `source` into the local folder `target` (from S3 in one batch of concurrent GETs);
+    the bytes copied."""
     os.makedirs(target, exist_ok=True)
-    total = 0
-    for rel in source.walk_files():
-        path = os.path.join(target, rel)
-        source.get_file(rel, path)
-        total += os.path.getsize(path)
-    return total
+    files = source.walk_files()
+    paths = [os.path.join(target, rel) for rel in files]
+    if source.is_local:
+        for rel, path in zip(files, paths, strict=True):
+            source.get_file(rel, path)
+    elif files:
+        with storage_errors(source.url):
+            source.fs.get([source.path(rel) for rel in files], paths)
+    return sum(os.path.getsize(path) for path in paths)
 
 
 def hosts_file(job_dir: str, hosts: list[str]) -> str:

@@ -188,6 +188,24 @@ class Trainer:
         )
         return parallel_optimizer(world.nxd, optimizer_class, params, **arguments)
 
+    def _settle_gradient_buckets(self) -> None:
+        """DDP all-reduces the first backward's gradients in one bucket of every parameter in reverse order, and every
+        later backward's in buckets rebuilt in the order the gradients became ready (torch.nn.parallel.distributed).
+        Each element then sits elsewhere in the ring all-reduce and its ranks' values are summed in another order:
+        with more than two ranks a job's first step would differ in the last bits from the step an uninterrupted
+        job took at that point, and a resumed run would drift from it. One throwaway forward and backward on a
+        batch of zeros, its gradients discarded, makes every real step run on the rebuilt buckets."""
+        from torch.nn.parallel import DistributedDataParallel
+
+        if not isinstance(self.wrapped, DistributedDataParallel):
+            return
+        t = self.cfg.training
+        tokens = torch.zeros((t.micro_batch_size, t.seq_len), dtype=torch.long, device=self.world.device)
+        doc_ids = torch.zeros_like(tokens) if t.document_masking else None
+        with self.autocast():
+            self.wrapped(tokens, doc_ids).float().sum().backward()
+        self.model.zero_grad(set_to_none=True)
+
     def _loader(self, split: str) -> PackedLoader:
         t = self.cfg.training
         return PackedLoader(
@@ -376,6 +394,8 @@ class Trainer:
             self.cfg.preset, self.model.num_params(), self.cfg.precision.mode, self.world.world_size,
             t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len, self.world.device.type,
         )  # fmt: skip
+        # After the compile cache is loaded (train.py): the throwaway step compiles what the first step would.
+        self._settle_gradient_buckets()
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
         first_step = self.step
         since, since_step, nonfinite_seen = time.perf_counter(), self.step, 0

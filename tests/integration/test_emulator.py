@@ -206,3 +206,51 @@ def test_burn_in_runs_on_both_hosts_and_writes_from_each(prepared: Path, tmp_pat
     assert [rows[r]["host"] for r in range(4)] == ["algo-1", "algo-1", "algo-2", "algo-2"]
     assert [rows[r]["write_mbps"] is not None for r in range(4)] == [True, False, True, False]
     assert report["job"] == spec.name
+
+
+def test_precompile_on_both_hosts_feeds_the_training_on_both_hosts(prepared: Path, tmp_path: Path) -> None:
+    """torch.compile's cache, built by a precompile job of two instances into the run's compile-cache/, is read by
+    the training job's ranks on both instances, as every node reads it from S3 on SageMaker."""
+    run = make_run(
+        prepared, tmp_path, "compiled", compile=True, max_steps=3, eval_every=0, checkpoint_every=100,
+        **{"job.instance_count": 2, "job.processes_per_node": 1, "micro_batch_size": 4},
+    )  # fmt: skip
+    backend = LocalBackend(str(run / "jobs"), stop_grace_seconds=GRACE_S)
+    spec = spec_for(
+        run, name=f"{run.name}-precompile-1", instance_count=2, stage="precompile", entry="hlat.training.precompile"
+    )
+    backend.submit(spec)
+    state = wait(backend, spec.name, timeout=600)
+    assert state.status == Status.COMPLETED, log_text(backend, spec.name)
+    assert "[algo-1] precompile: 3 steps traced" in log_text(backend, spec.name)
+    assert (run / "compile-cache" / "latest.json").exists()
+    train_spec = spec_for(run, instance_count=2)
+    backend.submit(train_spec)
+    state = wait(backend, train_spec.name, timeout=600)
+    assert state.status == Status.COMPLETED, log_text(backend, train_spec.name)
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])
+    assert first["compile_cache"] == "hit", first
+
+
+def test_the_tiny_dag_runs_on_two_emulated_hosts_and_is_cached_on_rerun(
+    prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
+) -> None:
+    """`hlat pretrain --preset tiny --set job.instance_count=2 --set job.processes_per_node=2 ...`, in process:
+    burn-in and training on two emulated hosts (prepare-data and evaluation stay one-instance jobs)."""
+    from hlat.flows.pretrain import hlat
+
+    overrides = {**small_run, **{f"job.{k}": v for k, v in (("instance_count", 2), ("processes_per_node", 2))}}
+    overrides["training.micro_batch_size"] = 2
+    first = hlat(preset="tiny", overrides=overrides, storage=str(tmp_path))
+    run = tmp_path / first["run_id"]
+    jobs = run / "jobs"
+    for stage in ("burn-in", "train"):
+        assert (jobs / f"{first['run_id']}-{stage}-1" / "hosts" / "algo-2" / "opt" / "ml").is_dir(), stage
+    assert json.loads((run / "burn-in" / "report.json").read_text())["hosts"] == ["algo-1", "algo-2"]
+    assert (run / "checkpoints" / step_dir(12) / CHECKPOINT_MARKER).exists()
+    assert (run / "eval" / "results.json").is_file()
+    listing = sorted(p.name for p in jobs.iterdir())
+
+    second = hlat(preset="tiny", overrides=overrides, storage=str(tmp_path))
+    assert second["run_id"] == first["run_id"]
+    assert sorted(p.name for p in jobs.iterdir()) == listing  # no job was launched again: every stage cached
