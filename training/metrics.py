@@ -1,7 +1,7 @@
 """Per-step metrics: one JSON line per record in `<run>/metrics.jsonl`, and TensorBoard scalars.
 
 Only rank 0 writes. On local storage lines are appended as they come; on S3 (no appends) they are buffered
-and the object is rewritten at each flush (every checkpoint and at exit). A resumed job first drops the
+and the object is rewritten at each flush (before every checkpoint is saved, and at exit). A resumed job first drops the
 lines past the step it resumes from, so the file always describes one consistent history.
 """
 

@@ -502,6 +502,9 @@ class Trainer:
         return {"model": model, "optimizer": optimizer}
 
     def save_checkpoint(self, step: int) -> None:
+        # The metrics first: a job killed between a commit and a later flush would resume past lines that never
+        # reached an object store (S3 has no appends: metrics.jsonl is rewritten at each flush).
+        self.metrics.flush()
         zero1 = self.cfg.parallelism.zero1
         shared: dict[str, Any] = {
             "step": step,
@@ -519,7 +522,6 @@ class Trainer:
             (mine if zero1 else shared)["optimizer"] = self.optimizer.state_dict()
             self.ckpt.save(step, shared, mine)
         self.saved_step = step
-        self.metrics.flush()
 
     def _held_out_loss(self, chunk: list[DeviceBatch]) -> torch.Tensor:
         if self.world.pp_size > 1:  # averaged over the micro-batches and the data-parallel group, on every stage
