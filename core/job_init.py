@@ -29,14 +29,16 @@ import subprocess
 import sys
 import time
 
-RANK_VARIABLE = b"LOCAL_RANK="
+RANK_VARIABLE = "LOCAL_RANK"
 POLL_S = 0.5
 RESCAN_FOR_S = 30.0
 """After a stop, ranks that appear later (torchrun was starting them) are signalled too, for this long."""
 
 
-def rank_processes() -> list[int]:
-    """Pids of the job's ranks in this container (torchrun sets LOCAL_RANK in each worker's environment)."""
+def processes_with(variable: str, value: str | None = None) -> list[int]:
+    """Pids of the processes (but this one) whose environment sets `variable` (to `value`, when given): how a
+    launcher finds processes that a session of their own or a dead parent hides from the process tree."""
+    wanted = f"{variable}={value}".encode() if value is not None else f"{variable}=".encode()
     found = []
     for entry in os.listdir("/proc"):
         if not entry.isdigit() or int(entry) == os.getpid():
@@ -44,11 +46,16 @@ def rank_processes() -> list[int]:
         try:
             with open(f"/proc/{entry}/environ", "rb") as fh:
                 environ = fh.read().split(b"\0")
-        except OSError:  # gone, or a kernel thread
+        except OSError:  # gone, a kernel thread, or not ours to read
             continue
-        if any(item.startswith(RANK_VARIABLE) for item in environ):
+        if any(item == wanted if value is not None else item.startswith(wanted) for item in environ):
             found.append(int(entry))
     return found
+
+
+def rank_processes() -> list[int]:
+    """Pids of the job's ranks in this container (torchrun sets LOCAL_RANK in each worker's environment)."""
+    return processes_with(RANK_VARIABLE)
 
 
 class Init:

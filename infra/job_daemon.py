@@ -38,6 +38,7 @@ from typing import Any
 
 from hlat.core.contract import EXIT_NAN
 from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
+from hlat.core.job_init import processes_with
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
 from hlat.infra import sagemaker_emulator
@@ -117,18 +118,7 @@ def training_command(spec: JobSpec) -> list[str]:
 
 def job_processes(job_dir: str) -> list[int]:
     """Pids of the job's live training processes (all ranks, orphaned or not), found by their environment."""
-    marker = f"{JOB_DIR_ENV}={job_dir}".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit() or int(entry) == os.getpid():
-            continue
-        try:
-            with open(f"/proc/{entry}/environ", "rb") as fh:
-                if marker in fh.read().split(b"\0"):
-                    found.append(int(entry))
-        except OSError:  # gone, or not ours to read
-            continue
-    return found
+    return processes_with(JOB_DIR_ENV, job_dir)
 
 
 def signal_job(job_dir: str, sig: signal.Signals) -> list[int]:
