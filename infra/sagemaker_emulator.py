@@ -268,13 +268,21 @@ def container_command(request: Mapping[str, Any]) -> list[str]:
     return [*(algorithm.get("ContainerEntrypoint") or []), *(algorithm.get("ContainerArguments") or [])]
 
 
+PASSED_ON = ("AWS_", "HLAT_", "HF_", "OMP_", "MKL_", "TORCH", "GLOO_", "NCCL_", "PJRT_", "XLA_", "NEURON_", "LC_")
+"""Of this machine's environment, what an emulated container gets (besides PATH, HOME, LANG, TMPDIR, USER, TZ):
+credentials and endpoints (what an instance role provides on SageMaker), the project's own switches, thread and
+device settings. Nothing else: the SDK's environment.py logs every variable, masking only names with KEY, TOKEN,
+SECRET, PASSWORD..., and a job's log reaches the flow's."""
+
+
 def container_environment(
     request: Mapping[str, Any], base: Mapping[str, str], host: str, python: str, processes: int
 ) -> dict[str, str]:
-    """The container's environment: the machine's (credentials, endpoints: what an instance role provides), the
-    request's Environment, what SageMaker sets in every training container, and the local image's PATH."""
+    """The container's environment: the machine's credentials and settings (PASSED_ON), the request's
+    Environment, what SageMaker sets in every training container, and the local image's PATH."""
     name = str(request["TrainingJobName"])
-    env = {k: v for k, v in base.items() if not k.startswith("SM_")}
+    plain = {"PATH", "HOME", "LANG", "TMPDIR", "USER", "TZ"}
+    env = {k: v for k, v in base.items() if k in plain or k.startswith(PASSED_ON)}
     env.update(request.get("Environment") or {})
     region = env.get("AWS_REGION", "us-west-2")
     env.update(

@@ -34,6 +34,7 @@ if problem := namespaces_available():
 
 TWO_HOSTS = {"job.instance_count": 2, "job.processes_per_node": 2, "micro_batch_size": 2}
 GRACE_S = 15.0
+UNRELATED = "MY_DATABASE_PASS"
 
 
 def two_host_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
@@ -59,7 +60,12 @@ def finished(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[
     run = two_host_run(prepared, root, "two-hosts", max_steps=6, checkpoint_every=3)
     backend = LocalBackend(str(run / "jobs"), stop_grace_seconds=GRACE_S)
     spec = two_host_spec(run)
-    backend.submit(spec)
+    # Something of this machine's that is no job's business: the SDK's environment.py logs every variable.
+    os.environ[UNRELATED] = "hunter2"
+    try:
+        backend.submit(spec)
+    finally:
+        del os.environ[UNRELATED]
     state = wait(backend, spec.name)
     assert state.status == Status.COMPLETED, log_text(backend, spec.name)
     return backend, run, spec
@@ -90,6 +96,7 @@ def test_each_host_has_its_own_opt_ml_and_torchrun_is_launched_by_the_sdks_drive
         assert f"[{host}] SM_CURRENT_HOST={host}" in log
         # Our init is PID 1 in front of the SDK's shell
         assert "python3 /opt/ml/input/data/code/core/job_init.py /bin/bash -c chmod +x" in log
+    assert UNRELATED not in log and "hunter2" not in log  # the container gets credentials and settings, not all
     # The four ranks trained together and rank 0 committed checkpoints whose files came from both hosts.
     meta = json.loads((run / "checkpoints" / step_dir(6) / "meta.json").read_text())
     assert meta["world_size"] == 4
