@@ -45,7 +45,7 @@ if problem := namespaces_available():
     pytest.skip(problem, allow_module_level=True)
 
 EVENTS = int(os.environ.get("HLAT_CHAOS_EVENTS", "4"))
-STEPS = 40 + 10 * EVENTS
+STEPS = 24 + 8 * EVENTS
 KINDS = ("host", "rank", "flow", "stop")
 SETS: dict[str, Any] = {
     **SMALL_DATA,

@@ -88,8 +88,9 @@ def test_two_gloo_ranks_match_one_rank(prepared: Path, tmp_path: Path) -> None:
     assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
     for name, tensor in one["model"].items():
         # Summation order differs (gloo's all-reduce vs one rank's accumulation) and Adam divides by sqrt(v): after 3
-        # steps single elements of the embedding differ by ~1e-6 (1.3e-6 seen, at weights of ~0.015).
-        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=3e-6, msg=name)
+        # steps single elements of the embedding (rows of tokens seen once, whose v is tiny) differ by a few 1e-6,
+        # depending on the machine's kernels (1.3e-6 seen on one machine, 3.8e-6 in 1 of 65,536 on another).
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=1e-5, msg=name)
     # and training did move the weights
     assert not torch.equal(one["model"]["embed.weight"], load_initial(prepared)["embed.weight"])
 
