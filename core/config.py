@@ -260,8 +260,10 @@ class TrainingConfig(Section):
     """Most recent checkpoints kept."""
     keep_every: int | None = Field(None, ge=1)
     """Also keep every checkpoint whose step is a multiple of this, permanently (None: none)."""
-    async_checkpoint: bool = False
-    """Write checkpoints in the background; the loop blocks only while state is staged."""
+    async_checkpoint: bool = True
+    """Write checkpoints in the background: the loop blocks only while the state is copied to host memory (which
+    then holds one copy of this rank's state between saves); FSDP2's through torch.distributed.checkpoint's
+    async_save. False: the loop waits until each checkpoint is committed."""
     commit_timeout_s: float = Field(600.0, gt=0)
     """How long rank 0 waits for every rank's checkpoint files to appear in storage before it gives up on a
     commit (the job then fails and is relaunched from the previous checkpoint)."""
@@ -471,7 +473,7 @@ OPERATIONAL_JOB_FIELDS = frozenset(
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
 
-OPERATIONAL_TRAINING_FIELDS = frozenset({"commit_timeout_s"})
+OPERATIONAL_TRAINING_FIELDS = frozenset({"commit_timeout_s", "async_checkpoint"})
 """Training settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
 
 OPERATIONAL_DATA_FIELDS = frozenset(
@@ -695,11 +697,6 @@ class HlatConfig(Section):
                 self.precision.mode == "bf16-sr",
                 "precision.mode=bf16-sr (a BF16 model; FSDP2 keeps FP32 master weights)",
                 "use precision.mode=bf16-mixed",
-            ),
-            (
-                self.training.async_checkpoint,
-                "training.async_checkpoint (sharded checkpoints are written by every rank, synchronously)",
-                "set training.async_checkpoint=false",
             ),
         ]
         for bad, what, fix in refused:

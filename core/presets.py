@@ -194,7 +194,6 @@ PRESETS: dict[str, HlatConfig] = {
             seq_len=4096,
             checkpoint_every=300,
             keep_checkpoints=3,
-            async_checkpoint=True,
         ),
         precision=PrecisionConfig(mode="bf16-mixed"),
         # HLAT 70B's launch script: HLAT 7B's compiler and runtime settings (the NeuronConfig defaults) plus these.

@@ -33,7 +33,16 @@ import torch.nn.functional as F
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, write_failure
 from hlat.core.storage import Storage
-from hlat.training.checkpoint import CheckpointManager, capture_rng_state, restore_rng_state
+from hlat.training.checkpoint import (
+    CheckpointFormat,
+    CheckpointManager,
+    Distributed,
+    ModelParallel,
+    Unsharded,
+    Zero1,
+    rank_state,
+    restore_rank_state,
+)
 from hlat.training.data import PackedLoader
 from hlat.training.devices import memory_gb, peak_flops
 from hlat.training.distributed import World
@@ -140,6 +149,7 @@ class Trainer:
         self.optimizer = self._optimizer()
         self.scheduler = build_scheduler(self.optimizer, cfg.training)
         self.loader = self._loader("train")
+        self.format = self._checkpoint_format()
         self.ckpt = CheckpointManager(
             self.checkpoints,
             keep_last=cfg.training.keep_checkpoints,
@@ -149,8 +159,8 @@ class Trainer:
             barrier=world.barrier,
             async_save=cfg.training.async_checkpoint,
             commit_timeout_s=cfg.training.commit_timeout_s,
-            distributed=self.fsdp,
-            **self._shard_layout(),
+            stage_in_background=True,  # the state is copied while the next step runs: see _update
+            **self.format.layout,
         )
         self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
         self.step = 0
@@ -220,20 +230,25 @@ class Trainer:
             document_masking=t.document_masking,
         )
 
-    def _shard_layout(self) -> dict[str, Any]:
-        """A split model is checkpointed as one shard per (TP, PP) position, written by its first data-parallel
-        replica; every rank writes its own loader and RNG state."""
+    def _checkpoint_format(self) -> CheckpointFormat:
+        """Where this job's model and optimizer go in a checkpoint: FSDP2's shards through DCP; under NxD, one shard
+        file per (TP, PP) position, written by its first data-parallel replica (the optimizer states in the rank
+        files under ZeRO-1); otherwise one shared file."""
         world = self.world
+        if self.fsdp:
+            return Distributed(self.model, self.optimizer)
         if world.nxd is None:
-            return {}
+            return Unsharded(self.model, self.optimizer)
         from hlat.training.neuron import shard_name, shard_names
 
         at = {"tp_rank": world.tp_rank, "pp_rank": world.pp_rank}
-        return {
+        layout = {
             "shard": shard_name(at),
             "shard_writer": world.dp_rank == 0,
             "shards": shard_names(world.tp_size, world.pp_size),
         }
+        kind = Zero1 if self.cfg.parallelism.zero1 else ModelParallel
+        return kind(self.model, self.optimizer, layout, self.model_state, self.load_model_state)
 
     def model_state(self) -> dict[str, Any]:
         """This rank's model state: its pipeline stage's parameters (original names) and its TP slices."""
@@ -292,22 +307,8 @@ class Trainer:
             log.info("no complete checkpoint under %s: starting from scratch", self.checkpoints.url)
             self.metrics.resume_at(0)
             return 0
-        shared, mine = self.ckpt.load(step)
-        if self.fsdp:  # each rank reads its shards of the model and optimizer states (a collective)
-            from torch.distributed.checkpoint.state_dict import set_state_dict
-
-            state = self._distributed_state()
-            self.ckpt.load_distributed(step, state)
-            set_state_dict(
-                self.model, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"]
-            )
-        else:
-            self.load_model_state(shared["model"])
-            # ZeRO-1's optimizer states are sharded over the data-parallel ranks: each rank keeps its own.
-            self.optimizer.load_state_dict(mine["optimizer"] if self.cfg.parallelism.zero1 else shared["optimizer"])
-        self.scheduler.load_state_dict(shared["scheduler"])
-        self.loader.load_state_dict(mine["loader"])
-        restore_rng_state(mine["rng"])
+        shared, mine = self.format.load(self.ckpt, step)
+        self._restore(shared, mine)
         self.step = self.saved_step = int(shared["step"])
         self.tally = StepTally(self.world.device, self.step)
         self.metrics.resume_at(self.step)
@@ -359,6 +360,9 @@ class Trainer:
 
     def _update(self, loss_mean: torch.Tensor, crc: int) -> dict[str, Any]:
         """The optimizer step after the gradients of `loss_mean` (the step's loss, averaged over every rank)."""
+        # An async checkpoint copies the weights and optimizer states while this step's forward and backward ran:
+        # the optimizer may change them once the copy is made.
+        self.ckpt.wait_staged()
         skip = self.cfg.training.nan_policy == "skip"
         if self.world.nxd is None:
             reduce_gradients(self.model, self.world)
@@ -494,34 +498,29 @@ class Trainer:
         instance_type = self.cfg.job.instance_type
         periodic_health_check(self.world, b.health_allreduce_mb, b.thresholds.get(instance_type), step, instance_type)
 
-    def _distributed_state(self) -> dict[str, Any]:
-        """FSDP2: this rank's shards of the model and optimizer states, keyed by parameter name (DTensors)."""
-        from torch.distributed.checkpoint.state_dict import get_state_dict
-
-        model, optimizer = get_state_dict(self.model, self.optimizer)
-        return {"model": model, "optimizer": optimizer}
-
     def save_checkpoint(self, step: int) -> None:
         # The metrics first: a job killed between a commit and a later flush would resume past lines that never
         # reached an object store (S3 has no appends: metrics.jsonl is rewritten at each flush).
         self.metrics.flush()
-        zero1 = self.cfg.parallelism.zero1
-        shared: dict[str, Any] = {
+        self.format.save(self.ckpt, step, self._shared_state(step), self._rank_state())
+        self.saved_step = step
+
+    def _shared_state(self, step: int) -> dict[str, Any]:
+        """What every rank holds alike besides the model and optimizer."""
+        return {
             "step": step,
             "scheduler": self.scheduler.state_dict(),
             "config_fingerprint": self.cfg.fingerprint(),
             "config": self.cfg.model_dump(mode="json"),
         }
+
+    def _rank_state(self) -> dict[str, Any]:
         # The state after the last batch a step consumed: the device loader may have fetched more.
-        loader_state = self._loader_state if self._loader_state is not None else self.loader.state_dict()
-        mine: dict[str, Any] = {"loader": loader_state, "rng": capture_rng_state()}
-        if self.fsdp:  # model and optimizer shards through torch.distributed.checkpoint
-            self.ckpt.save(step, shared, mine, distributed_state=self._distributed_state())
-        else:
-            shared["model"] = self.model_state()
-            (mine if zero1 else shared)["optimizer"] = self.optimizer.state_dict()
-            self.ckpt.save(step, shared, mine)
-        self.saved_step = step
+        return rank_state(self._loader_state if self._loader_state is not None else self.loader.state_dict())
+
+    def _restore(self, shared: dict[str, Any], mine: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(shared["scheduler"])
+        restore_rank_state(mine, self.loader)
 
     def _held_out_loss(self, chunk: list[DeviceBatch]) -> torch.Tensor:
         if self.world.pp_size > 1:  # averaged over the micro-batches and the data-parallel group, on every stage

@@ -152,7 +152,5 @@ def test_fsdp_refuses_what_it_cannot_combine_with() -> None:
 
     with pytest.raises(ConfigError, match=r"parallelism\.fsdp does not combine with parallelism\.zero1"):
         load_config("tiny", {"parallelism.fsdp": True, "parallelism.zero1": True})
-    with pytest.raises(ConfigError, match=r"set training\.async_checkpoint=false"):
-        load_config("tiny", {"parallelism.fsdp": True, "training.async_checkpoint": True})
     with pytest.raises(ConfigError, match=r"use precision\.mode=bf16-mixed"):
         load_config("tiny", {"parallelism.fsdp": True, "precision.mode": "bf16-sr"})

@@ -571,6 +571,61 @@ def test_async_saves_refill_their_buffers_only_after_the_previous_write(tmp_path
         assert shared["w"].eq(float(step)).all() and mine["step"].item() == step
 
 
+def test_staging_in_the_background_copies_before_wait_staged_returns(tmp_path: Path) -> None:
+    store = SpyStorage(str(tmp_path))
+    store.gate = threading.Event()  # the writes wait: the copy alone is between save() and wait_staged()
+    manager = CheckpointManager(store, keep_last=5, async_save=True, stage_in_background=True)
+    w = torch.zeros(1 << 16)
+    manager.save(1, {"w": w}, {"pos": torch.tensor(1)})
+    manager.wait_staged()  # the trainer's wait before its optimizer step
+    w.fill_(7.0)  # the optimizer step: after the copy, so not in the checkpoint
+    assert store.writes == []
+    store.gate.set()
+    manager.wait()
+    manager.save(2, {"w": w}, {"pos": torch.tensor(2)})  # the previous buffers, refilled
+    manager.close()
+    assert manager.load(1)[0]["w"].eq(0.0).all() and manager.load(2)[0]["w"].eq(7.0).all()
+    with pytest.raises(ValueError, match="needs reuse"):
+        stage_to_cpu({"w": w}, defer=True)
+
+
+def test_checkpoint_files_carry_no_record_crc32_and_the_setting_is_put_back(tmp_path: Path) -> None:
+    import zipfile
+
+    import torch.utils.serialization
+
+    manager = CheckpointManager(Storage(str(tmp_path)), keep_last=1)
+    manager.save(1, {"w": torch.arange(1000.0)}, {})
+    with zipfile.ZipFile(tmp_path / step_dir(1) / SHARED_FILE) as archive:
+        assert {info.CRC for info in archive.infolist()} == {0}  # torch skipped the pass; sha256 covers the bytes
+    assert torch.utils.serialization.config.save.compute_crc32 is True
+    assert torch.equal(manager.load(1)[0]["w"], torch.arange(1000.0))
+
+
+def test_formats_put_the_model_and_optimizer_where_their_layout_says(tmp_path: Path) -> None:
+    from hlat.training.checkpoint import ModelParallel, Unsharded, Zero1
+
+    model, opt, _ = tiny_training()
+    shared, mine = {"step": 3}, {"pos": 1}
+    unsharded = CheckpointManager(Storage(str(tmp_path / "u")), keep_last=1)
+    Unsharded(model, opt).save(unsharded, 3, shared, mine)
+    full, own = unsharded.load(3)
+    assert set(full) == {"step", "model", "optimizer"} and own == mine
+    layout = {"shard": "tp00-pp00", "shard_writer": True, "shards": ["tp00-pp00"]}
+    for kind, optimizer_in in ((ModelParallel, "shared"), (Zero1, "rank")):
+        fmt = kind(model, opt, layout, model.state_dict, model.load_state_dict)
+        manager = CheckpointManager(Storage(str(tmp_path / kind.__name__)), keep_last=1, **fmt.layout)
+        fmt.save(manager, 3, shared, mine)
+        got_shared, got_mine = manager.load(3)
+        where = ("optimizer" in got_shared, "optimizer" in got_mine)
+        assert where == (optimizer_in == "shared", optimizer_in == "rank")
+        with torch.no_grad():
+            for p in model.parameters():
+                p.zero_()
+        fmt.load(manager, 3)  # the model comes back from the shard file
+        assert_same(full["model"], model.state_dict())
+
+
 # -- sharded checkpoints (tensor/pipeline parallel) -----------------------------------------------------------
 
 TP_SHARDS = ("tp00", "tp01")

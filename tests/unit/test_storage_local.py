@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 from pathlib import Path
 
@@ -186,3 +187,29 @@ def test_translate_error_keeps_unknown_errors() -> None:
     assert translate_error(error, "s3://bkt/runs/x") is error
     path_error = IsADirectoryError(21, "Is a directory", "bkt/runs/InternalError-503")
     assert translate_error(path_error, "s3://bkt/runs/InternalError-503") is path_error
+
+
+def test_a_large_atomic_write_starts_its_writeback_as_it_goes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import sys
+
+    from hlat.core import storage
+
+    if sys.platform.startswith("linux"):
+        assert storage._SYNC_FILE_RANGE is not None  # libc's sync_file_range was found
+    calls: list[tuple[int, int]] = []
+
+    def record(fd: int, offset: int, nbytes: int, flags: int) -> int:
+        assert flags == storage._SYNC_FILE_RANGE_WRITE
+        calls.append((offset, nbytes))
+        return 0
+
+    monkeypatch.setattr(storage, "_SYNC_FILE_RANGE", record)
+    monkeypatch.setattr(storage, "_WRITEBACK_EVERY", 1000)
+    chunk = bytes(range(256)) * 3  # 768 bytes a write
+    with Storage(str(tmp_path)).atomic_writer("big.bin") as out:
+        for _ in range(10):
+            out.write(chunk)
+    assert (tmp_path / "big.bin").read_bytes() == chunk * 10
+    # every ~1000 bytes the range written since the last call, in order, without gaps
+    assert calls[0][0] == 0 and all(a + n == b for (a, n), (b, _) in itertools.pairwise(calls))
+    assert len(calls) == 5 and sum(n for _, n in calls) == 7680

@@ -130,6 +130,7 @@ def test_a_checkpoint_reaches_the_host_in_one_transfer_and_resumes_on_the_device
     xla.wait()
     before = xla.counters()
     trainer.save_checkpoint(trainer.step + 1)  # model, optimizer (FP32 masters and moments), RNG: all at once
+    trainer.ckpt.wait()  # an async save (the default): staged inside save(), committed in the background
     xla.wait()
     assert xla.counters()["transfers_to_host"] - before["transfers_to_host"] == 1
     shared, mine = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=2).load(5)

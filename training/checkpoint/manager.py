@@ -1,0 +1,475 @@
+"""The commit protocol and retention: `CheckpointManager` saves, commits, finds, loads and prunes the checkpoints of
+one rank of a run. What goes into which file is the format's (formats.py); how one file is written and read is
+serialization.py's; FSDP2's DCP files are dcp.py's.
+
+Protocol: every rank writes its rank file (the shared state's writer, its train_state.pt or shard file first; under
+FSDP2, DCP's files before both), then rank 0 waits for the others (the `barrier`, and then polling the storage
+until every expected file is visible, up to `commit_timeout_s`), lists the folder to record the sizes in meta.json,
+and writes COMMITTED. The storage is the run's own (a local folder or an S3 prefix every host writes to directly),
+so every host sees every file and rank 0 can commit what ranks on other hosts wrote. A crash at any point leaves
+either a folder without the marker or a complete checkpoint; only folders with the marker count, and
+`latest_step` also checks the marker against meta.json and every listed file's size (a truncated or missing file
+skips the checkpoint with a warning). Deleting removes the marker first, so a half-deleted folder never looks
+complete. Rank 0 re-saving a step whose folder already exists (a previous attempt reached it, then the job resumed
+from an earlier step) first removes that stale marker and meta.json.
+
+Retention (rank 0, after each commit): the newest `keep_last` complete checkpoints, plus every complete one whose
+step is a multiple of `keep_every`, forever; older complete ones and marker-less folders older than the newest
+complete checkpoint are deleted, whatever files they hold. Newer marker-less folders are left alone: with async
+saves another rank may already be writing the next checkpoint.
+
+Async saves (`async_save=True`): `save` copies the state to CPU tensors (the only part that blocks the training
+loop) and a background thread writes it. The copies go into the buffers of the previous save when the shapes match
+(refilling memory already touched is several times faster than allocating it afresh), so an async manager keeps
+one CPU copy of its state between saves; `close()` frees it. A later `save` or `wait()` first waits for the pending
+one and re-raises its error as `CheckpointError`. The background thread never calls `barrier`: a collective issued
+from a second thread can deadlock against the loop's own (NCCL, gloo); rank 0 relies on polling the storage for the
+other ranks' files instead, so give it a generous `commit_timeout_s`. FSDP2's async saves go through DCP's own
+(dcp.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import re
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import datetime, timezone
+from typing import Any
+
+from hlat.core.layout import CHECKPOINT_MARKER as MARKER
+from hlat.core.layout import CHECKPOINT_META as META
+from hlat.core.layout import CheckpointError, CheckpointIndex, shard_file, step_dir
+from hlat.core.storage import Storage
+from hlat.training.checkpoint import dcp
+from hlat.training.checkpoint.serialization import (
+    StagingBuffers,
+    check_loadable,
+    read_state,
+    stage_to_cpu,
+    write_state,
+)
+
+log = logging.getLogger("hlat.training.checkpoint")
+
+FORMAT_VERSION = 1
+SHARED_FILE = "train_state.pt"
+# Shard names become file names (model-<shard>.pt) and must not look like anything else in the folder.
+_SHARD_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,99}")
+
+State = dict[str, Any]
+
+
+def rank_file(rank: int) -> str:
+    return f"rank-{rank:05d}.pt"
+
+
+def _no_barrier() -> None:
+    return None
+
+
+class CheckpointManager(CheckpointIndex):
+    """Saves, finds, loads and prunes checkpoints for one rank of a run (see the module docstring); finding is
+    `CheckpointIndex`'s (core/layout.py, no torch)."""
+
+    def __init__(
+        self,
+        storage: Storage,
+        keep_last: int,
+        keep_every: int | None = None,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Callable[[], None] = _no_barrier,
+        async_save: bool = False,
+        fingerprint: str | None = None,
+        commit_timeout_s: float = 600.0,
+        shard: str | None = None,
+        shard_writer: bool = False,
+        shards: Sequence[str] = (),
+        distributed: bool = False,
+        stage_in_background: bool = False,
+    ) -> None:
+        """`shard`: this rank's model-state shard (e.g. "tp01-pp00"), None for an unsharded checkpoint (rank 0
+        writes train_state.pt); `shard_writer`: whether this rank writes that shard (one data-parallel replica per
+        shard does); `shards`: every shard name the checkpoint holds (the same on every rank); `distributed`: the
+        model and optimizer states go through torch.distributed.checkpoint (FSDP2), see the module docstring;
+        `stage_in_background` (async saves): the copies of CPU tensors are made by the writer thread, and the caller
+        leaves its tensors unchanged until `wait_staged()` returns (the trainer: before the next optimizer step)."""
+        if distributed and shard is not None:
+            raise ValueError("distributed (DCP) checkpoints hold no per-shard files: pass no shard")
+        if keep_last < 1:
+            raise ValueError(f"keep_last must be at least 1, got {keep_last}")
+        if keep_every is not None and keep_every < 1:
+            raise ValueError(f"keep_every must be at least 1 or None, got {keep_every}")
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is outside world_size {world_size}")
+        if isinstance(shards, str):  # a lone name would be taken letter by letter
+            raise ValueError(f"shards must be a list of shard names, got the string {shards!r}")
+        shards = tuple(shards)
+        if shard is None:
+            if shards or shard_writer:
+                raise ValueError(
+                    "shards and shard_writer describe a sharded checkpoint: also pass this rank's shard name "
+                    "(shard=...), or neither for an unsharded one"
+                )
+        else:
+            for name in shards:
+                if not isinstance(name, str) or not _SHARD_NAME.fullmatch(name):
+                    raise ValueError(
+                        f"shard name {name!r} must be letters, digits, '.', '_' or '-' (it names a file), "
+                        "e.g. 'tp01-pp00'"
+                    )
+            if len(set(shards)) != len(shards):
+                raise ValueError(f"shard names must be distinct, got {list(shards)}")
+            if shard not in shards:
+                raise ValueError(f"this rank's shard {shard!r} is not among shards={list(shards)}")
+            if len(shards) > world_size:
+                raise ValueError(f"{len(shards)} shards need at least as many ranks to write them, not {world_size}")
+        self.storage = storage
+        self.keep_last = keep_last
+        self.keep_every = keep_every
+        self.rank = rank
+        self.world_size = world_size
+        self.barrier = barrier
+        self.async_save = async_save
+        self.fingerprint = fingerprint
+        self.commit_timeout_s = commit_timeout_s
+        self.shard = shard
+        self.shard_writer = shard_writer
+        self.shards = tuple(sorted(shards))
+        self.distributed = distributed
+        self.stage_in_background = stage_in_background
+        self._staged = threading.Event()
+        self._staged.set()
+        # This rank's shared-state file: the one it loads, and writes when it is that file's writer.
+        self._shared_file = SHARED_FILE if shard is None else shard_file(shard)
+        self._writes_shared = rank == 0 if shard is None else shard_writer
+        self._staging = (StagingBuffers(), StagingBuffers())  # shared, rank state (async saves)
+        self._executor: ThreadPoolExecutor | None = None
+        self._pending: Future[None] | None = None
+        self._pending_step: int | None = None
+        self._lock = threading.Lock()
+        self.bytes_read = 0
+        """Bytes this rank has read from checkpoint files (what a resume costs it)."""
+        self._dcp = dcp.DistributedWriter(storage, asynchronous=async_save) if distributed else None
+
+    def __repr__(self) -> str:
+        sharding = f", shard={self.shard!r}" if self.shard is not None else ""
+        return f"CheckpointManager({self.storage.url!r}, rank={self.rank}/{self.world_size}{sharding})"
+
+    # -- saving ------------------------------------------------------------------------------------------
+    def save(
+        self,
+        step: int,
+        shared_state: Mapping[str, Any] | None,
+        rank_state: Mapping[str, Any],
+        distributed_state: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Checkpoint `step`: every rank calls this with its own rank_state; shared_state is used by the rank that
+        writes it (unsharded: rank 0; sharded: each shard's writer) and ignored elsewhere (pass None there);
+        distributed_state (a manager made with distributed=True: every rank, its DTensor state dict) goes through
+        torch.distributed.checkpoint. Synchronous unless async_save (then: stage, return, write later)."""
+        if step < 0:
+            raise ValueError(f"step must be >= 0, got {step}")
+        if (distributed_state is not None) != self.distributed:
+            raise ValueError(
+                "pass distributed_state exactly when the manager was made with distributed=True "
+                f"(distributed={self.distributed})"
+            )
+        if self._writes_shared and shared_state is None:
+            raise ValueError(
+                f"rank {self.rank} writes {self._shared_file}: it must pass the shared state (model, optimizer, ...) "
+                "to save()"
+            )
+        shared = shared_state if self._writes_shared else None
+        if shared is not None:
+            check_loadable(shared, "shared_state")
+        check_loadable(rank_state, "rank_state")
+        self.wait()
+        distributed_writes: Future[Any] | None = None
+        if distributed_state is not None:
+            self._clear_stale_marker(step)
+            self.barrier()  # no rank writes the new files while the old marker may still be there
+            assert self._dcp is not None
+            distributed_writes = self._dcp.save(step, distributed_state)
+        if not self.async_save:
+            staged = stage_to_cpu(shared, copy=False) if shared is not None else None
+            self._write(step, staged, stage_to_cpu(rank_state, copy=False), use_barrier=True)
+            return
+        # The only part that blocks the loop: CPU copies the loop may not change under the writer's feet, into the
+        # previous save's buffers (wait() above: its writer is done with them).
+        # With stage_in_background, the CPU tensors' copies are left to the writer thread (see wait_staged).
+        defer = self.stage_in_background
+        staged_shared = stage_to_cpu(shared, reuse=self._staging[0], defer=defer) if shared is not None else None
+        staged_rank = stage_to_cpu(rank_state, reuse=self._staging[1], defer=defer)
+        with self._lock:
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ckpt-rank{self.rank}")
+            self._pending_step = step
+            self._staged.clear()
+            self._pending = self._executor.submit(
+                self._stage_then_write, step, staged_shared, staged_rank, distributed_writes
+            )
+
+    def _stage_then_write(
+        self, step: int, shared: Any, rank_state: Any, distributed_writes: Future[Any] | None
+    ) -> None:
+        try:
+            for buffers in self._staging:
+                buffers.fill()
+        finally:
+            self._staged.set()
+        self._write(step, shared, rank_state, False, distributed_writes)
+
+    def wait_staged(self) -> None:
+        """Block until a pending async save has its copy of the state: from then on the caller may change the
+        tensors it passed (a failed copy is raised by the next `save` or `wait`)."""
+        self._staged.wait()
+
+    def wait(self) -> None:
+        """Block until a pending async save has finished; re-raise its error as CheckpointError."""
+        with self._lock:
+            pending, step = self._pending, self._pending_step
+            self._pending, self._pending_step = None, None
+        if pending is None:
+            return
+        try:
+            pending.result()
+        except CheckpointError:
+            raise
+        except Exception as exc:
+            raise CheckpointError(
+                f"background save of {self.storage.uri(step_dir(step or 0))} failed: {type(exc).__name__}: {exc}"
+            ) from exc
+
+    def close(self) -> None:
+        """Wait for a pending save, then stop the background thread and free the staging buffers."""
+        try:
+            self.wait()
+        finally:
+            if self._executor is not None:
+                self._executor.shutdown(wait=True)
+                self._executor = None
+            for buffers in self._staging:
+                buffers.clear()
+            if self._dcp is not None:
+                self._dcp.close()
+
+    def _clear_stale_marker(self, step: int) -> None:
+        """Rank 0: a folder left by an earlier attempt at this step must not vouch for the new files."""
+        if self.rank == 0:
+            self.storage.remove(f"{step_dir(step)}/{MARKER}")
+            self.storage.remove(f"{step_dir(step)}/{META}")
+
+    def _write(
+        self,
+        step: int,
+        shared: Any,
+        rank_state: Any,
+        use_barrier: bool,
+        distributed_writes: Future[Any] | None = None,
+    ) -> None:
+        folder = step_dir(step)
+        started = time.monotonic()
+        known: dict[str, dict[str, Any]] = {}
+        if distributed_writes is not None:
+            distributed_writes.result()  # DCP's files first: rank 0's marks every rank's complete
+        elif not self.distributed:
+            self._clear_stale_marker(step)
+        if shared is not None:
+            known[self._shared_file] = write_state(self.storage, f"{folder}/{self._shared_file}", shared)
+        known[rank_file(self.rank)] = write_state(self.storage, f"{folder}/{rank_file(self.rank)}", rank_state)
+        if use_barrier:
+            self.barrier()
+        if self.rank != 0:
+            return
+        sizes = self._wait_for_files(folder)
+        files = {name: {"size": sizes[name], "sha256": known.get(name, {}).get("sha256")} for name in sorted(sizes)}
+        for name, info in known.items():
+            if files[name]["size"] != info["size"]:
+                raise CheckpointError(
+                    f"{self.storage.uri(folder, name)} is {files[name]['size']} bytes after writing {info['size']}"
+                )
+        fingerprint = self.fingerprint
+        if fingerprint is None and isinstance(shared, Mapping):
+            fingerprint = shared.get("config_fingerprint")
+        meta = {
+            "format": FORMAT_VERSION,
+            "step": step,
+            "world_size": self.world_size,
+            "time": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            "fingerprint": fingerprint,
+            "files": files,
+        }
+        if self.shard is not None:
+            meta["shards"] = list(self.shards)
+        if self.distributed:
+            meta["distributed"] = True
+        meta_bytes = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+        self.storage.write_bytes(f"{folder}/{META}", meta_bytes)
+        marker = {"step": step, "meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}
+        self.storage.write_bytes(f"{folder}/{MARKER}", (json.dumps(marker, sort_keys=True) + "\n").encode())
+        log.info("checkpoint %s committed in %.1fs", self.storage.uri(folder), time.monotonic() - started)
+        try:
+            self.prune(newest=step)
+        except Exception as exc:  # the checkpoint is safe; a failed clean-up must not stop training
+            log.warning("could not prune old checkpoints under %s: %s", self.storage.url, exc)
+
+    def _expected_files(self, listed: Mapping[str, int]) -> list[str]:
+        shared = [SHARED_FILE] if self.shard is None else [shard_file(s) for s in self.shards]
+        distributed = dcp.expected_files(listed) if self.distributed else []
+        return [*shared, *(rank_file(r) for r in range(self.world_size)), *distributed]
+
+    # -- torch.distributed.checkpoint (FSDP2) ------------------------------------------------------------
+    def load_distributed(self, step: int, state: dict[str, Any]) -> None:
+        """Fill `state` (this rank's DTensor state dict, as FSDP2's get_state_dict gives it) in place from the
+        distributed files of committed checkpoint `step`; every rank calls it (a collective)."""
+        dcp.load(self.storage, step, self.read_meta(step), state)
+
+    def load_distributed_full(self, step: int) -> State:
+        """The distributed state of committed checkpoint `step` consolidated into plain CPU tensors (every shard
+        gathered: what export reads), without a process group."""
+        return dcp.load_full(self.storage, step, self.read_meta(step))
+
+    def _wait_for_files(self, folder: str) -> dict[str, int]:
+        """Sizes of the checkpoint's files once all are visible; CheckpointError after commit_timeout_s."""
+        deadline = time.monotonic() + self.commit_timeout_s
+        delay = 0.05
+        while True:
+            listed = self._file_sizes(folder)
+            expected = self._expected_files(listed)
+            missing = [name for name in expected if name not in listed]
+            if not missing:
+                return {name: listed[name] for name in expected}
+            if time.monotonic() >= deadline:
+                shown = ", ".join(missing[:5]) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+                writers = ""
+                if self.shard is not None and any(name.startswith("model-") for name in missing):
+                    writers = "; each shard needs one rank with shard_writer=True that passes its shared state"
+                raise CheckpointError(
+                    f"not committing {self.storage.uri(folder)}: {shown} missing after "
+                    f"{self.commit_timeout_s:g}s; every rank must call save({int(folder[5:])}, ...){writers}"
+                )
+            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, 2.0)
+
+    # -- loading -----------------------------------------------------------------------------------------
+    def load(self, step: int) -> tuple[State, State]:
+        """(shared state, this rank's rank_state) of checkpoint `step`, as CPU tensors. The shared state is the
+        unsharded train_state.pt, or this rank's own shard (data-parallel replicas read the same one)."""
+        folder = step_dir(step)
+        meta = self.read_meta(step)
+        theirs = _shard_list(meta)
+        mine_shards = list(self.shards) if self.shard is not None else None
+        if meta["world_size"] != self.world_size or theirs != mine_shards:
+            why = []
+            if meta["world_size"] != self.world_size:
+                why.append("per-rank state (data-loader positions, RNG) cannot be reassigned")
+            if theirs != mine_shards:
+                why.append(
+                    "each rank resumes from its own model shard, so the model-parallel layout must match "
+                    "(load_shards reads every shard, to consolidate and re-split)"
+                )
+            raise CheckpointError(
+                f"checkpoint {self.storage.uri(folder)} was written by {_ranks(meta['world_size'])} with "
+                f"{_describe_layout(theirs)}, this job has {_ranks(self.world_size)} with "
+                f"{_describe_layout(mine_shards)}: {'; '.join(why)}"
+            )
+        shared = self._read(folder, self._shared_file, meta)
+        mine = self._read(folder, rank_file(self.rank), meta)
+        return shared, mine
+
+    def load_shared(self, step: int) -> State:
+        """The shared state (model, optimizer, step, config...) of unsharded checkpoint `step` alone, whatever
+        world size wrote it: what export and evaluation read."""
+        folder = step_dir(step)
+        meta = self.read_meta(step)
+        shards = _shard_list(meta)
+        if shards is not None:
+            raise CheckpointError(
+                f"checkpoint {self.storage.uri(folder)} is sharded ({_describe_layout(shards)}): it has no single "
+                f"shared state; read every shard with load_shards({step}) and put them together "
+                "(training.sharding.consolidate)"
+            )
+        return self._read(folder, SHARED_FILE, meta)
+
+    def load_shards(self, step: int) -> dict[str, State]:
+        """Every shard's state of sharded checkpoint `step`, by shard name, whatever layout wrote it: what an
+        exporter consolidates (all of them in memory at once)."""
+        folder = step_dir(step)
+        meta = self.read_meta(step)
+        shards = _shard_list(meta)
+        if shards is None:
+            raise CheckpointError(
+                f"checkpoint {self.storage.uri(folder)} is not sharded: read its shared state with load_shared({step})"
+            )
+        return {name: self._read(folder, shard_file(name), meta) for name in shards}
+
+    def shard_names(self, step: int) -> list[str]:
+        """The shard names of checkpoint `step`, from its meta.json ([] for an unsharded checkpoint)."""
+        return _shard_list(self.read_meta(step)) or []
+
+    def _read(self, folder: str, name: str, meta: Mapping[str, Any]) -> State:
+        state, size = read_state(self.storage, f"{folder}/{name}", meta["files"].get(name))
+        self.bytes_read += size
+        return state
+
+    # -- retention ---------------------------------------------------------------------------------------
+    def prune(self, newest: int | None = None) -> list[int]:
+        """Delete what retention does not keep (rank 0 only; see the module docstring); return the steps
+        deleted. `newest` is the checkpoint just committed (default: the newest committed one)."""
+        if self.rank != 0:
+            return []
+        steps = self.all_steps()
+        committed = [s for s in steps if self.storage.exists(f"{step_dir(s)}/{MARKER}")]
+        if not committed:
+            return []
+        doomed = retention(steps, committed, self.keep_last, self.keep_every, newest)
+        for step in doomed:
+            self.delete(step)
+        return doomed
+
+    def delete(self, step: int) -> None:
+        """Delete a checkpoint folder, its marker first (a half-deleted folder must not look complete)."""
+        folder = step_dir(step)
+        self.storage.remove(f"{folder}/{MARKER}")
+        self.storage.remove(folder, recursive=True)
+        log.info("deleted checkpoint %s", self.storage.uri(folder))
+
+
+def _shard_list(meta: Mapping[str, Any]) -> list[str] | None:
+    """The shard names a checkpoint's meta.json records (None: unsharded, as every checkpoint before sharding)."""
+    shards = meta.get("shards")
+    return sorted(str(name) for name in shards) if shards is not None else None
+
+
+def _describe_layout(shards: list[str] | None) -> str:
+    if shards is None:
+        return f"one shared {SHARED_FILE}"
+    shown = ", ".join(shards[:6]) + (f" and {len(shards) - 6} more" if len(shards) > 6 else "")
+    return f"{len(shards)} shard{'s' if len(shards) != 1 else ''} ({shown})"
+
+
+def _ranks(n: int) -> str:
+    return f"{n} rank{'s' if n != 1 else ''}"
+
+
+def retention(
+    steps: Sequence[int], committed: Sequence[int], keep_last: int, keep_every: int | None, newest: int | None
+) -> list[int]:
+    """The steps to delete, ascending: complete checkpoints beyond the newest `keep_last` (except multiples of
+    `keep_every`), and incomplete folders older than `newest` (default: the newest complete checkpoint)."""
+    if not committed:
+        return []
+    committed = sorted(committed)
+    newest = committed[-1] if newest is None else newest
+    keep = set(committed[-keep_last:])
+    if keep_every:
+        keep.update(s for s in committed if s % keep_every == 0)
+    doomed = {s for s in committed if s not in keep}
+    doomed.update(s for s in steps if s not in committed and s < newest)
+    return sorted(doomed)
