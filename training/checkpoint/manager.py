@@ -355,7 +355,7 @@ class CheckpointManager(CheckpointIndex):
                     f"{self.commit_timeout_s:g}s; every rank must call save({int(folder[5:])}, ...){writers}"
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 2.0)
+            delay = min(delay * 2, 0.5)
 
     # -- loading -----------------------------------------------------------------------------------------
     def load(self, step: int) -> tuple[State, State]:
