@@ -8,8 +8,9 @@ Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia
 
 Each trn1 preset's token budget (training.max_steps x global batch x sequence) follows one named source, recorded
 in TOKEN_BUDGETS: the steps and the batch come from the same training run, never a step count of one and a batch of
-another. The published trn1 throughput runs (FACTS.md) set only the layout (TP, PP, nodes); the planner lays its
-calibration runs out with their own batches.
+another. The published trn1 throughput runs (AWS ML blog, "Frugality meets Accuracy: Cost-efficient training of GPT
+NeoX and Pythia models with AWS Trainium", infra/planner.py's CALIBRATION_RUNS) set only the layout (TP, PP, nodes);
+the planner lays its calibration runs out with their own batches.
 
 The Neuron compiler and runtime settings of the trn1 jobs (`neuron`) default to HLAT 7B's launch script; hlat-7b,
 pythia-6.9b and neox-20b keep them (like HLAT 7B they train in pure BF16 with stochastic rounding at TP 8);

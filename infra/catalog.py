@@ -2,11 +2,13 @@
 the parallelism planner.
 
 Prices are on-demand dollars per node-hour (EC2 figures; SageMaker's `ml.` rates differ): trn1.32xlarge about $21.50
-and p4d.24xlarge $32.77 from FACTS.md, p5.48xlarge $98.32 (see its entry). A run's `job.price_per_hour_usd`
+(https://aws.amazon.com/ec2/instance-types/trn1/) and p4d.24xlarge $32.77 (https://aws.amazon.com/ec2/pricing/on-demand/),
+p5.48xlarge $98.32 (see its entry). A run's `job.price_per_hour_usd`
 overrides the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved
 or negotiated rates, other instance types).
 `estimate_mfu` is the model-FLOPs utilisation assumed when estimating time to train before anything has run: for
-trn1 it is derived from the published GPT-NeoX 20B and Pythia 6.9B throughput in FACTS.md (212 seq/s x 2048
+trn1 it is derived from the published GPT-NeoX 20B and Pythia 6.9B throughput (AWS ML blog, "Frugality meets
+Accuracy", see infra/planner.py's CALIBRATION_RUNS: 212 seq/s x 2048
 tokens on 64 nodes: 6 x 20.6B x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 6.9B on 4 nodes: 25%).
 `topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
 """
@@ -91,7 +93,7 @@ class Topology:
 
 # trn1.32xlarge, from the AWS Neuron documentation (Trainium and Trn1/Trn1n architecture pages, read 2026): 16
 # Trainium chips of 2 NeuronCore-v2 each; 190 BF16 / 47.5 FP32 TFLOP/s and 32 GiB HBM per chip (512 GB per node, as
-# in FACTS.md: 16 GiB per NeuronCore); NeuronLink-v2 384 GiB/s per chip (2D torus); EFA 800 Gbit/s per node.
+# 16 GiB per NeuronCore); NeuronLink-v2 384 GiB/s per chip (2D torus); EFA 800 Gbit/s per node.
 TRN1_TOPOLOGY = Topology(
     kind="neuron",
     devices_per_node=16,
@@ -103,7 +105,8 @@ TRN1_TOPOLOGY = Topology(
     efa_gbit_per_s=800,
 )
 
-# p4d.24xlarge: 8 x A100 40GB (FACTS.md). NVIDIA A100 datasheet: 312 TFLOP/s dense BF16, 19.5 FP32, NVLink 600 GB/s
+# p4d.24xlarge: 8 x A100 40GB (https://aws.amazon.com/ec2/instance-types/p4/). NVIDIA A100 datasheet: 312 TFLOP/s
+# dense BF16, 19.5 FP32, NVLink 600 GB/s
 # per GPU; EC2 Capacity Blocks pricing page: 400 Gbit/s EFA. Comparison MFU 0.42 is an assumption: Korthikanti et al.
 # 2022 (arXiv 2205.05198, abstract) report 42.1% MFU with full recomputation and 54.2% with selective recomputation
 # for a 530B GPT on A100s; 7-70B models on 40 GB A100s are taken at the lower figure.
@@ -159,7 +162,8 @@ CATALOG: dict[str, Instance] = {
         # $98.32/h: EC2 on-demand list price of p5.48xlarge (us-east-1) as quoted by computespec.pages.dev ("Cloud GPU
         # Pricing Explained") and disintermediate.global ("How GPU Cloud Pricing Works", Q1 2026), read in 2026. AWS
         # cut P5 on-demand prices by up to 45% in June 2025 (usage.ai, "LLM Cost Optimization on AWS"), so this is the
-        # list price comparable with FACTS' trn1/p4d figures, not today's bill: set planner.prices_usd_per_hour.
+        # list price comparable with the trn1/p4d on-demand figures above, not today's bill: set
+        # planner.prices_usd_per_hour.
         # No time estimate for our models either (MFU 0), as for p4d.
         Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, 0.0, P5_TOPOLOGY),
         # CPU instances for the prepare-data job: SageMaker training on-demand prices, us-east-1, as recalled here

@@ -24,12 +24,13 @@ V = vocabulary, m = B / (d x b) micro-batches per step for a global batch of B s
   with ZeRO-1, reduce-scatter of gradients + all-gather of weights) inside the node over NeuronLink, then across
   nodes over EFA carrying the gradients a node holds.
 - Calibration: two free parameters, the compute efficiency and the per-step overhead, solved exactly from two rows
-  of the published Pythia 6.9B / GPT-NeoX 20B trn1 table in FACTS.md (`CALIBRATION_RUNS`: Pythia on 4 nodes, NeoX
+  of the published Pythia 6.9B / GPT-NeoX 20B trn1 table (`CALIBRATION_RUNS`, with its source: Pythia on 4 nodes, NeoX
   on 64); the other five rows are predictions (`check_published`). The step time is linear in 1/efficiency and in
   the overhead, so two rows give a 2x2 linear system. EFA and NeuronLink are taken at their specified bandwidths
   (no derating: whatever a real collective loses is in the fitted overhead and efficiency).
 
-Constants come from FACTS.md, `infra.catalog` (each with its public source), or say they are assumptions.
+Constants come from the HLAT paper (arXiv 2404.10630), the trn1 runs above, `infra.catalog` (each with its public
+source), or say they are assumptions.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ class StateBytes:
 
 # Rajbhandari et al. 2020 (ZeRO, arXiv 1910.02054) count mixed-precision Adam as 2 + 2 + 12 bytes per parameter (BF16
 # weights and gradients; FP32 master weights, momentum and variance). HLAT's pure BF16 with stochastic rounding keeps
-# no master copy and BF16 moments (FACTS.md: "optimizer states BF16"): 2 + 2 + 4. FP32 keeps everything in FP32.
+# no master copy and BF16 moments (HLAT, arXiv 2404.10630: "optimizer states BF16"): 2 + 2 + 4. FP32 keeps everything
+# in FP32.
 STATE_BYTES: dict[str, StateBytes] = {
     "bf16-sr": StateBytes(weights=2, grads=2, optimizer=4),
     "bf16-mixed": StateBytes(weights=2, grads=2, optimizer=12),
@@ -91,12 +93,15 @@ LOGIT_BYTES = 4
 TP_COLLECTIVES_PER_LAYER = 8
 TP_RECOMPUTE_COLLECTIVES = 4
 
-# Published trn1 throughput (FACTS.md: AWS Neuron NeMo runs, trn1.32xlarge, sequence 2048, $7.59 3-year reserved
-# node-hour). Assumption: the runs used AWS's public example scripts (aws-neuron/neuronx-nemo-megatron,
+# Published trn1 throughput (AWS ML blog, "Frugality meets Accuracy: Cost-efficient training of GPT NeoX and
+# Pythia models with AWS Trainium", https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-
+# efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/ : Neuron NeMo runs, trn1.32xlarge, sequence
+# 2048, $7.59 3-year reserved node-hour). Assumption: the runs used AWS's public example scripts
+# (aws-neuron/neuronx-nemo-megatron,
 # nemo/examples/nlp/language_modeling/pythia_6.9B_slurm.sh and neox_20b.sh), which train in BF16 with stochastic
 # rounding, sequence parallelism, full activation checkpointing ('uniform', 1 layer), no ZeRO, micro-batch 2 (Pythia)
-# and 1 (NeoX); `published_config` lays the presets out that way, with FACTS' global batches. The presets' SwiGLU MLPs
-# of 2/3 width have the GeLU MLPs' parameter count, so the FLOPs per token are the same.
+# and 1 (NeoX); `published_config` lays the presets out that way, with the post's global batches. The presets' SwiGLU
+# MLPs of 2/3 width have the GeLU MLPs' parameter count, so the FLOPs per token are the same.
 PUBLISHED_PRICE_PER_NODE_HOUR = 7.59
 
 

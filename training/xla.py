@@ -5,11 +5,13 @@ torch-xla exists in the Neuron training container (with torch-neuronx: the Neuro
 here is imported unless the job runs on the XLA device (`training.device=xla`, or `auto` inside a Neuron
 container), so CPU and CUDA jobs never need torch-xla.
 
-What an XLA training loop must respect (NEURON.md): the step is traced lazily and compiled into one graph per
-optimizer step, cut by `mark_step()`; reading a device tensor on the host (`float(t)`, `.item()`, `.cpu()`)
-cuts the graph and waits for the device, so the loop reads its scalars only at its sync points, in one batched
-transfer (`to_host`); collectives take device tensors (`all_reduce`); activation checkpointing needs torch-xla's
-own checkpoint; batches reach the device from a background thread (`device_loader`).
+What an XLA training loop must respect (PyTorch/XLA's "Lazy tensor" and "Troubleshooting" docs,
+https://pytorch.org/xla/; Neuron's training developer guide, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/
+frameworks/torch/torch-neuronx/programming-guide/training/pytorch-neuron-programming-guide.html): the step is traced
+lazily and compiled into one graph per optimizer step, cut by `mark_step()`; reading a device tensor on the host
+(`float(t)`, `.item()`, `.cpu()`) cuts the graph and waits for the device, so the loop reads its scalars only at its
+sync points, in one batched transfer (`to_host`); collectives take device tensors (`all_reduce`); activation
+checkpointing needs torch-xla's own checkpoint; batches reach the device from a background thread (`device_loader`).
 """
 
 from __future__ import annotations

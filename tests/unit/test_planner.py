@@ -123,7 +123,7 @@ def test_calibration_reproduces_its_two_rows_and_predicts_the_others_within_15_p
         assert c.error == pytest.approx(0, abs=1e-9), c.run.label
     for c in checks:
         assert abs(c.error) <= MAX_ERROR, f"{c.run.label}: predicted {c.predicted_seq_per_s:.1f} seq/s ({c.error:+.1%})"
-        # tokens/$ at FACTS' $7.59 reserved node-hour follows from the throughput the same way
+        # tokens/$ at the post's $7.59 reserved node-hour follows from the throughput the same way
         assert c.predicted_tokens_per_usd / c.run.tokens_per_usd - 1 == pytest.approx(c.error, abs=1e-3)
 
 
