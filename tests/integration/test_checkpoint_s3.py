@@ -1,4 +1,4 @@
-"""Checkpoints (training/checkpoint.py) on a real moto S3 server over HTTP (fixtures in conftest.py)."""
+"""Checkpoints (training/checkpoint/) on a real moto S3 server over HTTP (fixtures in conftest.py)."""
 
 from __future__ import annotations
 

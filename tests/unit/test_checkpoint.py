@@ -1,4 +1,4 @@
-"""Atomic per-rank checkpoints (training/checkpoint.py) on a local `Storage`; tests/integration has the S3 ones."""
+"""Atomic per-rank checkpoints (training/checkpoint/) on a local `Storage`; tests/integration has the S3 ones."""
 
 from __future__ import annotations
 

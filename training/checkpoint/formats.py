@@ -48,36 +48,24 @@ class CheckpointFormat(ABC):
 
 
 class Unsharded(CheckpointFormat):
-    def save(self, manager: CheckpointManager, step: int, shared: State, mine: State) -> None:
-        full = {**shared, "model": self.model.state_dict(), "optimizer": self.optimizer.state_dict()}
-        manager.save(step, full, mine)
-
-    def load(self, manager: CheckpointManager, step: int) -> tuple[State, State]:
-        shared, mine = manager.load(step)
-        self.model.load_state_dict(shared["model"])
-        self.optimizer.load_state_dict(shared["optimizer"])
-        return shared, mine
-
-
-class ModelParallel(CheckpointFormat):
-    """NxD's tensor and pipeline parallelism. `model_state` / `load_model_state` read and fill this rank's part of
-    the model (a pipeline stage's parameters under their original names, its TP slices)."""
+    """The model and optimizer states in the shared file. `model_state` / `load_model_state` read and fill this
+    rank's part of the model (default: the whole module's state dict)."""
 
     def __init__(
         self,
         model: nn.Module,
         optimizer: Any,
-        layout: dict[str, Any],
-        model_state: Callable[[], State],
-        load_model_state: Callable[[State], Any],
+        layout: dict[str, Any] | None = None,
+        model_state: Callable[[], State] | None = None,
+        load_model_state: Callable[[State], Any] | None = None,
     ) -> None:
         super().__init__(model, optimizer)
-        self.layout = layout
-        self._model_state = model_state
-        self._load_model_state = load_model_state
+        self.layout = dict(layout or {})
+        self._model_state = model_state or model.state_dict
+        self._load_model_state = load_model_state or model.load_state_dict
 
     def _optimizer_files(self, shared: State, mine: State) -> State:
-        """The state the optimizer's state goes with: the shard's (every data-parallel replica holds it whole)."""
+        """The state the optimizer's state goes with: the shared one (every data-parallel replica holds it whole)."""
         return shared
 
     def save(self, manager: CheckpointManager, step: int, shared: State, mine: State) -> None:
@@ -91,6 +79,21 @@ class ModelParallel(CheckpointFormat):
         self._load_model_state(shared["model"])
         self.optimizer.load_state_dict(self._optimizer_files(shared, mine)["optimizer"])
         return shared, mine
+
+
+class ModelParallel(Unsharded):
+    """NxD's tensor and pipeline parallelism: this rank's part of the model (a pipeline stage's parameters under their
+    original names, its TP slices) in its shard's file, as `layout` names it (shard, shard_writer, shards)."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        optimizer: Any,
+        layout: dict[str, Any],
+        model_state: Callable[[], State],
+        load_model_state: Callable[[State], Any],
+    ) -> None:
+        super().__init__(model, optimizer, layout, model_state, load_model_state)
 
 
 class Zero1(ModelParallel):
