@@ -301,8 +301,10 @@ class Trainer:
             )
 
     def resume(self) -> int:
-        """Load the newest complete checkpoint, if any; return the step to continue from."""
+        """Load the newest complete checkpoint, if any; return the step to continue from. What an earlier attempt
+        left past it is deleted first (CheckpointManager.discard_after)."""
         step = self.ckpt.latest_step()
+        self.ckpt.discard_after(step)
         if step is None:
             log.info("no complete checkpoint under %s: starting from scratch", self.checkpoints.url)
             self.metrics.resume_at(0)

@@ -436,6 +436,51 @@ def test_async_rank_zero_waits_for_the_other_ranks_files(tmp_path: Path) -> None
     rank1.close()
 
 
+def test_the_async_writer_runs_its_torch_ops_on_one_thread(tmp_path: Path) -> None:
+    """A second OpenMP team as large as the loop's would slow every later training step (see
+    one_intra_op_thread); the loop's own thread count is left alone."""
+    seen: list[int] = []
+
+    class Watching(SpyStorage):
+        def _before_write(self, rel: str) -> None:
+            seen.append(torch.get_num_threads())
+
+    before = torch.get_num_threads()
+    manager = CheckpointManager(Watching(str(tmp_path)), keep_last=1, async_save=True)
+    manager.save(1, {"w": torch.ones(2)}, {})
+    manager.close()
+    assert seen and set(seen) == {1}
+    assert torch.get_num_threads() == before
+
+
+def test_a_resumed_job_discards_what_an_earlier_attempt_left_past_its_step(tmp_path: Path) -> None:
+    """An attempt reached step 8's files and died before the commit; the next resumes from 4. Without the
+    discard, rank 0's async save of step 8 would see the old rank-00001.pt, commit its size, and leave a
+    checkpoint whose file rank 1 then replaces (what CI once caught as 'N bytes, M were written')."""
+    store = Storage(str(tmp_path))
+    first = [CheckpointManager(store, keep_last=3, rank=r, world_size=2) for r in (1, 0)]
+    for manager in first:  # rank 1 first: the barrier is a no-op here
+        manager.save(4, {"w": torch.ones(2)} if manager.rank == 0 else None, {"r": manager.rank})
+    first[0].save(8, None, {"r": 1, "old": "x" * 100})  # rank 1 of the dead attempt; rank 0 never committed
+    (tmp_path / step_dir(9)).mkdir()  # and a folder of a later step (an async save under way when it died)
+    rank0 = CheckpointManager(store, keep_last=3, rank=0, world_size=2, async_save=True, commit_timeout_s=30)
+    rank1 = CheckpointManager(store, keep_last=3, rank=1, world_size=2, async_save=True)
+    assert rank0.latest_step() == 4
+    assert rank1.discard_after(4) == []  # only rank 0 deletes
+    assert rank0.discard_after(4) == [8, 9]
+    assert store.list() == [step_dir(4)]
+    rank0.save(8, {"w": torch.zeros(2)}, {"r": 0})
+    time.sleep(0.3)
+    assert rank0.latest_step() == 4  # waiting for rank 1's new file, not taking the old one
+    rank1.save(8, None, {"r": 1})
+    rank1.wait()
+    rank0.wait()
+    assert rank0.latest_step() == 8 and rank1.load(8)[1] == {"r": 1}
+    assert rank0.discard_after(None) == [4, 8] and store.list() == []  # started from scratch: everything goes
+    rank0.close()
+    rank1.close()
+
+
 def test_arguments_are_checked(tmp_path: Path) -> None:
     store = Storage(str(tmp_path))
     with pytest.raises(ValueError, match="keep_last"):

@@ -10,8 +10,10 @@ so every host sees every file and rank 0 can commit what ranks on other hosts wr
 either a folder without the marker or a complete checkpoint; only folders with the marker count, and
 `latest_step` also checks the marker against meta.json and every listed file's size (a truncated or missing file
 skips the checkpoint with a warning). Deleting removes the marker first, so a half-deleted folder never looks
-complete. Rank 0 re-saving a step whose folder already exists (a previous attempt reached it, then the job resumed
-from an earlier step) first removes that stale marker and meta.json.
+complete. A job resuming from step s first has rank 0 delete every folder past s (`discard_after`, before any rank
+writes): an earlier attempt that reached further left files there (marker-less, or unusable), and rank 0 polling
+for the new files would otherwise count the old ones as written, commit their sizes, and find them replaced under
+it. Rank 0 re-saving a step whose folder still exists also first removes that stale marker and meta.json.
 
 Retention (rank 0, after each commit): the newest `keep_last` complete checkpoints, plus every complete one whose
 step is a multiple of `keep_every`, forever; older complete ones and marker-less folders older than the newest
@@ -49,6 +51,7 @@ from hlat.training.checkpoint import dcp
 from hlat.training.checkpoint.serialization import (
     StagingBuffers,
     check_loadable,
+    one_intra_op_thread,
     read_state,
     stage_to_cpu,
     write_state,
@@ -208,7 +211,9 @@ class CheckpointManager(CheckpointIndex):
         staged_rank = stage_to_cpu(rank_state, reuse=self._staging[1], defer=defer)
         with self._lock:
             if self._executor is None:
-                self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"ckpt-rank{self.rank}")
+                self._executor = ThreadPoolExecutor(
+                    max_workers=1, thread_name_prefix=f"ckpt-rank{self.rank}", initializer=one_intra_op_thread
+                )
             self._pending_step = step
             self._staged.clear()
             self._pending = self._executor.submit(
@@ -258,6 +263,25 @@ class CheckpointManager(CheckpointIndex):
                 buffers.clear()
             if self._dcp is not None:
                 self._dcp.close()
+
+    def discard_after(self, step: int | None) -> list[int]:
+        """Before a job writes its first checkpoint: rank 0 deletes every checkpoint folder past `step` (the one it
+        resumed from; None: started from scratch, so every folder), then every rank waits at the barrier. Those
+        folders are an earlier attempt's, which got further and left no usable checkpoint there (`step` is the
+        newest usable one); their files must not pass for this attempt's. Returns the steps deleted (rank 0)."""
+        doomed: list[int] = []
+        if self.rank == 0:
+            doomed = [s for s in self.all_steps() if step is None or s > step]
+            if doomed:
+                log.info(
+                    "discarding what an earlier attempt left past %s: steps %s",
+                    "the start" if step is None else f"step {step}",
+                    ", ".join(map(str, doomed)),
+                )
+            for old in doomed:
+                self.delete(old)
+        self.barrier()
+        return doomed
 
     def _clear_stale_marker(self, step: int) -> None:
         """Rank 0: a folder left by an earlier attempt at this step must not vouch for the new files."""
