@@ -367,7 +367,8 @@ class ParallelismConfig(Section):
     zero1: bool = False
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    """Recompute activations in backward: 'selective' recomputes core attention only."""
+    """Recompute activations in backward: 'selective' the core attention (softmax(QK^T)V) and SwiGLU's
+    silu(gate) * up, as HLAT does; 'full' each whole block."""
     fsdp: bool = False
     """Shard parameters, gradients and optimizer states over the data-parallel ranks with FSDP2 (torch's
     `fully_shard`, one unit per block), checkpointed with torch.distributed.checkpoint: for CPU and CUDA jobs whose
@@ -570,7 +571,10 @@ class BurnInConfig(Section):
     matmul_size: int = Field(2048, ge=16)
     """Side of the square matrices multiplied on every device."""
     matmul_repeats: int = Field(10, ge=1)
-    """Timed matmuls per device (after one warm-up)."""
+    """Timed launches per device (after one untimed launch of the same graph)."""
+    matmul_batch: int = Field(32, ge=1)
+    """Products per launch (one batched matmul): a 2048² product is about 0.2 ms of a NeuronCore's work at its
+    95 TFLOP/s, less than launching it costs; 32 of them make the launch overhead a few percent."""
     allreduce_mb: float = Field(256.0, gt=0)
     """Size of the all-reduced buffer, MB."""
     write_mb: float = Field(1024.0, gt=0)

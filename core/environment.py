@@ -43,11 +43,22 @@ def on_trainium(config: HlatConfig) -> bool:
 
 def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
     """The environment of a trn1 job (set before torch_xla is imported), as HLAT's launch scripts set it: the
-    precision flags of precision.mode, then the compiler, runtime and EFA settings of the `neuron` section, then
+    precision flags of precision.mode, then the compiler, runtime and EFA settings of the `neuron` section (with
+    `--auto-cast=none` for fp32, and functionalization for ZeRO-1, as NxD's and NxDT's scripts set them), then
     neuron.env (last, so it overrides any of them), and NEURON_COMPILE_CACHE_URL when `compile_cache` is given."""
     n = config.neuron
     env = xla_precision_environment(config.precision.mode)
     env["NEURON_CC_FLAGS"] = n.compiler_flags
+    if config.precision.mode == "fp32" and "--auto-cast" not in n.compiler_flags:
+        # neuronx-cc casts FP32 matmuls to BF16 unless told not to ("By default, the compiler automatically casts
+        # internal FP32 operations to BF16": the Neuron guide to migrating from XLA_DOWNCAST_BF16); NxDT's
+        # training_orchestrator.py adds the same flag for fp32.
+        env["NEURON_CC_FLAGS"] += " --auto-cast=none"
+    if config.parallelism.zero1:
+        # Functionalization on for ZeRO-1 (torch-xla's default, set explicitly against an image that turns it off):
+        # NxD's 70B tp_pp launch scripts and NxDT's train_setup.sh set it, "needed to close 3% convergence gap
+        # compared to PT1.13 for ZeRO1".
+        env["XLA_DISABLE_FUNCTIONALIZATION"] = "0"
     if n.fuse_softmax:
         env["NEURON_FUSE_SOFTMAX"] = "1"
     env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] = str(n.async_inflight_requests)

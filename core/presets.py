@@ -123,7 +123,7 @@ PRESETS: dict[str, HlatConfig] = {
         precision=PrecisionConfig(mode="fp32"),
         # A local job: poll often, and give up on a silent job or a failing launch within minutes, not hours.
         job=JobConfig(poll_seconds=1, hang_timeout_minutes=5, stop_grace_seconds=20, backoff_seconds=[2, 5]),
-        burn_in=BurnInConfig(matmul_size=256, matmul_repeats=3, allreduce_mb=4, write_mb=8),
+        burn_in=BurnInConfig(matmul_size=256, matmul_repeats=3, matmul_batch=1, allreduce_mb=4, write_mb=8),
         # The project's offline lm-eval tasks, generated from the run's held-out text: the harness runs for real.
         evaluation=EvaluationConfig(
             tasks=["hlat_cloze", "hlat_choice"],

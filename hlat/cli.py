@@ -354,10 +354,13 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
 
 
 def _export(args: argparse.Namespace) -> int:
+    from hlat.infra.tokenizer import export_hf_tokenizer
     from hlat.training.hf_export import export_checkpoint
 
     start = time.perf_counter()
-    out, ref = export_checkpoint(args.source, args.out, step=args.step, tokenizer=args.tokenizer)
+    out, ref = export_checkpoint(
+        args.source, args.out, step=args.step, tokenizer=args.tokenizer, build_tokenizer_json=export_hf_tokenizer
+    )
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"hlat: exported {ref.uri} (step {ref.step}) to {out} in {time.perf_counter() - start:.1f} s: {files}")
     print(f"  load it with transformers: LlamaForCausalLM.from_pretrained({str(out)!r})")

@@ -81,6 +81,7 @@ def run_checks(cfg: HlatConfig, run: Storage, world: World) -> dict[str, Any]:
         compute_dtype(cfg.precision.mode, world.device),
         seed=cfg.training.seed,
         corrupt=burn_in_wrong_rank(world.rank),
+        batch=b.matmul_batch,
     )
     world.barrier()
     row["allreduce"] = _guarded("allreduce", allreduce_check, world, b.allreduce_mb)
@@ -131,6 +132,7 @@ def build_report(cfg: HlatConfig, rows: list[dict[str, Any]]) -> dict[str, Any]:
         "settings": {
             "matmul_size": cfg.burn_in.matmul_size,
             "matmul_repeats": cfg.burn_in.matmul_repeats,
+            "matmul_batch": cfg.burn_in.matmul_batch,
             "allreduce_mb": cfg.burn_in.allreduce_mb,
             "write_mb": cfg.burn_in.write_mb,
             "precision": cfg.precision.mode,

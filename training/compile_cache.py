@@ -525,7 +525,7 @@ def use_node_local_neuron_cache(world: World) -> str | None:
     local = os.environ.get(LOCAL_NEURON_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "hlat-neuron-cache")
     if world.local_rank == 0:
         localize_neuron_cache(url, local)
-    world.barrier()
+    world.barrier("hlat-neuron-cache")
     os.environ["NEURON_COMPILE_CACHE_URL"] = local  # read by the Neuron compiler when it first compiles
     return local
 

@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import os
+import random
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -52,7 +53,17 @@ class World:
     def on_xla(self) -> bool:
         return self.device.type == "xla"
 
-    def barrier(self) -> None:
+    def barrier(self, tag: str = "hlat-barrier") -> None:
+        """Wait until every rank gets here. On XLA through torch-xla's rendezvous (`xm.rendezvous`, what HLAT's
+        and NxD's training scripts call): the `xla` process group's own barrier returns a finished work object
+        without waiting (torch-xla 2.7, `ProcessGroupXla.barrier` in torch_xla/distributed/xla_backend.py). The
+        rendezvous launches the pending graph first (a mark_step): call it between steps, not inside one."""
+        if self.on_xla:
+            if self.collective:
+                from hlat.training import xla
+
+                xla.rendezvous(tag)
+            return
         if _grouped():
             dist.barrier()
 
@@ -105,7 +116,16 @@ class World:
         return _map_tensors(tree, lambda t: t.cpu())
 
     def seed(self, seed: int) -> None:
-        """Seed every generator the job uses: torch's (CPU, and CUDA through it) and the XLA device's."""
+        """Seed every generator whose state a checkpoint saves (training/checkpoint/rng.py): torch's (CPU, and CUDA
+        through it), the XLA device's, Python's `random` and NumPy's global generator, so that a resumed run and an
+        uninterrupted one hold the same states."""
+        random.seed(seed)
+        try:
+            import numpy as np
+        except ImportError:  # optional, as in rng.py: no state saved, none to seed
+            pass
+        else:
+            np.random.seed(seed % 2**32)
         torch.manual_seed(seed)
         if self.on_xla:
             from hlat.training import xla

@@ -193,11 +193,16 @@ def matmul_check(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     corrupt: bool = False,
+    batch: int = 1,
 ) -> dict[str, Any]:
-    """Time `repeats` n x n matmuls (after one warm-up) and check the result: TFLOP/s = 2n³ / seconds per matmul;
-    `rel_error` = max |C - R| / max |R| over the first REFERENCE_ROWS rows, R the float64 product of the same
-    (dtype-rounded) operands on the CPU, so only the device's arithmetic is measured, not the rounding of the
-    inputs; `checksum` hashes every bit of C, which equal devices given equal operands reproduce exactly.
+    """Time `repeats` launches of one batched matmul, `batch` n x n products each (after one untimed launch of
+    the same graph), and check the result: TFLOP/s = 2n³ x batch / seconds per launch. One 2048² product is a
+    fifth of a millisecond of a NeuronCore's work, less than a launch costs; a batch of them per launch measures
+    the core, not the launch. `rel_error` = max |C - R| / max |R| over the first REFERENCE_ROWS rows of the first
+    product, R the float64 product of the same (dtype-rounded) operands on the CPU, so only the device's arithmetic
+    is measured, not the rounding of the inputs; `checksum` hashes every bit of that product, which equal devices
+    given equal operands reproduce exactly. On XLA, `timed_compilations` counts the graphs compiled inside the
+    timer (0, or the figure is not a speed).
 
     `corrupt` (fault injection, HLAT_FAULT_BURN_IN_WRONG_RANK) perturbs one element of the result by about 1% of
     its value, as a faulty device would: large enough to change it in BF16 too."""
@@ -205,54 +210,93 @@ def matmul_check(
     a_host = torch.randn(n, n, generator=gen).to(dtype)
     b_host = torch.randn(n, n, generator=gen).to(dtype)
     a, b = a_host.to(device), b_host.to(device)
-    c = a @ b  # warm-up: kernel selection, XLA compilation
+    if batch > 1:  # distinct operands (rows rolled), built once on the device: no host memory per product
+        a = torch.stack([a.roll(shift, dims=0) for shift in range(batch)])  # (batch, n, n)
+        b = b.expand(batch, n, n)
+    _materialize(device)
+    c = a @ b  # warm-up: kernel selection, the XLA compilation of exactly the timed graph
     _materialize(device)
     synchronize(device)
+    compiled = _compilations(device)
     start = time.perf_counter()
     for _ in range(repeats):
-        c = a @ b  # (n, n)
+        c = a @ b  # (n, n) or (batch, n, n)
         _materialize(device)
     synchronize(device)
     seconds = (time.perf_counter() - start) / repeats
+    timed_compilations = _compilations(device) - compiled
+    first = c[0] if batch > 1 else c
     if corrupt:
-        c[0, 0] += 1e-2 * (1 + c[0, 0].abs())
+        first[0, 0] += 1e-2 * (1 + first[0, 0].abs())
         _materialize(device)
     rows = min(n, REFERENCE_ROWS)
     reference = a_host[:rows].double() @ b_host.double()  # (rows, n)
-    got = c[:rows].double().cpu()
+    got = first[:rows].double().cpu()
     rel_error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
-    return {
+    out = {
         "device": str(device),
         "device_name": device_name(device),
         "dtype": str(dtype).removeprefix("torch."),
         "n": n,
+        "batch": batch,
         "repeats": repeats,
         "seconds": seconds,
-        "tflops": 2 * n**3 / seconds / 1e12 if seconds > 0 else float("inf"),
+        "tflops": 2 * n**3 * batch / seconds / 1e12 if seconds > 0 else float("inf"),
         "rel_error": rel_error,
         "reference_rows": rows,
-        "checksum": _checksum(c),
+        "checksum": _checksum(first),
         "fault_injected": corrupt,
     }
+    if device.type == "xla":
+        out["timed_compilations"] = timed_compilations
+    return out
+
+
+def _compilations(device: torch.device) -> int:
+    """Graphs XLA has compiled so far in this process (0 off XLA: nothing compiles behind a timer there)."""
+    if device.type != "xla":
+        return 0
+    from hlat.training import xla
+
+    return int(xla.counters()["compilations"])
+
+
+def device_element_bytes(dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes an element of `dtype` takes on `device`: float32 is BF16 on an XLA device under XLA_USE_BF16 or
+    XLA_DOWNCAST_BF16 (HLAT's precision flags), so a collective of it moves half the bytes its dtype says."""
+    bf16_on_device = os.environ.get("XLA_USE_BF16") == "1" or os.environ.get("XLA_DOWNCAST_BF16") == "1"
+    if device.type == "xla" and dtype == torch.float32 and bf16_on_device:
+        return 2
+    return torch.empty((), dtype=dtype).element_size()
 
 
 # -- all-reduce ------------------------------------------------------------------------------------------
 def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> dict[str, Any]:
-    """All-reduce (SUM) a float32 buffer of `mb` MB filled with rank + 1 on every rank, check that every element
-    became n(n+1)/2, then time `iters` all-reduces of it: algbw = bytes / seconds, busbw = algbw x 2(n-1)/n, the
-    nccl-tests convention (what each link carries in a ring; comparable across world sizes).
+    """All-reduce (SUM) a buffer of `mb` MB (as the device holds it) and check the result, then time `iters`
+    all-reduces of it: algbw = bytes moved / seconds, busbw = algbw x 2(n-1)/n, the nccl-tests convention (what
+    each link carries in a ring; comparable across world sizes). The bytes are the device's: a float32 buffer
+    under XLA_USE_BF16 is BF16 there, half the bytes.
+
+    The check: element i is 1 on rank i mod n and 0 on the others, so every element must sum to exactly 1 in any
+    float format and order (the device adds in BF16 under XLA_USE_BF16, where a sum like n(n+1)/2 is not exact
+    beyond a few ranks), and a rank whose share is lost or corrupted shows in its own elements. The timed graph
+    (one all-reduce, then a cut on XLA) runs once untimed first, so nothing compiles inside the timer
+    (`timed_compilations` on XLA).
 
     One rank gets busbw = algbw (the formula gives 0), and one process without a process group has nothing to
     all-reduce: the sum over one rank is its own buffer, so a copy of it is timed. `note` says so."""
     n = world.world_size
     device = world.device
-    numel = max(1, int(mb * MB) // 4)
-    nbytes = numel * 4
-    buf = torch.full((numel,), float(world.rank + 1), dtype=torch.float32, device=device)
-    expected = n * (n + 1) / 2
+    element = device_element_bytes(torch.float32, device)
+    numel = max(n, int(mb * MB) // element)
+    nbytes = numel * element
+    host = torch.zeros(numel, dtype=torch.float32)
+    host[world.rank :: n] = 1.0
+    buf = host.to(device)
+    expected = 1.0
     out: dict[str, Any] = {"mb": nbytes / MB, "ranks": n, "iters": iters, "expected": expected}
     if world.collective:
-        buf = world.all_reduce(buf)  # also the warm-up: the first collective sets up the connections
+        buf = world.all_reduce(buf)  # also sets up the connections
 
         def reduce() -> None:
             nonlocal buf
@@ -264,9 +308,7 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
             copy.copy_(buf)
 
     synchronize(device)
-    # Exact in float32 while n(n+1)/2 < 2**24 (up to 5792 ranks); beyond, partial sums round.
-    tolerance = 0.0 if expected < 2**24 else expected * 1e-5
-    wrong = (buf - expected).abs() > tolerance
+    wrong = (buf - expected).abs() > 0
     bad = int(wrong.sum())
     out["correct"] = bad == 0
     if bad:
@@ -275,14 +317,21 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
             f"rank {world.rank} saw {float(buf[first])} at element {first} where every rank should see {expected} "
             f"({bad} of {numel} elements wrong)"
         )
-    buf.zero_()  # sums of zeros stay zero however often they are reduced (no overflow over the timed runs)
-    world.barrier()  # start the clock together
+    buf.zero_()  # sums of zeros stay zero however often they are reduced
+    _materialize(device)
+    reduce()  # the warm-up of exactly the timed graph
+    _materialize(device)
+    world.barrier("hlat-health-allreduce")  # start the clock together
     synchronize(device)
+    compiled = _compilations(device)
     start = time.perf_counter()
     for _ in range(iters):
         reduce()
+        _materialize(device)  # one all-reduce per graph, as warmed up (not `iters` chained in one)
     synchronize(device)
     seconds = (time.perf_counter() - start) / iters
+    if device.type == "xla":
+        out["timed_compilations"] = _compilations(device) - compiled
     algbw = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
     out.update(seconds=seconds, algbw_gbps=algbw)
     if n > 1:

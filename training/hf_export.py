@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,9 +39,10 @@ SAFETENSORS_FILE = "model.safetensors"
 
 # Files a tokenizer folder (infra/tokenizer.py, or any HF tokenizer) may hold that from_pretrained reads;
 # anything else there (e.g. the tokenizer stage's report.json) is not copied.
+TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_FILES = (
     TOKENIZER_MODEL,
-    "tokenizer.json",
+    TOKENIZER_JSON,
     "tokenizer_config.json",
     "special_tokens_map.json",
     "added_tokens.json",
@@ -255,10 +256,20 @@ def load_checkpoint_model(ref: CheckpointRef, device: str | torch.device = "cpu"
 
 
 def export_checkpoint(
-    source: str, out_dir: str | Path, step: int | None = None, tokenizer: str | None = None
+    source: str,
+    out_dir: str | Path,
+    step: int | None = None,
+    tokenizer: str | None = None,
+    build_tokenizer_json: Callable[[str, str, int], object] | None = None,
 ) -> tuple[Path, CheckpointRef]:
     """`hlat export`: write the checkpoint `source` (see `locate_checkpoint`) as a Hugging Face Llama folder
-    with the run's tokenizer files (from `tokenizer`, a folder or s3:// URI, else `<run>/tokenizer/`)."""
+    with the run's tokenizer files (from `tokenizer`, a folder or s3:// URI, else `<run>/tokenizer/`).
+
+    The folder must load with `AutoTokenizer.from_pretrained` as it is: that takes `tokenizer.json` (without it
+    transformers would convert the sentencepiece model itself, through protobuf, and fall back to other
+    defaults). When the tokenizer folder has none (a tokenizer made elsewhere, or before the stage wrote one),
+    `build_tokenizer_json(tokenizer.model, folder, max_length)` writes it (the CLI passes
+    `infra.tokenizer.export_hf_tokenizer`, the tokenizer stage's own); without it the export is refused."""
     ref = locate_checkpoint(source, step)
     shared, config = read_checkpoint(ref)
     hf_llama_config(config.model)  # refuse an unexportable model before fetching anything else
@@ -269,6 +280,19 @@ def export_checkpoint(
         raise ValueError(f"no tokenizer.model in {tokenizer_store.uri()}: run train-tokenizer, or pass the tokenizer")
     with tempfile.TemporaryDirectory(prefix="hlat-export-") as tmp:
         fetch_tokenizer_files(tokenizer_store, tmp)
+        if not os.path.isfile(os.path.join(tmp, TOKENIZER_JSON)):
+            if build_tokenizer_json is None:
+                raise ValueError(
+                    f"no {TOKENIZER_JSON} in {tokenizer_store.uri()}: transformers would not load the export as "
+                    "it is; export with `hlat export`, which builds it from tokenizer.model"
+                )
+            try:
+                build_tokenizer_json(os.path.join(tmp, TOKENIZER_MODEL), tmp, config.model.max_seq_len)
+            except Exception as exc:
+                raise ValueError(
+                    f"no {TOKENIZER_JSON} in {tokenizer_store.uri()}, and none could be built from its "
+                    f"{TOKENIZER_MODEL}: {type(exc).__name__}: {exc}"
+                ) from exc
         out = export_hf(shared["model"], config.model, out_dir, tokenizer_dir=tmp)
     return out, ref
 

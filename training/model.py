@@ -118,6 +118,8 @@ class Layers(Protocol):
 
     def shard(self, param: DenseParameter, full: Tensor) -> Tensor: ...
 
+    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor: ...
+
 
 LinearKind = Literal["column", "row", "output"]
 
@@ -148,6 +150,11 @@ class DenseLayers:
         """This rank's slice of `param`'s dense tensor."""
         return full
 
+    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of the output layer's logits (B, T, V here; this rank's slice of the vocabulary
+        under tensor parallelism) against targets (B, T), in FP32."""
+        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
 
 class Attention(nn.Module):
     """Grouped-query causal self-attention with rotary embeddings and optional document masking; with tensor
@@ -169,6 +176,7 @@ class Attention(nn.Module):
             self.k_proj = parallel.linear("column", d, kv_dim)
             self.v_proj = parallel.linear("column", d, kv_dim)
         self.o_proj = parallel.linear("row", q_dim, d)
+        self.core = CoreAttention()
         # The RoPE tables: the model's own, shared by every layer (Transformer._share_rope_tables); each layer holds
         # them so that a pipeline stage of layers is self-contained.
         self.register_buffer("rope_cos", torch.empty(0), persistent=False)
@@ -186,17 +194,25 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         cos, sin = rope_window(self.rope_cos, T), rope_window(self.rope_sin, T)  # (T, head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
-        gqa = self.n_kv_heads != self.n_heads
+        out = self.core(q, k, v, mask)  # (B, n_heads, T, head_dim); positional: torch-xla's checkpoint takes no kwargs
+        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
+
+
+class CoreAttention(nn.Module):
+    """softmax(QK^T / sqrt(d)) V over rotated queries and keys, causal or within documents: the part of attention
+    without parameters or communication, which 'selective' activation checkpointing recomputes in backward (as
+    HLAT does, after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"):
+    its activations are the large ones (B x heads x T x T before a fused kernel), its FLOPs the small ones."""
+
+    def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
+        gqa = k.shape[1] != q.shape[1]
         if isinstance(mask, BlockMask):
             # Document masking with a fused kernel: FlexAttention skips the blocks the mask empties (compiled, since
             # the block runs under torch.compile; see `Transformer.flex_document_mask`).
-            out = flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
-        else:
-            # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
-            # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
-        # out: (B, n_heads, T, head_dim)
-        return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
+            return flex_attention(q, k, v, block_mask=mask, enable_gqa=gqa)
+        # enable_gqa shares each key/value head with n_heads/n_kv_heads consecutive query heads without
+        # materialising the repeated tensors; is_causal (no mask tensor) lets SDPA pick a flash kernel.
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
 class SwiGLU(nn.Module):
@@ -207,9 +223,18 @@ class SwiGLU(nn.Module):
         self.w1 = parallel.linear("column", cfg.d_model, cfg.ffn_hidden)
         self.w3 = parallel.linear("column", cfg.d_model, cfg.ffn_hidden)
         self.w2 = parallel.linear("row", cfg.ffn_hidden, cfg.d_model)
+        self.act = GatedSiLU()
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))  # (B, T, d_model)
+        return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, d_model)
+
+
+class GatedSiLU(nn.Module):
+    """silu(gate) * up: SwiGLU's elementwise part, the other thing 'selective' activation checkpointing
+    recomputes (HLAT's 7B and 70B scripts checkpoint it beside the core attention)."""
+
+    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
+        return F.silu(gate) * up
 
 
 class Block(nn.Module):
@@ -401,7 +426,11 @@ class Transformer(nn.Module):
         h = self.embed(tokens)  # (B, T, d_model)
         for layer in self.layers:
             h = layer(h, mask)  # (B, T, d_model)
-        logits = self.output(self.norm(h)).float()  # (B, T, vocab_size)
+        logits = self.output(self.norm(h)).float()  # (B, T, vocab_size; under TP this rank's slice of it)
         if targets is None:
             return logits
-        return F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return self.loss(logits, targets)
+
+    def loss(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy of this model's logits, whole or vocabulary-parallel (`Layers.cross_entropy`)."""
+        return self.parallel.cross_entropy(logits, targets)

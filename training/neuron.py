@@ -147,13 +147,22 @@ class NxdLayers:
             return layers.ColumnParallelLinear(
                 in_features, out_features, bias=False, gather_output=False, **self._sequence()
             )
-        # The output projection gathers the vocabulary: the loss sees whole logits. NxD's layer cannot gather both
-        # the sequence and its output, so under SP the sequence is gathered first (its backward only splits: the
-        # layer's own backward already sums the input gradient over the TP group).
-        output = layers.ColumnParallelLinear(in_features, out_features, bias=False, gather_output=True)
+        # The output projection keeps the vocabulary split: each rank holds the logits of its slice of it, and the
+        # loss is NxD's vocabulary-parallel cross-entropy (`cross_entropy`), as HLAT's training script does; no rank
+        # gathers B x T x V logits. NxD's layer cannot gather the sequence itself without sequence parallelism, so
+        # under SP it is gathered first (its backward only splits: the layer's own backward already sums the input
+        # gradient over the TP group).
+        output = layers.ColumnParallelLinear(in_features, out_features, bias=False, gather_output=False)
         if self.sequence_parallel:
             output.register_forward_pre_hook(_gather_sequence)
         return output
+
+    def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean cross-entropy of vocabulary-parallel logits (B, T, V / TP): NxD's `parallel_cross_entropy` (a max
+        and a sum all-reduced over the TP group; it shifts its input in place, so it gets a copy)."""
+        from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
+
+        return parallel_cross_entropy(logits.float().clone(), targets).mean()
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         from neuronx_distributed.parallel_layers import layers

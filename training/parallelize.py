@@ -4,8 +4,9 @@ Order: tensor parallel → activation checkpointing → compile → data-paralle
 1. Tensor (and sequence) parallelism is part of the model's construction: `model_layers` gives the Transformer
    neuronx-distributed's parallel layers when the model is split (`training/neuron.py`; NxD's groups were formed
    by `init_world`), dense layers otherwise.
-2. Activation checkpointing: 'selective' recomputes the attention sub-layer, 'full' the whole block (torch-xla's
-   checkpoint on XLA).
+2. Activation checkpointing: 'selective' recomputes what HLAT's training scripts recompute, the core attention
+   (softmax(QK^T)V) and SwiGLU's silu(gate) * up: no projection and no sequence-parallel collective runs twice;
+   'full' recomputes the whole block (torch-xla's checkpoint on XLA).
 3. torch.compile on CPU and CUDA, one transformer block at a time (`compile_blocks`; XLA compiles the whole step
    itself).
 4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA, or, with parallelism.fsdp, FSDP2
@@ -91,10 +92,12 @@ def compile_blocks(model: nn.Module, device: torch.device | None = None, sharded
 def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     p = cfg.parallelism
     # 1. Tensor parallelism: built into the model (model_layers).
-    # 2. Activation checkpointing: 'selective' recomputes the attention sub-layer, 'full' the whole block.
-    if p.activation_checkpointing != "none":
-        for block in model.layers:  # type: ignore[union-attr]
-            _recompute_in_backward(block.attn if p.activation_checkpointing == "selective" else block, world.on_xla)
+    # 2. Activation checkpointing: 'selective' recomputes the core attention and the gated activation, 'full' the
+    # whole block.
+    for block in model.layers if p.activation_checkpointing != "none" else ():  # type: ignore[union-attr]
+        parts = [block.attn.core, block.mlp.act] if p.activation_checkpointing == "selective" else [block]
+        for part in parts:
+            _recompute_in_backward(part, world.on_xla)
     # 3. Compile.
     runner: nn.Module = model
     if cfg.training.compile and world.on_xla:

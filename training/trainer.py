@@ -28,10 +28,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, write_failure
+from hlat.core.environment import neuron_available
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
     CheckpointFormat,
@@ -339,7 +339,7 @@ class Trainer:
                 logits = self.wrapped(batch.inputs, batch.doc_ids)  # (B, T, V)
                 # Every micro-batch holds the same number of tokens (packed, no padding), so the mean over a
                 # micro-batch divided by the accumulation steps is the mean over all the step's tokens.
-                loss = F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten()) / accum
+                loss = self.model.loss(logits, batch.targets) / accum
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
         assert total is not None
@@ -400,6 +400,11 @@ class Trainer:
             self.cfg.preset, self.model.num_params(), self.cfg.precision.mode, self.world.world_size,
             t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len, self.world.device.type,
         )  # fmt: skip
+        if self.world.on_xla and self.cfg.precision.mode == "bf16-sr" and not neuron_available():
+            log.info(
+                "bf16-sr on XLA:CPU: XLA_USE_BF16 gives the graph of HLAT's precision, but this device rounds to "
+                "nearest (stochastic rounding is the NeuronCore's: NEURON_RT_STOCHASTIC_ROUNDING_EN)"
+            )
         # After the compile cache is loaded (train.py): the throwaway step compiles what the first step would.
         self._settle_gradient_buckets()
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
@@ -533,7 +538,7 @@ class Trainer:
         (batch,) = chunk
         with self.autocast():
             logits = self.model(batch.inputs, batch.doc_ids)
-        return F.cross_entropy(logits.float().flatten(0, 1), batch.targets.flatten())
+        return self.model.loss(logits, batch.targets)
 
     @torch.no_grad()
     def evaluate(self, step: int) -> float:

@@ -81,6 +81,14 @@ def mark_step() -> None:
     xm.mark_step()
 
 
+def rendezvous(tag: str) -> None:
+    """Block until every process reaches the rendezvous named `tag` (an all-gather over the devices, after a
+    mark_step): the barrier of an XLA job."""
+    import torch_xla.core.xla_model as xm
+
+    xm.rendezvous(tag)
+
+
 def wait() -> None:
     """Block until every launched graph has finished (for timers)."""
     import torch_xla.core.xla_model as xm

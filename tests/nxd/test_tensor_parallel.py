@@ -38,6 +38,8 @@ def test_forward_and_backward_equal_the_dense_model(case: str, tmp_path: Path) -
     for rank, result in enumerate(ranks):
         assert result["tp"] == (rank, processes)
         assert result["weight_error"] == 0.0  # every rank holds exactly its slice of the dense weights
+        # The logits stay split over the vocabulary (no rank gathers B x T x V): NxD's parallel cross-entropy.
+        assert result["logits_shape"][-1] * processes == result["vocab_size"], result["logits_shape"]
         assert abs(result["loss"] - result["dense_loss"]) <= 1e-5 * abs(result["dense_loss"])
         worst = max(result["grad_error"], key=result["grad_error"].get)
         # Gradients gathered from the shards: within 1e-5 of the largest dense gradient.

@@ -76,7 +76,8 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
     dense.init_weights(SEED)
     inputs, targets, doc_ids = batch(cfg, 2, seed=11)
     masks = doc_ids if args.get("document_masking") else None
-    loss = F.cross_entropy(model(inputs, masks).flatten(0, 1), targets.flatten())
+    logits = model(inputs, masks)  # this rank's slice of the vocabulary: the loss is NxD's parallel one
+    loss = model.loss(logits, targets)
     loss.backward()
     ref = F.cross_entropy(dense(inputs, masks).flatten(0, 1), targets.flatten())
     ref.backward()
@@ -91,10 +92,12 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
         "loss": float(loss),
         "dense_loss": float(ref),
         "local_heads": (model.layers[0].attn.n_heads, model.layers[0].attn.n_kv_heads),
+        "logits_shape": list(logits.shape),
         "weight_error": max(float((weights[n] - dense_weights[n]).abs().max()) for n in weights),
         "grad_error": {n: float((grads[n] - dense_weights[n].grad).abs().max()) for n in grads},
         "grad_scale": max(float(dense_weights[n].grad.abs().max()) for n in grads),
         "tp": (world.tp_rank, world.tp_size),
+        "vocab_size": cfg.model.vocab_size,
     }
 
 

@@ -181,7 +181,8 @@ def flat(key: dict[str, Any]) -> bool:
 
 def test_on_trn1_the_key_holds_the_neuron_environment_the_config_gives_the_job() -> None:
     key = key_of(trn1(), device_type="xla")
-    assert key["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
+    # fp32 here: neuronx-cc would cast its matmuls to BF16 without --auto-cast=none.
+    assert key["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training --auto-cast=none"
     assert (key["NEURON_FUSE_SOFTMAX"], key["XLA_USE_BF16"]) == ("1", "0")
     # Runtime, network and host settings do not change a graph; neither does where the cache lives.
     assert not [k for k in key if k.startswith(("NEURON_RT_", "FI_", "MALLOC_", "TORCH_DIST", "NEURON_COMPILE"))]

@@ -3,15 +3,19 @@ found from a checkpoint, checkpoints or run folder; clear errors for what cannot
 
 from __future__ import annotations
 
+import functools
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from hlat.cli import main
+from hlat.core.config import TokenizerConfig
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
+from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece
 from hlat.training.checkpoint import MARKER, CheckpointError, CheckpointManager, step_dir
 from hlat.training.hf_export import export_checkpoint, locate_checkpoint
 from hlat.training.model import Transformer
@@ -31,10 +35,19 @@ def make_run(root: Path, steps: tuple[int, ...] = (5, 10), **overrides: object) 
         shared = {"step": step, "model": model.state_dict(), "config": config.model_dump(mode="json")}
         manager.save(step, shared, {"rng": {}})
     (run / "tokenizer").mkdir(parents=True)
-    (run / "tokenizer" / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
-    (run / "tokenizer" / "tokenizer_config.json").write_text("{}")
+    (run / "tokenizer" / "tokenizer.model").write_bytes(sentencepiece_model())
+    export_hf_tokenizer(str(run / "tokenizer" / "tokenizer.model"), str(run / "tokenizer"), config.model.max_seq_len)
     (run / "tokenizer" / "report.json").write_text("{}")
     return run, model
+
+
+@functools.cache
+def sentencepiece_model() -> bytes:
+    """A small sentencepiece BPE model with the tokenizer stage's options (byte fallback included)."""
+    text = Path(json.__file__).read_text().splitlines() * 4
+    with tempfile.TemporaryDirectory() as tmp:
+        path = train_sentencepiece(iter(text), 400, TokenizerConfig(threads=1), tmp)
+        return Path(path).read_bytes()
 
 
 def test_the_newest_checkpoint_exports_and_transformers_reproduces_its_logits(tmp_path: Path) -> None:
@@ -44,7 +57,7 @@ def test_the_newest_checkpoint_exports_and_transformers_reproduces_its_logits(tm
     out, ref = export_checkpoint(str(run), tmp_path / "hf")
     assert ref.step == 10 and ref.uri.endswith(step_dir(10))
     names = {p.name for p in out.iterdir()}
-    assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer_config.json"} <= names
+    assert {"config.json", "model.safetensors", "tokenizer.model", "tokenizer.json", "tokenizer_config.json"} <= names
     assert "report.json" not in names
     hf = LlamaForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tokens = torch.randint(0, model.cfg.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
@@ -113,6 +126,30 @@ def test_the_cli_exports_and_says_how_to_load(tmp_path: Path, capsys: pytest.Cap
     assert "no tokenizer.model" in capsys.readouterr().err
 
 
+def test_a_tokenizer_without_tokenizer_json_is_completed_by_the_cli_so_transformers_loads_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import sentencepiece as spm
+    from transformers import AutoTokenizer
+
+    run, _ = make_run(tmp_path)
+    (run / "tokenizer" / "tokenizer.json").unlink()  # a tokenizer made elsewhere: tokenizer.model alone
+    with pytest.raises(ValueError, match=r"no tokenizer\.json in .*hlat export.* builds it"):
+        export_checkpoint(str(run), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
+    assert main(["export", str(run), str(tmp_path / "hf")]) == 0
+    hf = AutoTokenizer.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+    sp = spm.SentencePieceProcessor(model_file=str(run / "tokenizer" / "tokenizer.model"))
+    text = "def dumps(obj, *, skipkeys=False):\n    return ü 42"
+    assert hf(text)["input_ids"] == [1, *sp.encode(text)]
+    # A tokenizer.model that is not one: the cause, in one line, and nothing written.
+    (run / "tokenizer" / "tokenizer.model").write_bytes(b"not a sentencepiece model")
+    capsys.readouterr()
+    assert main(["export", str(run), str(tmp_path / "hf3")]) == 1
+    assert "none could be built from its tokenizer.model" in capsys.readouterr().err
+    assert not (tmp_path / "hf3").exists()
+
+
 @pytest.mark.parametrize("kv_heads", [2, 1])  # 1: TP exceeds the KV heads (NxD's GQA layer, heads reordered)
 def test_a_tensor_parallel_checkpoint_consolidates_and_exports_as_the_dense_model(
     tmp_path: Path, kv_heads: int
@@ -145,8 +182,8 @@ def test_a_tensor_parallel_checkpoint_consolidates_and_exports_as_the_dense_mode
     if kv_heads == 1:
         assert "layers.0.attn.qkv.weight_q" in manager.load_shards(7)["tp01-pp00"]["model"]
     (run / "tokenizer").mkdir(parents=True)
-    (run / "tokenizer" / "tokenizer.model").write_bytes(b"sentencepiece model bytes")
-    out, ref = export_checkpoint(str(run), tmp_path / "hf")
+    (run / "tokenizer" / "tokenizer.model").write_bytes(sentencepiece_model())
+    out, ref = export_checkpoint(str(run), tmp_path / "hf", build_tokenizer_json=export_hf_tokenizer)
     assert ref.step == 7
     hf = LlamaForCausalLM.from_pretrained(out, local_files_only=True).eval()
     tokens = torch.randint(0, config.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))

@@ -18,6 +18,7 @@ from hlat.training.health import (
     UnhealthyCollective,
     allreduce_check,
     compute_dtype,
+    device_element_bytes,
     evaluate,
     inventory,
     matmul_check,
@@ -46,6 +47,29 @@ def test_matmul_numbers_on_cpu() -> None:
     assert corrupted["checksum"] != result["checksum"] and corrupted["rel_error"] > 1e-4
 
 
+def test_a_batched_matmul_counts_every_product_and_checks_the_first() -> None:
+    single = matmul_check(CPU, 64, repeats=2, seed=3)
+    batched = matmul_check(CPU, 64, repeats=2, seed=3, batch=4)
+    assert batched["batch"] == 4 and batched["rel_error"] < 1e-5
+    assert batched["checksum"] == single["checksum"]  # the first product is the unbatched one
+    assert batched["tflops"] == pytest.approx(2 * 64**3 * 4 / batched["seconds"] / 1e12)
+    assert "timed_compilations" not in batched  # reported on XLA only
+    corrupted = matmul_check(CPU, 64, repeats=1, seed=3, batch=4, corrupt=True)
+    assert corrupted["checksum"] != single["checksum"] and corrupted["rel_error"] > 1e-4
+
+
+def test_an_all_reduce_moves_bf16_bytes_under_xlas_bf16_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    xla = torch.device("xla")
+    assert device_element_bytes(torch.float32, xla) == 4
+    monkeypatch.setenv("XLA_USE_BF16", "1")
+    assert device_element_bytes(torch.float32, xla) == 2
+    assert device_element_bytes(torch.float32, CPU) == 4  # the flags are XLA's
+    monkeypatch.setenv("XLA_USE_BF16", "0")
+    monkeypatch.setenv("XLA_DOWNCAST_BF16", "1")
+    assert device_element_bytes(torch.float32, xla) == 2
+    assert device_element_bytes(torch.int64, xla) == 8
+
+
 def test_bf16_is_the_compute_dtype_only_on_accelerators() -> None:
     assert compute_dtype("bf16-sr", torch.device("cuda", 0)) is torch.bfloat16
     assert compute_dtype("bf16-mixed", CPU) is torch.float32
@@ -70,7 +94,7 @@ def test_the_checks_leave_every_global_rng_unchanged(tmp_path: Path) -> None:
 
 def test_one_process_allreduce_reports_busbw_as_algbw() -> None:
     result = allreduce_check(ONE, 0.5, iters=2)
-    assert result["correct"] and result["ranks"] == 1
+    assert result["correct"] and result["ranks"] == 1 and result["expected"] == 1.0 and result["mb"] == 0.5
     assert result["busbw_gbps"] == result["algbw_gbps"] > 0
     assert "one rank" in result["note"]
 

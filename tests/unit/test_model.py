@@ -187,6 +187,46 @@ def test_compile_blocks_keeps_names_and_traces_one_graph_for_every_block() -> No
     assert counters["stats"]["unique_graphs"] == 1
 
 
+@pytest.mark.parametrize("mode", ["none", "selective", "full"])
+def test_activation_checkpointing_recomputes_what_hlat_recomputes(mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """'selective' re-runs only the core attention and SwiGLU's gated activation in backward (HLAT's scripts): no
+    projection (under TP and SP: no collective) runs twice; 'full' re-runs every block. Gradients are unchanged."""
+    from hlat.core.presets import load_config
+    from hlat.training import model as model_module
+    from hlat.training.distributed import World
+    from hlat.training.parallelize import parallelize
+
+    calls: dict[str, int] = {}
+
+    def counting(name: str, forward: Any) -> Any:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            calls[name] = calls.get(name, 0) + 1
+            return forward(*args, **kwargs)
+
+        return counted
+
+    # Counted in the classes (recomputation calls a module's forward itself, which no forward hook sees).
+    for cls, name in ((model_module.CoreAttention, "core"), (model_module.GatedSiLU, "act")):
+        monkeypatch.setattr(cls, "forward", counting(name, cls.forward))
+    overrides = {f"model.{k}": v for k, v in SMALL.items()} | {"training.seq_len": 32}
+    cfg = load_config("tiny", overrides | {"parallelism.activation_checkpointing": mode})
+    reference, model = make_model(seed=3).train(), make_model(seed=3).train()
+    parallelize(model, cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu")))
+    for name in ("q_proj", "w1", "attn_norm"):
+        module = model.layers[0].get_submodule({"q_proj": "attn.q_proj", "w1": "mlp.w1"}.get(name, name))
+        module.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls.get(name, 0) + 1))
+    x = tokens(2, 32, seed=4)
+    model(x, targets=x).backward()
+    calls_of_model = dict(calls)
+    reference(x, targets=x).backward()
+    again, once = {"none": (1, 1), "selective": (2, 1), "full": (2, 2)}[mode]  # core and act; projections and norms
+    layers = SMALL["n_layers"]
+    assert calls_of_model == {"core": again * layers, "act": again * layers, "q_proj": once, "w1": once,
+                              "attn_norm": once}  # fmt: skip
+    for (name, p), q in zip(model.named_parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(p.grad, q.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
 def test_gqa_equals_mha_with_repeated_kv_heads() -> None:
     gqa = make_model(n_kv_heads=2)
     mha = make_model(n_kv_heads=None)

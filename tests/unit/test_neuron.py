@@ -55,7 +55,12 @@ def test_the_neuron_environment_of_hlat_7b_and_70b() -> None:
         "NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS": "31",
         "NEURON_EXPERIMENTAL_COMPRESS_RG": "1",
         "TORCH_DIST_INIT_BARRIER": "0",
+        "XLA_DISABLE_FUNCTIONALIZATION": "0",  # ZeRO-1, as NxD's 70B scripts and NxDT set it
     }
+    fp32 = neuron_environment(load_config("hlat-7b", {"precision.mode": "fp32"}))
+    assert fp32["NEURON_CC_FLAGS"] == HLAT_7B_NEURON["NEURON_CC_FLAGS"] + " --auto-cast=none"
+    told = load_config("hlat-7b", {"precision.mode": "fp32", "neuron.compiler_flags": "--auto-cast=matmult"})
+    assert neuron_environment(told)["NEURON_CC_FLAGS"] == "--auto-cast=matmult"  # a choice made is kept
     for name in ("pythia-6.9b", "neox-20b"):  # HLAT 7B's settings
         assert neuron_environment(load_config(name)) == {**xla_precision_environment("bf16-sr"), **HLAT_7B_NEURON}
 
