@@ -3,6 +3,7 @@ graph compilations after step 2, graph executions and device-to-host transfers p
 steady step time, for the tiny model.
 
     .venv-xla/bin/python -m benchmarks.bench_xla [--steps 40] [--log-every 10] [--precision fp32]
+        [--graph-cuts micro-batch|step]
 
 The run (documents from the standard library's sources, shards and a tokenizer made as the stages make them) is
 built in a temporary folder: no Prefect, no network. Step times exclude steps 1-2 (compilation) and sync points.
@@ -128,6 +129,7 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--precision", choices=["fp32", "bf16-mixed", "bf16-sr"], default="fp32")
+    parser.add_argument("--graph-cuts", choices=["micro-batch", "step"], default="micro-batch")
     args = parser.parse_args(argv)
     import torch_xla.core.xla_model as xm
 
@@ -139,6 +141,7 @@ def main(argv: list[str] | None = None) -> str:
             "training.max_steps": args.steps,
             "training.log_every": args.log_every,
             "precision.mode": args.precision,
+            "training.xla_graph_cuts": args.graph_cuts,
         }
         sync = {1, args.steps, *range(args.log_every, args.steps + 1, args.log_every)}
         results = {d: measure(make_run(prepared, root, d, d, **overrides), sync) for d in ("cpu", "xla")}
@@ -153,7 +156,8 @@ def main(argv: list[str] | None = None) -> str:
         ],
     )  # fmt: skip
     print(
-        f"tiny model, {args.precision}, {args.steps} steps, log_every {args.log_every}; "
+        f"tiny model, {args.precision}, graph cuts per {args.graph_cuts}, {args.steps} steps, log_every "
+        f"{args.log_every}; "
         f"times are means over {on_xla['quiet']} steps without a sync point\n{out}"
     )
     return out

@@ -283,6 +283,11 @@ class TrainingConfig(Section):
     rehearsal of the trn1 code path, in the environment that `scripts/install.sh xla` makes."""
     document_masking: bool = False
     """Stop attention at document boundaries inside packed sequences."""
+    xla_graph_cuts: Literal["micro-batch", "step"] = "micro-batch"
+    """On XLA (trn1, XLA:CPU), where the traced graph is cut: 'micro-batch' after each micro-batch's backward (the
+    last cut is the one before the optimizer step), as HLAT's and NxD's training scripts cut it: gradient
+    accumulation + 1 graphs per step, each one small to compile; 'step': one graph for the whole optimizer step
+    (fewest launches, largest compile)."""
 
 
 class PrecisionConfig(Section):

@@ -89,6 +89,7 @@ def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, A
             "training.micro_batch_size": t.micro_batch_size,
             "training.compile": t.compile,
             "training.document_masking": t.document_masking,
+            "training.xla_graph_cuts": t.xla_graph_cuts,
             # DDP skips the gradient all-reduce on all but the last micro-batch of a step.
             "gradient_accumulation": cfg.gradient_accumulation,
         }

@@ -7,12 +7,13 @@ SIGTERM (sent by SageMaker before it stops a job) checkpoints and exits 0.
 
 No host round trip inside a step, on any device. A step is traced (XLA) or queued (CUDA) without reading a device
 tensor: its loss, gradient norm and non-finite check stay on the device (`StepTally`), batches arrive on the
-device from a background thread, and on XLA the step ends with one `mark_step()`, so every step runs the same
-compiled graph. The host reads them at sync points only: steps that log (`training.log_every`), steps with a hook
-(checkpoint, evaluation, health check), the job's first and last step. There, in one transfer, it learns the
-loss and whether any step since the last sync was non-finite; under nan_policy=exit it then exits, and a
-checkpoint is only ever saved after that check, so no checkpoint holds the NaN weights of the steps between. Under
-nan_policy=skip the decision is made on the device (`masked_step`). SIGTERM is voted on at sync points too.
+device from a background thread, and on XLA the step is cut where `training.xla_graph_cuts` says (after each
+micro-batch's backward, HLAT's placement, or once at its end), so every step runs the same compiled graphs. The
+host reads them at sync points only: steps that log (`training.log_every`), steps with a hook (checkpoint,
+evaluation, health check), the job's first and last step. There, in one transfer, it learns the loss and whether
+any step since the last sync was non-finite; under nan_policy=exit it then exits, and a checkpoint is only ever
+saved after that check, so no checkpoint holds the NaN weights of the steps between. Under nan_policy=skip the
+decision is made on the device (`masked_step`). SIGTERM is voted on at sync points too.
 """
 
 from __future__ import annotations
@@ -289,7 +290,7 @@ class Trainer:
         if self.world.on_xla and background:
             from hlat.training import xla
 
-            # Never let the loader cut the graph itself: the step's mark_step is the one cut.
+            # Never let the loader cut the graph itself: the loop's mark_steps are the only cuts.
             items = xla.device_loader(items, device, batches_per_execution=sys.maxsize)
         for inputs, targets, doc_ids, meta in items:
             yield DeviceBatch(
@@ -342,6 +343,8 @@ class Trainer:
                 loss = self.model.loss(logits, batch.targets) / accum
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
+            if self.world.on_xla and self.cfg.training.xla_graph_cuts == "micro-batch":
+                self.world.mark_step()  # HLAT's cut: each micro-batch a graph, the last one before the optimizer
         assert total is not None
         if self.world.is_main and inject_nan(self.run, self.step + 1):
             total = total * float("nan")
