@@ -118,7 +118,10 @@ class Layers(Protocol):
 
     def shard(self, param: DenseParameter, full: Tensor) -> Tensor: ...
 
-    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor: ...
+    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
+        """Mean cross-entropy, in FP32, of the output layer's logits (B, T, V; this rank's slice of the vocabulary
+        when the layers split it) against targets (B, T)."""
+        ...
 
 
 LinearKind = Literal["column", "row", "output"]
@@ -151,8 +154,6 @@ class DenseLayers:
         return full
 
     def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy of the output layer's logits (B, T, V here; this rank's slice of the vocabulary
-        under tensor parallelism) against targets (B, T), in FP32."""
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 

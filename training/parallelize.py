@@ -94,10 +94,11 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
     # 1. Tensor parallelism: built into the model (model_layers).
     # 2. Activation checkpointing: 'selective' recomputes the core attention and the gated activation, 'full' the
     # whole block.
-    for block in model.layers if p.activation_checkpointing != "none" else ():  # type: ignore[union-attr]
-        parts = [block.attn.core, block.mlp.act] if p.activation_checkpointing == "selective" else [block]
-        for part in parts:
-            _recompute_in_backward(part, world.on_xla)
+    if p.activation_checkpointing != "none":
+        for block in model.layers:  # type: ignore[union-attr]
+            selective = p.activation_checkpointing == "selective"
+            for part in (block.attn.core, block.mlp.act) if selective else (block,):
+                _recompute_in_backward(part, world.on_xla)
     # 3. Compile.
     runner: nn.Module = model
     if cfg.training.compile and world.on_xla:

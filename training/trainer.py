@@ -343,7 +343,7 @@ class Trainer:
                 loss = self.model.loss(logits, batch.targets) / accum
                 loss.backward()
             total = loss.detach() if total is None else total + loss.detach()
-            if self.world.on_xla and self.cfg.training.xla_graph_cuts == "micro-batch":
+            if self.cfg.training.xla_graph_cuts == "micro-batch":
                 self.world.mark_step()  # HLAT's cut: each micro-batch a graph, the last one before the optimizer
         assert total is not None
         if self.world.is_main and inject_nan(self.run, self.step + 1):

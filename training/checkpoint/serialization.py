@@ -80,7 +80,7 @@ def one_intra_op_thread() -> None:
     Every thread that runs a parallel torch op on CPU gets an OpenMP team of its own, as large as the main one;
     once the teams hold more threads than there are cores, libgomp's threads stop spinning at barriers and sleep
     instead, and every parallel op of the training step pays for waking them. Measured on the tiny preset
-    (2 cores): 92 ms per step before the first async checkpoint, 181 ms after it, 81 ms with this. The setting is
+    (2 cores): 92 ms per step before the first async checkpoint, 181 ms after it, 64 ms with this. The setting is
     the calling thread's; torch also takes it as the default of threads that start torch work later."""
     torch.set_num_threads(1)
 
