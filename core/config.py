@@ -283,6 +283,11 @@ class TrainingConfig(Section):
     rehearsal of the trn1 code path, in the environment that `scripts/install.sh xla` makes."""
     document_masking: bool = False
     """Stop attention at document boundaries inside packed sequences."""
+    deterministic: bool = True
+    """On CUDA, deterministic kernels only (`torch.use_deterministic_algorithms`, cuBLAS's fixed workspace
+    `CUBLAS_WORKSPACE_CONFIG=:4096:8`, https://pytorch.org/docs/stable/notes/randomness.html), so that a job killed
+    and resumed reaches bitwise the weights of one never interrupted. Off: some backward kernels (embedding, index
+    adds) accumulate with atomics in any order, for a little speed. CPU and XLA are deterministic either way."""
     xla_graph_cuts: Literal["micro-batch", "step"] = "micro-batch"
     """On XLA (trn1, XLA:CPU), where the traced graph is cut: 'micro-batch' after each micro-batch's backward (the
     last cut is the one before the optimizer step), as HLAT's and NxD's training scripts cut it: gradient

@@ -16,7 +16,7 @@ from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 from hlat.infra.runs import open_run
 from hlat.training.checkpoint import CheckpointManager
-from tests.conftest import SMALL_DATA
+from tests.sizes import SMALL_DATA
 
 
 def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:

@@ -177,6 +177,8 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
             xla.init_process_group()
         return _model_parallel(World(rank=rank, world_size=world_size, local_rank=local_rank, device=xla.device()), cfg)
     if kind == "cuda":
+        if cfg is None or cfg.training.deterministic:
+            use_deterministic_cuda()
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
     else:
@@ -184,6 +186,15 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
     return _model_parallel(World(rank=rank, world_size=world_size, local_rank=local_rank, device=device), cfg)
+
+
+def use_deterministic_cuda() -> None:
+    """Deterministic CUDA kernels (https://pytorch.org/docs/stable/notes/randomness.html): an op without a
+    deterministic kernel raises rather than silently break bitwise resume. cuBLAS reads its workspace setting when
+    its first handle is made, so this runs before anything touches the device."""
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.benchmark = False
 
 
 def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
