@@ -507,8 +507,10 @@ class PrecompileConfig(Section):
 
     enabled: bool = True
     """Run the stage (it has nothing to do on CPU/CUDA unless training.compile is on)."""
-    steps: int = Field(2, ge=1, le=100)
-    """Training steps run to trace every graph (forward, backward, optimizer)."""
+    steps: int = Field(4, ge=1, le=100)
+    """Training steps of the rehearsal that builds every graph a job runs (the steps, a periodic health check, a
+    checkpoint one step before the end, the last step's checkpoint and validation pass): HLAT's compile run took
+    4, with a checkpoint at step 3."""
 
 
 class PlannerConfig(Section):

@@ -5,7 +5,7 @@ A run is one folder (local path or s3:// prefix), `<storage>/<run_id>/`:
     config.json                  the validated config (CONFIG_FILE)
     data/                        shards, manifest and report of prepare-data (DATA_DIR)
     tokenizer/                   tokenizer.model and its report (TOKENIZER_DIR)
-    compile-cache/               latest.json, torch/<key>/, neuron/ (COMPILE_CACHE_DIR)
+    compile-cache/               latest.json, torch/<key>/, xla/<key>/, neuron/ (COMPILE_CACHE_DIR)
     burn-in/report.json          the burn-in verdict (BURN_IN_REPORT)
     checkpoints/step-NNNNNNNNN/  one checkpoint, complete once its COMMITTED marker exists (CHECKPOINTS_DIR)
     metrics.jsonl                training's metrics, one JSON object per line (METRICS_FILE)
@@ -38,6 +38,8 @@ COMPILE_LATEST_FILE = "latest.json"
 COMPILE_LATEST = f"{COMPILE_CACHE_DIR}/{COMPILE_LATEST_FILE}"
 """The precompile stage's record of the cache it built (its key and status): written last."""
 TORCH_CACHE_DIR = "torch"
+XLA_CACHE_DIR = "xla"
+"""torch-xla's persistent compilation cache, per key (XLA jobs off trn1: the XLA:CPU rehearsal)."""
 NEURON_CACHE_DIR = "neuron"
 NEURON_CACHE = f"{COMPILE_CACHE_DIR}/{NEURON_CACHE_DIR}"
 """The Neuron compiler's cache (NEURON_COMPILE_CACHE_URL of trn1 jobs)."""

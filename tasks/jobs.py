@@ -52,10 +52,8 @@ def precompile_needed(config: HlatConfig) -> str | None:
     """Why the precompile stage has nothing to do, or None when it has work."""
     if not config.precompile.enabled:
         return "precompile.enabled is false"
-    if on_neuron(config):
+    if on_neuron(config) or config.training.device == "xla":  # XLA:CPU: torch-xla's persistent compile cache
         return None
-    if config.training.device == "xla":
-        return "XLA:CPU has no Neuron compiler to feed: the rehearsal's training job compiles its own graphs"
     if not config.training.compile:
         return "training.compile is off: eager PyTorch on CPU/CUDA has no graphs to build"
     return None

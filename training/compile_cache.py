@@ -11,6 +11,9 @@ every relaunch would pay it again; the precompile stage pays it once and leaves 
                                      kernels included
       torch/<digest>/manifest.json   key, digest, size and sha256 of artifacts.bin and of inductor.tar.gz, created,
                                      steps traced
+      xla/<digest>/xla-cache.tar.gz  torch-xla's persistent cache of the precompile job (`xr.initialize_cache`):
+                                     the compiled executables of every graph a job runs, off trn1 (XLA:CPU)
+      xla/<digest>/manifest.json     key, digest, size and sha256 of the tarball, graphs, created, steps
       neuron/                        the Neuron persistent cache (NEURON_COMPILE_CACHE_URL), by neuron_parallel_compile
       neuron/manifest.json           key, digest, created
 
@@ -54,6 +57,7 @@ from hlat.core.layout import COMPILE_CACHE_DIR as CACHE_DIR
 from hlat.core.layout import COMPILE_LATEST_FILE as LATEST_FILE
 from hlat.core.layout import NEURON_CACHE_DIR as NEURON_DIR
 from hlat.core.layout import TORCH_CACHE_DIR as TORCH_DIR
+from hlat.core.layout import XLA_CACHE_DIR as XLA_DIR
 from hlat.core.storage import Storage, StorageError, StorageNotFound
 from hlat.training.distributed import World
 
@@ -62,6 +66,7 @@ log = logging.getLogger("hlat.train")
 MANIFEST_FILE = "manifest.json"
 ARTIFACTS_FILE = "artifacts.bin"
 KERNELS_FILE = "inductor.tar.gz"
+XLA_CACHE_FILE = "xla-cache.tar.gz"
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 """Inductor's disk cache: FX graphs, AOTAutograd entries, generated code, compiled C++ (and Triton) kernels."""
@@ -201,7 +206,7 @@ def write_torch_cache(
     if inductor_dir is not None:
         with tempfile.TemporaryDirectory(prefix="hlat-inductor-pack-") as tmp:
             tarball = os.path.join(tmp, KERNELS_FILE)
-            files = pack_inductor_cache(inductor_dir, tarball)
+            files = pack_cache_folder(inductor_dir, tarball)
             manifest["inductor_files"] = files
             manifest["inductor_bytes"] = os.path.getsize(tarball) if files else 0
             manifest["inductor_sha256"] = _file_sha256(tarball) if files else None
@@ -227,6 +232,75 @@ def write_neuron_manifest(cache: Storage, key: dict[str, Any], steps: int, secon
     return manifest
 
 
+def xla_cache_dir(digest: str) -> str:
+    return f"{XLA_DIR}/{digest}"
+
+
+def write_xla_cache(cache: Storage, key: dict[str, Any], local_dir: str, steps: int, seconds: float) -> dict[str, Any]:
+    """Pack torch-xla's persistent cache `local_dir` (one file per compiled graph) into xla/<digest>/, then its
+    manifest, then latest.json naming it; return the manifest."""
+    digest = key_digest(key)
+    folder = xla_cache_dir(digest)
+    manifest: dict[str, Any] = {
+        "kind": "xla",
+        "key": key,
+        "digest": digest,
+        "created": _now(),
+        "steps": steps,
+        "seconds": round(seconds, 3),
+    }
+    with tempfile.TemporaryDirectory(prefix="hlat-xla-pack-") as tmp:
+        tarball = os.path.join(tmp, XLA_CACHE_FILE)
+        graphs = pack_cache_folder(local_dir, tarball)
+        if not graphs:
+            raise RuntimeError(f"torch-xla's persistent cache at {local_dir} is empty: the steps compiled nothing")
+        manifest.update(graphs=graphs, size=os.path.getsize(tarball), sha256=_file_sha256(tarball))
+        cache.put_file(tarball, f"{folder}/{XLA_CACHE_FILE}")
+    cache.write_json(f"{folder}/{MANIFEST_FILE}", manifest)
+    _write_latest(cache, manifest, f"{folder}/{MANIFEST_FILE}")
+    return manifest
+
+
+def fetch_xla_cache(run: Storage, cfg: HlatConfig, world_size: int, log_status: bool = True) -> CacheStatus:
+    """Extract the run's torch-xla persistent cache for this job's key into a fresh folder of this process's
+    (`kernels_dir` of a hit), to be given to `xr.initialize_cache` before anything compiles; like
+    `load_torch_cache`, never raises for a bad cache."""
+    start = time.perf_counter()
+    cache = run.child(CACHE_DIR)
+    key = cache_key(cfg, world_size, "xla")
+    folder = cache.child(xla_cache_dir(key_digest(key)))
+    try:
+        result = _fetch_xla(cache, folder, key)
+    except StorageError as exc:  # unreadable or deleted while read: a job without its cache still trains
+        result = CacheStatus("missing", folder.url, f"compile cache: missing ({exc}); compiling from scratch")
+    except ValueError as exc:
+        result = CacheStatus(
+            "corrupt", folder.url, f"compile cache: corrupt (unreadable JSON under {cache.url}: {exc}); not loaded"
+        )
+    return _report(replace(result, seconds=time.perf_counter() - start), log_status)
+
+
+def _fetch_xla(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
+    if not folder.exists(MANIFEST_FILE):
+        return _missing_or_stale(cache, folder, key)
+    manifest = folder.read_json(MANIFEST_FILE)
+    if manifest.get("key") != key:
+        return _stale(folder.url, manifest.get("key") or {}, key)
+    try:
+        graphs = _extract_tarball(folder, XLA_CACHE_FILE, manifest.get("size"), manifest.get("sha256"), "xla")
+    except _Corrupt as exc:
+        return CacheStatus("corrupt", folder.url, f"compile cache: corrupt ({exc}); not loaded, compiling from scratch")
+    return CacheStatus(
+        "hit",
+        folder.url,
+        f"compile cache: hit, {graphs.files} compiled XLA graph(s) ({human_bytes(graphs.size)}) from {folder.url} "
+        f"into torch-xla's persistent cache at {graphs.folder}",
+        size=graphs.size,
+        kernels_size=graphs.size,
+        kernels_dir=graphs.folder,
+    )
+
+
 def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) -> None:
     fields = ("kind", "digest", "created", "steps", "nothing_to_compile")
     latest: dict[str, Any] = {k: manifest[k] for k in fields if k in manifest}
@@ -237,9 +311,9 @@ def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) 
     cache.write_json(LATEST_FILE, latest)
 
 
-def pack_inductor_cache(folder: str, tarball: str) -> int:
-    """Pack Inductor's disk cache `folder` into the gzipped tar `tarball`; return the number of files packed
-    (0: the folder holds none, and no tarball is written).
+def pack_cache_folder(folder: str, tarball: str) -> int:
+    """Pack a compile cache folder (Inductor's disk cache, torch-xla's persistent cache) into the gzipped tar
+    `tarball`; return the number of files packed (0: the folder holds none, and no tarball is written).
 
     Regular files only (locks, links and the like are left out), in sorted path order, without owners: a plain
     archive that extracts under any user.
@@ -264,8 +338,8 @@ def pack_inductor_cache(folder: str, tarball: str) -> int:
     return len(files)
 
 
-def unpack_inductor_cache(tarball: str, folder: str) -> int:
-    """Extract a tarball written by `pack_inductor_cache` into `folder`; return the number of files.
+def unpack_cache_folder(tarball: str, folder: str) -> int:
+    """Extract a tarball written by `pack_cache_folder` into `folder`; return the number of files.
 
     Raises ValueError, extracting nothing, when a member is not a plain file or folder below `folder` (an absolute
     path, a '..', a link, a device): the tarball is data and never writes elsewhere.
@@ -398,6 +472,11 @@ def _load(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
             kernels_size=0 if kernels is None else kernels.size,
             kernels_dir=None if kernels is None else kernels.folder,
         )
+    return _missing_or_stale(cache, folder, key)
+
+
+def _missing_or_stale(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
+    """No cache for this key: `stale` naming what differs from the last one precompile built, else `missing`."""
     if cache.exists(LATEST_FILE):
         latest = cache.read_json(LATEST_FILE)
         manifest_path = latest.get("manifest") or f"{torch_cache_dir(str(latest.get('digest')))}/{MANIFEST_FILE}"
@@ -427,29 +506,35 @@ def _extract_kernels(folder: Storage, manifest: dict[str, Any]) -> _Kernels | No
     sha256 = manifest.get("inductor_sha256")
     if not sha256:
         return None
-    uri = folder.uri(KERNELS_FILE)
-    if not folder.exists(KERNELS_FILE):
+    return _extract_tarball(folder, KERNELS_FILE, manifest.get("inductor_bytes"), sha256, "inductor")
+
+
+def _extract_tarball(folder: Storage, name: str, size: int | None, sha256: str | None, kind: str) -> _Kernels:
+    """Verify `name` in `folder` against its manifest's size and sha256 and extract it into a fresh folder of this
+    process's (deleted when the process exits); raises _Corrupt."""
+    uri = folder.uri(name)
+    if not folder.exists(name):
         raise _Corrupt(f"{uri} is missing")
-    target = tempfile.mkdtemp(prefix=f"hlat-inductor-{os.getpid()}-")
+    target = tempfile.mkdtemp(prefix=f"hlat-{kind}-{os.getpid()}-")
     try:
-        with tempfile.TemporaryDirectory(prefix="hlat-inductor-get-") as tmp:
-            tarball = os.path.join(tmp, KERNELS_FILE)
-            folder.get_file(KERNELS_FILE, tarball)
-            size, actual = os.path.getsize(tarball), _file_sha256(tarball)
-            if size != manifest.get("inductor_bytes") or actual != sha256:
+        with tempfile.TemporaryDirectory(prefix=f"hlat-{kind}-get-") as tmp:
+            tarball = os.path.join(tmp, name)
+            folder.get_file(name, tarball)
+            actual_size, actual = os.path.getsize(tarball), _file_sha256(tarball)
+            if actual_size != size or actual != sha256:
                 raise _Corrupt(
-                    f"{uri}: {size} bytes with sha256 {actual[:12]}, the manifest says "
-                    f"{manifest.get('inductor_bytes')} bytes with sha256 {str(sha256)[:12]}"
+                    f"{uri}: {actual_size} bytes with sha256 {actual[:12]}, the manifest says "
+                    f"{size} bytes with sha256 {str(sha256)[:12]}"
                 )
             try:
-                files = unpack_inductor_cache(tarball, target)
+                files = unpack_cache_folder(tarball, target)
             except (tarfile.TarError, ValueError, EOFError, zlib.error, OSError) as exc:
                 raise _Corrupt(f"{uri}: {exc}") from exc
     except BaseException:
         shutil.rmtree(target, ignore_errors=True)
         raise
     atexit.register(shutil.rmtree, target, ignore_errors=True)
-    return _Kernels(target, size, files)
+    return _Kernels(target, actual_size, files)
 
 
 def _file_sha256(path: str) -> str:

@@ -156,9 +156,12 @@ def resolve_device_kind(kind: str) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> World:
+def init_world(
+    device_kind: str = "auto", cfg: HlatConfig | None = None, xla_cache: tuple[str, bool] | None = None
+) -> World:
     """Pick this rank's device and join torchrun's process group when WORLD_SIZE > 1. On XLA, the precision flags
-    of `cfg` (`xla_precision_environment`) are set first, unless the job's environment already has them; on trn1,
+    of `cfg` (`xla_precision_environment`) are set first, unless the job's environment already has them, then
+    torch-xla's persistent compilation cache when `xla_cache` names one (folder, read-only); on trn1,
     neuronx-distributed's model-parallel groups are formed from `cfg.parallelism`."""
     precision = cfg.precision.mode if cfg is not None else "fp32"
     rank = int(os.environ.get("RANK", "0"))
@@ -171,6 +174,8 @@ def init_world(device_kind: str = "auto", cfg: HlatConfig | None = None) -> Worl
         xla.require_xla()
         on_neuron = neuron_available()
         xla.prepare_environment(xla_precision_environment(precision), on_neuron=on_neuron)
+        if xla_cache is not None:
+            xla.initialize_cache(*xla_cache)
         if world_size > 1:
             if not on_neuron and os.environ.get("PJRT_DEVICE") == "CPU":
                 raise RuntimeError(f"this job has {world_size} processes: {xla.XLA_CPU_NOTE}")

@@ -5,18 +5,25 @@ in `training/compile_cache.py`), so that no training job, first or relaunched, c
 the same instances and process count as training (under torchrun; SageMaker's Torchrun driver runs it by path,
 hence the sys.path set-up below), because the graphs depend on them.
 
-- CPU/CUDA with training.compile on: the Trainer is built exactly as training builds it (model, parallelism,
-  precision, loader over the run's data and tokenizer, or the job's input channels), but with a throwaway folder
-  for its metrics and checkpoints: the run's history stays training's alone. From a fresh compiler state, with
-  TORCHINDUCTOR_CACHE_DIR pointed at an empty temporary folder, it runs precompile.steps training steps;
-  torch.compiler.save_cache_artifacts() then holds every graph they compiled (forward and backward) and the folder
-  every kernel, and rank 0 writes both (the folder as inductor.tar.gz), their manifest and latest.json. The
-  weights are thrown away.
+Every path runs the training loop itself (`Trainer.fit`, `rehearse`) on the job's config cut to precompile.steps
+steps (`rehearsal_config`; HLAT's compile run: 4 steps with a checkpoint at step 3): the steps, the sync points'
+host reads and stop vote, a periodic health check, a checkpoint, the last step's checkpoint and validation pass.
+The Trainer is built exactly as training builds it (model, parallelism, precision, loader over the run's data and
+tokenizer, or the job's input channels), with a throwaway folder for its metrics and checkpoints: the run's
+history stays training's alone, and the weights are thrown away.
+
+- CPU/CUDA with training.compile on: from a fresh compiler state, with TORCHINDUCTOR_CACHE_DIR pointed at an
+  empty temporary folder; torch.compiler.save_cache_artifacts() then holds every graph the rehearsal compiled
+  (forward and backward, training and validation) and the folder every kernel, and rank 0 writes both (the folder
+  as inductor.tar.gz), their manifest and latest.json.
 - CPU/CUDA with training.compile off: eager PyTorch compiles nothing; a manifest says so and the job succeeds.
 - trn1 (torch-neuronx and torch-xla importable): the job runs under neuron_parallel_compile (the job backends
   set RUN_NEURON_PARALLEL_COMPILE=1, and SageMaker's Torchrun driver wraps torchrun in it). The steps run on the
   XLA device, where their graphs are extracted rather than executed; after this program exits the wrapper
   compiles them all in parallel into NEURON_COMPILE_CACHE_URL (the run's compile-cache/neuron/).
+- XLA:CPU (the local rehearsal of trn1): torch-xla's persistent compilation cache records every graph the
+  rehearsal compiles, and the job packs it into compile-cache/xla/<digest>/; a training job with the same key
+  loads it before anything compiles (`training/train.py`) and compiles no graph of its own.
 """
 
 from __future__ import annotations
@@ -27,7 +34,6 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script path: make the project's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import logging
 import os
 import tempfile
 import time
@@ -50,11 +56,11 @@ from hlat.training.compile_cache import (
     use_inductor_cache_dir,
     write_neuron_manifest,
     write_torch_cache,
+    write_xla_cache,
+    xla_cache_dir,
 )
-from hlat.training.distributed import World, close_world, init_world
+from hlat.training.distributed import World, close_world, init_world, resolve_device_kind
 from hlat.training.trainer import Trainer
-
-log = logging.getLogger("hlat.precompile")
 
 NOTHING_TO_COMPILE = "training.compile is false: eager PyTorch on CPU/CUDA has no graphs to build"
 
@@ -67,10 +73,11 @@ def main(argv: list[str] | None = None) -> int:
 def _precompile(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
     cache = run.child(CACHE_DIR)
-    world = init_world(device or cfg.training.device, cfg)
+    kind = resolve_device_kind(device or cfg.training.device)
+    if kind == "xla":
+        return _precompile_xla(run, cfg, cache)
+    world = init_world(kind, cfg)
     try:
-        if world.on_xla:
-            return _precompile_xla(run, cfg, cache, world)
         key = cache_key(cfg, world.world_size, world.device.type)
         folder = cache.uri(torch_cache_dir(key_digest(key)))
         if not cfg.training.compile:
@@ -83,9 +90,8 @@ def _precompile(config_uri: str, device: str | None) -> int:
             # A fresh Inductor disk cache, set before the first compile: it ends up holding this key's kernels
             # and nothing else, and is packed next to the artifacts.
             use_inductor_cache_dir(inductor)
-            with throwaway_trainer(run, cfg, world) as trainer:
-                torch.compiler.reset()  # every graph compiled from here on is recorded for save_cache_artifacts
-                seconds = run_steps(trainer, steps)
+            torch.compiler.reset()  # every graph compiled from here on is recorded for save_cache_artifacts
+            seconds = rehearse(run, cfg, world)
             saved = torch.compiler.save_cache_artifacts()
             if saved is None:
                 raise RuntimeError(
@@ -111,6 +117,39 @@ def _precompile(config_uri: str, device: str | None) -> int:
         close_world()
 
 
+def rehearsal_config(cfg: HlatConfig) -> HlatConfig:
+    """The job's config, cut to precompile.steps steps that still take every path a job's step can take (HLAT's
+    compile run: 4 steps, a checkpoint at step 3): a periodic health check (when the job runs them) before the
+    checkpoint, the checkpoint one step before the end, the last step's checkpoint and validation pass, the stop
+    vote and the host reads of every sync point. The learning-rate schedule keeps the job's horizon."""
+    steps, t = cfg.precompile.steps, cfg.training
+    training = t.model_copy(
+        update={
+            "max_steps": steps,
+            "schedule_steps": t.schedule_steps or t.max_steps,
+            "checkpoint_every": max(steps - 1, 1),
+            "eval_every": 0,  # validation once, after the last step (its own graph)
+        }
+    )
+    burn_in = cfg.burn_in
+    if burn_in.health_check_every:
+        burn_in = burn_in.model_copy(update={"health_check_every": max(steps - 2, 1)})
+    return cfg.model_copy(update={"training": training, "burn_in": burn_in})
+
+
+def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
+    """Run the training loop itself (`Trainer.fit`) on `rehearsal_config(cfg)`, over the run's data, writing its
+    metrics and checkpoints to a throwaway folder; return the seconds it took."""
+    with throwaway_trainer(run, rehearsal_config(cfg), world) as trainer:
+        start = time.perf_counter()
+        code = trainer.fit()
+        if code:
+            raise RuntimeError(
+                f"the precompile steps ended with exit code {code} (a non-finite loss or a bad collective)"
+            )
+        return time.perf_counter() - start
+
+
 @contextmanager
 def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
     """The Trainer training would build, reading the run's data and tokenizer, writing metrics and checkpoints
@@ -130,50 +169,46 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
         try:
             yield trainer
         finally:
+            trainer.ckpt.wait()
             trainer.loader.close()
             trainer.metrics.close()
 
 
-def run_steps(trainer: Trainer, steps: int) -> float:
-    """Run `steps` training steps (forward, backward, optimizer: every graph a step compiles); return seconds."""
-    batches = trainer.device_batches(trainer.loader, trainer.cfg.gradient_accumulation)
-    start = time.perf_counter()
-    for step in range(1, steps + 1):
-        stats = trainer.train_step(batches)
-        trainer.step = step
-        loss = float(trainer.world.to_host(stats["loss"]))  # a host read per step: here, time is not the point
-        if trainer.world.is_main:
-            log.info(
-                "precompile: step %d of %d done at %.1f s (loss %.4f)", step, steps, time.perf_counter() - start, loss
-            )  # fmt: skip
-    return time.perf_counter() - start
+def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
+    """The XLA device: the rehearsal's graphs, every one a job runs.
 
-
-def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage, world: World) -> int:
-    """The XLA device: run the steps, one graph each (the loop's own mark_step), and one validation pass. On trn1, under
-    neuron_parallel_compile, their graphs are extracted rather than executed and compiled into
-    NEURON_COMPILE_CACHE_URL after this program exits; the key goes to neuron/manifest.json.
-
-    Only trn1 runs the Neuron part: torch-neuronx and neuronx-cc exist only there."""
-    if not neuron_available():
-        raise RuntimeError(
-            "precompile on XLA outside trn1 (XLA:CPU) has no Neuron compiler to feed: the rehearsal's graphs are "
-            "compiled by the training job itself; set precompile.enabled=false"
-        )
-    url = os.environ.get("NEURON_COMPILE_CACHE_URL")
-    if not url:
+    - trn1, under neuron_parallel_compile: the graphs are extracted rather than executed and compiled into
+      NEURON_COMPILE_CACHE_URL after this program exits; the key goes to neuron/manifest.json.
+    - XLA:CPU (the local rehearsal): torch-xla's persistent cache (`xr.initialize_cache`) in a fresh folder
+      records every compiled graph; it is packed into xla/<digest>/, where training jobs with the same key load
+      it and compile nothing.
+    """
+    on_neuron = neuron_available()
+    if on_neuron and not os.environ.get("NEURON_COMPILE_CACHE_URL"):
         raise RuntimeError(
             "NEURON_COMPILE_CACHE_URL is not set: the compiled graphs would not reach the run's compile-cache/neuron/; "
             "set it to <run>/compile-cache/neuron (the job backends do) and run under neuron_parallel_compile"
         )
-    key = cache_key(cfg, world.world_size, world.device.type)
     steps = cfg.precompile.steps
-    with throwaway_trainer(run, cfg, world) as trainer:
-        seconds = run_steps(trainer, steps)
-        trainer.evaluate(steps)  # the held-out forward pass is a graph of its own (every job ends with one)
-    if world.is_main:
-        write_neuron_manifest(cache, key, steps=steps, seconds=seconds)
-        print(f"precompile: {steps} steps traced in {seconds:.1f} s, graphs extracted for neuronx-cc -> {url}")
+    with tempfile.TemporaryDirectory(prefix="hlat-xla-cache-") as local:
+        world = init_world("xla", cfg, xla_cache=None if on_neuron else (local, False))
+        try:
+            key = cache_key(cfg, world.world_size, "xla")
+            seconds = rehearse(run, cfg, world)
+            if world.is_main:
+                if on_neuron:
+                    write_neuron_manifest(cache, key, steps=steps, seconds=seconds)
+                    where = f"graphs extracted for neuronx-cc -> {os.environ['NEURON_COMPILE_CACHE_URL']}"
+                else:
+                    manifest = write_xla_cache(cache, key, local, steps=steps, seconds=seconds)
+                    where = (
+                        f"{manifest['graphs']} compiled graphs ({human_bytes(manifest['size'])}) -> "
+                        f"{cache.uri(xla_cache_dir(manifest['digest']))}"
+                    )
+                print(f"precompile: {steps} steps rehearsed in {seconds:.1f} s, {where}", flush=True)
+            world.barrier("hlat-precompile")
+        finally:
+            close_world()
     return 0
 
 

@@ -17,6 +17,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script path: make the project's packages importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import logging
+import os
 import tempfile
 
 from hlat.core.contract import (
@@ -31,10 +33,13 @@ from hlat.core.contract import (
     write_failure,
 )
 from hlat.core.environment import neuron_available
-from hlat.training.compile_cache import load_torch_cache, use_node_local_neuron_cache
-from hlat.training.distributed import close_world, init_world
+from hlat.training import xla
+from hlat.training.compile_cache import fetch_xla_cache, load_torch_cache, use_node_local_neuron_cache
+from hlat.training.distributed import close_world, init_world, resolve_device_kind
 from hlat.training.faults import checkpoint_storage
 from hlat.training.trainer import Trainer
+
+log = logging.getLogger("hlat.train")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,7 +52,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
-    world = init_world(device or cfg.training.device, cfg)
+    kind = resolve_device_kind(device or cfg.training.device)
+    xla_cache = None
+    if kind == "xla" and not neuron_available():
+        # XLA:CPU: precompile's torch-xla persistent cache, given to torch-xla before anything compiles. (On trn1
+        # the Neuron cache plays this part: neuron_parallel_compile's, copied node-locally below.)
+        xla_cache = fetch_xla_cache(
+            run, cfg, int(os.environ.get("WORLD_SIZE", "1")), log_status=os.environ.get("RANK", "0") == "0"
+        )
+    world = init_world(
+        kind, cfg, xla_cache=(xla_cache.kernels_dir, True) if xla_cache and xla_cache.kernels_dir else None
+    )
     try:
         if neuron_available():
             use_node_local_neuron_cache(world)  # before anything compiles: one copy per node, read locally
@@ -64,10 +79,17 @@ def _train(config_uri: str, device: str | None) -> int:
             )
             # Before the first compiled step: the precompile stage's graphs and kernels, when they match this job
             # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).
-            cache = load_torch_cache(run, cfg, world.world_size, world.device.type, log_status=world.is_main)
+            cache = xla_cache or load_torch_cache(run, cfg, world.world_size, world.device.type, world.is_main)
             trainer.first_step_metrics.update(cache.metrics())
             trainer.resume()
-            return trainer.fit()
+            code = trainer.fit()
+            if world.on_xla and world.is_main:
+                counts = xla.counters()
+                log.info(
+                    "xla: this job compiled %d graph(s) and loaded %d from the persistent compile cache",
+                    counts["compilations"], counts["persistent_cache_hits"],
+                )  # fmt: skip
+            return code
     finally:
         close_world()
 

@@ -58,6 +58,15 @@ def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> No
         os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 
+def initialize_cache(folder: str, readonly: bool) -> None:
+    """torch-xla's persistent compilation cache in `folder` (one file per compiled graph, keyed by the graph's
+    hash): graphs found there are loaded, not compiled; `readonly` jobs add none. Must run before the first
+    computation (https://pytorch.org/xla/release/r2.7/learn/api-guide.html, `torch_xla.runtime.initialize_cache`)."""
+    import torch_xla.runtime as xr
+
+    xr.initialize_cache(folder, readonly=readonly)
+
+
 def device() -> torch.device:
     require_xla()
     import torch_xla.core.xla_model as xm
@@ -170,6 +179,7 @@ def counters() -> dict[str, float]:
 
     out = {
         "compilations": samples("CompileTime"),
+        "persistent_cache_hits": float(met.counter_value("PersistentCacheHit") or 0),
         "executions": samples("ExecuteTime"),
         "transfers_to_host": samples("TransferFromDeviceTime"),
     }

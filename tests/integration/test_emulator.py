@@ -211,7 +211,7 @@ def test_precompile_on_both_hosts_feeds_the_training_on_both_hosts(prepared: Pat
     backend.submit(spec)
     state = wait(backend, spec.name, timeout=600)
     assert state.status == Status.COMPLETED, log_text(backend, spec.name)
-    assert "[algo-1] precompile: 2 steps traced" in log_text(backend, spec.name)  # precompile.steps
+    assert "[algo-1] precompile: 4 steps traced" in log_text(backend, spec.name)  # precompile.steps
     assert (run / "compile-cache" / "latest.json").exists()
     train_spec = spec_for(run, instance_count=2)
     backend.submit(train_spec)

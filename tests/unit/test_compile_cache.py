@@ -1,5 +1,5 @@
-"""The compile cache's key, its statuses (hit, stale, corrupt, missing, off), the Inductor cache tarball and the
-node-local Neuron cache copy."""
+"""The compile cache's key, its statuses (hit, stale, corrupt, missing, off), the Inductor cache tarball, torch-xla's
+persistent cache of the XLA:CPU rehearsal and the node-local Neuron cache copy."""
 
 from __future__ import annotations
 
@@ -29,16 +29,19 @@ from hlat.training.compile_cache import (
     LATEST_FILE,
     MANIFEST_FILE,
     cache_key,
+    fetch_xla_cache,
     human_bytes,
     key_differences,
     key_digest,
     load_torch_cache,
     localize_neuron_cache,
-    pack_inductor_cache,
+    pack_cache_folder,
     torch_cache_dir,
-    unpack_inductor_cache,
+    unpack_cache_folder,
     use_node_local_neuron_cache,
     write_torch_cache,
+    write_xla_cache,
+    xla_cache_dir,
 )
 from hlat.training.distributed import World
 
@@ -344,17 +347,17 @@ def test_the_inductor_cache_packs_its_files_in_path_order_and_extracts_to_the_sa
     tmp_path: Path, inductor_dir: Path
 ) -> None:
     tarball = tmp_path / KERNELS_FILE
-    assert pack_inductor_cache(str(inductor_dir), str(tarball)) == len(KERNELS)
+    assert pack_cache_folder(str(inductor_dir), str(tarball)) == len(KERNELS)
     with tarfile.open(tarball) as tar:
         names = tar.getnames()
         assert {(m.uid, m.gid, m.uname, m.gname) for m in tar.getmembers()} == {(0, 0, "", "")}
     assert names == sorted(KERNELS)  # no lock files, no links
-    assert unpack_inductor_cache(str(tarball), str(tmp_path / "out")) == len(KERNELS)
+    assert unpack_cache_folder(str(tarball), str(tmp_path / "out")) == len(KERNELS)
     assert files_under(tmp_path / "out") == KERNELS
     assert os.access(tmp_path / "out" / "ab" / "cabc.main.so", os.R_OK)
     empty = tmp_path / "empty"
     (empty / "locks").mkdir(parents=True)
-    assert pack_inductor_cache(str(empty), str(tmp_path / "none.tar.gz")) == 0
+    assert pack_cache_folder(str(empty), str(tmp_path / "none.tar.gz")) == 0
     assert not (tmp_path / "none.tar.gz").exists()
 
 
@@ -377,7 +380,7 @@ def test_unpacking_refuses_members_that_are_not_plain_files_below_the_folder(
     tarball.parent.mkdir()
     tarball.write_bytes(tarball_of([(member("ab/cabc.main.so"), b"so"), (unsafe, b"evil")]))
     with pytest.raises(ValueError, match="unsafe member"):
-        unpack_inductor_cache(str(tarball), str(tmp_path / "out" / "inductor"))
+        unpack_cache_folder(str(tarball), str(tmp_path / "out" / "inductor"))
     assert files_under(tmp_path) == {"kernels/" + KERNELS_FILE: tarball.read_bytes()}  # nothing extracted
 
 
@@ -480,6 +483,52 @@ def test_artifacts_torch_cannot_read_leave_the_inductor_folder_as_it_was(
     status = load_torch_cache(run, cfg, 1, "cpu")
     assert status.status == "corrupt" and os.environ[INDUCTOR_CACHE_ENV] == str(inductor_env)
     assert extracted_folders() == before
+
+
+XLA_GRAPHS = {"155613381744397654026836937588331290869": b"executable" * 300, "7925590052605381958": b"hlo" * 99}
+
+
+def xla_run(tmp_path: Path, graphs: dict[str, bytes] = XLA_GRAPHS) -> tuple[Storage, HlatConfig, dict[str, Any]]:
+    """A run whose precompile job left torch-xla's persistent cache (`graphs`) for the tiny preset on XLA."""
+    local = tmp_path / "persistent"
+    local.mkdir()
+    for name, data in graphs.items():
+        (local / name).write_bytes(data)
+    run, cfg = Storage(str(tmp_path / "run")), load_config("tiny", {"training.device": "xla"})
+    manifest = write_xla_cache(run.child(CACHE_DIR), cache_key(cfg, 1, "xla"), str(local), steps=4, seconds=3.0)
+    return run, cfg, manifest
+
+
+def test_the_xla_persistent_cache_is_packed_under_its_key_and_extracted_whole_for_a_matching_job(
+    tmp_path: Path,
+) -> None:
+    run, cfg, manifest = xla_run(tmp_path)
+    assert manifest["kind"] == "xla" and manifest["graphs"] == 2 and manifest["steps"] == 4
+    assert (
+        run.read_json(f"{CACHE_DIR}/{LATEST_FILE}")["manifest"] == f"{xla_cache_dir(manifest['digest'])}/manifest.json"
+    )
+    found = fetch_xla_cache(run, cfg, world_size=1)
+    assert found.status == "hit" and found.kernels_dir is not None
+    assert {p.name: p.read_bytes() for p in Path(found.kernels_dir).iterdir()} == XLA_GRAPHS
+    assert found.metrics()["compile_cache"] == "hit"
+
+
+def test_an_xla_cache_for_another_layout_is_stale_and_a_tampered_one_corrupt(tmp_path: Path) -> None:
+    run, cfg, manifest = xla_run(tmp_path)
+    other = cfg.model_copy(update={"training": cfg.training.model_copy(update={"xla_graph_cuts": "step"})})
+    stale = fetch_xla_cache(run, other, world_size=1)
+    assert stale.status == "stale" and stale.kernels_dir is None
+    assert stale.differences == ["training.xla_graph_cuts micro-batch -> step"]
+    tarball = tmp_path / "run" / CACHE_DIR / xla_cache_dir(manifest["digest"]) / "xla-cache.tar.gz"
+    tarball.write_bytes(tarball.read_bytes()[:-10])
+    corrupt = fetch_xla_cache(run, cfg, world_size=1)
+    assert corrupt.status == "corrupt" and "sha256" in corrupt.message and corrupt.kernels_dir is None
+    assert fetch_xla_cache(Storage(str(tmp_path / "none")), cfg, world_size=1).status == "missing"
+
+
+def test_an_empty_xla_persistent_cache_is_an_error_not_an_empty_cache(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError, match="compiled nothing"):
+        xla_run(tmp_path, graphs={})
 
 
 def test_localize_copies_the_folder_tree_and_then_only_what_changed(tmp_path: Path) -> None:

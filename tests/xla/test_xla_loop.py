@@ -7,8 +7,10 @@ step's counts are taken after waiting for the device."""
 from __future__ import annotations
 
 import itertools
+import json
 import logging
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -202,10 +204,10 @@ def test_with_xla_always_allreduce_the_loops_collectives_run_on_device_tensors(
     assert xla.counters()["all_reduces"] - before >= len(seen)
 
 
-def job(run: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    """The training program as a job runs it, on XLA:CPU."""
+def job(run: Path, env: dict[str, str] | None = None, program: str = "train") -> subprocess.CompletedProcess[str]:
+    """A job program (the training's, or `program`) as a job runs it, on XLA:CPU, in a process of its own."""
     return subprocess.run(
-        [sys.executable, "-m", "hlat.training.train", "--config", str(run / "config.json")],
+        [sys.executable, "-m", f"hlat.training.{program}", "--config", str(run / "config.json")],
         cwd=PROJECT, env={**os.environ, **(env or {})}, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
 
@@ -251,33 +253,70 @@ def test_the_xla_benchmark_runs_and_reports_its_executions_per_quiet_step() -> N
     assert [cell.strip() for cell in xla_row.split("|")[2:5]] == ["0", "3", "0"]
 
 
-def test_the_precompile_programs_xla_path_runs_the_steps_and_a_validation_pass_and_records_its_key(
+def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoints_and_validation(
     prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the trn1 precompile job does before neuron_parallel_compile takes over (which exists only on trn1)."""
+    """What the trn1 precompile job does before neuron_parallel_compile takes over (which exists only on trn1): the
+    training loop itself for precompile.steps steps (HLAT: 4, a checkpoint at step 3), every hook included."""
     from hlat.training import precompile
     from hlat.training.compile_cache import CACHE_DIR, cache_key, key_digest
 
-    run = make_run(prepared, tmp_path, "precompile", **{"precompile.steps": 2})
+    run = make_run(prepared, tmp_path, "precompile", **{"burn_in.health_check_every": 50})
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
-    world = init_world("xla", cfg)
     cache = Storage(str(run / CACHE_DIR))
-    with pytest.raises(RuntimeError, match="no Neuron compiler to feed"):
-        precompile._precompile_xla(Storage(str(run)), cfg, cache, world)
-
     monkeypatch.setattr(precompile, "neuron_available", lambda: True)
+    with pytest.raises(RuntimeError, match="NEURON_COMPILE_CACHE_URL is not set"):
+        precompile._precompile_xla(Storage(str(run)), cfg, cache)
+
+    calls: list[tuple[str, int]] = []
+    for hook in ("health_check", "save_checkpoint", "evaluate"):
+        original = getattr(Trainer, hook)
+
+        def spy(self: Trainer, step: int, _name: str = hook, _original: Any = original) -> Any:
+            calls.append((_name, step))
+            return _original(self, step)
+
+        monkeypatch.setattr(Trainer, hook, spy)
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(run / CACHE_DIR / "neuron"))
-    xla.wait()
-    before = xla.counters()["executions"]
-    assert precompile._precompile_xla(Storage(str(run)), cfg, cache, world) == 0
-    xla.wait()
-    # Graphs ran for step 1, step 2 (optimizer state) and the validation pass (their compilations may already be
-    # in this process's cache, from the tests before).
-    assert xla.counters()["executions"] - before >= 3
+    assert precompile._precompile_xla(Storage(str(run)), cfg, cache) == 0
+    assert calls == [
+        ("health_check", 2),
+        ("save_checkpoint", 3),
+        ("health_check", 4),
+        ("evaluate", 4),
+        ("save_checkpoint", 4),
+    ]
     manifest = cache.read_json("neuron/manifest.json")
-    assert manifest["steps"] == 2 and manifest["digest"] == key_digest(cache_key(cfg, 1, "xla"))
+    assert manifest["steps"] == 4 and manifest["digest"] == key_digest(cache_key(cfg, 1, "xla"))
     assert cache.read_json("latest.json")["kind"] == "neuron"
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()  # a throwaway trainer
+
+
+def test_a_job_started_on_the_xla_cpu_precompile_cache_compiles_nothing(prepared: Path, tmp_path: Path) -> None:
+    """XLA:CPU with one graph per step (the main suite's XLA DAG test covers HLAT's per-micro-batch cuts):
+    precompile rehearses the loop into torch-xla's persistent cache, and a training job with checkpoints, a
+    health check and validation passes, started on it, loads every graph and compiles none."""
+    run = make_run(
+        prepared, tmp_path, "cached", **{
+            "training.xla_graph_cuts": "step", "training.max_steps": 8, "training.checkpoint_every": 3,
+            "training.eval_every": 4, "training.eval_batches": 2, "burn_in.health_check_every": 5,
+        }
+    )  # fmt: skip
+    done = job(run, program="precompile")
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "precompile: 4 steps rehearsed in" in out and "compiled graphs" in out
+    latest = Storage(str(run)).read_json("compile-cache/latest.json")
+    assert latest["kind"] == "xla" and latest["steps"] == 4
+    done = job(run)
+    out = done.stdout + done.stderr
+    assert done.returncode == 0, out[-3000:]
+    assert "compile cache: hit" in out
+    loaded = re.search(r"xla: this job compiled (\d+) graph\(s\) and loaded (\d+)", out)
+    assert loaded is not None, out[-3000:]
+    assert loaded.group(1) == "0" and int(loaded.group(2)) > 0
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 8
 
 
 def test_the_barrier_on_xla_is_torch_xlas_rendezvous_not_the_process_groups_no_op(
