@@ -17,7 +17,7 @@ from typing import Any
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.storage import Storage
-from hlat.infra.catalog import CATALOG, Instance, InstanceCost, measured, price_per_hour, tokens_per_s_at
+from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
 from hlat.infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
 
@@ -270,20 +270,20 @@ def supervisor_for(
 
 
 def estimate(config: HlatConfig) -> dict[str, Any]:
-    """Hourly cost, and time and cost to train to max_steps at the catalog's assumed MFU (None when unknown)."""
-    job, t = config.job, config.training
+    """Hourly cost, and time and cost to train to max_steps with where its throughput comes from
+    (`infra.planner.run_cost`: the figure `hlat plan` prints too); hours None when no throughput is known."""
+    from hlat.infra.planner import run_cost
+
+    job = config.job
     hourly = price_per_hour(job.instance_type, job.price_per_hour_usd) * job.instance_count
-    tokens = t.max_steps * config.tokens_per_step
-    out: dict[str, Any] = {"hourly_usd": hourly, "tokens": tokens, "hours": None, "total_usd": None, "mfu": None}
-    instance = CATALOG.get(job.instance_type)
-    if instance and instance.peak_bf16_flops and instance.estimate_mfu:
-        rate = tokens_per_s_at(
-            instance, job.instance_count, instance.estimate_mfu, config.model.flops_per_token(t.seq_len)
-        )
-        cost = InstanceCost(
-            job.instance_type, job.instance_count, rate, hourly / job.instance_count, tokens, "catalog estimate MFU"
-        )
-        out.update(hours=cost.hours, total_usd=cost.usd, mfu=instance.estimate_mfu)
+    out: dict[str, Any] = {"hourly_usd": hourly, "tokens": config.training.max_steps * config.tokens_per_step}
+    cost = run_cost(config)
+    out.update(
+        hours=None if cost is None else cost.hours,
+        total_usd=None if cost is None else cost.usd,
+        tokens_per_s=None if cost is None else cost.tokens_per_s,
+        basis=None if cost is None else cost.basis,
+    )
     return out
 
 
@@ -481,8 +481,9 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     elif est["hours"] is not None:
         lines.append(
             f"estimate: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens = "
-            f"{est['tokens'] / 1e9:,.1f}B tokens in {est['hours']:,.0f} h ({est['hours'] / 24:,.1f} days) "
-            f"at an assumed {est['mfu']:.0%} MFU, about ${est['total_usd']:,.0f}"
+            f"{est['tokens'] / 1e9:,.1f}B tokens in {est['hours']:,.0f} h ({est['hours'] / 24:,.1f} days) at "
+            f"{est['tokens_per_s']:,.0f} tokens/s ({est['basis']}), about ${est['total_usd']:,.0f} (`hlat plan` ranks "
+            "the other layouts)"
         )
         lines += chaining(config, est["hours"], spec.max_runtime_s)
         lines.append(data_estimate(config).line())

@@ -6,10 +6,8 @@ Prices are on-demand dollars per node-hour (EC2 figures; SageMaker's `ml.` rates
 p5.48xlarge $98.32 (see its entry). A run's `job.price_per_hour_usd`
 overrides the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved
 or negotiated rates, other instance types).
-`estimate_mfu` is the model-FLOPs utilisation assumed when estimating time to train before anything has run: for
-trn1 it is derived from the published GPT-NeoX 20B and Pythia 6.9B throughput (AWS ML blog, "Frugality meets
-Accuracy", see infra/planner.py's CALIBRATION_RUNS: 212 seq/s x 2048
-tokens on 64 nodes: 6 x 20.6B x 434k tok/s over 64 x 3.04 PFLOP/s = 27%; Pythia 6.9B on 4 nodes: 25%).
+Time to train is not assumed here: the dry run and `hlat plan` take it from `infra.planner` (Trainium layouts, by
+its model fitted on published trn1 runs) or from a GPU's measured or assumed MFU (`Topology.comparison`).
 `topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
 """
 
@@ -148,7 +146,6 @@ class Instance:
     """Devices per node: Trainium chips or GPUs (NeuronCores are 2 per chip)."""
     peak_bf16_flops: float
     """Peak dense BF16 FLOP/s of one node."""
-    estimate_mfu: float
     topology: Topology | None = None
     """Devices, memory and links of one node, for the planner; None where unknown (local)."""
 
@@ -156,24 +153,22 @@ class Instance:
 CATALOG: dict[str, Instance] = {
     i.name: i
     for i in (
-        Instance("ml.trn1.32xlarge", 21.50, 16, 16 * 190e12, 0.25, TRN1_TOPOLOGY),
-        # No measured or published training throughput for our models on p4d here: no time estimate (MFU 0).
-        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, 0.0, P4D_TOPOLOGY),
+        Instance("ml.trn1.32xlarge", 21.50, 16, 16 * 190e12, TRN1_TOPOLOGY),
+        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, P4D_TOPOLOGY),
         # $98.32/h: EC2 on-demand list price of p5.48xlarge (us-east-1) as quoted by computespec.pages.dev ("Cloud GPU
         # Pricing Explained") and disintermediate.global ("How GPU Cloud Pricing Works", Q1 2026), read in 2026. AWS
         # cut P5 on-demand prices by up to 45% in June 2025 (usage.ai, "LLM Cost Optimization on AWS"), so this is the
         # list price comparable with the trn1/p4d on-demand figures above, not today's bill: set
         # planner.prices_usd_per_hour.
-        # No time estimate for our models either (MFU 0), as for p4d.
-        Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, 0.0, P5_TOPOLOGY),
+        Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, P5_TOPOLOGY),
         # CPU instances for the prepare-data job: SageMaker training on-demand prices, us-east-1, as recalled here
         # (not read from AWS in this project): set data.price_per_hour_usd for your region and discounts.
-        Instance("ml.c5.2xlarge", 0.408, 0, 0.0, 0.0),
-        Instance("ml.c5.4xlarge", 0.816, 0, 0.0, 0.0),
-        Instance("ml.c5.9xlarge", 1.836, 0, 0.0, 0.0),
-        Instance("ml.c5.18xlarge", 3.672, 0, 0.0, 0.0),
-        Instance("ml.m5.4xlarge", 0.922, 0, 0.0, 0.0),
-        Instance("local", 0.0, 1, 0.0, 0.0),
+        Instance("ml.c5.2xlarge", 0.408, 0, 0.0),
+        Instance("ml.c5.4xlarge", 0.816, 0, 0.0),
+        Instance("ml.c5.9xlarge", 1.836, 0, 0.0),
+        Instance("ml.c5.18xlarge", 3.672, 0, 0.0),
+        Instance("ml.m5.4xlarge", 0.922, 0, 0.0),
+        Instance("local", 0.0, 1, 0.0),
     )
 }
 
@@ -200,8 +195,8 @@ def tokens_per_s_at(instance: Instance, nodes: int, mfu: float, flops_per_token:
 @dataclass(frozen=True)
 class InstanceCost:
     """Time and cost to train a token budget on `nodes` nodes of one instance type: the one cost arithmetic, used by
-    the dry run (`infra.backends.estimate`, at the catalog's estimate MFU) and the planner's comparison
-    (`infra.planner.compare_instances`, at the planned layout's throughput, or a GPU's comparison MFU)."""
+    the dry run and `hlat plan` (`infra.planner.run_cost`, `compare_instances`: a Trainium layout's throughput by the
+    planner's model, or a GPU's measured or assumed MFU)."""
 
     instance_type: str
     nodes: int
@@ -212,6 +207,8 @@ class InstanceCost:
     """How tokens_per_s was obtained: the planner's best layout, or a measured or assumed MFU."""
     data_parallel: str = ""
     """GPU rows: 'ddp' when a whole replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
+    layout: Any = None
+    """Trainium rows: the planner's Layout the throughput is for."""
 
     @property
     def hours(self) -> float:

@@ -738,26 +738,55 @@ def plan(config: HlatConfig, nodes: int | None = None, instance_type: str | None
 
 
 def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list[InstanceCost]:
-    """Time and cost for `tokens` on the planned Trainium layout and, on as many nodes, each GPU instance of the
-    catalog at the MFU measured on its GPU, else an assumed one (`Topology.comparison`), with DDP or FSDP2 chosen
-    from the training state's bytes (`gpu_data_parallel`; GPU layouts are not otherwise modelled)."""
+    """Time and cost for `tokens` on the configured Trainium layout (the run as it stands, the figure its dry run
+    prints), on the best layout when that is another, and, on as many nodes, each GPU instance of the catalog at the
+    MFU measured on its GPU, else an assumed one (`gpu_cost`)."""
+    rows: list[InstanceCost] = []
+    if isinstance(the_plan.configured, Estimate):
+        rows.append(layout_cost(the_plan, the_plan.configured, tokens, "configured"))
     best = the_plan.best
-    rows = [
-        InstanceCost(
-            the_plan.instance_type, the_plan.nodes, best.tokens_per_s, the_plan.usd_per_node_hour, tokens,
-            f"planned: {best.layout.label()}",
-        )
-    ]  # fmt: skip
-    per_token = flops_per_token(config)
+    if not rows or best.layout != rows[0].layout:
+        rows.append(layout_cost(the_plan, best, tokens, "best"))
     for name, instance in CATALOG.items():
-        topo = instance.topology
-        if topo is None or topo.kind != "gpu" or not topo.comparison_mfu:
-            continue
-        mfu, basis = topo.comparison()
-        rate = tokens_per_s_at(instance, the_plan.nodes, mfu, per_token)
-        how, why = gpu_data_parallel(config, topo, the_plan.nodes)
-        rows.append(InstanceCost(name, the_plan.nodes, rate, node_price(config, name), tokens, f"{basis}; {why}", how))
+        row = gpu_cost(config, name, instance, the_plan.nodes, tokens)
+        if row is not None:
+            rows.append(row)
     return rows
+
+
+def layout_cost(the_plan: Plan, estimate: Estimate, tokens: float, which: str) -> InstanceCost:
+    return InstanceCost(
+        the_plan.instance_type, the_plan.nodes, estimate.tokens_per_s, the_plan.usd_per_node_hour, tokens,
+        f"{which} layout {estimate.layout.label()}, by the planner's model", layout=estimate.layout,
+    )  # fmt: skip
+
+
+def gpu_cost(config: HlatConfig, name: str, instance: Instance, nodes: int, tokens: float) -> InstanceCost | None:
+    """`tokens` on `nodes` nodes of a GPU instance at its measured, else assumed, MFU (`Topology.comparison`), with
+    DDP or FSDP2 chosen from the training state's bytes (`gpu_data_parallel`; GPU layouts are not otherwise
+    modelled); None for an instance that is not a GPU or has no MFU figure."""
+    topo = instance.topology
+    if topo is None or topo.kind != "gpu" or not topo.comparison_mfu:
+        return None
+    mfu, basis = topo.comparison()
+    rate = tokens_per_s_at(instance, nodes, mfu, flops_per_token(config))
+    how, why = gpu_data_parallel(config, topo, nodes)
+    return InstanceCost(name, nodes, rate, node_price(config, name), tokens, f"{basis}; {why}", how)
+
+
+def run_cost(config: HlatConfig) -> InstanceCost | None:
+    """Time and cost of the run's token budget on its own instance type and count: the one figure the dry run and
+    `hlat plan` both print. Trainium: the planner's model at the configured layout; a GPU: its measured or assumed
+    MFU. None when the catalog has no throughput for the instance type, or the configured layout cannot run."""
+    job = config.job
+    tokens = default_tokens(config)
+    if plannable(job.instance_type):
+        the_plan = plan(config)
+        if not isinstance(the_plan.configured, Estimate):
+            return None
+        return layout_cost(the_plan, the_plan.configured, tokens, "configured")
+    instance = CATALOG.get(job.instance_type)
+    return None if instance is None else gpu_cost(config, job.instance_type, instance, job.instance_count, tokens)
 
 
 def gpu_data_parallel(config: HlatConfig, topology: Topology, nodes: int) -> tuple[str, str]:

@@ -117,7 +117,7 @@ def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_pat
     assert request["Environment"]["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     assert "S3 PutObject x " in text and f"under {run_uri}/code/" in text
     assert "64 x ml.trn1.32xlarge at $21.50/node-hour = $1,376.00/hour" in text
-    assert "1,799.4B tokens in " in text and "MFU, about $" in text
+    assert "1,799.4B tokens in " in text and "by the planner's model), about $" in text
     assert list(tmp_path.iterdir()) == []  # nothing written locally either
 
 

@@ -117,14 +117,15 @@ def test_the_xla_cpu_rehearsal_runs_with_the_precision_flags_on_pjrt_cpu() -> No
     assert not [k for k in spec.environment if k.startswith(("NEURON_CC", "NEURON_RT_ASYNC", "FI_", "MALLOC"))]
 
 
-def test_estimate_of_hlat_7b_from_the_catalog() -> None:
+def test_estimate_of_hlat_7b_is_the_planners_figure_for_its_configured_layout() -> None:
     est = estimate(load_config("hlat-7b"))
     assert est["hourly_usd"] == pytest.approx(64 * 21.50)
     assert est["tokens"] == 429_000 * 1024 * 4096
-    # 6N + attention FLOPs per token over 64 nodes x 16 chips x 190 TFLOP/s at 25% MFU: about 20 days
-    assert 15 * 24 < est["hours"] < 25 * 24
+    # HLAT's layout (TP8, SP, selective) on 64 nodes by the planner's model: about 17.7 days
+    assert 15 * 24 < est["hours"] < 20 * 24
+    assert est["basis"].startswith("configured layout TP8 PP1 DP256 SP")
     assert est["total_usd"] == pytest.approx(est["hours"] * est["hourly_usd"])
-    assert estimate(load_config("tiny"))["hours"] is None  # no peak figure for a local machine
+    assert estimate(load_config("tiny"))["hours"] is None  # no throughput figure for a local machine
 
 
 def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(

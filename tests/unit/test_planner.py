@@ -5,14 +5,15 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from typing import Any
 
 import pytest
 
-from hlat.core.presets import load_config
+from hlat.core.presets import load_config, preset_names
 from hlat.infra import planner
 from hlat.infra.catalog import CATALOG, MEASURED, TRN1_TOPOLOGY, price_per_hour
-from hlat.infra.planner import Estimate, Layout, Rejected
+from hlat.infra.planner import Estimate, Layout, Rejected, plannable
 
 GIB = 1024**3
 GQA_24_6 = {"model.n_heads": 24, "model.n_kv_heads": 6, "model.d_model": 3072, "parallelism.tensor": 2}
@@ -206,7 +207,7 @@ def test_the_planner_picks_hlats_parallelism(preset: str, nodes: int, tp: int, p
 
 
 def test_prices_come_from_the_planner_config_then_the_job_then_the_catalog() -> None:
-    assert price_per_hour("ml.trn1.32xlarge") == 21.50 and CATALOG["ml.p4d.24xlarge"].estimate_mfu == 0.0
+    assert price_per_hour("ml.trn1.32xlarge") == 21.50
     assert CATALOG["ml.p5.48xlarge"].price_per_hour_usd == 98.32
     base = load_config("hlat-7b")
     assert planner.node_price(base, "ml.trn1.32xlarge") == 21.50
@@ -226,9 +227,12 @@ def test_time_and_cost_for_a_token_budget() -> None:
     config = load_config("hlat-7b")
     the_plan = planner.plan(config)
     costs = planner.compare_instances(config, the_plan, 1.8e12)
-    assert [c.instance_type for c in costs] == ["ml.trn1.32xlarge", "ml.p4d.24xlarge", "ml.p5.48xlarge"]
-    trn1, p4d, p5 = costs
-    assert trn1.tokens_per_s == the_plan.best.tokens_per_s
+    # The run as configured (HLAT's TP8), then the best layout (TP4), then the GPUs.
+    assert [c.instance_type for c in costs] == ["ml.trn1.32xlarge"] * 2 + ["ml.p4d.24xlarge", "ml.p5.48xlarge"]
+    configured, trn1, p4d, p5 = costs
+    assert isinstance(the_plan.configured, Estimate)
+    assert configured.tokens_per_s == the_plan.configured.tokens_per_s and configured.layout.tensor == 8
+    assert trn1.tokens_per_s == the_plan.best.tokens_per_s and trn1.basis.startswith("best layout TP4")
     assert trn1.usd == pytest.approx(1.8e12 / trn1.tokens_per_s / 3600 * 64 * 21.50)
     # p5 at the MFU benchmarks/bench_train measured on an H100 (infra/measured.json), p4d at its assumed 42%:
     # 64 nodes x 8 GPUs x peak BF16 x MFU over the model FLOPs per token.
@@ -364,3 +368,26 @@ def test_gpu_rows_choose_fsdp2_where_a_ddp_replica_does_not_fit() -> None:
     tiny = load_config("tiny")
     how, why = planner.gpu_data_parallel(tiny, CATALOG["ml.p5.48xlarge"].topology, 1)  # type: ignore[arg-type]
     assert how == "ddp" and why.startswith("DDP: 0 GiB")
+
+
+@pytest.mark.parametrize("preset", [name for name in preset_names() if plannable(load_config(name).job.instance_type)])
+def test_the_dry_run_and_the_plan_print_the_same_days_and_dollars(preset: str) -> None:
+    """One figure for a run's time and cost, from one model: the configured layout's throughput by the planner's
+    model, in the dry run's estimate and the first row of `hlat plan`'s comparison."""
+    from hlat.infra.backends import dry_run
+
+    config = load_config(preset, {"storage.root": "s3://bucket/hlat"})
+    text = dry_run(config)
+    found = re.search(r"\(([\d,.]+) days\) at ([\d,]+) tokens/s \((configured layout [^)]*)\), about \$([\d,]+)", text)
+    assert found is not None, text
+    days, rate, basis, usd = found.groups()
+    the_plan = planner.plan(config)
+    rows = planner.compare_instances(config, the_plan, planner.default_tokens(config))
+    shown = planner.render(the_plan, rows).splitlines()
+    first = next(line for line in shown if line.startswith(f"  {config.job.instance_type}"))
+    assert (
+        f" {rate} tokens/s" in first
+        and f" {days} days" in first
+        and f"$ {usd}".replace(" ", "") in first.replace(" ", "")
+    )
+    assert basis in first and "configured layout" in first
