@@ -397,6 +397,15 @@ class Trainer:
     def fit(self) -> int:
         """Train to training.max_steps; return the process exit code."""
         t = self.cfg.training
+        if self.step >= t.max_steps:
+            log.info(
+                "nothing to train: the run is at step %d, training.max_steps is %d (raise it to train further)",
+                self.step, t.max_steps,
+            )  # fmt: skip
+            self.ckpt.wait()
+            self.metrics.close()
+            self.loader.close()
+            return 0
         previous = signal.signal(signal.SIGTERM, self._on_sigterm)
         log.info(
             "training %s: %d params, precision %s, %d rank(s) x %d micro-batch x %d accumulation, seq %d on %s",

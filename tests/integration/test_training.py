@@ -45,6 +45,10 @@ def test_the_tiny_model_learns(prepared: Path, tmp_path: Path) -> None:
     assert [r["step"] for r in steps] == list(range(1, 301))
     assert {"grad_norm", "lr", "tokens_per_s", "memory_gb", "samples_crc32"} <= set(steps[-1])
     assert (run / "tensorboard").is_dir() and any((run / "tensorboard").iterdir())
+    # Launched again on the finished run: it says there is nothing to do, and trains nothing.
+    code, out = train(run)
+    assert code == 0 and "nothing to train: the run is at step 300, training.max_steps is 300" in out, out[-2000:]
+    assert "training tiny" not in out and len(metrics(run)) == len(records)
 
 
 def test_nan_loss_exits_for_a_restart_or_skips(prepared: Path, tmp_path: Path) -> None:
