@@ -27,6 +27,7 @@ from hlat.tasks.evaluate import (
     evaluate_checkpoint,
     evaluation_cache_key,
     evaluation_present,
+    evaluation_summary,
     write_eval_report,
 )
 
@@ -57,11 +58,7 @@ def evaluate(
         cache_key=key,
     )
     files = write_eval_report(results, run.uri, run.run_id)
-    ppl = results.get("perplexity") or {}
-    print(
-        f"evaluate: step {step}: perplexity {ppl.get('perplexity')}, bits/byte {ppl.get('bits_per_byte')}; "
-        f"report {files.get('report.md')}"
-    )
+    print(f"evaluate: step {step}: {evaluation_summary(results)}; report {files.get('report.md')}")
     return {**results, "files": files}
 
 

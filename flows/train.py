@@ -13,7 +13,7 @@ from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from hlat.tasks.common import run_cached
 from hlat.tasks.plan import plan_parallelism
-from hlat.tasks.train import publish_training_report, train_cache_key, train_model, training_present
+from hlat.tasks.train import publish_training_report, summary_line, train_cache_key, train_model, training_present
 
 
 @flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -36,10 +36,7 @@ def train(
         cache_key=key,
     )
     publish_training_report(summary, run.run_id)
-    print(
-        f"train: step {summary.get('final_step')}, loss {summary.get('loss')}, val_loss {summary.get('val_loss')}, "
-        f"{summary.get('jobs')} job(s), ${summary.get('cost_usd')}"
-    )
+    print(summary_line(summary))
     return summary
 
 

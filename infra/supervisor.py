@@ -132,7 +132,8 @@ class Attempt:
             "status": self.status,
             "reason": (reason or "")[:200],
             "action": self.action or "",
-            "steps gained": self.steps_gained,
+            "steps checkpointed": self.steps_gained,
+            "last step logged": self.last_logged_step if self.last_logged_step is not None else "",
             "cost ($)": round(self.cost_usd, 2),
         }
 
@@ -164,7 +165,8 @@ class Progress:
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
         if self.tokens_per_s:
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s" + (" average" if self.final else ""))
+            # The attempt's average is wall-clock: start-up, compiles and checkpoints included.
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s" + (" average incl. start-up" if self.final else ""))
         if self.eta_s is not None and not self.final:
             parts.append(f"ETA {_duration(self.eta_s)}")
         parts.append(f"${self.cost_usd:,.2f} spent")

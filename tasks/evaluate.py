@@ -104,9 +104,9 @@ def publish_eval_report(run: Storage, results: dict[str, Any], run_id: str) -> N
         report = embed_images(run.read_text(f"{EVAL_DIR}/{REPORT_FILE}"), run.child(EVAL_DIR))
         note = f"\n\nFull-size charts and files: `{run.uri(EVAL_DIR)}/`"
         create_markdown_artifact(report + note, key=artifact_key("eval-report", run_id))
-        rows = [{"metric": k, "value": v} for k, v in (results.get("perplexity") or {}).items()]
+        rows = [{"metric": k, "value": _rounded(v)} for k, v in (results.get("perplexity") or {}).items()]
         for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
-            rows += [{"metric": f"{name} {m}", "value": v} for m, v in result.get("metrics", {}).items()]
+            rows += [{"metric": f"{name} {m}", "value": _rounded(v)} for m, v in result.get("metrics", {}).items()]
         if rows:
             create_table_artifact(rows, key=artifact_key("eval-scores", run_id), description=f"evaluate of {run_id}")
     except Exception as exc:  # publishing never decides the stage
@@ -151,7 +151,7 @@ class CheckpointEvaluator:
                 step = self._pending.pop(0)
             try:
                 results = run_evaluation_job(self.config, self.run_uri, self.run_id, step)
-                log.info("intermediate evaluation of step %d: %s", step, _summary(results))
+                log.info("intermediate evaluation of step %d: %s", step, evaluation_summary(results))
             except Exception as exc:
                 log.warning("intermediate evaluation of step %d failed: %s", step, exc)
 
@@ -162,7 +162,13 @@ class CheckpointEvaluator:
             worker.join()  # it exits only with the queue empty, and nothing queues after this
 
 
-def _summary(results: dict[str, Any]) -> str:
+def _rounded(value: Any) -> Any:
+    """A score as the table shows it: four significant digits (266.6, 2.638, 0.2617); anything else as it is."""
+    return float(f"{value:.4g}") if isinstance(value, float) else value
+
+
+def evaluation_summary(results: dict[str, Any]) -> str:
+    """`perplexity 266.55, 2.638 bits/byte, hellaswag acc_norm 0.262`: the scores, rounded."""
     ppl = results.get("perplexity") or {}
     parts = [f"perplexity {ppl['perplexity']:.2f}, {ppl['bits_per_byte']:.3f} bits/byte"] if ppl else []
     for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():

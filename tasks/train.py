@@ -110,7 +110,8 @@ def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -
 
 
 def training_summary(run_uri: str) -> dict[str, Any]:
-    """Final step, last training loss and validation loss, tokens/s, read back from metrics.jsonl."""
+    """Final step, the last logged training loss, validation loss, gradient norm, learning rate, tokens/s and MFU
+    (each the trainer's reading at its last logged step), read back from metrics.jsonl."""
     run = Storage(run_uri)
     summary: dict[str, Any] = {"final_step": latest_checkpoint(run_uri)}
     if run.exists(METRICS_FILE):
@@ -122,7 +123,43 @@ def training_summary(run_uri: str) -> dict[str, Any]:
     return summary
 
 
+SUMMARY_ROWS = {  # key: (label, format)
+    "final_step": ("final step (newest checkpoint)", "{:,}"),
+    "loss": ("training loss, last logged step", "{:.4f}"),
+    "val_loss": ("validation loss, last evaluation", "{:.4f}"),
+    # The trainer's reading of one step; the progress line's attempt average is wall clock, start-up included.
+    "tokens_per_s": ("tokens/s, last logged step (start-up and checkpoints excluded)", "{:,.0f}"),
+    "grad_norm": ("gradient norm, last logged step", "{:.3f}"),
+    "lr": ("learning rate, last logged step", "{:.3g}"),
+    "mfu": ("MFU, last logged step", "{:.1%}"),
+    "jobs": ("training jobs", "{:,}"),
+    "cost_usd": ("cost", "${:,.2f}"),
+}
+
+
+def summary_rows(summary: dict[str, Any]) -> list[dict[str, str]]:
+    """The training report's rows: each figure labelled with what it is and rounded to what it means."""
+    rows = []
+    for key, value in summary.items():
+        label, fmt = SUMMARY_ROWS.get(key, (key, "{}"))
+        rows.append({"metric": label, "value": "" if value is None else fmt.format(value)})
+    return rows
+
+
+def summary_line(summary: dict[str, Any]) -> str:
+    """`train: step 600, loss 4.7768, val_loss 4.8011, 1 job(s), $0.00`."""
+    parts = [f"step {summary.get('final_step')}"]
+    for key in ("loss", "val_loss"):
+        if summary.get(key) is not None:
+            parts.append(f"{key} {summary[key]:.4f}")
+    if summary.get("jobs") is not None:
+        parts.append(f"{summary['jobs']} job(s)")
+    if summary.get("cost_usd") is not None:
+        parts.append(f"${summary['cost_usd']:,.2f}")
+    return "train: " + ", ".join(parts)
+
+
 @task(name="publish-training-report")
 def publish_training_report(summary: dict[str, Any], run_id: str) -> None:
-    rows = [{"metric": k, "value": v} for k, v in summary.items()]
+    rows = summary_rows(summary)
     create_table_artifact(rows, key=artifact_key("training-report", run_id), description=f"train of {run_id}")

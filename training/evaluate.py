@@ -188,11 +188,21 @@ class _TruncationCounter(logging.Filter):
         return True
 
 
+def quiet_progress_bars() -> None:
+    """No tqdm bars (lm-eval's requests, datasets' maps, the hub's) when the output is not a terminal: a job's log is
+    a file, where each bar would be one line thousands of characters long. Set before those libraries load."""
+    if sys.stderr.isatty():
+        return
+    for name in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):
+        os.environ.setdefault(name, "1")
+
+
 def main(argv: list[str] | None = None) -> int:
     def more(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
 
     args = job_arguments("python -m hlat.training.evaluate", __doc__, argv, more)
+    quiet_progress_bars()
 
     def program() -> int:
         run, cfg = read_job_config(args.config)

@@ -67,6 +67,8 @@ def test_evaluate_scores_the_newest_checkpoint_writes_the_report_and_is_cached(
     assert {"eval-report-scored", "eval-scores-scored"} <= artifact_keys()
     (job,) = [p for p in (trained / "jobs").iterdir() if "-evaluate-" in p.name]
     assert json.loads((job / "status.json").read_text())["status"] == "Completed"
+    log = (job / "output.log").read_text()
+    assert "\r" not in log and max(len(line) for line in log.splitlines()) < 1000  # no progress bars in a job's log
 
     again = evaluate(preset="tiny", overrides=overrides(), run_id="scored", storage=storage)
     assert again["perplexity"] == ppl
