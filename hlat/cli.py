@@ -330,6 +330,10 @@ def _dispatch(args: argparse.Namespace) -> int:
             print(f"hlat: note: {exc}", file=sys.stderr)
         print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
         return 0
+    if args.command == "pretrain" or args.stage == "prepare-data":
+        from hlat.training.corpus import check_source
+
+        check_source(config.data)  # a source that cannot be read fails here, before a server starts or a run opens
     flow_fn, params = flow_call(args, overrides)
     start = time.perf_counter()
     flow_fn(**params)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
 import sysconfig
 import threading
@@ -106,18 +107,56 @@ def build_stdlib_corpus() -> Path:
 
 
 # -- resolving a source -----------------------------------------------------------------------------------
+# An S3 bucket name (https://docs.aws.amazon.com/AmazonS3/latest/userguide/bucketnamingrules.html) and a Hugging
+# Face repository id (`namespace/name` or a bare name: letters, digits, '-', '_', '.'; no '--' or '..').
+_S3_URI = re.compile(r"^s3://[a-z0-9][a-z0-9.-]{1,61}[a-z0-9](/.*)?$")
+_HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
+
+
+def source_kind(src: str) -> str:
+    """'builtin', 's3', 'local' or 'hub': how data.source is read, told by its shape alone."""
+    if src.startswith("builtin:"):
+        return "builtin"
+    if src.startswith("s3://"):
+        return "s3"
+    local = Path(os.path.expanduser(src))
+    if local.exists() or src.startswith((".", "/", "~")) or (os.sep in src and not _looks_like_hub_name(src)):
+        return "local"
+    return "hub"
+
+
+def check_source(cfg: DataConfig) -> None:
+    """What can be known of data.source without reading it, checked before anything starts: the builtin corpus's
+    name, that a local path exists, the shape of an s3:// URI and of a hub name. Raises ConfigError naming the fix."""
+    src = cfg.source
+    kind = source_kind(src)
+    if kind == "builtin" and src != BUILTIN_STDLIB:
+        raise ConfigError(f"data.source: unknown builtin corpus {src!r}; the builtin corpus is {BUILTIN_STDLIB!r}")
+    if kind == "local" and not Path(os.path.expanduser(src)).exists():
+        raise ConfigError(
+            f"data.source: the local path {os.path.expanduser(src)!r} does not exist; give an existing file or "
+            "folder (jsonl, json, parquet, txt), an s3:// URI, a Hugging Face dataset name or " + BUILTIN_STDLIB
+        )
+    if kind == "s3" and not _S3_URI.match(src):
+        raise ConfigError(f"data.source: {src!r} is not an S3 URI; use s3://bucket/prefix (a bucket's naming rules)")
+    if kind == "hub" and (not _HUB_ID.match(src) or "--" in src or ".." in src):
+        raise ConfigError(
+            f"data.source: {src!r} is neither an existing local path nor a Hugging Face dataset name "
+            "(namespace/name: letters, digits, '-', '_', '.')"
+        )
+
+
 def resolve_source(cfg: DataConfig) -> Source:
     """Decide how to read data.source; unknown paths and missing buckets fail here, before any reading."""
     src = cfg.source
+    kind = source_kind(src)
     if src == BUILTIN_STDLIB:
         return Source("builtin", "json", [str(build_stdlib_corpus())], src)
-    if src.startswith("builtin:"):
-        raise ConfigError(f"data.source: unknown builtin corpus {src!r}; the builtin corpus is {BUILTIN_STDLIB!r}")
-    is_s3 = src.startswith("s3://")
-    local = Path(os.path.expanduser(src))
-    if is_s3 or local.exists() or src.startswith((".", "/", "~")) or (os.sep in src and not _looks_like_hub_name(src)):
-        if not is_s3 and not local.exists():
-            raise SourceError(f"data.source: local path {str(local)!r} does not exist")
+    if kind == "builtin":
+        check_source(cfg)  # raises: an unknown builtin corpus
+    if kind == "local" and not Path(os.path.expanduser(src)).exists():
+        raise SourceError(f"data.source: local path {os.path.expanduser(src)!r} does not exist")
+    if kind in ("s3", "local"):
         files = _list_data_files(src)
         builder = _builder_for(cfg, files)
         return Source("files", builder, files, src)

@@ -169,6 +169,23 @@ def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp
     assert "at most $786.48" in out.stdout
 
 
+def test_a_data_source_that_cannot_be_read_fails_before_anything_starts_and_leaves_nothing(tmp_path: Path) -> None:
+    runs = tmp_path / "runs"
+    cases = {
+        str(tmp_path / "missing.jsonl"): "does not exist; give an existing file or folder",
+        "s3://My_Bucket/corpus": "is not an S3 URI; use s3://bucket/prefix",
+        "some org/corpus": "is neither an existing local path nor a Hugging Face dataset name",
+        "builtin:wikipedia": "unknown builtin corpus",
+    }
+    for source, fix in cases.items():
+        for command in (("pretrain",), ("run", "prepare-data")):
+            out = hlat(*command, "--storage", str(runs), "--set", f"data.source={source}")
+            assert out.returncode == 2, out.stderr
+            (line,) = out.stderr.splitlines()  # one line, no server started, no log file to point to
+            assert line.startswith("hlat: error: data.source: ") and fix in line, line
+    assert not runs.exists()  # no run folder, no config.json
+
+
 def test_a_failure_inside_a_flow_is_one_line_with_the_trace_in_the_log_file(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     args = ("run", "train", "--run-id", "no-data", "--storage", str(tmp_path / "runs"))

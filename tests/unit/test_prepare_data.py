@@ -292,3 +292,12 @@ def test_bad_lines_in_later_units_of_a_large_file_are_named_by_their_line_in_the
     assert report.units >= 3 and report.quarantined_by_reason == {"unparseable_json": 3}
     assert [e.line for e in report.examples] == bad_at
     assert report.rows_read == 9000 and reconciles(report)
+
+
+@pytest.mark.parametrize(
+    "source", ["builtin:python-stdlib", "wikitext", "HuggingFaceFW/fineweb-edu", "s3://my-bucket.v2/corpus/"]
+)
+def test_sources_of_every_kind_pass_the_check_before_the_run(source: str) -> None:
+    from hlat.training.corpus import check_source
+
+    check_source(DataConfig(source=source))  # nothing is read: shapes only (and local paths' existence)
