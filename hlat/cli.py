@@ -250,8 +250,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hlat: error: {exc}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("hlat: interrupted", file=sys.stderr)
+    except KeyboardInterrupt as exc:
+        print(f"hlat: interrupted: {exc}" if isinstance(exc, Interrupted) else "hlat: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         log.write(traceback.format_exc())
@@ -335,10 +335,36 @@ def _dispatch(args: argparse.Namespace) -> int:
 
         check_source(config.data)  # a source that cannot be read fails here, before a server starts or a run opens
     flow_fn, params = flow_call(args, overrides)
+    from hlat.temporary_server import start_temporary_server
+
+    start_temporary_server()  # out of the terminal's process group: Ctrl-C interrupts the flow, not its API
     start = time.perf_counter()
-    flow_fn(**params)
+    try:
+        flow_fn(**params)
+    except KeyboardInterrupt:
+        raise Interrupted(where_interrupted(config)) from None
     print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C during a flow, with what the user needs to know: where the run stands, and how to go on."""
+
+
+def where_interrupted(config: Any) -> str:
+    """'the job stopped with its checkpoint at step N; run the same command to resume' (the flow stopped any
+    running job on its way out: `infra.supervisor.follow`)."""
+    from hlat.infra.runs import run_for
+    from hlat.tasks.train import latest_checkpoint
+
+    try:
+        step = latest_checkpoint(run_for(config).uri)
+    except Exception:  # the message must not fail: it is what the user reads last
+        step = None
+    how = "run the same command to resume (finished stages are cached)"
+    if step is None:
+        return f"no checkpoint yet; {how}"
+    return f"the run's newest checkpoint is step {step}; {how}"
 
 
 def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:

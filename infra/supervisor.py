@@ -581,7 +581,33 @@ def follow(
         if not isinstance(exc, Exception):  # the job must not outlive an interrupted supervisor
             log.warning("interrupted (%s)", type(exc).__name__)
             stop("cancelled")
+            wait_for_end(backend, record.job_name, STOP_WAIT_S, min(poll_seconds, 0.5))
         raise
+
+
+STOP_WAIT_S = 30.0
+"""How long an interrupted stage waits for its stopped job to end (it checkpoints on SIGTERM first), so that what
+the user is told next (the run's newest checkpoint) is what a re-run resumes from. A second Ctrl-C stops waiting;
+a SageMaker job that takes longer goes on stopping on its own."""
+
+
+def wait_for_end(backend: JobBackend, name: str, timeout: float, poll_seconds: float) -> JobState | None:
+    """Poll until the job is in a terminal state or `timeout` has passed; its last state (None: unknown)."""
+    deadline = time.monotonic() + timeout
+    state = None
+    try:
+        while time.monotonic() < deadline:
+            state = backend.describe(name)
+            if state is not None and state.terminal:
+                break
+            time.sleep(poll_seconds)
+    except KeyboardInterrupt:  # a second Ctrl-C: stop waiting, the job goes on stopping
+        log.warning("not waiting for %s to stop", name)
+    except Exception as exc:  # the API is not answering: the stop was sent, the job ends on its own
+        log.warning("could not follow %s to its end: %s", name, exc)
+    if state is not None and state.terminal:
+        log.warning("%s %s", name, state.status.value)
+    return state
 
 
 def describe_patiently(

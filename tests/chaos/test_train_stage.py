@@ -158,3 +158,88 @@ def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefec
     assert state is not None and state.status == "Stopped"
     assert ledger.load()[0].stop_requested == "cancelled"
     assert processes_mentioning(str(run)) == []
+
+
+def ephemeral_env(tmp_path: Path) -> dict[str, str]:
+    """The terminal of a user without a Prefect server: no PREFECT_API_URL (Prefect's temporary server), a Prefect
+    home of the test's own (its database, and a way to find the server it starts)."""
+    env = {k: v for k, v in os.environ.items() if k != "PREFECT_API_URL"}
+    return {**env, "PREFECT_HOME": str(tmp_path / "prefect-home"), "OMP_NUM_THREADS": "1"}
+
+
+def temporary_servers(prefect_home: Path) -> list[int]:
+    """Live Prefect API servers started with this Prefect home."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            if b"prefect.server.api.server:create_app" not in (entry / "cmdline").read_bytes():
+                continue
+            if f"PREFECT_HOME={prefect_home}".encode() in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except (OSError, ValueError):
+            continue
+    return found
+
+
+def started_train(prepared: Path, tmp_path: Path, run_id: str) -> tuple[subprocess.Popen[bytes], Path, str]:
+    """`hlat run train` on a prepared run, in a process group of its own as a terminal starts it, once its job has
+    trained a few steps."""
+    run = make_run(prepared, tmp_path, run_id, **{**RUN, "max_steps": 5000, "log_every": 1})
+    output = (tmp_path / f"{run_id}.log").open("wb")
+    flow = subprocess.Popen(
+        cli(tmp_path, run_id, overrides(max_steps=5000, log_every=1)),
+        cwd=ROOT,
+        env=ephemeral_env(tmp_path),
+        stdout=output,
+        stderr=subprocess.STDOUT,
+        preexec_fn=lambda: (default_sigint(), os.setpgrp()),  # type: ignore[func-returns-value]
+    )
+    ledger = Ledger(Storage(str(run)), "train")
+    wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 180, "the job to start")
+    name = ledger.load()[0].job_name
+    backend = LocalBackend(str(run / "jobs"))
+    wait_for(lambda: any(" step 5 loss" in line for line in backend.logs(name)[0]), 120, "a few steps")
+    return flow, run, name
+
+
+def test_ctrl_c_in_the_terminal_stops_the_job_at_a_checkpoint_and_exits_130_leaving_nothing(
+    prepared: Path, tmp_path: Path
+) -> None:
+    """SIGINT to the whole process group of `hlat run train` (Ctrl-C), Prefect's temporary server included: the
+    server is out of that group, so the flow reports the interruption and stops its job, and the command exits in
+    seconds with where the run stands."""
+    flow, run, name = started_train(prepared, tmp_path, "ctrl-c")
+    assert temporary_servers(tmp_path / "prefect-home")  # the temporary server, not the session's
+    sent = time.monotonic()
+    os.killpg(flow.pid, signal.SIGINT)
+    code = flow.wait(timeout=120)
+    took = time.monotonic() - sent
+    out = (tmp_path / "ctrl-c.log").read_text()
+    assert code == 130 and took < 10, (code, took, out[-3000:])
+    state = LocalBackend(str(run / "jobs")).describe(name)
+    assert state is not None and state.status == "Stopped"
+    from hlat.tasks.train import latest_checkpoint
+
+    step = latest_checkpoint(str(run))  # the checkpoint the stopped job wrote on its SIGTERM
+    assert step is not None and step >= 5
+    (line,) = [line for line in out.splitlines() if line.startswith("hlat: interrupted")]
+    assert line == (
+        f"hlat: interrupted: the run's newest checkpoint is step {step}; run the same command to resume "
+        "(finished stages are cached)"
+    )
+    assert "Connection refused" not in out and "Error logging to API" not in out
+    assert processes_mentioning(str(run)) == [] and temporary_servers(tmp_path / "prefect-home") == []
+
+
+def test_a_killed_command_leaves_no_temporary_server_behind(prepared: Path, tmp_path: Path) -> None:
+    """SIGKILL of `hlat run train`: its job goes on (a re-run re-attaches to it), its temporary server does not."""
+    flow, run, name = started_train(prepared, tmp_path, "sigkill")
+    flow.kill()
+    flow.wait()
+    wait_for(lambda: temporary_servers(tmp_path / "prefect-home") == [], 20, "the server to be stopped")
+    backend = LocalBackend(str(run / "jobs"))
+    state = backend.describe(name)
+    assert state is not None and not state.terminal  # the job trains on alone, by design
+    backend.stop(name)
+    wait_for(lambda: (s := backend.describe(name)) is not None and s.terminal, 60, "the job to stop")
+    assert processes_mentioning(str(run)) == []
