@@ -407,7 +407,7 @@ class Supervisor:
             log.info("submitted %s (%s x %d)", record.job_name, spec.instance_type, spec.instance_count)
             record.status = Status.IN_PROGRESS.value
             self._save()
-        final = self._watch(record)
+        final = self._watch(record, reattached=state is not None)
         record.status = final.status.value
         record.reason = ending_reason(final)
         record.end_step = self._latest_step()
@@ -440,7 +440,7 @@ class Supervisor:
         reason = f"completed without a checkpoint at step {self.target_step} (newest: {found}; {trained})"
         return Decision(Action.RESUME, "completed-early", reason)
 
-    def _watch(self, record: Attempt) -> JobState:
+    def _watch(self, record: Attempt, reattached: bool = False) -> JobState:
         """Follow the job until it ends, streaming its progress; stop it when hung or over budget."""
         progress = Progress(record.attempt, record.job_name, "InProgress", target_step=self.target_step)
         every = self.progress_every_s or 10 * self.poll_seconds
@@ -470,7 +470,7 @@ class Supervisor:
                 return "hung"
             return None
 
-        return follow(self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll)
+        return follow(self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll, reattached)
 
     def _absorb(self, lines: list[str], progress: Progress, meter: Throughput, now: float) -> bool:
         """Forward job output to our log and pick up progress; True when a new step was seen. The trainer's step
@@ -552,11 +552,13 @@ def follow(
     poll_seconds: float,
     sleep: Callable[[float], None],
     on_poll: Callable[[list[str], JobState | None], str | None],
+    reattached: bool = False,
 ) -> JobState:
     """Poll a job until it ends. Each poll reads its new log lines, describes it, and hands both to `on_poll`
     (state None: not visible yet), which may return a reason to stop the job ('budget', 'hung'). Interrupting
     the caller (Ctrl-C, a cancelled flow run: anything that is not an Exception) stops the job too; `save` records
-    the stop in the ledger first."""
+    the stop in the ledger first. A job `reattached` to (started by an earlier flow run) has its earlier output
+    skipped, said in one line: replayed under today's timestamps it read as if the run had started again."""
 
     def stop(why: str) -> None:
         record.stop_requested = why
@@ -566,6 +568,13 @@ def follow(
 
     cursor: Any = None
     try:
+        if reattached:
+            earlier, cursor = read_logs(backend, record.job_name, cursor)
+            if earlier:
+                log.info(
+                    "%s: its %d earlier log line(s) are in the job's own log, not repeated here; following its new "
+                    "output", record.job_name, len(earlier),
+                )  # fmt: skip
         while True:
             lines, cursor = read_logs(backend, record.job_name, cursor)
             state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
@@ -695,6 +704,7 @@ def run_job(
         state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
         if resumed:
             announce_resumed(record, state)
+        reattached = state is not None
         if state is None:
             spec = make_spec(record.attempt, record.job_name)
             try:
@@ -709,7 +719,7 @@ def run_job(
                 continue
             record.status = Status.IN_PROGRESS.value
             ledger.save(attempts)
-        state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, _forward)
+        state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, _forward, reattached)
         record.status = state.status.value
         record.reason = ending_reason(state)
         record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count

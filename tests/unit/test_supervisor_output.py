@@ -146,7 +146,9 @@ def test_re_attaching_is_said_only_of_a_job_that_exists(tmp_path: Path, caplog: 
 
     # ... and one whose job was created: that one is re-attached to.
     third = tmp_path / "third"
-    backend = ScriptedBackend([Play()], clock)
+    # What the job logged before this flow run (its first read), then what it logs while followed.
+    earlier = ["no complete checkpoint under /x: starting from scratch", "training tiny: 920192 params"]
+    backend = ScriptedBackend([Play(logs=[earlier, ["after re-attaching"]])], clock)
     name = job_name(RUN_ID, 1)
     backend.submit(JobSpec(name, RUN_ID, 1, str(third), "c", "ml.trn1.32xlarge", 2, 32, 3600))
     Ledger(Storage(str(third)), "train").save([Attempt(1, name, status="InProgress")])
@@ -154,6 +156,11 @@ def test_re_attaching_is_said_only_of_a_job_that_exists(tmp_path: Path, caplog: 
     with caplog.at_level(logging.INFO, logger="hlat"):
         supervisor(third, backend, clock).run_to_completion()
     assert f"re-attaching to attempt 1 ({name}, InProgress)" in caplog.text
+    # The earlier output is not replayed under today's timestamps (it read as if the run restarted): one line
+    # says where it is; the new output is forwarded.
+    assert "starting from scratch" not in caplog.text and "training tiny" not in caplog.text
+    assert f"{name}: its 2 earlier log line(s) are in the job's own log, not repeated here" in caplog.text
+    assert "after re-attaching" in caplog.text
 
 
 def test_the_ledger_writes_iso_timestamps_and_reads_old_epoch_seconds(tmp_path: Path) -> None:
