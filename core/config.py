@@ -768,6 +768,29 @@ class HlatConfig(Section):
         return stable_hash({s: dump[s] for s in sections})
 
 
+def closest_match(value: str, options: list[str]) -> str | None:
+    """The option a typo most likely meant: fewest edits (insertions, deletions, substitutions and swaps of two
+    neighbours: a swap is one typo, `ml.trn1.23xlarge` for `ml.trn1.32xlarge`), then the closest length, then
+    difflib's similarity; None when nothing is close (more edits than a third of the value's length, at least 2)."""
+
+    def edits(a: str, b: str) -> int:  # optimal string alignment distance
+        d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
+        for i in range(1, len(a) + 1):
+            for j in range(1, len(b) + 1):
+                d[i][j] = min(d[i - 1][j] + 1, d[i][j - 1] + 1, d[i - 1][j - 1] + (a[i - 1] != b[j - 1]))
+                if i > 1 and j > 1 and a[i - 1] == b[j - 2] and a[i - 2] == b[j - 1]:
+                    d[i][j] = min(d[i][j], d[i - 2][j - 2] + 1)
+        return d[len(a)][len(b)]
+
+    limit = max(2, len(value) // 3)
+    scored = [
+        (edits(value, o), abs(len(o) - len(value)), -difflib.SequenceMatcher(None, value, o).ratio(), o)
+        for o in options
+    ]
+    best = min(scored, default=None)
+    return best[3] if best is not None and best[0] <= limit else None
+
+
 def stable_hash(obj: Any) -> str:
     """sha256 of the canonical JSON form of obj."""
     text = json.dumps(obj, sort_keys=True, separators=(",", ":"), default=str)
@@ -833,9 +856,10 @@ def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str
             fields = model.model_fields if model is not None else {}
             if model is not None and part not in fields:
                 where = ".".join(parts[:i]) or "the config"
-                close = difflib.get_close_matches(part, list(fields), n=1)
-                hint = f"; did you mean {', '.join('.'.join([*parts[:i], c]) for c in close)}?" if close else ""
-                raise ConfigError(f"{dotted}: unknown field {part!r} in {where}; known: {', '.join(fields)}{hint}")
+                close = closest_match(part, list(fields))
+                hint = f"; did you mean {'.'.join([*parts[:i], close])}?" if close else ""
+                # The suggestion first: it is the fix; the list of every field is for when there is none.
+                raise ConfigError(f"{dotted}: unknown field {part!r} in {where}{hint} (known: {', '.join(fields)})")
             field = fields[part] if model is not None else None
             annotation = field.annotation if field is not None else None
             model = annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None

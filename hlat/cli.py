@@ -27,7 +27,7 @@ import traceback
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from hlat.core.config import ConfigError, parse_override
+from hlat.core.config import ConfigError, closest_match, parse_override
 from hlat.core.presets import PRESETS, load_config
 from hlat.deploy import DEFAULT_POOL, POOL_TYPES
 
@@ -47,8 +47,23 @@ def _add_run_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--storage", help="storage root: a folder or s3://bucket/prefix (default: ./runs)")
 
 
+def _preset(name: str) -> str:
+    """A preset's name, or argparse's error with the one the user probably meant."""
+    if name in PRESETS:
+        return name
+    close = closest_match(name, list(PRESETS))
+    hint = f"did you mean {close!r}? " if close else ""
+    raise argparse.ArgumentTypeError(f"unknown preset {name!r}; {hint}(choose from {', '.join(PRESETS)})")
+
+
 def _add_config_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="named preset (default: tiny)")
+    p.add_argument(
+        "--preset",
+        default="tiny",
+        type=_preset,
+        metavar="{" + ",".join(PRESETS) + "}",
+        help="named preset (default: tiny)",
+    )
     p.add_argument(
         "--set",
         dest="overrides",

@@ -25,7 +25,7 @@ import shutil
 import signal
 import subprocess
 import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -258,7 +258,8 @@ def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_f
         hint = " (or deploy the local ones only: hlat deploy --name '*-tiny')" if "HLAT_S3_ROOT" in missing else ""
         raise ConfigError(f"set {', '.join(missing)} before deploying {len(chosen)} deployment(s): {lines}{hint}")
     wait_for_api(api)
-    for pool in sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen}):
+    chosen_pools = sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen})
+    for pool in chosen_pools:
         print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}")
     cmd = [_prefect(), "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
     if skipped:
@@ -270,10 +271,34 @@ def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_f
     everything = not patterns and not skipped
     cmd += ["--all"] if everything else [a for d in chosen for a in ("--name", d["name"])]
     print(f"hlat: deploying {len(chosen)} deployment(s) to {api}", flush=True)
-    code = subprocess.run(cmd, cwd=PROJECT_ROOT, env=env).returncode
+    code = run_prefect_deploy(cmd, env)
     if code == 0:
         submittable_forms([d["name"] for d in chosen])
+        for pool in chosen_pools:
+            print(f"hlat: to run them, start a worker on pool {pool!r} in another terminal: hlat worker --pool {pool}")
     return code
+
+
+def run_prefect_deploy(cmd: list[str], env: dict[str, str]) -> int:
+    """Run `prefect deploy`, its output shown as it comes less the repeated worker advice; its exit code."""
+    with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
+        assert proc.stdout is not None
+        for line in without_worker_hints(proc.stdout):
+            print(line, end="", flush=True)
+    return proc.returncode
+
+
+def without_worker_hints(lines: Iterable[str]) -> Iterator[str]:
+    """`prefect deploy`'s output less its advice to start a worker, which it repeats after every deployment (with
+    Prefect's command, where `hlat worker` is the one to use here): said once, by `deploy`, at the end."""
+    skipping = False
+    for line in lines:
+        if line.lstrip().startswith("To execute flow runs from th"):
+            skipping = True
+        if not skipping:
+            yield line
+        elif "prefect worker start" in line:
+            skipping = False
 
 
 def form_schema(schema: dict[str, Any]) -> dict[str, Any]:

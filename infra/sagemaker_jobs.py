@@ -12,7 +12,6 @@ and returns what `submit` would send, so a 64-node launch can be reviewed, and t
 from __future__ import annotations
 
 import copy
-import difflib
 import functools
 import json
 import logging
@@ -30,7 +29,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
-from hlat.core.config import JobConfig
+from hlat.core.config import JobConfig, closest_match
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
 
@@ -226,8 +225,8 @@ def _walk(shape: Any, value: Any, path: str, partial: bool, problems: list[tuple
             _walk(shape.value, item, f"{here}[{key!r}].", partial, problems)
     elif kind == "string" and isinstance(value, str):
         if shape.enum and value not in shape.enum:
-            close = difflib.get_close_matches(value, shape.enum, n=1)
-            hint = f"; did you mean {close[0]!r}?" if close else ""
+            close = closest_match(value, list(shape.enum))
+            hint = f"; did you mean {close!r}?" if close else ""
             # A long enum (225 instance types) is shown as the values of the same family ('ml.trn1...').
             family = value.rsplit(".", 1)[0] if value.count(".") > 1 else value
             shown = [v for v in shape.enum if v.startswith(family)] if len(shape.enum) > 20 else []

@@ -164,11 +164,11 @@ def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
     assert ensure_pool(pool, "ecs", deploy_env()) == "created (type ecs)"
     calls: list[list[str]] = []
 
-    def run(cmd: list[str], **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    def run(cmd: list[str], env: dict[str, str]) -> int:
         calls.append(cmd)  # `prefect deploy` itself is tested in tests/e2e
-        return subprocess.CompletedProcess(cmd, 0, "", "")
+        return 0
 
-    monkeypatch.setattr(hlat.deploy.subprocess, "run", run)
+    monkeypatch.setattr(hlat.deploy, "run_prefect_deploy", run)
     assert deploy([], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool)) == 0
     out = capsys.readouterr().out
     assert f"work pool {pool!r}: exists (type ecs)" in out
@@ -250,3 +250,23 @@ def test_deploy_and_worker_wait_for_a_server_that_is_still_starting() -> None:
         server.server_close()
     with pytest.raises(DeployError, match=r"cannot reach the Prefect API at http://127\.0\.0\.1:9/api"):
         wait_for_api("http://127.0.0.1:9/api", timeout=1)
+
+
+def test_prefects_worker_advice_after_every_deployment_is_left_out_once_said_by_hlat() -> None:
+    from hlat.deploy import without_worker_hints
+
+    block = [
+        "Deployment 'hlat/pretrain-tiny' successfully created with id 'abc'.\n",
+        "\n",
+        "To execute flow runs from these deployments, start a worker in a separate terminal that pulls work\n",
+        "from the 'hlat' work pool:\n",
+        "\n",
+        "        $ prefect worker start --pool 'hlat'\n",
+        "\n",
+        "To schedule a run for this deployment, use the following command:\n",
+        "        $ prefect deployment run 'hlat/pretrain-tiny'\n",
+    ]
+    kept = list(without_worker_hints(block * 7))
+    assert not [line for line in kept if "worker" in line]
+    assert sum("successfully created" in line for line in kept) == 7
+    assert sum("prefect deployment run" in line for line in kept) == 7

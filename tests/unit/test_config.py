@@ -114,7 +114,7 @@ def test_tiny_is_cpu_sized_and_offline() -> None:
     [
         (["training.lr=-1"], "training.lr: Input should be greater than 0 (got -1)"),
         (["precision.mode=bf16"], "precision.mode: Input should be 'fp32', 'bf16-mixed' or 'bf16-sr'"),
-        (["training.lrr=1"], "training.lrr: unknown field 'lrr' in training; known: lr,"),
+        (["training.lrr=1"], "training.lrr: unknown field 'lrr' in training; did you mean training.lr? (known: lr,"),
         (["training.lrr=1"], "did you mean training.lr?"),
         (["modle.n_layers=1"], "did you mean model"),
         (["training.seq_len=512"], "training.seq_len=512 exceeds model.max_seq_len=256"),
