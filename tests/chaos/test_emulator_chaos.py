@@ -37,7 +37,8 @@ from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
 
-pytestmark = pytest.mark.slow
+# One emulated multi-host job at a time on a machine (the SDK fixes the master port, 7777): one xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sagemaker-emulator")]
 
 if problem := namespaces_available():
     if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":

@@ -25,7 +25,8 @@ from hlat.infra.sagemaker_emulator import namespaces_available
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
 from tests.jobs import make_run
 
-pytestmark = [pytest.mark.slow]
+# One emulated multi-host job at a time on a machine (the SDK fixes the master port, 7777): one xdist worker.
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sagemaker-emulator")]
 
 if problem := namespaces_available():
     if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
