@@ -66,7 +66,10 @@ def hlat(
     stage: dict[str, Any] = {
         "preset": preset,
         "overrides": merged_overrides(overrides),  # the deployment's under the run's: the stages see both
-        "run_id": run.run_id,
+        # A copy of the run id, not the open-run task's own string: Prefect links a value to the task that returned
+        # it by identity, and drew an edge from open-run to every stage (the chain read as a fan). The chain's
+        # edges are the stages' wait_for (`_after`).
+        "run_id": "".join(run.run_id),
         "storage": config.storage.root,
     }
     progress = _Progress(run.run_id)

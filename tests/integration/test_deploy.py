@@ -54,6 +54,12 @@ def test_the_file_has_the_pretrain_presets_and_every_stage_for_tiny_and_7b() -> 
     stages = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
     assert {f"{s}-{size}" for s in stages for size in ("tiny", "7b")} <= set(names)
     assert {d["work_pool"]["name"] for d in deployments} == {"hlat"}
+    # The UI lists deployments A-Z: each stage says where it stands in the DAG (its description and a tag).
+    by_name = {d["name"]: d for d in deployments}
+    for k, stage in enumerate(stages, 1):
+        for size in ("tiny", "7b"):
+            dep = by_name[f"{stage}-{size}"]
+            assert dep["description"].startswith(f"Stage {k} of 6 (") and f"stage-{k}" in dep["tags"], dep["name"]
     for dep in deployments:  # every entrypoint exists and is a flow
         file, func = dep["entrypoint"].split(":")
         assert f"def {func}(" in (PREFECT_FILE.parents[1] / file).read_text()
