@@ -10,7 +10,7 @@ Evaluates one committed checkpoint of the run (the newest, or `--step`) in one p
    without a network; the standard tasks (MMLU, HellaSwag...) fetch their data sets as lm-eval does.
 
 Writes `<run>/eval/step-NNNNNNNNN/results.json` (the flow turns it into the report). A model that cannot be
-exported (partial rotary) keeps its perplexity; its lm-eval part records why it was skipped. Task names are
+exported keeps its perplexity; its lm-eval part records why it was skipped. Task names are
 checked before anything heavy runs. SageMaker runs this by path, hence the sys.path set-up below.
 """
 

@@ -5,13 +5,18 @@ float32 RMSNorm statistics, SwiGLU gate/up/down), so the conversion is a renamin
 permutation. The exported folder (config.json, generation_config.json, model.safetensors, and the tokenizer
 files when given) loads with `LlamaForCausalLM.from_pretrained(out_dir)` offline, e.g. for lm-eval-harness.
 
-Partial rotary (`rotary_fraction < 1`) cannot be exported: transformers' Llama ignores
-`partial_rotary_factor` for the default RoPE type (it rotates every dim) and fails on shape for the others,
-so such a model would load but compute something else; `hf_llama_config` refuses it.
+Partial rotary (`rotary_fraction < 1`, the Pythia and NeoX presets) is exported exactly, as a RoPE variant
+transformers' Llama has: `rope_type: longrope` with one frequency divisor per rotary pair (`short_factor` =
+`long_factor`, `factor` and `attention_factor` 1, so neither the context length nor a scale changes anything).
+Llama's pair i turns at `1 / (f_i * theta^(2i/d))`; `training.model` turns its first r/2 pairs at `theta^(-2i/r)`
+and the others not at all, which is `f_i = theta^(2i/r - 2i/d)` for i < r/2 and `f_i = inf` (frequency 0: cos 1,
+sin 0) beyond. The pairing is Llama's in both, so the weights need no permutation. (Llama's
+`partial_rotary_factor` would not do: the default RoPE rotates every dim whatever it says.)
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import shutil
@@ -83,19 +88,11 @@ def _rename(name: str, table: list[tuple[re.Pattern[str], str]], direction: str)
 
 
 def hf_llama_config(cfg: ModelConfig) -> LlamaConfig:
-    """The `transformers.LlamaConfig` describing the same network as `cfg` (float32 weights).
-
-    Raises ValueError for rotary_fraction < 1, which transformers' Llama cannot represent.
-    """
+    """The `transformers.LlamaConfig` describing the same network as `cfg` (float32 weights); partial rotary as
+    `rope_parameters` of type longrope (`rope_parameters`)."""
     # Imported here: transformers takes seconds to import and training jobs do not need it.
     from transformers import LlamaConfig
 
-    if cfg.rotary_fraction != 1.0:
-        raise ValueError(
-            f"model.rotary_fraction={cfg.rotary_fraction}: partial rotary embeddings cannot be exported to "
-            "LlamaForCausalLM (transformers' Llama rotates every head dim and ignores partial_rotary_factor); "
-            "only rotary_fraction=1.0 models are exportable"
-        )
     return LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.d_model,
@@ -108,7 +105,7 @@ def hf_llama_config(cfg: ModelConfig) -> LlamaConfig:
         max_position_embeddings=cfg.max_seq_len,
         initializer_range=cfg.init_std,
         rms_norm_eps=cfg.norm_eps,
-        rope_parameters={"rope_type": "default", "rope_theta": cfg.rope_theta},
+        rope_parameters=rope_parameters(cfg),
         tie_word_embeddings=cfg.tie_embeddings,
         attention_bias=False,
         mlp_bias=False,
@@ -118,6 +115,25 @@ def hf_llama_config(cfg: ModelConfig) -> LlamaConfig:
         dtype="float32",
         architectures=["LlamaForCausalLM"],
     )
+
+
+def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
+    """HF Llama's `rope_parameters` for `cfg`'s rotary embedding: the default RoPE, or for partial rotary a longrope
+    whose per-pair divisors give `training.model.rope_tables`'s frequencies (the module's docstring)."""
+    if cfg.rotary_fraction == 1.0:
+        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
+    d = cfg.head_dim
+    r = round(d * cfg.rotary_fraction)
+    divisors = [cfg.rope_theta ** (2 * i / r - 2 * i / d) if i < r // 2 else math.inf for i in range(d // 2)]
+    return {
+        "rope_type": "longrope",
+        "rope_theta": cfg.rope_theta,
+        "short_factor": divisors,
+        "long_factor": divisors,
+        "factor": 1.0,
+        "attention_factor": 1.0,
+        "original_max_position_embeddings": cfg.max_seq_len,
+    }
 
 
 def to_hf_state_dict(model: nn.Module | Mapping[str, Tensor]) -> dict[str, Tensor]:

@@ -108,11 +108,10 @@ def test_a_step_that_was_never_saved_lists_the_committed_steps(
         locate_checkpoint(str(run), step=10)
 
 
-def test_partial_rotary_refuses_before_writing_anything(tmp_path: Path) -> None:
+def test_a_partial_rotary_checkpoint_exports_as_a_longrope_llama(tmp_path: Path) -> None:
     run, _ = make_run(tmp_path, steps=(5,), **{"model.rotary_fraction": 0.25})
-    with pytest.raises(ValueError, match="partial rotary"):
-        export_checkpoint(str(run), tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
+    out, ref = export_checkpoint(str(run), tmp_path / "hf")
+    assert ref.step == 5 and json.loads((out / "config.json").read_text())["rope_parameters"]["rope_type"] == "longrope"
 
 
 def test_the_cli_exports_and_says_how_to_load(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -357,13 +357,36 @@ def test_export_hf_loads_with_from_pretrained(tmp_path: Path, tie: bool) -> None
     torch.testing.assert_close(ours, _hf_logits(hf.eval(), x), rtol=0, atol=1e-5)
 
 
-def test_partial_rotary_export_is_refused(tmp_path: Path) -> None:
-    model = make_model(rotary_fraction=0.5)
-    with pytest.raises(ValueError, match=r"rotary_fraction=0\.5"):
-        hf_llama_config(model.cfg)
-    with pytest.raises(ValueError, match="partial rotary"):
-        export_hf(model, model.cfg, tmp_path / "hf")
-    assert not (tmp_path / "hf").exists()
+@pytest.mark.parametrize("fraction", [0.25, 0.5])
+def test_partial_rotary_exports_as_a_longrope_llama_with_the_same_logits(tmp_path: Path, fraction: float) -> None:
+    """Pythia's and NeoX's partial rotary (25%): transformers' Llama computes the same network from the exported
+    folder, its rope a longrope whose per-pair divisors leave the unrotated pairs at frequency 0; checked over the
+    whole context, where a wrong frequency shows most."""
+    from transformers import LlamaForCausalLM
+
+    model = make_model(seed=8, rotary_fraction=fraction, max_seq_len=256)
+    rope = hf_llama_config(model.cfg).rope_parameters
+    assert rope["rope_type"] == "longrope" and rope["short_factor"] == rope["long_factor"]
+    rotated = round(model.cfg.head_dim * fraction) // 2
+    assert rope["short_factor"][0] == 1.0 and all(math.isinf(f) for f in rope["short_factor"][rotated:])
+    out = export_hf(model, model.cfg, tmp_path / "hf")
+    hf = LlamaForCausalLM.from_pretrained(out, local_files_only=True).eval()
+    x = tokens(2, 256, seed=9)
+    with torch.no_grad():
+        ours = model(x)
+    exported = _hf_logits(hf, x)
+    torch.testing.assert_close(ours, exported, rtol=0, atol=1e-4)
+    # ... while the default RoPE with Llama's partial_rotary_factor, what one would try first, rotates every dim:
+    # a model at initialisation, whose attention is nearly uniform, already shows it.
+    wrong = hf_llama_config(model.cfg)
+    wrong.rope_parameters = {
+        "rope_type": "default",
+        "rope_theta": model.cfg.rope_theta,
+        "partial_rotary_factor": fraction,
+    }
+    naive = LlamaForCausalLM(wrong).eval()
+    naive.load_state_dict(hf.state_dict())
+    assert (ours - _hf_logits(naive, x)).abs().max() > 100 * (ours - exported).abs().max()
 
 
 def test_export_refuses_a_mismatched_config(tmp_path: Path) -> None:
