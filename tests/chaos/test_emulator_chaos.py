@@ -37,8 +37,7 @@ from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
 
-# One emulated multi-host job at a time on a machine (the SDK fixes the master port, 7777): one xdist worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sagemaker-emulator")]
+pytestmark = pytest.mark.slow
 
 if problem := namespaces_available():
     if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":

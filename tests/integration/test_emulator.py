@@ -25,8 +25,7 @@ from hlat.infra.sagemaker_emulator import namespaces_available
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
 from tests.jobs import make_run
 
-# One emulated multi-host job at a time on a machine (the SDK fixes the master port, 7777): one xdist worker.
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sagemaker-emulator")]
+pytestmark = [pytest.mark.slow]
 
 if problem := namespaces_available():
     if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
