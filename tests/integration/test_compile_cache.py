@@ -126,7 +126,7 @@ def test_precompile_writes_the_cache_and_nothing_else(precompiled: Job, root: Pa
     assert names == sorted(names) and len(names) == manifest["inductor_files"]
     assert any(n.endswith(".so") for n in names) and any(n.startswith("fxgraph/") for n in names)  # kernels, graphs
     summary = re.search(
-        r"^precompile: 2 steps traced in [\d.]+ s, [\d.]+ [kMG]B of artifacts and [\d.]+ [kMG]B of Inductor cache "
+        r"^precompile: 4 steps traced in [\d.]+ s, [\d.]+ [kMG]B of artifacts and [\d.]+ [kMG]B of Inductor cache "
         r"\(\d+ files\) -> (.+)$",
         precompiled.output,
         re.M,
