@@ -9,8 +9,9 @@ Every path runs the training loop itself (`Trainer.fit`, `rehearse`) on the job'
 steps (`rehearsal_config`; HLAT's compile run: 4 steps with a checkpoint at step 3): the steps, the sync points'
 host reads and stop vote, a periodic health check, a checkpoint, the last step's checkpoint and validation pass.
 The Trainer is built exactly as training builds it (model, parallelism, precision, loader over the run's data and
-tokenizer, or the job's input channels), with a throwaway folder for its metrics and checkpoints: the run's
-history stays training's alone, and the weights are thrown away.
+tokenizer, or the job's input channels), with a throwaway folder for its metrics and one under the run's
+compile-cache/ for its checkpoints (every rank's, deleted afterwards): the run's history stays training's alone,
+and the weights are thrown away.
 
 - CPU/CUDA with training.compile on: from a fresh compiler state, with TORCHINDUCTOR_CACHE_DIR pointed at an
   empty temporary folder; torch.compiler.save_cache_artifacts() then holds every graph the rehearsal compiled
@@ -45,7 +46,6 @@ import torch
 from hlat.core.config import HlatConfig
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from hlat.core.environment import neuron_available
-from hlat.core.layout import CHECKPOINTS_DIR
 from hlat.core.storage import Storage
 from hlat.training.compile_cache import (
     CACHE_DIR,
@@ -150,17 +150,25 @@ def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
         return time.perf_counter() - start
 
 
+REHEARSAL_CHECKPOINTS = f"{CACHE_DIR}/rehearsal-checkpoints"
+"""Where the rehearsal's checkpoints go: under the run, so that every rank of every host writes into one folder
+and rank 0 can commit them (a folder of each process's own would never see the others' files); deleted after."""
+
+
 @contextmanager
 def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
-    """The Trainer training would build, reading the run's data and tokenizer, writing metrics and checkpoints
-    to a temporary folder that is deleted afterwards."""
+    """The Trainer training would build, reading the run's data and tokenizer, writing metrics to a temporary
+    folder and checkpoints to REHEARSAL_CHECKPOINTS, both deleted afterwards."""
+    checkpoints = run.child(REHEARSAL_CHECKPOINTS)
+    if world.is_main:
+        checkpoints.remove("", recursive=True)  # an earlier precompile's, cut short
+    world.barrier("hlat-rehearsal-start")
     with tempfile.TemporaryDirectory(prefix="hlat-precompile-") as tmp:
         tokenizer = fetch_tokenizer(run, tmp)
-        scratch = Storage(tmp)
         trainer = Trainer(
             cfg=cfg,
-            run=scratch.child("run"),
-            checkpoints=scratch.child(CHECKPOINTS_DIR),
+            run=Storage(tmp).child("run"),
+            checkpoints=checkpoints,
             world=world,
             tokenizer_model=tokenizer,
             data=channel_location(run, "data"),
@@ -172,6 +180,9 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
             trainer.ckpt.wait()
             trainer.loader.close()
             trainer.metrics.close()
+            world.barrier("hlat-rehearsal-end")
+            if world.is_main:
+                checkpoints.remove("", recursive=True)
 
 
 def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
