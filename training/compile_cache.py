@@ -189,12 +189,7 @@ def write_torch_cache(
     digest = key_digest(key)
     folder = torch_cache_dir(digest)
     manifest: dict[str, Any] = {
-        "kind": "torch",
-        "key": key,
-        "digest": digest,
-        "created": _now(),
-        "steps": steps,
-        "seconds": round(seconds, 3),
+        **_manifest_head("torch", key, steps, seconds),
         "nothing_to_compile": artifacts is None,
         "size": 0 if artifacts is None else len(artifacts),
         "sha256": None if artifacts is None else hashlib.sha256(artifacts).hexdigest(),
@@ -219,14 +214,7 @@ def write_torch_cache(
 
 def write_neuron_manifest(cache: Storage, key: dict[str, Any], steps: int, seconds: float) -> dict[str, Any]:
     """Record which key the Neuron cache under neuron/ was extracted for, and point latest.json at it."""
-    manifest = {
-        "kind": "neuron",
-        "key": key,
-        "digest": key_digest(key),
-        "created": _now(),
-        "steps": steps,
-        "seconds": round(seconds, 3),
-    }
+    manifest = _manifest_head("neuron", key, steps, seconds)
     cache.write_json(f"{NEURON_DIR}/{MANIFEST_FILE}", manifest)
     _write_latest(cache, manifest, f"{NEURON_DIR}/{MANIFEST_FILE}")
     return manifest
@@ -241,14 +229,7 @@ def write_xla_cache(cache: Storage, key: dict[str, Any], local_dir: str, steps: 
     manifest, then latest.json naming it; return the manifest."""
     digest = key_digest(key)
     folder = xla_cache_dir(digest)
-    manifest: dict[str, Any] = {
-        "kind": "xla",
-        "key": key,
-        "digest": digest,
-        "created": _now(),
-        "steps": steps,
-        "seconds": round(seconds, 3),
-    }
+    manifest = _manifest_head("xla", key, steps, seconds)
     with tempfile.TemporaryDirectory(prefix="hlat-xla-pack-") as tmp:
         tarball = os.path.join(tmp, XLA_CACHE_FILE)
         graphs = pack_cache_folder(local_dir, tarball)
@@ -299,6 +280,18 @@ def _fetch_xla(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheSta
         kernels_size=graphs.size,
         kernels_dir=graphs.folder,
     )
+
+
+def _manifest_head(kind: str, key: dict[str, Any], steps: int, seconds: float) -> dict[str, Any]:
+    """What every cache manifest starts with: its kind, key and digest, when and from how many steps."""
+    return {
+        "kind": kind,
+        "key": key,
+        "digest": key_digest(key),
+        "created": _now(),
+        "steps": steps,
+        "seconds": round(seconds, 3),
+    }
 
 
 def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) -> None:
