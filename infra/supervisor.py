@@ -636,14 +636,25 @@ def describe_patiently(
 
 
 def read_logs(backend: JobBackend, name: str, cursor: Any) -> tuple[list[str], Any]:
-    """New log lines; none this time when the log service has a transient fault."""
+    """New log lines, each as a terminal would leave it (see `as_displayed`); none this time when the log service
+    has a transient fault."""
     try:
-        return backend.logs(name, cursor)
+        lines, cursor = backend.logs(name, cursor)
+        return [as_displayed(line) for line in lines], cursor
     except Exception as exc:
         if not is_transient(exc):
             raise
         log.warning("logs of %s: %s; will retry", name, exc)
         return [], cursor
+
+
+def as_displayed(line: str) -> str:
+    """A log line as a terminal shows it: a progress bar (tqdm's, which a library may force on even in a job whose
+    output is a file) redraws itself after each carriage return, so only its last state is kept."""
+    if "\r" not in line:
+        return line
+    drawn = [part for part in line.split("\r") if part.strip()]
+    return drawn[-1].rstrip() if drawn else ""
 
 
 def _category(attempt: Attempt) -> str:

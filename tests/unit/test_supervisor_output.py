@@ -193,3 +193,21 @@ def test_the_reason_column_adds_to_the_status_or_is_empty(state: JobState, reaso
     row = Attempt(1, "j", status=state.status.value, reason=ending_reason(state)).row()
     assert row["reason"] == (reason or "")
     assert Attempt(1, "j", status="Completed", reason="Completed").row()["reason"] == ""  # an older ledger's row
+
+
+def test_a_progress_bar_in_a_jobs_log_is_followed_as_the_terminal_shows_it() -> None:
+    from hlat.infra.supervisor import as_displayed, read_logs
+
+    bar = "Running requests:   0%|  | 0/250 [00:00<?, ?it/s]\rRunning requests:  4%|▎ | 9/250\r" + (
+        "Running requests: 100%|██████████| 250/250 [00:01<00:00, 243.02it/s]\r"
+    )
+    assert as_displayed(bar) == "Running requests: 100%|██████████| 250/250 [00:01<00:00, 243.02it/s]"
+    assert as_displayed("plain line") == "plain line" and as_displayed("\r\r") == ""
+
+    class Logs:
+        def logs(self, name: str, cursor: object) -> tuple[list[str], object]:
+            return [f"rank0 {bar}", "rank0 wrote results.json"], 2
+
+    lines, cursor = read_logs(Logs(), "job", None)  # type: ignore[arg-type]
+    assert cursor == 2 and lines[1] == "rank0 wrote results.json"
+    assert lines[0].endswith("250/250 [00:01<00:00, 243.02it/s]") and len(lines[0]) < 100
