@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from hlat.core.parallel import LayoutError, ParallelDims
+
 
 class ConfigError(ValueError):
     """A user mistake in the config: the message names the field and the fix."""
@@ -294,6 +296,11 @@ class TrainingConfig(Section):
     accumulation + 1 graphs per step, each one small to compile; 'step': one graph for the whole optimizer step
     (fewest launches, largest compile)."""
 
+    @property
+    def schedule_horizon(self) -> int:
+        """The cosine schedule's length in steps: schedule_steps, or max_steps when unset."""
+        return self.schedule_steps or self.max_steps
+
 
 class PrecisionConfig(Section):
     """Numeric format of compute, weights and optimizer state."""
@@ -386,8 +393,10 @@ class ParallelismConfig(Section):
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> ParallelismConfig:
-        if self.sequence_parallel and self.tensor == 1:
-            raise ValueError("sequence_parallel needs tensor > 1 (it shards along the tensor-parallel group)")
+        try:
+            ParallelDims(self.tensor, self.pipeline, sequence_parallel=self.sequence_parallel)
+        except LayoutError as exc:
+            raise ValueError(f"sequence_parallel: {exc}; set tensor > 1 or sequence_parallel=false") from None
         return self
 
 
@@ -681,22 +690,16 @@ class HlatConfig(Section):
                 f"training.global_batch_size={t.global_batch_size} must be a multiple of "
                 f"training.micro_batch_size={t.micro_batch_size}"
             )
-        if m.n_heads % p.tensor or (m.kv_heads % p.tensor and p.tensor % m.kv_heads):
+        if (problem := ParallelDims(p.tensor, p.pipeline).problem(m.n_heads, m.kv_heads, m.n_layers)) is not None:
+            raise ValueError(f"parallelism.tensor={p.tensor}, parallelism.pipeline={p.pipeline}: {problem}")
+        try:
+            dims = self.parallel_dims
+        except LayoutError as exc:
             raise ValueError(
-                f"parallelism.tensor={p.tensor} must divide model.n_heads={m.n_heads} "
-                f"(and divide or be a multiple of the {m.kv_heads} KV heads)"
-            )
-        devices = self.world_size
-        if devices % (p.tensor * p.pipeline):
-            raise ValueError(
-                f"parallelism.tensor x parallelism.pipeline = {p.tensor * p.pipeline} must divide the "
-                f"{devices} devices of job.instance_count x job.processes_per_node"
-            )
-        if t.global_batch_size % (self.data_parallel_size * t.micro_batch_size):
-            raise ValueError(
-                f"training.global_batch_size={t.global_batch_size} must be a multiple of data-parallel size "
-                f"{self.data_parallel_size} x training.micro_batch_size={t.micro_batch_size}"
-            )
+                f"parallelism.tensor x parallelism.pipeline: {exc} (job.instance_count x job.processes_per_node)"
+            ) from None
+        if (problem := dims.batch_problem(t.global_batch_size, t.micro_batch_size)) is not None:
+            raise ValueError(f"training.global_batch_size: {problem} (training.micro_batch_size)")
         if p.fsdp:
             self._check_fsdp()
         if self.run_id is not None:
@@ -725,13 +728,16 @@ class HlatConfig(Section):
         return self.job.instance_count * self.job.processes_per_node
 
     @property
-    def data_parallel_size(self) -> int:
-        return self.world_size // (self.parallelism.tensor * self.parallelism.pipeline)
+    def parallel_dims(self) -> ParallelDims:
+        """The job's layout: parallelism.tensor x parallelism.pipeline, data parallelism over the rest of the
+        world. Raises LayoutError when the split does not divide the world (validation reports it by field)."""
+        p = self.parallelism
+        return ParallelDims.of_world(p.tensor, p.pipeline, self.world_size, p.sequence_parallel)
 
     @property
     def gradient_accumulation(self) -> int:
         t = self.training
-        return t.global_batch_size // (self.data_parallel_size * t.micro_batch_size)
+        return self.parallel_dims.accumulation(t.global_batch_size, t.micro_batch_size)
 
     @property
     def tokens_per_step(self) -> int:
@@ -755,7 +761,7 @@ class HlatConfig(Section):
         """The fingerprint less the run's length: training.max_steps is left out and the cosine horizon made explicit
         (schedule_steps or max_steps). Two configs with the same one compute the same weights at every step both
         reach, so a run may be extended from one to the other (open_run allows it)."""
-        horizon = self.training.schedule_steps or self.training.max_steps
+        horizon = self.training.schedule_horizon
         same_length = self.training.model_copy(update={"max_steps": 1, "schedule_steps": horizon})
         return self.model_copy(update={"training": same_length}).fingerprint()
 

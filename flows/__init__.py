@@ -1,14 +1,5 @@
-"""Thin Prefect flows chaining the tasks of each stage; the parent flow `hlat`; the `hlat` CLI."""
+"""Thin Prefect flows chaining the tasks of each stage, and the parent flow `hlat` (the CLI is `hlat/cli.py`).
 
-import logging
-import os
+Importing `hlat.tasks` first sets the environment Prefect reads when it loads (tasks/__init__.py), once for both."""
 
-# Route the plain `logging` records of infra/ and training/ ("hlat.*") into Prefect's run logs.
-os.environ.setdefault("PREFECT_LOGGING_EXTRA_LOGGERS", "hlat")
-# The temporary server that Prefect starts for a flow run without PREFECT_API_URL must not phone home: offline it
-# logs an ERROR ("Failed to send telemetry") on a healthy run. Set the variable to true to send it.
-os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
-# ... and may take longer than Prefect's 20 s to answer on a loaded 2-core machine (seen: "Timed out while
-# attempting to connect to ephemeral Prefect API server" while other jobs ran).
-os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
-logging.getLogger("hlat").setLevel(logging.INFO)
+import hlat.tasks  # noqa: F401

@@ -127,6 +127,17 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--top", type=_positive_int, default=10, help="layouts shown (default: 10)")
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
+    p = add("prices", help="today's SageMaker training prices from the AWS Price List API, beside the catalog's")
+    _add_config_options(p)
+    p.add_argument("--region", help="the region priced (default: the config's job.region)")
+    p.add_argument(
+        "--instance-type",
+        dest="instance_types",
+        action="append",
+        default=[],
+        metavar="TYPE",
+        help="an ml. instance type (repeatable; default: every type in the catalog)",
+    )
     p = add("deploy", help="register deployments/prefect.yaml on the Prefect API (prefect deploy, checked)")
     p.add_argument(
         "--name",
@@ -194,8 +205,13 @@ def presets_table() -> str:
                 f"{c.job.instance_count} x {c.job.instance_type}",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    return "\n".join("  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows)
+    return "\n".join(columns(rows))
+
+
+def columns(rows: Sequence[Sequence[str]]) -> list[str]:
+    """Rows of cells as left-aligned columns, two spaces apart."""
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
 
 
 def _human(n: int) -> str:
@@ -247,6 +263,51 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     else:
         print(planner.render(the_plan, costs, top=args.top, also=[data.line()]))
     return 0
+
+
+def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from hlat.infra.catalog import CATALOG
+    from hlat.infra.pricing import API_REGION, training_prices
+
+    config = load_config(args.preset, overrides)
+    region = args.region or config.job.region
+    types = args.instance_types or [name for name in CATALOG if name.startswith("ml.")]
+    try:
+        listed = training_prices(types, region)
+    except ValueError:  # several prices for one type: its own one-line message
+        raise
+    except Exception as exc:  # no credentials, no network, access denied: one line with the cause
+        raise ConfigError(
+            f"the AWS Price List API ({API_REGION}) did not answer: {type(exc).__name__}: {exc}; it needs AWS "
+            "credentials allowed pricing:GetProducts"
+        ) from exc
+    print(prices_table(types, region, listed, config.job.instance_type))
+    return 0
+
+
+def prices_table(types: list[str], region: str, listed: dict[str, Any], run_type: str) -> str:
+    """The catalog's price of each type beside the Price List's, and the setting that uses the listed one."""
+    from hlat.infra.catalog import CATALOG
+
+    rows = [("instance type", "catalog $/h", f"AWS Price List, {region}, $/h", "since")]
+    for name in types:
+        known, now = CATALOG.get(name), listed.get(name)
+        rows.append(
+            (
+                name,
+                f"{known.price_per_hour_usd:,.3f}" if known else "-",
+                f"{now.usd_per_hour:,.3f}" if now else "not offered",
+                now.effective if now else "",
+            )
+        )
+    lines = columns(rows)
+    ours = listed.get(run_type)
+    if ours is not None:
+        lines.append(f"this run ({run_type}): --set job.price_per_hour_usd={ours.usd_per_hour:g}")
+    others = {n: p.usd_per_hour for n, p in listed.items() if p is not None}
+    if others:
+        lines.append(f"the planner: --set 'planner.prices_usd_per_hour={json.dumps(others)}'")
+    return "\n".join(lines)
 
 
 FLOW_COMMANDS = ("pretrain", "run")  # the commands that run flows: their whole log goes to a file
@@ -324,6 +385,8 @@ def _dispatch(args: argparse.Namespace) -> int:
     overrides = _overrides(args.overrides)
     if args.command == "plan":
         return _plan(args, overrides)
+    if args.command == "prices":
+        return _prices(args, overrides)
     if args.command == "config":
         config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
         print(json.dumps(config.model_dump(mode="json") | {"run_id": config.resolved_run_id()}, indent=2))

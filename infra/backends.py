@@ -366,9 +366,9 @@ def _describe_requests(requests: list[dict[str, Any]]) -> list[str]:
 
 def describe_layout(config: HlatConfig) -> str:
     """How a training job splits the model and the batch, in one line (what the dry run shows)."""
-    p, t = config.parallelism, config.training
+    p, t, dims = config.parallelism, config.training, config.parallel_dims
     parts = [
-        f"{config.world_size} ranks = TP {p.tensor} x PP {p.pipeline} x DP {config.data_parallel_size}",
+        f"{config.world_size} ranks = TP {dims.tensor} x PP {dims.pipeline} x DP {dims.data}",
         f"micro-batch {t.micro_batch_size} x {config.gradient_accumulation}"
         + (" pipeline micro-batches" if p.pipeline > 1 else " accumulation steps"),
     ]
@@ -470,7 +470,7 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         node_price = price_per_hour(spec.instance_type, own_price)
         hourly = node_price * spec.instance_count
         lines.append(
-            f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.2f}/node-hour = ${hourly:,.2f}/hour"
+            f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.3f}/node-hour = ${hourly:,.2f}/hour"
         )
     if stage != "train":
         hours = spec.max_runtime_s / 3600

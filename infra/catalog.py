@@ -1,11 +1,15 @@
 """Instance catalog: node prices, peak throughput and topology, for cost accounting, budgets, dry-run estimates and
 the parallelism planner.
 
-Prices are on-demand dollars per node-hour (EC2 figures; SageMaker's `ml.` rates differ): trn1.32xlarge about $21.50
-(https://aws.amazon.com/ec2/instance-types/trn1/) and p4d.24xlarge $32.77 (https://aws.amazon.com/ec2/pricing/on-demand/),
-p5.48xlarge $98.32 (see its entry). A run's `job.price_per_hour_usd`
-overrides the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved
-or negotiated rates, other instance types).
+Prices are SageMaker *training* on-demand dollars per node-hour in us-east-1, which is what a training job is billed
+(`ml.` instances cost more than the same EC2 instance): SageMaker's rate is the EC2 on-demand rate plus 15% for
+these families, e.g. ml.p4d.24xlarge $37.688 against p4d.24xlarge $32.77 (https://aws.amazon.com/sagemaker/pricing/,
+Training; https://aws.amazon.com/ec2/pricing/on-demand/), so ml.trn1.32xlarge is $24.725 (trn1.32xlarge $21.50,
+https://aws.amazon.com/ec2/instance-types/trn1/) and ml.p5.48xlarge $113.07 (p5.48xlarge $98.32, see its entry).
+These figures were not read from AWS by this project: `hlat prices` reads today's from the AWS Price List API
+(`infra.pricing`) for any region. A run's `job.price_per_hour_usd` overrides the price of its own instance type and
+`planner.prices_usd_per_hour` those the planner compares (reserved or negotiated rates, other regions, other
+instance types).
 Time to train is not assumed here: the dry run and `hlat plan` take it from `infra.planner` (Trainium layouts, by
 its model fitted on published trn1 runs) or from a GPU's measured or assumed MFU (`Topology.comparison`).
 `topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
@@ -153,14 +157,14 @@ class Instance:
 CATALOG: dict[str, Instance] = {
     i.name: i
     for i in (
-        Instance("ml.trn1.32xlarge", 21.50, 16, 16 * 190e12, TRN1_TOPOLOGY),
-        Instance("ml.p4d.24xlarge", 32.77, 8, 8 * 312e12, P4D_TOPOLOGY),
+        # SageMaker training on-demand, us-east-1: about the EC2 rate x 1.15 (see the module's docstring).
+        Instance("ml.trn1.32xlarge", 24.725, 16, 16 * 190e12, TRN1_TOPOLOGY),
+        Instance("ml.p4d.24xlarge", 37.688, 8, 8 * 312e12, P4D_TOPOLOGY),
         # $98.32/h: EC2 on-demand list price of p5.48xlarge (us-east-1) as quoted by computespec.pages.dev ("Cloud GPU
         # Pricing Explained") and disintermediate.global ("How GPU Cloud Pricing Works", Q1 2026), read in 2026. AWS
         # cut P5 on-demand prices by up to 45% in June 2025 (usage.ai, "LLM Cost Optimization on AWS"), so this is the
-        # list price comparable with the trn1/p4d on-demand figures above, not today's bill: set
-        # planner.prices_usd_per_hour.
-        Instance("ml.p5.48xlarge", 98.32, 8, 8 * 989e12, P5_TOPOLOGY),
+        # list price comparable with the trn1/p4d on-demand figures above, not today's bill: `hlat prices` reads it.
+        Instance("ml.p5.48xlarge", 113.068, 8, 8 * 989e12, P5_TOPOLOGY),
         # CPU instances for the prepare-data job: SageMaker training on-demand prices, us-east-1, as recalled here
         # (not read from AWS in this project): set data.price_per_hour_usd for your region and discounts.
         Instance("ml.c5.2xlarge", 0.408, 0, 0.0),

@@ -44,6 +44,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
 from hlat.core.config import HlatConfig
+from hlat.core.parallel import LayoutError, ParallelDims, heads_problem, layers_problem
 from hlat.infra.catalog import CATALOG, GIB, Instance, InstanceCost, Topology, price_per_hour, tokens_per_s_at
 
 Checkpointing = Literal["none", "selective", "full"]
@@ -480,26 +481,22 @@ def step_time(config: HlatConfig, layout: Layout, topology: Topology, calibratio
 
 def layout_problem(config: HlatConfig, nodes: int, layout: Layout, topology: Topology) -> tuple[str, str] | None:
     """(kind, reason) when the layout cannot run at all; None when it is valid (it may still not fit)."""
-    m, t, p = config.model, layout.tensor, layout.pipeline
+    m, t = config.model, layout.tensor
     cores = nodes * topology.cores_per_node
     if t > topology.cores_per_node:
         return "tp", f"TP {t} spans more than a node's {topology.cores_per_node} NeuronCores (TP stays on NeuronLink)"
-    if m.n_heads % t or (m.kv_heads % t and t % m.kv_heads):
-        return (
-            "heads",
-            f"TP {t} must divide the {m.n_heads} heads and divide or be a multiple of the {m.kv_heads} KV heads",
-        )
-    if m.n_layers % p:
-        return "layers", f"PP {p} does not divide the {m.n_layers} layers"
-    if cores % (t * p) or layout.data * t * p != cores:
-        return "cores", f"TP {t} x PP {p} = {t * p} does not divide the {cores} NeuronCores of {nodes} node(s)"
-    if layout.sequence_parallel and t == 1:
-        return "tp", "sequence parallelism needs TP > 1"
-    batch = config.training.global_batch_size
-    if batch % (layout.data * layout.micro_batch):
-        return "batch", (
-            f"global batch {batch} is not a multiple of DP {layout.data} x micro-batch {layout.micro_batch}"
-        )
+    if (heads := heads_problem(m.n_heads, m.kv_heads, t)) is not None:
+        return "heads", heads
+    if (layers := layers_problem(m.n_layers, layout.pipeline)) is not None:
+        return "layers", layers
+    try:
+        dims = ParallelDims.of_world(t, layout.pipeline, cores, layout.sequence_parallel)
+    except LayoutError as exc:
+        return ("tp" if layout.sequence_parallel and t == 1 else "cores"), f"{exc} (NeuronCores of {nodes} node(s))"
+    if dims.data != layout.data:
+        return "cores", f"{dims} uses {dims.world_size} NeuronCores, not DP {layout.data}"
+    if (batch := dims.batch_problem(config.training.global_batch_size, layout.micro_batch)) is not None:
+        return "batch", batch
     return None
 
 
@@ -532,7 +529,7 @@ def configured_layout(config: HlatConfig, nodes: int, topology: Topology) -> Lay
     return Layout(
         par.tensor,
         par.pipeline,
-        max(1, cores // (par.tensor * par.pipeline)),
+        max(1, cores // (par.tensor * par.pipeline)),  # may not divide: layout_problem then says so
         par.sequence_parallel,
         par.zero1,
         par.activation_checkpointing,
@@ -835,7 +832,7 @@ def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 1
     cal = p.calibration
     lines = [
         f"plan: {p.preset} on {p.nodes} x {p.instance_type} ({p.nodes * _topology(p.instance_type).cores_per_node} "
-        f"NeuronCores) at ${p.usd_per_node_hour:,.2f}/node-hour",
+        f"NeuronCores) at ${p.usd_per_node_hour:,.3f}/node-hour",
         f"model: compute at {cal.compute_efficiency:.1%} of peak, {cal.step_overhead_s:.2f} s/step overhead "
         f"({cal.source})",
         "",
@@ -883,7 +880,7 @@ def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 1
             per_usd = f"{c.tokens_per_usd:,.0f} tokens/$" if c.tokens_per_usd else "no price"
             lines.append(
                 f"  {c.instance_type:<18} {c.tokens_per_s:>12,.0f} tokens/s  {c.hours / 24:>8,.1f} days  "
-                f"${c.usd:>14,.0f}  {per_usd}  ({c.basis}; ${c.usd_per_node_hour:,.2f}/node-hour)"
+                f"${c.usd:>14,.0f}  {per_usd}  ({c.basis}; ${c.usd_per_node_hour:,.3f}/node-hour)"
             )
         lines += [f"  {line}" for line in also]
     lines += [f"note: {n}" for n in p.notes]

@@ -81,7 +81,7 @@ def open_run(config: HlatConfig) -> Run:
             # Only the length changed, under the same schedule: the steps trained so far stay valid.
             log.info("run %s: training.max_steps %d -> %d (the cosine horizon stays %d steps)", run.run_id,
                      existing.training.max_steps, resolved.training.max_steps,
-                     resolved.training.schedule_steps or resolved.training.max_steps)  # fmt: skip
+                     resolved.training.schedule_horizon)  # fmt: skip
             run.storage.write_text(CONFIG_FILE, text)
             return run
         if existing.model_dump(exclude={"storage"}) != resolved.model_dump(exclude={"storage"}):
@@ -104,7 +104,7 @@ def _extension_hint(old: HlatConfig, new: HlatConfig) -> str:
 
     if without_length(old) != without_length(new):
         return ""
-    horizon = old.training.schedule_steps or old.training.max_steps
+    horizon = old.training.schedule_horizon
     if new.training.max_steps < old.training.max_steps:
         return (
             f"; the run trains to {old.training.max_steps} steps (it may have been extended): give every stage of it "

@@ -38,8 +38,8 @@ tiers_log=$(mktemp -t hlat-tiers.XXXXXX)
 tiers=$!
 trap 'rm -f "$tiers_log"' EXIT
 
-# One test file per worker at a time (tests/conftest.py groups them), so a file's module fixtures are built once.
-tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadgroup "$@"
+# One test file per worker at a time (--dist loadfile), so a file's module fixtures are built once.
+tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
 main=$?
 wait "$tiers"
 echo "----- the XLA and NxD tiers (.venv-xla), run beside the main suite -----"

@@ -1,4 +1,6 @@
-"""Small typed Prefect tasks: each one retryable unit of work calling into `infra/` and `training/`."""
+"""Small typed Prefect tasks: each one retryable unit of work calling into `infra/` and `training/`.
+
+Importing this package (the flows import it first) sets what Prefect reads when it loads."""
 
 import logging
 import os

@@ -35,14 +35,15 @@ collect_ignore = ["xla", "nxd"]
 from tests.sizes import SMALL_DATA, SMALL_RUN  # noqa: E402  (re-exported: tests import them from here)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Under pytest-xdist (`-n 2 --dist loadgroup`, as scripts/test.sh runs the suite), one file runs on one worker:
-    its module fixtures (a deployed DAG, a trained run) are built once. A module marked `xdist_group(name)` joins
-    that group instead: the SageMaker emulator's files share one, since one multi-host job runs on a machine at a
-    time (the SDK fixes its master port)."""
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::", 1)[0]))
+@pytest.fixture
+def one_multi_host_job_at_a_time() -> Iterator[None]:
+    """Hold the machine's SageMaker-emulator lock for one test: one multi-host job runs on a machine at a time (the
+    SDK fixes its master port, 7777), and scripts/test.sh runs test files on two pytest-xdist workers at once."""
+    import fcntl
+
+    with open(Path(tempfile.gettempdir()) / "hlat-tests-sagemaker-emulator.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        yield
 
 
 @pytest.fixture(scope="session")

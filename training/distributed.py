@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import random
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from hlat.core.config import HlatConfig
 from hlat.core.environment import neuron_available, xla_precision_environment
+from hlat.core.parallel import ParallelDims
 
 
 @dataclass(frozen=True)
@@ -29,21 +30,22 @@ class World:
     world_size: int
     local_rank: int
     device: torch.device
-    dp_rank: int = -1
+    layout: ParallelDims = field(default_factory=ParallelDims)
+    """The job's layout (`core.parallel`); by default every rank is a data-parallel replica."""
+    data_rank: int = -1
     """This rank's data-parallel rank (what the loader shards by): the rank itself unless the model is split."""
-    dp_size: int = -1
-    tp_rank: int = 0
-    tp_size: int = 1
-    pp_rank: int = 0
-    pp_size: int = 1
+    tensor_rank: int = 0
+    pipeline_rank: int = 0
     nxd: dict[str, Any] | None = None
     """neuronx-distributed's trainer config when the model is split (tensor/pipeline parallel, ZeRO-1)."""
 
     def __post_init__(self) -> None:
-        if self.dp_rank < 0:
-            object.__setattr__(self, "dp_rank", self.rank)
-        if self.dp_size < 0:
-            object.__setattr__(self, "dp_size", self.world_size)
+        if not self.layout.splits_model:
+            object.__setattr__(self, "layout", ParallelDims(data=self.world_size))
+        if self.layout.world_size != self.world_size:
+            raise ValueError(f"a {self.layout} layout has {self.layout.world_size} ranks, not {self.world_size}")
+        if self.data_rank < 0:
+            object.__setattr__(self, "data_rank", self.rank)
 
     @property
     def is_main(self) -> bool:
@@ -213,11 +215,12 @@ def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
 
     neuron.require_nxd()
     config = neuron.nxd_config(cfg)
-    at = neuron.coordinates()
+    dims = cfg.parallel_dims
+    dims.check(neuron.formed_dims(), "neuronx-distributed")
+    tensor_rank, pipeline_rank, data_rank = neuron.coordinates()
     return replace(
-        world, nxd=config, tp_rank=at["tp_rank"], tp_size=at["tp_size"], pp_rank=at["pp_rank"],
-        pp_size=at["pp_size"], dp_rank=at["dp_rank"], dp_size=at["dp_size"],
-    )  # fmt: skip
+        world, nxd=config, layout=dims, tensor_rank=tensor_rank, pipeline_rank=pipeline_rank, data_rank=data_rank
+    )
 
 
 def close_world() -> None:

@@ -104,7 +104,8 @@ class Layers(Protocol):
     """Where the model's linear and embedding layers come from, and how its parameters are split (see
     `DenseLayers`; `training.neuron.NxdLayers` for tensor parallelism)."""
 
-    tensor_parallel: int
+    tensor: int
+    """The tensor-parallel degree: how many ranks share each layer."""
 
     def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module: ...
 
@@ -130,7 +131,7 @@ LinearKind = Literal["column", "row", "output"]
 class DenseLayers:
     """The whole model on one device: nn.Linear (no bias) and nn.Embedding, parameters unsplit."""
 
-    tensor_parallel = 1
+    tensor = 1
 
     def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module:
         return nn.Linear(in_features, out_features, bias=False)
@@ -166,7 +167,7 @@ class Attention(nn.Module):
 
     def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
-        tp = parallel.tensor_parallel
+        tp = parallel.tensor
         # Local heads: each rank a run of query heads, and its KV heads (one replicated KV head when TP exceeds
         # them: training/sharding.py).
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, max(1, cfg.kv_heads // tp), cfg.head_dim

@@ -37,8 +37,9 @@ from torch import nn
 
 from hlat.core.config import ConfigError, HlatConfig, ModelConfig
 from hlat.core.environment import neuron_available
+from hlat.core.parallel import ParallelDims, heads_problem, kv_replicas
 from hlat.training.model import LinearKind
-from hlat.training.sharding import DenseParameter, kv_multiplier, local_name, shard
+from hlat.training.sharding import DenseParameter, local_name, shard
 
 
 class NeuronUnavailable(ImportError):
@@ -75,8 +76,8 @@ def needs_nxd(cfg: HlatConfig) -> bool:
 def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:
     """Our parallel config as the arguments of NxD's `neuronx_distributed_config` (checked against the heads)."""
     p, m, t = cfg.parallelism, cfg.model, cfg.training
-    if m.kv_heads % p.tensor and p.tensor % m.kv_heads:
-        raise ConfigError(f"parallelism.tensor={p.tensor} must divide or be a multiple of {m.kv_heads} KV heads")
+    if (problem := heads_problem(m.n_heads, m.kv_heads, p.tensor)) is not None:
+        raise ConfigError(f"parallelism.tensor={p.tensor}: {problem}")
     return {
         "tensor_parallel_size": p.tensor,
         "pipeline_parallel_size": p.pipeline,
@@ -104,18 +105,20 @@ def nxd_config(cfg: HlatConfig) -> dict[str, Any]:
     return dict(neuronx_distributed_config(**parallel_settings(cfg)))
 
 
-def coordinates() -> dict[str, int]:
-    """This rank's place in NxD's groups: tensor, pipeline and data parallel rank and size."""
+def coordinates() -> tuple[int, int, int]:
+    """This rank's place in NxD's groups: its tensor, pipeline and data-parallel rank."""
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
-    return {
-        "tp_rank": ps.get_tensor_model_parallel_rank(),
-        "tp_size": ps.get_tensor_model_parallel_size(),
-        "pp_rank": ps.get_pipeline_model_parallel_rank(),
-        "pp_size": ps.get_pipeline_model_parallel_size(),
-        "dp_rank": ps.get_data_parallel_rank(),
-        "dp_size": ps.get_data_parallel_size(),
-    }
+    return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
+
+
+def formed_dims() -> ParallelDims:
+    """The layout NxD's groups formed, to check against the config's (`ParallelDims.check`)."""
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    return ParallelDims(
+        ps.get_tensor_model_parallel_size(), ps.get_pipeline_model_parallel_size(), ps.get_data_parallel_size()
+    )
 
 
 class NxdLayers:
@@ -128,10 +131,11 @@ class NxdLayers:
         from neuronx_distributed.parallel_layers import parallel_state as ps
 
         self.model: ModelConfig = cfg.model
-        self.tensor_parallel = ps.get_tensor_model_parallel_size()
+        dims = cfg.parallel_dims  # NxD's groups were checked against it when the world was formed
+        self.tensor = dims.tensor
         self.rank = ps.get_tensor_model_parallel_rank()
-        self.sequence_parallel = cfg.parallelism.sequence_parallel and self.tensor_parallel > 1
-        self.grouped = self.tensor_parallel > cfg.model.kv_heads
+        self.sequence_parallel = dims.sequence_parallel
+        self.grouped = self.tensor > cfg.model.kv_heads
 
     def _sequence(self) -> dict[str, Any]:
         return {"sequence_parallel_enabled": self.sequence_parallel, "sequence_dimension": 1}
@@ -184,7 +188,7 @@ class NxdLayers:
             [cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim],
             bias=False,
             gather_output=False,
-            kv_size_multiplier=kv_multiplier(cfg, self.tensor_parallel),
+            kv_size_multiplier=kv_replicas(cfg.kv_heads, self.tensor),
             fuse_qkv=False,
             sequence_parallel_enabled=self.sequence_parallel,
         )
@@ -202,10 +206,10 @@ class NxdLayers:
             weight.sequence_parallel_enabled = True  # type: ignore[attr-defined]
 
     def local_name(self, name: str) -> str:
-        return local_name(name, self.model, self.tensor_parallel)
+        return local_name(name, self.model, self.tensor)
 
     def shard(self, param: DenseParameter, full: torch.Tensor) -> torch.Tensor:
-        return shard(param, full, self.rank, self.tensor_parallel, self.model)
+        return shard(param, full, self.rank, self.tensor, self.model)
 
 
 class _SwapBatchAndTime(torch.autograd.Function):
@@ -291,10 +295,11 @@ def pipeline_model(
     )
 
 
-def shard_name(coords: dict[str, int]) -> str:
+def shard_name(tensor_rank: int, pipeline_rank: int) -> str:
     """The checkpoint shard a model-parallel position writes: one per (TP rank, PP rank)."""
-    return f"tp{coords['tp_rank']:02d}-pp{coords['pp_rank']:02d}"
+    return f"tp{tensor_rank:02d}-pp{pipeline_rank:02d}"
 
 
-def shard_names(tp: int, pp: int) -> list[str]:
-    return [f"tp{t:02d}-pp{p:02d}" for p in range(pp) for t in range(tp)]
+def shard_names(dims: ParallelDims) -> list[str]:
+    """Every shard of a checkpoint of this layout, pipeline stage by stage."""
+    return [shard_name(t, p) for p in range(dims.pipeline) for t in range(dims.tensor)]

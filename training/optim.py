@@ -1,9 +1,10 @@
 """Optimizer, learning-rate schedule and gradient clipping of an hlat run (HLAT recipe).
 
 - `lr_at(step, cfg)`: linear warmup, then cosine decay to `lr * min_lr_ratio` over the horizon
-  (`schedule_steps or max_steps`), flat at that floor afterwards. `step` is the 0-based index of the optimizer
-  step about to be taken; warmup uses `(step + 1) / warmup_steps`, so step 0 already learns (lr/warmup) and the
-  last warmup step (warmup_steps - 1) runs at the peak. The cosine starts at the peak on step `warmup_steps`.
+  (`TrainingConfig.schedule_horizon`: schedule_steps or max_steps), flat at that floor afterwards. `step` is the
+  0-based index of the optimizer step about to be taken; warmup uses `(step + 1) / warmup_steps`, so step 0
+  already learns (lr/warmup) and the last warmup step (warmup_steps - 1) runs at the peak. The cosine starts at the
+  peak on step `warmup_steps`.
 - `build_scheduler(optimizer, cfg)`: the same schedule as a stateful `LambdaLR` (its state_dict holds only
   plain numbers, so it checkpoints under `torch.load(weights_only=True)`). The optimizer's lr during step k is
   `lr_at(k)` when the loop calls `scheduler.step()` once after every `optimizer.step()`.
@@ -55,7 +56,7 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
     warmup = cfg.warmup_steps
     if step < warmup:
         return peak * (step + 1) / warmup
-    horizon = cfg.schedule_steps or cfg.max_steps
+    horizon = cfg.schedule_horizon
     decay_steps = horizon - warmup
     if decay_steps <= 0:
         # A horizon inside the warmup leaves no room for a cosine: hold the floor once warmup ends.

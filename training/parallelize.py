@@ -57,7 +57,7 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
 
 def model_layers(cfg: HlatConfig, world: World) -> Layers:
     """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise."""
-    if world.nxd is not None and world.tp_size > 1:
+    if world.nxd is not None and world.layout.tensor > 1:
         from hlat.training.neuron import NxdLayers
 
         return NxdLayers(cfg)

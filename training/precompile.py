@@ -126,7 +126,7 @@ def rehearsal_config(cfg: HlatConfig) -> HlatConfig:
     training = t.model_copy(
         update={
             "max_steps": steps,
-            "schedule_steps": t.schedule_steps or t.max_steps,
+            "schedule_steps": t.schedule_horizon,
             "checkpoint_every": max(steps - 1, 1),
             "eval_every": 0,  # validation once, after the last step (its own graph)
         }

@@ -16,7 +16,7 @@ Kinds (Megatron's split of a LLaMA block, one all-reduce per sub-layer):
 - `q` / `o`: the query projection's output heads / the output projection's input heads are split, heads kept
   whole. With more TP ranks than KV heads the heads are reordered as `q_head_order` says (below);
 - `kv`: the key/value projections' heads. With TP <= KV heads they are split like `q`. With more ranks than
-  KV heads every rank holds one head, replicated over `kv_multiplier` ranks in trn1's layout of
+  KV heads every rank holds one head, replicated over `core.parallel.kv_replicas` ranks in trn1's layout of
   neuronx-distributed's GQAQKVColumnParallelLinear: rank r holds KV head r mod n_kv ("(K0, K1, ..., K7) repeated").
 
 Grouped-query attention pairs query head h with KV head h // (n_heads / n_kv) (HF Llama's grouping). Under trn1's
@@ -74,11 +74,6 @@ def dense_parameters(cfg: ModelConfig) -> list[DenseParameter]:
     if not cfg.tie_embeddings:
         out.append(DenseParameter("output.weight", (cfg.vocab_size, d), "normal", "column"))
     return out
-
-
-def kv_multiplier(cfg: ModelConfig, tp: int) -> int:
-    """How many TP ranks share each KV head (1 unless TP exceeds the KV heads)."""
-    return max(1, tp // cfg.kv_heads)
 
 
 def q_head_order(cfg: ModelConfig, tp: int) -> list[int]:

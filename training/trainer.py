@@ -132,7 +132,7 @@ class Trainer:
         # Built with its parallelism (each TP rank holds its slices), initialised on the host from the seed, so every
         # device and every split starts from the same weights. Under pipeline parallelism the model stays on the meta
         # device: NxD's pipeline materialises and initialises this rank's stage only.
-        staged = world.pp_size > 1
+        staged = world.layout.pipeline > 1
         model = Transformer(cfg.model, device="meta" if staged else "cpu", layers=model_layers(cfg, world))
         if not staged:
             model.init_weights(cfg.training.seed)
@@ -192,7 +192,8 @@ class Trainer:
             return build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
         from hlat.training.neuron import parallel_optimizer
 
-        params = list(self.wrapped.local_parameters()) if world.pp_size > 1 else trainable_parameters(self.model)
+        staged = world.layout.pipeline > 1
+        params = list(self.wrapped.local_parameters()) if staged else trainable_parameters(self.model)
         zero1 = cfg.parallelism.zero1
         optimizer_class, arguments = optimizer_recipe(
             params, cfg.training, cfg.precision.mode, world.device.type, zero1=zero1
@@ -225,8 +226,8 @@ class Trainer:
             seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size,
             seed=t.seed,
-            dp_rank=self.world.dp_rank,  # TP and PP peers read the same tokens
-            dp_size=self.world.dp_size,
+            dp_rank=self.world.data_rank,  # TP and PP peers read the same tokens
+            dp_size=self.world.layout.data,
             split=split,
             document_masking=t.document_masking,
         )
@@ -242,23 +243,22 @@ class Trainer:
             return Unsharded(self.model, self.optimizer)
         from hlat.training.neuron import shard_name, shard_names
 
-        at = {"tp_rank": world.tp_rank, "pp_rank": world.pp_rank}
         layout = {
-            "shard": shard_name(at),
-            "shard_writer": world.dp_rank == 0,
-            "shards": shard_names(world.tp_size, world.pp_size),
+            "shard": shard_name(world.tensor_rank, world.pipeline_rank),
+            "shard_writer": world.data_rank == 0,
+            "shards": shard_names(world.layout),
         }
         kind = Zero1 if self.cfg.parallelism.zero1 else ModelParallel
         return kind(self.model, self.optimizer, layout, self.model_state, self.load_model_state)
 
     def model_state(self) -> dict[str, Any]:
         """This rank's model state: its pipeline stage's parameters (original names) and its TP slices."""
-        if self.world.pp_size > 1:
+        if self.world.layout.pipeline > 1:
             return dict(self.wrapped.local_state_dict())
         return self.model.state_dict()
 
     def load_model_state(self, state: dict[str, Any]) -> None:
-        if self.world.pp_size > 1:
+        if self.world.layout.pipeline > 1:
             self.wrapped.load_state_dict(state, strict=True)
         else:
             self.model.load_state_dict(state)
@@ -325,7 +325,7 @@ class Trainer:
         tensors, and the host-side checksum of its tokens."""
         accum = self.cfg.gradient_accumulation
         self.optimizer.zero_grad(set_to_none=True)
-        if self.world.pp_size > 1:
+        if self.world.layout.pipeline > 1:
             return self._pipeline_step(batches)
         total: torch.Tensor | None = None
         crc = 0
@@ -542,7 +542,7 @@ class Trainer:
         restore_rank_state(mine, self.loader)
 
     def _held_out_loss(self, chunk: list[DeviceBatch]) -> torch.Tensor:
-        if self.world.pp_size > 1:  # averaged over the micro-batches and the data-parallel group, on every stage
+        if self.world.layout.pipeline > 1:  # averaged over the micro-batches and the data-parallel group, every stage
             inputs = {"tokens": torch.cat([b.inputs for b in chunk]), "targets": torch.cat([b.targets for b in chunk])}
             if self.cfg.training.document_masking:
                 inputs["doc_ids"] = torch.cat([b.doc_ids for b in chunk if b.doc_ids is not None])
@@ -561,7 +561,7 @@ class Trainer:
         total: torch.Tensor | None = None
         count = 0
         # Under pipeline parallelism the stages score a step's worth of micro-batches at a time.
-        group = self.cfg.gradient_accumulation if self.world.pp_size > 1 else 1
+        group = self.cfg.gradient_accumulation if self.world.layout.pipeline > 1 else 1
         try:
             batches = self.device_batches(loader, accumulation=1, background=False)
             wanted = max(group, self.cfg.training.eval_batches // group * group)

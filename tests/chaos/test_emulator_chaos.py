@@ -37,7 +37,7 @@ from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sagemaker-emulator")]  # one multi-host job at a time
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
 if problem := namespaces_available():
     if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":

@@ -116,7 +116,7 @@ def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_pat
     assert request["HyperParameters"] == {"config": f"{run_uri}/config.json"}
     assert request["Environment"]["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"
     assert "S3 PutObject x " in text and f"under {run_uri}/code/" in text
-    assert "64 x ml.trn1.32xlarge at $21.50/node-hour = $1,376.00/hour" in text
+    assert "64 x ml.trn1.32xlarge at $24.725/node-hour = $1,582.40/hour" in text
     assert "1,799.4B tokens in " in text and "by the planner's model), about $" in text
     assert list(tmp_path.iterdir()) == []  # nothing written locally either
 
@@ -165,7 +165,7 @@ def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp
     assert "/pytorch-training:" in request["AlgorithmSpecification"]["TrainingImage"]
     assert "CheckpointConfig" not in request  # nothing of the run's checkpoints copied onto the instance
     assert {"Key": "hlat:stage", "Value": "evaluate"} in request["Tags"]
-    assert "cost: 1 x ml.p4d.24xlarge at $32.77/node-hour" in out.stdout
+    assert "cost: 1 x ml.p4d.24xlarge at $37.688/node-hour" in out.stdout
     assert "at most $786.48" in out.stdout
 
 

@@ -25,7 +25,7 @@ from hlat.infra.sagemaker_emulator import namespaces_available
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
 from tests.jobs import make_run
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group("sagemaker-emulator")]  # one multi-host job at a time
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
 if problem := namespaces_available():
     if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":

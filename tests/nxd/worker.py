@@ -53,7 +53,7 @@ def gather_dense(model: Transformer, world: World, grads: bool) -> dict[str, tor
     for param in dense_parameters(model.cfg):
         local = model.get_parameter(model.parallel.local_name(param.name))
         value = (local.grad if grads else local).detach().contiguous()
-        pieces = [torch.empty_like(value) for _ in range(world.tp_size)]
+        pieces = [torch.empty_like(value) for _ in range(world.layout.tensor)]
         dist.all_gather(pieces, value, group=tp_group())
         out[param.name] = unshard(param, pieces, model.cfg)
     return out
@@ -96,7 +96,7 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
         "weight_error": max(float((weights[n] - dense_weights[n]).abs().max()) for n in weights),
         "grad_error": {n: float((grads[n] - dense_weights[n].grad).abs().max()) for n in grads},
         "grad_scale": max(float(dense_weights[n].grad.abs().max()) for n in grads),
-        "tp": (world.tp_rank, world.tp_size),
+        "tp": (world.tensor_rank, world.layout.tensor),
         "vocab_size": cfg.model.vocab_size,
     }
 
@@ -119,10 +119,10 @@ def dense_weights(trainer: Any, world: World) -> dict[str, torch.Tensor]:
     from hlat.training.sharding import consolidate
 
     local = {k: v.detach().clone() for k, v in trainer.model_state().items()}
-    everyone: list[Any] = [(world.tp_rank, local)]
+    everyone: list[Any] = [(world.tensor_rank, local)]
     if world.world_size > 1:
         everyone = [None] * world.world_size
-        dist.all_gather_object(everyone, (world.tp_rank, local))
+        dist.all_gather_object(everyone, (world.tensor_rank, local))
     by_tp: dict[int, dict[str, torch.Tensor]] = {}
     for tp_rank, state in everyone:
         by_tp.setdefault(tp_rank, {}).update(state)
@@ -141,8 +141,8 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
     trainer.loader.close()
     t = cfg.training
     inputs, targets, _ = batch(cfg, t.global_batch_size, seed=23)
-    share = t.global_batch_size // world.dp_size  # rows of this data-parallel rank, in micro-batches
-    rows = slice(world.dp_rank * share, (world.dp_rank + 1) * share)
+    share = t.global_batch_size // world.layout.data  # rows of this data-parallel rank, in micro-batches
+    rows = slice(world.data_rank * share, (world.data_rank + 1) * share)
     micro = [
         DeviceBatch(inputs[rows][i : i + t.micro_batch_size], targets[rows][i : i + t.micro_batch_size], None, {}, 0)
         for i in range(0, share, t.micro_batch_size)
@@ -155,9 +155,9 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
         "grad_norm": float(stats["grad_norm"]),
         "weights": weights,
         "coordinates": {
-            "dp": (world.dp_rank, world.dp_size),
-            "tp": (world.tp_rank, world.tp_size),
-            "pp": (world.pp_rank, world.pp_size),
+            "dp": (world.data_rank, world.layout.data),
+            "tp": (world.tensor_rank, world.layout.tensor),
+            "pp": (world.pipeline_rank, world.layout.pipeline),
         },
         "local_parameters": sorted(trainer.model_state()),
         # Parameters given storage in this process (under PP, this stage's only: the rest stay on the meta device).

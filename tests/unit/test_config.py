@@ -53,7 +53,7 @@ def test_hlat_7b_figures() -> None:
     )
     assert c.precision.mode == "bf16-sr"
     assert (c.job.instance_type, c.job.instance_count) == ("ml.trn1.32xlarge", 64)
-    assert c.data_parallel_size == 4 * c.job.instance_count  # FACTS: DP = 4 x nodes
+    assert c.parallel_dims.data == 4 * c.job.instance_count  # HLAT 7B: TP 8 on 32 NeuronCores a node, so DP = 4 x nodes
     assert 6.5e9 < m.num_params() < 7e9
 
 
@@ -94,7 +94,7 @@ def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
     assert t.global_batch_size * t.seq_len == pytest.approx(tokens / t.max_steps, rel=2e-3)
     # The dry run's estimate and the planner's default budget read the same figure.
     assert estimate(c)["tokens"] == planner.default_tokens(c) == t.max_steps * c.tokens_per_step
-    assert c.data_parallel_size * t.micro_batch_size * c.gradient_accumulation == t.global_batch_size
+    assert c.parallel_dims.data * t.micro_batch_size * c.gradient_accumulation == t.global_batch_size
     assert "arXiv" in source
     from hlat.cli import presets_table
 

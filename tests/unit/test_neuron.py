@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hlat.core.environment import neuron_available, neuron_environment, xla_job_environment, xla_precision_environment
+from hlat.core.parallel import ParallelDims
 from hlat.core.presets import load_config
 from hlat.training.distributed import World, _model_parallel
 from hlat.training.neuron import NeuronUnavailable, parallel_settings, require_nxd, shard_name, shard_names
@@ -102,8 +103,8 @@ def test_parallel_settings_of_the_hlat_presets() -> None:
 
 
 def test_the_checkpoint_shards_of_a_split_model() -> None:
-    assert shard_name({"tp_rank": 3, "pp_rank": 1}) == "tp03-pp01"
-    assert shard_names(2, 2) == ["tp00-pp00", "tp01-pp00", "tp00-pp01", "tp01-pp01"]
+    assert shard_name(3, 1) == "tp03-pp01"
+    assert shard_names(ParallelDims(2, 2)) == ["tp00-pp00", "tp01-pp00", "tp00-pp01", "tp01-pp01"]
 
 
 def test_clear_errors_without_neuronx_distributed(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -207,12 +207,13 @@ def test_the_planner_picks_hlats_parallelism(preset: str, nodes: int, tp: int, p
 
 
 def test_prices_come_from_the_planner_config_then_the_job_then_the_catalog() -> None:
-    assert price_per_hour("ml.trn1.32xlarge") == 21.50
-    assert CATALOG["ml.p5.48xlarge"].price_per_hour_usd == 98.32
+    # SageMaker training's on-demand rates (us-east-1), not EC2's: 1.15 x EC2's $21.50 and $98.32.
+    assert price_per_hour("ml.trn1.32xlarge") == 24.725
+    assert CATALOG["ml.p5.48xlarge"].price_per_hour_usd == 113.068
     base = load_config("hlat-7b")
-    assert planner.node_price(base, "ml.trn1.32xlarge") == 21.50
+    assert planner.node_price(base, "ml.trn1.32xlarge") == 24.725
     job = load_config("hlat-7b", {"job.price_per_hour_usd": 12.0})
-    assert planner.node_price(job, "ml.trn1.32xlarge") == 12.0 and planner.node_price(job, "ml.p5.48xlarge") == 98.32
+    assert planner.node_price(job, "ml.trn1.32xlarge") == 12.0 and planner.node_price(job, "ml.p5.48xlarge") == 113.068
     listed = load_config("hlat-7b", {"job.price_per_hour_usd": 12.0, "planner.prices_usd_per_hour": {
         "ml.trn1.32xlarge": 7.59, "ml.p5.48xlarge": 55.0}})  # fmt: skip
     the_plan = planner.plan(listed)
@@ -233,7 +234,7 @@ def test_time_and_cost_for_a_token_budget() -> None:
     assert isinstance(the_plan.configured, Estimate)
     assert configured.tokens_per_s == the_plan.configured.tokens_per_s and configured.layout.tensor == 8
     assert trn1.tokens_per_s == the_plan.best.tokens_per_s and trn1.basis.startswith("best layout TP4")
-    assert trn1.usd == pytest.approx(1.8e12 / trn1.tokens_per_s / 3600 * 64 * 21.50)
+    assert trn1.usd == pytest.approx(1.8e12 / trn1.tokens_per_s / 3600 * 64 * 24.725)
     # p5 at the MFU benchmarks/bench_train measured on an H100 (infra/measured.json), p4d at its assumed 42%:
     # 64 nodes x 8 GPUs x peak BF16 x MFU over the model FLOPs per token.
     h100 = json.loads(MEASURED.read_text())["train_step"]["NVIDIA H100 80GB HBM3"]
@@ -241,7 +242,7 @@ def test_time_and_cost_for_a_token_budget() -> None:
     assert p5.basis.startswith(f"measured {h100['mfu']:.0%} MFU: ") and h100["measured"] in p5.basis
     assert p4d.tokens_per_s == pytest.approx(64 * 8 * 312e12 * 0.42 / planner.flops_per_token(config))
     assert p4d.basis.startswith("assumed 42% MFU; FSDP2")
-    assert p5.usd == pytest.approx(p5.hours * 64 * 98.32)
+    assert p5.usd == pytest.approx(p5.hours * 64 * 113.068)
     assert planner.default_tokens(config) == 429_000 * 1024 * 4096
 
 
@@ -351,7 +352,7 @@ def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
         layout = estimate.layout
         applied = load_config("hlat-70b", layout.overrides())  # validates: heads, KV heads, batch, world size
         assert configured_layout(applied, 256, topology) == layout
-        assert applied.data_parallel_size == layout.data
+        assert applied.parallel_dims.data == layout.data
 
 
 def test_gpu_rows_choose_fsdp2_where_a_ddp_replica_does_not_fit() -> None:

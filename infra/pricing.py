@@ -1,0 +1,83 @@
+"""Today's SageMaker training prices, read from the AWS Price List Query API (`hlat prices`).
+
+The catalog's prices (`infra.catalog`) are on-demand figures of one date and region; a bill is whatever AWS charges
+now, where the job runs. `training_prices` asks the Price List API (`pricing:GetProducts`, service code
+`AmazonSageMaker`) for the on-demand hourly price of each `ml.` instance type as a SageMaker *training* instance in
+a region: products of the family "ML Instance" whose `component` is "Training"
+(https://docs.aws.amazon.com/aws-cost-management/latest/APIReference/API_pricing_GetProducts.html; the price list
+format: https://docs.aws.amazon.com/awsaccountbilling/latest/aboutv2/price-changes.html). The API is served from a
+few regions only (us-east-1 among them) whatever the region priced. It needs AWS credentials with
+`pricing:GetProducts`; nothing else in a run calls it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+SERVICE_CODE = "AmazonSageMaker"
+API_REGION = "us-east-1"
+"""Where the Price List Query API answers (it also runs in ap-south-1 and eu-central-1)."""
+
+
+@dataclass(frozen=True)
+class ListedPrice:
+    instance_type: str
+    region: str
+    usd_per_hour: float
+    effective: str
+    """The date AWS gives the on-demand term (its `effectiveDate`)."""
+    sku: str
+
+
+def price_filters(instance_type: str, region: str) -> list[dict[str, str]]:
+    """GetProducts filters of one instance type as a SageMaker training instance in `region`."""
+    terms = {"productFamily": "ML Instance", "component": "Training", "regionCode": region}
+    terms["instanceName"] = instance_type
+    return [{"Type": "TERM_MATCH", "Field": field, "Value": value} for field, value in terms.items()]
+
+
+def on_demand_hourly(entry: dict[str, Any]) -> list[tuple[float, str, str]]:
+    """The hourly USD prices of one Price List product: (price, effective date, sku) per on-demand dimension."""
+    sku = entry.get("product", {}).get("sku", "")
+    found = []
+    for term in entry.get("terms", {}).get("OnDemand", {}).values():
+        for dimension in term.get("priceDimensions", {}).values():
+            usd = dimension.get("pricePerUnit", {}).get("USD")
+            if usd is None or dimension.get("unit", "").lower() not in ("hrs", "hours", "hour"):
+                continue
+            found.append((float(usd), str(term.get("effectiveDate", ""))[:10], sku))
+    return found
+
+
+def training_prices(instance_types: Iterable[str], region: str, client: Any = None) -> dict[str, ListedPrice | None]:
+    """On-demand SageMaker training price of each instance type in `region`; None where the list has none (the type
+    is not offered there). `client` is a boto3 `pricing` client (default: one in us-east-1 from the environment's
+    credentials). Raises ValueError when one type lists several different hourly prices."""
+    if client is None:
+        import boto3
+
+        client = boto3.client("pricing", region_name=API_REGION)
+    paginator = client.get_paginator("get_products")
+    prices: dict[str, ListedPrice | None] = {}
+    for instance_type in instance_types:
+        listed: set[tuple[float, str, str]] = set()
+        for page in paginator.paginate(
+            ServiceCode=SERVICE_CODE, Filters=price_filters(instance_type, region), FormatVersion="aws_v1"
+        ):
+            for item in page.get("PriceList", []):
+                listed.update(p for p in on_demand_hourly(json.loads(item)) if p[0] > 0)
+        distinct = {p[0] for p in listed}
+        if len(distinct) > 1:
+            raise ValueError(
+                f"{instance_type} in {region}: the price list has {len(distinct)} on-demand training prices "
+                f"({', '.join(f'${p:g}' for p in sorted(distinct))}); set job.price_per_hour_usd to the one you pay"
+            )
+        if not listed:
+            prices[instance_type] = None
+            continue
+        usd, effective, sku = max(listed, key=lambda p: p[1])
+        prices[instance_type] = ListedPrice(instance_type, region, usd, effective, sku)
+    return prices
