@@ -140,7 +140,7 @@ def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
     out = aws_dry_run("burn-in", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
     assert "dry run: burn-in of run hlat-7b-" in out.stdout and "-burn-in-1" in out.stdout
-    assert "bound: the burn-in job stops by its max runtime of 1 h: at most $1,376.00" in out.stdout
+    assert "bound: the burn-in job stops by its max runtime of 1 h: at most $1,582.40" in out.stdout
     refused = hlat("run", "train-tokenizer", "--preset", "tiny", "--dry-run", cwd=tmp_path)
     assert refused.returncode == 2 and "runs in the flow's own process" in refused.stderr
 
@@ -148,7 +148,7 @@ def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
 def test_dry_run_of_prepare_data_prices_the_job_for_the_runs_tokens(tmp_path: Path) -> None:
     out = aws_dry_run("prepare-data", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert "-prepare-data-1" in out.stdout and "cost: 8 x ml.c5.4xlarge at $0.82/node-hour" in out.stdout
+    assert "-prepare-data-1" in out.stdout and "cost: 8 x ml.c5.4xlarge at $0.816/node-hour" in out.stdout
     # HLAT's 1.8T tokens at 4 bytes per token, 64 workers at the measured per-worker throughput.
     (line,) = [x for x in out.stdout.splitlines() if x.startswith("estimate: prepare-data: 7.20 TB of text in")]
     assert "on 64 worker(s) (8 x ml.c5.4xlarge)" in line and "MB/s per worker" in line
@@ -166,7 +166,7 @@ def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp
     assert "CheckpointConfig" not in request  # nothing of the run's checkpoints copied onto the instance
     assert {"Key": "hlat:stage", "Value": "evaluate"} in request["Tags"]
     assert "cost: 1 x ml.p4d.24xlarge at $37.688/node-hour" in out.stdout
-    assert "at most $786.48" in out.stdout
+    assert "at most $904.51" in out.stdout
 
 
 def test_a_data_source_that_cannot_be_read_fails_before_anything_starts_and_leaves_nothing(tmp_path: Path) -> None:

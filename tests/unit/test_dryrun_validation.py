@@ -94,7 +94,7 @@ def test_an_instance_type_without_a_price_is_not_priced_at_zero() -> None:
     assert "$0.00" not in text
     assert "ml.m5.xlarge: no price in the instance catalog" in text and "job.price_per_hour_usd" in text
     priced = dry_run(sagemaker(**{"job.instance_type": "ml.m5.xlarge", "job.price_per_hour_usd": 0.23}))
-    assert "64 x ml.m5.xlarge at $0.23/node-hour = $14.72/hour" in priced
+    assert "64 x ml.m5.xlarge at $0.230/node-hour = $14.72/hour" in priced
 
 
 def test_the_real_submit_checks_before_any_stage_runs(tmp_path: Path) -> None:
