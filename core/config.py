@@ -709,7 +709,7 @@ class HlatConfig(Section):
     def _check_fsdp(self) -> None:
         p = self.parallelism
         refused = [
-            (p.tensor > 1 or p.pipeline > 1, "tensor and pipeline parallelism (NxD's, on trn1)", "set both to 1"),
+            (self.parallel_dims.splits_model, "tensor and pipeline parallelism (NxD's, on trn1)", "set both to 1"),
             (p.zero1, "parallelism.zero1 (FSDP2 already shards the optimizer states)", "set parallelism.zero1=false"),
             (self.training.device == "xla", "training.device=xla (XLA jobs shard with NxD)", "use cpu or cuda"),
             (

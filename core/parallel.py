@@ -71,13 +71,9 @@ class ParallelDims:
         return self.tensor * self.pipeline * self.data
 
     @property
-    def model_split(self) -> int:
-        """Ranks that hold one copy of the model between them (tensor x pipeline)."""
-        return self.tensor * self.pipeline
-
-    @property
     def splits_model(self) -> bool:
-        return self.model_split > 1
+        """Whether more than one rank holds each copy of the model (tensor or pipeline parallelism)."""
+        return self.tensor * self.pipeline > 1
 
     def problem(self, n_heads: int, kv_heads: int, n_layers: int) -> str | None:
         """Why this layout cannot hold the model (None: it can): the heads rule, and whole layers per stage."""

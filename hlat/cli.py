@@ -25,11 +25,14 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hlat.core.config import ConfigError, closest_match, parse_override
 from hlat.core.presets import PRESETS, load_config
 from hlat.deploy import DEFAULT_POOL, POOL_TYPES
+
+if TYPE_CHECKING:
+    from hlat.infra.pricing import ListedPrice
 
 STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
 
@@ -266,6 +269,8 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 
 def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from botocore.exceptions import BotoCoreError, ClientError
+
     from hlat.infra.catalog import CATALOG
     from hlat.infra.pricing import API_REGION, training_prices
 
@@ -274,9 +279,7 @@ def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     types = args.instance_types or [name for name in CATALOG if name.startswith("ml.")]
     try:
         listed = training_prices(types, region)
-    except ValueError:  # several prices for one type: its own one-line message
-        raise
-    except Exception as exc:  # no credentials, no network, access denied: one line with the cause
+    except (BotoCoreError, ClientError) as exc:  # no credentials, no network, access denied: one line, the cause
         raise ConfigError(
             f"the AWS Price List API ({API_REGION}) did not answer: {type(exc).__name__}: {exc}; it needs AWS "
             "credentials allowed pricing:GetProducts"
@@ -285,7 +288,7 @@ def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     return 0
 
 
-def prices_table(types: list[str], region: str, listed: dict[str, Any], run_type: str) -> str:
+def prices_table(types: list[str], region: str, listed: dict[str, ListedPrice | None], run_type: str) -> str:
     """The catalog's price of each type beside the Price List's, and the setting that uses the listed one."""
     from hlat.infra.catalog import CATALOG
 

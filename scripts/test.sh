@@ -38,8 +38,10 @@ tiers_log=$(mktemp -t hlat-tiers.XXXXXX)
 tiers=$!
 trap 'rm -f "$tiers_log"' EXIT
 
-# One test file per worker at a time (--dist loadfile), so a file's module fixtures are built once.
-tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile "$@"
+# One test file per worker at a time (--dist loadfile), so a file's module fixtures are built once; files in
+# collection order (--no-loadscope-reorder: xdist otherwise starts with the files of most tests), which
+# tests/conftest.py makes longest first.
+tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
 main=$?
 wait "$tiers"
 echo "----- the XLA and NxD tiers (.venv-xla), run beside the main suite -----"

@@ -34,27 +34,28 @@ collect_ignore = ["xla", "nxd"]
 
 from tests.sizes import SMALL_DATA, SMALL_RUN  # noqa: E402  (re-exported: tests import them from here)
 
-# The longest test files first (minutes, from a timed serial run on 2 cores): pytest-xdist's `--dist loadfile` hands
-# files to its workers in collection order, so a long file started last keeps one worker busy while the other idles.
+# The longest test files first (by a timed serial run on 2 cores): scripts/test.sh hands files to its two
+# pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`), so a long file started last
+# would keep one worker busy while the other idles.
 LONGEST_FILES = (
-    "tests/e2e/test_readme.py",  # 14.7
-    "tests/integration/test_emulator.py",  # 6.0
-    "tests/chaos/test_emulator_chaos.py",  # 4.5
-    "tests/integration/test_job_requirements.py",  # 4.4
-    "tests/e2e/test_deployments.py",  # 4.2
-    "tests/integration/test_cli.py",  # 3.5
-    "tests/unit/test_benchmarks.py",  # 3.2
-    "tests/integration/test_flows.py",  # 2.2
-    "tests/integration/test_training.py",  # 2.5
-    "tests/chaos/test_train_stage.py",  # 1.9
-    "tests/integration/test_evaluate.py",  # 1.9
-    "tests/integration/test_local_jobs.py",  # 2.2
-    "tests/integration/test_compile_cache.py",  # 1.7
-    "tests/integration/test_stages.py",  # 1.4
-    "tests/integration/test_xla_rehearsal.py",  # 1.4
-    "tests/integration/test_fsdp.py",  # 1.3
-    "tests/integration/test_prepare_job.py",  # 1.2
-    "tests/chaos/test_kill_resume.py",  # 1.0
+    "tests/e2e/test_readme.py",
+    "tests/integration/test_emulator.py",
+    "tests/chaos/test_emulator_chaos.py",
+    "tests/integration/test_job_requirements.py",
+    "tests/e2e/test_deployments.py",
+    "tests/integration/test_cli.py",
+    "tests/unit/test_benchmarks.py",
+    "tests/integration/test_flows.py",
+    "tests/integration/test_training.py",
+    "tests/chaos/test_train_stage.py",
+    "tests/integration/test_evaluate.py",
+    "tests/integration/test_local_jobs.py",
+    "tests/integration/test_compile_cache.py",
+    "tests/integration/test_stages.py",
+    "tests/integration/test_xla_rehearsal.py",
+    "tests/integration/test_fsdp.py",
+    "tests/integration/test_prepare_job.py",
+    "tests/chaos/test_kill_resume.py",
 )
 
 

@@ -69,8 +69,7 @@ def require_nxd() -> None:
 
 
 def needs_nxd(cfg: HlatConfig) -> bool:
-    p = cfg.parallelism
-    return p.tensor > 1 or p.pipeline > 1 or p.zero1
+    return cfg.parallel_dims.splits_model or cfg.parallelism.zero1
 
 
 def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:

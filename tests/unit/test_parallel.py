@@ -14,7 +14,7 @@ from hlat.training.distributed import World
 
 def test_data_parallelism_takes_the_ranks_the_model_split_leaves() -> None:
     dims = ParallelDims.of_world(8, 1, 64 * 32, sequence_parallel=True)  # hlat-7b on 64 nodes
-    assert (dims.tensor, dims.pipeline, dims.data, dims.world_size, dims.model_split) == (8, 1, 256, 2048, 8)
+    assert (dims.tensor, dims.pipeline, dims.data, dims.world_size) == (8, 1, 256, 2048)
     assert str(dims) == "TP 8 x PP 1 x DP 256 SP" and dims.splits_model
     assert dims.accumulation(1024, 1) == 4 and dims.batch_problem(1024, 1) is None
     assert dims.batch_problem(1000, 1) == "global batch 1000 is not a multiple of DP 256 x micro-batch 1"
