@@ -320,6 +320,11 @@ class NeuronConfig(Section):
     precision.mode (`core.environment.neuron_environment`); jobs off trn1 get none of them. A boolean that is off
     leaves its variable unset: the reader's own default."""
 
+    sdk: Literal["2.24.1", "2.28.0"] = "2.24.1"
+    """Neuron SDK release of the trn1 jobs: their training image (when job.image_uri is None), what a job installs
+    on it, and how precision.mode is set. '2.24.1' (PyTorch 2.7, NxD 0.13) is HLAT's; '2.28.0' (PyTorch 2.9, NxD
+    0.17) is the last release that trains with PyTorch/XLA and NxD, and has no XLA_USE_BF16/XLA_DOWNCAST_BF16:
+    the trainer casts the model or autocasts itself (`core.environment.NEURON_SDKS`)."""
     compiler_flags: str = "--model-type transformer --distribution-strategy=llm-training"
     """neuronx-cc options (NEURON_CC_FLAGS). Part of the compile cache's key: changing them recompiles."""
     fuse_softmax: bool = True

@@ -9,8 +9,122 @@ contract: the control plane sets this environment (`infra/backends.py`), the job
 from __future__ import annotations
 
 import importlib.util
+from dataclasses import dataclass
 
 from hlat.core.config import HlatConfig
+
+
+@dataclass(frozen=True)
+class NeuronSdk:
+    """A Neuron SDK release a trn1 job can run on: its PyTorch training image (AWS's Neuron deep-learning container,
+    github.com/aws-neuron/deep-learning-containers, pytorch/training/<pytorch>/Dockerfile.neuronx at the release's
+    tag) and what decides how a job is set up on it."""
+
+    version: str
+    pytorch: str
+    torch_xla: str
+    """torch-xla's major.minor in the image (torch-neuronx requires that release)."""
+    python: str
+    ubuntu: str
+    torch_neuronx: str
+    neuronx_cc: str
+    neuronx_distributed: str
+    neuronx_distributed_training: str
+    precision_flags: bool
+    """Whether torch-xla honours XLA_USE_BF16 / XLA_DOWNCAST_BF16. Neuron 2.24 is the last release that does
+    (Neuron's "end of support for XLA_USE_BF16 and XLA_DOWNCAST_BF16" announcement); later ones cast the model
+    (`model.to(torch.bfloat16)`) or autocast, as Neuron's migration guide prescribes."""
+    cpu_cache_loads: bool
+    """Whether this release's torch-xla loads graphs back from its persistent cache on XLA:CPU (the local rehearsal
+    of precompile): 2.7 does; 2.9's PJRT CPU client cannot ("Deserializing serialized executable not supported").
+    On trn1 the Neuron compile cache serves the graphs either way."""
+    local_python: str
+    """The local rehearsal of this image (`scripts/install.sh`), relative to the project root: the Python that runs
+    the local backend's jobs on XLA:CPU."""
+
+    @property
+    def image_tag(self) -> str:
+        py = self.python.replace(".", "")
+        return f"{self.pytorch}-neuronx-py{py}-sdk{self.version}-ubuntu{self.ubuntu}"
+
+    @property
+    def image_pins(self) -> str:
+        """What the image pins (the file the job-requirements test resolves against), under deployments/."""
+        return f"neuron-image-{self.version}.txt"
+
+    @property
+    def job_requirements(self) -> str:
+        """What a training, precompile or burn-in job pip-installs on the image, under deployments/."""
+        return f"job-requirements-{self.version}.txt"
+
+
+NEURON_SDKS = {
+    sdk.version: sdk
+    for sdk in (
+        # HLAT's release (the 7B and 70B runs' scripts in awslabs/HLAT); image tag and pins from
+        # aws-neuron/deep-learning-containers at 2.24.1.
+        NeuronSdk(
+            version="2.24.1",
+            pytorch="2.7.0",
+            torch_xla="2.7",
+            python="3.10",
+            ubuntu="22.04",
+            torch_neuronx="2.7.0.2.8.6734",
+            neuronx_cc="2.19.8089.0",
+            neuronx_distributed="0.13.14393",
+            neuronx_distributed_training="1.4.1",
+            precision_flags=True,
+            cpu_cache_loads=True,
+            local_python=".venv-xla/bin/python",
+        ),
+        # The last release that trains with PyTorch/XLA and NxD (later ones train through TorchNeuron on trn2/trn3
+        # only): aws-neuron/deep-learning-containers at 2.28.0, pytorch/training/2.9.0/Dockerfile.neuronx.
+        NeuronSdk(
+            version="2.28.0",
+            pytorch="2.9.0",
+            torch_xla="2.9",
+            python="3.12",
+            ubuntu="24.04",
+            torch_neuronx="2.9.0.2.12.22436",
+            neuronx_cc="2.23.6484.0",
+            neuronx_distributed="0.17.26814",
+            neuronx_distributed_training="1.7.0",
+            precision_flags=False,
+            cpu_cache_loads=False,
+            local_python=".venv-xla-2.28/bin/python",
+        ),
+    )
+}
+
+
+def torch_xla_release() -> str | None:
+    """The installed torch-xla's major.minor ("2.7"), None without torch-xla; read from its package metadata, so
+    nothing is imported (the precision flags must be set before torch_xla is)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("torch-xla")
+    except PackageNotFoundError:
+        return None
+    return ".".join(found.split("+")[0].split(".")[:2])
+
+
+def environment_sdk() -> NeuronSdk | None:
+    """The Neuron SDK release whose torch-xla this environment has (None: no torch-xla, or another release)."""
+    release = torch_xla_release()
+    return next((sdk for sdk in NEURON_SDKS.values() if sdk.torch_xla == release), None)
+
+
+def neuron_sdk(config: HlatConfig) -> NeuronSdk:
+    """The Neuron SDK release of the config's trn1 jobs (neuron.sdk)."""
+    return NEURON_SDKS[config.neuron.sdk]
+
+
+def precision_by_flags(config: HlatConfig, on_xla: bool) -> bool:
+    """Whether precision.mode is applied by torch-xla's environment flags (XLA_USE_BF16, XLA_DOWNCAST_BF16) rather
+    than by the trainer: on an XLA device under an SDK that honours them. Otherwise the trainer casts the model to
+    BF16 for bf16-sr and autocasts the compute for bf16-mixed, on XLA as on CPU and CUDA."""
+    return on_xla and neuron_sdk(config).precision_flags
 
 
 def neuron_available() -> bool:
@@ -26,13 +140,17 @@ def neuron_available() -> bool:
     return installed("torch_neuronx") and installed("torch_xla")
 
 
-def xla_precision_environment(precision: str) -> dict[str, str]:
+def xla_precision_environment(precision: str, flags: bool = True) -> dict[str, str]:
     """What torch-xla and the Neuron runtime read for a precision mode, as HLAT ran it (set before torch_xla is
     imported). bf16-sr (HLAT 7B): every FP32 tensor is BF16 on the device (XLA_USE_BF16=1) and the NeuronCore
     rounds stochastically. bf16-mixed (HLAT 70B): FP32 tensors are downcast to BF16 and FP64 ones to FP32 on the
     device (XLA_DOWNCAST_BF16=1), which is how the optimizer keeps FP32 master weights; rounding to nearest.
-    fp32: none of it. XLA_USE_BF16 and XLA_DOWNCAST_BF16 are honoured up to Neuron SDK 2.24 (torch-xla 2.7)."""
+    fp32: none of it. With `flags` off (an SDK after 2.24, `NeuronSdk.precision_flags`) only the runtime's
+    stochastic rounding remains: the trainer casts the model itself, and Neuron's migration guide says not to set
+    the two flags beside a cast or autocast."""
     use_bf16, downcast, sr = tuple({"bf16-sr": "101", "bf16-mixed": "010", "fp32": "000"}[precision])
+    if not flags:
+        return {"NEURON_RT_STOCHASTIC_ROUNDING_EN": sr}
     return {"XLA_USE_BF16": use_bf16, "XLA_DOWNCAST_BF16": downcast, "NEURON_RT_STOCHASTIC_ROUNDING_EN": sr}
 
 
@@ -47,7 +165,7 @@ def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> 
     `--auto-cast=none` for fp32, and functionalization for ZeRO-1, as NxD's and NxDT's scripts set them), then
     neuron.env (last, so it overrides any of them), and NEURON_COMPILE_CACHE_URL when `compile_cache` is given."""
     n = config.neuron
-    env = xla_precision_environment(config.precision.mode)
+    env = xla_precision_environment(config.precision.mode, neuron_sdk(config).precision_flags)
     env["NEURON_CC_FLAGS"] = n.compiler_flags
     if config.precision.mode == "fp32" and "--auto-cast" not in n.compiler_flags:
         # neuronx-cc casts FP32 matmuls to BF16 unless told not to ("By default, the compiler automatically casts
@@ -79,11 +197,12 @@ def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> 
     return env
 
 
-def xla_cpu_environment(precision: str) -> dict[str, str]:
+def xla_cpu_environment(config: HlatConfig) -> dict[str, str]:
     """The environment of a job on XLA:CPU (training.device=xla off trn1, the local rehearsal of the trn1 code
-    path): torch-xla on the host's CPU with the precision flags a trn1 job gets, and no Neuron runtime settings
-    (there is no Neuron runtime)."""
-    return {**xla_precision_environment(precision), "PJRT_DEVICE": "CPU"}
+    path): torch-xla on the host's CPU with the precision flags a trn1 job of the same SDK gets, and no Neuron
+    runtime settings (there is no Neuron runtime)."""
+    flags = neuron_sdk(config).precision_flags
+    return {**xla_precision_environment(config.precision.mode, flags), "PJRT_DEVICE": "CPU"}
 
 
 def xla_job_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
@@ -91,7 +210,7 @@ def xla_job_environment(config: HlatConfig, compile_cache: str | None = None) ->
     compile cache) on Trainium instances, else XLA:CPU's (`compile_cache` unused)."""
     if on_trainium(config):
         return neuron_environment(config, compile_cache)
-    return xla_cpu_environment(config.precision.mode)
+    return xla_cpu_environment(config)
 
 
 _RUNTIME_ONLY_PREFIXES = ("NEURON_RT_", "FI_", "RDMAV_")

@@ -93,11 +93,6 @@ def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = 
     return env
 
 
-XLA_PYTHON = ".venv-xla/bin/python"
-"""The XLA environment `scripts/install.sh xla` makes (the Neuron image's torch and torch-xla, run on the CPU),
-relative to the project root."""
-
-
 def job_python(config: HlatConfig, stage: str) -> str | None:
     """The interpreter of a local stage job: job.python, else the XLA environment when the jobs run on XLA outside
     trn1, else None (the flow's own). Evaluation and prepare-data always run in the flow's environment (transformers,
@@ -109,15 +104,23 @@ def job_python(config: HlatConfig, stage: str) -> str | None:
         return job.python
     if config.training.device != "xla":
         return None
+    from hlat.core.environment import neuron_sdk
     from hlat.infra.local_jobs import PROJECT_ROOT
 
-    path = PROJECT_ROOT / XLA_PYTHON
+    sdk = neuron_sdk(config)
+    path = PROJECT_ROOT / sdk.local_python
     if not path.exists():
         raise ConfigError(
-            f"training.device=xla runs the local jobs in the XLA environment, and {path} does not exist: run "
-            "`scripts/install.sh xla` first, or set job.python to an interpreter that has torch-xla"
+            f"training.device=xla runs the local jobs in the XLA environment of neuron.sdk={sdk.version}, and {path} "
+            f"does not exist: run `scripts/install.sh {xla_target(sdk.version)}` first, or set job.python to an "
+            f"interpreter that has torch-xla {sdk.torch_xla}"
         )
     return str(path)
+
+
+def xla_target(sdk_version: str) -> str:
+    """The `scripts/install.sh` target of a Neuron SDK's local XLA environment."""
+    return "xla" if sdk_version == "2.24.1" else f"xla-{sdk_version.rsplit('.', 1)[0]}"
 
 
 def evaluation_image(config: HlatConfig) -> str | None:
@@ -182,6 +185,7 @@ def job_spec(
         environment={"HLAT_RUN_ID": run_id} if evaluating else job_environment(config, run_uri, run_id, stage),
         stage=stage,
         image_uri=evaluation_image(config) if evaluating else job.image_uri,
+        neuron_sdk=config.neuron.sdk,
         entry=STAGE_PROGRAMS[stage],
         args={"step": str(step)} if step is not None else {},
         python=job_python(config, stage),

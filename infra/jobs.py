@@ -54,6 +54,9 @@ class JobSpec:
     whose files other hosts wrote, and SageMaker would copy the whole prefix onto every host at each start."""
     image_uri: str | None = None
     """Container image (SageMaker); None: the backend's default for the instance type."""
+    neuron_sdk: str = "2.24.1"
+    """The Neuron SDK release of a training, precompile or burn-in job (neuron.sdk): SageMaker's default image and
+    the requirements installed on it (`core.environment.NEURON_SDKS`)."""
     entry: str = "hlat.training.train"
     """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
     args: dict[str, str] = field(default_factory=dict)

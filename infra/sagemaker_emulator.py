@@ -99,8 +99,7 @@ def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[st
     class EmulatedSageMaker(SageMakerBackend):
         """The sagemaker backend with this machine as its image, and no requirements to install on it."""
 
-        @property
-        def training_image(self) -> str:
+        def training_image(self, spec: JobSpec) -> str:
             return LOCAL_IMAGE
 
         def requirements(self, spec: JobSpec) -> str | None:

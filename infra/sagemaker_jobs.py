@@ -31,17 +31,17 @@ from botocore.exceptions import ClientError, ParamValidationError
 
 from hlat.core.config import JobConfig, closest_match
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
+from hlat.core.environment import NEURON_SDKS
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
 
 log = logging.getLogger("hlat.sagemaker")
 
 NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
-NEURON_DLC_TAG = "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
-"""The Neuron PyTorch training image used when `job.image_uri` is None (Neuron SDK 2.24.1, PyTorch 2.7)."""
+"""The Neuron PyTorch training images used when `job.image_uri` is None, one tag per Neuron SDK release
+(`NeuronSdk.image_tag`: 2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04 by default)."""
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The folder holding training/ and infra/: uploaded as the job's source code."""
-REQUIREMENTS = "deployments/job-requirements.txt"
 EVAL_REQUIREMENTS = "deployments/eval-requirements.txt"
 DATA_REQUIREMENTS = "deployments/data-requirements.txt"
 """What the prepare-data job installs on the PyTorch CPU image (great-expectations, datasets...)."""
@@ -115,9 +115,10 @@ def _import_sdk() -> Any:
     )
 
 
-def neuron_training_image(region: str) -> str | None:
-    """The Neuron PyTorch training DLC in `region`, or None where AWS publishes none. The registry account of
-    each region comes from the SDK's own image table (`pytorch-neuron`), so new regions arrive with the SDK."""
+def neuron_training_image(region: str, neuron_sdk: str = "2.24.1") -> str | None:
+    """The Neuron PyTorch training DLC of a Neuron SDK release in `region`, or None where AWS publishes none. The
+    registry account of each region comes from the SageMaker SDK's own image table (`pytorch-neuron`), so new
+    regions arrive with the SDK."""
     sdk = _import_sdk()
     registries: dict[str, str] = {}
     for version in sdk.image_uris.config_for_framework("pytorch-neuron")["training"]["versions"].values():
@@ -126,7 +127,7 @@ def neuron_training_image(region: str) -> str | None:
     if account is None:
         return None
     domain = sdk.get_domain_for_region(region)
-    return f"{account}.dkr.ecr.{region}.{domain}/{NEURON_DLC_REPOSITORY}:{NEURON_DLC_TAG}"
+    return f"{account}.dkr.ecr.{region}.{domain}/{NEURON_DLC_REPOSITORY}:{NEURON_SDKS[neuron_sdk].image_tag}"
 
 
 def pytorch_training_image(region: str, instance_type: str) -> str:
@@ -140,7 +141,10 @@ def pytorch_training_image(region: str, instance_type: str) -> str:
 
 
 def requirements_of(spec: JobSpec) -> str:
-    return {"evaluate": EVAL_REQUIREMENTS, "prepare-data": DATA_REQUIREMENTS}.get(spec.stage, REQUIREMENTS)
+    """What the job's instances pip-install before its program runs: a training, precompile or burn-in job the file
+    of its Neuron SDK's image (deployments/job-requirements-<release>.txt)."""
+    training = f"deployments/{NEURON_SDKS[spec.neuron_sdk].job_requirements}"
+    return {"evaluate": EVAL_REQUIREMENTS, "prepare-data": DATA_REQUIREMENTS}.get(spec.stage, training)
 
 
 def entry_script_of(spec: JobSpec) -> str:
@@ -584,11 +588,10 @@ class SageMakerBackend:
         """The requirements file each instance installs before the job's program runs (None: none)."""
         return requirements_of(spec)
 
-    @property
-    def training_image(self) -> str:
+    def training_image(self, spec: JobSpec) -> str:
         if self.job.image_uri:
             return self.job.image_uri
-        image = neuron_training_image(self.job.region)
+        image = neuron_training_image(self.job.region, spec.neuron_sdk)
         if image is None:
             raise ValueError(
                 f"job.region={self.job.region!r}: AWS publishes no Neuron PyTorch training image there and "
@@ -659,7 +662,7 @@ class SageMakerBackend:
         ModelTrainer. Building it uploads the source and the SDK's container drivers to
         `<run>/code/<job name>/...` through `boto_session`."""
         bucket, prefix = self._check(spec)
-        image = spec.image_uri or self.training_image
+        image = spec.image_uri or self.training_image(spec)
         sdk = _import_sdk()
         cfg = sdk.configs
         job = self.job

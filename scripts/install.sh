@@ -2,25 +2,28 @@
 # Create the project's environments with the pins that work together.
 # Usage: scripts/install.sh              .venv: the pipeline
 #        scripts/install.sh dev          .venv: the pipeline and the test/lint tools
-#        scripts/install.sh xla          .venv-xla: the default Neuron image's torch and torch-xla, run on the CPU
-#        scripts/install.sh dev xla      both
+#        scripts/install.sh xla          .venv-xla: Neuron SDK 2.24.1's torch and torch-xla (HLAT's), run on the CPU
+#        scripts/install.sh xla-2.28     .venv-xla-2.28: Neuron SDK 2.28's (neuron.sdk=2.28.0), run on the CPU
+#        scripts/install.sh dev xla xla-2.28   all of them (what the tests use)
 #
 # .venv: torch goes first: `torch==2.13.0` is the local CPU build; anything resolving torch later would pull GBs
 # of CUDA. Then the project under constraints.txt.
-# .venv-xla: the training jobs' side of the trn1 image (deployments/neuron-image-2.24.1.txt: torch 2.7, torch-xla
-# 2.7, numpy, protobuf, tensorboard as the image pins them) plus what a job installs on it
-# (deployments/job-requirements.txt) and pytest. The job programs run there on XLA:CPU (PJRT_DEVICE=CPU) when
-# training.device=xla: the local rehearsal of the trn1 code path. PyPI's torch 2.7.0 is its CUDA build (~3 GB
-# download, 5.7 GB installed); it runs on the CPU.
+# .venv-xla, .venv-xla-2.28: the training jobs' side of a Neuron SDK's trn1 image (deployments/neuron-image-<SDK>.txt:
+# torch, torch-xla, numpy, protobuf, tensorboard as the image pins them) plus what a job installs on it
+# (deployments/job-requirements-<SDK>.txt) and pytest. The job programs run there on XLA:CPU (PJRT_DEVICE=CPU) when
+# training.device=xla: the local rehearsal of the trn1 code path, in this machine's Python (the images have 3.10
+# and 3.12). PyPI's torch 2.7.0 and 2.9.0 are CUDA builds (~3 GB download, 5-6 GB installed each); they run on
+# the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-main=0 dev=0 xla=0
+main=0 dev=0 xla_sdks=()
 [ $# -eq 0 ] && main=1
 for target in "$@"; do
   case "$target" in
     dev) main=1 dev=1 ;;
-    xla) xla=1 ;;
-    *) echo "install.sh: unknown target '$target' (choose: dev, xla)" >&2; exit 2 ;;
+    xla) xla_sdks+=(2.24.1) ;;
+    xla-2.28) xla_sdks+=(2.28.0) ;;
+    *) echo "install.sh: unknown target '$target' (choose: dev, xla, xla-2.28)" >&2; exit 2 ;;
   esac
 done
 quiet=(--quiet --disable-pip-version-check)
@@ -33,16 +36,23 @@ if [ "$main" = 1 ]; then
   "${pip[@]}" -c constraints.txt -e ".$extras"
 fi
 
-if [ "$xla" = 1 ]; then
-  [ -x .venv-xla/bin/python ] || python3 -m venv .venv-xla
-  image=deployments/neuron-image-2.24.1.txt
+# One Neuron SDK's local XLA environment: its folder (core/environment.py: NeuronSdk.local_python) and pins.
+xla_environment() {
+  local sdk=$1 venv=.venv-xla
+  [ "$sdk" = 2.24.1 ] || venv=".venv-xla-${sdk%.*}"
+  [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
+  local pins
   pins=$(grep -E '^(pytest|safetensors|tenacity)==' constraints.txt | tr '\n' ' ')
-  # Everything the image pins that a job program imports, as the image has it; the job's own installs; what the
+  # Everything the image pins that a job program or neuronx-distributed imports (boto3: NxD 0.17's checkpoint
+  # storage), as the image has it; the job's own installs; what the
   # image's neuronx-distributed needs besides torch-xla (safetensors, tenacity: tests/nxd runs NxD's source); pytest.
   # shellcheck disable=SC2086
-  .venv-xla/bin/python -m pip install "${quiet[@]}" -c "$image" \
-    torch torch-xla numpy protobuf tensorboard -r deployments/job-requirements.txt $pins
-fi
+  "$venv/bin/python" -m pip install "${quiet[@]}" -c "deployments/neuron-image-$sdk.txt" \
+    torch torch-xla numpy protobuf tensorboard boto3 -r "deployments/job-requirements-$sdk.txt" $pins
+}
+for sdk in ${xla_sdks[@]+"${xla_sdks[@]}"}; do
+  xla_environment "$sdk"
+done
 
 # The browser test drives Debian's Chromium (not a Playwright download): install it where we may.
 if [ "$dev" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

@@ -52,7 +52,7 @@ from typing import Any, Literal
 import torch
 
 from hlat.core.config import HlatConfig, stable_hash
-from hlat.core.environment import shapes_graphs, xla_job_environment
+from hlat.core.environment import neuron_sdk, shapes_graphs, xla_job_environment
 from hlat.core.layout import COMPILE_CACHE_DIR as CACHE_DIR
 from hlat.core.layout import COMPILE_LATEST_FILE as LATEST_FILE
 from hlat.core.layout import NEURON_CACHE_DIR as NEURON_DIR
@@ -250,6 +250,13 @@ def fetch_xla_cache(run: Storage, cfg: HlatConfig, world_size: int, log_status: 
     cache = run.child(CACHE_DIR)
     key = cache_key(cfg, world_size, "xla")
     folder = cache.child(xla_cache_dir(key_digest(key)))
+    sdk = neuron_sdk(cfg)
+    if not sdk.cpu_cache_loads:
+        message = (
+            f"compile cache: not loaded (torch-xla {sdk.torch_xla}'s XLA:CPU cannot load cached graphs); compiling "
+            "here, where a trn1 job reads the Neuron compile cache"
+        )
+        return _report(CacheStatus("off", folder.url, message), log_status)
     try:
         result = _fetch_xla(cache, folder, key)
     except StorageError as exc:  # unreadable or deleted while read: a job without its cache still trains

@@ -20,7 +20,13 @@ import torch
 import torch.distributed as dist
 
 from hlat.core.config import HlatConfig
-from hlat.core.environment import neuron_available, xla_precision_environment
+from hlat.core.environment import (
+    NEURON_SDKS,
+    environment_sdk,
+    neuron_available,
+    neuron_sdk,
+    xla_precision_environment,
+)
 from hlat.core.parallel import ParallelDims
 
 
@@ -164,8 +170,11 @@ def init_world(
     """Pick this rank's device and join torchrun's process group when WORLD_SIZE > 1. On XLA, the precision flags
     of `cfg` (`xla_precision_environment`) are set first, unless the job's environment already has them, then
     torch-xla's persistent compilation cache when `xla_cache` names one (folder, read-only); on trn1,
-    neuronx-distributed's model-parallel groups are formed from `cfg.parallelism`."""
+    neuronx-distributed's model-parallel groups are formed from `cfg.parallelism`. An XLA job refuses a torch-xla
+    other than its neuron.sdk's: the precision flags would mean something else there."""
     precision = cfg.precision.mode if cfg is not None else "fp32"
+    # Without a config, the release of the torch-xla installed (nothing to check it against)
+    sdk = neuron_sdk(cfg) if cfg is not None else (environment_sdk() or NEURON_SDKS["2.24.1"])
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
@@ -175,7 +184,8 @@ def init_world(
 
         xla.require_xla()
         on_neuron = neuron_available()
-        xla.prepare_environment(xla_precision_environment(precision), on_neuron=on_neuron)
+        xla.require_release(sdk)
+        xla.prepare_environment(xla_precision_environment(precision, sdk.precision_flags), on_neuron=on_neuron)
         if xla_cache is not None:
             xla.initialize_cache(*xla_cache)
         if world_size > 1:

@@ -320,26 +320,36 @@ def trainable_parameters(model: nn.Module) -> list[nn.Parameter]:
 
 
 def optimizer_recipe(
-    params: list[nn.Parameter], cfg: TrainingConfig, precision: str, device_type: str = "cpu", zero1: bool = False
+    params: list[nn.Parameter],
+    cfg: TrainingConfig,
+    precision: str,
+    device_type: str = "cpu",
+    zero1: bool = False,
+    flags: bool | None = None,
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The optimizer class and its arguments for `params`: AdamW, one group, weight decay on all of them (HLAT).
 
-    On CPU and CUDA, precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master
-    weights; the training loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model. On XLA the
-    device's own precision flags do the work (`core.environment.xla_precision_environment`) and the model stays
-    FP32-typed: 'bf16-sr' is plain AdamW whose BF16 storage the NeuronCore rounds stochastically (HLAT 7B),
-    'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps the FP32 masters itself (`zero1`: NxD's
-    optimizer, `training.neuron.parallel_optimizer`, wraps plain AdamW).
+    Precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master weights; the training
+    loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model, updated with software stochastic
+    rounding on CPU and CUDA, and by plain AdamW on XLA, where the NeuronCore rounds stochastically.
+    Under torch-xla's precision flags (`flags`, by default on XLA: Neuron 2.24, `core.environment.precision_by_flags`)
+    the model stays FP32-typed and the device does the work: 'bf16-sr' is plain AdamW whose BF16 storage the
+    NeuronCore rounds stochastically (HLAT 7B), 'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps
+    the FP32 masters itself (`zero1`: NxD's optimizer, `training.neuron.parallel_optimizer`, wraps plain AdamW).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
+    if flags is None:
+        flags = device_type == "xla"
     hyper: dict[str, Any] = {
         "lr": cfg.lr,
         "betas": (cfg.beta1, cfg.beta2),
         "eps": cfg.eps,
         "weight_decay": cfg.weight_decay,
     }
-    if precision == "bf16-sr" and device_type != "xla":
+    if precision == "bf16-sr" and not flags:
+        if device_type == "xla":  # a BF16 model; the NeuronCore rounds the update (NEURON_RT_STOCHASTIC_ROUNDING_EN)
+            return torch.optim.AdamW, {**hyper, "fused": False}
         return AdamWStochasticRounding, {**hyper, "seed": cfg.seed}
     wrong = sorted({str(p.dtype) for p in params if p.dtype != torch.float32})
     if wrong:
@@ -347,7 +357,7 @@ def optimizer_recipe(
             f"precision {precision!r} keeps FP32 parameters (master weights), but the model has {', '.join(wrong)} "
             "ones; do not cast the model (bf16-mixed computes in BF16 under torch.autocast)"
         )
-    if precision == "bf16-mixed" and device_type == "xla" and not zero1:
+    if precision == "bf16-mixed" and flags and not zero1:
         return MasterWeightAdamW, hyper
     # Fused (one kernel for every parameter's update) on CUDA; elsewhere the fused kernels do not exist on every
     # device this runs on (CPU builds, XLA), and foreach is left to torch (on where supported).
@@ -355,11 +365,11 @@ def optimizer_recipe(
 
 
 def build_optimizer(
-    model: nn.Module, cfg: TrainingConfig, precision: str, device_type: str = "cpu"
+    model: nn.Module, cfg: TrainingConfig, precision: str, device_type: str = "cpu", flags: bool | None = None
 ) -> torch.optim.Optimizer:
     """`optimizer_recipe` over every trainable parameter of `model`."""
     params = trainable_parameters(model)
-    optimizer_class, arguments = optimizer_recipe(params, cfg, precision, device_type)
+    optimizer_class, arguments = optimizer_recipe(params, cfg, precision, device_type, flags=flags)
     return optimizer_class(params, **arguments)
 
 

@@ -32,7 +32,7 @@ import torch
 
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, write_failure
-from hlat.core.environment import neuron_available
+from hlat.core.environment import neuron_available, precision_by_flags
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
     CheckpointFormat,
@@ -136,8 +136,9 @@ class Trainer:
         model = Transformer(cfg.model, device="meta" if staged else "cpu", layers=model_layers(cfg, world))
         if not staged:
             model.init_weights(cfg.training.seed)
-        if cfg.precision.mode == "bf16-sr" and not world.on_xla:
-            model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (XLA: XLA_USE_BF16 does it)
+        self.precision_flags = precision_by_flags(cfg, world.on_xla)
+        if cfg.precision.mode == "bf16-sr" and not self.precision_flags:
+            model = model.to(torch.bfloat16)  # pure BF16: weights and optimizer states (Neuron 2.24: XLA_USE_BF16)
         self.fsdp = fsdp_active(cfg, world)
         # Under FSDP2 the whole model never goes to the device: it is sharded on the host, then each rank moves its
         # shards (parallelize).
@@ -189,14 +190,15 @@ class Trainer:
         gradients over the data-parallel group and clips by the global norm across TP and PP (`grad_norm`)."""
         cfg, world = self.cfg, self.world
         if world.nxd is None:
-            return build_optimizer(self.model, cfg.training, cfg.precision.mode, world.device.type)
+            mode, flags = cfg.precision.mode, self.precision_flags
+            return build_optimizer(self.model, cfg.training, mode, world.device.type, flags)
         from hlat.training.neuron import parallel_optimizer
 
         staged = world.layout.pipeline > 1
         params = list(self.wrapped.local_parameters()) if staged else trainable_parameters(self.model)
         zero1 = cfg.parallelism.zero1
         optimizer_class, arguments = optimizer_recipe(
-            params, cfg.training, cfg.precision.mode, world.device.type, zero1=zero1
+            params, cfg.training, cfg.precision.mode, world.device.type, zero1=zero1, flags=self.precision_flags
         )
         return parallel_optimizer(world.nxd, optimizer_class, params, **arguments)
 
@@ -268,8 +270,8 @@ class Trainer:
         self.hooks.append(Hook(fn, every))
 
     def autocast(self) -> AbstractContextManager[Any]:
-        # On XLA, bf16-mixed is XLA_DOWNCAST_BF16 (the device computes in BF16), not autocast.
-        if self.cfg.precision.mode == "bf16-mixed" and not self.world.on_xla:
+        # Under Neuron 2.24's flags, bf16-mixed is XLA_DOWNCAST_BF16 (the device computes in BF16), not autocast.
+        if self.cfg.precision.mode == "bf16-mixed" and not self.precision_flags:
             return torch.autocast(self.world.device.type, dtype=torch.bfloat16)
         return nullcontext()
 
@@ -413,10 +415,11 @@ class Trainer:
             t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len, self.world.device.type,
         )  # fmt: skip
         if self.world.on_xla and self.cfg.precision.mode == "bf16-sr" and not neuron_available():
+            how = "XLA_USE_BF16" if self.precision_flags else "the BF16 model"
             log.info(
-                "bf16-sr on XLA:CPU: XLA_USE_BF16 gives the graph of HLAT's precision, but this device rounds to "
-                "nearest (stochastic rounding is the NeuronCore's: NEURON_RT_STOCHASTIC_ROUNDING_EN)"
-            )
+                "bf16-sr on XLA:CPU: %s gives the graph of HLAT's precision, but this device rounds to nearest "
+                "(stochastic rounding is the NeuronCore's: NEURON_RT_STOCHASTIC_ROUNDING_EN)", how
+            )  # fmt: skip
         # After the compile cache is loaded (train.py): the throwaway step compiles what the first step would.
         self._settle_gradient_buckets()
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)

@@ -24,6 +24,9 @@ from typing import Any
 
 import torch
 
+from hlat.core.config import ConfigError
+from hlat.core.environment import NeuronSdk, environment_sdk, torch_xla_release
+
 XLA_CPU_NOTE = (
     "XLA:CPU (PJRT_DEVICE=CPU) runs one process: torch-xla does not run collectives across CPU processes "
     "(pytorch/xla#5005); set job.processes_per_node=1 and job.instance_count=1 for the local rehearsal"
@@ -44,6 +47,19 @@ def require_xla() -> None:
             "training.device=xla needs torch-xla, which this Python lacks: on trn1 it comes with the Neuron "
             "training image; for the local rehearsal on XLA:CPU run `scripts/install.sh xla` and use "
             ".venv-xla/bin/python (the local job backend does when training.device=xla)"
+        )
+
+
+def require_release(sdk: NeuronSdk) -> None:
+    """Fail in one line when the installed torch-xla is not the release of the config's Neuron SDK (neuron.sdk):
+    a 2.24 job's precision flags do nothing on torch-xla 2.8+, and a 2.28 job's cast would be doubled by them."""
+    found = torch_xla_release()
+    if found is not None and found != sdk.torch_xla:
+        other = environment_sdk()
+        fix = f"set neuron.sdk={other.version}" if other else f"run it on torch-xla {sdk.torch_xla}"
+        raise ConfigError(
+            f"neuron.sdk={sdk.version} expects torch-xla {sdk.torch_xla} (its image's), but this environment has "
+            f"torch-xla {found}: {fix}, or use the SDK's environment ({sdk.local_python} locally, `scripts/install.sh`)"
         )
 
 

@@ -1,7 +1,8 @@
 """What a SageMaker job pip-installs must not replace a package its image pins.
 
-Training, precompile and burn-in jobs pip-install deployments/job-requirements.txt on the Neuron training image
-(deployments/neuron-image-2.24.1.txt, Python 3.10); evaluation jobs install deployments/eval-requirements.txt on
+Training, precompile and burn-in jobs pip-install deployments/job-requirements-<SDK>.txt on the Neuron training image
+of their Neuron SDK (deployments/neuron-image-2.24.1.txt, Python 3.10; neuron-image-2.28.0.txt, Python 3.12);
+evaluation jobs install deployments/eval-requirements.txt on
 the PyTorch GPU image (deployments/gpu-image-2.10.txt, Python 3.13), and prepare-data jobs
 deployments/data-requirements.txt on the CPU image of the same PyTorch release (checked against the same pin
 list). A requirement that moved one of the image's pins would break the image under the job: a newer protobuf
@@ -12,7 +13,7 @@ For each pair, pip's own resolver runs as that install would, but for the image'
 nothing installed here counts), wheels only (pip allows nothing else for another Python version), with the
 image's file both as requirements (it is installed) and as constraints (it may not move). The report names the
 version pip chose for every package; the tests check the image's pins kept theirs and the job got its own. Two
-cheap negative cases show the check can fail: the tensorboard 2.21 that job-requirements.txt used to pin is
+cheap negative cases show the check can fail: the tensorboard 2.21 that job-requirements-2.24.1.txt used to pin is
 refused, directly (the image pins tensorboard 2.6.0) and through its protobuf>=6.31.
 
 Needs PyPI (pip's cache helps: a warm run takes about a minute). Skipped when PyPI cannot be reached, unless
@@ -36,6 +37,8 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from hlat.core.environment import NEURON_SDKS
+
 pytestmark = pytest.mark.slow
 
 DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
@@ -52,7 +55,7 @@ class JobImage:
     python: str
     """The image's Python, major.minor."""
     glibc: tuple[int, int] = (2, 35)
-    """The image's C library (both images are Ubuntu 22.04): wheels needing a newer one could not install."""
+    """The image's C library (Ubuntu 22.04's by default): wheels needing a newer one could not install."""
     sdist_only: tuple[str, ...] = ()
     """Dependencies PyPI has only as source: the image builds them at install time; here they are built first
     (pure Python, so the wheel built here is the one the image would build) and offered through --find-links,
@@ -63,8 +66,13 @@ class JobImage:
         return f"{self.requirements}@{self.image}"
 
 
+UBUNTU_GLIBC = {"22.04": (2, 35), "24.04": (2, 39)}
 PAIRS = [
-    JobImage("job-requirements.txt", "neuron-image-2.24.1.txt", "3.10"),
+    # Each Neuron SDK's training image and what its jobs install (core.environment.NEURON_SDKS)
+    *(
+        JobImage(sdk.job_requirements, sdk.image_pins, sdk.python, glibc=UBUNTU_GLIBC[sdk.ubuntu])
+        for sdk in NEURON_SDKS.values()
+    ),
     JobImage(
         "eval-requirements.txt",
         "gpu-image-2.10.txt",

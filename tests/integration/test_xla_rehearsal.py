@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from hlat.infra.backends import XLA_PYTHON
+from hlat.core.environment import NEURON_SDKS
 from hlat.infra.local_jobs import PROJECT_ROOT
 from tests.jobs import metrics
 
@@ -21,8 +21,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture
 def xla_environment() -> None:
-    if not (PROJECT_ROOT / XLA_PYTHON).exists():
-        message = f"{XLA_PYTHON} is missing: run scripts/install.sh xla"
+    python = NEURON_SDKS["2.24.1"].local_python
+    if not (PROJECT_ROOT / python).exists():
+        message = f"{python} is missing: run scripts/install.sh xla"
         if os.environ.get("HLAT_REQUIRE_XLA") == "1":
             pytest.fail(f"HLAT_REQUIRE_XLA=1 but {message}")
         pytest.skip(message)

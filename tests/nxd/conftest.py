@@ -1,12 +1,19 @@
-"""The NxD tier: the model-parallel path against the real neuronx-distributed 0.13 source in its CPU mode.
+"""The NxD tier: the model-parallel path against the real neuronx-distributed source in its CPU mode.
 
-Runs in the XLA environment (`scripts/install.sh xla`: torch 2.7, torch-xla 2.7, as the Neuron image has them)
-with NxD's source from ../shared/vendor/neuronx-distributed-2.24.0/src (or HLAT_NXD_SRC) on PYTHONPATH: never
-copied into the project. Every scenario runs as torchrun ranks (gloo, NXD_CPU_MODE=1) of tests/nxd/worker.py,
-which installs stand-ins for the Neuron-only binaries (tests/nxd/stubs.py) before importing NxD; each rank writes
-its results to a file the test reads.
+Runs in a Neuron SDK's XLA environment (`scripts/install.sh xla`: torch 2.7 and torch-xla 2.7, as the 2.24.1 image
+has them; `scripts/install.sh xla-2.28`: torch 2.9 and torch-xla 2.9, the 2.28 image's) with that SDK's NxD source
+(0.13: ../shared/vendor/neuronx-distributed-2.24.0/src; 0.17: ../shared/vendor/neuronx-distributed-2.28.0/src; or
+HLAT_NXD_SRC) on PYTHONPATH: never copied into the project. The SDK is HLAT_NEURON_SDK ("2.24.1" or "2.28.0"; the
+jobs' configs get it as neuron.sdk, and it picks the vendored NxD release), by default the one whose torch-xla is
+installed (2.24.1 without torch-xla).
 
-    .venv-xla/bin/python -m pytest --confcutdir=tests/nxd -p no:cacheprovider tests/nxd    (scripts/test.sh does)
+Every scenario runs as torchrun ranks (gloo, NXD_CPU_MODE=1) of tests/nxd/worker.py, which installs stand-ins for
+the Neuron-only binaries (tests/nxd/stubs.py) before importing NxD; each rank writes its results to a file the
+test reads.
+
+    .venv-xla/bin/python -m pytest --confcutdir=tests/nxd -p no:cacheprovider tests/nxd    (scripts/test.sh does,
+    and the same with .venv-xla-2.28)
+    HLAT_NEURON_SDK=2.28.0 .venv-xla-2.28/bin/python -m pytest --confcutdir=tests/nxd -p no:cacheprovider tests/nxd
 
 Without NxD's source the tier is skipped, unless HLAT_REQUIRE_NXD=1 (CI).
 """
@@ -23,6 +30,8 @@ from typing import Any
 import pytest
 import torch
 
+from hlat.core.environment import NEURON_SDKS, environment_sdk, torch_xla_release
+
 PROJECT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = {
     "model.n_layers": 2,
@@ -34,10 +43,31 @@ SMALL_MODEL = {
     "training.seq_len": 32,
 }
 """A model small enough for 4 ranks on 2 cores, with room for TP 4 (heads) and SP (sequence)."""
-NXD_SRC = Path(os.environ.get("HLAT_NXD_SRC", PROJECT.parent / "shared/vendor/neuronx-distributed-2.24.0/src"))
+SDK_VERSION = os.environ.get("HLAT_NEURON_SDK") or getattr(environment_sdk(), "version", "2.24.1")
+SDK = NEURON_SDKS.get(SDK_VERSION, NEURON_SDKS["2.24.1"])
+"""The Neuron SDK under test (HLAT_NEURON_SDK, else the one whose torch-xla this environment has): neuron.sdk of
+the tier's configs, and it picks the vendored NxD release (`VENDORED_NXD`). An unknown one stops the session."""
+VENDORED_NXD = {"2.24.1": "neuronx-distributed-2.24.0", "2.28.0": "neuronx-distributed-2.28.0"}
+"""NxD's source folder in ../shared/vendor for each Neuron SDK release (NxD 0.13 and 0.17)."""
+NXD_SRC = Path(os.environ.get("HLAT_NXD_SRC") or PROJECT.parent / "shared/vendor" / VENDORED_NXD[SDK.version] / "src")
+
+
+def sdk_problem() -> str | None:
+    """Why this environment cannot test the chosen SDK: an unknown release, or another release's torch-xla."""
+    if SDK_VERSION not in NEURON_SDKS:
+        return f"HLAT_NEURON_SDK={SDK_VERSION!r} is none of {', '.join(NEURON_SDKS)}"
+    found = torch_xla_release()
+    if found is not None and found != SDK.torch_xla:
+        return (
+            f"HLAT_NEURON_SDK={SDK.version} needs torch-xla {SDK.torch_xla} (its image's), but {sys.executable} has "
+            f"{found}: run the tier with that SDK's Python ({SDK.local_python})"
+        )
+    return None
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    if items and (problem := sdk_problem()) is not None:
+        raise pytest.UsageError(problem)
     if (NXD_SRC / "neuronx_distributed").is_dir():
         return
     message = f"neuronx-distributed's source is not at {NXD_SRC} (set HLAT_NXD_SRC)"
@@ -77,10 +107,11 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def make_run(prepared: Path, root: Path, run_id: str, **overrides: Any) -> Path:
-    """A run folder of the worker's small model (`tests.nxd.worker.SMALL_MODEL`) on CPU with `overrides`."""
+    """A run folder of the worker's small model (`tests.nxd.worker.SMALL_MODEL`) on CPU with `overrides`, for the
+    SDK under test (neuron.sdk)."""
     from benchmarks.bench_xla import make_run as make_xla_run
 
-    changes = {**SMALL_MODEL, "model.vocab_size": 512, **overrides}
+    changes = {**SMALL_MODEL, "model.vocab_size": 512, "neuron.sdk": SDK.version, **overrides}
     return make_xla_run(prepared, root, run_id, "cpu", **changes)
 
 

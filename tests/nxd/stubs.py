@@ -1,4 +1,4 @@
-"""Import-time stand-ins for the Neuron-only binaries that neuronx-distributed 0.13 imports, for its CPU mode
+"""Import-time stand-ins for the Neuron-only binaries that neuronx-distributed 0.13 and 0.17 import, for its CPU mode
 (NXD_CPU_MODE=1): the tests run NxD's real source (../shared/vendor) with these in place of torch-neuronx,
 neuronx-cc and libneuronxla, which exist only in the Neuron container.
 
@@ -10,6 +10,8 @@ ParallelEmbedding / GQAQKVColumnParallelLinear / NxDPPModel / clip_grad_norm / N
   - neuronxcc.nki._pre_prod_kernels.collectives.CollectivesConfig(replica_groups=...).rank_src_tgt_pairs[rank]
                                                (parallel_state.initialize_model_parallel, context-parallel ring pairs)
   - torch_neuronx.xla_impl.ops.nki_jit(**kw)(fn)  (called at import of parallel_layers/mappings.py: decorator factory)
+  - NxD 0.17: neuronxcc.nki.jit / nki.jit(**kw) and nki.compiler.skip_middle_end_transformations, decorating NKI
+    kernels at import of kernels/*.py and modules/moe/moe_fused_tkg_mx.py (they return the function unchanged)
 Everything else only has to exist as a name at import time.
 """
 
@@ -124,7 +126,10 @@ def install() -> None:
     _mod("torch_neuronx.experimental.profiler.v2_x.custom_op_name", hlo_debug=_unavailable("hlo_debug"))
 
     # --- neuronxcc (nki)
-    _mod("neuronxcc.nki.language")  # `import neuronxcc.nki.language as nl` (used only inside kernels)
+    # `import neuronxcc.nki.language as nl` (used inside kernels; NxD 0.17's kernels also read dtypes such as
+    # nl.int32 as default arguments at import time, and neuronxcc.nki.isa / .typing as annotations)
+    for kernel_api in ("neuronxcc.nki.language", "neuronxcc.nki.isa", "neuronxcc.nki.typing"):
+        _types_module(kernel_api)
     _mod("neuronxcc.nki.nccl")  # `import neuronxcc.nki.nccl as nccl`
     _mod(
         "neuronxcc.nki.compiler.backends.neuron.dimensions",
@@ -139,6 +144,22 @@ def install() -> None:
         BlockShardStrategy=enum.Enum("BlockShardStrategy", "HI_LO PING_PONG"),
         SkipMode=_placeholder("SkipMode"),
         ExpertAffinityScaleMode=enum.Enum("ExpertAffinityScaleMode", "NO_SCALE POST_SCALE PRE_SCALE", start=0),
+    )
+
+    # --- NxD 0.17 (Neuron 2.28) imports these besides
+    _mod("neuronxcc.nki", jit=_nki_jit)  # modules/moe/nki_import.py: `from neuronxcc.nki import jit` (kernels only)
+    # kernels/*.py import NKI's private instructions and MX dtypes by name (inline_asm_bytes, sendrecv, nc_matmul_mx,
+    # quantize_mx, float8_e4m3fn_x4, ...), used only inside NKI kernels
+    _types_module("neuronxcc.nki._private.private_api")
+    # modules/moe/moe_fused_tkg_mx.py decorates its kernels with it at import time
+    _mod("neuronxcc.nki.compiler", skip_middle_end_transformations=lambda fn: fn)
+    # modules/moe/blockwise.py reads these enums' members for dataclass defaults at import time, found through
+    # nki_import.import_nki in neuronxcc.nki._pre_prod_kernels (and blockwise_mm in _private_kernels, above)
+    _mod(
+        "neuronxcc.nki._pre_prod_kernels",
+        ExpertAffinityScaleMode=enum.Enum("ExpertAffinityScaleMode", "NO_SCALE POST_SCALE PRE_SCALE", start=0),
+        ActFnType=enum.Enum("ActFnType", "SiLU GELU GELU_Tanh_Approx Swish"),
+        RouterActFnType=enum.Enum("RouterActFnType", "SIGMOID SOFTMAX"),  # modules/moe/moe_fused_tkg.py
     )
 
     # --- torch.classes.neuron.* (registered by torch_neuronx's C++ library; used in annotations at import time

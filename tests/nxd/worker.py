@@ -30,14 +30,14 @@ from hlat.training.distributed import World, close_world, init_world  # noqa: E4
 from hlat.training.model import Transformer  # noqa: E402
 from hlat.training.neuron import NxdLayers  # noqa: E402
 from hlat.training.sharding import dense_parameters, unshard  # noqa: E402
-from tests.nxd.conftest import SMALL_MODEL  # noqa: E402
+from tests.nxd.conftest import SDK, SMALL_MODEL  # noqa: E402
 
 SEED = 7
 
 
 def config(args: dict[str, Any], processes: int) -> HlatConfig:
     changes = {**SMALL_MODEL, "job.processes_per_node": processes, **args.get("config", {})}
-    return load_config("tiny", changes)
+    return load_config("tiny", {"neuron.sdk": SDK.version, **changes})  # the SDK under test (conftest.SDK)
 
 
 def tp_group() -> Any:

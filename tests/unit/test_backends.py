@@ -132,16 +132,21 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import hlat.infra.local_jobs
-    from hlat.infra.backends import XLA_PYTHON, job_python
+    from hlat.core.environment import NEURON_SDKS
+    from hlat.infra.backends import job_python
 
     config = load_config("tiny", {"training.device": "xla"})
     monkeypatch.setattr(hlat.infra.local_jobs, "PROJECT_ROOT", tmp_path)
-    with pytest.raises(ConfigError, match=r"training\.device=xla .* run `scripts/install\.sh xla` first"):
+    with pytest.raises(ConfigError, match=r"training\.device=xla .*2\.24\.1.* run `scripts/install\.sh xla` first"):
         job_python(config, "train")
-    python = tmp_path / XLA_PYTHON
-    python.parent.mkdir(parents=True)
-    python.touch()
-    assert [job_python(config, stage) for stage in ("train", "precompile", "burn-in")] == [str(python)] * 3
+    newer = load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.28.0"})
+    with pytest.raises(ConfigError, match=r"neuron\.sdk=2\.28\.0.* run `scripts/install\.sh xla-2\.28` first"):
+        job_python(newer, "train")
+    for sdk, cfg in (("2.24.1", config), ("2.28.0", newer)):  # each SDK's jobs run in its own environment
+        python = tmp_path / NEURON_SDKS[sdk].local_python
+        python.parent.mkdir(parents=True)
+        python.touch()
+        assert [job_python(cfg, stage) for stage in ("train", "precompile", "burn-in")] == [str(python)] * 3
     assert job_python(config, "evaluate") is None  # evaluation runs transformers and lm-eval in the flow's Python
     assert job_python(load_config("tiny"), "train") is None
     own = load_config("tiny", {"training.device": "xla", "job.python": "/opt/image/bin/python"})

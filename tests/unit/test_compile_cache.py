@@ -526,6 +526,16 @@ def test_an_xla_cache_for_another_layout_is_stale_and_a_tampered_one_corrupt(tmp
     assert fetch_xla_cache(Storage(str(tmp_path / "none")), cfg, world_size=1).status == "missing"
 
 
+def test_a_neuron_2_28_job_on_xla_cpu_does_not_load_the_cache_its_torch_xla_cannot_read(tmp_path: Path) -> None:
+    """torch-xla 2.9's CPU client cannot deserialize cached graphs: the job says so in one line instead of
+    extracting them and logging a warning per graph."""
+    run, cfg, _ = xla_run(tmp_path)
+    newer = cfg.model_copy(update={"neuron": cfg.neuron.model_copy(update={"sdk": "2.28.0"})})
+    found = fetch_xla_cache(run, newer, world_size=1)
+    assert found.status == "off" and found.kernels_dir is None
+    assert found.message.startswith("compile cache: not loaded (torch-xla 2.9's XLA:CPU cannot load cached graphs)")
+
+
 def test_an_empty_xla_persistent_cache_is_an_error_not_an_empty_cache(tmp_path: Path) -> None:
     with pytest.raises(RuntimeError, match="compiled nothing"):
         xla_run(tmp_path, graphs={})

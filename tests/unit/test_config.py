@@ -193,6 +193,7 @@ def test_a_field_of_a_default_mapping_can_be_overridden() -> None:
 def test_neuron_settings_of_the_presets() -> None:
     seven = load_config("hlat-7b").neuron
     assert seven.model_dump() == {
+        "sdk": "2.24.1",  # HLAT's Neuron SDK
         "compiler_flags": "--model-type transformer --distribution-strategy=llm-training",
         "fuse_softmax": True,
         "async_inflight_requests": 3,

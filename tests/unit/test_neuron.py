@@ -3,6 +3,8 @@ checkpoint shards, clear errors (tests/nxd runs NxD itself)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -26,6 +28,7 @@ HLAT_7B_NEURON = {
     "FI_EFA_FORK_SAFE": "1",
 }
 """What HLAT 7B's launch script sets besides the precision flags."""
+PROJECT = Path(__file__).resolve().parents[2]
 
 
 def test_precision_environment() -> None:
@@ -40,6 +43,54 @@ def test_precision_environment() -> None:
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "0",
     }
     assert set(xla_precision_environment("fp32").values()) == {"0"}
+
+
+def test_neuron_2_28_sets_no_precision_flags_and_the_trainer_casts_instead(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Neuron 2.25+ dropped XLA_USE_BF16 / XLA_DOWNCAST_BF16: a 2.28 job keeps only the runtime's stochastic
+    rounding, its optimizer is the one a cast or autocast model needs, and each SDK has its own image and
+    environment. A torch-xla of the other release is refused in one line that names the fix."""
+    from hlat.core.config import ConfigError
+    from hlat.core.environment import NEURON_SDKS, precision_by_flags, xla_cpu_environment
+    from hlat.training import xla
+    from hlat.training.optim import AdamWStochasticRounding, MasterWeightAdamW, optimizer_recipe
+
+    newer = {"neuron.sdk": "2.28.0"}
+    seven = neuron_environment(load_config("hlat-7b", newer))
+    assert seven == {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", **HLAT_7B_NEURON}
+    seventy = neuron_environment(load_config("hlat-70b", newer))
+    assert not {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"} & set(seventy)
+    assert seventy["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
+    rehearsal = load_config("tiny", {**newer, "training.device": "xla", "precision.mode": "bf16-sr"})
+    assert xla_cpu_environment(rehearsal) == {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", "PJRT_DEVICE": "CPU"}
+    assert not precision_by_flags(rehearsal, on_xla=True)
+    assert precision_by_flags(load_config("tiny"), on_xla=True) and not precision_by_flags(load_config("tiny"), False)
+    # Neuron 2.24 (flags): an FP32-typed model, the device rounds; 2.28: a BF16 model (bf16-sr) or FP32 parameters
+    # under autocast (bf16-mixed), updated by plain AdamW on XLA; CPU keeps its software stochastic rounding.
+    cfg = rehearsal.training
+    bf16 = [torch.nn.Parameter(torch.zeros(2, dtype=torch.bfloat16))]
+    fp32 = [torch.nn.Parameter(torch.zeros(2))]
+    assert optimizer_recipe(fp32, cfg, "bf16-sr", "xla")[0] is torch.optim.AdamW
+    assert optimizer_recipe(bf16, cfg, "bf16-sr", "xla", flags=False)[0] is torch.optim.AdamW
+    assert optimizer_recipe(bf16, cfg, "bf16-sr", "cpu", flags=False)[0] is AdamWStochasticRounding
+    assert optimizer_recipe(fp32, cfg, "bf16-mixed", "xla")[0] is MasterWeightAdamW
+    assert optimizer_recipe(fp32, cfg, "bf16-mixed", "xla", flags=False)[0] is torch.optim.AdamW
+    with pytest.raises(TypeError, match="FP32 parameters"):
+        optimizer_recipe(bf16, cfg, "bf16-mixed", "xla", flags=False)
+    # One record per release: image, pins, requirements, local environment
+    assert NEURON_SDKS["2.28.0"].image_tag == "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"
+    assert NEURON_SDKS["2.24.1"].image_tag == "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
+    for sdk in NEURON_SDKS.values():
+        assert (PROJECT / "deployments" / sdk.image_pins).exists()
+        assert (PROJECT / "deployments" / sdk.job_requirements).exists()
+        assert f"torch-xla=={sdk.torch_xla}." in (PROJECT / "deployments" / sdk.image_pins).read_text()
+    # The release check reads torch-xla's metadata only
+    monkeypatch.setattr(xla, "torch_xla_release", lambda: "2.9")
+    monkeypatch.setattr(xla, "environment_sdk", lambda: NEURON_SDKS["2.28.0"])
+    xla.require_release(NEURON_SDKS["2.28.0"])
+    with pytest.raises(ConfigError, match=r"neuron\.sdk=2\.24\.1 expects torch-xla 2\.7 .* set neuron\.sdk=2\.28\.0"):
+        xla.require_release(NEURON_SDKS["2.24.1"])
+    with pytest.raises(ConfigError, match=r"neuron\.sdk.*'2\.24\.1' or '2\.28\.0'"):
+        load_config("tiny", {"neuron.sdk": "2.27.1"})
 
 
 def test_the_neuron_environment_of_hlat_7b_and_70b() -> None:

@@ -28,10 +28,10 @@ from hlat.infra.sagemaker_jobs import (
     LOG_GROUP,
     LOG_LOOKBACK_MS,
     METRIC_DEFINITIONS,
-    NEURON_DLC_TAG,
     OfflineAWS,
     SageMakerBackend,
     neuron_training_image,
+    requirements_of,
 )
 
 REGION = "us-west-2"
@@ -42,7 +42,9 @@ RUN_URI = f"s3://{BUCKET}/prod/{RUN_ID}"
 NAME = job_name(RUN_ID, 3)
 CODE_PREFIX = f"{RUN_URI}/code/{NAME}/"
 """Where the SDK uploads the source and its drivers: inside the run."""
-IMAGE = f"763104351884.dkr.ecr.{REGION}.amazonaws.com/pytorch-training-neuronx:{NEURON_DLC_TAG}"
+IMAGE = (
+    f"763104351884.dkr.ecr.{REGION}.amazonaws.com/pytorch-training-neuronx:2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
+)
 
 
 @pytest.fixture(autouse=True)
@@ -217,7 +219,7 @@ def test_submit_creates_the_job_under_its_deterministic_name(
         "code/training/train.py",
         "code/core/storage.py",
         "code/hlat/__init__.py",
-        "code/deployments/job-requirements.txt",
+        "code/deployments/job-requirements-2.24.1.txt",
     } <= names
     assert "sm_drivers/sm_train.sh" in names
     shipped = [n.removeprefix("code/") for n in names if n.startswith("code/")]
@@ -563,13 +565,17 @@ def test_dry_run_carries_every_job_setting() -> None:
     assert p4.dry_run(spec)[-1]["params"]["ResourceConfig"]["VolumeKmsKeyId"] == "alias/hlat"
 
 
+@pytest.mark.parametrize("sdk", ["2.24.1", "2.28.0"])
 @pytest.mark.parametrize("preset", ["hlat-7b", "hlat-70b"])
-def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str) -> None:
+def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str, sdk: str) -> None:
     config = load_config(
         preset,
-        {"job.role_arn": ROLE, "neuron.exec_timeout": 6000, "neuron.env": {"NEURON_RT_LOG_LEVEL": "INFO"}},
+        {
+            "job.role_arn": ROLE, "neuron.exec_timeout": 6000, "neuron.env": {"NEURON_RT_LOG_LEVEL": "INFO"},
+            "neuron.sdk": sdk,
+        },
         storage=f"s3://{BUCKET}/prod",
-    )
+    )  # fmt: skip
     run_uri = f"s3://{BUCKET}/prod/{config.resolved_run_id()}"
     expected = neuron_environment(config, f"{run_uri}/compile-cache/neuron")
     assert (expected["NEURON_RT_EXEC_TIMEOUT"], expected["NEURON_RT_LOG_LEVEL"]) == ("6000", "INFO")
@@ -582,6 +588,11 @@ def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str)
         assert environment["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == inflight
         assert environment["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
         assert ("RUN_NEURON_PARALLEL_COMPILE" in environment) == (stage == "precompile")
+        # The SDK's image and precision: 2.28 sets neither XLA_USE_BF16 nor XLA_DOWNCAST_BF16 (the trainer casts)
+        assert create["AlgorithmSpecification"]["TrainingImage"].endswith(
+            f"-sdk{sdk}-" + ("ubuntu22.04", "ubuntu24.04")[sdk == "2.28.0"]
+        )
+        assert ("XLA_USE_BF16" in environment) == (sdk == "2.24.1")
         # No CheckpointConfig: its folder is node-local, and SageMaker would copy the prefix onto every node
         assert "CheckpointConfig" not in create
 
@@ -591,11 +602,18 @@ def test_region_gives_the_neuron_training_image() -> None:
     assert neuron_training_image("us-west-2") == IMAGE
     assert neuron_training_image("eu-west-1") == IMAGE.replace("us-west-2", "eu-west-1")
     assert neuron_training_image("xx-nowhere-1") is None
-    assert SageMakerBackend(make_job()).training_image == IMAGE
+    assert SageMakerBackend(make_job()).training_image(make_spec()) == IMAGE
+    # Neuron 2.28 (neuron.sdk): its image, and what its jobs install on it
+    newer = make_spec(neuron_sdk="2.28.0")
+    assert SageMakerBackend(make_job()).training_image(newer) == IMAGE.replace(
+        "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04", "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"
+    )
+    assert requirements_of(newer) == "deployments/job-requirements-2.28.0.txt"
+    assert requirements_of(make_spec()) == "deployments/job-requirements-2.24.1.txt"
     explicit = make_job(image_uri="111122223333.dkr.ecr.us-west-2.amazonaws.com/mine:1")
-    assert SageMakerBackend(explicit).training_image == explicit.image_uri
+    assert SageMakerBackend(explicit).training_image(newer) == explicit.image_uri
     with pytest.raises(ValueError, match=r"job\.region='af-south-1'.*job\.image_uri=None"):
-        _ = SageMakerBackend(make_job(region="af-south-1")).training_image
+        _ = SageMakerBackend(make_job(region="af-south-1")).training_image(make_spec())
 
 
 def test_user_mistakes_are_refused_with_the_fix() -> None:

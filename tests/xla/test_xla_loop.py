@@ -21,6 +21,7 @@ import torch
 
 from hlat.core.config import HlatConfig, validate_config
 from hlat.core.contract import EXIT_NAN
+from hlat.core.environment import environment_sdk
 from hlat.core.storage import Storage
 from hlat.training import xla
 from hlat.training.checkpoint import CheckpointManager
@@ -30,6 +31,11 @@ from tests.xla.conftest import make_run
 
 STEPS = 20
 PROJECT = Path(__file__).resolve().parents[2]
+SDK = environment_sdk()
+if SDK is None:
+    raise RuntimeError("the XLA tier runs in a Neuron SDK's environment: .venv-xla (2.24.1) or .venv-xla-2.28 (2.28.0)")
+PRECISION_FLAGS = SDK.precision_flags
+"""Neuron 2.24 (torch-xla 2.7) sets precision with XLA_USE_BF16 / XLA_DOWNCAST_BF16; 2.28 (torch-xla 2.9) casts."""
 
 
 def build(run: Path) -> Trainer:
@@ -118,6 +124,11 @@ def test_the_same_graphs_every_step_and_no_host_read_between_sync_points(
     print(f"{variant}: {graphs} graph(s) and executions per step, {cfg.gradient_accumulation} micro-batch(es)")
     # XLA:CPU rounds BF16 to nearest: the rehearsal says it checks HLAT's graph, not its rounding.
     assert ("rounds to nearest" in caplog.text) == variant.startswith("bf16-sr"), caplog.text[-2000:]
+    # Who sets the precision: Neuron 2.24's flags keep an FP32-typed model (BF16 on the device); under 2.28 the
+    # trainer casts bf16-sr's model and autocasts bf16-mixed's compute over FP32 parameters.
+    dtypes = {p.dtype for p in trainer.model.parameters()}
+    cast = cfg.precision.mode == "bf16-sr" and not PRECISION_FLAGS
+    assert dtypes == {torch.bfloat16 if cast else torch.float32}, (variant, dtypes)
 
 
 def test_fp32_losses_on_xla_equal_the_eager_cpu_run(prepared: Path, tmp_path: Path) -> None:
@@ -147,13 +158,16 @@ def test_a_checkpoint_reaches_the_host_in_one_transfer_and_resumes_on_the_device
     xla.wait()
     assert xla.counters()["transfers_to_host"] - before["transfers_to_host"] == 1
     shared, mine = CheckpointManager(Storage(str(run / "checkpoints")), keep_last=2).load(5)
-    master = next(iter(shared["optimizer"]["state"].values()))["master"]
-    assert master.dtype == torch.float64 and "xla" in mine["rng"]
+    # Neuron 2.24's flags: FP64-typed masters (FP32 on the device under XLA_DOWNCAST_BF16). Neuron 2.28: the FP32
+    # parameters under autocast are the masters, and the moments are FP32 too.
+    key, dtype = ("master", torch.float64) if PRECISION_FLAGS else ("exp_avg", torch.float32)
+    master = next(iter(shared["optimizer"]["state"].values()))[key]
+    assert master.dtype == dtype and "xla" in mine["rng"]
 
     resumed = build(run)
     assert resumed.resume() == 5
-    restored = next(iter(resumed.optimizer.state.values()))["master"]
-    assert restored.device.type == "xla" and restored.dtype == torch.float64  # not cast to the parameters' dtype
+    restored = next(iter(resumed.optimizer.state.values()))[key]
+    assert restored.device.type == "xla" and restored.dtype == dtype  # not cast to another dtype
     assert torch.equal(restored.cpu(), master)
 
 
@@ -311,12 +325,19 @@ def test_a_job_started_on_the_xla_cpu_precompile_cache_compiles_nothing(prepared
     done = job(run)
     out = done.stdout + done.stderr
     assert done.returncode == 0, out[-3000:]
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "loss" in r][-1] == 8
+    if not SDK.cpu_cache_loads:
+        # torch-xla 2.9's CPU client stores graphs but cannot load them back (PJRT's CPU client: "Deserializing
+        # serialized executable not supported"): a 2.28 job on XLA:CPU says so in one line and compiles. On trn1 the
+        # graphs come from the Neuron compile cache (NEURON_COMPILE_CACHE_URL), which this rehearsal cannot show.
+        assert "compile cache: not loaded (torch-xla 2.9's XLA:CPU cannot load cached graphs)" in out, out[-3000:]
+        assert "Deserializing" not in out, out[-3000:]
+        pytest.skip("torch-xla 2.9's XLA:CPU client cannot deserialize compiled graphs: verified only on trn1")
     assert "compile cache: hit" in out
     loaded = re.search(r"xla: this job compiled (\d+) graph\(s\) and loaded (\d+)", out)
     assert loaded is not None, out[-3000:]
-    assert loaded.group(1) == "0" and int(loaded.group(2)) > 0
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in records if "loss" in r][-1] == 8
+    assert loaded.group(1) == "0" and int(loaded.group(2)) > 0, out[-3000:]
 
 
 def test_the_barrier_on_xla_is_torch_xlas_rendezvous_not_the_process_groups_no_op(
