@@ -28,13 +28,14 @@ for target in "$@"; do
 done
 quiet=(--quiet --disable-pip-version-check)
 
-if [ "$main" = 1 ]; then
+main_environment() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
-  pip=(.venv/bin/python -m pip install "${quiet[@]}")
+  local pip=(.venv/bin/python -m pip install "${quiet[@]}")
   "${pip[@]}" torch==2.13.0
-  extras=""; [ "$dev" = 1 ] && extras="[dev]"
+  local extras=""
+  [ "$dev" = 1 ] && extras="[dev]"
   "${pip[@]}" -c constraints.txt -e ".$extras"
-fi
+}
 
 # One Neuron SDK's local XLA environment: its folder (core/environment.py: NeuronSdk.local_python) and pins.
 xla_environment() {
@@ -50,9 +51,25 @@ xla_environment() {
   "$venv/bin/python" -m pip install "${quiet[@]}" -c "deployments/neuron-image-$sdk.txt" \
     torch torch-xla numpy protobuf tensorboard boto3 -r "deployments/job-requirements-$sdk.txt" $pins
 }
+# The environments are independent folders: they install at the same time (mostly downloads and unpacking), and
+# the script fails if any of them failed.
+pids=()
+if [ "$main" = 1 ]; then
+  main_environment &
+  pids+=($!)
+fi
 for sdk in ${xla_sdks[@]+"${xla_sdks[@]}"}; do
-  xla_environment "$sdk"
+  xla_environment "$sdk" &
+  pids+=($!)
 done
+failed=0
+for pid in ${pids[@]+"${pids[@]}"}; do
+  wait "$pid" || failed=1
+done
+if [ "$failed" = 1 ]; then
+  echo "install.sh: an environment failed to install (its pip output is above)" >&2
+  exit 1
+fi
 
 # The browser test drives Debian's Chromium (not a Playwright download): install it where we may.
 if [ "$dev" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

@@ -29,7 +29,7 @@ tiers_log=$(mktemp -t hlat-tiers.XXXXXX)
   for sdk in 2.24.1 2.28.0; do
     venv=.venv-xla
     [ "$sdk" = 2.24.1 ] || venv=".venv-xla-${sdk%.*}"
-    tier "XLA tier ($sdk)" "$venv/bin/python" -m pytest --confcutdir=tests/xla -p no:cacheprovider tests/xla
+    tier "XLA tier ($sdk)" "$venv/bin/python" -m pytest --confcutdir=tests/xla -p no:cacheprovider --durations=5 tests/xla
     echo "xla-$sdk=$?"
     # The model-parallel path against that SDK's neuronx-distributed source (../shared/vendor) in its CPU mode.
     tier "NxD tier ($sdk)" "$venv/bin/python" -m pytest --confcutdir=tests/nxd -p no:cacheprovider tests/nxd
@@ -42,7 +42,7 @@ trap 'rm -f "$tiers_log"' EXIT
 # One test file per worker at a time (--dist loadfile), so a file's module fixtures are built once; files in
 # collection order (--no-loadscope-reorder: xdist otherwise starts with the files of most tests), which
 # tests/conftest.py makes longest first.
-tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder "$@"
+tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20 "$@"
 main=$?
 wait "$tiers"
 echo "----- the XLA and NxD tiers (.venv-xla, .venv-xla-2.28), run beside the main suite -----"

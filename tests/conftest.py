@@ -28,8 +28,8 @@ from prefect.logging.configuration import setup_logging  # noqa: E402
 
 setup_logging()
 
-# tests/xla and tests/nxd are the XLA and NxD tiers: they run in .venv-xla (scripts/test.sh), without this conftest
-# (--confcutdir).
+# tests/xla and tests/nxd are the XLA and NxD tiers: they run in .venv-xla and .venv-xla-2.28 (scripts/test.sh),
+# without this conftest (--confcutdir).
 collect_ignore = ["xla", "nxd"]
 
 from tests.sizes import SMALL_DATA, SMALL_RUN  # noqa: E402  (re-exported: tests import them from here)

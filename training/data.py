@@ -6,7 +6,7 @@ one token stream per data-parallel rank and cut into rows of exactly `seq_len` t
 Order. Every epoch orders the documents of the split afresh, deterministically from (seed, epoch):
 `random.Random(seed * 1_000_003 + epoch)` shuffles the order of the shards, then draws one 64-bit seed per
 shard position from which that shard's rows are shuffled. Documents are numbered 0, 1, ... in this order
-(across shards) and document g goes to rank g % dp_size, so the ranks see disjoint documents that together
+(across shards) and document g goes to rank g % data_degree, so the ranks see disjoint documents that together
 cover the epoch. Only the shard being read (and the next one, read ahead) is in memory, and only this rank's
 rows of it are decoded; the plan itself costs O(shards) plus O(rows of one shard). Every rank reads every
 shard (the tokenizing, not the reading, is what the ranks divide).
@@ -30,7 +30,7 @@ being consumed rather than a copy of its remaining tokens; on resume that one do
     offset             tokens of document `row` (its EOS included) already in the stream
     carry              the overlap token: the last target of this batch, the first input of the next ([] at start)
     batches            batches this rank has yielded since the start of training
-    dp_rank, dp_size, seq_len, micro_batch_size, seed, split
+    data_rank, data_degree, seq_len, micro_batch_size, seed, split
     data_fingerprint   sha256 over the split's shards (path, rows, sha256) and the manifest format
     tokenizer_sha256   sha256 of tokenizer.model
 
@@ -79,7 +79,9 @@ ENCODE_CHARS = 1 << 18
 sentencepiece's batch call to pay off, small enough that a resume re-encodes little."""
 _POLL_S = 0.1
 """How often a blocked producer or consumer looks whether the other side has gone away."""
-_RESUME_KEYS = ("epoch", "shard", "row", "offset", "carry", "batches", "dp_rank", "dp_size", "seed", "split")
+_RENAMED = {"dp_rank": "data_rank", "dp_size": "data_degree"}
+"""State keys of earlier releases, read under today's names."""
+_RESUME_KEYS = ("epoch", "shard", "row", "offset", "carry", "batches", "data_rank", "data_degree", "seed", "split")
 
 
 @dataclass(frozen=True)
@@ -121,8 +123,8 @@ def row_order(rows: int, row_seed: int) -> list[int]:
 
 def initial_state(
     *,
-    dp_rank: int,
-    dp_size: int,
+    data_rank: int,
+    data_degree: int,
     seq_len: int,
     micro_batch_size: int,
     seed: int,
@@ -138,8 +140,8 @@ def initial_state(
         "offset": 0,
         "carry": [],
         "batches": 0,
-        "dp_rank": dp_rank,
-        "dp_size": dp_size,
+        "data_rank": data_rank,
+        "data_degree": data_degree,
         "seq_len": seq_len,
         "micro_batch_size": micro_batch_size,
         "seed": seed,
@@ -161,8 +163,8 @@ class _Plan:
     eos_id: int
     seq_len: int
     micro_batch_size: int
-    dp_rank: int
-    dp_size: int
+    data_rank: int
+    data_degree: int
     seed: int
     document_masking: bool
     encode_threads: int
@@ -261,10 +263,10 @@ def _documents(
         for pos in range(shard, n):
             index = order[pos]
             rows = plan.shards[index].rows
-            first = (plan.dp_rank - base) % plan.dp_size  # first row position whose global number is ours
-            start = row + (first - row) % plan.dp_size
+            first = (plan.data_rank - base) % plan.data_degree  # first row position whose global number is ours
+            start = row + (first - row) % plan.data_degree
             base += rows
-            ks = range(start, rows, plan.dp_size)
+            ks = range(start, rows, plan.data_degree)
             if not ks:
                 reader.pending.pop(index, None)  # read ahead for nothing: this rank has no row in it
                 row = 0
@@ -395,8 +397,8 @@ class PackedLoader:
         seq_len: int,
         micro_batch_size: int,
         seed: int,
-        dp_rank: int = 0,
-        dp_size: int = 1,
+        data_rank: int = 0,
+        data_degree: int = 1,
         split: str = "train",
         document_masking: bool = False,
         prefetch: int = 4,
@@ -407,8 +409,10 @@ class PackedLoader:
         the many ranks of a node from oversubscribing its cores)."""
         if seq_len < 1 or micro_batch_size < 1:
             raise ValueError(f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be positive")
-        if dp_size < 1 or not 0 <= dp_rank < dp_size:
-            raise ValueError(f"dp_rank must be in [0, dp_size); got dp_rank={dp_rank}, dp_size={dp_size}")
+        if data_degree < 1 or not 0 <= data_rank < data_degree:
+            raise ValueError(
+                f"data_rank must be in [0, data_degree); got data_rank={data_rank}, data_degree={data_degree}"
+            )
         if prefetch < 1 or encode_threads < 1:
             raise ValueError(f"prefetch ({prefetch}) and encode_threads ({encode_threads}) must be positive")
         manifest = read_manifest(data)
@@ -416,10 +420,10 @@ class PackedLoader:
         rows = sum(s.rows for s in shards)
         if rows == 0:
             raise ValueError(f"{data.uri()} has no {split!r} documents; re-run prepare-data or pick another split")
-        if rows <= dp_rank:
+        if rows <= data_rank:
             raise ValueError(
-                f"the {split!r} split has {rows} documents, too few for {dp_size} data-parallel ranks: "
-                f"rank {dp_rank} would get none"
+                f"the {split!r} split has {rows} documents, too few for {data_degree} data-parallel ranks: "
+                f"rank {data_rank} would get none"
             )
         with open(tokenizer_model, "rb") as fh:
             model_proto = fh.read()
@@ -436,16 +440,16 @@ class PackedLoader:
             eos_id=eos_id,
             seq_len=seq_len,
             micro_batch_size=micro_batch_size,
-            dp_rank=dp_rank,
-            dp_size=dp_size,
+            data_rank=data_rank,
+            data_degree=data_degree,
             seed=seed,
             document_masking=document_masking,
             encode_threads=encode_threads,
         )
         self.prefetch = prefetch
         self._state = initial_state(
-            dp_rank=dp_rank,
-            dp_size=dp_size,
+            data_rank=data_rank,
+            data_degree=data_degree,
             seq_len=seq_len,
             micro_batch_size=micro_batch_size,
             seed=seed,
@@ -490,7 +494,7 @@ class PackedLoader:
         thread = threading.Thread(
             target=_produce,
             args=(self._plan, dict(self._state), out, stop),
-            name=f"hlat-packed-loader-rank{self._plan.dp_rank}",
+            name=f"hlat-packed-loader-rank{self._plan.data_rank}",
             daemon=True,
         )
         thread.start()
@@ -527,19 +531,21 @@ class PackedLoader:
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
             raise ValueError(f"not a PackedLoader state of version {STATE_VERSION} (got version {got!r})")
+        # Checkpoints written before the parallel degrees had one name each call them dp_rank and dp_size.
+        state = {_RENAMED.get(key, key): value for key, value in state.items()}
         missing = [k for k in (*_RESUME_KEYS, "data_fingerprint", "tokenizer_sha256") if k not in state]
         if missing:
             raise ValueError(f"loader state lacks {', '.join(missing)}; it was not saved by PackedLoader.state_dict")
         mine = self._state
-        if state["dp_size"] != mine["dp_size"]:
+        if state["data_degree"] != mine["data_degree"]:
             raise ValueError(
-                f"the loader state was saved with data-parallel size {state['dp_size']} but this run has "
-                f"{mine['dp_size']}: resharding on a changed DP degree is not supported; resume with the same "
-                f"number of data-parallel ranks ({state['dp_size']})"
+                f"the loader state was saved with data-parallel size {state['data_degree']} but this run has "
+                f"{mine['data_degree']}: resharding on a changed DP degree is not supported; resume with the same "
+                f"number of data-parallel ranks ({state['data_degree']})"
             )
-        if state["dp_rank"] != mine["dp_rank"]:
+        if state["data_rank"] != mine["data_rank"]:
             raise ValueError(
-                f"the loader state belongs to data-parallel rank {state['dp_rank']}, not {mine['dp_rank']}: "
+                f"the loader state belongs to data-parallel rank {state['data_rank']}, not {mine['data_rank']}: "
                 "each rank must load the state it saved"
             )
         if state["data_fingerprint"] != mine["data_fingerprint"]:

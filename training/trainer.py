@@ -228,8 +228,8 @@ class Trainer:
             seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size,
             seed=t.seed,
-            dp_rank=self.world.data_rank,  # TP and PP peers read the same tokens
-            dp_size=self.world.layout.data,
+            data_rank=self.world.data_rank,  # TP and PP peers read the same tokens
+            data_degree=self.world.layout.data,
             split=split,
             document_masking=t.document_masking,
         )

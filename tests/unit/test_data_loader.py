@@ -193,7 +193,7 @@ def test_two_ranks_see_disjoint_documents_that_cover_the_epoch(corpus: dict[str,
     per_rank = []
     for rank in (0, 1):
         ref = reference_stream(corpus["parquet"], corpus["sp"], 0, rank, 2)
-        with loader(corpus, dp_rank=rank, dp_size=2) as it:
+        with loader(corpus, data_rank=rank, data_degree=2) as it:
             stream = stream_of(take(it, len(ref) // (SEQ * MB) + 2))
         assert stream[: len(ref)] == ref
         per_rank.append(set(split_docs(stream)[:60]))
@@ -206,17 +206,22 @@ def test_two_ranks_see_disjoint_documents_that_cover_the_epoch(corpus: dict[str,
 @pytest.mark.parametrize(("rank", "dp"), [(0, 1), (1, 2)])
 def test_resume_is_bit_exact_at_any_batch(corpus: dict[str, Any], rank: int, dp: int) -> None:
     per_epoch = len(reference_stream(corpus["parquet"], corpus["sp"], 0, rank, dp)) // (SEQ * MB)
-    with loader(corpus, dp_rank=rank, dp_size=dp, prefetch=4) as it:
+    with loader(corpus, data_rank=rank, data_degree=dp, prefetch=4) as it:
         straight = take(it, per_epoch + 12)
     # Each batch's state was attached while the producer ran up to four batches ahead.
     mid_document = next(i for i, b in enumerate(straight) if b.state["offset"] > 0)
     crossing = next(i for i, b in enumerate(straight) if b.state["epoch"] == 1) - 2
     for n in sorted({1, mid_document + 1, crossing, per_epoch + 1}):
         saved = json.loads(json.dumps(straight[n - 1].state))
-        with loader(corpus, dp_rank=rank, dp_size=dp, prefetch=2) as resumed:
+        with loader(corpus, data_rank=rank, data_degree=dp, prefetch=2) as resumed:
             resumed.load_state_dict(saved)
             assert_same(take(resumed, 6), straight[n : n + 6])
     assert straight[crossing + 5].state["epoch"] == 1  # the last resume above ran across the epoch boundary
+    # A state saved before the degrees had one name each (dp_rank, dp_size) resumes the same way.
+    old = {{"data_rank": "dp_rank", "data_degree": "dp_size"}.get(k, k): v for k, v in straight[4].state.items()}
+    with loader(corpus, data_rank=rank, data_degree=dp, prefetch=2) as resumed:
+        resumed.load_state_dict(old)
+        assert_same(take(resumed, 3), straight[5:8])
 
 
 def test_state_dict_follows_the_consumer_not_the_producer(corpus: dict[str, Any]) -> None:
@@ -228,7 +233,7 @@ def test_state_dict_follows_the_consumer_not_the_producer(corpus: dict[str, Any]
         state = it.state_dict()
         assert state == batches[-1].state and state["batches"] == 5
         assert json.loads(json.dumps(state)) == state
-        assert set(state) >= {"epoch", "shard", "row", "offset", "carry", "dp_rank", "dp_size", "seq_len"}
+        assert set(state) >= {"epoch", "shard", "row", "offset", "carry", "data_rank", "data_degree", "seq_len"}
         assert set(state) >= {"micro_batch_size", "seed", "split", "data_fingerprint"}
         # Loading into a running loader drops what it had built ahead.
         it.load_state_dict(batches[1].state)
@@ -251,15 +256,15 @@ def test_resume_from_the_initial_state_and_with_another_sequence_length(corpus: 
 
 
 def test_resume_refuses_a_changed_data_parallel_size(corpus: dict[str, Any]) -> None:
-    with loader(corpus, dp_rank=1, dp_size=2) as it:
+    with loader(corpus, data_rank=1, data_degree=2) as it:
         take(it, 2)
         state = it.state_dict()
     with (
-        loader(corpus, dp_rank=1, dp_size=4) as other,
+        loader(corpus, data_rank=1, data_degree=4) as other,
         pytest.raises(ValueError, match=r"data-parallel size 2 .* has 4: resharding on a changed DP degree"),
     ):
         other.load_state_dict(state)
-    with loader(corpus, dp_rank=0, dp_size=2) as wrong_rank, pytest.raises(ValueError, match="rank 1, not 0"):
+    with loader(corpus, data_rank=0, data_degree=2) as wrong_rank, pytest.raises(ValueError, match="rank 1, not 0"):
         wrong_rank.load_state_dict(state)
 
 
@@ -290,10 +295,10 @@ def test_validation_split_and_bad_arguments(corpus: dict[str, Any], tmp_path: Pa
     with loader(corpus, split="validation") as val:
         batches = take(val, 30)  # 9 short documents: many epochs
     assert batches[-1].state["epoch"] > 1 and batches[-1].state["split"] == "validation"
-    with pytest.raises(ValueError, match="dp_rank"):
-        loader(corpus, dp_rank=2, dp_size=2)
+    with pytest.raises(ValueError, match="data_rank"):
+        loader(corpus, data_rank=2, data_degree=2)
     with pytest.raises(ValueError, match="too few for 16 data-parallel ranks"):
-        loader(corpus, split="validation", dp_rank=12, dp_size=16)
+        loader(corpus, split="validation", data_rank=12, data_degree=16)
     no_val = write_data(tmp_path / "noval", ["just one document"], [])
     with pytest.raises(ValueError, match="no 'validation' documents"):
         PackedLoader(no_val, corpus["model"], SEQ, MB, SEED, split="validation")
