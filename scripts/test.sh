@@ -29,6 +29,10 @@ tiers_log=$(mktemp -t hlat-tiers.XXXXXX)
   for sdk in 2.24.1 2.28.0; do
     venv=.venv-xla
     [ "$sdk" = 2.24.1 ] || venv=".venv-xla-${sdk%.*}"
+    # Neuron 2.28's tiers run where `scripts/install.sh xla-2.28` made its environment (CI's budget holds 2.24's)
+    if [ "$sdk" != 2.24.1 ] && [ ! -x "$venv/bin/python" ]; then
+      echo "xla-$sdk=skipped"; echo "nxd-$sdk=skipped"; continue
+    fi
     tier "XLA tier ($sdk)" "$venv/bin/python" -m pytest --confcutdir=tests/xla -p no:cacheprovider --durations=5 tests/xla
     echo "xla-$sdk=$?"
     # The model-parallel path against that SDK's neuronx-distributed source (../shared/vendor) in its CPU mode.
@@ -46,13 +50,13 @@ tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope
 main=$?
 wait "$tiers"
 echo "----- the XLA and NxD tiers (.venv-xla, .venv-xla-2.28), run beside the main suite -----"
-grep -v '^\(xla\|nxd\)-[0-9.]*=[0-9]*$' "$tiers_log"
+grep -v '^\(xla\|nxd\)-[0-9.]*=\([0-9]*\|skipped\)$' "$tiers_log"
 failed=0
 summary="main suite exit code $main"
 for name in xla-2.24.1 nxd-2.24.1 xla-2.28.0 nxd-2.28.0; do
   rc=$(sed -n "s/^$name=//p" "$tiers_log")
   summary+=", $name ${rc:-not run}"
-  [ "${rc:-1}" -eq 0 ] || failed=1
+  [ "$rc" = skipped ] || [ "${rc:-1}" = 0 ] || failed=1
 done
 echo "test.sh: $summary"
 [ "$main" -eq 0 ] && [ "$failed" -eq 0 ]
