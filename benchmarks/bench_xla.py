@@ -24,7 +24,7 @@ from typing import Any
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from benchmarks.common import table
-from hlat.core.environment import environment_sdk
+from hlat.core.environment import rehearsal_sdk
 from hlat.core.presets import load_config
 from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter, iter_documents
 from hlat.core.storage import Storage
@@ -64,11 +64,10 @@ def prepare_offline_run(folder: Path, documents: int = 300) -> Path:
 def make_run(prepared: Path, root: Path, run_id: str, device: str = "xla", **overrides: Any) -> Path:
     """A tiny-preset run folder on `device` (config.json, and data/ and tokenizer/ copied from `prepared`), for the
     Neuron SDK whose torch-xla this environment has (neuron.sdk: .venv-xla is 2.24.1's, .venv-xla-2.28 2.28.0's)."""
-    sdk = environment_sdk()
     changes = {
         "model.vocab_size": VOCAB,
         "training.device": device,
-        "neuron.sdk": sdk.version if sdk else "2.24.1",
+        "neuron.sdk": rehearsal_sdk().version,
         "training.eval_every": 0,
         "training.checkpoint_every": 1000,
         **overrides,

@@ -310,6 +310,9 @@ class PrecisionConfig(Section):
     with stochastic rounding of the parameter update, HLAT 7B)."""
 
 
+NeuronSdkVersion = Literal["2.24.1", "2.28.0"]
+DEFAULT_NEURON_SDK: NeuronSdkVersion = "2.24.1"
+"""HLAT's Neuron SDK release: neuron.sdk's default."""
 NEURON_RESERVED_ENV = frozenset({"NEURON_COMPILE_CACHE_URL", "RUN_NEURON_PARALLEL_COMPILE", "HLAT_RUN_ID"})
 """Variables the job backends set themselves (the run's compile cache, the precompile wrapper, the run id)."""
 
@@ -320,7 +323,7 @@ class NeuronConfig(Section):
     precision.mode (`core.environment.neuron_environment`); jobs off trn1 get none of them. A boolean that is off
     leaves its variable unset: the reader's own default."""
 
-    sdk: Literal["2.24.1", "2.28.0"] = "2.24.1"
+    sdk: NeuronSdkVersion = DEFAULT_NEURON_SDK
     """Neuron SDK release of the trn1 jobs: their training image (when job.image_uri is None), what a job installs
     on it, and how precision.mode is set. '2.24.1' (PyTorch 2.7, NxD 0.13) is HLAT's; '2.28.0' (PyTorch 2.9, NxD
     0.17) is the last release that trains with PyTorch/XLA and NxD, and has no XLA_USE_BF16/XLA_DOWNCAST_BF16:

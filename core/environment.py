@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from hlat.core.config import HlatConfig
+from hlat.core.config import DEFAULT_NEURON_SDK, HlatConfig
 
 
 @dataclass(frozen=True)
@@ -38,9 +38,14 @@ class NeuronSdk:
     """Whether this release's torch-xla loads graphs back from its persistent cache on XLA:CPU (the local rehearsal
     of precompile): 2.7 does; 2.9's PJRT CPU client cannot ("Deserializing serialized executable not supported").
     On trn1 the Neuron compile cache serves the graphs either way."""
-    local_python: str
-    """The local rehearsal of this image (`scripts/install.sh`), relative to the project root: the Python that runs
-    the local backend's jobs on XLA:CPU."""
+    install_target: str
+    """The `scripts/install.sh` target of this image's local rehearsal ("xla", "xla-2.28"): it makes
+    `.venv-<target>`, whose Python runs the local backend's jobs on XLA:CPU."""
+
+    @property
+    def local_python(self) -> str:
+        """The local rehearsal's Python, relative to the project root."""
+        return f".venv-{self.install_target}/bin/python"
 
     @property
     def image_tag(self) -> str:
@@ -75,7 +80,7 @@ NEURON_SDKS = {
             neuronx_distributed_training="1.4.1",
             precision_flags=True,
             cpu_cache_loads=True,
-            local_python=".venv-xla/bin/python",
+            install_target="xla",
         ),
         # The last release that trains with PyTorch/XLA and NxD (later ones train through TorchNeuron on trn2/trn3
         # only): aws-neuron/deep-learning-containers at 2.28.0, pytorch/training/2.9.0/Dockerfile.neuronx.
@@ -91,7 +96,7 @@ NEURON_SDKS = {
             neuronx_distributed_training="1.7.0",
             precision_flags=False,
             cpu_cache_loads=False,
-            local_python=".venv-xla-2.28/bin/python",
+            install_target="xla-2.28",
         ),
     )
 }
@@ -113,6 +118,11 @@ def environment_sdk() -> NeuronSdk | None:
     """The Neuron SDK release whose torch-xla this environment has (None: no torch-xla, or another release)."""
     release = torch_xla_release()
     return next((sdk for sdk in NEURON_SDKS.values() if sdk.torch_xla == release), None)
+
+
+def rehearsal_sdk() -> NeuronSdk:
+    """The Neuron SDK this environment rehearses when no config says: its torch-xla's, else the default."""
+    return environment_sdk() or NEURON_SDKS[DEFAULT_NEURON_SDK]
 
 
 def neuron_sdk(config: HlatConfig) -> NeuronSdk:

@@ -112,15 +112,10 @@ def job_python(config: HlatConfig, stage: str) -> str | None:
     if not path.exists():
         raise ConfigError(
             f"training.device=xla runs the local jobs in the XLA environment of neuron.sdk={sdk.version}, and {path} "
-            f"does not exist: run `scripts/install.sh {xla_target(sdk.version)}` first, or set job.python to an "
+            f"does not exist: run `scripts/install.sh {sdk.install_target}` first, or set job.python to an "
             f"interpreter that has torch-xla {sdk.torch_xla}"
         )
     return str(path)
-
-
-def xla_target(sdk_version: str) -> str:
-    """The `scripts/install.sh` target of a Neuron SDK's local XLA environment."""
-    return "xla" if sdk_version == "2.24.1" else f"xla-{sdk_version.rsplit('.', 1)[0]}"
 
 
 def evaluation_image(config: HlatConfig) -> str | None:

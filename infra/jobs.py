@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, Protocol
 
+from hlat.core.config import DEFAULT_NEURON_SDK
+
 
 class Status(StrEnum):
     IN_PROGRESS = "InProgress"
@@ -54,7 +56,7 @@ class JobSpec:
     whose files other hosts wrote, and SageMaker would copy the whole prefix onto every host at each start."""
     image_uri: str | None = None
     """Container image (SageMaker); None: the backend's default for the instance type."""
-    neuron_sdk: str = "2.24.1"
+    neuron_sdk: str = DEFAULT_NEURON_SDK
     """The Neuron SDK release of a training, precompile or burn-in job (neuron.sdk): SageMaker's default image and
     the requirements installed on it (`core.environment.NEURON_SDKS`)."""
     entry: str = "hlat.training.train"

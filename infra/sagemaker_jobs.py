@@ -29,7 +29,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
-from hlat.core.config import JobConfig, closest_match
+from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, closest_match
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.core.environment import NEURON_SDKS
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
@@ -115,7 +115,7 @@ def _import_sdk() -> Any:
     )
 
 
-def neuron_training_image(region: str, neuron_sdk: str = "2.24.1") -> str | None:
+def neuron_training_image(region: str, neuron_sdk: str = DEFAULT_NEURON_SDK) -> str | None:
     """The Neuron PyTorch training DLC of a Neuron SDK release in `region`, or None where AWS publishes none. The
     registry account of each region comes from the SageMaker SDK's own image table (`pytorch-neuron`), so new
     regions arrive with the SDK."""

@@ -20,13 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hlat.core.config import HlatConfig
-from hlat.core.environment import (
-    NEURON_SDKS,
-    environment_sdk,
-    neuron_available,
-    neuron_sdk,
-    xla_precision_environment,
-)
+from hlat.core.environment import neuron_available, neuron_sdk, rehearsal_sdk, xla_precision_environment
 from hlat.core.parallel import ParallelDims
 
 
@@ -174,7 +168,7 @@ def init_world(
     other than its neuron.sdk's: the precision flags would mean something else there."""
     precision = cfg.precision.mode if cfg is not None else "fp32"
     # Without a config, the release of the torch-xla installed (nothing to check it against)
-    sdk = neuron_sdk(cfg) if cfg is not None else (environment_sdk() or NEURON_SDKS["2.24.1"])
+    sdk = neuron_sdk(cfg) if cfg is not None else rehearsal_sdk()
     rank = int(os.environ.get("RANK", "0"))
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -59,7 +59,8 @@ def require_release(sdk: NeuronSdk) -> None:
         fix = f"set neuron.sdk={other.version}" if other else f"run it on torch-xla {sdk.torch_xla}"
         raise ConfigError(
             f"neuron.sdk={sdk.version} expects torch-xla {sdk.torch_xla} (its image's), but this environment has "
-            f"torch-xla {found}: {fix}, or use the SDK's environment ({sdk.local_python} locally, `scripts/install.sh`)"
+            f"torch-xla {found}: {fix}, or use the SDK's environment ({sdk.local_python} locally: "
+            f"`scripts/install.sh {sdk.install_target}`)"
         )
 
 

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from hlat.core.environment import NEURON_SDKS, environment_sdk, torch_xla_release
+from hlat.core.environment import NEURON_SDKS, rehearsal_sdk, torch_xla_release
 
 PROJECT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = {
@@ -43,8 +43,8 @@ SMALL_MODEL = {
     "training.seq_len": 32,
 }
 """A model small enough for 4 ranks on 2 cores, with room for TP 4 (heads) and SP (sequence)."""
-SDK_VERSION = os.environ.get("HLAT_NEURON_SDK") or getattr(environment_sdk(), "version", "2.24.1")
-SDK = NEURON_SDKS.get(SDK_VERSION, NEURON_SDKS["2.24.1"])
+SDK_VERSION = os.environ.get("HLAT_NEURON_SDK") or rehearsal_sdk().version
+SDK = NEURON_SDKS.get(SDK_VERSION, rehearsal_sdk())
 """The Neuron SDK under test (HLAT_NEURON_SDK, else the one whose torch-xla this environment has): neuron.sdk of
 the tier's configs, and it picks the vendored NxD release (`VENDORED_NXD`). An unknown one stops the session."""
 VENDORED_NXD = {"2.24.1": "neuronx-distributed-2.24.0", "2.28.0": "neuronx-distributed-2.28.0"}

@@ -79,6 +79,7 @@ def test_neuron_2_28_sets_no_precision_flags_and_the_trainer_casts_instead(monke
     # One record per release: image, pins, requirements, local environment
     assert NEURON_SDKS["2.28.0"].image_tag == "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"
     assert NEURON_SDKS["2.24.1"].image_tag == "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
+    assert [sdk.install_target for sdk in NEURON_SDKS.values()] == ["xla", "xla-2.28"]  # scripts/install.sh's
     for sdk in NEURON_SDKS.values():
         assert (PROJECT / "deployments" / sdk.image_pins).exists()
         assert (PROJECT / "deployments" / sdk.job_requirements).exists()
