@@ -4,7 +4,8 @@
 #        scripts/install.sh dev          .venv: the pipeline and the test/lint tools
 #        scripts/install.sh xla          .venv-xla: Neuron SDK 2.24.1's torch and torch-xla (HLAT's), run on the CPU
 #        scripts/install.sh xla-2.28     .venv-xla-2.28: Neuron SDK 2.28's (neuron.sdk=2.28.0), run on the CPU
-#        scripts/install.sh dev xla xla-2.28   all of them (what the tests use)
+#        scripts/install.sh dev xla      the pipeline, the tools and .venv-xla (what CI uses; add xla-2.28 for
+#                                        Neuron 2.28's tiers too)
 #
 # .venv: torch goes first: `torch==2.13.0` is the local CPU build; anything resolving torch later would pull GBs
 # of CUDA. Then the project under constraints.txt.
@@ -16,13 +17,13 @@
 # the CPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-main=0 dev=0 xla_sdks=()
+main=0 dev=0 xla_envs=()
 [ $# -eq 0 ] && main=1
 for target in "$@"; do
   case "$target" in
     dev) main=1 dev=1 ;;
-    xla) xla_sdks+=(2.24.1) ;;
-    xla-2.28) xla_sdks+=(2.28.0) ;;
+    xla) xla_envs+=("xla 2.24.1") ;;          # target and Neuron SDK: core/environment.py, NEURON_SDKS
+    xla-2.28) xla_envs+=("xla-2.28 2.28.0") ;;
     *) echo "install.sh: unknown target '$target' (choose: dev, xla, xla-2.28)" >&2; exit 2 ;;
   esac
 done
@@ -37,10 +38,9 @@ main_environment() {
   "${pip[@]}" -c constraints.txt -e ".$extras"
 }
 
-# One Neuron SDK's local XLA environment: its folder (core/environment.py: NeuronSdk.local_python) and pins.
+# One Neuron SDK's local XLA environment, .venv-<target> (core/environment.py: NeuronSdk.local_python), and its pins.
 xla_environment() {
-  local sdk=$1 venv=.venv-xla
-  [ "$sdk" = 2.24.1 ] || venv=".venv-xla-${sdk%.*}"
+  local venv=".venv-$1" sdk=$2
   [ -x "$venv/bin/python" ] || python3 -m venv "$venv"
   local pins
   pins=$(grep -E '^(pytest|safetensors|tenacity)==' constraints.txt | tr '\n' ' ')
@@ -58,8 +58,9 @@ if [ "$main" = 1 ]; then
   main_environment &
   pids+=($!)
 fi
-for sdk in ${xla_sdks[@]+"${xla_sdks[@]}"}; do
-  xla_environment "$sdk" &
+for env in ${xla_envs[@]+"${xla_envs[@]}"}; do
+  # shellcheck disable=SC2086  (target and SDK, split)
+  xla_environment $env &
   pids+=($!)
 done
 failed=0

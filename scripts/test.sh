@@ -1,11 +1,15 @@
 #!/usr/bin/env bash
-# The README's test command, after `scripts/install.sh dev xla xla-2.28`: the main suite in .venv on two pytest-xdist
-# workers, and beside it, for each Neuron SDK's environment (.venv-xla: 2.24.1, HLAT's; .venv-xla-2.28: 2.28.0), the
-# XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier (tests/nxd: tensor/sequence/pipeline
-# parallelism on neuronx-distributed's CPU mode, that SDK's release of it). Arguments go to the main suite's pytest
-# (`-n 0` runs it in one process). Fails when any test fails, and when a tier collects no tests (pytest's exit
-# code 5).
+# The README's test command, after `scripts/install.sh dev xla`: the main suite in .venv on two pytest-xdist
+# workers, and beside it, for each Neuron SDK's environment (.venv-xla: 2.24.1, HLAT's; .venv-xla-2.28: 2.28.0, where
+# `scripts/install.sh xla-2.28` made it), the XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier
+# (tests/nxd: tensor/sequence/pipeline parallelism on neuronx-distributed's CPU mode, that SDK's release of it).
+# Arguments go to the main suite's pytest (`-n 0` runs it in one process). Fails when any test fails, and when a
+# tier collects no tests (pytest's exit code 5).
 #
+# Several streams share the machine's cores, so each process computes on one thread (OMP_NUM_THREADS=1): two torch
+# processes with two OpenMP threads each on 2 cores run a training step ~6x slower than with one thread each, as
+# their threads spin against each other. Much of the suite waits (servers starting, jobs polled, PyPI answering),
+# which the other streams fill.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
@@ -26,9 +30,8 @@ tier() {
 # --confcutdir keeps tests/conftest.py (which needs Prefect, absent from the job image) out of every tier.
 tiers_log=$(mktemp -t hlat-tiers.XXXXXX)
 (
-  for sdk in 2.24.1 2.28.0; do
-    venv=.venv-xla
-    [ "$sdk" = 2.24.1 ] || venv=".venv-xla-${sdk%.*}"
+  for env in xla:2.24.1 xla-2.28:2.28.0; do  # install target and Neuron SDK (core/environment.py, NEURON_SDKS)
+    venv=".venv-${env%%:*}" sdk=${env#*:}
     # Neuron 2.28's tiers run where `scripts/install.sh xla-2.28` made its environment (CI's budget holds 2.24's)
     if [ "$sdk" != 2.24.1 ] && [ ! -x "$venv/bin/python" ]; then
       echo "xla-$sdk=skipped"; echo "nxd-$sdk=skipped"; continue
