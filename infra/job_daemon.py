@@ -313,7 +313,6 @@ class JobDaemon:
             "secondary_status": secondary,
             "exit_code": exit_code,
             "started": self.started,
-            "ended": time.time(),
         }
 
     def run(self) -> dict[str, Any]:
@@ -541,6 +540,9 @@ def main(argv: list[str] | None = None) -> int:
         daemon.say(reason)
         ending = daemon.ending(Status.FAILED, reason, "Failed", None)
     daemon.say(f"job ended: {ending['status']} {ending['failure_reason'] or ending['secondary_status']}")
+    # The end is when the job is reported over, after its clean-up (the last uploads, the hosts torn down): until
+    # then `describe` bills it as running, and the final bill must not be less than what was billed so far.
+    ending["ended"] = time.time()
     write_json(os.path.join(job_dir, "status.json"), ending)
     return 0
 

@@ -68,6 +68,8 @@ __all__ = ["FAULTS_ENV", "PROJECT_ROOT", "LocalBackend", "faults_for_attempt"]
 _LOG_CHUNK = 4 << 20  # bytes read by one logs() call
 START_TIMEOUT_S = 60.0
 """A job folder with no daemon this long after submit is a submitter that died mid-submit."""
+SUPERVISOR_DIED = "InternalServerError: the job's supervisor process died"
+"""A crashed host's failure reason: it is billed up to its last sign of life, the last line it logged."""
 
 _FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s", "sdk_entrypoint"}
 _JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
@@ -183,7 +185,8 @@ class LocalBackend:
                 name, Status.FAILED, "InternalServerError: the job's supervisor never started", "Failed",
                 instance_count=count,
             )  # fmt: skip
-        billed = time.time() - supervisor["started"]
+        # Billed up to now, or up to the end the job recorded while its supervisor exits: never past the final bill.
+        billed = ended.billable_seconds if ended else time.time() - supervisor["started"]
         if _alive(supervisor):
             phase = (read_json(os.path.join(job_dir, "phase.json")) or {}).get("secondary_status", "Starting")
             if phase not in _STOPPING and os.path.exists(os.path.join(job_dir, "stop")):
@@ -197,19 +200,22 @@ class LocalBackend:
         # The host "crashed": bill up to its last sign of life, the last line it logged.
         with contextlib.suppress(OSError):
             billed = max(0.0, os.path.getmtime(os.path.join(job_dir, "output.log")) - supervisor["started"])
-        reason = "InternalServerError: the job's supervisor process died"
+        reason = SUPERVISOR_DIED
         return JobState(name, Status.FAILED, reason, "Failed", billed, count)
 
     def _final_state(self, name: str, instance_count: int) -> JobState | None:
         final = read_json(os.path.join(self.job_dir(name), "status.json"))
         if final is None:
             return None
+        # Billed from the launch, the start `describe` bills a running job from: the bill never shrinks at the end.
+        supervisor = read_json(os.path.join(self.job_dir(name), "supervisor.json")) or {}
+        started = min(final["started"], supervisor.get("started", final["started"]))
         return JobState(
             name=name,
             status=Status(final["status"]),
             failure_reason=final["failure_reason"],
             secondary_status=final["secondary_status"],
-            billable_seconds=max(0.0, final["ended"] - final["started"]),
+            billable_seconds=max(0.0, final["ended"] - started),
             instance_count=instance_count,
         )
 

@@ -18,7 +18,7 @@ import torch
 from hlat.core.storage import Storage
 from hlat.infra.job_daemon import CheckpointMirror, failure_reason
 from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
-from hlat.infra.local_jobs import FAULTS_ENV, LocalBackend
+from hlat.infra.local_jobs import FAULTS_ENV, SUPERVISOR_DIED, LocalBackend
 from hlat.training.checkpoint import CheckpointManager
 from tests.jobs import make_run
 
@@ -46,11 +46,15 @@ def spec_for(run: Path, attempt: int = 1, max_runtime_s: int = 600, **changes: o
 
 
 def wait(backend: LocalBackend, name: str, timeout: float = TIMEOUT, poll: float = 0.2) -> JobState:
-    """Poll until the job ends."""
-    deadline = time.monotonic() + timeout
+    """Poll until the job ends. The bill only grows, to the end (a budget stop relies on it), except for a host that
+    crashed: it is billed up to its last sign of life, which may be before the last poll."""
+    deadline, billed = time.monotonic() + timeout, 0.0
     while time.monotonic() < deadline:
         state = backend.describe(name)
         assert state is not None
+        crashed = state.terminal and SUPERVISOR_DIED in (state.failure_reason or "")
+        assert crashed or state.billable_seconds >= billed, f"bill fell: {billed} s, then {state.billable_seconds} s"
+        billed = state.billable_seconds
         if state.terminal:
             return state
         time.sleep(poll)
