@@ -207,12 +207,18 @@ def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> 
     return env
 
 
+NO_INDUCTOR_POOL = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
+"""Inductor compiles in the process that asks, with no pool of compile-worker processes."""
+
+
 def xla_cpu_environment(config: HlatConfig) -> dict[str, str]:
     """The environment of a job on XLA:CPU (training.device=xla off trn1, the local rehearsal of the trn1 code
     path): torch-xla on the host's CPU with the precision flags a trn1 job of the same SDK gets, and no Neuron
-    runtime settings (there is no Neuron runtime)."""
+    runtime settings (there is no Neuron runtime). Importing torch_xla imports Inductor, which starts a pool of
+    compile workers at once (each a Python with torch: ~5 s of CPU per job process, measured on torch-xla 2.7); the
+    XLA path never compiles with Inductor, so the pool is not started."""
     flags = neuron_sdk(config).precision_flags
-    return {**xla_precision_environment(config.precision.mode, flags), "PJRT_DEVICE": "CPU"}
+    return {**xla_precision_environment(config.precision.mode, flags), "PJRT_DEVICE": "CPU", **NO_INDUCTOR_POOL}
 
 
 def xla_job_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
@@ -224,7 +230,9 @@ def xla_job_environment(config: HlatConfig, compile_cache: str | None = None) ->
 
 
 _RUNTIME_ONLY_PREFIXES = ("NEURON_RT_", "FI_", "RDMAV_")
-_RUNTIME_ONLY = frozenset({"MALLOC_ARENA_MAX", "TORCH_DIST_INIT_BARRIER", "NEURON_COMPILE_CACHE_URL"})
+_RUNTIME_ONLY = frozenset(
+    {"MALLOC_ARENA_MAX", "TORCH_DIST_INIT_BARRIER", "NEURON_COMPILE_CACHE_URL", *NO_INDUCTOR_POOL}
+)
 
 
 def shapes_graphs(name: str) -> bool:

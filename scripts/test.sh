@@ -9,10 +9,13 @@
 # Several streams share the machine's cores, so each process computes on one thread (OMP_NUM_THREADS=1): two torch
 # processes with two OpenMP threads each on 2 cores run a training step ~6x slower than with one thread each, as
 # their threads spin against each other. Much of the suite waits (servers starting, jobs polled, PyPI answering),
-# which the other streams fill.
+# which the other streams fill. For the same reason Inductor compiles in the process that asks
+# (TORCHINDUCTOR_COMPILE_THREADS=1): a pool of compile workers, each a Python importing torch, costs more than it
+# saves on a busy machine, and torch_xla starts one at import in every XLA process (tiers, NxD ranks) that never uses it.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
+export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 
 tier() {
   local name=$1 rc

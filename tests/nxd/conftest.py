@@ -86,6 +86,7 @@ def run_ranks(processes: int, scenario: str, out: Path, timeout: float = 600, **
         "NXD_CPU_MODE": "1",
         "PJRT_DEVICE": "CPU",
         "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # torch_xla's import would start Inductor's compile-worker pool
     }
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
@@ -127,6 +128,7 @@ def run_job(run: Path, processes: int, program: str = "train", env: dict[str, st
         "NXD_CPU_MODE": "1",
         "PJRT_DEVICE": "CPU",
         "OMP_NUM_THREADS": "1",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # torch_xla's import would start Inductor's compile-worker pool
         **(env or {}),
     }
     return subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=900)

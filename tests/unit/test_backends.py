@@ -109,7 +109,10 @@ def test_the_xla_cpu_rehearsal_runs_with_the_precision_flags_on_pjrt_cpu() -> No
     config = load_config("tiny", {"training.device": "xla", "precision.mode": "bf16-mixed"})
     for stage in TRN1_STAGES:
         env = job_environment(config, "/tmp/runs/r", "r", stage)
-        assert env == {"HLAT_RUN_ID": "r", "PJRT_DEVICE": "CPU", **xla_precision_environment("bf16-mixed")}
+        assert env == {
+            "HLAT_RUN_ID": "r", "PJRT_DEVICE": "CPU", "TORCHINDUCTOR_COMPILE_THREADS": "1",
+            **xla_precision_environment("bf16-mixed"),
+        }  # fmt: skip
     assert job_environment(config, "/tmp/runs/r", "r", "evaluate") == {"HLAT_RUN_ID": "r"}
     # The same through the job spec, with an interpreter that exists everywhere (the XLA one may not).
     spec = job_spec(load_config("tiny", {"training.device": "xla", "job.python": sys.executable}), "/tmp/r", "r", 1)

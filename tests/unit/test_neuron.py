@@ -61,7 +61,9 @@ def test_neuron_2_28_sets_no_precision_flags_and_the_trainer_casts_instead(monke
     assert not {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"} & set(seventy)
     assert seventy["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
     rehearsal = load_config("tiny", {**newer, "training.device": "xla", "precision.mode": "bf16-sr"})
-    assert xla_cpu_environment(rehearsal) == {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", "PJRT_DEVICE": "CPU"}
+    assert xla_cpu_environment(rehearsal) == {
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", "PJRT_DEVICE": "CPU", "TORCHINDUCTOR_COMPILE_THREADS": "1"
+    }  # fmt: skip
     assert not precision_by_flags(rehearsal, on_xla=True)
     assert precision_by_flags(load_config("tiny"), on_xla=True) and not precision_by_flags(load_config("tiny"), False)
     # Neuron 2.24 (flags): an FP32-typed model, the device rounds; 2.28: a BF16 model (bf16-sr) or FP32 parameters
@@ -139,6 +141,7 @@ def test_the_xla_cpu_rehearsal_gets_the_precision_flags_and_no_neuron_runtime() 
     assert xla_job_environment(cfg, compile_cache="/tmp/cache") == {
         **xla_precision_environment("bf16-sr"),
         "PJRT_DEVICE": "CPU",
+        "TORCHINDUCTOR_COMPILE_THREADS": "1",
     }
 
 
