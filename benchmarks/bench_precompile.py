@@ -53,13 +53,15 @@ def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--repeats", type=int, default=2, help="starts of each kind (best is reported)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    parser.add_argument("--no-artifacts-row", action="store_true", help="leave out the artifacts-only start")
     args = parser.parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hlat-bench-precompile-") as tmp:
         root = Path(tmp)
         base = prepare(root)
         precompile_s, summary = run_program("hlat.training.precompile", base, root / "inductor-precompile", args.device)
         manifest = json.loads((base / CACHE_DIR / LATEST_FILE).read_text())
-        starts: dict[str, list[tuple[float, float]]] = {"cold": [], "warm": [], "artifacts": []}
+        modes = ("cold", "warm") if args.no_artifacts_row else ("cold", "warm", "artifacts")
+        starts: dict[str, list[tuple[float, float]]] = {mode: [] for mode in modes}
         for repeat in range(args.repeats):
             for mode in starts:
                 run = root / f"{mode}-{repeat}"
@@ -80,7 +82,7 @@ def main(argv: list[str] | None = None) -> str:
         ["start", "compile cache", "first step (s)", "process (s)", "first step vs warm"],
         [
             row("cold: nothing cached", "cold", "missing"),
-            row("warm: artifacts only (no Inductor cache)", "artifacts", "hit"),
+            *([row("warm: artifacts only (no Inductor cache)", "artifacts", "hit")] if "artifacts" in starts else []),
             row("warm: artifacts and Inductor cache", "warm", "hit"),
         ],
     )

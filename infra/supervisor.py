@@ -334,6 +334,7 @@ class Supervisor:
             current = self._latest_step()
             if current >= self.target_step:
                 log.info("%s: step %d of %d reached", self.stage, current, self.target_step)
+                self._end_the_unfinished()
                 return self.attempts
             record = self._next_attempt(current)
             decision = self._run_attempt(record)
@@ -365,6 +366,30 @@ class Supervisor:
 
     def _latest_step(self) -> int:
         return self.current_step() or 0
+
+    def _end_the_unfinished(self) -> None:
+        """The target's checkpoint is committed while the ledger's last job has not ended: an earlier supervisor
+        died as that job finished. It has nothing left to do, but it may still be running (its ranks leaving, or
+        torchrun waiting out its exit barrier for a rank that died: minutes, billed). No job outlives the stage:
+        stop it if it runs, follow it to its end and record it."""
+        if not self.attempts or self.attempts[-1].ended:
+            return
+        record = self.attempts[-1]
+        state = self._describe(record.job_name)
+        if state is not None and not state.terminal:
+            announce_resumed(record, state)
+            record.stop_requested = "target-reached"
+            self._save()
+            log.info("%s: stopping %s: the checkpoint of step %d is committed", self.stage, record.job_name,
+                     self.target_step)  # fmt: skip
+            self.backend.stop(record.job_name)
+            state = follow(self.backend, record, self._save, self.poll_seconds, self.sleep, _forward, reattached=True)
+        record.status = state.status.value if state is not None else "NotSubmitted"
+        record.reason = ending_reason(state) if state is not None else None
+        record.end_step, record.ended_at, record.action = self._latest_step(), self.clock(), Action.DONE.value
+        if state is not None:
+            self._account(record, state)
+        self._save()
 
     def spent_usd(self) -> float:
         return sum(a.cost_usd for a in self.attempts)

@@ -229,7 +229,8 @@ def test_two_hosts_under_random_kills_and_stops_end_bitwise_equal(
     names = [a.job_name for a in attempts]
     assert len(set(names)) == len(names) and sorted(names) == sorted(p.name for p in chaos.jobs.iterdir())
     assert chaos.most_alive == 1  # never two jobs of the run at once
-    assert all(job_processes(str(chaos.jobs / n)) == [] for n in names)  # nothing orphaned
+    left = {n: pids for n in names if (pids := job_processes(str(chaos.jobs / n)))}
+    assert not left, f"processes left running: {left}"  # nothing orphaned
 
     assert history(run) == history(reference)  # every step: same samples, same loss
     (step, ours), (their_step, theirs) = final_state(run), final_state(reference)

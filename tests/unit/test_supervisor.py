@@ -307,6 +307,26 @@ def test_restarted_supervisor_reattaches_instead_of_launching_again(tmp_path: Pa
     assert attempts[0].status == "Completed"
 
 
+def test_a_job_still_running_after_the_last_checkpoint_is_stopped_and_recorded(tmp_path: Path) -> None:
+    """The supervisor died as its job committed the last checkpoint, and the job did not end (torchrun waiting out
+    its exit barrier for a rank that died, as the emulator's chaos test once saw, for 5 minutes). The next
+    supervisor finds the target reached: it stops that job, follows it to its end and records it, launching
+    nothing, so that no job outlives the stage."""
+    from hlat.infra.supervisor import Attempt
+
+    clock = [0.0]
+    backend = ScriptedBackend([Play([("InProgress", None)])], clock)  # it would never end by itself
+    spec = JobSpec(job_name(RUN_ID, 1), RUN_ID, 1, str(tmp_path), "c", "ml.trn1.32xlarge", 2, 32, 3600)
+    backend.submit(spec)
+    Ledger(Storage(str(tmp_path)), "train").save([Attempt(1, spec.name, status="InProgress")])
+    backend.step = TARGET  # the checkpoint of the last step is committed
+    (attempt,) = supervisor(tmp_path, backend, clock).run_to_completion()
+    assert backend.stopped == [spec.name] and len(backend.submitted) == 1
+    assert attempt.status == "Stopped" and attempt.stop_requested == "target-reached" and attempt.action == "done"
+    assert attempt.ended and attempt.end_step == TARGET and attempt.cost_usd > 0
+    assert Ledger(Storage(str(tmp_path)), "train").load() == [attempt]
+
+
 def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None:
     """The supervisor died between submitting and recording the job as submitted: the ledger says
     'Submitting', the backend knows the job by its deterministic name, so it is watched, not resubmitted."""
