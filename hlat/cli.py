@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from hlat.core.config import ConfigError, closest_match, parse_override
@@ -325,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if runs_flows:
             log.attach(verbose=args.verbose)
-        return _dispatch(args)
+        return _dispatch(args, log.path if runs_flows else None)
     except ConfigError as exc:
         print(f"hlat: error: {exc}", file=sys.stderr)
         return 2
@@ -369,7 +370,7 @@ def _known_error(exc: BaseException) -> str | None:
     return None
 
 
-def _dispatch(args: argparse.Namespace) -> int:
+def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     if args.command == "presets":
         print(presets_table())
         return 0
@@ -418,7 +419,7 @@ def _dispatch(args: argparse.Namespace) -> int:
     flow_fn, params = flow_call(args, overrides)
     from hlat.temporary_server import start_temporary_server
 
-    start_temporary_server()  # out of the terminal's process group: Ctrl-C interrupts the flow, not its API
+    start_temporary_server(log_path)  # out of the terminal's process group: Ctrl-C interrupts the flow, not its API
     start = time.perf_counter()
     try:
         flow_fn(**params)

@@ -19,8 +19,10 @@ Here the server is started before the flow, through Prefect's own class, with tw
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+from pathlib import Path
 from typing import Any
 
 WATCHDOG = r"""
@@ -52,25 +54,33 @@ _watchdog: subprocess.Popen[bytes] | None = None
 
 class _SubprocessInOwnSession:
     """`subprocess` as Prefect's server module sees it: the same module, except that Popen starts its process in a
-    session of its own and tells the watchdog its pid at once (a command killed while the server starts up leaves
-    nothing either)."""
+    session of its own, with its output appended to `output` (the command's log file) when given, and tells the
+    watchdog its pid at once (a command killed while the server starts up leaves nothing either)."""
+
+    def __init__(self, output: Path | None = None) -> None:
+        self.output = output
 
     def __getattr__(self, name: str) -> Any:
         return getattr(subprocess, name)
 
-    @staticmethod
-    def Popen(*args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
+    def Popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen[Any]:
         kwargs.setdefault("start_new_session", True)
-        process = subprocess.Popen(*args, **kwargs)
+        with contextlib.ExitStack() as stack:
+            if self.output is not None:
+                kwargs.setdefault("stdout", stack.enter_context(self.output.open("ab")))
+                kwargs.setdefault("stderr", subprocess.STDOUT)
+            process = subprocess.Popen(*args, **kwargs)
         if _watchdog is not None and _watchdog.stdin is not None:
             _watchdog.stdin.write(f"{process.pid}\n".encode())
             _watchdog.stdin.flush()
         return process
 
 
-def start_temporary_server() -> str | None:
+def start_temporary_server(output: Path | None = None) -> str | None:
     """Start Prefect's ephemeral server now, out of the terminal's process group and watched; return its API URL.
-    None, starting nothing, when the command talks to a configured API (PREFECT_API_URL) or ephemeral mode is off."""
+    None, starting nothing, when the command talks to a configured API (PREFECT_API_URL) or ephemeral mode is off.
+    The server's own output goes to `output`, the command's log file, when given: stopped as the command ends, it
+    may log a traceback from its database pool (seen in CI), which does not belong on the user's terminal."""
     global _watchdog
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED
 
@@ -86,7 +96,7 @@ def start_temporary_server() -> str | None:
             stderr=subprocess.DEVNULL,
             start_new_session=True,
         )
-    server_module.subprocess = _SubprocessInOwnSession()  # type: ignore[assignment]
+    server_module.subprocess = _SubprocessInOwnSession(output)  # type: ignore[assignment]
     server = server_module.SubprocessASGIServer()  # the instance Prefect's client uses when it needs an API
     server.start()
     return str(server.api_url)

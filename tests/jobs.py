@@ -74,13 +74,19 @@ def processes_mentioning(text: str) -> list[int]:
 
 
 def task_states(name: str) -> list[str]:
-    """State names of every task run called `name` so far, oldest first."""
+    """State names of the newest 200 task runs called `name`, oldest first. (The newest: a session's server holds
+    more than 200 task runs by the time late test files run, and the oldest 200 would miss this test's.)"""
     from prefect.client.orchestration import get_client
+    from prefect.client.schemas.filters import TaskRunFilter, TaskRunFilterName
     from prefect.client.schemas.sorting import TaskRunSort
 
     with get_client(sync_client=True) as client:
-        runs = client.read_task_runs(sort=TaskRunSort.EXPECTED_START_TIME_ASC, limit=200)
-    return [r.state.name for r in runs if r.name.startswith(f"{name}-") and r.state is not None]
+        runs = client.read_task_runs(
+            task_run_filter=TaskRunFilter(name=TaskRunFilterName(like_=f"{name}-")),
+            sort=TaskRunSort.EXPECTED_START_TIME_DESC,
+            limit=200,
+        )
+    return [r.state.name for r in reversed(runs) if r.name.startswith(f"{name}-") and r.state is not None]
 
 
 def default_sigint() -> None:
