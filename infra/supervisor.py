@@ -376,20 +376,28 @@ class Supervisor:
             return
         record = self.attempts[-1]
         state = self._describe(record.job_name)
-        if state is not None and not state.terminal:
-            announce_resumed(record, state)
-            record.stop_requested = "target-reached"
-            self._save()
-            log.info("%s: stopping %s: the checkpoint of step %d is committed", self.stage, record.job_name,
-                     self.target_step)  # fmt: skip
-            self.backend.stop(record.job_name)
-            state = follow(self.backend, record, self._save, self.poll_seconds, self.sleep, _forward, reattached=True)
-        record.status = state.status.value if state is not None else "NotSubmitted"
-        record.reason = ending_reason(state) if state is not None else None
-        record.end_step, record.ended_at, record.action = self._latest_step(), self.clock(), Action.DONE.value
-        if state is not None:
-            self._account(record, state)
+        if state is None:  # recorded, never created: nothing runs
+            record.status, record.ended_at = "NotSubmitted", self.clock()
+        else:
+            if not state.terminal:
+                announce_resumed(record, state)
+                record.stop_requested = "target-reached"
+                self._save()
+                log.info("%s: stopping %s: the checkpoint of step %d is committed", self.stage, record.job_name,
+                         self.target_step)  # fmt: skip
+                self.backend.stop(record.job_name)
+                state = self._watch(record, reattached=True)
+            self._record_end(record, state)
+        record.action = Action.DONE.value
         self._save()
+
+    def _record_end(self, record: Attempt, final: JobState) -> None:
+        """What an attempt's ledger entry holds once its job has ended."""
+        record.status = final.status.value
+        record.reason = ending_reason(final)
+        record.end_step = self._latest_step()
+        record.ended_at = self.clock()
+        self._account(record, final)
 
     def spent_usd(self) -> float:
         return sum(a.cost_usd for a in self.attempts)
@@ -433,11 +441,7 @@ class Supervisor:
             record.status = Status.IN_PROGRESS.value
             self._save()
         final = self._watch(record, reattached=state is not None)
-        record.status = final.status.value
-        record.reason = ending_reason(final)
-        record.end_step = self._latest_step()
-        record.ended_at = self.clock()
-        self._account(record, final)
+        self._record_end(record, final)
         if record.stop_requested == "budget":
             self._save()
             raise BudgetExhausted(self._budget_message(record.end_step), self.attempts)
@@ -450,7 +454,7 @@ class Supervisor:
             record.reason = "stopped when an earlier flow run was cancelled"
             return Decision(Action.RESUME, "cancelled", record.reason, FailureClass.PLATFORM)
         decision = classify(final)
-        if decision.action == Action.DONE and record.end_step < self.target_step:
+        if decision.action == Action.DONE and (record.end_step or 0) < self.target_step:
             decision = self._completed_short(record)
             record.reason = decision.reason
         return decision

@@ -30,7 +30,7 @@ from typing import Any
 import pytest
 import torch
 
-from hlat.core.environment import NEURON_SDKS, rehearsal_sdk, torch_xla_release
+from hlat.core.environment import NEURON_SDKS, NO_INDUCTOR_POOL, rehearsal_sdk, torch_xla_release
 
 PROJECT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = {
@@ -77,17 +77,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         item.add_marker(pytest.mark.skip(reason=message))
 
 
-def run_ranks(processes: int, scenario: str, out: Path, timeout: float = 600, **args: Any) -> list[dict[str, Any]]:
-    """Run `scenario` of tests/nxd/worker.py on `processes` torchrun ranks; each rank's result, in rank order."""
-    out.mkdir(parents=True, exist_ok=True)
-    env = {
+def cpu_mode_environment() -> dict[str, str]:
+    """The environment of NxD's ranks in its CPU mode: this checkout and NxD's source importable, one thread each, and
+    no Inductor compile-worker pool (torch_xla's import would start one that nothing here uses)."""
+    return {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(PROJECT), str(NXD_SRC)]),
         "NXD_CPU_MODE": "1",
         "PJRT_DEVICE": "CPU",
         "OMP_NUM_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # torch_xla's import would start Inductor's compile-worker pool
+        **NO_INDUCTOR_POOL,
     }
+
+
+def run_ranks(processes: int, scenario: str, out: Path, timeout: float = 600, **args: Any) -> list[dict[str, Any]]:
+    """Run `scenario` of tests/nxd/worker.py on `processes` torchrun ranks; each rank's result, in rank order."""
+    out.mkdir(parents=True, exist_ok=True)
+    env = cpu_mode_environment()
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
         "-m", "tests.nxd.worker", scenario, str(out), json.dumps(args),
@@ -122,13 +128,5 @@ def run_job(run: Path, processes: int, program: str = "train", env: dict[str, st
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
         "-m", "tests.nxd.job", program, "--config", str(run / "config.json"), "--device", "cpu",
     ]  # fmt: skip
-    full_env = {
-        **os.environ,
-        "PYTHONPATH": os.pathsep.join([str(PROJECT), str(NXD_SRC)]),
-        "NXD_CPU_MODE": "1",
-        "PJRT_DEVICE": "CPU",
-        "OMP_NUM_THREADS": "1",
-        "TORCHINDUCTOR_COMPILE_THREADS": "1",  # torch_xla's import would start Inductor's compile-worker pool
-        **(env or {}),
-    }
+    full_env = {**cpu_mode_environment(), **(env or {})}
     return subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=900)
