@@ -1,15 +1,17 @@
-"""What every stage flow starts with: resolve the config and claim the run's storage prefix."""
+"""What every stage flow starts with: its config, built once, and its run."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 from prefect import task
 from prefect.runtime import flow_run
 
-from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.presets import load_config
-from hlat.flows.params import overrides_dict
+from hlat.core.config import HlatConfig
+from hlat.flows.params import build_config, overrides_dict
 from hlat.infra.backends import job_python
 from hlat.infra.runs import Run, open_run
 from hlat.tasks import aws
@@ -20,6 +22,14 @@ from hlat.tasks.common import TRANSIENT_RETRIES
 def open_run_task(config: HlatConfig) -> Run:
     """Write <run>/config.json once, or check it matches."""
     return open_run(config)
+
+
+# How a run's config travels: it is built once, from a preset and overrides, by `build_config` (flows/params.py):
+# the CLI builds it (a bad --set fails before a server starts) and hands it to the flow it starts; that flow (the
+# parent `hlat`, or a stage started alone) opens the run with it, writing <run>/config.json; the parent's stages
+# receive the run (its id and storage) and read that config.json. A flow started without the CLI (a deployment, the
+# UI, a test) builds it itself, through the same function.
+_OPEN_RUN: ContextVar[tuple[Run, HlatConfig] | None] = ContextVar("hlat_open_run", default=None)
 
 
 def deployment_overrides(deployment_id: Any = None) -> dict[str, Any]:
@@ -37,40 +47,53 @@ def deployment_overrides(deployment_id: Any = None) -> dict[str, Any]:
 
 
 def merged_overrides(overrides: Any, deployment_id: Any = None) -> dict[str, Any]:
-    """A flow run's overrides over its deployment's (see resolve_config)."""
+    """A flow run's overrides over its deployment's (see resolve)."""
     return {**deployment_overrides(deployment_id), **overrides_dict(overrides)}
 
 
-def resolve_config(
-    preset: str, overrides: Any, run_id: str | None, storage: str | None, deployment_id: Any = None
-) -> HlatConfig:
-    """A flow run's config from its parameters (the overrides model, or the dict a flow run stores), with the
-    AwsCredentials block it names, if any, made this process's AWS credentials.
+@contextmanager
+def stages_of(run: Run, config: HlatConfig) -> Iterator[None]:
+    """While the parent flow runs its stages: they read `run`'s config.json (written by the parent) instead of
+    building the config again."""
+    token = _OPEN_RUN.set((run, config))
+    try:
+        yield
+    finally:
+        _OPEN_RUN.reset(token)
+
+
+def _activate(config: HlatConfig) -> None:
+    job_python(config, "train")  # training.device=xla without the XLA environment: say so before any stage runs
+    aws.activate(config.job)  # before the first AWS call (the run's storage)
+
+
+def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
+    """What every stage flow starts with: its config and its run. A stage of the parent flow reads the config the
+    parent wrote to the run's config.json; a stage started on its own starts the run itself (start_run).
 
     A deployment run's `overrides` are merged over the deployment's own: `--param overrides='{...}'` changes the
     paths it names and keeps the deployment's others (its job.role_arn_secret, say), where Prefect would replace
     the whole parameter."""
-    changes = merged_overrides(overrides, deployment_id)
-    given = {"run_id": run_id, "storage": storage, **{f"overrides[{k!r}]": v for k, v in changes.items()}}
-    unfilled = [f"{name}={value!r}" for name, value in given.items() if isinstance(value, str) and "{{" in value]
-    if unfilled:
-        raise ConfigError(
-            f"{', '.join(unfilled)}: a deployment placeholder was never filled in; set the variable it names before "
-            "`hlat deploy` (deployments/prefect.yaml lists them), or give the value as a parameter of this run"
-        )
-    config = load_config(preset, changes, run_id=run_id, storage=storage)
-    job_python(config, "train")  # training.device=xla without the XLA environment: say so before any stage runs
-    aws.activate(config.job)  # before the first AWS call (the run's storage)
-    return config
+    opened = _OPEN_RUN.get()
+    if opened is None or opened[0].run_id != run_id:
+        return start_run(preset, merged_overrides(overrides), run_id, storage)
+    run, parent = opened
+    # The storage section is the parent's: config.json keeps the root the run was started under (a run may be moved,
+    # or read through another mount).
+    config = run.load_config().model_copy(update={"storage": parent.storage})
+    _activate(config)
+    return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
 
 
-def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
-    """The run's config and its run; the SageMaker role is read from its Secret block after config.json is written
-    (which keeps the block's name, not its value)."""
-    config = resolve_config(preset, overrides, run_id, storage)
+def start_run(preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
+    """Build the config (build_config), check what SageMaker would refuse (an instance type's typo...) before
+    anything is written, and open the run (its config.json written once, or checked). The SageMaker role is read
+    from its Secret block after config.json is written (which keeps the block's name, not its value)."""
+    config = build_config(preset, changes, run_id, storage)
+    _activate(config)
     from hlat.infra.backends import preflight
 
-    preflight(config)  # what SageMaker would refuse (an instance type's typo...): before any stage, and config.json
+    preflight(config)
     run = open_run_task(config)
     return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
 
@@ -83,13 +106,9 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
     from hlat.infra.backends import stop_live_jobs
 
     params = flow_run.parameters
-    config = resolve_config(
-        params.get("preset", "tiny"),
-        params.get("overrides"),
-        params.get("run_id"),
-        params.get("storage"),
-        deployment_id=flow_run.deployment_id,
-    )
+    changes = merged_overrides(params.get("overrides"), flow_run.deployment_id)
+    config = build_config(params.get("preset", "tiny"), changes, params.get("run_id"), params.get("storage"))
+    aws.activate(config.job)
     stopped = stop_live_jobs(config)
     logging.getLogger("hlat.jobs").warning("flow run cancelled: stopped %s", ", ".join(stopped) or "no running job")
 

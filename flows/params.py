@@ -13,11 +13,16 @@ deployment's others.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, model_serializer
 
-from hlat.core.config import HlatConfig
+from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.presets import load_config
 
 PresetName = Literal["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
 """The presets of core/presets.py (a test keeps the two lists equal)."""
@@ -75,7 +80,7 @@ FORM_FIELDS = (
 
 def preset_values(dotted: str) -> str:
     """'tiny 600 · hlat-7b 429,000 · ...': a config field's value in each preset, for the form's descriptions."""
-    from hlat.core.presets import PRESETS, load_config
+    from hlat.core.presets import PRESETS
 
     def shown(value: Any) -> str:
         if value is None:
@@ -142,3 +147,40 @@ def overrides_dict(value: Any) -> dict[str, Any]:
 OVERRIDES: Any = Field(
     Overrides(), description="Changes to the preset: the form's fields by dotted config path; empty keeps the preset."
 )
+
+
+# The config the CLI built for the flow it runs (handing_over): one config per command, not one per check.
+_HANDED: ContextVar[tuple[str, HlatConfig] | None] = ContextVar("hlat_handed_config", default=None)
+
+
+def _parameters_key(preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None) -> str:
+    return json.dumps([preset, changes, run_id, storage], sort_keys=True, default=str)
+
+
+def build_config(preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None) -> HlatConfig:
+    """The config of a command or flow run from its preset, its overrides (a dict of dotted paths, a deployment's
+    already merged under the run's: `merged_overrides`), run id and storage: the one place a config is built from
+    them. A flow started by the CLI gets the config the CLI built from the same parameters (`handing_over`)."""
+    given = {"run_id": run_id, "storage": storage, **{f"overrides[{k!r}]": v for k, v in changes.items()}}
+    unfilled = [f"{name}={value!r}" for name, value in given.items() if isinstance(value, str) and "{{" in value]
+    if unfilled:
+        raise ConfigError(
+            f"{', '.join(unfilled)}: a deployment placeholder was never filled in; set the variable it names before "
+            "`hlat deploy` (deployments/prefect.yaml lists them), or give the value as a parameter of this run"
+        )
+    handed = _HANDED.get()
+    if handed is not None and handed[0] == _parameters_key(preset, changes, run_id, storage):
+        return handed[1]
+    return load_config(preset, changes, run_id=run_id, storage=storage)
+
+
+@contextmanager
+def handing_over(
+    config: HlatConfig, preset: str, overrides: Any, run_id: str | None, storage: str | None
+) -> Iterator[None]:
+    """While the CLI runs a flow: `config`, which it built from these parameters, is the flow's (build_config)."""
+    token = _HANDED.set((_parameters_key(preset, overrides_dict(overrides), run_id, storage), config))
+    try:
+        yield
+    finally:
+        _HANDED.reset(token)

@@ -11,7 +11,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
 from hlat.flows.burn_in import burn_in
-from hlat.flows.common import merged_overrides, resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.common import merged_overrides, run_name, stages_of, start_run, stop_jobs_on_cancel
 from hlat.flows.evaluate import evaluate
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from hlat.flows.precompile import precompile
@@ -62,10 +62,13 @@ def hlat(
 ) -> dict[str, Any]:
     """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train -> evaluate.
     A failed burn-in stops the DAG before training."""
-    config, run = resolve(preset, overrides, run_id, storage)
+    # The run is started once, here; each stage reads its config.json (stages_of). The stages' parameters are the
+    # record of what built the run, shown on their pages and used when one is re-run alone.
+    changes = merged_overrides(overrides)  # the deployment's under the run's
+    config, run = start_run(preset, changes, run_id, storage)
     stage: dict[str, Any] = {
         "preset": preset,
-        "overrides": merged_overrides(overrides),  # the deployment's under the run's: the stages see both
+        "overrides": changes,
         # A copy of the run id, not the open-run task's own string: Prefect links a value to the task that returned
         # it by identity, and drew an edge from open-run to every stage (the chain read as a fan). The chain's
         # edges are the stages' wait_for (`_after`).
@@ -73,18 +76,19 @@ def hlat(
         "storage": config.storage.root,
     }
     progress = _Progress(run.run_id)
-    progress.stage(0, STAGES[0])
-    data = prepare_data(**stage)
-    progress.stage(1, STAGES[1])
-    tokenizer = _after(data, train_tokenizer, **stage)
-    progress.stage(2, STAGES[2])
-    graphs = _after(tokenizer, precompile, **stage)
-    progress.stage(3, STAGES[3])
-    health: dict[str, Any] = _after(graphs, burn_in, **stage)
-    progress.stage(4, STAGES[4])
-    training = _after(health, train, **stage)
-    progress.stage(5, STAGES[5])
-    scores: dict[str, Any] = _after(training, evaluate, **stage)
+    with stages_of(run, config):
+        progress.stage(0, STAGES[0])
+        data = prepare_data(**stage)
+        progress.stage(1, STAGES[1])
+        tokenizer = _after(data, train_tokenizer, **stage)
+        progress.stage(2, STAGES[2])
+        graphs = _after(tokenizer, precompile, **stage)
+        progress.stage(3, STAGES[3])
+        health: dict[str, Any] = _after(graphs, burn_in, **stage)
+        progress.stage(4, STAGES[4])
+        training = _after(health, train, **stage)
+        progress.stage(5, STAGES[5])
+        scores: dict[str, Any] = _after(training, evaluate, **stage)
     progress.stage(6)
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return {

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 from hlat.core.config import ConfigError, closest_match, parse_override
 from hlat.core.presets import PRESETS, load_config
 from hlat.deploy import DEFAULT_POOL, POOL_TYPES
+from hlat.flows.params import build_config, handing_over
 
 if TYPE_CHECKING:
     from hlat.infra.pricing import ListedPrice
@@ -395,8 +396,9 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
         print(json.dumps(config.model_dump(mode="json") | {"run_id": config.resolved_run_id()}, indent=2))
         return 0
-    # Fail on a bad config before Prefect starts (an ephemeral API takes seconds to come up).
-    config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
+    # The command's one config: a bad one fails here, before Prefect starts (an ephemeral API takes seconds to come
+    # up); the flow the command runs is handed this one (handing_over), not a second.
+    config = build_config(args.preset, overrides, args.run_id, args.storage)
     if args.dry_run:
         from hlat.infra.backends import dry_run
 
@@ -422,7 +424,8 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     start_temporary_server(log_path)  # out of the terminal's process group: Ctrl-C interrupts the flow, not its API
     start = time.perf_counter()
     try:
-        flow_fn(**params)
+        with handing_over(config, args.preset, overrides, args.run_id, args.storage):
+            flow_fn(**params)
     except KeyboardInterrupt:
         raise Interrupted(where_interrupted(config)) from None
     print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -46,13 +47,31 @@ def stage_edges(flow_run_id: Any) -> set[tuple[str, str]]:
     return {(names[p["id"]], names[i]) for i in flows for p in nodes[i]["parents"] if p["id"] in names}
 
 
+def config_builds(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The preset of each config built from a preset and overrides (core.presets.load_config) from now on."""
+    import hlat.core.presets as presets
+
+    built: list[str] = []
+    apply = presets.apply_overrides
+
+    def counted(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+        built.append(data.get("preset", "?"))
+        return apply(data, overrides)
+
+    monkeypatch.setattr(presets, "apply_overrides", counted)
+    return built
+
+
 def test_hlat_runs_both_stages_then_a_rerun_skips_them(
-    prefect_server: None, tmp_path: Path, small_run: dict[str, Any]
+    prefect_server: None, tmp_path: Path, small_run: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hlat.flows.pretrain import hlat
 
+    built = config_builds(monkeypatch)
     state = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path), return_state=True)
     first = state.result()
+    # The config is built once, by the parent flow; its six stages read the run's config.json.
+    assert built == ["tiny"]
     run = tmp_path / first["run_id"]
     # The parent run's graph (the UI's) chains the six stages in order: no edge from the open-run task into each.
     chain = ["prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate"]
@@ -82,11 +101,18 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     assert sorted(p.name for p in (run / "data").glob("shards-*")) == shard_dirs
     assert (run / "tokenizer/tokenizer.model").read_bytes() == model_bytes
 
-    # outputs deleted behind the cache's back are rebuilt, not trusted
+    # outputs deleted behind the cache's back are rebuilt, not trusted; `hlat pretrain` builds the config once (the
+    # CLI's, handed to the flow it runs) and prints the run's summary
+    from hlat.cli import _dispatch, build_parser
+
     shutil.rmtree(run / "tokenizer")
-    third = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path))
+    built.clear()
+    sets = [a for k, v in small_run.items() for a in ("--set", f"{k}={v}")]
+    args = build_parser().parse_args(["pretrain", "--preset", "tiny", "--storage", str(tmp_path), *sets])
+    assert _dispatch(args) == 0
+    assert built == ["tiny"]
     assert (run / "tokenizer/tokenizer.model").read_bytes() == model_bytes
-    assert third["tokenizer"]["vocab_size"] == 512
+    assert "vocab_size" in json.loads((run / "tokenizer/report.json").read_text())
 
 
 def test_stages_run_alone_and_refuse_a_changed_config(
@@ -138,16 +164,20 @@ def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_p
     """`--param overrides=...` on a deployment changes the paths it names and keeps the deployment's others."""
     from prefect.client.orchestration import get_client
 
-    from hlat.flows.common import resolve_config
+    from hlat.flows.common import merged_overrides
+    from hlat.flows.params import build_config
     from hlat.flows.train import train
+
+    def resolve_config(preset: str, overrides: dict[str, Any], deployment_id: Any = None) -> Any:
+        return build_config(preset, merged_overrides(overrides, deployment_id), None, None)
 
     deployment = {"training.lr": 3e-3, "job.max_restarts": 7, "data.max_documents": 300}
     with get_client(sync_client=True) as client:
         flow_id = client.create_flow(train)
         deployment_id = client.create_deployment(flow_id, "merge-test", parameters={"overrides": deployment})
-    config = resolve_config("tiny", {"training.lr": 1e-3, "training.max_steps": 5}, None, None, deployment_id)
+    config = resolve_config("tiny", {"training.lr": 1e-3, "training.max_steps": 5}, deployment_id)
     assert (config.training.lr, config.training.max_steps) == (1e-3, 5)  # the run's own
     assert (config.job.max_restarts, config.data.max_documents) == (7, 300)  # the deployment's, kept
     # Without a deployment, the run's overrides are all there is.
-    alone = resolve_config("tiny", {"training.max_steps": 5}, None, None)
+    alone = resolve_config("tiny", {"training.max_steps": 5})
     assert (alone.training.lr, alone.job.max_restarts) != (3e-3, 7)
