@@ -10,7 +10,7 @@ that has no handler for it (pid_namespaces(7)). So the trainer never hears the s
 and every step since the last checkpoint is lost.
 
 The job request therefore puts this program in front of the SDK's command (`infra.sagemaker_jobs`:
-ContainerEntrypoint `python3 /opt/ml/input/data/code/core/job_init.py /bin/bash`, the SDK's ContainerArguments
+ContainerEntrypoint `python3 /opt/ml/input/data/code/hlat/core/job_init.py /bin/bash`, the SDK's ContainerArguments
 unchanged), and the SDK's scripts run as they are. On SIGTERM it signals the job's ranks (the processes torchrun
 started: LOCAL_RANK in their environment), which checkpoint the step they are in and exit 0, so torchrun, the
 driver and the shell end as after a normal finish. torchrun itself is not signalled: on SIGTERM it stops its

@@ -13,6 +13,8 @@ RUN apt-get update \
 
 WORKDIR /opt/hlat
 COPY pyproject.toml constraints.txt README.md ./
+COPY hlat/ hlat/
+COPY core/ core/
 COPY flows/ flows/
 COPY tasks/ tasks/
 COPY training/ training/
@@ -23,6 +25,6 @@ COPY deployments/ deployments/
 # then the project with the pins that work together.
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install --no-cache-dir -c constraints.txt . \
- && python -c "import flows.pretrain, prefect_aws"
+ && python -c "import hlat.flows.pretrain, prefect_aws"
 
 ENV HLAT_PROJECT_DIR=/opt/hlat PYTHONUNBUFFERED=1

@@ -1,7 +1,8 @@
 """hlat: one import namespace for the whole project.
 
-The project's layers stay top-level folders (see the README's "Layout"), each linked in here, so that every
-import reads `hlat.<layer>.<module>` and an installed hlat adds one name, `hlat`, to site-packages:
+The project's layers stay top-level folders (see the README's "Layout"), mapped into this package by pyproject.toml's
+package-dir (hlat.core is core/, ...), so that every import reads `hlat.<layer>.<module>` and an installed hlat adds
+one name, `hlat`, to site-packages:
 
     hlat.core       the ground: config schema and presets, run layout, job contract, storage (no torch, no Prefect)
     hlat.training   what runs inside a job: the job programs and their libraries (no Prefect)

@@ -559,7 +559,7 @@ def evaluate(
             f"{(mem.weights + mem.grads + mem.optimizer) / gib:.1f}, activations {mem.activations / gib:.1f})",
         )
     step = step_time(config, layout, topology, calibration)
-    tokens = config.training.global_batch_size * config.training.seq_len / step.total
+    tokens = config.tokens_per_step / step.total
     cores = nodes * topology.cores_per_node
     mfu = flops_per_token(config) * tokens / (cores * topology.peak_flops_per_core())
     return Estimate(layout, mem, step, tokens, mfu, usd_per_node_hour * nodes)

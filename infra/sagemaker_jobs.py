@@ -13,9 +13,12 @@ from __future__ import annotations
 
 import copy
 import functools
+import importlib
 import json
 import logging
 import re
+import shutil
+import tempfile
 import urllib.parse
 from collections.abc import Callable, Mapping
 from datetime import UTC, datetime
@@ -41,27 +44,47 @@ NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
 (`NeuronSdk.image_tag`: 2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04 by default)."""
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-"""The folder holding training/ and infra/: uploaded as the job's source code."""
+"""The project's checkout: deployments/ holds the requirements files the jobs install."""
 EVAL_REQUIREMENTS = "deployments/eval-requirements.txt"
+"""What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it."""
 DATA_REQUIREMENTS = "deployments/data-requirements.txt"
 """What the prepare-data job installs on the PyTorch CPU image (great-expectations, datasets...)."""
-"""What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it."""
 GPU_DLC_VERSION = "2.10.0"
 """PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
-SOURCE_IGNORE = [
-    # Never shipped: secrets, version control, environments and caches (the SDK's defaults plus ours).
-    ".env", ".git", ".venv*", "venv", "__pycache__", "*.pyc", ".DS_Store", ".cache", ".ipynb_checkpoints",
-    ".mypy_cache", ".pytest_cache", ".ruff_cache", "*.egg-info", "build", "dist", ".ci",
-    # Local run outputs can be gigabytes; jobs read their run from S3.
-    "runs",
-    # Not imported by a training job: the orchestration layers (they need Prefect), tests and benchmarks.
-    "flows", "tasks", "tests", "benchmarks", "scripts",
-]  # fmt: skip
-"""Names left out of the uploaded source (matched at every depth, like shutil.ignore_patterns)."""
 
-JOB_INIT = ["python3", "/opt/ml/input/data/code/core/job_init.py"]
+JOB_LAYERS = ("core", "training")
+"""The layers of `hlat` a job imports (hlat.core, hlat.training: the job programs import nothing else of the
+project), shipped as the job's source code."""
+ENTRY_SCRIPT = "hlat_job.py"
+"""The script SageMaker's drivers run by path, at the top of the uploaded source (infra/job_entry.py): it runs the
+module HLAT_JOB_MODULE names."""
+JOB_MODULE_ENV = "HLAT_JOB_MODULE"
+SOURCE_DIR = "/opt/ml/input/data/code"
+"""Where SageMaker puts the uploaded source on each instance (the SDK's code channel)."""
+
+JOB_INIT = ["python3", f"{SOURCE_DIR}/hlat/core/job_init.py"]
 """Put in front of the SDK's ContainerEntrypoint (/bin/bash): the container's PID 1 (core/job_init.py), from the
 source code channel, which SageMaker downloads before the container starts."""
+
+
+def stage_source(folder: Path, requirements: str | None) -> None:
+    """Lay out a job's source code in the empty `folder`, as SageMaker will run it: the `hlat` package as the wheel
+    holds it (hlat/__init__.py, hlat/core/..., hlat/training/...: each module once, copied from where this
+    installation imports it), the entry script at the top (its folder is first on the program's sys.path, so the
+    program imports the uploaded code and needs no path set-up of its own), and the requirements file."""
+    import hlat
+
+    package = folder / "hlat"
+    package.mkdir(parents=True)
+    shutil.copy2(Path(hlat.__file__), package / "__init__.py")
+    for layer in JOB_LAYERS:
+        source = Path(importlib.import_module(f"hlat.{layer}").__file__ or "").parent
+        shutil.copytree(source, package / layer, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copy2(Path(__file__).with_name("job_entry.py"), folder / ENTRY_SCRIPT)
+    if requirements is not None:
+        (folder / requirements).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(PROJECT_ROOT / requirements, folder / requirements)
+
 
 LOG_GROUP = "/aws/sagemaker/TrainingJobs"
 LOG_LOOKBACK_MS = 60_000
@@ -140,17 +163,16 @@ def pytorch_training_image(region: str, instance_type: str) -> str:
     return image
 
 
+def job_environment(spec: JobSpec) -> dict[str, str]:
+    """The job's environment variables: its own, the run id, and the program the entry script runs."""
+    return {**spec.environment, "HLAT_RUN_ID": spec.run_id, JOB_MODULE_ENV: spec.entry}
+
+
 def requirements_of(spec: JobSpec) -> str:
     """What the job's instances pip-install before its program runs: a training, precompile or burn-in job the file
     of its Neuron SDK's image (deployments/job-requirements-<release>.txt)."""
     training = f"deployments/{NEURON_SDKS[spec.neuron_sdk].job_requirements}"
     return {"evaluate": EVAL_REQUIREMENTS, "prepare-data": DATA_REQUIREMENTS}.get(spec.stage, training)
-
-
-def entry_script_of(spec: JobSpec) -> str:
-    """The Torchrun driver runs a script by path: `hlat.training.train` -> `training/train.py` (such programs set up
-    sys.path themselves when run that way)."""
-    return spec.entry.removeprefix("hlat.").replace(".", "/") + ".py"
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
@@ -616,12 +638,11 @@ class SageMakerBackend:
         if self.job.subnets and not self.job.security_group_ids:
             raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
         check_request("CreateTrainingJob", self.config_request(spec), spec.stage, partial=True)
-        entry_script = entry_script_of(spec)
-        requirements = self.requirements(spec) or entry_script
-        if not (PROJECT_ROOT / entry_script).is_file() or not (PROJECT_ROOT / requirements).is_file():
+        requirements = self.requirements(spec)
+        if requirements is not None and not (PROJECT_ROOT / requirements).is_file():
             raise ValueError(
-                f"the sagemaker backend uploads the project's source, which needs {entry_script} and {requirements} "
-                f"under {PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
+                f"the sagemaker backend uploads the job's requirements file {requirements}, which is not under "
+                f"{PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
             )
         return split_s3_uri(spec.run_uri)
 
@@ -642,7 +663,7 @@ class SageMakerBackend:
             "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
             "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
             "HyperParameters": {"config": spec.config_uri, **spec.args},
-            "Environment": {**spec.environment, "HLAT_RUN_ID": spec.run_id},
+            "Environment": job_environment(spec),
         }
         if spec.checkpoint_prefix is not None:
             request["CheckpointConfig"] = {"S3Uri": f"{run}/{spec.checkpoint_prefix}"}
@@ -659,8 +680,13 @@ class SageMakerBackend:
 
     def _build_request(self, spec: JobSpec, boto_session: boto3.Session) -> dict[str, Any]:
         """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
-        ModelTrainer. Building it uploads the source and the SDK's container drivers to
+        ModelTrainer. Building it uploads the job's source (`stage_source`) and the SDK's container drivers to
         `<run>/code/<job name>/...` through `boto_session`."""
+        with tempfile.TemporaryDirectory(prefix="hlat-source-") as source:
+            stage_source(Path(source), self.requirements(spec))
+            return self._request_with_source(spec, boto_session, source)
+
+    def _request_with_source(self, spec: JobSpec, boto_session: boto3.Session, source: str) -> dict[str, Any]:
         bucket, prefix = self._check(spec)
         image = spec.image_uri or self.training_image(spec)
         sdk = _import_sdk()
@@ -701,10 +727,7 @@ class SageMakerBackend:
                 base_job_name=spec.name,
                 training_image=image,
                 source_code=cfg.SourceCode(
-                    source_dir=str(PROJECT_ROOT),
-                    entry_script=entry_script_of(spec),
-                    requirements=self.requirements(spec),
-                    ignore_patterns=list(SOURCE_IGNORE),
+                    source_dir=source, entry_script=ENTRY_SCRIPT, requirements=self.requirements(spec)
                 ),
                 distributed=sdk.Torchrun(process_count_per_node=spec.processes_per_node),
                 compute=compute,
@@ -718,7 +741,7 @@ class SageMakerBackend:
                 output_data_config=cfg.OutputDataConfig(
                     s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
                 ),
-                environment={**spec.environment, "HLAT_RUN_ID": spec.run_id},
+                environment=job_environment(spec),
                 # The Torchrun driver passes hyperparameters as arguments: `--config <uri>` (+ the program's own).
                 # The config travels by URI, not as hyperparameters (at most 100 of 256 characters each).
                 hyperparameters={"config": spec.config_uri, **spec.args},

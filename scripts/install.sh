@@ -71,6 +71,13 @@ if [ "$failed" = 1 ]; then
   echo "install.sh: an environment failed to install (its pip output is above)" >&2
   exit 1
 fi
+# The project itself, editable and without its dependencies, into each XLA environment: `import hlat.training` there
+# (the tiers, the local XLA jobs, the NxD ranks) finds the layers through pyproject's package-dir mapping, as in .venv.
+# One after another, and after .venv's: each build writes the project's hlat.egg-info.
+for env in ${xla_envs[@]+"${xla_envs[@]}"}; do
+  venv=".venv-${env%% *}"
+  "$venv/bin/python" -m pip install "${quiet[@]}" --no-deps -e .
+done
 
 # The browser test drives Debian's Chromium (not a Playwright download): install it where we may.
 if [ "$dev" = 1 ] && ! command -v chromium >/dev/null 2>&1; then

@@ -14,3 +14,6 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # attempting to connect to ephemeral Prefect API server" while other jobs ran).
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 logging.getLogger("hlat").setLevel(logging.INFO)
+
+if __name__ != "hlat.tasks":  # one identity per module: pyproject.toml maps this folder to hlat.tasks
+    raise ImportError(f"{__name__}: import this folder as hlat.tasks (`pip install -e .` maps it there)")

@@ -6,21 +6,16 @@ verifies a matmul in the training's compute dtype, and joins a timed, verified a
 also writes a scratch object to the checkpoint location. Rank 0 gathers every rank's results, evaluates them
 against `burn_in.thresholds[job.instance_type]` (see `training.health.evaluate`) and writes the report to
 `<run>/burn-in/report.json`. Exit 0 when every rank passed; otherwise the failure reason `BurnInFailed: ...`
-(naming the ranks and hosts) and exit code EXIT_BURN_IN_FAILED. SageMaker's Torchrun driver runs it by path
-(`training/burn_in.py`), hence the sys.path set-up below.
+(naming the ranks and hosts) and exit code EXIT_BURN_IN_FAILED. SageMaker's Torchrun driver starts it through the job's
+entry script (infra/job_entry.py).
 """
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script path: make the project's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import argparse
 import logging
 import os
+import sys
 from datetime import datetime, timezone
 from typing import Any
 

@@ -11,21 +11,16 @@ Evaluates one committed checkpoint of the run (the newest, or `--step`) in one p
 
 Writes `<run>/eval/step-NNNNNNNNN/results.json` (the flow turns it into the report). A model that cannot be
 exported keeps its perplexity; its lm-eval part records why it was skipped. Task names are
-checked before anything heavy runs. SageMaker runs this by path, hence the sys.path set-up below.
+checked before anything heavy runs. SageMaker starts it through the job's entry script (infra/job_entry.py).
 """
 
 from __future__ import annotations
-
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script path: make the project's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import argparse
 import itertools
 import logging
 import os
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone

@@ -2,8 +2,8 @@
 
 Builds the training step's compiled graphs once, before training, into the run's compile-cache/ (layout and key
 in `training/compile_cache.py`), so that no training job, first or relaunched, compiles from scratch. It runs on
-the same instances and process count as training (under torchrun; SageMaker's Torchrun driver runs it by path,
-hence the sys.path set-up below), because the graphs depend on them.
+the same instances and process count as training (under torchrun; SageMaker's Torchrun driver starts it through
+the job's entry script, infra/job_entry.py), because the graphs depend on them.
 
 Every path runs the training loop itself (`Trainer.fit`, `rehearse`) on the job's config cut to precompile.steps
 steps (`rehearsal_config`; HLAT's compile run: 4 steps with a checkpoint at step 3): the steps, the sync points'
@@ -29,13 +29,8 @@ and the weights are thrown away.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script path: make the project's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import os
+import sys
 import tempfile
 import time
 from collections.abc import Iterator

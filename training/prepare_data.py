@@ -20,22 +20,19 @@ life (1: its first start) once it has read that many rows of a unit; "job": <nam
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script path (SageMaker's driver): make the project's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import argparse
 import json
 import logging
 import os
 import signal
 import subprocess
+import sys
 import tempfile
 import time
+from pathlib import Path
 from typing import Any
 
+import hlat
 from hlat.core.config import HlatConfig
 from hlat.core.contract import EXIT_DATA_INVALID, read_job_config, write_failure
 from hlat.core.storage import Storage
@@ -209,7 +206,9 @@ def _start(args: argparse.Namespace, worker: int, life: int, tmp: Path) -> subpr
     env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: the workers are the parallelism
     command = [sys.executable, "-m", "hlat.training.prepare_data", "--config", args.config, "--key", args.key,
                "--worker", str(worker), "--life", str(life)]  # fmt: skip
-    return subprocess.Popen(command, env=env, cwd=Path(__file__).resolve().parents[1])
+    # From the folder holding the hlat package this program runs from (the checkout, or a job's uploaded source), where
+    # `-m` finds the same package.
+    return subprocess.Popen(command, env=env, cwd=Path(hlat.__file__).resolve().parents[1])
 
 
 def _await_units(data: Storage, work: str, units: list[Unit], cfg: HlatConfig) -> None:

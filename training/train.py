@@ -1,7 +1,7 @@
 """Entrypoint of a training job: `python -m hlat.training.train --config <path or s3 uri of config.json>`.
 
-Run under torchrun for several processes; SageMaker's Torchrun driver runs it by path
-(`torchrun ... training/train.py --config <uri>`), hence the sys.path set-up below. The run's folder is the
+Run under torchrun for several processes; on SageMaker the Torchrun driver starts it through the job's entry script
+(`torchrun ... hlat_job.py --config <uri>`, infra/job_entry.py). The run's folder is the
 config's folder: data/ and tokenizer/ are read from it (or from the job's input channels), metrics.jsonl is
 written to it, checkpoints go to its checkpoints/ (or, inside a job, to the local checkpoint folder the backend
 syncs with the run's checkpoint prefix). Compiled graphs come from its compile-cache/ when the precompile stage
@@ -11,14 +11,9 @@ reports it from.
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-if __package__ in (None, ""):  # run as a script path: make the project's packages importable
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 import logging
 import os
+import sys
 import tempfile
 
 from hlat.core.contract import (

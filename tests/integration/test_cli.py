@@ -111,7 +111,7 @@ def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_pat
     assert "CheckpointConfig" not in request  # the ranks write to <run>/checkpoints/ themselves, from every host
     assert request["AlgorithmSpecification"]["ContainerEntrypoint"][:2] == [
         "python3",
-        "/opt/ml/input/data/code/core/job_init.py",
+        "/opt/ml/input/data/code/hlat/core/job_init.py",
     ]  # our init in front of the SDK's command: StopTrainingJob's SIGTERM reaches the ranks
     assert request["HyperParameters"] == {"config": f"{run_uri}/config.json"}
     assert request["Environment"]["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "1"

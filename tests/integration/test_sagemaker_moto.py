@@ -60,15 +60,18 @@ def test_submit_creates_the_job_and_uploads_the_code_into_the_run(moto_env: S3En
     assert (state.name, state.status, state.instance_count) == (spec.name, Status.COMPLETED, 2)
     described = backend.sagemaker.describe_training_job(TrainingJobName=spec.name)
     assert "CheckpointConfig" not in described  # the ranks write to the run's checkpoints/ themselves
-    assert described["AlgorithmSpecification"]["ContainerEntrypoint"][1] == "/opt/ml/input/data/code/core/job_init.py"
+    assert (
+        described["AlgorithmSpecification"]["ContainerEntrypoint"][1] == "/opt/ml/input/data/code/hlat/core/job_init.py"
+    )
     assert described["HyperParameters"] == {"config": spec.config_uri}
 
     uploaded = keys(moto_env, "prefix/moto-run/")
     assert uploaded and all(k.startswith(f"prefix/moto-run/code/{spec.name}/") for k in uploaded)
     shipped = {k.split("/input/", 1)[1] for k in uploaded}
     assert {
-        "code/training/train.py",
-        "code/core/job_init.py",
+        "code/hlat_job.py",
+        "code/hlat/training/train.py",
+        "code/hlat/core/job_init.py",
         "code/deployments/job-requirements-2.24.1.txt",
         "sm_drivers/sm_train.sh",
     } <= shipped

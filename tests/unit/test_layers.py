@@ -5,8 +5,10 @@ files does not import torch."""
 from __future__ import annotations
 
 import ast
+import os
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 
 import pytest
@@ -33,13 +35,14 @@ FORBIDDEN = {
 
 
 def modules() -> dict[str, Path]:
-    """'hlat.<layer>.<module>' (or 'hlat.<module>' for hlat/'s own files) -> path, for every module of the project."""
+    """'hlat.<layer>.<module>' (or 'hlat.<module>' for hlat/'s own files) -> path, for every module of the project,
+    subpackages included, through pyproject.toml's package-dir mapping (hlat.core is core/)."""
+    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
     found = {}
-    for layer in LAYERS:
-        for path in sorted((ROOT / layer).glob("*.py")):
-            name = path.stem if path.stem != "__init__" else ""
-            prefix = "hlat" if layer == "hlat" else f"hlat.{layer}"
-            found[f"{prefix}.{name}".rstrip(".")] = path
+    for package, folder in mapping.items():
+        for path in sorted((ROOT / folder).rglob("*.py")):
+            parts = path.relative_to(ROOT / folder).with_suffix("").parts
+            found[".".join([package, *(p for p in parts if p != "__init__")])] = path
     return found
 
 
@@ -89,7 +92,7 @@ def _ancestors(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:
 def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_packages() -> None:
     wrong = []
     for module, path in modules().items():
-        layer = "hlat" if path.parent.name == "hlat" else layer_of(module)
+        layer = layer_of(module)
         for imported, line in imports(path):
             top = imported.split(".")[0]
             if top == "hlat" and imported != "hlat":
@@ -102,8 +105,7 @@ def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_
 
 
 def test_one_import_namespace_no_module_imports_a_layer_by_its_bare_name() -> None:
-    files = [p for layer in LAYERS for p in (ROOT / layer).glob("*.py")]
-    files += [*ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
+    files = [*modules().values(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
     bare = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
         for path in files
@@ -119,7 +121,8 @@ def test_no_import_circle_among_the_modules() -> None:
             name
             for imported, _ in imports(path, top_level_only=True)
             for name in (imported, imported.rpartition(".")[0])
-            if name in modules() and name != module
+            # (a module of a package imports its siblings while the package's __init__ is being imported)
+            if name in modules() and name != module and not module.startswith(f"{name}.")
         }
         for module, path in modules().items()
     }
@@ -183,21 +186,32 @@ def test_looking_at_a_run_imports_no_torch(module: str) -> None:
 
 
 @pytest.mark.parametrize("program", ["train", "precompile", "burn_in", "evaluate", "prepare_data"])
-def test_a_job_program_runs_by_path_as_sagemaker_starts_it(program: str, tmp_path: Path) -> None:
-    """SageMaker's Torchrun driver runs `training/<program>.py` by path from the uploaded source, where hlat is not
-    installed, from another folder: the program puts the source on sys.path and imports all through the namespace.
-    (The editable install's finder is taken out first, so the program finds hlat as a job would.)"""
-    script = ROOT / "training" / f"{program}.py"
+def test_a_job_program_starts_from_its_uploaded_source_as_sagemaker_starts_it(program: str, tmp_path: Path) -> None:
+    """SageMaker's Torchrun driver runs the entry script by path from the uploaded source, where hlat is not
+    installed, from another folder: the program imports the uploaded hlat package, and only it. (The editable
+    install's finder is taken out first, so the program finds hlat as a job would.)"""
+    from hlat.infra.sagemaker_jobs import ENTRY_SCRIPT, JOB_MODULE_ENV, stage_source
+
+    source = tmp_path / "code"
+    stage_source(source, None)
     code = (
-        "import runpy, sys\n"
+        "import os, runpy, sys\n"
         "sys.meta_path[:] = [f for f in sys.meta_path if '__editable__' not in getattr(f, '__module__', '')]\n"
-        "sys.path[0] = sys.argv[1].rsplit('/', 1)[0]  # as `python <script>` sets it\n"
+        "sys.path[0] = os.path.dirname(sys.argv[1])  # as `python <script>` sets it\n"
         "assert not any(m == 'hlat' or m.startswith('hlat.') for m in sys.modules)\n"
         "sys.argv = [sys.argv[1], '--help']\n"
-        "runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "try:\n"
+        "    runpy.run_path(sys.argv[0], run_name='__main__')\n"
+        "finally:\n"
+        "    print('from:', sorted({os.path.dirname(m.__file__) for n, m in sys.modules.items()\n"
+        "                           if n.split('.')[0] == 'hlat' and getattr(m, '__file__', None)}))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=180
-    )
+        [sys.executable, "-c", code, str(source / ENTRY_SCRIPT)],
+        cwd=tmp_path, capture_output=True, text=True, timeout=180,
+        env={**os.environ, JOB_MODULE_ENV: f"hlat.training.{program}"},
+    )  # fmt: skip
     assert out.returncode == 0, out.stderr[-2000:]
     assert f"python -m hlat.training.{program}" in out.stdout
+    folders = ast.literal_eval(out.stdout.rsplit("from: ", 1)[1].strip())
+    assert folders and all(folder.startswith(str(source)) for folder in folders)

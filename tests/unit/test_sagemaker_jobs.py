@@ -126,7 +126,7 @@ def expected_create_request() -> dict[str, Any]:
             "TrainingImage": IMAGE,
             "TrainingInputMode": "File",
             # our init (core/job_init.py) as PID 1, in front of the SDK's command, which runs unchanged
-            "ContainerEntrypoint": ["python3", "/opt/ml/input/data/code/core/job_init.py", "/bin/bash"],
+            "ContainerEntrypoint": ["python3", "/opt/ml/input/data/code/hlat/core/job_init.py", "/bin/bash"],
             "ContainerArguments": ["-c", ANY],
             "MetricDefinitions": [{"Name": k, "Regex": v} for k, v in METRIC_DEFINITIONS.items()],
         },
@@ -158,7 +158,11 @@ def expected_create_request() -> dict[str, Any]:
         ],
         "StoppingCondition": {"MaxRuntimeInSeconds": 86400},
         "OutputDataConfig": {"S3OutputPath": f"{RUN_URI}/sagemaker-output", "CompressionType": "GZIP"},
-        "Environment": {"NEURON_COMPILE_CACHE_URL": f"{RUN_URI}/compile-cache", "HLAT_RUN_ID": RUN_ID},
+        "Environment": {
+            "NEURON_COMPILE_CACHE_URL": f"{RUN_URI}/compile-cache",
+            "HLAT_RUN_ID": RUN_ID,
+            "HLAT_JOB_MODULE": "hlat.training.train",
+        },
         "TensorBoardOutputConfig": {
             "S3OutputPath": f"{RUN_URI}/tensorboard",
             "LocalPath": "/opt/ml/output/tensorboard",
@@ -215,15 +219,15 @@ def test_submit_creates_the_job_under_its_deterministic_name(
     uploads = {c["params"]["Key"] for c in offline.requests() if c["operation"] == "PutObject"}
     assert all(f"s3://{BUCKET}/{key}".startswith(CODE_PREFIX) for key in uploads)
     names = {key.split("/input/", 1)[1] for key in uploads}
-    assert {
-        "code/training/train.py",
-        "code/core/storage.py",
-        "code/hlat/__init__.py",
-        "code/deployments/job-requirements-2.24.1.txt",
-    } <= names
     assert "sm_drivers/sm_train.sh" in names
-    shipped = [n.removeprefix("code/") for n in names if n.startswith("code/")]
-    assert not [n for n in shipped if re.match(r"(.*/)?(tests|\.venv|runs|\.git|flows|tasks|__pycache__)/", n)]
+    # The source is the hlat package as the wheel holds it, the layers a job imports, each module once (hlat/core/
+    # is core/), the entry script and the requirements file: nothing else.
+    shipped = {n.removeprefix("code/") for n in names if n.startswith("code/")}
+    project = Path(__file__).parents[2]
+    modules = {
+        f"hlat/{p.relative_to(project)}" for layer in ("core", "training") for p in (project / layer).rglob("*.py")
+    }
+    assert shipped == {"hlat_job.py", "hlat/__init__.py", *modules, "deployments/job-requirements-2.24.1.txt"}
 
 
 def test_submit_refuses_a_name_in_use_before_uploading(
@@ -529,7 +533,7 @@ def test_dry_run_returns_the_requests_and_sends_nothing(
     uploads = [r for r in requests if r["operation"] == "PutObject"]
     assert uploads and all(set(u["params"]) >= {"Bucket", "Key", "Size"} for u in uploads)
     assert all("Body" not in u["params"] and isinstance(u["params"]["Size"], int) for u in uploads)
-    train = next(u for u in uploads if u["params"]["Key"].endswith("/input/code/training/train.py"))
+    train = next(u for u in uploads if u["params"]["Key"].endswith("/input/code/hlat/training/train.py"))
     assert f"s3://{BUCKET}/{train['params']['Key']}".startswith(CODE_PREFIX)
     assert train["params"]["Size"] == (Path(__file__).parents[2] / "training" / "train.py").stat().st_size
 
