@@ -39,7 +39,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import best_of, table
+from benchmarks.measure import best_of, table
 from hlat.core.config import ModelConfig
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import SHARED_FILE, CheckpointManager, rank_state, step_dir

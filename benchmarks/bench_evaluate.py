@@ -34,13 +34,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from benchmarks.common import best_of, table
+from benchmarks.measure import best_of, table
 from hlat.core.config import ModelConfig, TokenizerConfig
 from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
-from hlat.training.corpus import build_stdlib_corpus
-from hlat.training.hf_export import export_hf
+from hlat.training.checkpoint.hf_export import export_hf
+from hlat.training.data.sources import build_stdlib_corpus
+from hlat.training.evaluation.perplexity import score_stream, token_stream
 from hlat.training.model import Transformer
-from hlat.training.perplexity import score_stream, token_stream
 
 RELATIVE_TOLERANCE = 1e-5
 """Most relative difference allowed between the two NLLs per token (float32, the same weights)."""
@@ -186,7 +186,7 @@ def time_harness(hf_dir: Path, texts: list[str], args: argparse.Namespace, devic
     import datasets
     import lm_eval  # noqa: F401  (seconds to import, once per process)
 
-    from hlat.training.lm_harness import CHOICE_TASK, CHOICES, CLOZE_TASK, run_harness, write_offline_tasks
+    from hlat.training.evaluation.lm_harness import CHOICE_TASK, CHOICES, CLOZE_TASK, run_harness, write_offline_tasks
 
     datasets.disable_progress_bars()
     logging.getLogger("lm_eval").setLevel(logging.ERROR)  # one warning per context cut to the model's length

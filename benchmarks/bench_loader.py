@@ -21,13 +21,13 @@ from typing import Any
 
 import sentencepiece as spm
 
-from benchmarks.common import best_of, table
+from benchmarks.measure import best_of, table
 from hlat.core.config import TokenizerConfig
 from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import train_sentencepiece, training_lines
-from hlat.training.corpus import build_stdlib_corpus
-from hlat.training.data import PackedLoader
+from hlat.training.data.loader import PackedLoader
+from hlat.training.data.sources import build_stdlib_corpus
 
 
 def corpus_head(megabytes: float) -> list[str]:

@@ -28,12 +28,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import table
+from benchmarks.measure import table
 from hlat.core.presets import load_config
 from hlat.infra.runs import open_run
 from hlat.infra.tokenizer import build_tokenizer
 from hlat.training.compile_cache import CACHE_DIR, KERNELS_FILE, LATEST_FILE, human_bytes
-from hlat.training.prepare import prepare_dataset
+from hlat.training.data.units import prepare_dataset
 
 # The tiny preset over a small corpus and vocabulary (as the tests use), one step with torch.compile.
 OVERRIDES: dict[str, Any] = {

@@ -28,7 +28,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import best_of, table
+from benchmarks.measure import best_of, table
 
 SEED = 1234
 
@@ -93,7 +93,7 @@ def generate_corpus(path: Path, mb: float, documents: int | None = None, seed: i
 def worker_path(cfg: Any, out: Any) -> tuple[int, int, int]:
     """One worker over every unit of the plan, as the stage runs it (training.prepare.run_worker: read, validate,
     shard, set aside, commit each unit); returns rows read, kept, held out."""
-    from hlat.training.prepare import plan, run_worker
+    from hlat.training.data.units import plan, run_worker
 
     work = "work-bench"
     results = run_worker(cfg, out, work, plan(cfg, out, work), worker=0)
@@ -137,7 +137,7 @@ def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[fl
 def plain_python(cfg: Any, source: Path, out: Any) -> tuple[int, int, int]:
     """The same checks and shards without great-expectations, pandas or the reader."""
     from hlat.core.shards import ShardWriter
-    from hlat.training.prepare import assign_split
+    from hlat.training.data.units import assign_split
 
     v = cfg.validation
     seen: set[bytes] = set()
@@ -174,7 +174,7 @@ def _held_out(shards: list[Any]) -> int:
 _SETUP = """
 import time
 start = time.perf_counter()
-from hlat.training.validation import DocumentValidator
+from hlat.training.data.validation import DocumentValidator
 from hlat.core.config import DataConfig
 cfg = DataConfig()
 DocumentValidator(cfg.validation, cfg.text_column)

@@ -14,10 +14,10 @@ import time
 
 import sentencepiece as spm
 
-from benchmarks.common import best_of, table
+from benchmarks.measure import best_of, table
 from hlat.core.presets import load_config
 from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
-from hlat.training.corpus import stdlib_documents
+from hlat.training.data.sources import stdlib_documents
 
 
 def main(argv: list[str] | None = None) -> str:

@@ -30,12 +30,12 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import best_of, table
+from benchmarks.measure import best_of, table
 from hlat.core.config import ModelConfig
+from hlat.training.checkpoint.hf_export import hf_llama_config, to_hf_state_dict
 from hlat.training.devices import peak_flops
-from hlat.training.hf_export import hf_llama_config, to_hf_state_dict
 from hlat.training.model import Transformer
-from hlat.training.parallelize import compile_blocks
+from hlat.training.parallel.parallelize import compile_blocks
 
 SIZES = {
     "small": ModelConfig(n_layers=4, d_model=256, n_heads=8, ffn_hidden=688, vocab_size=2048, max_seq_len=512),
@@ -73,8 +73,8 @@ def fsdp_model(cfg: ModelConfig, weights: Transformer, device: torch.device, pre
     import torch.distributed as dist
 
     from hlat.core.presets import load_config
-    from hlat.training.distributed import World
-    from hlat.training.parallelize import shard_fully
+    from hlat.training.parallel.distributed import World
+    from hlat.training.parallel.parallelize import shard_fully
 
     if not dist.is_initialized():
         backend = "nccl" if device.type == "cuda" else "gloo"

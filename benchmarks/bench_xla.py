@@ -23,7 +23,7 @@ from typing import Any
 
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 
-from benchmarks.common import table
+from benchmarks.measure import table
 from hlat.core.environment import rehearsal_sdk
 from hlat.core.presets import load_config
 from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter, iter_documents
@@ -83,8 +83,8 @@ def make_run(prepared: Path, root: Path, run_id: str, device: str = "xla", **ove
 def measure(run: Path, sync_steps: set[int]) -> dict[str, Any]:
     """Train the run's steps with `Trainer.fit`; per step, the time and (XLA) counters once its work is done."""
     from hlat.core.config import validate_config
-    from hlat.training.distributed import init_world
-    from hlat.training.trainer import Trainer
+    from hlat.training.loop import Trainer
+    from hlat.training.parallel.distributed import init_world
 
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
     world = init_world(cfg.training.device, cfg)

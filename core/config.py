@@ -86,7 +86,7 @@ class ModelConfig(Section):
         return self.d_model // self.n_heads
 
     # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
-    # (training/trainer.py), the dry run's estimate (infra/backends.py) and the planner (infra/planner.py) use these.
+    # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/planner.py) use these.
     def block_params(self) -> int:
         """Parameters of one transformer block: attention with GQA (Q and O d x d, K and V d x kv_dim), the SwiGLU
         MLP (three d x ffn_hidden), two RMSNorm weights."""
@@ -620,7 +620,8 @@ class BurnInConfig(Section):
 
 
 OFFLINE_TASK_PREFIX = "hlat_"
-"""evaluation.tasks starting with this are the project's own offline tasks (`training/lm_harness.py`), not lm-eval's."""
+"""evaluation.tasks starting with this are the project's own offline tasks (`training/evaluation/lm_harness.py`),
+not lm-eval's."""
 
 
 class EvaluationConfig(Section):

@@ -106,7 +106,7 @@ def job_arguments(
     parser.add_argument(
         "--device",
         choices=["auto", "cpu", "cuda", "xla"],
-        help="the job's device (default: the config's training.device; see training/distributed.py)",
+        help="the job's device (default: the config's training.device; see training/parallel/distributed.py)",
     )
     if more:
         more(parser)

@@ -3,7 +3,7 @@ as the config sets it, and whether the Neuron packages are there at all.
 
 torch-neuronx / torch-xla / neuronx-distributed exist only inside the Neuron training container; they are
 imported only after `neuron_available()` says so, so that everything else runs on CPU and CUDA. Part of the job
-contract: the control plane sets this environment (`infra/backends.py`), the job programs read it. No torch here.
+contract: the control plane sets this environment (`infra/stage_jobs.py`), the job programs read it. No torch here.
 """
 
 from __future__ import annotations

@@ -3,8 +3,8 @@
 A job of `world` ranks splits them as tensor x pipeline x data (Megatron's and neuronx-distributed's order: the
 tensor-parallel peers are adjacent ranks, so a TP group stays inside a trn1 node on NeuronLink). `ParallelDims` is
 built from the config's `parallelism` section and the job's world size (`HlatConfig.parallel_dims`), and read by
-the config's validation, the planner (`infra/planner.py`), the NxD settings (`training/neuron.py`) and each rank's
-`World` (`training/distributed.py`), in the spirit of torchtitan's `ParallelDims`
+the config's validation, the planner (`infra/planner.py`), the NxD settings (`training/parallel/neuron.py`) and
+each rank's `World` (`training/parallel/distributed.py`), in the spirit of torchtitan's `ParallelDims`
 (https://github.com/pytorch/torchtitan, torchtitan/distributed/parallel_dims.py). What neuronx-distributed reports
 back once its groups are formed is checked against it (`ParallelDims.check`), never read as a second source.
 """

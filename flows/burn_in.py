@@ -8,10 +8,10 @@ from typing import Any
 
 from prefect import flow
 
-from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.tasks.common import run_cached
-from hlat.tasks.jobs import burn_in_cache_key, burn_in_cluster, burn_in_present
+from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.tasks.burn_in import burn_in_cache_key, burn_in_cluster, burn_in_present
+from hlat.tasks.caching import run_cached
 
 
 @flow(name="burn-in", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])

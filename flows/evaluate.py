@@ -9,7 +9,6 @@ from typing import Any
 from prefect import flow
 
 from hlat.core.layout import CheckpointError, locate_checkpoint
-from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
 from hlat.flows.params import (
     OVERRIDES,
     PRESET,
@@ -21,7 +20,8 @@ from hlat.flows.params import (
     Overrides,
     PresetName,
 )
-from hlat.tasks.common import run_cached
+from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.tasks.caching import run_cached
 from hlat.tasks.evaluate import (
     check_task_names,
     evaluate_checkpoint,

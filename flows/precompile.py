@@ -8,10 +8,10 @@ from typing import Any
 
 from prefect import flow
 
-from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.tasks.common import run_cached
-from hlat.tasks.jobs import precompile_cache_key, precompile_graphs, precompile_present
+from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.tasks.caching import run_cached
+from hlat.tasks.precompile import precompile_cache_key, precompile_graphs, precompile_present
 
 
 @flow(name="precompile", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])

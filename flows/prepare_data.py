@@ -4,11 +4,17 @@ from __future__ import annotations
 
 from prefect import flow
 
-from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.tasks.common import run_cached
-from hlat.tasks.data import build_shards, data_cache_key, fingerprint_source, publish_data_report, shards_present
-from hlat.training.prepare import DataReport
+from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.tasks.caching import run_cached
+from hlat.tasks.prepare_data import (
+    build_shards,
+    data_cache_key,
+    fingerprint_source,
+    publish_data_report,
+    shards_present,
+)
+from hlat.training.data.units import DataReport
 
 
 @flow(name="prepare-data", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])

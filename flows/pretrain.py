@@ -11,14 +11,14 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 
 from hlat.flows.burn_in import burn_in
-from hlat.flows.common import merged_overrides, run_name, stages_of, start_run, stop_jobs_on_cancel
 from hlat.flows.evaluate import evaluate
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from hlat.flows.precompile import precompile
 from hlat.flows.prepare_data import prepare_data
+from hlat.flows.stage import merged_overrides, run_name, stages_of, start_run, stop_jobs_on_cancel
 from hlat.flows.train import train
 from hlat.flows.train_tokenizer import train_tokenizer
-from hlat.tasks.common import artifact_key
+from hlat.tasks.caching import artifact_key
 
 STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
 

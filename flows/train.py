@@ -9,9 +9,9 @@ from typing import Any
 
 from prefect import flow
 
-from hlat.flows.common import resolve, run_name, stop_jobs_on_cancel
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.tasks.common import run_cached
+from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.tasks.caching import run_cached
 from hlat.tasks.plan import plan_parallelism
 from hlat.tasks.train import publish_training_report, summary_line, train_cache_key, train_model, training_present
 

@@ -6,10 +6,10 @@ from typing import Any
 
 from prefect import flow
 
-from hlat.flows.common import resolve, run_name
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.tasks.common import run_cached
-from hlat.tasks.tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
+from hlat.flows.stage import resolve, run_name
+from hlat.tasks.caching import run_cached
+from hlat.tasks.train_tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
 
 
 @flow(name="train-tokenizer", flow_run_name=run_name, log_prints=True)

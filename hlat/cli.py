@@ -247,7 +247,7 @@ def _token_count(text: str) -> float:
 
 def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from hlat.infra import planner
-    from hlat.infra.backends import data_estimate
+    from hlat.infra.stage_jobs import data_estimate
 
     config = load_config(args.preset, overrides)
     instance_type, note = planner.planning_instance(config)
@@ -351,10 +351,10 @@ def _known_error(exc: BaseException) -> str | None:
     from hlat.core.storage import StorageError
     from hlat.deploy import DeployError
     from hlat.infra.supervisor import SupervisorError
-    from hlat.tasks.jobs import BurnInFailed
+    from hlat.tasks.burn_in import BurnInFailed
     from hlat.training.checkpoint import CheckpointError
-    from hlat.training.corpus import SourceError
-    from hlat.training.validation import DataValidationError
+    from hlat.training.data.sources import SourceError
+    from hlat.training.data.validation import DataValidationError
 
     known = (
         DeployError,
@@ -400,7 +400,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     # up); the flow the command runs is handed this one (handing_over), not a second.
     config = build_config(args.preset, overrides, args.run_id, args.storage)
     if args.dry_run:
-        from hlat.infra.backends import dry_run
+        from hlat.infra.stage_jobs import dry_run
 
         if args.command == "run" and args.stage == "train-tokenizer":
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
@@ -415,7 +415,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
         return 0
     if args.command == "pretrain" or args.stage == "prepare-data":
-        from hlat.training.corpus import check_source
+        from hlat.training.data.sources import check_source
 
         check_source(config.data)  # a source that cannot be read fails here, before a server starts or a run opens
     flow_fn, params = flow_call(args, overrides)
@@ -470,7 +470,7 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
 
 def _export(args: argparse.Namespace) -> int:
     from hlat.infra.tokenizer import export_hf_tokenizer
-    from hlat.training.hf_export import export_checkpoint
+    from hlat.training.checkpoint.hf_export import export_checkpoint
 
     start = time.perf_counter()
     out, ref = export_checkpoint(

@@ -93,7 +93,7 @@ shipped independently, so an event can arrive after a newer one from another nod
 LOG_MAX_PAGES = 20
 """FilterLogEvents pages (up to 10,000 events each) read per `logs` call; the rest is read on the next call."""
 
-# The trainer's progress line (training/trainer.py): "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s".
+# The trainer's progress line (training/loop.py): "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s".
 METRIC_DEFINITIONS = {
     "loss": r"step \d+ loss (\S+) grad_norm",
     "grad_norm": r"grad_norm (\S+) lr",

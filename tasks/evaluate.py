@@ -26,7 +26,6 @@ from hlat.core.layout import (
     step_dir,
 )
 from hlat.core.storage import Storage
-from hlat.infra.backends import run_stage_job
 from hlat.infra.eval_report import (
     REPORT_FILE,
     choose_metric,
@@ -35,8 +34,9 @@ from hlat.infra.eval_report import (
     load_baselines,
     write_report,
 )
+from hlat.infra.stage_jobs import run_stage_job
 from hlat.infra.supervisor import JobFailed
-from hlat.tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
+from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 
 log = logging.getLogger("hlat.evaluate")
 
@@ -61,7 +61,7 @@ def check_task_names(config: HlatConfig) -> None:
     """Fail on an unknown lm-eval task name before a job is launched (lm-eval indexes its task YAML offline)."""
     standard = [t for t in config.evaluation.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
     if standard:
-        from hlat.training.lm_harness import check_tasks
+        from hlat.training.evaluation.lm_harness import check_tasks
 
         check_tasks(standard, None)
 

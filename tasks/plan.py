@@ -15,7 +15,7 @@ from prefect.artifacts import create_table_artifact
 
 from hlat.core.config import HlatConfig
 from hlat.infra import planner
-from hlat.tasks.common import artifact_key
+from hlat.tasks.caching import artifact_key
 
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)
 

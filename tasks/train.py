@@ -15,10 +15,10 @@ from prefect.client.schemas.actions import ArtifactUpdate
 from hlat.core.config import HlatConfig
 from hlat.core.layout import CHECKPOINTS_DIR, METRICS_FILE, CheckpointIndex
 from hlat.core.storage import Storage
-from hlat.infra.backends import supervisor_for
+from hlat.infra.stage_jobs import supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
-from hlat.tasks.common import CACHED_STAGE, artifact_key, stage_cache_key
-from hlat.tasks.tokenizer import read_data_checksum, read_tokenizer_checksum
+from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
+from hlat.tasks.train_tokenizer import read_data_checksum, read_tokenizer_checksum
 
 log = logging.getLogger("hlat.train")
 

@@ -92,7 +92,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from hlat.core.presets import load_config
     from hlat.infra.runs import open_run
     from hlat.infra.tokenizer import build_tokenizer
-    from hlat.training.prepare import prepare_dataset
+    from hlat.training.data.units import prepare_dataset
 
     root = tmp_path_factory.mktemp("prepared")
     cfg = load_config("tiny", SMALL_DATA, run_id="base", storage=str(root))

@@ -32,7 +32,6 @@ from hlat.core.contract import (
 )
 from hlat.core.layout import BURN_IN_REPORT as REPORT
 from hlat.core.storage import Storage
-from hlat.training.distributed import World, close_world, init_world
 from hlat.training.faults import burn_in_wrong_rank
 from hlat.training.health import (
     allreduce_check,
@@ -43,6 +42,7 @@ from hlat.training.health import (
     matmul_check,
     write_check,
 )
+from hlat.training.parallel.distributed import World, close_world, init_world
 
 log = logging.getLogger("hlat.burn_in")
 

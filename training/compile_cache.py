@@ -59,7 +59,7 @@ from hlat.core.layout import NEURON_CACHE_DIR as NEURON_DIR
 from hlat.core.layout import TORCH_CACHE_DIR as TORCH_DIR
 from hlat.core.layout import XLA_CACHE_DIR as XLA_DIR
 from hlat.core.storage import Storage, StorageError, StorageNotFound
-from hlat.training.distributed import World
+from hlat.training.parallel.distributed import World
 
 log = logging.getLogger("hlat.train")
 

@@ -3,10 +3,10 @@
 Evaluates one committed checkpoint of the run (the newest, or `--step`) in one process on one instance:
 
 1. perplexity, NLL per token and bits per byte on the held-out split with our own model
-   (`training/perplexity.py`; `evaluation.perplexity_tokens`, 0 skips it);
+   (`training/evaluation/perplexity.py`; `evaluation.perplexity_tokens`, 0 skips it);
 2. the lm-eval-harness tasks of `evaluation.tasks` through its Python API on the checkpoint exported as a
-   Hugging Face Llama folder (`training/hf_export.py`). The project's own offline tasks (`hlat_cloze`,
-   `hlat_choice`) are generated first from the held-out text (`training/lm_harness.py`), so the harness runs
+   Hugging Face Llama folder (`training/checkpoint/hf_export.py`). The project's own offline tasks (`hlat_cloze`,
+   `hlat_choice`) are generated first from the held-out text (`training/evaluation/lm_harness.py`), so the harness runs
    without a network; the standard tasks (MMLU, HellaSwag...) fetch their data sets as lm-eval does.
 
 Writes `<run>/eval/step-NNNNNNNNN/results.json` (the flow turns it into the report). A model that cannot be
@@ -34,18 +34,18 @@ from hlat.core.layout import CHECKPOINTS_DIR
 from hlat.core.layout import eval_results_path as results_path
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
-from hlat.training.hf_export import (
+from hlat.training.checkpoint.hf_export import (
     export_hf,
     fetch_tokenizer_files,
     hf_llama_config,
     load_checkpoint_model,
     locate_checkpoint,
 )
-from hlat.training.perplexity import held_out_perplexity
+from hlat.training.evaluation.perplexity import held_out_perplexity
 
 log = logging.getLogger("hlat.evaluate")
 
-"""Task names the project generates from the run's held-out text (see training/lm_harness.py)."""
+"""Task names the project generates from the run's held-out text (see training/evaluation/lm_harness.py)."""
 OFFLINE_TASK_DOCUMENTS = 2000
 """Held-out documents read to make the offline tasks' examples."""
 
@@ -64,7 +64,7 @@ def _held_out(data: Storage) -> Any:
 
 def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device: torch.device) -> dict[str, Any]:
     """Evaluate one checkpoint of `run` and write its results.json; returns the results."""
-    from hlat.training import lm_harness
+    from hlat.training.evaluation import lm_harness
 
     started = time.perf_counter()
     e = cfg.evaluation
@@ -119,7 +119,7 @@ def _run_tasks(
     device: torch.device,
 ) -> dict[str, Any]:
     """Export the model, make the offline tasks, run the harness; the lm-eval part of results.json."""
-    from hlat.training import lm_harness
+    from hlat.training.evaluation import lm_harness
 
     try:
         hf_llama_config(model_cfg)

@@ -30,7 +30,7 @@ import torch
 
 from hlat.core.config import HealthThresholds
 from hlat.core.storage import Storage
-from hlat.training.distributed import World
+from hlat.training.parallel.distributed import World
 
 log = logging.getLogger("hlat.health")
 

@@ -45,7 +45,7 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hlat.core.config import ModelConfig
-from hlat.training.sharding import DenseParameter, dense_init, dense_parameters
+from hlat.training.parallel.tensor_slices import DenseParameter, dense_init, dense_parameters
 
 
 def rope_tables(
@@ -169,7 +169,7 @@ class Attention(nn.Module):
         super().__init__()
         tp = parallel.tensor
         # Local heads: each rank a run of query heads, and its KV heads (one replicated KV head when TP exceeds
-        # them: training/sharding.py).
+        # them: training/parallel/tensor_slices.py).
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, max(1, cfg.kv_heads // tp), cfg.head_dim
         d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
         self.qkv = parallel.grouped_qkv(cfg)

@@ -36,10 +36,10 @@ import hlat
 from hlat.core.config import HlatConfig
 from hlat.core.contract import EXIT_DATA_INVALID, read_job_config, write_failure
 from hlat.core.storage import Storage
-from hlat.training.corpus import SourceError
-from hlat.training.prepare import assign, committed, merge, plan, run_worker, work_dir
-from hlat.training.reader import Unit
-from hlat.training.validation import DataValidationError
+from hlat.training.data.reader import Unit
+from hlat.training.data.sources import SourceError
+from hlat.training.data.units import assign, committed, merge, plan, run_worker, work_dir
+from hlat.training.data.validation import DataValidationError
 
 log = logging.getLogger("hlat.data")
 

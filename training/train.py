@@ -30,9 +30,9 @@ from hlat.core.contract import (
 from hlat.core.environment import neuron_available
 from hlat.training import xla
 from hlat.training.compile_cache import fetch_xla_cache, load_torch_cache, use_node_local_neuron_cache
-from hlat.training.distributed import close_world, init_world, resolve_device_kind
 from hlat.training.faults import checkpoint_storage
-from hlat.training.trainer import Trainer
+from hlat.training.loop import Trainer
+from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
 
 log = logging.getLogger("hlat.train")
 

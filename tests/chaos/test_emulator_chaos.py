@@ -24,12 +24,12 @@ import torch
 
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
-from hlat.infra.backends import job_spec
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import TERMINAL, Status
 from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.runs import open_run
 from hlat.infra.sagemaker_emulator import HOST_ENV, namespaces_available
+from hlat.infra.stage_jobs import job_spec
 from hlat.infra.supervisor import Ledger
 from hlat.training.checkpoint import CheckpointManager
 from tests.chaos.test_train_stage import ROOT, cli, cli_env

@@ -36,8 +36,8 @@ def run_layout(
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     from hlat.core.storage import Storage
-    from hlat.training.distributed import close_world, init_world
-    from hlat.training.trainer import DeviceBatch, Trainer
+    from hlat.training.loop import DeviceBatch, Trainer
+    from hlat.training.parallel.distributed import close_world, init_world
 
     overrides = {
         **SMALL_DATA,

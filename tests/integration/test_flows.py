@@ -164,8 +164,8 @@ def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_p
     """`--param overrides=...` on a deployment changes the paths it names and keeps the deployment's others."""
     from prefect.client.orchestration import get_client
 
-    from hlat.flows.common import merged_overrides
     from hlat.flows.params import build_config
+    from hlat.flows.stage import merged_overrides
     from hlat.flows.train import train
 
     def resolve_config(preset: str, overrides: dict[str, Any], deployment_id: Any = None) -> Any:

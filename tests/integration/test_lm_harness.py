@@ -30,9 +30,9 @@ import yaml
 
 from hlat.core.config import ModelConfig, TokenizerConfig
 from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
-from hlat.training import lm_harness
-from hlat.training.hf_export import export_hf
-from hlat.training.lm_harness import (
+from hlat.training.checkpoint.hf_export import export_hf
+from hlat.training.evaluation import lm_harness
+from hlat.training.evaluation.lm_harness import (
     CHOICE_TASK,
     CHOICES,
     CLOZE_TASK,

@@ -19,13 +19,13 @@ from hlat.core.config import HlatConfig
 from hlat.core.presets import load_config
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
-from hlat.infra.backends import run_stage_job
 from hlat.infra.jobs import job_name
 from hlat.infra.runs import open_run
+from hlat.infra.stage_jobs import run_stage_job
 from hlat.infra.supervisor import Ledger
-from hlat.tasks.data import data_cache_key
-from hlat.training.corpus import source_fingerprint
-from hlat.training.prepare import REPORT_FILE, DataReport, UnitResult
+from hlat.tasks.prepare_data import data_cache_key
+from hlat.training.data.sources import source_fingerprint
+from hlat.training.data.units import REPORT_FILE, DataReport, UnitResult
 
 FILES = 4
 DOCS_PER_FILE = 40
@@ -103,7 +103,7 @@ def uninterrupted(corpus: tuple[Path, dict[str, int]], tmp_path_factory: pytest.
 def test_two_workers_reconcile_find_duplicates_across_workers_and_feed_the_loader(
     corpus: tuple[Path, dict[str, int]], uninterrupted: Any, prepared: Path
 ) -> None:
-    from hlat.training.data import PackedLoader
+    from hlat.training.data.loader import PackedLoader
 
     expected = corpus[1]
     report, data = uninterrupted

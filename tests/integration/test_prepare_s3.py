@@ -10,7 +10,7 @@ import pytest
 from hlat.core.presets import load_config
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage, StorageNotFound
-from hlat.training.prepare import prepare_dataset
+from hlat.training.data.units import prepare_dataset
 from tests.integration.conftest import S3Env
 
 
@@ -42,11 +42,11 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
 ) -> None:
     """The prepare-data job on the local backend, its 2 workers reading their own objects of an s3:// source and
     writing an s3:// run; a duplicate planted in every object is found across workers."""
-    from hlat.infra.backends import run_stage_job
     from hlat.infra.runs import open_run
-    from hlat.tasks.data import data_cache_key
-    from hlat.training.corpus import source_fingerprint
-    from hlat.training.prepare import REPORT_FILE, DataReport
+    from hlat.infra.stage_jobs import run_stage_job
+    from hlat.tasks.prepare_data import data_cache_key
+    from hlat.training.data.sources import source_fingerprint
+    from hlat.training.data.units import REPORT_FILE, DataReport
 
     monkeypatch.setenv("HLAT_JOBS_DIR", str(tmp_path / "jobs"))  # the local backend's job folders of an S3 run
     client = s3_env.client()

@@ -40,7 +40,7 @@ def test_a_wrong_rank_fails_burn_in_and_the_dag_stops_before_training(
     prefect_server: None, prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from hlat.flows.pretrain import hlat
-    from hlat.tasks.jobs import BurnInFailed
+    from hlat.tasks.burn_in import BurnInFailed
 
     two_ranks = overrides(**{"job.processes_per_node": 2})
     run = make_run(prepared, tmp_path, "faulty", **TRAINING, **{"job.processes_per_node": 2})
@@ -52,7 +52,7 @@ def test_a_wrong_rank_fails_burn_in_and_the_dag_stops_before_training(
 
 def test_a_threshold_not_met_fails_unless_told_to_go_on(prefect_server: None, prepared: Path, tmp_path: Path) -> None:
     from hlat.flows.burn_in import burn_in
-    from hlat.tasks.jobs import BurnInFailed
+    from hlat.tasks.burn_in import BurnInFailed
 
     make_run(prepared, tmp_path, "slow", **TRAINING)
     impossible = overrides(**{"burn_in.thresholds": {"local": {"min_matmul_tflops": 1e6}}})

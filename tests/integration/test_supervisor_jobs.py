@@ -41,7 +41,7 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
 ) -> None:
     """A real tiny job logging each of its 80 steps, polled four times a second: the old supervisor printed a line
     per poll; now the first, each change of status, a new step at most every 10 polls, and the final average."""
-    from hlat.infra.backends import supervisor_for
+    from hlat.infra.stage_jobs import supervisor_for
 
     training = {"max_steps": 80, "checkpoint_every": 40, "eval_every": 0, "log_every": 1}
     run = make_run(prepared, tmp_path, "quiet", **training)
@@ -88,7 +88,7 @@ def test_a_train_job_completed_without_its_checkpoint_is_relaunched_and_one_tabl
     from prefect.client.schemas.filters import ArtifactFilter, ArtifactFilterKey
 
     from hlat.flows.train import train
-    from hlat.tasks.common import artifact_key
+    from hlat.tasks.caching import artifact_key
 
     run = make_run(prepared, tmp_path, "early", **TRAINING)
     monkeypatch.setenv(FAULTS_ENV, json.dumps({"1": {"complete": True}}))

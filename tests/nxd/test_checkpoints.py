@@ -11,8 +11,8 @@ import torch
 
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import CheckpointManager
-from hlat.training.hf_export import CheckpointRef, read_checkpoint
-from hlat.training.sharding import dense_parameters
+from hlat.training.checkpoint.hf_export import CheckpointRef, read_checkpoint
+from hlat.training.parallel.tensor_slices import dense_parameters
 from tests.nxd.conftest import make_run, run_job
 
 JOB = {

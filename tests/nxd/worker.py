@@ -26,10 +26,10 @@ import torch.nn.functional as F  # noqa: E402
 from hlat.core.config import HlatConfig  # noqa: E402
 from hlat.core.contract import read_job_config  # noqa: E402
 from hlat.core.presets import load_config  # noqa: E402
-from hlat.training.distributed import World, close_world, init_world  # noqa: E402
 from hlat.training.model import Transformer  # noqa: E402
-from hlat.training.neuron import NxdLayers  # noqa: E402
-from hlat.training.sharding import dense_parameters, unshard  # noqa: E402
+from hlat.training.parallel.distributed import World, close_world, init_world  # noqa: E402
+from hlat.training.parallel.neuron import NxdLayers  # noqa: E402
+from hlat.training.parallel.tensor_slices import dense_parameters, unshard  # noqa: E402
 from tests.nxd.conftest import SDK, SMALL_MODEL  # noqa: E402
 
 SEED = 7
@@ -103,7 +103,7 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
 
 def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
     from hlat.core.storage import Storage
-    from hlat.training.trainer import Trainer
+    from hlat.training.loop import Trainer
 
     return Trainer(
         cfg=cfg,
@@ -116,7 +116,7 @@ def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
 
 def dense_weights(trainer: Any, world: World) -> dict[str, torch.Tensor]:
     """The dense model from every rank's state (its pipeline stage, its TP slices), as an exporter consolidates it."""
-    from hlat.training.sharding import consolidate
+    from hlat.training.parallel.tensor_slices import consolidate
 
     local = {k: v.detach().clone() for k, v in trainer.model_state().items()}
     everyone: list[Any] = [(world.tensor_rank, local)]
@@ -134,7 +134,7 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
     global batch, this data-parallel rank's share of it; the dense weights after the step (gathered over TP)."""
     import zlib
 
-    from hlat.training.trainer import DeviceBatch
+    from hlat.training.loop import DeviceBatch
 
     trainer = trainer_for(cfg, world, args["run"])
     first = next(iter(trainer.loader))
@@ -167,7 +167,7 @@ def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, A
 
 def zero1_is_thin(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
     """What NxD is given for ZeRO-1 (which needs the XLA device), and the clear refusal in CPU mode."""
-    from hlat.training.neuron import NeuronUnavailable
+    from hlat.training.parallel.neuron import NeuronUnavailable
 
     assert world.nxd is not None
     try:

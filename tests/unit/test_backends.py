@@ -10,7 +10,7 @@ import pytest
 from hlat.core.config import ConfigError
 from hlat.core.environment import neuron_environment, xla_precision_environment
 from hlat.core.presets import load_config
-from hlat.infra.backends import estimate, job_environment, job_spec
+from hlat.infra.stage_jobs import estimate, job_environment, job_spec
 
 RUN = "s3://bucket/hlat/r1"
 
@@ -136,7 +136,7 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
 ) -> None:
     import hlat.infra.local_jobs
     from hlat.core.environment import NEURON_SDKS
-    from hlat.infra.backends import job_python
+    from hlat.infra.stage_jobs import job_python
 
     config = load_config("tiny", {"training.device": "xla"})
     monkeypatch.setattr(hlat.infra.local_jobs, "PROJECT_ROOT", tmp_path)
@@ -157,7 +157,7 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
 
 
 def test_the_dry_run_shows_hlats_layouts() -> None:
-    from hlat.infra.backends import describe_layout
+    from hlat.infra.stage_jobs import describe_layout
 
     assert describe_layout(load_config("hlat-7b")) == (
         "2048 ranks = TP 8 x PP 1 x DP 256, micro-batch 1 x 4 accumulation steps, sequence parallel, selective "

@@ -821,7 +821,7 @@ def test_pruning_and_deleting_remove_shard_files(tmp_path: Path) -> None:
 def test_seeding_the_world_sets_every_state_a_checkpoint_saves() -> None:
     """A resumed run restores these states from its rank file; an uninterrupted one must have started from the
     same ones, or the two differ in whatever draws from them."""
-    from hlat.training.distributed import World
+    from hlat.training.parallel.distributed import World
 
     world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     random.seed(99)

@@ -43,7 +43,7 @@ from hlat.training.compile_cache import (
     write_xla_cache,
     xla_cache_dir,
 )
-from hlat.training.distributed import World
+from hlat.training.parallel.distributed import World
 
 ARTIFACTS = b"compiled graphs" * 100
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hlat.training.corpus import hub_unreachable
+from hlat.training.data.sources import hub_unreachable
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -73,8 +73,8 @@ def test_the_probe_tells_an_answering_endpoint_from_a_closed_or_silent_one(
 # the test session sets HF_HUB_OFFLINE=1 (tests/conftest.py).
 SCRIPT = """
 import json, sys, time
-from hlat.training.corpus import SourceError
-from hlat.training.reader import plan_units, read_unit
+from hlat.training.data.sources import SourceError
+from hlat.training.data.reader import plan_units, read_unit
 from hlat.core.presets import load_config
 
 cfg = load_config("tiny", {"data.source": "Salesforce/wikitext", "data.hf_config": "wikitext-2-raw-v1"}).data

@@ -9,10 +9,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hlat.core.presets import load_config
-from hlat.training.distributed import World
 from hlat.training.model import Transformer
 from hlat.training.optim import build_optimizer
-from hlat.training.parallelize import compile_blocks, shard_fully
+from hlat.training.parallel.distributed import World
+from hlat.training.parallel.parallelize import compile_blocks, shard_fully
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 

@@ -25,7 +25,7 @@ from hlat.core.config import TokenizerConfig
 from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
-from hlat.training.data import Batch, PackedLoader, epoch_plan
+from hlat.training.data.loader import Batch, PackedLoader, epoch_plan
 
 SEED = 7
 SEQ, MB = 32, 2  # 64 targets per batch: short enough that long documents span many batches

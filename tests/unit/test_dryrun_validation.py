@@ -10,9 +10,9 @@ import pytest
 from botocore.validate import ParamValidator
 
 from hlat.core.presets import load_config
-from hlat.infra.backends import PLACEHOLDER_ROLE, dry_run, preflight
 from hlat.infra.jobs import Action, JobState, Status, classify
 from hlat.infra.sagemaker_jobs import check_request, request_problems, sagemaker_service_model
+from hlat.infra.stage_jobs import PLACEHOLDER_ROLE, dry_run, preflight
 
 ROLE = "arn:aws:iam::111122223333:role/hlat-training"
 ROOT = "s3://hlat-runs/prod"
@@ -98,7 +98,7 @@ def test_an_instance_type_without_a_price_is_not_priced_at_zero() -> None:
 
 
 def test_the_real_submit_checks_before_any_stage_runs(tmp_path: Path) -> None:
-    from hlat.flows.common import resolve
+    from hlat.flows.stage import resolve
 
     typo = {"job.role_arn": ROLE, "job.instance_type": "ml.trn1.32xlarg"}
     with pytest.raises(ValueError, match=r"job\.instance_type: .*did you mean"):

@@ -17,7 +17,7 @@ from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece
 from hlat.training.checkpoint import MARKER, CheckpointError, CheckpointManager, step_dir
-from hlat.training.hf_export import export_checkpoint, locate_checkpoint
+from hlat.training.checkpoint.hf_export import export_checkpoint, locate_checkpoint
 from hlat.training.model import Transformer
 
 
@@ -153,11 +153,11 @@ def test_a_tokenizer_without_tokenizer_json_is_completed_by_the_cli_so_transform
 def test_a_tensor_parallel_checkpoint_consolidates_and_exports_as_the_dense_model(
     tmp_path: Path, kv_heads: int
 ) -> None:
-    """Two TP ranks' shards, sliced as training/sharding.py slices them (the layout tests/nxd proves against NxD's
-    layers), written as a sharded checkpoint: the export equals the dense model."""
+    """Two TP ranks' shards, sliced as training/parallel/tensor_slices.py slices them (the layout tests/nxd proves
+    against NxD's layers), written as a sharded checkpoint: the export equals the dense model."""
     from transformers import LlamaForCausalLM
 
-    from hlat.training.sharding import dense_parameters, local_name, shard
+    from hlat.training.parallel.tensor_slices import dense_parameters, local_name, shard
 
     config = load_config(
         "tiny", {"model.n_layers": 2, "model.d_model": 64, "model.n_heads": 4, "model.n_kv_heads": kv_heads}

@@ -13,7 +13,6 @@ import torch
 
 from hlat.core.config import HealthThresholds
 from hlat.core.storage import Storage
-from hlat.training.distributed import World
 from hlat.training.health import (
     UnhealthyCollective,
     allreduce_check,
@@ -26,6 +25,7 @@ from hlat.training.health import (
     periodic_health_check,
     write_check,
 )
+from hlat.training.parallel.distributed import World
 
 CPU = torch.device("cpu")
 ONE = World(rank=0, world_size=1, local_rank=0, device=CPU)

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hlat.core.config import ModelConfig
-from hlat.training.hf_export import export_hf, from_hf_state_dict, hf_llama_config, to_hf_state_dict
+from hlat.training.checkpoint.hf_export import export_hf, from_hf_state_dict, hf_llama_config, to_hf_state_dict
 from hlat.training.model import Transformer, apply_rotary, rope_tables, rotate_half
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -146,7 +146,7 @@ def test_flex_attention_document_mask_equals_the_dense_mask() -> None:
 def test_compiled_flex_attention_matches_the_dense_mask_on_cuda() -> None:
     """Compiled blocks with FlexAttention's fused kernel against eager SDPA with the dense mask, in float32: the
     loss and every gradient (on an H100 the gradients agreed to a relative 6.6e-7)."""
-    from hlat.training.parallelize import compile_blocks
+    from hlat.training.parallel.parallelize import compile_blocks
 
     cfg = ModelConfig(**{**SMALL, "d_model": 256, "n_heads": 8, "ffn_hidden": 688, "max_seq_len": 1024})
     torch.manual_seed(0)
@@ -174,7 +174,7 @@ def test_compiled_flex_attention_matches_the_dense_mask_on_cuda() -> None:
 def test_compile_blocks_keeps_names_and_traces_one_graph_for_every_block() -> None:
     from torch._dynamo.utils import counters
 
-    from hlat.training.parallelize import compile_blocks
+    from hlat.training.parallel.parallelize import compile_blocks
 
     eager, compiled = make_model(seed=6, n_layers=3), make_model(seed=6, n_layers=3)
     torch._dynamo.reset()
@@ -193,8 +193,8 @@ def test_activation_checkpointing_recomputes_what_hlat_recomputes(mode: str, mon
     projection (under TP and SP: no collective) runs twice; 'full' re-runs every block. Gradients are unchanged."""
     from hlat.core.presets import load_config
     from hlat.training import model as model_module
-    from hlat.training.distributed import World
-    from hlat.training.parallelize import parallelize
+    from hlat.training.parallel.distributed import World
+    from hlat.training.parallel.parallelize import parallelize
 
     calls: dict[str, int] = {}
 

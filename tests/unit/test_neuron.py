@@ -11,8 +11,8 @@ import torch
 from hlat.core.environment import neuron_available, neuron_environment, xla_job_environment, xla_precision_environment
 from hlat.core.parallel import ParallelDims
 from hlat.core.presets import load_config
-from hlat.training.distributed import World, _model_parallel
-from hlat.training.neuron import NeuronUnavailable, parallel_settings, require_nxd, shard_name, shard_names
+from hlat.training.parallel.distributed import World, _model_parallel
+from hlat.training.parallel.neuron import NeuronUnavailable, parallel_settings, require_nxd, shard_name, shard_names
 
 pytestmark = pytest.mark.skipif(neuron_available(), reason="checks the behaviour outside a Neuron container")
 

@@ -9,7 +9,7 @@ import torch
 from hlat.core.config import ConfigError
 from hlat.core.parallel import LayoutError, ParallelDims, heads_problem, kv_replicas, layers_problem
 from hlat.core.presets import load_config
-from hlat.training.distributed import World
+from hlat.training.parallel.distributed import World
 
 
 def test_data_parallelism_takes_the_ranks_the_model_split_leaves() -> None:

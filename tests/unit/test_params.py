@@ -13,9 +13,9 @@ from pydantic import ValidationError
 from hlat.cli import STAGES, _overrides, _stage_flow, build_parser, flow_call
 from hlat.core.config import ConfigError, HlatConfig, parse_override
 from hlat.core.presets import PRESETS
-from hlat.flows.common import resolve
 from hlat.flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
 from hlat.flows.pretrain import hlat
+from hlat.flows.stage import resolve
 
 
 def test_the_preset_choice_lists_every_preset() -> None:

@@ -13,8 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from hlat.core.config import ModelConfig
+from hlat.training.evaluation.perplexity import held_out_perplexity, score_stream, token_stream
 from hlat.training.model import Transformer
-from hlat.training.perplexity import held_out_perplexity, score_stream, token_stream
 
 TEXTS = [f"document number {i}: the quick brown fox jumps over the lazy dog {i * 7}." for i in range(40)]
 

@@ -14,9 +14,9 @@ from hlat.core.config import ConfigError, DataConfig, stable_hash
 from hlat.core.presets import load_config
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
-from hlat.training.corpus import SourceError, source_fingerprint, stdlib_documents
-from hlat.training.prepare import assign_split, prepare_dataset
-from hlat.training.validation import DataValidationError
+from hlat.training.data.sources import SourceError, source_fingerprint, stdlib_documents
+from hlat.training.data.units import assign_split, prepare_dataset
+from hlat.training.data.validation import DataValidationError
 
 WORDS = [
     "the",
@@ -229,7 +229,7 @@ def test_a_failed_rerun_leaves_earlier_outputs_intact(tmp_path: Path) -> None:
 
 def read_source(cfg: DataConfig) -> list[Any]:
     """Every batch of rows of the source, unit after unit, as the workers read it."""
-    from hlat.training.reader import plan_units, read_unit
+    from hlat.training.data.reader import plan_units, read_unit
 
     return [rows for unit in plan_units(cfg, 1 << 30) for rows in read_unit(unit, cfg)]
 
@@ -253,7 +253,7 @@ def test_hub_code_path_with_config_split_and_streaming(tmp_path: Path) -> None:
     """The hub loader (name, config, split, streaming) on a dataset repo laid out here, as the hub lays them out."""
     import datasets
 
-    from hlat.training.corpus import _open_hub, resolve_source
+    from hlat.training.data.sources import _open_hub, resolve_source
 
     repo = tmp_path / "org-corpus"
     for config, n in (("small", 5), ("large", 40)):
@@ -298,6 +298,6 @@ def test_bad_lines_in_later_units_of_a_large_file_are_named_by_their_line_in_the
     "source", ["builtin:python-stdlib", "wikitext", "HuggingFaceFW/fineweb-edu", "s3://my-bucket.v2/corpus/"]
 )
 def test_sources_of_every_kind_pass_the_check_before_the_run(source: str) -> None:
-    from hlat.training.corpus import check_source
+    from hlat.training.data.sources import check_source
 
     check_source(DataConfig(source=source))  # nothing is read: shapes only (and local paths' existence)

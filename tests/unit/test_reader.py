@@ -14,8 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from hlat.core.config import DataConfig
-from hlat.training.corpus import SourceError
-from hlat.training.reader import BadRow, Rows, Unit, absolute_line, plan_units, read_unit
+from hlat.training.data.reader import BadRow, Rows, Unit, absolute_line, plan_units, read_unit
+from hlat.training.data.sources import SourceError
 from tests.integration.conftest import S3Env, s3_env, s3_server  # noqa: F401 (fixtures: a moto S3 server)
 
 
@@ -225,10 +225,10 @@ def test_a_file_gone_since_the_plan_is_a_source_error_naming_it(tmp_path: Path) 
 def test_hub_units_are_worker_shards(monkeypatch: pytest.MonkeyPatch) -> None:
     import datasets
 
-    import hlat.training.corpus
+    import hlat.training.data.sources
 
     dataset = datasets.Dataset.from_dict({"text": [doc(i) for i in range(10)], "n": list(range(10))})
-    monkeypatch.setattr(hlat.training.corpus, "_open_hub", lambda cfg, module: dataset)
+    monkeypatch.setattr(hlat.training.data.sources, "_open_hub", lambda cfg, module: dataset)
     cfg = cfg_for("someorg/corpus", batch_rows=3)
     units = plan_units(cfg, 1 << 20, workers=3)
     assert [(u.kind, u.file, u.start, u.end) for u in units] == [("hub", "someorg/corpus", i, 3) for i in range(3)]
@@ -259,7 +259,7 @@ def test_rows_validate_with_their_reasons_and_digests_across_batches(tmp_path: P
 
     import pandas as pd
 
-    from hlat.training.validation import DataValidationError, DocumentValidator
+    from hlat.training.data.validation import DataValidationError, DocumentValidator
 
     texts = [doc(i + 10) for i in range(8)]
     lines = jsonl([{"text": t} for t in texts])

@@ -22,7 +22,6 @@ from botocore.validate import validate_parameters
 from hlat.core.config import JobConfig
 from hlat.core.environment import neuron_environment
 from hlat.core.presets import load_config
-from hlat.infra.backends import dry_run
 from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
 from hlat.infra.sagemaker_jobs import (
     LOG_GROUP,
@@ -33,6 +32,7 @@ from hlat.infra.sagemaker_jobs import (
     neuron_training_image,
     requirements_of,
 )
+from hlat.infra.stage_jobs import dry_run
 
 REGION = "us-west-2"
 ROLE = "arn:aws:iam::111122223333:role/hlat-training"

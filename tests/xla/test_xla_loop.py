@@ -26,8 +26,8 @@ from hlat.core.environment import environment_sdk
 from hlat.core.storage import Storage
 from hlat.training import xla
 from hlat.training.checkpoint import CheckpointManager
-from hlat.training.distributed import World, init_world
-from hlat.training.trainer import Trainer
+from hlat.training.loop import Trainer
+from hlat.training.parallel.distributed import World, init_world
 from tests.xla.conftest import make_run
 
 STEPS = 20

@@ -2,8 +2,8 @@
 
 Order: tensor parallel → activation checkpointing → compile → data-parallel wrapping or FSDP2 sharding.
 1. Tensor (and sequence) parallelism is part of the model's construction: `model_layers` gives the Transformer
-   neuronx-distributed's parallel layers when the model is split (`training/neuron.py`; NxD's groups were formed
-   by `init_world`), dense layers otherwise.
+   neuronx-distributed's parallel layers when the model is split (`training/parallel/neuron.py`; NxD's groups were
+   formed by `init_world`), dense layers otherwise.
 2. Activation checkpointing: 'selective' recomputes what HLAT's training scripts recompute, the core attention
    (softmax(QK^T)V) and SwiGLU's silu(gate) * up: no projection and no sequence-parallel collective runs twice;
    'full' recomputes the whole block (torch-xla's checkpoint on XLA).
@@ -30,8 +30,8 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hlat.core.config import HlatConfig
-from hlat.training.distributed import World
 from hlat.training.model import DenseLayers, Layers
+from hlat.training.parallel.distributed import World
 
 log = logging.getLogger("hlat.train")
 
@@ -58,7 +58,7 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
 def model_layers(cfg: HlatConfig, world: World) -> Layers:
     """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise."""
     if world.nxd is not None and world.layout.tensor > 1:
-        from hlat.training.neuron import NxdLayers
+        from hlat.training.parallel.neuron import NxdLayers
 
         return NxdLayers(cfg)
     return DenseLayers()

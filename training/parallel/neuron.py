@@ -39,7 +39,7 @@ from hlat.core.config import ConfigError, HlatConfig, ModelConfig
 from hlat.core.environment import neuron_available
 from hlat.core.parallel import ParallelDims, heads_problem, kv_replicas
 from hlat.training.model import LinearKind
-from hlat.training.sharding import DenseParameter, local_name, shard
+from hlat.training.parallel.tensor_slices import DenseParameter, local_name, shard
 
 
 class NeuronUnavailable(ImportError):

@@ -33,7 +33,7 @@ from hlat.core.layout import TOKENIZER_MODEL, CheckpointError, CheckpointRef, lo
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import CheckpointManager
 from hlat.training.model import Transformer
-from hlat.training.sharding import consolidate
+from hlat.training.parallel.tensor_slices import consolidate
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig

@@ -10,12 +10,12 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig, HlatConfig
 from hlat.core.shards import MANIFEST_FILE
 from hlat.core.storage import Storage
-from hlat.infra.backends import run_stage_job
 from hlat.infra.runs import Run
-from hlat.tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
-from hlat.tasks.jobs import job_ended_badly, log_hint
-from hlat.training.corpus import source_fingerprint
-from hlat.training.prepare import REPORT_FILE, DataReport
+from hlat.infra.stage_jobs import run_stage_job
+from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
+from hlat.tasks.job_failures import job_ended_badly, log_hint
+from hlat.training.data.sources import source_fingerprint
+from hlat.training.data.units import REPORT_FILE, DataReport
 
 
 @task(name="fingerprint-source", **TRANSIENT_RETRIES)

@@ -14,7 +14,7 @@ from hlat.core.shards import read_manifest
 from hlat.core.storage import Storage
 from hlat.infra.runs import Run
 from hlat.infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
-from hlat.tasks.common import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
+from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 
 
 @task(name="read-data-checksum", **TRANSIENT_RETRIES)

@@ -5,7 +5,7 @@ its shape, how it is initialised, and how tensor parallelism splits it). A tenso
 each (`shard`), and an exporter puts the slices back together (`unshard`). The model initialises every parameter
 from its dense tensor (drawn from a generator seeded by the run's seed and the parameter's name) and keeps its
 slice, so a TP run starts from exactly the dense model's weights, whatever the degree; and the layout here is the
-one neuronx-distributed's parallel layers compute with (`training/neuron.py`), so no import of NxD is needed to
+one neuronx-distributed's parallel layers compute with (`training/parallel/neuron.py`), so no import of NxD is needed to
 shard or consolidate a checkpoint.
 
 Kinds (Megatron's split of a LLaMA block, one all-reduce per sub-layer):

@@ -44,9 +44,8 @@ from hlat.training.checkpoint import (
     rank_state,
     restore_rank_state,
 )
-from hlat.training.data import PackedLoader
+from hlat.training.data.loader import PackedLoader
 from hlat.training.devices import memory_gb, peak_flops
-from hlat.training.distributed import World
 from hlat.training.faults import inject_nan
 from hlat.training.health import UnhealthyCollective, periodic_health_check
 from hlat.training.metrics import MetricsLog
@@ -59,7 +58,8 @@ from hlat.training.optim import (
     optimizer_recipe,
     trainable_parameters,
 )
-from hlat.training.parallelize import fsdp_active, model_layers, parallelize, reduce_gradients
+from hlat.training.parallel.distributed import World
+from hlat.training.parallel.parallelize import fsdp_active, model_layers, parallelize, reduce_gradients
 
 log = logging.getLogger("hlat.train")
 
@@ -145,7 +145,7 @@ class Trainer:
         self.model = model if staged or self.fsdp else model.to(world.device)
         self.wrapped: Any = parallelize(self.model, cfg, world)
         if staged:  # after activation checkpointing: the stages keep the recomputing blocks
-            from hlat.training.neuron import pipeline_model
+            from hlat.training.parallel.neuron import pipeline_model
 
             self.wrapped = pipeline_model(self.wrapped, cfg, init=model.initialiser(cfg.training.seed))
         self.optimizer = self._optimizer()
@@ -192,7 +192,7 @@ class Trainer:
         if world.nxd is None:
             mode, flags = cfg.precision.mode, self.precision_flags
             return build_optimizer(self.model, cfg.training, mode, world.device.type, flags)
-        from hlat.training.neuron import parallel_optimizer
+        from hlat.training.parallel.neuron import parallel_optimizer
 
         staged = world.layout.pipeline > 1
         params = list(self.wrapped.local_parameters()) if staged else trainable_parameters(self.model)
@@ -243,7 +243,7 @@ class Trainer:
             return Distributed(self.model, self.optimizer)
         if world.nxd is None:
             return Unsharded(self.model, self.optimizer)
-        from hlat.training.neuron import shard_name, shard_names
+        from hlat.training.parallel.neuron import shard_name, shard_names
 
         layout = {
             "shard": shard_name(world.tensor_rank, world.pipeline_rank),

@@ -12,10 +12,10 @@ from prefect.runtime import flow_run
 
 from hlat.core.config import HlatConfig
 from hlat.flows.params import build_config, overrides_dict
-from hlat.infra.backends import job_python
 from hlat.infra.runs import Run, open_run
+from hlat.infra.stage_jobs import job_python
 from hlat.tasks import aws
-from hlat.tasks.common import TRANSIENT_RETRIES
+from hlat.tasks.caching import TRANSIENT_RETRIES
 
 
 @task(name="open-run", **TRANSIENT_RETRIES)
@@ -91,7 +91,7 @@ def start_run(preset: str, changes: dict[str, Any], run_id: str | None, storage:
     from its Secret block after config.json is written (which keeps the block's name, not its value)."""
     config = build_config(preset, changes, run_id, storage)
     _activate(config)
-    from hlat.infra.backends import preflight
+    from hlat.infra.stage_jobs import preflight
 
     preflight(config)
     run = open_run_task(config)
@@ -103,7 +103,7 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
     by contrast, leaves it running for the next flow run to re-attach to)."""
     import logging
 
-    from hlat.infra.backends import stop_live_jobs
+    from hlat.infra.stage_jobs import stop_live_jobs
 
     params = flow_run.parameters
     changes = merged_overrides(params.get("overrides"), flow_run.deployment_id)

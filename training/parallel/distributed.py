@@ -211,11 +211,11 @@ def use_deterministic_cuda() -> None:
 def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
     """`world` with neuronx-distributed's groups formed and this rank's place in them, when `cfg` splits the model
     (on trn1, or in NxD's CPU mode); unchanged otherwise."""
-    from hlat.training.neuron import needs_nxd
+    from hlat.training.parallel.neuron import needs_nxd
 
     if cfg is None or not needs_nxd(cfg):
         return world
-    from hlat.training import neuron
+    from hlat.training.parallel import neuron
 
     neuron.require_nxd()
     config = neuron.nxd_config(cfg)

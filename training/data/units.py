@@ -40,8 +40,8 @@ from pydantic import BaseModel, Field
 from hlat.core.config import DataConfig
 from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, shard_texts, write_shard
 from hlat.core.storage import Storage
-from hlat.training.reader import BadRow, Unit, absolute_line, plan_units, read_unit
-from hlat.training.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
+from hlat.training.data.reader import BadRow, Unit, absolute_line, plan_units, read_unit
+from hlat.training.data.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
 
 log = logging.getLogger("hlat.data")
 

@@ -28,7 +28,7 @@ from typing import IO, Any
 
 from hlat.core.config import DataConfig
 from hlat.core.storage import Storage, StorageNotFound, storage_errors
-from hlat.training.corpus import SourceError, resolve_source
+from hlat.training.data.sources import SourceError, resolve_source
 
 # Bytes read from a jsonl file at a time; a batch never waits for more than one such read.
 READ_BYTES = 4 << 20
@@ -401,7 +401,7 @@ def _read_hub(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
     import datasets
     from datasets.distributed import split_dataset_by_node
 
-    from hlat.training.corpus import _guarded, _open_hub
+    from hlat.training.data.sources import _guarded, _open_hub
 
     dataset = _open_hub(cfg, datasets)
     if (unit.end or 1) > 1:
