@@ -123,10 +123,10 @@ def dense_weights(trainer: Any, world: World) -> dict[str, torch.Tensor]:
     if world.world_size > 1:
         everyone = [None] * world.world_size
         dist.all_gather_object(everyone, (world.tensor_rank, local))
-    by_tp: dict[int, dict[str, torch.Tensor]] = {}
-    for tp_rank, state in everyone:
-        by_tp.setdefault(tp_rank, {}).update(state)
-    return consolidate([by_tp[r] for r in sorted(by_tp)], trainer.cfg.model)
+    by_tensor_rank: dict[int, dict[str, torch.Tensor]] = {}
+    for tensor_rank, state in everyone:
+        by_tensor_rank.setdefault(tensor_rank, {}).update(state)
+    return consolidate([by_tensor_rank[r] for r in sorted(by_tensor_rank)], trainer.cfg.model)
 
 
 def one_step(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
