@@ -682,12 +682,15 @@ class SageMakerBackend:
         """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
         ModelTrainer. Building it uploads the job's source (`stage_source`) and the SDK's container drivers to
         `<run>/code/<job name>/...` through `boto_session`."""
+        checked = self._check(spec)  # before anything is staged or uploaded
         with tempfile.TemporaryDirectory(prefix="hlat-source-") as source:
             stage_source(Path(source), self.requirements(spec))
-            return self._request_with_source(spec, boto_session, source)
+            return self._request_with_source(spec, boto_session, source, checked)
 
-    def _request_with_source(self, spec: JobSpec, boto_session: boto3.Session, source: str) -> dict[str, Any]:
-        bucket, prefix = self._check(spec)
+    def _request_with_source(
+        self, spec: JobSpec, boto_session: boto3.Session, source: str, checked: tuple[str, str]
+    ) -> dict[str, Any]:
+        bucket, prefix = checked
         image = spec.image_uri or self.training_image(spec)
         sdk = _import_sdk()
         cfg = sdk.configs
