@@ -8,12 +8,12 @@ import ast
 import os
 import subprocess
 import sys
-import tomllib
 from pathlib import Path
 
 import pytest
 
 import hlat.core.layout
+from tests.layout import project_modules
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("core", "training", "infra", "tasks", "flows", "hlat")
@@ -35,15 +35,8 @@ FORBIDDEN = {
 
 
 def modules() -> dict[str, Path]:
-    """'hlat.<layer>.<module>' (or 'hlat.<module>' for hlat/'s own files) -> path, for every module of the project,
-    subpackages included, through pyproject.toml's package-dir mapping (hlat.core is core/)."""
-    mapping = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
-    found = {}
-    for package, folder in mapping.items():
-        for path in sorted((ROOT / folder).rglob("*.py")):
-            parts = path.relative_to(ROOT / folder).with_suffix("").parts
-            found[".".join([package, *(p for p in parts if p != "__init__")])] = path
-    return found
+    """Every module of the project, through pyproject.toml's package-dir mapping (tests/layout.py)."""
+    return project_modules()
 
 
 def layer_of(module: str) -> str:

@@ -6,22 +6,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
-import tomllib
 import zipfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
-SETUPTOOLS = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+from tests.layout import ROOT, SETUPTOOLS, project_modules
 
 
 def package_modules() -> dict[str, Path]:
-    """'hlat/core/config.py' (the module's path in the package) -> its file in the checkout, through the mapping."""
-    found: dict[str, Path] = {}
-    for package, folder in SETUPTOOLS["package-dir"].items():
-        for path in (ROOT / folder).rglob("*.py"):
-            if "__pycache__" not in path.parts:
-                found[f"{package.replace('.', '/')}/{path.relative_to(ROOT / folder)}"] = path
-    return found
+    """'hlat/core/config.py' (the module's path in the package) -> its file in the checkout."""
+    return {f"{m.replace('.', '/')}{'/__init__' if p.name == '__init__.py' else ''}.py": p
+            for m, p in project_modules().items()}  # fmt: skip
 
 
 def test_every_package_folder_is_listed_and_every_layer_mapped() -> None:
