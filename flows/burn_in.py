@@ -6,23 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
-from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.core.config import HlatConfig
+from hlat.flows.stage import run_as_module, stage_flow
+from hlat.infra.runs import Run
 from hlat.tasks.burn_in import burn_in_cache_key, burn_in_cluster, burn_in_present
 from hlat.tasks.caching import run_cached
 
 
-@flow(name="burn-in", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
-def burn_in(
-    preset: PresetName = PRESET,
-    run_id: OptionalText = RUN_ID,
-    storage: OptionalText = STORAGE,
-    overrides: Overrides = OVERRIDES,
-) -> dict[str, Any]:
+@stage_flow("burn-in")
+def burn_in(config: HlatConfig, run: Run) -> dict[str, Any]:
     """Burn in the instances (or local ranks) the run's training will use."""
-    config, run = resolve(preset, overrides, run_id, storage)
     if not config.burn_in.enabled:
         print("burn-in: skipped (burn_in.enabled is false)")
         return {"status": "skipped"}
@@ -39,8 +32,4 @@ def burn_in(
 
 
 if __name__ == "__main__":
-    import sys
-
-    from hlat.cli import main
-
-    sys.exit(main(["run", "burn-in", *sys.argv[1:]]))
+    run_as_module("burn-in")

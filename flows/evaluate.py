@@ -6,21 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
+from hlat.core.config import HlatConfig
 from hlat.core.layout import CheckpointError, locate_checkpoint
-from hlat.flows.params import (
-    OVERRIDES,
-    PRESET,
-    RUN_ID,
-    STEP,
-    STORAGE,
-    OptionalStep,
-    OptionalText,
-    Overrides,
-    PresetName,
-)
-from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.flows.params import STEP, OptionalStep
+from hlat.flows.stage import run_as_module, stage_flow
+from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.evaluate import (
     check_task_names,
@@ -32,16 +22,9 @@ from hlat.tasks.evaluate import (
 )
 
 
-@flow(name="evaluate", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
-def evaluate(
-    preset: PresetName = PRESET,
-    run_id: OptionalText = RUN_ID,
-    storage: OptionalText = STORAGE,
-    overrides: Overrides = OVERRIDES,
-    step: OptionalStep = STEP,
-) -> dict[str, Any]:
+@stage_flow("evaluate")
+def evaluate(config: HlatConfig, run: Run, step: OptionalStep = STEP) -> dict[str, Any]:
     """Evaluate a checkpoint of the run (default: the newest) and write its report."""
-    config, run = resolve(preset, overrides, run_id, storage)
     check_task_names(config)  # a typo fails here, in seconds, not in a job after the model is loaded
     try:
         step = locate_checkpoint(f"{run.uri}/checkpoints", step).step
@@ -63,8 +46,4 @@ def evaluate(
 
 
 if __name__ == "__main__":
-    import sys
-
-    from hlat.cli import main
-
-    sys.exit(main(["run", "evaluate", *sys.argv[1:]]))
+    run_as_module("evaluate")

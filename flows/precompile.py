@@ -6,23 +6,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
-from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.core.config import HlatConfig
+from hlat.flows.stage import run_as_module, stage_flow
+from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.precompile import precompile_cache_key, precompile_graphs, precompile_present
 
 
-@flow(name="precompile", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
-def precompile(
-    preset: PresetName = PRESET,
-    run_id: OptionalText = RUN_ID,
-    storage: OptionalText = STORAGE,
-    overrides: Overrides = OVERRIDES,
-) -> dict[str, Any]:
+@stage_flow("precompile")
+def precompile(config: HlatConfig, run: Run) -> dict[str, Any]:
     """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""
-    config, run = resolve(preset, overrides, run_id, storage)
     result: dict[str, Any] = run_cached(
         precompile_graphs,
         lambda r: precompile_present(run.uri, r),
@@ -36,8 +29,4 @@ def precompile(
 
 
 if __name__ == "__main__":
-    import sys
-
-    from hlat.cli import main
-
-    sys.exit(main(["run", "precompile", *sys.argv[1:]]))
+    run_as_module("precompile")

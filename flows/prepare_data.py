@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from prefect import flow
-
-from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.core.config import HlatConfig
+from hlat.flows.stage import run_as_module, stage_flow
+from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.prepare_data import (
     build_shards,
@@ -17,15 +16,9 @@ from hlat.tasks.prepare_data import (
 from hlat.training.data.units import DataReport
 
 
-@flow(name="prepare-data", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
-def prepare_data(
-    preset: PresetName = PRESET,
-    run_id: OptionalText = RUN_ID,
-    storage: OptionalText = STORAGE,
-    overrides: Overrides = OVERRIDES,
-) -> DataReport:
+@stage_flow("prepare-data")
+def prepare_data(config: HlatConfig, run: Run) -> DataReport:
     """Download (or build), validate and shard the corpus of a run: a job of data.workers workers."""
-    config, run = resolve(preset, overrides, run_id, storage)
     key = data_cache_key(config, run.uri, fingerprint_source(config.data))
     report: DataReport = run_cached(
         build_shards, lambda r: shards_present(run, r), config=config, run_uri=run.uri, run_id=run.run_id, cache_key=key
@@ -39,8 +32,4 @@ def prepare_data(
 
 
 if __name__ == "__main__":
-    import sys
-
-    from hlat.cli import main
-
-    sys.exit(main(["run", "prepare-data", *sys.argv[1:]]))
+    run_as_module("prepare-data")

@@ -1,17 +1,32 @@
-"""What every stage flow starts with: its config, built once, and its run."""
+"""The stage flows' one template (`stage_flow`: parameters, config and run, cancel hook, `python -m`), and what
+every stage starts with: its config, built once, and its run."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import inspect
+import sys
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any
+from typing import Any, NoReturn, TypeVar
 
-from prefect import task
+from prefect import Flow, flow, task
 from prefect.runtime import flow_run
+from prefect.utilities.hashing import file_hash
+from pydantic.fields import FieldInfo
 
 from hlat.core.config import HlatConfig
-from hlat.flows.params import build_config, overrides_dict
+from hlat.flows.params import (
+    OVERRIDES,
+    PRESET,
+    RUN_ID,
+    STORAGE,
+    OptionalText,
+    Overrides,
+    PresetName,
+    build_config,
+    overrides_dict,
+)
 from hlat.infra.runs import Run, open_run
 from hlat.infra.stage_jobs import job_python
 from hlat.tasks import aws
@@ -117,3 +132,65 @@ def run_name() -> str:
     """Flow-run name: '<flow>/<run id or preset>' so the UI lists runs by what they build."""
     params = flow_run.parameters
     return f"{flow_run.flow_name}/{params.get('run_id') or params.get('preset', 'run')}"
+
+
+R = TypeVar("R")
+
+# The parameters every flow takes, in this order (flows/params.py: their types and the UI's descriptions).
+STAGE_PARAMETERS = tuple(
+    inspect.Parameter(name, inspect.Parameter.POSITIONAL_OR_KEYWORD, default=default, annotation=annotation)
+    for name, default, annotation in (
+        ("preset", PRESET, PresetName),
+        ("run_id", RUN_ID, OptionalText),
+        ("storage", STORAGE, OptionalText),
+        ("overrides", OVERRIDES, Overrides),
+    )
+)
+
+
+def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[..., R]], Flow[..., R]]:
+    """Decorator: a stage's Prefect flow from its body, `body(config, run, *extra)`.
+
+    The flow takes the four parameters every flow takes (STAGE_PARAMETERS), then the body's own after `config` and
+    `run` (evaluate's `step`); Prefect reads that signature for the UI's form and the parameters' validation. It
+    resolves the config and the run (`resolve`) and calls the body with them. Its runs are named for the run they
+    build (`run_name`), print to the run's log, and when `stops_jobs`, a cancelled run stops the stage's jobs. The
+    flow's version is the hash of the body's file, as Prefect gives a flow written by hand."""
+
+    def make(body: Callable[..., R]) -> Flow[..., R]:
+        declared = inspect.signature(body, eval_str=True)
+        own = list(declared.parameters.values())
+        if [p.name for p in own[:2]] != ["config", "run"]:
+            raise TypeError(f"{body.__qualname__}: a stage body takes (config, run, ...), not {own[:2]}")
+        signature = inspect.Signature([*STAGE_PARAMETERS, *own[2:]], return_annotation=declared.return_annotation)
+
+        def stage(*args: Any, **kwargs: Any) -> R:
+            bound = signature.bind(*args, **kwargs)
+            bound.apply_defaults()
+            # A parameter left out keeps its Field's default, not the Field (Prefect's validation passes the Field
+            # on: `stage(storage=...)` alone would otherwise resolve run_id=FieldInfo(...)).
+            given = {k: v.get_default(call_default_factory=True) if isinstance(v, FieldInfo) else v
+                     for k, v in bound.arguments.items()}  # fmt: skip
+            config, run = resolve(given["preset"], given["overrides"], given["run_id"], given["storage"])
+            return body(config, run, *(given[p.name] for p in own[2:]))
+
+        stage.__name__, stage.__qualname__, stage.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        stage.__module__ = body.__module__
+        stage.__signature__ = signature  # type: ignore[attr-defined]
+        source = inspect.getsourcefile(body)
+        return flow(
+            name=name,
+            flow_run_name=run_name,
+            log_prints=True,
+            on_cancellation=[stop_jobs_on_cancel] if stops_jobs else None,
+            version=file_hash(source) if source else None,
+        )(stage)
+
+    return make
+
+
+def run_as_module(stage: str) -> NoReturn:
+    """`python -m hlat.flows.<stage> [options]`: the same as `hlat run <stage> [options]`."""
+    from hlat.cli import main
+
+    sys.exit(main(["run", stage, *sys.argv[1:]]))

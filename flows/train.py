@@ -7,24 +7,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
-from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.flows.stage import resolve, run_name, stop_jobs_on_cancel
+from hlat.core.config import HlatConfig
+from hlat.flows.stage import run_as_module, stage_flow
+from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.plan import plan_parallelism
 from hlat.tasks.train import publish_training_report, summary_line, train_cache_key, train_model, training_present
 
 
-@flow(name="train", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
-def train(
-    preset: PresetName = PRESET,
-    run_id: OptionalText = RUN_ID,
-    storage: OptionalText = STORAGE,
-    overrides: Overrides = OVERRIDES,
-) -> dict[str, Any]:
+@stage_flow("train")
+def train(config: HlatConfig, run: Run) -> dict[str, Any]:
     """Train the run's model from its prepared data and tokenizer."""
-    config, run = resolve(preset, overrides, run_id, storage)
     plan_parallelism(config, run.run_id)  # advice: warns on a slow configured layout, never stops the stage
     key = train_cache_key(config, run.uri)
     summary: dict[str, Any] = run_cached(
@@ -41,8 +34,4 @@ def train(
 
 
 if __name__ == "__main__":
-    import sys
-
-    from hlat.cli import main
-
-    sys.exit(main(["run", "train", *sys.argv[1:]]))
+    run_as_module("train")

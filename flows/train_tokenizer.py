@@ -4,23 +4,16 @@ from __future__ import annotations
 
 from typing import Any
 
-from prefect import flow
-
-from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.flows.stage import resolve, run_name
+from hlat.core.config import HlatConfig
+from hlat.flows.stage import run_as_module, stage_flow
+from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.train_tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
 
 
-@flow(name="train-tokenizer", flow_run_name=run_name, log_prints=True)
-def train_tokenizer(
-    preset: PresetName = PRESET,
-    run_id: OptionalText = RUN_ID,
-    storage: OptionalText = STORAGE,
-    overrides: Overrides = OVERRIDES,
-) -> dict[str, Any]:
+@stage_flow("train-tokenizer", stops_jobs=False)
+def train_tokenizer(config: HlatConfig, run: Run) -> dict[str, Any]:
     """Train the run's tokenizer from its prepared shards."""
-    config, run = resolve(preset, overrides, run_id, storage)
     vocab, seq = config.model.vocab_size, config.model.max_seq_len
     key = tokenizer_cache_key(config, run.uri)
     report: dict[str, Any] = run_cached(
@@ -41,8 +34,4 @@ def train_tokenizer(
 
 
 if __name__ == "__main__":
-    import sys
-
-    from hlat.cli import main
-
-    sys.exit(main(["run", "train-tokenizer", *sys.argv[1:]]))
+    run_as_module("train-tokenizer")

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from hlat.core.config import ConfigError
+from hlat.flows.params import STEP, OptionalStep
 from tests.conftest import SMALL_RUN
 from tests.jobs import task_states
 
@@ -181,3 +182,29 @@ def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_p
     # Without a deployment, the run's overrides are all there is.
     alone = resolve_config("tiny", {"training.max_steps": 5})
     assert (alone.training.lr, alone.job.max_restarts) != (3e-3, 7)
+
+
+def test_a_stage_flow_is_its_body_under_the_stage_parameters(prefect_server: None, tmp_path: Path) -> None:
+    """The one stage-flow template (flows/stage.py: stage_flow): the four parameters then the body's own, the config
+    and run resolved from them, defaults as values (a parameter left out is its default, not its pydantic Field)."""
+    import inspect
+
+    from prefect.utilities.hashing import file_hash
+
+    from hlat.flows.stage import stage_flow
+
+    @stage_flow("probe", stops_jobs=False)
+    def probe(config, run, step: OptionalStep = STEP) -> dict[str, Any]:
+        """A probe stage."""
+        return {"run": run.run_id, "config": config.run_id, "max_steps": config.training.max_steps, "step": step}
+
+    assert list(inspect.signature(probe.fn).parameters) == ["preset", "run_id", "storage", "overrides", "step"]
+    assert (probe.name, probe.description, probe.version) == ("probe", "A probe stage.", file_hash(__file__))
+    assert probe.on_cancellation_hooks == []
+    alone = probe(storage=str(tmp_path))
+    assert alone["run"].startswith("tiny-") and alone["config"] == alone["run"] and alone["step"] is None
+    assert (tmp_path / alone["run"] / "config.json").is_file()
+    given = probe("tiny", "p1", str(tmp_path), {"training.max_steps": 7}, step=3)
+    assert given == {"run": "p1", "config": "p1", "max_steps": 7, "step": 3}
+    with pytest.raises(TypeError, match=r"takes \(config, run, \.\.\.\)"):
+        stage_flow("bad")(lambda preset: preset)
