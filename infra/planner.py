@@ -229,10 +229,10 @@ class Estimate:
         """A flat record for tables, JSON and Prefect artifacts."""
         lay, gib = self.layout, 1024**3
         return {
-            "tp": lay.tensor,
-            "pp": lay.pipeline,
-            "dp": lay.data,
-            "sp": lay.sequence_parallel,
+            "tensor": lay.tensor,
+            "pipeline": lay.pipeline,
+            "data": lay.data,
+            "sequence_parallel": lay.sequence_parallel,
             "zero1": lay.zero1,
             "checkpointing": lay.activation_checkpointing,
             "micro_batch": lay.micro_batch,
@@ -254,7 +254,7 @@ class Rejected:
 
 REJECTION_KINDS = {
     "heads": "TP does not split the attention heads",
-    "tp": "TP larger than a node",
+    "tensor": "TP larger than a node, or SP without TP",
     "layers": "PP does not divide the layers",
     "cores": "TP x PP does not divide the NeuronCores",
     "batch": "global batch not a multiple of DP x micro-batch",
@@ -484,7 +484,7 @@ def layout_problem(config: HlatConfig, nodes: int, layout: Layout, topology: Top
     m, t = config.model, layout.tensor
     cores = nodes * topology.cores_per_node
     if t > topology.cores_per_node:
-        return "tp", f"TP {t} spans more than a node's {topology.cores_per_node} NeuronCores (TP stays on NeuronLink)"
+        return "tensor", f"TP {t} spans more than a node's {topology.cores_per_node} NeuronCores (TP stays on NeuronLink)"
     if (heads := heads_problem(m.n_heads, m.kv_heads, t)) is not None:
         return "heads", heads
     if (layers := layers_problem(m.n_layers, layout.pipeline)) is not None:
@@ -492,7 +492,7 @@ def layout_problem(config: HlatConfig, nodes: int, layout: Layout, topology: Top
     try:
         dims = ParallelDims.of_world(t, layout.pipeline, cores, layout.sequence_parallel)
     except LayoutError as exc:
-        return ("tp" if layout.sequence_parallel and t == 1 else "cores"), f"{exc} (NeuronCores of {nodes} node(s))"
+        return ("tensor" if layout.sequence_parallel and t == 1 else "cores"), f"{exc} (NeuronCores of {nodes} node(s))"
     if dims.data != layout.data:
         return "cores", f"{dims} uses {dims.world_size} NeuronCores, not DP {layout.data}"
     if (batch := dims.batch_problem(config.training.global_batch_size, layout.micro_batch)) is not None:

@@ -149,8 +149,8 @@ def test_calibration_knobs_in_config_override_the_fit() -> None:
 @pytest.mark.parametrize(
     ("preset", "layout", "overrides", "kind"),
     [
-        ("hlat-7b", Layout(64, 1, 32, True, False, "selective", 1), {}, "tp"),  # TP stays within a node's 32 cores
-        ("hlat-7b", Layout(1, 1, 2048, True, False, "selective", 1), {}, "tp"),  # SP needs TP
+        ("hlat-7b", Layout(64, 1, 32, True, False, "selective", 1), {}, "tensor"),  # TP stays within a node's 32 cores
+        ("hlat-7b", Layout(1, 1, 2048, True, False, "selective", 1), {}, "tensor"),  # SP needs TP
         # 24 heads, 6 KV heads: TP 4 divides the heads but neither divides nor is a multiple of the KV heads.
         ("hlat-7b", Layout(4, 1, 512, True, False, "selective", 1), GQA_24_6, "heads"),
         ("tiny", Layout(8, 1, 4, True, False, "selective", 1), {}, "heads"),  # 4 heads
@@ -283,7 +283,7 @@ def test_cli_json(capsys: pytest.CaptureFixture[str]) -> None:
     body = json.loads(capsys.readouterr().out)
     assert (body["preset"], body["nodes"], body["instance_type"]) == ("hlat-70b", 256, "ml.trn1.32xlarge")
     assert [r["rank"] for r in body["ranked"]] == [1, 1, 3] and body["fitting"] > 3  # ZeRO-1 or not: a tie
-    assert (body["ranked"][0]["tp"], body["ranked"][0]["pp"]) == (32, 8)
+    assert (body["ranked"][0]["tensor"], body["ranked"][0]["pipeline"]) == (32, 8)
     assert body["rejected"] == sum(r["count"] for r in body["rejected_by_reason"])
     assert body["configured"]["fits"] and body["configured"]["gap"] <= 0.05
     assert body["tokens"] == 429_000 * 1024 * 4096
