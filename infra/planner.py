@@ -484,7 +484,8 @@ def layout_problem(config: HlatConfig, nodes: int, layout: Layout, topology: Top
     m, t = config.model, layout.tensor
     cores = nodes * topology.cores_per_node
     if t > topology.cores_per_node:
-        return "tensor", f"TP {t} spans more than a node's {topology.cores_per_node} NeuronCores (TP stays on NeuronLink)"
+        spans = f"TP {t} spans more than a node's {topology.cores_per_node} NeuronCores"
+        return "tensor", f"{spans} (TP stays on NeuronLink)"
     if (heads := heads_problem(m.n_heads, m.kv_heads, t)) is not None:
         return "heads", heads
     if (layers := layers_problem(m.n_layers, layout.pipeline)) is not None:
