@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from hlat.core.config import HlatConfig
-from hlat.flows.stage import run_as_module, stage_flow
+from hlat.flows.stage import stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.burn_in import burn_in_cache_key, burn_in_cluster, burn_in_present
 from hlat.tasks.caching import run_cached
@@ -32,4 +32,6 @@ def burn_in(config: HlatConfig, run: Run) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_as_module("burn-in")
+    from hlat.cli import run_stage_module
+
+    run_stage_module("burn-in")

@@ -9,7 +9,7 @@ from typing import Any
 from hlat.core.config import HlatConfig
 from hlat.core.layout import CheckpointError, locate_checkpoint
 from hlat.flows.params import STEP, OptionalStep
-from hlat.flows.stage import run_as_module, stage_flow
+from hlat.flows.stage import stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.evaluate import (
@@ -46,4 +46,6 @@ def evaluate(config: HlatConfig, run: Run, step: OptionalStep = STEP) -> dict[st
 
 
 if __name__ == "__main__":
-    run_as_module("evaluate")
+    from hlat.cli import run_stage_module
+
+    run_stage_module("evaluate")

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 from hlat.core.config import HlatConfig
-from hlat.flows.stage import run_as_module, stage_flow
+from hlat.flows.stage import stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.precompile import precompile_cache_key, precompile_graphs, precompile_present
@@ -29,4 +29,6 @@ def precompile(config: HlatConfig, run: Run) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_as_module("precompile")
+    from hlat.cli import run_stage_module
+
+    run_stage_module("precompile")

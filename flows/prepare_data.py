@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from hlat.core.config import HlatConfig
-from hlat.flows.stage import run_as_module, stage_flow
+from hlat.flows.stage import stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.prepare_data import (
@@ -32,4 +32,6 @@ def prepare_data(config: HlatConfig, run: Run) -> DataReport:
 
 
 if __name__ == "__main__":
-    run_as_module("prepare-data")
+    from hlat.cli import run_stage_module
+
+    run_stage_module("prepare-data")

@@ -1,14 +1,13 @@
-"""The stage flows' one template (`stage_flow`: parameters, config and run, cancel hook, `python -m`), and what
+"""The stage flows' one template (`stage_flow`: parameters, config and run, cancel hook), and what
 every stage starts with: its config, built once, and its run."""
 
 from __future__ import annotations
 
 import inspect
-import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, NoReturn, TypeVar
+from typing import Any, TypeVar
 
 from prefect import Flow, flow, task
 from prefect.runtime import flow_run
@@ -187,10 +186,3 @@ def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[...,
         )(stage)
 
     return make
-
-
-def run_as_module(stage: str) -> NoReturn:
-    """`python -m hlat.flows.<stage> [options]`: the same as `hlat run <stage> [options]`."""
-    from hlat.cli import main
-
-    sys.exit(main(["run", stage, *sys.argv[1:]]))

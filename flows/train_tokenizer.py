@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hlat.core.config import HlatConfig
-from hlat.flows.stage import run_as_module, stage_flow
+from hlat.flows.stage import stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.train_tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
@@ -34,4 +34,6 @@ def train_tokenizer(config: HlatConfig, run: Run) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    run_as_module("train-tokenizer")
+    from hlat.cli import run_stage_module
+
+    run_stage_module("train-tokenizer")

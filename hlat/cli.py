@@ -26,7 +26,7 @@ import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from hlat.core.config import ConfigError, closest_match, parse_override
 from hlat.core.presets import PRESETS, load_config
@@ -44,6 +44,11 @@ def _stage_flow(name: str) -> Callable[..., Any]:
 
     module = importlib.import_module(f"hlat.flows.{name.replace('-', '_')}")
     return getattr(module, name.replace("-", "_"))
+
+
+def run_stage_module(stage: str) -> NoReturn:
+    """`python -m hlat.flows.<stage> [options]` (each stage flow's `__main__`): the same as `hlat run <stage>`."""
+    sys.exit(main(["run", stage, *sys.argv[1:]]))
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
