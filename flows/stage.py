@@ -12,7 +12,6 @@ from typing import Any, TypeVar
 from prefect import Flow, flow, task
 from prefect.runtime import flow_run
 from prefect.utilities.hashing import file_hash
-from pydantic.fields import FieldInfo
 
 from hlat.core.config import HlatConfig
 from hlat.flows.params import (
@@ -164,12 +163,7 @@ def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[...,
         signature = inspect.Signature([*STAGE_PARAMETERS, *own[2:]], return_annotation=declared.return_annotation)
 
         def stage(*args: Any, **kwargs: Any) -> R:
-            bound = signature.bind(*args, **kwargs)
-            bound.apply_defaults()
-            # A parameter left out keeps its Field's default, not the Field (Prefect's validation passes the Field
-            # on: `stage(storage=...)` alone would otherwise resolve run_id=FieldInfo(...)).
-            given = {k: v.get_default(call_default_factory=True) if isinstance(v, FieldInfo) else v
-                     for k, v in bound.arguments.items()}  # fmt: skip
+            given = signature.bind(*args, **kwargs).arguments  # Prefect passes every parameter, defaults resolved
             config, run = resolve(given["preset"], given["overrides"], given["run_id"], given["storage"])
             return body(config, run, *(given[p.name] for p in own[2:]))
 

@@ -186,7 +186,7 @@ def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_p
 
 def test_a_stage_flow_is_its_body_under_the_stage_parameters(prefect_server: None, tmp_path: Path) -> None:
     """The one stage-flow template (flows/stage.py: stage_flow): the four parameters then the body's own, the config
-    and run resolved from them, defaults as values (a parameter left out is its default, not its pydantic Field)."""
+    and run resolved from them; a parameter left out is its default (Prefect resolves the Field defaults)."""
     import inspect
 
     from prefect.utilities.hashing import file_hash
