@@ -34,11 +34,6 @@ FORBIDDEN = {
 }
 
 
-def modules() -> dict[str, Path]:
-    """Every module of the project, through pyproject.toml's package-dir mapping (tests/layout.py)."""
-    return project_modules()
-
-
 def layer_of(module: str) -> str:
     """The layer of 'hlat.<layer>[.<module>]'; 'hlat' for hlat's own modules (hlat.cli, hlat.deploy)."""
     parts = module.split(".")
@@ -84,7 +79,7 @@ def _ancestors(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:
 
 def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_packages() -> None:
     wrong = []
-    for module, path in modules().items():
+    for module, path in project_modules().items():
         layer = layer_of(module)
         for imported, line in imports(path):
             top = imported.split(".")[0]
@@ -98,7 +93,7 @@ def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_
 
 
 def test_one_import_namespace_no_module_imports_a_layer_by_its_bare_name() -> None:
-    files = [*modules().values(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
+    files = [*project_modules().values(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
     bare = [
         f"{path.relative_to(ROOT)}:{line} imports {name}"
         for path in files
@@ -109,15 +104,16 @@ def test_one_import_namespace_no_module_imports_a_layer_by_its_bare_name() -> No
 
 
 def test_no_import_circle_among_the_modules() -> None:
+    modules = project_modules()
     graph = {
         module: {
             name
             for imported, _ in imports(path, top_level_only=True)
             for name in (imported, imported.rpartition(".")[0])
             # (a module of a package imports its siblings while the package's __init__ is being imported)
-            if name in modules() and name != module and not module.startswith(f"{name}.")
+            if name in modules and name != module and not module.startswith(f"{name}.")
         }
-        for module, path in modules().items()
+        for module, path in modules.items()
     }
     done: set[str] = set()
 
@@ -141,7 +137,7 @@ def test_every_run_file_name_is_defined_once_in_the_layout() -> None:
         if key.isupper() and isinstance(value, str) and key not in {"STAGE_DIRS"}
     }
     redefined = []
-    for module, path in modules().items():
+    for module, path in project_modules().items():
         if module == "hlat.core.layout":
             continue
         for node in ast.parse(path.read_text()).body:

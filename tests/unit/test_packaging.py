@@ -9,13 +9,7 @@ import sys
 import zipfile
 from pathlib import Path
 
-from tests.layout import ROOT, SETUPTOOLS, project_modules
-
-
-def package_modules() -> dict[str, Path]:
-    """'hlat/core/config.py' (the module's path in the package) -> its file in the checkout."""
-    return {f"{m.replace('.', '/')}{'/__init__' if p.name == '__init__.py' else ''}.py": p
-            for m, p in project_modules().items()}  # fmt: skip
+from tests.layout import ROOT, SETUPTOOLS, package_files
 
 
 def test_every_package_folder_is_listed_and_every_layer_mapped() -> None:
@@ -48,7 +42,7 @@ def test_the_wheel_holds_each_module_once(tmp_path: Path) -> None:
     names = zipfile.ZipFile(wheel).namelist()
     modules = [n for n in names if n.endswith(".py")]
     assert len(modules) == len(set(modules))
-    assert set(modules) == set(package_modules())
+    assert set(modules) == set(package_files())
     assert {"hlat/infra/measured.json", "hlat/infra/baselines.json"} <= set(names)  # package data
 
 
