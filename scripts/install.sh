@@ -4,8 +4,8 @@
 #        scripts/install.sh dev          .venv: the pipeline and the test/lint tools
 #        scripts/install.sh xla          .venv-xla: Neuron SDK 2.24.1's torch and torch-xla (HLAT's), run on the CPU
 #        scripts/install.sh xla-2.28     .venv-xla-2.28: Neuron SDK 2.28's (neuron.sdk=2.28.0), run on the CPU
-#        scripts/install.sh dev xla      the pipeline, the tools and .venv-xla (what CI uses; add xla-2.28 for
-#                                        Neuron 2.28's tiers too)
+#        scripts/install.sh dev xla xla-2.28
+#                                        the pipeline, the tools and both XLA environments (what CI uses)
 #
 # .venv: torch goes first: `torch==2.13.0` is the local CPU build; anything resolving torch later would pull GBs
 # of CUDA. Then the project under constraints.txt.
