@@ -32,6 +32,10 @@ quiet=(--quiet --disable-pip-version-check)
 main_environment() {
   [ -x .venv/bin/python ] || python3 -m venv .venv
   local pip=(.venv/bin/python -m pip install "${quiet[@]}")
+  # pip itself first, as constraints.txt pins it: the venv's bundled pip (23.2 with Python 3.11), resolving for an
+  # image's Python and platform (tests/integration/test_job_requirements.py), took twice the CPU and releases whose
+  # Requires-Python, unstated by the index that offered them, excludes that Python.
+  "${pip[@]}" -c constraints.txt pip
   "${pip[@]}" torch==2.13.0
   local extras=""
   [ "$dev" = 1 ] && extras="[dev]"

@@ -36,6 +36,7 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from hlat.core.environment import NEURON_SDKS
 
@@ -115,6 +116,20 @@ class Resolution:
         installs = self.report["install"]
         assert isinstance(installs, list)
         return {normalise(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+
+    def needing_another_python(self, python: str) -> list[str]:
+        """The chosen releases whose Requires-Python excludes `python` (pip's own check, as the image's pip does it).
+        A release found on an index that does not state Requires-Python (a local --find-links folder, a file:// index)
+        is only known to need a newer Python once its metadata is read: pip 23.2 took networkx 3.6.1 and Markdown 3.11
+        (both Python >= 3.11) for the 2.24.1 image's Python 3.10 that way."""
+        assert self.report is not None
+        installs = self.report["install"]
+        assert isinstance(installs, list)
+        return [
+            f"{m['name']} {m['version']} (Requires-Python {m['requires_python']})"
+            for m in (i["metadata"] for i in installs)
+            if m.get("requires_python") and not SpecifierSet(m["requires_python"]).contains(python, prereleases=True)
+        ]
 
 
 def normalise(name: str) -> str:
@@ -225,6 +240,8 @@ def test_job_requirements_leave_the_image_pins_alone(
         f"{result.output[-4000:]}"
     )
     chosen = result.versions()
+    misfits = result.needing_another_python(pair.python)
+    assert not misfits, f"pip chose releases that cannot run on the image's Python {pair.python}: {misfits}"
 
     def got(req: Requirement) -> str:
         return chosen.get(normalise(req.name), "not installed")
