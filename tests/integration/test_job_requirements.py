@@ -110,24 +110,25 @@ class Resolution:
     """pip's stdout and stderr."""
     report: dict[str, object] | None
 
-    def versions(self) -> dict[str, str]:
-        """Chosen version of every package, by normalised name."""
+    def chosen(self) -> list[dict[str, str]]:
+        """The core metadata of every release pip chose (the report's install entries)."""
         assert self.report is not None
         installs = self.report["install"]
         assert isinstance(installs, list)
-        return {normalise(i["metadata"]["name"]): i["metadata"]["version"] for i in installs}
+        return [i["metadata"] for i in installs]
+
+    def versions(self) -> dict[str, str]:
+        """Chosen version of every package, by normalised name."""
+        return {normalise(m["name"]): m["version"] for m in self.chosen()}
 
     def needing_another_python(self, python: str) -> list[str]:
         """The chosen releases whose Requires-Python excludes `python` (pip's own check, as the image's pip does it).
         A release found on an index that does not state Requires-Python (a local --find-links folder, a file:// index)
         is only known to need a newer Python once its metadata is read: pip 23.2 took networkx 3.6.1 and Markdown 3.11
         (both Python >= 3.11) for the 2.24.1 image's Python 3.10 that way."""
-        assert self.report is not None
-        installs = self.report["install"]
-        assert isinstance(installs, list)
         return [
             f"{m['name']} {m['version']} (Requires-Python {m['requires_python']})"
-            for m in (i["metadata"] for i in installs)
+            for m in self.chosen()
             if m.get("requires_python") and not SpecifierSet(m["requires_python"]).contains(python, prereleases=True)
         ]
 
