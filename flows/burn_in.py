@@ -34,4 +34,4 @@ def burn_in(config: HlatConfig, run: Run) -> dict[str, Any]:
 if __name__ == "__main__":
     from hlat.cli import run_stage_module
 
-    run_stage_module("burn-in")
+    run_stage_module(burn_in.name)

@@ -48,4 +48,4 @@ def evaluate(config: HlatConfig, run: Run, step: OptionalStep = STEP) -> dict[st
 if __name__ == "__main__":
     from hlat.cli import run_stage_module
 
-    run_stage_module("evaluate")
+    run_stage_module(evaluate.name)

@@ -31,4 +31,4 @@ def precompile(config: HlatConfig, run: Run) -> dict[str, Any]:
 if __name__ == "__main__":
     from hlat.cli import run_stage_module
 
-    run_stage_module("precompile")
+    run_stage_module(precompile.name)

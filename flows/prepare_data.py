@@ -34,4 +34,4 @@ def prepare_data(config: HlatConfig, run: Run) -> DataReport:
 if __name__ == "__main__":
     from hlat.cli import run_stage_module
 
-    run_stage_module("prepare-data")
+    run_stage_module(prepare_data.name)

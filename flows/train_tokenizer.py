@@ -36,4 +36,4 @@ def train_tokenizer(config: HlatConfig, run: Run) -> dict[str, Any]:
 if __name__ == "__main__":
     from hlat.cli import run_stage_module
 
-    run_stage_module("train-tokenizer")
+    run_stage_module(train_tokenizer.name)

@@ -47,7 +47,8 @@ def _stage_flow(name: str) -> Callable[..., Any]:
 
 
 def run_stage_module(stage: str) -> NoReturn:
-    """`python -m hlat.flows.<stage> [options]` (each stage flow's `__main__`): the same as `hlat run <stage>`."""
+    """`python -m hlat.flows.<stage> [options]` (each stage flow's `__main__`, given its flow's name): the same as
+    `hlat run <stage>`."""
     sys.exit(main(["run", stage, *sys.argv[1:]]))
 
 
