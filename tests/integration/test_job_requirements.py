@@ -267,3 +267,15 @@ def test_a_requirement_that_moves_an_image_pin_is_refused(
     assert "ResolutionImpossible" in result.output, f"pip failed for another reason:\n{result.output[-4000:]}"
     conflict = result.output.split("The conflict is caused by:", 1)[-1].split("To fix this", 1)[0]
     assert case.culprit in conflict, f"the conflict should name {case.culprit}:\n{result.output[-4000:]}"
+
+
+def test_a_release_for_a_newer_python_than_the_images_is_named() -> None:
+    """The Requires-Python check on a report as pip 23.2 wrote it for the 2.24.1 image (Python 3.10)."""
+    chosen = [("networkx", "3.6.1", "!=3.14.1,>=3.11"), ("Markdown", "3.11", ">=3.11"), ("numpy", "1.26.4", ">=3.9")]
+    report = {"install": [{"metadata": {"name": n, "version": v, "requires_python": r}} for n, v, r in chosen]}
+    resolution = Resolution(0, "", report)
+    assert resolution.needing_another_python("3.10") == [
+        "networkx 3.6.1 (Requires-Python !=3.14.1,>=3.11)",
+        "Markdown 3.11 (Requires-Python >=3.11)",
+    ]
+    assert resolution.needing_another_python("3.12") == []
