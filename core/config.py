@@ -441,8 +441,12 @@ class JobConfig(Section):
     """EBS volume per node."""
     max_restarts: int = Field(100, ge=0)
     """Relaunches from the newest checkpoint before the stage gives up (HLAT: 100)."""
+    max_repeats: int = Field(2, ge=1)
+    """Stop the stage when the same failure of the job's own (same cause: the failure record's type and step) ends
+    this many attempts in a row with no newer checkpoint committed between them: it repeats deterministically."""
     budget_usd: float | None = Field(None, gt=0)
-    """Stop relaunching once this many dollars have been billed (None: no budget)."""
+    """Stop relaunching once this many dollars have been billed. None: on SageMaker, 1.25 x the plan's estimate of
+    the training's cost (the dry run states it; a run with no estimate must set one); locally, no budget."""
     price_per_hour_usd: float | None = Field(None, ge=0)
     """Price of one node-hour; None uses the instance catalog (infra/catalog.py)."""
     poll_seconds: float = Field(60, gt=0)

@@ -18,9 +18,13 @@ Imported by the job programs (`training/`) and by the control plane (`infra/`): 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
+import re
+import socket
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from hlat.core.config import HlatConfig, validate_config
 from hlat.core.layout import CHECKPOINTS_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
@@ -79,21 +83,123 @@ def failure_file() -> str | None:
     return SAGEMAKER_FAILURE_FILE if in_sagemaker() else None
 
 
-def write_failure(reason: str) -> None:
-    """Record why the job failed where its backend reports it from (no-op outside a job). The first reason stays:
-    every process of an instance shares the file, and the rank that failed first says why; the others only see
-    the collective it left (as the SageMaker SDK's driver, which writes the file only when it does not exist)."""
+# -- the failure record: why a job failed, in a form the control plane reads without guessing from prose -----------
+RECORD_TAG = "hlat-failure"
+"""Marks a failure record inside any text: SageMaker's FailureReason (the failure file, after its own prefix) or a
+line of the job's log, whichever reaches the control plane (`infra.jobs.classify`)."""
+_RECORD = re.compile(r"\[" + RECORD_TAG + r" (\{[^{}]*\})\]")
+_current_step: int | None = None
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """Why a job program failed: the exception's type (and module, for library errors), the step the job had
+    reached, the rank and host that failed first, and the message. Written as one line,
+    `<type>: <message> [hlat-failure {"type": ..., "step": ..., "rank": ..., "host": ...}]`: readable as it
+    stands, and the record's fields at its end survive SageMaker's 1,024-character FailureReason (the message is cut
+    to make room)."""
+
+    type: str
+    message: str
+    module: str | None = None
+    step: int | None = None
+    rank: int | None = None
+    host: str | None = None
+
+    def line(self, limit: int = MAX_FAILURE_REASON) -> str:
+        fields = {"type": self.type, "module": self.module, "step": self.step, "rank": self.rank, "host": self.host}
+        # No braces inside the record (the pattern above matches a flat object): a host or module name has none.
+        tail = f" [{RECORD_TAG} {json.dumps({k: v for k, v in fields.items() if v is not None}, sort_keys=True)}]"
+        head = f"{self.type}: {' '.join(self.message.split())}"
+        room = limit - len(tail)
+        if len(head) > room:
+            head = head[: max(0, room - 3)] + "..."
+        return head + tail
+
+    @property
+    def cause(self) -> str:
+        """What makes two failures the same: the type and the step it happened at."""
+        return f"{self.type} at step {self.step}" if self.step is not None else self.type
+
+
+def parse_failure_record(text: str | None) -> FailureRecord | None:
+    """The last failure record in `text` (None: there is none, or it does not parse)."""
+    if not text:
+        return None
+    found = _RECORD.findall(text)
+    for raw in reversed(found):
+        try:
+            fields = json.loads(raw)
+        except ValueError:
+            continue
+        if not isinstance(fields, dict) or not isinstance(fields.get("type"), str):
+            continue
+        start = text.rfind(f"[{RECORD_TAG} {raw}]")
+        line_start = text.rfind("\n", 0, start) + 1
+        head = text[line_start:start].strip()
+        # The message is what follows '<type>: ' on the record's own line (any prefix, e.g. SageMaker's, before it).
+        _, sep, message = head.partition(f"{fields['type']}: ")
+        step, rank = fields.get("step"), fields.get("rank")
+        return FailureRecord(
+            type=fields["type"],
+            message=message if sep else head,
+            module=fields.get("module"),
+            step=step if isinstance(step, int) else None,
+            rank=rank if isinstance(rank, int) else None,
+            host=fields.get("host") if isinstance(fields.get("host"), str) else None,
+        )
+    return None
+
+
+def note_step(step: int) -> None:
+    """Remember the step the job has reached (the training loop calls this after each step): a failure record
+    written later names it, so a failure that repeats at the same step on every resume is seen to."""
+    global _current_step
+    _current_step = step
+
+
+def current_host() -> str:
+    """This process's host as the job knows it: SageMaker's host name (algo-N), else the machine's."""
+    return os.environ.get("SM_CURRENT_HOST") or socket.gethostname()
+
+
+def failure_record(type_name: str, message: str, module: str | None = None) -> FailureRecord:
+    """A record of this process's failure: the step noted last, its rank and its host."""
+    rank = os.environ.get("RANK")
+    return FailureRecord(
+        type=type_name,
+        message=message,
+        module=module,
+        step=_current_step,
+        rank=int(rank) if rank is not None and rank.isdigit() else None,
+        host=current_host(),
+    )
+
+
+def write_failure(reason: str, module: str | None = None) -> FailureRecord:
+    """Record why the job failed, as a failure record (`FailureRecord`), where its backend reports it from (the
+    failure file: SageMaker's FailureReason), and as one line of the job's log (which reaches the control plane
+    even when another host's failure file is the one reported). `reason` is '<Type>: <message>'; text without a
+    type is recorded as JobFailure. The first reason stays: every process of an instance shares the file, and the
+    rank that failed first says why; the others only see the collective it left (as the SageMaker SDK's driver,
+    which writes the file only when it does not exist)."""
+    kind, sep, message = reason.partition(": ")
+    if not sep or not kind.replace("_", "").replace(".", "").isalnum():
+        kind, message = "JobFailure", reason
+    record = failure_record(kind, message, module)
+    line = record.line()
     path = failure_file()
-    if path is None:
-        return
-    try:
-        os.makedirs(os.path.dirname(path), exist_ok=True)
-        with open(path, "x", encoding="utf-8") as fh:
-            fh.write(reason[:MAX_FAILURE_REASON])
-    except FileExistsError:
-        return
-    except OSError as exc:  # never mask the failure being reported
-        log.warning("could not write the failure reason to %s: %s", path, exc)
+    if path is not None:
+        try:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(path, "x", encoding="utf-8") as fh:
+                fh.write(line)
+        except FileExistsError:
+            return record  # another rank of this host said why first, and logged it: one line per host, not 32
+        except OSError as exc:  # never mask the failure being reported
+            log.warning("could not write the failure reason to %s: %s", path, exc)
+    log.error("%s", line)
+    return record
 
 
 # -- what every job program (train, precompile, burn_in, evaluate, prepare_data) starts and ends with -----------
@@ -132,9 +238,11 @@ def fetch_tokenizer(run: Storage, folder: str) -> str:
 
 
 def reporting_failure(program: Callable[[], int]) -> int:
-    """Run a job program; an exception's type and message become the job's failure reason, then propagate."""
+    """Run a job program; an exception becomes the job's failure record (its type, module, step, rank, host and
+    message), then propagates."""
     try:
         return program()
     except Exception as exc:
-        write_failure(f"{type(exc).__name__}: {exc}")
+        module = type(exc).__module__
+        write_failure(f"{type(exc).__name__}: {exc}", module=None if module == "builtins" else module)
         raise

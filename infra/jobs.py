@@ -16,6 +16,7 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from hlat.core.config import DEFAULT_NEURON_SDK
+from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record
 
 
 class Status(StrEnum):
@@ -159,11 +160,12 @@ class FailureClass(StrEnum):
     FATAL = "fatal"
     """A mistake of the run's settings, data or account: relaunching fails the same way, so the stage stops at once."""
     JOB = "job"
-    """The job's own failure (its code, its numbers, its exit): relaunched from the newest checkpoint; the same
-    failure twice in a row with no step gained stops the stage (it repeats deterministically)."""
+    """The job's own failure (its code, its numbers, its exit): relaunched from the newest checkpoint; the same cause
+    ending job.max_repeats attempts in a row with no newer checkpoint committed stops the stage (it repeats
+    deterministically)."""
     PLATFORM = "platform"
     """The platform's fault (a dead host or daemon, an internal error, hardware, an interruption, a hang): relaunched
-    at once, and after a growing delay when it repeats with no step gained; it never stops the stage by repeating,
+    at once, and after a growing delay when it repeats with no checkpoint gained; it never stops the stage by repeating,
     only job.max_restarts or the budget do."""
     CAPACITY = "capacity"
     """No capacity, or throttled: relaunched after a growing delay, until job.max_restarts or the budget."""
@@ -176,6 +178,29 @@ class Decision:
     """Short name of the failure class (e.g. 'capacity', 'hardware', 'nan', 'validation')."""
     reason: str
     failure_class: FailureClass = FailureClass.JOB
+    record: FailureRecord | None = None
+    """The job's own failure record, when the ending was judged from one."""
+
+    @property
+    def cause(self) -> str:
+        """What makes two endings the same failure: the category, and the record's type and step when there is one
+        (a NaN at step 41 on every resume is one cause; at 41 then at 57 it is two)."""
+        return f"{self.category}: {self.record.cause}" if self.record else self.category
+
+
+class Source(StrEnum):
+    """What a failure rule is judged from (the README's table names it for each row)."""
+
+    RECORD = "record"
+    """The job's failure record (core/contract.py `FailureRecord`): its exception type (`pattern`, matched whole
+    against the type or module.type) and, where the type alone does not decide, its message (`message`)."""
+    STATUS = "status"
+    """SageMaker's own fields, for endings no program of the job wrote down: the start of its FailureReason
+    (CapacityError, InternalServerError, ClientError), its SecondaryStatus (MaxRuntimeExceeded, Interrupted,
+    Stopped) and the error code of a refused request (ThrottlingException, ResourceLimitExceeded...)."""
+    TEXT = "text"
+    """Words in the FailureReason or the job's log, for endings with neither: a rank killed by a signal (torchrun's
+    own account, `Signal 9 (SIGKILL) received by PID`; the local backend's), and reasons written before records."""
 
 
 @dataclass(frozen=True)
@@ -184,7 +209,12 @@ class FailureRule:
     failure_class: FailureClass
     category: str
     example: str
-    """A failure reason this rule takes: the README's table shows it, the tests classify it."""
+    """A failure reason this rule takes (with its record, for a record rule): the README's table shows it, the
+    tests classify it."""
+    source: Source = Source.TEXT
+    message: str | None = None
+    """A record rule's pattern for the record's message too (searched): for types that say little by themselves
+    (RuntimeError carries a Neuron runtime error, an out-of-memory and a code bug alike)."""
 
     @property
     def action(self) -> Action:
@@ -193,79 +223,235 @@ class FailureRule:
             FailureClass.CAPACITY: Action.BACKOFF,
         }.get(self.failure_class, Action.RESUME)
 
+    def takes(self, record: FailureRecord | None, text: str) -> bool:
+        if self.source == Source.RECORD:
+            if record is None:
+                return False
+            qualified = f"{record.module}.{record.type}" if record.module else record.type
+            if not (re.fullmatch(self.pattern, record.type) or re.fullmatch(self.pattern, qualified)):
+                return False
+            return self.message is None or re.search(self.message, record.message) is not None
+        if record is not None:
+            return False
+        if self.source == Source.STATUS:
+            return re.match(self.pattern, text) is not None
+        return re.search(self.pattern, text) is not None
 
-# Ordered: the first pattern that matches a failure reason (or a submission error code) decides.
-F = FailureClass
+
+def _record_example(type_name: str, message: str, module: str | None = None, step: int | None = 41) -> str:
+    record = FailureRecord(type_name, message, module=module, step=step, rank=3, host="algo-2")
+    return f"AlgorithmError: {record.line()}"
+
+
+# Ordered: the first rule that takes an ending decides (records first; a record rule never looks at prose, and
+# status and text rules only judge endings that carry no record).
+F, R, S, T = FailureClass, Source.RECORD, Source.STATUS, Source.TEXT
+_RUNTIME = r"(torch\.)?\w*Error"
+"""A record's type that says little by itself: its message decides (RuntimeError, torch.AcceleratorError...)."""
 FAILURE_RULES: list[FailureRule] = [
-    FailureRule(r"BurnInFailed", F.FATAL, "burn-in", "AlgorithmError: BurnInFailed: rank 3 matmul error"),
-    FailureRule(r"DataValidationError|SourceError", F.FATAL, "data", "AlgorithmError: DataValidationError: 12% bad"),
-    FailureRule(r"ResourceLimitExceeded|ResourceInUse|quota", F.FATAL, "quota", "ResourceLimitExceeded: quota"),
+    # -- the job's failure record ---------------------------------------------------------------------------------
+    FailureRule(r"BurnInFailed", F.FATAL, "burn-in", _record_example("BurnInFailed", "rank 3 matmul error"), R),
     FailureRule(
-        r"AccessDenied|UnauthorizedOperation|not authorized|ExpiredToken|InvalidClientTokenId",
+        r"DataValidationError|SourceError", F.FATAL, "data", _record_example("DataValidationError", "12% bad rows"), R
+    ),
+    FailureRule(
+        r"ConfigError|LayoutError|ValidationError",
+        F.FATAL,
+        "validation",
+        _record_example("ConfigError", "training.lr must be > 0 (killed by SIGKILL? no: a typo)"),
+        R,
+    ),
+    FailureRule(
+        r"NeuronUnavailable|ImportError|ModuleNotFoundError",
+        F.FATAL,
+        "image",
+        _record_example("NeuronUnavailable", "neuronx-distributed exists only in the AWS Neuron training container"),
+        R,
+    ),
+    FailureRule(
+        r"TransientStorageError|CheckpointError",
+        F.CAPACITY,
+        "throttling",
+        _record_example(
+            "CheckpointError", "rank 5 (algo-2) writing s3://b/run/checkpoints/step-40/rank-5.pt: SlowDown"
+        ),
+        R,
+        message=r"SlowDown|Throttl|TooManyRequests|Rate exceeded",
+    ),
+    FailureRule(
+        r"CheckpointError",
+        F.FATAL,
+        "validation",
+        _record_example("CheckpointError", "checkpoint step-30 was written by 8 ranks with ..., this job has 4 ranks"),
+        R,
+        message=r"was written by .* this job has",
+    ),
+    FailureRule(
+        r"TransientStorageError|CheckpointError",
+        F.PLATFORM,
+        "storage",
+        _record_example("CheckpointError", "not committing step-40: rank-00005.pt (algo-2) missing after 600s"),
+        R,
+    ),
+    FailureRule(
+        r"StorageError|StorageNotFound",
+        F.FATAL,
+        "access",
+        _record_example("StorageError", "access denied to s3://b/run: the AWS credentials in use lack permission"),
+        R,
+    ),
+    FailureRule(r"NonFiniteLoss", F.JOB, "nan", _record_example("NonFiniteLoss", "the loss became NaN or inf"), R),
+    FailureRule(
+        r"UnhealthyCollective",
+        F.PLATFORM,
+        "hardware",
+        _record_example("UnhealthyCollective", "all-reduce 0.2 GB/s"),
+        R,
+    ),
+    FailureRule(
+        r"(torch\.)?(cuda\.)?OutOfMemoryError|MemoryError",
+        F.JOB,
+        "out-of-memory",
+        _record_example("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB", module="torch"),
+        R,
+    ),
+    FailureRule(
+        _RUNTIME,
+        F.JOB,
+        "out-of-memory",
+        _record_example("RuntimeError", "nrt_tensor_allocate status=4 NRT_RESOURCE: failed to allocate HBM"),
+        R,
+        message=r"NRT_RESOURCE|RESOURCE_EXHAUSTED|[Oo]ut of (device )?memory|[Ff]ailed to allocate",
+    ),
+    FailureRule(
+        _RUNTIME,
+        F.PLATFORM,
+        "hardware",
+        _record_example("RuntimeError", "nrt_execute status=1006 NRT_EXEC_HW_ERR_COLLECTIVES on NeuronCore 3"),
+        R,
+        message=r"NRT_EXEC_HW_ERR|NRT_EXEC_COMPLETED_WITH_ERR|NRT_TIMEOUT|NRT_UNINITIALIZED|hardware error|"
+        r"uncorrectable|ECC error|Xid \d+",
+    ),
+    FailureRule(
+        r"(torch\.distributed\.)?(DistBackendError|DistNetworkError|DistStoreError)",
+        F.PLATFORM,
+        "lost-peer",
+        _record_example("DistNetworkError", "Connection reset by peer", module="torch.distributed"),
+        R,
+    ),
+    FailureRule(
+        _RUNTIME,
+        F.PLATFORM,
+        "lost-peer",
+        _record_example("RuntimeError", "[gloo] Connection closed by peer [10.0.1.7]:41230"),
+        R,
+        message=r"[Cc]onnection (closed|reset|refused)|[Bb]roken pipe|by peer|NCCL (error|WARN)|EFA|"
+        r"[Ss]ocket [Tt]imeout",
+    ),
+    # -- SageMaker's own status fields and error codes (no record: nothing of the job wrote one) -------------------
+    FailureRule(r"ResourceLimitExceeded|ResourceInUse", F.FATAL, "quota", "ResourceLimitExceeded: quota", S),
+    FailureRule(
+        r"AccessDenied|UnauthorizedOperation|ExpiredToken|InvalidClientTokenId|UnrecognizedClient",
         F.FATAL,
         "access",
         "AccessDeniedException: not authorized to perform sagemaker:CreateTrainingJob",
+        S,
     ),
     FailureRule(
-        r"CapacityError|InsufficientCapacity|insufficient capacity|capacity",
+        r"ValidationException|ClientError",
+        F.FATAL,
+        "validation",
+        "ClientError: Data download failed: please ensure the S3 path s3://b/data/ exists",
+        S,
+    ),
+    FailureRule(
+        r"CapacityError|InsufficientCapacity",
         F.CAPACITY,
         "capacity",
         "CapacityError: Unable to provision requested ML compute capacity",
+        S,
     ),
     FailureRule(
-        r"Throttl|SlowDown|TooManyRequests|Rate exceeded",
+        r"Throttl|ThrottlingException|TooManyRequests|SlowDown|RequestLimitExceeded",
         F.CAPACITY,
         "throttling",
         "ThrottlingException: Rate exceeded",
-    ),
-    FailureRule(
-        r"NonFiniteLoss|\bNaN\b|non-finite loss", F.JOB, "nan", "AlgorithmError: NonFiniteLoss: loss is nan at step 8"
-    ),
-    FailureRule(r"MaxRuntimeExceeded|max runtime", F.PLATFORM, "max-runtime", "MaxRuntimeExceeded: stopped"),
-    FailureRule(r"Interrupted|spot", F.PLATFORM, "interrupted", "Interrupted: stopped"),
-    # A stop the stage did not ask for (StopTrainingJob from elsewhere): the job checkpointed on its SIGTERM.
-    FailureRule(r"^Stopp(ed|ing)\b", F.PLATFORM, "stopped-elsewhere", "Stopped: stopped"),
-    FailureRule(
-        r"Neuron|NRT|NCCL|nccom|EFA|hardware|ECC|XID|device|UnhealthyCollective",
-        F.PLATFORM,
-        "hardware",
-        "AlgorithmError: NRT error: NeuronCore 3 hardware failure",
+        S,
     ),
     FailureRule(
         r"InternalServerError|ServiceUnavailable|InternalFailure",
         F.PLATFORM,
         "internal",
         "InternalServerError: the job's supervisor process died",
+        S,
     ),
+    FailureRule(r"MaxRuntimeExceeded", F.PLATFORM, "max-runtime", "MaxRuntimeExceeded: stopped", S),
+    FailureRule(r"Interrupted", F.PLATFORM, "interrupted", "Interrupted: stopped", S),
+    # A stop the stage did not ask for (StopTrainingJob from elsewhere): the job checkpointed on its SIGTERM.
+    FailureRule(r"Stopp(ed|ing)\b", F.PLATFORM, "stopped-elsewhere", "Stopped: stopped", S),
+    # -- words, for endings with neither (a rank killed by a signal writes nothing) -------------------------------
     FailureRule(
-        r"OOM|[Oo]ut of memory|MemoryError", F.JOB, "out-of-memory", "AlgorithmError: RuntimeError: CUDA out of memory"
-    ),
-    FailureRule(
-        r"[Kk]illed|signal|SIGKILL|SIGTERM|hung|no step|[Cc]onnection (closed|reset)|peer",
+        r"Signal \d+ \(SIG[A-Z]+\) received by PID|killed by signal SIG[A-Z]+|exitcode\s*:\s*-\d+ ",
         F.PLATFORM,
         "killed",
-        "AlgorithmError: training process killed by signal SIGKILL (exit code 137)",
+        "AlgorithmError: CalledProcessError: Command '['torchrun', ...]' returned non-zero exit status 1.\n"
+        "[algo-1] traceback : Signal 9 (SIGKILL) received by PID 4242",
+        T,
     ),
     FailureRule(
-        r"ValidationException|ValidationError|ClientError|ConfigError|InvalidParameter",
-        F.FATAL,
-        "validation",
-        "AlgorithmError: ConfigError: training.lr must be > 0",
+        r"NonFiniteLoss|non-finite loss", F.JOB, "nan", "AlgorithmError: NonFiniteLoss: loss is nan at step 8", T
+    ),
+    FailureRule(r"BurnInFailed", F.FATAL, "burn-in", "AlgorithmError: BurnInFailed: rank 3 matmul error", T),
+    FailureRule(r"DataValidationError|SourceError", F.FATAL, "data", "AlgorithmError: DataValidationError: 12% bad", T),
+    FailureRule(r"ConfigError", F.FATAL, "validation", "AlgorithmError: ConfigError: training.lr must be > 0", T),
+    FailureRule(
+        r"NRT_RESOURCE|[Oo]ut of memory|OutOfMemoryError|MemoryError",
+        F.JOB,
+        "out-of-memory",
+        "AlgorithmError: RuntimeError: CUDA out of memory. Tried to allocate 2.00 GiB (of 79.1 GiB total capacity)",
+        T,
+    ),
+    FailureRule(
+        r"UnhealthyCollective|NRT_EXEC_HW_ERR|NRT_TIMEOUT|hardware (error|failure)|uncorrectable ECC",
+        F.PLATFORM,
+        "hardware",
+        "AlgorithmError: NRT error: NeuronCore 3 hardware failure",
+        T,
     ),
 ]
-del F
+del F, R, S, T
 UNKNOWN = FailureRule(r"", FailureClass.JOB, "unknown", "AlgorithmError: ExecuteUserScriptError: exit code 1")
-"""Anything no rule names: the job's own (an AlgorithmError with no better clue)."""
+"""Anything no rule takes: the job's own (a record of a type no rule names, e.g. a RuntimeError of our code; an
+AlgorithmError with no better clue)."""
 
 
-def classify_reason(reason: str) -> Decision:
-    """Classify a failure reason or a submission error by the first rule of FAILURE_RULES whose pattern it matches."""
-    rule = next((r for r in FAILURE_RULES if re.search(r.pattern, reason)), UNKNOWN)
-    return Decision(rule.action, rule.category, reason, rule.failure_class)
+def classify_reason(reason: str, log_tail: str = "") -> Decision:
+    """Classify a failure reason (or a refused submission's error) and the end of the job's log. By the job's failure
+    record when the reason holds one; else by SageMaker's own words at the start of the reason (CapacityError,
+    InternalServerError...: the platform's judgement comes before whatever a rank logged as a consequence); else by
+    the first record in the log (the rank that failed first, when another host's failure file was reported); else
+    by words in the reason or the log."""
+    record = parse_failure_record(reason)
+    if record is None:
+        status = next((r for r in FAILURE_RULES if r.source == Source.STATUS and r.takes(None, reason)), None)
+        if status is not None:
+            return Decision(status.action, status.category, reason, status.failure_class)
+        record = _first_record(log_tail)
+    text = reason if not log_tail else f"{reason}\n{log_tail}"
+    rule = next((r for r in FAILURE_RULES if r.source != Source.STATUS and r.takes(record, text)), UNKNOWN)
+    return Decision(rule.action, rule.category, reason, rule.failure_class, record)
 
 
-def classify(state: JobState, stop_requested: bool = False) -> Decision:
-    """What to do after a job ended. `stop_requested`: we stopped it (cancel, budget), so it is not a failure."""
+def _first_record(log_tail: str) -> FailureRecord | None:
+    for line in log_tail.splitlines():
+        if RECORD_TAG in line and (record := parse_failure_record(line)):
+            return record
+    return None
+
+
+def classify(state: JobState, stop_requested: bool = False, log_tail: str = "") -> Decision:
+    """What to do after a job ended. `stop_requested`: we stopped it (cancel, budget), so it is not a failure;
+    `log_tail`: the last lines of the job's log (a record another host wrote, torchrun's account of a signal)."""
     reason = state.failure_reason or state.secondary_status or state.status.value
     if state.status == Status.COMPLETED:
         return Decision(Action.DONE, "completed", reason)
@@ -273,4 +459,4 @@ def classify(state: JobState, stop_requested: bool = False) -> Decision:
         if stop_requested:
             return Decision(Action.FATAL, "stopped", "stopped on request")
         return classify_reason(f"{state.secondary_status or 'Stopped'}: {state.failure_reason or 'stopped'}")
-    return classify_reason(reason)
+    return classify_reason(reason, log_tail)

@@ -258,7 +258,8 @@ def supervisor_for(
         target_step=config.training.max_steps,
         tokens_per_step=config.tokens_per_step,
         max_restarts=job.max_restarts,
-        budget_usd=job.budget_usd,
+        max_repeats=job.max_repeats,
+        budget_usd=budget(config).usd,
         price_per_hour=price_per_hour(job.instance_type, job.price_per_hour_usd),
         poll_seconds=job.poll_seconds,
         hang_timeout_s=job.hang_timeout_minutes * 60 if job.hang_timeout_minutes else None,
@@ -284,6 +285,89 @@ def estimate(config: HlatConfig) -> dict[str, Any]:
         basis=None if cost is None else cost.basis,
     )
     return out
+
+
+BUDGET_MARGIN = 1.25
+"""A SageMaker run without job.budget_usd may spend this multiple of the plan's estimate of its training cost: room
+for relaunches and slower steps, never an open-ended bill (a deterministic fault on 256 trn1.32xlarge nodes costs
+about $6,300 an hour)."""
+
+
+@dataclass(frozen=True)
+class Budget:
+    usd: float | None
+    """What the train stage may spend before it stops (None: no limit)."""
+    basis: str
+    """Where the figure comes from, as the dry run says it."""
+
+
+def budget(config: HlatConfig) -> Budget:
+    """The train stage's dollar budget: job.budget_usd when set; on SageMaker otherwise BUDGET_MARGIN x the plan's
+    estimate of the training's cost; a SageMaker run with neither is refused (ConfigError naming the field). Local
+    runs cost nothing the catalog knows of and have no default."""
+    job = config.job
+    if job.budget_usd is not None:
+        return Budget(job.budget_usd, f"job.budget_usd = ${job.budget_usd:,.2f}")
+    if job.backend != "sagemaker":
+        return Budget(None, "none (job.budget_usd is not set)")
+    total = estimate(config)["total_usd"]
+    if total is None:
+        raise ConfigError(
+            f"job.budget_usd: no estimate of this run's cost exists ({job.instance_type!r} has no throughput figure "
+            "in the instance catalog), and a SageMaker run does not start without a budget: set job.budget_usd to "
+            "the most the training may spend"
+        )
+    usd = BUDGET_MARGIN * total
+    return Budget(
+        usd,
+        f"${usd:,.2f} = {BUDGET_MARGIN:g} x the estimate of ${total:,.0f} (job.budget_usd is unset: set it to change)",
+    )
+
+
+CHECKPOINT_WRITE_MB_S_PER_RANK = 200.0
+"""Assumed S3 write rate of one rank streaming its checkpoint file (one s3fs multipart upload, parts sent one after
+another): an assumption, not a measurement on trn1; the job logs the save time it measures at each checkpoint."""
+CHECKPOINT_WRITE_GB_S_PER_HOST = 5.0
+"""Assumed ceiling of one trn1.32xlarge host's S3 writes (its 800 Gbps EFA is not S3's path; S3 serves about
+100 Gb/s per large instance, https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html)."""
+
+
+def checkpoint_write_seconds(config: HlatConfig) -> float:
+    """Estimated time to write one checkpoint: the largest single writer (a model shard, written by the first
+    data-parallel replica of each tensor/pipeline position; under ZeRO-1 its optimizer states split over the
+    replicas) at CHECKPOINT_WRITE_MB_S_PER_RANK, or the busiest host at CHECKPOINT_WRITE_GB_S_PER_HOST."""
+    params = config.model.num_params()
+    mode, zero1 = config.precision.mode, config.parallelism.zero1
+    weights = 4 if mode == "fp32" else 2
+    # AdamW's two moments (BF16 under bf16-sr, FP32 otherwise) and, under bf16-mixed, the FP32 master weights.
+    optimizer = 4 if mode == "bf16-sr" else 8 + (4 if mode == "bf16-mixed" else 0)
+    dims = config.parallel_dims
+    shards = dims.tensor * dims.pipeline
+    per_writer = params * weights / shards + params * optimizer / shards / (dims.data if zero1 else 1)
+    per_node = config.job.processes_per_node
+    writers_on_busiest_host = min(per_node, shards)
+    host_bytes = per_writer * writers_on_busiest_host
+    return max(per_writer / (CHECKPOINT_WRITE_MB_S_PER_RANK * 1e6), host_bytes / (CHECKPOINT_WRITE_GB_S_PER_HOST * 1e9))
+
+
+def stop_fit(config: HlatConfig, tokens_per_s: float | None) -> str:
+    """Whether a stop (StopTrainingJob, max runtime, the budget) checkpoints inside the grace between SIGTERM and
+    SIGKILL: the rest of the step being run, then the checkpoint write (estimated: the job logs the measured ones)."""
+    grace = config.job.stop_grace_seconds if config.job.backend == "local" else 120.0
+    write = checkpoint_write_seconds(config)
+    if not tokens_per_s:
+        return f"stop: a stop checkpoints within SageMaker's {grace:g} s grace if the write (~{write:,.0f} s est.) fits"
+    step = config.tokens_per_step / tokens_per_s
+    need = step + write
+    verdict = (
+        "fits"
+        if need <= grace
+        else "does NOT fit: the stop ends in SIGKILL and loses the steps since the last checkpoint"
+    )
+    return (
+        f"stop: SIGTERM -> the current step ({step:,.1f} s) + its checkpoint write (~{write:,.0f} s est.) = "
+        f"{need:,.0f} s of the {grace:g} s grace: {verdict}"
+    )
 
 
 BYTES_PER_TOKEN = 4.0
@@ -407,9 +491,16 @@ def preflight(config: HlatConfig) -> None:
     """Check the values of a SageMaker run's config that its jobs' requests carry (instance types, role ARN, the
     S3 URIs under storage.root...) against the service model, before any stage runs: a typo then fails the flow
     run at once, not after data preparation. Settings not given yet (no role) are left to the stage that needs
-    them; nothing is sent or uploaded."""
-    if config.job.backend != "sagemaker" or not config.storage.root.startswith("s3://"):
+    them; nothing is sent or uploaded. Then the budget: a SageMaker run with no job.budget_usd and no estimate to
+    default one from is refused here."""
+    if config.job.backend != "sagemaker":
         return
+    if config.storage.root.startswith("s3://"):
+        _check_requests(config)
+    budget(config)  # refuses a run with neither a budget nor an estimate to default one from
+
+
+def _check_requests(config: HlatConfig) -> None:
     from hlat.infra.sagemaker_jobs import SageMakerBackend, check_request
 
     run_id = config.resolved_run_id()
@@ -488,6 +579,12 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         lines.append(data_estimate(config).line())
     else:
         lines.append(f"estimate: no throughput figure for {job.instance_type!r} in the instance catalog")
-    if job.budget_usd is not None:
+    if stage == "train":
+        lines.append(stop_fit(config, est["tokens_per_s"]))
+        try:
+            lines.append(f"budget: {budget(config).basis}")
+        except ConfigError as exc:
+            lines.append(f"budget: refused: {exc}")
+    elif job.budget_usd is not None:
         lines.append(f"budget: job.budget_usd = ${job.budget_usd:,.2f}")
     return "\n".join(lines)

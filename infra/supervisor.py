@@ -4,14 +4,17 @@ The same loop drives both job backends. Its memory is a ledger in run storage (`
 written before each submission, so a supervisor that dies and is restarted finds the job it launched (by its
 deterministic name) and watches it instead of launching a second one.
 
-Each attempt ends in one of four ways (`infra.jobs.classify`, by the failure's class): done; resume at once (a
-failure of the job's own: NaN exit, a crash; or of the platform: a dead host or daemon, hardware, an internal
-error, max runtime); resume after a growing delay (capacity, throttling, and a platform fault that repeats with no
-step gained, which never stops the stage by itself); fatal (bad config, access, quota, or the same failure of the
-job's own twice in a row with no step gained). A job that reports Completed without the
-checkpoint of the last step is no 'done': it is resumed, as 'completed without a checkpoint at step N', and stops
-the stage when that repeats with no step gained. The loop also stops when the relaunches allowed
-(`job.max_restarts`) or the dollar budget (billable seconds x instance count x node-hour price) run out. A job that
+Each attempt ends in one of four ways (`infra.jobs.classify`, by the failure's class, judged from the job's own
+failure record when it wrote one, else from SageMaker's status fields, else from words in the reason or the log):
+done; resume at once (a failure of the job's own: NaN exit, a crash; or of the platform: a dead host or daemon, a
+killed rank, hardware, an internal error, max runtime); resume after a growing delay (capacity, throttling, and a
+platform fault that repeats with no checkpoint gained, which never stops the stage by itself); fatal (bad config,
+data, image, access, quota; or the same failure of the job's own, by its cause, ending `job.max_repeats` attempts in
+a row with no newer checkpoint committed between them). Progress is a committed checkpoint: steps logged past it and
+lost do not count. A job that reports Completed without the checkpoint of the last step is no 'done': it is resumed,
+as 'completed without a checkpoint at step N', and stops the stage when that repeats the same way. The loop also
+stops when the relaunches allowed (`job.max_restarts`) or the dollar budget (billable seconds x instance count x
+node-hour price; on SageMaker 1.25 x the plan's estimate unless `job.budget_usd` says otherwise) run out. A job that
 logs no new step for `job.hang_timeout_minutes` is stopped and relaunched.
 
 What it logs stays short on a long run: the progress line (step, loss, tokens/s and ETA measured over a window of
@@ -54,6 +57,8 @@ log = logging.getLogger("hlat.supervisor")
 job_log = logging.getLogger("hlat.job")
 
 # The trainer's progress line: "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s".
+LOG_TAIL_LINES = 400
+"""Lines of a job's log kept for classifying its ending: torchrun's failure summary and the ranks' last words."""
 PROGRESS_LINE = re.compile(
     r"\bstep (?P<step>\d+) loss (?P<loss>\S+) grad_norm (?P<grad_norm>\S+) lr (?P<lr>\S+) (?P<tps>[\d.]+) tok/s"
 )
@@ -104,6 +109,9 @@ class Attempt:
     """How its ending was classified ('completed', 'capacity', 'completed-early'...): what a repeat is judged by."""
     failure_class: str | None = None
     """Whose fault the ending was (infra.jobs.FailureClass: fatal, job, platform, capacity), None when done."""
+    cause: str | None = None
+    """What a repeat is judged by: the category, with the failure record's type and step when the job wrote one
+    ('nan: NonFiniteLoss at step 41')."""
 
     @property
     def steps_gained(self) -> int:
@@ -111,8 +119,9 @@ class Attempt:
 
     @property
     def progressed(self) -> bool:
-        """Gained a checkpoint, or at least trained past its starting step."""
-        return self.steps_gained > 0 or (self.last_logged_step or 0) > self.start_step
+        """Committed a checkpoint newer than the one it started from. Steps logged past it do not count: a job that
+        resumes at 30 and fails at 41 every time logs steps 31-40 each time and keeps nothing of them."""
+        return self.steps_gained > 0
 
     @property
     def ended(self) -> bool:
@@ -303,6 +312,9 @@ class Supervisor:
     tokens_per_step: int
     stage: str = "train"
     max_restarts: int = 100
+    max_repeats: int = 2
+    """How many times the same failure of the job's own may end an attempt with no newer checkpoint committed
+    between them before the stage stops (job.max_repeats)."""
     budget_usd: float | None = None
     price_per_hour: float = 0.0
     poll_seconds: float = 60.0
@@ -324,6 +336,9 @@ class Supervisor:
         self.attempts: list[Attempt] = []
         self.resumed = False
         """The attempt being run came unfinished from the ledger (a restarted supervisor)."""
+        self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+        """The last lines of the watched job's log: a failure record another host wrote, torchrun's account of a
+        signal (what `classify` reads when the FailureReason holds no record)."""
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_to_completion(self) -> list[Attempt]:
@@ -342,6 +357,7 @@ class Supervisor:
                 decision = replace(decision, action=Action.BACKOFF)
             record.action, record.category = decision.action.value, decision.category
             record.failure_class = decision.failure_class.value if decision.action != Action.DONE else None
+            record.cause = decision.cause if decision.action != Action.DONE else None
             repeat = self._repeated_without_progress(decision)
             if repeat:
                 record.action = Action.FATAL.value
@@ -453,7 +469,7 @@ class Supervisor:
             # the run is being started again, so go on from the last checkpoint.
             record.reason = "stopped when an earlier flow run was cancelled"
             return Decision(Action.RESUME, "cancelled", record.reason, FailureClass.PLATFORM)
-        decision = classify(final)
+        decision = classify(final, log_tail="\n".join(self.log_tail))
         if decision.action == Action.DONE and (record.end_step or 0) < self.target_step:
             decision = self._completed_short(record)
             record.reason = decision.reason
@@ -461,7 +477,8 @@ class Supervisor:
 
     def _completed_short(self, record: Attempt) -> Decision:
         """A job that reported success without the checkpoint of the last step. It may have stopped itself (a
-        SIGTERM checkpoints and exits 0), so it is resumed; the same ending twice with no step gained stops."""
+        SIGTERM checkpoints and exits 0), so it is resumed; the same ending job.max_repeats times with no newer
+        checkpoint stops."""
         newest = self.current_step()
         found = f"step {newest}" if newest is not None else "none"
         logged = record.last_logged_step
@@ -476,9 +493,11 @@ class Supervisor:
         gate = ProgressGate(every, 6 * every)
         meter = Throughput(self.tokens_per_step, self.rate_window_s or 30 * self.poll_seconds)
         last_advance = self.clock()
+        self.log_tail.clear()
 
         def on_poll(lines: list[str], state: JobState | None) -> str | None:
             nonlocal last_advance
+            self.log_tail.extend(lines)
             now = self.clock()
             if self._absorb(lines, progress, meter, now):
                 last_advance = now
@@ -538,24 +557,32 @@ class Supervisor:
         return not last.progressed and not before.progressed and _failure_class(before) == FailureClass.PLATFORM
 
     def _repeated_without_progress(self, decision: Decision) -> str | None:
-        """The same failure of the job's own twice in a row with no step gained by either attempt: relaunching will
-        not help. (Platform and capacity faults do not stop the stage by repeating: see FailureClass.)"""
-        if decision.action != Action.RESUME or decision.failure_class != FailureClass.JOB or len(self.attempts) < 2:
+        """The same failure of the job's own (the same cause: category, record type and step), ending attempt after
+        attempt with no newer checkpoint committed between them, job.max_repeats times: it is deterministic (a
+        resume is bitwise, so a NaN at step 41 comes back at step 41), and relaunching will not help. Platform and
+        capacity faults never stop the stage by repeating (see FailureClass)."""
+        if decision.action != Action.RESUME or decision.failure_class != FailureClass.JOB:
             return None
-        last, before = self.attempts[-1], self.attempts[-2]
-        if last.progressed or before.progressed:
+        last = self.attempts[-1]
+        same = [last]
+        for before in reversed(self.attempts[:-1]):
+            if before.end_step != last.end_step or _cause(before) != decision.cause:
+                break
+            same.append(before)
+        if len(same) < self.max_repeats:
             return None
-        if _category(before) != (decision.category or _category(last)):
-            return None
+        first = same[-1]
         hint = ""
         if decision.category == "completed-early":
             hint = (
                 "; the job exits successfully before its last step: its log says why (a job must write the "
                 "checkpoint of training.max_steps to the run's checkpoints/)"
             )
+        newest = f"step {last.end_step}" if last.end_step else "none"
         return (
-            f"{self.stage} stopped: the same failure repeated with no step gained "
-            f"(attempts {before.attempt} and {last.attempt}, both at step {last.start_step}): {last.reason}{hint}"
+            f"{self.stage} stopped: the same failure repeated with no newer checkpoint: {decision.cause}, "
+            f"{len(same)} times (attempts {first.attempt}-{last.attempt}; newest checkpoint {newest}; job.max_repeats="
+            f"{self.max_repeats}): {last.reason}{hint}"
         )
 
     def _budget_message(self, step: int | None) -> str:
@@ -684,6 +711,11 @@ def as_displayed(line: str) -> str:
         return line
     drawn = [part for part in line.split("\r") if part.strip()]
     return drawn[-1].rstrip() if drawn else ""
+
+
+def _cause(attempt: Attempt) -> str:
+    """The attempt's cause (older ledgers recorded none: its category stands in)."""
+    return attempt.cause or _category(attempt)
 
 
 def _category(attempt: Attempt) -> str:

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from hlat.core.contract import FailureRecord
 from hlat.core.storage import Storage
 from hlat.infra.jobs import (
     FAILURE_RULES,
@@ -20,6 +21,7 @@ from hlat.infra.jobs import (
     FailureRule,
     JobSpec,
     JobState,
+    Source,
     Status,
     SubmitError,
     classify,
@@ -188,7 +190,7 @@ def test_same_failure_twice_with_no_step_gained_is_fatal(tmp_path: Path) -> None
     crash = ("Failed", "AlgorithmError: ExecuteUserScriptError: exit code 1 ImportError: no module named x")
     plays = [Play([crash], reaches=0), Play([crash], reaches=0), Play()]
     backend = ScriptedBackend(plays, clock)
-    with pytest.raises(JobFailed, match="same failure repeated with no step gained"):
+    with pytest.raises(JobFailed, match="same failure repeated with no newer checkpoint: unknown, 2 times"):
         supervisor(tmp_path, backend, clock).run_to_completion()
     assert len(backend.submitted) == 2
 
@@ -197,8 +199,9 @@ def test_a_nan_at_the_same_step_twice_is_fatal(tmp_path: Path) -> None:
     clock = [0.0]
     nan = ("Failed", "AlgorithmError: NonFiniteLoss: loss is nan at step 31")
     plays = [Play([nan], reaches=30), Play([nan], reaches=30), Play([nan], reaches=30)]
-    with pytest.raises(JobFailed, match="same failure repeated with no step gained"):
+    with pytest.raises(JobFailed, match="same failure repeated with no newer checkpoint") as info:
         supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+    assert len(info.value.attempts) == 2  # the first one committed step 30, then failed as the second did
 
 
 def test_platform_faults_keep_relaunching_with_growing_delays(tmp_path: Path) -> None:
@@ -233,13 +236,19 @@ def test_each_failure_rule_takes_its_example(rule: FailureRule) -> None:
 
 
 def test_the_readme_states_the_retry_rules_by_failure_class() -> None:
-    """README "When a job fails": a row per failure class, naming the categories the rules put in it."""
+    """README "When a job fails": a row per failure class, and a row per category naming its class and what each of
+    its rules is judged from (record, status, text)."""
     readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
     section = readme.split("### When a job fails", 1)[1].split("\n#", 1)[0]
-    rows = {line.split("|")[1].strip().strip("*"): line for line in section.splitlines() if line.startswith("| **")}
-    assert set(rows) == {c.value for c in FailureClass}
+    classes = {line.split("|")[1].strip().strip("*") for line in section.splitlines() if line.startswith("| **")}
+    assert classes == {c.value for c in FailureClass}
+    rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
     for rule in [*FAILURE_RULES, UNKNOWN]:
-        assert f"`{rule.category}`" in rows[rule.failure_class.value], rule.category
+        row = next((r for r in rows if f"`{rule.category}`" in r[0]), None)
+        assert row is not None, rule.category
+        assert row[1].strip() == rule.failure_class.value, rule.category
+        if rule is not UNKNOWN:
+            assert rule.source.value in row[2], (rule.category, rule.source)
 
 
 def test_restart_budget_runs_out(tmp_path: Path) -> None:
@@ -444,3 +453,172 @@ def test_throttled_describes_are_retried_with_growing_delays(tmp_path: Path) -> 
     attempts = supervisor(tmp_path, backend, clock, poll_seconds=10.0).run_to_completion()
     assert attempts[0].status == "Completed"
     assert clock[0] >= 10 + 20 + 40  # three throttled describes, the delay doubling
+
+
+# -- repeats judged from structured causes (issue: a deterministic fault must not relaunch 256 nodes) ----------------
+def record_reason(type_name: str, message: str, step: int | None, module: str | None = None) -> str:
+    """SageMaker's FailureReason of a job whose rank wrote its failure record to the failure file."""
+    record = FailureRecord(type_name, message, module=module, step=step, rank=5, host="algo-2")
+    return f"AlgorithmError: {record.line()}"
+
+
+def logged_steps(first: int, last: int) -> list[list[str]]:
+    """A job's log while it trains, ten steps a poll."""
+    lines = [f"rank0 step {s} loss 5.0000 grad_norm 1.000 lr 1.00e-04 1000 tok/s" for s in range(first, last + 1)]
+    return [lines[i : i + 10] for i in range(0, len(lines), 10)]
+
+
+def nan_at_41(reaches: int, start: int) -> Play:
+    """A job that trains from `start`, logs every step up to 40, commits `reaches`, then hits a NaN at step 41."""
+    reason = record_reason("NonFiniteLoss", "the loss became NaN or inf; relaunch from the last checkpoint", 41)
+    return Play([("InProgress", None)] * 12 + [("Failed", reason)], reaches=reaches, logs=logged_steps(start + 1, 40))
+
+
+@pytest.mark.parametrize("max_repeats", [2, 3])
+def test_a_nan_at_step_41_after_a_checkpoint_at_30_stops_after_max_repeats(tmp_path: Path, max_repeats: int) -> None:
+    """Each resume is bitwise, so the NaN comes back at step 41 every time; steps 31-40 are logged each time and
+    lost each time. Only a newer committed checkpoint counts as progress: the stage stops after job.max_repeats
+    attempts end with the same cause and the same newest checkpoint, not at job.max_restarts."""
+    clock = [0.0]
+    plays = [nan_at_41(reaches=30, start=0)] + [nan_at_41(reaches=30, start=30) for _ in range(10)]
+    backend = ScriptedBackend(plays, clock)
+    sup = supervisor(tmp_path, backend, clock, max_restarts=100, max_repeats=max_repeats)
+    with pytest.raises(JobFailed, match=r"nan: NonFiniteLoss at step 41, \d times") as info:
+        sup.run_to_completion()
+    attempts = info.value.attempts
+    assert len(attempts) == max_repeats == len(backend.submitted)
+    assert all(a.last_logged_step == 40 for a in attempts)  # steps past the checkpoint were logged: not progress
+    assert [a.cause for a in attempts] == ["nan: NonFiniteLoss at step 41"] * max_repeats
+    assert attempts[-1].action == "fatal"
+    assert f"job.max_repeats={max_repeats}" in str(info.value) and "newest checkpoint step 30" in str(info.value)
+
+
+def test_the_same_type_at_another_step_is_another_cause(tmp_path: Path) -> None:
+    """A NaN at 41 then at 57 (a newer checkpoint in between, or not) is not a deterministic repeat."""
+    clock = [0.0]
+    nan = [record_reason("NonFiniteLoss", "loss is nan", step) for step in (41, 57, 63)]
+    plays = [Play([("Failed", nan[0])], reaches=30), Play([("Failed", nan[1])], reaches=30)]
+    plays += [Play([("Failed", nan[2])], reaches=60), Play()]
+    attempts = supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+    assert [a.action for a in attempts] == ["resume", "resume", "resume", "done"]
+
+
+# Item 2 of the review: the messages that substring rules put in the wrong class, each now judged from its record.
+RECORDED = [
+    (("RuntimeError", "Expected all tensors to be on the same device, but found xla:0 and cpu!", None), "unknown"),
+    (
+        ("NeuronUnavailable", "neuronx-distributed exists only in the AWS Neuron training container", "hlat.training"),
+        "image",
+    ),
+    (
+        ("OutOfMemoryError", "CUDA out of memory. Tried to allocate 2.00 GiB; 79.10 GiB total capacity", "torch"),
+        "out-of-memory",
+    ),
+    (
+        ("RuntimeError", "nrt_tensor_allocate status=4 NRT_RESOURCE: Failed to allocate 512 MB of HBM", None),
+        "out-of-memory",
+    ),
+    (
+        ("ConfigError", "job.stop_grace_seconds: a stop sends SIGTERM then SIGKILL; killed by signal", None),
+        "validation",
+    ),
+    (("RuntimeError", "nrt_execute status=1006 NRT_EXEC_HW_ERR_COLLECTIVES", None), "hardware"),
+    (("DistNetworkError", "Connection reset by peer", "torch.distributed"), "lost-peer"),
+    (("CheckpointError", "rank 5 (algo-2) s3://b/r/checkpoints/step-40/rank-00005.pt: SlowDown", None), "throttling"),
+]
+CLASS_OF = {rule.category: rule.failure_class for rule in FAILURE_RULES if rule.source == Source.RECORD}
+CLASS_OF["unknown"] = FailureClass.JOB
+
+
+@pytest.mark.parametrize(("fields", "category"), RECORDED, ids=[c for _, c in RECORDED])
+def test_a_recorded_failure_is_judged_by_its_type_not_its_words(
+    fields: tuple[str, str, str | None], category: str
+) -> None:
+    type_name, message, module = fields
+    reason = record_reason(type_name, message, 12, module)
+    decision = classify(JobState("j", Status.FAILED, reason))
+    assert (decision.category, decision.failure_class) == (category, CLASS_OF[category])
+    assert decision.record is not None and decision.record.type == type_name and decision.record.step == 12
+    # The same record reaching the supervisor only through the job's log (another host's failure file was the one
+    # SageMaker reported: the SDK driver's CalledProcessError) is judged the same.
+    driver = "AlgorithmError: CalledProcessError: Command '['torchrun', ...]' returned non-zero exit status 1."
+    log = f"[algo-2] rank5 step 11 loss 5.1\n[algo-2] rank5 {reason.removeprefix('AlgorithmError: ')}\n"
+    assert classify(JobState("j", Status.FAILED, driver), log_tail=log).category == category
+
+
+def test_sagemakers_own_reason_comes_before_what_a_rank_logged() -> None:
+    """A host lost by the platform: SageMaker says InternalServerError; a surviving rank logged a lost peer."""
+    log = (
+        "[algo-1] rank0 "
+        + FailureRecord("DistNetworkError", "Connection reset by peer", module="torch.distributed").line()
+    )
+    decision = classify(
+        JobState("j", Status.FAILED, "InternalServerError: We encountered an internal error"), log_tail=log
+    )
+    assert (decision.category, decision.record) == ("internal", None)
+
+
+def killed_before_its_first_step() -> Play:
+    """A rank SIGKILLed while the job starts: no record (it could not write one); SageMaker's FailureReason is the SDK
+    driver's CalledProcessError (it writes the failure file when torchrun exits non-zero); torchrun's own account of
+    the signal is in the log."""
+    driver = (
+        "AlgorithmError: CalledProcessError: Command '['torchrun', '--nnodes', '2', ...]' returned non-zero exit "
+        "status 1."
+    )
+    lines = [
+        "[algo-1] torch.distributed.elastic.multiprocessing.errors.ChildFailedError:",
+        "[algo-1] Root Cause (first observed failure):",
+        "[algo-1]   exitcode  : -9 (pid: 4242)",
+        "[algo-1]   traceback : Signal 9 (SIGKILL) received by PID 4242",
+    ]
+    return Play([("InProgress", None), ("Failed", driver)], reaches=0, logs=[[], lines])
+
+
+def test_a_rank_killed_before_its_first_step_is_a_kill_each_time(tmp_path: Path) -> None:
+    clock = [0.0]
+    plays = [killed_before_its_first_step() for _ in range(3)] + [Play()]
+    attempts = supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+    assert [(a.category, a.failure_class) for a in attempts[:3]] == [("killed", "platform")] * 3
+    assert [a.action for a in attempts] == ["resume", "backoff", "backoff", "done"]
+
+
+def test_platform_faults_with_records_retry_to_max_restarts(tmp_path: Path) -> None:
+    clock = [0.0]
+    hw = record_reason("RuntimeError", "nrt_execute status=1006 NRT_EXEC_HW_ERR_COLLECTIVES", 41)
+    plays = [Play([("Failed", hw)], reaches=30) for _ in range(8)]
+    with pytest.raises(RestartsExhausted) as info:
+        supervisor(tmp_path, ScriptedBackend(plays, clock), clock, max_restarts=5).run_to_completion()
+    assert len(info.value.attempts) == 6
+    assert {a.category for a in info.value.attempts} == {"hardware"}
+
+
+def test_a_sagemaker_run_always_has_a_budget() -> None:
+    """job.budget_usd unset on SageMaker: 1.25 x the plan's estimate, stated in the dry run; no estimate: refused."""
+    from hlat.core.config import ConfigError
+    from hlat.core.presets import load_config
+    from hlat.infra.stage_jobs import BUDGET_MARGIN, budget, dry_run, estimate, supervisor_for
+
+    role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
+    config = load_config("hlat-7b", role)
+    total = estimate(config)["total_usd"]
+    assert total and budget(config).usd == pytest.approx(BUDGET_MARGIN * total)
+    assert f"budget: ${BUDGET_MARGIN * total:,.2f} = 1.25 x the estimate" in dry_run(config)
+    assert supervisor_for(config, "s3://bucket/runs/r", "r", lambda: None).budget_usd == pytest.approx(1.25 * total)
+    assert budget(load_config("hlat-7b", {**role, "job.budget_usd": 5000})).usd == 5000
+    unknown = load_config("hlat-7b", {**role, "job.instance_type": "ml.c5.xlarge", "job.processes_per_node": 1})
+    with pytest.raises(ConfigError, match=r"job\.budget_usd: no estimate"):
+        budget(unknown)
+    assert budget(load_config("tiny")).usd is None  # local: no bill, no default
+
+
+def test_the_dry_run_says_whether_a_stop_fits_the_grace() -> None:
+    from hlat.core.presets import load_config
+    from hlat.infra.stage_jobs import dry_run
+
+    role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
+    line = next(x for x in dry_run(load_config("hlat-70b", role)).splitlines() if x.startswith("stop:"))
+    assert "of the 120 s grace: fits" in line
+    slow = load_config("hlat-7b", {**role, "job.instance_count": 1, "training.micro_batch_size": 1})
+    line = next(x for x in dry_run(slow).splitlines() if x.startswith("stop:"))
+    assert "does NOT fit" in line, line
