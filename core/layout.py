@@ -8,6 +8,7 @@ A run is one folder (local path or s3:// prefix), `<storage>/<run_id>/`:
     compile-cache/               latest.json, torch/<key>/, xla/<key>/, neuron/ (COMPILE_CACHE_DIR)
     burn-in/report.json          the burn-in verdict (BURN_IN_REPORT)
     checkpoints/step-NNNNNNNNN/  one checkpoint, complete once its COMMITTED marker exists (CHECKPOINTS_DIR)
+    checkpoints/pins/step-NNNNNNNNN   a checkpoint retention must keep for now (queued for evaluation) (PINS_DIR)
     metrics.jsonl                training's metrics, one JSON object per line (METRICS_FILE)
     eval/                        results.json, report.md, plots; eval/step-NNNNNNNNN/results.json per checkpoint
     jobs/                        each stage's job ledger (JOBS_DIR)
@@ -18,9 +19,11 @@ every listed file's size); `training.checkpoint.CheckpointManager` adds saving, 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -57,6 +60,9 @@ CHECKPOINT_MARKER = "COMMITTED"
 """A checkpoint folder counts only once this file exists: {"step", "meta_sha256"}, written last."""
 CHECKPOINT_META = "meta.json"
 STEP_DIR = re.compile(r"step-(\d+)")
+PINS_DIR = "pins"
+"""Under checkpoints/: one file per pinned step, named like its folder (`pins/step-000001000`). Retention never
+deletes a pinned checkpoint. Not a step folder's name, so `all_steps` never takes it for one."""
 
 
 def step_dir(step: int) -> str:
@@ -106,41 +112,74 @@ class CheckpointIndex:
             log.warning("skipping checkpoint %s: %s", self.storage.uri(step_dir(step)), problem)
         return None
 
+    def latest(self) -> tuple[int, dict[str, Any]] | None:
+        """The newest complete checkpoint's (step, meta.json), each validated once (None: none); newer broken ones
+        are skipped with a warning. What one rank reads at resume and shares with the others."""
+        for step in reversed(self.all_steps()):
+            problem, meta = self._check(step)
+            if problem is None and meta is not None:
+                return step, meta
+            log.warning("skipping checkpoint %s: %s", self.storage.uri(step_dir(step)), problem)
+        return None
+
     def read_meta(self, step: int) -> dict[str, Any]:
         """meta.json of a committed checkpoint."""
-        problem = self._problem(step)
-        if problem is not None:
+        problem, meta = self._check(step)
+        if problem is not None or meta is None:
             raise CheckpointError(f"checkpoint {self.storage.uri(step_dir(step))} is not usable: {problem}")
-        meta: dict[str, Any] = self.storage.read_json(f"{step_dir(step)}/{CHECKPOINT_META}")
         return meta
+
+    # -- pins: checkpoints retention must keep (queued for evaluation) ---------------------------------------
+    def pin(self, step: int, why: str = "") -> None:
+        """Keep checkpoint `step` from retention until `unpin(step)` (a small file under pins/)."""
+        self.storage.write_json(f"{PINS_DIR}/{step_dir(step)}", {"step": step, "why": why})
+
+    def unpin(self, step: int) -> None:
+        self.storage.remove(f"{PINS_DIR}/{step_dir(step)}")
+        if self.storage.is_local:  # S3 has no folders; a local one left empty would linger beside the steps
+            with contextlib.suppress(OSError):
+                os.rmdir(self.storage.path(PINS_DIR))
+
+    def pinned_steps(self) -> list[int]:
+        """Steps pinned against retention, ascending (one LIST of pins/)."""
+        return sorted(int(m.group(1)) for m in map(STEP_DIR.fullmatch, self.storage.list(PINS_DIR)) if m)
 
     def _problem(self, step: int) -> str | None:
         """Why checkpoint `step` is not complete, or None when it is."""
+        return self._check(step)[0]
+
+    def _check(self, step: int) -> tuple[str | None, dict[str, Any] | None]:
+        """(why checkpoint `step` is not complete, None) or (None, its meta.json)."""
+        problem, meta = self._examine(step)
+        return (problem, None) if problem is not None else (None, meta)
+
+    def _examine(self, step: int) -> tuple[str | None, dict[str, Any]]:
         folder = step_dir(step)
+        meta: dict[str, Any] = {}
         try:
             sizes = self._file_sizes(folder)
             if CHECKPOINT_MARKER not in sizes:
-                return f"no {CHECKPOINT_MARKER} marker (an interrupted save)"
+                return f"no {CHECKPOINT_MARKER} marker (an interrupted save)", meta
             if CHECKPOINT_META not in sizes:
-                return f"{CHECKPOINT_META} is missing"
+                return f"{CHECKPOINT_META} is missing", meta
             meta_bytes = self.storage.read_bytes(f"{folder}/{CHECKPOINT_META}")
             marker = json.loads(self.storage.read_bytes(f"{folder}/{CHECKPOINT_MARKER}"))
             if marker.get("meta_sha256") != hashlib.sha256(meta_bytes).hexdigest():
-                return f"{CHECKPOINT_META} does not match the sha256 recorded in {CHECKPOINT_MARKER}"
+                return f"{CHECKPOINT_META} does not match the sha256 recorded in {CHECKPOINT_MARKER}", meta
             meta = json.loads(meta_bytes)
             if meta.get("step") != step:
-                return f"{CHECKPOINT_META} is for step {meta.get('step')}"
+                return f"{CHECKPOINT_META} is for step {meta.get('step')}", meta
             for shard in meta.get("shards") or ():
                 if shard_file(shard) not in meta["files"]:
-                    return f"{CHECKPOINT_META} lists shard {shard!r} but not its file {shard_file(shard)}"
+                    return f"{CHECKPOINT_META} lists shard {shard!r} but not its file {shard_file(shard)}", meta
             for name, info in meta["files"].items():
                 if name not in sizes:
-                    return f"{name} is missing"
+                    return f"{name} is missing", meta
                 if sizes[name] != info["size"]:
-                    return f"{name} is {sizes[name]} bytes, {info['size']} were written (truncated or replaced)"
+                    return f"{name} is {sizes[name]} bytes, {info['size']} were written (truncated or replaced)", meta
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return f"unreadable ({type(exc).__name__}: {exc})"
-        return None
+            return f"unreadable ({type(exc).__name__}: {exc})", meta
+        return None, meta
 
     def _file_sizes(self, folder: str) -> dict[str, int]:
         # One listing (paginated on S3) instead of a HEAD request per file: thousands of ranks mean thousands

@@ -5,6 +5,11 @@ objects are atomic (local: write a temporary file then rename; S3: a PUT is atom
 never sees half a file; so are objects streamed through `atomic_writer` (S3: a multipart upload, which becomes
 visible only when completed). S3 errors that users cause (no credentials, missing bucket, access denied) become
 `StorageError` with a one-line message saying what to fix.
+
+S3 clients retry throttling (503 SlowDown) and 5xx answers with back-off in botocore's "adaptive" retry mode (which
+also slows the client's own request rate once S3 throttles it), and give up on a stalled connection after bounded
+connect and read timeouts instead of hanging: `S3_CLIENT_CONFIG`. Killed uploads leave incomplete multipart uploads
+that listings do not show and S3 bills; `abort_incomplete_uploads` aborts them.
 """
 
 from __future__ import annotations
@@ -62,6 +67,20 @@ def is_transient(exc: BaseException | None) -> bool:
 
 
 _TRANSIENT_API_CODES = _TRANSIENT_CODES | {"ServiceUnavailable", "InternalFailure", "RequestLimitExceeded"}
+
+
+# botocore's client config for every S3 Storage (s3fs's config_kwargs), unless the caller passes its own.
+# https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html: "adaptive" is "standard" (exponential
+# back-off with jitter on throttling, 5xx and connection errors) plus a client-side rate limiter that slows the
+# client down once S3 answers SlowDown (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html
+# asks clients to back off and retry on 503 SlowDown). 10 attempts: about a minute of back-off, enough for S3 to scale
+# a prefix. Timeouts: a part upload of 256 MiB at a modest 50 MB/s takes ~5 s, so a read (response) timeout of 120 s
+# means a connection that is stuck, not a slow one; it then fails and is retried instead of hanging the save.
+S3_CLIENT_CONFIG: dict[str, Any] = {
+    "retries": {"mode": "adaptive", "max_attempts": 10},
+    "connect_timeout": 10,
+    "read_timeout": 120,
+}
 
 
 def _is_s3(url: str) -> bool:
@@ -200,12 +219,24 @@ class Storage:
         self._options = storage_options
         if _is_s3(url):
             # Fresh instances and no listing cache: credentials and objects may change between calls.
-            storage_options = {"skip_instance_cache": True, "use_listings_cache": False, **storage_options}
+            config = {**S3_CLIENT_CONFIG, **storage_options.get("config_kwargs", {})}
+            storage_options = {
+                "skip_instance_cache": True,
+                "use_listings_cache": False,
+                **storage_options,
+                "config_kwargs": config,
+            }
         self.fs, self.root = fsspec.core.url_to_fs(self.url, **storage_options)
         self.is_local = not _is_s3(url) and self.fs.protocol in ("file", ("file", "local"), "local")
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
+
+    @property
+    def block_size(self) -> int | None:
+        """The S3 part size this storage's options ask for (default_block_size), None when they do not."""
+        value = self._options.get("default_block_size")
+        return int(value) if value else None
 
     def child(self, *parts: str) -> Storage:
         """The storage rooted at a sub-folder."""
@@ -307,14 +338,15 @@ class Storage:
                 self.fs.pipe_file(target, data)
 
     @contextlib.contextmanager
-    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
+    def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
         """A binary file to stream one object into: it appears whole when the block ends, and not at all when the
         block raises. What is too big to hold in memory twice (checkpoints) goes through here.
 
         Local: a temporary file in the same folder, its writeback to disk started as it grows, fsynced, then renamed
         over the target. S3: s3fs's writable file, a multipart upload (a part or two in memory at a time) that S3
-        shows only once completed on close, aborted on error. Other filesystems: gathered in memory, then written
-        like write_bytes.
+        shows only once completed on close, aborted on error; an object smaller than one part goes up in a single
+        PUT. `part_size` (S3 only): the bytes of each part (default: the storage's, s3fs's 50 MiB unless
+        default_block_size says otherwise). Other filesystems: gathered in memory, then written like write_bytes.
         """
         uri, target = self.uri(rel), self.path(rel)
         if self.is_local:
@@ -337,7 +369,7 @@ class Storage:
                 raise
         elif _is_s3(self.url):
             with storage_errors(uri):
-                upload = self.fs.open(target, "wb")
+                upload = self.fs.open(target, "wb", **({"block_size": part_size} if part_size else {}))
             try:
                 with storage_errors(uri):
                     yield cast(IO[bytes], _PartWriter(upload))
@@ -380,6 +412,49 @@ class Storage:
         with storage_errors(self.uri(rel)):
             if self.fs.exists(self.path(rel)):
                 self.fs.rm(self.path(rel), recursive=recursive)
+
+    def abort_incomplete_uploads(self, rel: str = "") -> int:
+        """Abort what killed writers left under a folder; return how many. S3: every multipart upload begun under
+        the prefix and never completed (ListMultipartUploads with its Prefix, then AbortMultipartUpload each):
+        listings do not show them, yet S3 stores and bills their parts until they are aborted
+        (https://docs.aws.amazon.com/AmazonS3/latest/userguide/mpu-abort-incomplete-mpu-lifecycle-config.html).
+        Local: the stray `.tmp-*` files of interrupted atomic writes. Only call it when no writer is at work
+        there: an upload in progress would be aborted too."""
+        uri = self.uri(rel)
+        if self.is_local:
+            removed = 0
+            base = self.path(rel)
+            for folder, _, names in os.walk(base):
+                for name in names:
+                    if ".tmp-" in name:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(os.path.join(folder, name))
+                            removed += 1
+            return removed
+        if not _is_s3(self.url):
+            return 0
+        bucket, _, key = self.path(rel).partition("/")
+        prefix = key.rstrip("/") + "/" if key else ""
+        aborted = 0
+        with storage_errors(uri):
+            for upload in self._list_uploads(bucket, prefix):
+                # NoSuchUpload: completed or aborted meanwhile (another job's clean-up): nothing left to do.
+                with contextlib.suppress(FileNotFoundError):
+                    self.fs.call_s3(
+                        "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]
+                    )
+                    aborted += 1
+        return aborted
+
+    def _list_uploads(self, bucket: str, prefix: str) -> builtins.list[dict[str, Any]]:
+        uploads: builtins.list[dict[str, Any]] = []
+        markers: dict[str, str] = {}
+        while True:
+            page = self.fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=prefix, **markers)
+            uploads += page.get("Uploads", [])
+            if not page.get("IsTruncated"):
+                return uploads
+            markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def check_writable(self) -> None:
         """Fail early, with a one-line message, when the root cannot be written (bucket, credentials,

@@ -118,7 +118,9 @@ class CheckpointEvaluator:
     stage reports progress, every newly committed checkpoint whose step is a multiple of every_steps is queued, and
     a background thread evaluates the queue in step order, one evaluation job at a time; training is never
     paused. `close()` looks once more (checkpoints committed just before the job ended) and waits for the queue.
-    A failed evaluation is logged, not raised: it must not stop training."""
+    A failed evaluation is logged, not raised: it must not stop training. A queued checkpoint is pinned
+    (checkpoints/pins/, CheckpointIndex.pin) so the trainer's retention keeps it until its evaluation has ended,
+    successfully or not."""
 
     def __init__(self, config: HlatConfig, run_uri: str, run_id: str) -> None:
         self.config, self.run_uri, self.run_id = config, run_uri, run_id
@@ -135,6 +137,8 @@ class CheckpointEvaluator:
         if not self.every:
             return
         new = [s for s in self._checkpoints.committed_steps() if s % self.every == 0 and s not in self._seen]
+        for step in new:  # before it is queued: retention may run at the trainer's next commit
+            self._pin(step)
         with self._lock:
             self._seen.update(new)
             self._pending = sorted(self._pending + new)
@@ -154,6 +158,20 @@ class CheckpointEvaluator:
                 log.info("intermediate evaluation of step %d: %s", step, evaluation_summary(results))
             except Exception as exc:
                 log.warning("intermediate evaluation of step %d failed: %s", step, exc)
+            finally:
+                self._unpin(step)
+
+    def _pin(self, step: int) -> None:
+        try:
+            self._checkpoints.pin(step, why=f"queued for evaluation by run {self.run_id}")
+        except Exception as exc:  # evaluation goes on; only retention may now take the checkpoint first
+            log.warning("could not pin checkpoint step %d for its evaluation: %s", step, exc)
+
+    def _unpin(self, step: int) -> None:
+        try:
+            self._checkpoints.unpin(step)
+        except Exception as exc:  # a stale pin keeps one checkpoint too many, nothing worse
+            log.warning("could not unpin checkpoint step %d after its evaluation: %s", step, exc)
 
     def close(self) -> None:
         self.poll()

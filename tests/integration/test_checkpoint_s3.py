@@ -136,8 +136,8 @@ class FlakyStorage(Storage):
         self.budget = budget
 
     @contextlib.contextmanager
-    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
-        with super().atomic_writer(rel) as fh:
+    def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
+        with super().atomic_writer(rel, part_size) as fh:
             yield cast(IO[bytes], FailingUpload(fh, self.budget))
 
 

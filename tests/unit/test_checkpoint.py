@@ -29,8 +29,11 @@ from hlat.training.checkpoint import (
     CheckpointManager,
     StagingBuffers,
     capture_rng_state,
+    host_of,
+    manifest_file,
     rank_file,
     restore_rng_state,
+    retention,
     shard_file,
     stage_to_cpu,
     step_dir,
@@ -383,7 +386,7 @@ def test_two_ranks_write_one_checkpoint(tmp_path: Path) -> None:
         rank0.save(step, {"w": torch.tensor(float(step))}, {"rank": 0, "pos": step})
     assert rank0.latest_step() == rank1.latest_step() == 30
     assert sorted(p.name for p in (tmp_path / step_dir(30)).iterdir()) == sorted(
-        [SHARED_FILE, rank_file(0), rank_file(1), META, MARKER]
+        [SHARED_FILE, rank_file(0), rank_file(1), manifest_file(1), META, MARKER]
     )
     assert store.list() == [step_dir(20), step_dir(30)]
     shared0, mine0 = rank0.load(30)
@@ -395,11 +398,14 @@ def test_two_ranks_write_one_checkpoint(tmp_path: Path) -> None:
         CheckpointManager(store, keep_last=2).load(30)
 
 
-def test_rank_zero_does_not_commit_without_every_rank_file(tmp_path: Path) -> None:
+def test_rank_zero_does_not_commit_without_every_rank_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # SageMaker's environment: one rank per host here; its driver numbers nodes in the sorted host list's order.
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    monkeypatch.setenv("SM_HOSTS", '["algo-3", "algo-1", "algo-2"]')
     store = Storage(str(tmp_path))
     rank0 = CheckpointManager(store, keep_last=2, rank=0, world_size=3, commit_timeout_s=0.2)
     CheckpointManager(store, keep_last=2, rank=2, world_size=3).save(5, None, {})
-    with pytest.raises(CheckpointError, match=r"rank-00001\.pt missing"):
+    with pytest.raises(CheckpointError, match=r"rank-00001\.pt, manifest-00001\.json missing .*algo-2: rank 1\)"):
         rank0.save(5, {}, {})
     assert rank0.latest_step() is None
 
@@ -711,7 +717,14 @@ def test_tp2_dp2_ranks_save_one_sharded_checkpoint_and_each_loads_its_own_shard(
     save_tp2_dp2(ranks, 5)
     folder = tmp_path / step_dir(5)
     assert sorted(p.name for p in folder.iterdir()) == sorted(
-        [shard_file("tp00"), shard_file("tp01"), *(rank_file(r) for r in range(4)), META, MARKER]
+        [
+            shard_file("tp00"),
+            shard_file("tp01"),
+            *(rank_file(r) for r in range(4)),
+            *(manifest_file(r) for r in (1, 2, 3)),
+            META,
+            MARKER,
+        ]
     )
     meta = json.loads((folder / META).read_text())
     assert meta["shards"] == ["tp00", "tp01"] and meta["world_size"] == 4
@@ -831,3 +844,253 @@ def test_seeding_the_world_sets_every_state_a_checkpoint_saves() -> None:
     random.random(), np.random.rand(), torch.rand(1)
     world.seed(7)
     assert_same(first, capture_rng_state())
+
+
+# -- at the scale of thousands of ranks: sha256 of every file, errors at once, one reader at resume, pins -----------
+def test_every_ranks_files_get_a_sha256_in_meta_json_and_a_corrupted_one_is_refused(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store)
+    save_tp2_dp2(ranks, 5)
+    folder = tmp_path / step_dir(5)
+    files = json.loads((folder / META).read_text())["files"]
+    written = [shard_file("tp00"), shard_file("tp01"), *(rank_file(r) for r in range(4))]
+    for name in written:  # rank 1 wrote tp01's file, ranks 1-3 their rank files: all vouched for by a sha256
+        assert files[name]["sha256"] == hashlib.sha256((folder / name).read_bytes()).hexdigest(), name
+    assert json.loads((folder / manifest_file(3)).read_text())["files"][rank_file(3)] == files[rank_file(3)]
+    # Same size, other bytes: only the sha256 can tell.
+    body = bytearray((folder / shard_file("tp01")).read_bytes())
+    body[-100] ^= 0xFF
+    (folder / shard_file("tp01")).write_bytes(bytes(body))
+    assert ranks[2].load(5)[1]["rank"] == 2  # tp00's ranks are unaffected
+    with pytest.raises(CheckpointError, match=r"model-tp01\.pt does not match its sha256"):
+        ranks[3].load(5)
+
+
+def test_a_checkpoint_written_before_manifests_still_loads(tmp_path: Path) -> None:
+    """Older checkpoints: no manifests, and a sha256 only for rank 0's files."""
+    store = Storage(str(tmp_path))
+    ranks = tp2_dp2(store)
+    save_tp2_dp2(ranks, 5)
+    folder = tmp_path / step_dir(5)
+    meta = json.loads((folder / META).read_text())
+    for rank in (1, 2, 3):
+        (folder / manifest_file(rank)).unlink()
+        meta["files"][rank_file(rank)]["sha256"] = None
+    meta["files"][shard_file("tp01")]["sha256"] = None
+    meta_bytes = (json.dumps(meta, indent=2, sort_keys=True) + "\n").encode()
+    (folder / META).write_bytes(meta_bytes)
+    (folder / MARKER).write_text(json.dumps({"step": 5, "meta_sha256": hashlib.sha256(meta_bytes).hexdigest()}))
+    for rank, manager in enumerate(ranks):
+        assert manager.latest_step() == 5
+        shared, mine = manager.load(5)
+        assert torch.equal(shared["model"]["w"], tp_state(rank, 5)["model"]["w"]) and mine["rank"] == rank
+
+
+class GatedStorage(Storage):
+    """Its state files wait for `gate` before being written, then fail (`fail`) or not; counts every write."""
+
+    def __init__(self, url: str, fail: bool) -> None:
+        super().__init__(url)
+        self.gate = threading.Event()
+        self.fail = fail
+        self.calls = 0
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str) -> Iterator[IO[bytes]]:
+        self.calls += 1
+        if not self.gate.wait(timeout=30):
+            raise AssertionError("the test never opened the gate")
+        if self.fail:
+            raise OSError(f"injected: no space left writing {rel}")
+        with super().atomic_writer(rel) as fh:
+            yield fh
+
+
+def test_check_raises_a_failed_background_save_at_once_naming_rank_host_and_key(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    monkeypatch.setenv("SM_HOSTS", '["algo-1", "algo-2"]')
+    store = GatedStorage(str(tmp_path), fail=True)
+    manager = CheckpointManager(store, keep_last=2, rank=33, world_size=64, async_save=True)
+    manager.check()  # nothing pending
+    manager.save(7, None, {"rank": 33})
+    started = time.monotonic()
+    for _ in range(1000):
+        manager.check()  # pending, still writing: returns at once, touching nothing
+    assert time.monotonic() - started < 1.0 and store.calls <= 1
+    store.gate.set()
+    deadline = time.monotonic() + 30
+    with pytest.raises(CheckpointError) as raised:
+        while time.monotonic() < deadline:
+            manager.check()
+            time.sleep(0.01)
+    message = str(raised.value)
+    assert "rank 33 on algo-2" in message and f"{step_dir(7)}/{rank_file(33)}" in message and "injected" in message
+    manager.check()  # raised once: the failed save is no longer pending
+    manager.close()
+
+
+def test_check_stays_quiet_for_a_background_save_that_succeeds(tmp_path: Path) -> None:
+    store = GatedStorage(str(tmp_path), fail=False)
+    manager = CheckpointManager(store, keep_last=2, async_save=True)
+    manager.save(3, {"w": torch.ones(3)}, {"rank": 0})
+    manager.check()
+    store.gate.set()
+    manager.wait()
+    manager.check()
+    assert manager.latest_step() == 3
+    manager.close()
+
+
+def test_hosts_of_ranks_come_from_torchrun_and_sagemaker_environments() -> None:
+    sagemaker = {"LOCAL_WORLD_SIZE": "32", "SM_HOSTS": '["algo-10", "algo-2", "algo-1"]', "RANK": "0"}
+    assert [host_of(r, sagemaker) for r in (0, 31, 32, 95)] == ["algo-1", "algo-1", "algo-10", "algo-2"]
+    assert host_of(96, sagemaker) == "node 3"  # past the hosts SageMaker lists: the node rank still says which
+    assert host_of(70, {"LOCAL_WORLD_SIZE": "32", "GROUP_RANK": "1"}) == "node 2"
+    outside = {"SM_CURRENT_HOST": "algo-4"}  # no LOCAL_WORLD_SIZE: only this process's own host is known
+    assert host_of(0, outside) == "algo-4" and host_of(1, {"RANK": "0"}) == "host unknown"
+
+
+class Recording:
+    """A filesystem that records each call (method and path) and passes it on."""
+
+    def __init__(self, fs: Any, calls: list[tuple[str, str]]) -> None:
+        self._fs, self._calls = fs, calls
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._fs, name)
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self._calls.append((name, str(args[0]) if args else ""))
+            return attr(*args, **kwargs)
+
+        return call
+
+
+class ThreadShare:
+    """A broadcast from rank 0 over threads: what a host-side broadcast does for the manager's `share`."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=30)
+        self.value: Any = None
+
+    def of(self, rank: int) -> Any:
+        def share(value: Any) -> Any:
+            if rank == 0:
+                self.value = json.loads(json.dumps(value))  # a copy, as a broadcast delivers
+            self.barrier.wait()
+            out = self.value
+            self.barrier.wait()
+            return out
+
+        return share
+
+
+def run_ranks(world_size: int, work: Any) -> list[Any]:
+    results: list[Any] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank)
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    return results
+
+
+def test_resume_point_is_found_by_rank_0_alone_and_shared_with_every_rank(tmp_path: Path) -> None:
+    save_tp2_dp2(tp2_dp2(Storage(str(tmp_path))), 5)
+    save_tp2_dp2(tp2_dp2(Storage(str(tmp_path))), 6)
+    (tmp_path / step_dir(6) / MARKER).unlink()  # the newest is incomplete: 5 is the one to resume from
+    share = ThreadShare(4)
+    calls: list[list[tuple[str, str]]] = [[] for _ in range(4)]
+    ranks = []
+    for rank in range(4):
+        store = Storage(str(tmp_path))
+        store.fs = Recording(store.fs, calls[rank])
+        ranks.append(tp2_dp2(store, share=share.of(rank))[rank])
+
+    def resume(rank: int) -> Any:
+        found = ranks[rank].resume_point()
+        assert found is not None
+        return found[0], ranks[rank].load(found[0])
+
+    results = run_ranks(4, resume)
+    for rank, result in enumerate(results):
+        assert not isinstance(result, BaseException), result
+        step, (shared, mine) = result
+        assert step == 5 and mine == {"rank": rank, "pos": 500 + rank}
+        assert torch.equal(shared["model"]["w"], tp_state(rank, 5)["model"]["w"])
+    assert any(name == "ls" for name, _ in calls[0])  # rank 0 listed the checkpoints
+    for rank in (1, 2, 3):  # the others read their own two files, and nothing else
+        assert sorted(calls[rank]) == sorted(
+            ("cat_file", str(tmp_path / step_dir(5) / name))
+            for name in (shard_file(TP_SHARDS[rank % 2]), rank_file(rank))
+        ), calls[rank]
+
+
+def test_resume_point_is_none_everywhere_without_a_checkpoint_and_rank_0s_error_reaches_every_rank(
+    tmp_path: Path,
+) -> None:
+    share = ThreadShare(2)
+    ranks = [
+        CheckpointManager(Storage(str(tmp_path)), keep_last=1, rank=r, world_size=2, share=share.of(r)) for r in (0, 1)
+    ]
+    assert run_ranks(2, lambda r: ranks[r].resume_point()) == [None, None]
+
+    broken = Storage(str(tmp_path))
+    broken.fs = Recording(broken.fs, [])
+    broken.fs.ls = None  # type: ignore[method-assign]  # calling it raises TypeError on rank 0 only
+    (tmp_path / step_dir(1)).mkdir()
+    ranks[0] = CheckpointManager(broken, keep_last=1, rank=0, world_size=2, share=share.of(0))
+    results = run_ranks(2, lambda r: ranks[r].resume_point())
+    for result in results:
+        assert isinstance(result, CheckpointError) and "rank 0 could not find" in str(result), result
+
+
+def test_a_pinned_checkpoint_survives_retention_until_unpinned(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=1)
+    manager.save(1, {"w": torch.ones(2)}, {})
+    manager.pin(1, why="queued for evaluation")
+    assert manager.pinned_steps() == [1]
+    for step in (2, 3):
+        manager.save(step, {"w": torch.ones(2) * step}, {})
+    assert manager.all_steps() == [1, 3]  # the pin is no step folder, and step 1 outlived keep_last=1
+    assert manager.committed_steps() == [1, 3]
+    assert torch.equal(manager.load_shared(1)["w"], torch.ones(2))
+    manager.unpin(1)
+    assert manager.pinned_steps() == [] and sorted(p.name for p in tmp_path.iterdir()) == [step_dir(1), step_dir(3)]
+    manager.save(4, {"w": torch.ones(2)}, {})
+    assert manager.all_steps() == [4]
+
+
+def test_retention_never_deletes_a_pinned_step() -> None:
+    steps = [1, 2, 3, 4, 5]
+    assert retention(steps, [1, 2, 4, 5], keep_last=1, keep_every=None, newest=5) == [1, 2, 3, 4]
+    assert retention(steps, [1, 2, 4, 5], keep_last=1, keep_every=None, newest=5, pinned={2, 3}) == [1, 4]
+
+
+def test_a_job_start_removes_the_temporary_files_a_killed_attempt_left(tmp_path: Path) -> None:
+    store = Storage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=2)
+    manager.save(1, {"w": torch.ones(2)}, {})
+    stray = tmp_path / step_dir(1) / f"{rank_file(0)}.tmp-0badc0de"
+    stray.write_bytes(b"half a file")
+    later = tmp_path / step_dir(2) / f"{SHARED_FILE}.tmp-12345678"
+    later.parent.mkdir()
+    later.write_bytes(b"half")
+    assert manager.discard_after(1) == [2]
+    assert not stray.exists() and not later.parent.exists()
+    assert manager.latest_step() == 1
+    stray.write_bytes(b"again")
+    assert manager.abort_incomplete_uploads() == 1 and not stray.exists()
+    assert CheckpointManager(store, keep_last=2, rank=1, world_size=2).abort_incomplete_uploads() == 0

@@ -18,8 +18,9 @@ Layout of one checkpoint (`step-000001000/` for step 1000, 9 digits so names sor
     .metadata        their index, beside rank 0's train_state.pt (step, scheduler, config)
     rank-00000.pt    one per rank: what differs between ranks (data-loader position, RNG states)
     rank-00001.pt
+    manifest-00001.json  one per rank but 0: the sizes and sha256 of the files that rank wrote, and its host
     meta.json        step, world_size, the shard names (sharded only), time, config fingerprint, and every file's
-                     size (sha256 where known: the files rank 0 wrote itself)
+                     size and sha256 (from the manifests; older checkpoints: sizes, and sha256 of rank 0's files)
     COMMITTED        the commit marker: {"step", "meta_sha256"}, written last
 
 Sharding: each rank is given its shard's name (`shard`, e.g. "tp01-pp00"), whether it writes that shard
@@ -28,6 +29,8 @@ hold the same weights, so they share one shard file; on resume every rank reads 
 rank file. A checkpoint is loaded only by a job with the same layout (shard names and world size): the message
 names both. `load_shards` reads every shard (what an exporter consolidates: `training.sharding.consolidate`);
 `load_shared` reads the single shared state of an unsharded checkpoint.
+
+Beside the step folders, `pins/step-NNNNNNNNN` marks a checkpoint retention must keep (queued for evaluation).
 """
 
 from hlat.core.layout import CHECKPOINT_MARKER as MARKER
@@ -35,11 +38,23 @@ from hlat.core.layout import CHECKPOINT_META as META
 from hlat.core.layout import CheckpointError, shard_file, step_dir
 from hlat.training.checkpoint.dcp import METADATA as DCP_METADATA
 from hlat.training.checkpoint.formats import CheckpointFormat, Distributed, ModelParallel, Unsharded, Zero1
-from hlat.training.checkpoint.manager import FORMAT_VERSION, SHARED_FILE, CheckpointManager, rank_file, retention
+from hlat.training.checkpoint.manager import (
+    FORMAT_VERSION,
+    SHARED_FILE,
+    CheckpointManager,
+    checkpoint_requests,
+    host_of,
+    manifest_file,
+    rank_file,
+    request_offset,
+    retention,
+)
+from hlat.training.checkpoint.serialization import CHECKPOINT_PART_SIZE
 from hlat.training.checkpoint.rng import capture_rng_state, rank_state, restore_rank_state, restore_rng_state
 from hlat.training.checkpoint.serialization import StagingBuffers, check_loadable, stage_to_cpu
 
 __all__ = [
+    "CHECKPOINT_PART_SIZE",
     "DCP_METADATA",
     "FORMAT_VERSION",
     "MARKER",
@@ -55,8 +70,12 @@ __all__ = [
     "Zero1",
     "capture_rng_state",
     "check_loadable",
+    "checkpoint_requests",
+    "host_of",
+    "manifest_file",
     "rank_file",
     "rank_state",
+    "request_offset",
     "restore_rank_state",
     "restore_rng_state",
     "retention",

@@ -27,18 +27,39 @@ one CPU copy of its state between saves; `close()` frees it. A later `save` or `
 one and re-raises its error as `CheckpointError`. The background thread never calls `barrier`: a collective issued
 from a second thread can deadlock against the loop's own (NCCL, gloo); rank 0 relies on polling the storage for the
 other ranks' files instead, so give it a generous `commit_timeout_s`. FSDP2's async saves go through DCP's own
-(dcp.py).
+(dcp.py). A failed background save is raised by `check()` too, which the loop calls after every step: it costs no
+I/O, so a rank's failed upload stops the job at once rather than one checkpoint interval later.
+
+Every rank's files get a sha256: each rank other than 0 writes `manifest-RRRRR.json` (its files' sizes and sha256,
+its host) beside them, and rank 0 merges the manifests into meta.json at commit; `read_state` checks the sha256 of
+every file it reads. Checkpoints written before manifests existed record sizes only, and still load.
+
+S3 request rates (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html: 3,500
+PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second per partitioned prefix, 503 SlowDown beyond): checkpoint
+files go up in 256 MiB parts (serialization.CHECKPOINT_PART_SIZE), so most files are one PUT; on S3 each rank starts
+its writes `rank x requests_per_rank / write_rate` seconds after the save began, and its reads at resume
+likewise after `read_rate`, so thousands of ranks spread their requests over a few seconds instead of sending them
+within one (`request_offset`); botocore retries what is throttled anyway (core.storage.S3_CLIENT_CONFIG). At resume
+one rank (0) lists the checkpoints and reads meta.json (`resume_point`), and hands the result to the others through
+`share` (a broadcast the loop provides): every other rank only reads its own files.
+
+Pins: a checkpoint pinned with `pin(step)` (the evaluator's, while it is queued for evaluation) is never deleted by
+retention; see CheckpointIndex.pin. At a job's start rank 0 aborts the incomplete multipart uploads a killed attempt
+left under the checkpoints prefix (`abort_incomplete_uploads`, called by `discard_after`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
+import os
 import re
+import socket
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
@@ -46,7 +67,7 @@ from typing import Any
 from hlat.core.layout import CHECKPOINT_MARKER as MARKER
 from hlat.core.layout import CHECKPOINT_META as META
 from hlat.core.layout import CheckpointError, CheckpointIndex, shard_file, step_dir
-from hlat.core.storage import Storage
+from hlat.core.storage import Storage, StorageError
 from hlat.training.checkpoint import dcp
 from hlat.training.checkpoint.serialization import (
     StagingBuffers,
@@ -71,8 +92,78 @@ def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.pt"
 
 
+def manifest_file(rank: int) -> str:
+    """A rank's manifest: the sizes and sha256 of the files it wrote, merged into meta.json by rank 0."""
+    return f"manifest-{rank:05d}.json"
+
+
+def _is_manifest(name: str) -> bool:
+    return name.startswith("manifest-") and name.endswith(".json")
+
+
+_RANK_NAME = re.compile(r"(?:rank|manifest)-(\d{5})\.(?:pt|json)")
+
+
 def _no_barrier() -> None:
     return None
+
+
+def _identity(value: Any) -> Any:
+    return value
+
+
+def host_of(rank: int, env: Mapping[str, str] | None = None) -> str:
+    """The host that runs `rank`, from the environment torchrun and SageMaker set: torchrun gives each host
+    LOCAL_WORLD_SIZE consecutive ranks (rank // LOCAL_WORLD_SIZE is the host's node rank), and SageMaker's driver
+    numbers nodes in the order of its sorted host list, SM_HOSTS (algo-1, algo-2, ...). Without SM_HOSTS:
+    "node N"; without LOCAL_WORLD_SIZE (not in a job): this machine's name for this process's own rank (RANK),
+    "host unknown" for others."""
+    env = os.environ if env is None else env
+    local = _int(env.get("LOCAL_WORLD_SIZE"))
+    if local:
+        node = rank // local
+        try:
+            hosts = sorted(json.loads(env.get("SM_HOSTS") or "[]"))
+        except (ValueError, TypeError):
+            hosts = []
+        if 0 <= node < len(hosts):
+            return str(hosts[node])
+        return f"node {node}"
+    if _int(env.get("RANK")) in (rank, None):
+        return env.get("SM_CURRENT_HOST") or socket.gethostname()
+    return "host unknown"
+
+
+def _int(text: str | None) -> int | None:
+    try:
+        return int(text) if text is not None else None
+    except ValueError:
+        return None
+
+
+def request_offset(rank: int, world_size: int, requests_per_rank: float, rate: float | None) -> float:
+    """Seconds rank `rank` waits before its requests so that `world_size` ranks, `requests_per_rank` each, send
+    about `rate` a second together (rank order: the ranks of one host go together); 0 with no rate."""
+    if not rate or world_size <= 1:
+        return 0.0
+    return rank * requests_per_rank / rate
+
+
+def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int) -> dict[str, int]:
+    """The S3 write requests of one checkpoint's files (name -> size): a file no bigger than one part is one
+    PutObject; a bigger one is CreateMultipartUpload, one UploadPart per part, CompleteMultipartUpload (s3fs's
+    writes). Plus one PutObject per manifest, meta.json and COMMITTED. What bench_checkpoint.py scales to a job's
+    size, and what the S3 test checks against the requests it counts."""
+    counts = {"PutObject": 0, "CreateMultipartUpload": 0, "UploadPart": 0, "CompleteMultipartUpload": 0}
+    for size in sizes.values():
+        if size <= part_size:
+            counts["PutObject"] += 1
+        else:
+            counts["CreateMultipartUpload"] += 1
+            counts["UploadPart"] += -(-size // part_size)
+            counts["CompleteMultipartUpload"] += 1
+    counts["PutObject"] += manifests + 2
+    return counts
 
 
 class CheckpointManager(CheckpointIndex):
@@ -95,13 +186,20 @@ class CheckpointManager(CheckpointIndex):
         shards: Sequence[str] = (),
         distributed: bool = False,
         stage_in_background: bool = False,
+        share: Callable[[Any], Any] = _identity,
+        write_rate: float | None = 2000.0,
+        read_rate: float | None = 3000.0,
     ) -> None:
         """`shard`: this rank's model-state shard (e.g. "tp01-pp00"), None for an unsharded checkpoint (rank 0
         writes train_state.pt); `shard_writer`: whether this rank writes that shard (one data-parallel replica per
         shard does); `shards`: every shard name the checkpoint holds (the same on every rank); `distributed`: the
         model and optimizer states go through torch.distributed.checkpoint (FSDP2), see the module docstring;
         `stage_in_background` (async saves): the copies of CPU tensors are made by the writer thread, and the caller
-        leaves its tensors unchanged until `wait_staged()` returns (the trainer: before the next optimizer step)."""
+        leaves its tensors unchanged until `wait_staged()` returns (the trainer: before the next optimizer step);
+        `share`: called by every rank with a value, returns rank 0's value on every rank (a broadcast; the default,
+        for one rank, returns its argument): how `resume_point` hands rank 0's findings to the others;
+        `write_rate` / `read_rate` (S3 only; None: no spreading): the requests per second all ranks together aim at
+        while writing a checkpoint / reading one at resume, under S3's per-prefix 3,500 and 5,500."""
         if distributed and shard is not None:
             raise ValueError("distributed (DCP) checkpoints hold no per-shard files: pass no shard")
         if keep_last < 1:
@@ -158,6 +256,11 @@ class CheckpointManager(CheckpointIndex):
         self._lock = threading.Lock()
         self.bytes_read = 0
         """Bytes this rank has read from checkpoint files (what a resume costs it)."""
+        self.share = share
+        self.write_rate = write_rate
+        self.read_rate = read_rate
+        self.host = host_of(rank)
+        self._metas: dict[int, dict[str, Any]] = {}  # meta.json of checkpoints resume_point found (rank 0's)
         self._dcp = dcp.DistributedWriter(storage, asynchronous=async_save) if distributed else None
 
     def __repr__(self) -> str:
@@ -193,6 +296,7 @@ class CheckpointManager(CheckpointIndex):
             check_loadable(shared, "shared_state")
         check_loadable(rank_state, "rank_state")
         self.wait()
+        self._metas.pop(step, None)  # the folder is about to change: what resume_point read of it is stale
         distributed_writes: Future[Any] | None = None
         if distributed_state is not None:
             self._clear_stale_marker(step)
@@ -235,6 +339,15 @@ class CheckpointManager(CheckpointIndex):
         tensors it passed (a failed copy is raised by the next `save` or `wait`)."""
         self._staged.wait()
 
+    def check(self) -> None:
+        """Raise CheckpointError at once if the pending async save has failed; otherwise return at once (a save
+        still running, done, or none). No I/O and no device read: the loop calls it after every step."""
+        with self._lock:
+            pending = self._pending
+            if pending is None or not pending.done() or pending.exception() is None:
+                return
+        self.wait()  # done and failed: wait() returns nothing but its error
+
     def wait(self) -> None:
         """Block until a pending async save has finished; re-raise its error as CheckpointError."""
         with self._lock:
@@ -248,8 +361,14 @@ class CheckpointManager(CheckpointIndex):
             raise
         except Exception as exc:
             raise CheckpointError(
-                f"background save of {self.storage.uri(step_dir(step or 0))} failed: {type(exc).__name__}: {exc}"
+                f"background save of {self.storage.uri(step_dir(step or 0))} failed ({self._who()}): "
+                f"{type(exc).__name__}: {exc}"
             ) from exc
+
+    def _who(self, rank: int | None = None) -> str:
+        """`rank 5 on algo-1`: a rank and its host, as error messages name them."""
+        rank = self.rank if rank is None else rank
+        return f"rank {rank} on {self.host if rank == self.rank else host_of(rank)}"
 
     def close(self) -> None:
         """Wait for a pending save, then stop the background thread and free the staging buffers."""
@@ -280,8 +399,23 @@ class CheckpointManager(CheckpointIndex):
                 )
             for old in doomed:
                 self.delete(old)
+            try:
+                self.abort_incomplete_uploads()
+            except Exception as exc:  # billed leftovers, not a reason to stop the job
+                log.warning("could not abort incomplete uploads under %s: %s", self.storage.url, exc)
         self.barrier()
         return doomed
+
+    def abort_incomplete_uploads(self) -> int:
+        """Rank 0, when a job starts and before any rank writes (`discard_after` calls it): abort the incomplete
+        multipart uploads a killed attempt left under the checkpoints prefix (S3 bills their parts, listings do
+        not show them), or remove stray temporary files (local). Returns how many; 0 on other ranks."""
+        if self.rank != 0:
+            return 0
+        aborted = self.storage.abort_incomplete_uploads()
+        if aborted:
+            log.info("aborted %d incomplete upload(s) an earlier attempt left under %s", aborted, self.storage.url)
+        return aborted
 
     def _clear_stale_marker(self, step: int) -> None:
         """Rank 0: a folder left by an earlier attempt at this step must not vouch for the new files."""
@@ -304,20 +438,34 @@ class CheckpointManager(CheckpointIndex):
             distributed_writes.result()  # DCP's files first: rank 0's marks every rank's complete
         elif not self.distributed:
             self._clear_stale_marker(step)
+        if not self.storage.is_local:
+            # Spread the ranks' first requests over time (see the module docstring): a rank file and a manifest.
+            time.sleep(request_offset(self.rank, self.world_size, 2, self.write_rate))
         if shared is not None:
-            known[self._shared_file] = write_state(self.storage, f"{folder}/{self._shared_file}", shared)
-        known[rank_file(self.rank)] = write_state(self.storage, f"{folder}/{rank_file(self.rank)}", rank_state)
+            known[self._shared_file] = self._write_file(folder, self._shared_file, shared)
+        known[rank_file(self.rank)] = self._write_file(folder, rank_file(self.rank), rank_state)
+        if self.rank != 0:
+            manifest = {"rank": self.rank, "host": self.host, "files": known}
+            with self._naming_errors(f"{folder}/{manifest_file(self.rank)}"):
+                self.storage.write_bytes(
+                    f"{folder}/{manifest_file(self.rank)}", (json.dumps(manifest, sort_keys=True) + "\n").encode()
+                )
         if use_barrier:
             self.barrier()
         if self.rank != 0:
             return
         sizes = self._wait_for_files(folder)
-        files = {name: {"size": sizes[name], "sha256": known.get(name, {}).get("sha256")} for name in sorted(sizes)}
-        for name, info in known.items():
-            if files[name]["size"] != info["size"]:
-                raise CheckpointError(
-                    f"{self.storage.uri(folder, name)} is {files[name]['size']} bytes after writing {info['size']}"
-                )
+        # The manifests' contents go into meta.json; they themselves are not part of the checkpoint.
+        files = {name: {"size": sizes[name], "sha256": None} for name in sorted(sizes) if not _is_manifest(name)}
+        for rank, written in [(0, known), *self._read_manifests(folder, sizes)]:
+            for name, info in written.items():
+                if name not in files or files[name]["size"] != info["size"]:
+                    listed = files[name]["size"] if name in files else "missing"
+                    raise CheckpointError(
+                        f"not committing {self.storage.uri(folder)}: {name} ({self._who(rank)}) is {listed} bytes "
+                        f"after writing {info['size']}"
+                    )
+                files[name]["sha256"] = info.get("sha256")
         fingerprint = self.fingerprint
         if fingerprint is None and isinstance(shared, Mapping):
             fingerprint = shared.get("config_fingerprint")
@@ -343,16 +491,52 @@ class CheckpointManager(CheckpointIndex):
         except Exception as exc:  # the checkpoint is safe; a failed clean-up must not stop training
             log.warning("could not prune old checkpoints under %s: %s", self.storage.url, exc)
 
+    def _write_file(self, folder: str, name: str, state: Any) -> dict[str, Any]:
+        with self._naming_errors(f"{folder}/{name}"):
+            return write_state(self.storage, f"{folder}/{name}", state)
+
+    @contextlib.contextmanager
+    def _naming_errors(self, rel: str) -> Iterator[None]:
+        """Errors of a write name this rank, its host and the key. The error keeps its class where it can be made
+        from a message (callers catch OSError; a TransientStorageError is still retried as one), else it becomes a
+        CheckpointError; the original is its cause."""
+        try:
+            yield
+        except Exception as exc:
+            uri = self.storage.uri(rel)
+            text = str(exc) if uri in str(exc) else f"{uri}: {type(exc).__name__}: {exc}"
+            raise _same_kind(exc, f"{self._who()}: {text}") from exc
+
+    def _read_manifests(self, folder: str, sizes: Mapping[str, int]) -> list[tuple[int, dict[str, Any]]]:
+        """(rank, its files' sizes and sha256) from every other rank's manifest, read in parallel."""
+        ranks = [r for r in range(1, self.world_size) if manifest_file(r) in sizes]
+
+        def read(rank: int) -> tuple[int, dict[str, Any]]:
+            try:
+                manifest = json.loads(self.storage.read_bytes(f"{folder}/{manifest_file(rank)}"))
+                return rank, dict(manifest["files"])
+            except (StorageError, ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(
+                    f"not committing {self.storage.uri(folder)}: the manifest of {self._who(rank)} is unreadable: "
+                    f"{type(exc).__name__}: {exc}"
+                ) from exc
+
+        if not ranks:
+            return []
+        with ThreadPoolExecutor(max_workers=min(16, len(ranks)), thread_name_prefix="ckpt-manifests") as pool:
+            return list(pool.map(read, ranks))
+
     def _expected_files(self, listed: Mapping[str, int]) -> list[str]:
         shared = [SHARED_FILE] if self.shard is None else [shard_file(s) for s in self.shards]
         distributed = dcp.expected_files(listed) if self.distributed else []
-        return [*shared, *(rank_file(r) for r in range(self.world_size)), *distributed]
+        manifests = [manifest_file(r) for r in range(1, self.world_size)]
+        return [*shared, *(rank_file(r) for r in range(self.world_size)), *manifests, *distributed]
 
     # -- torch.distributed.checkpoint (FSDP2) ------------------------------------------------------------
     def load_distributed(self, step: int, state: dict[str, Any]) -> None:
         """Fill `state` (this rank's DTensor state dict, as FSDP2's get_state_dict gives it) in place from the
         distributed files of committed checkpoint `step`; every rank calls it (a collective)."""
-        dcp.load(self.storage, step, self.read_meta(step), state)
+        dcp.load(self.storage, step, self._meta(step), state)
 
     def load_distributed_full(self, step: int) -> State:
         """The distributed state of committed checkpoint `step` consolidated into plain CPU tensors (every shard
@@ -376,17 +560,59 @@ class CheckpointManager(CheckpointIndex):
                     writers = "; each shard needs one rank with shard_writer=True that passes its shared state"
                 raise CheckpointError(
                     f"not committing {self.storage.uri(folder)}: {shown} missing after "
-                    f"{self.commit_timeout_s:g}s; every rank must call save({int(folder[5:])}, ...){writers}"
+                    f"{self.commit_timeout_s:g}s{self._missing_ranks(missing)}; every rank must call "
+                    f"save({int(folder[5:])}, ...){writers}"
                 )
             time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
             delay = min(delay * 2, 0.5)
 
+    def _missing_ranks(self, missing: Sequence[str]) -> str:
+        """` (the files of 2 ranks are missing, by host: algo-1: rank 5; algo-2: rank 37)`."""
+        ranks = sorted({int(m.group(1)) for m in map(_RANK_NAME.fullmatch, missing) if m})
+        if not ranks:
+            return ""
+        by_host: dict[str, list[int]] = {}
+        for rank in ranks:
+            by_host.setdefault(host_of(rank), []).append(rank)
+        hosts = "; ".join(
+            f"{host}: rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs[:8]))}{' ...' if len(rs) > 8 else ''}"
+            for host, rs in sorted(by_host.items())[:8]
+        )
+        more = f" and {len(by_host) - 8} more hosts" if len(by_host) > 8 else ""
+        return f" (the files of {_ranks(len(ranks))} are missing, by host: {hosts}{more})"
+
     # -- loading -----------------------------------------------------------------------------------------
+    def resume_point(self) -> tuple[int, dict[str, Any]] | None:
+        """(step, meta.json) of the newest complete checkpoint, None when there is none. Every rank calls it (a
+        collective through `share`): rank 0 alone lists the checkpoints and reads their markers and meta.json,
+        and `share` hands its finding to the others, so a resume costs one listing, not one per rank. `load` of
+        that step then reads no meta.json again."""
+        found: Any = None
+        if self.rank == 0:
+            try:
+                found = self.latest()
+            except Exception as exc:  # every rank must learn of it, or the others wait in share() forever
+                found = {"error": f"{type(exc).__name__}: {exc}"}
+        found = self.share(found)
+        if isinstance(found, dict):
+            raise CheckpointError(
+                f"rank 0 could not find the newest checkpoint under {self.storage.url}: {found['error']}"
+            )
+        if found is None:
+            return None
+        step, meta = int(found[0]), dict(found[1])
+        self._metas[step] = meta
+        return step, meta
+
+    def _meta(self, step: int) -> dict[str, Any]:
+        meta = self._metas.get(step)
+        return meta if meta is not None else self.read_meta(step)
+
     def load(self, step: int) -> tuple[State, State]:
         """(shared state, this rank's rank_state) of checkpoint `step`, as CPU tensors. The shared state is the
         unsharded train_state.pt, or this rank's own shard (data-parallel replicas read the same one)."""
         folder = step_dir(step)
-        meta = self.read_meta(step)
+        meta = self._meta(step)
         theirs = _shard_list(meta)
         mine_shards = list(self.shards) if self.shard is not None else None
         if meta["world_size"] != self.world_size or theirs != mine_shards:
@@ -403,6 +629,8 @@ class CheckpointManager(CheckpointIndex):
                 f"{_describe_layout(theirs)}, this job has {_ranks(self.world_size)} with "
                 f"{_describe_layout(mine_shards)}: {'; '.join(why)}"
             )
+        if not self.storage.is_local:  # spread the ranks' reads (see the module docstring): two files each
+            time.sleep(request_offset(self.rank, self.world_size, 2, self.read_rate))
         shared = self._read(folder, self._shared_file, meta)
         mine = self._read(folder, rank_file(self.rank), meta)
         return shared, mine
@@ -452,7 +680,7 @@ class CheckpointManager(CheckpointIndex):
         committed = [s for s in steps if self.storage.exists(f"{step_dir(s)}/{MARKER}")]
         if not committed:
             return []
-        doomed = retention(steps, committed, self.keep_last, self.keep_every, newest)
+        doomed = retention(steps, committed, self.keep_last, self.keep_every, newest, pinned=self.pinned_steps())
         for step in doomed:
             self.delete(step)
         return doomed
@@ -463,6 +691,15 @@ class CheckpointManager(CheckpointIndex):
         self.storage.remove(f"{folder}/{MARKER}")
         self.storage.remove(folder, recursive=True)
         log.info("deleted checkpoint %s", self.storage.uri(folder))
+
+
+def _same_kind(exc: Exception, message: str) -> Exception:
+    """An exception of `exc`'s class saying `message`, or a CheckpointError when that class takes other arguments."""
+    try:
+        renamed = type(exc)(message)
+    except Exception:
+        return CheckpointError(message)
+    return renamed if str(renamed) == message else CheckpointError(message)
 
 
 def _shard_list(meta: Mapping[str, Any]) -> list[str] | None:
@@ -483,10 +720,16 @@ def _ranks(n: int) -> str:
 
 
 def retention(
-    steps: Sequence[int], committed: Sequence[int], keep_last: int, keep_every: int | None, newest: int | None
+    steps: Sequence[int],
+    committed: Sequence[int],
+    keep_last: int,
+    keep_every: int | None,
+    newest: int | None,
+    pinned: Collection[int] = (),
 ) -> list[int]:
     """The steps to delete, ascending: complete checkpoints beyond the newest `keep_last` (except multiples of
-    `keep_every`), and incomplete folders older than `newest` (default: the newest complete checkpoint)."""
+    `keep_every`), and incomplete folders older than `newest` (default: the newest complete checkpoint); never a
+    `pinned` step (queued for evaluation)."""
     if not committed:
         return []
     committed = sorted(committed)
@@ -496,4 +739,4 @@ def retention(
         keep.update(s for s in committed if s % keep_every == 0)
     doomed = {s for s in committed if s not in keep}
     doomed.update(s for s in steps if s not in committed and s < newest)
-    return sorted(doomed)
+    return sorted(doomed - set(pinned))
