@@ -738,9 +738,16 @@ def announce_resumed(record: Attempt, state: JobState | None) -> None:
         log.info("re-attaching to attempt %d (%s, %s)", record.attempt, record.job_name, state.status.value)
 
 
-def _forward(lines: list[str], state: JobState | None) -> None:
-    for line in lines:
-        job_log.info("%s", line)
+class _Forward:
+    """A short job's log forwarded to ours, its tail kept for classifying its ending (`classify`'s log_tail)."""
+
+    def __init__(self) -> None:
+        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+
+    def __call__(self, lines: list[str], state: JobState | None) -> None:
+        self.tail.extend(lines)
+        for line in lines:
+            job_log.info("%s", line)
 
 
 def run_job(
@@ -791,12 +798,13 @@ def run_job(
                 continue
             record.status = Status.IN_PROGRESS.value
             ledger.save(attempts)
-        state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, _forward, reattached)
+        forward = _Forward()
+        state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, forward, reattached)
         record.status = state.status.value
         record.reason = ending_reason(state)
         record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
         record.ended_at = clock()
-        decision = classify(state)
+        decision = classify(state, log_tail="\n".join(forward.tail))
         record.action, record.category = decision.action.value, decision.category
         ledger.save(attempts)
         if decision.action in (Action.DONE, Action.FATAL) or tries >= max_attempts:
