@@ -24,6 +24,11 @@ Run:
 
     .venv/bin/python -m benchmarks.bench_checkpoint [--layers N] [--d-model D] [--vocab V] [--batch B] [--seq T]
                                                     [--device cpu|cuda] [--repeats R] [--dir FOLDER]
+
+`--s3-requests` prints instead, with no I/O, the S3 requests of one checkpoint of HLAT 7B and 70B at 64 and 256
+trn1 hosts against S3's per-prefix rates (`s3_request_table`): the request counts of the protocol are the ones
+tests/integration/test_checkpoint_s3_requests.py measures on a 2 x 2 job (`checkpoint_requests`, `read_requests`),
+scaled to each job's files.
 """
 
 from __future__ import annotations
@@ -34,15 +39,24 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import best_of, table
+from benchmarks.measure import best_of
 from hlat.core.config import ModelConfig
 from hlat.core.storage import Storage
-from hlat.training.checkpoint import SHARED_FILE, CheckpointManager, rank_state, step_dir
+from hlat.training.checkpoint import (
+    CHECKPOINT_PART_SIZE,
+    SHARED_FILE,
+    CheckpointManager,
+    checkpoint_requests,
+    rank_state,
+    read_requests,
+    step_dir,
+)
 from hlat.training.model import Transformer
 
 
@@ -150,7 +164,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--device", default="cpu", help="where the model trains and its state lives (cpu, cuda)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--dir", default=None, help="where to save (default: a temporary folder)")
+    parser.add_argument("--s3-requests", action="store_true", help="print the S3 request estimate table and stop")
     args = parser.parse_args(argv)
+    if args.s3_requests:
+        table = s3_request_table()
+        print(table)
+        return table
     cfg = ModelConfig(
         n_layers=args.layers,
         d_model=args.d_model,
@@ -260,6 +279,117 @@ def time_saves(training: Training, mine: dict[str, Any], root: str, repeats: int
         timed("sync", lambda folder: CheckpointManager(Storage(folder), keep_last=1).save(1, state, mine))
         timed("async_total", manager_async)
     return best
+
+
+# -- S3 requests at HLAT's scale: arithmetic over the measured protocol ------------------------------------------
+# https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html
+S3_PUT_PER_PREFIX_S = 3500
+S3_GET_PER_PREFIX_S = 5500
+RANKS_PER_HOST = 32  # trn1.32xlarge: 16 Trainium chips, 32 NeuronCores, a rank each
+UPLOAD_BYTES_PER_S = 256 << 20  # one s3fs upload (its parts go one after another): ~1 part of 256 MiB a second
+S3FS_PART = 50 << 20  # s3fs's default part size: what checkpoints used before
+RANK_FILE_BYTES = 64 << 10  # RNG states and the loader's position
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """One HLAT training job's checkpoint: its shard files (one per model-parallel shard) and rank files."""
+
+    name: str
+    params: float
+    hosts: int
+    tp: int
+    pp: int
+    shard_bytes_per_param: int
+    """Bytes per parameter in the shard files together (7B, pure BF16: weights and both AdamW moments = 6;
+    70B under ZeRO-1: the BF16 weights = 2)."""
+    rank_bytes_per_param: int
+    """Bytes per parameter in the rank files together (70B, ZeRO-1: FP32 masters and both moments = 12)."""
+
+    @property
+    def world_size(self) -> int:
+        return self.hosts * RANKS_PER_HOST
+
+    def files(self) -> dict[str, int]:
+        shards = self.tp * self.pp
+        files = {f"model-{i}.pt": int(self.params * self.shard_bytes_per_param / shards) for i in range(shards)}
+        rank_bytes = int(self.params * self.rank_bytes_per_param / self.world_size) + RANK_FILE_BYTES
+        files.update({f"rank-{r}.pt": rank_bytes for r in range(self.world_size)})
+        return files
+
+
+def hlat_jobs() -> list[JobShape]:
+    """HLAT 7B (TP8, pure BF16 weights and optimizer states, DP = 4 x hosts) and 70B (TP32 PP8, ZeRO-1 with FP32
+    masters and optimizer states) at 64 and 256 hosts."""
+    jobs = []
+    for hosts in (64, 256):
+        jobs.append(JobShape("7B", 6.74e9, hosts, tp=8, pp=1, shard_bytes_per_param=6, rank_bytes_per_param=0))
+        jobs.append(JobShape("70B", 68.98e9, hosts, tp=32, pp=8, shard_bytes_per_param=2, rank_bytes_per_param=12))
+    return jobs
+
+
+def s3_requests(job: JobShape, part_size: int, spread: bool, manifests: bool) -> dict[str, float]:
+    """One checkpoint's S3 requests, all under its step-N/ prefix: `writes` (PUT/POST class), `commit_reads`
+    (rank 0 reading the manifests), `resume_reads` (every rank finding the checkpoint and reading its files), and
+    the peak requests a second into the prefix while writing and resuming.
+
+    Peaks: without spreading, every rank's first request (a whole file's PUT, or a multipart upload's create) and
+    its manifest land within about a second, as the ranks finish serialising together, plus one part a second per
+    multipart upload (at UPLOAD_BYTES_PER_S); with spreading, the ranks start at write_rate (2,000/s) and
+    read_rate (3,000/s), plus the same parts, and the shard writers' uploads (low ranks, first) at once."""
+    files = job.files()
+    world = job.world_size
+    writes = checkpoint_requests(files, part_size, manifests=world - 1 if manifests else 0)
+    multipart = sum(1 for size in files.values() if size > part_size)
+    parts_per_s = multipart * max(1.0, UPLOAD_BYTES_PER_S / part_size)
+    first = world + (world - 1 if manifests else 0)  # every rank file (or its create), every manifest
+    shards = job.tp * job.pp
+    reads_per_rank = read_requests(files["model-0.pt"], part_size) + read_requests(files["rank-0.pt"], part_size)
+    listed = len(files) + (world - 1 if manifests else 0) + 2
+    pages = -(-listed // 1000)
+    # Finding the newest checkpoint (CheckpointIndex.latest_step then read_meta): the listings and, twice, the
+    # step folder's listing pages, the marker and meta.json (a HEAD and a GET each), then meta.json again.
+    find = 3 + 2 * (2 + pages + 4) + 2
+    if spread:
+        write_peak = min(first, 2000) + multipart + parts_per_s
+        resume_peak = min(world * reads_per_rank, 3000)
+        resume = find + world * reads_per_rank
+    else:
+        write_peak = first + multipart + parts_per_s
+        resume_peak = world * (find + reads_per_rank) / 2  # ~2 s for each rank's round trips one after another
+        resume = world * (find + reads_per_rank)
+    return {
+        "files": len(files),
+        "shards": shards,
+        "writes": sum(writes.values()),
+        "commit_reads": 2 * (world - 1) if manifests else 0,
+        "write_peak_per_s": write_peak,
+        "resume_reads": resume,
+        "resume_peak_per_s": resume_peak,
+    }
+
+
+def s3_request_table(part_size: int = CHECKPOINT_PART_SIZE) -> str:
+    """The markdown table of `s3_requests` for HLAT's jobs, before (s3fs's 50 MiB parts, every rank finding the
+    checkpoint, no manifests or spreading) and now."""
+    rows = [
+        "| job | hosts (ranks) | file size: shard / rank | PUT-class per checkpoint, before -> now | peak PUT/s "
+        "in step-N/, before -> now | resume GET/HEAD, before -> now | peak GET/s, before -> now |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for job in hlat_jobs():
+        files = job.files()
+        before = s3_requests(job, S3FS_PART, spread=False, manifests=False)
+        now = s3_requests(job, part_size, spread=True, manifests=True)
+        rows.append(
+            f"| {job.name} | {job.hosts} ({job.world_size}) | {files['model-0.pt'] / 1e6:,.0f} MB / "
+            f"{files['rank-0.pt'] / 1e6:,.1f} MB | {before['writes']:,.0f} -> {now['writes']:,.0f} "
+            f"(+{now['commit_reads']:,.0f} GET/HEAD at commit) | {before['write_peak_per_s']:,.0f} -> "
+            f"{now['write_peak_per_s']:,.0f} (limit {S3_PUT_PER_PREFIX_S:,}) | {before['resume_reads']:,.0f} -> "
+            f"{now['resume_reads']:,.0f} | {before['resume_peak_per_s']:,.0f} -> {now['resume_peak_per_s']:,.0f} "
+            f"(limit {S3_GET_PER_PREFIX_S:,}) |"
+        )
+    return "\n".join(rows)
 
 
 if __name__ == "__main__":

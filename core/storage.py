@@ -74,10 +74,10 @@ _TRANSIENT_API_CODES = _TRANSIENT_CODES | {"ServiceUnavailable", "InternalFailur
 # back-off with jitter on throttling, 5xx and connection errors) plus a client-side rate limiter that slows the
 # client down once S3 answers SlowDown (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html
 # asks clients to back off and retry on 503 SlowDown). 10 attempts: about a minute of back-off, enough for S3 to scale
-# a prefix. Timeouts: a part upload of 256 MiB at a modest 50 MB/s takes ~5 s, so a read (response) timeout of 120 s
+# a prefix. Timeouts: a part upload of 512 MiB at a modest 50 MB/s takes ~11 s, so a read (response) timeout of 120 s
 # means a connection that is stuck, not a slow one; it then fails and is retried instead of hanging the save.
 S3_CLIENT_CONFIG: dict[str, Any] = {
-    "retries": {"mode": "adaptive", "max_attempts": 10},
+    "retries": {"mode": "adaptive", "total_max_attempts": 10},
     "connect_timeout": 10,
     "read_timeout": 120,
 }
@@ -271,9 +271,12 @@ class Storage:
                 )
         raise StorageNotFound(f"{prefix}{uri} does not exist")
 
-    def read_bytes(self, rel: str) -> bytes:
+    def read_bytes(self, rel: str, part_size: int | None = None) -> bytes:
+        """A whole object. S3: s3fs asks its size (HEAD), then GETs it whole, or in ranged GETs of `part_size`
+        bytes at once (default: the storage's block size, 50 MiB) when it is bigger."""
         with storage_errors(self.uri(rel)):
-            data: bytes = self.fs.cat_file(self.path(rel))
+            chunks = {"chunksize": part_size} if part_size and _is_s3(self.url) else {}
+            data: bytes = self.fs.cat_file(self.path(rel), **chunks)
             return data
 
     def read_text(self, rel: str) -> str:

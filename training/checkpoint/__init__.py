@@ -46,12 +46,12 @@ from hlat.training.checkpoint.manager import (
     host_of,
     manifest_file,
     rank_file,
+    read_requests,
     request_offset,
     retention,
 )
-from hlat.training.checkpoint.serialization import CHECKPOINT_PART_SIZE
 from hlat.training.checkpoint.rng import capture_rng_state, rank_state, restore_rank_state, restore_rng_state
-from hlat.training.checkpoint.serialization import StagingBuffers, check_loadable, stage_to_cpu
+from hlat.training.checkpoint.serialization import CHECKPOINT_PART_SIZE, StagingBuffers, check_loadable, stage_to_cpu
 
 __all__ = [
     "CHECKPOINT_PART_SIZE",
@@ -75,6 +75,7 @@ __all__ = [
     "manifest_file",
     "rank_file",
     "rank_state",
+    "read_requests",
     "request_offset",
     "restore_rank_state",
     "restore_rng_state",

@@ -36,7 +36,7 @@ every file it reads. Checkpoints written before manifests existed record sizes o
 
 S3 request rates (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html: 3,500
 PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second per partitioned prefix, 503 SlowDown beyond): checkpoint
-files go up in 256 MiB parts (serialization.CHECKPOINT_PART_SIZE), so most files are one PUT; on S3 each rank starts
+files go up in 512 MiB parts (serialization.CHECKPOINT_PART_SIZE), so most files are one PUT; on S3 each rank starts
 its writes `rank x requests_per_rank / write_rate` seconds after the save began, and its reads at resume
 likewise after `read_rate`, so thousands of ranks spread their requests over a few seconds instead of sending them
 within one (`request_offset`); botocore retries what is throttled anyway (core.storage.S3_CLIENT_CONFIG). At resume
@@ -70,6 +70,7 @@ from hlat.core.layout import CheckpointError, CheckpointIndex, shard_file, step_
 from hlat.core.storage import Storage, StorageError
 from hlat.training.checkpoint import dcp
 from hlat.training.checkpoint.serialization import (
+    CHECKPOINT_PART_SIZE,
     StagingBuffers,
     check_loadable,
     one_intra_op_thread,
@@ -147,6 +148,13 @@ def request_offset(rank: int, world_size: int, requests_per_rank: float, rate: f
     if not rate or world_size <= 1:
         return 0.0
     return rank * requests_per_rank / rate
+
+
+def read_requests(size: int, part_size: int | None = None) -> int:
+    """S3 requests s3fs makes to read an object of `size` bytes whole (serialization.read_state): a HEAD for its
+    size, then one GET, or one ranged GET per part when it is bigger than one part."""
+    part = part_size or CHECKPOINT_PART_SIZE
+    return 1 + max(1, -(-size // part))
 
 
 def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int) -> dict[str, int]:
@@ -629,8 +637,12 @@ class CheckpointManager(CheckpointIndex):
                 f"{_describe_layout(theirs)}, this job has {_ranks(self.world_size)} with "
                 f"{_describe_layout(mine_shards)}: {'; '.join(why)}"
             )
-        if not self.storage.is_local:  # spread the ranks' reads (see the module docstring): two files each
-            time.sleep(request_offset(self.rank, self.world_size, 2, self.read_rate))
+        if not self.storage.is_local:  # spread the ranks' reads (see the module docstring)
+            reads = sum(
+                read_requests(int(meta["files"].get(name, {}).get("size", 0)), self.storage.block_size)
+                for name in (self._shared_file, rank_file(self.rank))
+            )
+            time.sleep(request_offset(self.rank, self.world_size, reads, self.read_rate))
         shared = self._read(folder, self._shared_file, meta)
         mine = self._read(folder, rank_file(self.rank), meta)
         return shared, mine

@@ -339,14 +339,16 @@ class _DigestingWriter:
             self._queued.popleft().result()
 
 
-# The S3 part size of checkpoint files (s3fs's default is 50 MiB). Fewer, larger parts mean fewer PUT requests, and
-# a file smaller than one part (every rank file, a 70B ZeRO-1 rank's optimizer shard at 256 hosts: ~100 MB) goes up
-# in one PUT instead of CreateMultipartUpload + parts + CompleteMultipartUpload. The cost is memory: the upload
-# holds under two parts at a time (see core.storage._PartWriter), so 32 ranks of a trn1.32xlarge hold at most
-# 32 x 2 x 256 MiB = 16 GiB of its 512 GiB, beside the state's own CPU copy. S3 allows parts up to 5 GiB and
-# 10,000 parts an object (https://docs.aws.amazon.com/AmazonS3/latest/userguide/qfacts.html): 256 MiB parts
-# reach 2.5 TiB, far beyond any one rank's file.
-CHECKPOINT_PART_SIZE = 256 << 20
+# The S3 part size of checkpoint files (s3fs's default is 50 MiB), and the size of the ranged GETs that read them.
+# Fewer, larger parts mean fewer requests, and a file no bigger than one part goes up in a single PUT instead of
+# CreateMultipartUpload + parts + CompleteMultipartUpload: every rank file, including a 70B ZeRO-1 rank's optimizer
+# shard (404 MB at 64 trn1 hosts, 101 MB at 256), and the 70B TP32 x PP8 shard files (539 MB) in two parts. At 256
+# MiB those 404 MB rank files would each be a 4-request multipart upload: 2,048 of them at once are what throttles
+# (bench_checkpoint.py --s3-requests). The cost is memory: an upload holds under two parts at a time (see
+# core.storage._PartWriter), so the 32 ranks of a trn1.32xlarge hold at most 32 x 2 x 512 MiB = 32 GiB of its 512
+# GiB, beside their states' CPU copies (~1 GB a rank for 70B). S3 allows parts up to 5 GiB and 10,000 parts an
+# object, objects up to 5 TiB (https://docs.aws.amazon.com/AmazonS3/latest/userguide/qfacts.html).
+CHECKPOINT_PART_SIZE = 512 << 20
 
 
 def write_state(storage: Storage, rel: str, state: Any, part_size: int | None = None) -> dict[str, Any]:
@@ -402,7 +404,7 @@ def read_state(storage: Storage, rel: str, info: Mapping[str, Any] | None) -> tu
     uri = storage.uri(rel)
     if info is None:
         raise CheckpointError(f"{uri} is not listed in its checkpoint's meta.json")
-    data = storage.read_bytes(rel)
+    data = storage.read_bytes(rel, part_size=storage.block_size or CHECKPOINT_PART_SIZE)
     if len(data) != info["size"]:
         raise CheckpointError(f"{uri} is {len(data)} bytes, {info['size']} were written")
     if info.get("sha256") and hashlib.sha256(data).hexdigest() != info["sha256"]:
