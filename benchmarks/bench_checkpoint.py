@@ -45,7 +45,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from benchmarks.measure import best_of
+from benchmarks.measure import best_of, table
 from hlat.core.config import ModelConfig
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
@@ -167,9 +167,9 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--s3-requests", action="store_true", help="print the S3 request estimate table and stop")
     args = parser.parse_args(argv)
     if args.s3_requests:
-        table = s3_request_table()
-        print(table)
-        return table
+        estimate = s3_request_table()
+        print(estimate)
+        return estimate
     cfg = ModelConfig(
         n_layers=args.layers,
         d_model=args.d_model,

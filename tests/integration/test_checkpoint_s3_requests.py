@@ -234,3 +234,17 @@ def test_a_job_start_aborts_the_uploads_a_killed_attempt_left(s3_env: S3Env) -> 
     left = client.list_multipart_uploads(Bucket=s3_env.bucket).get("Uploads", [])
     assert [u["Key"] for u in left] == [outside]
     assert manager.abort_incomplete_uploads() == 0
+
+
+def test_the_scaled_estimate_keeps_every_hlat_job_under_s3s_per_prefix_rates() -> None:
+    from benchmarks.bench_checkpoint import S3_GET_PER_PREFIX_S, S3_PUT_PER_PREFIX_S, hlat_jobs, s3_requests
+
+    jobs = {(job.name, job.hosts): job for job in hlat_jobs()}
+    assert set(jobs) == {("7B", 64), ("70B", 64), ("7B", 256), ("70B", 256)}
+    big = jobs[("70B", 256)]
+    assert big.world_size == 8192 and big.files()["model-0.pt"] > CHECKPOINT_PART_SIZE  # a shard: 2 parts
+    before = s3_requests(big, 50 << 20, spread=False, manifests=False)
+    assert before["writes"] > 30_000 and before["write_peak_per_s"] > S3_PUT_PER_PREFIX_S  # the review's finding
+    for job in jobs.values():
+        now = s3_requests(job, CHECKPOINT_PART_SIZE, spread=True, manifests=True)
+        assert now["write_peak_per_s"] < S3_PUT_PER_PREFIX_S and now["resume_peak_per_s"] < S3_GET_PER_PREFIX_S

@@ -1056,6 +1056,14 @@ def test_resume_point_is_none_everywhere_without_a_checkpoint_and_rank_0s_error_
         assert isinstance(result, CheckpointError) and "rank 0 could not find" in str(result), result
 
 
+def test_resume_point_without_a_share_has_every_rank_look_for_itself(tmp_path: Path) -> None:
+    save_tp2_dp2(tp2_dp2(Storage(str(tmp_path))), 5)
+    ranks = tp2_dp2(Storage(str(tmp_path)))
+    for rank in (3, 0):
+        found = ranks[rank].resume_point()
+        assert found is not None and found[0] == 5 and found[1]["world_size"] == 4
+
+
 def test_a_pinned_checkpoint_survives_retention_until_unpinned(tmp_path: Path) -> None:
     store = Storage(str(tmp_path))
     manager = CheckpointManager(store, keep_last=1)

@@ -596,6 +596,13 @@ class CheckpointManager(CheckpointIndex):
         and `share` hands its finding to the others, so a resume costs one listing, not one per rank. `load` of
         that step then reads no meta.json again."""
         found: Any = None
+        if self.share is _identity and self.world_size > 1:
+            # No broadcast given: every rank must look for itself (a None from the default share on ranks other
+            # than 0 would make them start from scratch).
+            found = self.latest()
+            if found is not None:
+                self._metas[found[0]] = found[1]
+            return found
         if self.rank == 0:
             try:
                 found = self.latest()
