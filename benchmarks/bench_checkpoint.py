@@ -344,13 +344,20 @@ def s3_requests(job: JobShape, part_size: int, spread: bool, manifests: bool) ->
     parts_per_s = multipart * max(1.0, UPLOAD_BYTES_PER_S / part_size)
     first = world + (world - 1 if manifests else 0)  # every rank file (or its create), every manifest
     shards = job.tp * job.pp
-    reads_per_rank = read_requests(files["model-0.pt"], part_size) + read_requests(files["rank-0.pt"], part_size)
+    if spread:  # now: read_state's requests
+        reads_per_rank = sum(read_requests(files[name], part_size) for name in ("model-0.pt", "rank-0.pt"))
+    else:  # before: a HEAD, then one GET or a ranged GET per part
+        reads_per_rank = sum(1 + max(1, -(-files[name] // part_size)) for name in ("model-0.pt", "rank-0.pt"))
     listed = len(files) + (world - 1 if manifests else 0) + 2
     pages = -(-listed // 1000)
-    # Finding the newest checkpoint (CheckpointIndex.latest_step then read_meta): the listings and, twice, the
-    # step folder's listing pages, the marker and meta.json (a HEAD and a GET each), then meta.json again.
+    # Finding the newest checkpoint: before, every rank ran CheckpointIndex.latest_step then read_meta: the listing
+    # of checkpoints/, twice the step folder's (a HEAD, a LIST and its pages), the marker and meta.json (a HEAD
+    # and a GET each), then meta.json again; now rank 0 alone lists once and GETs the marker and meta.json.
     find = 3 + 2 * (2 + pages + 4) + 2
+    write_peak: float
+    resume_peak: float
     if spread:
+        find = 3 + 2 + pages + 2
         write_peak = min(first, 2000) + multipart + parts_per_s
         resume_peak = min(world * reads_per_rank, 3000)
         resume = find + world * reads_per_rank
@@ -362,7 +369,7 @@ def s3_requests(job: JobShape, part_size: int, spread: bool, manifests: bool) ->
         "files": len(files),
         "shards": shards,
         "writes": sum(writes.values()),
-        "commit_reads": 2 * (world - 1) if manifests else 0,
+        "commit_reads": world - 1 if manifests else 0,
         "write_peak_per_s": write_peak,
         "resume_reads": resume,
         "resume_peak_per_s": resume_peak,
@@ -384,7 +391,7 @@ def s3_request_table(part_size: int = CHECKPOINT_PART_SIZE) -> str:
         rows.append(
             f"| {job.name} | {job.hosts} ({job.world_size}) | {files['model-0.pt'] / 1e6:,.0f} MB / "
             f"{files['rank-0.pt'] / 1e6:,.1f} MB | {before['writes']:,.0f} -> {now['writes']:,.0f} "
-            f"(+{now['commit_reads']:,.0f} GET/HEAD at commit) | {before['write_peak_per_s']:,.0f} -> "
+            f"(+{now['commit_reads']:,.0f} GET at commit) | {before['write_peak_per_s']:,.0f} -> "
             f"{now['write_peak_per_s']:,.0f} (limit {S3_PUT_PER_PREFIX_S:,}) | {before['resume_reads']:,.0f} -> "
             f"{now['resume_reads']:,.0f} | {before['resume_peak_per_s']:,.0f} -> {now['resume_peak_per_s']:,.0f} "
             f"(limit {S3_GET_PER_PREFIX_S:,}) |"

@@ -149,36 +149,33 @@ class CheckpointIndex:
         return self._check(step)[0]
 
     def _check(self, step: int) -> tuple[str | None, dict[str, Any] | None]:
-        """(why checkpoint `step` is not complete, None) or (None, its meta.json)."""
-        problem, meta = self._examine(step)
-        return (problem, None) if problem is not None else (None, meta)
-
-    def _examine(self, step: int) -> tuple[str | None, dict[str, Any]]:
+        """(why checkpoint `step` is not complete, None) or (None, its meta.json): one listing of its folder and
+        one GET each of the marker and meta.json."""
         folder = step_dir(step)
-        meta: dict[str, Any] = {}
+        meta = None
         try:
             sizes = self._file_sizes(folder)
             if CHECKPOINT_MARKER not in sizes:
-                return f"no {CHECKPOINT_MARKER} marker (an interrupted save)", meta
+                return f"no {CHECKPOINT_MARKER} marker (an interrupted save)", None
             if CHECKPOINT_META not in sizes:
-                return f"{CHECKPOINT_META} is missing", meta
-            meta_bytes = self.storage.read_bytes(f"{folder}/{CHECKPOINT_META}")
-            marker = json.loads(self.storage.read_bytes(f"{folder}/{CHECKPOINT_MARKER}"))
+                return f"{CHECKPOINT_META} is missing", None
+            meta_bytes = self.storage.read_bytes(f"{folder}/{CHECKPOINT_META}", one_request=True)
+            marker = json.loads(self.storage.read_bytes(f"{folder}/{CHECKPOINT_MARKER}", one_request=True))
             if marker.get("meta_sha256") != hashlib.sha256(meta_bytes).hexdigest():
-                return f"{CHECKPOINT_META} does not match the sha256 recorded in {CHECKPOINT_MARKER}", meta
+                return f"{CHECKPOINT_META} does not match the sha256 recorded in {CHECKPOINT_MARKER}", None
             meta = json.loads(meta_bytes)
             if meta.get("step") != step:
-                return f"{CHECKPOINT_META} is for step {meta.get('step')}", meta
+                return f"{CHECKPOINT_META} is for step {meta.get('step')}", None
             for shard in meta.get("shards") or ():
                 if shard_file(shard) not in meta["files"]:
-                    return f"{CHECKPOINT_META} lists shard {shard!r} but not its file {shard_file(shard)}", meta
+                    return f"{CHECKPOINT_META} lists shard {shard!r} but not its file {shard_file(shard)}", None
             for name, info in meta["files"].items():
                 if name not in sizes:
-                    return f"{name} is missing", meta
+                    return f"{name} is missing", None
                 if sizes[name] != info["size"]:
-                    return f"{name} is {sizes[name]} bytes, {info['size']} were written (truncated or replaced)", meta
+                    return f"{name} is {sizes[name]} bytes, {info['size']} were written (truncated or replaced)", None
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
-            return f"unreadable ({type(exc).__name__}: {exc})", meta
+            return f"unreadable ({type(exc).__name__}: {exc})", None
         return None, meta
 
     def _file_sizes(self, folder: str) -> dict[str, int]:

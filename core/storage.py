@@ -271,12 +271,15 @@ class Storage:
                 )
         raise StorageNotFound(f"{prefix}{uri} does not exist")
 
-    def read_bytes(self, rel: str, part_size: int | None = None) -> bytes:
-        """A whole object. S3: s3fs asks its size (HEAD), then GETs it whole, or in ranged GETs of `part_size`
-        bytes at once (default: the storage's block size, 50 MiB) when it is bigger."""
+    def read_bytes(self, rel: str, part_size: int | None = None, one_request: bool = False) -> bytes:
+        """A whole object. S3: s3fs asks its size (HEAD), then GETs it whole, or in concurrent ranged GETs of
+        `part_size` bytes (default: the storage's block size, 50 MiB) when it is bigger; `one_request`: a single GET
+        and no HEAD, for objects known to be small (a checkpoint's meta.json, marker, manifests)."""
         with storage_errors(self.uri(rel)):
-            chunks = {"chunksize": part_size} if part_size and _is_s3(self.url) else {}
-            data: bytes = self.fs.cat_file(self.path(rel), **chunks)
+            options: dict[str, Any] = {}
+            if _is_s3(self.url):
+                options = {"max_concurrency": 1} if one_request else {"chunksize": part_size} if part_size else {}
+            data: bytes = self.fs.cat_file(self.path(rel), **options)
             return data
 
     def read_text(self, rel: str) -> str:

@@ -151,10 +151,10 @@ def request_offset(rank: int, world_size: int, requests_per_rank: float, rate: f
 
 
 def read_requests(size: int, part_size: int | None = None) -> int:
-    """S3 requests s3fs makes to read an object of `size` bytes whole (serialization.read_state): a HEAD for its
-    size, then one GET, or one ranged GET per part when it is bigger than one part."""
+    """S3 requests s3fs makes to read an object of `size` bytes whole (serialization.read_state): one GET, or when it
+    is bigger than one part a HEAD for its size and one ranged GET per part."""
     part = part_size or CHECKPOINT_PART_SIZE
-    return 1 + max(1, -(-size // part))
+    return 1 if size <= part else 1 + -(-size // part)
 
 
 def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int) -> dict[str, int]:
@@ -521,7 +521,7 @@ class CheckpointManager(CheckpointIndex):
 
         def read(rank: int) -> tuple[int, dict[str, Any]]:
             try:
-                manifest = json.loads(self.storage.read_bytes(f"{folder}/{manifest_file(rank)}"))
+                manifest = json.loads(self.storage.read_bytes(f"{folder}/{manifest_file(rank)}", one_request=True))
                 return rank, dict(manifest["files"])
             except (StorageError, ValueError, KeyError, TypeError) as exc:
                 raise CheckpointError(

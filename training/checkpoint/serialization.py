@@ -404,7 +404,9 @@ def read_state(storage: Storage, rel: str, info: Mapping[str, Any] | None) -> tu
     uri = storage.uri(rel)
     if info is None:
         raise CheckpointError(f"{uri} is not listed in its checkpoint's meta.json")
-    data = storage.read_bytes(rel, part_size=storage.block_size or CHECKPOINT_PART_SIZE)
+    part_size = storage.block_size or CHECKPOINT_PART_SIZE
+    # No larger than a part: one GET (no HEAD first); larger: concurrent ranged GETs of a part each.
+    data = storage.read_bytes(rel, part_size=part_size, one_request=int(info["size"]) <= part_size)
     if len(data) != info["size"]:
         raise CheckpointError(f"{uri} is {len(data)} bytes, {info['size']} were written")
     if info.get("sha256") and hashlib.sha256(data).hexdigest() != info["sha256"]:
