@@ -115,10 +115,11 @@ def _identity(value: Any) -> Any:
 
 def host_of(rank: int, env: Mapping[str, str] | None = None) -> str:
     """The host that runs `rank`, from the environment torchrun and SageMaker set: torchrun gives each host
-    LOCAL_WORLD_SIZE consecutive ranks (rank // LOCAL_WORLD_SIZE is the host's node rank), and SageMaker's driver
-    numbers nodes in the order of its sorted host list, SM_HOSTS (algo-1, algo-2, ...). Without SM_HOSTS:
-    "node N"; without LOCAL_WORLD_SIZE (not in a job): this machine's name for this process's own rank (RANK),
-    "host unknown" for others."""
+    LOCAL_WORLD_SIZE consecutive ranks (rank // LOCAL_WORLD_SIZE is the host's node rank), and the SageMaker SDK's
+    torchrun driver passes --node_rank=SM_CURRENT_HOST_RANK, the host's index in sorted(hosts) (its
+    container_drivers/scripts/environment.py), which is also SM_HOSTS. The sort is by name: from 10 hosts on, node 1
+    is algo-10, not algo-2. Without SM_HOSTS: "node N"; without LOCAL_WORLD_SIZE (not in a job): this machine's
+    name for this process's own rank (RANK), "host unknown" for others."""
     env = os.environ if env is None else env
     local = _int(env.get("LOCAL_WORLD_SIZE"))
     if local:
@@ -158,13 +159,13 @@ def read_requests(size: int, part_size: int | None = None) -> int:
 
 
 def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int) -> dict[str, int]:
-    """The S3 write requests of one checkpoint's files (name -> size): a file no bigger than one part is one
-    PutObject; a bigger one is CreateMultipartUpload, one UploadPart per part, CompleteMultipartUpload (s3fs's
+    """The S3 write requests of one checkpoint's files (name -> size): a file smaller than one part is one
+    PutObject; another is CreateMultipartUpload, one UploadPart per part, CompleteMultipartUpload (s3fs's
     writes). Plus one PutObject per manifest, meta.json and COMMITTED. What bench_checkpoint.py scales to a job's
     size, and what the S3 test checks against the requests it counts."""
     counts = {"PutObject": 0, "CreateMultipartUpload": 0, "UploadPart": 0, "CompleteMultipartUpload": 0}
     for size in sizes.values():
-        if size <= part_size:
+        if size < part_size:  # s3fs: one PUT when the file is closed before a whole part has been written
             counts["PutObject"] += 1
         else:
             counts["CreateMultipartUpload"] += 1
