@@ -128,6 +128,13 @@ class CheckpointEvaluator:
         run = Storage(run_uri)
         self._checkpoints = CheckpointIndex(run.child(CHECKPOINTS_DIR))
         self._seen = {int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None}
+        # Pins left by an earlier train stage's evaluator that died before evaluating them: this one re-queues
+        # (and re-pins) what it still has to evaluate, so the stale pins would only keep checkpoints forever.
+        try:
+            for step in self._checkpoints.pinned_steps():
+                self._checkpoints.unpin(step)
+        except Exception as exc:
+            log.warning("could not clear the stale pins under %s: %s", self._checkpoints.storage.uri(), exc)
         self._pending: list[int] = []
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None  # set while the worker runs; the worker clears it on exit

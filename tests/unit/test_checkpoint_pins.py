@@ -36,7 +36,9 @@ def test_a_checkpoint_queued_for_evaluation_outlives_retention_until_evaluated(
         return {}
 
     monkeypatch.setattr(evaluate, "run_evaluation_job", evaluation_job)
+    trainer.pin(1, why="an earlier stage's evaluator, which died")
     evaluator = evaluate.CheckpointEvaluator(load_config("tiny", {"evaluation.every_steps": 2}), str(run), "pinned")
+    assert trainer.pinned_steps() == []  # stale: cleared when the stage's evaluator starts
 
     def save(step: int) -> None:
         trainer.save(step, {"w": torch.full((2,), float(step))}, {})
