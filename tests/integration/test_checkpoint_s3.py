@@ -20,6 +20,7 @@ from hlat.training.checkpoint import (
     SHARED_FILE,
     CheckpointError,
     CheckpointManager,
+    manifest_file,
     rank_file,
     shard_file,
     step_dir,
@@ -52,7 +53,7 @@ def test_checkpoints_round_trip_prune_and_skip_broken_ones_on_s3(
     keys = object_keys(s3_env)
     assert {k.split("/")[3] for k in keys} == {step_dir(s) for s in (3, 4, 5)}
     assert sorted(k.rsplit("/", 1)[1] for k in keys if step_dir(5) in k) == sorted(
-        [SHARED_FILE, rank_file(0), rank_file(1), META, MARKER]
+        [SHARED_FILE, rank_file(0), rank_file(1), manifest_file(1), META, MARKER]
     )
 
     assert rank1.latest_step() == 5
@@ -101,7 +102,14 @@ def test_a_sharded_checkpoint_round_trips_and_prunes_on_s3(s3_env: S3Env) -> Non
     keys = object_keys(s3_env)
     assert sorted(k.split("/", 3)[3] for k in keys) == sorted(
         f"{step_dir(2)}/{name}"
-        for name in [shard_file("tp00"), shard_file("tp01"), *(rank_file(r) for r in range(4)), META, MARKER]
+        for name in [
+            shard_file("tp00"),
+            shard_file("tp01"),
+            *(rank_file(r) for r in range(4)),
+            *(manifest_file(r) for r in (1, 2, 3)),
+            META,
+            MARKER,
+        ]
     )  # step 1, its shard files included, was pruned
     for rank, manager in enumerate(ranks):
         shared, mine = manager.load(2)
