@@ -12,11 +12,14 @@ and every step since the last checkpoint is lost.
 The job request therefore puts this program in front of the SDK's command (`infra.sagemaker_jobs`:
 ContainerEntrypoint `python3 /opt/ml/input/data/code/hlat/core/job_init.py /bin/bash`, the SDK's ContainerArguments
 unchanged), and the SDK's scripts run as they are. On SIGTERM it signals the job's ranks (the processes torchrun
-started: LOCAL_RANK in their environment), which checkpoint the step they are in and exit 0, so torchrun, the
-driver and the shell end as after a normal finish. torchrun itself is not signalled: on SIGTERM it stops its
-workers and SIGKILLs them 30 s later (torch.distributed.elastic's shutdown timeout), which a large checkpoint
-outlives. A stop that comes before any rank exists (installing requirements, starting up) is passed to every
-process, so the container ends at once. As PID 1 it also reaps orphaned processes; it exits with the command's code.
+started: LOCAL_RANK in their environment, and a parent without it), which checkpoint the step they are in and exit
+0, so torchrun, the driver and the shell end as after a normal finish. A rank's own children (neuronx-cc compiling a
+graph, data-loader workers) inherit LOCAL_RANK but are not signalled: a compile killed by SIGTERM fails the rank,
+while the rank itself finishes the compile and stops at its next step boundary, ending its children as it exits.
+torchrun itself is not signalled: on SIGTERM it stops its workers and SIGKILLs them 30 s later
+(torch.distributed.elastic's shutdown timeout), which a large checkpoint outlives. A stop that comes before any rank
+exists (installing requirements, starting up) is passed to every process, so the container ends at once. As PID 1
+it also reaps orphaned processes; it exits with the command's code.
 
 Runs by path with the image's python3 and the standard library only: nothing of the project is importable yet.
 """
@@ -53,9 +56,44 @@ def processes_with(variable: str, value: str | None = None) -> list[int]:
     return found
 
 
-def rank_processes() -> list[int]:
-    """Pids of the job's ranks in this container (torchrun sets LOCAL_RANK in each worker's environment)."""
-    return processes_with(RANK_VARIABLE)
+def _stat(pid: int) -> tuple[int, int] | None:
+    """(parent pid, session id) of a live process (proc(5), /proc/<pid>/stat fields 4 and 6)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
+            fields = fh.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 (state) onwards
+    except (OSError, IndexError):
+        return None
+    return int(fields[1]), int(fields[3])
+
+
+def _has(pid: int, variable: str) -> bool:
+    try:
+        with open(f"/proc/{pid}/environ", "rb") as fh:
+            return any(item.startswith(f"{variable}=".encode()) for item in fh.read().split(b"\0"))
+    except OSError:
+        return False
+
+
+def is_rank(pid: int) -> bool:
+    """Whether a process that has LOCAL_RANK is a rank torchrun started rather than one of a rank's descendants
+    (which inherit the variable): its parent lacks LOCAL_RANK. An orphan (its parent dead, re-parented to an init)
+    counts only if it leads a session of its own, as torchrun starts every rank
+    (torch/distributed/elastic/multiprocessing/subprocess_handler: Popen(start_new_session=True)); a dead rank's
+    leftover child is in its rank's session."""
+    stat = _stat(pid)
+    if stat is None:
+        return False
+    parent, session = stat
+    if parent in (0, 1, os.getpid()):
+        return session == pid
+    return not _has(parent, RANK_VARIABLE)
+
+
+def rank_processes(candidates: list[int] | None = None) -> list[int]:
+    """Pids of the job's ranks in this container (torchrun sets LOCAL_RANK in each worker's environment), not
+    their children; `candidates`: only among these pids (default: every process with LOCAL_RANK)."""
+    pids = processes_with(RANK_VARIABLE) if candidates is None else [p for p in candidates if _has(p, RANK_VARIABLE)]
+    return [pid for pid in pids if is_rank(pid)]
 
 
 class Init:

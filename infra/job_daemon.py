@@ -38,7 +38,7 @@ from typing import Any
 
 from hlat.core.contract import EXIT_NAN
 from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
-from hlat.core.job_init import processes_with
+from hlat.core.job_init import processes_with, rank_processes
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
 from hlat.infra import sagemaker_emulator
@@ -246,6 +246,10 @@ class Instance:
     emulated: bool
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=5))
     exited_at: float | None = None
+    signalled: set[int] = field(default_factory=set)
+    """Ranks a stop's SIGTERM was sent to (the one-instance path)."""
+    pid_signalled: bool = False
+    """Whether the stop went to the program itself, or to every process before any rank existed."""
 
     def init_pid(self) -> int | None:
         """Its PID 1 (root namespace pid): what SageMaker signals."""
@@ -262,8 +266,9 @@ class Instance:
 Launch = tuple[str, list[str], dict[str, str], str, CheckpointMirror | None]
 """An instance about to start: its name, command, environment, /opt/ml folder and checkpoint mirror."""
 
-HOST_FAILURE_WAIT_S = 10.0
-"""After one instance's container fails, how long the others get to end by themselves before they are killed."""
+HOST_FAILURE_WAIT_S = 5.0
+"""After one instance's container fails, how long the others get to end by themselves (their ranks write their own
+failure records) before they are killed: SageMaker ends a job one of whose hosts failed."""
 
 
 class JobDaemon:
@@ -413,6 +418,9 @@ class JobDaemon:
         base[JOB_DIR_ENV] = self.job_dir
         python = self.spec.python or sys.executable
         per_node = self.spec.processes_per_node * len(names)
+        credentials, source = emulator.role_credentials(request, base)
+        self.say(f"container credentials: {source}")
+        keep = emulator.reachable(request, python)
         received: dict[str, dict[str, int]] = {}
         launches: list[Launch] = []
         for name in names:
@@ -429,8 +437,8 @@ class JobDaemon:
                     f"{name}: copied {files} checkpoint file(s), {checkpoint_bytes:,} bytes, from {mirror.remote.url}"
                 )
             received[name] = {"channels": channel_bytes, "checkpoints": checkpoint_bytes}
-            env = emulator.container_environment(request, base, name, python, per_node)
-            launches.append((name, emulator.host_command(host, hosts_path, command), env, host.ml, mirror))
+            env = emulator.container_environment(request, base, name, python, per_node, credentials)
+            launches.append((name, emulator.host_command(host, hosts_path, command, keep), env, host.ml, mirror))
         write_json(os.path.join(self.job_dir, "hosts.json"), {"received_bytes": received})
         return launches
 
@@ -440,7 +448,9 @@ class JobDaemon:
         term_sent: float | None = None
         killed = False
         failed: Instance | None = None
-        while any(i.proc.poll() is None for i in instances):
+        # Every container is polled on every pass (not just the first still running): a host that fails while
+        # another is stuck (its ranks waiting for the failed host's at start-up) must end the job at once.
+        while [i for i in instances if i.proc.poll() is None]:
             now = time.monotonic()
             for instance in instances:
                 if instance.proc.returncode is not None and instance.exited_at is None:
@@ -455,7 +465,9 @@ class JobDaemon:
                 signal_job(self.job_dir, signal.SIGCONT)  # a hung (stopped) process cannot handle SIGTERM
                 self._signal_instances(instances, signal.SIGTERM)
                 term_sent = now
-            elif term_sent is not None and not killed and now - term_sent >= self.grace:
+            elif term_sent is not None and not killed and now - term_sent < self.grace and not instances[0].emulated:
+                self._stop_ranks(instances[0], signal.SIGTERM)  # ranks torchrun started after the stop
+            if term_sent is not None and not killed and now - term_sent >= self.grace:
                 self.say(f"still running {self.grace:g}s after SIGTERM: SIGKILL")
                 self._signal_instances(instances, signal.SIGKILL)
                 killed = True
@@ -464,26 +476,50 @@ class JobDaemon:
             ):
                 self._signal_instances(instances, signal.SIGKILL)  # SageMaker ends a job one of whose hosts failed
                 killed = True
-            for instance in instances:
-                if instance.proc.poll() is None:
-                    with contextlib.suppress(subprocess.TimeoutExpired):
-                        instance.proc.wait(timeout=POLL_S / len(instances))
-                    break
+            if len(instances) == 1:
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    instances[0].proc.wait(timeout=POLL_S)
+            else:
+                time.sleep(POLL_S)
         for instance in instances:
             if instance.proc.returncode != 0 and failed is None:
                 failed = instance
         return failed
 
     def _signal_instances(self, instances: list[Instance], sig: signal.Signals) -> None:
-        """What SageMaker does: the signal goes to each container's PID 1 (on the one-instance path, where no
-        container shell stands in the way, to every process of the job). SIGKILL takes every process."""
-        if sig == signal.SIGKILL or not instances[0].emulated:
+        """What SageMaker does: the signal goes to each container's PID 1. On the one-instance path, where no init
+        stands in for the container, a SIGTERM goes where core/job_init.py sends it: to the ranks (not their
+        children: a compile they are waiting for must finish), or to the program when no torchrun runs it.
+        SIGKILL takes every process."""
+        if sig == signal.SIGKILL:
             signal_job(self.job_dir, sig)
+        elif not instances[0].emulated:
+            self._stop_ranks(instances[0], sig)
+            return
         for instance in instances:
             pid = instance.init_pid()
             if pid is not None and instance.proc.poll() is None:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
+
+    def _stop_ranks(self, instance: Instance, sig: signal.Signals) -> None:
+        """The one-instance path's stop: `sig` to each rank not yet signalled (called again while the job stops,
+        for ranks torchrun was still starting); before any rank exists, to every process of the job (nothing
+        trains yet); to the program itself when it runs without torchrun."""
+        if self.spec.processes_per_node == 1:
+            targets = [] if instance.pid_signalled else [instance.proc.pid]
+        else:
+            ranks = rank_processes(job_processes(self.job_dir))
+            if not ranks and not instance.signalled:
+                instance.pid_signalled = True
+                signal_job(self.job_dir, sig)
+                return
+            targets = [pid for pid in ranks if pid not in instance.signalled]
+        for pid in targets:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, sig)
+            instance.signalled.add(pid)
+        instance.pid_signalled = instance.pid_signalled or instance.proc.pid in targets
 
     def _pump(self, instance: Instance) -> None:
         """Copy a container's output to output.log line by line (prefixed with its host when there are several),

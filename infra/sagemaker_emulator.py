@@ -15,7 +15,13 @@ CreateTrainingJob request the `sagemaker` backend sends (built by the same code,
   start, and what the instance writes, changes or deletes there mirrored back (`job_daemon.CheckpointMirror`).
   Another instance's files never appear in it.
 - Stopping (StopTrainingJob, max runtime): SIGTERM to each instance's PID 1, SIGKILL after the grace period. A host
-  whose container fails ends the job: the others are killed.
+  whose container fails ends the job, whichever host it is: the others are killed within seconds
+  (`job_daemon.HOST_FAILURE_WAIT_S`).
+- Hosts that share nothing but the network, as SageMaker's: each has its own /tmp, /dev/shm and home (/root)
+  (`infra.emulated_host`), and the containers get their job's role's credentials (`role_credentials`: STS
+  AssumeRole at a test endpoint), never the caller's; a local run's containers get no AWS credentials at all.
+- Any number of hosts: `algo-10` is one like the others; the SDK's environment.py numbers nodes in its sorted host
+  list, as text (algo-1, algo-10, algo-2...), and so does the checkpoint manager's host_of.
 
 Where the request names S3, the emulator reads the run's storage: s3:// URIs as they are (a moto server in tests),
 and a local run under the bucket `hlat-local`, whose keys are absolute paths of this machine
@@ -57,6 +63,8 @@ VALIDATED_AS = "ml.m5.xlarge"
 NETWORK_INTERFACE = "lo"
 GROUP_NAME = "homogeneousCluster"
 HOST_SETUP = Path(__file__).with_name("emulated_host.py")
+PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+"""The project's source tree (the folder holding infra/): the job's Python imports hlat from it."""
 HOST_ENV = "HLAT_LOCAL_HOST"
 """Every process of an emulated instance carries its host name here (tests kill one host's processes by it)."""
 
@@ -186,6 +194,11 @@ class HostTree:
     def path(self, *parts: str) -> str:
         return os.path.join(self.ml, *parts)
 
+    @property
+    def private(self) -> str:
+        """Its own /tmp (tmp/) and home (home/): see infra.emulated_host."""
+        return os.path.join(self.root, "private")
+
 
 def _write_json(path: str, obj: Any) -> None:
     os.makedirs(os.path.dirname(path), exist_ok=True)
@@ -268,20 +281,74 @@ def container_command(request: Mapping[str, Any]) -> list[str]:
 
 
 PASSED_ON = ("AWS_", "HLAT_", "HF_", "OMP_", "MKL_", "TORCH", "GLOO_", "NCCL_", "PJRT_", "XLA_", "NEURON_", "LC_")
-"""Of this machine's environment, what an emulated container gets (besides PATH, HOME, LANG, TMPDIR, USER, TZ):
-credentials and endpoints (what an instance role provides on SageMaker), the project's own switches, thread and
-device settings. Nothing else: the SDK's environment.py logs every variable, masking only names with KEY, TOKEN,
-SECRET, PASSWORD..., and a job's log reaches the flow's."""
+"""Of this machine's environment, what an emulated container gets (besides PATH, LANG, USER, TZ): endpoints and
+settings of AWS (not its credentials: `CREDENTIALS`), the project's own switches, thread and device settings.
+Nothing else: the SDK's environment.py logs every variable, masking only names with KEY, TOKEN, SECRET,
+PASSWORD..., and a job's log reaches the flow's."""
+CREDENTIALS = (
+    "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
+    "AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME",
+    "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
+    "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
+)  # fmt: skip
+"""Where botocore finds credentials in an environment
+(https://docs.aws.amazon.com/sdkref/latest/guide/settings-reference.html): the caller's never reach a container,
+which gets its job's role instead (`role_credentials`)."""
+ROLE_SESSION_S = 43_200
+"""The longest session STS AssumeRole grants (DurationSeconds,
+https://docs.aws.amazon.com/STS/latest/APIReference/API_AssumeRole.html)."""
+
+
+def run_on_s3(request: Mapping[str, Any]) -> bool:
+    """Whether the request's input channels are on S3 (not a local run's folders under LOCAL_BUCKET)."""
+    uris = [c["DataSource"]["S3DataSource"]["S3Uri"] for c in request.get("InputDataConfig") or []]
+    return any(not uri.startswith(f"s3://{LOCAL_BUCKET}/") for uri in uris)
+
+
+def role_credentials(request: Mapping[str, Any], base: Mapping[str, str]) -> tuple[dict[str, str], str]:
+    """The AWS credentials an emulated container gets, and where they come from. SageMaker gives a job's
+    containers temporary credentials of the request's RoleArn, never the caller's
+    (https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html). A local run: none (its storage is this
+    machine's). A run on an S3 endpoint of this machine's (AWS_ENDPOINT_URL, a moto server in tests): STS
+    AssumeRole of RoleArn there, with the caller's credentials. A run on AWS itself: the emulator's role exists in
+    no account, so the caller's credentials are passed on, and the source says so."""
+    if not run_on_s3(request):
+        return {}, "none (a local run)"
+    endpoint = base.get("AWS_ENDPOINT_URL_STS") or base.get("AWS_ENDPOINT_URL")
+    if not endpoint:
+        return {k: v for k, v in base.items() if k in CREDENTIALS}, "the caller's (a run on AWS: no emulated role)"
+    import boto3
+
+    region = base.get("AWS_REGION") or base.get("AWS_DEFAULT_REGION") or "us-east-1"
+    duration = min(ROLE_SESSION_S, max(900, int(request["StoppingCondition"]["MaxRuntimeInSeconds"]) + 3600))
+    sts = boto3.client("sts", endpoint_url=endpoint, region_name=region)
+    role = str(request["RoleArn"])
+    session = str(request["TrainingJobName"])[:64]
+    granted = sts.assume_role(RoleArn=role, RoleSessionName=session, DurationSeconds=duration)
+    credentials = granted["Credentials"]
+    env = {
+        "AWS_ACCESS_KEY_ID": credentials["AccessKeyId"],
+        "AWS_SECRET_ACCESS_KEY": credentials["SecretAccessKey"],
+        "AWS_SESSION_TOKEN": credentials["SessionToken"],
+    }
+    return env, f"STS AssumeRole of {role} at {endpoint} (key {credentials['AccessKeyId']})"
 
 
 def container_environment(
-    request: Mapping[str, Any], base: Mapping[str, str], host: str, python: str, processes: int
+    request: Mapping[str, Any],
+    base: Mapping[str, str],
+    host: str,
+    python: str,
+    processes: int,
+    credentials: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The container's environment: the machine's credentials and settings (PASSED_ON), the request's
-    Environment, what SageMaker sets in every training container, and the local image's PATH."""
+    """The container's environment: the machine's settings (PASSED_ON) without its credentials, the role's
+    `credentials` (`role_credentials`), the request's Environment, what SageMaker sets in every training container,
+    and the local image's PATH. HOME is /root, the host's own (infra.emulated_host); no TMPDIR: /tmp is its own."""
     name = str(request["TrainingJobName"])
-    plain = {"PATH", "HOME", "LANG", "TMPDIR", "USER", "TZ"}
-    env = {k: v for k, v in base.items() if k in plain or k.startswith(PASSED_ON)}
+    plain = {"PATH", "LANG", "USER", "TZ"}
+    env = {k: v for k, v in base.items() if (k in plain or k.startswith(PASSED_ON)) and k not in CREDENTIALS}
+    env.update(credentials or {})
     env.update(request.get("Environment") or {})
     region = env.get("AWS_REGION", "us-west-2")
     env.update(
@@ -289,6 +356,7 @@ def container_environment(
             "TRAINING_JOB_NAME": name,
             "TRAINING_JOB_ARN": f"arn:aws:sagemaker:{region}:000000000000:training-job/{name}",
             HOST_ENV: host,
+            "HOME": "/root",
             # The image: the job's Python environment first, so that python3, pip and torchrun are its own.
             "PATH": os.pathsep.join([os.path.dirname(python), env.get("PATH", os.defpath)]),
         }
@@ -298,8 +366,36 @@ def container_environment(
     return env
 
 
-def host_command(host: HostTree, hosts_path: str, command: list[str]) -> list[str]:
-    return [*_unshare(), sys.executable, str(HOST_SETUP), host.ml, hosts_path, host.name, "--", *command]
+def host_command(host: HostTree, hosts_path: str, command: list[str], keep: list[str] | None = None) -> list[str]:
+    """The command that starts an emulated instance: new namespaces, the host's own /opt/ml, /tmp, /dev/shm and home
+    (`infra.emulated_host`), with `keep` (`reachable`) still at their paths, then the container's command."""
+    private = ["--private", host.private, *(a for path in keep or [] for a in ("--keep", path))]
+    return [*_unshare(), sys.executable, str(HOST_SETUP), *private, host.ml, hosts_path, host.name, "--", *command]
+
+
+def reachable(request: Mapping[str, Any], python: str) -> list[str]:
+    """What an emulated container must reach even where its /tmp or home covers it: the job's Python environment
+    (the image), the project's code (installed in it as a link to the source), the emulator's own interpreter, and
+    the local folders the request names under LOCAL_BUCKET (a local run's storage, S3's stand-in)."""
+    paths = {PROJECT_ROOT, sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(sys.executable))}
+    for interpreter in (python, os.path.realpath(python)):
+        paths.add(os.path.dirname(os.path.dirname(os.path.abspath(interpreter))))
+    prefix = f"s3://{LOCAL_BUCKET}/"
+    for text in _strings(request):
+        if text.startswith(prefix):
+            path = storage_of(text).path()
+            paths.add(path if os.path.exists(path) else os.path.dirname(path))
+    return sorted(str(p) for p in paths)
+
+
+def _strings(value: Any) -> list[str]:
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, Mapping):
+        return [s for v in value.values() for s in _strings(v)]
+    if isinstance(value, list | tuple):
+        return [s for v in value for s in _strings(v)]
+    return []
 
 
 def init_pid(launcher_pid: int) -> int | None:
