@@ -6,38 +6,87 @@ HLAT_FAULT_NAN_AT_STEP=<step>: the loss of that step (1-based) becomes NaN, once
 run's faults/ folder records it, so the relaunched job gets past it).
 HLAT_FAULT_BURN_IN_WRONG_RANK=<rank>: in the burn-in program, that rank perturbs one element of its matmul result
 before the checks, as a faulty device would (every burn-in run: the fault is the device's, not a one-off).
+HLAT_FAULT_STEP_SECONDS=<s>: each optimizer step takes about s seconds: the loop sleeps on the host after the step's
+work is launched, as a big model's step would keep it (no device work added; a step already slower stays as it is).
+HLAT_FAULT_SAVE_SECONDS=<s>: each checkpoint file this process writes takes s seconds longer (a sleep before the
+write: a slow upload, so that a stop can land inside a checkpoint write).
+HLAT_FAULT_SAVE_FAILS=<step>:<rank>: that rank's write of its rank file of that step's checkpoint fails with an
+OSError (a failed upload); in an async save, the loop's check after the next step sees it.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import IO
 
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
-from hlat.training.checkpoint import step_dir
+from hlat.training.checkpoint import rank_file, step_dir
 
 KILL_BEFORE_COMMIT = "HLAT_FAULT_KILL_BEFORE_COMMIT"
 NAN_AT_STEP = "HLAT_FAULT_NAN_AT_STEP"
 BURN_IN_WRONG_RANK = "HLAT_FAULT_BURN_IN_WRONG_RANK"
+STEP_SECONDS = "HLAT_FAULT_STEP_SECONDS"
+SAVE_SECONDS = "HLAT_FAULT_SAVE_SECONDS"
+SAVE_FAILS = "HLAT_FAULT_SAVE_FAILS"
 
 
-class KillBeforeCommit(Storage):
-    """Checkpoint storage that dies just before writing the commit marker of one step."""
+class FaultyCheckpoints(Storage):
+    """Checkpoint storage with the faults above: it dies just before writing the commit marker of one step
+    (`kill_before_commit`), sleeps before each checkpoint file (`save_seconds`), or fails the write of one rank
+    file (`fail_file`, a path under the storage)."""
 
-    def __init__(self, url: str, step: int) -> None:
+    def __init__(
+        self,
+        url: str,
+        kill_before_commit: int | None = None,
+        save_seconds: float = 0.0,
+        fail_file: str | None = None,
+    ) -> None:
         super().__init__(url)
-        self.folder = f"{step_dir(step)}/"
+        self.kill_folder = f"{step_dir(kill_before_commit)}/" if kill_before_commit is not None else None
+        self.save_seconds = save_seconds
+        self.fail_file = fail_file
 
     def write_bytes(self, rel: str, data: bytes) -> None:
-        if rel.startswith(self.folder) and rel.endswith(CHECKPOINT_MARKER):
+        if self.kill_folder and rel.startswith(self.kill_folder) and rel.endswith(CHECKPOINT_MARKER):
             os.kill(os.getpid(), signal.SIGKILL)
         super().write_bytes(rel, data)
 
+    @contextmanager
+    def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
+        if rel == self.fail_file:
+            raise OSError(f"{self.uri(rel)}: injected write failure ({SAVE_FAILS})")
+        if self.save_seconds:
+            time.sleep(self.save_seconds)
+        with super().atomic_writer(rel, part_size) as sink:
+            yield sink
 
-def checkpoint_storage(storage: Storage) -> Storage:
-    step = os.environ.get(KILL_BEFORE_COMMIT)
-    return KillBeforeCommit(storage.url, int(step)) if step else storage
+
+def checkpoint_storage(storage: Storage, rank: int | None = None) -> Storage:
+    """`storage`, or the same place with the faults the environment asks for (`rank`: this process's, by default
+    torchrun's RANK)."""
+    kill = os.environ.get(KILL_BEFORE_COMMIT)
+    slow = float(os.environ.get(SAVE_SECONDS) or 0)
+    fail_file = None
+    if fails := os.environ.get(SAVE_FAILS):
+        step, _, which = fails.partition(":")
+        rank = int(os.environ.get("RANK", "0")) if rank is None else rank
+        if int(which or 0) == rank:
+            fail_file = f"{step_dir(int(step))}/{rank_file(rank)}"
+    if not (kill or slow or fail_file):
+        return storage
+    return FaultyCheckpoints(storage.url, int(kill) if kill else None, slow, fail_file)
+
+
+def step_seconds() -> float | None:
+    """The step time HLAT_FAULT_STEP_SECONDS asks for (None: no slowing)."""
+    value = os.environ.get(STEP_SECONDS)
+    return float(value) if value else None
 
 
 def inject_nan(run: Storage, step: int) -> bool:

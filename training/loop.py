@@ -5,6 +5,16 @@ optimizer, scheduler, step, each rank's data-loader and RNG state); a job resume
 checkpoint; a NaN/inf loss exits non-zero (or skips the step) so the job restarts from the last checkpoint;
 SIGTERM (sent by SageMaker before it stops a job) checkpoints and exits 0.
 
+The stop must fit SageMaker's grace: SIGTERM, then SIGKILL 120 s later
+(https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). So the ranks
+vote on it at every step boundary, whatever `training.log_every` is: a host-side vote (`World.any_rank`, a CPU
+tensor over a gloo group) that adds no device op, graph or transfer. On a stop every rank finishes its step, reads
+the device once (the NaN check, as at any sync point), finishes an async save still in flight, writes the
+checkpoint of that step synchronously (committed before it exits) and exits 0; rank 0 first logs whether the
+write is expected to fit `job.stop_grace_seconds`, from the step and save times it measured. After every step the
+loop also asks the checkpoint manager, without I/O, whether a background save failed (`CheckpointManager.check`),
+so a rank's failed upload fails the job within a step, not one checkpoint interval later.
+
 No host round trip inside a step, on any device. A step is traced (XLA) or queued (CUDA) without reading a device
 tensor: its loss, gradient norm and non-finite check stay on the device (`StepTally`), batches arrive on the
 device from a background thread, and on XLA the step is cut where `training.xla_graph_cuts` says (after each
@@ -13,7 +23,7 @@ host reads them at sync points only: steps that log (`training.log_every`), step
 evaluation, health check), the job's first and last step. There, in one transfer, it learns the loss and whether
 any step since the last sync was non-finite; under nan_policy=exit it then exits, and a checkpoint is only ever
 saved after that check, so no checkpoint holds the NaN weights of the steps between. Under nan_policy=skip the
-decision is made on the device (`masked_step`). SIGTERM is voted on at sync points too.
+decision is made on the device (`masked_step`). A step whose stop vote passes becomes a sync point.
 """
 
 from __future__ import annotations
@@ -31,7 +41,7 @@ from typing import Any
 import torch
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, write_failure
+from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
 from hlat.core.environment import neuron_available, precision_by_flags
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
@@ -46,7 +56,7 @@ from hlat.training.checkpoint import (
 )
 from hlat.training.data.loader import PackedLoader
 from hlat.training.devices import memory_gb, peak_flops
-from hlat.training.faults import inject_nan
+from hlat.training.faults import inject_nan, step_seconds
 from hlat.training.health import UnhealthyCollective, periodic_health_check
 from hlat.training.metrics import MetricsLog
 from hlat.training.model import Transformer
@@ -162,6 +172,7 @@ class Trainer:
             async_save=cfg.training.async_checkpoint,
             commit_timeout_s=cfg.training.commit_timeout_s,
             stage_in_background=True,  # the state is copied while the next step runs: see _update
+            share=world.share_from_main,  # at resume rank 0 alone lists the checkpoints (resume_point)
             **self.format.layout,
         )
         self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
@@ -170,6 +181,9 @@ class Trainer:
         self._loader_state: dict[str, Any] | None = None  # of the last batch a step consumed
         self.saved_step: int | None = None
         self.stop_requested = False
+        self._sigterm_at: float | None = None  # time.monotonic() of this process's first SIGTERM
+        self._last_save: tuple[int, float] | None = None  # (step, seconds) of the last save timed to its end
+        self._async_save: tuple[int, float] | None = None  # (step, perf_counter at its start) of the last async save
         # Recorded with this job's first step, next to first_step_seconds (e.g. the compile cache's status).
         self.first_step_metrics: dict[str, Any] = {}
         self._flops_per_token = cfg.model.flops_per_token(cfg.training.seq_len)
@@ -306,7 +320,9 @@ class Trainer:
     def resume(self) -> int:
         """Load the newest complete checkpoint, if any; return the step to continue from. What an earlier attempt
         left past it is deleted first (CheckpointManager.discard_after)."""
-        step = self.ckpt.latest_step()
+        # Rank 0 alone lists the checkpoints and reads meta.json; the others get its finding (share_from_main).
+        found = self.ckpt.resume_point()
+        step = found[0] if found is not None else None
         self.ckpt.discard_after(step)
         if step is None:
             log.info("no complete checkpoint under %s: starting from scratch", self.checkpoints.url)
@@ -425,11 +441,21 @@ class Trainer:
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
         first_step = self.step
         since, since_step, nonfinite_seen = time.perf_counter(), self.step, 0
+        pace = step_seconds()  # HLAT_FAULT_STEP_SECONDS: tests' stand-in for a big model's step
         try:
             while self.step < t.max_steps:
+                started = time.perf_counter()
                 stats = self.train_step(batches)
+                if pace:  # host side, after the step's work is launched
+                    time.sleep(max(0.0, pace - (time.perf_counter() - started)))
                 self.step += 1
-                if not self._sync_point(first_step):
+                note_step(self.step)
+                # No I/O, no device read: a rank whose background save failed (an upload) fails now, naming its rank,
+                # host and key, rather than at the next save.
+                self.ckpt.check()
+                # Every step boundary, on every rank: a stop must not wait log_every steps for a sync point.
+                stop = self.world.any_rank(self.stop_requested)
+                if not stop and not self._sync_point(first_step):
                     continue
                 # The sync point: everything the host needs of the steps since the last one, in one transfer.
                 seen = self.world.to_host({k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors())
@@ -456,6 +482,8 @@ class Trainer:
                     values.update(self.first_step_metrics)
                 if self.step % t.log_every == 0 or self.step == t.max_steps or self.step == first_step + 1:
                     self._record(values, seconds)
+                if stop:  # no evaluation or health check: the grace is for the checkpoint
+                    return self._stop(seconds)
                 try:
                     for hook in self.hooks:
                         if self.step % hook.every == 0:
@@ -464,10 +492,6 @@ class Trainer:
                     log.error("%s: exiting so the job restarts from the last checkpoint", exc)
                     write_failure(f"UnhealthyCollective: {exc}")
                     return EXIT_UNHEALTHY
-                if self.world.any_rank(self.stop_requested):
-                    log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
-                    self.save_checkpoint(self.step)
-                    return 0
                 since, since_step = time.perf_counter(), self.step  # hooks do not count as step time
             if self.step > first_step and (not t.eval_every or self.step % t.eval_every):
                 self.evaluate(self.step)
@@ -481,6 +505,59 @@ class Trainer:
             self.loader.close()
             signal.signal(signal.SIGTERM, previous)
 
+    def _stop(self, step_seconds: float) -> int:
+        """Every rank, once the stop vote passed after step `self.step`: finish an async save still in flight, save
+        this step synchronously (committed before the process exits), return the exit code 0."""
+        grace = self.cfg.job.stop_grace_seconds
+        log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
+        if self.world.is_main:
+            self._log_stop_budget(grace, step_seconds)
+        if self._async_save is not None:
+            step, began = self._async_save
+            waited_from = time.perf_counter()
+            self.ckpt.wait()  # its error, if any, is raised here: the stop's save would not make a run resumable
+            waited = time.perf_counter() - waited_from
+            if waited > 0.05:  # still running when the stop came: its end is known, so is its length
+                self._last_save = (step, time.perf_counter() - began)
+            log.info("stop: the async save of step %d was in flight; waited %.1f s for it to finish", step, waited)
+            self._async_save = None
+        began = time.perf_counter()
+        self.save_checkpoint(self.step)
+        self.ckpt.wait()  # an async manager's save, made synchronous: this rank's files are written (rank 0: committed)
+        self._last_save = (self.step, time.perf_counter() - began)
+        self._async_save = None
+        after = f", {time.monotonic() - self._sigterm_at:.1f} s after this rank's SIGTERM" if self._sigterm_at else ""
+        log.warning(
+            "stop: step %d saved in %.1f s%s (grace %.0f s); exiting 0", self.step, self._last_save[1], after, grace
+        )
+        return 0
+
+    def _log_stop_budget(self, grace: float, step_seconds: float) -> None:
+        """One line: the grace, the measured step and save times, and whether the stop's checkpoint is expected to
+        fit. The worst case from SIGTERM: a whole step before the vote, an async save in flight to finish, the save."""
+        measured = f"step {step_seconds:.1f} s"
+        if self._sigterm_at is not None:
+            measured += f", {time.monotonic() - self._sigterm_at:.1f} s since this rank's SIGTERM"
+        if self._last_save is None:
+            log.warning(
+                "stop at step %d: grace %.0f s (job.stop_grace_seconds), %s, no save timed yet in this job: cannot "
+                "tell whether the checkpoint fits before SIGKILL",
+                self.step, grace, measured,
+            )  # fmt: skip
+            return
+        step, save = self._last_save
+        in_flight = self._async_save is not None
+        worst = step_seconds + save * (2 if in_flight else 1)
+        how = f"a step{', the async save in flight' if in_flight else ''} and the save"
+        line = (
+            f"stop at step {self.step}: grace {grace:.0f} s (job.stop_grace_seconds), {measured}, last save "
+            f"{save:.1f} s (step {step}); worst case {worst:.1f} s from SIGTERM ({how})"
+        )
+        if worst <= grace:
+            log.info("%s: the checkpoint is expected to fit", line)
+        else:
+            log.warning("%s: the checkpoint is NOT expected to fit: SIGKILL may come first", line)
+
     def _sync_point(self, first_step: int) -> bool:
         """Whether the host reads the device after this step: the same steps on every rank (the stop vote and the
         hooks' collectives must line up)."""
@@ -489,6 +566,8 @@ class Trainer:
         return hooks or s % t.log_every == 0 or s == t.max_steps or s == first_step + 1
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
+        if self._sigterm_at is None:
+            self._sigterm_at = time.monotonic()
         self.stop_requested = True
 
     def _record(self, stats: dict[str, Any], seconds: float) -> None:
@@ -524,8 +603,13 @@ class Trainer:
         # The metrics first: a job killed between a commit and a later flush would resume past lines that never
         # reached an object store (S3 has no appends: metrics.jsonl is rewritten at each flush).
         self.metrics.flush()
+        began = time.perf_counter()
         self.format.save(self.ckpt, step, self._shared_state(step), self._rank_state())
         self.saved_step = step
+        if self.ckpt.async_save:  # timed to its end only when the loop waits for it (a stop)
+            self._async_save = (step, began)
+        else:
+            self._last_save = (step, time.perf_counter() - began)
 
     def _shared_state(self, step: int) -> dict[str, Any]:
         """What every rank holds alike besides the model and optimizer."""

@@ -102,3 +102,57 @@ def load_initial(prepared: Path) -> dict[str, torch.Tensor]:
     model = Transformer(load_config("tiny", SMALL_DATA).model)
     model.init_weights()
     return model.state_dict()
+
+
+def host_collectives(rank: int, port: int, out_dir: str) -> None:
+    """One of two gloo ranks: the stop vote and rank 0's objects, over the main group (gloo) and over the gloo group
+    init_world makes beside a main group of another backend (nccl on CUDA, xla on trn1: its backend faked here)."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    import random
+    from dataclasses import replace
+    from unittest import mock
+
+    import torch.distributed as dist
+
+    from hlat.training.parallel import distributed
+    from hlat.training.parallel.distributed import close_world, init_world
+
+    world = init_world("cpu")
+    try:
+        rng = (torch.get_rng_state(), random.getstate())
+        result = {
+            "own_group": world.host_group is None,  # the main group is gloo: it serves
+            "votes": [world.any_rank(rank == 1), world.any_rank(False), world.any_rank(True)],
+            "shared": world.share_from_main({"listing": [f"step-{rank}"]}),
+        }
+        with mock.patch.object(dist, "get_backend", return_value="nccl"):
+            with pytest.raises(RuntimeError, match="need a gloo group beside the nccl one"):
+                world.any_rank(True)
+            side = replace(world, host_group=distributed._host_side_group())
+            result["side"] = [side.any_rank(rank == 0), side.any_rank(False), side.share_from_main(rank + 10)]
+        result["side_backend"] = dist.get_backend(side.host_group)
+        result["rng_untouched"] = torch.equal(rng[0], torch.get_rng_state()) and rng[1] == random.getstate()
+        torch.save(result, f"{out_dir}/host-{rank}.pt")
+    finally:
+        close_world()
+
+
+def test_the_stop_vote_and_rank_0s_objects_go_over_a_gloo_group_on_the_host(tmp_path: Path) -> None:
+    mp.start_processes(host_collectives, args=(free_port(), str(tmp_path)), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        result = torch.load(tmp_path / f"host-{rank}.pt", weights_only=False)
+        assert result["own_group"]
+        assert result["votes"] == [True, False, True]  # rank 1's flag reaches rank 0, and the reverse below
+        assert result["shared"] == {"listing": ["step-0"]}  # rank 0's, on both
+        assert result["side"] == [True, False, 10] and result["side_backend"] == "gloo"
+        assert result["rng_untouched"]
+
+
+def test_on_one_process_the_vote_is_the_flag_and_sharing_is_identity() -> None:
+    from hlat.training.parallel.distributed import World
+
+    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    listing = {"step": 3}
+    assert world.any_rank(True) and not world.any_rank(False)
+    assert world.share_from_main(listing) is listing

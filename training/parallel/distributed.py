@@ -7,6 +7,13 @@
   a laptop, under torchrun with several CPU ranks, on GPUs or on NeuronCores.
 - Collectives take and return tensors on the job's device (`all_reduce`): nothing reaches the host unless the
   caller reads it, once, through `to_host` at its sync points. On CPU (gloo) the device is the host.
+- Host-side collectives (`any_rank`, the stop vote at every step boundary; `share_from_main`, rank 0's objects on
+  every rank) run on CPU tensors over a gloo group beside the job's main group (`host_group`: made with
+  `dist.new_group(backend="gloo")` when the main group is nccl or xla, the main group itself when it is gloo), so
+  they never add a device op, an XLA graph or a device-to-host transfer. torch.distributed runs a group of another
+  backend beside the default one (https://pytorch.org/docs/stable/distributed.html#torch.distributed.new_group), and
+  neuronx-distributed makes such gloo groups under the `xla` group for its pipeline's metadata
+  (parallel_state.initialize_pp_gloo_groups); that ours forms under `xla` on trn1 is checked only there.
 """
 
 from __future__ import annotations
@@ -38,6 +45,9 @@ class World:
     pipeline_rank: int = 0
     nxd: dict[str, Any] | None = None
     """neuronx-distributed's trainer config when the model is split (tensor/pipeline parallel, ZeRO-1)."""
+    host_group: Any = None
+    """The gloo group of host-side collectives when the main group is not gloo (init_world makes it); None: the
+    main group, which must then be gloo."""
 
     def __post_init__(self) -> None:
         if not self.layout.splits_model:
@@ -93,12 +103,34 @@ class World:
         return _grouped()
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when it is true on any: ranks must take the same branch (stop, checkpoint). A
-        collective and a host read: call it at a sync point, not every step."""
-        if not self.collective:
+        """True on every rank when it is true on any: ranks must take the same branch (the stop). Host-side: a CPU
+        tensor all-reduced (MAX) over the gloo `host_group`, never a device op, so it may run at every step
+        boundary (between steps: every rank must call it at the same points); on one process, `flag` itself."""
+        if not _grouped():
             return flag
-        vote = self.all_reduce(torch.tensor([float(flag)], device=self.device), op="max")
-        return bool(self.to_host(vote).item())
+        vote = torch.tensor([int(flag)], dtype=torch.int32)  # CPU, whatever the job's device
+        dist.all_reduce(vote, op=dist.ReduceOp.MAX, group=self._host_group())
+        return bool(vote.item())
+
+    def share_from_main(self, obj: Any) -> Any:
+        """Rank 0's `obj` on every rank (every rank calls it; the others' `obj` is ignored): a host-side broadcast
+        of a picklable object over the gloo `host_group`; on one process, `obj` itself. How one rank's look at
+        storage (the checkpoint listing at resume) serves every rank."""
+        if not _grouped():
+            return obj
+        box = [obj if self.rank == 0 else None]
+        dist.broadcast_object_list(box, src=0, group=self._host_group())
+        return box[0]
+
+    def _host_group(self) -> Any:
+        if self.host_group is not None:
+            return self.host_group
+        if dist.get_backend() != "gloo":
+            raise RuntimeError(
+                f"host-side collectives need a gloo group beside the {dist.get_backend()} one: build the World with "
+                "init_world, which makes it"
+            )
+        return None  # the default group
 
     def mark_step(self) -> None:
         """End of an optimizer step: on XLA, cut and launch the step's graph; elsewhere nothing."""
@@ -186,7 +218,8 @@ def init_world(
             if not on_neuron and os.environ.get("PJRT_DEVICE") == "CPU":
                 raise RuntimeError(f"this job has {world_size} processes: {xla.XLA_CPU_NOTE}")
             xla.init_process_group()
-        return _model_parallel(World(rank=rank, world_size=world_size, local_rank=local_rank, device=xla.device()), cfg)
+        world = World(rank, world_size, local_rank, xla.device(), host_group=_host_side_group())
+        return _model_parallel(world, cfg)
     if kind == "cuda":
         if cfg is None or cfg.training.deterministic:
             use_deterministic_cuda()
@@ -196,7 +229,17 @@ def init_world(
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
         dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
-    return _model_parallel(World(rank=rank, world_size=world_size, local_rank=local_rank, device=device), cfg)
+    world = World(rank, world_size, local_rank, device, host_group=_host_side_group())
+    return _model_parallel(world, cfg)
+
+
+def _host_side_group() -> Any:
+    """The gloo group for host-side collectives, made by every rank right after joining the main group (new_group
+    is collective: every rank makes its groups in the same order, before neuronx-distributed makes its own). None
+    on one process, or when the main group is gloo (it serves)."""
+    if not _grouped() or dist.get_backend() == "gloo":
+        return None
+    return dist.new_group(backend="gloo")
 
 
 def use_deterministic_cuda() -> None:
