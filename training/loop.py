@@ -36,6 +36,7 @@ import zlib
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 import torch
@@ -43,6 +44,7 @@ import torch
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
 from hlat.core.environment import neuron_available, precision_by_flags
+from hlat.core.layout import CHECKPOINT_META
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
     CheckpointFormat,
@@ -53,6 +55,7 @@ from hlat.training.checkpoint import (
     Zero1,
     rank_state,
     restore_rank_state,
+    step_dir,
 )
 from hlat.training.data.loader import PackedLoader
 from hlat.training.devices import memory_gb, peak_flops
@@ -184,6 +187,7 @@ class Trainer:
         self._sigterm_at: float | None = None  # time.monotonic() of this process's first SIGTERM
         self._last_save: tuple[int, float] | None = None  # (step, seconds) of the last save timed to its end
         self._async_save: tuple[int, float] | None = None  # (step, perf_counter at its start) of the last async save
+        self._async_started: list[tuple[int, float]] = []  # (step, time.time() at its start) of the last two
         # Recorded with this job's first step, next to first_step_seconds (e.g. the compile cache's status).
         self.first_step_metrics: dict[str, Any] = {}
         self._flops_per_token = cfg.model.flops_per_token(cfg.training.seq_len)
@@ -539,6 +543,8 @@ class Trainer:
         if self._sigterm_at is not None:
             measured += f", {time.monotonic() - self._sigterm_at:.1f} s since this rank's SIGTERM"
         if self._last_save is None:
+            self._last_save = self._async_save_seconds()
+        if self._last_save is None:
             log.warning(
                 "stop at step %d: grace %.0f s (job.stop_grace_seconds), %s, no save timed yet in this job: cannot "
                 "tell whether the checkpoint fits before SIGKILL",
@@ -564,6 +570,19 @@ class Trainer:
         s, t = self.step, self.cfg.training
         hooks = any(s % hook.every == 0 for hook in self.hooks)
         return hooks or s % t.log_every == 0 or s == t.max_steps or s == first_step + 1
+
+    def _async_save_seconds(self) -> tuple[int, float] | None:
+        """(step, seconds) of this job's newest committed async save, from its start here to the commit time rank 0
+        wrote in its meta.json (to the second, so rounded up): one small read, at a stop only. None when there is
+        none (or its meta.json cannot be read)."""
+        for step, began in reversed(self._async_started):
+            try:
+                meta = self.checkpoints.read_json(f"{step_dir(step)}/{CHECKPOINT_META}")
+                committed = datetime.fromisoformat(meta["time"])
+            except Exception:  # not committed yet, pruned, unreadable: the one before, or nothing
+                continue
+            return step, max(0.0, committed.timestamp() - began) + 1.0
+        return None
 
     def _on_sigterm(self, signum: int, frame: Any) -> None:
         if self._sigterm_at is None:
@@ -606,8 +625,9 @@ class Trainer:
         began = time.perf_counter()
         self.format.save(self.ckpt, step, self._shared_state(step), self._rank_state())
         self.saved_step = step
-        if self.ckpt.async_save:  # timed to its end only when the loop waits for it (a stop)
+        if self.ckpt.async_save:  # timed to its end when the loop waits for it (a stop), else from its meta.json
             self._async_save = (step, began)
+            self._async_started = [*self._async_started[-1:], (step, time.time())]
         else:
             self._last_save = (step, time.perf_counter() - began)
 

@@ -30,6 +30,12 @@ def trainer_rank(
     `signal_at` (0: never). Writes what fit() returned, or raised, and the step it got to, to result-<rank>.json."""
     os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1")
     os.environ.update(MASTER_PORT=str(port), OMP_NUM_THREADS="1", **env)
+    import logging
+
+    handler = logging.FileHandler(f"{run_dir}/log-{rank}.txt")
+    handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+    logging.getLogger("hlat").addHandler(handler)
+    logging.getLogger("hlat").setLevel(logging.INFO)
     from hlat.training.faults import checkpoint_storage
     from hlat.training.loop import Trainer
     from hlat.training.parallel.distributed import close_world, init_world
@@ -101,6 +107,14 @@ def test_a_sigterm_to_one_rank_inside_a_step_stops_both_at_that_step_with_its_ch
     assert manager.latest_step() == 6 and manager.all_steps() == [4, 6]
     shared, _ = manager.load(6)
     assert shared["step"] == 6
+    # Rank 0's one line: the grace, the step time, the async save of step 4 timed from its meta.json, the verdict.
+    log = (tmp_path / "stop" / "log-0.txt").read_text()
+    line = next(x for x in log.splitlines() if x.startswith("INFO stop at step 6: grace 20 s"))
+    assert "(step 4); worst case" in line and line.endswith("the checkpoint is expected to fit"), line
+    assert (
+        "stop: step 6 saved in" in log
+        and "s after this rank's SIGTERM" in (tmp_path / "stop" / "log-1.txt").read_text()
+    )
 
 
 def test_a_failed_background_save_of_one_rank_fails_it_within_a_step_naming_rank_host_and_key(
@@ -120,3 +134,37 @@ def test_a_failed_background_save_of_one_rank_fails_it_within_a_step_naming_rank
     # The launcher stopped rank 0 (waiting at step 3's stop vote for its peer) at once: it never saw step 4.
     assert first is None and time.monotonic() - started < 60
     assert CheckpointManager(Storage(str(tmp_path / "failed" / "checkpoints")), keep_last=1).latest_step() is None
+
+
+def test_the_stop_line_warns_when_the_checkpoint_cannot_fit_the_grace(
+    prepared: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A 37 s step (70B on 64 nodes), a 45 s save: with such a save in flight there is no room in 120 s."""
+    from hlat.training.loop import Trainer
+    from hlat.training.parallel.distributed import init_world
+
+    cfg = load_config("tiny", {**SMALL_DATA, "job.stop_grace_seconds": 120}, run_id="line")
+    trainer = Trainer(
+        cfg,
+        Storage(str(tmp_path)),
+        Storage(str(tmp_path / "checkpoints")),
+        init_world("cpu", cfg),
+        f"{prepared}/tokenizer/tokenizer.model",
+        data=Storage(f"{prepared}/data"),
+    )
+    trainer.loader.close()
+    trainer.step = 40
+    caplog.set_level("INFO", logger="hlat")
+    trainer._last_save, trainer._async_save = (30, 45.0), (40, 0.0)
+    trainer._log_stop_budget(120, step_seconds=37.0)
+    trainer._async_save = None
+    trainer._log_stop_budget(120, step_seconds=37.0)
+    in_flight, idle = (r for r in caplog.records if r.message.startswith("stop at step 40: grace 120 s"))
+    assert in_flight.levelname == "WARNING", in_flight.message
+    assert in_flight.message.endswith(
+        "step 37.0 s, last save 45.0 s (step 30); worst case 127.0 s from SIGTERM (a step, the async save in flight "
+        "and the save): the checkpoint is NOT expected to fit: SIGKILL may come first"
+    ), in_flight.message
+    assert idle.levelname == "INFO" and idle.message.endswith(
+        "worst case 82.0 s from SIGTERM (a step and the save): the checkpoint is expected to fit"
+    ), idle.message
