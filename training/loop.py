@@ -523,7 +523,7 @@ class Trainer:
             waited = time.perf_counter() - waited_from
             if waited > 0.05:  # still running when the stop came: its end is known, so is its length
                 self._last_save = (step, time.perf_counter() - began)
-            log.info("stop: the async save of step %d was in flight; waited %.1f s for it to finish", step, waited)
+                log.info("stop: the async save of step %d was in flight; waited %.1f s for it to finish", step, waited)
             self._async_save = None
         began = time.perf_counter()
         self.save_checkpoint(self.step)
@@ -552,9 +552,10 @@ class Trainer:
             )  # fmt: skip
             return
         step, save = self._last_save
-        in_flight = self._async_save is not None
-        worst = step_seconds + save * (2 if in_flight else 1)
-        how = f"a step{', the async save in flight' if in_flight else ''} and the save"
+        # What is left of an async save still running, if it takes as long as the last one did.
+        left = max(0.0, save - (time.perf_counter() - self._async_save[1])) if self._async_save else 0.0
+        worst = step_seconds + left + save
+        how = f"a step{f', {left:.1f} s left of the async save in flight' if left else ''} and the save"
         line = (
             f"stop at step {self.step}: grace {grace:.0f} s (job.stop_grace_seconds), {measured}, last save "
             f"{save:.1f} s (step {step}); worst case {worst:.1f} s from SIGTERM ({how})"

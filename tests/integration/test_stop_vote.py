@@ -139,7 +139,8 @@ def test_a_failed_background_save_of_one_rank_fails_it_within_a_step_naming_rank
 def test_the_stop_line_warns_when_the_checkpoint_cannot_fit_the_grace(
     prepared: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    """A 37 s step (70B on 64 nodes), a 45 s save: with such a save in flight there is no room in 120 s."""
+    """A 37 s step (70B on 64 nodes), a 45 s save: with such a save just begun there is no room in 120 s; with none
+    in flight there is."""
     from hlat.training.loop import Trainer
     from hlat.training.parallel.distributed import init_world
 
@@ -155,15 +156,15 @@ def test_the_stop_line_warns_when_the_checkpoint_cannot_fit_the_grace(
     trainer.loader.close()
     trainer.step = 40
     caplog.set_level("INFO", logger="hlat")
-    trainer._last_save, trainer._async_save = (30, 45.0), (40, 0.0)
+    trainer._last_save, trainer._async_save = (30, 45.0), (40, time.perf_counter())  # step 40's save just began
     trainer._log_stop_budget(120, step_seconds=37.0)
     trainer._async_save = None
     trainer._log_stop_budget(120, step_seconds=37.0)
     in_flight, idle = (r for r in caplog.records if r.message.startswith("stop at step 40: grace 120 s"))
     assert in_flight.levelname == "WARNING", in_flight.message
     assert in_flight.message.endswith(
-        "step 37.0 s, last save 45.0 s (step 30); worst case 127.0 s from SIGTERM (a step, the async save in flight "
-        "and the save): the checkpoint is NOT expected to fit: SIGKILL may come first"
+        "step 37.0 s, last save 45.0 s (step 30); worst case 127.0 s from SIGTERM (a step, 45.0 s left of the async "
+        "save in flight and the save): the checkpoint is NOT expected to fit: SIGKILL may come first"
     ), in_flight.message
     assert idle.levelname == "INFO" and idle.message.endswith(
         "worst case 82.0 s from SIGTERM (a step and the save): the checkpoint is expected to fit"
