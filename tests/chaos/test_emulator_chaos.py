@@ -1,9 +1,10 @@
-"""Chaos on two emulated SageMaker hosts: a 2-host x 2-process training on S3 (a moto server) whose hosts, ranks
-and flow are SIGKILLed and whose job is stopped (StopTrainingJob) at random moments must end bitwise equal to an
-uninterrupted run (weights, optimizer state, every step's loss and samples), with one job alive at a time, each
-recorded in the ledger, and nothing left running.
+"""Chaos on two emulated SageMaker hosts: a 2-host x 2-process training on S3 (a moto server, behind the fault
+injector tests/s3_faults.py) whose hosts, ranks and flow are SIGKILLed, whose job is stopped (StopTrainingJob) and
+whose checkpoint writes meet S3's throttling, 5xx, dropped connections and latency at random moments must end
+bitwise equal to an uninterrupted run (weights, optimizer state, every step's loss and samples), with one job alive
+at a time, each recorded in the ledger, and nothing left running.
 
-CI runs one event of each kind (`HLAT_CHAOS_EVENTS`, default 4); the long version is the same test with more:
+CI runs one event of each kind (`HLAT_CHAOS_EVENTS`, default 5); the long version is the same test with more:
 `HLAT_CHAOS_EVENTS=16 .venv/bin/python -m pytest tests/chaos/test_emulator_chaos.py -s` (its figures are in the
 README)."""
 
@@ -16,6 +17,7 @@ import random
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +38,7 @@ from tests.chaos.test_train_stage import ROOT, cli, cli_env
 from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
+from tests.s3_faults import Rule, S3Faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
@@ -44,9 +47,9 @@ if problem := namespaces_available():
         raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
     pytest.skip(problem, allow_module_level=True)
 
-EVENTS = int(os.environ.get("HLAT_CHAOS_EVENTS", "4"))
+KINDS = ("host", "rank", "flow", "stop", "storage")
+EVENTS = int(os.environ.get("HLAT_CHAOS_EVENTS", str(len(KINDS))))
 STEPS = 24 + 8 * EVENTS
-KINDS = ("host", "rank", "flow", "stop")
 SETS: dict[str, Any] = {
     **SMALL_DATA,
     "training.max_steps": STEPS,
@@ -119,6 +122,23 @@ def kill_host(job_dir: str, host: str) -> int:
     return len(pids)
 
 
+CHECKPOINT_FILES = r"checkpoints/step-\d+/"
+
+
+def storage_storm(proxy: S3Faults, rng: random.Random) -> list[Rule]:
+    """S3 at its worst short of an outage, on the next checkpoint writes: a rank file's upload throttled (503
+    SlowDown), failed (500 InternalError) and its connection dropped, every checkpoint request late. All of it is
+    retried with back-off (core.storage.S3_CLIENT_CONFIG), so the training goes on as if nothing happened."""
+    rank_file = rf"{CHECKPOINT_FILES}rank-\d+\.pt$"
+    writes = ("PutObject", "UploadPart")
+    return [
+        proxy.add(Rule(writes, rank_file, "slowdown", times=rng.randint(1, 3))),
+        proxy.add(Rule(writes, rank_file, "internal", times=rng.randint(1, 2))),
+        proxy.add(Rule(writes, rank_file, "drop", times=1)),
+        proxy.add(Rule(None, CHECKPOINT_FILES, "latency", times=20, seconds=rng.uniform(0.1, 0.5))),
+    ]
+
+
 def kill_rank(job_dir: str, rng: random.Random) -> int:
     ranks = [p for p in job_processes(job_dir) if "LOCAL_RANK" in environ_of(p)]
     if ranks:
@@ -128,8 +148,10 @@ def kill_rank(job_dir: str, rng: random.Random) -> int:
 
 
 class Chaos:
-    def __init__(self, tmp_path: Path, root: str, run: Storage, run_id: str) -> None:
+    def __init__(self, tmp_path: Path, root: str, run: Storage, run_id: str, proxy: S3Faults) -> None:
         self.tmp_path, self.root, self.run, self.run_id = tmp_path, root, run, run_id
+        self.proxy = proxy
+        self.storms: list[Rule] = []
         self.jobs = Path(os.environ["HLAT_JOBS_DIR"]) / run_id
         self.backend = LocalBackend(str(self.jobs))
         self.flow = start_flow(tmp_path, root, run_id)
@@ -176,6 +198,10 @@ class Chaos:
             return kill_host(job_dir, rng.choice(["algo-1", "algo-2"])) > 0
         if kind == "rank":
             return kill_rank(job_dir, rng) > 0
+        if kind == "storage":
+            self.storms += storage_storm(self.proxy, rng)
+            state = self.backend.describe(name)
+            return state is not None and state.status not in TERMINAL
         if kind == "stop":
             state = self.backend.describe(name)
             self.backend.stop(name)
@@ -195,8 +221,21 @@ class Chaos:
         return self.flow.returncode
 
 
-def test_two_hosts_under_random_kills_and_stops_end_bitwise_equal(
-    prepared: Path, tmp_path: Path, prefect_server: None, s3_env: S3Env, monkeypatch: pytest.MonkeyPatch
+@pytest.fixture
+def proxy(s3_env: S3Env, monkeypatch: pytest.MonkeyPatch) -> Iterator[S3Faults]:
+    """Every request of the test, its flows and jobs to S3 goes through the fault injector."""
+    with S3Faults(s3_env.endpoint) as injector:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", injector.url)
+        yield injector
+
+
+def test_two_hosts_under_random_kills_stops_and_storage_faults_end_bitwise_equal(
+    prepared: Path,
+    tmp_path: Path,
+    prefect_server: None,
+    s3_env: S3Env,
+    proxy: S3Faults,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     monkeypatch.setenv("HLAT_JOBS_DIR", str(tmp_path / "jobs"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
@@ -215,7 +254,7 @@ def test_two_hosts_under_random_kills_and_stops_end_bitwise_equal(
     rng = random.Random(20261125)
     plan = [KINDS[i % len(KINDS)] for i in range(EVENTS)]
     rng.shuffle(plan)
-    chaos = Chaos(tmp_path, s3_env.url, run, "chaos")
+    chaos = Chaos(tmp_path, s3_env.url, run, "chaos", proxy)
     done: list[str] = []
     for kind in plan:
         name = chaos.wait_for_training()
@@ -240,9 +279,15 @@ def test_two_hosts_under_random_kills_and_stops_end_bitwise_equal(
     assert ours_t.keys() == theirs_t.keys()
     mismatches = [k for k in ours_t if not torch.equal(ours_t[k], theirs_t[k])]
     assert mismatches == []
+    faulted: dict[str, int] = {}
+    for rule in chaos.storms:
+        faulted[rule.fault] = faulted.get(rule.fault, 0) + len(rule.hits)
+    if "storage" in done:
+        assert sum(n for f, n in faulted.items() if f != "latency") > 0, "no storage fault reached a request"
     print(
         f"\nchaos on 2 emulated hosts: {len(done)} events ({', '.join(done)}), {len(attempts)} jobs "
         f"({len(attempts) - 1} relaunches: {[a.category for a in attempts[:-1]]}), {STEPS} steps, "
         f"{len(ours_t)} tensors compared, {len(mismatches)} mismatches; reference {reference_s:.0f} s, "
-        f"chaos run {time.monotonic() - started - reference_s:.0f} s"
+        f"chaos run {time.monotonic() - started - reference_s:.0f} s; storage faults injected: {faulted}, "
+        f"{len(proxy.requests)} S3 requests through the injector"
     )
