@@ -88,9 +88,10 @@ def run_two_ranks(
     )
     deadline = time.monotonic() + 240
     try:
-        while not context.join(timeout=1):
+        # One rank failed: the other is stopped 2 s later (torchrun waits 30 s before its SIGKILL).
+        while not context.join(timeout=1, grace_period=2):
             assert time.monotonic() < deadline, "the two ranks did not end"
-    except mp.ProcessExitedException:  # one rank failed: join() has terminated the other
+    except mp.ProcessExitedException:  # one rank failed: join() has stopped the other
         pass
     files = [run / f"result-{rank}.json" for rank in (0, 1)]
     return [json.loads(f.read_text()) if f.exists() else None for f in files]
@@ -132,7 +133,7 @@ def test_a_failed_background_save_of_one_rank_fails_it_within_a_step_naming_rank
     assert socket.gethostname() in error and f"{step_dir(2)}/rank-00001.pt" in error, error
     assert "injected write failure" in error
     # The launcher stopped rank 0 (waiting at step 3's stop vote for its peer) at once: it never saw step 4.
-    assert first is None and time.monotonic() - started < 60
+    assert first is None and time.monotonic() - started < 40
     assert CheckpointManager(Storage(str(tmp_path / "failed" / "checkpoints")), keep_last=1).latest_step() is None
 
 
