@@ -510,7 +510,7 @@ class JobDaemon:
             targets = [] if instance.pid_signalled else [instance.proc.pid]
         else:
             ranks = rank_processes(job_processes(self.job_dir))
-            if not ranks and not instance.signalled:
+            if not ranks and not instance.signalled and not instance.pid_signalled:
                 instance.pid_signalled = True
                 signal_job(self.job_dir, sig)
                 return
