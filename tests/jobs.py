@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -95,3 +96,50 @@ def default_sigint() -> None:
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def environ_of(pid: int) -> dict[str, str]:
+    """A process's environment ({} once it is gone): how tests find a job's ranks and hosts."""
+    try:
+        raw = Path(f"/proc/{pid}/environ").read_bytes()
+    except OSError:
+        return {}
+    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
+
+
+class ThreadShare:
+    """A broadcast from rank 0 over threads: what the trainer's host-side broadcast does for CheckpointManager's
+    `share`."""
+
+    def __init__(self, world_size: int) -> None:
+        self.barrier = threading.Barrier(world_size, timeout=60)
+        self.value: Any = None
+
+    def of(self, rank: int) -> Any:
+        def share(value: Any) -> Any:
+            if rank == 0:
+                self.value = json.loads(json.dumps(value))  # a copy, as a broadcast delivers
+            self.barrier.wait()
+            out = self.value
+            self.barrier.wait()
+            return out
+
+        return share
+
+
+def run_ranks(world_size: int, work: Any) -> list[Any]:
+    """work(rank) on `world_size` threads; each rank's result, or the exception it raised."""
+    results: list[Any] = [None] * world_size
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = work(rank)
+        except BaseException as exc:
+            results[rank] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=120)
+    return results

@@ -38,6 +38,7 @@ from tests.chaos.test_train_stage import ROOT, cli, cli_env
 from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
+from tests.jobs import environ_of
 from tests.s3_faults import Rule, S3Faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
@@ -103,14 +104,6 @@ def tensors(tree: Any, prefix: str = "") -> dict[str, torch.Tensor]:
     if isinstance(tree, list | tuple):
         return {k: v for i, value in enumerate(tree) for k, v in tensors(value, f"{prefix}/{i}").items()}
     return {}
-
-
-def environ_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def kill_host(job_dir: str, host: str) -> int:

@@ -20,9 +20,8 @@ from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import job_name
 from hlat.infra.sagemaker_emulator import namespaces_available
 from hlat.training.checkpoint import CheckpointManager
-from tests.chaos.test_emulator_chaos import environ_of
 from tests.conftest import SMALL_DATA
-from tests.jobs import make_run
+from tests.jobs import environ_of, make_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 

@@ -27,6 +27,8 @@ from hlat.training.checkpoint import (
     shard_file,
     step_dir,
 )
+from tests.jobs import ThreadShare
+from tests.jobs import run_ranks as threaded_ranks
 
 S3Env = Any  # conftest's fixture type
 PART = 5 << 20  # S3's smallest part: the shard files below are multipart uploads of 3 parts
@@ -85,39 +87,9 @@ class RequestLog:
             self.requests.clear()
 
 
-class ThreadShare:
-    """rank 0's value to every rank over threads: what the trainer's host-side broadcast does."""
-
-    def __init__(self, world_size: int) -> None:
-        self.barrier = threading.Barrier(world_size, timeout=60)
-        self.value: Any = None
-
-    def of(self, rank: int) -> Any:
-        def share(value: Any) -> Any:
-            if rank == 0:
-                self.value = json.loads(json.dumps(value))
-            self.barrier.wait()
-            out = self.value
-            self.barrier.wait()
-            return out
-
-        return share
-
-
 def run_ranks(work: Any, world_size: int = 4) -> list[Any]:
-    results: list[Any] = [None] * world_size
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank)
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=120)
+    """Every rank's result; the first rank's exception raised."""
+    results = threaded_ranks(world_size, work)
     for result in results:
         if isinstance(result, BaseException):
             raise result

@@ -29,7 +29,7 @@ from hlat.training.checkpoint.manager import host_of
 from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, spec_for, wait
-from tests.jobs import make_run
+from tests.jobs import environ_of, make_run
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
@@ -40,14 +40,6 @@ if problem := namespaces_available():
 
 ENDS_WITHIN_S = 15.0
 CALLER_KEY = "caller-key-AKIA0000"
-
-
-def environ_of(pid: int) -> dict[str, str]:
-    try:
-        raw = Path(f"/proc/{pid}/environ").read_bytes()
-    except OSError:
-        return {}
-    return dict(item.split("=", 1) for item in raw.decode(errors="replace").split("\0") if "=" in item)
 
 
 def host_processes(job_dir: str, host: str) -> list[int]:

@@ -39,6 +39,7 @@ from hlat.training.checkpoint import (
     step_dir,
 )
 from hlat.training.optim import build_optimizer, build_scheduler
+from tests.jobs import ThreadShare, run_ranks
 
 
 class SpyStorage(Storage):
@@ -968,42 +969,6 @@ class Recording:
             return attr(*args, **kwargs)
 
         return call
-
-
-class ThreadShare:
-    """A broadcast from rank 0 over threads: what a host-side broadcast does for the manager's `share`."""
-
-    def __init__(self, world_size: int) -> None:
-        self.barrier = threading.Barrier(world_size, timeout=30)
-        self.value: Any = None
-
-    def of(self, rank: int) -> Any:
-        def share(value: Any) -> Any:
-            if rank == 0:
-                self.value = json.loads(json.dumps(value))  # a copy, as a broadcast delivers
-            self.barrier.wait()
-            out = self.value
-            self.barrier.wait()
-            return out
-
-        return share
-
-
-def run_ranks(world_size: int, work: Any) -> list[Any]:
-    results: list[Any] = [None] * world_size
-
-    def run(rank: int) -> None:
-        try:
-            results[rank] = work(rank)
-        except BaseException as exc:
-            results[rank] = exc
-
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(world_size)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    return results
 
 
 def test_resume_point_is_found_by_rank_0_alone_and_shared_with_every_rank(tmp_path: Path) -> None:
