@@ -15,7 +15,9 @@ import torch
 
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
+from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.runs import open_run
+from hlat.infra.stage_jobs import job_spec
 from hlat.training.checkpoint import CheckpointManager
 from tests.sizes import SMALL_DATA
 
@@ -143,3 +145,22 @@ def run_ranks(world_size: int, work: Any) -> list[Any]:
     for thread in threads:
         thread.join(timeout=120)
     return results
+
+
+def s3_job(prepared: Path, tmp_path: Path, s3_url: str, run_id: str, max_steps: int) -> tuple[LocalBackend, str]:
+    """A 2-host x 1-process tiny training on S3 (`s3_url`: a moto server) over the prepared data, submitted to the
+    local backend; the backend and the job's name."""
+    sets = {
+        **SMALL_DATA, "training.max_steps": max_steps, "training.checkpoint_every": 2, "training.eval_every": 0,
+        "training.micro_batch_size": 4, "job.instance_count": 2, "job.processes_per_node": 1,
+    }  # fmt: skip
+    config = load_config("tiny", sets, run_id=run_id, storage=s3_url)
+    run = open_run(config).storage
+    for stage in ("data", "tokenizer"):
+        for path in sorted((prepared / stage).rglob("*")):
+            if path.is_file():
+                run.put_file(str(path), f"{stage}/{path.relative_to(prepared / stage).as_posix()}")
+    backend = LocalBackend(str(tmp_path / "jobs"), job=config.job)
+    spec = job_spec(config, run.url, run_id, 1)
+    backend.submit(spec)
+    return backend, spec.name

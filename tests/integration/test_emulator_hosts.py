@@ -17,19 +17,16 @@ from typing import Any
 
 import pytest
 
-from hlat.core.presets import load_config
+from hlat.core.storage import Storage
 from hlat.infra import sagemaker_emulator
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import open_run
 from hlat.infra.sagemaker_emulator import HOST_ENV, HostTree, host_command, hosts_file, namespaces_available
-from hlat.infra.stage_jobs import job_spec
 from hlat.training.checkpoint.manager import host_of
-from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, spec_for, wait
-from tests.jobs import environ_of, make_run
+from tests.jobs import environ_of, make_run, s3_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
@@ -196,29 +193,18 @@ def test_the_containers_get_the_roles_credentials_and_still_use_s3(
     """A run on S3 (a moto server): the containers' AWS credentials are STS AssumeRole's of the request's RoleArn,
     not the caller's, and with them the job reads its data and writes its checkpoints."""
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    sets = {
-        **SMALL_DATA, "training.max_steps": 4, "training.checkpoint_every": 2, "training.eval_every": 0,
-        "training.micro_batch_size": 4, "job.instance_count": 2, "job.processes_per_node": 1,
-    }  # fmt: skip
-    config = load_config("tiny", sets, run_id="role", storage=s3_env.url)
-    run = open_run(config).storage
-    for stage in ("data", "tokenizer"):
-        for path in sorted((prepared / stage).rglob("*")):
-            if path.is_file():
-                run.put_file(str(path), f"{stage}/{path.relative_to(prepared / stage).as_posix()}")
-    backend = LocalBackend(str(tmp_path / "jobs"), job=config.job)
-    spec = job_spec(config, run.url, "role", 1)
-    backend.submit(spec)
+    backend, name = s3_job(prepared, tmp_path, s3_env.url, "role", max_steps=4)
+    run = Storage(f"{s3_env.url}/role")
     deadline = time.monotonic() + 120
     env: dict[str, str] = {}
     while not env and time.monotonic() < deadline:
-        for pid in host_processes(backend.job_dir(spec.name), "algo-2"):
+        for pid in host_processes(backend.job_dir(name), "algo-2"):
             if "AWS_ENDPOINT_URL" in (found := environ_of(pid)):
                 env = found
                 break
         time.sleep(0.1)
-    state = wait(backend, spec.name, timeout=300)
-    log = log_text(backend, spec.name)
+    state = wait(backend, name, timeout=300)
+    log = log_text(backend, name)
     assert state.status == Status.COMPLETED, log[-3000:]
     assert env, "no container process seen"
     assert env["AWS_ACCESS_KEY_ID"] != os.environ["AWS_ACCESS_KEY_ID"]

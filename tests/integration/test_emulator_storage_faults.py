@@ -13,16 +13,12 @@ from pathlib import Path
 
 import pytest
 
-from hlat.core.presets import load_config
 from hlat.core.storage import Storage, StorageError
 from hlat.infra.jobs import Status
-from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import open_run
 from hlat.infra.sagemaker_emulator import namespaces_available
-from hlat.infra.stage_jobs import job_spec
-from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
+from tests.jobs import s3_job
 from tests.s3_faults import Rule, S3Faults
 
 RANK_1_FILE = r"checkpoints/step-000000002/rank-00001\.pt$"
@@ -62,23 +58,6 @@ def test_a_failed_part_is_retried_and_a_denied_one_aborts_the_upload(s3_env: S3E
 pytestmark_emulator = pytest.mark.skipif(namespaces_available() is not None, reason=str(namespaces_available()))
 
 
-def s3_job(prepared: Path, tmp_path: Path, s3_env: S3Env, run_id: str, max_steps: int) -> tuple[LocalBackend, str]:
-    sets = {
-        **SMALL_DATA, "training.max_steps": max_steps, "training.checkpoint_every": 2, "training.eval_every": 0,
-        "training.micro_batch_size": 4, "job.instance_count": 2, "job.processes_per_node": 1,
-    }  # fmt: skip
-    config = load_config("tiny", sets, run_id=run_id, storage=s3_env.url)
-    run = open_run(config).storage
-    for stage in ("data", "tokenizer"):
-        for path in sorted((prepared / stage).rglob("*")):
-            if path.is_file():
-                run.put_file(str(path), f"{stage}/{path.relative_to(prepared / stage).as_posix()}")
-    backend = LocalBackend(str(tmp_path / "jobs"), job=config.job)
-    spec = job_spec(config, run.url, run_id, 1)
-    backend.submit(spec)
-    return backend, spec.name
-
-
 @pytest.mark.slow
 @pytest.mark.usefixtures("one_multi_host_job_at_a_time")
 @pytestmark_emulator
@@ -88,7 +67,7 @@ def test_throttling_and_5xx_on_a_ranks_upload_are_retried_with_back_off(
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rule = faults.add(Rule("PutObject", RANK_1_FILE, "slowdown", times=2))
     more = faults.add(Rule("PutObject", RANK_1_FILE, "internal", times=1))
-    backend, name = s3_job(prepared, tmp_path, s3_env, "throttled", max_steps=4)
+    backend, name = s3_job(prepared, tmp_path, s3_env.url, "throttled", max_steps=4)
     state = wait(backend, name, timeout=300)
     assert state.status == Status.COMPLETED, log_text(backend, name)[-3000:]
     puts = [r for r in faults.requests if r.operation == "PutObject" and re.search(RANK_1_FILE, r.key)]
@@ -106,7 +85,7 @@ def test_a_refused_upload_fails_its_rank_at_once_and_the_failure_names_it(
 ) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     rule = faults.add(Rule("PutObject", RANK_1_FILE, "denied", times=None))
-    backend, name = s3_job(prepared, tmp_path, s3_env, "refused", max_steps=100)
+    backend, name = s3_job(prepared, tmp_path, s3_env.url, "refused", max_steps=100)
     deadline = time.monotonic() + 300
     while not rule.hits or "algo-2 failed" not in log_text(backend, name):
         state = backend.describe(name)
