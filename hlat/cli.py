@@ -25,6 +25,7 @@ import sys
 import time
 import traceback
 from collections.abc import Callable, Sequence
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -148,6 +149,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="TYPE",
         help="an ml. instance type (repeatable; default: every type in the catalog)",
+    )
+    p.add_argument(
+        "--record",
+        action="store_true",
+        help="write the listed prices, with their SKU, effective date and today's date, into the catalog's price "
+        "file (infra/prices.json), replacing derived figures",
     )
     p = add("deploy", help="register deployments/prefect.yaml on the Prefect API (prefect deploy, checked)")
     p.add_argument(
@@ -280,7 +287,7 @@ def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from botocore.exceptions import BotoCoreError, ClientError
 
     from hlat.infra.catalog import CATALOG
-    from hlat.infra.pricing import API_REGION, training_prices
+    from hlat.infra.pricing import API_REGION, record_prices, training_prices
 
     config = load_config(args.preset, overrides)
     region = args.region or config.job.region
@@ -293,6 +300,11 @@ def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             "credentials allowed pricing:GetProducts"
         ) from exc
     print(prices_table(types, region, listed, config.job.instance_type))
+    if args.record:
+        from hlat.infra.catalog import PRICES
+
+        recorded = record_prices(listed, datetime.now(UTC))
+        print(f"recorded {len(recorded)} price(s) from the AWS Price List API ({region}) in {PRICES}")
     return 0
 
 
@@ -300,13 +312,17 @@ def prices_table(types: list[str], region: str, listed: dict[str, ListedPrice | 
     """The catalog's price of each type beside the Price List's, and the setting that uses the listed one."""
     from hlat.infra.catalog import CATALOG
 
-    rows = [("instance type", "catalog $/h", f"AWS Price List, {region}, $/h", "since")]
+    rows = [("instance type", "catalog $/h", "catalog's source", f"AWS Price List, {region}, $/h", "since")]
     for name in types:
         known, now = CATALOG.get(name), listed.get(name)
+        source = known.price.basis if known and known.price else "-"
+        if known and known.price and known.price.basis == "price-list":
+            source = f"price list, {known.price.region}, read {known.price.read_at[:10]}"
         rows.append(
             (
                 name,
                 f"{known.price_per_hour_usd:,.3f}" if known else "-",
+                source,
                 f"{now.usd_per_hour:,.3f}" if now else "not offered",
                 now.effective if now else "",
             )

@@ -1,15 +1,13 @@
 """Instance catalog: node prices, peak throughput and topology, for cost accounting, budgets, dry-run estimates and
 the parallelism planner.
 
-Prices are SageMaker *training* on-demand dollars per node-hour in us-east-1, which is what a training job is billed
-(`ml.` instances cost more than the same EC2 instance): SageMaker's rate is the EC2 on-demand rate plus 15% for
-these families, e.g. ml.p4d.24xlarge $37.688 against p4d.24xlarge $32.77 (https://aws.amazon.com/sagemaker/pricing/,
-Training; https://aws.amazon.com/ec2/pricing/on-demand/), so ml.trn1.32xlarge is $24.725 (trn1.32xlarge $21.50,
-https://aws.amazon.com/ec2/instance-types/trn1/) and ml.p5.48xlarge $113.07 (p5.48xlarge $98.32, see its entry).
-These figures were not read from AWS by this project: `hlat prices` reads today's from the AWS Price List API
-(`infra.pricing`) for any region. A run's `job.price_per_hour_usd` overrides the price of its own instance type and
-`planner.prices_usd_per_hour` those the planner compares (reserved or negotiated rates, other regions, other
-instance types).
+Prices are SageMaker *training* on-demand dollars per node-hour, which is what a training job is billed (`ml.`
+instances cost more than the same EC2 instance). Each figure lives in infra/prices.json with where it comes from
+(`PriceSource`): what the AWS Price List API said, with the term's effective date, its SKU and when it was read
+(`hlat prices --record` writes these), or, until then, a figure derived from EC2's rate or recalled, labelled so.
+The dry run and `hlat prices` print that provenance beside the figure. A run's `job.price_per_hour_usd` overrides
+the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved or
+negotiated rates, other regions, other instance types).
 Time to train is not assumed here: the dry run and `hlat plan` take it from `infra.planner` (Trainium layouts, by
 its model fitted on published trn1 runs) or from a GPU's measured or assumed MFU (`Topology.comparison`).
 `topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
@@ -23,6 +21,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 GIB = 1024**3
+PRICES = Path(__file__).with_name("prices.json")
+"""Each catalog instance type's price and where it comes from (`PriceSource`); `hlat prices --record` rewrites it."""
 MEASURED = Path(__file__).with_name("measured.json")
 """Throughput figures measured by benchmarks/ (with the machine, date and command), which the estimates use."""
 
@@ -142,6 +142,43 @@ P5_TOPOLOGY = Topology(
 )
 
 
+PriceBasis = Literal["price-list", "derived", "recalled"]
+
+
+@dataclass(frozen=True)
+class PriceSource:
+    """One instance type's price and its provenance, as infra/prices.json records it."""
+
+    usd_per_hour: float
+    region: str
+    basis: PriceBasis
+    """'price-list': read from the AWS Price List API; 'derived' (from EC2's rate) and 'recalled': not read from AWS."""
+    note: str = ""
+    effective: str = ""
+    """The on-demand term's effectiveDate, as the Price List gives it (price-list only)."""
+    sku: str = ""
+    read_at: str = ""
+    """When the Price List API was asked, UTC (price-list only)."""
+
+    def describe(self) -> str:
+        """One line: the figure, its region and where it comes from."""
+        if self.basis == "price-list":
+            return (
+                f"${self.usd_per_hour:,.3f}/h in {self.region}: the AWS Price List API's SageMaker training on-demand "
+                f"price (SKU {self.sku}, effective {self.effective}), read {self.read_at}"
+            )
+        return (
+            f"${self.usd_per_hour:,.3f}/h in {self.region}, {self.basis}: {self.note}; not SageMaker's own figure "
+            "until `hlat prices --record` reads it from the AWS Price List API"
+        )
+
+
+def load_prices(path: Path = PRICES) -> dict[str, PriceSource]:
+    """infra/prices.json: instance type -> its price and provenance."""
+    entries = json.loads(path.read_text())["prices"]
+    return {name: PriceSource(**entry) for name, entry in entries.items()}
+
+
 @dataclass(frozen=True)
 class Instance:
     name: str
@@ -152,26 +189,29 @@ class Instance:
     """Peak dense BF16 FLOP/s of one node."""
     topology: Topology | None = None
     """Devices, memory and links of one node, for the planner; None where unknown (local)."""
+    price: PriceSource | None = None
+    """Where price_per_hour_usd comes from (None: local, free)."""
+
+
+def _instance(name: str, accelerators: int, peak_bf16_flops: float, topology: Topology | None = None) -> Instance:
+    """A catalog entry priced from infra/prices.json."""
+    price = _PRICES[name]
+    return Instance(name, price.usd_per_hour, accelerators, peak_bf16_flops, topology, price)
+
+
+_PRICES = load_prices()
 
 
 CATALOG: dict[str, Instance] = {
     i.name: i
     for i in (
-        # SageMaker training on-demand, us-east-1: about the EC2 rate x 1.15 (see the module's docstring).
-        Instance("ml.trn1.32xlarge", 24.725, 16, 16 * 190e12, TRN1_TOPOLOGY),
-        Instance("ml.p4d.24xlarge", 37.688, 8, 8 * 312e12, P4D_TOPOLOGY),
-        # $98.32/h: EC2 on-demand list price of p5.48xlarge (us-east-1) as quoted by computespec.pages.dev ("Cloud GPU
-        # Pricing Explained") and disintermediate.global ("How GPU Cloud Pricing Works", Q1 2026), read in 2026. AWS
-        # cut P5 on-demand prices by up to 45% in June 2025 (usage.ai, "LLM Cost Optimization on AWS"), so this is the
-        # list price comparable with the trn1/p4d on-demand figures above, not today's bill: `hlat prices` reads it.
-        Instance("ml.p5.48xlarge", 113.068, 8, 8 * 989e12, P5_TOPOLOGY),
-        # CPU instances for the prepare-data job: SageMaker training on-demand prices, us-east-1, as recalled here
-        # (not read from AWS in this project): set data.price_per_hour_usd for your region and discounts.
-        Instance("ml.c5.2xlarge", 0.408, 0, 0.0),
-        Instance("ml.c5.4xlarge", 0.816, 0, 0.0),
-        Instance("ml.c5.9xlarge", 1.836, 0, 0.0),
-        Instance("ml.c5.18xlarge", 3.672, 0, 0.0),
-        Instance("ml.m5.4xlarge", 0.922, 0, 0.0),
+        # Prices and their sources: infra/prices.json.
+        _instance("ml.trn1.32xlarge", 16, 16 * 190e12, TRN1_TOPOLOGY),
+        _instance("ml.p4d.24xlarge", 8, 8 * 312e12, P4D_TOPOLOGY),
+        _instance("ml.p5.48xlarge", 8, 8 * 989e12, P5_TOPOLOGY),
+        # CPU instances for the prepare-data job: set data.price_per_hour_usd for your region and discounts.
+        *(_instance(name, 0, 0.0) for name in ("ml.c5.2xlarge", "ml.c5.4xlarge", "ml.c5.9xlarge", "ml.c5.18xlarge")),
+        _instance("ml.m5.4xlarge", 0, 0.0),
         Instance("local", 0.0, 1, 0.0),
     )
 }

@@ -7,15 +7,22 @@ a region: products of the family "ML Instance" whose `component` is "Training"
 (https://docs.aws.amazon.com/aws-cost-management/latest/APIReference/API_pricing_GetProducts.html; the price list
 format: https://docs.aws.amazon.com/awsaccountbilling/latest/aboutv2/price-changes.html). The API is served from a
 few regions only (us-east-1 among them) whatever the region priced. It needs AWS credentials with
-`pricing:GetProducts`; nothing else in a run calls it.
+`pricing:GetProducts`; nothing else in a run calls it. `record_prices` writes what it said, and when, into the
+catalog's price file (infra/prices.json, `hlat prices --record`), replacing a derived or recalled figure.
 """
 
 from __future__ import annotations
 
 import json
+import os
+import tempfile
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
+
+from hlat.infra.catalog import PRICES, PriceSource
 
 SERVICE_CODE = "AmazonSageMaker"
 API_REGION = "us-east-1"
@@ -81,3 +88,32 @@ def training_prices(instance_types: Iterable[str], region: str, client: Any = No
         usd, effective, sku = max(listed, key=lambda p: p[1])
         prices[instance_type] = ListedPrice(instance_type, region, usd, effective, sku)
     return prices
+
+
+def record_prices(listed: dict[str, ListedPrice | None], read_at: datetime, path: Path = PRICES) -> list[str]:
+    """Write the Price List's answers into the price file at `path`: each listed type's figure with its region, SKU,
+    effective date and `read_at` (UTC); types the list did not price keep their entry. The file is replaced whole
+    (written beside it, then renamed), so a failed write leaves the old one. Returns the types recorded."""
+    document = json.loads(path.read_text())
+    when = read_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    recorded = []
+    for name, price in listed.items():
+        if price is None:
+            continue
+        source = PriceSource(
+            usd_per_hour=price.usd_per_hour,
+            region=price.region,
+            basis="price-list",
+            note="pricing:GetProducts, service AmazonSageMaker, product family ML Instance, component Training",
+            effective=price.effective,
+            sku=price.sku,
+            read_at=when,
+        )
+        document["prices"][name] = asdict(source)
+        recorded.append(name)
+    fd, temporary = tempfile.mkstemp(dir=path.parent, prefix=".prices-", suffix=".json")
+    with os.fdopen(fd, "w") as out:
+        json.dump(document, out, indent=2)
+        out.write("\n")
+    os.replace(temporary, path)
+    return recorded

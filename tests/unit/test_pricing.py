@@ -6,7 +6,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import boto3
@@ -91,8 +94,9 @@ def test_the_table_shows_both_prices_and_the_settings_that_use_todays() -> None:
         "ml.p5.48xlarge": None,
     }
     text = prices_table(["ml.trn1.32xlarge", "ml.p5.48xlarge"], "us-west-2", listed, "ml.trn1.32xlarge")
-    assert "ml.trn1.32xlarge  24.725" in text and "21.000" in text and "2026-10-01" in text
-    assert "ml.p5.48xlarge    113.068      not offered" in text
+    rows = {line.split()[0]: line.split() for line in text.splitlines()[1:3]}
+    assert rows["ml.trn1.32xlarge"] == ["ml.trn1.32xlarge", "24.725", "derived", "21.000", "2026-10-01"]
+    assert rows["ml.p5.48xlarge"] == ["ml.p5.48xlarge", "113.068", "derived", "not", "offered"]
     assert "this run (ml.trn1.32xlarge): --set job.price_per_hour_usd=21" in text
     assert """--set 'planner.prices_usd_per_hour={"ml.trn1.32xlarge": 21.0}'""" in text
 
@@ -113,3 +117,45 @@ def test_without_aws_the_command_fails_in_one_line_naming_the_permission(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hlat: error: the AWS Price List API (us-east-1) did not answer: ")
     assert err[0].endswith("it needs AWS credentials allowed pricing:GetProducts")
+
+
+def test_recorded_prices_replace_derived_ones_with_what_the_list_said_and_when(tmp_path: Path) -> None:
+    """`hlat prices --record`: the listed figure, its SKU, effective date and the time it was read go into the price
+    file; types the list did not price keep their entry, and the catalog then describes the figure as the list's."""
+    from hlat.infra.catalog import PRICES, load_prices
+    from hlat.infra.pricing import ListedPrice, record_prices
+
+    path = tmp_path / "prices.json"
+    shutil.copy(PRICES, path)
+    before = load_prices(path)
+    assert before["ml.trn1.32xlarge"].basis == "derived"
+    assert "not SageMaker's own figure" in before["ml.trn1.32xlarge"].describe()
+    listed = {
+        "ml.trn1.32xlarge": ListedPrice("ml.trn1.32xlarge", "us-east-1", 24.7251, "2026-10-01", "SKU7"),
+        "ml.p5.48xlarge": None,
+    }
+    read_at = datetime(2026, 11, 27, 23, 0, tzinfo=UTC)
+    assert record_prices(listed, read_at, path) == ["ml.trn1.32xlarge"]
+    after = load_prices(path)
+    trn1 = after["ml.trn1.32xlarge"]
+    assert (trn1.usd_per_hour, trn1.basis, trn1.sku, trn1.effective, trn1.read_at) == (
+        24.7251,
+        "price-list",
+        "SKU7",
+        "2026-10-01",
+        "2026-11-27T23:00:00Z",
+    )
+    assert trn1.describe().startswith("$24.725/h in us-east-1: the AWS Price List API's SageMaker training")
+    assert after["ml.p5.48xlarge"] == before["ml.p5.48xlarge"]
+    assert [p.name for p in tmp_path.iterdir()] == ["prices.json"]  # no temporary file left
+
+
+def test_every_catalog_price_says_where_it_comes_from() -> None:
+    from hlat.infra.catalog import CATALOG
+
+    for name, instance in CATALOG.items():
+        if name == "local":
+            continue
+        price = instance.price
+        assert price is not None and price.usd_per_hour == instance.price_per_hour_usd, name
+        assert price.region and (price.note if price.basis != "price-list" else price.sku and price.read_at), name
