@@ -12,7 +12,13 @@ import pytest
 import torch
 
 from hlat.core.config import ModelConfig
-from hlat.training.checkpoint.hf_export import export_hf, from_hf_state_dict, hf_llama_config, to_hf_state_dict
+from hlat.training.checkpoint.hf_export import (
+    UNROTATED,
+    export_hf,
+    from_hf_state_dict,
+    hf_llama_config,
+    to_hf_state_dict,
+)
 from hlat.training.model import Transformer, apply_rotary, rope_tables, rotate_half
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -368,8 +374,10 @@ def test_partial_rotary_exports_as_a_longrope_llama_with_the_same_logits(tmp_pat
     rope = hf_llama_config(model.cfg).rope_parameters
     assert rope["rope_type"] == "longrope" and rope["short_factor"] == rope["long_factor"]
     rotated = round(model.cfg.head_dim * fraction) // 2
-    assert rope["short_factor"][0] == 1.0 and all(math.isinf(f) for f in rope["short_factor"][rotated:])
+    assert rope["short_factor"][0] == 1.0 and all(f == UNROTATED for f in rope["short_factor"][rotated:])
     out = export_hf(model, model.cfg, tmp_path / "hf")
+    # Standard JSON: no Infinity or NaN, which Python's json writes and other readers refuse.
+    json.loads((out / "config.json").read_text(), parse_constant=lambda name: pytest.fail(f"config.json has {name}"))
     hf = LlamaForCausalLM.from_pretrained(out, local_files_only=True).eval()
     x = tokens(2, 256, seed=9)
     with torch.no_grad():

@@ -9,14 +9,15 @@ Partial rotary (`rotary_fraction < 1`, the Pythia and NeoX presets) is exported 
 transformers' Llama has: `rope_type: longrope` with one frequency divisor per rotary pair (`short_factor` =
 `long_factor`, `factor` and `attention_factor` 1, so neither the context length nor a scale changes anything).
 Llama's pair i turns at `1 / (f_i * theta^(2i/d))`; `training.model` turns its first r/2 pairs at `theta^(-2i/r)`
-and the others not at all, which is `f_i = theta^(2i/r - 2i/d)` for i < r/2 and `f_i = inf` (frequency 0: cos 1,
-sin 0) beyond. The pairing is Llama's in both, so the weights need no permutation. (Llama's
-`partial_rotary_factor` would not do: the default RoPE rotates every dim whatever it says.)
+and the others not at all, which is `f_i = theta^(2i/r - 2i/d)` for i < r/2 and `f_i = UNROTATED` beyond: 1e30, a
+finite stand-in for infinity (JSON has no Infinity, and config.json must stay standard JSON), whose frequency
+(below 1e-30 radians a position) leaves cos exactly 1 and sin under 1e-26 over any context in float32.
+The pairing is Llama's in both, so the weights need no permutation. (Llama's `partial_rotary_factor` would not do:
+the default RoPE rotates every dim whatever it says.)
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 import shutil
@@ -117,6 +118,10 @@ def hf_llama_config(cfg: ModelConfig) -> LlamaConfig:
     )
 
 
+UNROTATED = 1e30
+"""The longrope divisor of a pair that does not rotate (the module's docstring): finite, so config.json is JSON."""
+
+
 def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
     """HF Llama's `rope_parameters` for `cfg`'s rotary embedding: the default RoPE, or for partial rotary a longrope
     whose per-pair divisors give `training.model.rope_tables`'s frequencies (the module's docstring)."""
@@ -124,7 +129,7 @@ def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     d = cfg.head_dim
     r = round(d * cfg.rotary_fraction)
-    divisors = [cfg.rope_theta ** (2 * i / r - 2 * i / d) if i < r // 2 else math.inf for i in range(d // 2)]
+    divisors = [cfg.rope_theta ** (2 * i / r - 2 * i / d) if i < r // 2 else UNROTATED for i in range(d // 2)]
     return {
         "rope_type": "longrope",
         "rope_theta": cfg.rope_theta,
