@@ -30,7 +30,8 @@ Parallelism is known at construction: every linear and embedding layer comes fro
 `DenseLayers` (the default) gives nn.Linear and nn.Embedding; `training.neuron.NxdLayers` gives
 neuronx-distributed's tensor-parallel layers, and each rank then holds its heads and slices (attention computes
 with the local head counts). Either way `init_weights(seed)` draws every parameter's dense tensor the same way
-(`training.sharding`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the dense one.
+(`training.parallel.tensor_slices`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the
+dense one.
 This file imports no distributed code.
 """
 
@@ -369,7 +370,7 @@ class Transformer(nn.Module):
         With `scale_output_init` the projections that write into the residual stream (attention o_proj and
         MLP w2) use init_std / sqrt(2 * n_layers), so the residual variance does not grow with depth.
         Each parameter's dense tensor comes from a generator seeded by `seed` and its name
-        (`training.sharding.dense_init`): the same weights whatever the device or tensor-parallel degree.
+        (`training.parallel.tensor_slices.dense_init`): the same weights whatever the device or tensor-parallel degree.
         Without `seed`, one is drawn from torch's global generator (deterministic given torch's seed).
         """
         if seed is None:

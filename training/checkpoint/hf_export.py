@@ -239,8 +239,9 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
     """The checkpoint's shared state (with the model's dense state dict) and the run config saved with it. A
     checkpoint of a split model (one shard per tensor/pipeline-parallel position) is consolidated: each TP rank's
-    pipeline stages merged, then every parameter's slices put back together (`training.sharding.consolidate`); an
-    FSDP2 checkpoint's shards are gathered from its torch.distributed.checkpoint files."""
+    pipeline stages merged, then every parameter's slices put back together
+    (`training.parallel.tensor_slices.consolidate`); an FSDP2 checkpoint's shards are gathered from its
+    torch.distributed.checkpoint files."""
     manager = CheckpointManager(ref.checkpoints, keep_last=1)
     if manager.read_meta(ref.step).get("distributed"):
         # FSDP2: every rank's shards of the model, gathered from torch.distributed.checkpoint's files.
