@@ -168,8 +168,8 @@ class PriceSource:
                 f"price (SKU {self.sku}, effective {self.effective}), read {self.read_at}"
             )
         return (
-            f"${self.usd_per_hour:,.3f}/h in {self.region}, {self.basis}: {self.note}; not SageMaker's own figure "
-            "until `hlat prices --record` reads it from the AWS Price List API"
+            f"${self.usd_per_hour:,.3f}/h in {self.region}, {self.basis}, not read from AWS (how: infra/prices.json); "
+            "`hlat prices --record` reads SageMaker's own from the AWS Price List API"
         )
 
 

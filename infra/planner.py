@@ -712,6 +712,19 @@ def node_price(config: HlatConfig, instance_type: str) -> float:
     return price_per_hour(instance_type, own)
 
 
+def price_source(config: HlatConfig, instance_type: str) -> str:
+    """Where `node_price` takes its figure from, in a line: the setting that overrides the catalog, or the catalog's
+    own provenance (infra/prices.json: the Price List API's answer and when it was read, or a derived figure)."""
+    if instance_type in config.planner.prices_usd_per_hour:
+        return f"{instance_type}: planner.prices_usd_per_hour"
+    if instance_type == config.job.instance_type and config.job.price_per_hour_usd is not None:
+        return f"{instance_type}: job.price_per_hour_usd"
+    known = CATALOG.get(instance_type)
+    if known is None or known.price is None:
+        return f"{instance_type}: no price in the instance catalog"
+    return f"{instance_type}: {known.price.describe()}"
+
+
 def plan(config: HlatConfig, nodes: int | None = None, instance_type: str | None = None) -> Plan:
     """Rank every valid layout of the config's model on `nodes` x `instance_type` (default: the config's job)."""
     instance_type = instance_type or config.job.instance_type
@@ -732,7 +745,8 @@ def plan(config: HlatConfig, nodes: int | None = None, instance_type: str | None
     # Ties (e.g. micro-batch sizes without a pipeline) go to the layout that needs less memory.
     ranked.sort(key=lambda e: (-round(e.tokens_per_s, 6), e.memory.total, e.layout))
     configured = evaluate(config, configured_layout(config, nodes, topology), nodes, topology, calibration, price)
-    return Plan(config.preset, instance_type, nodes, price, calibration, ranked, rejected, configured)
+    notes = [f"price: {price_source(config, instance_type)}"]
+    return Plan(config.preset, instance_type, nodes, price, calibration, ranked, rejected, configured, notes)
 
 
 def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list[InstanceCost]:

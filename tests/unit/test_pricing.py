@@ -129,7 +129,7 @@ def test_recorded_prices_replace_derived_ones_with_what_the_list_said_and_when(t
     shutil.copy(PRICES, path)
     before = load_prices(path)
     assert before["ml.trn1.32xlarge"].basis == "derived"
-    assert "not SageMaker's own figure" in before["ml.trn1.32xlarge"].describe()
+    assert "derived, not read from AWS" in before["ml.trn1.32xlarge"].describe()
     listed = {
         "ml.trn1.32xlarge": ListedPrice("ml.trn1.32xlarge", "us-east-1", 24.7251, "2026-10-01", "SKU7"),
         "ml.p5.48xlarge": None,
@@ -159,3 +159,18 @@ def test_every_catalog_price_says_where_it_comes_from() -> None:
         price = instance.price
         assert price is not None and price.usd_per_hour == instance.price_per_hour_usd, name
         assert price.region and (price.note if price.basis != "price-list" else price.sku and price.read_at), name
+
+
+def test_the_plan_says_where_its_price_comes_from() -> None:
+    from hlat.core.presets import load_config
+    from hlat.infra.planner import plan, price_source
+
+    assert plan(load_config("hlat-7b"), nodes=4).notes == [f"price: {price_source(load_config('hlat-7b'), TRN1)}"]
+    assert "derived, not read from AWS" in price_source(load_config("hlat-7b"), TRN1)
+    own = load_config("hlat-7b", {"job.price_per_hour_usd": 20.0})
+    assert price_source(own, TRN1) == f"{TRN1}: job.price_per_hour_usd"
+    listed = load_config("hlat-7b", {"planner.prices_usd_per_hour": {TRN1: 19.0}})
+    assert price_source(listed, TRN1) == f"{TRN1}: planner.prices_usd_per_hour"
+
+
+TRN1 = "ml.trn1.32xlarge"
