@@ -164,6 +164,54 @@ def xla_precision_environment(precision: str, flags: bool = True) -> dict[str, s
     return {"XLA_USE_BF16": use_bf16, "XLA_DOWNCAST_BF16": downcast, "NEURON_RT_STOCHASTIC_ROUNDING_EN": sr}
 
 
+MIXED_PRECISION_ACCUMULATION = "--enable-mixed-precision-accumulation"
+"""neuronx-cc (2.13 on): reductions (dot, reduce) accumulate in FP32 whatever their operands' dtype, and the result is
+cast back (Neuron Compiler 2.13.66.0 release notes)."""
+NO_AUTO_CAST = "--auto-cast=none"
+"""neuronx-cc computes in the model's own dtypes: by default it casts FP32 matmuls to BF16."""
+
+
+def precision_compiler_flags(precision: str, sdk: NeuronSdk) -> list[str]:
+    """The neuronx-cc options a precision mode needs on an SDK, as Neuron's own recipes set them.
+
+    - fp32: `--auto-cast=none`, or neuronx-cc casts FP32 matmuls to BF16 ("By default, the compiler automatically
+      casts internal FP32 operations to BF16": Neuron's guide to migrating from XLA_USE_BF16/XLA_DOWNCAST_BF16,
+      https://awsdocs-neuron.readthedocs-hosted.com/en/latest/about-neuron/appnotes/torch-neuronx/migration-from-xla-downcast-bf16.html;
+      NxDT's examples/training_orchestrator.py, precision type `fp32`).
+    - bf16-mixed after 2.24 is torch.autocast: the compiler's own cast off (`--auto-cast=none`, the migration
+      guide: autocast decides which ops run in BF16) and FP32 accumulation on, as NxDT's precision type `autocast`
+      sets both (aws-neuron/neuronx-distributed-training, examples/training_orchestrator.py, unchanged from
+      Neuron 2.20.0 to 2.26.0, the newest release in that repository).
+    - bf16-sr after 2.24 is a BF16 model (`model.to(torch.bfloat16)`) with the runtime's stochastic rounding: FP32
+      accumulation, as NxDT's `bf16SR`; nothing is FP32 for the compiler to cast.
+    - Under 2.24's precision flags (bf16-sr: XLA_USE_BF16, bf16-mixed: XLA_DOWNCAST_BF16), HLAT's own compiler
+      flags and nothing more: HLAT's 7B and 70B launch scripts (awslabs/HLAT) set only `--model-type transformer
+      --distribution-strategy=llm-training`, and 2.24.1 is kept as the closest selectable to HLAT's flag-based
+      precision. (NxDT adds FP32 accumulation to its flag modes too: neuron.compiler_flags can.)
+    """
+    if precision == "fp32":
+        return [NO_AUTO_CAST]
+    if sdk.precision_flags:
+        return []
+    if precision == "bf16-mixed":
+        return [MIXED_PRECISION_ACCUMULATION, NO_AUTO_CAST]
+    return [MIXED_PRECISION_ACCUMULATION]
+
+
+def compiler_flags(config: HlatConfig) -> str:
+    """NEURON_CC_FLAGS of the config's trn1 jobs: neuron.compiler_flags, then what precision.mode needs on
+    neuron.sdk (`precision_compiler_flags`) unless the user's flags already choose it: a `--auto-cast` of their own
+    (any mode) is kept, and an option already there is not repeated."""
+    flags = config.neuron.compiler_flags
+    options = {token.split("=")[0] for token in flags.split()}  # `--auto-cast none` and `--auto-cast=none` alike
+    added = [
+        flag
+        for flag in precision_compiler_flags(config.precision.mode, neuron_sdk(config))
+        if flag.split("=")[0] not in options
+    ]
+    return " ".join([flags, *added]).strip()
+
+
 def on_trainium(config: HlatConfig) -> bool:
     """The jobs run on Trainium instances (trn1): the test `infra.backends.on_neuron` makes too."""
     return "trn" in config.job.instance_type
@@ -172,16 +220,12 @@ def on_trainium(config: HlatConfig) -> bool:
 def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
     """The environment of a trn1 job (set before torch_xla is imported), as HLAT's launch scripts set it: the
     precision flags of precision.mode, then the compiler, runtime and EFA settings of the `neuron` section (with
-    `--auto-cast=none` for fp32, and functionalization for ZeRO-1, as NxD's and NxDT's scripts set them), then
+    the compiler options precision.mode needs on the SDK, `compiler_flags`, and functionalization for ZeRO-1, as
+    NxD's and NxDT's scripts set them), then
     neuron.env (last, so it overrides any of them), and NEURON_COMPILE_CACHE_URL when `compile_cache` is given."""
     n = config.neuron
     env = xla_precision_environment(config.precision.mode, neuron_sdk(config).precision_flags)
-    env["NEURON_CC_FLAGS"] = n.compiler_flags
-    if config.precision.mode == "fp32" and "--auto-cast" not in n.compiler_flags:
-        # neuronx-cc casts FP32 matmuls to BF16 unless told not to ("By default, the compiler automatically casts
-        # internal FP32 operations to BF16": the Neuron guide to migrating from XLA_DOWNCAST_BF16); NxDT's
-        # training_orchestrator.py adds the same flag for fp32.
-        env["NEURON_CC_FLAGS"] += " --auto-cast=none"
+    env["NEURON_CC_FLAGS"] = compiler_flags(config)
     if config.parallelism.zero1:
         # Functionalization on for ZeRO-1 (torch-xla's default, set explicitly against an image that turns it off):
         # NxD's 70B tp_pp launch scripts and NxDT's train_setup.sh set it, "needed to close 3% convergence gap

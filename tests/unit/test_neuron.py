@@ -56,7 +56,11 @@ def test_neuron_2_28_sets_no_precision_flags_and_the_trainer_casts_instead(monke
 
     newer = {"neuron.sdk": "2.28.0"}
     seven = neuron_environment(load_config("hlat-7b", newer))
-    assert seven == {"NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", **HLAT_7B_NEURON}
+    assert seven == {
+        "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1",
+        **HLAT_7B_NEURON,
+        "NEURON_CC_FLAGS": f"{HLAT_7B_NEURON['NEURON_CC_FLAGS']} --enable-mixed-precision-accumulation",
+    }
     seventy = neuron_environment(load_config("hlat-70b", newer))
     assert not {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"} & set(seventy)
     assert seventy["NEURON_RT_STOCHASTIC_ROUNDING_EN"] == "0"
@@ -118,6 +122,54 @@ def test_the_neuron_environment_of_hlat_7b_and_70b() -> None:
     assert neuron_environment(told)["NEURON_CC_FLAGS"] == "--auto-cast=matmult"  # a choice made is kept
     for name in ("pythia-6.9b", "neox-20b"):  # HLAT 7B's settings
         assert neuron_environment(load_config(name)) == {**xla_precision_environment("bf16-sr"), **HLAT_7B_NEURON}
+
+
+BASE_CC = HLAT_7B_NEURON["NEURON_CC_FLAGS"]
+ACCUMULATE = "--enable-mixed-precision-accumulation"
+
+
+@pytest.mark.parametrize(
+    ("precision", "sdk", "cc_flags", "precision_env"),
+    [
+        # 2.24.1: HLAT's precision flags and HLAT's compiler flags; fp32 turns neuronx-cc's BF16 matmuls off.
+        ("fp32", "2.24.1", f"{BASE_CC} --auto-cast=none", {"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "0", "SR": "0"}),
+        ("bf16-mixed", "2.24.1", BASE_CC, {"XLA_USE_BF16": "0", "XLA_DOWNCAST_BF16": "1", "SR": "0"}),
+        ("bf16-sr", "2.24.1", BASE_CC, {"XLA_USE_BF16": "1", "XLA_DOWNCAST_BF16": "0", "SR": "1"}),
+        # 2.28.0: no flags; autocast needs the compiler's own cast off (Neuron's migration guide, NxDT `autocast`),
+        # a BF16 model accumulates in FP32 (NxDT `bf16SR`).
+        ("fp32", "2.28.0", f"{BASE_CC} --auto-cast=none", {"SR": "0"}),
+        ("bf16-mixed", "2.28.0", f"{BASE_CC} {ACCUMULATE} --auto-cast=none", {"SR": "0"}),
+        ("bf16-sr", "2.28.0", f"{BASE_CC} {ACCUMULATE}", {"SR": "1"}),
+    ],
+)
+def test_the_compiler_and_precision_environment_of_every_precision_and_sdk(
+    precision: str, sdk: str, cc_flags: str, precision_env: dict[str, str]
+) -> None:
+    env = neuron_environment(load_config("hlat-7b", {"precision.mode": precision, "neuron.sdk": sdk}))
+    assert env["NEURON_CC_FLAGS"] == cc_flags
+    expected = {k.replace("SR", "NEURON_RT_STOCHASTIC_ROUNDING_EN"): v for k, v in precision_env.items()}
+    assert {k: env[k] for k in env if k.startswith("XLA_") or k == "NEURON_RT_STOCHASTIC_ROUNDING_EN"} == expected
+
+
+@pytest.mark.parametrize("sdk", ["2.24.1", "2.28.0"])
+@pytest.mark.parametrize(
+    ("user_flags", "expected"),
+    [
+        ("--model-type transformer --auto-cast matmult", "--model-type transformer --auto-cast matmult {accumulate}"),
+        (
+            "--auto-cast=all --enable-mixed-precision-accumulation",
+            "--auto-cast=all --enable-mixed-precision-accumulation",
+        ),
+        ("--auto-cast-type=fp16", "--auto-cast-type=fp16 {accumulate} {no_cast}"),  # not a choice of --auto-cast
+        ("", "{accumulate} {no_cast}"),
+    ],
+)
+def test_a_users_own_compiler_choices_are_kept(sdk: str, user_flags: str, expected: str) -> None:
+    """bf16-mixed: what 2.28's autocast adds, unless the user's flags already choose it."""
+    overrides = {"precision.mode": "bf16-mixed", "neuron.sdk": sdk, "neuron.compiler_flags": user_flags}
+    added = {"accumulate": ACCUMULATE, "no_cast": "--auto-cast=none"} if sdk == "2.28.0" else {}
+    want = " ".join(expected.format_map({"accumulate": "", "no_cast": "", **added}).split())
+    assert neuron_environment(load_config("hlat-7b", overrides))["NEURON_CC_FLAGS"] == want
 
 
 def test_neuron_settings_switch_off_and_neuron_env_overrides_last() -> None:

@@ -590,7 +590,13 @@ def test_the_dry_run_of_each_trn1_stage_carries_the_neuron_settings(preset: str,
         environment = create["Environment"]
         assert {k: environment.get(k) for k in expected} == expected, stage
         assert environment["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == inflight
-        assert environment["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
+        # HLAT's compiler flags; on 2.28 the BF16 model (7B: bf16-sr) or autocast (70B: bf16-mixed) adds NxDT's
+        flags = "--model-type transformer --distribution-strategy=llm-training"
+        added = {
+            "hlat-7b": " --enable-mixed-precision-accumulation",
+            "hlat-70b": " --enable-mixed-precision-accumulation --auto-cast=none",
+        }
+        assert environment["NEURON_CC_FLAGS"] == flags + (added[preset] if sdk == "2.28.0" else "")
         assert ("RUN_NEURON_PARALLEL_COMPILE" in environment) == (stage == "precompile")
         # The SDK's image and precision: 2.28 sets neither XLA_USE_BF16 nor XLA_DOWNCAST_BF16 (the trainer casts)
         assert create["AlgorithmSpecification"]["TrainingImage"].endswith(
