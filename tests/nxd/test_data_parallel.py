@@ -71,3 +71,17 @@ def test_zero1_is_given_its_groups_and_fp32_masters_and_refused_clearly_off_the_
         assert result["optimizer_config"] == {"zero_one_enabled": True, "grad_clipping": True, "max_grad_norm": 1.0}
         assert result["mixed_precision_config"]["use_master_weights"]
         assert "ZeRO-1 optimizer runs on the XLA device only" in result["refusal"]
+
+
+def test_pp2_steps_read_nothing_from_the_device_and_keep_the_loss_there(prepared: Path, tmp_path: Path) -> None:
+    """No host read inside an optimizer step through NxD's pipeline (on trn1 each would run the pending graph and
+    wait for its result): the loss averaged over the micro-batches and the data-parallel group stays on the device,
+    on every stage, for the loop to read at its sync points."""
+    split = {"parallelism.pipeline": 2, "job.processes_per_node": 2}
+    run = make_run(prepared, tmp_path, "pp2", **COMMON, **split)
+    ranks = run_ranks(2, "pipeline_host_reads", tmp_path / "ranks", run=str(run), steps=3)
+    for r in ranks:
+        for step in r["steps"]:
+            assert step["reads"] == [], (r["pp"], step["reads"])
+    for a, b in zip(ranks[0]["steps"], ranks[1]["steps"], strict=True):
+        assert a["loss"] == b["loss"]  # the last stage's loss, on both stages

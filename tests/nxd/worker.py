@@ -12,10 +12,11 @@ stubs.install()  # before anything imports neuronx_distributed
 stubs.patch_gqa_collectives()
 stubs.patch_sequence_layout()
 
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import os  # noqa: E402
 import sys  # noqa: E402
-from collections.abc import Callable  # noqa: E402
+from collections.abc import Callable, Iterator  # noqa: E402
 from pathlib import Path  # noqa: E402
 from typing import Any  # noqa: E402
 
@@ -48,7 +49,7 @@ def tp_group() -> Any:
 
 def gather_dense(model: Transformer, world: World, grads: bool) -> dict[str, torch.Tensor]:
     """The dense state (or gradients) of a tensor-parallel model: every parameter's slices gathered over the TP
-    group and put back together (`training.sharding.unshard`)."""
+    group and put back together (`training.parallel.tensor_slices.unshard`)."""
     out = {}
     for param in dense_parameters(model.cfg):
         local = model.get_parameter(model.parallel.local_name(param.name))
@@ -183,7 +184,70 @@ def zero1_is_thin(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[s
     }
 
 
+HOST_READS = ("cpu", "item", "tolist", "numpy", "__float__", "__int__", "__bool__", "__index__")
+"""The methods of torch.Tensor that read a tensor on the host: on an XLA device each runs the pending graph and copies
+its result back. NxD's CPU mode has no device, so what is counted is these calls, on tensors that would be on it."""
+
+HOST_VALUES = {
+    # torch.optim keeps Adam's step count on the host unless capturable or fused (torch/optim/adam.py, _init_group:
+    # `torch.tensor(0.0, dtype=_get_scalar_dtype())`), on XLA as anywhere, and reads it with .item() here.
+    ("torch/optim/optimizer.py", "_get_value"),
+    # NxD's get_grad_norm asks whether its Python norm_type is infinite: `torch.isinf(torch.tensor(norm_type))`.
+    ("neuronx_distributed/parallel_layers/grads.py", "torch.isinf(torch.tensor(norm_type"),
+}
+"""Host reads of tensors that live on the host on trn1 too: (file, function or source text) of the call."""
+
+
+def _on_host(file: str, function: str, source: str) -> bool:
+    return any(file.endswith(where) and (what == function or what in source) for where, what in HOST_VALUES)
+
+
+@contextlib.contextmanager
+def counting_host_reads(reads: list[str]) -> Iterator[None]:
+    """Append "<method> at <file>:<line>: <source>" to `reads` for every call of a `HOST_READS` method while inside,
+    but those of `HOST_VALUES`."""
+    import linecache
+
+    originals = {name: getattr(torch.Tensor, name) for name in HOST_READS}
+
+    def counted(name: str, original: Callable[..., Any]) -> Callable[..., Any]:
+        def read(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            code, line = sys._getframe(1).f_code, sys._getframe(1).f_lineno
+            source = linecache.getline(code.co_filename, line).strip()
+            if not _on_host(code.co_filename, code.co_name, source):
+                reads.append(f"{name} at {code.co_filename}:{line}: {source}")
+            return original(self, *args, **kwargs)
+
+        return read
+
+    for name, original in originals.items():
+        setattr(torch.Tensor, name, counted(name, original))
+    try:
+        yield
+    finally:
+        for name, original in originals.items():
+            setattr(torch.Tensor, name, original)
+
+
+def pipeline_host_reads(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
+    """Optimizer steps of the Trainer through NxD's pipeline, counting the host reads (`HOST_READS`) made inside each
+    (`Trainer.train_step`: the pipeline's schedule, its loss, the optimizer), and the loss each step hands back."""
+    trainer = trainer_for(cfg, world, args["run"])
+    batches = trainer.device_batches(trainer.loader, cfg.gradient_accumulation, background=False)
+    steps = []
+    for _ in range(args["steps"]):
+        # Taken from the loader first: its host-side work (the tokens' checksum) reads host tensors, not the device.
+        micro = [next(batches) for _ in range(cfg.gradient_accumulation)]
+        reads: list[str] = []
+        with counting_host_reads(reads):
+            stats = trainer.train_step(iter(micro))
+        steps.append({"reads": reads, "loss_device": str(stats["loss"].device), "loss": float(stats["loss"])})
+    trainer.loader.close()
+    return {"steps": steps, "pp": (world.pipeline_rank, world.layout.pipeline)}
+
+
 SCENARIOS: dict[str, Callable[[HlatConfig, World, dict[str, Any]], dict[str, Any]]] = {
+    "pipeline_host_reads": pipeline_host_reads,
     "zero1_is_thin": zero1_is_thin,
     "tp_equals_dense": tp_equals_dense,
     "one_step": one_step,

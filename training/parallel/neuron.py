@@ -11,13 +11,14 @@ PyPI packages of NxD and torch-neuronx are empty placeholders).
 - `NxdLayers`: the model's layer factory (`training.model.Layers`) on NxD's parallel layers:
   `ColumnParallelLinear`, `RowParallelLinear`, `ParallelEmbedding`, and `GQAQKVColumnParallelLinear` where TP
   exceeds the KV heads; sequence parallelism along the model's sequence dimension (1: the model is (batch, time,
-  dim)); each rank's slices of the dense initialisation (`training.sharding`).
+  dim)); each rank's slices of the dense initialisation (`training/parallel/tensor_slices.py`).
 - `parallel_optimizer(...)`: the optimizer through NxD's `initialize_parallel_optimizer`: gradients all-reduced
   over the data-parallel group, the sequence-parallel norms' gradients over the tensor-parallel group, clipping
   by the global norm across TP and PP, and ZeRO-1 (optimizer states sharded over DP, FP32 masters in mixed
   precision: HLAT 70B) when `parallelism.zero1`. ZeRO-1 needs the XLA device: it is verified only on trn1.
 - `pipeline_model(model, cfg)`: NxD's `NxDPPModel` over the built model (stages cut from the layer count, the step's
-  micro-batches through its 1F1B schedule, the loss from the last stage on every rank).
+  micro-batches through its 1F1B schedule, the loss from the last stage on every rank, kept on the device: no host
+  read inside a step).
 - `shard_name(s)`: the checkpoint shard of each (TP, PP) position (`training.checkpoint`).
 
 NxD's `initialize_parallel_model` is not used: it builds and moves the model itself (to the XLA device, also in
@@ -27,6 +28,7 @@ process groups, optimizer wrapper and pipeline are NxD's.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 from collections.abc import Callable
@@ -267,18 +269,17 @@ def pipeline_model(
     """`model` split into pipeline stages by NxD's NxDPPModel (FX-traced; a stage per PP rank): cuts from the layer
     count (auto partition: the blocks spread evenly, any remainder to the later stages), the step's
     `gradient_accumulation` micro-batches through the 1F1B schedule, the loss computed on the last stage and
-    averaged over the micro-batches and the data-parallel group onto every rank. Gradients are left to NxD's
-    optimizer (`parallel_optimizer`), which reduces them over DP and clips by the norm across every stage.
+    averaged over the micro-batches and the data-parallel group onto every rank, where it stays on the device
+    (`_loss_on_every_stage`). Gradients are left to NxD's optimizer (`parallel_optimizer`), which reduces them over
+    DP and clips by the norm across every stage.
 
     A model built on the meta device is materialised stage by stage: each rank gives storage to its own stage's
     parameters only and fills them with `init(module, device)` (`Transformer.initialiser`)."""
     require_nxd()
-    from neuronx_distributed.pipeline import NxDPPModel
-
     from hlat.training.model import Block, RMSNorm
 
     inputs = ["tokens", "doc_ids", "targets"] if cfg.training.document_masking else ["tokens", "targets"]
-    return NxDPPModel(
+    return _device_loss_pipeline()(
         model,
         transformer_layer_cls=Block,
         num_microbatches=cfg.gradient_accumulation,
@@ -289,9 +290,58 @@ def pipeline_model(
         leaf_module_cls=[RMSNorm.__name__],
         auto_partition=True,
         use_optimizer_wrapper=True,
-        broadcast_and_average_loss=True,
+        # The loss stays on the device: NxD's own averaging and broadcast (broadcast_and_average_loss) ends in an
+        # unconditional `.cpu()` on every stage but the last, in NxD 0.13 and 0.17 alike (pipeline/model.py,
+        # `_process_loss`), and return_loss_on_cpu (its default: True) adds one on the last: a host read that
+        # runs the step's graph and waits for it, every step. HLAT turned both off (RETURN_LOSS_ON_CPU=0 in
+        # 70b/tp_zero1_llama2_70b_hf_pretrain.sh, and its patch of that line, common/nxd_patches/model.py, in
+        # github.com/awslabs/HLAT). Here the last stage hands back its micro-batches' mean on the device, and the
+        # subclass averages it over DP and shares it with the other stages itself.
+        broadcast_and_average_loss=False,
+        return_loss_on_cpu=False,
         param_init_fn=init,
     )
+
+
+@functools.cache
+def _device_loss_pipeline() -> type:
+    """NxD's NxDPPModel, whose `run_train` and `run_eval` return the step's loss on every stage as a device tensor
+    (made here, where NxD is importable)."""
+    from neuronx_distributed.pipeline import NxDPPModel
+
+    class DeviceLossPipeline(NxDPPModel):  # type: ignore[misc, valid-type]
+        def run_train(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return _loss_on_every_stage(super().run_train(*args, **kwargs))
+
+        def run_eval(self, *args: Any, **kwargs: Any) -> torch.Tensor:
+            return _loss_on_every_stage(super().run_eval(*args, **kwargs))
+
+    return DeviceLossPipeline
+
+
+def _loss_on_every_stage(loss: torch.Tensor | None) -> torch.Tensor:
+    """The last stage's loss (the mean over its micro-batches; None on the other stages) averaged over the
+    data-parallel group and summed over the pipeline group (zero from every other stage): the same value on every
+    rank, on the device, with no host read. Collectives on NxD's groups, as NxD's own averaging makes them
+    (all-reduce over the pipeline group: its note says broadcast returns 0.0 in XLA mode); traced into the
+    optimizer step's graph (NxD's run_train has cut the graph before returning)."""
+    import torch.distributed as dist
+    from neuronx_distributed.parallel_layers import parallel_state as ps
+
+    if loss is None:
+        device = torch.device("cpu") if nxd_cpu_mode() else _xla_device()
+        loss = torch.zeros((), dtype=torch.float32, device=device)
+    else:
+        loss = loss.detach().float().reshape(()) / ps.get_data_parallel_size()
+        dist.all_reduce(loss, group=ps.get_data_parallel_group())
+    dist.all_reduce(loss, group=ps.get_pipeline_model_parallel_group())
+    return loss
+
+
+def _xla_device() -> torch.device:
+    from hlat.training import xla
+
+    return xla.device()
 
 
 def shard_name(tensor_rank: int, pipeline_rank: int) -> str:
