@@ -311,8 +311,10 @@ class PrecisionConfig(Section):
 
 
 NeuronSdkVersion = Literal["2.24.1", "2.28.0"]
-DEFAULT_NEURON_SDK: NeuronSdkVersion = "2.24.1"
-"""HLAT's Neuron SDK release: neuron.sdk's default."""
+DEFAULT_NEURON_SDK: NeuronSdkVersion = "2.28.0"
+"""neuron.sdk's default, for every preset: Neuron 2.28, the last release that trains with PyTorch/XLA and NxD on trn1,
+the one Neuron advises XLA-training users to stay on. (HLAT itself ran Neuron 2.20.0, which no longer has a PyTorch 2
+image: awslabs/HLAT, common/install_2_20_0.sh.)"""
 NEURON_RESERVED_ENV = frozenset({"NEURON_COMPILE_CACHE_URL", "RUN_NEURON_PARALLEL_COMPILE", "HLAT_RUN_ID"})
 """Variables the job backends set themselves (the run's compile cache, the precompile wrapper, the run id)."""
 
@@ -325,9 +327,12 @@ class NeuronConfig(Section):
 
     sdk: NeuronSdkVersion = DEFAULT_NEURON_SDK
     """Neuron SDK release of the trn1 jobs: their training image (when job.image_uri is None), what a job installs
-    on it, and how precision.mode is set. '2.24.1' (PyTorch 2.7, NxD 0.13) is HLAT's; '2.28.0' (PyTorch 2.9, NxD
-    0.17) is the last release that trains with PyTorch/XLA and NxD, and has no XLA_USE_BF16/XLA_DOWNCAST_BF16:
-    the trainer casts the model or autocasts itself (`core.environment.NEURON_SDKS`)."""
+    on it, and how precision.mode is set. '2.28.0' (the default; PyTorch 2.9, NxD 0.17) is the last release that
+    trains with PyTorch/XLA and NxD, and Neuron's advice to XLA-training users; it has no XLA_USE_BF16 /
+    XLA_DOWNCAST_BF16, so the trainer casts the model (bf16-sr) or autocasts (bf16-mixed) itself. '2.24.1'
+    (PyTorch 2.7, NxD 0.13) is the last release that honours those two flags: the closest selectable to HLAT's
+    flag-based precision. Neither is HLAT's own release (Neuron 2.20.0, torch-neuronx 1.13.1, NxD 0.9, with HLAT's
+    patches: awslabs/HLAT, common/install_2_20_0.sh). See `core.environment.NEURON_SDKS`."""
     compiler_flags: str = "--model-type transformer --distribution-strategy=llm-training"
     """neuronx-cc options (NEURON_CC_FLAGS). Part of the compile cache's key: changing them recompiles."""
     fuse_softmax: bool = True

@@ -31,9 +31,11 @@ class NeuronSdk:
     neuronx_distributed: str
     neuronx_distributed_training: str
     precision_flags: bool
-    """Whether torch-xla honours XLA_USE_BF16 / XLA_DOWNCAST_BF16. Neuron 2.24 is the last release that does
-    (Neuron's "end of support for XLA_USE_BF16 and XLA_DOWNCAST_BF16" announcement); later ones cast the model
-    (`model.to(torch.bfloat16)`) or autocast, as Neuron's migration guide prescribes."""
+    """Whether the release supports XLA_USE_BF16 / XLA_DOWNCAST_BF16. Neuron 2.24 is the last that does (Neuron's
+    "end of support for XLA_USE_BF16 and XLA_DOWNCAST_BF16" announcement); later ones cast the model
+    (`model.to(torch.bfloat16)`) or autocast, as Neuron's migration guide prescribes. Unsupported is not ignored:
+    torch-xla 2.9 still reads XLA_USE_BF16 (a bf16 graph on XLA:CPU, with a deprecation warning), so a 2.28 job
+    must not set them beside its own cast."""
     cpu_cache_loads: bool
     """Whether this release's torch-xla loads graphs back from its persistent cache on XLA:CPU (the local rehearsal
     of precompile): 2.7 does; 2.9's PJRT CPU client cannot ("Deserializing serialized executable not supported").
@@ -66,7 +68,10 @@ class NeuronSdk:
 NEURON_SDKS = {
     sdk.version: sdk
     for sdk in (
-        # HLAT's release (the 7B and 70B runs' scripts in awslabs/HLAT); image tag and pins from
+        # The last release that honours XLA_USE_BF16 / XLA_DOWNCAST_BF16 (Neuron's "end of support for
+        # XLA_USE_BF16 and XLA_DOWNCAST_BF16" announcement): the closest selectable to HLAT's flag-based precision.
+        # Not HLAT's own release: HLAT ran Neuron 2.20.0 (torch-neuronx 1.13.1, neuronx-cc 2.15, NxD 0.9, with its own
+        # patches; awslabs/HLAT, common/install_2_20_0.sh), which has no PyTorch 2 image. Image tag and pins from
         # aws-neuron/deep-learning-containers at 2.24.1.
         NeuronSdk(
             version="2.24.1",
@@ -82,8 +87,9 @@ NEURON_SDKS = {
             cpu_cache_loads=True,
             install_target="xla",
         ),
-        # The last release that trains with PyTorch/XLA and NxD (later ones train through TorchNeuron on trn2/trn3
-        # only): aws-neuron/deep-learning-containers at 2.28.0, pytorch/training/2.9.0/Dockerfile.neuronx.
+        # The default (config.DEFAULT_NEURON_SDK): the last release that trains with PyTorch/XLA and NxD (later ones
+        # train through TorchNeuron, on trn2/trn3 only), and the one Neuron advises XLA-training users to stay on.
+        # aws-neuron/deep-learning-containers at 2.28.0, pytorch/training/2.9.0/Dockerfile.neuronx.
         NeuronSdk(
             version="2.28.0",
             pytorch="2.9.0",

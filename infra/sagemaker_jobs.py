@@ -41,7 +41,7 @@ log = logging.getLogger("hlat.sagemaker")
 
 NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
 """The Neuron PyTorch training images used when `job.image_uri` is None, one tag per Neuron SDK release
-(`NeuronSdk.image_tag`: 2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04 by default)."""
+(`NeuronSdk.image_tag`: 2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04 by default, neuron.sdk=2.28.0)."""
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The project's checkout: deployments/ holds the requirements files the jobs install."""

@@ -2,8 +2,10 @@
 # Create the project's environments with the pins that work together.
 # Usage: scripts/install.sh              .venv: the pipeline
 #        scripts/install.sh dev          .venv: the pipeline and the test/lint tools
-#        scripts/install.sh xla          .venv-xla: Neuron SDK 2.24.1's torch and torch-xla (HLAT's), run on the CPU
-#        scripts/install.sh xla-2.28     .venv-xla-2.28: Neuron SDK 2.28's (neuron.sdk=2.28.0), run on the CPU
+#        scripts/install.sh xla-2.28     .venv-xla-2.28: Neuron SDK 2.28's torch and torch-xla (the default
+#                                        neuron.sdk), run on the CPU
+#        scripts/install.sh xla          .venv-xla: Neuron SDK 2.24.1's (neuron.sdk=2.24.1: the last release with
+#                                        XLA_USE_BF16 / XLA_DOWNCAST_BF16), run on the CPU
 #        scripts/install.sh dev xla xla-2.28
 #                                        the pipeline, the tools and both XLA environments (what CI uses)
 #

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The README's test command, after `scripts/install.sh dev xla xla-2.28`: the main suite in .venv on two pytest-xdist
-# workers, and beside it, for each Neuron SDK's environment that was installed (.venv-xla: 2.24.1, HLAT's;
-# .venv-xla-2.28: 2.28.0), the XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier
-# (tests/nxd: tensor/sequence/pipeline parallelism on neuronx-distributed's CPU mode, that SDK's release of it).
-# Arguments go to the main suite's pytest (`-n 0` runs it in one process). Fails when any test fails, and when a
-# tier collects no tests (pytest's exit code 5).
+# workers, and beside it, for each Neuron SDK of HLAT_TEST_SDKS whose environment was installed (.venv-xla-2.28:
+# 2.28.0, the default neuron.sdk; .venv-xla: 2.24.1, the last release with XLA_USE_BF16 / XLA_DOWNCAST_BF16), the
+# XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier (tests/nxd: tensor/sequence/pipeline
+# parallelism on neuronx-distributed's CPU mode, that SDK's release of it).
+# HLAT_TEST_SDKS: the SDKs whose tiers run, in order (default "2.28.0 2.24.1"; "2.28.0" leaves 2.24.1's tiers out,
+# and the summary says so). Arguments go to the main suite's pytest (`-n 0` runs it in one process). Fails when any
+# test fails, and when a tier collects no tests (pytest's exit code 5).
 #
 # Several streams share the machine's cores, so each process computes on one thread (OMP_NUM_THREADS=1): two torch
 # processes with two OpenMP threads each on 2 cores run a training step ~6x slower than with one thread each, as
@@ -31,23 +33,29 @@ tier() {
 
 # The tiers' output waits in a file and is shown after the main suite's, so the two never interleave.
 # --confcutdir keeps tests/conftest.py (which needs Prefect, absent from the job image) out of every tier.
+sdks=${HLAT_TEST_SDKS:-2.28.0 2.24.1}
+declare -A install_target=([2.28.0]=xla-2.28 [2.24.1]=xla)  # scripts/install.sh's (core/environment.py, NEURON_SDKS)
+for sdk in $sdks; do
+  [ -n "${install_target[$sdk]:-}" ] || { echo "test.sh: HLAT_TEST_SDKS: unknown Neuron SDK '$sdk' (2.28.0, 2.24.1)" >&2; exit 2; }
+done
 tiers_log=$(mktemp -t hlat-tiers.XXXXXX)
 (
-  for env in xla:2.24.1 xla-2.28:2.28.0; do  # install target and Neuron SDK (core/environment.py, NEURON_SDKS)
-    venv=".venv-${env%%:*}" sdk=${env#*:}
+  for sdk in $sdks; do
+    venv=".venv-${install_target[$sdk]}"
     # An SDK's tiers run where `scripts/install.sh <target>` made its environment, and are skipped where it did not;
     # CI (HLAT_REQUIRE_XLA=1) installs both, and a missing one fails there.
     if [ ! -x "$venv/bin/python" ]; then
       if [ "${HLAT_REQUIRE_XLA:-}" = 1 ]; then
-        echo "test.sh: HLAT_REQUIRE_XLA=1 but $venv is missing (scripts/install.sh ${env%%:*})" >&2
+        echo "test.sh: HLAT_REQUIRE_XLA=1 but $venv is missing (scripts/install.sh ${install_target[$sdk]})" >&2
         echo "xla-$sdk=1"; echo "nxd-$sdk=1"; continue
       fi
       echo "xla-$sdk=skipped"; echo "nxd-$sdk=skipped"; continue
     fi
-    tier "XLA tier ($sdk)" "$venv/bin/python" -m pytest --confcutdir=tests/xla -p no:cacheprovider --durations=5 tests/xla
+    tier "XLA tier ($sdk)" env HLAT_NEURON_SDK="$sdk" "$venv/bin/python" -m pytest --confcutdir=tests/xla -p no:cacheprovider --durations=5 tests/xla
     echo "xla-$sdk=$?"
-    # The model-parallel path against that SDK's neuronx-distributed source (../shared/vendor) in its CPU mode.
-    tier "NxD tier ($sdk)" "$venv/bin/python" -m pytest --confcutdir=tests/nxd -p no:cacheprovider tests/nxd
+    # The model-parallel path against that SDK's neuronx-distributed source (../shared/vendor) in its CPU mode
+    # (HLAT_NEURON_SDK: the SDK the tier tests, tests/nxd/conftest.py; it refuses another SDK's torch-xla).
+    tier "NxD tier ($sdk)" env HLAT_NEURON_SDK="$sdk" "$venv/bin/python" -m pytest --confcutdir=tests/nxd -p no:cacheprovider tests/nxd
     echo "nxd-$sdk=$?"
   done
 ) >"$tiers_log" 2>&1 &
@@ -60,14 +68,21 @@ trap 'rm -f "$tiers_log"' EXIT
 tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20 "$@"
 main=$?
 wait "$tiers"
-echo "----- the XLA and NxD tiers (.venv-xla, .venv-xla-2.28), run beside the main suite -----"
+echo "----- the XLA and NxD tiers of Neuron SDK ${sdks// /, }, run beside the main suite -----"
 grep -v '^\(xla\|nxd\)-[0-9.]*=\([0-9]*\|skipped\)$' "$tiers_log"
 failed=0
 summary="main suite exit code $main"
-for name in xla-2.24.1 nxd-2.24.1 xla-2.28.0 nxd-2.28.0; do
-  rc=$(sed -n "s/^$name=//p" "$tiers_log")
-  summary+=", $name ${rc:-not run}"
-  [ "$rc" = skipped ] || [ "${rc:-1}" = 0 ] || failed=1
+for sdk in 2.28.0 2.24.1; do
+  for tier_name in xla nxd; do
+    name="$tier_name-$sdk"
+    if [[ " $sdks " != *" $sdk "* ]]; then
+      summary+=", $name left out (HLAT_TEST_SDKS)"
+      continue
+    fi
+    rc=$(sed -n "s/^$name=//p" "$tiers_log")
+    summary+=", $name ${rc:-not run}"
+    [ "$rc" = skipped ] || [ "${rc:-1}" = 0 ] || failed=1
+  done
 done
 echo "test.sh: $summary"
 [ "$main" -eq 0 ] && [ "$failed" -eq 0 ]

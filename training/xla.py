@@ -8,7 +8,9 @@ container), so CPU and CUDA jobs never need torch-xla.
 What an XLA training loop must respect (PyTorch/XLA's "Lazy tensor" and "Troubleshooting" docs,
 https://pytorch.org/xla/; Neuron's training developer guide, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/
 frameworks/torch/torch-neuronx/programming-guide/training/pytorch-neuron-programming-guide.html): the step is traced
-lazily and compiled into one graph per optimizer step, cut by `mark_step()`; reading a device tensor on the host
+lazily and compiled into graphs cut by `mark_step()`, by default one per micro-batch with the last one before the
+optimizer step (HLAT's cuts, training.xla_graph_cuts=micro-batch; 'step' makes it one graph per optimizer step), the
+same graphs every step; reading a device tensor on the host
 (`float(t)`, `.item()`, `.cpu()`) cuts the graph and waits for the device, so the loop reads its scalars only at its
 sync points, in one batched transfer (`to_host`); collectives take device tensors (`all_reduce`); activation
 checkpointing needs torch-xla's own checkpoint; batches reach the device from a background thread (`device_loader`).
@@ -51,8 +53,10 @@ def require_xla() -> None:
 
 
 def require_release(sdk: NeuronSdk) -> None:
-    """Fail in one line when the installed torch-xla is not the release of the config's Neuron SDK (neuron.sdk):
-    a 2.24 job's precision flags do nothing on torch-xla 2.8+, and a 2.28 job's cast would be doubled by them."""
+    """Fail in one line when the installed torch-xla is not the release of the config's Neuron SDK (neuron.sdk): a
+    2.24 job's precision flags are unsupported after Neuron 2.24 (torch-xla 2.9 still reads XLA_USE_BF16, with a
+    deprecation warning, but Neuron no longer supports it), and a 2.28 job run where the flags are set would have
+    its own cast or autocast overridden by them (Neuron's migration guide: do not set them together)."""
     found = torch_xla_release()
     if found is not None and found != sdk.torch_xla:
         other = environment_sdk()
@@ -69,7 +73,8 @@ def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> No
     environment already says otherwise. Must run before torch_xla is first imported."""
     for key, value in precision_env.items():
         os.environ.setdefault(key, value)
-    # torch-xla 2.7 warns at import that these will go away: the default image's SDK (2.24) is chosen for them.
+    # torch-xla warns at import that these will go away (2.7, and 2.9 still reads them): only a neuron.sdk=2.24.1 job
+    # sets them, chosen for them.
     warnings.filterwarnings("ignore", message=r"XLA_(USE|DOWNCAST)_BF16 will be deprecated")
     if not on_neuron:
         os.environ.setdefault("PJRT_DEVICE", "CPU")
@@ -101,7 +106,8 @@ def init_process_group() -> None:
 
 
 def mark_step() -> None:
-    """Cut the traced graph here and launch it: once per optimizer step."""
+    """Cut the traced graph here and launch it: after each micro-batch's backward by default (HLAT's cuts), or once
+    per optimizer step (training.xla_graph_cuts=step)."""
     import torch_xla.core.xla_model as xm
 
     xm.mark_step()

@@ -72,7 +72,7 @@ def test_submit_creates_the_job_and_uploads_the_code_into_the_run(moto_env: S3En
         "code/hlat_job.py",
         "code/hlat/training/train.py",
         "code/hlat/core/job_init.py",
-        "code/deployments/job-requirements-2.24.1.txt",
+        "code/deployments/job-requirements-2.28.0.txt",  # the default neuron.sdk's
         "sm_drivers/sm_train.sh",
     } <= shipped
     assert not [k for k in shipped if k.startswith(("code/tests/", "code/.venv/", "code/runs/"))]

@@ -1,6 +1,10 @@
 """The local rehearsal of the trn1 path: the whole tiny DAG with its training, burn-in and precompile jobs on
 XLA:CPU (`training.device=xla`), run by the local backend in the XLA environment of `scripts/install.sh xla`.
 
+Pinned to neuron.sdk=2.24.1 (not the default, 2.28.0): only torch-xla 2.7's XLA:CPU loads graphs back from the
+persistent cache (`NeuronSdk.cpu_cache_loads`), which is what the training job's "compiled 0 graph(s)" shows. The
+default SDK's loop on XLA:CPU is the XLA tier's (tests/xla, in .venv-xla-2.28).
+
 Skipped without that environment, unless HLAT_REQUIRE_XLA=1 (CI), which makes its absence a failure."""
 
 from __future__ import annotations
@@ -34,7 +38,8 @@ def test_the_tiny_dag_runs_end_to_end_with_its_jobs_on_xla_cpu(
 ) -> None:
     from hlat.flows.pretrain import hlat
 
-    result = hlat(preset="tiny", overrides={**small_run, "training.device": "xla"}, storage=str(tmp_path))
+    overrides = {**small_run, "training.device": "xla", "neuron.sdk": "2.24.1"}
+    result = hlat(preset="tiny", overrides=overrides, storage=str(tmp_path))
     run = tmp_path / result["run_id"]
     job_dirs = {stage: list((run / "jobs").glob(f"*-{stage}-1")) for stage in ("burn-in", "train", "evaluate")}
     assert all(len(found) == 1 for found in job_dirs.values()), job_dirs

@@ -165,6 +165,8 @@ def test_the_digest_changes_with_the_job_and_the_software(monkeypatch: pytest.Mo
     assert f"python {base['python']} -> 3.10.14" in key_differences(base, key_of(cfg))
     monkeypatch.setenv("NEURON_CC_FLAGS", "--from-the-shell")  # the key is the config's, not this process's
     xla = key_of(cfg, device_type="xla")  # tiny: XLA:CPU (versions of the Neuron packages only where installed)
+    assert xla["PJRT_DEVICE"] == "CPU" and "XLA_USE_BF16" not in xla  # the default SDK, 2.28.0, has no flags
+    xla = key_of(config(**{"neuron.sdk": "2.24.1"}), device_type="xla")  # 2.24.1 has them
     assert {k: xla[k] for k in ("PJRT_DEVICE", "XLA_USE_BF16", "XLA_DOWNCAST_BF16")} == {
         "PJRT_DEVICE": "CPU",
         "XLA_USE_BF16": "0",
@@ -186,7 +188,7 @@ def test_on_trn1_the_key_holds_the_neuron_environment_the_config_gives_the_job()
     key = key_of(trn1(), device_type="xla")
     # fp32 here: neuronx-cc would cast its matmuls to BF16 without --auto-cast=none.
     assert key["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training --auto-cast=none"
-    assert (key["NEURON_FUSE_SOFTMAX"], key["XLA_USE_BF16"]) == ("1", "0")
+    assert key["NEURON_FUSE_SOFTMAX"] == "1" and "XLA_USE_BF16" not in key  # 2.28.0 (the default): no flags
     # Runtime, network and host settings do not change a graph; neither does where the cache lives.
     assert not [k for k in key if k.startswith(("NEURON_RT_", "FI_", "MALLOC_", "TORCH_DIST", "NEURON_COMPILE"))]
     assert flat(key)  # still {dotted name: plain value}
@@ -200,7 +202,8 @@ def test_on_trn1_the_key_holds_the_neuron_environment_the_config_gives_the_job()
         ({"neuron.fuse_softmax": False}, "NEURON_FUSE_SOFTMAX"),
         ({"neuron.env.NEURON_CC_FLAGS": "--model-type transformer"}, "NEURON_CC_FLAGS"),
         ({"neuron.env.XLA_IR_DEBUG": 1}, "XLA_IR_DEBUG"),
-        ({"precision.mode": "bf16-sr"}, "XLA_USE_BF16"),
+        ({"precision.mode": "bf16-sr"}, "NEURON_CC_FLAGS"),  # 2.28: FP32 accumulation instead of --auto-cast=none
+        ({"precision.mode": "bf16-sr", "neuron.sdk": "2.24.1"}, "XLA_USE_BF16"),
     ],
 )
 def test_a_changed_neuron_setting_that_shapes_the_graphs_makes_the_cache_stale(
@@ -494,7 +497,8 @@ def xla_run(tmp_path: Path, graphs: dict[str, bytes] = XLA_GRAPHS) -> tuple[Stor
     local.mkdir()
     for name, data in graphs.items():
         (local / name).write_bytes(data)
-    run, cfg = Storage(str(tmp_path / "run")), load_config("tiny", {"training.device": "xla"})
+    # 2.24.1: only its torch-xla (2.7) loads cached graphs on XLA:CPU (NeuronSdk.cpu_cache_loads)
+    run, cfg = Storage(str(tmp_path / "run")), load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.24.1"})
     manifest = write_xla_cache(run.child(CACHE_DIR), cache_key(cfg, 1, "xla"), str(local), steps=4, seconds=3.0)
     return run, cfg, manifest
 

@@ -193,7 +193,7 @@ def test_a_field_of_a_default_mapping_can_be_overridden() -> None:
 def test_neuron_settings_of_the_presets() -> None:
     seven = load_config("hlat-7b").neuron
     assert seven.model_dump() == {
-        "sdk": "2.24.1",  # HLAT's Neuron SDK
+        "sdk": "2.28.0",  # the last Neuron release that trains with PyTorch/XLA and NxD: every preset's default
         "compiler_flags": "--model-type transformer --distribution-strategy=llm-training",
         "fuse_softmax": True,
         "async_inflight_requests": 3,
@@ -214,6 +214,8 @@ def test_neuron_settings_of_the_presets() -> None:
     }
     for name in ("pythia-6.9b", "neox-20b", "tiny"):
         assert load_config(name).neuron == seven
+    # 2.24.1 stays selectable: the last release with XLA_USE_BF16 / XLA_DOWNCAST_BF16
+    assert load_config("hlat-7b", {"neuron.sdk": "2.24.1"}).neuron.sdk == "2.24.1"
 
 
 def test_neuron_settings_are_not_part_of_the_run() -> None:

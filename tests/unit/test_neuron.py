@@ -69,7 +69,9 @@ def test_neuron_2_28_sets_no_precision_flags_and_the_trainer_casts_instead(monke
         "NEURON_RT_STOCHASTIC_ROUNDING_EN": "1", "PJRT_DEVICE": "CPU", "TORCHINDUCTOR_COMPILE_THREADS": "1"
     }  # fmt: skip
     assert not precision_by_flags(rehearsal, on_xla=True)
-    assert precision_by_flags(load_config("tiny"), on_xla=True) and not precision_by_flags(load_config("tiny"), False)
+    older = load_config("tiny", {"neuron.sdk": "2.24.1"})  # selectable: the last release with the flags
+    assert precision_by_flags(older, on_xla=True) and not precision_by_flags(older, False)
+    assert not precision_by_flags(load_config("tiny"), on_xla=True)  # the default is 2.28.0
     # Neuron 2.24 (flags): an FP32-typed model, the device rounds; 2.28: a BF16 model (bf16-sr) or FP32 parameters
     # under autocast (bf16-mixed), updated by plain AdamW on XLA; CPU keeps its software stochastic rounding.
     cfg = rehearsal.training
@@ -101,13 +103,15 @@ def test_neuron_2_28_sets_no_precision_flags_and_the_trainer_casts_instead(monke
 
 
 def test_the_neuron_environment_of_hlat_7b_and_70b() -> None:
-    seven = neuron_environment(load_config("hlat-7b"), "s3://b/run/compile-cache/neuron")
+    """HLAT's environment, flag-based precision included, on 2.24.1 (the last release with those flags)."""
+    flags = {"neuron.sdk": "2.24.1"}
+    seven = neuron_environment(load_config("hlat-7b", flags), "s3://b/run/compile-cache/neuron")
     assert seven == {
         **xla_precision_environment("bf16-sr"),
         **HLAT_7B_NEURON,
         "NEURON_COMPILE_CACHE_URL": "s3://b/run/compile-cache/neuron",
     }
-    seventy = neuron_environment(load_config("hlat-70b"))
+    seventy = neuron_environment(load_config("hlat-70b", flags))
     assert seventy == {
         **xla_precision_environment("bf16-mixed"),
         **HLAT_7B_NEURON,
@@ -116,12 +120,15 @@ def test_the_neuron_environment_of_hlat_7b_and_70b() -> None:
         "TORCH_DIST_INIT_BARRIER": "0",
         "XLA_DISABLE_FUNCTIONALIZATION": "0",  # ZeRO-1, as NxD's 70B scripts and NxDT set it
     }
-    fp32 = neuron_environment(load_config("hlat-7b", {"precision.mode": "fp32"}))
+    fp32 = neuron_environment(load_config("hlat-7b", {**flags, "precision.mode": "fp32"}))
     assert fp32["NEURON_CC_FLAGS"] == HLAT_7B_NEURON["NEURON_CC_FLAGS"] + " --auto-cast=none"
-    told = load_config("hlat-7b", {"precision.mode": "fp32", "neuron.compiler_flags": "--auto-cast=matmult"})
+    told = load_config("hlat-7b", {**flags, "precision.mode": "fp32", "neuron.compiler_flags": "--auto-cast=matmult"})
     assert neuron_environment(told)["NEURON_CC_FLAGS"] == "--auto-cast=matmult"  # a choice made is kept
     for name in ("pythia-6.9b", "neox-20b"):  # HLAT 7B's settings
-        assert neuron_environment(load_config(name)) == {**xla_precision_environment("bf16-sr"), **HLAT_7B_NEURON}
+        assert neuron_environment(load_config(name, flags)) == {
+            **xla_precision_environment("bf16-sr"),
+            **HLAT_7B_NEURON,
+        }
 
 
 BASE_CC = HLAT_7B_NEURON["NEURON_CC_FLAGS"]
@@ -189,7 +196,13 @@ def test_neuron_settings_switch_off_and_neuron_env_overrides_last() -> None:
 
 
 def test_the_xla_cpu_rehearsal_gets_the_precision_flags_and_no_neuron_runtime() -> None:
-    cfg = load_config("tiny", {"training.device": "xla", "precision.mode": "bf16-sr", "neuron.env": {"A": "1"}})
+    overrides = {
+        "training.device": "xla",
+        "precision.mode": "bf16-sr",
+        "neuron.env": {"A": "1"},
+        "neuron.sdk": "2.24.1",
+    }
+    cfg = load_config("tiny", overrides)
     assert xla_job_environment(cfg, compile_cache="/tmp/cache") == {
         **xla_precision_environment("bf16-sr"),
         "PJRT_DEVICE": "CPU",

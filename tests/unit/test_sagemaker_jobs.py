@@ -43,7 +43,7 @@ NAME = job_name(RUN_ID, 3)
 CODE_PREFIX = f"{RUN_URI}/code/{NAME}/"
 """Where the SDK uploads the source and its drivers: inside the run."""
 IMAGE = (
-    f"763104351884.dkr.ecr.{REGION}.amazonaws.com/pytorch-training-neuronx:2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
+    f"763104351884.dkr.ecr.{REGION}.amazonaws.com/pytorch-training-neuronx:2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"
 )
 
 
@@ -227,7 +227,7 @@ def test_submit_creates_the_job_under_its_deterministic_name(
     modules = {
         f"hlat/{p.relative_to(project)}" for layer in ("core", "training") for p in (project / layer).rglob("*.py")
     }
-    assert shipped == {"hlat_job.py", "hlat/__init__.py", *modules, "deployments/job-requirements-2.24.1.txt"}
+    assert shipped == {"hlat_job.py", "hlat/__init__.py", *modules, "deployments/job-requirements-2.28.0.txt"}
 
 
 def test_submit_refuses_a_name_in_use_before_uploading(
@@ -613,15 +613,15 @@ def test_region_gives_the_neuron_training_image() -> None:
     assert neuron_training_image("eu-west-1") == IMAGE.replace("us-west-2", "eu-west-1")
     assert neuron_training_image("xx-nowhere-1") is None
     assert SageMakerBackend(make_job()).training_image(make_spec()) == IMAGE
-    # Neuron 2.28 (neuron.sdk): its image, and what its jobs install on it
-    newer = make_spec(neuron_sdk="2.28.0")
-    assert SageMakerBackend(make_job()).training_image(newer) == IMAGE.replace(
-        "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04", "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04"
+    # Neuron 2.24.1 (neuron.sdk): its image, and what its jobs install on it; 2.28.0 is the default
+    older = make_spec(neuron_sdk="2.24.1")
+    assert SageMakerBackend(make_job()).training_image(older) == IMAGE.replace(
+        "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04", "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
     )
-    assert requirements_of(newer) == "deployments/job-requirements-2.28.0.txt"
-    assert requirements_of(make_spec()) == "deployments/job-requirements-2.24.1.txt"
+    assert requirements_of(older) == "deployments/job-requirements-2.24.1.txt"
+    assert requirements_of(make_spec()) == "deployments/job-requirements-2.28.0.txt"
     explicit = make_job(image_uri="111122223333.dkr.ecr.us-west-2.amazonaws.com/mine:1")
-    assert SageMakerBackend(explicit).training_image(newer) == explicit.image_uri
+    assert SageMakerBackend(explicit).training_image(older) == explicit.image_uri
     with pytest.raises(ValueError, match=r"job\.region='af-south-1'.*job\.image_uri=None"):
         _ = SageMakerBackend(make_job(region="af-south-1")).training_image(make_spec())
 

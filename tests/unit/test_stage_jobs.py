@@ -66,7 +66,7 @@ TRN1_STAGES = ("train", "precompile", "burn-in")
 
 @pytest.mark.parametrize("preset", ["hlat-7b", "hlat-70b"])
 def test_every_trn1_stage_job_carries_the_presets_neuron_settings(preset: str) -> None:
-    config = load_config(preset)
+    config = load_config(preset, {"neuron.sdk": "2.24.1"})  # HLAT's flag-based precision: 2.24.1 has the flags
     expected = neuron_environment(config, f"{RUN}/compile-cache/neuron")
     for stage in TRN1_STAGES:
         env = job_spec(config, RUN, "r1", 1, stage).environment
@@ -100,13 +100,14 @@ def test_neuron_overrides_reach_every_trn1_stage_job_and_neuron_env_wins() -> No
     for stage in TRN1_STAGES:
         env = job_spec(config, RUN, "r1", 1, stage).environment
         assert env["NEURON_RT_EXEC_TIMEOUT"] == "7200"
-        assert env["NEURON_CC_FLAGS"] == "--model-type transformer -O1"
+        # the user's flags, then what 2.28's BF16 model (bf16-sr) needs
+        assert env["NEURON_CC_FLAGS"] == "--model-type transformer -O1 --enable-mixed-precision-accumulation"
         assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "5"
         assert env["NEURON_RT_LOG_LEVEL"] == "INFO"
 
 
 def test_the_xla_cpu_rehearsal_runs_with_the_precision_flags_on_pjrt_cpu() -> None:
-    config = load_config("tiny", {"training.device": "xla", "precision.mode": "bf16-mixed"})
+    config = load_config("tiny", {"training.device": "xla", "precision.mode": "bf16-mixed", "neuron.sdk": "2.24.1"})
     for stage in TRN1_STAGES:
         env = job_environment(config, "/tmp/runs/r", "r", stage)
         assert env == {
@@ -115,8 +116,12 @@ def test_the_xla_cpu_rehearsal_runs_with_the_precision_flags_on_pjrt_cpu() -> No
         }  # fmt: skip
     assert job_environment(config, "/tmp/runs/r", "r", "evaluate") == {"HLAT_RUN_ID": "r"}
     # The same through the job spec, with an interpreter that exists everywhere (the XLA one may not).
-    spec = job_spec(load_config("tiny", {"training.device": "xla", "job.python": sys.executable}), "/tmp/r", "r", 1)
+    overrides = {"training.device": "xla", "job.python": sys.executable, "neuron.sdk": "2.24.1"}
+    spec = job_spec(load_config("tiny", overrides), "/tmp/r", "r", 1)
     assert spec.environment["PJRT_DEVICE"] == "CPU" and spec.environment["XLA_USE_BF16"] == "0"
+    # The default SDK (2.28.0) sets neither flag: the trainer autocasts
+    default = job_spec(load_config("tiny", {**overrides, "neuron.sdk": "2.28.0"}), "/tmp/r", "r", 1).environment
+    assert default["PJRT_DEVICE"] == "CPU" and not {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"} & set(default)
     assert not [k for k in spec.environment if k.startswith(("NEURON_CC", "NEURON_RT_ASYNC", "FI_", "MALLOC"))]
 
 
@@ -138,11 +143,11 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
     from hlat.core.environment import NEURON_SDKS
     from hlat.infra.stage_jobs import job_python
 
-    config = load_config("tiny", {"training.device": "xla"})
+    config = load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.24.1"})
     monkeypatch.setattr(hlat.infra.local_jobs, "PROJECT_ROOT", tmp_path)
     with pytest.raises(ConfigError, match=r"training\.device=xla .*2\.24\.1.* run `scripts/install\.sh xla` first"):
         job_python(config, "train")
-    newer = load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.28.0"})
+    newer = load_config("tiny", {"training.device": "xla"})  # the default SDK, 2.28.0
     with pytest.raises(ConfigError, match=r"neuron\.sdk=2\.28\.0.* run `scripts/install\.sh xla-2\.28` first"):
         job_python(newer, "train")
     for sdk, cfg in (("2.24.1", config), ("2.28.0", newer)):  # each SDK's jobs run in its own environment
