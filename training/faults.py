@@ -10,6 +10,8 @@ HLAT_FAULT_STEP_SECONDS=<s>: each optimizer step takes about s seconds: the loop
 work is launched, as a big model's step would keep it (no device work added; a step already slower stays as it is).
 HLAT_FAULT_SAVE_SECONDS=<s>: each checkpoint file this process writes takes s seconds longer (a sleep before the
 write: a slow upload, so that a stop can land inside a checkpoint write).
+HLAT_FAULT_ALLREDUCE_SECONDS=<s>: each timed iteration of a health check's all-reduce takes s seconds longer (a host
+sleep inside the timer: a degraded link, whose bus bandwidth then falls below any floor the check applies).
 HLAT_FAULT_SAVE_FAILS=<step>:<rank>: that rank's write of its rank file of that step's checkpoint fails with an
 OSError (a failed upload); in an async save, the loop's check after the next step sees it.
 """
@@ -33,6 +35,7 @@ BURN_IN_WRONG_RANK = "HLAT_FAULT_BURN_IN_WRONG_RANK"
 STEP_SECONDS = "HLAT_FAULT_STEP_SECONDS"
 SAVE_SECONDS = "HLAT_FAULT_SAVE_SECONDS"
 SAVE_FAILS = "HLAT_FAULT_SAVE_FAILS"
+ALLREDUCE_SECONDS = "HLAT_FAULT_ALLREDUCE_SECONDS"
 
 
 class FaultyCheckpoints(Storage):
@@ -87,6 +90,11 @@ def step_seconds() -> float | None:
     """The step time HLAT_FAULT_STEP_SECONDS asks for (None: no slowing)."""
     value = os.environ.get(STEP_SECONDS)
     return float(value) if value else None
+
+
+def allreduce_delay() -> float:
+    """Seconds HLAT_FAULT_ALLREDUCE_SECONDS adds to each timed all-reduce of a health check (0: none)."""
+    return float(os.environ.get(ALLREDUCE_SECONDS) or 0)
 
 
 def inject_nan(run: Storage, step: int) -> bool:

@@ -9,6 +9,14 @@ result, and `evaluate` compares all ranks' results against the instance type's f
 
 Nothing here touches the global RNGs (operands come from a private `torch.Generator`, scratch bytes from
 `os.urandom`), the model or the optimizer: a periodic check must leave training bitwise unchanged.
+
+The floors are judged where they mean something. An all-reduce's bus bandwidth depends on its size and its rank
+count (latency-bound when small and wide): `allreduce_floor_gbps` turns the instance type's bandwidth floor into a
+floor for the measured size and ranks with a latency-bandwidth model, and the trainer's periodic check also compares
+each measurement with this job's first (`RELATIVE_FLOOR`). A matmul floor is set for BF16 and scaled for an FP32
+matmul by the device's FP32/BF16 peak ratio (`matmul_floor_tflops`). The cross-rank bit-exact checksum is taken of a
+product whose every partial sum is exact in BF16 (`exact_operands`), so no rounding mode, stochastic rounding
+included, can change its bits: only a faulty device can.
 """
 
 from __future__ import annotations
@@ -30,6 +38,7 @@ import torch
 
 from hlat.core.config import HealthThresholds
 from hlat.core.storage import Storage
+from hlat.training.faults import allreduce_delay
 from hlat.training.parallel.distributed import World
 
 log = logging.getLogger("hlat.health")
@@ -41,6 +50,60 @@ REFERENCE_ROWS = 64
 adds on the CPU instead of n³, and every row is as likely as any other to show a faulty device."""
 ALLREDUCE_ITERS = 5
 """Timed all-reduces after the (untimed) one whose result is checked."""
+
+# -- the all-reduce floor: a latency-bandwidth model (a model, not a measurement) ----------------------------------
+# A ring all-reduce of S bytes over n ranks takes 2(n-1) steps, each moving S/n bytes per rank, so with a per-step
+# latency a and a bus bandwidth B it takes 2(n-1)a + 2(n-1)/n * S/B (the "alpha-beta" cost model of collectives:
+# Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1), 2005;
+# the bus-bandwidth convention of nccl-tests, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
+# The check times one graph launch per iteration, so a launch time L is added. busbw = 2(n-1)/n * S / T then tends to
+# B for large S and falls as n grows at a fixed S: 16 MB over 2,048 ranks is latency-bound. The floor is this model's
+# busbw with B = the instance type's floor and with latencies chosen as generous upper bounds of a healthy cluster
+# (not measured here: no trn1), so that it errs towards passing a slow but healthy collective. It is pessimistic:
+# Neuron's collectives are hierarchical on trn1 (NeuronLink inside an instance, EFA between instances; "up to 75%
+# reduction in latency for 2MB buffers across 256 ranks", Neuron Collectives 2.12.22.0 release notes,
+# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/runtime/aws-neuronx-collectives/index.html),
+# so a healthy job measures well above it; a degraded link is caught by RELATIVE_FLOOR. Verified only on trn1.
+RING_STEP_LATENCY_S = 50e-6
+"""Upper bound of one ring step's latency: an EFA hop between instances (tens of microseconds) with margin."""
+LAUNCH_LATENCY_S = 1e-3
+"""Upper bound of one graph launch and its completion wait around a timed all-reduce (each iteration is a graph)."""
+RELATIVE_FLOOR = 0.25
+"""The trainer's periodic check: unhealthy when the slowest rank's busbw falls below this fraction of the job's
+first measurement (a link down to a quarter of what it delivered at the start; timing noise of one check of a few
+iterations stays well inside a factor of 4)."""
+
+# -- the matmul floor: per precision ------------------------------------------------------------------------------
+FP32_SHARE_OF_BF16_PEAK = {"xla": 47.5 / 190.0, "cuda": 1 / 16}
+"""An FP32 matmul's peak as a share of BF16's, per device type. Trainium: 190 BF16 and 47.5 FP32 TFLOP/s per chip of two
+NeuronCore-v2 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html),
+so about 23.75 FP32 TFLOP/s per core, under a BF16 floor of 30. NVIDIA A100: 19.5 FP32 and 312 BF16 dense TFLOP/s
+(A100 datasheet; H100 SXM about 1/15). CPU: the compute dtype is always float32 (`compute_dtype`): its floor is
+FP32's."""
+EXACT_TERMS = 128
+"""Non-zero terms per row of the checksum product's left operand: every partial sum is an integer of magnitude at most
+128, exact in BF16 (8 significant bits: integers up to 256), so any accumulation order or rounding gives the same
+bits."""
+
+
+def allreduce_floor_gbps(floor_gbps: float, nbytes: float, ranks: int) -> float:
+    """The busbw floor, GB/s, for an all-reduce of `nbytes` over `ranks` ranks: the ring model above with B =
+    `floor_gbps` (the instance type's floor, reached by large all-reduces) and the latency bounds added. One rank
+    times a local copy (busbw = algbw): one launch and S/B."""
+    if floor_gbps <= 0 or nbytes <= 0:
+        return 0.0
+    share = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
+    seconds = LAUNCH_LATENCY_S + 2 * max(ranks - 1, 0) * RING_STEP_LATENCY_S + share * nbytes / (floor_gbps * 1e9)
+    return share * nbytes / seconds / 1e9
+
+
+def matmul_floor_tflops(thresholds: HealthThresholds, dtype: str, device: str) -> float:
+    """The matmul floor for a result of `dtype` on `device` (e.g. 'xla:0'): `min_matmul_tflops` is a BF16 floor; an
+    FP32 matmul is held to the same share of the device's FP32 peak (FP32_SHARE_OF_BF16_PEAK)."""
+    floor = thresholds.min_matmul_tflops
+    if dtype == "float32":
+        return floor * FP32_SHARE_OF_BF16_PEAK.get(device.split(":")[0], 1.0)
+    return floor
 
 
 class UnhealthyCollective(RuntimeError):
@@ -186,6 +249,21 @@ def _checksum(tensor: torch.Tensor) -> str:
     return hashlib.sha256(raw.numpy().tobytes()).hexdigest()[:16]
 
 
+def exact_operands(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer operands (float32, on the host) whose n x n product is exact in any float format from BF16 up, summed
+    in any order: each row of the left one has EXACT_TERMS entries of +-1 (a band, random signs), the right one is
+    -1, 0 or 1, so every partial sum is an integer of magnitude at most EXACT_TERMS. Rounding never happens, so
+    stochastic rounding (bf16-sr: NEURON_RT_STOCHASTIC_ROUNDING_EN=1) cannot change a bit: a checksum that differs
+    between ranks is a faulty device, never the rounding's random draws."""
+    terms = min(n, EXACT_TERMS)
+    i = torch.arange(n)
+    band = (i[None, :] - i[:, None]) % n < terms  # (n, n): row r holds columns r .. r+terms-1 (mod n)
+    signs = torch.randint(0, 2, (n, n), generator=gen) * 2 - 1
+    left = (band * signs).float()
+    right = (torch.randint(0, 3, (n, n), generator=gen) - 1).float()
+    return left, right
+
+
 def matmul_check(
     device: torch.device,
     n: int,
@@ -200,11 +278,13 @@ def matmul_check(
     fifth of a millisecond of a NeuronCore's work, less than a launch costs; a batch of them per launch measures
     the core, not the launch. `rel_error` = max |C - R| / max |R| over the first REFERENCE_ROWS rows of the first
     product, R the float64 product of the same (dtype-rounded) operands on the CPU, so only the device's arithmetic
-    is measured, not the rounding of the inputs; `checksum` hashes every bit of that product, which equal devices
-    given equal operands reproduce exactly. On XLA, `timed_compilations` counts the graphs compiled inside the
-    timer (0, or the figure is not a speed).
+    is measured, not the rounding of the inputs. `checksum` hashes every bit of one more product, of integer operands
+    (`exact_operands`) whose result is exact in `dtype` whatever the rounding mode: equal healthy devices reproduce it
+    bit for bit with stochastic rounding on (bf16-sr) too, and `exact` says whether its first REFERENCE_ROWS rows equal
+    the true product. On
+    XLA, `timed_compilations` counts the graphs compiled inside the timer (0, or the figure is not a speed).
 
-    `corrupt` (fault injection, HLAT_FAULT_BURN_IN_WRONG_RANK) perturbs one element of the result by about 1% of
+    `corrupt` (fault injection, HLAT_FAULT_BURN_IN_WRONG_RANK) perturbs one element of each result by about 1% of
     its value, as a faulty device would: large enough to change it in BF16 too."""
     gen = torch.Generator(device="cpu").manual_seed(seed)  # private: the global RNG stream is training's
     a_host = torch.randn(n, n, generator=gen).to(dtype)
@@ -233,6 +313,13 @@ def matmul_check(
     reference = a_host[:rows].double() @ b_host.double()  # (rows, n)
     got = first[:rows].double().cpu()
     rel_error = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-30))
+    left, right = exact_operands(n, gen)
+    exact = left.to(dtype).to(device) @ right.to(dtype).to(device)  # (n, n), integers: no rounding anywhere
+    _materialize(device)
+    if corrupt:
+        exact[0, 0] += 1  # still an integer of magnitude <= EXACT_TERMS + 1: exact, and wrong
+        _materialize(device)
+    exact_host = exact.cpu()
     out = {
         "device": str(device),
         "device_name": device_name(device),
@@ -244,7 +331,8 @@ def matmul_check(
         "tflops": 2 * n**3 * batch / seconds / 1e12 if seconds > 0 else float("inf"),
         "rel_error": rel_error,
         "reference_rows": rows,
-        "checksum": _checksum(first),
+        "checksum": _checksum(exact_host),
+        "exact": bool(torch.equal(exact_host[:rows].double(), left[:rows].double() @ right.double())),
         "fault_injected": corrupt,
     }
     if device.type == "xla":
@@ -271,10 +359,11 @@ def device_element_bytes(dtype: torch.dtype, device: torch.device) -> int:
 
 
 # -- all-reduce ------------------------------------------------------------------------------------------
-def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> dict[str, Any]:
+def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge: bool = True) -> dict[str, Any]:
     """All-reduce (SUM) a buffer of `mb` MB (as the device holds it) and check the result, then time `iters`
-    all-reduces of it: algbw = bytes moved / seconds, busbw = algbw x 2(n-1)/n, the nccl-tests convention (what
-    each link carries in a ring; comparable across world sizes). The bytes are the device's: a float32 buffer
+    all-reduces of it, each to its end: algbw = bytes moved / mean seconds, busbw = algbw x 2(n-1)/n, the nccl-tests
+    convention (what each link carries in a ring; comparable across world sizes); `best_busbw_gbps` from the
+    fastest iteration. The bytes are the device's: a float32 buffer
     under XLA_USE_BF16 is BF16 there, half the bytes.
 
     The check: element i is 1 on rank i mod n and 0 on the others, so every element must sum to exactly 1 in any
@@ -284,7 +373,10 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
     (`timed_compilations` on XLA).
 
     One rank gets busbw = algbw (the formula gives 0), and one process without a process group has nothing to
-    all-reduce: the sum over one rank is its own buffer, so a copy of it is timed. `note` says so."""
+    all-reduce: the sum over one rank is its own buffer, so a copy of it is timed. `note` says so.
+
+    `judge` off (graph extraction, whose outputs are invalid): the same device work and host reads, no verdict on
+    the sum (no `correct`, no `error`)."""
     n = world.world_size
     device = world.device
     element = device_element_bytes(torch.float32, device)
@@ -309,9 +401,10 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
 
     synchronize(device)
     wrong = (buf - expected).abs() > 0
-    bad = int(wrong.sum())
-    out["correct"] = bad == 0
-    if bad:
+    bad = int(wrong.sum())  # read in every run (graph extraction traces what the job runs)
+    if judge:
+        out["correct"] = bad == 0
+    if bad and judge:
         first = int(wrong.nonzero()[0, 0])
         out["error"] = (
             f"rank {world.rank} saw {float(buf[first])} at element {first} where every rank should see {expected} "
@@ -324,18 +417,30 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS) -> di
     world.barrier("hlat-health-allreduce")  # start the clock together
     synchronize(device)
     compiled = _compilations(device)
-    start = time.perf_counter()
+    slower = allreduce_delay()  # HLAT_FAULT_ALLREDUCE_SECONDS: a degraded link, for tests
+    times = []
     for _ in range(iters):
+        start = time.perf_counter()
         reduce()
         _materialize(device)  # one all-reduce per graph, as warmed up (not `iters` chained in one)
-    synchronize(device)
-    seconds = (time.perf_counter() - start) / iters
+        if slower:
+            time.sleep(slower)
+        synchronize(device)  # each iteration timed to its end: one launch and one all-reduce, as the floor's model
+        times.append(time.perf_counter() - start)
+    seconds = sum(times) / iters
     if device.type == "xla":
         out["timed_compilations"] = _compilations(device) - compiled
+
+    def bus(seconds: float) -> float:
+        algbw = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+        return algbw * 2 * (n - 1) / n if n > 1 else algbw
+
     algbw = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
-    out.update(seconds=seconds, algbw_gbps=algbw)
+    # The best iteration: what the link delivers when nothing else (a preempted host thread) got in the way; a
+    # degraded link slows every iteration. The trainer's relative check compares it (RELATIVE_FLOOR).
+    out.update(seconds=seconds, algbw_gbps=algbw, best_busbw_gbps=bus(min(times)))
     if n > 1:
-        out["busbw_gbps"] = algbw * 2 * (n - 1) / n
+        out["busbw_gbps"] = bus(seconds)
     else:
         out["busbw_gbps"] = algbw
         out["note"] = "one rank: busbw reported as algbw" + (
@@ -407,9 +512,11 @@ def evaluate(results: Sequence[Mapping[str, Any]], thresholds: HealthThresholds 
 
     Performance floors and the matmul error bound come from `thresholds` (None: an instance type without
     thresholds, measured but not failed on them). Wrong answers fail whatever the instance type: a check that
-    raised, a wrong all-reduce sum, a scratch object of the wrong size, missing ranks or devices, and a matmul
-    checksum that differs from the majority of the ranks with the same device and operands (a faulty device can
-    stay under the error bound and still compute different bits than its peers)."""
+    raised, a wrong all-reduce sum, a scratch object of the wrong size, missing ranks or devices, a checksum product
+    that is not the exact one, and a matmul checksum that differs from the majority of the ranks with the same
+    device and operands (a faulty device can stay under the error bound and still compute different bits than its
+    peers). The matmul floor is the precision's (`matmul_floor_tflops`), the all-reduce floor the one for the
+    measured size and rank count (`allreduce_floor_gbps`)."""
     failures: list[dict[str, Any]] = []
     majority = _majority_checksums(results)
     for row in results:
@@ -434,14 +541,25 @@ def evaluate(results: Sequence[Mapping[str, Any]], thresholds: HealthThresholds 
                         f"(same seed, same {m['device_name']}, {m['dtype']})",
                     )
                 )
-            if thresholds is not None and m["tflops"] < thresholds.min_matmul_tflops:
+            if m.get("exact") is False:
+                failures.append(
+                    _failure(
+                        row,
+                        "matmul_exact",
+                        m["checksum"],
+                        "the exact product",
+                        f"the integer matmul (exact in {m['dtype']}) differs from the exact product: a faulty device",
+                    )
+                )
+            floor = matmul_floor_tflops(thresholds, m["dtype"], m.get("device", "")) if thresholds else None
+            if floor is not None and m["tflops"] < floor:
                 failures.append(
                     _failure(
                         row,
                         "matmul_tflops",
                         m["tflops"],
-                        thresholds.min_matmul_tflops,
-                        f"matmul {m['tflops']:.4g} TFLOP/s < {thresholds.min_matmul_tflops:g}",
+                        floor,
+                        f"matmul {m['tflops']:.4g} TFLOP/s < {floor:.4g} ({m['dtype']})",
                     )
                 )
             if thresholds is not None and m["rel_error"] > thresholds.max_matmul_rel_error:
@@ -457,16 +575,21 @@ def evaluate(results: Sequence[Mapping[str, Any]], thresholds: HealthThresholds 
         a = row.get("allreduce") or {}
         if a.get("correct") is False:
             failures.append(_failure(row, "allreduce_result", a.get("error"), a["expected"], a["error"]))
-        if thresholds is not None and "busbw_gbps" in a and a["busbw_gbps"] < thresholds.min_allreduce_gbps:
-            failures.append(
-                _failure(
-                    row,
-                    "allreduce_busbw",
-                    a["busbw_gbps"],
-                    thresholds.min_allreduce_gbps,
-                    f"all-reduce busbw {a['busbw_gbps']:.4g} GB/s < {thresholds.min_allreduce_gbps:g}",
-                )
+        if thresholds is not None and "busbw_gbps" in a:
+            bus_floor = allreduce_floor_gbps(
+                thresholds.min_allreduce_gbps, a.get("mb", 0.0) * MB, a.get("ranks", len(results))
             )
+            if a["busbw_gbps"] < bus_floor:
+                failures.append(
+                    _failure(
+                        row,
+                        "allreduce_busbw",
+                        a["busbw_gbps"],
+                        bus_floor,
+                        f"all-reduce busbw {a['busbw_gbps']:.4g} GB/s < {bus_floor:.4g} (the floor for "
+                        f"{a.get('mb', 0.0):.4g} MB over {a.get('ranks', len(results))} rank(s))",
+                    )
+                )
         w = row.get("write") or {}
         if "error" in w:
             failures.append(_failure(row, "write_size", w["error"], "the bytes written", w["error"]))
@@ -485,28 +608,70 @@ def evaluate(results: Sequence[Mapping[str, Any]], thresholds: HealthThresholds 
 
 # -- the periodic check inside training ------------------------------------------------------------------
 def periodic_health_check(
-    world: World, mb: float, thresholds: HealthThresholds | None, step: int, instance_type: str = ""
+    world: World,
+    mb: float,
+    thresholds: HealthThresholds | None,
+    step: int,
+    instance_type: str = "",
+    reference_gbps: float | None = None,
+    judge: bool = True,
 ) -> dict[str, Any]:
     """The trainer's health hook: an all-reduce check on every rank, then one small all-reduce so that every rank
     knows every rank's verdict and all take the same branch (a rank raising alone would leave the others hanging
-    in the next collective). Raises UnhealthyCollective, on every rank, when any rank saw a wrong sum or a busbw
-    below `thresholds.min_allreduce_gbps`."""
-    result = allreduce_check(world, mb)
-    floor = thresholds.min_allreduce_gbps if thresholds is not None else None
-    # Per rank: (wrong result, busbw in KB/s), as integers: under XLA_USE_BF16 a float would be BF16 on the device.
-    mine = torch.zeros(world.world_size, 2, dtype=torch.int64)
-    mine[world.rank] = torch.tensor([0 if result["correct"] else 1, round(min(result["busbw_gbps"], 1e9) * 1e6)])
+    in the next collective). Raises UnhealthyCollective, on every rank, when any rank saw a wrong sum, a busbw below
+    the floor for this size and rank count (`allreduce_floor_gbps` of `thresholds.min_allreduce_gbps`: a 16 MB
+    all-reduce over 2,048 ranks is latency-bound, far from a large one's bandwidth), or a best-iteration busbw below
+    RELATIVE_FLOOR of `reference_gbps` (the job's first check's `slowest_best_busbw_gbps`, kept by the trainer; None:
+    this is the first).
+
+    `judge` off (graph extraction: the outputs are invalid): the same collectives and host reads, and no verdict;
+    the result says `judged: False`."""
+    result = allreduce_check(world, mb, judge=judge)
+    floor, floor_from = None, ""
+    if thresholds is not None:
+        floor = allreduce_floor_gbps(thresholds.min_allreduce_gbps, result["mb"] * MB, world.world_size)
+        floor_from = (
+            f"the floor for {result['mb']:.3g} MB over {world.world_size} rank(s) from {instance_type}'s "
+            f"{thresholds.min_allreduce_gbps:g} GB/s"
+        )
+
+    # Per rank: (wrong result, busbw and best busbw in KB/s), as integers: under XLA_USE_BF16 a float would be BF16
+    # on the device.
+    def kbps(gbps: float) -> int:
+        return round(min(max(gbps, 0.0), 1e9) * 1e6)
+
+    mine = torch.zeros(world.world_size, 3, dtype=torch.int64)
+    wrong_here = 0 if result.get("correct", True) else 1
+    mine[world.rank] = torch.tensor([wrong_here, kbps(result["busbw_gbps"]), kbps(result["best_busbw_gbps"])])
     if world.collective:
         mine = world.to_host(world.all_reduce(mine.to(world.device)))
-    table = [(wrong, kbps / 1e6) for wrong, kbps in mine.tolist()]
+    table = [(wrong, mean / 1e6, best / 1e6) for wrong, mean, best in mine.tolist()]
+    if not judge:
+        result["judged"] = False
+        if world.is_main:
+            log.info("health check at step %d: traced, not judged (graph extraction: the outputs are invalid)", step)
+        return result
+    relative = RELATIVE_FLOOR * reference_gbps if reference_gbps else None
     problems = []
-    for rank, (wrong, busbw) in enumerate(table):
+    for rank, (wrong, busbw, best) in enumerate(table):
         if wrong:
             problems.append(f"rank {rank} got a wrong all-reduce sum")
         if floor is not None and busbw < floor:
-            problems.append(f"rank {rank} all-reduce busbw {busbw:.4g} GB/s < {floor:g} ({instance_type})")
-    slowest = min(busbw for _, busbw in table)
-    result["slowest_busbw_gbps"] = slowest
+            problems.append(f"rank {rank} all-reduce busbw {busbw:.4g} GB/s < {floor:.4g} ({floor_from})")
+        if relative is not None and best < relative:
+            problems.append(
+                f"rank {rank} all-reduce busbw {best:.4g} GB/s at best < {relative:.4g} ({RELATIVE_FLOOR:g} of this "
+                f"job's first measurement, {reference_gbps:.4g} GB/s)"
+            )
+    slowest = min(busbw for _, busbw, _ in table)
+    slowest_best = min(best for _, _, best in table)
+    result.update(
+        judged=True,
+        slowest_busbw_gbps=slowest,
+        slowest_best_busbw_gbps=slowest_best,
+        floor_gbps=floor,
+        relative_floor_gbps=relative,
+    )
     if "error" in result:
         log.error("health check at step %d on %s: %s", step, host_name(), result["error"])
     if problems:
@@ -514,9 +679,12 @@ def periodic_health_check(
         log.error("health check failed at %s", message)
         raise UnhealthyCollective(message)
     if world.is_main:
+        floors = [f"{floor:.4g} GB/s for this size" if floor is not None else "no floor"]
+        if relative is not None:
+            floors.append(f"{relative:.4g} GB/s relative")
         log.info(
             "health check at step %d: all-reduce of %.1f MB over %d rank(s) correct, busbw %.3g GB/s (slowest rank)"
             ", floor %s",
-            step, result["mb"], world.world_size, slowest, f"{floor:g} GB/s" if floor is not None else "none",
+            step, result["mb"], world.world_size, slowest, ", ".join(floors),
         )  # fmt: skip
     return result

@@ -110,10 +110,11 @@ def test_an_unhealthy_collective_ends_training_for_a_relaunch(prepared: Path, tm
         checkpoint_every=2,
         eval_every=0,
         **HEALTH,
-        **{"burn_in.thresholds": {"local": {"min_allreduce_gbps": 1e9}}},
+        **{"burn_in.thresholds": {"local": {"min_allreduce_gbps": 1.0}}},
     )
     failure = tmp_path / "failure"
-    code, out = train(run, {"HLAT_FAILURE_FILE": str(failure)})
+    # A link that takes 50 ms an all-reduce: 1 MB at under 0.02 GB/s, below the 0.5 GB/s floor for 1 MB on one rank.
+    code, out = train(run, {"HLAT_FAILURE_FILE": str(failure), "HLAT_FAULT_ALLREDUCE_SECONDS": "0.05"})
     assert code == 5, out[-2000:]
     assert failure.read_text().startswith("UnhealthyCollective: step 2: rank 0 all-reduce busbw")
     assert not (run / "checkpoints/step-000000002").exists()  # health first: no checkpoint of a suspect step
