@@ -24,11 +24,19 @@ evaluation, health check), the job's first and last step. There, in one transfer
 any step since the last sync was non-finite; under nan_policy=exit it then exits, and a checkpoint is only ever
 saved after that check, so no checkpoint holds the NaN weights of the steps between. Under nan_policy=skip the
 decision is made on the device (`masked_step`). A step whose stop vote passes becomes a sync point.
+
+Under graph extraction (`extracting_graphs`: neuron_parallel_compile's trial run, where "no real execution is performed
+and the outputs are invalid") the loop does every step, hook, collective and host read as a job would, so that every
+graph a job runs is traced, and acts on none of the values and writes nothing: no health verdict, no NaN exit, no
+checkpoint files (the state still reaches the host, as a save would fetch it), no metrics, TensorBoard or failure
+files, and a stop ends the rehearsal without a checkpoint. HLAT's trn1 scripts skip their checkpoint writes and value
+checks the same way (awslabs/HLAT, 70b/tp_zero1_llama2_70b_hf_pretrain.py: NEURON_EXTRACT_GRAPHS_ONLY).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
 import time
@@ -75,6 +83,17 @@ from hlat.training.parallel.distributed import World
 from hlat.training.parallel.parallelize import fsdp_active, model_layers, parallelize, reduce_gradients
 
 log = logging.getLogger("hlat.train")
+
+EXTRACT_GRAPHS_ONLY = "NEURON_EXTRACT_GRAPHS_ONLY"
+
+
+def extracting_graphs() -> bool:
+    """Whether this process is neuron_parallel_compile's trial run, which sets NEURON_EXTRACT_GRAPHS_ONLY in the
+    processes it runs: graphs are extracted for compilation, not executed, and every value read from the device is
+    invalid ("In this mode, no real execution is performed and the outputs are invalid":
+    https://awsdocs-neuron.readthedocs-hosted.com/en/latest/frameworks/torch/torch-neuronx/api-reference-guide/training/pytorch-neuron-parallel-compile.html).
+    HLAT's scripts test the variable for being set and non-empty; so does this. The Trainer reads it once."""
+    return bool(os.environ.get(EXTRACT_GRAPHS_ONLY))
 
 
 @dataclass
@@ -142,6 +161,13 @@ class Trainer:
                 f"{cfg.world_size}; launch {cfg.world_size} processes or fix the config"
             )
         world.seed(cfg.training.seed)
+        self.extracting_graphs = extracting_graphs()
+        """neuron_parallel_compile's trial run: trace everything, act on no value, write nothing (module docstring)."""
+        if self.extracting_graphs:
+            log.warning(
+                "%s is set: extracting graphs (the outputs are invalid): no health verdict, NaN exit, checkpoint, "
+                "metrics or failure file in this process", EXTRACT_GRAPHS_ONLY
+            )  # fmt: skip
         # Built with its parallelism (each TP rank holds its slices), initialised on the host from the seed, so every
         # device and every split starts from the same weights. Under pipeline parallelism the model stays on the meta
         # device: NxD's pipeline materialises and initialises this rank's stage only.
@@ -176,9 +202,13 @@ class Trainer:
             commit_timeout_s=cfg.training.commit_timeout_s,
             stage_in_background=True,  # the state is copied while the next step runs: see _update
             share=world.share_from_main,  # at resume rank 0 alone lists the checkpoints (resume_point)
+            extracting_graphs=self.extracting_graphs,
             **self.format.layout,
         )
-        self.metrics = MetricsLog(self.run, enabled=world.is_main, tensorboard_dir=self.tensorboard_dir)
+        self.metrics = MetricsLog(
+            self.run, enabled=world.is_main and not self.extracting_graphs, tensorboard_dir=self.tensorboard_dir
+        )
+        self._health_reference: float | None = None  # busbw of this job's first judged health check
         self.step = 0
         self.tally = StepTally(world.device, 0)
         self._loader_state: dict[str, Any] | None = None  # of the last batch a step consumed
@@ -465,7 +495,7 @@ class Trainer:
                 seen = self.world.to_host({k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors())
                 seconds = (time.perf_counter() - since) / (self.step - since_step)
                 nonfinite = int(seen["nonfinite"])
-                if nonfinite > nonfinite_seen:
+                if nonfinite > nonfinite_seen and not self.extracting_graphs:
                     where = f"loss is {float(seen['first_loss'])} at step {int(seen['first_step'])}"
                     if t.nan_policy == "exit":
                         log.error("%s: exiting so the job restarts from the last checkpoint", where)
@@ -511,7 +541,11 @@ class Trainer:
 
     def _stop(self, step_seconds: float) -> int:
         """Every rank, once the stop vote passed after step `self.step`: finish an async save still in flight, save
-        this step synchronously (committed before the process exits), return the exit code 0."""
+        this step synchronously (committed before the process exits), return the exit code 0. Under graph extraction
+        there is nothing real to save: the stop ends the rehearsal at this step."""
+        if self.extracting_graphs:
+            log.warning("SIGTERM while extracting graphs: stopping at step %d, no checkpoint", self.step)
+            return 0
         grace = self.cfg.job.stop_grace_seconds
         log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
         if self.world.is_main:
@@ -605,7 +639,9 @@ class Trainer:
         if self._peak:
             values["mfu"] = tokens_per_s * self._flops_per_token / (self._peak * self.world.world_size)
         self.metrics.record(self.step, values)
-        if self.world.is_main:
+        if self.world.is_main and self.extracting_graphs:
+            log.info("step %d traced (extracting graphs: its values are invalid)", self.step)
+        elif self.world.is_main:
             log.info(
                 "step %d loss %.4f grad_norm %.3f lr %.2e %.0f tok/s",
                 self.step, stats["loss"], stats["grad_norm"], values["lr"], tokens_per_s,
@@ -614,10 +650,21 @@ class Trainer:
     # -- hooks -------------------------------------------------------------------------------------------
     def health_check(self, step: int) -> None:
         """Time and verify an all-reduce (burn_in.health_check_every); raises UnhealthyCollective on every rank
-        when any rank saw a wrong sum or a bandwidth below its instance type's floor. Touches no RNG or state."""
+        when any rank saw a wrong sum, a bandwidth below the floor for its size and rank count, or one below a
+        fraction of this job's first check (`training/health.py`). Touches no RNG or model state."""
         b = self.cfg.burn_in
         instance_type = self.cfg.job.instance_type
-        periodic_health_check(self.world, b.health_allreduce_mb, b.thresholds.get(instance_type), step, instance_type)
+        result = periodic_health_check(
+            self.world,
+            b.health_allreduce_mb,
+            b.thresholds.get(instance_type),
+            step,
+            instance_type,
+            reference_gbps=self._health_reference,
+            judge=not self.extracting_graphs,
+        )
+        if result["judged"] and self._health_reference is None:
+            self._health_reference = result["slowest_best_busbw_gbps"]
 
     def save_checkpoint(self, step: int) -> None:
         # The metrics first: a job killed between a commit and a later flush would resume past lines that never
@@ -691,6 +738,6 @@ class Trainer:
             return float("nan")
         val_loss = float(self.world.to_host(self.world.mean(total / count)))
         self.metrics.record(step, {"val_loss": val_loss})
-        if self.world.is_main:
+        if self.world.is_main and not self.extracting_graphs:
             log.info("step %d val_loss %.4f", step, val_loss)
         return val_loss

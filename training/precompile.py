@@ -21,7 +21,10 @@ and the weights are thrown away.
 - trn1 (torch-neuronx and torch-xla importable): the job runs under neuron_parallel_compile (the job backends
   set RUN_NEURON_PARALLEL_COMPILE=1, and SageMaker's Torchrun driver wraps torchrun in it). The steps run on the
   XLA device, where their graphs are extracted rather than executed; after this program exits the wrapper
-  compiles them all in parallel into NEURON_COMPILE_CACHE_URL (the run's compile-cache/neuron/).
+  compiles them all in parallel into NEURON_COMPILE_CACHE_URL (the run's compile-cache/neuron/). The wrapper sets
+  NEURON_EXTRACT_GRAPHS_ONLY, and every value the rehearsal reads back is invalid: the Trainer (`loop.py`,
+  `extracting_graphs`) then traces every step, hook and host read and acts on none of them (no health verdict, no
+  NaN exit, no checkpoint, metrics or failure file), as HLAT's scripts do at compile time.
 - XLA:CPU (the local rehearsal of trn1): torch-xla's persistent compilation cache records every graph the
   rehearsal compiles, and the job packs it into compile-cache/xla/<digest>/; a training job with the same key
   loads it before anything compiles (`training/train.py`) and compiles no graph of its own.
@@ -141,6 +144,11 @@ def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
         if code:
             raise RuntimeError(
                 f"the precompile steps ended with exit code {code} (a non-finite loss or a bad collective)"
+            )
+        if trainer.step < trainer.cfg.training.max_steps:  # a stop (SIGTERM): the later steps' graphs are missing
+            raise RuntimeError(
+                f"the precompile stopped at step {trainer.step} of {trainer.cfg.training.max_steps}: not every graph "
+                "a job runs was built"
             )
         return time.perf_counter() - start
 

@@ -43,6 +43,11 @@ within one (`request_offset`); botocore retries what is throttled anyway (core.s
 one rank (0) lists the checkpoints and reads meta.json (`resume_point`), and hands the result to the others through
 `share` (a broadcast the loop provides): every other rank only reads its own files.
 
+Graph extraction (`extracting_graphs`: neuron_parallel_compile's trial run, where the outputs are invalid): `save`
+fetches the state to the host as a save would (the same transfers and barrier are traced) and writes nothing; no
+folder is deleted, no upload aborted. HLAT's trn1 scripts skip their checkpoint writes at compile time the same way
+(awslabs/HLAT, 70b/tp_zero1_llama2_70b_hf_pretrain.py, `checkpoint_training_states`).
+
 Pins: a checkpoint pinned with `pin(step)` (the evaluator's, while it is queued for evaluation) is never deleted by
 retention; see CheckpointIndex.pin. At a job's start rank 0 aborts the incomplete multipart uploads a killed attempt
 left under the checkpoints prefix (`abort_incomplete_uploads`, called by `discard_after`).
@@ -198,6 +203,7 @@ class CheckpointManager(CheckpointIndex):
         share: Callable[[Any], Any] = _identity,
         write_rate: float | None = 2000.0,
         read_rate: float | None = 3000.0,
+        extracting_graphs: bool = False,
     ) -> None:
         """`shard`: this rank's model-state shard (e.g. "tp01-pp00"), None for an unsharded checkpoint (rank 0
         writes train_state.pt); `shard_writer`: whether this rank writes that shard (one data-parallel replica per
@@ -208,7 +214,9 @@ class CheckpointManager(CheckpointIndex):
         `share`: called by every rank with a value, returns rank 0's value on every rank (a broadcast; the default,
         for one rank, returns its argument): how `resume_point` hands rank 0's findings to the others;
         `write_rate` / `read_rate` (S3 only; None: no spreading): the requests per second all ranks together aim at
-        while writing a checkpoint / reading one at resume, under S3's per-prefix 3,500 and 5,500."""
+        while writing a checkpoint / reading one at resume, under S3's per-prefix 3,500 and 5,500;
+        `extracting_graphs`: neuron_parallel_compile's trial run, whose values are invalid: write and delete nothing
+        (see the module docstring)."""
         if distributed and shard is not None:
             raise ValueError("distributed (DCP) checkpoints hold no per-shard files: pass no shard")
         if keep_last < 1:
@@ -271,6 +279,7 @@ class CheckpointManager(CheckpointIndex):
         self.host = host_of(rank)
         self._metas: dict[int, dict[str, Any]] = {}  # meta.json of checkpoints resume_point found (rank 0's)
         self._dcp = dcp.DistributedWriter(storage, asynchronous=async_save) if distributed else None
+        self.extracting_graphs = extracting_graphs
 
     def __repr__(self) -> str:
         sharding = f", shard={self.shard!r}" if self.shard is not None else ""
@@ -305,6 +314,16 @@ class CheckpointManager(CheckpointIndex):
             check_loadable(shared, "shared_state")
         check_loadable(rank_state, "rank_state")
         self.wait()
+        if self.extracting_graphs:
+            # Invalid values: fetched as a save fetches them (the transfers are traced), then dropped. DCP's
+            # FSDP2 path never runs on XLA, where graphs are extracted.
+            if shared is not None:
+                stage_to_cpu(shared, copy=False)
+            stage_to_cpu(rank_state, copy=False)
+            if not self.async_save:
+                self.barrier()  # where a synchronous save waits for every rank's files
+            log.info("checkpoint of step %d not written: extracting graphs (the values are invalid)", step)
+            return
         self._metas.pop(step, None)  # the folder is about to change: what resume_point read of it is stale
         distributed_writes: Future[Any] | None = None
         if distributed_state is not None:
@@ -419,7 +438,7 @@ class CheckpointManager(CheckpointIndex):
         """Rank 0, when a job starts and before any rank writes (`discard_after` calls it): abort the incomplete
         multipart uploads a killed attempt left under the checkpoints prefix (S3 bills their parts, listings do
         not show them), or remove stray temporary files (local). Returns how many; 0 on other ranks."""
-        if self.rank != 0:
+        if self.rank != 0 or self.extracting_graphs:
             return 0
         aborted = self.storage.abort_incomplete_uploads()
         if aborted:
@@ -428,7 +447,7 @@ class CheckpointManager(CheckpointIndex):
 
     def _clear_stale_marker(self, step: int) -> None:
         """Rank 0: a folder left by an earlier attempt at this step must not vouch for the new files."""
-        if self.rank == 0:
+        if self.rank == 0 and not self.extracting_graphs:
             self.storage.remove(f"{step_dir(step)}/{MARKER}")
             self.storage.remove(f"{step_dir(step)}/{META}")
 
@@ -706,7 +725,10 @@ class CheckpointManager(CheckpointIndex):
         return doomed
 
     def delete(self, step: int) -> None:
-        """Delete a checkpoint folder, its marker first (a half-deleted folder must not look complete)."""
+        """Delete a checkpoint folder, its marker first (a half-deleted folder must not look complete). Nothing under
+        graph extraction."""
+        if self.extracting_graphs:
+            return
         folder = step_dir(step)
         self.storage.remove(f"{folder}/{MARKER}")
         self.storage.remove(folder, recursive=True)
