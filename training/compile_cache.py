@@ -33,6 +33,7 @@ describes complete bytes. This module runs inside training jobs: no Prefect, Pyt
 from __future__ import annotations
 
 import atexit
+import fcntl
 import hashlib
 import importlib.metadata
 import json
@@ -52,14 +53,14 @@ from typing import Any, Literal
 import torch
 
 from hlat.core.config import HlatConfig, stable_hash
+from hlat.core.contract import in_sagemaker
 from hlat.core.environment import neuron_sdk, shapes_graphs, xla_job_environment
 from hlat.core.layout import COMPILE_CACHE_DIR as CACHE_DIR
 from hlat.core.layout import COMPILE_LATEST_FILE as LATEST_FILE
 from hlat.core.layout import NEURON_CACHE_DIR as NEURON_DIR
 from hlat.core.layout import TORCH_CACHE_DIR as TORCH_DIR
 from hlat.core.layout import XLA_CACHE_DIR as XLA_DIR
-from hlat.core.storage import Storage, StorageError, StorageNotFound
-from hlat.training.parallel.distributed import World
+from hlat.core.storage import Storage, StorageError, StorageNotFound, storage_errors
 
 log = logging.getLogger("hlat.train")
 
@@ -72,7 +73,7 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 """Inductor's disk cache: FX graphs, AOTAutograd entries, generated code, compiled C++ (and Triton) kernels."""
 
 LOCAL_NEURON_CACHE_ENV = "HLAT_LOCAL_NEURON_CACHE"
-"""Where each node keeps its copy of the Neuron cache (default: <tmp>/hlat-neuron-cache)."""
+"""Where each node keeps its copy of the Neuron cache (default: `node_local_neuron_cache_dir`)."""
 
 NEURON_PACKAGES = ("neuronx-cc", "torch-neuronx", "torch-xla", "neuronx-distributed")
 """On trn1 the compiler and the XLA bridge decide the graphs as much as torch does."""
@@ -569,8 +570,8 @@ def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
     folder, to be used as NEURON_COMPILE_CACHE_URL.
 
     HLAT found that thousands of NeuronCores reading compiled graphs from shared storage at start-up made it the
-    bottleneck; one copy per node (the caller runs this on each node's local rank 0, then a barrier) turns that
-    into one read per file per node. Files already present with the same size are kept, so a relaunch on a warm
+    bottleneck; one copy per node (`use_node_local_neuron_cache` runs this once per node, under a file lock) turns
+    that into one read per file per node. Files already present with the same size are kept, so a relaunch on a warm
     instance copies only what is new; each file is written under a temporary name and renamed, so a copy cut
     short never leaves a truncated graph behind.
     """
@@ -602,18 +603,156 @@ def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
     return local_dir
 
 
-def use_node_local_neuron_cache(world: World) -> str | None:
-    """On trn1: copy the shared Neuron cache named by NEURON_COMPILE_CACHE_URL to this node's disk (local rank 0,
-    then a barrier) and point NEURON_COMPILE_CACHE_URL at the copy; return it (None: no cache configured)."""
+SAGEMAKER_NEURON_CACHE_DIR = "/opt/ml/input/data/hlat-neuron-cache"
+"""A SageMaker training job's node-local Neuron cache: on the instance's own storage. On instances with NVMe
+instance storage (trn1.32xlarge: 4 x 1900 GB NVMe SSD) SageMaker provisions no EBS volume and "configures storage
+paths for training datasets, checkpoints, model artifacts, and outputs to use the entire capacity of the instance
+storage" (SageMaker developer guide, "Managing storage paths for different types of instance local storage",
+https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-tips-considerations.html). Of those paths
+/opt/ml/input/data (the training datasets') is the one SageMaker never uploads: /opt/ml/model and /opt/ml/output are
+packed into S3 at the end of the job, /opt/ml/checkpoints is synced with S3 under a CheckpointConfig (the storage-path
+table, https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-env-var-summary.html). The container's
+/tmp is "scratch space" in the same table, with no word on which volume holds it."""
+
+NEURON_ENTRY_DONE = "model.done"
+"""The file that completes an entry (`neuronxcc-<version>/MODULE_<hash>/`) of the Neuron persistent cache, next to
+its model.neff, model.hlo_module.pb and compile_flags.json: entries without it are compiles still running or cut
+short (the layout as the Neuron compiler writes it, e.g. the neuronxcc-2.15 entries of the public
+aws-neuron/optimum-neuron-cache repository on the Hugging Face hub)."""
+
+_LOCALIZED = ".hlat-localized.json"
+"""In the node-local copy: which job's local ranks it was made for (one copy per node and job)."""
+
+
+@dataclass(frozen=True)
+class NodeLocalCache:
+    """This node's copy of the shared Neuron cache, and the shared cache it came from."""
+
+    shared: str
+    local: str
+
+
+def node_local_neuron_cache_dir() -> str:
+    """Where this node keeps its copy: HLAT_LOCAL_NEURON_CACHE, else the instance storage inside a SageMaker job
+    (`SAGEMAKER_NEURON_CACHE_DIR`), else <tmp>/hlat-neuron-cache."""
+    if os.environ.get(LOCAL_NEURON_CACHE_ENV):
+        return os.environ[LOCAL_NEURON_CACHE_ENV]
+    if in_sagemaker():
+        return SAGEMAKER_NEURON_CACHE_DIR
+    return os.path.join(tempfile.gettempdir(), "hlat-neuron-cache")
+
+
+def node_job_token() -> str:
+    """What every local rank of this job on this node shares and no other job does: the ranks' parent (torchrun's
+    agent), by process id and start time, and torchrun's run id."""
+    parent = os.getppid()
+    try:
+        with open(f"/proc/{parent}/stat") as stat:
+            started = stat.read().rsplit(")", 1)[1].split()[19]  # field 22, starttime (proc(5))
+    except (OSError, IndexError):
+        started = ""
+    return f"{parent}:{started}:{os.environ.get('TORCHELASTIC_RUN_ID', '')}"
+
+
+def use_node_local_neuron_cache() -> NodeLocalCache | None:
+    """On trn1, before the process group exists (NxD's init all-reduce and the rendezvous compile graphs too): copy
+    the shared Neuron cache named by NEURON_COMPILE_CACHE_URL to this node's disk, once per node, and point
+    NEURON_COMPILE_CACHE_URL at the copy; None when no cache is configured.
+
+    There is no process group to wait on yet, so the local ranks take turns on a file lock beside the copy: the
+    first copies (`localize_neuron_cache`) and records this job's `node_job_token` in the copy; the others find it
+    there and go on. A relaunch on the same node is another job: it copies again, only what changed.
+    """
     url = os.environ.get("NEURON_COMPILE_CACHE_URL")
     if not url:
         return None
-    local = os.environ.get(LOCAL_NEURON_CACHE_ENV) or os.path.join(tempfile.gettempdir(), "hlat-neuron-cache")
-    if world.local_rank == 0:
-        localize_neuron_cache(url, local)
-    world.barrier("hlat-neuron-cache")
+    local = os.path.abspath(node_local_neuron_cache_dir())
+    token = {"job": node_job_token(), "from": url}
+    os.makedirs(os.path.dirname(local), exist_ok=True)
+    with open(f"{local}.lock", "a+") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also if this process dies
+        marker = os.path.join(local, _LOCALIZED)
+        try:
+            with open(marker) as f:
+                done = json.load(f) == token
+        except (OSError, ValueError):
+            done = False
+        if not done:
+            localize_neuron_cache(url, local)
+            with open(f"{marker}.tmp-{os.getpid()}", "w") as f:
+                json.dump(token, f)
+            os.replace(f"{marker}.tmp-{os.getpid()}", marker)
     os.environ["NEURON_COMPILE_CACHE_URL"] = local  # read by the Neuron compiler when it first compiles
-    return local
+    return NodeLocalCache(shared=url, local=local)
+
+
+def sync_new_neuron_graphs(cache: NodeLocalCache) -> int:
+    """Upload to the shared cache the entries this node compiled on a miss (complete ones: with model.done) that it
+    lacks; return how many. Run by one rank per node (local rank 0) at the end of a job.
+
+    64 nodes that compiled the same graph upload the same entry: every file is written only if absent (S3's
+    conditional PUT, If-None-Match: *; a hard link on a local or shared filesystem), so one copy wins and none is
+    overwritten, and model.done goes last, so a job that copies the shared cache meanwhile never sees an entry as
+    complete before its NEFF is there. (s3fs sends multipart uploads, objects over 100 MB, without the condition:
+    for those the entry's absence from the listing is the check, and two nodes racing on one write the same
+    compile twice.)
+    """
+    shared = Storage(cache.shared)
+    present = set(shared.walk_files())  # one listing per node
+    files = [
+        rel
+        for rel in Storage(cache.local).walk_files()
+        if not rel.endswith((".lock", _LOCALIZED)) and ".tmp-" not in rel
+    ]
+    entries = [rel[: -len(NEURON_ENTRY_DONE) - 1] for rel in files if rel.endswith(f"/{NEURON_ENTRY_DONE}")]
+    uploaded = written = 0
+    for entry in entries:
+        done = f"{entry}/{NEURON_ENTRY_DONE}"
+        if done in present:
+            continue
+        for rel in [*(f for f in files if f.startswith(f"{entry}/") and f != done), done]:
+            if rel not in present:
+                written += _put_if_absent(shared, os.path.join(cache.local, *rel.split("/")), rel)
+        uploaded += 1
+    log.info(
+        "Neuron compile cache: %d new graph(s) compiled on this node, %d file(s) written to %s",
+        uploaded, written, cache.shared,
+    )  # fmt: skip
+    return uploaded
+
+
+def share_new_neuron_graphs(cache: NodeLocalCache | None) -> None:
+    """At the end of a trn1 job, from one rank per node (local rank 0): `sync_new_neuron_graphs`, so later jobs load
+    what this node compiled on a miss instead of compiling it again. A failure to upload is logged, never the job's
+    failure."""
+    if cache is None or os.environ.get("LOCAL_RANK", "0") != "0":
+        return
+    try:
+        sync_new_neuron_graphs(cache)
+    except (StorageError, OSError) as exc:
+        log.warning("Neuron compile cache: new graphs not shared (%s); later jobs compile them again", exc)
+
+
+def _put_if_absent(shared: Storage, local_path: str, rel: str) -> bool:
+    """Write `local_path` to `rel` unless something is there already (then False), atomically either way."""
+    if shared.is_local:
+        target = shared.path(rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        tmp = f"{target}.tmp-{os.getpid()}"
+        shutil.copyfile(local_path, tmp)
+        try:
+            os.link(tmp, target)  # fails when the target exists: no overwrite, and never a half-written file
+        except FileExistsError:
+            return False
+        finally:
+            os.remove(tmp)
+        return True
+    with storage_errors(shared.uri(rel)):
+        try:
+            shared.fs.put_file(local_path, shared.path(rel), mode="create")
+        except FileExistsError:  # s3fs's answer to S3's 412 on If-None-Match
+            return False
+    return True
 
 
 def _installed_version(package: str) -> str | None:

@@ -29,7 +29,12 @@ from hlat.core.contract import (
 )
 from hlat.core.environment import neuron_available
 from hlat.training import xla
-from hlat.training.compile_cache import fetch_xla_cache, load_torch_cache, use_node_local_neuron_cache
+from hlat.training.compile_cache import (
+    fetch_xla_cache,
+    load_torch_cache,
+    share_new_neuron_graphs,
+    use_node_local_neuron_cache,
+)
 from hlat.training.faults import checkpoint_storage
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
@@ -55,12 +60,13 @@ def _train(config_uri: str, device: str | None) -> int:
         xla_cache = fetch_xla_cache(
             run, cfg, int(os.environ.get("WORLD_SIZE", "1")), log_status=os.environ.get("RANK", "0") == "0"
         )
-    world = init_world(
-        kind, cfg, xla_cache=(xla_cache.kernels_dir, True) if xla_cache and xla_cache.kernels_dir else None
-    )
+    # On trn1 the Neuron cache (neuron_parallel_compile's) is copied to each node's disk before the process group
+    # exists, whose init all-reduce and rendezvous compile graphs too: one copy per node, read locally.
+    neuron_cache = use_node_local_neuron_cache() if neuron_available() else None
     try:
-        if neuron_available():
-            use_node_local_neuron_cache(world)  # before anything compiles: one copy per node, read locally
+        world = init_world(
+            kind, cfg, xla_cache=(xla_cache.kernels_dir, True) if xla_cache and xla_cache.kernels_dir else None
+        )
         with tempfile.TemporaryDirectory(prefix="hlat-train-") as tmp:
             tokenizer = fetch_tokenizer(run, tmp)
             trainer = Trainer(
@@ -87,6 +93,7 @@ def _train(config_uri: str, device: str | None) -> int:
             return code
     finally:
         close_world()
+        share_new_neuron_graphs(neuron_cache)  # however the job ends: what this node compiled on a miss
 
 
 if __name__ == "__main__":

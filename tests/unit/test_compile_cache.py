@@ -28,6 +28,8 @@ from hlat.training.compile_cache import (
     KERNELS_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
+    NodeLocalCache,
+    _put_if_absent,
     cache_key,
     fetch_xla_cache,
     human_bytes,
@@ -35,7 +37,9 @@ from hlat.training.compile_cache import (
     key_digest,
     load_torch_cache,
     localize_neuron_cache,
+    node_local_neuron_cache_dir,
     pack_cache_folder,
+    sync_new_neuron_graphs,
     torch_cache_dir,
     unpack_cache_folder,
     use_node_local_neuron_cache,
@@ -43,7 +47,7 @@ from hlat.training.compile_cache import (
     write_xla_cache,
     xla_cache_dir,
 )
-from hlat.training.parallel.distributed import World
+from tests.integration.conftest import S3Env, s3_env, s3_server  # noqa: F401 (fixtures: a moto S3 server)
 
 ARTIFACTS = b"compiled graphs" * 100
 
@@ -569,17 +573,173 @@ def test_localize_copies_the_folder_tree_and_then_only_what_changed(tmp_path: Pa
     assert not [p for p in local.rglob("*.tmp-*")]
 
 
-def test_each_node_points_the_neuron_compiler_at_its_local_copy(
+def neuron_entry(folder: Path, name: str, neff: bytes, done: bool = True) -> dict[str, bytes]:
+    """A Neuron persistent-cache entry as the compiler leaves it (model.done only once complete)."""
+    files = {"model.hlo_module.pb": b"hlo " + name.encode(), "compile_flags.json": b"[]", "model.neff": neff}
+    if done:
+        files["model.done"] = b""
+    for file, data in files.items():
+        path = folder / "neuronxcc-2.23" / name / file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(data)
+    return {f"neuronxcc-2.23/{name}/{file}": data for file, data in files.items()}
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in folder.rglob("*") if p.is_file()}
+
+
+def test_each_node_copies_the_shared_cache_once_per_job_and_points_the_compiler_at_it(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    shared = tmp_path / "shared"
-    (shared / "graphs").mkdir(parents=True)
-    (shared / "graphs" / "model.neff").write_bytes(b"neff")
+    shared, node = tmp_path / "shared", tmp_path / "node"
+    expected = neuron_entry(shared, "MODULE_a", b"neff a")
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(shared))
-    monkeypatch.setenv("HLAT_LOCAL_NEURON_CACHE", str(tmp_path / "node"))
-    world = World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    assert use_node_local_neuron_cache(world) == str(tmp_path / "node")
-    assert os.environ["NEURON_COMPILE_CACHE_URL"] == str(tmp_path / "node")
-    assert (tmp_path / "node" / "graphs" / "model.neff").read_bytes() == b"neff"
+    monkeypatch.setenv("HLAT_LOCAL_NEURON_CACHE", str(node))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-1")
+    assert use_node_local_neuron_cache() == NodeLocalCache(shared=str(shared), local=str(node))
+    assert os.environ["NEURON_COMPILE_CACHE_URL"] == str(node)
+    assert {k: v for k, v in tree(node).items() if not k.startswith(".hlat")} == expected
+    # Another local rank of the same job finds the copy made: nothing is copied again.
+    neuron_entry(shared, "MODULE_b", b"neff b")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(shared))
+    use_node_local_neuron_cache()
+    assert not (node / "neuronxcc-2.23" / "MODULE_b").exists()
+    # The next job on the same node copies what is new.
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(shared))
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "job-2")
+    use_node_local_neuron_cache()
+    assert (node / "neuronxcc-2.23" / "MODULE_b" / "model.neff").read_bytes() == b"neff b"
     monkeypatch.delenv("NEURON_COMPILE_CACHE_URL")
-    assert use_node_local_neuron_cache(world) is None
+    assert use_node_local_neuron_cache() is None
+
+
+def _local_rank(shared: str, node: str, copies: str) -> None:
+    """One local rank of a node: copy the cache as a job's rank does (counting the copies it makes)."""
+    import hlat.training.compile_cache as compile_cache
+
+    real = compile_cache.localize_neuron_cache
+
+    def counted(url: str, local_dir: str, workers: int = 16) -> str:
+        with open(copies, "a") as f:
+            f.write(f"{os.getpid()}\n")
+        return real(url, local_dir, workers)
+
+    compile_cache.localize_neuron_cache = counted  # type: ignore[assignment]
+    os.environ.update(NEURON_COMPILE_CACHE_URL=shared, HLAT_LOCAL_NEURON_CACHE=node)
+    assert compile_cache.use_node_local_neuron_cache() is not None
+
+
+def test_without_a_process_group_the_local_ranks_of_a_node_copy_the_cache_once(tmp_path: Path) -> None:
+    """Four local ranks start together (children of one parent, as torchrun's are): one copies, the others wait on
+    the node-local lock and find the copy made."""
+    import multiprocessing
+
+    shared, node, copies = tmp_path / "shared", tmp_path / "node", tmp_path / "copies.txt"
+    expected = neuron_entry(shared, "MODULE_a", b"neff" * 10_000)
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_local_rank, args=(str(shared), str(node), str(copies))) for _ in range(4)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join()
+    assert [rank.exitcode for rank in ranks] == [0] * 4
+    assert len(copies.read_text().split()) == 1
+    assert {k: v for k, v in tree(node).items() if not k.startswith(".hlat")} == expected
+
+
+def test_the_node_local_cache_is_on_the_instance_storage_in_a_sagemaker_job(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("HLAT_LOCAL_NEURON_CACHE", raising=False)
+    monkeypatch.delenv("SM_TRAINING_ENV", raising=False)
+    monkeypatch.delenv("SM_CURRENT_HOST", raising=False)
+    assert node_local_neuron_cache_dir() == os.path.join(tempfile.gettempdir(), "hlat-neuron-cache")
+    monkeypatch.setenv("SM_CURRENT_HOST", "algo-1")
+    assert node_local_neuron_cache_dir() == "/opt/ml/input/data/hlat-neuron-cache"  # the NVMe, never uploaded
+    monkeypatch.setenv("HLAT_LOCAL_NEURON_CACHE", "/scratch/neuron")
+    assert node_local_neuron_cache_dir() == "/scratch/neuron"
+
+
+def node_with_new_graphs(tmp_path: Path, shared: Storage) -> tuple[NodeLocalCache, dict[str, bytes]]:
+    """A node whose copy of `shared` (entry MODULE_a) gained a graph compiled on a miss (MODULE_new), and holds one
+    compile cut short (MODULE_cut, no model.done) and the copy's own bookkeeping."""
+    node = tmp_path / "node"
+    neuron_entry(node, "MODULE_a", b"neff a")
+    new = neuron_entry(node, "MODULE_new", b"neff new")
+    neuron_entry(node, "MODULE_cut", b"half a ne", done=False)
+    (node / ".hlat-localized.json").write_text("{}")
+    (node / "neuronxcc-2.23" / "MODULE_new" / "model.neff.lock").write_text("")
+    for rel, data in neuron_entry(tmp_path / "first", "MODULE_a", b"neff a").items():
+        shared.write_bytes(rel, data)
+    return NodeLocalCache(shared=shared.url, local=str(node)), new
+
+
+def check_sync(tmp_path: Path, shared: Storage) -> None:
+    cache, new = node_with_new_graphs(tmp_path, shared)
+    before = {rel: shared.read_bytes(rel) for rel in shared.walk_files()}
+    assert sync_new_neuron_graphs(cache) == 1
+    after = {rel: shared.read_bytes(rel) for rel in shared.walk_files()}
+    assert after == {**before, **new}  # the complete new entry only: no lock, no bookkeeping, no cut compile
+    assert sync_new_neuron_graphs(cache) == 0  # nothing new the second time
+    # Another node compiled the same graph (other bytes): its entry is there already, nothing is overwritten.
+    other = tmp_path / "other"
+    neuron_entry(other, "MODULE_new", b"neff new, compiled elsewhere")
+    assert sync_new_neuron_graphs(NodeLocalCache(shared=shared.url, local=str(other))) == 0
+    assert shared.read_bytes("neuronxcc-2.23/MODULE_new/model.neff") == b"neff new"
+    # Two nodes racing on one entry (both listed it as absent): each file is written only if absent.
+    racing = tmp_path / "racing"
+    neuron_entry(racing, "MODULE_race", b"neff race 1")
+    shared.write_bytes("neuronxcc-2.23/MODULE_race/model.neff", b"neff race 2")  # the other node's, first
+    assert sync_new_neuron_graphs(NodeLocalCache(shared=shared.url, local=str(racing))) == 1
+    assert shared.read_bytes("neuronxcc-2.23/MODULE_race/model.neff") == b"neff race 2"
+    assert shared.exists("neuronxcc-2.23/MODULE_race/model.done")
+    # ... and when the other node's file lands after this one listed the cache, the write itself refuses it.
+    late, other_file = racing / "late.neff", racing / "other.neff"
+    late.write_bytes(b"neff late 1")
+    other_file.write_bytes(b"neff late 2")
+    assert _put_if_absent(shared, str(late), "neuronxcc-2.23/MODULE_late/model.neff")
+    assert not _put_if_absent(shared, str(other_file), "neuronxcc-2.23/MODULE_late/model.neff")
+    assert shared.read_bytes("neuronxcc-2.23/MODULE_late/model.neff") == b"neff late 1"
+    assert not [rel for rel in shared.walk_files() if ".tmp-" in rel]
+
+
+def test_graphs_compiled_on_a_miss_reach_a_shared_folder_once_and_are_never_overwritten(tmp_path: Path) -> None:
+    check_sync(tmp_path, Storage(str(tmp_path / "shared")))
+
+
+def test_graphs_compiled_on_a_miss_reach_s3_once_and_are_never_overwritten(
+    tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """On a moto S3 server: S3's conditional PUT (If-None-Match: *) keeps the first copy of each file."""
+    env: S3Env = request.getfixturevalue("s3_env")
+    check_sync(tmp_path, Storage(f"{env.url}/compile-cache/neuron"))
+
+
+def test_a_trn1_job_copies_the_cache_before_the_process_group_and_shares_its_new_graphs_however_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The training program's order, with init_world standing in for trn1's (the process group's first graphs
+    compile there, on a miss here) and failing after it: the copy was in place before it ran, and the graph it
+    compiled reached the shared cache all the same."""
+    import hlat.training.train as train
+
+    run, shared, node = tmp_path / "run", tmp_path / "shared", tmp_path / "node"
+    run.mkdir()
+    (run / "config.json").write_text(json.dumps(load_config("tiny").model_dump(mode="json")))
+    neuron_entry(shared, "MODULE_a", b"neff a")
+    monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(shared))
+    monkeypatch.setenv("HLAT_LOCAL_NEURON_CACHE", str(node))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    seen: list[str] = []
+
+    def trn1_init_world(*args: Any, **kwargs: Any) -> None:
+        seen.append(os.environ["NEURON_COMPILE_CACHE_URL"])
+        assert (node / "neuronxcc-2.23" / "MODULE_a" / "model.neff").exists()
+        neuron_entry(node, "MODULE_init", b"the init all-reduce")  # compiled on a miss, into the local copy
+        raise RuntimeError("the process group could not form")
+
+    monkeypatch.setattr(train, "neuron_available", lambda: True)
+    monkeypatch.setattr(train, "init_world", trn1_init_world)
+    with pytest.raises(RuntimeError, match="could not form"):
+        train._train(str(run / "config.json"), "cpu")
+    assert seen == [str(node)]
+    assert (shared / "neuronxcc-2.23" / "MODULE_init" / "model.done").exists()
