@@ -282,12 +282,17 @@ def test_the_xla_benchmark_runs_and_reports_its_executions_per_quiet_step() -> N
 def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoints_and_validation(
     prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """What the trn1 precompile job does before neuron_parallel_compile takes over (which exists only on trn1): the
-    training loop itself for precompile.steps steps (HLAT: 4, a checkpoint at step 3), every hook included."""
+    """What the trn1 precompile job does under neuron_parallel_compile (which exists only on trn1, and sets
+    NEURON_EXTRACT_GRAPHS_ONLY): the training loop itself for precompile.steps steps (HLAT: 4, a checkpoint at step
+    3), every hook included, writing nothing. Then the same rehearsal without graph extraction compiles no graph the
+    extracting one did not: every graph a job's steps, hooks and checkpoints run was traced (XLA:CPU executes the
+    graphs, so both runs read valid values here; tests/integration/test_graph_extraction.py gives the loop invalid
+    ones). The sequence length is this test's own, so no other test in this process compiled these graphs."""
     from hlat.training import precompile
     from hlat.training.compile_cache import CACHE_DIR, cache_key, key_digest
+    from hlat.training.loop import EXTRACT_GRAPHS_ONLY
 
-    run = make_run(prepared, tmp_path, "precompile", **{"burn_in.health_check_every": 50})
+    run = make_run(prepared, tmp_path, "precompile", **{"burn_in.health_check_every": 50, "training.seq_len": 96})
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
     cache = Storage(str(run / CACHE_DIR))
     monkeypatch.setattr(precompile, "neuron_available", lambda: True)
@@ -304,7 +309,11 @@ def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoint
 
         monkeypatch.setattr(Trainer, hook, spy)
     monkeypatch.setenv("NEURON_COMPILE_CACHE_URL", str(run / CACHE_DIR / "neuron"))
+    monkeypatch.setenv(EXTRACT_GRAPHS_ONLY, "1")
+    before_files = {p.relative_to(run) for p in run.rglob("*") if p.is_file()}
+    before = xla.counters()
     assert precompile._precompile_xla(Storage(str(run)), cfg, cache) == 0
+    extracting = {k: v - before[k] for k, v in xla.counters().items()}
     assert calls == [
         ("health_check", 2),
         ("save_checkpoint", 3),
@@ -315,6 +324,19 @@ def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoint
     manifest = cache.read_json("neuron/manifest.json")
     assert manifest["steps"] == 4 and manifest["digest"] == key_digest(cache_key(cfg, 1, "xla"))
     assert cache.read_json("latest.json")["kind"] == "neuron"
+    written = sorted(
+        str(p.relative_to(run)) for p in run.rglob("*") if p.is_file() and p.relative_to(run) not in before_files
+    )
+    assert written == ["compile-cache/latest.json", "compile-cache/neuron/manifest.json"]  # the manifest alone
+    assert extracting["compilations"] > 0
+
+    monkeypatch.delenv(EXTRACT_GRAPHS_ONLY)
+    before = xla.counters()
+    assert precompile._precompile_xla(Storage(str(run)), cfg, cache) == 0
+    executing = {k: v - before[k] for k, v in xla.counters().items()}
+    assert executing["compilations"] == 0, (extracting, executing)  # nothing the extraction missed
+    for counter in ("executions", "transfers_to_host", "all_reduces"):  # the same device work, graph for graph
+        assert executing[counter] == extracting[counter], (counter, extracting, executing)
     assert not (run / "checkpoints").exists() and not (run / "metrics.jsonl").exists()  # a throwaway trainer
 
 
