@@ -420,3 +420,9 @@ def test_the_burn_in_timers_run_no_compilation_and_count_the_devices_bytes(monke
     assert reduced["mb"] == pytest.approx(0.25, rel=1e-3)
     product = matmul_check(world.device, 64, repeats=3, seed=1, batch=4)
     assert product["timed_compilations"] == 0 and product["rel_error"] < 1e-5, product
+    # The cross-rank checksum's product is exact on the device in BF16 too (no rounding for SR to randomise), and
+    # its bits are the CPU's.
+    bf16 = matmul_check(world.device, 256, repeats=1, dtype=torch.bfloat16, seed=1)
+    assert (
+        bf16["exact"] and bf16["checksum"] == matmul_check(torch.device("cpu"), 256, 1, torch.bfloat16, 1)["checksum"]
+    )
