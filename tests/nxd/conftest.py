@@ -90,10 +90,13 @@ def cpu_mode_environment() -> dict[str, str]:
     }
 
 
-def run_ranks(processes: int, scenario: str, out: Path, timeout: float = 600, **args: Any) -> list[dict[str, Any]]:
-    """Run `scenario` of tests/nxd/worker.py on `processes` torchrun ranks; each rank's result, in rank order."""
+def run_ranks(
+    processes: int, scenario: str, out: Path, timeout: float = 600, env: dict[str, str] | None = None, **args: Any
+) -> list[dict[str, Any]]:
+    """Run `scenario` of tests/nxd/worker.py on `processes` torchrun ranks (`env` added to their environment); each
+    rank's result, in rank order."""
     out.mkdir(parents=True, exist_ok=True)
-    env = cpu_mode_environment()
+    env = {**cpu_mode_environment(), **(env or {})}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
         "-m", "tests.nxd.worker", scenario, str(out), json.dumps(args),

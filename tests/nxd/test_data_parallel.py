@@ -63,8 +63,9 @@ def test_pp2_one_step_through_nxd_pipeline_equals_the_dense_step(prepared: Path,
 def test_zero1_is_given_its_groups_and_fp32_masters_and_refused_clearly_off_the_xla_device(
     prepared: Path, tmp_path: Path
 ) -> None:
-    """NxD's ZeRO-1 optimizer needs the XLA device (it refuses CPU tensors): verified only on trn1. Here: what it is
-    given (HLAT 70B: bf16-mixed keeps FP32 master weights) and the clear refusal."""
+    """NxD's ZeRO-1 optimizer needs the XLA device (it refuses CPU tensors): across ranks verified only on trn1
+    (test_zero1.py runs it on XLA:CPU in one process). Here: what it is given (HLAT 70B: bf16-mixed keeps FP32 master
+    weights) and the clear refusal."""
     split = {"parallelism.tensor": 2, "parallelism.zero1": True, "precision.mode": "bf16-mixed"}
     run = make_run(prepared, tmp_path, "zero1", **COMMON, **split, **{"job.processes_per_node": 4})
     for result in run_ranks(4, "zero1_is_thin", tmp_path / "ranks", run=str(run)):

@@ -246,9 +246,69 @@ def pipeline_host_reads(cfg: HlatConfig, world: World, args: dict[str, Any]) -> 
     return {"steps": steps, "pp": (world.pipeline_rank, world.layout.pipeline)}
 
 
+def zero1_masters_round_trip(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict[str, Any]:
+    """NxD's ZeRO-1 optimizer (torch-xla's ZeroRedundancyOptimizer) on XLA:CPU, one rank: two optimizer steps of the
+    model in the config's precision (as the trainer sets it up on XLA: the flags of the SDK under test come with the
+    environment), a checkpoint through the trainer's ZeRO-1 format (`training.checkpoint.Zero1`: the optimizer
+    state in the rank file), then a fresh model and optimizer loaded from it. Its master weights before the save and
+    after the load, and what the rank file held."""
+    from hlat.core.environment import precision_by_flags
+    from hlat.core.storage import Storage
+    from hlat.training import xla
+    from hlat.training.checkpoint import CheckpointManager, Zero1
+    from hlat.training.optim import optimizer_recipe, trainable_parameters
+    from hlat.training.parallel.neuron import parallel_optimizer, shard_name, shard_names
+
+    device, flags = xla.device(), precision_by_flags(cfg, on_xla=True)
+
+    def build() -> tuple[Transformer, Any]:
+        model = Transformer(cfg.model)
+        model.init_weights(SEED)
+        if cfg.precision.mode == "bf16-sr" and not flags:  # as the trainer does
+            model = model.to(torch.bfloat16)
+        model = model.to(device)
+        params = trainable_parameters(model)
+        kind, arguments = optimizer_recipe(params, cfg.training, cfg.precision.mode, "xla", zero1=True, flags=flags)
+        return model, parallel_optimizer(world.nxd, kind, params, **arguments)
+
+    def masters(optimizer: Any) -> list[torch.Tensor]:
+        zero1 = optimizer.optimizer  # NxD's NxDOptimizer around its NeuronZero1Optimizer
+        return xla.to_host([p.detach() for group in zero1.base_optimizer.param_groups for p in group["params"]])
+
+    model, optimizer = build()
+    inputs, targets, _ = batch(cfg, 2, seed=11)
+    for _ in range(2):
+        optimizer.zero_grad(set_to_none=True)
+        model.loss(model(inputs.to(device)), targets.to(device)).backward()
+        optimizer.step()
+        xla.mark_step()
+    before = masters(optimizer)
+    parameters = xla.to_host([p.detach() for p in trainable_parameters(model)])
+    layout = {"shard": shard_name(0, 0), "shard_writer": True, "shards": shard_names(world.layout)}
+    manager = CheckpointManager(Storage(args["checkpoints"]), keep_last=1, **layout)
+    Zero1(model, optimizer, layout, model.state_dict, model.load_state_dict).save(manager, 2, {"step": 2}, {})
+    saved = manager.load(2)[1]["optimizer"]
+
+    fresh, fresh_optimizer = build()
+    Zero1(fresh, fresh_optimizer, layout, fresh.state_dict, fresh.load_state_dict).load(manager, 2)
+    after = masters(fresh_optimizer)
+    return {
+        "saved": "sharded_master_weights" in saved,
+        "dtypes": sorted({str(m.dtype) for m in before}),
+        # One rank: each master shard is its whole parameter. The host gets what the device holds (BF16 values of
+        # FP32-typed parameters under XLA_DOWNCAST_BF16).
+        "masters_are_the_parameters": all(
+            torch.equal(m, p.to(m.dtype)) for m, p in zip(before, parameters, strict=True)
+        ),
+        "bitwise": all(torch.equal(a, b) for a, b in zip(before, after, strict=True)),
+        "max_error": max(float((a.double() - b.double()).abs().max()) for a, b in zip(before, after, strict=True)),
+    }
+
+
 SCENARIOS: dict[str, Callable[[HlatConfig, World, dict[str, Any]], dict[str, Any]]] = {
     "pipeline_host_reads": pipeline_host_reads,
     "zero1_is_thin": zero1_is_thin,
+    "zero1_masters_round_trip": zero1_masters_round_trip,
     "tp_equals_dense": tp_equals_dense,
     "one_step": one_step,
 }
@@ -259,6 +319,8 @@ def main() -> None:
     args = json.loads(raw)
     processes = int(os.environ["WORLD_SIZE"])
     cfg = read_job_config(f"{args['run']}/config.json")[1] if "run" in args else config(args, processes)
+    if processes == 1 and args.get("group_of_one"):
+        dist.init_process_group("gloo")  # NxD forms its groups (here each of one rank) inside torch.distributed's
     world = init_world("cpu", cfg)
     try:
         result = SCENARIOS[scenario](cfg, world, args)

@@ -27,8 +27,8 @@ Sharding: each rank is given its shard's name (`shard`, e.g. "tp01-pp00"), wheth
 (`shard_writer`: one data-parallel replica per shard does) and every shard name (`shards`). Data-parallel replicas
 hold the same weights, so they share one shard file; on resume every rank reads its own shard's file and its own
 rank file. A checkpoint is loaded only by a job with the same layout (shard names and world size): the message
-names both. `load_shards` reads every shard (what an exporter consolidates: `training.sharding.consolidate`);
-`load_shared` reads the single shared state of an unsharded checkpoint.
+names both. `load_shards` reads every shard (what an exporter consolidates:
+`training.parallel.tensor_slices.consolidate`); `load_shared` reads the single shared state of an unsharded checkpoint.
 
 Beside the step folders, `pins/step-NNNNNNNNN` marks a checkpoint retention must keep (queued for evaluation).
 """

@@ -8,7 +8,8 @@ belong:
     Unsharded     model and optimizer in the shared train_state.pt, written by rank 0 (single process, DDP)
     ModelParallel NxD tensor/pipeline parallelism: one model-<tpNN-ppNN>.pt per model-parallel position, written by
                   its first data-parallel replica, with that position's optimizer state
-    Zero1         ModelParallel with NxD's ZeRO-1 optimizer: each rank's optimizer shard in its own rank file
+    Zero1         ModelParallel with NxD's ZeRO-1 optimizer: each rank's optimizer shard (and master weights) in its
+                  own rank file
     Distributed   FSDP2: the sharded model and optimizer through torch.distributed.checkpoint (dcp.py); the shared
                   train_state.pt keeps the rest
 
@@ -97,7 +98,10 @@ class ModelParallel(Unsharded):
 
 
 class Zero1(ModelParallel):
-    """ZeRO-1: the optimizer states are sharded over the data-parallel ranks, so each rank keeps its own."""
+    """ZeRO-1: the optimizer states are sharded over the data-parallel ranks, so each rank keeps its own, with its
+    shard of the master weights where the job saves them (`training.parallel.neuron.zero1_masters_outrank_parameters`:
+    torch-xla's ZeroRedundancyOptimizer puts them in its state_dict as `sharded_master_weights`, and its
+    load_state_dict copies them back over the shards it rebuilt from the parameters)."""
 
     def _optimizer_files(self, shared: State, mine: State) -> State:
         return mine

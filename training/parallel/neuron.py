@@ -15,7 +15,9 @@ PyPI packages of NxD and torch-neuronx are empty placeholders).
 - `parallel_optimizer(...)`: the optimizer through NxD's `initialize_parallel_optimizer`: gradients all-reduced
   over the data-parallel group, the sequence-parallel norms' gradients over the tensor-parallel group, clipping
   by the global norm across TP and PP, and ZeRO-1 (optimizer states sharded over DP, FP32 masters in mixed
-  precision: HLAT 70B) when `parallelism.zero1`. ZeRO-1 needs the XLA device: it is verified only on trn1.
+  precision: HLAT 70B) when `parallelism.zero1`, its master weights checkpointed where they hold more than the
+  parameters (`zero1_masters_outrank_parameters`). ZeRO-1 needs the XLA device: the NxD tier runs it on XLA:CPU in
+  one process (a checkpoint's round trip); across ranks it is verified only on trn1.
 - `pipeline_model(model, cfg)`: NxD's `NxDPPModel` over the built model (stages cut from the layer count, the step's
   micro-batches through its 1F1B schedule, the loss from the last stage on every rank, kept on the device: no host
   read inside a step).
@@ -38,7 +40,7 @@ import torch
 from torch import nn
 
 from hlat.core.config import ConfigError, HlatConfig, ModelConfig
-from hlat.core.environment import neuron_available
+from hlat.core.environment import neuron_available, neuron_sdk
 from hlat.core.parallel import ParallelDims, heads_problem, kv_replicas
 from hlat.training.model import LinearKind
 from hlat.training.parallel.tensor_slices import DenseParameter, local_name, shard
@@ -92,9 +94,31 @@ def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:
         "mixed_precision_config": {
             "use_master_weights": p.zero1 and cfg.precision.mode == "bf16-mixed",
             "use_fp32_grad_acc": p.zero1 and cfg.precision.mode == "bf16-mixed",
-            "use_master_weights_in_ckpt": False,
+            "use_master_weights_in_ckpt": p.zero1 and zero1_masters_outrank_parameters(cfg),
         },
     }
+
+
+def zero1_masters_outrank_parameters(cfg: HlatConfig) -> bool:
+    """Whether ZeRO-1's master weights hold more than the parameters do on the device, and so go into checkpoints
+    (NxD's use_master_weights_in_ckpt: torch-xla's ZeroRedundancyOptimizer(save_master_weights=True) adds them to
+    its state_dict as `sharded_master_weights`, each rank its shard, which `training.checkpoint.Zero1` writes into
+    that rank's file). Without them, loading rebuilds the masters from the parameters
+    (`ZeroRedundancyOptimizer.load_state_dict` calls `init_zero`, which shards the parameters afresh), and torch-xla
+    warns "Not saving master weights may have accuracy issues when resuming training!"
+    (torch_xla/distributed/zero_redundancy_optimizer.py, torch-xla 2.7 and 2.9). They outrank the parameters:
+    - bf16-mixed under Neuron 2.24's flags (HLAT 70B): XLA_DOWNCAST_BF16 keeps the parameters in BF16 on the device
+      and NxD makes the masters FP64, FP32 on the device (optimizer_dtype=torch.double: trainer/trainer.py,
+      `initialize_optimizer_from_class`, NxD 0.13 and 0.17);
+    - bf16-sr without the flags (Neuron 2.28): a BF16 model, FP32 masters.
+    Elsewhere (fp32; bf16-mixed on 2.28, autocast over FP32 parameters; bf16-sr under XLA_USE_BF16, where the masters
+    are BF16 on the device too) the masters have the parameters' precision and are their exact copy after every
+    step (the optimizer's all-gather copies each master shard into its parameter): rebuilt, they are the same bits,
+    and saved they would add 4 bytes a parameter to every checkpoint for nothing. The NxD tier shows both cases
+    round-trip bitwise (tests/nxd/test_zero1.py)."""
+    flags = neuron_sdk(cfg).precision_flags
+    mode = cfg.precision.mode
+    return (mode == "bf16-mixed" and flags) or (mode == "bf16-sr" and not flags)
 
 
 def nxd_config(cfg: HlatConfig) -> dict[str, Any]:
@@ -255,10 +279,10 @@ def parallel_optimizer(
     require_nxd()
     from neuronx_distributed.trainer import initialize_parallel_optimizer
 
-    if config["optimizer_config"]["zero_one_enabled"] and not neuron_available():
+    if config["optimizer_config"]["zero_one_enabled"] and any(p.device.type != "xla" for p in params):
         raise NeuronUnavailable(
-            "parallelism.zero1: NxD's ZeRO-1 optimizer runs on the XLA device only (it refuses CPU mode); it is "
-            "verified only on trn1"
+            "parallelism.zero1: NxD's ZeRO-1 optimizer runs on the XLA device only (it refuses the CPU tensors of "
+            "NxD's CPU mode); it is verified only on trn1"
         )
     return initialize_parallel_optimizer(config, optimizer_class, params, **hyper)
 
