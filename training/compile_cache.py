@@ -577,11 +577,20 @@ def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
     """
     source = Storage(url)
     os.makedirs(local_dir, exist_ok=True)
-    files = source.walk_files()
+    # One listing with sizes (not a HEAD per file: 64 nodes x thousands of graphs), the same paths as walk_files.
+    with storage_errors(source.url):
+        found = source.fs.find(source.root, detail=True) if source.fs.exists(source.root) else {}
+    prefix = source.root.rstrip("/") + "/"
+    sizes = {
+        str(path)[len(prefix) :]: int(info["size"])
+        for path, info in found.items()
+        if info.get("type") != "directory" and str(path).startswith(prefix)
+    }
+    files = sorted(sizes)
 
     def copy(rel: str) -> int:
         target = os.path.join(local_dir, *rel.split("/"))
-        size = source.size(rel)
+        size = sizes[rel]
         if os.path.exists(target) and os.path.getsize(target) == size:
             return 0
         tmp = f"{target}.tmp-{os.getpid()}"

@@ -743,3 +743,19 @@ def test_a_trn1_job_copies_the_cache_before_the_process_group_and_shares_its_new
         train._train(str(run / "config.json"), "cpu")
     assert seen == [str(node)]
     assert (shared / "neuronxcc-2.23" / "MODULE_init" / "model.done").exists()
+
+
+def test_a_node_copies_an_s3_cache_from_one_listing(tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    """On a moto S3 server: the files and their sizes come from one listing; a second copy fetches nothing."""
+    env: S3Env = request.getfixturevalue("s3_env")
+    shared = Storage(f"{env.url}/compile-cache/neuron")
+    expected = neuron_entry(tmp_path / "compiled", "MODULE_a", b"neff" * 1000)
+    for rel, data in expected.items():
+        shared.write_bytes(rel, data)
+    node = tmp_path / "node"
+    localize_neuron_cache(shared.url, str(node))
+    assert tree(node) == expected
+    kept = node / "neuronxcc-2.23" / "MODULE_a" / "model.neff"
+    os.utime(kept, (0, 0))
+    localize_neuron_cache(shared.url, str(node))
+    assert kept.stat().st_mtime == 0
