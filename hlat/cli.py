@@ -315,7 +315,7 @@ def prices_table(types: list[str], region: str, listed: dict[str, ListedPrice | 
     rows = [("instance type", "catalog $/h", "catalog's source", f"AWS Price List, {region}, $/h", "since")]
     for name in types:
         known, now = CATALOG.get(name), listed.get(name)
-        source = known.price.basis if known and known.price else "-"
+        source: str = known.price.basis if known and known.price else "-"
         if known and known.price and known.price.basis == "price-list":
             source = f"price list, {known.price.region}, read {known.price.read_at[:10]}"
         rows.append(
