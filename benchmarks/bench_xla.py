@@ -2,7 +2,7 @@
 graph compilations after step 2, graph executions and device-to-host transfers per step that does not log, and the
 steady step time, for the tiny model.
 
-    .venv-xla/bin/python -m benchmarks.bench_xla [--steps 40] [--log-every 10] [--precision fp32]
+    .venv-xla-2.28/bin/python -m benchmarks.bench_xla [--steps 40] [--log-every 10] [--precision fp32]
         [--graph-cuts micro-batch|step]
 
 The run (documents from the standard library's sources, shards and a tokenizer made as the stages make them) is

@@ -282,7 +282,8 @@ class TrainingConfig(Section):
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
     """Device of the training, precompile and burn-in jobs: 'auto' (XLA inside a Neuron container, else CUDA when
     present, else CPU), or one of them. 'xla' outside a Neuron container runs on XLA:CPU (PJRT_DEVICE=CPU): the local
-    rehearsal of the trn1 code path, in the environment that `scripts/install.sh xla` makes."""
+    rehearsal of the trn1 code path, in the XLA environment of neuron.sdk (`scripts/install.sh xla-2.28` makes
+    2.28.0's, the default; `scripts/install.sh xla` 2.24.1's)."""
     document_masking: bool = False
     """Stop attention at document boundaries inside packed sequences."""
     deterministic: bool = True
@@ -430,7 +431,8 @@ class JobConfig(Section):
     """Training container image; None uses the Neuron PyTorch training image of the region."""
     python: str | None = None
     """Local backend: the Python interpreter that runs the job programs (its stand-in for image_uri); None: the
-    flow's own, or with training.device=xla the XLA environment of `scripts/install.sh xla` (.venv-xla)."""
+    flow's own, or with training.device=xla the XLA environment of neuron.sdk (.venv-xla-2.28 for 2.28.0, the default,
+    from `scripts/install.sh xla-2.28`; .venv-xla for 2.24.1, from `scripts/install.sh xla`)."""
     role_arn: str | None = None
     """IAM role SageMaker assumes (the sagemaker backend needs it, or role_arn_secret)."""
     role_arn_secret: str | None = None

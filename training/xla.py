@@ -1,9 +1,9 @@
 """The torch-xla seam: every call into torch_xla that the job programs make, in one thin module.
 
 torch-xla exists in the Neuron training container (with torch-neuronx: the NeuronCores) and in the environment
-`scripts/install.sh xla` makes (PJRT_DEVICE=CPU: XLA:CPU, the local rehearsal of the trn1 code path). Nothing
-here is imported unless the job runs on the XLA device (`training.device=xla`, or `auto` inside a Neuron
-container), so CPU and CUDA jobs never need torch-xla.
+`scripts/install.sh xla-2.28` (or `xla`, for neuron.sdk=2.24.1) makes (PJRT_DEVICE=CPU: XLA:CPU, the local
+rehearsal of the trn1 code path). Nothing here is imported unless the job runs on the XLA device
+(`training.device=xla`, or `auto` inside a Neuron container), so CPU and CUDA jobs never need torch-xla.
 
 What an XLA training loop must respect (PyTorch/XLA's "Lazy tensor" and "Troubleshooting" docs,
 https://pytorch.org/xla/; Neuron's training developer guide, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/
@@ -47,8 +47,9 @@ def require_xla() -> None:
     if not xla_available():
         raise XlaUnavailable(
             "training.device=xla needs torch-xla, which this Python lacks: on trn1 it comes with the Neuron "
-            "training image; for the local rehearsal on XLA:CPU run `scripts/install.sh xla` and use "
-            ".venv-xla/bin/python (the local job backend does when training.device=xla)"
+            "training image; for the local rehearsal on XLA:CPU run `scripts/install.sh xla-2.28` (neuron.sdk=2.28.0, "
+            "the default; `xla` for 2.24.1) and use .venv-xla-2.28/bin/python (the local job backend does when "
+            "training.device=xla)"
         )
 
 
