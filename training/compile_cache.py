@@ -43,6 +43,7 @@ import platform
 import shutil
 import tarfile
 import tempfile
+import threading
 import time
 import zlib
 from concurrent.futures import ThreadPoolExecutor
@@ -730,16 +731,54 @@ def sync_new_neuron_graphs(cache: NodeLocalCache) -> int:
     return uploaded
 
 
-def share_new_neuron_graphs(cache: NodeLocalCache | None) -> None:
-    """At the end of a trn1 job, from one rank per node (local rank 0): `sync_new_neuron_graphs`, so later jobs load
-    what this node compiled on a miss instead of compiling it again. A failure to upload is logged, never the job's
-    failure."""
-    if cache is None or os.environ.get("LOCAL_RANK", "0") != "0":
-        return
-    try:
-        sync_new_neuron_graphs(cache)
-    except (StorageError, OSError) as exc:
-        log.warning("Neuron compile cache: new graphs not shared (%s); later jobs compile them again", exc)
+SHARE_EVERY_ENV = "HLAT_NEURON_CACHE_SHARE_SECONDS"
+"""How often a running trn1 job shares the graphs its node compiled on a miss (default 600 s)."""
+
+
+class NeuronGraphSharing:
+    """`with NeuronGraphSharing(cache):` around a trn1 job. On one rank per node (local rank 0), a background thread
+    runs `sync_new_neuron_graphs` every `every` seconds while the job runs, so a job killed outright (a hardware
+    fault, SIGKILL after the stop grace) loses at most that much of what it compiled; and once more when the job
+    ends, however it ends. Nothing on the training's critical path waits for it, and no sync point is added (a
+    hook of the loop would add one). A failed upload is logged, never the job's failure."""
+
+    def __init__(self, cache: NodeLocalCache | None, every: float | None = None) -> None:
+        self.cache = cache if cache is not None and os.environ.get("LOCAL_RANK", "0") == "0" else None
+        self.every = every if every is not None else float(os.environ.get(SHARE_EVERY_ENV, "600"))
+        self.rounds = 0
+        """Sharing rounds finished (the periodic ones and the last)."""
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> NeuronGraphSharing:
+        if self.cache is not None:
+            self._thread = threading.Thread(target=self._periodically, name="hlat-neuron-graphs", daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.cache is None:
+            return
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.share()
+
+    def _periodically(self) -> None:
+        while not self._stop.wait(self.every):
+            self.share()
+
+    def share(self) -> None:
+        """One round, now (never two at once)."""
+        if self.cache is None:
+            return
+        with self._lock:
+            try:
+                sync_new_neuron_graphs(self.cache)
+            except (StorageError, OSError) as exc:
+                log.warning("Neuron compile cache: new graphs not shared (%s); later jobs compile them again", exc)
+            self.rounds += 1
 
 
 def _put_if_absent(shared: Storage, local_path: str, rel: str) -> bool:

@@ -30,9 +30,9 @@ from hlat.core.contract import (
 from hlat.core.environment import neuron_available
 from hlat.training import xla
 from hlat.training.compile_cache import (
+    NeuronGraphSharing,
     fetch_xla_cache,
     load_torch_cache,
-    share_new_neuron_graphs,
     use_node_local_neuron_cache,
 )
 from hlat.training.faults import checkpoint_storage
@@ -63,37 +63,39 @@ def _train(config_uri: str, device: str | None) -> int:
     # On trn1 the Neuron cache (neuron_parallel_compile's) is copied to each node's disk before the process group
     # exists, whose init all-reduce and rendezvous compile graphs too: one copy per node, read locally.
     neuron_cache = use_node_local_neuron_cache() if neuron_available() else None
-    try:
-        world = init_world(
-            kind, cfg, xla_cache=(xla_cache.kernels_dir, True) if xla_cache and xla_cache.kernels_dir else None
-        )
-        with tempfile.TemporaryDirectory(prefix="hlat-train-") as tmp:
-            tokenizer = fetch_tokenizer(run, tmp)
-            trainer = Trainer(
-                cfg=cfg,
-                run=run,
-                checkpoints=checkpoint_storage(checkpoint_location(run)),
-                world=world,
-                tokenizer_model=tokenizer,
-                tensorboard_dir=tensorboard_location(run),
-                data=channel_location(run, "data"),
+    # Local rank 0 of each node shares the graphs this node compiles on a miss with later jobs: while the job runs
+    # and once more when it ends, however it ends.
+    with NeuronGraphSharing(neuron_cache):
+        try:
+            world = init_world(
+                kind, cfg, xla_cache=(xla_cache.kernels_dir, True) if xla_cache and xla_cache.kernels_dir else None
             )
-            # Before the first compiled step: the precompile stage's graphs and kernels, when they match this job
-            # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).
-            cache = xla_cache or load_torch_cache(run, cfg, world.world_size, world.device.type, world.is_main)
-            trainer.first_step_metrics.update(cache.metrics())
-            trainer.resume()
-            code = trainer.fit()
-            if world.on_xla and world.is_main:
-                counts = xla.counters()
-                log.info(
-                    "xla: this job compiled %d graph(s) and loaded %d from the persistent compile cache",
-                    counts["compilations"], counts["persistent_cache_hits"],
-                )  # fmt: skip
-            return code
-    finally:
-        close_world()
-        share_new_neuron_graphs(neuron_cache)  # however the job ends: what this node compiled on a miss
+            with tempfile.TemporaryDirectory(prefix="hlat-train-") as tmp:
+                tokenizer = fetch_tokenizer(run, tmp)
+                trainer = Trainer(
+                    cfg=cfg,
+                    run=run,
+                    checkpoints=checkpoint_storage(checkpoint_location(run)),
+                    world=world,
+                    tokenizer_model=tokenizer,
+                    tensorboard_dir=tensorboard_location(run),
+                    data=channel_location(run, "data"),
+                )
+                # Before the first compiled step: the precompile stage's graphs and kernels, when they match this job
+                # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).
+                cache = xla_cache or load_torch_cache(run, cfg, world.world_size, world.device.type, world.is_main)
+                trainer.first_step_metrics.update(cache.metrics())
+                trainer.resume()
+                code = trainer.fit()
+                if world.on_xla and world.is_main:
+                    counts = xla.counters()
+                    log.info(
+                        "xla: this job compiled %d graph(s) and loaded %d from the persistent compile cache",
+                        counts["compilations"], counts["persistent_cache_hits"],
+                    )  # fmt: skip
+                return code
+        finally:
+            close_world()
 
 
 if __name__ == "__main__":

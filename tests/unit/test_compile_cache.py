@@ -11,6 +11,7 @@ import os
 import platform
 import tarfile
 import tempfile
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -28,6 +29,7 @@ from hlat.training.compile_cache import (
     KERNELS_FILE,
     LATEST_FILE,
     MANIFEST_FILE,
+    NeuronGraphSharing,
     NodeLocalCache,
     _put_if_absent,
     cache_key,
@@ -712,6 +714,31 @@ def test_graphs_compiled_on_a_miss_reach_s3_once_and_are_never_overwritten(
     """On a moto S3 server: S3's conditional PUT (If-None-Match: *) keeps the first copy of each file."""
     env: S3Env = request.getfixturevalue("s3_env")
     check_sync(tmp_path, Storage(f"{env.url}/compile-cache/neuron"))
+
+
+def test_a_running_job_shares_new_graphs_in_the_background_and_once_more_when_it_ends(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    shared, node = tmp_path / "shared", tmp_path / "node"
+    neuron_entry(shared, "MODULE_a", b"neff a")
+    cache = NodeLocalCache(shared=str(shared), local=str(node))
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    done = shared / "neuronxcc-2.23"
+    with NeuronGraphSharing(cache, every=1e9) as sharing:  # no periodic round within the test
+        neuron_entry(node, "MODULE_late", b"compiled at the end")
+        assert not (done / "MODULE_late").exists()
+    assert (done / "MODULE_late" / "model.done").exists() and sharing.rounds == 1  # the last round
+    with NeuronGraphSharing(cache, every=0.01) as sharing:
+        neuron_entry(node, "MODULE_early", b"compiled at step 1")
+        deadline = time.monotonic() + 60  # a safety net, not a speed requirement
+        while not (done / "MODULE_early" / "model.done").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert (done / "MODULE_early" / "model.done").exists()  # shared while the job still runs
+    monkeypatch.setenv("LOCAL_RANK", "1")  # the node's other ranks leave it to local rank 0
+    neuron_entry(node, "MODULE_other", b"not from this rank")
+    with NeuronGraphSharing(cache, every=0.01) as other:
+        pass
+    assert other.rounds == 0 and not (done / "MODULE_other").exists()
 
 
 def test_a_trn1_job_copies_the_cache_before_the_process_group_and_shares_its_new_graphs_however_it_ends(
