@@ -578,17 +578,21 @@ class HealthThresholds(Section):
     """What a healthy device, collective and checkpoint store deliver on one instance type."""
 
     min_matmul_tflops: float = Field(0.0, ge=0)
-    """Per device (NeuronCore, GPU, or CPU rank), on burn_in.matmul_size square matrices in the compute dtype."""
+    """Per device (NeuronCore, GPU, or CPU rank), on burn_in.matmul_size square matrices: a BF16 floor; an FP32 matmul
+    is held to the same share of the device's FP32 peak (`training/health.py` `matmul_floor_tflops`)."""
     max_matmul_rel_error: float = Field(1e-2, gt=0)
     """Largest relative error of a device's matmul against a float64 reference."""
     min_allreduce_gbps: float = Field(0.0, ge=0)
-    """All-reduce bus bandwidth across all ranks, GB/s (the nccl-tests / nccom-test convention)."""
+    """Bus bandwidth of large all-reduces across all ranks, GB/s (the nccl-tests / nccom-test convention); a check's
+    floor for its message size and rank count comes from a latency-bandwidth model (`training/health.py`
+    `allreduce_floor_gbps`)."""
     min_write_mbps: float = Field(0.0, ge=0)
     """Write throughput to the checkpoint location, MB/s."""
 
 
 def _default_thresholds() -> dict[str, HealthThresholds]:
-    # trn1.32xlarge: a NeuronCore peaks at 95 TFLOP/s BF16; a burn-in matmul below a third of that is a bad core.
+    # trn1.32xlarge: a NeuronCore peaks at 95 TFLOP/s BF16; a burn-in matmul below a third of that is a bad core (the
+    # 30 TFLOP/s floor is BF16's; fp32 is held to 7.5, the same share of the FP32 peak).
     # The all-reduce and write floors are conservative guesses, not measurements (no trn1 here): far below what
     # NeuronLink/EFA and local NVMe deliver, so they catch a broken node, not a slow one; tune them per cluster.
     # CPU ("local"): floors that catch a broken or badly oversubscribed machine, not a slow laptop.
