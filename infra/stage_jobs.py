@@ -562,6 +562,12 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         lines.append(
             f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.3f}/node-hour = ${hourly:,.2f}/hour"
         )
+        setting = "data.price_per_hour_usd" if stage == "prepare-data" else "job.price_per_hour_usd"
+        known = CATALOG.get(spec.instance_type)
+        if own_price is not None:
+            lines.append(f"price: {setting}")
+        elif known is not None and known.price is not None:
+            lines.append(f"price: {known.price.describe()}")
     if stage != "train":
         hours = spec.max_runtime_s / 3600
         bound = f": at most ${hours * hourly:,.2f}" if hourly is not None else ""

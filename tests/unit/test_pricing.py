@@ -174,3 +174,15 @@ def test_the_plan_says_where_its_price_comes_from() -> None:
 
 
 TRN1 = "ml.trn1.32xlarge"
+
+
+def test_the_dry_run_says_where_the_node_price_comes_from() -> None:
+    from hlat.core.presets import load_config
+    from hlat.infra.stage_jobs import dry_run
+
+    storage = {"storage.root": "s3://bucket/runs", "job.role_arn": "arn:aws:iam::123456789012:role/hlat"}
+    lines = dry_run(load_config("hlat-7b", storage)).splitlines()
+    price = lines[next(i for i, line in enumerate(lines) if line.startswith("cost: ")) + 1]
+    assert price.startswith("price: $24.725/h in us-east-1, derived, not read from AWS"), price
+    own = dry_run(load_config("hlat-7b", {**storage, "job.price_per_hour_usd": 20.0}))
+    assert "price: job.price_per_hour_usd" in own.splitlines()
