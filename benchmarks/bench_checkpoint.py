@@ -302,9 +302,10 @@ class JobShape:
     pp: int
     shard_bytes_per_param: int
     """Bytes per parameter in the shard files together (7B, pure BF16: weights and both AdamW moments = 6;
-    70B under ZeRO-1: the BF16 weights = 2)."""
+    70B under ZeRO-1: the weights, FP32-typed in torch on both SDKs = 4)."""
     rank_bytes_per_param: int
-    """Bytes per parameter in the rank files together (70B, ZeRO-1: FP32 masters and both moments = 12)."""
+    """Bytes per parameter in the rank files together (70B, ZeRO-1 on 2.28's bf16-mixed: both FP32 moments = 8, the
+    masters being the FP32 parameters; on 2.24.1 NxD's FP64 optimizer dtype makes moments and saved masters 24)."""
 
     @property
     def world_size(self) -> int:
@@ -320,11 +321,11 @@ class JobShape:
 
 def hlat_jobs() -> list[JobShape]:
     """HLAT 7B (TP8, pure BF16 weights and optimizer states, DP = 4 x hosts) and 70B (TP32 PP8, ZeRO-1 with FP32
-    masters and optimizer states) at 64 and 256 hosts."""
+    optimizer states, Neuron 2.28's bf16-mixed) at 64 and 256 hosts."""
     jobs = []
     for hosts in (64, 256):
         jobs.append(JobShape("7B", 6.74e9, hosts, tp=8, pp=1, shard_bytes_per_param=6, rank_bytes_per_param=0))
-        jobs.append(JobShape("70B", 68.98e9, hosts, tp=32, pp=8, shard_bytes_per_param=2, rank_bytes_per_param=12))
+        jobs.append(JobShape("70B", 68.98e9, hosts, tp=32, pp=8, shard_bytes_per_param=4, rank_bytes_per_param=8))
     return jobs
 
 

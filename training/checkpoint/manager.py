@@ -684,7 +684,7 @@ class CheckpointManager(CheckpointIndex):
             raise CheckpointError(
                 f"checkpoint {self.storage.uri(folder)} is sharded ({_describe_layout(shards)}): it has no single "
                 f"shared state; read every shard with load_shards({step}) and put them together "
-                "(training.sharding.consolidate)"
+                "(training.parallel.tensor_slices.consolidate)"
             )
         return self._read(folder, SHARED_FILE, meta)
 
