@@ -9,6 +9,8 @@ import json
 import logging
 import os
 import platform
+import subprocess
+import sys
 import tarfile
 import tempfile
 import time
@@ -616,36 +618,42 @@ def test_each_node_copies_the_shared_cache_once_per_job_and_points_the_compiler_
     assert use_node_local_neuron_cache() is None
 
 
-def _local_rank(shared: str, node: str, copies: str) -> None:
-    """One local rank of a node: copy the cache as a job's rank does (counting the copies it makes)."""
-    import hlat.training.compile_cache as compile_cache
+LOCAL_RANK = """
+import os, sys, time
+import hlat.training.compile_cache as compile_cache
 
-    real = compile_cache.localize_neuron_cache
+copies, gate = sys.argv[1], sys.argv[2]
+real = compile_cache.localize_neuron_cache
 
-    def counted(url: str, local_dir: str, workers: int = 16) -> str:
-        with open(copies, "a") as f:
-            f.write(f"{os.getpid()}\n")
-        return real(url, local_dir, workers)
 
-    compile_cache.localize_neuron_cache = counted  # type: ignore[assignment]
-    os.environ.update(NEURON_COMPILE_CACHE_URL=shared, HLAT_LOCAL_NEURON_CACHE=node)
-    assert compile_cache.use_node_local_neuron_cache() is not None
+def counted(url, local_dir, workers=16):
+    with open(copies, "a") as f:  # one line per copy made
+        f.write(f"{os.getpid()}\\n")
+    time.sleep(0.5)  # a copy takes a while: a rank without the lock would start its own meanwhile
+    return real(url, local_dir, workers)
+
+
+compile_cache.localize_neuron_cache = counted
+open(os.path.join(gate, str(os.getpid())), "w").close()
+while len(os.listdir(gate)) < 4:  # all four imported: they reach the cache together
+    time.sleep(0.01)
+assert compile_cache.use_node_local_neuron_cache() is not None
+"""
+"""One local rank of a node: copies the cache as a job's rank does, counting the copies it makes."""
 
 
 def test_without_a_process_group_the_local_ranks_of_a_node_copy_the_cache_once(tmp_path: Path) -> None:
-    """Four local ranks start together (children of one parent, as torchrun's are): one copies, the others wait on
-    the node-local lock and find the copy made."""
-    import multiprocessing
-
+    """Four local ranks start together (processes of one parent, as torchrun starts them): one copies, the others
+    wait on the node-local lock and find the copy made."""
     shared, node, copies = tmp_path / "shared", tmp_path / "node", tmp_path / "copies.txt"
     expected = neuron_entry(shared, "MODULE_a", b"neff" * 10_000)
-    context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_local_rank, args=(str(shared), str(node), str(copies))) for _ in range(4)]
-    for rank in ranks:
-        rank.start()
-    for rank in ranks:
-        rank.join()
-    assert [rank.exitcode for rank in ranks] == [0] * 4
+    env = {**os.environ, "NEURON_COMPILE_CACHE_URL": str(shared), "HLAT_LOCAL_NEURON_CACHE": str(node)}
+    gate = tmp_path / "gate"
+    gate.mkdir()
+    command = [sys.executable, "-c", LOCAL_RANK, str(copies), str(gate)]
+    ranks = [subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True) for _ in range(4)]
+    errors = [rank.communicate(timeout=120)[1] for rank in ranks]
+    assert [rank.returncode for rank in ranks] == [0] * 4, errors
     assert len(copies.read_text().split()) == 1
     assert {k: v for k, v in tree(node).items() if not k.startswith(".hlat")} == expected
 
