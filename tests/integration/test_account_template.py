@@ -1,0 +1,587 @@
+"""The AWS account as code: deployments/account.yaml passes cfn-lint, and CloudFormation on a moto server creates
+from it what the jobs and flow runs need; the policies it creates allow what the code calls and no more than the
+run prefix, the execution role's PassRole and the stack's cluster; `hlat deploy --stack` and the worker image's
+push read the stack's outputs, so nothing is hand-edited and no git remote is needed.
+
+moto's CloudFormation creates the bucket with its encryption but drops three of the bucket's properties
+(LifecycleConfiguration, PublicAccessBlockConfiguration, OwnershipControls) and has no AWS::S3::BucketPolicy (the
+TLS-only policy): those are checked by putting the template's own values through S3's API on the created bucket
+(botocore validates their shape, moto stores and returns them), and by cfn-lint against CloudFormation's schemas.
+IAM is not simulated by moto: the created policies are read back from moto's IAM and evaluated here (`allows`).
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import os
+import re
+import subprocess
+import sys
+import urllib.parse
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from hlat.deploy import (
+    IMAGE_CODE_DIR,
+    PROJECT_ROOT,
+    DeployError,
+    Stack,
+    check_pushed,
+    code_source,
+    ecs_job_template,
+    load_deployments,
+    push_worker_image,
+    read_stack,
+)
+from tests.integration.conftest import REGION, set_aws_env
+
+TEMPLATE = PROJECT_ROOT / "deployments" / "account.yaml"
+ACCOUNT = "123456789012"  # moto's
+DLC = "763104351884"
+
+
+# -- cfn-lint ------------------------------------------------------------------------------------------------------
+def test_the_template_passes_cfn_lint() -> None:
+    lint = Path(sys.executable).with_name("cfn-lint")
+    done = subprocess.run(
+        [str(lint), "--format", "parseable", str(TEMPLATE)], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_cfn_lint_would_catch_a_broken_template(tmp_path: Path) -> None:
+    """The lint above is not vacuous: a policy action with a typo and a property of the wrong type fail it."""
+    broken = tmp_path / "broken.yaml"
+    text = TEMPLATE.read_text().replace("s3:AbortMultipartUpload", "s3:AbortMultipartUplod", 1)
+    broken.write_text(text.replace("DaysAfterInitiation: !Ref AbortIncompleteUploadDays", "DaysAfterInitiation: x"))
+    lint = Path(sys.executable).with_name("cfn-lint")
+    done = subprocess.run([str(lint), "--format", "parseable", str(broken)], capture_output=True, text=True)
+    assert done.returncode != 0
+    found = {(line.split(":")[5], line.split(":")[1]) for line in done.stdout.splitlines()}
+    assert ("W3037", "176") in found or any(code == "W3037" for code, _ in found), done.stdout  # unknown action
+    assert "'abortmultipartuplod' is not one of" in done.stdout and "'x' is not of type 'integer'" in done.stdout
+
+
+# -- the stack on moto ---------------------------------------------------------------------------------------------
+class _CfnLoader(yaml.SafeLoader):
+    """YAML with CloudFormation's short tags (!Ref, !Sub, ...) read as their long form."""
+
+
+def _tag(loader: yaml.SafeLoader, suffix: str, node: yaml.Node) -> dict[str, Any]:
+    name = "Ref" if suffix == "Ref" else "Condition" if suffix == "Condition" else f"Fn::{suffix}"
+    if isinstance(node, yaml.ScalarNode):
+        value: Any = loader.construct_scalar(node)
+        if suffix == "GetAtt":
+            value = value.split(".", 1)
+    elif isinstance(node, yaml.SequenceNode):
+        value = loader.construct_sequence(node, deep=True)
+    else:
+        value = loader.construct_mapping(node, deep=True)  # type: ignore[arg-type]
+    return {name: value}
+
+
+_CfnLoader.add_multi_constructor("!", _tag)
+
+
+def template() -> dict[str, Any]:
+    return yaml.load(TEMPLATE.read_text(), Loader=_CfnLoader)
+
+
+@dataclass
+class Created:
+    stack: Stack
+    bucket: str
+    session: Any
+
+    def client(self, service: str) -> Any:
+        return self.session.client(service)
+
+
+def create_stack(endpoint: str, **parameters: str) -> Created:
+    import boto3
+
+    session = boto3.Session(aws_access_key_id="testing", aws_secret_access_key="testing", region_name=REGION)
+    name = f"hlat-{uuid.uuid4().hex[:8]}"
+    bucket = f"{name}-runs"
+    params = {"BucketName": bucket, "WorkerRepositoryName": f"{name}-worker", **parameters}
+    cfn = session.client("cloudformation", endpoint_url=endpoint)
+    cfn.create_stack(
+        StackName=name,
+        TemplateBody=TEMPLATE.read_text(),
+        Capabilities=["CAPABILITY_NAMED_IAM"],
+        Parameters=[{"ParameterKey": k, "ParameterValue": v} for k, v in params.items()],
+    )
+    return Created(
+        read_stack(name, session=_EndpointSession(session, endpoint)), bucket, _EndpointSession(session, endpoint)
+    )
+
+
+class _EndpointSession:
+    """A boto3 session whose clients all reach the moto server (as AWS_ENDPOINT_URL would)."""
+
+    def __init__(self, session: Any, endpoint: str) -> None:
+        self.session, self.endpoint, self.region_name = session, endpoint, session.region_name
+
+    def client(self, service: str, **kwargs: Any) -> Any:
+        return self.session.client(service, endpoint_url=self.endpoint, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def default_stack(s3_server: str) -> Created:
+    """The stack with its default parameters: no VPC of its own, no KMS key, no source bucket."""
+    return create_stack(s3_server)
+
+
+@pytest.fixture(scope="module")
+def vpc_stack(s3_server: str) -> Created:
+    """The stack with jobs in a VPC, a KMS key and a corpus bucket."""
+    import boto3
+
+    ec2 = boto3.client(
+        "ec2", endpoint_url=s3_server, region_name=REGION, aws_access_key_id="t", aws_secret_access_key="t"
+    )
+    vpc = ec2.create_vpc(CidrBlock="10.8.0.0/16")["Vpc"]["VpcId"]
+    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.8.{i}.0/24")["Subnet"]["SubnetId"] for i in (1, 2)]
+    return create_stack(
+        s3_server,
+        VpcId=vpc,
+        SubnetIds=",".join(subnets),
+        AssignPublicIp="DISABLED",
+        JobsInVpc="true",
+        KmsKeyArn=f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab",
+        SourceBucket="my-corpora",
+    )
+
+
+def role_statements(created: Created, role: str) -> list[dict[str, Any]]:
+    """Every statement of the role's inline and attached policies, as moto's IAM stores them."""
+    iam = created.client("iam")
+    statements: list[dict[str, Any]] = []
+    docs = [iam.get_role_policy(RoleName=role, PolicyName=n)["PolicyDocument"] for n in _inline(iam, role)]
+    for attached in iam.list_attached_role_policies(RoleName=role)["AttachedPolicies"]:
+        policy = iam.get_policy(PolicyArn=attached["PolicyArn"])["Policy"]
+        version = iam.get_policy_version(PolicyArn=attached["PolicyArn"], VersionId=policy["DefaultVersionId"])
+        docs.append(version["PolicyVersion"]["Document"])
+    for doc in docs:
+        doc = _document(doc)
+        found = doc["Statement"]
+        statements += found if isinstance(found, list) else [found]
+    return statements
+
+
+def _document(doc: Any) -> dict[str, Any]:
+    """A policy document as boto3 returns it: decoded already, JSON, or (moto's inline role policies made by
+    CloudFormation) the Python repr of the template's mapping."""
+    if isinstance(doc, dict):
+        return doc
+    text = urllib.parse.unquote(doc)
+    try:
+        return dict(json.loads(text))
+    except json.JSONDecodeError:
+        return dict(ast.literal_eval(text))
+
+
+def _inline(iam: Any, role: str) -> list[str]:
+    return list(iam.list_role_policies(RoleName=role)["PolicyNames"])
+
+
+def _listed(value: Any) -> list[str]:
+    return value if isinstance(value, list) else [value]
+
+
+def allows(statements: list[dict[str, Any]], action: str, resource: str, context: dict[str, str] | None = None) -> bool:
+    """Whether an Allow statement grants `action` on `resource` with the request `context` (IAM's wildcards;
+    the condition operators this template uses; a condition key missing from the context does not match)."""
+    context = context or {}
+    for st in statements:
+        if st["Effect"] != "Allow":
+            continue
+        if not any(fnmatch.fnmatchcase(action.lower(), a.lower()) for a in _listed(st["Action"])):
+            continue
+        if not any(fnmatch.fnmatchcase(resource, r) for r in _listed(st["Resource"])):
+            continue
+        if all(
+            _condition(op, key, want, context)
+            for op, tests in st.get("Condition", {}).items()
+            for key, want in tests.items()
+        ):
+            return True
+    return False
+
+
+def _condition(op: str, key: str, want: Any, context: dict[str, str]) -> bool:
+    if key not in context:
+        return False
+    got = context[key]
+    if op in ("StringEquals", "ArnEquals", "Bool"):
+        return any(got.lower() == str(w).lower() if op == "Bool" else got == w for w in _listed(want))
+    if op in ("StringLike", "ArnLike"):
+        return any(fnmatch.fnmatchcase(got, w) for w in _listed(want))
+    raise AssertionError(f"condition operator {op} not evaluated by this test")
+
+
+def test_the_stack_creates_the_bucket_roles_repository_cluster_and_outputs(default_stack: Created) -> None:
+    out, bucket = default_stack.stack.outputs, default_stack.bucket
+    assert out["BucketName"] == bucket and out["RunsRoot"] == f"s3://{bucket}/hlat"
+    assert (
+        out["SageMakerExecutionRoleArn"]
+        == f"arn:aws:iam::{ACCOUNT}:role/{default_stack.stack.name}-sagemaker-execution"
+    )
+    assert out["WorkerRepositoryUri"] == f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/{default_stack.stack.name}-worker"
+    assert "JobSecurityGroupId" not in out and out["VpcId"] == "" and out["SubnetIds"] == ""
+    s3 = default_stack.client("s3")
+    rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
+    assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
+    assert "Status" not in s3.get_bucket_versioning(Bucket=bucket)  # versioning never switched on
+    repo = default_stack.client("ecr").describe_repositories(repositoryNames=[f"{default_stack.stack.name}-worker"])
+    assert repo["repositories"][0]["repositoryUri"] == out["WorkerRepositoryUri"]
+    clusters = default_stack.client("ecs").describe_clusters(clusters=[out["ClusterName"]])["clusters"]
+    assert [c["status"] for c in clusters] == ["ACTIVE"]
+    groups = default_stack.client("logs").describe_log_groups(logGroupNamePrefix=out["FlowRunLogGroup"])
+    assert [g["retentionInDays"] for g in groups["logGroups"]] == [90]
+    # No AWS-managed policy anywhere (AmazonSageMakerFullAccess above all): every right is written out here.
+    iam = default_stack.client("iam")
+    for role in ("sagemaker-execution", "flow-run", "task-execution", "worker"):
+        attached = iam.list_attached_role_policies(RoleName=f"{default_stack.stack.name}-{role}")["AttachedPolicies"]
+        assert all(f":{ACCOUNT}:policy/" in p["PolicyArn"] for p in attached), attached
+
+
+def test_the_bucket_aborts_incomplete_uploads_and_blocks_public_access(default_stack: Created) -> None:
+    """The properties moto's CloudFormation drops, put through S3's API as the template writes them."""
+    bucket = template()["Resources"]["RunsBucket"]["Properties"]
+    (rule,) = bucket["LifecycleConfiguration"]["Rules"]
+    assert rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == {"Ref": "AbortIncompleteUploadDays"}
+    assert template()["Parameters"]["AbortIncompleteUploadDays"]["Default"] == 3
+    s3, name = default_stack.client("s3"), default_stack.bucket
+    s3.put_bucket_lifecycle_configuration(
+        Bucket=name,
+        LifecycleConfiguration={
+            "Rules": [
+                {
+                    "ID": rule["Id"],
+                    "Status": rule["Status"],
+                    "Filter": {"Prefix": ""},
+                    "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 3},
+                }
+            ]
+        },
+    )
+    (stored,) = s3.get_bucket_lifecycle_configuration(Bucket=name)["Rules"]
+    assert stored["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 3} and stored["Status"] == "Enabled"
+    block = bucket["PublicAccessBlockConfiguration"]
+    assert block == dict.fromkeys(
+        ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets"), True
+    )
+    s3.put_public_access_block(Bucket=name, PublicAccessBlockConfiguration=block)
+    assert s3.get_public_access_block(Bucket=name)["PublicAccessBlockConfiguration"] == block
+    assert template()["Resources"]["RunsBucket"]["DeletionPolicy"] == "Retain"  # runs outlive the stack
+    tls = template()["Resources"]["RunsBucketPolicy"]["Properties"]["PolicyDocument"]["Statement"][0]
+    assert (tls["Effect"], tls["Condition"]) == ("Deny", {"Bool": {"aws:SecureTransport": "false"}})
+
+
+def test_the_execution_role_reaches_the_run_prefix_images_and_logs_only(default_stack: Created) -> None:
+    name, bucket = default_stack.stack.name, default_stack.bucket
+    iam = default_stack.client("iam")
+    trust = iam.get_role(RoleName=f"{name}-sagemaker-execution")["Role"]["AssumeRolePolicyDocument"]
+    trust = _document(trust)
+    assert [s["Principal"] for s in trust["Statement"]] == [{"Service": "sagemaker.amazonaws.com"}]
+    st = role_statements(default_stack, f"{name}-sagemaker-execution")
+    obj = f"arn:aws:s3:::{bucket}/hlat/hlat-7b-1a2b/checkpoints/step-000001000/rank-0.pt"
+    for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
+        assert allows(st, action, obj), action
+    assert not allows(st, "s3:PutObject", f"arn:aws:s3:::{bucket}/elsewhere/x")
+    assert not allows(st, "s3:PutObject", "arn:aws:s3:::other-bucket/hlat/x")
+    assert allows(st, "s3:ListBucket", f"arn:aws:s3:::{bucket}", {"s3:prefix": "hlat/hlat-7b-1a2b/data/"})
+    assert not allows(st, "s3:ListBucket", f"arn:aws:s3:::{bucket}", {"s3:prefix": "elsewhere/"})
+    neuron = f"arn:aws:ecr:{REGION}:{DLC}:repository/pytorch-training-neuronx"
+    for action in ("ecr:BatchGetImage", "ecr:GetDownloadUrlForLayer", "ecr:BatchCheckLayerAvailability"):
+        assert allows(st, action, neuron), action
+    assert allows(st, "ecr:BatchGetImage", f"arn:aws:ecr:{REGION}:{ACCOUNT}:repository/hlat-neuron-custom")
+    assert allows(st, "ecr:GetAuthorizationToken", "*")
+    stream = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/aws/sagemaker/TrainingJobs:log-stream:job/algo-1"
+    assert allows(st, "logs:PutLogEvents", stream) and allows(st, "logs:CreateLogStream", stream)
+    assert allows(st, "cloudwatch:PutMetricData", "*", {"cloudwatch:namespace": "/aws/sagemaker/TrainingJobs"})
+    # Nothing of SageMaker's API, IAM, EC2 (no VPC here), nor KMS.
+    for action in ("sagemaker:CreateTrainingJob", "iam:PassRole", "ec2:CreateNetworkInterface", "kms:Decrypt"):
+        assert not allows(st, action, "*") and not any(action in _listed(s["Action"]) for s in st), action
+
+
+def test_the_flow_runs_may_run_jobs_and_pass_the_execution_role_only(default_stack: Created) -> None:
+    out, name, bucket = default_stack.stack.outputs, default_stack.stack.name, default_stack.bucket
+    st = role_statements(default_stack, f"{name}-flow-run")
+    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-7b-1a2b-train-3"
+    for action in ("sagemaker:CreateTrainingJob", "sagemaker:DescribeTrainingJob", "sagemaker:StopTrainingJob"):
+        assert allows(st, action, job), action
+    assert allows(st, "sagemaker:AddTags", job)  # CreateTrainingJob carries tags
+    role = out["SageMakerExecutionRoleArn"]
+    to_sagemaker = {"iam:PassedToService": "sagemaker.amazonaws.com"}
+    assert allows(st, "iam:PassRole", role, to_sagemaker)
+    assert not allows(st, "iam:PassRole", role, {"iam:PassedToService": "ec2.amazonaws.com"})
+    assert not allows(st, "iam:PassRole", out["FlowRunRoleArn"], to_sagemaker)
+    assert not allows(st, "iam:PassRole", f"arn:aws:iam::{ACCOUNT}:role/Admin", to_sagemaker)
+    assert allows(st, "s3:PutObject", f"arn:aws:s3:::{bucket}/hlat/run/config.json")
+    assert not allows(st, "s3:PutObject", f"arn:aws:s3:::{bucket}/other/config.json")
+    group = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/aws/sagemaker/TrainingJobs"
+    assert allows(st, "logs:FilterLogEvents", group)
+    # The preflight's reads.
+    assert allows(st, "iam:GetRole", role) and allows(st, "iam:SimulatePrincipalPolicy", out["FlowRunRoleArn"])
+    assert allows(st, "servicequotas:GetServiceQuota", "*") and allows(st, "servicequotas:ListServiceQuotas", "*")
+    assert allows(st, "ecr:DescribeImages", f"arn:aws:ecr:{REGION}:{DLC}:repository/pytorch-training-neuronx")
+    assert allows(st, "sagemaker:DescribeTrainingPlan", f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-plan/p1")
+    assert not allows(st, "sagemaker:CreateEndpoint", "*") and not allows(st, "iam:CreateRole", "*")
+
+
+def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack: Created) -> None:
+    """Each boto3 call of SageMaker, CloudWatch Logs, IAM, ECR and Service Quotas written in infra/ (the flow runs'
+    code, the preflight's included) is allowed to the flow-run role on some resource: a new call fails here until
+    the template grants it."""
+    import botocore.session
+    from botocore import xform_name
+
+    st = role_statements(default_stack, f"{default_stack.stack.name}-flow-run")
+    loader = botocore.session.get_session()
+    operations: dict[str, str] = {}
+    for service in ("sagemaker", "logs", "iam", "ecr", "service-quotas"):
+        prefix = "servicequotas" if service == "service-quotas" else service
+        for op in loader.get_service_model(service).operation_names:
+            operations.setdefault(xform_name(op), f"{prefix}:{op}")
+    called = {
+        m
+        for path in sorted((PROJECT_ROOT / "infra").glob("*.py"))
+        for m in re.findall(r"\.([a-z]+(?:_[a-z]+)+)\(", path.read_text())
+    }
+    # The preflight reads the caller's own policies; these calls are made only for an IAM user caller, never for
+    # the flow-run role.
+    users_only = {
+        f"iam:{op}"
+        for op in (
+            *("GetUserPolicy", "ListUserPolicies", "ListAttachedUserPolicies", "ListGroupsForUser"),
+            *("GetGroupPolicy", "ListGroupPolicies", "ListAttachedGroupPolicies"),
+        )
+    }
+    actions = sorted(operations[m] for m in called & set(operations) if operations[m] not in users_only)
+    assert "sagemaker:DescribeTrainingJob" in actions and "logs:FilterLogEvents" in actions
+    denied = [a for a in actions if not allows(st, a, "*") and not _allowed_somewhere(st, a)]
+    assert not denied, f"deployments/account.yaml's FlowRunPolicy lacks {denied}"
+
+
+def _allowed_somewhere(statements: list[dict[str, Any]], action: str) -> bool:
+    return any(
+        s["Effect"] == "Allow" and any(fnmatch.fnmatchcase(action.lower(), a.lower()) for a in _listed(s["Action"]))
+        for s in statements
+    )
+
+
+def test_the_worker_and_task_execution_roles_reach_the_stacks_cluster_image_and_logs(default_stack: Created) -> None:
+    out, name = default_stack.stack.outputs, default_stack.stack.name
+    cluster = default_stack.client("ecs").describe_clusters(clusters=[out["ClusterName"]])["clusters"][0]["clusterArn"]
+    worker = role_statements(default_stack, f"{name}-worker")
+    task = f"arn:aws:ecs:{REGION}:{ACCOUNT}:task-definition/prefect__hlat:1"
+    assert allows(worker, "ecs:RunTask", task, {"ecs:cluster": cluster})
+    assert not allows(worker, "ecs:RunTask", task, {"ecs:cluster": cluster.replace(name, "other")})
+    assert allows(worker, "ecs:RegisterTaskDefinition", "*") and allows(worker, "ec2:DescribeSubnets", "*")
+    to_ecs = {"iam:PassedToService": "ecs-tasks.amazonaws.com"}
+    for role in (out["FlowRunRoleArn"], out["TaskExecutionRoleArn"]):
+        assert allows(worker, "iam:PassRole", role, to_ecs), role
+    assert not allows(worker, "iam:PassRole", out["SageMakerExecutionRoleArn"], to_ecs)
+    execution = role_statements(default_stack, f"{name}-task-execution")
+    repo = f"arn:aws:ecr:{REGION}:{ACCOUNT}:repository/{name}-worker"
+    assert allows(execution, "ecr:BatchGetImage", repo)
+    assert not allows(execution, "ecr:BatchGetImage", f"arn:aws:ecr:{REGION}:{ACCOUNT}:repository/other")
+    stream = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:{out['FlowRunLogGroup']}:log-stream:hlat/prefect/abc"
+    assert allows(execution, "logs:PutLogEvents", stream)
+
+
+def test_jobs_in_a_vpc_get_network_interfaces_an_efa_group_kms_and_the_corpus_bucket(vpc_stack: Created) -> None:
+    out, name = vpc_stack.stack.outputs, vpc_stack.stack.name
+    st = role_statements(vpc_stack, f"{name}-sagemaker-execution")
+    for action in ("ec2:CreateNetworkInterface", "ec2:CreateNetworkInterfacePermission", "ec2:DescribeDhcpOptions"):
+        assert allows(st, action, "*"), action
+    key = f"arn:aws:kms:{REGION}:{ACCOUNT}:key/1234abcd-12ab-34cd-56ef-1234567890ab"
+    assert allows(st, "kms:GenerateDataKey", key) and not allows(st, "kms:GenerateDataKey", f"{key}0")
+    assert allows(st, "s3:GetObject", "arn:aws:s3:::my-corpora/web/part-0.jsonl")
+    assert not allows(st, "s3:PutObject", "arn:aws:s3:::my-corpora/web/part-0.jsonl")
+    assert allows(role_statements(vpc_stack, f"{name}-flow-run"), "s3:GetObject", "arn:aws:s3:::my-corpora/x")
+    # EFA: all traffic from the group to itself.
+    (group,) = vpc_stack.client("ec2").describe_security_groups(GroupIds=[out["JobSecurityGroupId"]])["SecurityGroups"]
+    assert group["VpcId"] == out["VpcId"]
+    (ingress,) = group["IpPermissions"]
+    assert ingress["IpProtocol"] == "-1" and ingress["UserIdGroupPairs"][0]["GroupId"] == group["GroupId"]
+    assert out["JobSubnets"] == out["SubnetIds"] and len(out["SubnetIds"].split(",")) == 2
+    enc = vpc_stack.client("s3").get_bucket_encryption(Bucket=vpc_stack.bucket)["ServerSideEncryptionConfiguration"]
+    assert enc["Rules"][0]["ApplyServerSideEncryptionByDefault"] == {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": key}
+
+
+# -- the work pool and the worker image from the stack -------------------------------------------------------------
+def test_the_ecs_pool_template_is_made_from_the_stacks_outputs(vpc_stack: Created) -> None:
+    out = vpc_stack.stack.outputs
+    image = f"{out['WorkerRepositoryUri']}:0123456789ab"
+    variables = ecs_job_template(vpc_stack.stack, image)["variables"]["properties"]
+    defaults = {k: v.get("default") for k, v in variables.items()}
+    assert defaults["image"] == image and defaults["cluster"] == out["ClusterName"]
+    assert (defaults["task_role_arn"], defaults["execution_role_arn"]) == (
+        out["FlowRunRoleArn"],
+        out["TaskExecutionRoleArn"],
+    )
+    assert defaults["vpc_id"] == out["VpcId"]
+    assert defaults["network_configuration"] == {
+        "subnets": out["SubnetIds"].split(","),
+        "assignPublicIp": "DISABLED",
+        "securityGroups": [],
+    }
+    assert (defaults["cpu"], defaults["memory"], defaults["configure_cloudwatch_logs"]) == (4096, 16384, True)
+    assert defaults["cloudwatch_logs_options"]["awslogs-group"] == out["FlowRunLogGroup"]
+
+
+def test_a_missing_stack_or_an_unpushed_image_is_one_line_naming_the_fix(default_stack: Created) -> None:
+    with pytest.raises(DeployError) as err:
+        read_stack("no-such-stack", session=default_stack.session)
+    assert "no such stack in us-east-1: create it with `aws cloudformation deploy --stack-name no-such-stack" in str(
+        err.value
+    )
+    image = f"{default_stack.stack.outputs['WorkerRepositoryUri']}:feedface0000"
+    with pytest.raises(
+        DeployError, match=r"is not in ECR: build and push it first with `deployments/push-worker-image"
+    ):
+        check_pushed(default_stack.stack, image, session=default_stack.session)
+    _push(default_stack, "feedface0000")
+    check_pushed(default_stack.stack, image, session=default_stack.session)
+
+
+def _push(created: Created, tag: str) -> None:
+    """An image in the stack's repository under `tag`, as `docker push` leaves it."""
+    manifest = {
+        "schemaVersion": 2,
+        "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
+        "config": {
+            "mediaType": "application/vnd.docker.container.image.v1+json",
+            "size": 1,
+            "digest": "sha256:" + "0" * 64,
+        },
+        "layers": [],
+    }
+    repository = created.stack.outputs["WorkerRepositoryUri"].split("/", 1)[1]
+    created.client("ecr").put_image(repositoryName=repository, imageManifest=json.dumps(manifest), imageTag=tag)
+
+
+def test_the_push_script_builds_this_checkout_for_fargate_and_never_shows_the_password(
+    default_stack: Created, s3_server: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    image = push_worker_image(default_stack.stack, tag="abc123", dry_run=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert image == f"{default_stack.stack.outputs['WorkerRepositoryUri']}:abc123"
+    assert lines[0] == (
+        f"docker build --platform linux/amd64 -f deployments/worker.Dockerfile --build-arg HLAT_CODE_VERSION=abc123 "
+        f"-t {image} ."
+    )
+    assert lines[1].startswith("docker login --username AWS --password-stdin") and lines[2] == f"docker push {image}"
+    # The script itself, as a user runs it, against the stack on moto (AWS_ENDPOINT_URL reaches it).
+    set_aws_env(monkeypatch, s3_server, "testing", "testing")
+    done = subprocess.run(
+        [str(PROJECT_ROOT / "deployments" / "push-worker-image.sh"), "--stack", default_stack.stack.name, "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert done.returncode == 0, done.stderr
+    assert f"{default_stack.stack.outputs['WorkerRepositoryUri']}:" in done.stdout
+    missing = subprocess.run(
+        [str(PROJECT_ROOT / "deployments" / "push-worker-image.sh"), "--stack", "nope", "--dry-run"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHON": sys.executable},
+    )
+    assert missing.returncode == 1 and "Traceback" not in missing.stderr
+    assert missing.stderr.strip().splitlines() == [
+        f"push-worker-image.sh: error: --stack nope: no such stack in {REGION}: create it with "
+        "`aws cloudformation deploy --stack-name nope --template-file deployments/account.yaml "
+        "--capabilities CAPABILITY_NAMED_IAM --parameter-overrides BucketName=<a new bucket name>`"
+    ]
+
+
+def test_the_worker_image_holds_the_code_where_the_aws_deployments_look(tmp_path: Path) -> None:
+    """The AWS deployments' pull step is a working directory in the image: no git remote for Fargate to reach."""
+    dockerfile = (PROJECT_ROOT / "deployments" / "worker.Dockerfile").read_text()
+    assert f"WORKDIR {IMAGE_CODE_DIR}\n" in dockerfile and "-e ." in dockerfile
+    import tomllib
+
+    folders = set(
+        tomllib.loads((PROJECT_ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"].values()
+    )
+    for folder in folders:
+        assert f"COPY {folder}/ {folder}/" in dockerfile, folder
+    deployments, default_pull = load_deployments()
+    aws = [d for d in deployments if d["parameters"].get("storage", "").startswith("{{")]
+    assert len(aws) == 10 and {code_source(d, default_pull) for d in aws} == {"image"}
+
+
+def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
+    default_stack: Created,
+    s3_server: str,
+    prefect_server: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`hlat deploy --type ecs --stack S`: nothing left to hand-edit, and the AWS deployments' pull step is the
+    image's working directory (the `prefect deploy` it runs is recorded: tests/e2e registers for real)."""
+    from prefect.blocks.system import Secret
+    from prefect.client.orchestration import get_client
+    from prefect.settings import PREFECT_API_URL
+    from prefect.utilities.templating import apply_values
+
+    import hlat.deploy
+    from tests.integration.test_deploy import prefect_file_on_pool
+
+    set_aws_env(monkeypatch, s3_server, "testing", "testing")
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+    for var in ("HLAT_S3_ROOT", "HLAT_CODE_DIR", "HLAT_WORKER_TAG"):
+        monkeypatch.delenv(var, raising=False)
+    pool = f"hlat-{uuid.uuid4().hex[:8]}"
+    prefect_file = prefect_file_on_pool(tmp_path, pool)
+    calls: list[tuple[list[str], dict[str, str]]] = []
+    monkeypatch.setattr(hlat.deploy, "run_prefect_deploy", lambda cmd, env: calls.append((cmd, env)) or 0)
+    monkeypatch.setenv("HLAT_WORKER_TAG", "0123456789ab")
+    with pytest.raises(DeployError, match="0123456789ab is not in ECR: build and push it first"):
+        hlat.deploy.deploy(["pretrain-7b"], prefect_file=prefect_file, stack=default_stack.stack.name)
+    assert not calls
+    _push(default_stack, "0123456789ab")
+    assert hlat.deploy.deploy([], prefect_file=prefect_file, stack=default_stack.stack.name) == 0
+    out = capsys.readouterr().out
+    assert f"work pool {pool!r}: created (type ecs), base job template from the stack" in out
+    assert "skipping 7 deployment(s) that run from this checkout" in out
+    ((_, env),) = calls
+    assert env["HLAT_S3_ROOT"] == default_stack.stack.outputs["RunsRoot"] and env["HLAT_CODE_DIR"] == IMAGE_CODE_DIR
+    for var in ("HLAT_S3_ROOT", "HLAT_CODE_DIR"):  # as the `prefect deploy` process has them
+        monkeypatch.setenv(var, env[var])
+    deployments, _ = load_deployments(prefect_file)
+    seven = apply_values(next(d for d in deployments if d["name"] == "pretrain-7b"), {})
+    assert seven["pull"] == [{"prefect.deployments.steps.set_working_directory": {"directory": IMAGE_CODE_DIR}}]
+    assert seven["parameters"]["storage"] == default_stack.stack.outputs["RunsRoot"]
+    with get_client(sync_client=True) as client:
+        template = client.read_work_pool(pool).base_job_template
+    image = template["variables"]["properties"]["image"]["default"]
+    assert image == f"{default_stack.stack.outputs['WorkerRepositoryUri']}:0123456789ab"
+    assert (
+        template["variables"]["properties"]["task_role_arn"]["default"] == default_stack.stack.outputs["FlowRunRoleArn"]
+    )
+    assert Secret.load("hlat-sagemaker-role").get() == default_stack.stack.outputs["SageMakerExecutionRoleArn"]
+    # Again: the existing pool's template is set again (a new commit's image), the secret is unchanged.
+    monkeypatch.setenv("HLAT_WORKER_TAG", "fedcba987654")
+    _push(default_stack, "fedcba987654")
+    assert hlat.deploy.deploy(["pretrain-7b"], prefect_file=prefect_file, stack=default_stack.stack.name) == 0
+    out = capsys.readouterr().out
+    assert f"work pool {pool!r}: exists (type ecs), base job template set from the stack" in out
+    assert "Secret block 'hlat-sagemaker-role': unchanged" in out
+    with get_client(sync_client=True) as client:
+        template = client.read_work_pool(pool).base_job_template
+    assert template["variables"]["properties"]["image"]["default"].endswith(":fedcba987654")
