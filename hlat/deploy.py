@@ -4,12 +4,20 @@
 work pool is created when missing (so the deployments are runnable at once) and an existing pool of another
 type than --type is an error (not silently kept); the `{{ $VAR }}` placeholders of the deployments being
 registered are checked against the environment first (a missing one is named with what it is for, instead of a
-literal '{{ $HLAT_S3_ROOT }}' landing in a deployment's parameters); HLAT_PROJECT_DIR, HLAT_GIT_REPOSITORY and
-HLAT_GIT_BRANCH default to this checkout; and with --type ecs or kubernetes and no --name, the deployments that
-run from this checkout (no git clone in their pull steps), which such a worker cannot reach, are left out.
+literal '{{ $HLAT_S3_ROOT }}' landing in a deployment's parameters); HLAT_PROJECT_DIR defaults to this checkout and
+HLAT_CODE_DIR, where the AWS deployments find the code, to the worker image's copy (/opt/hlat) on an ecs or
+kubernetes pool and to this checkout on a process pool; and with --type ecs or kubernetes and no --name, the
+deployments that run from this checkout, which such a worker cannot reach, are left out.
 Last, the registered deployments' parameter forms are made submittable as they open: an optional parameter
 (`run_id`, `storage`, `step`) is drawn as its type alone, and its `"default": null` is taken out of the stored
 schema, since the UI would fill the field with that null and then refuse it as not a string (or integer).
+
+The AWS account as code: deployments/account.yaml is a CloudFormation stack (bucket, roles, ECR repository, ECS
+cluster); `push_worker_image` builds deployments/worker.Dockerfile from this checkout and pushes it to the stack's
+repository, tagged with the checkout's commit (the image is the code the flow runs run); `deploy(..., stack=...)`
+reads the stack's outputs and sets everything a user would otherwise hand-edit: HLAT_S3_ROOT, the Prefect Secret
+block holding the SageMaker role, and the ECS pool's base job template (image, cluster, task and execution roles,
+VPC, subnets, logs, size), refusing a worker image that was not pushed for this commit.
 
 `hlat worker` creates the pool when missing (or refuses one of another type) and then becomes `prefect worker
 start` (same process id, so a supervisor or a test stops it with one signal: SIGINT or SIGTERM, which Prefect
@@ -19,6 +27,7 @@ non-interactive shell inherits it ignored and would then ignore SIGTERM as well)
 
 from __future__ import annotations
 
+import base64
 import fnmatch
 import os
 import shutil
@@ -26,6 +35,7 @@ import signal
 import subprocess
 import sys
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -39,11 +49,19 @@ PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
 DEFAULT_POOL = "hlat"
 POOL_TYPES = ("process", "ecs", "kubernetes")
 
+IMAGE_CODE_DIR = "/opt/hlat"
+"""Where deployments/worker.Dockerfile puts the project (its WORKDIR): the AWS deployments' code on ecs and
+kubernetes pools."""
+WORKER_DOCKERFILE = PROJECT_ROOT / "deployments" / "worker.Dockerfile"
+ROLE_SECRET = "hlat-sagemaker-role"
+"""The Prefect Secret block the AWS deployments name in job.role_arn_secret (deployments/prefect.yaml)."""
+FLOW_RUN_CPU, FLOW_RUN_MEMORY = 4096, 16384
+"""The ECS flow-run task's size: the AWS presets' tokenizer sample is trained in the flow run itself."""
+
 ENV_HELP = {
     "HLAT_PROJECT_DIR": "the checkout local workers run the flows from",
-    "HLAT_S3_ROOT": "the s3://bucket/prefix that holds AWS runs, e.g. HLAT_S3_ROOT=s3://my-bucket/hlat",
-    "HLAT_GIT_REPOSITORY": "the git URL production workers clone (no 'origin' remote to default to)",
-    "HLAT_GIT_BRANCH": "the branch production workers clone",
+    "HLAT_S3_ROOT": "the s3://bucket/prefix that holds AWS runs, e.g. HLAT_S3_ROOT=s3://my-bucket/hlat (or --stack)",
+    "HLAT_CODE_DIR": f"where the AWS deployments' code is ({IMAGE_CODE_DIR} in the worker image, or a checkout)",
 }
 
 
@@ -61,17 +79,12 @@ def _git(*args: str) -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-def deploy_env(environ: dict[str, str] | None = None) -> dict[str, str]:
-    """The environment `prefect deploy` runs in: the caller's, with this checkout's defaults filled in."""
+def deploy_env(environ: dict[str, str] | None = None, pool_type: str = "process") -> dict[str, str]:
+    """The environment `prefect deploy` runs in: the caller's, with this checkout's defaults filled in, and the AWS
+    deployments' code where a worker of `pool_type` finds it (the image's copy in a container, else this checkout)."""
     env = dict(os.environ if environ is None else environ)
     env.setdefault("HLAT_PROJECT_DIR", str(PROJECT_ROOT))
-    git_defaults = {
-        "HLAT_GIT_REPOSITORY": ("remote", "get-url", "origin"),
-        "HLAT_GIT_BRANCH": ("branch", "--show-current"),
-    }
-    for var, args in git_defaults.items():
-        if var not in env and (value := _git(*args)):
-            env[var] = value
+    env.setdefault("HLAT_CODE_DIR", str(PROJECT_ROOT) if pool_type == "process" else IMAGE_CODE_DIR)
     return env
 
 
@@ -93,16 +106,32 @@ def select(deployments: list[dict[str, Any]], patterns: Sequence[str]) -> list[d
     return chosen
 
 
-# Pull steps that fetch the flow code from somewhere (a git clone, remote storage, a block): a deployment with
-# none of them runs from the checkout its `set_working_directory` step names, on the worker's own machine.
+# Pull steps that fetch the flow code from somewhere (a git clone, remote storage, a block).
 _FETCHING_STEPS = ("git_clone", "pull_from_", "pull_with_")
+_IMAGE_DIRS = ("{{ $HLAT_CODE_DIR }}", IMAGE_CODE_DIR)
+
+
+def code_source(deployment: dict[str, Any], default_pull: list[Any]) -> str:
+    """Where a deployment's flow code comes from, by its pull steps (its own, else the file's): 'remote' (fetched:
+    git, S3, a block), 'image' (a working directory in the worker image, `HLAT_CODE_DIR`) or 'checkout' (a folder
+    on the worker's own machine, this checkout)."""
+    steps = [step for step in deployment.get("pull", default_pull) or [] if isinstance(step, dict)]
+    names = [str(name).rsplit(".", 1)[-1] for step in steps for name in step]
+    if any(n.startswith(_FETCHING_STEPS) for n in names):
+        return "remote"
+    folders = [
+        str((args or {}).get("directory", ""))
+        for step in steps
+        for name, args in step.items()
+        if str(name).endswith("set_working_directory")
+    ]
+    image_dirs = {d.replace(" ", "") for d in _IMAGE_DIRS}
+    return "image" if folders and all(f.replace(" ", "") in image_dirs for f in folders) else "checkout"
 
 
 def runs_from_checkout(deployment: dict[str, Any], default_pull: list[Any]) -> bool:
-    """Whether a deployment's pull steps (its own, else the file's) only point at a local folder."""
-    steps = deployment.get("pull", default_pull) or []
-    names = [str(name).rsplit(".", 1)[-1] for step in steps if isinstance(step, dict) for name in step]
-    return not any(n.startswith(_FETCHING_STEPS) for n in names)
+    """Whether a deployment's pull steps only point at a local folder of the machine it was deployed from."""
+    return code_source(deployment, default_pull) == "checkout"
 
 
 def default_selection(
@@ -204,12 +233,15 @@ def _existing_type(pools: Iterable[str]) -> str | None:
         return None
 
 
-def ensure_pool(name: str, pool_type: str | None, env: dict[str, str]) -> str:
+def ensure_pool(
+    name: str, pool_type: str | None, env: dict[str, str], base_job_template: dict[str, Any] | None = None
+) -> str:
     """Create the work pool `name` of `pool_type` (None: process) unless it exists; returns what was done.
 
     An existing pool of another type than the one asked for is an error: its worker would run the flows elsewhere
     than asked (a process pool asked for as ecs runs them on the worker's host, from paths a container would not
-    have). With no type asked for, an existing pool is taken as it is.
+    have). With no type asked for, an existing pool is taken as it is. `base_job_template` (the ECS template made
+    from the account stack) replaces the pool's own, whether the pool is created or already there.
     """
     found = existing_pool_type(name)
     if found is not None and pool_type is not None and found != pool_type:
@@ -217,6 +249,8 @@ def ensure_pool(name: str, pool_type: str | None, env: dict[str, str]) -> str:
             f"work pool {name!r} exists with type {found}, not {pool_type}: use --type {found}, or delete it "
             f"(`prefect work-pool delete {name}`) and run this again to create it as {pool_type}"
         )
+    if base_job_template is not None:
+        return _set_pool_template(name, found or pool_type or "process", base_job_template, create=found is None)
     if found is not None:
         return f"exists (type {found})"
     pool_type = pool_type or "process"
@@ -234,18 +268,54 @@ def ensure_pool(name: str, pool_type: str | None, env: dict[str, str]) -> str:
     return f"created (type {pool_type})"
 
 
-def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_file: Path = PREFECT_FILE) -> int:
+def _set_pool_template(name: str, pool_type: str, template: dict[str, Any], create: bool) -> str:
+    """Create the pool with `template` as its base job template, or give the existing pool that template."""
+    from prefect.client.orchestration import get_client
+    from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    try:
+        with get_client(sync_client=True) as client:
+            if create:
+                client.create_work_pool(WorkPoolCreate(name=name, type=pool_type, base_job_template=template))
+            else:
+                client.update_work_pool(name, WorkPoolUpdate(base_job_template=template))
+    except PrefectHTTPStatusError as exc:
+        verb = "create" if create else "update"
+        raise DeployError(f"could not {verb} work pool {name!r} of type {pool_type}: {exc.response.text}") from exc
+    if create:
+        return f"created (type {pool_type}), base job template from the stack"
+    return f"exists (type {pool_type}), base job template set from the stack"
+
+
+def deploy(
+    patterns: Sequence[str] = (),
+    pool_type: str | None = None,
+    prefect_file: Path = PREFECT_FILE,
+    stack: str | None = None,
+    region: str | None = None,
+) -> int:
     """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`. `pool_type`
-    None: the existing pool's type, or process for a new pool."""
+    None: the existing pool's type, or process for a new pool (ecs with a `stack`).
+
+    With `stack` (the CloudFormation stack of deployments/account.yaml, in `region` or boto3's default): its
+    RunsRoot is HLAT_S3_ROOT unless that is set, its execution role is saved in the Secret block the AWS
+    deployments read, and an ECS pool gets the base job template made from its outputs, with this checkout's
+    worker image, which must have been pushed (`push_worker_image`)."""
     api = api_url()
-    env = deploy_env()
     deployments, default_pull = load_deployments(prefect_file)
+    pools = {(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in deployments}
+    account = read_stack(stack, region) if stack else None
+    if account is not None and pool_type is None:
+        pool_type = "ecs"
+    kind = pool_type or _existing_type(pools) or "process"
+    env = deploy_env(pool_type=kind)
+    if account is not None:
+        env.setdefault("HLAT_S3_ROOT", account.outputs["RunsRoot"])
     skipped: list[dict[str, Any]] = []
     if patterns:
         chosen = select(deployments, patterns)
     else:
-        pools = {(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in deployments}
-        kind = pool_type or _existing_type(pools) or "process"
         chosen, skipped = default_selection(deployments, default_pull, kind)
         if not chosen:
             raise ConfigError(
@@ -257,10 +327,19 @@ def deploy(patterns: Sequence[str] = (), pool_type: str | None = None, prefect_f
         lines = "; ".join(f"{v}: {ENV_HELP.get(v, 'named by a {{ $' + v + ' }} placeholder')}" for v in missing)
         hint = " (or deploy the local ones only: hlat deploy --name '*-tiny')" if "HLAT_S3_ROOT" in missing else ""
         raise ConfigError(f"set {', '.join(missing)} before deploying {len(chosen)} deployment(s): {lines}{hint}")
+    template = None
+    if account is not None and kind == "ecs":
+        image = worker_image(account)
+        check_pushed(account, image)
+        template = ecs_job_template(account, image)
     wait_for_api(api)
     chosen_pools = sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen})
     for pool in chosen_pools:
-        print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}")
+        print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}")
+    if template is not None:
+        print(f"hlat: flow runs use the worker image {template['variables']['properties']['image']['default']}")
+    if account is not None:
+        print(f"hlat: Secret block {ROLE_SECRET!r}: {save_role_secret(account.outputs['SageMakerExecutionRoleArn'])}")
     cmd = [_prefect(), "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
     if skipped:
         names = ", ".join(d["name"] for d in skipped)
@@ -326,18 +405,252 @@ def submittable_forms(names: Sequence[str]) -> None:
                 client.update_deployment(deployment.id, DeploymentUpdate(parameter_openapi_schema=fixed))
 
 
+# -- the AWS account as code (deployments/account.yaml) ---------------------------------------------------------
+STACK_OUTPUTS = (
+    "RunsRoot",
+    "SageMakerExecutionRoleArn",
+    "FlowRunRoleArn",
+    "TaskExecutionRoleArn",
+    "WorkerRepositoryUri",
+    "ClusterName",
+    "FlowRunLogGroup",
+    "VpcId",
+    "SubnetIds",
+    "AssignPublicIp",
+)
+"""The outputs of deployments/account.yaml that the deployments and the ECS pool are made from."""
+CREATE_STACK = (
+    "aws cloudformation deploy --stack-name {stack} --template-file deployments/account.yaml "
+    "--capabilities CAPABILITY_NAMED_IAM --parameter-overrides BucketName=<a new bucket name>"
+)
+
+
+_USABLE_STACK_STATUSES = ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK_COMPLETE", "IMPORT_COMPLETE")
+
+
+@dataclass(frozen=True)
+class Stack:
+    """The account stack of deployments/account.yaml: its name, region and outputs."""
+
+    name: str
+    region: str
+    outputs: dict[str, str]
+
+
+def _aws_error(exc: Exception) -> str:
+    from botocore.exceptions import ClientError
+
+    if isinstance(exc, ClientError):
+        return f"{exc.response['Error'].get('Code', '?')}: {exc.response['Error'].get('Message', '')}".rstrip(": ")
+    return f"{type(exc).__name__}: {exc}"
+
+
+def read_stack(name: str, region: str | None = None, session: Any = None) -> Stack:
+    """The outputs of the CloudFormation stack `name`; one-line errors for a stack that is missing, not made from
+    deployments/account.yaml, still being made or failed, or unreadable for lack of credentials."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    session = session or boto3.Session(region_name=region)
+    where = session.region_name or "no region"
+    if not session.region_name:
+        raise DeployError(f"--stack {name}: no AWS region: pass --region or set AWS_DEFAULT_REGION")
+    try:
+        found = session.client("cloudformation").describe_stacks(StackName=name)["Stacks"][0]
+    except ClientError as exc:
+        if "does not exist" in str(exc):
+            raise DeployError(
+                f"--stack {name}: no such stack in {where}: create it with `{CREATE_STACK.format(stack=name)}`"
+            ) from exc
+        raise DeployError(f"--stack {name}: cannot read it in {where} ({_aws_error(exc)})") from exc
+    except BotoCoreError as exc:
+        raise DeployError(f"--stack {name}: cannot read it in {where} ({_aws_error(exc)})") from exc
+    status = str(found.get("StackStatus", ""))
+    if status not in _USABLE_STACK_STATUSES:
+        raise DeployError(f"--stack {name}: its status is {status}: fix it (see its events) and run this again")
+    outputs = {o["OutputKey"]: o.get("OutputValue", "") for o in found.get("Outputs", [])}
+    missing = [k for k in STACK_OUTPUTS if k not in outputs]
+    if missing:
+        raise DeployError(
+            f"--stack {name}: no output {', '.join(missing)}: it is not made from deployments/account.yaml "
+            f"(update it with `{CREATE_STACK.format(stack=name)}`)"
+        )
+    return Stack(name, where, outputs)
+
+
+def image_tag() -> str:
+    """The worker image's tag for this checkout's code: HLAT_WORKER_TAG if set, else its commit (12 hex digits),
+    `-dirty` when tracked files differ from it (such an image is not reproducible from the commit alone)."""
+    if tag := os.environ.get("HLAT_WORKER_TAG"):
+        return tag
+    commit = _git("rev-parse", "--short=12", "HEAD")
+    if commit is None:
+        raise DeployError(f"{PROJECT_ROOT} is not a git checkout: set HLAT_WORKER_TAG to the worker image's tag")
+    return f"{commit}-dirty" if _git("status", "--porcelain", "--untracked-files=no") else commit
+
+
+def worker_image(stack: Stack, tag: str | None = None) -> str:
+    """The worker image of this checkout in the stack's ECR repository."""
+    return f"{stack.outputs['WorkerRepositoryUri']}:{tag or image_tag()}"
+
+
+def check_pushed(stack: Stack, image: str, session: Any = None) -> None:
+    """Refuse to point a pool at a worker image that is not in ECR (its flow runs would fail to start)."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    repository, tag = image.split("/", 1)[1].rsplit(":", 1)
+    ecr = (session or boto3.Session(region_name=stack.region)).client("ecr")
+    try:
+        ecr.describe_images(repositoryName=repository, imageIds=[{"imageTag": tag}])
+    except ClientError as exc:
+        if exc.response["Error"].get("Code") in ("ImageNotFoundException", "RepositoryNotFoundException"):
+            raise DeployError(
+                f"the worker image {image} is not in ECR: build and push it first with "
+                f"`deployments/push-worker-image.sh --stack {stack.name}` (the flow runs run its code)"
+            ) from exc
+        raise DeployError(f"cannot check the worker image {image} ({_aws_error(exc)})") from exc
+    except BotoCoreError as exc:
+        raise DeployError(f"cannot check the worker image {image} ({_aws_error(exc)})") from exc
+
+
+def ecs_job_template(stack: Stack, image: str) -> dict[str, Any]:
+    """The ECS pool's base job template: prefect-aws's own, with the defaults of every variable a user would
+    otherwise hand-edit set from the stack (image, cluster, task and execution roles, VPC and subnets, logs, size)."""
+    from prefect_aws.workers.ecs_worker import ECSWorker
+
+    out = stack.outputs
+    template: dict[str, Any] = ECSWorker.get_default_base_job_template()
+    defaults: dict[str, Any] = {
+        "image": image,
+        "cluster": out["ClusterName"],
+        "task_role_arn": out["FlowRunRoleArn"],
+        "execution_role_arn": out["TaskExecutionRoleArn"],
+        "cpu": FLOW_RUN_CPU,
+        "memory": FLOW_RUN_MEMORY,
+        "configure_cloudwatch_logs": True,
+        "cloudwatch_logs_options": {"awslogs-group": out["FlowRunLogGroup"], "awslogs-region": stack.region},
+        "env": {"AWS_DEFAULT_REGION": stack.region},
+    }
+    if out["VpcId"]:
+        defaults["vpc_id"] = out["VpcId"]
+        subnets = [s for s in out["SubnetIds"].split(",") if s]
+        if subnets:  # else prefect-aws takes every subnet of the VPC
+            defaults["network_configuration"] = {
+                "subnets": subnets,
+                "assignPublicIp": out["AssignPublicIp"] or "ENABLED",
+                "securityGroups": [],
+            }
+    properties = template["variables"]["properties"]
+    for key, value in defaults.items():
+        assert key in properties, f"prefect-aws's ECS template has no variable {key}"
+        properties[key]["default"] = value
+    return template
+
+
+def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:
+    """Save the SageMaker execution role's ARN in the Prefect Secret block the AWS deployments read; what was done."""
+    from prefect.blocks.system import Secret
+
+    try:
+        found = Secret.load(name)
+    except ValueError:  # no such block yet
+        found = None
+    if isinstance(found, Secret) and found.get() == role_arn:
+        return "unchanged"
+    Secret(value=role_arn).save(name, overwrite=True)
+    return "set to the stack's SageMaker execution role"
+
+
+def push_worker_image(
+    stack: Stack, tag: str | None = None, dry_run: bool = False, docker: str = "docker", session: Any = None
+) -> str:
+    """Build deployments/worker.Dockerfile from this checkout for Fargate (linux/amd64), tagged with the checkout's
+    commit, log in to the stack's ECR registry and push it; returns the image. `dry_run` prints the commands
+    instead (the registry password is never printed nor put on a command line)."""
+    import boto3
+
+    image = worker_image(stack, tag)
+    registry = image.split("/", 1)[0]
+    version = image.rsplit(":", 1)[1]
+    build = [docker, "build", "--platform", "linux/amd64", "-f", str(WORKER_DOCKERFILE.relative_to(PROJECT_ROOT))]
+    build += ["--build-arg", f"HLAT_CODE_VERSION={version}", "-t", image, "."]
+    login = [docker, "login", "--username", "AWS", "--password-stdin", registry]
+    steps: list[tuple[list[str], str | None]] = [(build, None), (login, "password"), ([docker, "push", image], None)]
+    if dry_run:
+        for cmd, _ in steps:
+            print(" ".join(cmd) + (" < (ECR password)" if "--password-stdin" in cmd else ""))
+        return image
+    password = None
+    for cmd, stdin in steps:
+        if stdin == "password":
+            if password is None:
+                from botocore.exceptions import BotoCoreError, ClientError
+
+                ecr = (session or boto3.Session(region_name=stack.region)).client("ecr")
+                try:
+                    token = ecr.get_authorization_token()["authorizationData"][0]["authorizationToken"]
+                except (BotoCoreError, ClientError) as exc:
+                    raise DeployError(f"cannot log in to ECR {registry} ({_aws_error(exc)})") from exc
+                password = base64.b64decode(token).decode().split(":", 1)[1]
+            stdin = password
+        print(f"hlat: {' '.join(cmd[:2])} ...", flush=True)
+        try:
+            done = subprocess.run(cmd, cwd=PROJECT_ROOT, input=stdin, text=True, check=False)
+        except FileNotFoundError as exc:
+            raise DeployError(f"{docker}: not found: install Docker (with buildx) to build the worker image") from exc
+        if done.returncode != 0:
+            raise DeployError(f"`{' '.join(cmd[:2])}` failed with exit code {done.returncode} (its output is above)")
+    print(f"hlat: pushed {image}")
+    return image
+
+
+def push_image_main(argv: Sequence[str] | None = None) -> int:
+    """deployments/push-worker-image.sh: `--stack NAME [--region R] [--tag T] [--dry-run]`."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="push-worker-image.sh", description="build the worker image from this checkout and push it to ECR"
+    )
+    parser.add_argument("--stack", required=True, help="the CloudFormation stack of deployments/account.yaml")
+    parser.add_argument("--region", help="its region (default: boto3's, e.g. AWS_DEFAULT_REGION)")
+    parser.add_argument("--tag", help="the image tag (default: the checkout's commit, -dirty if changed)")
+    parser.add_argument("--dry-run", action="store_true", help="print the commands, run none")
+    args = parser.parse_args(argv)
+    try:
+        push_worker_image(read_stack(args.stack, args.region), tag=args.tag, dry_run=args.dry_run)
+    except DeployError as exc:
+        print(f"push-worker-image.sh: error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def worker(
-    pool: str = DEFAULT_POOL, pool_type: str | None = None, limit: int | None = None, name: str | None = None
+    pool: str = DEFAULT_POOL,
+    pool_type: str | None = None,
+    limit: int | None = None,
+    name: str | None = None,
+    stack: str | None = None,
+    region: str | None = None,
 ) -> NoReturn:
     """Create the pool if missing, then replace this process with `prefect worker start` on it.
 
     SIGINT is reset to its default before the exec (a handled signal would be reset by the exec anyway; an
     ignored one would stay ignored): Prefect's worker stops on SIGTERM by sending itself SIGINT, so an inherited
     SIG_IGN, as `hlat worker &` in a script or a supervisor's shell gives, would make it ignore SIGTERM too.
+    With `stack`, the pool (ecs unless `pool_type` says otherwise) gets its base job template as `deploy` sets it.
     """
+    template = None
+    if stack:  # as `deploy` does: the ECS pool's template from the account stack
+        account = read_stack(stack, region)
+        pool_type = pool_type or "ecs"
+        if pool_type == "ecs":
+            image = worker_image(account)
+            check_pushed(account, image)
+            template = ecs_job_template(account, image)
     wait_for_api(api_url())
-    env = deploy_env()
-    print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env)}", flush=True)
+    env = deploy_env(pool_type=pool_type or "process")
+    print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}", flush=True)
     cmd = [_prefect(), "worker", "start", "--pool", pool]  # the worker type follows the pool's own
     if limit is not None:
         cmd += ["--limit", str(limit)]

@@ -66,7 +66,9 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
     assert form["training.max_steps"]["description"].startswith("Optimizer steps to train. Empty: the preset's")
     assert (form["training.max_steps"]["type"], form["training.max_steps"]["minimum"]) == ("integer", 1)
 
-    # The AWS deployments: S3 storage and the role's Secret block filled in; a git clone pull step; paused schedules.
+    # The AWS deployments: S3 storage and the role's Secret block filled in; the code where the pool's workers have
+    # it (this checkout on a process pool, the worker image's /opt/hlat on an ecs one: no git remote); paused
+    # schedules.
     seven = deployments["pretrain-7b"]
     assert seven.parameters == {
         "preset": "hlat-7b",
@@ -74,7 +76,7 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
         "overrides": {"job.role_arn_secret": "hlat-sagemaker-role"},
     }
     assert seven.pull_steps == [
-        {"prefect.deployments.steps.git_clone": {"repository": "https://git.example.com/hlat.git", "branch": "main"}}
+        {"prefect.deployments.steps.set_working_directory": {"directory": str(Path(__file__).resolve().parents[2])}}
     ]
     nightly = deployments["evaluate-7b"].schedules
     assert [(s.schedule.cron, s.active) for s in nightly] == [("0 2 * * *", False)]  # type: ignore[union-attr]

@@ -18,8 +18,11 @@ import pytest
 
 from hlat.core.config import ConfigError
 from hlat.deploy import (
+    IMAGE_CODE_DIR,
     PREFECT_FILE,
+    PROJECT_ROOT,
     DeployError,
+    code_source,
     default_selection,
     deploy,
     deploy_env,
@@ -78,15 +81,28 @@ def test_placeholders_needed_depend_on_what_is_deployed() -> None:
     deployments, default_pull = load_deployments()
     tiny = select(deployments, ["*-tiny"])
     assert missing_env(tiny, default_pull, {}) == ["HLAT_PROJECT_DIR"]
-    assert missing_env(deployments, default_pull, {}) == [
-        "HLAT_GIT_BRANCH",
-        "HLAT_GIT_REPOSITORY",
-        "HLAT_PROJECT_DIR",
-        "HLAT_S3_ROOT",
-    ]
-    env = deploy_env({"HLAT_S3_ROOT": "s3://b/p", "HLAT_GIT_REPOSITORY": "https://x/y.git", "HLAT_GIT_BRANCH": "m"})
+    assert missing_env(deployments, default_pull, {}) == ["HLAT_CODE_DIR", "HLAT_PROJECT_DIR", "HLAT_S3_ROOT"]
+    env = deploy_env({"HLAT_S3_ROOT": "s3://b/p"})
     assert env["HLAT_PROJECT_DIR"] == str(PREFECT_FILE.parents[1])
     assert missing_env(deployments, default_pull, env) == []
+
+
+def test_the_aws_deployments_run_the_worker_images_code_or_this_checkout_never_a_git_remote() -> None:
+    """On an ecs or kubernetes pool the AWS deployments run the code baked into the worker image (a private
+    repository, or a clone whose `origin` is a local path, works: nothing is cloned); on a process pool, this
+    checkout. `prefect deploy` fills the placeholder in from the environment `deploy_env` makes (tests/e2e and
+    test_account_template.py read it back)."""
+    deployments, default_pull = load_deployments()
+    seven = next(d for d in deployments if d["name"] == "pretrain-7b")
+    assert code_source(seven, default_pull) == "image" and not runs_from_checkout(seven, default_pull)
+    step = "prefect.deployments.steps.set_working_directory"
+    assert seven["pull"] == [{step: {"directory": "{{ $HLAT_CODE_DIR }}"}}]
+    for pool_type, folder in (("ecs", IMAGE_CODE_DIR), ("kubernetes", IMAGE_CODE_DIR), ("process", str(PROJECT_ROOT))):
+        assert deploy_env({}, pool_type=pool_type)["HLAT_CODE_DIR"] == folder, pool_type
+    names = {name for d in deployments for step in d.get("pull", default_pull) for name in step}
+    assert not any("git" in n for n in names), names
+    # A caller's own choice stands (a checkout at another path on the worker's host, say).
+    assert deploy_env({"HLAT_CODE_DIR": "/srv/hlat"}, pool_type="ecs")["HLAT_CODE_DIR"] == "/srv/hlat"
 
 
 def test_deploy_names_each_missing_variable_and_what_it_is_for(tmp_path: Path) -> None:
@@ -103,7 +119,7 @@ def test_deploy_and_worker_refuse_an_ephemeral_api(tmp_path: Path) -> None:
         assert "PREFECT_API_URL is not set" in out.stderr and "prefect server start" in out.stderr
 
 
-def test_without_names_an_ecs_or_kubernetes_pool_gets_only_the_deployments_that_clone_the_code() -> None:
+def test_without_names_an_ecs_or_kubernetes_pool_gets_only_the_deployments_that_bring_their_code() -> None:
     deployments, default_pull = load_deployments()
     local = [d["name"] for d in deployments if runs_from_checkout(d, default_pull)]
     assert local == [d["name"] for d in select(deployments, ["*-tiny"])]
@@ -112,9 +128,15 @@ def test_without_names_an_ecs_or_kubernetes_pool_gets_only_the_deployments_that_
         chosen, skipped = default_selection(deployments, default_pull, pool_type)
         assert [d["name"] for d in skipped] == local
         assert len(chosen) == 10 and all(not runs_from_checkout(d, default_pull) for d in chosen)
-    # Any fetching step counts as remote, a shell step or a working directory alone does not.
-    assert not runs_from_checkout({"pull": [{"prefect_aws.deployments.steps.pull_from_s3": {}}]}, [])
+    # Any fetching step counts as remote, a working directory in the image as the image; a shell step or a
+    # working directory elsewhere runs from the checkout.
+    assert code_source({"pull": [{"prefect_aws.deployments.steps.pull_from_s3": {}}]}, []) == "remote"
+    assert code_source({"pull": [{"prefect.deployments.steps.git_clone": {}}]}, []) == "remote"
     assert runs_from_checkout({"pull": [{"prefect.deployments.steps.run_shell_script": {}}]}, [])
+    in_image = {"prefect.deployments.steps.set_working_directory": {"directory": IMAGE_CODE_DIR}}
+    assert code_source({"pull": [in_image]}, []) == "image"
+    elsewhere = {"prefect.deployments.steps.set_working_directory": {"directory": "/home/me/hlat"}}
+    assert code_source({"pull": [elsewhere]}, []) == "checkout"
 
 
 # -- against the Prefect test server ------------------------------------------------------------------------
@@ -127,8 +149,6 @@ def api(prefect_server: None, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     url = str(PREFECT_API_URL.value())
     monkeypatch.setenv("PREFECT_API_URL", url)
     monkeypatch.setenv("HLAT_S3_ROOT", "s3://hlat-test-bucket/runs")
-    monkeypatch.setenv("HLAT_GIT_REPOSITORY", "https://git.example.com/hlat.git")
-    monkeypatch.setenv("HLAT_GIT_BRANCH", "main")
     yield url
 
 
