@@ -25,7 +25,8 @@ from hlat.flows.params import (
     build_config,
     overrides_dict,
 )
-from hlat.infra.runs import Run, open_run
+from hlat.infra.preflight import require_aws, require_sources
+from hlat.infra.runs import Run, check_run, continued, open_run
 from hlat.infra.stage_jobs import job_python
 from hlat.tasks import aws
 from hlat.tasks.caching import TRANSIENT_RETRIES
@@ -80,7 +81,9 @@ def _activate(config: HlatConfig) -> None:
     aws.activate(config.job)  # before the first AWS call (the run's storage)
 
 
-def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
+def resolve(
+    preset: str, overrides: Any, run_id: str | None, storage: str | None, *, reads_source: bool = False
+) -> tuple[HlatConfig, Run]:
     """What every stage flow starts with: its config and its run. A stage of the parent flow reads the config the
     parent wrote to the run's config.json; a stage started on its own starts the run itself (start_run).
 
@@ -89,7 +92,7 @@ def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None
     the whole parameter."""
     opened = _OPEN_RUN.get()
     if opened is None or opened[0].run_id != run_id:
-        return start_run(preset, merged_overrides(overrides), run_id, storage)
+        return start_run(preset, merged_overrides(overrides), run_id, storage, reads_source=reads_source)
     run, parent = opened
     # The storage section is the parent's: config.json keeps the root the run was started under (a run may be moved,
     # or read through another mount).
@@ -98,17 +101,30 @@ def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None
     return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
 
 
-def start_run(preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None) -> tuple[HlatConfig, Run]:
-    """Build the config (build_config), check what SageMaker would refuse (an instance type's typo...) before
-    anything is written, and open the run (its config.json written once, or checked). The SageMaker role is read
-    from its Secret block after config.json is written (which keeps the block's name, not its value)."""
-    config = build_config(preset, changes, run_id, storage)
+def start_run(
+    preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None, *, reads_source: bool = True
+) -> tuple[HlatConfig, Run]:
+    """Build the config (build_config), check before anything is written what would fail later, and open the run
+    (its config.json written once, or checked):
+    - what SageMaker would refuse (an instance type's typo...), and a config the run's config.json refuses
+      (`check_run`); a default run that was extended in place is continued (`continued`);
+    - the live preflight (infra/preflight.py): the data source can be read (when the flow reads it,
+      `reads_source`), and for a SageMaker run the caller, role, PassRole, storage, images, quotas and training
+      plan. A failure raises PreflightFailed, one line per failure.
+    The SageMaker role is read from its Secret block for the preflight, and config.json keeps the block's name,
+    not its value."""
+    config = continued(build_config(preset, changes, run_id, storage))
     _activate(config)
     from hlat.infra.stage_jobs import preflight
 
     preflight(config)
+    check_run(config)
+    live = aws.with_role(config)
+    if reads_source:
+        require_sources(config)
+    require_aws(live)
     run = open_run_task(config)
-    return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
+    return live.model_copy(update={"run_id": run.run_id}), run
 
 
 def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
@@ -155,6 +171,8 @@ def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[...,
     build (`run_name`), print to the run's log, and when `stops_jobs`, a cancelled run stops the stage's jobs. The
     flow's version is the hash of the body's file, as Prefect gives a flow written by hand."""
 
+    reads_source = name == "prepare-data"  # the one stage that reads data.source: it is checked first
+
     def make(body: Callable[..., R]) -> Flow[..., R]:
         declared = inspect.signature(body, eval_str=True)
         own = list(declared.parameters.values())
@@ -164,7 +182,9 @@ def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[...,
 
         def stage(*args: Any, **kwargs: Any) -> R:
             given = signature.bind(*args, **kwargs).arguments  # Prefect passes every parameter, defaults resolved
-            config, run = resolve(given["preset"], given["overrides"], given["run_id"], given["storage"])
+            config, run = resolve(
+                given["preset"], given["overrides"], given["run_id"], given["storage"], reads_source=reads_source
+            )
             return body(config, run, *(given[p.name] for p in own[2:]))
 
         stage.__name__, stage.__qualname__, stage.__doc__ = body.__name__, body.__qualname__, body.__doc__

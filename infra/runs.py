@@ -56,7 +56,9 @@ def run_for(config: HlatConfig) -> Run:
 
 def open_run(config: HlatConfig) -> Run:
     """Write the resolved config to <run>/config.json; refuse a different config under the same run id, except a
-    longer training.max_steps under the same cosine schedule (the run is extended).
+    longer training.max_steps under the same cosine schedule (the run is extended). `check_run` says, reading
+    only, what this will do; call `continued(config)` first to take over the length of a default run that was
+    extended in place.
 
     What determines the run's outputs (its fingerprint) is written once. Settings outside it (the job's budget and
     limits, precompile, burn-in, evaluation) may change between flow runs: config.json is updated to them, so the
@@ -68,31 +70,93 @@ def open_run(config: HlatConfig) -> Run:
     run = run_for(config)
     resolved = config.model_copy(update={"run_id": run.run_id})
     text = resolved.model_dump_json(indent=2) + "\n"
-    if run.storage.exists(CONFIG_FILE):
-        existing = validate_config(run.storage.read_json(CONFIG_FILE))
-        if existing.fingerprint() != resolved.fingerprint():
-            longer = resolved.training.max_steps > existing.training.max_steps
-            if not longer or existing.trajectory_fingerprint() != resolved.trajectory_fingerprint():
-                raise ConfigError(
-                    f"run {run.run_id!r} at {run.uri} was started with a different config "
-                    f"({describe_difference(existing, resolved)}){_extension_hint(existing, resolved)}; use another "
-                    "run id for this config, or none so that one is derived from the config"
-                )
-            # Only the length changed, under the same schedule: the steps trained so far stay valid.
-            log.info("run %s: training.max_steps %d -> %d (the cosine horizon stays %d steps)", run.run_id,
-                     existing.training.max_steps, resolved.training.max_steps,
-                     resolved.training.schedule_horizon)  # fmt: skip
-            run.storage.write_text(CONFIG_FILE, text)
-            return run
-        if existing.model_dump(exclude={"storage"}) != resolved.model_dump(exclude={"storage"}):
-            # Only settings outside the fingerprint changed (job budget and limits, precompile, burn-in,
-            # evaluation): the jobs started from now on read the new ones.
-            log.info("run %s: updating settings outside its fingerprint (%s)", run.run_id,
-                     describe_difference(existing, resolved))  # fmt: skip
-            run.storage.write_text(CONFIG_FILE, text)
+    existing = _stored(run)
+    if existing is None:
+        run.storage.write_text(CONFIG_FILE, text)
         return run
-    run.storage.write_text(CONFIG_FILE, text)
+    _refuse_unless_compatible(run, existing, resolved, derived=config.run_id is None)
+    if existing.fingerprint() != resolved.fingerprint():
+        # Only the length changed, under the same schedule: the steps trained so far stay valid.
+        log.info("run %s: training.max_steps %d -> %d (the cosine horizon stays %d steps)", run.run_id,
+                 existing.training.max_steps, resolved.training.max_steps,
+                 resolved.training.schedule_horizon)  # fmt: skip
+        run.storage.write_text(CONFIG_FILE, text)
+    elif existing.model_dump(exclude={"storage"}) != resolved.model_dump(exclude={"storage"}):
+        # Only settings outside the fingerprint changed (job budget and limits, precompile, burn-in,
+        # evaluation): the jobs started from now on read the new ones.
+        log.info("run %s: updating settings outside its fingerprint (%s)", run.run_id,
+                 describe_difference(existing, resolved))  # fmt: skip
+        run.storage.write_text(CONFIG_FILE, text)
     return run
+
+
+def _stored(run: Run) -> HlatConfig | None:
+    if not run.storage.exists(CONFIG_FILE):
+        return None
+    return validate_config(run.storage.read_json(CONFIG_FILE))
+
+
+def _extended_in_place(existing: HlatConfig, resolved: HlatConfig) -> bool:
+    """`existing` is `resolved` run longer on the same cosine schedule (`--set training.max_steps=800 --set
+    training.schedule_steps=600` given to the run `resolved` started)."""
+    return (
+        existing.training.max_steps > resolved.training.max_steps
+        and existing.trajectory_fingerprint() == resolved.trajectory_fingerprint()
+    )
+
+
+def continued(config: HlatConfig) -> HlatConfig:
+    """The config a run goes on with. A run whose id is derived from its config (no run id given) that was extended
+    in place under that id (`--run-id <preset>-<hash> --set training.max_steps=...`) is that extended run: a plain
+    re-run continues it, with its stored length and schedule and its id pinned (the longer length would derive
+    another id). Anything else is `config` itself. Reads config.json (nothing is written)."""
+    if config.run_id is not None:
+        return config
+    run = run_for(config)
+    existing = _stored(run)
+    resolved = config.model_copy(update={"run_id": run.run_id})
+    if existing is None or existing.fingerprint() == resolved.fingerprint():
+        return config
+    if not _extended_in_place(existing, resolved):
+        return config  # refused by check_run / open_run, with the reason
+    length = {"max_steps": existing.training.max_steps, "schedule_steps": existing.training.schedule_steps}
+    log.info(
+        "run %s was extended in place to %d steps: continuing it (give another run id for a %d-step run)",
+        run.run_id, existing.training.max_steps, config.training.max_steps,
+    )  # fmt: skip
+    return config.model_copy(update={"run_id": run.run_id, "training": config.training.model_copy(update=length)})
+
+
+def check_run(config: HlatConfig) -> Run:
+    """What open_run would refuse, found by reading only: raise ConfigError (the same message) before anything
+    starts; return the run otherwise."""
+    run = run_for(config)
+    existing = _stored(run)
+    if existing is not None:
+        resolved = config.model_copy(update={"run_id": run.run_id})
+        _refuse_unless_compatible(run, existing, resolved, derived=config.run_id is None)
+    return run
+
+
+def _refuse_unless_compatible(run: Run, existing: HlatConfig, resolved: HlatConfig, derived: bool) -> None:
+    if existing.fingerprint() == resolved.fingerprint():
+        return
+    longer = resolved.training.max_steps > existing.training.max_steps
+    if longer and existing.trajectory_fingerprint() == resolved.trajectory_fingerprint():
+        return
+    difference = describe_difference(existing, resolved)
+    if derived:
+        # The id derived from this config names a run another config took with an explicit --run-id.
+        raise ConfigError(
+            f"run {run.run_id!r} at {run.uri}, the id derived from this config, holds a run started with a different "
+            f"config under that id ({difference}){_extension_hint(existing, resolved)}; or give this config "
+            "another run id"
+        )
+    raise ConfigError(
+        f"run {run.run_id!r} at {run.uri} was started with a different config "
+        f"({difference}){_extension_hint(existing, resolved)}; use another "
+        "run id for this config, or none so that one is derived from the config"
+    )
 
 
 def _extension_hint(old: HlatConfig, new: HlatConfig) -> str:

@@ -1,0 +1,920 @@
+"""The live preflight of a run: what AWS and the data source will answer, asked before anything is spent or written.
+
+Two parts, each a list of `Finding`s (one line each; a failure names its fix):
+
+- `source_findings(config)`, for every run (local too): the corpus source can be read. A local path exists; an
+  s3:// object or prefix exists (one HEAD or LIST); a Hugging Face dataset name resolves on the hub (one API call),
+  or, offline (HF_HUB_OFFLINE=1) or with the hub unreachable, has a copy in the local cache. No other network.
+- `aws_findings(config)`, for a SageMaker run: the caller's identity (STS); the execution role `job.role_arn`
+  exists, trusts sagemaker.amazonaws.com, and the caller may iam:PassRole it; write, read, list and delete of a
+  probe object under the run's prefix (removed afterwards); the images of the jobs exist in ECR in `job.region`;
+  the SageMaker instance quotas cover the instances each stage needs; and, with `job.training_plan_arn`, the plan's
+  capacity. A check that this account cannot make (an image in AWS's own registry, a caller who may not read IAM)
+  is reported as not verified (`checked=False`), never as a failure.
+
+The clients are boto3's default chain in `job.region`, as the job backends build theirs (infra/sagemaker_jobs.py):
+the caller activates `job.aws_credentials_block` first (tasks/aws.py), so the preflight asks as the run will.
+No Prefect here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fnmatch
+import json
+import os
+import re
+import time
+import uuid
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+from urllib.parse import unquote
+
+from hlat.core.config import ConfigError, HlatConfig
+
+SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
+PROBE_NAME = ".hlat-preflight-"
+"""Name prefix of the probe object written (and removed) under the run's prefix."""
+QUOTA_NAME = "{instance_type} for training job usage"
+"""Service Quotas' name of the SageMaker quota on one instance type's instances across running training jobs (its
+quota code differs per type and is read from the listing)."""
+PASSED_TTL_S = 600.0
+"""A check that passed is not repeated within this many seconds in one process (the CLI checks before its server
+starts; the flow it then starts checks again: one answer serves both)."""
+
+_IMAGE = re.compile(
+    r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(?:\.cn)?/"
+    r"(?P<repo>[^:@]+)(?::(?P<tag>[^@]+)|@(?P<digest>sha256:[0-9a-f]+))?$"
+)
+_DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "UnrecognizedClientException")
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One check's outcome: `ok` False is a failure that stops the run; `checked` False means this account or
+    machine could not verify it (not a failure)."""
+
+    check: str
+    ok: bool
+    message: str
+    checked: bool = True
+
+    def line(self) -> str:
+        mark = "ok" if self.ok and self.checked else "??" if self.ok else "FAIL"
+        return f"preflight {mark:<4} {self.check}: {self.message}"
+
+
+@dataclass
+class PreflightResult:
+    findings: list[Finding] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    @property
+    def failures(self) -> list[Finding]:
+        return [f for f in self.findings if not f.ok]
+
+    def lines(self) -> list[str]:
+        return [f.line() for f in self.findings]
+
+
+class PreflightFailed(ConfigError):
+    """The preflight found problems; the message is one line per failure."""
+
+    def __init__(self, failures: list[Finding]) -> None:
+        self.failures = failures
+        super().__init__("\n".join(f"preflight: {f.check}: {f.message}" for f in failures))
+
+
+# -- what passed recently (one answer for the CLI and the flow it starts) ----------------------------------------
+_passed: dict[str, float] = {}
+
+
+def _recently_passed(key: str) -> bool:
+    at = _passed.get(key)
+    return at is not None and time.monotonic() - at < PASSED_TTL_S
+
+
+def _source_key(config: HlatConfig) -> str:
+    d = config.data
+    return json.dumps(["source", d.source, d.hf_config, d.revision, os.environ.get("HF_HUB_OFFLINE")])
+
+
+def _aws_key(config: HlatConfig) -> str:
+    body = config.model_dump(mode="json", include={"job", "storage", "data", "evaluation", "precompile", "burn_in"})
+    return json.dumps(["aws", config.resolved_run_id(), body], sort_keys=True, default=str)
+
+
+# -- the data source --------------------------------------------------------------------------------------------
+def source_findings(config: HlatConfig) -> list[Finding]:
+    """Whether data.source can be read, asked of what holds it (see the module docstring)."""
+    from hlat.training.data.sources import check_source, source_kind
+
+    src = config.data.source
+    try:
+        check_source(config.data)  # its shape; a local path's existence
+    except ConfigError as exc:
+        return [Finding("source", False, str(exc))]
+    kind = source_kind(src)
+    if kind == "s3":
+        return [_s3_source(src, config.job.region)]
+    if kind == "hub":
+        return [_hub_source(config)]
+    return [Finding("source", True, f"{src} ({kind})")]
+
+
+def _s3_source(uri: str, region: str) -> Finding:
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    bucket, _, key = uri[len("s3://") :].partition("/")
+    s3 = _session(None).client("s3", config=_client_config())
+    try:
+        if key and not key.endswith("/"):
+            try:
+                s3.head_object(Bucket=bucket, Key=key)
+                return Finding("source", True, f"{uri} (an object)")
+            except ClientError as exc:
+                if _code(exc) not in ("404", "NoSuchKey", "NotFound"):
+                    raise
+        prefix = key.rstrip("/") + "/" if key else ""
+        listed = s3.list_objects_v2(Bucket=bucket, Prefix=prefix, MaxKeys=1)
+        if listed.get("KeyCount", 0):
+            return Finding("source", True, f"{uri} (a prefix)")
+        return Finding(
+            "source", False, f"data.source: nothing at or under {uri}; give an s3:// URI that holds the corpus"
+        )
+    except NoCredentialsError:
+        return Finding(
+            "source",
+            False,
+            f"data.source: {uri} cannot be read: no AWS credentials; configure a profile or "
+            "environment keys (or job.aws_credentials_block) that may read it",
+        )
+    except ClientError as exc:
+        code = _code(exc)
+        if code == "NoSuchBucket":
+            return Finding("source", False, f"data.source: bucket {bucket!r} does not exist; check the s3:// URI")
+        if code in (*_DENIED, "403", "InvalidAccessKeyId", "SignatureDoesNotMatch"):
+            return Finding(
+                "source",
+                False,
+                f"data.source: {uri} cannot be read ({code}); the caller needs s3:GetObject and "
+                f"s3:ListBucket on arn:aws:s3:::{bucket}",
+            )
+        return Finding("source", False, f"data.source: {uri} cannot be read: {code}: {_message(exc)}")
+    except BotoCoreError as exc:
+        return Finding("source", False, f"data.source: {uri} cannot be read: {type(exc).__name__}: {exc}")
+
+
+def hub_cached(name: str) -> Path | None:
+    """A local copy of hub dataset `name` (the datasets cache's or the hub cache's), or None."""
+    from huggingface_hub import constants
+
+    datasets_cache = Path(
+        os.environ.get("HF_DATASETS_CACHE") or Path(constants.HF_HOME) / "datasets"
+    )  # datasets' own default
+    candidates = [
+        datasets_cache / name.replace("/", "___"),
+        Path(constants.HF_HUB_CACHE) / f"datasets--{name.replace('/', '--')}",
+    ]
+    return next((p for p in candidates if p.is_dir()), None)
+
+
+def _hub_source(config: HlatConfig) -> Finding:
+    from huggingface_hub import HfApi, constants
+    from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
+
+    d = config.data
+    name, cached = d.source, hub_cached(d.source)
+    if constants.HF_HUB_OFFLINE:
+        if cached is not None:
+            return Finding("source", True, f"{name}: offline (HF_HUB_OFFLINE=1), its cached copy at {cached}")
+        return Finding(
+            "source",
+            False,
+            f"data.source: {name!r} cannot be resolved offline (HF_HUB_OFFLINE=1) and has no cached "
+            "copy; unset HF_HUB_OFFLINE to reach the hub, or copy the data set to s3:// or a local folder",
+        )
+    try:
+        HfApi(endpoint=constants.ENDPOINT).dataset_info(name, revision=d.revision, timeout=10)
+        return Finding("source", True, f"{name} (the Hugging Face hub knows it)")
+    except GatedRepoError:
+        return Finding(
+            "source",
+            False,
+            f"data.source: {name!r} is gated on the Hugging Face hub; accept its terms on the hub and set HF_TOKEN",
+        )
+    except RevisionNotFoundError:
+        return Finding("source", False, f"data.revision: {d.revision!r} is not a revision of {name!r}; fix or unset it")
+    except RepositoryNotFoundError:
+        return Finding(
+            "source",
+            False,
+            f"data.source: no Hugging Face dataset named {name!r} (or it is private: set HF_TOKEN); "
+            "check the name (namespace/name)",
+        )
+    except Exception as exc:  # no answer: the network, a proxy, the endpoint
+        why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:200]
+        if cached is not None:
+            return Finding("source", True, f"{name}: the hub does not answer ({why}); its cached copy at {cached}")
+        if config.job.backend == "sagemaker":  # the job reaches the hub from AWS, not from here
+            return Finding("source", True, f"{name}: the hub does not answer from here ({why})", checked=False)
+        return Finding(
+            "source",
+            False,
+            f"data.source: cannot reach the Hugging Face hub for {name!r} ({why}) and no cached copy; "
+            "check the network or HF_ENDPOINT, or copy the data set to s3:// or a local folder",
+        )
+
+
+# -- AWS --------------------------------------------------------------------------------------------------------
+def _client_config(attempts: int = 2) -> Any:
+    from botocore.config import Config
+
+    return Config(
+        retries={"mode": "standard", "max_attempts": attempts},
+        connect_timeout=5,
+        read_timeout=15,
+        user_agent_extra="hlat",
+    )
+
+
+def _session(region: str | None) -> Any:
+    import boto3
+
+    return boto3.Session(region_name=region) if region else boto3.Session()
+
+
+def _code(exc: Any) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Code", type(exc).__name__))
+
+
+def _message(exc: Any) -> str:
+    return str(getattr(exc, "response", {}).get("Error", {}).get("Message", exc))[:200]
+
+
+ClientFactory = Callable[[str], Any]
+
+
+def aws_findings(config: HlatConfig, clients: Mapping[str, Any] | None = None) -> list[Finding]:
+    """The AWS checks of a SageMaker run (see the module docstring). `clients` replaces the boto3 client of a
+    service by name ('service-quotas', 'sagemaker', ...): tests hand in clients with a botocore Stubber where the
+    emulator has no such API."""
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+    from botocore.parsers import ResponseParserError
+
+    session = _session(config.job.region)
+    made: dict[str, Any] = dict(clients or {})
+
+    def client(service: str) -> Any:
+        if service not in made:
+            # IAM's few reads are not retried: a simulator that is not there (moto) answers 500 at once.
+            attempts = 1 if service == "iam" else 2
+            made[service] = session.client(service, region_name=config.job.region, config=_client_config(attempts))
+        return made[service]
+
+    try:
+        identity = client("sts").get_caller_identity()
+    except NoCredentialsError:
+        return [
+            Finding(
+                "caller",
+                False,
+                "no AWS credentials: configure a profile (aws configure; AWS_PROFILE), environment "
+                "keys, or job.aws_credentials_block",
+            )
+        ]
+    except (ClientError, BotoCoreError) as exc:
+        return [
+            Finding(
+                "caller", False, f"STS GetCallerIdentity failed ({_code(exc)}: {_message(exc)}); fix the credentials"
+            )
+        ]
+    caller, account = str(identity["Arn"]), str(identity["Account"])
+    findings = [Finding("caller", True, f"{caller} (account {account}, region {config.job.region})")]
+    checks: list[Callable[[], list[Finding]]] = [
+        lambda: _role(client, config, caller, account),
+        lambda: _storage(client, config),
+        lambda: _images(client, config, account),
+        lambda: _quotas(client, config),
+        lambda: _training_plan(client, config),
+    ]
+    for check in checks:
+        try:
+            findings += check()
+        except (ClientError, BotoCoreError, ResponseParserError) as exc:  # unexpected: one line, not a traceback
+            findings.append(Finding("aws", False, f"{type(exc).__name__}: {_code(exc)}: {_message(exc)}"))
+    return findings
+
+
+# -- the execution role -----------------------------------------------------------------------------------------
+def _role(client: ClientFactory, config: HlatConfig, caller: str, account: str) -> list[Finding]:
+    from botocore.exceptions import ClientError
+
+    role_arn = config.job.role_arn
+    if not role_arn:
+        return [
+            Finding(
+                "role",
+                False,
+                "job.role_arn is not set: set it to the IAM role SageMaker assumes "
+                "(arn:aws:iam::<account>:role/<name>), or job.role_arn_secret",
+            )
+        ]
+    role_account = role_arn.split(":")[4] if role_arn.count(":") >= 5 else ""
+    name = role_arn.rsplit("/", 1)[-1]
+    iam = client("iam")
+    if role_account != account:
+        return [
+            Finding(
+                "role",
+                True,
+                f"{role_arn} is in account {role_account}, the caller in {account}: its trust and "
+                "PassRole are not checked from here",
+                checked=False,
+            )
+        ]
+    try:
+        role = iam.get_role(RoleName=name)["Role"]
+    except ClientError as exc:
+        if _code(exc) == "NoSuchEntity":
+            return [
+                Finding(
+                    "role",
+                    False,
+                    f"job.role_arn: no role {name!r} in account {account}; create it (trusting "
+                    f"{SAGEMAKER_SERVICE}) or fix the ARN",
+                )
+            ]
+        if _code(exc) in _DENIED:
+            return [Finding("role", True, f"{role_arn}: iam:GetRole denied to the caller, not checked", checked=False)]
+        raise
+    findings = []
+    if role.get("Arn") and role["Arn"] != role_arn:
+        findings.append(Finding("role", False, f"job.role_arn: {role_arn} is not the role's ARN; use {role['Arn']}"))
+    elif _trusts_sagemaker(role.get("AssumeRolePolicyDocument")):
+        findings.append(Finding("role", True, f"{role_arn} exists and trusts {SAGEMAKER_SERVICE}"))
+    else:
+        findings.append(
+            Finding(
+                "role",
+                False,
+                f"{role_arn} does not trust {SAGEMAKER_SERVICE}: add to its trust policy a statement "
+                f'{{"Effect": "Allow", "Principal": {{"Service": "{SAGEMAKER_SERVICE}"}}, "Action": "sts:AssumeRole"}}',
+            )
+        )
+    findings.append(_pass_role(iam, caller, account, role_arn))
+    return findings
+
+
+def _document(value: Any) -> dict[str, Any]:
+    """A policy document as IAM returns it: a dict (boto3 decodes it) or URL-encoded JSON text."""
+    if isinstance(value, Mapping):
+        return dict(value)
+    if isinstance(value, str) and value.strip():
+        text = value if value.lstrip().startswith("{") else unquote(value)
+        loaded = json.loads(text)
+        return loaded if isinstance(loaded, dict) else {}
+    return {}
+
+
+def _listed(value: Any) -> list[Any]:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def _trusts_sagemaker(document: Any) -> bool:
+    for statement in _listed(_document(document).get("Statement")):
+        if statement.get("Effect") != "Allow" or statement.get("Condition"):
+            continue
+        actions = [str(a).lower() for a in _listed(statement.get("Action"))]
+        if not any(fnmatch.fnmatchcase("sts:assumerole", a) for a in actions):
+            continue
+        principal = statement.get("Principal")
+        services = _listed(principal.get("Service")) if isinstance(principal, Mapping) else []
+        if SAGEMAKER_SERVICE in services or principal == "*":
+            return True
+    return False
+
+
+def caller_principal(caller: str, iam: Any) -> str | None:
+    """The IAM principal whose policies decide the caller's permissions: a user's ARN as it is; for an assumed role
+    (arn:aws:sts::A:assumed-role/NAME/SESSION) the role's ARN (read with iam:GetRole for its path); None for the
+    account root (allowed everything) and for principals IAM cannot simulate (federated users)."""
+    from botocore.exceptions import ClientError
+
+    parts = caller.split(":", 5)
+    if len(parts) < 6:
+        return None
+    resource = parts[5]
+    if resource.startswith("user/"):
+        return caller.replace(":sts::", ":iam::", 1)  # moto and some SDKs write a user's ARN under sts
+    if resource.startswith("assumed-role/"):
+        name = resource.split("/")[1]
+        try:
+            return str(iam.get_role(RoleName=name)["Role"]["Arn"])
+        except ClientError:
+            return f"arn:{parts[1]}:iam::{parts[4]}:role/{name}"
+    return None
+
+
+PASS_ROLE_STATEMENT = (
+    '{{"Effect": "Allow", "Action": "iam:PassRole", "Resource": "{role}", '
+    '"Condition": {{"StringEquals": {{"iam:PassedToService": "' + SAGEMAKER_SERVICE + '"}}}}}}'
+)
+
+
+def _pass_role(iam: Any, caller: str, account: str, role_arn: str) -> Finding:
+    """Whether the caller may pass the role to SageMaker: IAM's policy simulator for the caller's principal (an
+    assumed role's caller is simulated as its role), else the principal's own policies read and evaluated here
+    (`passrole_decision`; moto has no simulator, and a caller may be allowed to read its policies but not to
+    simulate them)."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.parsers import ResponseParserError
+
+    if caller.endswith(":root"):
+        return Finding("passrole", True, "the account root may pass any role")
+    principal = caller_principal(caller, iam)
+    if principal is None:
+        return Finding("passrole", True, f"{caller}: a principal IAM cannot simulate; not checked", checked=False)
+    fix = f"add to {principal}'s policy {PASS_ROLE_STATEMENT.format(role=role_arn)}"
+    try:
+        results = iam.simulate_principal_policy(
+            PolicySourceArn=principal,
+            ActionNames=["iam:PassRole"],
+            ResourceArns=[role_arn],
+            ContextEntries=[
+                {
+                    "ContextKeyName": "iam:PassedToService",
+                    "ContextKeyValues": [SAGEMAKER_SERVICE],
+                    "ContextKeyType": "string",
+                }
+            ],
+        )["EvaluationResults"]
+        decision = str(results[0]["EvalDecision"]) if results else "implicitDeny"
+        if decision == "allowed":
+            return Finding("passrole", True, f"{principal} may pass {role_arn} to SageMaker (IAM policy simulator)")
+        return Finding("passrole", False, f"{principal} may not iam:PassRole {role_arn} ({decision}); {fix}")
+    except (ClientError, BotoCoreError, ResponseParserError) as exc:  # denied, or moto's 500: not implemented
+        simulated = _code(exc)
+    try:
+        allowed = passrole_decision(_principal_policies(iam, principal), role_arn)
+    except (ClientError, BotoCoreError) as exc:
+        return Finding(
+            "passrole",
+            True,
+            f"not checked: the policy simulator answered {simulated} and the caller's policies "
+            f"cannot be read ({_code(exc)}); allow iam:SimulatePrincipalPolicy to verify",
+            checked=False,
+        )
+    if allowed is None:
+        return Finding(
+            "passrole",
+            True,
+            f"not checked: {principal}'s policies hold conditions evaluated only by IAM",
+            checked=False,
+        )
+    if allowed:
+        return Finding("passrole", True, f"{principal} may pass {role_arn} to SageMaker (its policies, read here)")
+    return Finding("passrole", False, f"{principal} may not iam:PassRole {role_arn} (its policies); {fix}")
+
+
+def _principal_policies(iam: Any, principal: str) -> list[dict[str, Any]]:
+    """The identity policies of a user (its own, its groups') or a role: inline and attached, as documents."""
+    kind, _, name = principal.split(":", 5)[5].partition("/")
+    name = name.rsplit("/", 1)[-1]
+    docs: list[Any] = []
+
+    def attached(arns: Iterable[str]) -> None:
+        for arn in arns:
+            version = iam.get_policy(PolicyArn=arn)["Policy"]["DefaultVersionId"]
+            docs.append(iam.get_policy_version(PolicyArn=arn, VersionId=version)["PolicyVersion"]["Document"])
+
+    if kind == "user":
+        for policy in iam.list_user_policies(UserName=name)["PolicyNames"]:
+            docs.append(iam.get_user_policy(UserName=name, PolicyName=policy)["PolicyDocument"])
+        attached(p["PolicyArn"] for p in iam.list_attached_user_policies(UserName=name)["AttachedPolicies"])
+        for group in iam.list_groups_for_user(UserName=name)["Groups"]:
+            g = group["GroupName"]
+            for policy in iam.list_group_policies(GroupName=g)["PolicyNames"]:
+                docs.append(iam.get_group_policy(GroupName=g, PolicyName=policy)["PolicyDocument"])
+            attached(p["PolicyArn"] for p in iam.list_attached_group_policies(GroupName=g)["AttachedPolicies"])
+    else:
+        for policy in iam.list_role_policies(RoleName=name)["PolicyNames"]:
+            docs.append(iam.get_role_policy(RoleName=name, PolicyName=policy)["PolicyDocument"])
+        attached(p["PolicyArn"] for p in iam.list_attached_role_policies(RoleName=name)["AttachedPolicies"])
+    return [_document(d) for d in docs]
+
+
+def passrole_decision(documents: Iterable[Mapping[str, Any]], role_arn: str) -> bool | None:
+    """Whether identity policies allow iam:PassRole of `role_arn` to SageMaker: False on an explicit Deny or no
+    Allow, True on an Allow, None when the answer hangs on a condition other than iam:PassedToService (only IAM can
+    evaluate those). Action/NotAction and Resource/NotResource with wildcards are matched as IAM matches them;
+    permission boundaries, SCPs and session policies are not seen (the simulator sees boundaries)."""
+
+    def matches(patterns: Any, value: str, case: bool) -> bool:
+        return any(
+            fnmatch.fnmatchcase(value if case else value.lower(), str(p) if case else str(p).lower())
+            for p in _listed(patterns)
+        )
+
+    def applies(statement: Mapping[str, Any]) -> bool | None:
+        if "Action" in statement and not matches(statement["Action"], "iam:PassRole", case=False):
+            return False
+        if "NotAction" in statement and matches(statement["NotAction"], "iam:PassRole", case=False):
+            return False
+        if "Resource" in statement and not matches(statement["Resource"], role_arn, case=True):
+            return False
+        if "NotResource" in statement and matches(statement["NotResource"], role_arn, case=True):
+            return False
+        return _condition_holds(statement.get("Condition"))
+
+    allowed: bool | None = False
+    for document in documents:
+        for statement in _listed(document.get("Statement")):
+            hit = applies(statement)
+            if statement.get("Effect") == "Deny" and hit:
+                return False
+            if statement.get("Effect") == "Allow":
+                if hit:
+                    allowed = True
+                elif hit is None and allowed is False:
+                    allowed = None
+    return allowed
+
+
+def _condition_holds(condition: Any) -> bool | None:
+    """A statement's Condition for a PassRole to SageMaker: True/False for iam:PassedToService tests, None for any
+    other key (unknown here)."""
+    if not condition:
+        return True
+    for operator, tests in dict(condition).items():
+        for key, values in dict(tests).items():
+            if key.lower() != "iam:passedtoservice":
+                return None
+            wanted = [str(v) for v in _listed(values)]
+            op = operator.split(":")[-1].replace("IfExists", "")
+            if op == "StringEquals":
+                ok = SAGEMAKER_SERVICE in wanted
+            elif op == "StringLike":
+                ok = any(fnmatch.fnmatchcase(SAGEMAKER_SERVICE, w) for w in wanted)
+            elif op == "StringNotEquals":
+                ok = SAGEMAKER_SERVICE not in wanted
+            elif op == "StringNotLike":
+                ok = not any(fnmatch.fnmatchcase(SAGEMAKER_SERVICE, w) for w in wanted)
+            else:
+                return None
+            if not ok:
+                return False
+    return True
+
+
+# -- the storage prefix -----------------------------------------------------------------------------------------
+def _storage(client: ClientFactory, config: HlatConfig) -> list[Finding]:
+    """Write, read, list and delete a probe object under the run's prefix: what every stage does there."""
+    from botocore.exceptions import ClientError
+
+    root = config.storage.root.rstrip("/")
+    if not root.startswith("s3://"):
+        return [Finding("storage", False, f"storage.root: SageMaker needs s3://bucket/prefix, not {root!r}")]
+    bucket, _, prefix = root[len("s3://") :].partition("/")
+    run_prefix = "/".join(p for p in (prefix, config.resolved_run_id()) if p)
+    key = f"{run_prefix}/{PROBE_NAME}{uuid.uuid4().hex[:12]}"
+    where = f"s3://{bucket}/{key}"
+    s3 = client("s3")
+    findings: list[Finding] = []
+    try:
+        location = s3.get_bucket_location(Bucket=bucket).get("LocationConstraint") or "us-east-1"
+        if location != config.job.region:
+            findings.append(
+                Finding(
+                    "storage",
+                    False,
+                    f"bucket {bucket!r} is in {location}, job.region is {config.job.region}: "
+                    f"SageMaker reads and writes buckets of its own region; use a bucket in {config.job.region} "
+                    f"or set job.region={location}",
+                )
+            )
+    except ClientError as exc:
+        if _code(exc) == "NoSuchBucket":
+            return [
+                Finding(
+                    "storage",
+                    False,
+                    f"storage.root: bucket {bucket!r} does not exist; create it "
+                    f"(aws s3 mb s3://{bucket} --region {config.job.region}) or fix the URI",
+                )
+            ]
+        if _code(exc) not in _DENIED:
+            raise
+    steps: list[tuple[str, Callable[[], Any]]] = [
+        ("s3:PutObject", lambda: s3.put_object(Bucket=bucket, Key=key, Body=b"hlat preflight probe\n")),
+        ("s3:GetObject", lambda: s3.get_object(Bucket=bucket, Key=key)["Body"].read()),
+        ("s3:ListBucket", lambda: s3.list_objects_v2(Bucket=bucket, Prefix=key).get("Contents", [])),
+        ("s3:DeleteObject", lambda: s3.delete_object(Bucket=bucket, Key=key)),
+    ]
+    for action, step in steps:
+        try:
+            answer = step()
+        except ClientError as exc:
+            if action in ("s3:GetObject", "s3:ListBucket"):
+                _remove_quietly(s3, bucket, key)
+            left = f"; the probe {where} is left: remove it by hand" if action == "s3:DeleteObject" else ""
+            resource = f"arn:aws:s3:::{bucket}" + ("" if action == "s3:ListBucket" else f"/{run_prefix}/*")
+            findings.append(
+                Finding(
+                    "storage",
+                    False,
+                    f"{action} denied on s3://{bucket}/{run_prefix}/ ({_code(exc)}); allow "
+                    f"{action} on {resource} to the caller{left}",
+                )
+            )
+            return findings
+        if action == "s3:ListBucket" and key not in [o["Key"] for o in answer]:
+            _remove_quietly(s3, bucket, key)
+            findings.append(Finding("storage", False, f"the probe {where} was written but is not listed"))
+            return findings
+    findings.append(Finding("storage", True, f"write, read, list and delete under s3://{bucket}/{run_prefix}/"))
+    return findings
+
+
+def _remove_quietly(s3: Any, bucket: str, key: str) -> None:
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    with contextlib.suppress(ClientError, BotoCoreError):
+        s3.delete_object(Bucket=bucket, Key=key)
+
+
+# -- images -----------------------------------------------------------------------------------------------------
+def stage_images(config: HlatConfig) -> dict[str, list[str]]:
+    """The image each SageMaker stage job runs, as the backend resolves it: {image URI: [stages]}."""
+    from hlat.infra.stage_jobs import data_image, evaluation_image
+
+    job = config.job
+    train = job.image_uri
+    if train is None:
+        from hlat.infra.sagemaker_jobs import neuron_training_image
+
+        train = neuron_training_image(job.region, config.neuron.sdk)
+        if train is None:
+            raise ConfigError(
+                f"job.region={job.region!r}: AWS publishes no Neuron PyTorch training image there; set job.image_uri "
+                "to a training image in that region"
+            )
+    images: dict[str, list[str]] = {}
+    for stage, image in (
+        ("prepare-data", data_image(config)),
+        ("train", train),
+        ("evaluate", evaluation_image(config) or train),
+    ):
+        images.setdefault(image or train, []).append(stage)
+    return images
+
+
+def _images(client: ClientFactory, config: HlatConfig, account: str) -> list[Finding]:
+    from botocore.exceptions import ClientError
+
+    try:
+        images = stage_images(config)
+    except (ConfigError, ValueError) as exc:
+        return [Finding("image", False, str(exc))]
+    findings = []
+    for image, stages in images.items():
+        what = f"{image} ({', '.join(stages)})"
+        match = _IMAGE.match(image)
+        if match is None:
+            findings.append(Finding("image", True, f"{what}: not an ECR image; not checked", checked=False))
+            continue
+        if match["region"] != config.job.region:
+            findings.append(
+                Finding(
+                    "image",
+                    False,
+                    f"{what} is in {match['region']}, job.region is {config.job.region}: SageMaker "
+                    "pulls images of its own region; push it to ECR there",
+                )
+            )
+            continue
+        ident = {"imageTag": match["tag"] or "latest"} if not match["digest"] else {"imageDigest": match["digest"]}
+        own = match["account"] == account
+        try:
+            client("ecr").describe_images(registryId=match["account"], repositoryName=match["repo"], imageIds=[ident])
+            findings.append(Finding("image", True, f"{what} exists"))
+        except ClientError as exc:
+            code = _code(exc)
+            if code == "ImageNotFoundException" or (own and code == "RepositoryNotFoundException"):
+                findings.append(
+                    Finding(
+                        "image",
+                        False,
+                        f"{what}: no such image in ECR ({code}); build and push it (docker push "
+                        f"{image}) or fix the image setting",
+                    )
+                )
+            elif not own and (code in _DENIED or code == "RepositoryNotFoundException"):
+                findings.append(
+                    Finding(
+                        "image",
+                        True,
+                        f"{what}: in account {match['account']}'s registry (AWS's own for its deep "
+                        "learning containers), which this account may not describe; SageMaker pulls it with the "
+                        "execution role",
+                        checked=False,
+                    )
+                )
+            elif code in _DENIED:
+                findings.append(
+                    Finding("image", True, f"{what}: ecr:DescribeImages denied, not checked", checked=False)
+                )
+            else:
+                raise
+    return findings
+
+
+# -- quotas -----------------------------------------------------------------------------------------------------
+def instance_needs(config: HlatConfig) -> dict[str, tuple[int, list[str]]]:
+    """The most instances of each type the run's SageMaker jobs hold at once, and the stages that need them: the
+    stages run one after another, except evaluation every N steps, which runs beside training."""
+    from hlat.infra.stage_jobs import data_instances
+
+    job, e = config.job, config.evaluation
+    uses: list[tuple[str, int, str]] = [(config.data.instance_type, data_instances(config), "prepare-data")]
+    if config.precompile.enabled:
+        uses.append((job.instance_type, job.instance_count, "precompile"))
+    if config.burn_in.enabled:
+        uses.append((job.instance_type, job.instance_count, "burn-in"))
+    uses.append((job.instance_type, job.instance_count, "train"))
+    eval_type = e.instance_type or job.instance_type
+    beside = e.every_steps is not None and eval_type == job.instance_type
+    uses.append(
+        (eval_type, 1 + (job.instance_count if beside else 0), "evaluate" + (" beside train" if beside else ""))
+    )
+    needs: dict[str, tuple[int, list[str]]] = {}
+    for instance_type, count, stage in uses:
+        most, stages = needs.get(instance_type, (0, []))
+        needs[instance_type] = (max(most, count), [*stages, stage])
+    return needs
+
+
+def _quotas(client: ClientFactory, config: HlatConfig) -> list[Finding]:
+    from botocore.exceptions import ClientError
+
+    quotas = client("service-quotas")
+    region = config.job.region
+    try:
+        listed = _all_quotas(quotas, "list_service_quotas")
+    except ClientError as exc:
+        if _code(exc) in _DENIED:
+            return [Finding("quota", True, "servicequotas:ListServiceQuotas denied: quotas not checked", checked=False)]
+        raise
+    defaults: dict[str, dict[str, Any]] | None = None
+    findings = []
+    for instance_type, (count, stages) in instance_needs(config).items():
+        name = QUOTA_NAME.format(instance_type=instance_type)
+        quota = listed.get(name)
+        if quota is None:
+            if defaults is None:
+                try:
+                    defaults = _all_quotas(quotas, "list_aws_default_service_quotas")
+                except ClientError:
+                    defaults = {}
+            quota = defaults.get(name)
+        what = f"{instance_type} x {count} ({', '.join(stages)})"
+        if quota is None:
+            findings.append(Finding("quota", True, f"{what}: no quota named {name!r} in {region}", checked=False))
+            continue
+        value = int(quota.get("Value") or 0)
+        if value >= count:
+            findings.append(Finding("quota", True, f"{what}: {name!r} is {value}"))
+            continue
+        planned = config.job.training_plan_arn and instance_type == config.job.instance_type
+        fix = (
+            f"request {count}: aws service-quotas request-service-quota-increase --service-code sagemaker "
+            f"--quota-code {quota.get('QuotaCode')} --desired-value {count} --region {region}"
+        )
+        if planned:
+            findings.append(
+                Finding(
+                    "quota",
+                    True,
+                    f"{what}: {name!r} is {value}; the training plan's capacity is checked instead",
+                    checked=False,
+                )
+            )
+        else:
+            findings.append(Finding("quota", False, f"{what}: {name!r} is {value} in {region}; {fix}"))
+    return findings
+
+
+def _all_quotas(quotas: Any, operation: str) -> dict[str, dict[str, Any]]:
+    out: dict[str, dict[str, Any]] = {}
+    token: str | None = None
+    while True:
+        page = getattr(quotas, operation)(ServiceCode="sagemaker", **({"NextToken": token} if token else {}))
+        out.update({q["QuotaName"]: q for q in page.get("Quotas", [])})
+        token = page.get("NextToken")
+        if not token:
+            return out
+
+
+# -- the training plan ------------------------------------------------------------------------------------------
+def _training_plan(client: ClientFactory, config: HlatConfig) -> list[Finding]:
+    from botocore.exceptions import ClientError
+
+    job = config.job
+    arn = job.training_plan_arn
+    if not arn:
+        return []
+    try:
+        plan = client("sagemaker").describe_training_plan(TrainingPlanName=arn)
+    except ClientError as exc:
+        if _code(exc) in ("ResourceNotFound", "ValidationException"):
+            return [Finding("training-plan", False, f"job.training_plan_arn: {arn} not found in {job.region}; fix it")]
+        if _code(exc) in _DENIED:
+            return [Finding("training-plan", True, f"{arn}: DescribeTrainingPlan denied, not checked", checked=False)]
+        raise
+    status = plan.get("Status")
+    name = plan.get("TrainingPlanName", arn)
+    if status not in ("Active", "Scheduled"):
+        return [
+            Finding(
+                "training-plan",
+                False,
+                f"{name} is {status}: use an Active or Scheduled plan, or unset job.training_plan_arn",
+            )
+        ]
+    if "training-job" not in plan.get("TargetResources", ["training-job"]):
+        return [
+            Finding(
+                "training-plan", False, f"{name} reserves capacity for {plan.get('TargetResources')}, not training jobs"
+            )
+        ]
+    reserved = sum(
+        int(r.get("TotalInstanceCount") or 0)
+        for r in plan.get("ReservedCapacitySummaries", [])
+        if r.get("InstanceType") == job.instance_type
+    )
+    if reserved < job.instance_count:
+        return [
+            Finding(
+                "training-plan",
+                False,
+                f"{name} reserves {reserved} x {job.instance_type}, the run needs "
+                f"{job.instance_count}; use a larger plan or set job.instance_count",
+            )
+        ]
+    available = plan.get("AvailableInstanceCount")
+    if status == "Active" and available is not None and int(available) < job.instance_count:
+        return [
+            Finding(
+                "training-plan",
+                False,
+                f"{name} has {available} of {reserved} x {job.instance_type} free now "
+                f"({plan.get('InUseInstanceCount', 0)} in use), the run needs {job.instance_count}",
+            )
+        ]
+    when = "" if status == "Active" else f"; jobs queue until it starts at {plan.get('StartTime')}"
+    return [Finding("training-plan", True, f"{name} ({status}): {reserved} x {job.instance_type} reserved{when}")]
+
+
+# -- the whole preflight ----------------------------------------------------------------------------------------
+def run_preflight(
+    config: HlatConfig, *, clients: Mapping[str, Any] | None = None, sources: bool = True, aws: bool | None = None
+) -> PreflightResult:
+    """The source checks (when `sources`) and, for a SageMaker run (or when `aws` is True), the AWS checks. The
+    caller has activated the run's AWS credentials and read its role (tasks/aws.py)."""
+    findings: list[Finding] = []
+    if sources:
+        findings += source_findings(config)
+    if aws if aws is not None else config.job.backend == "sagemaker":
+        findings += aws_findings(config, clients)
+    return PreflightResult(findings)
+
+
+def require_sources(config: HlatConfig) -> None:
+    """Raise PreflightFailed (one line per failure) unless data.source can be read; what passed is not asked again
+    for PASSED_TTL_S."""
+    key = _source_key(config)
+    if _recently_passed(key):
+        return
+    failures = [f for f in source_findings(config) if not f.ok]
+    if failures:
+        raise PreflightFailed(failures)
+    _passed[key] = time.monotonic()
+
+
+def require_aws(config: HlatConfig, *, clients: Mapping[str, Any] | None = None) -> None:
+    """For a SageMaker run, the AWS checks; raise PreflightFailed (one line per failure, no traceback) if any fails.
+    What passed is not asked again for PASSED_TTL_S. Nothing for a local run."""
+    if config.job.backend != "sagemaker":
+        return
+    key = _aws_key(config)
+    if _recently_passed(key):
+        return
+    failures = [f for f in aws_findings(config, clients) if not f.ok]
+    if failures:
+        raise PreflightFailed(failures)
+    _passed[key] = time.monotonic()
