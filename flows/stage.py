@@ -13,7 +13,7 @@ from prefect import Flow, flow, task
 from prefect.runtime import flow_run
 from prefect.utilities.hashing import file_hash
 
-from hlat.core.config import HlatConfig
+from hlat.core.config import DataConfig, HlatConfig
 from hlat.flows.params import (
     OVERRIDES,
     PRESET,
@@ -101,6 +101,15 @@ def resolve(
     return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
 
 
+def source_shape(data: DataConfig) -> str:
+    """data.source's kind ('builtin', 'local', 's3', 'hub') once its shape is checked without reading it: the
+    preflight's `shape` (infra cannot import training/)."""
+    from hlat.training.data.sources import check_source, source_kind
+
+    check_source(data)
+    return source_kind(data.source)
+
+
 def start_run(
     preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None, *, reads_source: bool = True
 ) -> tuple[HlatConfig, Run]:
@@ -121,7 +130,7 @@ def start_run(
     check_run(config)
     live = aws.with_role(config)
     if reads_source:
-        require_sources(config)
+        require_sources(config, source_shape)
     require_aws(live)
     run = open_run_task(config)
     return live.model_copy(update={"run_id": run.run_id}), run

@@ -37,6 +37,7 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
     """Every check of a run before it starts, as findings: the config against the run's config.json, what SageMaker
     would refuse and the budget (stage_jobs.preflight), the data source, and for a SageMaker run the AWS checks
     (with the run's AWS credentials block activated and its role read from its Secret block)."""
+    from hlat.flows.stage import source_shape
     from hlat.infra.runs import check_run, continued
     from hlat.infra.stage_jobs import preflight as check_requests
 
@@ -51,6 +52,7 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
         findings.append(Finding("run", True, f"config.json not read ({type(exc).__name__})", checked=False))
     try:
         check_requests(config)
+        findings.append(Finding("config", True, "the jobs' requests and the budget"))
     except (ConfigError, ValueError) as exc:
         findings.append(Finding("config", False, str(exc)))
     aws = config.job.backend == "sagemaker"
@@ -62,8 +64,8 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
             config = with_role(config)
         except ConfigError as exc:
             findings.append(Finding("credentials", False, str(exc)))
-            return PreflightResult(findings + run_preflight(config, aws=False).findings)
-    return PreflightResult(findings + run_preflight(config, aws=aws).findings)
+            return PreflightResult(findings + run_preflight(config, shape=source_shape, aws=False).findings)
+    return PreflightResult(findings + run_preflight(config, shape=source_shape, aws=aws).findings)
 
 
 def preflight_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
@@ -104,6 +106,8 @@ def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
     except Exception:  # storage not readable without the run's credentials: the flow opens the run and says why
         pass
     if reads_source:
-        require_sources(config)
+        from hlat.flows.stage import source_shape
+
+        require_sources(config, source_shape)
     if not (config.job.aws_credentials_block or config.job.role_arn_secret):
         require_aws(config)

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import unquote
 
-from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.config import ConfigError, DataConfig, HlatConfig
 
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 PROBE_NAME = ".hlat-preflight-"
@@ -110,16 +110,19 @@ def _aws_key(config: HlatConfig) -> str:
 
 
 # -- the data source --------------------------------------------------------------------------------------------
-def source_findings(config: HlatConfig) -> list[Finding]:
-    """Whether data.source can be read, asked of what holds it (see the module docstring)."""
-    from hlat.training.data.sources import check_source, source_kind
+SourceShape = Callable[[DataConfig], str]
+"""Checks data.source's shape without reading it (raising ConfigError) and returns its kind: 'builtin', 'local',
+'s3' or 'hub' (training/data/sources.py's check_source and source_kind, which this layer does not import; the
+flows hand them in: flows/stage.py, source_shape)."""
 
+
+def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
+    """Whether data.source can be read, asked of what holds it (see the module docstring)."""
     src = config.data.source
     try:
-        check_source(config.data)  # its shape; a local path's existence
+        kind = shape(config.data)  # its shape; a local path's existence
     except ConfigError as exc:
         return [Finding("source", False, str(exc))]
-    kind = source_kind(src)
     if kind == "s3":
         return [_s3_source(src, config.job.region)]
     if kind == "hub":
@@ -296,19 +299,33 @@ def aws_findings(config: HlatConfig, clients: Mapping[str, Any] | None = None) -
         ]
     caller, account = str(identity["Arn"]), str(identity["Account"])
     findings = [Finding("caller", True, f"{caller} (account {account}, region {config.job.region})")]
-    checks: list[Callable[[], list[Finding]]] = [
-        lambda: _role(client, config, caller, account),
-        lambda: _storage(client, config),
-        lambda: _images(client, config, account),
-        lambda: _quotas(client, config),
-        lambda: _training_plan(client, config),
+    checks: list[tuple[str, Callable[[], list[Finding]]]] = [
+        ("role", lambda: _role(client, config, caller, account)),
+        ("storage", lambda: _storage(client, config)),
+        ("image", lambda: _images(client, config, account)),
+        ("quota", lambda: _quotas(client, config)),
+        ("training-plan", lambda: _training_plan(client, config)),
     ]
-    for check in checks:
+    for name, check in checks:
         try:
             findings += check()
-        except (ClientError, BotoCoreError, ResponseParserError) as exc:  # unexpected: one line, not a traceback
-            findings.append(Finding("aws", False, f"{type(exc).__name__}: {_code(exc)}: {_message(exc)}"))
+        except (ClientError, BotoCoreError, ResponseParserError) as exc:
+            findings.append(_unexpected(name, exc))
     return findings
+
+
+def _unexpected(check: str, exc: Exception) -> Finding:
+    """An answer no check expected, in one line. AWS's refusal fails the check. No usable answer (the network, a
+    500, an API the endpoint lacks) fails what the run needs of the caller's side; the account's quotas and plan,
+    which only AWS can tell, are left unverified rather than failed wrongly."""
+    status = int(getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
+    answered = hasattr(exc, "response") and status < 500
+    if answered:
+        return Finding(check, False, f"{_code(exc)}: {_message(exc)}")
+    soft = check in ("quota", "training-plan")
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    why = f"{type(exc).__name__}: {text}"[:160]
+    return Finding(check, soft, f"no answer ({why})" + (", not checked" if soft else ""), checked=not soft)
 
 
 # -- the execution role -----------------------------------------------------------------------------------------
@@ -882,25 +899,29 @@ def _training_plan(client: ClientFactory, config: HlatConfig) -> list[Finding]:
 
 # -- the whole preflight ----------------------------------------------------------------------------------------
 def run_preflight(
-    config: HlatConfig, *, clients: Mapping[str, Any] | None = None, sources: bool = True, aws: bool | None = None
+    config: HlatConfig,
+    *,
+    shape: SourceShape | None = None,
+    clients: Mapping[str, Any] | None = None,
+    aws: bool | None = None,
 ) -> PreflightResult:
-    """The source checks (when `sources`) and, for a SageMaker run (or when `aws` is True), the AWS checks. The
+    """The source checks (given `shape`) and, for a SageMaker run (or when `aws` is True), the AWS checks. The
     caller has activated the run's AWS credentials and read its role (tasks/aws.py)."""
     findings: list[Finding] = []
-    if sources:
-        findings += source_findings(config)
+    if shape is not None:
+        findings += source_findings(config, shape)
     if aws if aws is not None else config.job.backend == "sagemaker":
         findings += aws_findings(config, clients)
     return PreflightResult(findings)
 
 
-def require_sources(config: HlatConfig) -> None:
+def require_sources(config: HlatConfig, shape: SourceShape) -> None:
     """Raise PreflightFailed (one line per failure) unless data.source can be read; what passed is not asked again
     for PASSED_TTL_S."""
     key = _source_key(config)
     if _recently_passed(key):
         return
-    failures = [f for f in source_findings(config) if not f.ok]
+    failures = [f for f in source_findings(config, shape) if not f.ok]
     if failures:
         raise PreflightFailed(failures)
     _passed[key] = time.monotonic()
