@@ -5,6 +5,8 @@
     hlat run evaluate ... --step N          evaluate checkpoint N instead of the newest
     hlat export <checkpoint dir | checkpoints dir | run dir> <out dir> [--step N] [--tokenizer DIR]
     hlat compare <run A> <run B> [--out DIR] [--labels A B]
+    hlat status [RUN] [--storage S]        each stage, the live job, its step, cost and supervisor (no RUN: every run)
+    hlat stop RUN [--storage S]           stop the run's live job at a checkpoint, from any terminal
     hlat presets
     hlat config --preset hlat-7b [--set ...]
     hlat plan --preset hlat-7b [--nodes N] [--tokens T] [--json] [--set ...]   rank parallel layouts; time and cost
@@ -20,6 +22,7 @@ the terminal.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import time
@@ -49,8 +52,23 @@ def _stage_flow(name: str) -> Callable[..., Any]:
 
 def run_stage_module(stage: str) -> NoReturn:
     """`python -m hlat.flows.<stage> [options]` (each stage flow's `__main__`, given its flow's name): the same as
-    `hlat run <stage>`."""
+    `hlat run <stage>`, with the stage's own usage (--help, and errors in its options)."""
+    stage_parser(stage).parse_args(sys.argv[1:])  # exits with the stage's usage on --help or a bad option
     sys.exit(main(["run", stage, *sys.argv[1:]]))
+
+
+def stage_parser(stage: str) -> argparse.ArgumentParser:
+    """The options of `python -m hlat.flows.<stage>`: those of `hlat run <stage>`, under the module's name."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m hlat.flows.{stage.replace('-', '_')}",
+        description=f"Run the {stage} stage flow alone (the same as `hlat run {stage}`).",
+    )
+    _add_run_options(p)
+    _add_dry_run(p)
+    if stage == "evaluate":
+        p.add_argument("--step", type=int, help="the checkpoint step to evaluate (default: the newest)")
+    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks on the terminal too")
+    return p
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -126,6 +144,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("run_b", help="run folder or s3:// URI")
     p.add_argument("--out", help="where to write compare.md and the charts (default: <run A>/compare/<run B id>)")
     p.add_argument("--labels", nargs=2, metavar=("A", "B"), help="labels of the two runs (default: their ids)")
+    p = add("status", help="where a run stands: each stage, the live job, its step, cost and supervisor")
+    p.add_argument("run", nargs="?", help="run id under --storage, or a run folder / s3:// URI (default: every run)")
+    p.add_argument("--storage", help="storage root: a folder or s3://bucket/prefix (default: ./runs)")
+    p = add("stop", help="stop a run's live job at a checkpoint (from any terminal) and record it")
+    p.add_argument("run", help="run id under --storage, or a run folder / s3:// URI")
+    p.add_argument("--storage", help="storage root: a folder or s3://bucket/prefix (default: ./runs)")
+    p.add_argument(
+        "--wait", type=float, default=600.0, metavar="SECONDS",
+        help="how long to wait for the job to end (default: 600; Ctrl-C stops waiting, not the stop)",
+    )  # fmt: skip
     add("presets", help="list presets with their key figures")
     p = add("config", help="print the resolved config as JSON")
     _add_run_options(p)
@@ -354,18 +382,37 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"hlat: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt as exc:
+        if runs_flows:
+            _cancel_interrupted(log)
         print(f"hlat: interrupted: {exc}" if isinstance(exc, Interrupted) else "hlat: interrupted", file=sys.stderr)
         return 130
     except Exception as exc:
         log.write(traceback.format_exc())
         if args.verbose:
             traceback.print_exc()
+        if _stopped_by_user(exc):  # `hlat stop` from another terminal: a deliberate end, not a failure
+            _cancel_interrupted(log)
+            print(f"hlat: stopped: {exc}", file=sys.stderr)
+            return 0
         known = _known_error(exc)
         cause = known if known is not None else f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         print(f"hlat: error: {cause}", file=sys.stderr)
         if runs_flows or known is None:
             print(f"hlat: the full log: {log.path}", file=sys.stderr)
         return 1
+
+
+def _stopped_by_user(exc: BaseException) -> bool:
+    from hlat.infra.supervisor import StoppedByUser
+
+    return isinstance(exc, StoppedByUser)
+
+
+def _cancel_interrupted(log: Any) -> None:
+    """The runs Ctrl-C or `hlat stop` ended are Cancelled, not Crashed or Failed (cli_log.Interruptions); a second
+    Ctrl-C skips it."""
+    with contextlib.suppress(KeyboardInterrupt):
+        log.interruptions.cancel()
 
 
 def _known_error(exc: BaseException) -> str | None:
@@ -401,6 +448,10 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         return _export(args)
     if args.command == "compare":
         return _compare(args)
+    if args.command == "status":
+        return _status(args)
+    if args.command == "stop":
+        return _stop(args)
     if args.command == "deploy":
         from hlat.deploy import deploy
 
@@ -441,6 +492,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
 
         check_source(config.data)  # a source that cannot be read fails here, before a server starts or a run opens
     flow_fn, params = flow_call(args, overrides)
+    _identify_supervisor("hlat pretrain" if args.command == "pretrain" else f"hlat run {args.stage}")
     from hlat.temporary_server import start_temporary_server
 
     start_temporary_server(log_path)  # out of the terminal's process group: Ctrl-C interrupts the flow, not its API
@@ -452,6 +504,20 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         raise Interrupted(where_interrupted(config)) from None
     print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")
     return 0
+
+
+def prefect_identity(command: str | None = None) -> tuple[str | None, str | None]:
+    """(this flow run's id, `command` or its deployment's name): who supervises, for the supervisor's heartbeat."""
+    from prefect.runtime import deployment, flow_run
+
+    return (flow_run.id or None), command or (deployment.name and f"deployment {deployment.name}") or None
+
+
+def _identify_supervisor(command: str) -> None:
+    """The heartbeat of the stages this command supervises names it and its flow run (infra.supervisor)."""
+    from hlat.infra.supervisor import set_identity
+
+    set_identity(lambda: prefect_identity(command))
 
 
 class Interrupted(KeyboardInterrupt):
@@ -490,6 +556,40 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
     return flow_fn, params
 
 
+def _run_storage(args: argparse.Namespace) -> Any:
+    """The run `hlat status RUN` / `hlat stop RUN` names, with the AWS credentials block its config names (if any)
+    made this process's credentials."""
+    from hlat.infra import status
+
+    run = status.locate(args.run, args.storage)
+    job = status.load_config(run).job
+    if job.aws_credentials_block:
+        from hlat.tasks.aws import activate
+
+        activate(job)
+    return run
+
+
+def _status(args: argparse.Namespace) -> int:
+    from hlat.core.storage import Storage
+    from hlat.infra import status
+
+    if args.run is None:
+        print(status.list_runs(Storage(args.storage or "./runs")))
+        return 0
+    print(status.render(status.run_status(_run_storage(args))))
+    return 0
+
+
+def _stop(args: argparse.Namespace) -> int:
+    from hlat.infra import status
+
+    run = _run_storage(args)
+    results = status.stop_run(run, wait_s=args.wait, say=lambda text: print(f"hlat: {text}", flush=True))
+    print(status.stop_summary(results, args.run))
+    return 0
+
+
 def _export(args: argparse.Namespace) -> int:
     from hlat.infra.tokenizer import export_hf_tokenizer
     from hlat.training.checkpoint.hf_export import export_checkpoint
@@ -506,7 +606,7 @@ def _export(args: argparse.Namespace) -> int:
 
 def _compare(args: argparse.Namespace) -> int:
     from hlat.core.storage import Storage
-    from hlat.infra.eval_report import compare_runs
+    from hlat.infra.eval_report import compare_line, compare_runs
 
     a, b = Storage(args.run_a.rstrip("/")), Storage(args.run_b.rstrip("/"))
     labels = tuple(args.labels) if args.labels else (a.uri().rsplit("/", 1)[-1], b.uri().rsplit("/", 1)[-1])
@@ -516,11 +616,7 @@ def _compare(args: argparse.Namespace) -> int:
     for key in ("loss", "grad_norm"):
         d = summary.get(key) or {}
         if d:
-            print(
-                f"  {key}: final {d.get('final_a')} vs {d.get('final_b')}, max |diff| {d.get('max_abs_diff')}, "
-                f"max rel diff {d.get('max_rel_diff')}, first divergence (>1e-3 rel) at step "
-                f"{d.get('first_divergence_step')}"
-            )
+            print(f"  {compare_line(key, d)}")
     for name, uri in summary.get("files", {}).items():
         print(f"  {name}: {uri}")
     return 0

@@ -5,6 +5,12 @@ tracebacks that Prefect attaches to a failed task or flow run: a failure inside 
 print one traceback per level (88 to 320 lines for one cause). Every record, tracebacks included, also goes to a
 log file, `$HLAT_LOG_DIR` (default `~/.cache/hlat/logs`), one file per command; the CLI names it when a command
 fails. `--verbose` keeps the tracebacks on the terminal as well.
+
+Ctrl-C is no crash: Prefect marks each run it interrupts `Crashed` and logs "Crash detected!" at ERROR (one line
+per level: task, stage flow, parent flow). Nor is a job stopped by `hlat stop` a failure (the stage raises
+`StoppedByUser`, which Prefect logs at ERROR and marks `Failed`). `Interruptions` holds those records back (from the
+terminal, the file and the API alike) and notes the runs, and `cancel()` then sets them `Cancelled` through the API,
+quietly.
 """
 
 from __future__ import annotations
@@ -17,6 +23,65 @@ from pathlib import Path
 
 KEEP = 50  # the newest log files kept; older ones are removed when a new one is made
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+INTERRUPTED = "Execution was aborted by an interrupt signal."
+"""Prefect's message for a run ended by KeyboardInterrupt (prefect.states.exception_to_crashed_state)."""
+CANCELLED_MESSAGE = "Interrupted (Ctrl-C): its job was stopped at a checkpoint; run the same command to resume"
+USER_STOP = "StoppedByUser"
+"""The exception a stage raises when `hlat stop` stopped its job (infra.supervisor.StoppedByUser)."""
+USER_STOP_MESSAGE = "Stopped by hlat stop at a checkpoint; run the same command to go on"
+
+
+class Interruptions(logging.Filter):
+    """On Prefect's run loggers: drops the records of a run crashed by Ctrl-C ("Crash detected! Execution was
+    aborted by an interrupt signal.", "Finished in state Crashed(...)") or failed by `hlat stop` (StoppedByUser), and
+    keeps the run's id, for `cancel`."""
+
+    LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.flow_runs: list[str] = []
+        self.task_runs: list[str] = []
+        self.user_stop = False
+
+    def install(self) -> None:
+        for name in self.LOGGERS:
+            logging.getLogger(name).addFilter(self)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        try:
+            message = record.getMessage()
+        except Exception:
+            return True
+        interrupted = INTERRUPTED in message and (message.startswith("Crash detected!") or "Crashed(" in message)
+        stopped = USER_STOP in message
+        if not (interrupted or stopped):
+            return True
+        self.user_stop = self.user_stop or stopped
+        for attr, ids in (("flow_run_id", self.flow_runs), ("task_run_id", self.task_runs)):
+            run_id = getattr(record, attr, None)
+            if run_id is not None and attr[:4] in record.name and str(run_id) not in ids:
+                ids.append(str(run_id))
+        return False
+
+    def cancel(self) -> None:
+        """Set the interrupted runs Cancelled (they were marked Crashed); failing to is a line in the log file."""
+        if not (self.flow_runs or self.task_runs):
+            return
+        from uuid import UUID
+
+        from prefect.client.orchestration import get_client
+        from prefect.states import Cancelled
+
+        message = USER_STOP_MESSAGE if self.user_stop else CANCELLED_MESSAGE
+        try:
+            with get_client(sync_client=True) as client:
+                for task_run in self.task_runs:
+                    client.set_task_run_state(UUID(task_run), Cancelled(message=message), force=True)
+                for flow_run in self.flow_runs:
+                    client.set_flow_run_state(UUID(flow_run), Cancelled(message=message), force=True)
+        except Exception as exc:  # the API may be gone with the interruption: the run stays Crashed
+            logging.getLogger("hlat.cli").debug("could not mark the interrupted runs Cancelled: %s", exc)
 
 
 def log_dir() -> Path:
@@ -48,6 +113,7 @@ class CommandLog:
         self.command = command
         self._path: Path | None = None
         self._handler: logging.Handler | None = None
+        self.interruptions = Interruptions()
 
     @property
     def path(self) -> Path:
@@ -76,6 +142,7 @@ class CommandLog:
         handler.setFormatter(logging.Formatter(_FORMAT))
         self._handler = handler
         logging.getLogger().addHandler(handler)  # Prefect's run loggers and "hlat" propagate to the root
+        self.interruptions.install()
         if verbose:
             return
         for logger in _all_loggers():

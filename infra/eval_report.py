@@ -650,6 +650,17 @@ def _compare_markdown(
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
+def compare_line(key: str, d: Mapping[str, Any]) -> str:
+    """One compared series as `hlat compare` prints it: `loss: final 5.7768 vs 5.9185, max |diff| 0.1417, max rel
+    diff 2.4%, first divergence (>1e-3 rel) at step 3` (rounded to what the figures mean)."""
+    first = d.get("first_divergence_step")
+    return (
+        f"{key}: final {_fmt(d.get('final_a'), '.4f')} vs {_fmt(d.get('final_b'), '.4f')}, max |diff| "
+        f"{_fmt(d.get('max_abs_diff'), '.4g')}, max rel diff {_fmt(d.get('max_rel_diff'), '.2%')}, first divergence "
+        f"(>1e-3 rel) at step {first if first is not None else 'none'}"
+    )
+
+
 def compare_runs(
     a: Storage,
     b: Storage,

@@ -22,19 +22,27 @@ recent steps, dollars) when its status changes or, while steps advance, at most 
 attempt's average throughput; the trainer's own step lines go to the debug level.
 
 Interrupting the supervisor itself (Ctrl-C, a cancelled flow run: anything that is not an Exception) stops the
-job; a supervisor that crashes or is killed leaves the job running for the next supervisor to re-attach to.
+job and records its end; a supervisor that crashes or is killed leaves the job running for the next supervisor to
+re-attach to. While it watches a job the supervisor writes a heartbeat each poll (`jobs/<stage>-supervisor.json`:
+when, which process on which host, which flow run): `hlat status` shows it, and a job whose supervisor has gone
+silent stops itself. A job stopped by `hlat stop` (stop_requested 'user' in the ledger) ends the stage without a
+relaunch: `StoppedByUser`.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import os
 import re
+import socket
+import sys
 import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
+from functools import partial
 from typing import Any
 
 from hlat.core.storage import Storage, is_transient
@@ -84,6 +92,14 @@ class BudgetExhausted(SupervisorError):
     pass
 
 
+class StoppedByUser(SupervisorError):
+    """`hlat stop` stopped the job: the stage ends (not a failure), and running the command again goes on."""
+
+
+USER_STOP = "user"
+"""stop_requested of a job stopped by `hlat stop`: a deliberate stop, never relaunched by the supervisor watching it."""
+
+
 @dataclass
 class Attempt:
     """One job of the run, as recorded in the ledger."""
@@ -102,7 +118,7 @@ class Attempt:
     """Seconds since the epoch in memory; ISO 8601 UTC in the ledger."""
     ended_at: float | None = None
     stop_requested: str | None = None
-    """Why we stopped it ('cancelled', 'budget', 'hung'), when we did."""
+    """Why it was stopped ('cancelled', 'budget', 'hung', 'target-reached'; 'user': `hlat stop`), when it was."""
     last_logged_step: int | None = None
     """The newest step the job logged (it may not have reached a checkpoint)."""
     category: str | None = None
@@ -112,6 +128,13 @@ class Attempt:
     cause: str | None = None
     """What a repeat is judged by: the category, with the failure record's type and step when the job wrote one
     ('nan: NonFiniteLoss at step 41')."""
+    tokens_per_s: float | None = None
+    """Its average throughput: tokens gained between the first and the last step the supervisor saw (start-up
+    excluded: see startup_s), the figure of its final progress line."""
+    training_s: float | None = None
+    """The seconds that average spans."""
+    startup_s: float | None = None
+    """Seconds from its submission to its first logged step (image, instances, compiles); None when re-attached."""
 
     @property
     def steps_gained(self) -> int:
@@ -162,6 +185,8 @@ class Progress:
     cost_usd: float = 0.0
     final: bool = False
     """The job has ended: tokens_per_s is the attempt's average, and there is no ETA."""
+    startup_s: float | None = None
+    """Seconds from submission to the first logged step, shown apart from the average (final line only)."""
 
     @property
     def fraction(self) -> float:
@@ -174,8 +199,11 @@ class Progress:
         if self.loss is not None:
             parts.append(f"loss {self.loss:.4f}")
         if self.tokens_per_s:
-            # The attempt's average is wall-clock: start-up, compiles and checkpoints included.
-            parts.append(f"{self.tokens_per_s:,.0f} tok/s" + (" average incl. start-up" if self.final else ""))
+            # The attempt's average is wall-clock from its first logged step to its last (checkpoints and
+            # evaluations included); the start-up before the first step is shown apart.
+            parts.append(f"{self.tokens_per_s:,.0f} tok/s" + (" average" if self.final else ""))
+        if self.final and self.startup_s is not None:
+            parts.append(f"start-up {_duration(self.startup_s)}")
         if self.eta_s is not None and not self.final:
             parts.append(f"ETA {_duration(self.eta_s)}")
         parts.append(f"${self.cost_usd:,.2f} spent")
@@ -224,6 +252,12 @@ class Throughput:
         """Tokens/s over the attempt: tokens gained over the time they took (the readings' mean as a fallback)."""
         rate = self._between(self.first)
         return rate if rate is not None else (sum(self.readings) / len(self.readings) if self.readings else None)
+
+    def span(self) -> float | None:
+        """Seconds between the first and the newest step seen (what `average` is measured over; None: no span)."""
+        if self.first is None or not self.recent or self.recent[-1][0] <= self.first[0]:
+            return None
+        return self.recent[-1][0] - self.first[0]
 
 
 class ProgressGate:
@@ -289,6 +323,78 @@ class Ledger:
         self.save(attempts)
 
 
+def heartbeat_path(stage: str) -> str:
+    """The supervisor heartbeat of a stage, relative to the run."""
+    return f"jobs/{stage}-supervisor.json"
+
+
+def _no_identity() -> tuple[str | None, str | None]:
+    return None, None
+
+
+_identity: Callable[[], tuple[str | None, str | None]] = _no_identity
+
+
+def set_identity(provider: Callable[[], tuple[str | None, str | None]]) -> None:
+    """Who supervises, as the heartbeat names it: `provider()` -> (flow run id, command), e.g. the CLI's
+    ('<uuid>', 'hlat pretrain') or a deployment's name. infra/ has no Prefect: the caller that has it sets this."""
+    global _identity
+    _identity = provider
+
+
+def supervisor_identity() -> tuple[str | None, str]:
+    """(flow run id or None, a short command) of this process: the provider's, else the environment's
+    (a Prefect worker's flow run sets PREFECT__FLOW_RUN_ID) and this program's name."""
+    try:
+        flow_run_id, command = _identity()
+    except Exception:  # a provider that cannot answer (no flow run context) must not stop a stage
+        flow_run_id, command = None, None
+    flow_run_id = flow_run_id or os.environ.get("PREFECT__FLOW_RUN_ID") or None
+    return flow_run_id, command or _program()
+
+
+def _program() -> str:
+    return os.path.basename(sys.argv[0]) if sys.argv and sys.argv[0] else "python"
+
+
+class Heartbeat:
+    """`jobs/<stage>-supervisor.json` in run storage, rewritten (atomically) once per poll while a supervisor
+    watches the stage's job: {"beat_at": epoch seconds, "pid", "host", "flow_run_id", "command"}. A job whose
+    supervisor's beat grows older than job.unsupervised_stop_minutes stops itself; `hlat status` shows it. A failed
+    write is a warning (once until one succeeds again), never a reason to stop the stage."""
+
+    def __init__(self, run: Storage, stage: str, clock: Callable[[], float] = time.time) -> None:
+        self.run, self.rel, self.clock = run, heartbeat_path(stage), clock
+        self.failing = False
+
+    def beat(self) -> None:
+        flow_run_id, command = supervisor_identity()
+        body = {
+            "beat_at": self.clock(),
+            "pid": os.getpid(),
+            "host": socket.gethostname(),
+            "flow_run_id": flow_run_id,
+            "command": command,
+        }
+        try:
+            self.run.write_json(self.rel, body)
+        except Exception as exc:
+            if not self.failing:
+                log.warning("could not write the supervisor heartbeat %s: %s", self.run.uri(self.rel), exc)
+            self.failing = True
+        else:
+            self.failing = False
+
+
+def read_heartbeat(run: Storage, stage: str) -> dict[str, Any] | None:
+    """The stage's last heartbeat (None: none, or unreadable)."""
+    try:
+        beat = run.read_json(heartbeat_path(stage))
+    except Exception:
+        return None
+    return beat if isinstance(beat, dict) and isinstance(beat.get("beat_at"), int | float) else None
+
+
 def ending_reason(state: JobState) -> str | None:
     """What a job's ending adds to its status: the failure reason, or a finer status (MaxRuntimeExceeded); None
     for a plain Completed or Stopped (a reason column that repeats the status says nothing)."""
@@ -333,6 +439,7 @@ class Supervisor:
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.run, self.stage)
+        self.heartbeat = Heartbeat(self.run, self.stage, self.clock)
         self.attempts: list[Attempt] = []
         self.resumed = False
         """The attempt being run came unfinished from the ledger (a restarted supervisor)."""
@@ -412,8 +519,28 @@ class Supervisor:
         record.status = final.status.value
         record.reason = ending_reason(final)
         record.end_step = self._latest_step()
-        record.ended_at = self.clock()
+        record.ended_at = end_time(final, self.clock())
         self._account(record, final)
+
+    def _record_interrupted(self, record: Attempt, final: JobState) -> None:
+        """The end of a job this supervisor stopped as it was interrupted: resumed by the next command."""
+        self._record_end(record, final)
+        if final.status != Status.COMPLETED:
+            record.reason = "stopped when its flow run was interrupted"
+            record.action, record.category, record.cause = Action.RESUME.value, "cancelled", "cancelled"
+            record.failure_class = FailureClass.PLATFORM.value
+
+    def tokens_per_s(self) -> float | None:
+        """The stage's average throughput over its attempts (each from its first logged step to its last: the figure
+        of the final progress line), weighted by the time each spans; None when none was measured."""
+        measured = [(a.tokens_per_s, a.training_s) for a in self.attempts if a.tokens_per_s and a.training_s]
+        seconds = sum(t for _, t in measured)
+        return sum(r * t for r, t in measured) / seconds if seconds else None
+
+    def startup_s(self) -> float | None:
+        """Seconds the stage's attempts spent before their first logged step (re-attached ones unknown)."""
+        known = [a.startup_s for a in self.attempts if a.startup_s is not None]
+        return sum(known) if known else None
 
     def spent_usd(self) -> float:
         return sum(a.cost_usd for a in self.attempts)
@@ -456,8 +583,20 @@ class Supervisor:
             log.info("submitted %s (%s x %d)", record.job_name, spec.instance_type, spec.instance_count)
             record.status = Status.IN_PROGRESS.value
             self._save()
+        stopped_before = record.stop_requested
         final = self._watch(record, reattached=state is not None)
         self._record_end(record, final)
+        if record.stop_requested == USER_STOP and stopped_before != USER_STOP:
+            # `hlat stop` while this supervisor watched: a deliberate stop, not a failure to relaunch.
+            record.reason = "stopped by hlat stop"
+            record.action, record.category, record.cause = Action.RESUME.value, "user-stop", "user-stop"
+            record.failure_class = FailureClass.PLATFORM.value
+            self._save()
+            raise StoppedByUser(self._user_stop_message(record.end_step), self.attempts)
+        if record.stop_requested == USER_STOP:
+            # Stopped by `hlat stop` while no supervisor watched (this one re-attached): running again goes on.
+            record.reason = "stopped by hlat stop"
+            return Decision(Action.RESUME, "user-stop", record.reason, FailureClass.PLATFORM)
         if record.stop_requested == "budget":
             self._save()
             raise BudgetExhausted(self._budget_message(record.end_step), self.attempts)
@@ -495,6 +634,12 @@ class Supervisor:
         last_advance = self.clock()
         self.log_tail.clear()
 
+        def measured() -> None:
+            """The attempt's throughput in its record: the final progress line's figure, start-up apart."""
+            record.tokens_per_s, record.training_s = meter.average(), meter.span()
+            if not reattached and meter.first is not None and record.submitted_at:
+                record.startup_s = max(0.0, meter.first[0] - record.submitted_at)
+
         def on_poll(lines: list[str], state: JobState | None) -> str | None:
             nonlocal last_advance
             self.log_tail.extend(lines)
@@ -508,7 +653,8 @@ class Supervisor:
             progress.status = state.secondary_status or state.status.value
             progress.cost_usd = self.spent_usd()
             if state.terminal:
-                progress.final, progress.tokens_per_s = True, meter.average()
+                measured()
+                progress.final, progress.tokens_per_s, progress.startup_s = True, meter.average(), record.startup_s
             self.on_progress(progress)
             if gate.due(progress, now):
                 log.info("%s", progress.line())
@@ -518,7 +664,15 @@ class Supervisor:
                 return "hung"
             return None
 
-        return follow(self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll, reattached)
+        def record_end(final: JobState) -> None:
+            measured()
+            self._record_interrupted(record, final)
+
+        return follow(
+            self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll, reattached,
+            heartbeat=self.heartbeat, stored_stop=lambda: stored_stop(self.ledger, record.attempt),
+            record_end=record_end,
+        )  # fmt: skip
 
     def _absorb(self, lines: list[str], progress: Progress, meter: Throughput, now: float) -> bool:
         """Forward job output to our log and pick up progress; True when a new step was seen. The trainer's step
@@ -585,6 +739,12 @@ class Supervisor:
             f"{self.max_repeats}): {last.reason}{hint}"
         )
 
+    def _user_stop_message(self, step: int | None) -> str:
+        return (
+            f"{self.stage} stopped by hlat stop at step {step or 0} of {self.target_step} (its newest checkpoint); "
+            "run the same command to go on from it"
+        )
+
     def _budget_message(self, step: int | None) -> str:
         return (
             f"{self.stage} stopped at step {step or 0} of {self.target_step}: the budget job.budget_usd="
@@ -609,18 +769,32 @@ def follow(
     sleep: Callable[[float], None],
     on_poll: Callable[[list[str], JobState | None], str | None],
     reattached: bool = False,
+    heartbeat: Heartbeat | None = None,
+    stored_stop: Callable[[], str | None] | None = None,
+    record_end: Callable[[JobState], None] | None = None,
 ) -> JobState:
-    """Poll a job until it ends. Each poll reads its new log lines, describes it, and hands both to `on_poll`
-    (state None: not visible yet), which may return a reason to stop the job ('budget', 'hung'). Interrupting
-    the caller (Ctrl-C, a cancelled flow run: anything that is not an Exception) stops the job too; `save` records
-    the stop in the ledger first. A job `reattached` to (started by an earlier flow run) has its earlier output
-    skipped, said in one line: replayed under today's timestamps it read as if the run had started again."""
+    """Poll a job until it ends. Each poll beats the `heartbeat`, reads the job's new log lines, describes it, and
+    hands both to `on_poll` (state None: not visible yet), which may return a reason to stop the job ('budget',
+    'hung'). A job seen stopping that someone else stopped (`hlat stop`: the ledger's stop_requested, read through
+    `stored_stop`) takes that reason. Interrupting the caller (Ctrl-C, a cancelled flow run: anything that is not an
+    Exception) stops the job too: `save` records the stop in the ledger first, and once the job is seen ending
+    (within STOP_WAIT_S) `record_end` records its end and `save` keeps it, so the ledger says when it stopped. A job
+    `reattached` to (started by an earlier flow run) has its earlier output skipped, said in one line: replayed under
+    today's timestamps it read as if the run had started again."""
 
     def stop(why: str) -> None:
         record.stop_requested = why
         save()
         log.warning("stopping %s (%s)", record.job_name, why)
         backend.stop(record.job_name)
+
+    def adopt_stop(state: JobState | None) -> None:
+        """A stop requested from elsewhere (`hlat stop` writes it to the ledger before it stops the job)."""
+        stopping = state is not None and (state.terminal or state.status == Status.STOPPING)
+        if stopping and stored_stop is not None and record.stop_requested is None:
+            with_reason = stored_stop()
+            if with_reason:
+                record.stop_requested = with_reason
 
     cursor: Any = None
     try:
@@ -632,8 +806,11 @@ def follow(
                     "output", record.job_name, len(earlier),
                 )  # fmt: skip
         while True:
+            if heartbeat is not None:
+                heartbeat.beat()
             lines, cursor = read_logs(backend, record.job_name, cursor)
             state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
+            adopt_stop(state)
             if state is not None and state.terminal:
                 more, cursor = read_logs(backend, record.job_name, cursor)
                 on_poll(lines + more, state)
@@ -646,8 +823,21 @@ def follow(
         if not isinstance(exc, Exception):  # the job must not outlive an interrupted supervisor
             log.warning("interrupted (%s)", type(exc).__name__)
             stop("cancelled")
-            wait_for_end(backend, record.job_name, STOP_WAIT_S, min(poll_seconds, 0.5))
+            final = wait_for_end(backend, record.job_name, STOP_WAIT_S, min(poll_seconds, 0.5))
+            if final is not None and final.terminal and record_end is not None:
+                try:  # the ledger says when the job stopped, not when the next command happens to look
+                    record_end(final)
+                    save()
+                except Exception as err:  # what is recorded must not hide the interruption
+                    log.warning("could not record the end of %s: %s", record.job_name, err)
         raise
+
+
+def end_time(state: JobState, fallback: float) -> float:
+    """When the job ended, as its backend recorded it (SageMaker's TrainingEndTime, the local job's status.json:
+    `JobState.ended_at` where the backend reports it), else `fallback` (the time it was seen ended)."""
+    ended = getattr(state, "ended_at", None)
+    return float(ended) if isinstance(ended, int | float) else fallback
 
 
 STOP_WAIT_S = 30.0
@@ -767,6 +957,7 @@ def run_job(
     `max_attempts` jobs. Returns the last attempt and its final state (None: the submission was refused); the
     caller reads the job's outputs to judge it."""
     ledger = Ledger(run, stage)
+    heartbeat = Heartbeat(run, stage, clock)
     attempts = ledger.load()
     delays = backoff_seconds or [poll_seconds]
     tries = 0
@@ -799,11 +990,24 @@ def run_job(
             record.status = Status.IN_PROGRESS.value
             ledger.save(attempts)
         forward = _Forward()
-        state = follow(backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, forward, reattached)
-        record.status = state.status.value
-        record.reason = ending_reason(state)
-        record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
-        record.ended_at = clock()
+        stopped_before = record.stop_requested
+
+        def record_end(final: JobState, record: Attempt = record) -> None:
+            _record_short_end(record, final, clock())
+            record.reason = record.reason or "stopped when its flow run was interrupted"
+            record.action, record.category = Action.RESUME.value, "cancelled"
+
+        state = follow(
+            backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, forward, reattached,
+            heartbeat=heartbeat, stored_stop=partial(stored_stop, ledger, record.attempt), record_end=record_end,
+        )  # fmt: skip
+        _record_short_end(record, state, clock())
+        if record.stop_requested == USER_STOP and stopped_before != USER_STOP:
+            record.reason, record.action, record.category = "stopped by hlat stop", Action.RESUME.value, "user-stop"
+            ledger.save(attempts)
+            raise StoppedByUser(
+                f"{stage} stopped by hlat stop ({record.job_name}); run the same command to run it again", attempts
+            )
         decision = classify(state, log_tail="\n".join(forward.tail))
         record.action, record.category = decision.action.value, decision.category
         ledger.save(attempts)
@@ -811,6 +1015,22 @@ def run_job(
             return record, state
         log.warning("%s job %s ended %s; relaunching", stage, record.job_name, record.ending)
         sleep(delays[min(tries - 1, len(delays) - 1)] if decision.action == Action.BACKOFF else poll_seconds)
+
+
+def _record_short_end(record: Attempt, state: JobState, now: float) -> None:
+    record.status = state.status.value
+    record.reason = ending_reason(state)
+    record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
+    record.ended_at = end_time(state, now)
+
+
+def stored_stop(ledger: Ledger, attempt: int) -> str | None:
+    """The stop_requested the ledger holds for `attempt` (a stop requested by another process: `hlat stop`)."""
+    try:
+        return next((a.stop_requested for a in ledger.load() if a.attempt == attempt), None)
+    except Exception as exc:  # storage away for a moment: the next poll looks again
+        log.warning("could not read %s: %s", ledger.storage.uri(ledger.rel), exc)
+        return None
 
 
 def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> str | None:

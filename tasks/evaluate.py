@@ -195,7 +195,12 @@ def _rounded(value: Any) -> Any:
 def evaluation_summary(results: dict[str, Any]) -> str:
     """`perplexity 266.55, 2.638 bits/byte, hellaswag acc_norm 0.262`: the scores, rounded."""
     ppl = results.get("perplexity") or {}
-    parts = [f"perplexity {ppl['perplexity']:.2f}, {ppl['bits_per_byte']:.3f} bits/byte"] if ppl else []
+    parts = []
+    if ppl:  # perplexity is None when exp(nll) overflowed (JSON has no inf)
+        value = ppl.get("perplexity")
+        parts.append(f"perplexity {value:,.2f}" if isinstance(value, int | float) else "perplexity overflowed")
+        if isinstance(ppl.get("bits_per_byte"), int | float):
+            parts[-1] += f", {ppl['bits_per_byte']:.3f} bits/byte"
     for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
         metrics = result.get("metrics") or {}
         metric = choose_metric(metrics)

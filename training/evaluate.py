@@ -45,6 +45,21 @@ from hlat.training.evaluation.perplexity import held_out_perplexity
 
 log = logging.getLogger("hlat.evaluate")
 
+
+def perplexity_line(p: dict[str, Any]) -> str:
+    """`perplexity 266.55 (5.5855 nats/token, 1.2345 bits/byte) over 12,288 tokens of 40 documents`: the held-out
+    result as a reader wants it (results.json keeps the full precision)."""
+    ppl = p.get("perplexity")
+    head = f"perplexity {ppl:,.2f}" if isinstance(ppl, int | float) else "perplexity overflowed"
+    parts = []
+    if isinstance(p.get("nll_per_token"), int | float):
+        parts.append(f"{p['nll_per_token']:.4f} nats/token")
+    if isinstance(p.get("bits_per_byte"), int | float):
+        parts.append(f"{p['bits_per_byte']:.4f} bits/byte")
+    detail = f" ({', '.join(parts)})" if parts else ""
+    return f"{head}{detail} over {p.get('tokens', 0):,} tokens of {p.get('documents', 0):,} documents"
+
+
 """Task names the project generates from the run's held-out text (see training/evaluation/lm_harness.py)."""
 OFFLINE_TASK_DOCUMENTS = 2000
 """Held-out documents read to make the offline tasks' examples."""
@@ -98,7 +113,7 @@ def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device:
                 device=device,
                 document_masking=saved.training.document_masking,
             )
-            log.info("perplexity %s", results["perplexity"])
+            log.info("%s", perplexity_line(results["perplexity"]))
         if e.tasks:
             work = os.path.join(tmp, "work")
             results["lm_eval"] = _run_tasks(run, e, saved.model, cfg.training.seed, model, data, work, device)

@@ -205,3 +205,28 @@ def test_a_failure_inside_a_flow_is_one_line_with_the_trace_in_the_log_file(tmp_
 
     verbose = hlat(*args, "--verbose", HLAT_LOG_DIR=str(logs))
     assert verbose.returncode == 1 and "Traceback" in verbose.stderr
+
+
+def test_a_stage_module_prints_its_own_usage() -> None:
+    """`python -m hlat.flows.train --help` printed `hlat run`'s usage (its stage argument, every stage's --step)."""
+    out = subprocess.run(
+        [sys.executable, "-m", "hlat.flows.train", "--help"], capture_output=True, text=True, timeout=120, check=False
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("usage: python -m hlat.flows.train [-h]"), out.stdout
+    assert "--run-id" in out.stdout and "--step" not in out.stdout and "prepare-data" not in out.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "hlat.flows.evaluate", "--stpe", "3"], capture_output=True, text=True, timeout=120
+    )
+    assert bad.returncode == 2 and "usage: python -m hlat.flows.evaluate" in bad.stderr, bad.stderr
+
+
+def test_status_and_stop_name_a_missing_run_in_one_line(tmp_path: Path) -> None:
+    for command in ("status", "stop"):
+        out = hlat(command, "nope", "--storage", str(tmp_path))
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.strip() == (
+            f"hlat: error: no run at {tmp_path}/nope/config.json: name a run id under --storage (default ./runs) "
+            "or a run folder"
+        )
+    assert hlat("status", "--storage", str(tmp_path)).stdout.strip() == f"no runs under {tmp_path}"

@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import socket
 import time
 from pathlib import Path
 from typing import Any
@@ -73,6 +75,16 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
     records = [r for r in metrics(run) if r.get("step_seconds")]
     trainer = config.tokens_per_step * len(records) / sum(r["step_seconds"] for r in records)
     assert 0.2 * trainer <= float(match[1].replace(",", "")) <= 1.5 * trainer, (final, trainer)
+    # The ledger and the training report take that same average, with the start-up before the first step apart.
+    (attempt,) = attempts
+    assert attempt.tokens_per_s is not None and f"{attempt.tokens_per_s:,.0f} tok/s average" in final
+    assert sup.tokens_per_s() == pytest.approx(attempt.tokens_per_s)
+    assert attempt.startup_s is not None and sup.startup_s() == attempt.startup_s and ", start-up " in final
+    assert attempt.training_s is not None and attempt.startup_s + attempt.training_s <= elapsed + 1
+    # The supervisor beat its heartbeat while it watched: this process, on this host.
+    beat = json.loads((run / "jobs" / "train-supervisor.json").read_text())
+    assert beat["pid"] == os.getpid() and beat["host"] == socket.gethostname()
+    assert 0 <= time.time() - beat["beat_at"] < elapsed and beat["command"] and beat["flow_run_id"] is None
     assert not [r for r in caplog.records if r.name == "hlat.job" and " step 40 loss" in r.getMessage()]
     assert processes_mentioning(str(run)) == []
 

@@ -15,6 +15,7 @@ from hlat.core.storage import Storage
 from hlat.infra.eval_report import (
     MISSING,
     choose_metric,
+    compare_line,
     compare_runs,
     evaluation_history,
     load_baselines,
@@ -350,6 +351,12 @@ def test_compare_runs_finds_the_first_divergence(tmp_path: Path) -> None:
     markdown = (tmp_path / "cmp" / "compare.md").read_text()
     assert "| First step with relative difference > 0.001 | 40 | none |" in markdown
     assert "\n| 40 | " in markdown.split("## Step by step")[1]
+    # What `hlat compare` prints: rounded figures, no float's repr (`final 5.776839256286621 vs 5.9185028076171875`).
+    line = compare_line("loss", loss)
+    assert line.startswith(f"loss: final {loss['final_a']:.4f} vs {loss['final_b']:.4f}, max |diff| "), line
+    assert f"max rel diff {loss['max_rel_diff']:.2%}, first divergence (>1e-3 rel) at step 40" in line
+    assert all(len(figure.rstrip(",%")) < 10 for figure in line.split() if figure[:1].isdigit()), line
+    assert compare_line("grad_norm", summary["grad_norm"]).endswith("at step none")
 
 
 def test_compare_runs_counts_partial_overlap_and_writes_a_short_table(tmp_path: Path) -> None:
@@ -402,3 +409,20 @@ def test_the_report_tabulates_every_evaluated_checkpoint(tmp_path: Path) -> None
     run.remove("eval/step-000000003", recursive=True)
     write_report(run, results(), BASELINES)
     assert "Checkpoints evaluated" not in run.read_text("eval/report.md")  # one checkpoint: nothing to trace
+
+
+def test_the_evaluation_job_and_stage_log_rounded_scores() -> None:
+    """The job used to log its raw result dict (`'perplexity': 266.55239442907276`)."""
+    from hlat.tasks.evaluate import evaluation_summary
+    from hlat.training.evaluate import perplexity_line
+
+    result = {"tokens": 12288, "documents": 40, "nll_per_token": 5.585, "perplexity": 266.55239442907276,
+              "bits_per_byte": 2.63812345}  # fmt: skip
+    assert perplexity_line(result) == (
+        "perplexity 266.55 (5.5850 nats/token, 2.6381 bits/byte) over 12,288 tokens of 40 documents"
+    )
+    assert perplexity_line({**result, "perplexity": None}).startswith("perplexity overflowed (5.5850 nats/token")
+    assert evaluation_summary({"perplexity": result}) == "perplexity 266.55, 2.638 bits/byte"
+    assert (
+        evaluation_summary({"perplexity": {**result, "perplexity": None}}) == "perplexity overflowed, 2.638 bits/byte"
+    )
