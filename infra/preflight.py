@@ -87,7 +87,11 @@ class PreflightFailed(ConfigError):
 
     def __init__(self, failures: list[Finding]) -> None:
         self.failures = failures
-        super().__init__("\n".join(f"preflight: {f.check}: {f.message}" for f in failures))
+        # A source failure reads as the source checks' errors always have ("data.source: ..."); the others name
+        # the preflight's check.
+        super().__init__(
+            "\n".join(f.message if f.check == "source" else f"preflight: {f.check}: {f.message}" for f in failures)
+        )
 
 
 # -- what passed recently (one answer for the CLI and the flow it starts) ----------------------------------------
@@ -124,13 +128,13 @@ def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
     except ConfigError as exc:
         return [Finding("source", False, str(exc))]
     if kind == "s3":
-        return [_s3_source(src, config.job.region)]
+        return [_s3_source(src)]
     if kind == "hub":
         return [_hub_source(config)]
     return [Finding("source", True, f"{src} ({kind})")]
 
 
-def _s3_source(uri: str, region: str) -> Finding:
+def _s3_source(uri: str) -> Finding:
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
 
     bucket, _, key = uri[len("s3://") :].partition("/")

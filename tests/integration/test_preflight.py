@@ -19,6 +19,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -321,21 +322,24 @@ def test_a_bad_s3_source_fails_with_one_line_and_leaves_no_run_folder(s3_env: S3
     with pytest.raises(PreflightFailed) as failed:
         local_start(tmp_path, f"s3://{s3_env.bucket}/no-such-corpus")
     assert str(failed.value) == (
-        f"preflight: source: data.source: nothing at or under s3://{s3_env.bucket}/no-such-corpus; give an s3:// URI "
-        "that holds the corpus"
+        f"data.source: nothing at or under s3://{s3_env.bucket}/no-such-corpus; give an s3:// URI that holds the corpus"
     )
-    with pytest.raises(
-        PreflightFailed, match=r"^preflight: source: data.source: bucket 'hlat-missing-bucket' does not"
-    ):
+    with pytest.raises(PreflightFailed, match=r"^data.source: bucket 'hlat-missing-bucket' does not"):
         local_start(tmp_path, "s3://hlat-missing-bucket/corpus")
     assert not (tmp_path / "runs").exists()
 
 
 def test_a_hub_name_offline_without_a_cached_copy_fails_naming_hf_hub_offline(tmp_path: Path) -> None:
+    from hlat.preflight_cli import check_before_start
+
     with pytest.raises(PreflightFailed) as failed:
         local_start(tmp_path, "HuggingFaceFW/finewbe")  # the test session is offline (tests/conftest.py)
+    # The same line from the CLI's check before its server starts.
+    config = load_config("tiny", {"data.source": "HuggingFaceFW/finewbe"}, storage=str(tmp_path / "runs"))
+    with pytest.raises(PreflightFailed, match="^" + re.escape(str(failed.value)) + "$"):
+        check_before_start(config, reads_source=True)
     assert str(failed.value) == (
-        "preflight: source: data.source: 'HuggingFaceFW/finewbe' cannot be resolved offline (HF_HUB_OFFLINE=1) and "
+        "data.source: 'HuggingFaceFW/finewbe' cannot be resolved offline (HF_HUB_OFFLINE=1) and "
         "has no cached copy; unset HF_HUB_OFFLINE to reach the hub, or copy the data set to s3:// or a local folder"
     )
     assert not (tmp_path / "runs").exists()
@@ -371,7 +375,7 @@ def test_a_hub_typo_fails_with_one_line_and_leaves_no_run_folder(
     finally:
         server.shutdown()
     assert str(failed.value) == (
-        "preflight: source: data.source: no Hugging Face dataset named 'HuggingFaceFW/finewbe' (or it is private: set "
+        "data.source: no Hugging Face dataset named 'HuggingFaceFW/finewbe' (or it is private: set "
         "HF_TOKEN); check the name (namespace/name)"
     )
     assert not (tmp_path / "runs").exists()
