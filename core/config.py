@@ -14,6 +14,7 @@ import hashlib
 import json
 import math
 import re
+from datetime import datetime
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -464,6 +465,13 @@ class JobConfig(Section):
     """Delays before relaunching after a capacity or throttling failure (the last repeats)."""
     stop_grace_seconds: float = Field(120, ge=0)
     """Local backend: time between SIGTERM and SIGKILL when a job is stopped (SageMaker gives 120 s)."""
+    deadline: datetime | None = None
+    """When the run's training must stop, as ISO 8601 with a time zone (e.g. 2026-12-01T18:00:00Z); None: no
+    deadline. The job itself stops at a checkpoint before it, supervised or not (training/stop_rule.py), and a job
+    is never submitted past it; set a later one to go on."""
+    unsupervised_stop_minutes: float | None = Field(30, gt=0)
+    """A training job stops itself at a checkpoint when no supervisor has written its heartbeat
+    (jobs/train-supervisor.json) for this long: a dead CLI or flow leaves no job running unwatched. None: never."""
     subnets: list[str] = Field(default_factory=list)
     """SageMaker: VPC subnet ids (empty: no VPC). trn1 clusters need EFA, so subnets in one AZ."""
     security_group_ids: list[str] = Field(default_factory=list)
@@ -494,6 +502,11 @@ class JobConfig(Section):
                 )
         if self.security_group_ids and not self.subnets:
             raise ValueError("security_group_ids need subnets: set job.subnets as well")
+        if self.deadline is not None and self.deadline.utcoffset() is None:
+            raise ValueError(
+                f"job.deadline={self.deadline.isoformat()} has no time zone: add one, e.g. "
+                f"{self.deadline.isoformat()}Z for UTC or +01:00"
+            )
         if self.backend == "sagemaker" and not self.instance_type.startswith("ml."):
             raise ValueError(
                 f"instance_type={self.instance_type!r} is not a SageMaker instance type; "
@@ -507,7 +520,7 @@ OPERATIONAL_JOB_FIELDS = frozenset(
         "role_arn", "max_runtime_hours", "volume_size_gb", "max_restarts", "budget_usd", "price_per_hour_usd",
         "poll_seconds", "hang_timeout_minutes", "backoff_seconds", "stop_grace_seconds", "subnets",
         "security_group_ids", "kms_key_id", "keep_alive_minutes", "training_plan_arn", "sagemaker_retry_attempts",
-        "infra_check", "role_arn_secret", "aws_credentials_block", "python",
+        "infra_check", "role_arn_secret", "aws_credentials_block", "python", "deadline", "unsupervised_stop_minutes",
     }
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""

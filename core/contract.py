@@ -23,11 +23,12 @@ import logging
 import os
 import re
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime, timezone
 
 from hlat.core.config import HlatConfig, validate_config
-from hlat.core.layout import CHECKPOINTS_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
+from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
 from hlat.core.storage import Storage
 
 EXIT_NAN = 3
@@ -246,3 +247,142 @@ def reporting_failure(program: Callable[[], int]) -> int:
         module = type(exc).__module__
         write_failure(f"{type(exc).__name__}: {exc}", module=None if module == "builtins" else module)
         raise
+
+
+# -- the stop rule: what a training job is told of the run's budget, deadline and supervision ----------------------
+# The train stage puts these in the job's environment (infra/stage_jobs.py); the job's stop rule reads them
+# (training/stop_rule.py) and stops the job at a checkpoint, whether or not anything still watches it.
+BUDGET_ENV = "HLAT_BUDGET_USD"
+"""The run's training budget in dollars, the figure the supervisor enforces (job.budget_usd, or on SageMaker 1.25 x
+the plan's estimate); absent: no budget."""
+SPENT_ENV = "HLAT_SPENT_USD"
+"""Dollars the run's earlier training jobs were billed (the ended attempts of jobs/train-attempts.json at submit)."""
+PRICE_ENV = "HLAT_PRICE_PER_HOUR_USD"
+"""What this job costs per hour: the node-hour price x its instance count."""
+DEADLINE_ENV = "HLAT_DEADLINE"
+"""The run's deadline (job.deadline), ISO 8601 with a time zone; absent: none."""
+SUBMITTED_ENV = "HLAT_SUBMITTED_AT"
+"""When the job was submitted, in seconds since the epoch: where its bill is counted from (on SageMaker a little
+before billing starts, so the job stops early rather than late), and the last sign of life of the supervisor that
+submitted it."""
+UNSUPERVISED_ENV = "HLAT_UNSUPERVISED_STOP_S"
+"""Seconds without a supervisor heartbeat after which the job stops itself (job.unsupervised_stop_minutes); absent:
+never."""
+
+STOP_BUDGET, STOP_DEADLINE, STOP_UNSUPERVISED = "budget", "deadline", "unsupervised"
+"""Why a job stopped itself (`StopRecord.why`)."""
+
+
+def supervisor_heartbeat(stage: str = "train") -> str:
+    """The heartbeat its supervisor writes each poll, relative to the run: {"beat_at": epoch seconds, "pid", "host",
+    "flow_run_id", "command"}."""
+    return f"{JOBS_DIR}/{stage}-supervisor.json"
+
+
+def stop_record_path(stage: str = "train") -> str:
+    """Where a job that stopped itself leaves its `StopRecord` (the newest one), relative to the run."""
+    return f"{JOBS_DIR}/{stage}-stop.json"
+
+
+def _number(env: Mapping[str, str], name: str) -> float | None:
+    raw = env.get(name, "").strip()
+    return float(raw) if raw else None
+
+
+@dataclass(frozen=True)
+class StopTerms:
+    """When a training job must stop, whoever watches it: the run's budget (what is left of it at this job's price)
+    and its deadline, and how long it may go without a supervisor's heartbeat. Travels in the job's environment."""
+
+    budget_usd: float | None = None
+    spent_usd: float = 0.0
+    price_per_hour_usd: float = 0.0
+    deadline: float | None = None
+    """Epoch seconds."""
+    submitted_at: float | None = None
+    unsupervised_stop_s: float | None = None
+
+    def environment(self) -> dict[str, str]:
+        env: dict[str, str] = {}
+        if self.budget_usd is not None:
+            env[BUDGET_ENV] = repr(float(self.budget_usd))
+            env[SPENT_ENV] = repr(float(self.spent_usd))
+            env[PRICE_ENV] = repr(float(self.price_per_hour_usd))
+        if self.deadline is not None:
+            env[DEADLINE_ENV] = datetime.fromtimestamp(self.deadline, timezone.utc).isoformat()
+        if self.submitted_at is not None:
+            env[SUBMITTED_ENV] = repr(float(self.submitted_at))
+        if self.unsupervised_stop_s is not None:
+            env[UNSUPERVISED_ENV] = repr(float(self.unsupervised_stop_s))
+        return env
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] | None = None) -> StopTerms:
+        env = os.environ if env is None else env
+        deadline = env.get(DEADLINE_ENV, "").strip()
+        return cls(
+            budget_usd=_number(env, BUDGET_ENV),
+            spent_usd=_number(env, SPENT_ENV) or 0.0,
+            price_per_hour_usd=_number(env, PRICE_ENV) or 0.0,
+            deadline=datetime.fromisoformat(deadline).timestamp() if deadline else None,
+            submitted_at=_number(env, SUBMITTED_ENV),
+            unsupervised_stop_s=_number(env, UNSUPERVISED_ENV),
+        )
+
+    @property
+    def any(self) -> bool:
+        """Whether there is anything to enforce."""
+        budget = self.budget_usd is not None and self.price_per_hour_usd > 0
+        return budget or self.deadline is not None or self.unsupervised_stop_s is not None
+
+    def budget_end(self, start: float) -> float | None:
+        """When the budget is spent if this job is billed from `start` (None: no budget, or a job costing nothing)."""
+        if self.budget_usd is None or self.price_per_hour_usd <= 0:
+            return None
+        return start + (self.budget_usd - self.spent_usd) / self.price_per_hour_usd * 3600.0
+
+    def limit_at(self, start: float) -> tuple[float, str] | None:
+        """The earliest of the budget's end and the deadline, and which it is ('budget', 'deadline'); None: neither."""
+        ends = ((self.budget_end(start), STOP_BUDGET), (self.deadline, STOP_DEADLINE))
+        known = [(t, why) for t, why in ends if t is not None]
+        return min(known) if known else None
+
+
+STOP_TAG = "hlat-stop"
+"""Marks a stop record in a job's log: how the supervisor tells a job that stopped itself from one that finished
+short (`infra.jobs.classify`)."""
+_STOP = re.compile(r"\[" + STOP_TAG + r" (\{[^{}]*\})\]")
+
+
+@dataclass(frozen=True)
+class StopRecord:
+    """Why a job stopped itself at a checkpoint (and exited 0): 'budget', 'deadline' or 'unsupervised', the step it
+    saved, and one line for the user naming the setting to change. Logged as `StoppedItself: <message> [hlat-stop
+    {"step": ..., "why": ...}]` and kept in run storage (`stop_record_path`)."""
+
+    why: str
+    step: int
+    message: str
+
+    def line(self) -> str:
+        tail = json.dumps({"why": self.why, "step": self.step}, sort_keys=True)
+        return f"StoppedItself: {' '.join(self.message.split())} [{STOP_TAG} {tail}]"
+
+
+def parse_stop_record(text: str | None) -> StopRecord | None:
+    """The last stop record in `text` (None: none)."""
+    for line in reversed((text or "").splitlines()):
+        match = _STOP.search(line)
+        if not match:
+            continue
+        try:
+            fields = json.loads(match.group(1))
+        except ValueError:
+            continue
+        if not isinstance(fields, dict) or not isinstance(fields.get("why"), str):
+            continue
+        head = line[: match.start()].strip()
+        _, sep, message = head.partition("StoppedItself: ")
+        step = fields.get("step")
+        return StopRecord(fields["why"], step if isinstance(step, int) else 0, message if sep else head)
+    return None

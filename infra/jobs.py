@@ -16,7 +16,15 @@ from enum import StrEnum
 from typing import Any, Protocol
 
 from hlat.core.config import DEFAULT_NEURON_SDK
-from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record
+from hlat.core.contract import (
+    RECORD_TAG,
+    STOP_BUDGET,
+    STOP_DEADLINE,
+    STOP_UNSUPERVISED,
+    FailureRecord,
+    parse_failure_record,
+    parse_stop_record,
+)
 
 
 class Status(StrEnum):
@@ -449,12 +457,32 @@ def _first_record(log_tail: str) -> FailureRecord | None:
     return None
 
 
+SELF_STOPS = {
+    STOP_BUDGET: (Action.FATAL, FailureClass.FATAL),
+    STOP_DEADLINE: (Action.FATAL, FailureClass.FATAL),
+    STOP_UNSUPERVISED: (Action.RESUME, FailureClass.PLATFORM),
+}
+"""A job that stopped itself at a checkpoint and exited 0 (training/stop_rule.py), by its stop record's reason: the
+run's budget or deadline ends the stage (relaunching would stop again at once; the record names the setting to
+raise); 'no supervisor heartbeat' is relaunched when a supervisor is there to read it (it is alive after all)."""
+
+
+def self_stop(log_tail: str) -> Decision | None:
+    """The decision on a job that stopped itself, from the stop record in its log (None: it wrote none)."""
+    record = parse_stop_record(log_tail)
+    if record is None or record.why not in SELF_STOPS:
+        return None
+    action, failure_class = SELF_STOPS[record.why]
+    return Decision(action, record.why, record.message, failure_class)
+
+
 def classify(state: JobState, stop_requested: bool = False, log_tail: str = "") -> Decision:
     """What to do after a job ended. `stop_requested`: we stopped it (cancel, budget), so it is not a failure;
-    `log_tail`: the last lines of the job's log (a record another host wrote, torchrun's account of a signal)."""
+    `log_tail`: the last lines of the job's log (a record another host wrote, torchrun's account of a signal, the
+    stop record of a job that stopped itself)."""
     reason = state.failure_reason or state.secondary_status or state.status.value
     if state.status == Status.COMPLETED:
-        return Decision(Action.DONE, "completed", reason)
+        return self_stop(log_tail) or Decision(Action.DONE, "completed", reason)
     if state.status == Status.STOPPED:
         if stop_requested:
             return Decision(Action.FATAL, "stopped", "stopped on request")

@@ -303,6 +303,7 @@ def _config_field(path: str, stage: str) -> str:
         "OutputDataConfig.KmsKeyId": "job.kms_key_id",
         "RoleArn": "job.role_arn",
         "TrainingJobName": "run_id",
+        # A training job's is also capped by what is left of the budget and before job.deadline (stage_jobs).
         "StoppingCondition.MaxRuntimeInSeconds": "job.max_runtime_hours",
         "AlgorithmSpecification.TrainingImage": "evaluation.image_uri" if stage == "evaluate" else "job.image_uri",
         "VpcConfig.Subnets": "job.subnets",

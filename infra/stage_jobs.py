@@ -1,7 +1,8 @@
 """From a run's config to its job backend, job specs and supervisor; and the dry run of a training job.
 
 The job's environment is built here, the same for both backends: the run id, and on trn1 the Neuron flags
-for the precision mode plus the run's compile cache (`compile-cache/`).
+for the precision mode plus the run's compile cache (`compile-cache/`); a training job's also holds the run's stop
+terms (budget, what was spent, its price, the deadline, the supervision timeout: `stop_terms`).
 """
 
 from __future__ import annotations
@@ -10,16 +11,18 @@ import dataclasses
 import json
 import math
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.contract import STOP_DEADLINE, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
-from hlat.infra.supervisor import Attempt, Progress, Supervisor, run_job, stop_live_job
+from hlat.infra.supervisor import Attempt, Ledger, Progress, Supervisor, run_job, stop_live_job
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
 PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
@@ -156,10 +159,14 @@ def job_spec(
     stage: str = "train",
     step: int | None = None,
     args: dict[str, str] | None = None,
+    spent_usd: float = 0.0,
+    submitted_at: float | None = None,
 ) -> JobSpec:
     """The job of `stage`'s `attempt`. Evaluation (of checkpoint `step`, None: the newest) runs one process on
     one evaluation.instance_type; prepare-data on its own CPU instances (`data_spec`); every other stage on the
-    training's instances."""
+    training's instances. A training job also carries the run's stop terms (`stop_terms`: `spent_usd` is what the
+    run's earlier jobs were billed, `submitted_at` when this one is submitted), and its max runtime ends shortly
+    after the budget or deadline would stop it (`runtime_cap`): a backstop if its own stop rule fails."""
     if stage == "prepare-data":
         return data_spec(config, run_uri, run_id, attempt, args or {})
     job, e = config.job, config.evaluation
@@ -167,6 +174,12 @@ def job_spec(
     hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
     if evaluating:
         hours = e.max_runtime_hours
+    max_runtime_s = int(hours * 3600)
+    environment = {"HLAT_RUN_ID": run_id} if evaluating else job_environment(config, run_uri, run_id, stage)
+    if stage == "train":
+        terms = stop_terms(config, spent_usd, submitted_at)
+        environment.update(terms.environment())
+        max_runtime_s = runtime_cap(config, terms, max_runtime_s)
     return JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
@@ -176,8 +189,8 @@ def job_spec(
         instance_type=(e.instance_type or job.instance_type) if evaluating else job.instance_type,
         instance_count=1 if evaluating else job.instance_count,
         processes_per_node=1 if evaluating else job.processes_per_node,
-        max_runtime_s=int(hours * 3600),
-        environment={"HLAT_RUN_ID": run_id} if evaluating else job_environment(config, run_uri, run_id, stage),
+        max_runtime_s=max_runtime_s,
+        environment=environment,
         stage=stage,
         image_uri=evaluation_image(config) if evaluating else job.image_uri,
         neuron_sdk=config.neuron.sdk,
@@ -185,6 +198,71 @@ def job_spec(
         args={"step": str(step)} if step is not None else {},
         python=job_python(config, stage),
     )
+
+
+def stop_terms(config: HlatConfig, spent_usd: float = 0.0, submitted_at: float | None = None) -> StopTerms:
+    """What a training job keeps to by itself (training/stop_rule.py): the run's budget (the supervisor's figure,
+    `budget`), what its earlier jobs were billed, its own price per hour (node-hour price x instance count), the
+    run's deadline and how long it may go without a supervisor's heartbeat."""
+    job = config.job
+    try:
+        usd = budget(config).usd
+    except ConfigError:  # refused by the preflight and by the supervisor before any job is submitted
+        usd = None
+    return StopTerms(
+        budget_usd=usd,
+        spent_usd=spent_usd,
+        price_per_hour_usd=price_per_hour(job.instance_type, job.price_per_hour_usd) * job.instance_count,
+        deadline=job.deadline.timestamp() if job.deadline is not None else None,
+        submitted_at=submitted_at,
+        unsupervised_stop_s=job.unsupervised_stop_minutes * 60 if job.unsupervised_stop_minutes else None,
+    )
+
+
+def runtime_cap(config: HlatConfig, terms: StopTerms, max_runtime_s: int, now: float | None = None) -> int:
+    """A training job's max runtime (SageMaker's MaxRuntimeInSeconds; the local daemon's too): `max_runtime_s`
+    (job.max_runtime_hours), or, when sooner, what is left of the budget or before the deadline plus
+    job.stop_grace_seconds, so that the platform stops the job shortly after its own stop rule should have. A
+    budget already spent or a deadline already past is refused here, before anything is submitted."""
+    now = time.time() if now is None else now
+    limit = terms.limit_at(terms.submitted_at if terms.submitted_at is not None else now)
+    if limit is None:
+        return max_runtime_s
+    end, why = limit
+    left = end - now
+    if left <= 0:
+        if why == STOP_DEADLINE:
+            when = config.job.deadline.isoformat() if config.job.deadline else "?"
+            raise ConfigError(f"job.deadline={when} has passed: set a later job.deadline to go on")
+        raise ConfigError(
+            f"job.budget_usd: the run's budget of ${terms.budget_usd or 0:,.2f} is spent (${terms.spent_usd:,.2f} "
+            "billed): raise job.budget_usd to go on from the last checkpoint"
+        )
+    return max(1, min(max_runtime_s, math.ceil(left + config.job.stop_grace_seconds)))
+
+
+def stop_rule_line(config: HlatConfig, spec: JobSpec) -> str:
+    """The dry run's account of what stops a training job by itself, and of its max runtime."""
+    terms, job = stop_terms(config), config.job
+    parts = []
+    if terms.budget_usd is not None and terms.price_per_hour_usd > 0:
+        hours = (terms.budget_usd - terms.spent_usd) / terms.price_per_hour_usd
+        parts.append(f"the budget (${terms.budget_usd:,.2f} at ${terms.price_per_hour_usd:,.2f}/h: {hours:,.1f} h)")
+    if job.deadline is not None:
+        parts.append(f"job.deadline ({job.deadline.isoformat()})")
+    if job.unsupervised_stop_minutes:
+        parts.append(f"{job.unsupervised_stop_minutes:g} min without a supervisor heartbeat")
+    if not parts:
+        return "stop rule: none (no budget, deadline or job.unsupervised_stop_minutes)"
+    return (
+        f"stop rule: the job stops itself at a checkpoint at {' or '.join(parts)}; MaxRuntimeInSeconds="
+        f"{spec.max_runtime_s:,} backs it up"
+    )
+
+
+def billed_usd(run_uri: str, stage: str = "train") -> float:
+    """What the stage's ended jobs were billed, from its ledger (jobs/<stage>-attempts.json)."""
+    return sum(a.cost_usd for a in Ledger(Storage(run_uri), stage).load() if a.ended)
 
 
 def data_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, args: dict[str, str]) -> JobSpec:
@@ -253,7 +331,10 @@ def supervisor_for(
         backend=backend_for(config, run_uri, run_id),
         run=Storage(run_uri),
         run_id=run_id,
-        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt),
+        # Read at each submission: what the run's earlier jobs cost is part of the new job's stop terms.
+        make_spec=lambda attempt, name: job_spec(
+            config, run_uri, run_id, attempt, spent_usd=billed_usd(run_uri), submitted_at=time.time()
+        ),
         current_step=current_step,
         target_step=config.training.max_steps,
         tokens_per_step=config.tokens_per_step,
@@ -581,7 +662,8 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
             f"{est['tokens_per_s']:,.0f} tokens/s ({est['basis']}), about ${est['total_usd']:,.0f} (`hlat plan` ranks "
             "the other layouts)"
         )
-        lines += chaining(config, est["hours"], spec.max_runtime_s)
+        # Chained by job.max_runtime_hours; the budget's cap on MaxRuntimeInSeconds stops the run, it does not chain.
+        lines += chaining(config, est["hours"], int(job.max_runtime_hours * 3600))
         lines.append(data_estimate(config).line())
     else:
         lines.append(f"estimate: no throughput figure for {job.instance_type!r} in the instance catalog")
@@ -591,6 +673,7 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
             lines.append(f"budget: {budget(config).basis}")
         except ConfigError as exc:
             lines.append(f"budget: refused: {exc}")
+        lines.append(stop_rule_line(config, spec))
     elif job.budget_usd is not None:
         lines.append(f"budget: job.budget_usd = ${job.budget_usd:,.2f}")
     return "\n".join(lines)

@@ -11,7 +11,9 @@ vote on it at every step boundary, whatever `training.log_every` is: a host-side
 tensor over a gloo group) that adds no device op, graph or transfer. On a stop every rank finishes its step, reads
 the device once (the NaN check, as at any sync point), finishes an async save still in flight, writes the
 checkpoint of that step synchronously (committed before it exits) and exits 0; rank 0 first logs whether the
-write is expected to fit `job.stop_grace_seconds`, from the step and save times it measured. After every step the
+write is expected to fit `job.stop_grace_seconds`, from the step and save times it measured. The job's stop rule
+(`training/stop_rule.py`: the run's budget, its deadline, a silent supervisor) asks for the same stop from a thread
+(`request_stop`): the flag the vote reads, no other cost to the loop. After every step the
 loop also asks the checkpoint manager, without I/O, whether a background save failed (`CheckpointManager.check`),
 so a rank's failed upload fails the job within a step, not one checkpoint interval later.
 
@@ -85,6 +87,8 @@ from hlat.training.parallel.parallelize import fsdp_active, model_layers, parall
 log = logging.getLogger("hlat.train")
 
 EXTRACT_GRAPHS_ONLY = "NEURON_EXTRACT_GRAPHS_ONLY"
+STOP_MARGIN = 1.25
+"""A requested stop's margin over the measured step and save (`Trainer.stop_margin_seconds`)."""
 
 
 def extracting_graphs() -> bool:
@@ -214,6 +218,9 @@ class Trainer:
         self._loader_state: dict[str, Any] | None = None  # of the last batch a step consumed
         self.saved_step: int | None = None
         self.stop_requested = False
+        self.stop_why: str | None = None  # why this rank requested the stop, when not on SIGTERM (request_stop)
+        self.stopped_at: int | None = None  # the step a stop checkpointed (_stop)
+        self.step_seconds: float | None = None  # the mean step time measured at the last sync point
         self._sigterm_at: float | None = None  # time.monotonic() of this process's first SIGTERM
         self._last_save: tuple[int, float] | None = None  # (step, seconds) of the last save timed to its end
         self._async_save: tuple[int, float] | None = None  # (step, perf_counter at its start) of the last async save
@@ -494,6 +501,7 @@ class Trainer:
                 # The sync point: everything the host needs of the steps since the last one, in one transfer.
                 seen = self.world.to_host({k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors())
                 seconds = (time.perf_counter() - since) / (self.step - since_step)
+                self.step_seconds = seconds
                 nonfinite = int(seen["nonfinite"])
                 if nonfinite > nonfinite_seen and not self.extracting_graphs:
                     where = f"loss is {float(seen['first_loss'])} at step {int(seen['first_step'])}"
@@ -547,7 +555,8 @@ class Trainer:
             log.warning("SIGTERM while extracting graphs: stopping at step %d, no checkpoint", self.step)
             return 0
         grace = self.cfg.job.stop_grace_seconds
-        log.warning("SIGTERM: checkpointing step %d and exiting", self.step)
+        # A stop voted for this rank by another is the SIGTERM every rank gets, or the stop rule's (rank 0 says why).
+        log.warning("%s: checkpointing step %d and exiting", self.stop_why or "SIGTERM", self.step)
         if self.world.is_main:
             self._log_stop_budget(grace, step_seconds)
         if self._async_save is not None:
@@ -568,7 +577,22 @@ class Trainer:
         log.warning(
             "stop: step %d saved in %.1f s%s (grace %.0f s); exiting 0", self.step, self._last_save[1], after, grace
         )
+        self.stopped_at = self.step
         return 0
+
+    def request_stop(self, why: str) -> None:
+        """Stop at the next step boundary as on SIGTERM (a checkpoint, exit 0), for `why` (the stop rule's reason,
+        from its thread: the loop reads the flag at the stop vote it takes anyway)."""
+        if not self.stop_requested:
+            self.stop_why = why
+            self.stop_requested = True
+
+    def stop_margin_seconds(self) -> float:
+        """How long before a hard limit a stop must be asked for: STOP_MARGIN x (a step + a save) as measured here,
+        job.stop_grace_seconds until a synchronous save has been timed (an async save's length is known at a stop)."""
+        if self._last_save is None or self.step_seconds is None:
+            return self.cfg.job.stop_grace_seconds
+        return STOP_MARGIN * (self.step_seconds + self._last_save[1])
 
     def _log_stop_budget(self, grace: float, step_seconds: float) -> None:
         """One line: the grace, the measured step and save times, and whether the stop's checkpoint is expected to

@@ -4,9 +4,10 @@ Run under torchrun for several processes; on SageMaker the Torchrun driver start
 (`torchrun ... hlat_job.py --config <uri>`, infra/job_entry.py). The run's folder is the
 config's folder: data/ and tokenizer/ are read from it (or from the job's input channels), metrics.jsonl is
 written to it, checkpoints go to its checkpoints/ (or, inside a job, to the local checkpoint folder the backend
-syncs with the run's checkpoint prefix). Compiled graphs come from its compile-cache/ when the precompile stage
-left ones matching this job (`training/compile_cache.py`). A failure's reason is written where the backend
-reports it from.
+syncs with the run's checkpoint prefix). The job stops itself, checkpointed, when the run's budget or deadline runs
+out or its supervisor goes silent (`training/stop_rule.py`). Compiled graphs come from its compile-cache/ when the
+precompile stage left ones matching this job (`training/compile_cache.py`). A failure's reason is written where
+the backend reports it from.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from hlat.training.compile_cache import (
 from hlat.training.faults import checkpoint_storage
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
+from hlat.training.stop_rule import stop_rule
 
 log = logging.getLogger("hlat.train")
 
@@ -85,8 +87,10 @@ def _train(config_uri: str, device: str | None) -> int:
                 # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).
                 cache = xla_cache or load_torch_cache(run, cfg, world.world_size, world.device.type, world.is_main)
                 trainer.first_step_metrics.update(cache.metrics())
-                trainer.resume()
-                code = trainer.fit()
+                # The run's budget, deadline and supervision: the job stops itself at a checkpoint when one runs out.
+                with stop_rule(trainer, run):
+                    trainer.resume()
+                    code = trainer.fit()
                 if world.on_xla and world.is_main:
                     counts = xla.counters()
                     log.info(

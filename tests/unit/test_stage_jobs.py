@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
 import pytest
 
 from hlat.core.config import ConfigError
+from hlat.core.contract import UNSUPERVISED_ENV
 from hlat.core.environment import neuron_environment, xla_precision_environment
 from hlat.core.presets import load_config
-from hlat.infra.stage_jobs import estimate, job_environment, job_spec
+from hlat.infra.stage_jobs import estimate, job_environment, job_spec, stop_terms
 
 RUN = "s3://bucket/hlat/r1"
 
@@ -34,7 +36,12 @@ def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None
     # No stage job has a CheckpointConfig (node-local on SageMaker): training writes to the run's checkpoints/
     # itself; short jobs get short runtimes
     assert {s: spec.checkpoint_prefix for s, spec in specs.items()} == dict.fromkeys(specs)
-    assert specs["burn-in"].max_runtime_s == 3600 and specs["train"].max_runtime_s == 28 * 24 * 3600
+    assert specs["burn-in"].max_runtime_s == 3600
+    # The training's ends shortly after its budget (1.25 x the estimate: 22 days on 64 nodes) would run out.
+    terms = stop_terms(config)
+    assert terms.budget_usd is not None
+    left = terms.budget_usd / terms.price_per_hour_usd * 3600
+    assert specs["train"].max_runtime_s == math.ceil(left + config.job.stop_grace_seconds) < 28 * 24 * 3600
     assert [s.name for s in specs.values()] == ["r1-precompile-1", "r1-burn-in-1", "r1-train-1"]
 
 
@@ -58,7 +65,9 @@ def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> 
 
 def test_local_jobs_carry_no_neuron_settings() -> None:
     spec = job_spec(load_config("tiny"), "/tmp/runs/r", "r", 2)
-    assert spec.environment == {"HLAT_RUN_ID": "r"} and spec.arguments() == ["--config", "/tmp/runs/r/config.json"]
+    # The run's stop terms: locally only the supervision timeout (no budget, no deadline by default).
+    expected = {"HLAT_RUN_ID": "r", UNSUPERVISED_ENV: "1800.0"}
+    assert spec.environment == expected and spec.arguments() == ["--config", "/tmp/runs/r/config.json"]
 
 
 TRN1_STAGES = ("train", "precompile", "burn-in")
