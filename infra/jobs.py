@@ -22,9 +22,12 @@ from hlat.core.contract import (
     STOP_DEADLINE,
     STOP_UNSUPERVISED,
     FailureRecord,
+    StopRecord,
     parse_failure_record,
     parse_stop_record,
+    stop_record_path,
 )
+from hlat.core.storage import Storage
 
 
 class Status(StrEnum):
@@ -474,6 +477,19 @@ def self_stop(log_tail: str) -> Decision | None:
         return None
     action, failure_class = SELF_STOPS[record.why]
     return Decision(action, record.why, record.message, failure_class)
+
+
+def stored_self_stop(run: Storage, job: str, stage: str = "train") -> Decision | None:
+    """The decision on job `job` from the stop record it left in run storage (`core.contract.stop_record_path`),
+    for a supervisor that did not see the job's log (one re-attaching after the job ended); None: it left none."""
+    try:
+        kept = run.read_json(stop_record_path(stage)) if run.exists(stop_record_path(stage)) else None
+    except Exception:  # unreadable: judged as if absent
+        return None
+    if not isinstance(kept, dict) or kept.get("job") != job:
+        return None
+    record = StopRecord(str(kept.get("why")), int(kept.get("step") or 0), str(kept.get("message") or ""))
+    return self_stop(record.line())
 
 
 def classify(state: JobState, stop_requested: bool = False, log_tail: str = "") -> Decision:

@@ -25,6 +25,7 @@ finished short: budget and deadline end the stage, naming the setting to raise; 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -184,7 +185,8 @@ class StopRule:
                     stop_record_path(self.stage),
                     {
                         "why": record.why, "step": step, "message": record.message, "at": _when(self.clock()),
-                        "host": current_host(),
+                        # Set by SageMaker and the local backend: which attempt this record is of.
+                        "job": os.environ.get("TRAINING_JOB_NAME"), "host": current_host(),
                     },
                 )  # fmt: skip
             except Exception as exc:  # the log line is what the supervisor reads: never fail the stop for this

@@ -25,7 +25,7 @@ from hlat.core.contract import (
 )
 from hlat.core.storage import Storage
 from hlat.infra.catalog import job_cost
-from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify
+from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
 from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.faults import STEP_SECONDS
@@ -61,6 +61,8 @@ def stopped_itself(jobs: LocalBackend, name: str, run: Path, why: str) -> tuple[
     assert record is not None and record.why == why, text
     assert latest_checkpoint(run) == record.step and record.step >= 1
     assert Storage(str(run)).read_json(stop_record_path("train"))["why"] == why
+    stored = stored_self_stop(Storage(str(run)), name)  # what a supervisor that missed the log reads
+    assert stored is not None and stored.category == why
     return state, record
 
 

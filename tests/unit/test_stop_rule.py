@@ -33,7 +33,7 @@ from hlat.core.contract import (
 )
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
-from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify
+from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
 from hlat.infra.sagemaker_jobs import SageMakerBackend, request_problems, sagemaker_service_model
 from hlat.infra.stage_jobs import billed_usd, job_spec, runtime_cap, stop_terms, supervisor_for
 from hlat.infra.supervisor import Attempt, JobFailed, Ledger
@@ -155,13 +155,21 @@ def test_an_unreadable_heartbeat_warns_once_and_the_last_beat_stands(
     assert made.check(T0 + 700) == STOP_UNSUPERVISED
 
 
-def test_the_record_is_kept_in_run_storage(tmp_path: Path) -> None:
+def test_the_record_is_kept_in_run_storage_for_a_supervisor_that_missed_the_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TRAINING_JOB_NAME", "r-train-2")
     run = Storage(str(tmp_path))
     made = rule(StopTerms(deadline=T0), run, margin=0.0)
     assert made.check(T0) == STOP_DEADLINE
     record = made.save_record(12)
     kept = json.loads((tmp_path / stop_record_path("train")).read_text())
     assert kept["why"] == "deadline" and kept["step"] == 12 and kept["message"] == record.message
+    assert kept["job"] == "r-train-2"
+    decision = stored_self_stop(run, "r-train-2")
+    assert decision is not None and (decision.action, decision.category) == (Action.FATAL, "deadline")
+    assert decision.reason == record.message
+    assert stored_self_stop(run, "r-train-1") is None  # an earlier attempt's ending is its own
 
 
 # -- the record and its classification -----------------------------------------------------------------------------
