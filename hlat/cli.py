@@ -10,8 +10,9 @@
     hlat presets
     hlat config --preset hlat-7b [--set ...]
     hlat plan --preset hlat-7b [--nodes N] [--tokens T] [--json] [--set ...]   rank parallel layouts; time and cost
-    hlat deploy [--name '*-tiny' ...] [--type process|ecs|kubernetes]   register deployments/prefect.yaml
-    hlat worker [--pool hlat] [--type process|ecs|kubernetes] [--limit N]   create the pool if missing, serve it
+    hlat preflight --preset hlat-7b --storage s3://... [--set ...]   check account, role, storage, images, quotas, data
+    hlat deploy [--name '*-tiny' ...] [--type process|ecs|kubernetes] [--stack S]   register deployments/prefect.yaml
+    hlat worker [--pool hlat] [--type process|ecs|kubernetes] [--limit N] [--stack S]   create the pool, serve it
 
 Flows run on the Prefect API configured in the environment, or in Prefect's ephemeral mode when none is.
 User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1; any other
@@ -194,12 +195,27 @@ def build_parser() -> argparse.ArgumentParser:
         help="deploy only these deployments, by name or glob, e.g. --name '*-tiny' (repeatable; default: all)",
     )
     _add_pool_type(p, "type of the work pool when it is created")
+    _add_stack(p)
     p = add("worker", help="create the work pool if missing and start a worker on it")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (default: {DEFAULT_POOL})")
     _add_pool_type(p, "worker and pool type")
     p.add_argument("--limit", type=_positive_int, help="most flow runs at once (default: no limit)")
     p.add_argument("--name", help="worker name (default: Prefect's)")
+    _add_stack(p)
+    from hlat.preflight_cli import add_preflight_arguments
+
+    p = add("preflight", help="check the account, role, storage, images, quotas and data source before a run")
+    add_preflight_arguments(p)
     return parser
+
+
+def _add_stack(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--stack",
+        help="the CloudFormation stack of deployments/account.yaml: the ECS pool's template, HLAT_S3_ROOT and the "
+        "Secret block hlat-sagemaker-role from its outputs (pool type ecs unless --type)",
+    )
+    p.add_argument("--region", help="the stack's region (default: boto3's, e.g. AWS_DEFAULT_REGION)")
 
 
 def _add_pool_type(p: argparse.ArgumentParser, what: str) -> None:
@@ -455,12 +471,17 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     if args.command == "deploy":
         from hlat.deploy import deploy
 
-        return deploy(args.names, pool_type=args.pool_type)
+        return deploy(args.names, pool_type=args.pool_type, stack=args.stack, region=args.region)
     if args.command == "worker":
         from hlat.deploy import worker
 
-        worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name)
+        worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name, stack=args.stack,
+               region=args.region)  # fmt: skip
     overrides = _overrides(args.overrides)
+    if args.command == "preflight":
+        from hlat.preflight_cli import preflight_command
+
+        return preflight_command(args, overrides)
     if args.command == "plan":
         return _plan(args, overrides)
     if args.command == "prices":
@@ -486,11 +507,16 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         except AwsBlockError as exc:  # shown with the placeholder role, as when none is set
             print(f"hlat: note: {exc}", file=sys.stderr)
         print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
-        return 0
-    if args.command == "pretrain" or args.stage == "prepare-data":
-        from hlat.training.data.sources import check_source
+        from hlat.preflight_cli import print_preflight
 
-        check_source(config.data)  # a source that cannot be read fails here, before a server starts or a run opens
+        print()
+        print_preflight(config)  # what the run would meet on AWS; the dry run itself sends nothing
+        return 0
+    from hlat.preflight_cli import check_before_start
+
+    # A run its storage refuses, a source that cannot be read, and (AWS) an account not ready fail here, in a line
+    # each, before a server starts or a run opens.
+    check_before_start(config, reads_source=args.command == "pretrain" or args.stage == "prepare-data")
     flow_fn, params = flow_call(args, overrides)
     _identify_supervisor("hlat pretrain" if args.command == "pretrain" else f"hlat run {args.stage}")
     from hlat.temporary_server import start_temporary_server

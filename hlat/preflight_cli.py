@@ -42,8 +42,8 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
     from hlat.infra.stage_jobs import preflight as check_requests
 
     findings: list[Finding] = []
-    config = continued(config)
     try:
+        config = continued(config)
         check_run(config)
         findings.append(Finding("run", True, f"{config.resolved_run_id()} under {config.storage.root}"))
     except ConfigError as exc:
@@ -98,8 +98,8 @@ def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
     passed here (infra/preflight.py: PASSED_TTL_S)."""
     from hlat.infra.runs import check_run, continued
 
-    config = continued(config)
     try:
+        config = continued(config)
         check_run(config)
     except ConfigError:
         raise
