@@ -28,6 +28,7 @@ from hlat.flows.params import (
 from hlat.infra.preflight import require_aws, require_sources
 from hlat.infra.runs import Run, check_run, continued, open_run
 from hlat.infra.stage_jobs import job_python
+from hlat.infra.supervisor import set_identity
 from hlat.tasks import aws
 from hlat.tasks.caching import TRANSIENT_RETRIES
 
@@ -149,6 +150,18 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
     aws.activate(config.job)
     stopped = stop_live_jobs(config)
     logging.getLogger("hlat.jobs").warning("flow run cancelled: stopped %s", ", ".join(stopped) or "no running job")
+
+
+def flow_run_identity() -> tuple[str | None, str | None]:
+    """Who supervises, for the heartbeat of a stage's supervisor (infra.supervisor): this flow run, and the
+    deployment it came from ('deployment pretrain-7b'); the `hlat` command replaces this with its own name."""
+    from prefect.runtime import deployment
+
+    name = deployment.name
+    return (flow_run.id or None), (f"deployment {name}" if name else None)
+
+
+set_identity(flow_run_identity)
 
 
 def run_name() -> str:

@@ -532,18 +532,12 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     return 0
 
 
-def prefect_identity(command: str | None = None) -> tuple[str | None, str | None]:
-    """(this flow run's id, `command` or its deployment's name): who supervises, for the supervisor's heartbeat."""
-    from prefect.runtime import deployment, flow_run
-
-    return (flow_run.id or None), command or (deployment.name and f"deployment {deployment.name}") or None
-
-
 def _identify_supervisor(command: str) -> None:
     """The heartbeat of the stages this command supervises names it and its flow run (infra.supervisor)."""
+    from hlat.flows.stage import flow_run_identity
     from hlat.infra.supervisor import set_identity
 
-    set_identity(lambda: prefect_identity(command))
+    set_identity(lambda: (flow_run_identity()[0], command))
 
 
 class Interrupted(KeyboardInterrupt):

@@ -101,6 +101,9 @@ class JobState:
     billable_seconds: float = 0.0
     """Wall-clock seconds billed per instance so far (SageMaker's BillableTimeInSeconds, or elapsed while running)."""
     instance_count: int = 1
+    ended_at: float | None = None
+    """When the job ended, as the backend recorded it (epoch seconds; SageMaker's TrainingEndTime, the local job's
+    status.json): a ledger written after the fact records this, not the time its writer saw the end."""
 
     @property
     def terminal(self) -> bool:

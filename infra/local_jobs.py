@@ -217,6 +217,7 @@ class LocalBackend:
             secondary_status=final["secondary_status"],
             billable_seconds=max(0.0, final["ended"] - started),
             instance_count=instance_count,
+            ended_at=final["ended"],
         )
 
     def stop(self, name: str) -> None:

@@ -35,7 +35,7 @@ from botocore.exceptions import ClientError, ParamValidationError
 from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, closest_match
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.core.environment import NEURON_SDKS
-from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
+from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
 
 log = logging.getLogger("hlat.sagemaker")
 
@@ -832,4 +832,5 @@ class SageMakerBackend:
             secondary_status="Deleting" if raw == "Deleting" else desc.get("SecondaryStatus"),
             billable_seconds=max(0.0, float(billable)),
             instance_count=int(desc.get("ResourceConfig", {}).get("InstanceCount") or 1),
+            ended_at=end.timestamp() if (end := desc.get("TrainingEndTime")) and status in TERMINAL else None,
         )

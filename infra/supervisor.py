@@ -59,6 +59,7 @@ from hlat.infra.jobs import (
     classify,
     classify_reason,
     job_name,
+    stored_self_stop,
 )
 
 log = logging.getLogger("hlat.supervisor")
@@ -610,7 +611,9 @@ class Supervisor:
             return Decision(Action.RESUME, "cancelled", record.reason, FailureClass.PLATFORM)
         decision = classify(final, log_tail="\n".join(self.log_tail))
         if decision.action == Action.DONE and (record.end_step or 0) < self.target_step:
-            decision = self._completed_short(record)
+            # A job that stopped itself (budget, deadline, no supervisor) says so in its log and in a stop record in
+            # run storage: the record is what a supervisor re-attaching after the job ended (its log skipped) reads.
+            decision = stored_self_stop(self.run, record.job_name, self.stage) or self._completed_short(record)
             record.reason = decision.reason
         return decision
 
@@ -836,8 +839,7 @@ def follow(
 def end_time(state: JobState, fallback: float) -> float:
     """When the job ended, as its backend recorded it (SageMaker's TrainingEndTime, the local job's status.json:
     `JobState.ended_at` where the backend reports it), else `fallback` (the time it was seen ended)."""
-    ended = getattr(state, "ended_at", None)
-    return float(ended) if isinstance(ended, int | float) else fallback
+    return state.ended_at if state.ended_at is not None else fallback
 
 
 STOP_WAIT_S = 30.0

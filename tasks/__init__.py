@@ -15,5 +15,23 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
 logging.getLogger("hlat").setLevel(logging.INFO)
 
+
+def _forward_to_flow_runs() -> None:
+    """A worker's flow run configures Prefect's logging (prefect.engine) before the flow's module imports this
+    package, so the variable above comes too late there, and the supervisor's progress lines never reached the run's
+    logs (`prefect deployment run ... --watch` showed none). Give the `hlat` logger the handlers Prefect gives its
+    extra loggers, as its own set-up would have."""
+    from prefect.logging.configuration import PROCESS_LOGGING_CONFIG
+
+    if not PROCESS_LOGGING_CONFIG:  # not configured yet: Prefect's own set-up reads the variable
+        return
+    ours = logging.getLogger("hlat")
+    for handler in logging.getLogger("prefect.extra").handlers:
+        if handler not in ours.handlers:
+            ours.addHandler(handler)
+
+
+_forward_to_flow_runs()
+
 if __name__ != "hlat.tasks":  # one identity per module: pyproject.toml maps this folder to hlat.tasks
     raise ImportError(f"{__name__}: import this folder as hlat.tasks (`pip install -e .` maps it there)")

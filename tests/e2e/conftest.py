@@ -28,8 +28,6 @@ PREFECT, HLAT = str(BIN / "prefect"), str(BIN / "hlat")
 FAKE_AWS = {
     # Registered only (nothing runs them here): the AWS deployments need their placeholders filled in.
     "HLAT_S3_ROOT": "s3://hlat-e2e-bucket/runs",
-    "HLAT_GIT_REPOSITORY": "https://git.example.com/hlat.git",
-    "HLAT_GIT_BRANCH": "main",
 }
 
 

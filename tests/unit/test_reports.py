@@ -11,6 +11,7 @@ SUMMARY = {
     "loss": 4.776812345,
     "val_loss": 4.80112345,
     "tokens_per_s": 4698.17,
+    "startup_s": 37.6,
     "grad_norm": 0.4123456,
     "lr": 0.000123456,
     "mfu": None,
@@ -23,7 +24,8 @@ def test_the_training_line_and_report_round_every_figure_and_say_what_it_is() ->
     assert summary_line(SUMMARY) == "train: step 600, loss 4.7768, val_loss 4.8011, 1 job(s), $0.00"
     rows = {r["metric"]: r["value"] for r in summary_rows(SUMMARY)}
     assert rows["training loss, last logged step"] == "4.7768"
-    assert rows["tokens/s, last logged step (start-up and checkpoints excluded)"] == "4,698"
+    assert rows["tokens/s, average from the first logged step to the last (the progress line's)"] == "4,698"
+    assert rows["start-up before the first step (s)"] == "38"
     assert rows["learning rate, last logged step"] == "0.000123" and rows["cost"] == "$0.00"
     assert rows["MFU, last logged step"] == ""  # unknown, not "None"
 

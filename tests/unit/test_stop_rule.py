@@ -214,6 +214,20 @@ def test_the_supervisor_does_not_relaunch_a_job_that_stopped_for_its_budget(tmp_
     assert (only.action, only.category, only.end_step) == ("fatal", "budget", 40)
 
 
+def test_a_supervisor_that_missed_the_jobs_log_reads_its_stored_stop_record(tmp_path: Path) -> None:
+    """Re-attached after the job ended (its earlier log is skipped), the supervisor judges it by the record the job
+    left in run storage: a deadline stop ends the stage, no short relaunch."""
+    clock = [0.0]
+    plays = [Play([("InProgress", None), ("Completed", None)], reaches=40), Play()]
+    backend = ScriptedBackend(plays, clock)
+    record = {"job": "tiny-test-train-1", "why": STOP_DEADLINE, "step": 40, "message": "job.deadline ... is reached"}
+    (tmp_path / stop_record_path("train")).parent.mkdir(parents=True, exist_ok=True)
+    (tmp_path / stop_record_path("train")).write_text(json.dumps(record))
+    with pytest.raises(JobFailed, match=r"job\.deadline"):
+        supervisor(tmp_path, backend, clock).run_to_completion()
+    assert len(backend.submitted) == 1  # not relaunched
+
+
 # -- what the train stage gives the job ----------------------------------------------------------------------------
 def test_the_training_job_carries_the_runs_terms_and_what_earlier_jobs_cost(tmp_path: Path) -> None:
     config = load_config(
