@@ -167,6 +167,9 @@ class LocalBackend:
         return request
 
     def describe(self, name: str) -> JobState | None:
+        # The clock is read before looking for the job's end: a running job is billed up to a moment before its
+        # status.json appeared, never past the final bill (`_final_state`), so the bill never falls between reads.
+        now = time.time()
         job_dir = self.job_dir(name)
         if not os.path.isdir(job_dir):
             return None
@@ -186,7 +189,7 @@ class LocalBackend:
                 instance_count=count,
             )  # fmt: skip
         # Billed up to now, or up to the end the job recorded while its supervisor exits: never past the final bill.
-        billed = ended.billable_seconds if ended else time.time() - supervisor["started"]
+        billed = ended.billable_seconds if ended else max(0.0, now - supervisor["started"])
         if _alive(supervisor):
             phase = (read_json(os.path.join(job_dir, "phase.json")) or {}).get("secondary_status", "Starting")
             if phase not in _STOPPING and os.path.exists(os.path.join(job_dir, "stop")):
@@ -207,9 +210,14 @@ class LocalBackend:
         final = read_json(os.path.join(self.job_dir(name), "status.json"))
         if final is None:
             return None
-        # Billed from the launch, the start `describe` bills a running job from: the bill never shrinks at the end.
+        # Billed from the launch, the start `describe` bills a running job from, up to when status.json was written
+        # (its mtime; the daemon reads its clock for "ended" a little before): a describe that saw the job running
+        # read its clock before the file existed, so the bill never shrinks at the end.
+        path = os.path.join(self.job_dir(name), "status.json")
         supervisor = read_json(os.path.join(self.job_dir(name), "supervisor.json")) or {}
         started = min(final["started"], supervisor.get("started", final["started"]))
+        with contextlib.suppress(OSError):
+            final["ended"] = max(final["ended"], os.path.getmtime(path))
         return JobState(
             name=name,
             status=Status(final["status"]),
