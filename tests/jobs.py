@@ -100,6 +100,16 @@ def default_sigint() -> None:
     signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
+def as_from_a_terminal() -> None:
+    """preexec_fn for a command started as a terminal's shell starts it: SIGINT and SIGHUP at their defaults. A test
+    run under `nohup` (as a CI runner may start it) ignores SIGHUP, children inherit that, and a command that the
+    test's closed terminal should end would train on (seen: `hlat run train` outliving its SIGHUP by 60 s)."""
+    import signal
+
+    default_sigint()
+    signal.signal(signal.SIGHUP, signal.SIG_DFL)
+
+
 def environ_of(pid: int) -> dict[str, str]:
     """A process's environment ({} once it is gone): how tests find a job's ranks and hosts."""
     try:

@@ -22,7 +22,7 @@ from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.sagemaker_emulator import namespaces_available
 from hlat.infra.supervisor import Ledger, heartbeat_path
 from tests.conftest import SMALL_DATA
-from tests.jobs import default_sigint, make_run, processes_mentioning
+from tests.jobs import as_from_a_terminal, make_run, processes_mentioning
 
 pytestmark = pytest.mark.slow
 
@@ -74,7 +74,7 @@ def start_train(
         stdout=output,
         stderr=subprocess.STDOUT,
         start_new_session=True,  # setsid: its own session and process group, as a terminal's shell starts it
-        preexec_fn=default_sigint,
+        preexec_fn=as_from_a_terminal,
     )
     ledger = Ledger(Storage(str(run)), "train")
     wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 180, "the job to start")
