@@ -13,24 +13,15 @@ import sys
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.presets import PRESETS
 from hlat.infra.preflight import Finding, PreflightResult, require_aws, require_sources, run_preflight
 
 
 def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `hlat preflight`: the run's preset, storage, run id and overrides, as `hlat pretrain` takes
-    them."""
-    p.add_argument("--preset", default="tiny", choices=list(PRESETS), help="named preset (default: tiny)")
-    p.add_argument("--storage", help="storage root: a folder or s3://bucket/prefix (default: the preset's)")
-    p.add_argument("--run-id", help="run identifier (default: <preset>-<config hash>): the probe goes under it")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="PATH=VALUE",
-        help="override a config field by dotted path (repeatable), as `hlat pretrain` takes it",
-    )
+    """The options of `hlat preflight`: the run's preset, overrides, run id and storage, as `hlat pretrain` takes
+    them (the probe goes under the run id)."""
+    from hlat.cli import _add_run_options
+
+    _add_run_options(p)
 
 
 def preflight_result(config: HlatConfig) -> PreflightResult:

@@ -174,3 +174,14 @@ def s3_job(prepared: Path, tmp_path: Path, s3_url: str, run_id: str, max_steps: 
     spec = job_spec(config, run.url, run_id, 1)
     backend.submit(spec)
     return backend, spec.name
+
+
+def wait_for(condition: Any, timeout: float, what: str) -> None:
+    """Poll `condition` every 0.2 s until it holds; TimeoutError(what) after `timeout` seconds."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(0.2)

@@ -21,7 +21,7 @@ from hlat.core.storage import Storage
 from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.supervisor import Ledger
 from tests.conftest import SMALL_DATA
-from tests.jobs import default_sigint, final_weights, make_run, metrics, processes_mentioning
+from tests.jobs import default_sigint, final_weights, make_run, metrics, processes_mentioning, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -49,14 +49,6 @@ def cli_env() -> dict[str, str]:
     from prefect.settings import PREFECT_API_URL
 
     return {**os.environ, "PREFECT_API_URL": str(PREFECT_API_URL.value()), "OMP_NUM_THREADS": "1"}
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.2)
 
 
 def test_job_killed_five_times_completes_bitwise_equal(

@@ -22,7 +22,7 @@ from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.sagemaker_emulator import namespaces_available
 from hlat.infra.supervisor import Ledger, heartbeat_path
 from tests.conftest import SMALL_DATA
-from tests.jobs import as_from_a_terminal, make_run, processes_mentioning
+from tests.jobs import as_from_a_terminal, make_run, processes_mentioning, wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -52,14 +52,6 @@ def env_for(tmp_path: Path, api_url: str | None = None) -> dict[str, str]:
     if api_url:
         env["PREFECT_API_URL"] = api_url
     return env
-
-
-def wait_for(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError(what)
-        time.sleep(0.2)
 
 
 def start_train(
