@@ -922,13 +922,7 @@ def run_preflight(
 def require_sources(config: HlatConfig, shape: SourceShape) -> None:
     """Raise PreflightFailed (one line per failure) unless data.source can be read; what passed is not asked again
     for PASSED_TTL_S."""
-    key = _source_key(config)
-    if _recently_passed(key):
-        return
-    failures = [f for f in source_findings(config, shape) if not f.ok]
-    if failures:
-        raise PreflightFailed(failures)
-    _passed[key] = time.monotonic()
+    _require(_source_key(config), lambda: source_findings(config, shape))
 
 
 def require_aws(config: HlatConfig, *, clients: Mapping[str, Any] | None = None) -> None:
@@ -936,10 +930,14 @@ def require_aws(config: HlatConfig, *, clients: Mapping[str, Any] | None = None)
     What passed is not asked again for PASSED_TTL_S. Nothing for a local run."""
     if config.job.backend != "sagemaker":
         return
-    key = _aws_key(config)
+    _require(_aws_key(config), lambda: aws_findings(config, clients))
+
+
+def _require(key: Any, check: Callable[[], list[Finding]]) -> None:
+    """Run `check` unless it passed for `key` within PASSED_TTL_S; raise PreflightFailed with its failures."""
     if _recently_passed(key):
         return
-    failures = [f for f in aws_findings(config, clients) if not f.ok]
+    failures = [f for f in check() if not f.ok]
     if failures:
         raise PreflightFailed(failures)
     _passed[key] = time.monotonic()
