@@ -13,6 +13,8 @@ os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
 # ... and may take longer than Prefect's 20 s to answer on a loaded 2-core machine (seen: "Timed out while
 # attempting to connect to ephemeral Prefect API server" while other jobs ran).
 os.environ.setdefault("PREFECT_SERVER_EPHEMERAL_STARTUP_TIMEOUT_SECONDS", "90")
+# hlat.* records outside a flow run (a task called alone, a test) go to the terminal only, without a warning each.
+os.environ.setdefault("PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW", "ignore")
 logging.getLogger("hlat").setLevel(logging.INFO)
 
 

@@ -14,6 +14,7 @@ _SESSION_DIR = Path(tempfile.mkdtemp(prefix="hlat-tests-"))
 os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
+os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # as hlat.tasks sets it, before prefect loads
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = str(_SESSION_DIR / "hf")
