@@ -1,7 +1,8 @@
 """Evaluation throughput: held-out perplexity scoring with our model against Hugging Face `LlamaForCausalLM`
-loaded from our export (`training.hf_export.export_hf`), on the same token stream in the same windows, in one run.
+loaded from our export (`training.checkpoint.hf_export.export_hf`), on the same token stream in the same windows, in
+one run.
 
-Ours is `training.perplexity.score_stream` (what the evaluation stage runs); the peer is the plain HF loop:
+Ours is `training.evaluation.perplexity.score_stream` (what the evaluation stage runs); the peer is the plain HF loop:
 the same windows of `--seq-len` tokens, `--batch` at a time (the stream's short last window alone), summing
 `F.cross_entropy(hf(inputs).logits, targets, reduction="sum")`, with `use_cache=False` (no KV cache to build
 when scoring). Both run in float32 with the same weights (a random init), so their NLL per token must agree to
@@ -9,7 +10,7 @@ when scoring). Both run in float32 with the same weights (a random init), so the
 as the evaluation stage does for runs trained with it): a different NLL, shown for its cost. The text is the
 last modules of the builtin Python-stdlib corpus, the tokenizer a sentencepiece BPE trained on its first ones.
 
-With `--harness-limit N` (0: off) it also times lm-eval-harness (`training.lm_harness.run_harness`, the hf
+With `--harness-limit N` (0: off) it also times lm-eval-harness (`training.evaluation.lm_harness.run_harness`, the hf
 model on the exported folder) on the offline tasks made from the same held-out text, N examples per task;
 model load and task setup included in each call (best of N after a warm-up), in loglikelihood requests
 per second. On a CPU shared with other work, `--threads 1` keeps the figures steady: with more intra-op

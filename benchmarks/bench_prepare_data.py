@@ -7,7 +7,7 @@ documents, exact duplicates, invalid UTF-8, a lone-surrogate escape, objects wit
 
 The worker path is what each prepare-data worker runs: `plan_units` -> `read_unit` -> `DocumentValidator.validate`
 (every great-expectations expectation on: null, invalid_utf8 regex, length bounds, duplicate) -> the held-out split
--> `ShardWriter`, unit by unit (training.prepare.run_worker, which also commits each unit). The peer reads the same
+-> `ShardWriter`, unit by unit (training.data.units.run_worker, which also commits each unit). The peer reads the same
 file with `json`, applies the same row checks by hand and writes the same parquet shards; both must keep the same
 documents. MB/s is raw jsonl bytes per second of one process; the one-off cost of a worker process (importing
 great-expectations, building the suite) is timed apart. Then the job program itself (`training.prepare_data`:
@@ -91,7 +91,7 @@ def generate_corpus(path: Path, mb: float, documents: int | None = None, seed: i
 
 # -- the two pipelines ----------------------------------------------------------------------------------------
 def worker_path(cfg: Any, out: Any) -> tuple[int, int, int]:
-    """One worker over every unit of the plan, as the stage runs it (training.prepare.run_worker: read, validate,
+    """One worker over every unit of the plan, as the stage runs it (training.data.units.run_worker: read, validate,
     shard, set aside, commit each unit); returns rows read, kept, held out."""
     from hlat.training.data.units import plan, run_worker
 

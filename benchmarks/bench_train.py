@@ -7,14 +7,14 @@ precision, in one run. On CUDA it also reports MFU (peak BF16 FLOP/s of the devi
 A step is what the trainer does: forward under autocast (bf16 mixed precision keeps FP32 master weights),
 float32 cross-entropy, backward, AdamW (fused on CUDA), on random tokens, with no host sync inside the step; the
 same initial weights go into every model. Variants:
-- `hlat eager` / `hlat compiled`: our Transformer, eager or with `training.parallelize.compile_blocks` (each block
-  under torch.compile, as `training.compile` does in a job);
+- `hlat eager` / `hlat compiled`: our Transformer, eager or with `training.parallel.parallelize.compile_blocks`
+  (each block under torch.compile, as `training.compile` does in a job);
 - `hlat compiled (doc-masked)`: packed documents (8 per sequence) masked to their own tokens: FlexAttention on CUDA
   (`Transformer.flex_document_mask`), SDPA with a dense mask on CPU;
 - `HF eager` / `HF compiled`: `LlamaForCausalLM` (SDPA attention), eager or with each decoder layer compiled;
-- `hlat FSDP2`: compiled blocks under FSDP2 as `parallelism.fsdp` sets it up (`training.parallelize.shard_fully`:
-  BF16 parameter gathers, FP32 gradient reduction) in a one-rank process group: what the sharding machinery costs
-  without any communication.
+- `hlat FSDP2`: compiled blocks under FSDP2 as `parallelism.fsdp` sets it up
+  (`training.parallel.parallelize.shard_fully`: BF16 parameter gathers, FP32 gradient reduction) in a one-rank
+  process group: what the sharding machinery costs without any communication.
 MFU counts 6N + 12LdT FLOPs per token (PaLM's convention: the causal mask is not discounted) for every variant.
 """
 

@@ -3,7 +3,7 @@
 `Transformer(cfg)` builds the modules; `init_weights()` initialises them (construction alone does not, so a
 model built on the meta device can be materialised with `to_empty()` and then initialised or loaded).
 
-Architecture, matching Hugging Face `LlamaForCausalLM` so that `training.hf_export` is a pure renaming:
+Architecture, matching Hugging Face `LlamaForCausalLM` so that `training.checkpoint.hf_export` is a pure renaming:
 
 - token embedding → `n_layers` pre-norm blocks → final RMSNorm → output projection (untied unless
   `cfg.tie_embeddings`);
@@ -27,7 +27,7 @@ Positions are absolute within the (packed) sequence also under document masking:
 on the distance between query and key, so a document attends within itself exactly as it would alone.
 
 Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory.
-`DenseLayers` (the default) gives nn.Linear and nn.Embedding; `training.neuron.NxdLayers` gives
+`DenseLayers` (the default) gives nn.Linear and nn.Embedding; `training.parallel.neuron.NxdLayers` gives
 neuronx-distributed's tensor-parallel layers, and each rank then holds its heads and slices (attention computes
 with the local head counts). Either way `init_weights(seed)` draws every parameter's dense tensor the same way
 (`training.parallel.tensor_slices`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the
@@ -103,7 +103,7 @@ class RMSNorm(nn.Module):
 
 class Layers(Protocol):
     """Where the model's linear and embedding layers come from, and how its parameters are split (see
-    `DenseLayers`; `training.neuron.NxdLayers` for tensor parallelism)."""
+    `DenseLayers`; `training.parallel.neuron.NxdLayers` for tensor parallelism)."""
 
     tensor: int
     """The tensor-parallel degree: how many ranks share each layer."""
@@ -302,7 +302,8 @@ class Transformer(nn.Module):
     rope_sin: Tensor
     flex_document_mask: bool = False
     """Document masks as FlexAttention block masks (`document_block_mask`) instead of dense (B, 1, T, T) masks for
-    SDPA. Set by `training.parallelize.compile_blocks` on CUDA: FlexAttention is fused only under torch.compile."""
+    SDPA. Set by `training.parallel.parallelize.compile_blocks` on CUDA: FlexAttention is fused only under
+    torch.compile."""
 
     def __init__(
         self, cfg: ModelConfig, device: torch.device | str | None = None, layers: Layers | None = None

@@ -335,7 +335,8 @@ def optimizer_recipe(
     Under torch-xla's precision flags (`flags`, by default on XLA: Neuron 2.24, `core.environment.precision_by_flags`)
     the model stays FP32-typed and the device does the work: 'bf16-sr' is plain AdamW whose BF16 storage the
     NeuronCore rounds stochastically (HLAT 7B), 'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps
-    the FP32 masters itself (`zero1`: NxD's optimizer, `training.neuron.parallel_optimizer`, wraps plain AdamW).
+    the FP32 masters itself (`zero1`: NxD's optimizer, `training.parallel.neuron.parallel_optimizer`, wraps plain
+    AdamW).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")

@@ -3,7 +3,7 @@
 On each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local backend set
 them) this program starts the workers that host owns, data.workers / H of them (the local backend runs one host:
 all data.workers), as child processes (`--worker w`). Each prepares its share of the plan's units
-(training.prepare: read, validate with great-expectations, write shards, commit the unit). A worker that dies
+(training.data.units: read, validate with great-expectations, write shards, commit the unit). A worker that dies
 (killed, out of memory) is started again, alone, up to data.worker_retries times; the units it committed are
 kept, so it redoes only the one it was in. Host 0 makes the plan, and once every unit is committed, merges them:
 duplicates across units, the manifest, the report.

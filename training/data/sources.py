@@ -3,7 +3,7 @@
 A source is a Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl/json, parquet, txt),
 or `builtin:python-stdlib`: an offline corpus built deterministically from the installed Python standard
 library (module sources and their docstrings), written as jsonl and then read like any local file. Files are cut
-into units and streamed by training.reader; a hub data set is opened here, through Hugging Face `datasets`.
+into units and streamed by training.data.reader; a hub data set is opened here, through Hugging Face `datasets`.
 
 Before a hub data set is loaded, the hub endpoint (HF_ENDPOINT, by default https://huggingface.co) is probed
 with one request of a few seconds: when it does not answer, the data set is loaded in offline mode (a copy in
@@ -209,7 +209,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
     return hashlib.sha256(json.dumps(parts, default=str).encode()).hexdigest()
 
 
-# -- reading a hub data set (files are read by training.reader) -------------------------------------------
+# -- reading a hub data set (files are read by training.data.reader) -------------------------------------------
 def _guarded(batches: Iterator[dict[str, list[Any]]], name: str) -> Iterator[dict[str, list[Any]]]:
     """Reading errors that are not transient (a malformed file) become one clear SourceError."""
     try:

@@ -2,7 +2,7 @@
 manifest and one report.
 
 The work is split so that many workers can share it and none has to start over: `plan` cuts the source into
-deterministic units (training.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
+deterministic units (training.data.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
 share of a hub data set per worker); `assign` deals them out to `data.workers` workers, largest first; each
 worker runs `prepare_unit` on its units, which writes the unit's shards and commits it with `unit.json`, written
 last; `merge` then finds the exact duplicates *across* units (each unit drops its own), rewrites the few shards

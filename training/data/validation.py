@@ -50,7 +50,7 @@ class BatchOutcome:
     """For each quarantined row: its position in the validated frame."""
     kept_digests: list[bytes] = field(default_factory=list)
     """For each kept text: hashlib.sha256 of its UTF-8 bytes (32 bytes), computed here anyway. Its first 16 bytes
-    are the key exact duplicates are found by; its first 8 are the hash `training.prepare.assign_split` takes of the
+    are the key exact duplicates are found by; its first 8 are the hash `training.data.units.assign_split` takes of the
     text, so a caller need not hash the text again for either."""
 
 
