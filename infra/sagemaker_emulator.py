@@ -1,7 +1,7 @@
 """A multi-host SageMaker training job on this machine: the local backend's emulator of SageMaker's side of a job.
 
 With `job.instance_count` > 1 the local backend runs a job the way SageMaker runs it, from the same
-CreateTrainingJob request the `sagemaker` backend sends (built by the same code, `EmulatedSageMaker`):
+CreateTrainingJob request the `sagemaker` backend sends (built by the same code, `sagemaker_jobs.build_request`):
 
 - N instances, `algo-1` ... `algo-N`, each a set of Linux namespaces (mount, UTS, PID) of its own: its own
   `/opt/ml` (input/config/resourceconfig.json, hyperparameters.json, inputdataconfig.json, input/data/<channel>,
@@ -35,7 +35,6 @@ runs at a time on a machine: the SDK fixes the master port (7777).
 
 from __future__ import annotations
 
-import copy
 import json
 import os
 import shutil
@@ -100,24 +99,11 @@ def _store_all(uploads: dict[str, bytes]) -> None:
 
 
 def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[str, Any]:
-    """The CreateTrainingJob request the emulator runs for `spec`, made by the sagemaker backend's own code; the
-    SDK's uploads land in the run's storage (see the module docstring), unless `upload` is off (a dry run)."""
-    from hlat.infra.sagemaker_jobs import OfflineAWS, SageMakerBackend
-
-    class EmulatedSageMaker(SageMakerBackend):
-        """The sagemaker backend with this machine as its image, and no requirements to install on it."""
-
-        def training_image(self, spec: JobSpec) -> str:
-            return LOCAL_IMAGE
-
-        def requirements(self, spec: JobSpec) -> str | None:
-            return None
-
-        def config_request(self, spec: JobSpec) -> dict[str, Any]:
-            return _as_validated(super().config_request(spec))
-
-        def _create(self, request: Mapping[str, Any], client: Any = None, stage: str = "train") -> None:
-            super()._create(_as_validated(request), client, stage)
+    """The CreateTrainingJob request the emulator runs for `spec`, made by the sagemaker backend's own builder
+    (`sagemaker_jobs.build_request`), with this machine as the image and no requirements to install on it, and
+    checked whole as SageMaker would check it; the SDK's uploads land in the run's storage (see the module
+    docstring), unless `upload` is off (a dry run)."""
+    from hlat.infra.sagemaker_jobs import OfflineAWS, build_request, validate_request
 
     emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
     request_spec = replace(spec, run_uri=request_uri(spec.run_uri), image_uri=LOCAL_IMAGE)
@@ -128,21 +114,10 @@ def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[st
         uploads[f"s3://{bucket}/{key}"] = data
 
     offline = OfflineAWS(job.region, LOCAL_ROLE, [bucket], store=keep if upload else None)
-    backend = EmulatedSageMaker(emulated, boto_session=offline.session)
-    request = backend._build_request(request_spec, offline.session)
-    backend._create(request, offline.session.client("sagemaker", region_name=job.region), spec.stage)
+    request = build_request(request_spec, emulated, offline.session, requirements=None, validated_as=VALIDATED_AS)
+    validate_request(request, spec.stage, validated_as=VALIDATED_AS)
     _store_all(uploads)
     return request
-
-
-def _as_validated(request: Mapping[str, Any]) -> dict[str, Any]:
-    """`request` as the service model should judge it: the 'local' instance type (the emulated hosts) stands for a
-    SageMaker one; every other member is checked as it is."""
-    checked = copy.deepcopy(dict(request))
-    resources = checked.get("ResourceConfig") or {}
-    if resources.get("InstanceType") == "local":
-        resources["InstanceType"] = VALIDATED_AS
-    return checked
 
 
 @cache

@@ -494,6 +494,243 @@ def _body_size(body: Any) -> int | None:
         return None
 
 
+def training_image(spec: JobSpec, job: JobConfig) -> str:
+    """The image a job runs on SageMaker: job.image_uri, else the Neuron PyTorch training image of the job's
+    region and Neuron SDK."""
+    if job.image_uri:
+        return job.image_uri
+    image = neuron_training_image(job.region, spec.neuron_sdk)
+    if image is None:
+        raise ValueError(
+            f"job.region={job.region!r}: AWS publishes no Neuron PyTorch training image there and "
+            f"job.image_uri={job.image_uri!r}; set job.image_uri to a training image in that region, "
+            "or use a region with trn1 capacity (e.g. us-east-1, us-west-2)"
+        )
+    return image
+
+
+def check_spec(
+    spec: JobSpec, job: JobConfig, requirements: str | None, validated_as: str | None = None
+) -> tuple[str, str]:
+    """Refuse, with the fix, what SageMaker would refuse later; returns the run's (bucket, key prefix).
+    `requirements`: the file the job installs (None: none); `validated_as`: see `build_request`."""
+    if not spec.run_uri.startswith("s3://"):
+        raise ValueError(
+            f"storage.root: the sagemaker backend needs an s3:// storage root (got {spec.run_uri!r}); "
+            "pass --storage s3://bucket/prefix"
+        )
+    if not job.role_arn:
+        raise ValueError(
+            f"job.role_arn={job.role_arn!r}: the sagemaker backend needs the IAM role SageMaker assumes to "
+            "run the job; set job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>, "
+            "or job.role_arn_secret=<a Prefect Secret block holding it>, which the flows read before submitting"
+        )
+    if job.subnets and not job.security_group_ids:
+        raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
+    check_request("CreateTrainingJob", judged(config_request(spec, job), validated_as), spec.stage, partial=True)
+    if requirements is not None and not (PROJECT_ROOT / requirements).is_file():
+        raise ValueError(
+            f"the sagemaker backend uploads the job's requirements file {requirements}, which is not under "
+            f"{PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
+        )
+    return split_s3_uri(spec.run_uri)
+
+
+def config_request(spec: JobSpec, job: JobConfig) -> dict[str, Any]:
+    """The members of `spec`'s CreateTrainingJob request that the run's config decides, as `build_request`
+    sets them (the SDK adds the rest): what can be checked against the service model before anything is
+    uploaded, or before any stage of a flow runs."""
+    run = spec.run_uri.rstrip("/")
+    request: dict[str, Any] = {
+        "TrainingJobName": spec.name,
+        "RoleArn": job.role_arn,
+        "ResourceConfig": {
+            "InstanceType": spec.instance_type,
+            "InstanceCount": spec.instance_count,
+            "VolumeSizeInGB": job.volume_size_gb,
+        },
+        "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
+        "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
+        "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
+        "HyperParameters": {"config": spec.config_uri, **spec.args},
+        "Environment": job_environment(spec),
+    }
+    if spec.checkpoint_prefix is not None:
+        request["CheckpointConfig"] = {"S3Uri": f"{run}/{spec.checkpoint_prefix}"}
+    if spec.channels:  # (the SDK adds its code channels; a request's list, when given, may not be empty)
+        request["InputDataConfig"] = [
+            {"ChannelName": c, "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{run}/{c}/"}}}
+            for c in spec.channels
+        ]
+    if spec.image_uri or job.image_uri:
+        request["AlgorithmSpecification"] = {"TrainingImage": spec.image_uri or job.image_uri}
+    if job.subnets:
+        request["VpcConfig"] = {"Subnets": list(job.subnets), "SecurityGroupIds": list(job.security_group_ids)}
+    return request
+
+
+def build_request(
+    spec: JobSpec,
+    job: JobConfig,
+    boto_session: boto3.Session,
+    *,
+    requirements: str | None,
+    validated_as: str | None = None,
+) -> dict[str, Any]:
+    """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SageMaker SDK's
+    ModelTrainer with `job`'s settings; checked (`check_spec`) before anything is staged or uploaded, and not sent.
+    Building it uploads the job's source (`stage_source`) and the SDK's container drivers to
+    `<run>/code/<job name>/...` through `boto_session`: a real session, or `OfflineAWS.session` to only record them.
+
+    `requirements`: the file the instances pip-install before the program runs (`requirements_of(spec)`; None: the
+    image holds all the job needs). `validated_as`: the SageMaker instance type the service model judges in place of
+    the 'local' one (the local backend's emulated hosts). The image is `spec.image_uri`, else
+    `training_image(spec, job)`. The sagemaker backend and the local backend's emulator both build their requests
+    here; `validate_request` checks the whole result."""
+    checked = check_spec(spec, job, requirements, validated_as)
+    with tempfile.TemporaryDirectory(prefix="hlat-source-") as source:
+        stage_source(Path(source), requirements)
+        return _request_with_source(spec, job, boto_session, source, checked, requirements)
+
+
+def validate_request(request: Mapping[str, Any], stage: str = "train", validated_as: str | None = None) -> None:
+    """Raise SubmitError('ValidationException') for anything in the whole CreateTrainingJob `request`, as the SDK
+    built it, that SageMaker would refuse: what botocore's client-side validation checks (types, required members)
+    and what it lets through (enums, patterns, maximums: `check_request`). `validated_as`: see `build_request`."""
+    import botocore.validate
+
+    judged_request = judged(request, validated_as)
+    try:
+        check_request("CreateTrainingJob", judged_request, stage)
+        shape = sagemaker_service_model().operation_model("CreateTrainingJob").input_shape
+        botocore.validate.validate_parameters(judged_request, shape)
+    except (ValueError, ParamValidationError) as exc:
+        raise SubmitError("ValidationException", str(exc)) from exc
+
+
+def judged(request: Mapping[str, Any], validated_as: str | None) -> dict[str, Any]:
+    """`request` as the service model should judge it: with `validated_as`, the 'local' instance type (the
+    emulator's hosts) stands as that SageMaker one; every other member is judged as it is."""
+    checked = copy.deepcopy(dict(request))
+    resources = checked.get("ResourceConfig") or {}
+    if validated_as is not None and resources.get("InstanceType") == "local":
+        resources["InstanceType"] = validated_as
+    return checked
+
+
+def _request_with_source(
+    spec: JobSpec,
+    job: JobConfig,
+    boto_session: boto3.Session,
+    source: str,
+    checked: tuple[str, str],
+    requirements: str | None,
+) -> dict[str, Any]:
+    bucket, prefix = checked
+    image = spec.image_uri or training_image(spec, job)
+    sdk = _import_sdk()
+    cfg = sdk.configs
+    run = spec.run_uri.rstrip("/")
+    session = sdk.Session(
+        boto_session=boto_session, default_bucket=bucket, default_bucket_prefix=f"{prefix}/code".strip("/")
+    )
+    volume_kms = job.kms_key_id
+    if volume_kms and spec.instance_type.startswith(_LOCAL_STORAGE_FAMILIES):
+        log.warning(
+            "job.kms_key_id is not used for the volumes of %s: its storage is local NVMe, encrypted by the "
+            "hardware (SageMaker refuses a VolumeKmsKeyId there); it still encrypts the job's output",
+            spec.instance_type,
+        )
+        volume_kms = None
+    compute = cfg.Compute(
+        instance_type=spec.instance_type,
+        instance_count=spec.instance_count,
+        volume_size_in_gb=job.volume_size_gb,
+        volume_kms_key_id=volume_kms,
+        keep_alive_period_in_seconds=job.keep_alive_minutes * 60 if job.keep_alive_minutes else None,
+        training_plan_arn=job.training_plan_arn,
+    )
+    networking = None
+    if job.subnets:
+        networking = cfg.Networking(
+            subnets=list(job.subnets),
+            security_group_ids=list(job.security_group_ids),
+            # Encrypting traffic between nodes slows the collectives of every step.
+            enable_inter_container_traffic_encryption=False,
+        )
+    try:
+        trainer = sdk.ModelTrainer(
+            sagemaker_session=session,
+            role=job.role_arn,
+            base_job_name=spec.name,
+            training_image=image,
+            source_code=cfg.SourceCode(source_dir=source, entry_script=ENTRY_SCRIPT, requirements=requirements),
+            distributed=sdk.Torchrun(process_count_per_node=spec.processes_per_node),
+            compute=compute,
+            networking=networking,
+            stopping_condition=cfg.StoppingCondition(max_runtime_in_seconds=spec.max_runtime_s),
+            checkpoint_config=cfg.CheckpointConfig(
+                s3_uri=f"{run}/{spec.checkpoint_prefix}", local_path=SAGEMAKER_CHECKPOINT_DIR
+            )
+            if spec.checkpoint_prefix is not None
+            else None,
+            output_data_config=cfg.OutputDataConfig(
+                s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
+            ),
+            environment=job_environment(spec),
+            # The Torchrun driver passes hyperparameters as arguments: `--config <uri>` (+ the program's own).
+            # The config travels by URI, not as hyperparameters (at most 100 of 256 characters each).
+            hyperparameters={"config": spec.config_uri, **spec.args},
+            tags=[
+                cfg.Tag(key="hlat:run-id", value=spec.run_id),
+                cfg.Tag(key="hlat:stage", value=spec.stage),
+                cfg.Tag(key="hlat:attempt", value=str(spec.attempt)),
+            ],
+        )
+    except sdk.RoleValidationError as exc:
+        raise SubmitError("ValidationException", f"job.role_arn={job.role_arn!r}: {exc}") from exc
+    trainer.with_tensorboard_output_config(
+        cfg.TensorBoardOutputConfig(s3_output_path=f"{run}/tensorboard", local_path=SAGEMAKER_TENSORBOARD_DIR)
+    )
+    trainer.with_metric_definitions(
+        [cfg.MetricDefinition(name=name, regex=regex) for name, regex in METRIC_DEFINITIONS.items()]
+    )
+    if job.sagemaker_retry_attempts > 0:
+        trainer.with_retry_strategy(cfg.RetryStrategy(maximum_retry_attempts=job.sagemaker_retry_attempts))
+    if job.infra_check:
+        trainer.with_infra_check_config(cfg.InfraCheckConfig(enable_infra_check=True))
+    # FastFile mounts the prefix and streams what is read: the trainer reads its shards from run storage itself,
+    # and File mode would first copy the whole corpus onto every node. (prepare-data has no input channel: its
+    # workers read the source themselves, each its own units.)
+    modes = {"data": "FastFile", "tokenizer": "File"}
+    channels = [_channel(cfg, name, f"{run}/{name}/", modes[name]) for name in spec.channels]
+    try:
+        # A private method, on purpose: ModelTrainer.train() names each job `<base>-<timestamp>`, and the
+        # name must be ours (run id + attempt) so that a restarted flow re-attaches to the job it launched
+        # instead of launching a duplicate. Only the job name is replaced: uploads still go under the SDK's
+        # timestamped key, inside the run's code/ prefix.
+        request: dict[str, Any] = trainer._create_training_job_args(input_data_config=channels, boto3=True)
+    except ClientError as exc:
+        raise SubmitError(*_error(exc)) from exc
+    except S3UploadFailedError as exc:
+        found = re.search(r"\((\w+)\) when calling", str(exc))
+        raise SubmitError(
+            found.group(1) if found else "S3UploadFailed",
+            f"uploading the job's source code under {run}/code: {exc}",
+        ) from exc
+    request["TrainingJobName"] = spec.name
+    # Our init in front of the SDK's container command, which runs unchanged: it passes StopTrainingJob's
+    # SIGTERM on to the ranks (core/job_init.py says why the SDK's shell never would).
+    algorithm = request["AlgorithmSpecification"]
+    algorithm["ContainerEntrypoint"] = [*JOB_INIT, *algorithm["ContainerEntrypoint"]]
+    return request
+
+
+def _channel(cfg: Any, name: str, s3_uri: str, mode: str) -> Any:
+    source = cfg.S3DataSource(s3_data_type="S3Prefix", s3_uri=s3_uri, s3_data_distribution_type="FullyReplicated")
+    return cfg.Channel(channel_name=name, data_source=cfg.DataSource(s3_data_source=source), input_mode=mode)
+
+
 class SageMakerBackend:
     """Training jobs as SageMaker training jobs (see the module docstring).
 
@@ -532,7 +769,7 @@ class SageMakerBackend:
                 f"a training job named {spec.name} already exists ({existing.status.value}); "
                 "describe it to re-attach instead of submitting it again",
             )
-        request = self._build_request(spec, self.boto_session)
+        request = build_request(spec, self.job, self.boto_session, requirements=self.requirements(spec))
         try:
             self._create(request, stage=spec.stage)
         except SubmitError as exc:
@@ -602,7 +839,7 @@ class SageMakerBackend:
         bucket, _ = self._check(spec)
         assert self.job.role_arn is not None  # _check raised otherwise
         offline = OfflineAWS(self.job.region, self.job.role_arn, [bucket])
-        request = self._build_request(spec, offline.session)
+        request = build_request(spec, self.job, offline.session, requirements=self.requirements(spec))
         self._create(request, offline.session.client("sagemaker", region_name=self.job.region), spec.stage)
         return offline.requests()
 
@@ -612,198 +849,16 @@ class SageMakerBackend:
         return requirements_of(spec)
 
     def training_image(self, spec: JobSpec) -> str:
-        if self.job.image_uri:
-            return self.job.image_uri
-        image = neuron_training_image(self.job.region, spec.neuron_sdk)
-        if image is None:
-            raise ValueError(
-                f"job.region={self.job.region!r}: AWS publishes no Neuron PyTorch training image there and "
-                f"job.image_uri={self.job.image_uri!r}; set job.image_uri to a training image in that region, "
-                "or use a region with trn1 capacity (e.g. us-east-1, us-west-2)"
-            )
-        return image
-
-    def _check(self, spec: JobSpec) -> tuple[str, str]:
-        """Refuse, with the fix, what SageMaker would refuse later; returns the run's (bucket, key prefix)."""
-        if not spec.run_uri.startswith("s3://"):
-            raise ValueError(
-                f"storage.root: the sagemaker backend needs an s3:// storage root (got {spec.run_uri!r}); "
-                "pass --storage s3://bucket/prefix"
-            )
-        if not self.job.role_arn:
-            raise ValueError(
-                f"job.role_arn={self.job.role_arn!r}: the sagemaker backend needs the IAM role SageMaker assumes to "
-                "run the job; set job.role_arn=arn:aws:iam::<account>:role/<role trusted by sagemaker.amazonaws.com>, "
-                "or job.role_arn_secret=<a Prefect Secret block holding it>, which the flows read before submitting"
-            )
-        if self.job.subnets and not self.job.security_group_ids:
-            raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
-        check_request("CreateTrainingJob", self.config_request(spec), spec.stage, partial=True)
-        requirements = self.requirements(spec)
-        if requirements is not None and not (PROJECT_ROOT / requirements).is_file():
-            raise ValueError(
-                f"the sagemaker backend uploads the job's requirements file {requirements}, which is not under "
-                f"{PROJECT_ROOT}: run from a checkout of the project (pip install -e .)"
-            )
-        return split_s3_uri(spec.run_uri)
+        return training_image(spec, self.job)
 
     def config_request(self, spec: JobSpec) -> dict[str, Any]:
-        """The members of `spec`'s CreateTrainingJob request that the run's config decides, as `_build_request`
-        sets them (the SDK adds the rest): what can be checked against the service model before anything is
-        uploaded, or before any stage of a flow runs."""
-        job, run = self.job, spec.run_uri.rstrip("/")
-        request: dict[str, Any] = {
-            "TrainingJobName": spec.name,
-            "RoleArn": job.role_arn,
-            "ResourceConfig": {
-                "InstanceType": spec.instance_type,
-                "InstanceCount": spec.instance_count,
-                "VolumeSizeInGB": job.volume_size_gb,
-            },
-            "StoppingCondition": {"MaxRuntimeInSeconds": spec.max_runtime_s},
-            "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
-            "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
-            "HyperParameters": {"config": spec.config_uri, **spec.args},
-            "Environment": job_environment(spec),
-        }
-        if spec.checkpoint_prefix is not None:
-            request["CheckpointConfig"] = {"S3Uri": f"{run}/{spec.checkpoint_prefix}"}
-        if spec.channels:  # (the SDK adds its code channels; a request's list, when given, may not be empty)
-            request["InputDataConfig"] = [
-                {"ChannelName": c, "DataSource": {"S3DataSource": {"S3DataType": "S3Prefix", "S3Uri": f"{run}/{c}/"}}}
-                for c in spec.channels
-            ]
-        if spec.image_uri or job.image_uri:
-            request["AlgorithmSpecification"] = {"TrainingImage": spec.image_uri or job.image_uri}
-        if job.subnets:
-            request["VpcConfig"] = {"Subnets": list(job.subnets), "SecurityGroupIds": list(job.security_group_ids)}
-        return request
+        return config_request(spec, self.job)
 
-    def _build_request(self, spec: JobSpec, boto_session: boto3.Session) -> dict[str, Any]:
-        """The CreateTrainingJob request for `spec` (PascalCase, as boto3 takes it), made by the SDK's
-        ModelTrainer. Building it uploads the job's source (`stage_source`) and the SDK's container drivers to
-        `<run>/code/<job name>/...` through `boto_session`."""
-        checked = self._check(spec)  # before anything is staged or uploaded
-        with tempfile.TemporaryDirectory(prefix="hlat-source-") as source:
-            stage_source(Path(source), self.requirements(spec))
-            return self._request_with_source(spec, boto_session, source, checked)
-
-    def _request_with_source(
-        self, spec: JobSpec, boto_session: boto3.Session, source: str, checked: tuple[str, str]
-    ) -> dict[str, Any]:
-        bucket, prefix = checked
-        image = spec.image_uri or self.training_image(spec)
-        sdk = _import_sdk()
-        cfg = sdk.configs
-        job = self.job
-        run = spec.run_uri.rstrip("/")
-        session = sdk.Session(
-            boto_session=boto_session, default_bucket=bucket, default_bucket_prefix=f"{prefix}/code".strip("/")
-        )
-        volume_kms = job.kms_key_id
-        if volume_kms and spec.instance_type.startswith(_LOCAL_STORAGE_FAMILIES):
-            log.warning(
-                "job.kms_key_id is not used for the volumes of %s: its storage is local NVMe, encrypted by the "
-                "hardware (SageMaker refuses a VolumeKmsKeyId there); it still encrypts the job's output",
-                spec.instance_type,
-            )
-            volume_kms = None
-        compute = cfg.Compute(
-            instance_type=spec.instance_type,
-            instance_count=spec.instance_count,
-            volume_size_in_gb=job.volume_size_gb,
-            volume_kms_key_id=volume_kms,
-            keep_alive_period_in_seconds=job.keep_alive_minutes * 60 if job.keep_alive_minutes else None,
-            training_plan_arn=job.training_plan_arn,
-        )
-        networking = None
-        if job.subnets:
-            networking = cfg.Networking(
-                subnets=list(job.subnets),
-                security_group_ids=list(job.security_group_ids),
-                # Encrypting traffic between nodes slows the collectives of every step.
-                enable_inter_container_traffic_encryption=False,
-            )
-        try:
-            trainer = sdk.ModelTrainer(
-                sagemaker_session=session,
-                role=job.role_arn,
-                base_job_name=spec.name,
-                training_image=image,
-                source_code=cfg.SourceCode(
-                    source_dir=source, entry_script=ENTRY_SCRIPT, requirements=self.requirements(spec)
-                ),
-                distributed=sdk.Torchrun(process_count_per_node=spec.processes_per_node),
-                compute=compute,
-                networking=networking,
-                stopping_condition=cfg.StoppingCondition(max_runtime_in_seconds=spec.max_runtime_s),
-                checkpoint_config=cfg.CheckpointConfig(
-                    s3_uri=f"{run}/{spec.checkpoint_prefix}", local_path=SAGEMAKER_CHECKPOINT_DIR
-                )
-                if spec.checkpoint_prefix is not None
-                else None,
-                output_data_config=cfg.OutputDataConfig(
-                    s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
-                ),
-                environment=job_environment(spec),
-                # The Torchrun driver passes hyperparameters as arguments: `--config <uri>` (+ the program's own).
-                # The config travels by URI, not as hyperparameters (at most 100 of 256 characters each).
-                hyperparameters={"config": spec.config_uri, **spec.args},
-                tags=[
-                    cfg.Tag(key="hlat:run-id", value=spec.run_id),
-                    cfg.Tag(key="hlat:stage", value=spec.stage),
-                    cfg.Tag(key="hlat:attempt", value=str(spec.attempt)),
-                ],
-            )
-        except sdk.RoleValidationError as exc:
-            raise SubmitError("ValidationException", f"job.role_arn={job.role_arn!r}: {exc}") from exc
-        trainer.with_tensorboard_output_config(
-            cfg.TensorBoardOutputConfig(s3_output_path=f"{run}/tensorboard", local_path=SAGEMAKER_TENSORBOARD_DIR)
-        )
-        trainer.with_metric_definitions(
-            [cfg.MetricDefinition(name=name, regex=regex) for name, regex in METRIC_DEFINITIONS.items()]
-        )
-        if job.sagemaker_retry_attempts > 0:
-            trainer.with_retry_strategy(cfg.RetryStrategy(maximum_retry_attempts=job.sagemaker_retry_attempts))
-        if job.infra_check:
-            trainer.with_infra_check_config(cfg.InfraCheckConfig(enable_infra_check=True))
-        # FastFile mounts the prefix and streams what is read: the trainer reads its shards from run storage itself,
-        # and File mode would first copy the whole corpus onto every node. (prepare-data has no input channel: its
-        # workers read the source themselves, each its own units.)
-        modes = {"data": "FastFile", "tokenizer": "File"}
-        channels = [self._channel(cfg, name, f"{run}/{name}/", modes[name]) for name in spec.channels]
-        try:
-            # A private method, on purpose: ModelTrainer.train() names each job `<base>-<timestamp>`, and the
-            # name must be ours (run id + attempt) so that a restarted flow re-attaches to the job it launched
-            # instead of launching a duplicate. Only the job name is replaced: uploads still go under the SDK's
-            # timestamped key, inside the run's code/ prefix.
-            request: dict[str, Any] = trainer._create_training_job_args(input_data_config=channels, boto3=True)
-        except ClientError as exc:
-            raise SubmitError(*_error(exc)) from exc
-        except S3UploadFailedError as exc:
-            found = re.search(r"\((\w+)\) when calling", str(exc))
-            raise SubmitError(
-                found.group(1) if found else "S3UploadFailed",
-                f"uploading the job's source code under {run}/code: {exc}",
-            ) from exc
-        request["TrainingJobName"] = spec.name
-        # Our init in front of the SDK's container command, which runs unchanged: it passes StopTrainingJob's
-        # SIGTERM on to the ranks (core/job_init.py says why the SDK's shell never would).
-        algorithm = request["AlgorithmSpecification"]
-        algorithm["ContainerEntrypoint"] = [*JOB_INIT, *algorithm["ContainerEntrypoint"]]
-        return request
-
-    @staticmethod
-    def _channel(cfg: Any, name: str, s3_uri: str, mode: str) -> Any:
-        source = cfg.S3DataSource(s3_data_type="S3Prefix", s3_uri=s3_uri, s3_data_distribution_type="FullyReplicated")
-        return cfg.Channel(channel_name=name, data_source=cfg.DataSource(s3_data_source=source), input_mode=mode)
+    def _check(self, spec: JobSpec) -> tuple[str, str]:
+        return check_spec(spec, self.job, self.requirements(spec))
 
     def _create(self, request: Mapping[str, Any], client: Any = None, stage: str = "train") -> None:
-        # The whole request, as the SDK built it, against what botocore's client-side validation skips.
-        try:
-            check_request("CreateTrainingJob", request, stage)
-        except ValueError as exc:
-            raise SubmitError("ValidationException", str(exc)) from exc
+        validate_request(request, stage)
         try:
             (client or self.sagemaker).create_training_job(**request)
         except ClientError as exc:
