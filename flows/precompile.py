@@ -6,29 +6,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from hlat.core.config import HlatConfig
-from hlat.flows.stage import stage_flow
+from hlat.flows.stage import not_a_command, stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.precompile import precompile_cache_key, precompile_graphs, precompile_present
 
 
 @stage_flow("precompile")
-def precompile(config: HlatConfig, run: Run) -> dict[str, Any]:
+def precompile(run: Run) -> dict[str, Any]:
     """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""
-    result: dict[str, Any] = run_cached(
-        precompile_graphs,
-        lambda r: precompile_present(run.uri, r),
-        config=config,
-        run_uri=run.uri,
-        run_id=run.run_id,
-        cache_key=precompile_cache_key(config, run.uri),
-    )
+    key = precompile_cache_key(run)
+    result: dict[str, Any] = run_cached(precompile_graphs, lambda r: precompile_present(run, r), run=run, cache_key=key)
     print(f"precompile: {result.get('status')} ({result.get('reason') or result.get('digest', '')})")
     return result
 
 
 if __name__ == "__main__":
-    from hlat.cli import run_stage_module
-
-    run_stage_module(precompile.name)
+    raise SystemExit(not_a_command(precompile.name))

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from hlat.core.config import HlatConfig
-from hlat.flows.stage import stage_flow
+from hlat.flows.stage import not_a_command, stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.prepare_data import (
@@ -17,12 +16,10 @@ from hlat.training.data.units import DataReport
 
 
 @stage_flow("prepare-data")
-def prepare_data(config: HlatConfig, run: Run) -> DataReport:
+def prepare_data(run: Run) -> DataReport:
     """Download (or build), validate and shard the corpus of a run: a job of data.workers workers."""
-    key = data_cache_key(config, run.uri, fingerprint_source(config.data))
-    report: DataReport = run_cached(
-        build_shards, lambda r: shards_present(run, r), config=config, run_uri=run.uri, run_id=run.run_id, cache_key=key
-    )
+    key = data_cache_key(run, fingerprint_source(run.config.data))
+    report: DataReport = run_cached(build_shards, lambda r: shards_present(run, r), run=run, cache_key=key)
     publish_data_report(report, run.run_id)
     print(
         f"prepare-data: {report.rows_read} rows read, {report.rows_kept} kept, {report.rows_quarantined} "
@@ -32,6 +29,4 @@ def prepare_data(config: HlatConfig, run: Run) -> DataReport:
 
 
 if __name__ == "__main__":
-    from hlat.cli import run_stage_module
-
-    run_stage_module(prepare_data.name)
+    raise SystemExit(not_a_command(prepare_data.name))

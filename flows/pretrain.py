@@ -2,25 +2,26 @@
 
 from __future__ import annotations
 
+import importlib
 import logging
 from typing import Any, cast
 from uuid import UUID
 
-from prefect import flow
+from prefect import Flow, flow
 from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
+from pydantic import BaseModel
 
-from hlat.flows.burn_in import burn_in
-from hlat.flows.evaluate import evaluate
+from hlat.core.stages import STAGES, Stage
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
-from hlat.flows.precompile import precompile
-from hlat.flows.prepare_data import prepare_data
 from hlat.flows.stage import merged_overrides, run_name, stages_of, start_run, stop_jobs_on_cancel
-from hlat.flows.train import train
-from hlat.flows.train_tokenizer import train_tokenizer
 from hlat.tasks.caching import artifact_key
 
-STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
+
+def stage_flow_of(stage: Stage) -> Flow[..., Any]:
+    """The Prefect flow of a stage: `flows/<module>.py`'s function of the same name."""
+    flow_fn: Flow[..., Any] = getattr(importlib.import_module(f"hlat.flows.{stage.module}"), stage.module)
+    return flow_fn
 
 
 class _Progress:
@@ -46,11 +47,9 @@ class _Progress:
             logging.getLogger("hlat.pretrain").warning("could not update the progress artifact: %s", exc)
 
 
-def _after(previous: Any, stage_flow: Any, **params: Any) -> Any:
-    """Run the next stage with the previous stage's result as its `wait_for`. The stages read their inputs from the
-    run's storage, not from each other's return values; Prefect finds the subflow run that returned `previous` and
-    records the edge, so the parent run's graph draws the chain prepare-data -> ... -> evaluate."""
-    return stage_flow(**params, wait_for=[previous])
+def _plain(result: Any) -> Any:
+    """A stage's result as the parent returns it: JSON-like (a pydantic report as its dump)."""
+    return result.model_dump(mode="json") if isinstance(result, BaseModel) else result
 
 
 @flow(name="hlat", flow_run_name=run_name, log_prints=True, on_cancellation=[stop_jobs_on_cancel])
@@ -60,52 +59,38 @@ def hlat(
     storage: OptionalText = STORAGE,
     overrides: Overrides = OVERRIDES,
 ) -> dict[str, Any]:
-    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train -> evaluate.
-    A failed burn-in stops the DAG before training."""
-    # The run is started once, here; each stage reads its config.json (stages_of). The stages' parameters are the
-    # record of what built the run, shown on their pages and used when one is re-run alone.
+    """Pretrain an HLAT-style model: prepare-data -> train-tokenizer -> precompile -> burn-in -> train -> evaluate
+    (core/stages.py). A failed stage stops the DAG: a failed burn-in stops it before training."""
+    # The run is started once, here, and handed to each stage (stages_of). The stages' parameters are the record of
+    # what built the run, shown on their pages and used when one is re-run alone.
     changes = merged_overrides(overrides)  # the deployment's under the run's
-    config, run = start_run(preset, changes, run_id, storage)
-    stage: dict[str, Any] = {
+    run = start_run(preset, changes, run_id, storage)
+    params: dict[str, Any] = {
         "preset": preset,
         "overrides": changes,
         # A copy of the run id, not the open-run task's own string: Prefect links a value to the task that returned
-        # it by identity, and drew an edge from open-run to every stage (the chain read as a fan). The chain's
-        # edges are the stages' wait_for (`_after`).
+        # it by identity, and drew an edge from open-run to every stage (the chain read as a fan).
         "run_id": "".join(run.run_id),
-        "storage": config.storage.root,
+        "storage": run.config.storage.root,
     }
     progress = _Progress(run.run_id)
-    with stages_of(run, config):
-        progress.stage(0, STAGES[0])
-        data = prepare_data(**stage)
-        progress.stage(1, STAGES[1])
-        tokenizer = _after(data, train_tokenizer, **stage)
-        progress.stage(2, STAGES[2])
-        graphs = _after(tokenizer, precompile, **stage)
-        progress.stage(3, STAGES[3])
-        health: dict[str, Any] = _after(graphs, burn_in, **stage)
-        progress.stage(4, STAGES[4])
-        training = _after(health, train, **stage)
-        progress.stage(5, STAGES[5])
-        scores: dict[str, Any] = _after(training, evaluate, **stage)
-    progress.stage(6)
+    results: dict[str, Any] = {"run_id": run.run_id, "run_uri": run.uri}
+    previous: Any = None
+    with stages_of(run):
+        for done, stage in enumerate(STAGES):
+            progress.stage(done, stage.name)
+            # The previous stage's result as this one's `wait_for`: the stages read their inputs from the run's
+            # storage, not from each other's return values; Prefect finds the subflow run that returned `previous`
+            # and records the edge, so the parent run's graph draws the chain prepare-data -> ... -> evaluate.
+            wait_for = [previous] if previous is not None else None
+            previous = stage_flow_of(stage)(**params, wait_for=wait_for)
+            results[stage.name] = _plain(previous)
+    progress.stage(len(STAGES))
     print(f"hlat: run {run.run_id} done -> {run.uri}")
-    return {
-        "run_id": run.run_id,
-        "run_uri": run.uri,
-        "data": data.model_dump(mode="json"),
-        "tokenizer": tokenizer,
-        "precompile": graphs,
-        "burn_in": {k: health.get(k) for k in ("status", "passed", "world_size", "failures") if k in health},
-        "train": training,
-        "evaluate": {k: scores.get(k) for k in ("step", "perplexity", "lm_eval", "files")},
-    }
+    return results
 
 
 if __name__ == "__main__":
-    import sys
+    from hlat.flows.stage import not_a_command
 
-    from hlat.cli import main
-
-    sys.exit(main(["pretrain", *sys.argv[1:]]))
+    raise SystemExit(not_a_command(hlat.name))

@@ -1,8 +1,9 @@
-"""The stage flows' one template (`stage_flow`: parameters, config and run, cancel hook), and what
-every stage starts with: its config, built once, and its run."""
+"""The stage flows' one template (`stage_flow`: parameters, the run, cancel hook), and what every stage starts
+with: its run (id, storage and config, built once)."""
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -14,6 +15,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.hashing import file_hash
 
 from hlat.core.config import DataConfig, HlatConfig
+from hlat.core.stages import stage
 from hlat.flows.params import (
     OVERRIDES,
     PRESET,
@@ -41,10 +43,11 @@ def open_run_task(config: HlatConfig) -> Run:
 
 # How a run's config travels: it is built once, from a preset and overrides, by `build_config` (flows/params.py):
 # the CLI builds it (a bad --set fails before a server starts) and hands it to the flow it starts; that flow (the
-# parent `hlat`, or a stage started alone) opens the run with it, writing <run>/config.json; the parent's stages
-# receive the run (its id and storage) and read that config.json. A flow started without the CLI (a deployment, the
-# UI, a test) builds it itself, through the same function.
-_OPEN_RUN: ContextVar[tuple[Run, HlatConfig] | None] = ContextVar("hlat_open_run", default=None)
+# parent `hlat`, or a stage started alone) opens the run with it, writing <run>/config.json, and holds the Run (id,
+# storage, config); the parent's stages are handed that Run (`stages_of`). Its tasks and jobs get the Run; a job reads
+# config.json. A flow started without the CLI (a deployment, the UI, a test) builds the config itself, through the
+# same function.
+_OPEN_RUN: ContextVar[Run | None] = ContextVar("hlat_open_run", default=None)
 
 
 def deployment_overrides(deployment_id: Any = None) -> dict[str, Any]:
@@ -67,10 +70,10 @@ def merged_overrides(overrides: Any, deployment_id: Any = None) -> dict[str, Any
 
 
 @contextmanager
-def stages_of(run: Run, config: HlatConfig) -> Iterator[None]:
-    """While the parent flow runs its stages: they read `run`'s config.json (written by the parent) instead of
-    building the config again."""
-    token = _OPEN_RUN.set((run, config))
+def stages_of(run: Run) -> Iterator[None]:
+    """While the parent flow runs its stages: they take `run` (opened by the parent) instead of building the config
+    again."""
+    token = _OPEN_RUN.set(run)
     try:
         yield
     finally:
@@ -82,24 +85,17 @@ def _activate(config: HlatConfig) -> None:
     aws.activate(config.job)  # before the first AWS call (the run's storage)
 
 
-def resolve(
-    preset: str, overrides: Any, run_id: str | None, storage: str | None, *, reads_source: bool = False
-) -> tuple[HlatConfig, Run]:
-    """What every stage flow starts with: its config and its run. A stage of the parent flow reads the config the
-    parent wrote to the run's config.json; a stage started on its own starts the run itself (start_run).
+def resolve(preset: str, overrides: Any, run_id: str | None, storage: str | None, *, reads_source: bool = False) -> Run:
+    """What every stage flow starts with: its run. A stage of the parent flow is handed the run the parent opened
+    (`stages_of`); a stage started on its own starts the run itself (start_run).
 
     A deployment run's `overrides` are merged over the deployment's own: `--param overrides='{...}'` changes the
     paths it names and keeps the deployment's others (its job.role_arn_secret, say), where Prefect would replace
     the whole parameter."""
     opened = _OPEN_RUN.get()
-    if opened is None or opened[0].run_id != run_id:
-        return start_run(preset, merged_overrides(overrides), run_id, storage, reads_source=reads_source)
-    run, parent = opened
-    # The storage section is the parent's: config.json keeps the root the run was started under (a run may be moved,
-    # or read through another mount).
-    config = run.load_config().model_copy(update={"storage": parent.storage})
-    _activate(config)
-    return aws.with_role(config).model_copy(update={"run_id": run.run_id}), run
+    if opened is not None and opened.run_id == run_id:
+        return opened
+    return start_run(preset, merged_overrides(overrides), run_id, storage, reads_source=reads_source)
 
 
 def source_shape(data: DataConfig) -> str:
@@ -113,7 +109,7 @@ def source_shape(data: DataConfig) -> str:
 
 def start_run(
     preset: str, changes: dict[str, Any], run_id: str | None, storage: str | None, *, reads_source: bool = True
-) -> tuple[HlatConfig, Run]:
+) -> Run:
     """Build the config (build_config), check before anything is written what would fail later, and open the run
     (its config.json written once, or checked):
     - what SageMaker would refuse (an instance type's typo...), and a config the run's config.json refuses
@@ -122,7 +118,7 @@ def start_run(
       `reads_source`), and for a SageMaker run the caller, role, PassRole, storage, images, quotas and training
       plan. A failure raises PreflightFailed, one line per failure.
     The SageMaker role is read from its Secret block for the preflight, and config.json keeps the block's name,
-    not its value."""
+    not its value: the Run returned holds the live config (the role read, the run id filled in)."""
     config = continued(build_config(preset, changes, run_id, storage))
     _activate(config)
     from hlat.infra.stage_jobs import preflight
@@ -134,7 +130,7 @@ def start_run(
         require_sources(config, source_shape)
     require_aws(live)
     run = open_run_task(config)
-    return live.model_copy(update={"run_id": run.run_id}), run
+    return dataclasses.replace(run, config=live.model_copy(update={"run_id": run.run_id}))
 
 
 def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
@@ -185,33 +181,34 @@ STAGE_PARAMETERS = tuple(
 
 
 def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[..., R]], Flow[..., R]]:
-    """Decorator: a stage's Prefect flow from its body, `body(config, run, *extra)`.
+    """Decorator: the Prefect flow of stage `name` (a row of core/stages.py) from its body, `body(run, *extra)`.
 
-    The flow takes the four parameters every flow takes (STAGE_PARAMETERS), then the body's own after `config` and
-    `run` (evaluate's `step`); Prefect reads that signature for the UI's form and the parameters' validation. It
-    resolves the config and the run (`resolve`) and calls the body with them. Its runs are named for the run they
-    build (`run_name`), print to the run's log, and when `stops_jobs`, a cancelled run stops the stage's jobs. The
-    flow's version is the hash of the body's file, as Prefect gives a flow written by hand."""
+    The flow takes the four parameters every flow takes (STAGE_PARAMETERS), then the body's own after `run`
+    (evaluate's `step`); Prefect reads that signature for the UI's form and the parameters' validation. It resolves
+    the run (`resolve`) and calls the body with it. Its runs are named for the run they build (`run_name`), print to
+    the run's log, and when `stops_jobs`, a cancelled run stops the stage's jobs. The flow's version is the hash of
+    the body's file, as Prefect gives a flow written by hand."""
 
+    stage(name)  # a stage the table does not know fails at import
     reads_source = name == "prepare-data"  # the one stage that reads data.source: it is checked first
 
     def make(body: Callable[..., R]) -> Flow[..., R]:
         declared = inspect.signature(body, eval_str=True)
         own = list(declared.parameters.values())
-        if [p.name for p in own[:2]] != ["config", "run"]:
-            raise TypeError(f"{body.__qualname__}: a stage body takes (config, run, ...), not {own[:2]}")
-        signature = inspect.Signature([*STAGE_PARAMETERS, *own[2:]], return_annotation=declared.return_annotation)
+        if [p.name for p in own[:1]] != ["run"]:
+            raise TypeError(f"{body.__qualname__}: a stage body takes (run, ...), not {own[:1]}")
+        signature = inspect.Signature([*STAGE_PARAMETERS, *own[1:]], return_annotation=declared.return_annotation)
 
-        def stage(*args: Any, **kwargs: Any) -> R:
+        def stage_run(*args: Any, **kwargs: Any) -> R:
             given = signature.bind(*args, **kwargs).arguments  # Prefect passes every parameter, defaults resolved
-            config, run = resolve(
+            run = resolve(
                 given["preset"], given["overrides"], given["run_id"], given["storage"], reads_source=reads_source
             )
-            return body(config, run, *(given[p.name] for p in own[2:]))
+            return body(run, *(given[p.name] for p in own[1:]))
 
-        stage.__name__, stage.__qualname__, stage.__doc__ = body.__name__, body.__qualname__, body.__doc__
-        stage.__module__ = body.__module__
-        stage.__signature__ = signature  # type: ignore[attr-defined]
+        stage_run.__name__, stage_run.__qualname__, stage_run.__doc__ = body.__name__, body.__qualname__, body.__doc__
+        stage_run.__module__ = body.__module__
+        stage_run.__signature__ = signature  # type: ignore[attr-defined]
         source = inspect.getsourcefile(body)
         return flow(
             name=name,
@@ -219,6 +216,16 @@ def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[...,
             log_prints=True,
             on_cancellation=[stop_jobs_on_cancel] if stops_jobs else None,
             version=file_hash(source) if source else None,
-        )(stage)
+        )(stage_run)
 
     return make
+
+
+def not_a_command(name: str) -> str:
+    """What `python -m hlat.flows.<module>` says: the flows are run by the `hlat` command, which sits above them
+    (its log file, its one-line errors, its temporary Prefect server), not by their own modules."""
+    command = "hlat pretrain" if name == "hlat" else f"hlat run {name}"
+    return (
+        f"hlat: a flow module is not a command: run `{command} [--preset P] [--run-id R] [--storage S] "
+        f"[--set PATH=VALUE ...]` (`{command} --help`), or deploy it (`hlat deploy`)"
+    )

@@ -7,8 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hlat.core.config import HlatConfig
-from hlat.flows.stage import stage_flow
+from hlat.flows.stage import not_a_command, stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.plan import plan_parallelism
@@ -16,24 +15,15 @@ from hlat.tasks.train import publish_training_report, summary_line, train_cache_
 
 
 @stage_flow("train")
-def train(config: HlatConfig, run: Run) -> dict[str, Any]:
+def train(run: Run) -> dict[str, Any]:
     """Train the run's model from its prepared data and tokenizer."""
-    plan_parallelism(config, run.run_id)  # advice: warns on a slow configured layout, never stops the stage
-    key = train_cache_key(config, run.uri)
-    summary: dict[str, Any] = run_cached(
-        train_model,
-        lambda _: training_present(config, run.uri),
-        config=config,
-        run_uri=run.uri,
-        run_id=run.run_id,
-        cache_key=key,
-    )
+    plan_parallelism(run)  # advice: warns on a slow configured layout, never stops the stage
+    key = train_cache_key(run)
+    summary: dict[str, Any] = run_cached(train_model, lambda _: training_present(run), run=run, cache_key=key)
     publish_training_report(summary, run.run_id)
     print(summary_line(summary))
     return summary
 
 
 if __name__ == "__main__":
-    from hlat.cli import run_stage_module
-
-    run_stage_module(train.name)
+    raise SystemExit(not_a_command(train.name))

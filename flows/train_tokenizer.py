@@ -4,27 +4,17 @@ from __future__ import annotations
 
 from typing import Any
 
-from hlat.core.config import HlatConfig
-from hlat.flows.stage import stage_flow
+from hlat.flows.stage import not_a_command, stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.train_tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
 
 
 @stage_flow("train-tokenizer", stops_jobs=False)
-def train_tokenizer(config: HlatConfig, run: Run) -> dict[str, Any]:
+def train_tokenizer(run: Run) -> dict[str, Any]:
     """Train the run's tokenizer from its prepared shards."""
-    vocab, seq = config.model.vocab_size, config.model.max_seq_len
-    key = tokenizer_cache_key(config, run.uri)
-    report: dict[str, Any] = run_cached(
-        fit_tokenizer,
-        lambda r: tokenizer_present(run, r),
-        tok_cfg=config.tokenizer,
-        vocab_size=vocab,
-        max_seq_len=seq,
-        run_uri=run.uri,
-        cache_key=key,
-    )
+    key = tokenizer_cache_key(run)
+    report: dict[str, Any] = run_cached(fit_tokenizer, lambda r: tokenizer_present(run, r), run=run, cache_key=key)
     publish_tokenizer_report(report, run.run_id)
     print(
         f"train-tokenizer: vocab {report.get('vocab_size')}, {report.get('bytes_per_token')} bytes/token, "
@@ -34,6 +24,4 @@ def train_tokenizer(config: HlatConfig, run: Run) -> dict[str, Any]:
 
 
 if __name__ == "__main__":
-    from hlat.cli import run_stage_module
-
-    run_stage_module(train_tokenizer.name)
+    raise SystemExit(not_a_command(train_tokenizer.name))

@@ -28,48 +28,19 @@ import json
 import sys
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
 from hlat.core.config import ConfigError, closest_match, parse_override
 from hlat.core.presets import PRESETS, load_config
+from hlat.core.stages import STAGE_NAMES, stage
 from hlat.deploy import DEFAULT_POOL, POOL_TYPES
 from hlat.flows.params import build_config, handing_over
 
 if TYPE_CHECKING:
     from hlat.infra.pricing import ListedPrice
-
-STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
-
-
-def _stage_flow(name: str) -> Callable[..., Any]:
-    import importlib
-
-    module = importlib.import_module(f"hlat.flows.{name.replace('-', '_')}")
-    return getattr(module, name.replace("-", "_"))
-
-
-def run_stage_module(stage: str) -> NoReturn:
-    """`python -m hlat.flows.<stage> [options]` (each stage flow's `__main__`, given its flow's name): the same as
-    `hlat run <stage>`, with the stage's own usage (--help, and errors in its options)."""
-    stage_parser(stage).parse_args(sys.argv[1:])  # exits with the stage's usage on --help or a bad option
-    sys.exit(main(["run", stage, *sys.argv[1:]]))
-
-
-def stage_parser(stage: str) -> argparse.ArgumentParser:
-    """The options of `python -m hlat.flows.<stage>`: those of `hlat run <stage>`, under the module's name."""
-    p = argparse.ArgumentParser(
-        prog=f"python -m hlat.flows.{stage.replace('-', '_')}",
-        description=f"Run the {stage} stage flow alone (the same as `hlat run {stage}`).",
-    )
-    _add_run_options(p)
-    _add_dry_run(p)
-    if stage == "evaluate":
-        p.add_argument("--step", type=int, help="the checkpoint step to evaluate (default: the newest)")
-    p.add_argument("-v", "--verbose", action="store_true", help="print tracebacks on the terminal too")
-    return p
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -131,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     _add_dry_run(p)
     p = add("run", help="run one stage flow alone")
-    p.add_argument("stage", choices=STAGES)
+    p.add_argument("stage", choices=STAGE_NAMES)
     _add_run_options(p)
     _add_dry_run(p)
     p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
@@ -496,7 +467,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     if args.dry_run:
         from hlat.infra.stage_jobs import dry_run
 
-        if args.command == "run" and args.stage == "train-tokenizer":
+        if args.command == "run" and stage(args.stage).runs_on is None:
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
             return 2
         from hlat.infra.aws import AwsBlockError
@@ -551,7 +522,7 @@ def where_interrupted(config: Any) -> str:
     from hlat.tasks.train import latest_checkpoint
 
     try:
-        step = latest_checkpoint(run_for(config).uri)
+        step = latest_checkpoint(run_for(config).storage)
     except Exception:  # the message must not fail: it is what the user reads last
         step = None
     how = "run the same command to resume (finished stages are cached)"
@@ -567,7 +538,9 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
 
         flow_fn: Any = hlat
     else:
-        flow_fn = _stage_flow(args.stage)
+        from hlat.flows.pretrain import stage_flow_of
+
+        flow_fn = stage_flow_of(stage(args.stage))
     if args.command == "run" and args.step is not None and args.stage != "evaluate":
         raise ConfigError(f"--step applies to 'hlat run evaluate' only, not {args.stage}")
     params = {"preset": args.preset, "overrides": overrides, "run_id": args.run_id, "storage": args.storage}
@@ -580,9 +553,10 @@ def _run_storage(args: argparse.Namespace) -> Any:
     """The run `hlat status RUN` / `hlat stop RUN` names, with the AWS credentials block its config names (if any)
     made this process's credentials."""
     from hlat.infra import status
+    from hlat.infra.runs import load_stored_config
 
     run = status.locate(args.run, args.storage)
-    job = status.load_config(run).job
+    job = load_stored_config(run).job
     if job.aws_credentials_block:
         from hlat.tasks.aws import activate
 

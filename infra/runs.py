@@ -24,10 +24,18 @@ log = logging.getLogger("hlat.runs")
 
 @dataclass(frozen=True)
 class Run:
-    """Where one run's outputs live."""
+    """One run: its id, where its outputs live, and its config (config.json's, with `run_id` filled in). The one
+    value a stage's tasks and jobs are given: each reads the config section it uses (`run.config.job`...)."""
 
     run_id: str
     storage: Storage
+    config: HlatConfig
+
+    @classmethod
+    def at(cls, uri: str, config: HlatConfig, run_id: str | None = None) -> Run:
+        """The run stored at `uri` (a folder or s3:// prefix; its id, unless given, is the URI's last part)."""
+        run_id = run_id or uri.rstrip("/").rsplit("/", 1)[-1]
+        return cls(run_id=run_id, storage=Storage(uri), config=config.model_copy(update={"run_id": run_id}))
 
     @property
     def uri(self) -> str:
@@ -40,18 +48,26 @@ class Run:
         return self.storage.child(name)
 
     def load_config(self) -> HlatConfig:
-        try:
-            return validate_config(self.storage.read_json(CONFIG_FILE))
-        except StorageNotFound:
-            raise StorageNotFound(
-                f"{self.storage.uri(CONFIG_FILE)} does not exist: run 'hlat pretrain' or a stage first"
-            ) from None
+        """The config stored in config.json (as written by open_run)."""
+        return load_stored_config(self.storage)
+
+
+def load_stored_config(run: Storage) -> HlatConfig:
+    """A run's config.json, validated; StorageNotFound naming the fix when the run was never started."""
+    try:
+        return validate_config(run.read_json(CONFIG_FILE))
+    except StorageNotFound:
+        raise StorageNotFound(f"{run.uri(CONFIG_FILE)} does not exist: run 'hlat pretrain' or a stage first") from None
 
 
 def run_for(config: HlatConfig) -> Run:
     """The run of a config (no I/O)."""
     run_id = config.resolved_run_id()
-    return Run(run_id=run_id, storage=Storage(config.storage.root).child(run_id))
+    return Run(
+        run_id=run_id,
+        storage=Storage(config.storage.root).child(run_id),
+        config=config.model_copy(update={"run_id": run_id}),
+    )
 
 
 def open_run(config: HlatConfig) -> Run:

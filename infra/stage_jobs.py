@@ -19,46 +19,35 @@ from typing import Any
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import STOP_DEADLINE, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
+from hlat.core.stages import DATA, EVALUATION, JOB_STAGES, Stage, stage
 from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
+from hlat.infra.runs import Run, run_for
 from hlat.infra.supervisor import Attempt, Ledger, Progress, Supervisor, run_job, stop_live_job
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
 PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
 
 
-def jobs_dir(run_uri: str, run_id: str) -> str:
+def jobs_dir(run: Run) -> str:
     """Where the local backend keeps its job folders: inside the run when the run is local, else in a cache."""
-    run = Storage(run_uri)
-    if run.is_local:
-        return run.path(JOBS_DIR)
+    if run.storage.is_local:
+        return run.storage.path(JOBS_DIR)
     cache = os.environ.get("HLAT_JOBS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "hlat", "jobs")
-    return os.path.join(cache, run_id)
+    return os.path.join(cache, run.run_id)
 
 
-def backend_for(config: HlatConfig, run_uri: str, run_id: str) -> JobBackend:
-    job = config.job
+def backend_for(run: Run) -> JobBackend:
+    """The backend the run's jobs run on (job.backend)."""
+    job = run.config.job
     if job.backend == "sagemaker":
         from hlat.infra.sagemaker_jobs import SageMakerBackend
 
         return SageMakerBackend(job)
     from hlat.infra.local_jobs import LocalBackend
 
-    return LocalBackend(jobs_dir(run_uri, run_id), stop_grace_seconds=job.stop_grace_seconds, job=job)
-
-
-STAGE_PROGRAMS = {
-    "prepare-data": "hlat.training.prepare_data",
-    "train": "hlat.training.train",
-    "precompile": "hlat.training.precompile",
-    "burn-in": "hlat.training.burn_in",
-    "evaluate": "hlat.training.evaluate",
-}
-"""The program each stage's jobs run (the training's image, instance type and count; evaluation and prepare-data:
-their own)."""
-SHORT_JOB_HOURS = {"precompile": 6.0, "burn-in": 1.0}
-"""Max runtime of the stages' short jobs (capped by job.max_runtime_hours)."""
+    return LocalBackend(jobs_dir(run), stop_grace_seconds=job.stop_grace_seconds, job=job)
 
 
 def job_shape(config: HlatConfig) -> list[Any]:
@@ -76,19 +65,19 @@ def on_neuron(config: HlatConfig) -> bool:
     return on_trainium(config)
 
 
-def job_environment(config: HlatConfig, run_uri: str, run_id: str, stage: str = "train") -> dict[str, str]:
+def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
     """A stage job's environment: the run id, and for the jobs on the training's instances (train, precompile,
     burn-in) what XLA needs: on trn1 the precision flags, the `neuron` section's compiler and runtime settings and
     the run's Neuron compile cache; with training.device=xla elsewhere, XLA:CPU's (precision flags, PJRT_DEVICE).
     The evaluation job runs Hugging Face transformers on its own instance: none of it."""
-    env = {"HLAT_RUN_ID": run_id}
-    if stage in ("evaluate", "prepare-data"):
+    config, env = run.config, {"HLAT_RUN_ID": run.run_id}
+    if not _stage(stage).on_training_instances:
         return env
     if on_neuron(config) or config.training.device == "xla":
         from hlat.core.environment import xla_job_environment
 
         # The compile cache's key is computed from the same function (training.compile_cache.cache_key).
-        env.update(xla_job_environment(config, compile_cache=f"{run_uri}/{NEURON_CACHE}"))
+        env.update(xla_job_environment(config, compile_cache=f"{run.uri}/{NEURON_CACHE}"))
     if on_neuron(config) and stage == "precompile":
         # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
         # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
@@ -101,7 +90,7 @@ def job_python(config: HlatConfig, stage: str) -> str | None:
     trn1, else None (the flow's own). Evaluation and prepare-data always run in the flow's environment (transformers,
     lm-eval, great-expectations)."""
     job = config.job
-    if job.backend != "local" or stage in ("evaluate", "prepare-data"):
+    if job.backend != "local" or not _stage(stage).on_training_instances:
         return None
     if job.python:
         return job.python
@@ -151,10 +140,24 @@ def data_instances(config: HlatConfig) -> int:
     return 1 if config.job.backend == "local" else -(-d.workers // d.workers_per_instance)
 
 
+def _stage(name: str) -> Stage:
+    """The stage's row (core/stages.py), raised as a ConfigError for an unknown name."""
+    try:
+        return stage(name)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _job_stage(name: str) -> tuple[Stage, str]:
+    """The row of a stage that runs jobs, and its jobs' program."""
+    row = _stage(name)
+    if row.program is None:
+        raise ConfigError(f"the {name} stage runs in the flow's own process, not in a job")
+    return row, row.program
+
+
 def job_spec(
-    config: HlatConfig,
-    run_uri: str,
-    run_id: str,
+    run: Run,
     attempt: int,
     stage: str = "train",
     step: int | None = None,
@@ -167,15 +170,17 @@ def job_spec(
     training's instances. A training job also carries the run's stop terms (`stop_terms`: `spent_usd` is what the
     run's earlier jobs were billed, `submitted_at` when this one is submitted), and its max runtime ends shortly
     after the budget or deadline would stop it (`runtime_cap`): a backstop if its own stop rule fails."""
-    if stage == "prepare-data":
-        return data_spec(config, run_uri, run_id, attempt, args or {})
+    row, program = _job_stage(stage)
+    if row.runs_on == DATA:
+        return data_spec(run, attempt, args or {})
+    config, run_id, run_uri = run.config, run.run_id, run.uri
     job, e = config.job, config.evaluation
-    evaluating = stage == "evaluate"
-    hours = min(job.max_runtime_hours, SHORT_JOB_HOURS.get(stage, job.max_runtime_hours))
-    if evaluating:
-        hours = e.max_runtime_hours
+    evaluating = row.runs_on == EVALUATION
+    hours = e.max_runtime_hours if evaluating else job.max_runtime_hours
+    if row.cap_hours is not None:
+        hours = min(hours, row.cap_hours)
     max_runtime_s = int(hours * 3600)
-    environment = {"HLAT_RUN_ID": run_id} if evaluating else job_environment(config, run_uri, run_id, stage)
+    environment = job_environment(run, stage)
     if stage == "train":
         terms = stop_terms(config, spent_usd, submitted_at)
         environment.update(terms.environment())
@@ -194,7 +199,7 @@ def job_spec(
         stage=stage,
         image_uri=evaluation_image(config) if evaluating else job.image_uri,
         neuron_sdk=config.neuron.sdk,
-        entry=STAGE_PROGRAMS[stage],
+        entry=program,
         args={"step": str(step)} if step is not None else {},
         python=job_python(config, stage),
     )
@@ -260,14 +265,16 @@ def stop_rule_line(config: HlatConfig, spec: JobSpec) -> str:
     )
 
 
-def billed_usd(run_uri: str, stage: str = "train") -> float:
+def billed_usd(run: Storage, stage: str = "train") -> float:
     """What the stage's ended jobs were billed, from its ledger (jobs/<stage>-attempts.json)."""
-    return sum(a.cost_usd for a in Ledger(Storage(run_uri), stage).load() if a.ended)
+    return sum(a.cost_usd for a in Ledger(run, stage).load() if a.ended)
 
 
-def data_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, args: dict[str, str]) -> JobSpec:
+def data_spec(run: Run, attempt: int, args: dict[str, str]) -> JobSpec:
     """The prepare-data job: `training.prepare_data` once per instance (it starts the workers), no input channel."""
+    (row, program), config, run_id, run_uri = _job_stage("prepare-data"), run.config, run.run_id, run.uri
     d = config.data
+    cap = d.max_runtime_hours if row.cap_hours is None else min(d.max_runtime_hours, row.cap_hours)
     return JobSpec(
         name=job_name(run_id, attempt, "prepare-data"),
         run_id=run_id,
@@ -277,11 +284,11 @@ def data_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, args:
         instance_type=d.instance_type if config.job.backend == "sagemaker" else config.job.instance_type,
         instance_count=data_instances(config),
         processes_per_node=1,
-        max_runtime_s=int(d.max_runtime_hours * 3600),
-        environment=job_environment(config, run_uri, run_id, "prepare-data"),
+        max_runtime_s=int(cap * 3600),
+        environment=job_environment(run, "prepare-data"),
         stage="prepare-data",
         image_uri=data_image(config),
-        entry=STAGE_PROGRAMS["prepare-data"],
+        entry=program,
         args=args,
         python=job_python(config, "prepare-data"),
         channels=(),
@@ -289,51 +296,46 @@ def data_spec(config: HlatConfig, run_uri: str, run_id: str, attempt: int, args:
 
 
 def run_stage_job(
-    config: HlatConfig,
-    run_uri: str,
-    run_id: str,
-    stage: str,
-    step: int | None = None,
-    args: dict[str, str] | None = None,
+    run: Run, stage: str, step: int | None = None, args: dict[str, str] | None = None
 ) -> tuple[Attempt, JobState | None]:
     """Run a stage's short job (prepare-data, precompile, burn-in, evaluate) on the run's backend until it ends."""
+    job = run.config.job
     return run_job(
-        backend_for(config, run_uri, run_id),
-        Storage(run_uri),
-        run_id,
+        backend_for(run),
+        run.storage,
+        run.run_id,
         stage,
-        make_spec=lambda attempt, name: job_spec(config, run_uri, run_id, attempt, stage, step, args),
-        poll_seconds=config.job.poll_seconds,
-        backoff_seconds=list(config.job.backoff_seconds),
+        make_spec=lambda attempt, name: job_spec(run, attempt, stage, step, args),
+        poll_seconds=job.poll_seconds,
+        backoff_seconds=list(job.backoff_seconds),
     )
 
 
 def stop_live_jobs(config: HlatConfig) -> list[str]:
     """Stop every unfinished job of the run's stages (a flow run was cancelled); returns their names."""
-    from hlat.infra.runs import run_for
-
     run = run_for(config)
-    backend = backend_for(config, run.uri, run.run_id)
-    stopped = [stop_live_job(backend, run.storage, stage) for stage in STAGE_PROGRAMS]
+    backend = backend_for(run)
+    stopped = [stop_live_job(backend, run.storage, name) for name in JOB_STAGES]
     return [name for name in stopped if name]
 
 
 def supervisor_for(
-    config: HlatConfig,
-    run_uri: str,
-    run_id: str,
+    run: Run,
     current_step: Callable[[], int | None],
     on_progress: Callable[[Progress], None] = lambda p: None,
     on_attempts: Callable[[list[Attempt]], None] = lambda a: None,
 ) -> Supervisor:
+    """The train stage's supervisor: training jobs relaunched from the newest checkpoint until the run's last step
+    (training.max_steps), within job.max_restarts, job.max_repeats and the budget."""
+    config = run.config
     job = config.job
     return Supervisor(
-        backend=backend_for(config, run_uri, run_id),
-        run=Storage(run_uri),
-        run_id=run_id,
+        backend=backend_for(run),
+        run=run.storage,
+        run_id=run.run_id,
         # Read at each submission: what the run's earlier jobs cost is part of the new job's stop terms.
         make_spec=lambda attempt, name: job_spec(
-            config, run_uri, run_id, attempt, spent_usd=billed_usd(run_uri), submitted_at=time.time()
+            run, attempt, spent_usd=billed_usd(run.storage), submitted_at=time.time()
         ),
         current_step=current_step,
         target_step=config.training.max_steps,
@@ -584,10 +586,8 @@ def preflight(config: HlatConfig) -> None:
 def _check_requests(config: HlatConfig) -> None:
     from hlat.infra.sagemaker_jobs import SageMakerBackend, check_request
 
-    run_id = config.resolved_run_id()
-    run_uri = f"{config.storage.root.rstrip('/')}/{run_id}"
     backend = SageMakerBackend(config.job)  # boto3 clients are made, nothing is called
-    spec = job_spec(config, run_uri, run_id, attempt=1)
+    spec = job_spec(run_for(config), attempt=1)
     check_request("CreateTrainingJob", backend.config_request(spec), "train", partial=True)
     # The evaluation job's own instance type and image, without job_spec's default GPU image (which would import
     # the SageMaker SDK: seconds, for a value AWS's own table made).
@@ -610,11 +610,11 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         if not config.job.role_arn:  # job.role_arn_secret is read by the caller (tasks/aws.py: with_role)
             notes.append(f"job.role_arn is not set; shown with {PLACEHOLDER_ROLE}")
             config = config.model_copy(update={"job": config.job.model_copy(update={"role_arn": PLACEHOLDER_ROLE})})
-    run_uri = f"{root}/{run_id}"
+    run = Run.at(f"{root}/{run_id}", config, run_id)
     # prepare-data's key hashes the source's listing, read only when the stage runs.
     args = {"key": "<the stage's cache key>"} if stage == "prepare-data" else None
-    spec = job_spec(config, run_uri, run_id, attempt=1, stage=stage, args=args)
-    requests = backend_for(config, run_uri, run_id).dry_run(spec)
+    spec = job_spec(run, attempt=1, stage=stage, args=args)
+    requests = backend_for(run).dry_run(spec)
     est = estimate(config)
     job = config.job
     lines = [f"dry run: {stage} of run {run_id} on the {job.backend} backend (nothing is sent)"]

@@ -31,14 +31,13 @@ from hlat.core.layout import (
     TOKENIZER_MODEL,
     CheckpointIndex,
 )
+from hlat.core.stages import JOB_STAGES, STAGE_NAMES
 from hlat.core.storage import Storage
 from hlat.infra.catalog import job_cost, price_per_hour
 from hlat.infra.jobs import Action, FailureClass, JobBackend, JobState
+from hlat.infra.runs import Run, load_stored_config
 from hlat.infra.supervisor import USER_STOP, Attempt, Ledger, _duration, end_time, read_heartbeat
 
-STAGES = ("prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate")
-JOB_STAGES = ("prepare-data", "precompile", "burn-in", "train", "evaluate")
-"""The stages that run jobs (each with a ledger); train-tokenizer runs in the flow's own process."""
 STALE_POLLS = 3
 """A heartbeat older than this many of the run's polls (and at least STALE_MIN_S) means nobody supervises."""
 STALE_MIN_S = 60.0
@@ -64,17 +63,11 @@ def locate(run: str, storage: str | None = None) -> Storage:
     raise StatusError(f"no run at {where}: name a run id under --storage (default ./runs) or a run folder")
 
 
-def load_config(run: Storage) -> HlatConfig:
-    from hlat.core.config import validate_config
-
-    return validate_config(run.read_json(CONFIG_FILE))
-
-
 def backend_of(config: HlatConfig, run: Storage) -> JobBackend:
     """The backend the run's jobs run on (config.json's job.backend), as its stages made it."""
     from hlat.infra.stage_jobs import backend_for
 
-    return backend_for(config, run.url, run.url.rstrip("/").rsplit("/", 1)[-1])
+    return backend_for(Run.at(run.url, config))
 
 
 def stage_price(config: HlatConfig, stage: str) -> float:
@@ -164,7 +157,7 @@ def _ended(attempt: Attempt) -> str:
 
 
 def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatus:
-    config = load_config(run)
+    config = load_stored_config(run)
     run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
     status = RunStatus(run_id=run_id, uri=run.url, config=config)
     newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
@@ -172,7 +165,7 @@ def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatu
     if metrics is not None:
         status.step, status.loss = int(metrics["step"]), float(metrics["loss"])
     backend: JobBackend | None = None
-    for stage in STAGES:
+    for stage in STAGE_NAMES:
         attempts = Ledger(run, stage).load() if stage in JOB_STAGES else []
         status.spent_usd += sum(attempt_cost(config, stage, a) for a in attempts if a.ended)
         live = attempts[-1] if attempts and not attempts[-1].ended else None
@@ -264,7 +257,7 @@ def list_runs(root: Storage) -> str:
 
 
 def _one_line(run: Storage, name: str) -> str:
-    config = load_config(run)
+    config = load_stored_config(run)
     newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
     parts = [name, f"step {newest or 0:,} of {config.training.max_steps:,}"]
     for stage in JOB_STAGES:
@@ -298,7 +291,7 @@ def stop_run(
     watching then ends its stage instead of relaunching), the backend's stop (SIGTERM; SageMaker StopTrainingJob),
     then wait up to `wait_s` for each to end (a KeyboardInterrupt stops waiting, the jobs go on stopping) and record
     its end in the ledger when no supervisor did."""
-    config = load_config(run)
+    config = load_stored_config(run)
     backend = backend_of(config, run)
     asked: list[tuple[str, Attempt]] = []
     for stage in JOB_STAGES:

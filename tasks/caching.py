@@ -1,15 +1,22 @@
-"""What every stage's tasks share: the retry policy, cache keys, and artifact naming."""
+"""What every stage's tasks share: the retry policy, cache keys (with the upstream stages' outputs that feed them),
+and artifact naming."""
 
 from __future__ import annotations
 
+import hashlib
 import re
+from collections.abc import Callable
 from typing import Any
 
-from prefect import Task
+from prefect import Task, task
 from prefect.client.schemas.objects import State, TaskRun
 
 from hlat.core.config import stable_hash
-from hlat.core.storage import is_transient
+from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
+from hlat.core.shards import read_manifest
+from hlat.core.stages import stage
+from hlat.core.storage import Storage, is_transient
+from hlat.infra.runs import Run
 
 # Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
 RETRIES = 3
@@ -33,9 +40,36 @@ TRANSIENT_RETRIES: dict[str, Any] = {
 """Task options: retry transient faults only, with backoff."""
 
 
-def stage_cache_key(stage: str, run_uri: str, *inputs: Any) -> str:
-    """Cache key of a stage: its name, the run it writes into, and everything its output depends on."""
-    return f"hlat-{stage}-{stable_hash([stage, run_uri, *inputs])[:32]}"
+def data_checksum(run: Storage) -> str:
+    """Checksum of the prepared shards (prepare-data's output, from its manifest)."""
+    return read_manifest(run.child(DATA_DIR)).checksum
+
+
+def tokenizer_checksum(run: Storage) -> str:
+    """sha256 of the run's tokenizer.model (train-tokenizer's output)."""
+    tokenizer = run.child(TOKENIZER_DIR)
+    tokenizer.require(TOKENIZER_MODEL, what="tokenizer")
+    return hashlib.sha256(tokenizer.read_bytes(TOKENIZER_MODEL)).hexdigest()
+
+
+OUTPUT_CHECKSUMS: dict[str, Callable[[Storage], str]] = {
+    "prepare-data": data_checksum,
+    "train-tokenizer": tokenizer_checksum,
+}
+"""How a stage's output is identified when a later stage's cache key depends on it (core/stages.py `inputs`)."""
+
+
+@task(name="read-output-checksum", **TRANSIENT_RETRIES)
+def output_checksum(run: Run, upstream: str) -> str:
+    """The checksum of what stage `upstream` wrote into the run."""
+    return OUTPUT_CHECKSUMS[upstream](run.storage)
+
+
+def stage_cache_key(run: Run, name: str, *inputs: Any) -> str:
+    """Cache key of stage `name`: its name, the run it writes into, everything of its own that its output depends
+    on (`inputs`), and the outputs of the upstream stages the table names (core/stages.py `Stage.inputs`)."""
+    upstream = [output_checksum(run, name_) for name_ in stage(name).inputs]
+    return f"hlat-{name}-{stable_hash([name, run.uri, *inputs, *upstream])[:32]}"
 
 
 def cache_key_param(context: Any, parameters: dict[str, Any]) -> str:

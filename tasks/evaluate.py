@@ -34,6 +34,7 @@ from hlat.infra.eval_report import (
     load_baselines,
     write_report,
 )
+from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.infra.supervisor import JobFailed
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
@@ -42,19 +43,19 @@ log = logging.getLogger("hlat.evaluate")
 
 
 @task(name="checkpoint-marker", **TRANSIENT_RETRIES)
-def checkpoint_marker(run_uri: str, step: int) -> str:
+def checkpoint_marker(run: Run, step: int) -> str:
     """The checkpoint's commit marker (step and meta.json's sha256): changes whenever the checkpoint does."""
-    return Storage(run_uri).child(CHECKPOINTS_DIR).read_text(f"{step_dir(step)}/{CHECKPOINT_MARKER}")
+    return run.stage(CHECKPOINTS_DIR).read_text(f"{step_dir(step)}/{CHECKPOINT_MARKER}")
 
 
-def evaluation_cache_key(config: HlatConfig, run_uri: str, step: int) -> str:
+def evaluation_cache_key(run: Run, step: int) -> str:
     """What an evaluation depends on: the checkpoint (its step and commit marker) and the evaluation settings."""
-    marker = checkpoint_marker(run_uri, step)
-    return stage_cache_key("evaluate", run_uri, step, marker, config.evaluation.model_dump(mode="json"))
+    marker = checkpoint_marker(run, step)
+    return stage_cache_key(run, "evaluate", step, marker, run.config.evaluation.model_dump(mode="json"))
 
 
-def evaluation_present(run_uri: str, step: int) -> bool:
-    return Storage(run_uri).exists(eval_results_path(step))
+def evaluation_present(run: Run, step: int) -> bool:
+    return run.storage.exists(eval_results_path(step))
 
 
 def check_task_names(config: HlatConfig) -> None:
@@ -66,35 +67,35 @@ def check_task_names(config: HlatConfig) -> None:
         check_tasks(standard, None)
 
 
-def run_evaluation_job(config: HlatConfig, run_uri: str, run_id: str, step: int) -> dict[str, Any]:
+def run_evaluation_job(run: Run, step: int) -> dict[str, Any]:
     """Run the evaluation job of checkpoint `step` to its end; its results.json."""
-    record, state = run_stage_job(config, run_uri, run_id, "evaluate", step)
-    run = Storage(run_uri)
+    record, state = run_stage_job(run, "evaluate", step)
+    out = run.storage
     path = eval_results_path(step)
-    if state is None or state.status.value != "Completed" or not run.exists(path):
+    if state is None or state.status.value != "Completed" or not out.exists(path):
         # A job that reports success without its results is named as such, with the missing file's path.
-        ended = record.ending if record.status != "Completed" else f"Completed but wrote no {run.uri(path)}"
+        ended = record.ending if record.status != "Completed" else f"Completed but wrote no {out.uri(path)}"
         raise JobFailed(f"evaluate: job {record.job_name} ended {ended}", [record])
-    results: dict[str, Any] = run.read_json(path)
+    results: dict[str, Any] = out.read_json(path)
     return results
 
 
 @task(name="evaluate-checkpoint", **CACHED_STAGE)
-def evaluate_checkpoint(config: HlatConfig, run_uri: str, run_id: str, step: int, cache_key: str) -> dict[str, Any]:
-    """Perplexity and lm-eval tasks of checkpoint `step`, in an evaluation job on the run's backend."""
-    return run_evaluation_job(config, run_uri, run_id, step)
+def evaluation_of(run: Run, step: int, cache_key: str) -> dict[str, Any]:
+    """Perplexity and lm-eval tasks of checkpoint `step`, in an evaluation job on the run's backend (the job's
+    program is training/evaluate.py)."""
+    return run_evaluation_job(run, step)
 
 
 @task(name="write-eval-report", **TRANSIENT_RETRIES)
-def write_eval_report(results: dict[str, Any], run_uri: str, run_id: str) -> dict[str, str]:
+def write_eval_report(results: dict[str, Any], run: Run) -> dict[str, str]:
     """eval/results.json (this evaluation), eval/report.md and its plots; the report as a Prefect artifact."""
-
-    run = Storage(run_uri)
-    files = write_report(run, results, load_baselines())
+    out = run.storage
+    files = write_report(out, results, load_baselines())
     # Written last: eval/results.json present means the report beside it is this evaluation's.
-    run.write_json(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}", results)
-    files[EVAL_RESULTS_FILE] = run.uri(EVAL_DIR, EVAL_RESULTS_FILE)
-    publish_eval_report(run, results, run_id)
+    out.write_json(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}", results)
+    files[EVAL_RESULTS_FILE] = out.uri(EVAL_DIR, EVAL_RESULTS_FILE)
+    publish_eval_report(out, results, run.run_id)
     return files
 
 
@@ -122,12 +123,11 @@ class CheckpointEvaluator:
     (checkpoints/pins/, CheckpointIndex.pin) so the trainer's retention keeps it until its evaluation has ended,
     successfully or not."""
 
-    def __init__(self, config: HlatConfig, run_uri: str, run_id: str) -> None:
-        self.config, self.run_uri, self.run_id = config, run_uri, run_id
-        self.every = config.evaluation.every_steps
-        run = Storage(run_uri)
-        self._checkpoints = CheckpointIndex(run.child(CHECKPOINTS_DIR))
-        self._seen = {int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None}
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        self.every = run.config.evaluation.every_steps
+        self._checkpoints = CheckpointIndex(run.stage(CHECKPOINTS_DIR))
+        self._seen = {int(row["step"]) for row in evaluation_history(run.storage) if row.get("step") is not None}
         # Pins left by an earlier train stage's evaluator that died before evaluating them: this one re-queues
         # (and re-pins) what it still has to evaluate, so the stale pins would only keep checkpoints forever.
         try:
@@ -161,7 +161,7 @@ class CheckpointEvaluator:
                     return
                 step = self._pending.pop(0)
             try:
-                results = run_evaluation_job(self.config, self.run_uri, self.run_id, step)
+                results = run_evaluation_job(self.run, step)
                 log.info("intermediate evaluation of step %d: %s", step, evaluation_summary(results))
             except Exception as exc:
                 log.warning("intermediate evaluation of step %d failed: %s", step, exc)
@@ -170,7 +170,7 @@ class CheckpointEvaluator:
 
     def _pin(self, step: int) -> None:
         try:
-            self._checkpoints.pin(step, why=f"queued for evaluation by run {self.run_id}")
+            self._checkpoints.pin(step, why=f"queued for evaluation by run {self.run.run_id}")
         except Exception as exc:  # evaluation goes on; only retention may now take the checkpoint first
             log.warning("could not pin checkpoint step %d for its evaluation: %s", step, exc)
 

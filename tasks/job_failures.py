@@ -2,31 +2,31 @@
 
 from __future__ import annotations
 
-from hlat.core.config import HlatConfig
 from hlat.core.layout import JOBS_DIR
-from hlat.core.storage import Storage
 from hlat.infra.jobs import Action
+from hlat.infra.runs import Run
 from hlat.infra.supervisor import Attempt, JobFailed, Ledger
 
 
-def job_ended_badly(stage: str, record: Attempt, run: Storage, output: str, log_hint: str) -> JobFailed:
+def job_ended_badly(run: Run, stage: str, record: Attempt, output: str) -> JobFailed:
     """The stage's error for a job without its output. A job that failed says why; one that reported success
     without writing the file is named as such, with the file's full path, and its attempt is marked fatal in the
     stage's ledger (a 'done' there would be untrue)."""
+    hint = log_hint(run, record)
     if record.status != "Completed":
-        return JobFailed(f"{stage}: job {record.job_name} ended {record.ending} ({log_hint})", [record])
+        return JobFailed(f"{stage}: job {record.job_name} ended {record.ending} ({hint})", [record])
     record.reason = f"completed without writing {output}"
     record.action = Action.FATAL.value
-    Ledger(run, stage).update(record)
+    Ledger(run.storage, stage).update(record)
     return JobFailed(
-        f"{stage}: job {record.job_name} ended Completed but wrote no {run.uri(output)}: the job's program exited "
-        f"successfully without its output ({log_hint})",
+        f"{stage}: job {record.job_name} ended Completed but wrote no {run.storage.uri(output)}: the job's program "
+        f"exited successfully without its output ({hint})",
         [record],
     )
 
 
-def log_hint(config: HlatConfig, run: Storage, record: Attempt) -> str:
+def log_hint(run: Run, record: Attempt) -> str:
     """Where the job's own output can be read."""
-    if config.job.backend == "local":
-        return f"its log: {run.uri(JOBS_DIR, record.job_name, 'output.log')}"
+    if run.config.job.backend == "local":
+        return f"its log: {run.storage.uri(JOBS_DIR, record.job_name, 'output.log')}"
     return f"its log: CloudWatch /aws/sagemaker/TrainingJobs, streams {record.job_name}/*"

@@ -15,6 +15,7 @@ from prefect.artifacts import create_table_artifact
 
 from hlat.core.config import HlatConfig
 from hlat.infra import planner
+from hlat.infra.runs import Run
 from hlat.tasks.caching import artifact_key
 
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)
@@ -36,8 +37,9 @@ def not_applicable(config: HlatConfig) -> str | None:
 
 
 @task(name="plan-parallelism")
-def plan_parallelism(config: HlatConfig, run_id: str) -> dict[str, Any]:
+def plan_parallelism(run: Run) -> dict[str, Any]:
     """Rank the layouts of the run's model on its nodes; publish the table; warn if the configured one is slow."""
+    config = run.config
     reason = not_applicable(config)
     if reason:
         log.info("plan-parallelism: %s", reason)
@@ -55,7 +57,7 @@ def plan_parallelism(config: HlatConfig, run_id: str) -> dict[str, Any]:
         log.warning("plan-parallelism: %s", warning)
     elif the_plan.ranked:
         log.info("plan-parallelism: best %s at %.0f tokens/s", the_plan.best.layout.label(), the_plan.best.tokens_per_s)
-    _publish(the_plan, run_id)
+    _publish(the_plan, run.run_id)
     return summary
 
 

@@ -10,11 +10,10 @@ from prefect import task
 
 from hlat.core.config import HlatConfig
 from hlat.core.layout import COMPILE_LATEST
-from hlat.core.storage import Storage
+from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_shape, on_neuron, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, stage_cache_key
-from hlat.tasks.job_failures import job_ended_badly, log_hint
-from hlat.tasks.train_tokenizer import read_tokenizer_checksum
+from hlat.tasks.job_failures import job_ended_badly
 
 log = logging.getLogger("hlat.jobs")
 
@@ -30,36 +29,36 @@ def precompile_needed(config: HlatConfig) -> str | None:
     return None
 
 
-def precompile_cache_key(config: HlatConfig, run_uri: str) -> str:
+def precompile_cache_key(run: Run) -> str:
     """What the compiled graphs depend on: model, parallelism, precision, the precompile and Neuron settings, the
-    step's shape, where the jobs run, and the run's tokenizer."""
+    step's shape, where the jobs run, and the run's tokenizer (an input in core/stages.py)."""
+    config = run.config
     t = config.training
     return stage_cache_key(
+        run,
         "precompile",
-        run_uri,
         config.section_hash("model", "parallelism", "precision", "precompile", "neuron"),
         [t.seq_len, t.micro_batch_size, t.compile, t.device],
         job_shape(config),
-        read_tokenizer_checksum(run_uri),
     )
 
 
-def precompile_present(run_uri: str, result: dict[str, Any]) -> bool:
+def precompile_present(run: Run, result: dict[str, Any]) -> bool:
     """A cached precompile counts while its cache's latest.json is there (or it had nothing to build)."""
-    return result.get("status") == "skipped" or Storage(run_uri).exists(COMPILE_LATEST)
+    return result.get("status") == "skipped" or run.storage.exists(COMPILE_LATEST)
 
 
 @task(name="precompile-graphs", **CACHED_STAGE)
-def precompile_graphs(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
+def precompile_graphs(run: Run, cache_key: str) -> dict[str, Any]:
     """Run the precompile job (a few training steps: torch.compile, or neuron_parallel_compile on trn1) so the
     compiled graphs land in compile-cache/ before training starts."""
-    skip = precompile_needed(config)
+    skip = precompile_needed(run.config)
     if skip:
         log.info("precompile: skipped (%s)", skip)
         return {"status": "skipped", "reason": skip}
-    record, state = run_stage_job(config, run_uri, run_id, "precompile")
-    run = Storage(run_uri)
-    if state is None or state.status.value != "Completed" or not run.exists(COMPILE_LATEST):
-        raise job_ended_badly("precompile", record, run, COMPILE_LATEST, log_hint(config, run, record))
-    latest: dict[str, Any] = run.read_json(COMPILE_LATEST)
+    record, state = run_stage_job(run, "precompile")
+    out = run.storage
+    if state is None or state.status.value != "Completed" or not out.exists(COMPILE_LATEST):
+        raise job_ended_badly(run, "precompile", record, COMPILE_LATEST)
+    latest: dict[str, Any] = out.read_json(COMPILE_LATEST)
     return {"status": "built", "job": record.job_name, **latest}

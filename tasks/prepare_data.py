@@ -7,13 +7,12 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig, HlatConfig
+from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig
 from hlat.core.shards import MANIFEST_FILE
-from hlat.core.storage import Storage
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
-from hlat.tasks.job_failures import job_ended_badly, log_hint
+from hlat.tasks.job_failures import job_ended_badly
 from hlat.training.data.sources import source_fingerprint
 from hlat.training.data.units import REPORT_FILE, DataReport
 
@@ -24,25 +23,24 @@ def fingerprint_source(data_cfg: DataConfig) -> str:
     return source_fingerprint(data_cfg)
 
 
-def data_cache_key(config: HlatConfig, run_uri: str, source_key: str) -> str:
+def data_cache_key(run: Run, source_key: str) -> str:
     """The stage's cache key: the data settings that decide what it writes (not how many workers write it), the
     source's content and the run."""
-    settings = config.data.model_dump(mode="json", exclude=set(OPERATIONAL_DATA_FIELDS))
-    return stage_cache_key("prepare-data", run_uri, settings, source_key)
+    settings = run.config.data.model_dump(mode="json", exclude=set(OPERATIONAL_DATA_FIELDS))
+    return stage_cache_key(run, "prepare-data", settings, source_key)
 
 
 @task(name="build-shards", **CACHED_STAGE)
-def build_shards(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> DataReport:
+def build_shards(run: Run, cache_key: str) -> DataReport:
     """Run the prepare-data job (data.workers workers on the run's job backend) into <run>/data/ and read its
     report; cached on the data settings, the source and the run."""
-    record, _ = run_stage_job(config, run_uri, run_id, "prepare-data", args={"key": cache_key})
-    run = Storage(run_uri)
+    record, _ = run_stage_job(run, "prepare-data", args={"key": cache_key})
     report = f"data/{REPORT_FILE}"
-    if run.exists(report):
-        found = DataReport.model_validate(run.read_json(report))
+    if run.storage.exists(report):
+        found = DataReport.model_validate(run.storage.read_json(report))
         if found.fingerprint == cache_key:  # not the report of an earlier key
             return found
-    raise job_ended_badly("prepare-data", record, run, report, log_hint(config, run, record))
+    raise job_ended_badly(run, "prepare-data", record, report)
 
 
 def shards_present(run: Run, report: DataReport) -> bool:

@@ -12,31 +12,30 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from hlat.core.config import HlatConfig
 from hlat.core.layout import CHECKPOINTS_DIR, METRICS_FILE, CheckpointIndex
 from hlat.core.storage import Storage
+from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
-from hlat.tasks.train_tokenizer import read_data_checksum, read_tokenizer_checksum
 
 log = logging.getLogger("hlat.train")
 
 
-def latest_checkpoint(run_uri: str) -> int | None:
-    return CheckpointIndex(Storage(run_uri).child(CHECKPOINTS_DIR)).latest_step()
+def latest_checkpoint(run: Storage) -> int | None:
+    """The step of the run's newest committed checkpoint (None: none yet)."""
+    return CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
 
 
-def train_cache_key(config: HlatConfig, run_uri: str) -> str:
-    """What the trained weights depend on: the run's fingerprint, its shards and its tokenizer."""
-    return stage_cache_key(
-        "train", run_uri, config.fingerprint(), read_data_checksum(run_uri), read_tokenizer_checksum(run_uri)
-    )
+def train_cache_key(run: Run) -> str:
+    """What the trained weights depend on: the run's fingerprint, and its shards and tokenizer (the inputs
+    core/stages.py names)."""
+    return stage_cache_key(run, "train", run.config.fingerprint())
 
 
-def training_present(config: HlatConfig, run_uri: str) -> bool:
+def training_present(run: Run) -> bool:
     """A cached training counts while the run's newest committed checkpoint is its last step."""
-    return latest_checkpoint(run_uri) == config.training.max_steps
+    return latest_checkpoint(run.storage) == run.config.training.max_steps
 
 
 class _Artifacts:
@@ -80,23 +79,21 @@ class _Artifacts:
 
 
 @task(name="train-model", **CACHED_STAGE)
-def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -> dict[str, Any]:
+def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     """Submit and watch training jobs, relaunching from the newest checkpoint, until training.max_steps;
     with evaluation.every_steps, evaluate intermediate checkpoints alongside."""
     from hlat.tasks.evaluate import CheckpointEvaluator
 
-    artifacts = _Artifacts(run_id)
-    evaluator = CheckpointEvaluator(config, run_uri, run_id)
+    artifacts = _Artifacts(run.run_id)
+    evaluator = CheckpointEvaluator(run)
 
     def on_progress(p: Progress) -> None:
         artifacts.progress(p)
         evaluator.poll()
 
     supervisor = supervisor_for(
-        config,
-        run_uri,
-        run_id,
-        current_step=lambda: latest_checkpoint(run_uri),
+        run,
+        current_step=lambda: latest_checkpoint(run.storage),
         on_progress=on_progress,
         on_attempts=artifacts.attempts,
     )
@@ -104,7 +101,7 @@ def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -
     # Only on success: a failed or interrupted stage must not wait for evaluations (a cancelled flow's hook stops
     # the evaluation job with the others).
     evaluator.close()
-    summary = training_summary(run_uri)
+    summary = training_summary(run.storage)
     summary.update(jobs=len(attempts), cost_usd=round(supervisor.spent_usd(), 2))
     # The stage's throughput is the attempts' average, the final progress line's figure, not the trainer's reading
     # of its last logged step (143 against 412 tokens/s under load); the start-up before the first step apart.
@@ -116,12 +113,11 @@ def train_model(config: HlatConfig, run_uri: str, run_id: str, cache_key: str) -
     return summary
 
 
-def training_summary(run_uri: str) -> dict[str, Any]:
+def training_summary(run: Storage) -> dict[str, Any]:
     """Final step, the last logged training loss, validation loss, gradient norm, learning rate, tokens/s and MFU
     (each the trainer's reading at its last logged step), read back from metrics.jsonl. The stage replaces tokens/s
     with its attempts' average where it measured one."""
-    run = Storage(run_uri)
-    summary: dict[str, Any] = {"final_step": latest_checkpoint(run_uri)}
+    summary: dict[str, Any] = {"final_step": latest_checkpoint(run)}
     if run.exists(METRICS_FILE):
         for line in run.read_text(METRICS_FILE).splitlines():
             record = json.loads(line)

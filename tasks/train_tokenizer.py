@@ -2,51 +2,31 @@
 
 from __future__ import annotations
 
-import hashlib
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from hlat.core.config import HlatConfig, TokenizerConfig
-from hlat.core.layout import TOKENIZER_DIR
-from hlat.core.shards import read_manifest
-from hlat.core.storage import Storage
+from hlat.core.layout import DATA_DIR, TOKENIZER_DIR
 from hlat.infra.runs import Run
 from hlat.infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
-from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
-
-
-@task(name="read-data-checksum", **TRANSIENT_RETRIES)
-def read_data_checksum(run_uri: str) -> str:
-    """Checksum of the prepared shards: the tokenizer's input."""
-    return read_manifest(Storage(run_uri).child("data")).checksum
-
-
-@task(name="read-tokenizer-checksum", **TRANSIENT_RETRIES)
-def read_tokenizer_checksum(run_uri: str) -> str:
-    """sha256 of the run's tokenizer.model: what training's cache key depends on."""
-    tokenizer = Storage(run_uri).child(TOKENIZER_DIR)
-    tokenizer.require(MODEL_FILE, what="tokenizer")
-    return hashlib.sha256(tokenizer.read_bytes(MODEL_FILE)).hexdigest()
+from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 
 
 @task(name="fit-tokenizer", **CACHED_STAGE)
-def fit_tokenizer(
-    tok_cfg: TokenizerConfig, vocab_size: int, max_seq_len: int, run_uri: str, cache_key: str
-) -> dict[str, Any]:
+def fit_tokenizer(run: Run, cache_key: str) -> dict[str, Any]:
     """Train sentencepiece BPE on a bounded sample of the shards and export HF files into <run>/tokenizer/."""
-    run = Storage(run_uri)
-    return build_tokenizer(run.child("data"), run.child("tokenizer"), vocab_size, max_seq_len, tok_cfg)
-
-
-def tokenizer_cache_key(config: HlatConfig, run_uri: str) -> str:
-    """What the tokenizer depends on: its settings, the vocabulary size and context length, and the shards."""
-    m = config.model
-    settings = config.tokenizer.model_dump(mode="json")
-    return stage_cache_key(
-        "train-tokenizer", run_uri, settings, m.vocab_size, m.max_seq_len, read_data_checksum(run_uri)
+    m = run.config.model
+    return build_tokenizer(
+        run.stage(DATA_DIR), run.stage(TOKENIZER_DIR), m.vocab_size, m.max_seq_len, run.config.tokenizer
     )
+
+
+def tokenizer_cache_key(run: Run) -> str:
+    """What the tokenizer depends on: its settings, the vocabulary size and context length, and the shards."""
+    m = run.config.model
+    settings = run.config.tokenizer.model_dump(mode="json")
+    return stage_cache_key(run, "train-tokenizer", settings, m.vocab_size, m.max_seq_len)
 
 
 def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:

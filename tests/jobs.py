@@ -16,7 +16,7 @@ import torch
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import open_run
+from hlat.infra.runs import Run, open_run
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.checkpoint import CheckpointManager
 from tests.sizes import SMALL_DATA
@@ -171,7 +171,7 @@ def s3_job(prepared: Path, tmp_path: Path, s3_url: str, run_id: str, max_steps: 
             if path.is_file():
                 run.put_file(str(path), f"{stage}/{path.relative_to(prepared / stage).as_posix()}")
     backend = LocalBackend(str(tmp_path / "jobs"), job=config.job)
-    spec = job_spec(config, run.url, run_id, 1)
+    spec = job_spec(Run.at(run.url, config, run_id), 1)
     backend.submit(spec)
     return backend, spec.name
 

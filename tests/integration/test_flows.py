@@ -71,14 +71,18 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     built = config_builds(monkeypatch)
     state = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path), return_state=True)
     first = state.result()
-    # The config is built once, by the parent flow; its six stages read the run's config.json.
+    # The config is built once, by the parent flow; its six stages are handed the run (id, storage, config).
     assert built == ["tiny"]
     run = tmp_path / first["run_id"]
     # The parent run's graph (the UI's) chains the six stages in order: no edge from the open-run task into each.
     chain = ["prepare-data", "train-tokenizer", "precompile", "burn-in", "train", "evaluate"]
     assert stage_edges(state.state_details.flow_run_id) == set(itertools.pairwise(chain))
     assert (run / "config.json").exists()
-    assert first["data"]["rows_read"] == first["data"]["rows_kept"] + first["data"]["rows_quarantined"] == 300
+    assert (
+        first["prepare-data"]["rows_read"]
+        == first["prepare-data"]["rows_kept"] + first["prepare-data"]["rows_quarantined"]
+        == 300
+    )
     for rel in (
         "data/manifest.json",
         "data/report.json",
@@ -86,7 +90,7 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
         "tokenizer/report.json",
     ):
         assert (run / rel).is_file(), rel
-    assert first["tokenizer"]["vocab_size"] == 512
+    assert first["train-tokenizer"]["vocab_size"] == 512
     assert artifact_keys() >= {f"data-report-{first['run_id']}", f"tokenizer-report-{first['run_id']}"}
     # The parent run's progress: one artifact, updated in place through the six stages.
     progress = artifacts_of(f"pretrain-progress-{first['run_id']}")
@@ -96,7 +100,7 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     model_bytes = (run / "tokenizer/tokenizer.model").read_bytes()
 
     second = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path))
-    assert second["run_id"] == first["run_id"] and second["data"] == first["data"]
+    assert second["run_id"] == first["run_id"] and second["prepare-data"] == first["prepare-data"]
     assert task_states("build-shards")[-1] == "Cached" and task_states("fit-tokenizer")[-1] == "Cached"
     # nothing was rewritten: a new attempt would have made a new shard folder
     assert sorted(p.name for p in (run / "data").glob("shards-*")) == shard_dirs
@@ -185,26 +189,31 @@ def test_a_runs_overrides_merge_over_its_deployments(prefect_server: None, tmp_p
 
 
 def test_a_stage_flow_is_its_body_under_the_stage_parameters(prefect_server: None, tmp_path: Path) -> None:
-    """The one stage-flow template (flows/stage.py: stage_flow): the four parameters then the body's own, the config
-    and run resolved from them; a parameter left out is its default (Prefect resolves the Field defaults)."""
+    """The one stage-flow template (flows/stage.py: stage_flow): the four parameters then the body's own, the run
+    (its config inside) resolved from them; a parameter left out is its default (Prefect resolves the Field
+    defaults)."""
     import inspect
 
     from prefect.utilities.hashing import file_hash
 
     from hlat.flows.stage import stage_flow
 
-    @stage_flow("probe", stops_jobs=False)
-    def probe(config, run, step: OptionalStep = STEP) -> dict[str, Any]:
+    # A body under a stage's name (the template takes a stage of core/stages.py): evaluate's, with its `step`.
+    @stage_flow("evaluate", stops_jobs=False)
+    def probe(run, step: OptionalStep = STEP) -> dict[str, Any]:
         """A probe stage."""
+        config = run.config
         return {"run": run.run_id, "config": config.run_id, "max_steps": config.training.max_steps, "step": step}
 
     assert list(inspect.signature(probe.fn).parameters) == ["preset", "run_id", "storage", "overrides", "step"]
-    assert (probe.name, probe.description, probe.version) == ("probe", "A probe stage.", file_hash(__file__))
+    assert (probe.name, probe.description, probe.version) == ("evaluate", "A probe stage.", file_hash(__file__))
     assert probe.on_cancellation_hooks == []
     alone = probe(storage=str(tmp_path))
     assert alone["run"].startswith("tiny-") and alone["config"] == alone["run"] and alone["step"] is None
     assert (tmp_path / alone["run"] / "config.json").is_file()
     given = probe("tiny", "p1", str(tmp_path), {"training.max_steps": 7}, step=3)
     assert given == {"run": "p1", "config": "p1", "max_steps": 7, "step": 3}
-    with pytest.raises(TypeError, match=r"takes \(config, run, \.\.\.\)"):
-        stage_flow("bad")(lambda preset: preset)
+    with pytest.raises(TypeError, match=r"takes \(run, \.\.\.\)"):
+        stage_flow("train")(lambda preset: preset)
+    with pytest.raises(ValueError, match="unknown stage 'probe'"):
+        stage_flow("probe")

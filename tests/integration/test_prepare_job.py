@@ -27,6 +27,8 @@ from hlat.tasks.prepare_data import data_cache_key
 from hlat.training.data.sources import source_fingerprint
 from hlat.training.data.units import REPORT_FILE, DataReport, UnitResult
 
+pytestmark = pytest.mark.slow  # each test runs prepare-data jobs of 2 workers (5-11 s)
+
 FILES = 4
 DOCS_PER_FILE = 40
 PLANTED = 3  # documents written into every file: 3 x (FILES - 1) duplicates across files
@@ -75,8 +77,8 @@ def job_config(corpus: Path, storage: Path, run_id: str, **more: Any) -> HlatCon
 
 def prepare(config: HlatConfig) -> tuple[DataReport | None, Any]:
     run = open_run(config)
-    key = data_cache_key(config, run.uri, source_fingerprint(config.data))
-    record, state = run_stage_job(config, run.uri, run.run_id, "prepare-data", args={"key": key})
+    key = data_cache_key(run, source_fingerprint(config.data))
+    record, state = run_stage_job(run, "prepare-data", args={"key": key})
     data = run.stage("data")
     report = DataReport.model_validate(data.read_json(REPORT_FILE)) if data.exists(REPORT_FILE) else None
     return report, (record, state, data)

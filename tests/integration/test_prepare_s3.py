@@ -37,6 +37,7 @@ def test_missing_bucket_is_a_one_line_error(s3_env: S3Env) -> None:
     assert "bucket 'no-such-bucket-hlat' does not exist" in str(err.value) and "\n" not in str(err.value)
 
 
+@pytest.mark.slow
 def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
     s3_env: S3Env, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -58,8 +59,8 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
     overrides = {"data.source": f"s3://{s3_env.bucket}/corpus", "data.workers": 2, "data.max_documents": None}
     config = load_config("tiny", overrides, run_id="s3job", storage=s3_env.url)
     run = open_run(config)
-    key = data_cache_key(config, run.uri, source_fingerprint(config.data))
-    record, state = run_stage_job(config, run.uri, run.run_id, "prepare-data", args={"key": key})
+    key = data_cache_key(run, source_fingerprint(config.data))
+    record, state = run_stage_job(run, "prepare-data", args={"key": key})
     assert state is not None and state.status.value == "Completed", record
     report = DataReport.model_validate(run.stage("data").read_json(REPORT_FILE))
     assert (report.rows_read, report.rows_kept, report.cross_unit_duplicates) == (104, 101, 3)

@@ -115,7 +115,7 @@ def dead_cli_then_status_and_stop(tmp_path: Path, run: Path, run_id: str, sig: s
     assert state is not None and state.status == "Stopped"
     from hlat.tasks.train import latest_checkpoint
 
-    step = latest_checkpoint(str(run))
+    step = latest_checkpoint(Storage(str(run)))
     assert step is not None and step >= 5
     assert f"hlat: {name} (train) ended Stopped" in stop.stdout, stop.stdout
     assert f"the run's newest checkpoint is step {step:,}; run the same command to go on from it" in stop.stdout

@@ -27,6 +27,7 @@ from hlat.core.storage import Storage
 from hlat.infra.catalog import job_cost
 from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
 from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.faults import STEP_SECONDS
 from hlat.training.stop_rule import _when
@@ -47,7 +48,7 @@ def beat(run: Storage, at: float) -> None:
 
 
 def submit(jobs: LocalBackend, config: HlatConfig, run: Path, attempt: int, spent_usd: float = 0.0) -> str:
-    spec = job_spec(config, str(run), run.name, attempt, spent_usd=spent_usd, submitted_at=time.time())
+    spec = job_spec(Run.at(str(run), config, run.name), attempt, spent_usd=spent_usd, submitted_at=time.time())
     jobs.submit(spec)
     return spec.name
 
@@ -59,13 +60,14 @@ def stopped_itself(jobs: LocalBackend, name: str, run: Path, why: str) -> tuple[
     assert state.status == Status.COMPLETED, text
     record = parse_stop_record(text)
     assert record is not None and record.why == why, text
-    assert latest_checkpoint(run) == record.step and record.step >= 1
+    assert latest_checkpoint(Storage(str(run))) == record.step and record.step >= 1
     assert Storage(str(run)).read_json(stop_record_path("train"))["why"] == why
     stored = stored_self_stop(Storage(str(run)), name)  # what a supervisor that missed the log reads
     assert stored is not None and stored.category == why
     return state, record
 
 
+@pytest.mark.slow
 def test_a_job_past_its_budget_with_no_supervisor_stops_itself_and_a_relaunch_resumes(
     prepared: Path, tmp_path: Path, jobs: LocalBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -103,6 +105,7 @@ def _deadline(seconds: float) -> datetime:
     return datetime.fromtimestamp(time.time() + seconds, UTC)
 
 
+@pytest.mark.slow
 def test_a_job_whose_supervisor_went_silent_stops_itself(
     prepared: Path, tmp_path: Path, jobs: LocalBackend, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -15,6 +15,7 @@ import torch
 from hlat.core.layout import CHECKPOINTS_DIR, PINS_DIR
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
+from hlat.infra.runs import Run
 from hlat.tasks import evaluate
 from hlat.training.checkpoint import CheckpointManager, step_dir
 
@@ -27,7 +28,7 @@ def test_a_checkpoint_queued_for_evaluation_outlives_retention_until_evaluated(
     gate = threading.Event()
     evaluated: list[tuple[int, list[int], bool]] = []
 
-    def evaluation_job(config: Any, run_uri: str, run_id: str, step: int) -> dict[str, Any]:
+    def evaluation_job(run_: Any, step: int) -> dict[str, Any]:
         evaluated.append((step, trainer.pinned_steps(), trainer.latest_step() is not None))
         assert gate.wait(timeout=30)
         if step == 4:
@@ -37,7 +38,8 @@ def test_a_checkpoint_queued_for_evaluation_outlives_retention_until_evaluated(
 
     monkeypatch.setattr(evaluate, "run_evaluation_job", evaluation_job)
     trainer.pin(1, why="an earlier stage's evaluator, which died")
-    evaluator = evaluate.CheckpointEvaluator(load_config("tiny", {"evaluation.every_steps": 2}), str(run), "pinned")
+    config = load_config("tiny", {"evaluation.every_steps": 2})
+    evaluator = evaluate.CheckpointEvaluator(Run.at(str(run), config, "pinned"))
     assert trainer.pinned_steps() == []  # stale: cleared when the stage's evaluator starts
 
     def save(step: int) -> None:

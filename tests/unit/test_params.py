@@ -10,11 +10,12 @@ import pytest
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
-from hlat.cli import STAGES, _overrides, _stage_flow, build_parser, flow_call
+from hlat.cli import _overrides, build_parser, flow_call
 from hlat.core.config import ConfigError, HlatConfig, parse_override
 from hlat.core.presets import PRESETS
+from hlat.core.stages import STAGE_NAMES, stage
 from hlat.flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
-from hlat.flows.pretrain import hlat
+from hlat.flows.pretrain import hlat, stage_flow_of
 from hlat.flows.stage import resolve
 
 
@@ -55,9 +56,9 @@ def test_a_form_field_is_checked_like_the_config_field() -> None:
         Overrides.model_validate({"training.max_steps": 0})
 
 
-@pytest.mark.parametrize("name", [*STAGES, "pretrain"])
+@pytest.mark.parametrize("name", [*STAGE_NAMES, "pretrain"])
 def test_every_flow_takes_the_same_typed_parameters(name: str) -> None:
-    fn = hlat if name == "pretrain" else _stage_flow(name)
+    fn = hlat if name == "pretrain" else stage_flow_of(stage(name))
     schema = parameter_schema(fn.fn).model_dump()
     props = schema["properties"]
     assert list(props)[:4] == ["preset", "run_id", "storage", "overrides"]
@@ -79,7 +80,7 @@ def test_an_unfilled_deployment_placeholder_is_named_before_anything_runs() -> N
 
 
 @pytest.mark.parametrize(
-    "argv", [["pretrain"], *(["run", stage] for stage in STAGES), ["run", "evaluate", "--step", "3", "--set", "a.b=1"]]
+    "argv", [["pretrain"], *(["run", s] for s in STAGE_NAMES), ["run", "evaluate", "--step", "3", "--set", "a.b=1"]]
 )
 def test_what_the_cli_passes_is_valid_for_the_flow(argv: list[str]) -> None:
     """With or without --set: the flow's own parameter validation accepts the CLI's call (as Prefect runs it)."""

@@ -14,6 +14,7 @@ from hlat.core.presets import load_config, preset_names
 from hlat.infra import planner
 from hlat.infra.catalog import CATALOG, MEASURED, TRN1_TOPOLOGY, price_per_hour
 from hlat.infra.planner import Estimate, Layout, Rejected, plannable
+from hlat.infra.runs import Run
 
 GIB = 1024**3
 GQA_24_6 = {"model.n_heads": 24, "model.n_kv_heads": 6, "model.d_model": 3072, "parallelism.tensor": 2}
@@ -311,9 +312,9 @@ pytestmark = pytest.mark.filterwarnings("ignore:Logger 'hlat.plan' attempted to 
 def test_task_is_not_applicable_to_local_presets() -> None:
     from hlat.tasks.plan import plan_parallelism
 
-    result = plan_parallelism.fn(load_config("tiny"), "tiny-run")
+    result = plan_parallelism.fn(Run.at("/tmp/runs/tiny-run", load_config("tiny")))
     assert result["applicable"] is False and "not applicable" in result["note"]
-    disabled = plan_parallelism.fn(load_config("hlat-7b", {"planner.enabled": False}), "r")
+    disabled = plan_parallelism.fn(Run.at("/tmp/runs/r", load_config("hlat-7b", {"planner.enabled": False})))
     assert disabled == {"applicable": False, "note": "planner.enabled is false"}
 
 
@@ -329,14 +330,14 @@ def test_task_publishes_the_table_and_warns_on_a_slow_layout(
     # Full recomputation costs a third more compute than HLAT's selective checkpointing.
     slow = load_config("hlat-7b", {"parallelism.activation_checkpointing": "full"})
     with caplog.at_level(logging.WARNING, logger="hlat.plan"):
-        result = hlat.tasks.plan.plan_parallelism.fn(slow, "hlat-7b-run")
+        result = hlat.tasks.plan.plan_parallelism.fn(Run.at("/tmp/runs/hlat-7b-run", slow))
     assert result["applicable"] and result["warning"] and "slower than" in result["warning"]
     assert any("slower than" in r.getMessage() for r in caplog.records)
     assert published[0]["key"] == "parallelism-plan-hlat-7b-run"
     assert len(published[0]["rows"]) == hlat.tasks.plan.TOP_ROWS and published[0]["rows"][0]["rank"] == 1
 
     caplog.clear()
-    fine = hlat.tasks.plan.plan_parallelism.fn(load_config("hlat-7b"), "hlat-7b-run")
+    fine = hlat.tasks.plan.plan_parallelism.fn(Run.at("/tmp/runs/hlat-7b-run", load_config("hlat-7b")))
     assert fine["applicable"] and fine["warning"] is None
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
 

@@ -12,6 +12,7 @@ from hlat.core.config import ConfigError
 from hlat.core.contract import UNSUPERVISED_ENV
 from hlat.core.environment import neuron_environment, xla_precision_environment
 from hlat.core.presets import load_config
+from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import estimate, job_environment, job_spec, stop_terms
 
 RUN = "s3://bucket/hlat/r1"
@@ -19,7 +20,7 @@ RUN = "s3://bucket/hlat/r1"
 
 def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None:
     config = load_config("hlat-7b")
-    specs = {stage: job_spec(config, RUN, "r1", 1, stage) for stage in ("precompile", "burn-in", "train")}
+    specs = {stage: job_spec(Run.at(RUN, config, "r1"), 1, stage) for stage in ("precompile", "burn-in", "train")}
     for spec in specs.values():
         assert (spec.instance_type, spec.instance_count, spec.processes_per_node) == ("ml.trn1.32xlarge", 64, 32)
         assert spec.environment["NEURON_COMPILE_CACHE_URL"] == f"{RUN}/compile-cache/neuron"
@@ -47,7 +48,7 @@ def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None
 
 def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> None:
     config = load_config("hlat-7b", {"job.region": "eu-west-1"})
-    spec = job_spec(config, RUN, "r1", 2, "evaluate", step=1000)
+    spec = job_spec(Run.at(RUN, config, "r1"), 2, "evaluate", step=1000)
     assert (spec.instance_type, spec.instance_count, spec.processes_per_node) == ("ml.p4d.24xlarge", 1, 1)
     assert spec.entry == "hlat.training.evaluate" and spec.args == {"step": "1000"} and spec.name == "r1-evaluate-2"
     assert spec.image_uri is not None and spec.image_uri.startswith("763104351884.dkr.ecr.eu-west-1.")
@@ -57,14 +58,14 @@ def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> 
     mine = load_config(
         "hlat-7b", {"evaluation.image_uri": "1.dkr.ecr/me:1", "evaluation.instance_type": "ml.g5.48xlarge"}
     )
-    assert job_spec(mine, RUN, "r1", 1, "evaluate").image_uri == "1.dkr.ecr/me:1"
-    assert job_spec(mine, RUN, "r1", 1, "evaluate").args == {}  # the newest checkpoint
-    local = job_spec(load_config("tiny"), RUN, "r1", 1, "evaluate")
+    assert job_spec(Run.at(RUN, mine, "r1"), 1, "evaluate").image_uri == "1.dkr.ecr/me:1"
+    assert job_spec(Run.at(RUN, mine, "r1"), 1, "evaluate").args == {}  # the newest checkpoint
+    local = job_spec(Run.at(RUN, load_config("tiny"), "r1"), 1, "evaluate")
     assert (local.instance_type, local.image_uri) == ("local", None)
 
 
 def test_local_jobs_carry_no_neuron_settings() -> None:
-    spec = job_spec(load_config("tiny"), "/tmp/runs/r", "r", 2)
+    spec = job_spec(Run.at("/tmp/runs/r", load_config("tiny"), "r"), 2)
     # The run's stop terms: locally only the supervision timeout (no budget, no deadline by default).
     expected = {"HLAT_RUN_ID": "r", UNSUPERVISED_ENV: "1800.0"}
     assert spec.environment == expected and spec.arguments() == ["--config", "/tmp/runs/r/config.json"]
@@ -78,12 +79,12 @@ def test_every_trn1_stage_job_carries_the_presets_neuron_settings(preset: str) -
     config = load_config(preset, {"neuron.sdk": "2.24.1"})  # HLAT's flag-based precision: 2.24.1 has the flags
     expected = neuron_environment(config, f"{RUN}/compile-cache/neuron")
     for stage in TRN1_STAGES:
-        env = job_spec(config, RUN, "r1", 1, stage).environment
+        env = job_spec(Run.at(RUN, config, "r1"), 1, stage).environment
         assert {k: env[k] for k in expected} == expected, stage
         assert env["NEURON_CC_FLAGS"] == "--model-type transformer --distribution-strategy=llm-training"
         assert env["NEURON_RT_EXEC_TIMEOUT"] == "4000" and env["MALLOC_ARENA_MAX"] == "64"
         assert env["FI_EFA_FORK_SAFE"] == "1" and env["HLAT_RUN_ID"] == "r1"
-    env = job_spec(config, RUN, "r1", 1, "train").environment
+    env = job_spec(Run.at(RUN, config, "r1"), 1, "train").environment
     if preset == "hlat-7b":
         assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "3"
         assert "NEURON_EXPERIMENTAL_COMPRESS_RG" not in env and "TORCH_DIST_INIT_BARRIER" not in env
@@ -92,7 +93,7 @@ def test_every_trn1_stage_job_carries_the_presets_neuron_settings(preset: str) -
         assert env["NEURON_RT_ASYNC_EXEC_MAX_INFLIGHT_REQUESTS"] == "31"
         assert (env["NEURON_EXPERIMENTAL_COMPRESS_RG"], env["TORCH_DIST_INIT_BARRIER"]) == ("1", "0")
         assert (env["XLA_USE_BF16"], env["XLA_DOWNCAST_BF16"]) == ("0", "1")
-    evaluation = job_spec(config, RUN, "r1", 1, "evaluate").environment
+    evaluation = job_spec(Run.at(RUN, config, "r1"), 1, "evaluate").environment
     assert evaluation == {"HLAT_RUN_ID": "r1"}  # a GPU job of its own: none of it
 
 
@@ -107,7 +108,7 @@ def test_neuron_overrides_reach_every_trn1_stage_job_and_neuron_env_wins() -> No
         },
     )
     for stage in TRN1_STAGES:
-        env = job_spec(config, RUN, "r1", 1, stage).environment
+        env = job_spec(Run.at(RUN, config, "r1"), 1, stage).environment
         assert env["NEURON_RT_EXEC_TIMEOUT"] == "7200"
         # the user's flags, then what 2.28's BF16 model (bf16-sr) needs
         assert env["NEURON_CC_FLAGS"] == "--model-type transformer -O1 --enable-mixed-precision-accumulation"
@@ -118,18 +119,18 @@ def test_neuron_overrides_reach_every_trn1_stage_job_and_neuron_env_wins() -> No
 def test_the_xla_cpu_rehearsal_runs_with_the_precision_flags_on_pjrt_cpu() -> None:
     config = load_config("tiny", {"training.device": "xla", "precision.mode": "bf16-mixed", "neuron.sdk": "2.24.1"})
     for stage in TRN1_STAGES:
-        env = job_environment(config, "/tmp/runs/r", "r", stage)
+        env = job_environment(Run.at("/tmp/runs/r", config, "r"), stage)
         assert env == {
             "HLAT_RUN_ID": "r", "PJRT_DEVICE": "CPU", "TORCHINDUCTOR_COMPILE_THREADS": "1",
             **xla_precision_environment("bf16-mixed"),
         }  # fmt: skip
-    assert job_environment(config, "/tmp/runs/r", "r", "evaluate") == {"HLAT_RUN_ID": "r"}
+    assert job_environment(Run.at("/tmp/runs/r", config, "r"), "evaluate") == {"HLAT_RUN_ID": "r"}
     # The same through the job spec, with an interpreter that exists everywhere (the XLA one may not).
     overrides = {"training.device": "xla", "job.python": sys.executable, "neuron.sdk": "2.24.1"}
-    spec = job_spec(load_config("tiny", overrides), "/tmp/r", "r", 1)
+    spec = job_spec(Run.at("/tmp/r", load_config("tiny", overrides), "r"), 1)
     assert spec.environment["PJRT_DEVICE"] == "CPU" and spec.environment["XLA_USE_BF16"] == "0"
     # The default SDK (2.28.0) sets neither flag: the trainer autocasts
-    default = job_spec(load_config("tiny", {**overrides, "neuron.sdk": "2.28.0"}), "/tmp/r", "r", 1).environment
+    default = job_spec(Run.at("/tmp/r", load_config("tiny", {**overrides, "neuron.sdk": "2.28.0"}), "r"), 1).environment
     assert default["PJRT_DEVICE"] == "CPU" and not {"XLA_USE_BF16", "XLA_DOWNCAST_BF16"} & set(default)
     assert not [k for k in spec.environment if k.startswith(("NEURON_CC", "NEURON_RT_ASYNC", "FI_", "MALLOC"))]
 
