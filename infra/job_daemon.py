@@ -38,10 +38,10 @@ from typing import Any
 
 from hlat.core.contract import EXIT_NAN
 from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
-from hlat.core.job_init import processes_with, rank_processes
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
 from hlat.infra import sagemaker_emulator
+from hlat.infra.job_init import processes_with, rank_processes
 from hlat.infra.jobs import JobSpec, Status
 
 FAULTS_ENV = "HLAT_LOCAL_FAULTS"
@@ -78,7 +78,7 @@ def _tensorboard_dir(spec: JobSpec, ml: str) -> str:
     return run.path("tensorboard") if run.is_local else f"{ml}/output/tensorboard"
 
 
-def job_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
+def single_host_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
     """What the processes of a one-instance job get on top of the daemon's environment: the container contract."""
     ml = os.path.join(job_dir, "opt", "ml")
     env = {
@@ -235,7 +235,7 @@ class CheckpointMirror:
 
 
 @dataclass
-class Instance:
+class ContainerProcess:
     """One running container of the job: the whole job on the one-instance path, one emulated host otherwise."""
 
     name: str
@@ -352,7 +352,7 @@ class JobDaemon:
                 command, cwd=PROJECT_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
             )  # fmt: skip
-            instances.append(Instance(name, proc, ml, mirror, emulated=self.request is not None))
+            instances.append(ContainerProcess(name, proc, ml, mirror, emulated=self.request is not None))
         self._phase("Training")
         readers = [threading.Thread(target=self._pump, args=(i,), daemon=True) for i in instances]
         for reader in readers:
@@ -405,7 +405,7 @@ class JobDaemon:
             mirror = CheckpointMirror(self._ml("checkpoints"), run.child(self.spec.checkpoint_prefix))
             self.say(f"copied {mirror.download()} checkpoint file(s) from {mirror.remote.url}")
         env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
-        env.update(job_environment(self.spec, self.job_dir))
+        env.update(single_host_environment(self.spec, self.job_dir))
         return "algo-1", training_command(self.spec), env, self._ml(), mirror
 
     def _prepare_hosts(self, request: dict[str, Any]) -> list[Launch]:
@@ -442,12 +442,12 @@ class JobDaemon:
         write_json(os.path.join(self.job_dir, "hosts.json"), {"received_bytes": received})
         return launches
 
-    def _supervise(self, instances: list[Instance]) -> Instance | None:
+    def _supervise(self, instances: list[ContainerProcess]) -> ContainerProcess | None:
         """Wait for every container to exit, stopping them on request or at max runtime (SIGTERM to each one's PID
         1, then SIGKILL), and ending the job when one of them fails; the instance that failed first, if any."""
         term_sent: float | None = None
         killed = False
-        failed: Instance | None = None
+        failed: ContainerProcess | None = None
         # Every container is polled on every pass (not just the first still running): a host that fails while
         # another is stuck (its ranks waiting for the failed host's at start-up) must end the job at once.
         while [i for i in instances if i.proc.poll() is None]:
@@ -486,9 +486,9 @@ class JobDaemon:
                 failed = instance
         return failed
 
-    def _signal_instances(self, instances: list[Instance], sig: signal.Signals) -> None:
+    def _signal_instances(self, instances: list[ContainerProcess], sig: signal.Signals) -> None:
         """What SageMaker does: the signal goes to each container's PID 1. On the one-instance path, where no init
-        stands in for the container, a SIGTERM goes where core/job_init.py sends it: to the ranks (not their
+        stands in for the container, a SIGTERM goes where infra/job_init.py sends it: to the ranks (not their
         children: a compile they are waiting for must finish), or to the program when no torchrun runs it.
         SIGKILL takes every process."""
         if sig == signal.SIGKILL:
@@ -502,7 +502,7 @@ class JobDaemon:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, sig)
 
-    def _stop_ranks(self, instance: Instance, sig: signal.Signals) -> None:
+    def _stop_ranks(self, instance: ContainerProcess, sig: signal.Signals) -> None:
         """The one-instance path's stop: `sig` to each rank not yet signalled (called again while the job stops,
         for ranks torchrun was still starting); before any rank exists, to every process of the job (nothing
         trains yet); to the program itself when it runs without torchrun."""
@@ -521,7 +521,7 @@ class JobDaemon:
             instance.signalled.add(pid)
         instance.pid_signalled = instance.pid_signalled or instance.proc.pid in targets
 
-    def _pump(self, instance: Instance) -> None:
+    def _pump(self, instance: ContainerProcess) -> None:
         """Copy a container's output to output.log line by line (prefixed with its host when there are several),
         watching progress for the injected faults."""
         assert instance.proc.stdout is not None

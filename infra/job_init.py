@@ -10,7 +10,7 @@ that has no handler for it (pid_namespaces(7)). So the trainer never hears the s
 and every step since the last checkpoint is lost.
 
 The job request therefore puts this program in front of the SDK's command (`infra.sagemaker_jobs`:
-ContainerEntrypoint `python3 /opt/ml/input/data/code/hlat/core/job_init.py /bin/bash`, the SDK's ContainerArguments
+ContainerEntrypoint `python3 /opt/ml/input/data/code/job_init.py /bin/bash`, the SDK's ContainerArguments
 unchanged), and the SDK's scripts run as they are. On SIGTERM it signals the job's ranks (the processes torchrun
 started: LOCAL_RANK in their environment, and a parent without it), which checkpoint the step they are in and exit
 0, so torchrun, the driver and the shell end as after a normal finish. A rank's own children (neuronx-cc compiling a
@@ -21,7 +21,9 @@ torchrun itself is not signalled: on SIGTERM it stops its workers and SIGKILLs t
 exists (installing requirements, starting up) is passed to every process, so the container ends at once. As PID 1
 it also reaps orphaned processes; it exits with the command's code.
 
-Runs by path with the image's python3 and the standard library only: nothing of the project is importable yet.
+Runs by path with the image's python3 (Python 3.10 on the Neuron images) and the standard library only: nothing
+of the project is importable yet. `infra.sagemaker_jobs.stage_source` ships it at the top of the job's source code,
+beside the entry script (infra/job_entry.py); the local backend's job daemon uses its process finders.
 """
 
 from __future__ import annotations

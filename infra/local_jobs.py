@@ -29,7 +29,7 @@ submit and kept in job.json, e.g. `{"1": {"kill_at_step": 8}, "2": {"fail": "Cap
 - `{"complete": true, "after_s": S}`: launch nothing, wait S seconds, end Completed: a job that reports success
   without having written its outputs (no checkpoint, no report), as a broken image or entrypoint can.
 - `{"sdk_entrypoint": true}` (emulated hosts): run the SageMaker SDK's container command without our init in front
-  of it (core/job_init.py), as a job request would be without it.
+  of it (infra/job_init.py), as a job request would be without it.
 
 A job of several instances (`instance_count` > 1) runs on emulated SageMaker hosts (`infra.sagemaker_emulator`):
 job.json then also holds its CreateTrainingJob request, built at submit by the sagemaker backend's own code, and
@@ -54,10 +54,10 @@ from hlat.core.config import JobConfig
 from hlat.infra.job_daemon import (
     FAULTS_ENV,
     PROJECT_ROOT,
-    job_environment,
     kill_job,
     process_start,
     read_json,
+    single_host_environment,
     training_command,
     write_json,
 )
@@ -269,6 +269,6 @@ class LocalBackend:
                 "backend": self.kind,
                 "job_dir": job_dir,
                 "command": training_command(spec),
-                "environment": job_environment(spec, job_dir),
+                "environment": single_host_environment(spec, job_dir),
             }
         ]

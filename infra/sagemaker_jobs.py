@@ -62,16 +62,19 @@ JOB_MODULE_ENV = "HLAT_JOB_MODULE"
 SOURCE_DIR = "/opt/ml/input/data/code"
 """Where SageMaker puts the uploaded source on each instance (the SDK's code channel)."""
 
-JOB_INIT = ["python3", f"{SOURCE_DIR}/hlat/core/job_init.py"]
-"""Put in front of the SDK's ContainerEntrypoint (/bin/bash): the container's PID 1 (core/job_init.py), from the
-source code channel, which SageMaker downloads before the container starts."""
+INIT_SCRIPT = "job_init.py"
+"""The container's PID 1 (infra/job_init.py), at the top of the uploaded source beside the entry script."""
+JOB_INIT = ["python3", f"{SOURCE_DIR}/{INIT_SCRIPT}"]
+"""Put in front of the SDK's ContainerEntrypoint (/bin/bash): the container's PID 1, run by path from the source code
+channel, which SageMaker downloads before the container starts."""
 
 
 def stage_source(folder: Path, requirements: str | None) -> None:
     """Lay out a job's source code in the empty `folder`, as SageMaker will run it: the `hlat` package as the wheel
     holds it (hlat/__init__.py, hlat/core/..., hlat/training/...: each module once, copied from where this
-    installation imports it), the entry script at the top (its folder is first on the program's sys.path, so the
-    program imports the uploaded code and needs no path set-up of its own), and the requirements file."""
+    installation imports it), the entry script and the container's init at the top (the entry script's folder is
+    first on the program's sys.path, so the program imports the uploaded code and needs no path set-up of its own),
+    and the requirements file."""
     import hlat
 
     package = folder / "hlat"
@@ -81,6 +84,7 @@ def stage_source(folder: Path, requirements: str | None) -> None:
         source = Path(importlib.import_module(f"hlat.{layer}").__file__ or "").parent
         shutil.copytree(source, package / layer, ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     shutil.copy2(Path(__file__).with_name("job_entry.py"), folder / ENTRY_SCRIPT)
+    shutil.copy2(Path(__file__).with_name("job_init.py"), folder / INIT_SCRIPT)
     if requirements is not None:
         (folder / requirements).parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(PROJECT_ROOT / requirements, folder / requirements)
@@ -163,8 +167,9 @@ def pytorch_training_image(region: str, instance_type: str) -> str:
     return image
 
 
-def job_environment(spec: JobSpec) -> dict[str, str]:
-    """The job's environment variables: its own, the run id, and the program the entry script runs."""
+def request_environment(spec: JobSpec) -> dict[str, str]:
+    """The Environment member of the job's CreateTrainingJob request: the job's own variables, the run id, and the
+    program the entry script runs."""
     return {**spec.environment, "HLAT_RUN_ID": spec.run_id, JOB_MODULE_ENV: spec.entry}
 
 
@@ -553,7 +558,7 @@ def config_request(spec: JobSpec, job: JobConfig) -> dict[str, Any]:
         "OutputDataConfig": {"S3OutputPath": f"{run}/sagemaker-output", "KmsKeyId": job.kms_key_id},
         "TensorBoardOutputConfig": {"S3OutputPath": f"{run}/tensorboard"},
         "HyperParameters": {"config": spec.config_uri, **spec.args},
-        "Environment": job_environment(spec),
+        "Environment": request_environment(spec),
     }
     if spec.checkpoint_prefix is not None:
         request["CheckpointConfig"] = {"S3Uri": f"{run}/{spec.checkpoint_prefix}"}
@@ -677,7 +682,7 @@ def _request_with_source(
             output_data_config=cfg.OutputDataConfig(
                 s3_output_path=f"{run}/sagemaker-output", kms_key_id=job.kms_key_id
             ),
-            environment=job_environment(spec),
+            environment=request_environment(spec),
             # The Torchrun driver passes hyperparameters as arguments: `--config <uri>` (+ the program's own).
             # The config travels by URI, not as hyperparameters (at most 100 of 256 characters each).
             hyperparameters={"config": spec.config_uri, **spec.args},
@@ -720,7 +725,7 @@ def _request_with_source(
         ) from exc
     request["TrainingJobName"] = spec.name
     # Our init in front of the SDK's container command, which runs unchanged: it passes StopTrainingJob's
-    # SIGTERM on to the ranks (core/job_init.py says why the SDK's shell never would).
+    # SIGTERM on to the ranks (infra/job_init.py says why the SDK's shell never would).
     algorithm = request["AlgorithmSpecification"]
     algorithm["ContainerEntrypoint"] = [*JOB_INIT, *algorithm["ContainerEntrypoint"]]
     return request

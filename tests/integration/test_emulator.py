@@ -90,12 +90,12 @@ def test_each_host_has_its_own_opt_ml_and_torchrun_is_launched_by_the_sdks_drive
         # The SDK's scripts, as it uploaded them, run from this host's own channels: sm_train.sh, environment.py
         # (which wrote the SM_* variables from the files above) and the torchrun driver.
         assert (ml / "input/data/sm_drivers/sm_train.sh").is_file() and (ml / "input/sm_training.env").is_file()
-        assert (ml / "input/data/code/hlat/core/job_init.py").is_file()
+        assert (ml / "input/data/code/job_init.py").is_file()
         assert f"[{host}] Executing command: torchrun --nnodes=2 --nproc_per_node=2 --master_addr=algo-1 " in log
         assert f"--master_port=7777 --node_rank={rank} hlat_job.py --config {spec.config_uri}" in log
         assert f"[{host}] SM_CURRENT_HOST={host}" in log
         # Our init is PID 1 in front of the SDK's shell
-        assert "python3 /opt/ml/input/data/code/hlat/core/job_init.py /bin/bash -c chmod +x" in log
+        assert "python3 /opt/ml/input/data/code/job_init.py /bin/bash -c chmod +x" in log
     assert UNRELATED not in log and "hunter2" not in log  # the container gets credentials and settings, not all
     # The four ranks trained together and rank 0 committed checkpoints whose files came from both hosts.
     meta = json.loads((run / "checkpoints" / step_dir(6) / "meta.json").read_text())

@@ -60,9 +60,7 @@ def test_submit_creates_the_job_and_uploads_the_code_into_the_run(moto_env: S3En
     assert (state.name, state.status, state.instance_count) == (spec.name, Status.COMPLETED, 2)
     described = backend.sagemaker.describe_training_job(TrainingJobName=spec.name)
     assert "CheckpointConfig" not in described  # the ranks write to the run's checkpoints/ themselves
-    assert (
-        described["AlgorithmSpecification"]["ContainerEntrypoint"][1] == "/opt/ml/input/data/code/hlat/core/job_init.py"
-    )
+    assert described["AlgorithmSpecification"]["ContainerEntrypoint"][1] == "/opt/ml/input/data/code/job_init.py"
     assert described["HyperParameters"] == {"config": spec.config_uri}
 
     uploaded = keys(moto_env, "prefix/moto-run/")
@@ -71,7 +69,7 @@ def test_submit_creates_the_job_and_uploads_the_code_into_the_run(moto_env: S3En
     assert {
         "code/hlat_job.py",
         "code/hlat/training/train.py",
-        "code/hlat/core/job_init.py",
+        "code/job_init.py",
         "code/deployments/job-requirements-2.28.0.txt",  # the default neuron.sdk's
         "sm_drivers/sm_train.sh",
     } <= shipped

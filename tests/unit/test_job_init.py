@@ -1,4 +1,4 @@
-"""A stop reaches the ranks, never their children: core/job_init.py as a container's PID 1 (in a PID namespace of
+"""A stop reaches the ranks, never their children: infra/job_init.py as a container's PID 1 (in a PID namespace of
 its own) and the local job daemon's one-instance path both send SIGTERM to the processes torchrun started, so a
 compile a rank is waiting for finishes and the rank stops at its next step boundary.
 
@@ -17,10 +17,10 @@ from pathlib import Path
 
 import pytest
 
-from hlat.core.job_init import rank_processes
+from hlat.infra.job_init import rank_processes
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB_INIT = ROOT / "core" / "job_init.py"
+JOB_INIT = ROOT / "infra" / "job_init.py"
 COMPILE_S = 3.0
 
 

@@ -125,8 +125,8 @@ def expected_create_request() -> dict[str, Any]:
         "AlgorithmSpecification": {
             "TrainingImage": IMAGE,
             "TrainingInputMode": "File",
-            # our init (core/job_init.py) as PID 1, in front of the SDK's command, which runs unchanged
-            "ContainerEntrypoint": ["python3", "/opt/ml/input/data/code/hlat/core/job_init.py", "/bin/bash"],
+            # our init (infra/job_init.py) as PID 1, in front of the SDK's command, which runs unchanged
+            "ContainerEntrypoint": ["python3", "/opt/ml/input/data/code/job_init.py", "/bin/bash"],
             "ContainerArguments": ["-c", ANY],
             "MetricDefinitions": [{"Name": k, "Regex": v} for k, v in METRIC_DEFINITIONS.items()],
         },
@@ -227,7 +227,13 @@ def test_submit_creates_the_job_under_its_deterministic_name(
     modules = {
         f"hlat/{p.relative_to(project)}" for layer in ("core", "training") for p in (project / layer).rglob("*.py")
     }
-    assert shipped == {"hlat_job.py", "hlat/__init__.py", *modules, "deployments/job-requirements-2.28.0.txt"}
+    assert shipped == {
+        "hlat_job.py",
+        "job_init.py",
+        "hlat/__init__.py",
+        *modules,
+        "deployments/job-requirements-2.28.0.txt",
+    }
 
 
 def test_submit_refuses_a_name_in_use_before_uploading(
