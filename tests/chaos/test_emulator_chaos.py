@@ -29,7 +29,7 @@ from hlat.core.storage import Storage
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import TERMINAL, Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import open_run
+from hlat.infra.runs import Run, open_run
 from hlat.infra.sagemaker_emulator import HOST_ENV, namespaces_available
 from hlat.infra.stage_jobs import job_spec
 from hlat.infra.supervisor import Ledger
@@ -237,7 +237,7 @@ def test_two_hosts_under_random_kills_stops_and_storage_faults_end_bitwise_equal
     reference = put_run(prepared, s3_env.url, "reference")
     config = load_config("tiny", SETS, run_id="reference", storage=s3_env.url)
     backend = LocalBackend(str(tmp_path / "jobs" / "reference"), job=config.job)
-    spec = job_spec(config, reference.url, "reference", 1)
+    spec = job_spec(Run.at(reference.url, config, "reference"), 1)
     backend.submit(spec)
     state = wait(backend, spec.name, timeout=900)
     assert state.status == Status.COMPLETED, log_text(backend, spec.name)[-3000:]

@@ -51,6 +51,7 @@ def kill_first_rank(job_dir: str, timeout: float = 180) -> float:
 def test_a_rank_killed_before_its_first_step_in_three_jobs_in_a_row_is_retried_each_time(
     prepared: Path, tmp_path: Path
 ) -> None:
+    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import jobs_dir, supervisor_for
 
     run_id = "killed-early"
@@ -63,12 +64,13 @@ def test_a_rank_killed_before_its_first_step_in_three_jobs_in_a_row_is_retried_e
     def latest() -> int | None:
         return CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1).latest_step()
 
-    sup = supervisor_for(config, str(run), run_id, current_step=latest)
+    stage_run = Run.at(str(run), config, run_id)
+    sup = supervisor_for(stage_run, current_step=latest)
     killed: list[float] = []
 
     def killer() -> None:
         for attempt in (1, 2, 3):
-            killed.append(kill_first_rank(os.path.join(jobs_dir(str(run), run_id), job_name(run_id, attempt))))
+            killed.append(kill_first_rank(os.path.join(jobs_dir(stage_run), job_name(run_id, attempt))))
 
     thread = threading.Thread(target=killer, daemon=True)
     thread.start()

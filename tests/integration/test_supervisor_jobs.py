@@ -43,6 +43,7 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
 ) -> None:
     """A real tiny job logging each of its 80 steps, polled four times a second: the old supervisor printed a line
     per poll; now the first, each change of status, a new step at most every 10 polls, and the final average."""
+    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import supervisor_for
 
     training = {"max_steps": 80, "checkpoint_every": 40, "eval_every": 0, "log_every": 1}
@@ -50,7 +51,7 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
     sets = {**SMALL_DATA, **{f"training.{k}": v for k, v in training.items()}, "job.poll_seconds": 0.25}
     config = load_config("tiny", sets, run_id="quiet", storage=str(tmp_path))
     polls = 0
-    sup = supervisor_for(config, str(run), "quiet", current_step=lambda: latest(run))
+    sup = supervisor_for(Run.at(str(run), config), current_step=lambda: latest(run))
 
     def count(_: Any) -> None:
         nonlocal polls

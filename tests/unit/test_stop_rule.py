@@ -34,6 +34,7 @@ from hlat.core.contract import (
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
+from hlat.infra.runs import Run
 from hlat.infra.sagemaker_jobs import SageMakerBackend, request_problems, sagemaker_service_model
 from hlat.infra.stage_jobs import billed_usd, job_spec, runtime_cap, stop_terms, supervisor_for
 from hlat.infra.supervisor import Attempt, JobFailed, Ledger
@@ -241,9 +242,10 @@ def test_the_training_job_carries_the_runs_terms_and_what_earlier_jobs_cost(tmp_
         [Attempt(1, "r-train-1", cost_usd=12.5, ended_at=T0), Attempt(2, "r-train-2", cost_usd=7.5, ended_at=T0 + 9),
          Attempt(3, "r-train-3", cost_usd=99.0)]  # not ended: the one being submitted
     )  # fmt: skip
-    assert billed_usd(run_uri) == 20.0
+    assert billed_usd(Storage(run_uri)) == 20.0
+    run = Run.at(run_uri, config)
     # The supervisor's make_spec: read at each submission.
-    spec = supervisor_for(config, run_uri, "r", current_step=lambda: None).make_spec(3, "r-train-3")
+    spec = supervisor_for(run, current_step=lambda: None).make_spec(3, "r-train-3")
     terms = StopTerms.from_environment(spec.environment)
     assert (terms.budget_usd, terms.spent_usd, terms.price_per_hour_usd) == (100.0, 20.0, 60.0)  # $30 x 2 nodes
     assert terms.deadline == 1893452400.0 and terms.unsupervised_stop_s == 300.0
@@ -251,7 +253,7 @@ def test_the_training_job_carries_the_runs_terms_and_what_earlier_jobs_cost(tmp_
     # The $80 left at $60/h last 80 min; the platform's own stop comes job.stop_grace_seconds (20 s: tiny) later.
     assert spec.max_runtime_s == pytest.approx(80 * 60 + 20, abs=2)
     # Only the training job carries them.
-    assert BUDGET_ENV not in job_spec(config, run_uri, "r", 1, "burn-in").environment
+    assert BUDGET_ENV not in job_spec(run, 1, "burn-in").environment
 
 
 def test_a_spent_budget_or_a_past_deadline_is_refused_before_submitting() -> None:
@@ -280,7 +282,7 @@ def test_max_runtime_in_the_sagemaker_request_ends_with_the_budget() -> None:
         "hlat-7b", {"job.role_arn": ROLE, "job.budget_usd": 5000, "job.max_runtime_hours": 240}, storage="s3://b/p"
     )
     submitted = time.time() - 600  # 10 minutes ago
-    spec = job_spec(config, "s3://b/p/r", "r", 1, submitted_at=submitted)
+    spec = job_spec(Run.at("s3://b/p/r", config), 1, submitted_at=submitted)
     request: dict[str, Any] = SageMakerBackend(config.job).config_request(spec)
     terms = stop_terms(config)
     left = 5000 / terms.price_per_hour_usd * 3600
@@ -292,7 +294,7 @@ def test_max_runtime_in_the_sagemaker_request_ends_with_the_budget() -> None:
     assert request["Environment"][BUDGET_ENV] == "5000.0" and request["Environment"][SUBMITTED_ENV] == repr(submitted)
     # Without a budget it would not stop: job.max_runtime_hours caps it (an estimate's 1.25 x budget outlasts it).
     unbounded = load_config("hlat-7b", {"job.role_arn": ROLE, "job.max_runtime_hours": 240}, storage="s3://b/p")
-    assert job_spec(unbounded, "s3://b/p/r", "r", 1).max_runtime_s == 240 * 3600
+    assert job_spec(Run.at("s3://b/p/r", unbounded), 1).max_runtime_s == 240 * 3600
 
 
 class FakeTrainer:

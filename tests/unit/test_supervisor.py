@@ -597,6 +597,7 @@ def test_a_sagemaker_run_always_has_a_budget() -> None:
     """job.budget_usd unset on SageMaker: 1.25 x the plan's estimate, stated in the dry run; no estimate: refused."""
     from hlat.core.config import ConfigError
     from hlat.core.presets import load_config
+    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import BUDGET_MARGIN, budget, dry_run, estimate, supervisor_for
 
     role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
@@ -604,7 +605,7 @@ def test_a_sagemaker_run_always_has_a_budget() -> None:
     total = estimate(config)["total_usd"]
     assert total and budget(config).usd == pytest.approx(BUDGET_MARGIN * total)
     assert f"budget: ${BUDGET_MARGIN * total:,.2f} = 1.25 x the estimate" in dry_run(config)
-    assert supervisor_for(config, "s3://bucket/runs/r", "r", lambda: None).budget_usd == pytest.approx(1.25 * total)
+    assert supervisor_for(Run.at("s3://bucket/runs/r", config), lambda: None).budget_usd == pytest.approx(1.25 * total)
     assert budget(load_config("hlat-7b", {**role, "job.budget_usd": 5000})).usd == 5000
     unknown = load_config("hlat-7b", {**role, "job.instance_type": "ml.c5.xlarge", "job.processes_per_node": 1})
     with pytest.raises(ConfigError, match=r"job\.budget_usd: no estimate"):
