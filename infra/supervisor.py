@@ -1,8 +1,9 @@
 """Keep a run's training going: submit a job, watch it, classify how it ended, relaunch from the newest checkpoint.
 
-The same loop drives both job backends. Its memory is a ledger in run storage (`jobs/<stage>-attempts.json`),
-written before each submission, so a supervisor that dies and is restarted finds the job it launched (by its
-deterministic name) and watches it instead of launching a second one.
+The same loop drives both job backends, and every stage's jobs: the short jobs' stages (prepare-data, precompile,
+burn-in, evaluate: `run_job`, a Supervisor with `max_attempts`) run their one job to its end with it. Its memory is a
+ledger in run storage (`jobs/<stage>-attempts.json`), written before each submission, so a supervisor that dies and
+is restarted finds the job it launched (by its deterministic name) and watches it instead of launching a second one.
 
 Each attempt ends in one of four ways (`infra.jobs.classify`, by the failure's class, judged from the job's own
 failure record when it wrote one, else from SageMaker's status fields, else from words in the reason or the log):
@@ -42,7 +43,6 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
-from functools import partial
 from typing import Any
 
 from hlat.core.storage import Storage, is_transient
@@ -437,6 +437,10 @@ class Supervisor:
     rate_window_s: float | None = None
     """The span of recent steps that tokens/s and the ETA are measured over (None: 30 polls). Longer is smoother
     and slower to follow a real change of pace."""
+    max_attempts: int | None = None
+    """A short job's stage (prepare-data, precompile, burn-in, evaluate: `run_job`): its job runs to its own end,
+    relaunched only when that ending is classified resume or back-off, up to this many jobs in one call; the caller
+    judges the last one by its outputs. None: the train stage, relaunched until target_step's checkpoint."""
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.run, self.stage)
@@ -447,20 +451,41 @@ class Supervisor:
         self.log_tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
         """The last lines of the watched job's log: a failure record another host wrote, torchrun's account of a
         signal (what `classify` reads when the FailureReason holds no record)."""
+        self.final: JobState | None = None
+        """The last attempt's final state (None: its submission was refused)."""
+
+    @property
+    def short(self) -> bool:
+        """A short job's stage (see `max_attempts`): no checkpoints to reach, its job's own end is the goal."""
+        return self.max_attempts is not None
 
     # -- the loop ------------------------------------------------------------------------------------------
     def run_to_completion(self) -> list[Attempt]:
-        """Relaunch until the newest checkpoint reaches target_step; raise SupervisorError when stopping short."""
+        """Relaunch until the newest checkpoint reaches target_step; raise SupervisorError when stopping short. A
+        short job's stage (`max_attempts`) returns once its job ended done or fatal, or its attempts are used: the
+        last attempt is its job, `final` that job's final state."""
         self.attempts = self.ledger.load()
-        backoffs = 0
+        backoffs = tries = 0
         while True:
             current = self._latest_step()
-            if current >= self.target_step:
+            if not self.short and current >= self.target_step:
                 log.info("%s: step %d of %d reached", self.stage, current, self.target_step)
                 self._end_the_unfinished()
                 return self.attempts
             record = self._next_attempt(current)
+            tries += 1
             decision = self._run_attempt(record)
+            if self.short:
+                record.action, record.category = decision.action.value, decision.category
+                self._save()
+                if decision.action in (Action.DONE, Action.FATAL) or tries >= (self.max_attempts or 1):
+                    return self.attempts
+                if self.final is not None:
+                    log.warning("%s job %s ended %s; relaunching", self.stage, record.job_name, record.ending)
+                delays = self.backoff_seconds or [self.poll_seconds]
+                backoff = self.final is None or decision.action == Action.BACKOFF
+                self.sleep(delays[min(tries - 1, len(delays) - 1)] if backoff else self.poll_seconds)
+                continue
             if decision.action == Action.RESUME and self._platform_fault_repeated(decision):
                 decision = replace(decision, action=Action.BACKOFF)
             record.action, record.category = decision.action.value, decision.category
@@ -519,14 +544,18 @@ class Supervisor:
         """What an attempt's ledger entry holds once its job has ended."""
         record.status = final.status.value
         record.reason = ending_reason(final)
-        record.end_step = self._latest_step()
+        if not self.short:
+            record.end_step = self._latest_step()
         record.ended_at = end_time(final, self.clock())
         self._account(record, final)
 
     def _record_interrupted(self, record: Attempt, final: JobState) -> None:
         """The end of a job this supervisor stopped as it was interrupted: resumed by the next command."""
         self._record_end(record, final)
-        if final.status != Status.COMPLETED:
+        if self.short:
+            record.reason = record.reason or "stopped when its flow run was interrupted"
+            record.action, record.category = Action.RESUME.value, "cancelled"
+        elif final.status != Status.COMPLETED:
             record.reason = "stopped when its flow run was interrupted"
             record.action, record.category, record.cause = Action.RESUME.value, "cancelled", "cancelled"
             record.failure_class = FailureClass.PLATFORM.value
@@ -579,21 +608,27 @@ class Supervisor:
                 self.backend.submit(spec)
             except SubmitError as exc:
                 record.status, record.reason, record.ended_at = "NotSubmitted", str(exc), self.clock()
-                record.end_step = record.start_step
+                if not self.short:
+                    record.end_step = record.start_step
+                self.final = None
                 return classify_reason(str(exc))
             log.info("submitted %s (%s x %d)", record.job_name, spec.instance_type, spec.instance_count)
             record.status = Status.IN_PROGRESS.value
             self._save()
         stopped_before = record.stop_requested
         final = self._watch(record, reattached=state is not None)
+        self.final = final
         self._record_end(record, final)
         if record.stop_requested == USER_STOP and stopped_before != USER_STOP:
             # `hlat stop` while this supervisor watched: a deliberate stop, not a failure to relaunch.
             record.reason = "stopped by hlat stop"
-            record.action, record.category, record.cause = Action.RESUME.value, "user-stop", "user-stop"
-            record.failure_class = FailureClass.PLATFORM.value
+            record.action, record.category = Action.RESUME.value, "user-stop"
+            if not self.short:
+                record.cause, record.failure_class = "user-stop", FailureClass.PLATFORM.value
             self._save()
-            raise StoppedByUser(self._user_stop_message(record.end_step), self.attempts)
+            raise StoppedByUser(self._user_stop_message(record), self.attempts)
+        if self.short:  # its own ending, judged by the caller from its outputs
+            return classify(final, log_tail="\n".join(self.log_tail))
         if record.stop_requested == USER_STOP:
             # Stopped by `hlat stop` while no supervisor watched (this one re-attached): running again goes on.
             record.reason = "stopped by hlat stop"
@@ -646,6 +681,10 @@ class Supervisor:
         def on_poll(lines: list[str], state: JobState | None) -> str | None:
             nonlocal last_advance
             self.log_tail.extend(lines)
+            if self.short:  # its log forwarded whole; no steps, no progress line, no budget or hang to watch
+                for line in lines:
+                    job_log.info("%s", line)
+                return None
             now = self.clock()
             if self._absorb(lines, progress, meter, now):
                 last_advance = now
@@ -742,10 +781,12 @@ class Supervisor:
             f"{self.max_repeats}): {last.reason}{hint}"
         )
 
-    def _user_stop_message(self, step: int | None) -> str:
+    def _user_stop_message(self, record: Attempt) -> str:
+        if self.short:
+            return f"{self.stage} stopped by hlat stop ({record.job_name}); run the same command to run it again"
         return (
-            f"{self.stage} stopped by hlat stop at step {step or 0} of {self.target_step} (its newest checkpoint); "
-            "run the same command to go on from it"
+            f"{self.stage} stopped by hlat stop at step {record.end_step or 0} of {self.target_step} (its newest "
+            "checkpoint); run the same command to go on from it"
         )
 
     def _budget_message(self, step: int | None) -> str:
@@ -763,7 +804,7 @@ class Supervisor:
         return describe_patiently(self.backend, name, self.poll_seconds, self.sleep)
 
 
-# -- following a job: shared by the train stage's supervisor and the short stage jobs ---------------------------
+# -- following a job ---------------------------------------------------------------------------------------------------
 def follow(
     backend: JobBackend,
     record: Attempt,
@@ -930,18 +971,6 @@ def announce_resumed(record: Attempt, state: JobState | None) -> None:
         log.info("re-attaching to attempt %d (%s, %s)", record.attempt, record.job_name, state.status.value)
 
 
-class _Forward:
-    """A short job's log forwarded to ours, its tail kept for classifying its ending (`classify`'s log_tail)."""
-
-    def __init__(self) -> None:
-        self.tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
-
-    def __call__(self, lines: list[str], state: JobState | None) -> None:
-        self.tail.extend(lines)
-        for line in lines:
-            job_log.info("%s", line)
-
-
 def run_job(
     backend: JobBackend,
     run: Storage,
@@ -954,76 +983,29 @@ def run_job(
     sleep: Callable[[float], None] = time.sleep,
     clock: Callable[[], float] = time.time,
 ) -> tuple[Attempt, JobState | None]:
-    """Run a short job to its end (precompile, burn-in): the same naming, ledger, re-attach, log streaming and
-    stop-on-interrupt as training, relaunching only on failures classified resume or back-off, up to
-    `max_attempts` jobs. Returns the last attempt and its final state (None: the submission was refused); the
-    caller reads the job's outputs to judge it."""
-    ledger = Ledger(run, stage)
-    heartbeat = Heartbeat(run, stage, clock)
-    attempts = ledger.load()
-    delays = backoff_seconds or [poll_seconds]
-    tries = 0
-    while True:
-        resumed = bool(attempts) and not attempts[-1].ended
-        if resumed:
-            record = attempts[-1]
-        else:
-            n = len(attempts) + 1
-            record = Attempt(attempt=n, job_name=job_name(run_id, n, stage), submitted_at=clock())
-            attempts.append(record)
-            ledger.save(attempts)
-        tries += 1
-        state = describe_patiently(backend, record.job_name, poll_seconds, sleep)
-        if resumed:
-            announce_resumed(record, state)
-        reattached = state is not None
-        if state is None:
-            spec = make_spec(record.attempt, record.job_name)
-            try:
-                backend.submit(spec)
-            except SubmitError as exc:
-                record.status, record.reason, record.ended_at = "NotSubmitted", str(exc), clock()
-                ledger.save(attempts)
-                decision = classify_reason(str(exc))
-                if decision.action == Action.FATAL or tries >= max_attempts:
-                    return record, None
-                sleep(delays[min(tries - 1, len(delays) - 1)])
-                continue
-            record.status = Status.IN_PROGRESS.value
-            ledger.save(attempts)
-        forward = _Forward()
-        stopped_before = record.stop_requested
-
-        def record_end(final: JobState, record: Attempt = record) -> None:
-            _record_short_end(record, final, clock())
-            record.reason = record.reason or "stopped when its flow run was interrupted"
-            record.action, record.category = Action.RESUME.value, "cancelled"
-
-        state = follow(
-            backend, record, lambda: ledger.save(attempts), poll_seconds, sleep, forward, reattached,
-            heartbeat=heartbeat, stored_stop=partial(stored_stop, ledger, record.attempt), record_end=record_end,
-        )  # fmt: skip
-        _record_short_end(record, state, clock())
-        if record.stop_requested == USER_STOP and stopped_before != USER_STOP:
-            record.reason, record.action, record.category = "stopped by hlat stop", Action.RESUME.value, "user-stop"
-            ledger.save(attempts)
-            raise StoppedByUser(
-                f"{stage} stopped by hlat stop ({record.job_name}); run the same command to run it again", attempts
-            )
-        decision = classify(state, log_tail="\n".join(forward.tail))
-        record.action, record.category = decision.action.value, decision.category
-        ledger.save(attempts)
-        if decision.action in (Action.DONE, Action.FATAL) or tries >= max_attempts:
-            return record, state
-        log.warning("%s job %s ended %s; relaunching", stage, record.job_name, record.ending)
-        sleep(delays[min(tries - 1, len(delays) - 1)] if decision.action == Action.BACKOFF else poll_seconds)
-
-
-def _record_short_end(record: Attempt, state: JobState, now: float) -> None:
-    record.status = state.status.value
-    record.reason = ending_reason(state)
-    record.billable_seconds, record.instance_count = state.billable_seconds, state.instance_count
-    record.ended_at = end_time(state, now)
+    """Run a short job to its end (prepare-data, precompile, burn-in, evaluate) with the train stage's loop
+    (`Supervisor` with `max_attempts`): the same naming, ledger, heartbeat, re-attach, log streaming and
+    stop-on-interrupt, relaunching only on failures classified resume or back-off, up to `max_attempts` jobs.
+    Returns the last attempt and its final state (None: the submission was refused); the caller reads the job's
+    outputs to judge it."""
+    supervisor = Supervisor(
+        backend=backend,
+        run=run,
+        run_id=run_id,
+        make_spec=make_spec,
+        current_step=lambda: None,
+        target_step=0,
+        tokens_per_step=0,
+        stage=stage,
+        poll_seconds=poll_seconds,
+        hang_timeout_s=None,
+        backoff_seconds=backoff_seconds or [poll_seconds],
+        sleep=sleep,
+        clock=clock,
+        max_attempts=max_attempts,
+    )
+    attempts = supervisor.run_to_completion()
+    return attempts[-1], supervisor.final
 
 
 def stored_stop(ledger: Ledger, attempt: int) -> str | None:
