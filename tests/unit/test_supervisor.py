@@ -623,3 +623,49 @@ def test_the_dry_run_says_whether_a_stop_fits_the_grace() -> None:
     slow = load_config("hlat-7b", {**role, "job.instance_count": 1, "training.micro_batch_size": 1})
     line = next(x for x in dry_run(slow).splitlines() if x.startswith("stop:"))
     assert "does NOT fit" in line, line
+
+
+def short_job(tmp_path: Path, backend: ScriptedBackend, clock: list[float], max_attempts: int = 3) -> Any:
+    """`run_job` as the short jobs' stages call it (burn-in here), on the scripted backend and the fake clock."""
+    from hlat.infra.supervisor import run_job
+
+    def sleep(seconds: float) -> None:
+        clock[0] += seconds
+
+    def spec(attempt: int, name: str) -> JobSpec:
+        return JobSpec(name, RUN_ID, attempt, str(tmp_path), f"{tmp_path}/config.json", "ml.trn1.32xlarge", 2, 32, 3600)
+
+    return run_job(
+        backend, Storage(str(tmp_path)), RUN_ID, "burn-in", spec, poll_seconds=60.0, max_attempts=max_attempts,
+        backoff_seconds=[300.0], sleep=sleep, clock=lambda: clock[0],
+    )  # fmt: skip
+
+
+def test_a_short_job_is_relaunched_on_a_platform_fault_and_returns_its_last_job(tmp_path: Path) -> None:
+    """The short jobs run through the train stage's loop: a resumable ending relaunches after one poll, the job's
+    own success ends it, and the ledger of the stage holds both jobs, with no checkpoint steps."""
+    clock = [0.0]
+    plays = [Play([("InProgress", None), ("Failed", "InternalServerError: We encountered an internal error.")]), Play()]
+    backend = ScriptedBackend(plays, clock)
+    record, state = short_job(tmp_path, backend, clock)
+    assert [s.name for s in backend.submitted] == ["tiny-test-burn-in-1", "tiny-test-burn-in-2"]
+    assert record.job_name == "tiny-test-burn-in-2" and state is not None and state.status == Status.COMPLETED
+    ledger = Ledger(Storage(str(tmp_path)), "burn-in").load()
+    assert [(a.status, a.action) for a in ledger] == [("Failed", "resume"), ("Completed", "done")]
+    assert all(a.end_step is None for a in ledger)
+
+
+def test_a_short_job_returns_after_its_attempts_or_a_refusal_without_raising(tmp_path: Path) -> None:
+    """Its caller judges the job by its outputs: used attempts return the last failed job, a fatal refusal returns
+    no state, and neither raises as the train stage's supervisor would."""
+    clock = [0.0]
+    failing = [Play([("Failed", "InternalServerError: We encountered an internal error.")]) for _ in range(3)]
+    backend = ScriptedBackend(failing, clock)
+    record, state = short_job(tmp_path / "used", backend, clock, max_attempts=2)
+    assert len(backend.submitted) == 2 and record.attempt == 2
+    assert state is not None and state.status == Status.FAILED
+
+    refused = ScriptedBackend([Play(refuse=SubmitError("ValidationException", "bad request"))], clock)
+    record, state = short_job(tmp_path / "refused", refused, clock)
+    assert state is None and record.status == "NotSubmitted" and record.action == "fatal"
+    assert not refused.submitted and not refused.plays
