@@ -235,11 +235,11 @@ def test_each_failure_rule_takes_its_example(rule: FailureRule) -> None:
     )
 
 
-def test_the_readme_states_the_retry_rules_by_failure_class() -> None:
-    """README "When a job fails": a row per failure class, and a row per category naming its class and what each of
-    its rules is judged from (record, status, text)."""
-    readme = (Path(__file__).resolve().parents[2] / "README.md").read_text()
-    section = readme.split("### When a job fails", 1)[1].split("\n#", 1)[0]
+def test_the_docs_state_the_retry_rules_by_failure_class() -> None:
+    """docs/jobs.md "When a job fails": a row per failure class, and a row per category naming its class and what
+    each of its rules is judged from (record, status, text)."""
+    page = (Path(__file__).resolve().parents[2] / "docs" / "jobs.md").read_text()
+    section = page.split("## When a job fails", 1)[1].split("\n#", 1)[0]
     classes = {line.split("|")[1].strip().strip("*") for line in section.splitlines() if line.startswith("| **")}
     assert classes == {c.value for c in FailureClass}
     rows = [line.split("|")[1:4] for line in section.splitlines() if line.startswith("| `")]
