@@ -15,12 +15,18 @@ Every process of the job carries HLAT_LOCAL_JOB_DIR=<job dir> in its environment
 session of its own, so neither the process group nor the parent chain finds them all, and the environment also
 survives pid reuse and the death of the launcher (`job_processes`, `kill_job`). The folder's files are described in
 `infra.local_jobs`, the backend that reads them.
+
+Tests change what a job does (it fails before launch, is killed at a step...) through `BackendHooks`, the local
+backend's hook points, installed by HLAT_BACKEND_HOOKS (infra/local_faults.py is the tests' module); unset, every
+point is a no-op.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
+import importlib
 import json
 import os
 import posixpath
@@ -44,8 +50,8 @@ from hlat.infra import sagemaker_emulator
 from hlat.infra.job_init import processes_with, rank_processes
 from hlat.infra.jobs import JobSpec, Status
 
-FAULTS_ENV = "HLAT_LOCAL_FAULTS"
-"""Faults for tests, read by the submitting process (see infra.local_jobs); kept out of the job's environment."""
+HOOKS_ENV = "HLAT_BACKEND_HOOKS"
+"""The module whose `hooks()` the local backend's processes use (unset: the no-op `BackendHooks`)."""
 JOB_DIR_ENV = "HLAT_LOCAL_JOB_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The folder holding training/: the training processes' working directory."""
@@ -271,6 +277,50 @@ HOST_FAILURE_WAIT_S = 5.0
 failure records) before they are killed: SageMaker ends a job one of whose hosts failed."""
 
 
+class BackendHooks:
+    """The local backend's hook points, where a test may change what a job does: each a no-op, a subclass overrides
+    the ones it needs. Named for what they change, not for any fault."""
+
+    def job_record(self, attempt: int) -> dict[str, Any]:
+        """At submit, in the submitting process: what the job of this attempt carries to its daemon (job.json's
+        "hooks", the daemon's `hook_record`)."""
+        return {}
+
+    def emulated_request(self, request: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
+        """The CreateTrainingJob request an emulated multi-host job runs from, given its `record`."""
+        return request
+
+    def container_environment(self, env: dict[str, str]) -> dict[str, str]:
+        """The environment the job's containers start from (the daemon's own)."""
+        return env
+
+    def before_launch(self, daemon: JobDaemon) -> dict[str, Any] | None:
+        """In the daemon, before anything is launched: the job's ending (`JobDaemon.ending`) instead of its launch, or
+        None to launch it."""
+        return None
+
+    def step_logged(self, daemon: JobDaemon, step: int) -> None:
+        """In the daemon, on each `step <n> loss` line the job's processes log."""
+
+
+@functools.cache
+def backend_hooks() -> BackendHooks:
+    """This process's backend hooks: the no-op defaults, or those of the module HLAT_BACKEND_HOOKS names (read
+    once)."""
+    name = os.environ.get(HOOKS_ENV, "").strip()
+    if not name:
+        return BackendHooks()
+    try:
+        module = importlib.import_module(name)
+    except ImportError as exc:
+        raise RuntimeError(f"{HOOKS_ENV}={name}: cannot import it ({exc})") from None
+    made = getattr(module, "hooks", None)
+    installed = made() if callable(made) else None
+    if not isinstance(installed, BackendHooks):
+        raise RuntimeError(f"{HOOKS_ENV}={name}: the module has no hooks() returning a BackendHooks")
+    return installed
+
+
 class JobDaemon:
     """The platform side of one job, run in its own process: see the module docstring."""
 
@@ -280,13 +330,13 @@ class JobDaemon:
         self.spec = JobSpec(**record["spec"])
         self.request: dict[str, Any] | None = record.get("request")
         """The CreateTrainingJob request of an emulated multi-host job (None: the one-instance path)."""
-        self.faults: dict[str, Any] = record["faults"] or {}
+        self.hook_record: dict[str, Any] = record.get("hooks") or {}
+        """What the backend's hooks recorded for this job at submit (`BackendHooks.job_record`)."""
         self.grace = float(record["stop_grace_seconds"])
         self.stop_signalled = stop_signalled
         self.started = time.time()
         self.stop_reason: str | None = None
         """Why we are stopping the job: 'Stopped' (requested) or 'MaxRuntimeExceeded'."""
-        self.fault_fired = False
         self._out = threading.Lock()
 
     def say(self, message: str) -> None:
@@ -303,7 +353,8 @@ class JobDaemon:
     def _phase(self, secondary_status: str) -> None:
         write_json(os.path.join(self.job_dir, "phase.json"), {"secondary_status": secondary_status})
 
-    def _stop_requested(self) -> bool:
+    def stop_requested(self) -> bool:
+        """Whether the job is to stop (requested, or past its max runtime); `stop_reason` says which."""
         if self.stop_reason is None:
             if self.stop_signalled.is_set() or os.path.exists(os.path.join(self.job_dir, "stop")):
                 self.stop_reason = "Stopped"
@@ -322,17 +373,8 @@ class JobDaemon:
 
     def run(self) -> dict[str, Any]:
         self._phase("Starting")
-        if "fail" in self.faults or self.faults.get("complete"):
-            outcome = f"failing: {self.faults['fail']}" if "fail" in self.faults else "completing without running"
-            self.say(f"fault: {outcome}, before launch, in {self.faults.get('after_s', 0)}s")
-            deadline = time.monotonic() + float(self.faults.get("after_s", 0))
-            while time.monotonic() < deadline and not self._stop_requested():
-                time.sleep(min(POLL_S, max(0.0, deadline - time.monotonic())))
-            if self.stop_reason:
-                return self.ending(Status.STOPPED, None, self.stop_reason, None)
-            if "fail" in self.faults:
-                return self.ending(Status.FAILED, str(self.faults["fail"]), "Failed", None)
-            return self.ending(Status.COMPLETED, None, "Completed", 0)
+        if (ended := backend_hooks().before_launch(self)) is not None:
+            return ended
 
         self._phase("Downloading")
         if self.request is not None and not sagemaker_emulator.master_port_free():
@@ -342,7 +384,7 @@ class JobDaemon:
             )
             return self.ending(Status.FAILED, reason, "Failed", None)
         launches = self._prepare_hosts(self.request) if self.request is not None else [self._prepare_process()]
-        if self._stop_requested():
+        if self.stop_requested():
             return self.ending(Status.STOPPED, None, self.stop_reason or "Stopped", None)
 
         instances = []
@@ -404,7 +446,7 @@ class JobDaemon:
         if self.spec.checkpoint_prefix is not None:
             mirror = CheckpointMirror(self._ml("checkpoints"), run.child(self.spec.checkpoint_prefix))
             self.say(f"copied {mirror.download()} checkpoint file(s) from {mirror.remote.url}")
-        env = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
+        env = backend_hooks().container_environment(dict(os.environ))
         env.update(single_host_environment(self.spec, self.job_dir))
         return "algo-1", training_command(self.spec), env, self._ml(), mirror
 
@@ -414,7 +456,7 @@ class JobDaemon:
         names = emulator.host_names(request)
         hosts_path = emulator.hosts_file(self.job_dir, names)
         command = emulator.container_command(request)
-        base = {k: v for k, v in os.environ.items() if k != FAULTS_ENV}
+        base = backend_hooks().container_environment(dict(os.environ))
         base[JOB_DIR_ENV] = self.job_dir
         python = self.spec.python or sys.executable
         per_node = self.spec.processes_per_node * len(names)
@@ -459,7 +501,7 @@ class JobDaemon:
                         failed = instance
                         if len(instances) > 1 and not self.stop_reason:
                             self.say(f"{instance.name} failed (exit code {instance.proc.returncode}): ending the job")
-            if term_sent is None and self._stop_requested():
+            if term_sent is None and self.stop_requested():
                 self.say(f"{self.stop_reason}: SIGTERM to each instance (SIGKILL in {self.grace:g}s)")
                 self._phase("MaxRuntimeExceeded" if self.stop_reason == "MaxRuntimeExceeded" else "Stopping")
                 signal_job(self.job_dir, signal.SIGCONT)  # a hung (stopped) process cannot handle SIGTERM
@@ -523,22 +565,14 @@ class JobDaemon:
 
     def _pump(self, instance: ContainerProcess) -> None:
         """Copy a container's output to output.log line by line (prefixed with its host when there are several),
-        watching progress for the injected faults."""
+        telling the backend's hooks of each step logged."""
         assert instance.proc.stdout is not None
         prefix = f"[{instance.name}] ".encode() if instance.emulated else b""
         for line in instance.proc.stdout:
             self._emit(prefix + (line if line.endswith(b"\n") else line + b"\n"))
             instance.last_lines.append(line.decode("utf-8", "replace").rstrip("\n"))
-            if (match := _PROGRESS.search(line)) and not self.fault_fired:
-                self._inject(int(match.group(1)))
-
-    def _inject(self, step: int) -> None:
-        for key, sig in (("kill_at_step", signal.SIGKILL), ("hang_at_step", signal.SIGSTOP)):
-            if key in self.faults and step >= int(self.faults[key]):
-                self.fault_fired = True
-                self.say(f"fault: {sig.name} to the training processes at step {step}")
-                signal_job(self.job_dir, sig)
-                return
+            if match := _PROGRESS.search(line):
+                backend_hooks().step_logged(self, int(match.group(1)))
 
     def _mirror_until(self, mirror: CheckpointMirror, done: threading.Event) -> None:
         while not done.wait(SYNC_EVERY_S):
@@ -584,4 +618,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # The importable module's main, not this __main__ copy's: a hooks module subclasses hlat.infra.job_daemon's
+    # BackendHooks, which backend_hooks() must recognise.
+    from hlat.infra.job_daemon import main as module_main
+
+    sys.exit(module_main())

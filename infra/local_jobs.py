@@ -4,7 +4,7 @@ The train stage's submit / poll / classify / relaunch logic (`infra.supervisor`)
 real: jobs are killed, time out, fail to get capacity or lose their host, and a restarted flow re-attaches to a
 running job through `describe(name)`, all without AWS. Each job lives in `<jobs_dir>/<job name>/`:
 
-    job.json          the spec, this attempt's faults, stop_grace_seconds, created (written by submit)
+    job.json          the spec, what the backend's hooks record for it, stop_grace_seconds, created (by submit)
     supervisor.json   the supervisor's pid, its /proc start time (pid reuse) and wall-clock start (billing)
     phase.json        the running job's secondary status: Starting, Downloading, Training, Stopping...
     stop              a stop request (also delivered as SIGTERM to the supervisor)
@@ -21,15 +21,9 @@ and reads logs. `describe` reports a job ended once status.json exists *and* its
 job is left running then); a daemon gone without status.json is a crashed host: the job is Failed with
 InternalServerError, and its orphaned processes are killed.
 
-Faults, for tests: HLAT_LOCAL_FAULTS in the *submitting* process is a JSON object keyed by attempt number, read at
-submit and kept in job.json, e.g. `{"1": {"kill_at_step": 8}, "2": {"fail": "CapacityError: ...", "after_s": 1}}`:
-- `{"kill_at_step": N}`: SIGKILL the training processes once a `step <n> loss` line with n >= N is logged.
-- `{"hang_at_step": N}`: SIGSTOP them instead: the job stops logging and stays InProgress until stopped.
-- `{"fail": "<reason>", "after_s": S}`: launch nothing, wait S seconds, end Failed with exactly that reason.
-- `{"complete": true, "after_s": S}`: launch nothing, wait S seconds, end Completed: a job that reports success
-  without having written its outputs (no checkpoint, no report), as a broken image or entrypoint can.
-- `{"sdk_entrypoint": true}` (emulated hosts): run the SageMaker SDK's container command without our init in front
-  of it (infra/job_init.py), as a job request would be without it.
+Tests change what a job does through the backend's hook points (`infra.job_daemon.BackendHooks`, installed by
+HLAT_BACKEND_HOOKS): at submit, `job_record` says what the job carries to its daemon and `emulated_request` may change
+an emulated job's request; infra/local_faults.py, the tests' module, injects faults through them.
 
 A job of several instances (`instance_count` > 1) runs on emulated SageMaker hosts (`infra.sagemaker_emulator`):
 job.json then also holds its CreateTrainingJob request, built at submit by the sagemaker backend's own code, and
@@ -40,7 +34,6 @@ started (input channels, CheckpointConfig).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import re
 import signal
@@ -52,8 +45,8 @@ from typing import Any
 
 from hlat.core.config import JobConfig
 from hlat.infra.job_daemon import (
-    FAULTS_ENV,
     PROJECT_ROOT,
+    backend_hooks,
     kill_job,
     process_start,
     read_json,
@@ -63,7 +56,7 @@ from hlat.infra.job_daemon import (
 )
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
 
-__all__ = ["FAULTS_ENV", "PROJECT_ROOT", "LocalBackend", "faults_for_attempt"]
+__all__ = ["PROJECT_ROOT", "LocalBackend"]
 
 _LOG_CHUNK = 4 << 20  # bytes read by one logs() call
 START_TIMEOUT_S = 60.0
@@ -71,30 +64,11 @@ START_TIMEOUT_S = 60.0
 SUPERVISOR_DIED = "InternalServerError: the job's supervisor process died"
 """A crashed host's failure reason: it is billed up to its last sign of life, the last line it logged."""
 
-_FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s", "sdk_entrypoint"}
 _JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 _STOPPING = ("Stopping", "MaxRuntimeExceeded")  # the secondary statuses of a job being stopped
 _CHILDREN: dict[str, subprocess.Popen[bytes]] = {}
 """Daemons started by this process, by job folder, until a describe() reaps them. Module-wide: a backend object
 may be dropped while its job runs, and a Popen collected while its process runs warns and is reaped late."""
-
-
-def faults_for_attempt(attempt: int) -> dict[str, Any]:
-    """This attempt's entry of HLAT_LOCAL_FAULTS ({} when none); a malformed variable is a test-setup mistake."""
-    raw = os.environ.get(FAULTS_ENV, "").strip()
-    if not raw:
-        return {}
-    example = '\'{"1": {"kill_at_step": 8}}\''
-    try:
-        table = json.loads(raw)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"{FAULTS_ENV} is not JSON ({exc}): set it like {example}") from exc
-    if not isinstance(table, dict):
-        raise ValueError(f"{FAULTS_ENV} must be an object keyed by attempt number, like {example}")
-    fault = table.get(str(attempt)) or {}
-    if not isinstance(fault, dict) or set(fault) - _FAULT_KEYS:
-        raise ValueError(f"{FAULTS_ENV} attempt {attempt}: {fault!r}: expected an object with keys {_FAULT_KEYS}")
-    return fault
 
 
 def _alive(supervisor: dict[str, Any]) -> bool:
@@ -118,8 +92,8 @@ class LocalBackend:
     def submit(self, spec: JobSpec) -> None:
         if not _JOB_NAME.fullmatch(spec.name):
             raise SubmitError("ValidationException", f"job name {spec.name!r} must match {_JOB_NAME.pattern}")
-        faults = faults_for_attempt(spec.attempt)
-        request = self._emulated_request(spec, faults) if spec.instance_count > 1 else None
+        hook_record = backend_hooks().job_record(spec.attempt)
+        request = self._emulated_request(spec, hook_record) if spec.instance_count > 1 else None
         job_dir = self.job_dir(spec.name)
         os.makedirs(self.jobs_dir, exist_ok=True)
         try:
@@ -129,7 +103,7 @@ class LocalBackend:
         record = {
             "spec": asdict(spec),
             "request": request,
-            "faults": faults,
+            "hooks": hook_record,
             "stop_grace_seconds": self.stop_grace_seconds,
             "created": time.time(),
         }
@@ -148,7 +122,7 @@ class LocalBackend:
         supervisor = {"pid": proc.pid, "process_start": process_start(proc.pid), "started": started}
         write_json(os.path.join(job_dir, "supervisor.json"), supervisor)
 
-    def _emulated_request(self, spec: JobSpec, faults: dict[str, Any], upload: bool = True) -> dict[str, Any]:
+    def _emulated_request(self, spec: JobSpec, hook_record: dict[str, Any], upload: bool = True) -> dict[str, Any]:
         """The request a job of several instances runs from on the emulator (`infra.sagemaker_emulator`)."""
         from hlat.infra import sagemaker_emulator
 
@@ -159,12 +133,7 @@ class LocalBackend:
                 f"SageMaker hosts, and {problem}; or set job.instance_count=1",
             )
         request = sagemaker_emulator.build_request(spec, self.job, upload=upload)
-        if faults.get("sdk_entrypoint"):  # the SDK's container command alone, without our init in front of it
-            from hlat.infra.sagemaker_jobs import JOB_INIT
-
-            algorithm = request["AlgorithmSpecification"]
-            algorithm["ContainerEntrypoint"] = algorithm["ContainerEntrypoint"][len(JOB_INIT) :]
-        return request
+        return backend_hooks().emulated_request(request, hook_record)
 
     def describe(self, name: str) -> JobState | None:
         # The clock is read before looking for the job's end: a running job is billed up to a moment before its

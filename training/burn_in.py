@@ -32,7 +32,6 @@ from hlat.core.contract import (
 )
 from hlat.core.layout import BURN_IN_REPORT as REPORT
 from hlat.core.storage import Storage
-from hlat.training.faults import burn_in_wrong_rank
 from hlat.training.health import (
     allreduce_check,
     compute_dtype,
@@ -42,6 +41,7 @@ from hlat.training.health import (
     matmul_check,
     write_check,
 )
+from hlat.training.hooks import hooks
 from hlat.training.parallel.distributed import World, close_world, init_world
 
 log = logging.getLogger("hlat.burn_in")
@@ -75,7 +75,7 @@ def run_checks(cfg: HlatConfig, run: Storage, world: World) -> dict[str, Any]:
         b.matmul_repeats,
         compute_dtype(cfg.precision.mode, world.device),
         seed=cfg.training.seed,
-        corrupt=burn_in_wrong_rank(world.rank),
+        corrupt=hooks().matmul_corrupted(world.rank),
         batch=b.matmul_batch,
     )
     world.barrier()

@@ -1,4 +1,6 @@
-"""Fault injection for chaos tests, switched on by environment variables only (never by config).
+"""Fault injection for chaos tests: the `JobHooks` the tests install (HLAT_JOB_HOOKS=hlat.training.faults, see
+training/hooks.py), each fault switched on by an environment variable only (never by config). No production module
+imports this one (tests/unit/test_layers.py).
 
 HLAT_FAULT_KILL_BEFORE_COMMIT=<step>: the process SIGKILLs itself while saving the checkpoint of that step,
 after its files are written and before the commit marker: the torn checkpoint a crash can leave behind.
@@ -14,20 +16,33 @@ HLAT_FAULT_ALLREDUCE_SECONDS=<s>: each timed iteration of a health check's all-r
 sleep inside the timer: a degraded link, whose bus bandwidth then falls below any floor the check applies).
 HLAT_FAULT_SAVE_FAILS=<step>:<rank>: that rank's write of its rank file of that step's checkpoint fails with an
 OSError (a failed upload); in an async save, the loop's check after the next step sees it.
+HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}': in the prepare-data job, that worker SIGKILLs
+itself in that life (1: its first start) once it has read that many rows of a unit; "job": <name> limits it to that
+job (attempt), "unit_at_least": N to units from the N-th of the plan on.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import IO
+from typing import IO, TYPE_CHECKING, Any
 
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import rank_file, step_dir
+from hlat.training.hooks import JobHooks
+
+if TYPE_CHECKING:
+    import torch
+
+    from hlat.training.data.reader import Unit
+
+log = logging.getLogger(__name__)
 
 KILL_BEFORE_COMMIT = "HLAT_FAULT_KILL_BEFORE_COMMIT"
 NAN_AT_STEP = "HLAT_FAULT_NAN_AT_STEP"
@@ -36,6 +51,7 @@ STEP_SECONDS = "HLAT_FAULT_STEP_SECONDS"
 SAVE_SECONDS = "HLAT_FAULT_SAVE_SECONDS"
 SAVE_FAILS = "HLAT_FAULT_SAVE_FAILS"
 ALLREDUCE_SECONDS = "HLAT_FAULT_ALLREDUCE_SECONDS"
+PREPARE_FAULTS = "HLAT_PREPARE_FAULTS"
 
 
 class FaultyCheckpoints(Storage):
@@ -111,3 +127,44 @@ def burn_in_wrong_rank(rank: int) -> bool:
     """True on the rank named by HLAT_FAULT_BURN_IN_WRONG_RANK: its burn-in matmul result is to be corrupted."""
     wanted = os.environ.get(BURN_IN_WRONG_RANK)
     return wanted is not None and wanted != "" and int(wanted) == rank
+
+
+def prepare_worker_fault(worker: int, life: int, job: str) -> Callable[[Unit, int], None] | None:
+    """The per-batch check that SIGKILLs this prepare-data worker as HLAT_PREPARE_FAULTS asks (None: not this one)."""
+    fault: dict[str, Any] = json.loads(os.environ.get(PREPARE_FAULTS) or "{}")
+    if not (fault.get("worker") == worker and fault.get("life", 1) == life and fault.get("job", job) == job):
+        return None
+
+    def check(unit: Unit, rows: int) -> None:
+        if unit.index >= int(fault.get("unit_at_least", 0)) and rows >= int(fault.get("after_rows", 0)):
+            log.warning("fault: SIGKILL in unit %d after %d rows", unit.index, rows)
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    return check
+
+
+class FaultHooks(JobHooks):
+    """The job's hook points, with the faults the environment asks for (see the module docstring)."""
+
+    def checkpoint_storage(self, storage: Storage, rank: int | None = None) -> Storage:
+        return checkpoint_storage(storage, rank)
+
+    def step_seconds(self) -> float | None:
+        return step_seconds()
+
+    def loss_of_step(self, loss: torch.Tensor, run: Storage, step: int) -> torch.Tensor:
+        return loss * float("nan") if inject_nan(run, step) else loss
+
+    def collective_delay(self) -> float:
+        return allreduce_delay()
+
+    def matmul_corrupted(self, rank: int) -> bool:
+        return burn_in_wrong_rank(rank)
+
+    def prepared_batch(self, worker: int, life: int, job: str) -> Callable[[Unit, int], None] | None:
+        return prepare_worker_fault(worker, life, job)
+
+
+def hooks() -> JobHooks:
+    """The hooks HLAT_JOB_HOOKS=hlat.training.faults installs (training/hooks.py)."""
+    return FaultHooks()

@@ -38,7 +38,7 @@ import torch
 
 from hlat.core.config import HealthThresholds
 from hlat.core.storage import Storage
-from hlat.training.faults import allreduce_delay
+from hlat.training.hooks import hooks
 from hlat.training.parallel.distributed import World
 
 log = logging.getLogger("hlat.health")
@@ -284,7 +284,7 @@ def matmul_check(
     the true product. On
     XLA, `timed_compilations` counts the graphs compiled inside the timer (0, or the figure is not a speed).
 
-    `corrupt` (fault injection, HLAT_FAULT_BURN_IN_WRONG_RANK) perturbs one element of each result by about 1% of
+    `corrupt` (a test's faulty device: JobHooks.matmul_corrupted) perturbs one element of each result by about 1% of
     its value, as a faulty device would: large enough to change it in BF16 too."""
     gen = torch.Generator(device="cpu").manual_seed(seed)  # private: the global RNG stream is training's
     a_host = torch.randn(n, n, generator=gen).to(dtype)
@@ -417,7 +417,7 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge
     world.barrier("hlat-health-allreduce")  # start the clock together
     synchronize(device)
     compiled = _compilations(device)
-    slower = allreduce_delay()  # HLAT_FAULT_ALLREDUCE_SECONDS: a degraded link, for tests
+    slower = hooks().collective_delay()  # tests' degraded link (0 here)
     times = []
     for _ in range(iters):
         start = time.perf_counter()

@@ -69,8 +69,8 @@ from hlat.training.checkpoint import (
 )
 from hlat.training.data.loader import PackedLoader
 from hlat.training.devices import memory_gb, peak_flops
-from hlat.training.faults import inject_nan, step_seconds
 from hlat.training.health import UnhealthyCollective, periodic_health_check
+from hlat.training.hooks import hooks
 from hlat.training.metrics import MetricsLog
 from hlat.training.model import Transformer
 from hlat.training.optim import (
@@ -405,8 +405,8 @@ class Trainer:
             if self.cfg.training.xla_graph_cuts == "micro-batch":
                 self.world.mark_step()  # HLAT's cut: each micro-batch a graph, the last one before the optimizer
         assert total is not None
-        if self.world.is_main and inject_nan(self.run, self.step + 1):
-            total = total * float("nan")
+        if self.world.is_main:
+            total = hooks().loss_of_step(total, self.run, self.step + 1)
         return self._update(self.world.mean(total), crc)
 
     def _pipeline_step(self, batches: Iterator[DeviceBatch]) -> dict[str, Any]:
@@ -418,8 +418,8 @@ class Trainer:
         if self.cfg.training.document_masking:
             inputs["doc_ids"] = torch.cat([b.doc_ids for b in micro if b.doc_ids is not None])
         loss = torch.as_tensor(self.wrapped.run_train(**inputs), dtype=torch.float32).reshape(())
-        if self.world.is_main and inject_nan(self.run, self.step + 1):
-            loss = loss * float("nan")
+        if self.world.is_main:
+            loss = hooks().loss_of_step(loss, self.run, self.step + 1)
         return self._update(loss.to(self.world.device), micro[-1].crc)
 
     def _update(self, loss_mean: torch.Tensor, crc: int) -> dict[str, Any]:
@@ -482,7 +482,7 @@ class Trainer:
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
         first_step = self.step
         since, since_step, nonfinite_seen = time.perf_counter(), self.step, 0
-        pace = step_seconds()  # HLAT_FAULT_STEP_SECONDS: tests' stand-in for a big model's step
+        pace = hooks().step_seconds()  # tests' stand-in for a big model's step (None here)
         try:
             while self.step < t.max_steps:
                 started = time.perf_counter()

@@ -13,9 +13,7 @@ file and line), which is not worth relaunching; 1 otherwise (a worker died more 
 cannot be read), with the reason in the job's failure file. A relaunched job finds the plan and the committed units
 of its key and continues from them.
 
-Faults, for tests: HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}' SIGKILLs that worker in that
-life (1: its first start) once it has read that many rows of a unit; "job": <name> limits it to that job (attempt),
-"unit_at_least": N to units from the N-th of the plan on.
+Tests may kill a worker mid-unit through the hook point `JobHooks.prepared_batch` (training/hooks.py).
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 import hlat
 from hlat.core.config import HlatConfig
@@ -40,10 +37,10 @@ from hlat.training.data.reader import Unit
 from hlat.training.data.sources import SourceError
 from hlat.training.data.units import assign, committed, merge, plan, run_worker, work_dir
 from hlat.training.data.validation import DataValidationError
+from hlat.training.hooks import hooks
 
 log = logging.getLogger("hlat.data")
 
-FAULTS_ENV = "HLAT_PREPARE_FAULTS"
 WORKER_FAILURE_ENV = "HLAT_WORKER_FAILURE"
 POLL_S = 0.5
 
@@ -118,20 +115,10 @@ def _worker(cfg: HlatConfig, data: Storage, work: str, worker: int, life: int) -
     units = plan(cfg.data, data, work)
     mine = shares(cfg, units)[worker]
     job = os.environ.get("TRAINING_JOB_NAME", "")
-    fault = json.loads(os.environ.get(FAULTS_ENV) or "{}")
-    ours = fault.get("worker") == worker and fault.get("life", 1) == life and fault.get("job", job) == job
-    faults = {"on_batch": _fault(fault)} if ours else {}
-    run_worker(cfg.data, data, work, mine, worker, limit=cfg.data.max_documents, job=job, **faults)
+    on_batch = hooks().prepared_batch(worker, life, job)
+    extra = {"on_batch": on_batch} if on_batch else {}
+    run_worker(cfg.data, data, work, mine, worker, limit=cfg.data.max_documents, job=job, **extra)
     return 0
-
-
-def _fault(fault: dict[str, Any]) -> Any:
-    def check(unit: Unit, rows: int) -> None:
-        if unit.index >= int(fault.get("unit_at_least", 0)) and rows >= int(fault.get("after_rows", 0)):
-            log.warning("fault: SIGKILL in unit %d after %d rows", unit.index, rows)
-            os.kill(os.getpid(), signal.SIGKILL)
-
-    return check
 
 
 def _host(cfg: HlatConfig, data: Storage, work: str, args: argparse.Namespace) -> int:

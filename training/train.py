@@ -36,7 +36,7 @@ from hlat.training.compile_cache import (
     load_torch_cache,
     use_node_local_neuron_cache,
 )
-from hlat.training.faults import checkpoint_storage
+from hlat.training.hooks import hooks
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
 from hlat.training.stop_rule import stop_rule
@@ -77,7 +77,7 @@ def _train(config_uri: str, device: str | None) -> int:
                 trainer = Trainer(
                     cfg=cfg,
                     run=run,
-                    checkpoints=checkpoint_storage(checkpoint_location(run)),
+                    checkpoints=hooks().checkpoint_storage(checkpoint_location(run)),
                     world=world,
                     tokenizer_model=tokenizer,
                     tensorboard_dir=tensorboard_location(run),

@@ -20,7 +20,8 @@ import pytest
 
 from hlat.core.layout import CHECKPOINT_MARKER, step_dir
 from hlat.infra.jobs import JobSpec, Status
-from hlat.infra.local_jobs import FAULTS_ENV, LocalBackend
+from hlat.infra.local_faults import FAULTS_ENV
+from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.sagemaker_emulator import namespaces_available
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
 from tests.jobs import make_run

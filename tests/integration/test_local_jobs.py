@@ -18,7 +18,8 @@ import torch
 from hlat.core.storage import Storage
 from hlat.infra.job_daemon import CheckpointMirror, failure_reason
 from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
-from hlat.infra.local_jobs import FAULTS_ENV, SUPERVISOR_DIED, LocalBackend
+from hlat.infra.local_faults import FAULTS_ENV
+from hlat.infra.local_jobs import SUPERVISOR_DIED, LocalBackend
 from hlat.training.checkpoint import CheckpointManager
 from tests.jobs import make_run
 

@@ -18,7 +18,7 @@ import pytest
 
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
-from hlat.infra.local_jobs import FAULTS_ENV
+from hlat.infra.local_faults import FAULTS_ENV
 from hlat.infra.supervisor import JobFailed, Ledger
 from hlat.training.checkpoint import CheckpointManager
 from tests.conftest import SMALL_DATA

@@ -92,6 +92,38 @@ def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_
     assert not wrong, "\n".join(wrong)
 
 
+# Test fault injection: installed by HLAT_JOB_HOOKS / HLAT_BACKEND_HOOKS through the hook points, never imported.
+FAULT_MODULES = {"hlat.training.faults", "hlat.infra.local_faults"}
+
+
+def _imported_names(path: Path) -> list[tuple[str, int]]:
+    """(module, line) for each import of the file, and (module.name, line) for each name a `from` import takes
+    (`from hlat.training import faults` imports hlat.training.faults)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, node.lineno))
+            found.extend((f"{node.module}.{alias.name}", node.lineno) for alias in node.names)
+        elif isinstance(node, ast.Import):
+            found.extend((alias.name, node.lineno) for alias in node.names)
+    return found
+
+
+def test_no_module_imports_a_fault_module_and_the_hook_points_name_no_fault() -> None:
+    wrong = [
+        f"{path.relative_to(ROOT)}:{line} imports {imported}"
+        for module, path in project_modules().items()
+        if module not in FAULT_MODULES
+        for imported, line in _imported_names(path)
+        if imported in FAULT_MODULES
+    ]
+    assert not wrong, "\n".join(wrong)
+    for module in ("hlat.training.hooks", "hlat.infra.job_daemon", "hlat.infra.local_jobs"):
+        text = project_modules()[module].read_text()
+        named = [name for name in ("HLAT_FAULT", "HLAT_LOCAL_FAULTS", "HLAT_PREPARE_FAULTS") if name in text]
+        assert not named, f"{module} names {named}: fault variables belong to the fault modules"
+
+
 def test_one_import_namespace_no_module_imports_a_layer_by_its_bare_name() -> None:
     files = [*project_modules().values(), *ROOT.glob("tests/**/*.py"), *ROOT.glob("benchmarks/*.py")]
     bare = [
