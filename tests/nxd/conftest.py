@@ -32,6 +32,8 @@ import torch
 
 from hlat.core.environment import NEURON_SDKS, NO_INDUCTOR_POOL, rehearsal_sdk, torch_xla_release
 
+# The tier's jobs take their faults (HLAT_FAULT_*) from the test hooks, as the main suite's do (training/hooks.py).
+os.environ.setdefault("HLAT_JOB_HOOKS", "hlat.training.faults")
 PROJECT = Path(__file__).resolve().parents[2]
 SMALL_MODEL = {
     "model.n_layers": 2,

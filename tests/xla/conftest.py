@@ -22,6 +22,8 @@ os.environ.setdefault("OMP_NUM_THREADS", "2")
 # 172 s of CPU instead of 234 (a long run is slower at it: 223 ms a step of the tiny model against 90, so the local
 # rehearsal, training.device=xla, keeps XLA's default). https://openxla.org/xla/flags_guidance
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+# The tier's jobs take their faults (HLAT_FAULT_*) from the test hooks, as the main suite's do (training/hooks.py).
+os.environ.setdefault("HLAT_JOB_HOOKS", "hlat.training.faults")
 
 # torch-xla's device must exist before autograd first runs a backward (the CPU reference runs do): the engine
 # sizes its device queues then, and an XLA backward afterwards fails an internal assert.
