@@ -1,12 +1,24 @@
 #!/usr/bin/env bash
-# The README's test command, after `scripts/install.sh dev xla xla-2.28`: the main suite in .venv on two pytest-xdist
-# workers, and beside it, for each Neuron SDK of HLAT_TEST_SDKS whose environment was installed (.venv-xla-2.28:
-# 2.28.0, the default neuron.sdk; .venv-xla: 2.24.1, the last release with XLA_USE_BF16 / XLA_DOWNCAST_BF16), the
-# XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier (tests/nxd: tensor/sequence/pipeline
-# parallelism on neuronx-distributed's CPU mode, that SDK's release of it).
+# The project's tests, in two tiers.
+#
+# `scripts/test.sh --fast`: the inner loop, after each edit (under 3 minutes on 2 cores): the unit tests and the fast
+# integration tests (tests/unit and tests/integration without the `slow` marker) in .venv on two pytest-xdist
+# workers, nothing else (no XLA or NxD tier, no flows, chaos, deployments or README blocks). A test whose body
+# takes more than about 4 s on an idle machine is marked `slow`; the fast tier fails when a test not so marked
+# overruns its budget (--test-budget, HLAT_TEST_BUDGET_S, default 8 s for a test's body, 3x that for a fixture's
+# set-up or teardown, times the load average per core when that is over 1: tests/conftest.py), so a new slow test
+# makes the tier fail, naming it, rather than slow. Arguments after --fast go to its pytest.
+#
+# `scripts/test.sh`: before a commit that touches flows, jobs, the CLI or deployments, and in CI (.ci/run), after
+# `scripts/install.sh dev xla xla-2.28`: the main suite (every test of tests/, slow ones included) in .venv on two
+# pytest-xdist workers, and beside it, for each Neuron SDK of HLAT_TEST_SDKS whose environment was installed
+# (.venv-xla-2.28: 2.28.0, the default neuron.sdk; .venv-xla: 2.24.1, the last release with XLA_USE_BF16 /
+# XLA_DOWNCAST_BF16), the XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier (tests/nxd:
+# tensor/sequence/pipeline parallelism on neuronx-distributed's CPU mode, that SDK's release of it).
 # HLAT_TEST_SDKS: the SDKs whose tiers run, in order (default "2.28.0 2.24.1"; "2.28.0" leaves 2.24.1's tiers out,
-# and the summary says so). Arguments go to the main suite's pytest (`-n 0` runs it in one process). Fails when any
-# test fails, and when a tier collects no tests (pytest's exit code 5).
+# and the summary says so). Arguments go to the main suite's pytest (`-n 0` runs it in one process).
+#
+# Either fails when any test fails, and when a tier collects no tests (pytest's exit code 5).
 #
 # Several streams share the machine's cores, so each process computes on one thread (OMP_NUM_THREADS=1): two torch
 # processes with two OpenMP threads each on 2 cores run a training step ~6x slower than with one thread each, as
@@ -30,6 +42,15 @@ tier() {
   fi
   return "$rc"
 }
+
+if [ "${1:-}" = --fast ]; then
+  shift
+  tier "fast tier" .venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow" \
+    --test-budget "${HLAT_TEST_BUDGET_S:-8}" --durations=10 tests/unit tests/integration "$@"
+  rc=$?
+  echo "test.sh: the fast tier took $SECONDS s (load average $(cut -d' ' -f1-3 /proc/loadavg)), exit code $rc"
+  exit "$rc"
+fi
 
 # The tiers' output waits in a file and is shown after the main suite's, so the two never interleave.
 # --confcutdir keeps tests/conftest.py (which needs Prefect, absent from the job image) out of every tier.

@@ -6,6 +6,7 @@ import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -35,16 +36,17 @@ collect_ignore = ["xla", "nxd"]
 
 from tests.sizes import SMALL_DATA, SMALL_RUN  # noqa: E402  (re-exported: tests import them from here)
 
-# The longest test files first (by a timed serial run on 2 cores): scripts/test.sh hands files to its two
-# pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`), so a long file started last
-# would keep one worker busy while the other idles.
+# The longest test files first (by a timed serial run on 2 cores; tests/e2e/test_deployments.py gained
+# docs/deployments.md's block, ~4 minutes, when it came to share that block's tiny DAG): scripts/test.sh hands files
+# to its two pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`), so a long file
+# started last would keep one worker busy while the other idles.
 LONGEST_FILES = (
     "tests/e2e/test_readme.py",
+    "tests/e2e/test_deployments.py",
     "tests/integration/test_emulator.py",
     "tests/chaos/test_emulator_chaos.py",
     "tests/integration/test_job_requirements.py",
     "tests/integration/test_emulator_hosts.py",
-    "tests/e2e/test_deployments.py",
     "tests/chaos/test_stop_grace.py",
     "tests/integration/test_cli.py",
     "tests/integration/test_emulator_storage_faults.py",
@@ -62,6 +64,64 @@ LONGEST_FILES = (
     "tests/integration/test_prepare_job.py",
     "tests/chaos/test_kill_resume.py",
 )
+
+
+# The fast tier's rule (scripts/test.sh --fast, which passes --test-budget): a test whose body takes more than a few
+# seconds on an idle machine is marked `slow`, and the tier fails when a test not so marked overran the budget, so a
+# new slow test cannot silently make the inner loop slow. The budget stretches with the load average over the cores
+# (other work on a shared machine slows every test alike); the set-ups and teardowns of fixtures get three budgets,
+# as a session fixture (the Prefect test server, ~10 s) is built inside the first test that uses it on each worker.
+FIXTURE_BUDGETS = 3
+_overruns: list[tuple[str, str, float, float]] = []  # (test, phase, seconds, budget)
+_config: pytest.Config | None = None
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--test-budget",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="fail the run when the body of a test not marked slow took over SECONDS (a fixture's set-up or "
+        f"teardown: {FIXTURE_BUDGETS}x), times the load average per core when that is over 1",
+    )
+
+
+def phase_budget(budget: float, phase: str) -> float:
+    """The budget of one phase of a test (`setup`, `call` or `teardown`) on this machine now."""
+    per_core = os.getloadavg()[0] / (os.cpu_count() or 1)
+    return budget * (1 if phase == "call" else FIXTURE_BUDGETS) * max(1.0, per_core)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    """Note a phase of a test not marked slow that overran --test-budget (in the process that reports the run:
+    under pytest-xdist, the controller, which receives its workers' reports)."""
+    config = _config
+    budget = config.getoption("test_budget") if config is not None else None
+    if budget is None or hasattr(config, "workerinput") or "slow" in report.keywords:
+        return
+    allowed = phase_budget(budget, report.when)
+    if report.duration > allowed:
+        _overruns.append((report.nodeid, report.when, report.duration, allowed))
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    global _config
+    _config = config
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """A run with an overrun fails (exit code 1), even when every test passed."""
+    if _overruns and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if not _overruns:
+        return
+    terminalreporter.section("tests over the fast tier's budget: mark them @pytest.mark.slow", red=True)
+    for nodeid, phase, seconds, allowed in _overruns:
+        terminalreporter.line(f"{nodeid} ({phase}): {seconds:.1f} s, budget {allowed:.1f} s")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -162,6 +162,7 @@ def prefect_file_on_pool(tmp_path: Path, pool: str) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_a_pool_of_another_type_is_an_error_that_names_the_fix(api: str, tmp_path: Path) -> None:
     pool = f"hlat-{uuid.uuid4().hex[:8]}"
     env = deploy_env()
@@ -181,6 +182,7 @@ def test_a_pool_of_another_type_is_an_error_that_names_the_fix(api: str, tmp_pat
     assert ensure_pool(pool, None, env) == "exists (type process)"
 
 
+@pytest.mark.slow
 def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
     api: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -209,6 +211,7 @@ def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
     assert "skipping 7 deployment(s)" in capsys.readouterr().out
 
 
+@pytest.mark.slow
 def test_worker_stops_promptly_on_sigterm_even_with_sigint_ignored(api: str, tmp_path: Path) -> None:
     """A worker started in the background by a script (`hlat worker &`) inherits SIGINT ignored; Prefect's worker
     stops on SIGTERM by sending itself SIGINT, so it ignored SIGTERM until it was killed."""
@@ -247,6 +250,7 @@ def test_worker_stops_promptly_on_sigterm_even_with_sigint_ignored(api: str, tmp
             proc.wait()
 
 
+@pytest.mark.slow
 def test_deploy_and_worker_wait_for_a_server_that_is_still_starting() -> None:
     """`prefect server start --background` returns some 20 s before its API answers: the next README line waits."""
     import http.server

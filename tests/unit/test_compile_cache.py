@@ -642,6 +642,7 @@ assert compile_cache.use_node_local_neuron_cache() is not None
 """One local rank of a node: copies the cache as a job's rank does, counting the copies it makes."""
 
 
+@pytest.mark.slow
 def test_without_a_process_group_the_local_ranks_of_a_node_copy_the_cache_once(tmp_path: Path) -> None:
     """Four local ranks start together (processes of one parent, as torchrun starts them): one copies, the others
     wait on the node-local lock and find the copy made."""

@@ -177,6 +177,7 @@ def test_compiled_flex_attention_matches_the_dense_mask_on_cuda() -> None:
     assert ((grad_f - grad_d).norm() / grad_d.norm()).item() < 1e-4
 
 
+@pytest.mark.slow
 def test_compile_blocks_keeps_names_and_traces_one_graph_for_every_block() -> None:
     from torch._dynamo.utils import counters
 

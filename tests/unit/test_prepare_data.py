@@ -240,6 +240,7 @@ def test_hub_source_without_network_gives_a_clear_error(tmp_path: Path) -> None:
         read_source(data_cfg("someorg/some-corpus"))
 
 
+@pytest.mark.slow
 def test_builtin_corpus_is_deterministic_real_text() -> None:
     first = [d["origin"] for d, _ in zip(stdlib_documents(), range(50), strict=False)]
     again = [d["origin"] for d, _ in zip(stdlib_documents(), range(50), strict=False)]
