@@ -1,6 +1,8 @@
-"""Deployments for real: a `prefect server`, `hlat deploy` and a process worker from `hlat worker` (the fixtures
-in conftest.py), flows run through them with `prefect deployment run`, as users drive the pipeline, and from the
-Prefect UI in headless Chromium (the last test).
+"""Deployments for real: docs/deployments.md's block, pasted as written, starts a `prefect server`, registers the
+tiny deployments with `hlat deploy`, starts a process worker with `hlat worker` and runs the tiny DAG through it
+with `prefect deployment run` (the fixture in conftest.py). The tests check that block's output and its run, then
+drive its server and worker further, as users drive the pipeline: every deployment registered, a stage re-run alone,
+a run cancelled, and from the Prefect UI in headless Chromium (the last tests).
 """
 
 from __future__ import annotations
@@ -16,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import SMALL_DATA, SMALL_RUN
-from tests.e2e.conftest import ROOT, Started, api, prefect, wait_until
+from tests.conftest import SMALL_DATA
+from tests.e2e.conftest import ROOT, DeploymentsBlock, api, prefect, wait_until
 from tests.jobs import make_run, processes_mentioning
 
 pytestmark = pytest.mark.slow
@@ -40,12 +42,20 @@ def run_states(env: dict[str, str]) -> tuple[list[tuple[str, str]], list[tuple[s
     return flows, [(t.name, t.state.name if t.state else "?") for t in task_runs]
 
 
+def test_the_docs_deployments_block_works_as_written(deployments_block: DeploymentsBlock) -> None:
+    out, run = deployments_block.out, deployments_block.run
+    assert "Traceback" not in out, out[-6000:]
+    assert "work pool 'hlat': created (type process)" in out
+    assert out.count("Flow run finished successfully in 'Completed'") == 3, out[-6000:]
+    assert (run / "checkpoints" / "step-000000800").is_dir() and (run / "eval" / "report.md").is_file()
+
+
 def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused_schedules(
     prefect_env: dict[str, str], deployed: str
 ) -> None:
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterTags
 
-    assert "work pool 'hlat': created (type process)" in deployed
+    assert "work pool 'hlat': exists (type process)" in deployed  # the block created it
     with api(prefect_env) as client:
         pool = client.read_work_pool("hlat")
         deployments = {d.name: d for d in client.read_deployments(limit=100)}
@@ -68,23 +78,20 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
 
     # The AWS deployments: S3 storage and the role's Secret block filled in; the code where the pool's workers have
     # it (this checkout on a process pool, the worker image's /opt/hlat on an ecs one: no git remote); paused
-    # schedules.
+    # schedules. The tiny ones run from HLAT_PROJECT_DIR (the block's copy of the project).
     seven = deployments["pretrain-7b"]
     assert seven.parameters == {
         "preset": "hlat-7b",
         "storage": "s3://hlat-e2e-bucket/runs",
         "overrides": {"job.role_arn_secret": "hlat-sagemaker-role"},
     }
-    assert seven.pull_steps == [
-        {"prefect.deployments.steps.set_working_directory": {"directory": str(Path(__file__).resolve().parents[2])}}
-    ]
+    assert seven.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": str(ROOT)}}]
     nightly = deployments["evaluate-7b"].schedules
     assert [(s.schedule.cron, s.active) for s in nightly] == [("0 2 * * *", False)]  # type: ignore[union-attr]
     tiny = deployments["pretrain-tiny"]
     assert tiny.parameters == {"preset": "tiny", "storage": "./runs"}
-    assert tiny.pull_steps == [
-        {"prefect.deployments.steps.set_working_directory": {"directory": str(Path(__file__).resolve().parents[2])}}
-    ]
+    copy = prefect_env["HLAT_PROJECT_DIR"]
+    assert tiny.pull_steps == [{"prefect.deployments.steps.set_working_directory": {"directory": copy}}]
 
 
 def test_production_pool_types_are_created_with_their_workers_templates(prefect_env: dict[str, str]) -> None:
@@ -102,56 +109,51 @@ def test_production_pool_types_are_created_with_their_workers_templates(prefect_
     assert {"image", "cluster", "task_role_arn", "cpu", "memory"} <= set(template["variables"]["properties"])
 
 
-class DagRun:
-    """The pretrain-tiny DAG run once through the worker, shared by the tests that look at it."""
+def flow_runs_named(env: dict[str, str], name: str) -> list[Any]:
+    """The flow runs called `name` (`<flow>/<run id>`), oldest first."""
+    from prefect.client.schemas.filters import FlowRunFilter, FlowRunFilterName
 
-    def __init__(self, storage: Path, params: list[str], flow_run_id: str) -> None:
-        self.storage, self.params, self.flow_run_id = storage, params, flow_run_id
-        self.run = storage / "e2e"
-
-
-@pytest.fixture(scope="module")
-def dag_run(prefect_env: dict[str, str], worker: Started, tmp_path_factory: pytest.TempPathFactory) -> DagRun:
-    """`prefect deployment run hlat/pretrain-tiny --watch`: the six stages through the worker, as run id e2e."""
-    storage = tmp_path_factory.mktemp("dag") / "runs"
-    params = ["--param", f"storage={storage}", "--param", "run_id=e2e", "--param", f"overrides={json.dumps(SMALL_RUN)}"]
-    watch = ["--watch", "--watch-timeout", "400"]
-    out = prefect(prefect_env, "deployment", "run", "hlat/pretrain-tiny", *params, *watch, timeout=450)
-    match = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout)
-    assert match, out.stdout
-    return DagRun(storage, params, match[1])
+    with api(env) as client:
+        runs = client.read_flow_runs(flow_run_filter=FlowRunFilter(name=FlowRunFilterName(any_=[name])))
+    return sorted(runs, key=lambda r: r.created)
 
 
-def test_deploy_then_run_the_dag_and_a_stage_through_a_worker(prefect_env: dict[str, str], dag_run: DagRun) -> None:
-    env, run, params = prefect_env, dag_run.run, dag_run.params
+def test_the_blocks_dag_ran_every_stage_and_a_stage_rerun_alone_is_cached(
+    prefect_env: dict[str, str], deployments_block: DeploymentsBlock
+) -> None:
+    env, run = prefect_env, deployments_block.run
     assert (run / "data/manifest.json").is_file() and (run / "tokenizer/tokenizer.model").is_file()
-    assert (run / "checkpoints/step-000000012/COMMITTED").is_file()
-    assert json.loads((run / "eval/results.json").read_text())["step"] == 12 and (run / "eval/report.md").is_file()
+    assert (run / "checkpoints/step-000000800/COMMITTED").is_file()  # the DAG's 600 steps, then the block's train
+    assert json.loads((run / "eval/results.json").read_text())["step"] == 800 and (run / "eval/report.md").is_file()
     model = (run / "tokenizer/tokenizer.model").read_bytes()
 
     # A stage re-run alone from its own deployment finds its work cached and leaves the outputs as they were.
-    prefect(env, "deployment", "run", "train-tokenizer/train-tokenizer-tiny", *params, "--watch", timeout=300)
+    # (With the block's overrides: the run's config is now the extended one, and a stage of it takes the same.)
+    extended = "overrides=" + json.dumps({"training.max_steps": 800, "training.schedule_steps": 600})
+    rerun = ["--param", "run_id=demo-ui", "--param", extended, "--watch"]
+    prefect(env, "deployment", "run", "train-tokenizer/train-tokenizer-tiny", *rerun)
     assert (run / "tokenizer/tokenizer.model").read_bytes() == model
     flows, tasks = run_states(env)
-    flows = [(name, state) for name, state in flows if name.endswith("/e2e")]
+    flows = [(name, state) for name, state in flows if name.endswith("/demo-ui")]
     assert sorted(name for name, _ in flows) == [
-        "burn-in/e2e",
-        "evaluate/e2e",
-        "hlat/e2e",
-        "precompile/e2e",
-        "prepare-data/e2e",
-        "train-tokenizer/e2e",
-        "train-tokenizer/e2e",
-        "train/e2e",
+        "burn-in/demo-ui",
+        "evaluate/demo-ui",
+        "evaluate/demo-ui",
+        "hlat/demo-ui",
+        "precompile/demo-ui",
+        "prepare-data/demo-ui",
+        "train-tokenizer/demo-ui",
+        "train-tokenizer/demo-ui",
+        "train/demo-ui",
+        "train/demo-ui",
     ]
     assert {state for _, state in flows} == {"Completed"}
     assert [state for name, state in tasks if name.startswith("fit-tokenizer")] == ["Completed", "Cached"]
 
 
-def test_cancelling_a_train_run_stops_its_job(
-    prefect_env: dict[str, str], worker: Started, prepared: Path, tmp_path: Path
-) -> None:
-    """Cancel from the API (as from the UI) while the job trains: the job is stopped, no process is left."""
+def test_cancelling_a_train_run_stops_its_job(prefect_env: dict[str, str], prepared: Path, tmp_path: Path) -> None:
+    """Cancel from the API (as from the UI) while the job trains on the block's worker: the job is stopped, no
+    process is left."""
     from hlat.core.storage import Storage
     from hlat.infra.local_jobs import LocalBackend
     from hlat.infra.supervisor import Ledger
@@ -193,7 +195,7 @@ def test_cancelling_a_train_run_stops_its_job(
 # browser) finds the hlat deployments, starts a stage from its deployment's Custom run form with one parameter
 # changed, and the run completes on the worker; the flow run's page, graph included, is saved as
 # test-artifacts/ui/flow-run-graph.png. Without Chromium the test is skipped, unless HLAT_REQUIRE_BROWSER=1 (CI
-# sets it: there it must run). It shares this module's server, deployments and worker.
+# sets it: there it must run). It shares this module's server, deployments and worker (the block's).
 
 ARTIFACTS = ROOT / "test-artifacts" / "ui"
 # As the machine's own Chromium check starts it: no sandbox as root, and nothing fetched in the background.
@@ -232,8 +234,11 @@ def page(tmp_path: Path) -> Iterator[Any]:
 
 
 def test_a_stage_started_from_the_ui_form_completes(
-    prefect_env: dict[str, str], worker: Started, page: Any, tmp_path: Path
+    prefect_env: dict[str, str], deployed: str, page: Any, tmp_path: Path
 ) -> None:
+    from playwright.sync_api import expect
+    from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterId
+
     ui = prefect_env["PREFECT_UI_URL"]
     page.set_default_timeout(60_000)
 
@@ -245,6 +250,7 @@ def test_a_stage_started_from_the_ui_form_completes(
     page.get_by_placeholder("Search deployments").fill("prepare-data-tiny")
     page.get_by_role("link", name="prepare-data-tiny", exact=True).click()
     page.wait_for_url(re.compile(r".*/deployments/deployment/[0-9a-f-]{36}$"))
+    deployment_id = page.url.rsplit("/", 1)[1]
 
     # Run > Custom run: the form shows the parameters; change one (storage) and submit.
     page.get_by_role("button", name="Run", exact=True).click()
@@ -261,18 +267,36 @@ def test_a_stage_started_from_the_ui_form_completes(
     assert len(found) == 1, [boxes.nth(i).input_value() for i in range(boxes.count())]
     storage_box = found[0]
     storage = tmp_path / "from-the-ui"
+    # Typed in and left (Tab), as a user does, and read back before Submit: the form takes a value it has been
+    # given, and a submit that raced the field's update sent the deployment's "./runs" (CI saw no flow run with
+    # the typed storage appear in 120 s; the run the form made is now found by its deployment, whatever it holds).
     storage_box.fill(str(storage))
+    storage_box.press("Tab")
+    expect(storage_box).to_have_value(str(storage))
+    page.wait_for_load_state("networkidle")
+
+    def runs_of_the_deployment() -> list[Any]:
+        with api(prefect_env) as client:
+            of_it = DeploymentFilter(id=DeploymentFilterId(any_=[deployment_id]))
+            return client.read_flow_runs(deployment_filter=of_it)
+
+    before = {r.id for r in runs_of_the_deployment()}
     page.get_by_role("button", name="Submit").click()
 
-    # The form created a flow run with the storage typed in (found through the API: the toast that links to it can
-    # be gone before it is looked for, as a loaded CI machine showed); its page opens, and the worker runs it.
-    def created() -> str | None:
-        with api(prefect_env) as client:
-            ids = [str(r.id) for r in client.read_flow_runs(limit=50) if r.parameters.get("storage") == str(storage)]
-        return ids[0] if ids else None
+    # The form created one flow run (found through the API: the toast that links to it can be gone before it is
+    # looked for, as a loaded CI machine showed) with the storage typed in; its page opens, and the worker runs it.
+    def created() -> list[Any]:
+        return [r for r in runs_of_the_deployment() if r.id not in before]
 
-    wait_until(lambda: created() is not None, 120, "the flow run the form submitted")
-    flow_run_id = created()
+    try:
+        wait_until(lambda: bool(created()), 120, "the flow run the form submitted")
+    except TimeoutError:
+        ARTIFACTS.mkdir(parents=True, exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "custom-run-form-not-submitted.png"))
+        raise
+    (made,) = created()
+    assert made.parameters.get("storage") == str(storage), made.parameters
+    flow_run_id = str(made.id)
     page.goto(f"{ui}/runs/flow-run/{flow_run_id}", wait_until="networkidle")
 
     def state() -> str:
@@ -300,17 +324,18 @@ def test_a_stage_started_from_the_ui_form_completes(
 
 
 def test_the_ui_shows_the_stage_chain_one_card_per_artifact_and_the_reports_images(
-    prefect_env: dict[str, str], dag_run: DagRun, page: Any
+    prefect_env: dict[str, str], page: Any
 ) -> None:
     ui = prefect_env["PREFECT_UI_URL"]
     page.set_default_timeout(60_000)
+    (parent,) = flow_runs_named(prefect_env, "hlat/demo-ui")
+    train = str(flow_runs_named(prefect_env, "train/demo-ui")[0].id)  # the DAG's train (the block then trains on)
     with api(prefect_env) as client:
-        runs = {r.name: str(r.id) for r in client.read_flow_runs(limit=50)}
-        artifacts = client.read_artifacts(limit=100)
+        artifacts = client.read_artifacts(limit=200)
 
     # The parent run's graph, as the page fetches it, chains the six stages in order.
-    with page.expect_response(lambda r: r.url.endswith(f"/flow_runs/{dag_run.flow_run_id}/graph-v2")) as graph:
-        page.goto(f"{ui}/runs/flow-run/{dag_run.flow_run_id}", wait_until="networkidle")
+    with page.expect_response(lambda r: r.url.endswith(f"/flow_runs/{parent.id}/graph-v2")) as graph:
+        page.goto(f"{ui}/runs/flow-run/{parent.id}", wait_until="networkidle")
     nodes = dict(graph.value.json()["nodes"])
     stages = {i: n["label"].split(" / ")[0] for i, n in nodes.items() if n["kind"] == "flow-run"}
     edges = {(stages[p["id"]], stages[i]) for i in stages for p in nodes[i]["parents"] if p["id"] in stages}
@@ -320,18 +345,19 @@ def test_the_ui_shows_the_stage_chain_one_card_per_artifact_and_the_reports_imag
     page.screenshot(path=str(ARTIFACTS / "dag-graph.png"))
 
     # The train run's Artifacts tab: one card per key (an updated table is one artifact, not one per version).
-    train_keys = sorted(a.key for a in artifacts if str(a.flow_run_id) == runs["train/e2e"])
-    assert train_keys == ["train-attempts-e2e", "train-progress-e2e", "training-report-e2e"]
-    page.goto(f"{ui}/runs/flow-run/{runs['train/e2e']}", wait_until="networkidle")
+    train_keys = sorted(a.key for a in artifacts if str(a.flow_run_id) == train)
+    assert train_keys == ["train-attempts-demo-ui", "train-progress-demo-ui", "training-report-demo-ui"]
+    page.goto(f"{ui}/runs/flow-run/{train}", wait_until="networkidle")
     page.locator("li.p-tab", has_text="Artifacts").click()
     cards = page.locator(".artifact-card .artifact-card__title")
     cards.first.wait_for()
     assert sorted(cards.all_inner_texts()) == train_keys
 
     # The evaluation report renders with its images loaded (embedded, not links to files the UI cannot reach).
-    (report,) = [a for a in artifacts if a.key == "eval-report-e2e"]
+    # (The block evaluates twice, the DAG's 600 steps then its 800: the newest version.)
+    report = max((a for a in artifacts if a.key == "eval-report-demo-ui"), key=lambda a: a.created)
     page.goto(f"{ui}/artifacts/artifact/{report.id}", wait_until="networkidle")
-    page.get_by_text("Evaluation report: e2e").wait_for()
+    page.get_by_text("Evaluation report: demo-ui").wait_for()
     page.wait_for_function("Array.from(document.images).every(i => i.complete)")
     images = page.evaluate("Array.from(document.images).map(i => [i.src.slice(0, 22), i.naturalWidth])")
     assert images and all(src == "data:image/png;base64," and width > 0 for src, width in images), images
