@@ -219,7 +219,7 @@ def compiler_flags(config: HlatConfig) -> str:
 
 
 def on_trainium(config: HlatConfig) -> bool:
-    """The jobs run on Trainium instances (trn1): the test `infra.backends.on_neuron` makes too."""
+    """The jobs run on Trainium instances (trn1): the test `infra.stage_jobs.on_neuron` makes too."""
     return "trn" in config.job.instance_type
 
 

@@ -1,6 +1,6 @@
 """hlat: one import namespace for the whole project.
 
-The project's layers stay top-level folders (see the README's "Layout"), mapped into this package by pyproject.toml's
+The project's layers stay top-level folders (docs/layout.md), mapped into this package by pyproject.toml's
 package-dir (hlat.core is core/, ...), so that every import reads `hlat.<layer>.<module>` and an installed hlat adds
 one name, `hlat`, to site-packages:
 

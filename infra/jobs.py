@@ -169,7 +169,7 @@ class Action(StrEnum):
 
 
 class FailureClass(StrEnum):
-    """Whose fault an ending was, which decides what a repeat of it means (README: "When a job fails")."""
+    """Whose fault an ending was, which decides what a repeat of it means (docs/jobs.md: "When a job fails")."""
 
     FATAL = "fatal"
     """A mistake of the run's settings, data or account: relaunching fails the same way, so the stage stops at once."""
@@ -203,7 +203,7 @@ class Decision:
 
 
 class Source(StrEnum):
-    """What a failure rule is judged from (the README's table names it for each row)."""
+    """What a failure rule is judged from (the table in docs/jobs.md names it for each row)."""
 
     RECORD = "record"
     """The job's failure record (core/contract.py `FailureRecord`): its exception type (`pattern`, matched whole
@@ -223,7 +223,7 @@ class FailureRule:
     failure_class: FailureClass
     category: str
     example: str
-    """A failure reason this rule takes (with its record, for a record rule): the README's table shows it, the
+    """A failure reason this rule takes (with its record, for a record rule): the table in docs/jobs.md shows it, the
     tests classify it."""
     source: Source = Source.TEXT
     message: str | None = None

@@ -158,7 +158,7 @@ class Layout:
 
     def overrides(self) -> dict[str, Any]:
         """The config fields that train this layout (the data-parallel degree follows from the node count): one to
-        one with what training.neuron gives neuronx-distributed."""
+        one with what training.parallel.neuron gives neuronx-distributed."""
         return {
             "parallelism.tensor": self.tensor,
             "parallelism.pipeline": self.pipeline,

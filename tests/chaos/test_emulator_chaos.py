@@ -5,8 +5,8 @@ bitwise equal to an uninterrupted run (weights, optimizer state, every step's lo
 at a time, each recorded in the ledger, and nothing left running.
 
 CI runs one event of each kind (`HLAT_CHAOS_EVENTS`, default 5); the long version is the same test with more:
-`HLAT_CHAOS_EVENTS=16 .venv/bin/python -m pytest tests/chaos/test_emulator_chaos.py -s` (its figures are in the
-README)."""
+`HLAT_CHAOS_EVENTS=16 .venv/bin/python -m pytest tests/chaos/test_emulator_chaos.py -s` (its figures are in
+docs/multi-host.md)."""
 
 from __future__ import annotations
 

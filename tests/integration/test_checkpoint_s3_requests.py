@@ -165,7 +165,7 @@ def test_a_2x2_checkpoint_sends_the_requests_the_scaling_arithmetic_counts(
         assert sum(log.counts(rank=rank).values()) == own, log.counts(rank=rank)
         assert set(log.counts(rank=rank)) == {"HeadObject", "GetObject"}
     finding = log.counts(rank=0)
-    with capsys.disabled():  # the measured numbers, for the README's table
+    with capsys.disabled():  # the measured numbers, for the table in docs/multi-host.md
         print(f"\n2x2 checkpoint (5 MiB parts): {dict(save_counts)}")
         print(f"by (operation, prefix): {dict(by_prefix)}")
         print(f"resume, rank 0: {dict(finding)}; ranks 1-3: {[sum(log.counts(rank=r).values()) for r in (1, 2, 3)]}")

@@ -1,5 +1,5 @@
 """The CUDA path, where a GPU is present (skipped without one; CI has none): FSDP2 with compiled blocks, bf16-mixed
-and fused AdamW, as `training.parallelize` sets them up, against the same model unsharded."""
+and fused AdamW, as `training.parallel.parallelize` sets them up, against the same model unsharded."""
 
 from __future__ import annotations
 

@@ -343,7 +343,7 @@ def test_task_publishes_the_table_and_warns_on_a_slow_layout(
 
 
 def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
-    """The planner's layouts map one to one onto the config's parallelism (what training.neuron hands NxD)."""
+    """The planner's layouts map one to one onto the config's parallelism (what training.parallel.neuron hands NxD)."""
     from hlat.infra.planner import configured_layout
 
     config = load_config("hlat-70b")

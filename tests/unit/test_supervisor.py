@@ -1,7 +1,7 @@
 """The train stage's supervision loop, driven through the job-backend protocol by a scripted backend: each
 submitted job plays a script of states (and checkpoint steps), on a fake clock. The same loop is driven by the
 real local backend in tests/chaos and by the SageMaker backend under botocore's Stubber in
-tests/unit/test_sagemaker_supervisor.py."""
+tests/unit/test_sagemaker_jobs.py (test_supervisor_relaunches_through_capacity_and_internal_errors_to_completion)."""
 
 from __future__ import annotations
 
