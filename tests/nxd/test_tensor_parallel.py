@@ -1,6 +1,6 @@
 """Tensor and sequence parallelism of our model on neuronx-distributed's real layers (CPU mode, gloo ranks): the
-model is built with its parallelism (`training.parallel.neuron.NxdLayers`), starts from the dense model's weights sliced, and
-its forward and backward equal the dense model's."""
+model is built with its parallelism (`training.parallel.neuron.NxdLayers`), starts from the dense model's weights
+sliced, and its forward and backward equal the dense model's."""
 
 from __future__ import annotations
 
