@@ -86,6 +86,7 @@ def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_path: Path) -> None:
     """`hlat pretrain --preset hlat-7b --dry-run`: the CreateTrainingJob request, the uploads it needs, the hourly
     cost and an estimate, with AWS pointed at a closed port (a request would fail) and nothing written."""
@@ -136,6 +137,7 @@ def aws_dry_run(stage: str, cwd: Path) -> subprocess.CompletedProcess[str]:
                 cwd=cwd)  # fmt: skip
 
 
+@pytest.mark.slow
 def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
     out = aws_dry_run("burn-in", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -145,6 +147,7 @@ def test_dry_run_of_a_stage_job_shows_its_cost_bound(tmp_path: Path) -> None:
     assert refused.returncode == 2 and "runs in the flow's own process" in refused.stderr
 
 
+@pytest.mark.slow
 def test_dry_run_of_prepare_data_prices_the_job_for_the_runs_tokens(tmp_path: Path) -> None:
     out = aws_dry_run("prepare-data", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -156,6 +159,7 @@ def test_dry_run_of_prepare_data_prices_the_job_for_the_runs_tokens(tmp_path: Pa
     assert plan.returncode == 0 and "  prepare-data: 7.20 TB of text in" in plan.stdout
 
 
+@pytest.mark.slow
 def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp_path: Path) -> None:
     out = aws_dry_run("evaluate", tmp_path)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -169,6 +173,7 @@ def test_dry_run_of_the_evaluation_job_shows_its_own_instance_image_and_cost(tmp
     assert "at most $904.51" in out.stdout
 
 
+@pytest.mark.slow
 def test_a_data_source_that_cannot_be_read_fails_before_anything_starts_and_leaves_nothing(tmp_path: Path) -> None:
     runs = tmp_path / "runs"
     cases = {
@@ -186,6 +191,7 @@ def test_a_data_source_that_cannot_be_read_fails_before_anything_starts_and_leav
     assert not runs.exists()  # no run folder, no config.json
 
 
+@pytest.mark.slow
 def test_a_failure_inside_a_flow_is_one_line_with_the_trace_in_the_log_file(tmp_path: Path) -> None:
     logs = tmp_path / "logs"
     args = ("run", "train", "--run-id", "no-data", "--storage", str(tmp_path / "runs"))
@@ -220,6 +226,7 @@ def test_a_flow_module_is_not_a_command_and_names_the_one_that_runs_it() -> None
         assert len(out.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_status_and_stop_name_a_missing_run_in_one_line(tmp_path: Path) -> None:
     for command in ("status", "stop"):
         out = hlat(command, "nope", "--storage", str(tmp_path))

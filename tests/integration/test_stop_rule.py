@@ -60,7 +60,7 @@ def stopped_itself(jobs: LocalBackend, name: str, run: Path, why: str) -> tuple[
     assert state.status == Status.COMPLETED, text
     record = parse_stop_record(text)
     assert record is not None and record.why == why, text
-    assert latest_checkpoint(Storage(str(run))) == record.step and record.step >= 1
+    assert latest_checkpoint(run) == record.step and record.step >= 1
     assert Storage(str(run)).read_json(stop_record_path("train"))["why"] == why
     stored = stored_self_stop(Storage(str(run)), name)  # what a supervisor that missed the log reads
     assert stored is not None and stored.category == why

@@ -593,6 +593,7 @@ def test_platform_faults_with_records_retry_to_max_restarts(tmp_path: Path) -> N
     assert {a.category for a in info.value.attempts} == {"hardware"}
 
 
+@pytest.mark.slow
 def test_a_sagemaker_run_always_has_a_budget() -> None:
     """job.budget_usd unset on SageMaker: 1.25 x the plan's estimate, stated in the dry run; no estimate: refused."""
     from hlat.core.config import ConfigError
