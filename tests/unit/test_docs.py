@@ -1,7 +1,8 @@
 """The README and docs/ hold together: the README fits on a few screens, every relative link (and heading anchor) it or
 a docs page makes points at something that exists, every docs page is reachable from the README's "Where to read on",
 and every `hlat <subcommand>` a ```bash block runs is one the CLI has. The blocks themselves are run by
-tests/e2e/test_readme.py."""
+tests/e2e/test_readme.py (the README's "Running flows") and tests/e2e/test_deployments.py (docs/deployments.md's
+"Deployments and the Prefect UI")."""
 
 from __future__ import annotations
 
