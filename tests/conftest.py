@@ -16,8 +16,9 @@ os.environ["PREFECT_HOME"] = str(_SESSION_DIR / "prefect")
 os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # as hlat.tasks sets it, before prefect loads
-# Test fault injection (HLAT_FAULT_*, HLAT_PREPARE_FAULTS, HLAT_LOCAL_FAULTS) reaches jobs only through these hook modules
-# (training/hooks.py, infra/job_daemon.py): set before anything reads them, and inherited by every job, daemon and host.
+# Test fault injection (HLAT_FAULT_*, HLAT_PREPARE_FAULTS, HLAT_LOCAL_FAULTS) reaches jobs only through these hook
+# modules (training/hooks.py, infra/job_daemon.py): set before anything reads them; every job, daemon and host
+# inherits them.
 os.environ.setdefault("HLAT_JOB_HOOKS", "hlat.training.faults")
 os.environ.setdefault("HLAT_BACKEND_HOOKS", "hlat.infra.local_faults")
 os.environ.pop("PREFECT_API_URL", None)
