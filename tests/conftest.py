@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -142,9 +143,23 @@ def one_multi_host_job_at_a_time() -> Iterator[None]:
     SDK fixes its master port, 7777), and scripts/test.sh runs test files on two pytest-xdist workers at once."""
     import fcntl
 
+    from hlat.infra.sagemaker_emulator import master_port_free
+
+    def port_released(timeout: float) -> bool:
+        """The master port free: the ranks of the job before (this test's, or another worker's) have exited; an
+        ended job's hosts may take seconds to go, and a torchrun that starts meanwhile fails with EADDRINUSE."""
+        deadline = time.monotonic() + timeout
+        while not master_port_free():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.5)
+        return True
+
     with open(Path(tempfile.gettempdir()) / "hlat-tests-sagemaker-emulator.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        assert port_released(120), "port 7777 stayed in use for 120 s: a multi-host job outlived its test"
         yield
+        port_released(60)  # the next holder waits too; a job left running fails that one, by name
 
 
 @pytest.fixture(scope="session")

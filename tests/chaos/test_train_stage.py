@@ -215,9 +215,10 @@ def test_ctrl_c_in_the_terminal_stops_the_job_at_a_checkpoint_and_exits_130_leav
     assert code == 130 and took < 10, (code, took, out[-3000:])
     state = LocalBackend(str(run / "jobs")).describe(name)
     assert state is not None and state.status == "Stopped"
+    from hlat.core.storage import Storage
     from hlat.tasks.train import latest_checkpoint
 
-    step = latest_checkpoint(str(run))  # the checkpoint the stopped job wrote on its SIGTERM
+    step = latest_checkpoint(Storage(str(run)))  # the checkpoint the stopped job wrote on its SIGTERM
     assert step is not None and step >= 5
     (line,) = [line for line in out.splitlines() if line.startswith("hlat: interrupted")]
     assert line == (

@@ -70,14 +70,8 @@ def test_each_stage_runs_alone_from_the_cli(tmp_path: Path) -> None:
     # A healthy run shows no ERROR line (the temporary server used to log a failed telemetry send, offline).
     assert "ERROR" not in out.stdout + out.stderr and "telemetry" not in out.stdout + out.stderr
     assert (tmp_path / "runs/cli/data/manifest.json").exists()
-    mod = subprocess.run(
-        [sys.executable, "-m", "hlat.flows.train_tokenizer", *common],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        check=False,
-    )
-    assert mod.returncode == 0, mod.stdout[-3000:] + mod.stderr[-3000:]
+    tokenizer = hlat("run", "train-tokenizer", *common)
+    assert tokenizer.returncode == 0, tokenizer.stdout[-3000:] + tokenizer.stderr[-3000:]
     assert (tmp_path / "runs/cli/tokenizer/tokenizer.model").exists()
     conflict = hlat("run", "prepare-data", *common, "--set", "training.lr=0.5")
     assert (
