@@ -43,15 +43,24 @@ def host_processes(job_dir: str, host: str) -> list[int]:
     return [p for p in job_processes(job_dir) if environ_of(p).get(HOST_ENV) == host]
 
 
-def kill_host_once_started(backend: LocalBackend, name: str, host: str, timeout: float = 120) -> dict[str, str]:
-    """SIGKILL every process of `host` as soon as its container's PID 1 runs (the other hosts' ranks are then
-    starting up, waiting for this host's at the rendezvous); the container environment it had."""
+def init_running(job_dir: str, host: str) -> list[int]:
+    """The pids of `host`'s container init (its PID 1, job_init.py), once it runs."""
+    pids = host_processes(job_dir, host)
+    return [p for p in pids if b"job_init.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
+
+
+def kill_host_once_started(
+    backend: LocalBackend, name: str, host: str, hosts: int = 1, timeout: float = 120
+) -> dict[str, str]:
+    """SIGKILL every process of `host` as soon as every one of the job's `hosts` has its container's PID 1 running
+    (the hosts are launched one after another: the others' ranks are then starting up, waiting for this host's at
+    the rendezvous); the container environment it had."""
     job_dir = backend.job_dir(name)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         pids = host_processes(job_dir, host)
-        inits = [p for p in pids if b"job_init.py" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        if inits:
+        inits = init_running(job_dir, host)
+        if inits and all(init_running(job_dir, f"algo-{i}") for i in range(1, hosts + 1)):
             env = environ_of(inits[0])
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):  # its PID 1 died first, taking the namespace along
@@ -71,7 +80,7 @@ def host_failure_ends_the_job(prepared: Path, tmp_path: Path, hosts: int, victim
     backend = LocalBackend(str(run / "jobs"), stop_grace_seconds=5)
     spec = spec_for(run, instance_count=hosts)
     backend.submit(spec)
-    env = kill_host_once_started(backend, spec.name, victim)
+    env = kill_host_once_started(backend, spec.name, victim, hosts)
     killed = time.monotonic()
     others = [f"algo-{i}" for i in range(1, hosts + 1) if f"algo-{i}" != victim]
     assert all(host_processes(backend.job_dir(spec.name), h) for h in others)  # the others were alive
