@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import importlib
 import json
 import os
 import posixpath
@@ -44,6 +43,7 @@ from typing import Any
 
 from hlat.core.contract import EXIT_NAN
 from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
+from hlat.core.hooks import load_hooks
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
 from hlat.infra import sagemaker_emulator
@@ -307,18 +307,7 @@ class BackendHooks:
 def backend_hooks() -> BackendHooks:
     """This process's backend hooks: the no-op defaults, or those of the module HLAT_BACKEND_HOOKS names (read
     once)."""
-    name = os.environ.get(HOOKS_ENV, "").strip()
-    if not name:
-        return BackendHooks()
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        raise RuntimeError(f"{HOOKS_ENV}={name}: cannot import it ({exc})") from None
-    made = getattr(module, "hooks", None)
-    installed = made() if callable(made) else None
-    if not isinstance(installed, BackendHooks):
-        raise RuntimeError(f"{HOOKS_ENV}={name}: the module has no hooks() returning a BackendHooks")
-    return installed
+    return load_hooks(HOOKS_ENV, BackendHooks)
 
 
 class JobDaemon:

@@ -12,11 +12,10 @@ The points are named for what they let a hook change, not for any fault.
 from __future__ import annotations
 
 import functools
-import importlib
-import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from hlat.core.hooks import load_hooks
 from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -62,15 +61,4 @@ class JobHooks:
 @functools.cache
 def hooks() -> JobHooks:
     """This process's hooks: the no-op defaults, or those of the module HLAT_JOB_HOOKS names (read once)."""
-    name = os.environ.get(HOOKS_ENV, "").strip()
-    if not name:
-        return JobHooks()
-    try:
-        module = importlib.import_module(name)
-    except ImportError as exc:
-        raise RuntimeError(f"{HOOKS_ENV}={name}: cannot import it ({exc})") from None
-    made = getattr(module, "hooks", None)
-    installed = made() if callable(made) else None
-    if not isinstance(installed, JobHooks):
-        raise RuntimeError(f"{HOOKS_ENV}={name}: the module has no hooks() returning a JobHooks")
-    return installed
+    return load_hooks(HOOKS_ENV, JobHooks)
