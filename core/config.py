@@ -156,6 +156,108 @@ class DataValidationConfig(Section):
         return self
 
 
+SOURCE_READER_FIELDS = ("source", "hf_config", "split", "streaming", "revision", "text_column", "file_format",
+                        "max_documents")  # fmt: skip
+"""The reader settings a source has: data.sources entries and the one-source shorthand fields of data."""
+
+
+class SourceConfig(Section):
+    """One source of the corpus mixture: where its documents come from, its share of the training tokens and how
+    often it may be repeated."""
+
+    name: str | None = None
+    """Short name (letters, digits, '-', '_'), used in reports, metrics and the mixture schedule; None derives one
+    from `source` (its last path part, lower-cased)."""
+    source: str
+    """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
+    'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
+    hf_config: str | None = None
+    """Hugging Face dataset configuration name (e.g. 'wikitext-103-raw-v1')."""
+    split: str = "train"
+    """Split to read from the source."""
+    streaming: bool = False
+    """Stream the source instead of downloading it whole (Hugging Face and remote files)."""
+    revision: str | None = None
+    """Hugging Face dataset revision (commit, tag or branch) to pin."""
+    text_column: str = "text"
+    """Column holding the document text."""
+    file_format: Literal["auto", "jsonl", "parquet", "txt"] = "auto"
+    """Format of local or s3:// files; 'auto' goes by the file extension."""
+    max_documents: int | None = Field(None, ge=1)
+    """Read at most this many documents from the source (None: all)."""
+    weight: float = Field(1.0, gt=0)
+    """This source's share of the training tokens, relative to the other sources' weights (normalised to sum 1)."""
+    max_epochs: float | None = Field(4.0, gt=0)
+    """The most passes over this source's training tokens a run may make (OLMo-core's max repetition); a run that
+    would draw more is refused before it starts; None: no limit (the one-source shorthand's). Muennighoff et al.
+    2023 (arXiv 2305.16264): up to ~4 epochs of repeated data are about as good as fresh data."""
+    tokens: int | None = Field(None, ge=1)
+    """The source's training tokens, if known before prepare-data runs (e.g. from its dataset card): what the dry run
+    and `hlat plan` count epochs against. Once the source is prepared its measured size is used instead."""
+
+    @property
+    def resolved_name(self) -> str:
+        return self.name or source_slug(self.source)
+
+    def reader(self) -> dict[str, Any]:
+        """The reader settings alone (what decides which documents are read)."""
+        return {k: getattr(self, k) for k in SOURCE_READER_FIELDS}
+
+
+def source_slug(source: str) -> str:
+    """'HuggingFaceFW/fineweb' -> 'fineweb', 's3://b/corpus/books/' -> 'books', 'builtin:python-stdlib' ->
+    'python-stdlib': the default name of a source."""
+    tail = re.split(r"[/:]", source.rstrip("/"))[-1] or "source"
+    tail = re.sub(r"\.(jsonl|json|parquet|txt|gz|zst)$", "", tail.lower())
+    return re.sub(r"[^a-z0-9_-]+", "-", tail).strip("-")[:40] or "source"
+
+
+class MixtureStep(Section):
+    """From `step` on (until the next entry), the sources' weights are these (Levanter's train_weights by step)."""
+
+    step: int = Field(ge=0)
+    """Optimizer step from which these weights apply."""
+    weights: dict[str, float]
+    """Weight by source name; a source left out has weight 0 from this step on."""
+
+
+class CurationConfig(Section):
+    """What prepare-data removes from each source beyond great-expectations' row checks, with Hugging Face's
+    datatrove (https://github.com/huggingface/datatrove). Each rule is a switch; every removed document is counted per
+    source and per rule in the data report. Presets: the tiny rehearsal runs every rule; the HLAT, Pythia and NeoX
+    presets (public, already-filtered corpora) run deduplication and decontamination, not the web-text quality rules,
+    which would drop code, tables and lists from curated sources."""
+
+    exact_dedup: bool = True
+    """Drop exact duplicates across the whole source: datatrove's hash-partitioned exact dedup (signatures, then
+    one finder per hash range, then a filter), so no worker holds more than its own range's hashes."""
+    minhash: bool = False
+    """Drop near duplicates: datatrove's MinHash LSH dedup (signatures, buckets, clusters, filter)."""
+    minhash_ngrams: int = Field(5, ge=1)
+    """Word n-grams (shingles) hashed by MinHash (FineWeb: 5)."""
+    minhash_buckets: int = Field(14, ge=1)
+    """LSH bands (FineWeb: 14 of 8 hashes: documents ~75% similar are found with high probability)."""
+    minhash_hashes_per_bucket: int = Field(8, ge=1)
+    """Hashes per LSH band."""
+    gopher_quality: bool = False
+    """Gopher's quality rules (Rae et al. 2021): word counts and lengths, symbol ratios, stop words."""
+    gopher_repetition: bool = False
+    """Gopher's repetition rules: duplicated lines, paragraphs and n-grams within a document."""
+    c4_quality: bool = False
+    """C4's rules (Raffel et al. 2020): lines ending in punctuation, no javascript/lorem ipsum/curly brackets."""
+    fineweb_quality: bool = False
+    """FineWeb's rules (Penedo et al. 2024): line punctuation ratio, short lines, duplicated line characters."""
+    decontaminate: bool = False
+    """Drop documents that share an n-gram with the texts of the evaluation tasks the run scores
+    (evaluation.tasks, the offline ones included)."""
+    decontamination_ngrams: int = Field(13, ge=4)
+    """Word n-gram length of the decontamination match (GPT-3, Brown et al. 2020: 13)."""
+    examples_per_rule: int = Field(5, ge=0)
+    """Removed documents kept as examples per rule in the data report."""
+    finder_workers: int = Field(4, ge=1)
+    """Hash ranges of the exact dedup (and tasks of its find phase); each finder holds only its range."""
+
+
 class DataConfig(Section):
     """Where the corpus comes from and how prepare-data shards it."""
 
@@ -186,6 +288,14 @@ class DataConfig(Section):
     """Documents read and validated at a time (bounds the stage's memory)."""
     validation: DataValidationConfig = Field(default_factory=DataValidationConfig)
     """Validation rules and the bad-row policy."""
+    sources: list[SourceConfig] = Field(default_factory=list)
+    """The corpus as a weighted mixture of sources, each prepared (and cached) on its own; empty: one source, given
+    by the shorthand fields above (data.source, data.hf_config, ...). When set, those shorthand fields are not read."""
+    schedule: list[MixtureStep] = Field(default_factory=list)
+    """Weights that change by step: each entry gives every source's weight from its step on (before the first entry,
+    the sources' own weights)."""
+    curation: CurationConfig = Field(default_factory=CurationConfig)
+    """Deduplication, quality filters and decontamination (datatrove), per source."""
     unit_mb: int = Field(64, ge=1)
     """Size of the pieces (units) the source is cut into for the workers: a jsonl file larger than this is read as
     byte ranges, parquet as groups of row groups; each unit is written and committed on its own, so a worker that
@@ -205,6 +315,49 @@ class DataConfig(Section):
     """Times a worker that dies (killed, out of memory) is started again, alone, before the job fails."""
     max_runtime_hours: float = Field(24.0, gt=0)
     """Max runtime of one prepare-data job; a relaunch resumes from the committed units."""
+
+    @model_validator(mode="after")
+    def _check_sources(self) -> DataConfig:
+        names = [s.resolved_name for s in self.mixture]
+        for i, name in enumerate(names):
+            if not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_-]{0,39}", name):
+                raise ValueError(f"sources[{i}].name={name!r}: use 1-40 letters, digits, '-' or '_'")
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            raise ValueError(f"sources: the names {twice} are used twice; give each source its own name")
+        last = -1
+        for i, entry in enumerate(self.schedule):
+            if entry.step <= last:
+                raise ValueError(f"schedule[{i}].step={entry.step}: steps must increase (previous {last})")
+            last = entry.step
+            unknown = sorted(set(entry.weights) - set(names))
+            if unknown:
+                raise ValueError(f"schedule[{i}].weights names unknown sources {unknown}; the sources are {names}")
+            if any(w < 0 for w in entry.weights.values()) or sum(entry.weights.values()) <= 0:
+                raise ValueError(f"schedule[{i}].weights must be >= 0 with a positive sum")
+        return self
+
+    @property
+    def mixture(self) -> list[SourceConfig]:
+        """The corpus's sources: data.sources, or the one source of the shorthand fields (weight 1)."""
+        if self.sources:
+            return list(self.sources)
+        return [SourceConfig(**{k: getattr(self, k) for k in SOURCE_READER_FIELDS}, max_epochs=None)]
+
+    def weights_at(self, step: int) -> dict[str, float]:
+        """Each source's weight at optimizer step `step`, normalised to sum 1 (the schedule's last entry at or
+        before the step, else the sources' own weights)."""
+        raw = {s.resolved_name: s.weight for s in self.mixture}
+        for entry in self.schedule:
+            if entry.step <= step:
+                raw = {name: entry.weights.get(name, 0.0) for name in raw}
+        total = sum(raw.values())
+        return {name: w / total for name, w in raw.items()}
+
+    def source_data_config(self, source: SourceConfig) -> DataConfig:
+        """This data config with `source`'s reader settings in the shorthand fields and no mixture: what prepares
+        that one source."""
+        return self.model_copy(update={**source.reader(), "sources": [], "schedule": []})
 
 
 class TokenizerConfig(Section):

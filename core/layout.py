@@ -53,6 +53,10 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 EVAL_RESULTS_FILE = "results.json"
 JOBS_DIR = "jobs"
+SOURCES_DIR = "sources"
+"""Beside the runs, under the storage root: `sources/<name>-<key>/`, each prepared source (its manifest, shards and
+report), keyed by its reader, validation, curation and shard settings and its content: shared by every run that
+prepares the same source the same way, so adding a source or changing weights prepares nothing twice."""
 STAGE_DIRS = (DATA_DIR, TOKENIZER_DIR, COMPILE_CACHE_DIR, BURN_IN_DIR, CHECKPOINTS_DIR, EVAL_DIR)
 """The folders each stage writes, in the DAG's order."""
 

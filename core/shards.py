@@ -11,7 +11,8 @@ import hashlib
 import io
 import json
 from collections.abc import Iterator
-from typing import Literal
+from dataclasses import dataclass
+from typing import Any, Literal
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -50,6 +51,106 @@ class DataManifest(BaseModel):
     def checksum(self) -> str:
         """One hash over every shard's checksum: what later stages key their caches on."""
         return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()
+
+
+MIXTURE_VERSION = 2
+
+
+class MixtureSource(BaseModel):
+    """One prepared source of a run's mixture: where it lives and what it holds."""
+
+    name: str
+    weight: float
+    """Its weight before any schedule entry (as configured; the loader normalises)."""
+    max_epochs: float | None
+    """The most passes over its training tokens the run may make; None: no limit."""
+    folder: str
+    """Absolute URI of the prepared source (its own manifest.json, shards, report.json): shared by every run under
+    the storage root that prepares the same source with the same settings."""
+    fingerprint: str
+    """The source's cache key (its reader, validation, curation and shard settings and its content)."""
+    checksum: str
+    """Its manifest's checksum."""
+    train_rows: int
+    validation_rows: int
+    train_bytes: int
+    validation_bytes: int
+
+
+class MixtureManifest(BaseModel):
+    """A run's `data/manifest.json`: the prepared sources it trains on, their weights and the weight schedule."""
+
+    version: Literal[2] = MIXTURE_VERSION
+    fingerprint: str
+    """The prepare-data stage's cache key that wrote it."""
+    sources: list[MixtureSource]
+    schedule: list[dict[str, Any]] = []
+    """[{"step": s, "weights": {name: w}}, ...] as data.schedule gives it."""
+
+    @property
+    def checksum(self) -> str:
+        """One hash over the sources (names, weights, shard checksums) and the schedule."""
+        body = [[s.name, s.weight, s.checksum] for s in self.sources]
+        return hashlib.sha256(json.dumps([body, self.schedule], sort_keys=True).encode()).hexdigest()
+
+    def weights_at(self, step: int) -> list[float]:
+        """The sources' weights at optimizer step `step`, in source order, normalised to sum 1."""
+        raw = {s.name: s.weight for s in self.sources}
+        for entry in self.schedule:
+            if int(entry["step"]) <= step:
+                raw = {name: float(entry["weights"].get(name, 0.0)) for name in raw}
+        total = sum(raw.values())
+        return [raw[s.name] / total for s in self.sources]
+
+
+@dataclass(frozen=True)
+class PreparedSource:
+    """A source of a mixture, opened: its entry, its folder and its own manifest."""
+
+    entry: MixtureSource
+    data: Storage
+    manifest: DataManifest
+
+    @property
+    def name(self) -> str:
+        return self.entry.name
+
+
+def read_mixture(data: Storage) -> tuple[MixtureManifest, list[PreparedSource]]:
+    """A run's prepared data: its mixture manifest and each source opened. A data folder of a release before
+    mixtures (one DataManifest) reads as a mixture of that one source, named 'data'."""
+    if not data.exists(MANIFEST_FILE):
+        read_manifest(data)  # raises the clear error
+    body = data.read_json(MANIFEST_FILE)
+    if body.get("version") != MIXTURE_VERSION:
+        manifest = DataManifest.model_validate(body)
+        entry = MixtureSource(
+            name="data", weight=1.0, max_epochs=None, folder=data.uri(), fingerprint=manifest.fingerprint,
+            checksum=manifest.checksum, train_rows=manifest.rows("train"), validation_rows=manifest.rows("validation"),
+            train_bytes=manifest.bytes("train"), validation_bytes=manifest.bytes("validation"),
+        )  # fmt: skip
+        mixture = MixtureManifest(fingerprint=manifest.fingerprint, sources=[entry])
+        return mixture, [PreparedSource(entry, data, manifest)]
+    mixture = MixtureManifest.model_validate(body)
+    opened = []
+    for entry in mixture.sources:
+        folder = Storage(entry.folder)
+        manifest = read_manifest(folder)
+        if manifest.checksum != entry.checksum:
+            raise ValueError(
+                f"{folder.uri(MANIFEST_FILE)} no longer holds the shards {data.uri(MANIFEST_FILE)} was made from "
+                f"(source {entry.name!r}); re-run prepare-data"
+            )
+        opened.append(PreparedSource(entry, folder, manifest))
+    return mixture, opened
+
+
+def data_checksum_of(data: Storage) -> str:
+    """The checksum of a run's prepared data (a mixture's, or a single manifest's): what later stages key on."""
+    body = data.read_json(MANIFEST_FILE) if data.exists(MANIFEST_FILE) else None
+    if body is not None and body.get("version") == MIXTURE_VERSION:
+        return MixtureManifest.model_validate(body).checksum
+    return read_manifest(data).checksum
 
 
 def encode_shard(texts: list[str], fmt: Literal["parquet", "jsonl"]) -> bytes:
