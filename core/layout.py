@@ -60,6 +60,13 @@ prepares the same source the same way, so adding a source or changing weights pr
 STAGE_DIRS = (DATA_DIR, TOKENIZER_DIR, COMPILE_CACHE_DIR, BURN_IN_DIR, CHECKPOINTS_DIR, EVAL_DIR)
 """The folders each stage writes, in the DAG's order."""
 
+
+def source_folder(run: Storage, name: str, key: str) -> Storage:
+    """Where the source `name` prepared under cache key `key` lives: `<storage root>/sources/<name>-<key>/`, the
+    root being the folder that holds the run."""
+    return run.parent().child(SOURCES_DIR, f"{name}-{key.rpartition('-')[2][:16]}")
+
+
 CHECKPOINT_MARKER = "COMMITTED"
 """A checkpoint folder counts only once this file exists: {"step", "meta_sha256"}, written last."""
 CHECKPOINT_META = "meta.json"

@@ -145,6 +145,33 @@ def read_mixture(data: Storage) -> tuple[MixtureManifest, list[PreparedSource]]:
     return mixture, opened
 
 
+def mixture_rows(sources: list[PreparedSource], split: Split) -> int:
+    return sum(s.manifest.rows(split) for s in sources)
+
+
+def mixture_documents(sources: list[PreparedSource], weights: list[float], split: Split) -> Iterator[str]:
+    """The documents of one split of every source, interleaved so that each source's share of the text (in
+    characters) follows its weight: before each document the source furthest below its share gives the next one
+    (ties: the first). A source runs out after its last document; the others go on. What the tokenizer trains on
+    and evaluation scores, streamed shard by shard."""
+    streams = [
+        (i, iter_documents(s.data, s.manifest, split))
+        for i, s in enumerate(sources)
+        if weights[i] > 0 and s.manifest.rows(split)
+    ]
+    taken = [0] * len(sources)
+    while streams:
+        total = sum(taken) + 1
+        at = max(range(len(streams)), key=lambda k: (weights[streams[k][0]] * total - taken[streams[k][0]], -k))
+        i, stream = streams[at]
+        text = next(stream, None)
+        if text is None:
+            del streams[at]
+            continue
+        taken[i] += len(text)
+        yield text
+
+
 def data_checksum_of(data: Storage) -> str:
     """The checksum of a run's prepared data (a mixture's, or a single manifest's): what later stages key on."""
     body = data.read_json(MANIFEST_FILE) if data.exists(MANIFEST_FILE) else None

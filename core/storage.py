@@ -242,6 +242,10 @@ class Storage:
         """The storage rooted at a sub-folder."""
         return Storage(self.uri(*parts), **self._options)
 
+    def parent(self) -> Storage:
+        """The storage rooted at the folder holding this one."""
+        return Storage(self.url.rpartition("/")[0] or "/", **self._options)
+
     def path(self, *parts: str) -> str:
         """Filesystem path (as fsspec sees it) of a relative path."""
         return posixpath.join(self.root, *parts) if parts else self.root

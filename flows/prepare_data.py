@@ -8,9 +8,10 @@ from hlat.tasks.caching import run_cached
 from hlat.tasks.prepare_data import (
     build_shards,
     data_cache_key,
-    fingerprint_source,
+    fingerprint_sources,
     publish_data_report,
     shards_present,
+    source_keys,
 )
 from hlat.training.data.units import DataReport
 
@@ -18,8 +19,12 @@ from hlat.training.data.units import DataReport
 @stage_flow("prepare-data")
 def prepare_data(run: Run) -> DataReport:
     """Download (or build), validate and shard the corpus of a run: a job of data.workers workers."""
-    key = data_cache_key(run, fingerprint_source(run.config.data))
-    report: DataReport = run_cached(build_shards, lambda r: shards_present(run, r), run=run, cache_key=key)
+    fingerprints = fingerprint_sources(run.config.data)
+    key = data_cache_key(run, fingerprints)
+    sources = source_keys(run, fingerprints)
+    report: DataReport = run_cached(
+        build_shards, lambda r: shards_present(run, r), run=run, cache_key=key, sources=sources
+    )
     publish_data_report(report, run.run_id)
     print(
         f"prepare-data: {report.rows_read} rows read, {report.rows_kept} kept, {report.rows_quarantined} "

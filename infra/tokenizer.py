@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 import sentencepiece as spm
 
 from hlat.core.layout import TOKENIZER_MODEL as MODEL_FILE
-from hlat.core.shards import Split, iter_documents, read_manifest
+from hlat.core.shards import Split, data_checksum_of, mixture_documents, mixture_rows, read_mixture
 
 if TYPE_CHECKING:
     from hlat.core.config import TokenizerConfig
@@ -392,21 +392,23 @@ def build_tokenizer(
     there is none, said in the report), and uploads tokenizer.model, the Hugging Face files, then report.json:
     later stages take report.json as the mark of a complete tokenizer. Returns the report.
     """
-    manifest = read_manifest(data)
-    if manifest.rows("train") == 0:
+    mixture, sources = read_mixture(data)
+    if mixture_rows(sources, "train") == 0:
         raise ValueError(f"{data.uri()} has no training documents: re-run prepare-data on a non-empty source")
+    # The sample mixes the sources by their weights at step 0: the text the model will first train on.
+    weights = mixture.weights_at(0)
     with tempfile.TemporaryDirectory(prefix="hlat-tokenizer-") as tmp:
         sample = _CountingSentences(
-            training_lines(iter_documents(data, manifest, "train"), cfg.sample_bytes, cfg.max_sentence_length)
+            training_lines(mixture_documents(sources, weights, "train"), cfg.sample_bytes, cfg.max_sentence_length)
         )
         started = time.monotonic()
         model_path = train_sentencepiece(sample, vocab_size, cfg, tmp)
         train_seconds = time.monotonic() - started
         files = export_hf_tokenizer(model_path, tmp, max_seq_len)
 
-        report_split: Split = "validation" if manifest.rows("validation") else "train"
+        report_split: Split = "validation" if mixture_rows(sources, "validation") else "train"
         report = tokenizer_report(
-            model_path, iter_documents(data, manifest, report_split), cfg.report_sample_bytes, hf_dir=tmp
+            model_path, mixture_documents(sources, weights, report_split), cfg.report_sample_bytes, hf_dir=tmp
         )
         if report["hf_id_mismatches"]:
             raise RuntimeError(
@@ -415,7 +417,7 @@ def build_tokenizer(
             )
         report.update(
             {
-                "data_checksum": manifest.checksum,
+                "data_checksum": data_checksum_of(data),
                 "report_split": report_split,
                 "training_sentences": sample.count,
                 "training_bytes": sample.bytes,

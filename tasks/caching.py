@@ -13,7 +13,7 @@ from prefect.client.schemas.objects import State, TaskRun
 
 from hlat.core.config import stable_hash
 from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
-from hlat.core.shards import read_manifest
+from hlat.core.shards import data_checksum_of
 from hlat.core.stages import stage
 from hlat.core.storage import Storage, is_transient
 from hlat.infra.runs import Run
@@ -42,7 +42,7 @@ TRANSIENT_RETRIES: dict[str, Any] = {
 
 def data_checksum(run: Storage) -> str:
     """Checksum of the prepared shards (prepare-data's output, from its manifest)."""
-    return read_manifest(run.child(DATA_DIR)).checksum
+    return data_checksum_of(run.child(DATA_DIR))
 
 
 def tokenizer_checksum(run: Storage) -> str:

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig
-from hlat.core.shards import MANIFEST_FILE
+from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig, stable_hash
+from hlat.core.shards import MANIFEST_FILE, read_mixture
+from hlat.core.storage import StorageError
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
@@ -17,24 +19,37 @@ from hlat.training.data.sources import source_fingerprint
 from hlat.training.data.units import REPORT_FILE, DataReport
 
 
-@task(name="fingerprint-source", **TRANSIENT_RETRIES)
-def fingerprint_source(data_cfg: DataConfig) -> str:
-    """Identify the source's content cheaply (sizes and times, ETags, or hub name and revision)."""
-    return source_fingerprint(data_cfg)
+@task(name="fingerprint-sources", **TRANSIENT_RETRIES)
+def fingerprint_sources(data_cfg: DataConfig) -> dict[str, str]:
+    """Identify each source's content cheaply (sizes and times, ETags, or hub name and revision), by name."""
+    return {s.resolved_name: source_fingerprint(data_cfg.source_data_config(s)) for s in data_cfg.mixture}
 
 
-def data_cache_key(run: Run, source_key: str) -> str:
-    """The stage's cache key: the data settings that decide what it writes (not how many workers write it), the
-    source's content and the run."""
-    settings = run.config.data.model_dump(mode="json", exclude=set(OPERATIONAL_DATA_FIELDS))
-    return stage_cache_key(run, "prepare-data", settings, source_key)
+def source_keys(run: Run, fingerprints: dict[str, str]) -> dict[str, str]:
+    """Each source's cache key: the data settings that decide what preparing it writes (its reader, validation,
+    curation and shard settings; not its weight, not how many workers write it) and its content. Not the run: a
+    source prepared for one run is prepared for every run under the same storage root."""
+    keys = {}
+    for source in run.config.data.mixture:
+        cfg = run.config.data.source_data_config(source)
+        settings = cfg.model_dump(mode="json", exclude={*OPERATIONAL_DATA_FIELDS, "sources", "schedule"})
+        keys[source.resolved_name] = f"hlat-source-{stable_hash([settings, fingerprints[source.resolved_name]])[:32]}"
+    return keys
+
+
+def data_cache_key(run: Run, fingerprints: dict[str, str]) -> str:
+    """The stage's cache key: the sources' keys, their weights, maximum repetitions and schedule, and the run."""
+    mixture = [[s.resolved_name, s.weight, s.max_epochs] for s in run.config.data.mixture]
+    schedule = [e.model_dump(mode="json") for e in run.config.data.schedule]
+    return stage_cache_key(run, "prepare-data", source_keys(run, fingerprints), mixture, schedule)
 
 
 @task(name="build-shards", **CACHED_STAGE)
-def build_shards(run: Run, cache_key: str) -> DataReport:
-    """Run the prepare-data job (data.workers workers on the run's job backend) into <run>/data/ and read its
-    report; cached on the data settings, the source and the run."""
-    record, _ = run_stage_job(run, "prepare-data", args={"key": cache_key})
+def build_shards(run: Run, cache_key: str, sources: dict[str, str]) -> DataReport:
+    """Run the prepare-data job (data.workers workers on the run's job backend): the sources not prepared yet into
+    their folders beside the runs, then the run's mixture manifest and report in <run>/data/; cached on the sources'
+    keys, the mixture and the run."""
+    record, _ = run_stage_job(run, "prepare-data", args={"key": cache_key, "sources": json.dumps(sources)})
     report = f"data/{REPORT_FILE}"
     if run.storage.exists(report):
         found = DataReport.model_validate(run.storage.read_json(report))
@@ -44,9 +59,16 @@ def build_shards(run: Run, cache_key: str) -> DataReport:
 
 
 def shards_present(run: Run, report: DataReport) -> bool:
-    """A cached report counts only while the manifest it wrote is still the run's manifest."""
+    """A cached report counts only while the manifest it wrote is still the run's manifest, and every source it
+    names is still where it was prepared."""
     data = run.stage("data")
-    return data.exists(MANIFEST_FILE) and data.read_json(MANIFEST_FILE).get("fingerprint") == report.fingerprint
+    if not data.exists(MANIFEST_FILE) or data.read_json(MANIFEST_FILE).get("fingerprint") != report.fingerprint:
+        return False
+    try:
+        read_mixture(data)
+    except (StorageError, ValueError):
+        return False
+    return True
 
 
 @task(name="publish-data-report")

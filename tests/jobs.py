@@ -31,6 +31,27 @@ def make_run(prepared: Path, root: Path, run_id: str, **training: Any) -> Path:
     return root / run_id
 
 
+def prepare_job(run: Run) -> tuple[Any, Any]:
+    """The prepare-data job of a run on its backend, with the keys the stage would give it: (record, state)."""
+    from hlat.infra.stage_jobs import run_stage_job
+    from hlat.tasks.prepare_data import data_cache_key, source_keys
+    from hlat.training.data.sources import source_fingerprint
+
+    prints = {
+        s.resolved_name: source_fingerprint(run.config.data.source_data_config(s)) for s in run.config.data.mixture
+    }
+    args = {"key": data_cache_key(run, prints), "sources": json.dumps(source_keys(run, prints))}
+    return run_stage_job(run, "prepare-data", args=args)
+
+
+def source_data(data: Storage, name: str | None = None) -> Storage:
+    """The folder of a prepared source of a run's data (the only one, or the one named)."""
+    from hlat.core.shards import read_mixture
+
+    _, sources = read_mixture(data)
+    return next(s.data for s in sources if name is None or s.name == name)
+
+
 def launch(run: Path, env: dict[str, str] | None = None) -> subprocess.Popen[str]:
     return subprocess.Popen(
         [sys.executable, "-m", "hlat.training.train", "--config", str(run / "config.json")],

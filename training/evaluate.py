@@ -32,7 +32,7 @@ from hlat.core.config import OFFLINE_TASK_PREFIX, EvaluationConfig, HlatConfig, 
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from hlat.core.layout import CHECKPOINTS_DIR
 from hlat.core.layout import eval_results_path as results_path
-from hlat.core.shards import iter_documents, read_manifest
+from hlat.core.shards import mixture_documents, read_mixture
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import (
     export_hf,
@@ -74,7 +74,8 @@ def _device(choice: str | None) -> torch.device:
 
 
 def _held_out(data: Storage) -> Any:
-    return iter_documents(data, read_manifest(data), "validation")
+    mixture, sources = read_mixture(data)
+    return mixture_documents(sources, mixture.weights_at(0), "validation")
 
 
 def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device: torch.device) -> dict[str, Any]:

@@ -1,10 +1,18 @@
-"""The prepare-data job: `python -m hlat.training.prepare_data --config <run>/config.json --key <the stage's key>`.
+"""The prepare-data job: `python -m hlat.training.prepare_data --config <run>/config.json --key <the stage's key>
+--sources '{"<name>": "<source key>", ...}'`.
 
-On each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local backend set
-them) this program starts the workers that host owns, data.workers / H of them (the local backend runs one host:
-all data.workers), as child processes (`--worker w`). Each prepares its share of the plan's units
-(training.data.units: read, validate with great-expectations, write shards, commit the unit). A worker that dies
-(killed, out of memory) is started again, alone, up to data.worker_retries times; the units it committed are
+The corpus is a mixture of sources (data.sources). Each source is prepared on its own, in turn, into its own folder
+beside the runs, `<storage root>/sources/<name>-<key>/` (core.layout.source_folder), keyed by its reader, validation,
+curation and shard settings and its content: a source whose folder already holds the manifest of its key is not
+prepared again, whichever run prepared it. Once every source is prepared, host 0 writes the run's
+`data/manifest.json` (the mixture: each source's folder, weight, maximum repetition, and the weight schedule) and
+`data/report.json` (the sources' reports and their totals).
+
+For each source, on each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local
+backend set them) this program starts the workers that host owns, data.workers / H of them (the local backend runs
+one host: all data.workers), as child processes (`--worker w --only <name>`). Each prepares its share of the plan's
+units (training.data.units: read, validate with great-expectations, write shards, commit the unit). A worker that
+dies (killed, out of memory) is started again, alone, up to data.worker_retries times; the units it committed are
 kept, so it redoes only the one it was in. Host 0 makes the plan, and once every unit is committed, merges them:
 duplicates across units, the manifest, the report.
 
@@ -30,12 +38,13 @@ import time
 from pathlib import Path
 
 import hlat
-from hlat.core.config import HlatConfig
+from hlat.core.config import ConfigError, DataConfig, HlatConfig, SourceConfig
 from hlat.core.contract import EXIT_DATA_INVALID, read_job_config, write_failure
+from hlat.core.layout import source_folder
 from hlat.core.storage import Storage
 from hlat.training.data.reader import Unit
 from hlat.training.data.sources import SourceError
-from hlat.training.data.units import assign, committed, merge, plan, run_worker, work_dir
+from hlat.training.data.units import assign, committed, merge, plan, prepared, run_worker, work_dir, write_mixture
 from hlat.training.data.validation import DataValidationError
 from hlat.training.hooks import hooks
 
@@ -58,18 +67,29 @@ def host_workers(workers: int, host: int, count: int) -> range:
     return range(min(host * per, workers), min((host + 1) * per, workers))
 
 
-def shares(cfg: HlatConfig, units: list[Unit]) -> list[list[Unit]]:
-    """Each worker's units; with data.max_documents the plan is read in order by worker 0 (the limit is a prefix)."""
-    workers = cfg.data.workers
-    if cfg.data.max_documents is not None:
-        return [units] + [[] for _ in range(workers - 1)]
-    return assign(units, workers)
+def shares(cfg: DataConfig, units: list[Unit]) -> list[list[Unit]]:
+    """Each worker's units; with max_documents the plan is read in order by worker 0 (the limit is a prefix)."""
+    if cfg.max_documents is not None:
+        return [units] + [[] for _ in range(cfg.workers - 1)]
+    return assign(units, cfg.workers)
+
+
+def job_sources(cfg: HlatConfig, given: str) -> list[tuple[SourceConfig, str]]:
+    """The sources of the mixture with the keys the stage gave them (`--sources`, a JSON object name -> key)."""
+    keys = json.loads(given)
+    sources = cfg.data.mixture
+    names = [s.resolved_name for s in sources]
+    if sorted(keys) != sorted(names):
+        raise ConfigError(f"--sources names {sorted(keys)}, but the config's sources are {names}")
+    return [(s, keys[s.resolved_name]) for s in sources]
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m hlat.training.prepare_data", description=__doc__)
     parser.add_argument("--config", required=True, help="path or s3:// URI of the run's config.json")
-    parser.add_argument("--key", required=True, help="the stage's cache key: it names the work folder")
+    parser.add_argument("--key", required=True, help="the stage's cache key: the run's mixture manifest carries it")
+    parser.add_argument("--sources", required=True, help="JSON object: each source's name -> its cache key")
+    parser.add_argument("--only", default=None, help=argparse.SUPPRESS)
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--life", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -77,11 +97,14 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format=prefix + "%(message)s", force=True)
     _quiet_great_expectations(worker=args.worker is not None)
     run, cfg = read_job_config(args.config.rstrip("/"))
-    data, work = run.child("data"), work_dir(args.key)
     try:
+        sources = job_sources(cfg, args.sources)
         if args.worker is not None:
-            return _worker(cfg, data, work, args.worker, args.life)
-        return _host(cfg, data, work, args)
+            source, key = next((s, k) for s, k in sources if s.resolved_name == args.only)
+            data_cfg = cfg.data.source_data_config(source)
+            return _worker(data_cfg, source_folder(run, source.resolved_name, key), work_dir(key), args.worker,
+                           args.life)  # fmt: skip
+        return _all_sources(cfg, run, sources, args)
     except (DataValidationError, SourceError) as exc:
         reason = f"{type(exc).__name__}: {exc}"
         log.error("%s", reason)
@@ -111,52 +134,78 @@ def _report(reason: str) -> None:
         write_failure(reason)
 
 
-def _worker(cfg: HlatConfig, data: Storage, work: str, worker: int, life: int) -> int:
-    units = plan(cfg.data, data, work)
+def _worker(cfg: DataConfig, data: Storage, work: str, worker: int, life: int) -> int:
+    units = plan(cfg, data, work)
     mine = shares(cfg, units)[worker]
     job = os.environ.get("TRAINING_JOB_NAME", "")
     on_batch = hooks().prepared_batch(worker, life, job)
     extra = {"on_batch": on_batch} if on_batch else {}
-    run_worker(cfg.data, data, work, mine, worker, limit=cfg.data.max_documents, job=job, **extra)
+    run_worker(cfg, data, work, mine, worker, limit=cfg.max_documents, job=job, **extra)
     return 0
 
 
-def _host(cfg: HlatConfig, data: Storage, work: str, args: argparse.Namespace) -> int:
+def _all_sources(
+    cfg: HlatConfig, run: Storage, sources: list[tuple[SourceConfig, str]], args: argparse.Namespace
+) -> int:
+    """Prepare each source not prepared yet, in order; then host 0 writes the run's mixture manifest and report."""
     host, count = hosts()
+    folders = []
+    for source, key in sources:
+        name = source.resolved_name
+        folder = source_folder(run, name, key)
+        folders.append(folder)
+        if prepared(folder, key):
+            log.info("source %s: prepared before (%s)", name, folder.uri())
+            continue
+        _host(cfg.data.source_data_config(source), folder, key, name, args, host, count)
+    if host != 0:
+        return 0
+    while not all(prepared(folder, key) for folder, (_, key) in zip(folders, sources, strict=True)):
+        time.sleep(POLL_S * 4)  # the other hosts' share of the last source (host 0 merges it: never long)
+    report = write_mixture(cfg.data, run.child("data"), [(s, f) for (s, _), f in zip(sources, folders, strict=True)],
+                           args.key)  # fmt: skip
+    log.info(
+        "%d source(s): %d rows read = %d kept + %d removed %s", len(sources), report.rows_read, report.rows_kept,
+        report.rows_quarantined, report.quarantined_by_reason,
+    )  # fmt: skip
+    return 0
+
+
+def _host(cfg: DataConfig, data: Storage, key: str, name: str, args: argparse.Namespace, host: int, count: int) -> None:
+    """One source on this host: its workers, then (host 0) the merge into the source's manifest and report."""
     started = time.time()
-    if host == 0:
-        units = plan(cfg.data, data, work)
-    else:  # host 0 writes the plan
+    work = work_dir(key)
+    if host != 0:  # host 0 writes the plan
         while not data.exists(f"{work}/plan.json"):
             time.sleep(POLL_S)
-        units = plan(cfg.data, data, work)
-    mine = [w for w in host_workers(cfg.data.workers, host, count) if shares(cfg, units)[w]]
+    units = plan(cfg, data, work)
+    mine = [w for w in host_workers(cfg.workers, host, count) if shares(cfg, units)[w]]
     log.info(
-        "%d units of %s; host %d of %d runs worker(s) %s", len(units), cfg.data.source, host, count,
+        "source %s: %d units of %s; host %d of %d runs worker(s) %s", name, len(units), cfg.source, host, count,
         ", ".join(map(str, mine)) or "none",
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hlat-prepare-") as tmp:
-        _supervise_workers(args, mine, cfg.data.worker_retries, Path(tmp))
+        _supervise_workers(args, name, mine, cfg.worker_retries, Path(tmp))
     if host != 0:
-        return 0
+        return
     _await_units(data, work, units, cfg)
-    report = merge(cfg.data, data, work, units, args.key, started=started)
+    report = merge(cfg, data, work, units, key, started=started)
     log.info(
-        "merged %d units: %d rows read = %d kept + %d quarantined %s; %d duplicates across units",
-        report.units, report.rows_read, report.rows_kept, report.rows_quarantined, report.quarantined_by_reason,
+        "source %s: merged %d units: %d rows read = %d kept + %d quarantined %s; %d duplicates across units",
+        name, report.units, report.rows_read, report.rows_kept, report.rows_quarantined, report.quarantined_by_reason,
         report.cross_unit_duplicates,
     )  # fmt: skip
-    return 0
 
 
 class WorkerFailed(RuntimeError):
     """A worker died more often than data.worker_retries allows."""
 
 
-def _supervise_workers(args: argparse.Namespace, workers: list[int], retries: int, tmp: Path) -> None:
-    """Run the workers as child processes; start one that dies again, alone; stop all on a data error."""
+def _supervise_workers(args: argparse.Namespace, name: str, workers: list[int], retries: int, tmp: Path) -> None:
+    """Run the workers of source `name` as child processes; start one that dies again, alone; stop all on a data
+    error."""
     lives = dict.fromkeys(workers, 1)
-    procs = {w: _start(args, w, 1, tmp) for w in workers}
+    procs = {w: _start(args, name, w, 1, tmp) for w in workers}
     try:
         while procs:
             time.sleep(POLL_S)
@@ -181,26 +230,26 @@ def _supervise_workers(args: argparse.Namespace, workers: list[int], retries: in
                 lives[w] += 1
                 log.warning("worker %d died (%s): starting it again, alone (life %d of %d)", w, how, lives[w],
                             retries + 1)  # fmt: skip
-                procs[w] = _start(args, w, lives[w], tmp)
+                procs[w] = _start(args, name, w, lives[w], tmp)
     finally:
         for proc in procs.values():
             proc.kill()
             proc.wait()
 
 
-def _start(args: argparse.Namespace, worker: int, life: int, tmp: Path) -> subprocess.Popen[bytes]:
+def _start(args: argparse.Namespace, name: str, worker: int, life: int, tmp: Path) -> subprocess.Popen[bytes]:
     env = {**os.environ, WORKER_FAILURE_ENV: str(tmp / f"worker-{worker}.failure")}
     env.setdefault("OMP_NUM_THREADS", "1")  # one core per worker: the workers are the parallelism
     command = [sys.executable, "-m", "hlat.training.prepare_data", "--config", args.config, "--key", args.key,
-               "--worker", str(worker), "--life", str(life)]  # fmt: skip
+               "--sources", args.sources, "--only", name, "--worker", str(worker), "--life", str(life)]  # fmt: skip
     # From the folder holding the hlat package this program runs from (the checkout, or a job's uploaded source), where
     # `-m` finds the same package.
     return subprocess.Popen(command, env=env, cwd=Path(hlat.__file__).resolve().parents[1])
 
 
-def _await_units(data: Storage, work: str, units: list[Unit], cfg: HlatConfig) -> None:
+def _await_units(data: Storage, work: str, units: list[Unit], cfg: DataConfig) -> None:
     """Host 0: wait until every unit to read is committed (the other hosts' workers write theirs)."""
-    if cfg.data.max_documents is not None:
+    if cfg.max_documents is not None:
         return  # worker 0 (this host) read the prefix it needed
     waiting = [u for u in units if committed(data, work, u) is None]
     while waiting:

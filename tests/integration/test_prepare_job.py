@@ -21,11 +21,9 @@ from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
 from hlat.infra.jobs import job_name
 from hlat.infra.runs import open_run
-from hlat.infra.stage_jobs import run_stage_job
 from hlat.infra.supervisor import Ledger
-from hlat.tasks.prepare_data import data_cache_key
-from hlat.training.data.sources import source_fingerprint
 from hlat.training.data.units import REPORT_FILE, DataReport, UnitResult
+from tests.jobs import prepare_job, source_data
 
 pytestmark = pytest.mark.slow  # each test runs prepare-data jobs of 2 workers (5-11 s)
 
@@ -77,11 +75,12 @@ def job_config(corpus: Path, storage: Path, run_id: str, **more: Any) -> HlatCon
 
 def prepare(config: HlatConfig) -> tuple[DataReport | None, Any]:
     run = open_run(config)
-    key = data_cache_key(run, source_fingerprint(config.data))
-    record, state = run_stage_job(run, "prepare-data", args={"key": key})
+    record, state = prepare_job(run)
     data = run.stage("data")
-    report = DataReport.model_validate(data.read_json(REPORT_FILE)) if data.exists(REPORT_FILE) else None
-    return report, (record, state, data)
+    if not data.exists(REPORT_FILE):
+        return None, (record, state, data)
+    report = DataReport.model_validate(data.read_json(REPORT_FILE))
+    return report, (record, state, source_data(data))
 
 
 def outputs(data: Storage) -> list[tuple[str, str, int]]:

@@ -44,10 +44,8 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
     """The prepare-data job on the local backend, its 2 workers reading their own objects of an s3:// source and
     writing an s3:// run; a duplicate planted in every object is found across workers."""
     from hlat.infra.runs import open_run
-    from hlat.infra.stage_jobs import run_stage_job
-    from hlat.tasks.prepare_data import data_cache_key
-    from hlat.training.data.sources import source_fingerprint
     from hlat.training.data.units import REPORT_FILE, DataReport
+    from tests.jobs import prepare_job, source_data
 
     monkeypatch.setenv("HLAT_JOBS_DIR", str(tmp_path / "jobs"))  # the local backend's job folders of an S3 run
     client = s3_env.client()
@@ -59,11 +57,11 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
     overrides = {"data.source": f"s3://{s3_env.bucket}/corpus", "data.workers": 2, "data.max_documents": None}
     config = load_config("tiny", overrides, run_id="s3job", storage=s3_env.url)
     run = open_run(config)
-    key = data_cache_key(run, source_fingerprint(config.data))
-    record, state = run_stage_job(run, "prepare-data", args={"key": key})
+    record, state = prepare_job(run)
     assert state is not None and state.status.value == "Completed", record
     report = DataReport.model_validate(run.stage("data").read_json(REPORT_FILE))
     assert (report.rows_read, report.rows_kept, report.cross_unit_duplicates) == (104, 101, 3)
     assert report.units == 4 and [w.worker for w in report.workers] == [0, 1]
-    data = run.stage("data")
+    data = source_data(run.stage("data"))
+    assert data.uri().startswith(f"{s3_env.url}/sources/")
     assert len(list(iter_documents(data, read_manifest(data), "train"))) == report.train_rows

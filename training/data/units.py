@@ -37,8 +37,18 @@ import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
-from hlat.core.config import DataConfig
-from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardInfo, ShardWriter, shard_texts, write_shard
+from hlat.core.config import DataConfig, SourceConfig
+from hlat.core.shards import (
+    MANIFEST_FILE,
+    DataManifest,
+    MixtureManifest,
+    MixtureSource,
+    ShardInfo,
+    ShardWriter,
+    read_manifest,
+    shard_texts,
+    write_shard,
+)
 from hlat.core.storage import Storage
 from hlat.training.data.reader import BadRow, Unit, absolute_line, plan_units, read_unit
 from hlat.training.data.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
@@ -126,6 +136,10 @@ class DataReport(BaseModel):
     """The first set-aside rows with their file and 1-based line (or row group)."""
     manifest_checksum: str
     seconds: float
+    name: str = ""
+    """The source's name in the mixture (a source's own report); empty in a run's report."""
+    sources: list[DataReport] = Field(default_factory=list)
+    """A run's report: each source's own report (the counts above are their totals)."""
 
 
 def held_out(sha256: bytes, validation_fraction: float) -> bool:
@@ -389,6 +403,82 @@ def prepare_dataset(cfg: DataConfig, data: Storage, fingerprint: str) -> DataRep
     units = plan(cfg, data, work)
     run_worker(cfg, data, work, units, worker=0, limit=cfg.max_documents)
     return merge(cfg, data, work, units, fingerprint, started=start)
+
+
+def prepared(folder: Storage, key: str) -> bool:
+    """Whether `folder` holds a source prepared under `key` (its report is written last)."""
+    if not folder.exists(REPORT_FILE) or not folder.exists(MANIFEST_FILE):
+        return False
+    return bool(folder.read_json(REPORT_FILE).get("fingerprint") == key == read_manifest(folder).fingerprint)
+
+
+def write_mixture(cfg: DataConfig, data: Storage, sources: list[tuple[SourceConfig, Storage]], key: str) -> DataReport:
+    """The run's `data/manifest.json` (the mixture of the prepared sources) and then `data/report.json` (each
+    source's report and their totals). Leftovers of a single-source layout in `data` are removed after."""
+    reports, entries = [], []
+    for source, folder in sources:
+        manifest = read_manifest(folder)
+        report = DataReport.model_validate(folder.read_json(REPORT_FILE))
+        name = source.resolved_name
+        reports.append(report.model_copy(update={"name": name}))
+        entries.append(
+            MixtureSource(
+                name=name, weight=source.weight, max_epochs=source.max_epochs, folder=folder.uri(),
+                fingerprint=manifest.fingerprint, checksum=manifest.checksum, train_rows=manifest.rows("train"),
+                validation_rows=manifest.rows("validation"), train_bytes=manifest.bytes("train"),
+                validation_bytes=manifest.bytes("validation"),
+            )
+        )  # fmt: skip
+    mixture = MixtureManifest(
+        fingerprint=key, sources=entries, schedule=[e.model_dump(mode="json") for e in cfg.schedule]
+    )
+    data.write_json(MANIFEST_FILE, mixture.model_dump(mode="json"))
+    for old in data.list():
+        if old.startswith(("work-", "shards-")):
+            data.remove(old, recursive=True)
+    report = combined_report(reports, key, mixture.checksum, cfg.validation.policy)
+    data.write_json(REPORT_FILE, report.model_dump(mode="json"))
+    return report
+
+
+def combined_report(reports: list[DataReport], key: str, checksum: str, policy: str) -> DataReport:
+    """The run's report: the sources' counts added up, their reports inside."""
+
+    def total(field: str) -> int:
+        return sum(int(getattr(r, field)) for r in reports)
+
+    def merged(field: str) -> dict[str, int]:
+        out: Counter[str] = Counter()
+        for r in reports:
+            out.update(getattr(r, field))
+        return dict(sorted(out.items()))
+
+    read = total("rows_read")
+    duplicates = merged("quarantined_by_reason").get("duplicate", 0)
+    return DataReport(
+        source=", ".join(r.name for r in reports),
+        fingerprint=key,
+        policy=policy,
+        rows_read=read,
+        rows_kept=total("rows_kept"),
+        rows_quarantined=total("rows_quarantined"),
+        quarantined_by_reason=merged("quarantined_by_reason"),
+        expectation_failures=merged("expectation_failures"),
+        duplicate_rate=round(duplicates / read, 6) if read else 0.0,
+        cross_unit_duplicates=total("cross_unit_duplicates"),
+        train_rows=total("train_rows"),
+        validation_rows=total("validation_rows"),
+        train_bytes=total("train_bytes"),
+        validation_bytes=total("validation_bytes"),
+        shards=total("shards"),
+        units=total("units"),
+        raw_bytes=total("raw_bytes"),
+        workers=[w for r in reports for w in r.workers],
+        examples=[e for r in reports for e in r.examples][:100],
+        manifest_checksum=checksum,
+        seconds=round(sum(r.seconds for r in reports), 3),
+        sources=reports,
+    )
 
 
 # -- the merge ----------------------------------------------------------------------------------------------------
