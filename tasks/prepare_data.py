@@ -73,15 +73,22 @@ def shards_present(run: Run, report: DataReport) -> bool:
 
 @task(name="publish-data-report")
 def publish_data_report(report: DataReport, run_id: str) -> None:
-    """The report as a Prefect table (counts) and markdown (reasons) artifact."""
+    """The report as a Prefect table (counts, per source) and markdown (reasons and rules, per source) artifact."""
     rows: list[dict[str, Any]] = [
         {"metric": "rows read", "value": report.rows_read},
         {"metric": "rows kept", "value": report.rows_kept},
-        {"metric": "rows quarantined", "value": report.rows_quarantined},
-        *({"metric": f"quarantined: {k}", "value": v} for k, v in report.quarantined_by_reason.items()),
+        {"metric": "rows removed", "value": report.rows_quarantined},
+        *({"metric": f"removed: {k}", "value": v} for k, v in report.quarantined_by_reason.items()),
         {"metric": "duplicate rate", "value": f"{report.duplicate_rate:.2%}"},
-        {"metric": "duplicates across units", "value": report.cross_unit_duplicates},
         {"metric": "units / workers", "value": f"{report.units} / {len(report.workers)}"},
+        *(
+            {
+                "metric": f"source {r.name}",
+                "value": f"{r.rows_read} read, {r.rows_kept} kept ({r.train_rows} train, {r.validation_rows} "
+                f"validation), {r.train_bytes / 1e6:,.1f} MB train",
+            }
+            for r in report.sources
+        ),
         *(
             {"metric": f"worker {w.worker}", "value": f"{w.units} units, {w.bytes / 1e6:,.1f} MB, {w.mb_per_s} MB/s"}
             for w in report.workers
@@ -94,13 +101,25 @@ def publish_data_report(report: DataReport, run_id: str) -> None:
         {"metric": "shards", "value": report.shards},
     ]
     create_table_artifact(rows, key=artifact_key("data-report", run_id), description=f"prepare-data of {run_id}")
-    reasons = "\n".join(f"| {k} | {v} |" for k, v in report.quarantined_by_reason.items()) or "| (none) | 0 |"
-    examples = "\n".join(f"| {e.reason} | `{e.file}` | {e.line} |" for e in report.examples[:20])
-    if examples:
-        examples = "\n\nFirst set-aside rows:\n\n| reason | file | line |\n| --- | --- | --- |\n" + examples
-    create_markdown_artifact(
-        f"# prepare-data: {run_id}\n\nSource `{report.source}`, policy `{report.policy}`: "
-        f"{report.rows_read} rows read = {report.rows_kept} kept + {report.rows_quarantined} quarantined.\n\n"
-        f"| reason | rows |\n| --- | --- |\n{reasons}\n{examples}\n",
-        key=artifact_key("data-summary", run_id),
-    )
+    create_markdown_artifact(data_summary(report, run_id), key=artifact_key("data-summary", run_id))
+
+
+def data_summary(report: DataReport, run_id: str) -> str:
+    """The markdown artifact: per source, rows removed by reason or rule, and a few removed rows by rule."""
+    parts = [
+        f"# prepare-data: {run_id}\n\nPolicy `{report.policy}`: {report.rows_read} rows read = {report.rows_kept} "
+        f"kept + {report.rows_quarantined} removed.\n"
+    ]
+    for source in report.sources or [report]:
+        reasons = "\n".join(f"| {k} | {v} |" for k, v in source.quarantined_by_reason.items()) or "| (none) | 0 |"
+        parts.append(
+            f"## {source.name or source.source}\n\n`{source.source}`: {source.rows_read} read, {source.rows_kept} "
+            f"kept.\n\n| reason or rule | rows |\n| --- | --- |\n{reasons}\n"
+        )
+        examples = "\n".join(
+            f"| {e.reason} | `{e.file}` | {e.line} | {e.excerpt[:80].replace('|', '/').replace(chr(10), ' ')} |"
+            for e in source.examples[:20]
+        )
+        if examples:
+            parts.append(f"Removed rows:\n\n| reason | file | line | text |\n| --- | --- | --- | --- |\n{examples}\n")
+    return "\n".join(parts)
