@@ -104,8 +104,8 @@ def _recently_passed(key: str) -> bool:
 
 
 def _source_key(config: HlatConfig) -> str:
-    d = config.data
-    return json.dumps(["source", d.source, d.hf_config, d.revision, os.environ.get("HF_HUB_OFFLINE")])
+    readers = [[s.source, s.hf_config, s.revision] for s in config.data.mixture]
+    return json.dumps(["source", readers, os.environ.get("HF_HUB_OFFLINE")])
 
 
 def _aws_key(config: HlatConfig) -> str:
@@ -121,17 +121,29 @@ flows hand them in: flows/stage.py, source_shape)."""
 
 
 def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
-    """Whether data.source can be read, asked of what holds it (see the module docstring)."""
-    src = config.data.source
+    """Whether each source of the corpus can be read, asked of what holds it (see the module docstring). The findings
+    of a data.sources entry name it (`data.sources[<name>]: ...`)."""
+    findings = []
+    for source in config.data.mixture:
+        found = _one_source(config.data.source_data_config(source), shape, config.job.backend)
+        if config.data.sources:
+            named = f"data.sources[{source.resolved_name}]"
+            found = Finding(found.check, found.ok, found.message.replace("data.source:", f"{named}:"), found.checked)
+        findings.append(found)
+    return findings
+
+
+def _one_source(data: DataConfig, shape: SourceShape, backend: str) -> Finding:
+    src = data.source
     try:
-        kind = shape(config.data)  # its shape; a local path's existence
+        kind = shape(data)  # its shape; a local path's existence
     except ConfigError as exc:
-        return [Finding("source", False, str(exc))]
+        return Finding("source", False, str(exc))
     if kind == "s3":
-        return [_s3_source(src)]
+        return _s3_source(src)
     if kind == "hub":
-        return [_hub_source(config)]
-    return [Finding("source", True, f"{src} ({kind})")]
+        return _hub_source(data, backend)
+    return Finding("source", True, f"{src} ({kind})")
 
 
 def _s3_source(uri: str) -> Finding:
@@ -191,11 +203,10 @@ def hub_cached(name: str) -> Path | None:
     return next((p for p in candidates if p.is_dir()), None)
 
 
-def _hub_source(config: HlatConfig) -> Finding:
+def _hub_source(d: DataConfig, backend: str) -> Finding:
     from huggingface_hub import HfApi, constants
     from huggingface_hub.errors import GatedRepoError, RepositoryNotFoundError, RevisionNotFoundError
 
-    d = config.data
     name, cached = d.source, hub_cached(d.source)
     if constants.HF_HUB_OFFLINE:
         if cached is not None:
@@ -228,7 +239,7 @@ def _hub_source(config: HlatConfig) -> Finding:
         why = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:200]
         if cached is not None:
             return Finding("source", True, f"{name}: the hub does not answer ({why}); its cached copy at {cached}")
-        if config.job.backend == "sagemaker":  # the job reaches the hub from AWS, not from here
+        if backend == "sagemaker":  # the job reaches the hub from AWS, not from here
             return Finding("source", True, f"{name}: the hub does not answer from here ({why})", checked=False)
         return Finding(
             "source",

@@ -102,3 +102,16 @@ def test_an_extension_that_changes_the_schedule_is_refused_before_a_server_start
         )
     assert "also set training.schedule_steps=600" in str(refused.value)
     assert (tmp_path / "runs" / "demo" / "config.json").read_text() == stored  # nothing written
+
+
+def test_each_source_of_a_mixture_is_checked_and_named(tmp_path: Path) -> None:
+    from hlat.core.presets import load_config
+    from hlat.flows.stage import source_shape
+    from hlat.infra.preflight import source_findings
+
+    present = tmp_path / "books.jsonl"
+    present.write_text('{"text": "a book"}\n')
+    sources = [{"source": str(present)}, {"source": str(tmp_path / "missing.jsonl"), "name": "web"}]
+    findings = source_findings(load_config("tiny", {"data.sources": sources}), source_shape)
+    assert [f.ok for f in findings] == [True, False]
+    assert findings[1].message.startswith("data.sources[web]: ") and "missing.jsonl" in findings[1].message
