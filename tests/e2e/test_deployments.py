@@ -311,7 +311,7 @@ def test_a_stage_started_from_the_ui_form_completes(
     assert run.parameters["storage"] == str(storage) and run.parameters["preset"] == "tiny"
     (run_dir,) = [p for p in storage.iterdir() if p.is_dir()]
     manifest = json.loads((run_dir / "data" / "manifest.json").read_text())
-    assert manifest["shards"], manifest
+    assert manifest["sources"] and manifest["sources"][0]["train_rows"], manifest
 
     # The finished run's page: its state and its graph of task runs.
     page.reload(wait_until="networkidle")

@@ -96,14 +96,16 @@ def test_hlat_runs_both_stages_then_a_rerun_skips_them(
     progress = artifacts_of(f"pretrain-progress-{first['run_id']}")
     assert len(progress) == 1 and progress[0].data == 100.0
     assert progress[0].description == "6 of 6 stages done"
-    shard_dirs = sorted(p.name for p in (run / "data").glob("shards-*"))
+    # Each source is prepared beside the runs (<storage>/sources/<name>-<key>/), its units committed once.
+    commits = {p: p.stat().st_mtime_ns for p in (tmp_path / "sources").rglob("unit.json")}
+    assert commits
     model_bytes = (run / "tokenizer/tokenizer.model").read_bytes()
 
     second = hlat(preset="tiny", overrides=small_run, storage=str(tmp_path))
     assert second["run_id"] == first["run_id"] and second["prepare-data"] == first["prepare-data"]
     assert task_states("build-shards")[-1] == "Cached" and task_states("fit-tokenizer")[-1] == "Cached"
-    # nothing was rewritten: a new attempt would have made a new shard folder
-    assert sorted(p.name for p in (run / "data").glob("shards-*")) == shard_dirs
+    # nothing was rewritten: a new attempt would have committed its units again
+    assert {p: p.stat().st_mtime_ns for p in (tmp_path / "sources").rglob("unit.json")} == commits
     assert (run / "tokenizer/tokenizer.model").read_bytes() == model_bytes
 
     # outputs deleted behind the cache's back are rebuilt, not trusted; `hlat pretrain` builds the config once (the
