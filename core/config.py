@@ -1041,6 +1041,24 @@ def _plain(value: Any) -> Any:
     return value.model_dump(mode="json") if isinstance(value, BaseModel) else value
 
 
+def flatten_config(nested: dict[str, Any], model: type[BaseModel] = HlatConfig, prefix: str = "") -> dict[str, Any]:
+    """A nested partial config (a config file's `{"data": {"sources": [...]}}`) as the dotted-path overrides
+    apply_overrides takes (`{"data.sources": [...]}`), in the file's order. It descends only into fields whose type
+    is a config Section (data, data.curation, training...); any other value, lists and mappings included
+    (data.sources, burn_in.thresholds), is one leaf and replaces the preset's value whole. An unknown key stays a
+    path, for apply_overrides to name with its closest match."""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        dotted = f"{prefix}{key}"
+        field = model.model_fields.get(str(key))
+        section = field.annotation if field is not None else None
+        if isinstance(section, type) and issubclass(section, Section) and isinstance(value, dict):
+            out.update(flatten_config(value, section, f"{dotted}."))
+        else:
+            out[dotted] = value
+    return out
+
+
 def apply_overrides(data: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
     """Set dotted paths in a plain config dict; an unknown path names the closest known ones."""
     out = json.loads(json.dumps(data))

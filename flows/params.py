@@ -17,11 +17,11 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import TYPE_CHECKING, Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, get_args, get_origin
 
 from pydantic import BaseModel, ConfigDict, Field, WithJsonSchema, create_model, model_serializer
 
-from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.config import ConfigError, HlatConfig, MixtureStep, SourceConfig
 from hlat.core.presets import load_config
 
 PresetName = Literal["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
@@ -65,6 +65,8 @@ STEP: Any = Field(
 )
 
 FORM_FIELDS = (
+    "data.sources",
+    "data.schedule",
     "data.max_documents",
     "training.max_steps",
     "training.lr",
@@ -75,7 +77,8 @@ FORM_FIELDS = (
     "evaluation.tasks",
     "evaluation.limit",
 )
-"""Config fields with their own typed field in the overrides form."""
+"""Config fields with their own typed field in the overrides form. data.sources is the same list of sources a
+--config file gives (each entry a form of SourceConfig's fields: reader settings, weight, max_epochs, tokens)."""
 
 
 def preset_values(dotted: str) -> str:
@@ -88,11 +91,30 @@ def preset_values(dotted: str) -> str:
         if isinstance(value, int) and not isinstance(value, bool):
             return f"{value:,}"
         if isinstance(value, list):
-            return ", ".join(map(str, value)) or "none"
+            return ", ".join(map(item, value)) or "none"
+        return str(value)
+
+    def item(value: Any) -> str:
+        """A list's entry: a source by its name, a schedule entry by its step."""
+        if isinstance(value, SourceConfig):
+            return value.resolved_name
+        if isinstance(value, MixtureStep):
+            return f"from step {value.step:,}"
         return str(value)
 
     section, name = dotted.split(".")
     return " · ".join(f"{p} {shown(getattr(getattr(load_config(p), section), name))}" for p in PRESETS)
+
+
+def entries_in_form(model: type[BaseModel]) -> dict[str, Any]:
+    """JSON schema of a list of `model` entries (data.sources, data.schedule) as the form draws it: each entry's
+    fields inline (no $ref), an entry's field whose default is None shown as its type alone, as optional_in_form
+    does for the form's own fields (max_epochs keeps its null branch: None there means no limit, not its default)."""
+    entry = model.model_json_schema()
+    for prop in entry["properties"].values():
+        if prop.get("default", 0) is None:
+            optional_in_form(prop)
+    return {"type": "array", "items": entry}
 
 
 def _config_field(dotted: str) -> tuple[Any, Any]:
@@ -101,6 +123,9 @@ def _config_field(dotted: str) -> tuple[Any, Any]:
     section, name = dotted.split(".")
     info = HlatConfig.model_fields[section].annotation.model_fields[name]  # type: ignore[union-attr]
     annotation = Annotated[info.annotation, *info.metadata] if info.metadata else info.annotation
+    (entry,) = get_args(info.annotation) if get_origin(info.annotation) is list else (None,)
+    if isinstance(entry, type) and issubclass(entry, BaseModel):  # a list of config entries: drawn inline
+        annotation = Annotated[annotation, WithJsonSchema(entries_in_form(entry))]
     description = f"{info.description} Empty: the preset's value ({preset_values(dotted)})."
     field = Field(None, alias=dotted, title=dotted, description=description, json_schema_extra=optional_in_form)
     return annotation | None, field

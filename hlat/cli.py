@@ -1,6 +1,7 @@
 """The `hlat` command line: run the whole DAG or one stage, list presets, show a resolved config.
 
-    hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--set training.lr=1e-3 ...] [--dry-run]
+    hlat pretrain --preset tiny [--run-id R] [--storage DIR|s3://...] [--config FILE] [--set training.lr=1e-3 ...]
+                  [--dry-run]
     hlat run prepare-data|train-tokenizer|precompile|burn-in|train|evaluate --preset tiny --run-id R --storage DIR
     hlat run evaluate ... --step N          evaluate checkpoint N instead of the newest
     hlat export <checkpoint dir | checkpoints dir | run dir> <out dir> [--step N] [--tokenizer DIR]
@@ -13,6 +14,9 @@
     hlat preflight --preset hlat-7b --storage s3://... [--set ...]   check account, role, storage, images, quotas, data
     hlat deploy [--name '*-tiny' ...] [--type process|ecs|kubernetes] [--stack S]   register deployments/prefect.yaml
     hlat worker [--pool hlat] [--type process|ecs|kubernetes] [--limit N] [--stack S]   create the pool, serve it
+
+Every command that takes --set takes --config FILE too: a YAML or JSON file holding a partial config, nested by
+section (deployments/mix-example.yaml), laid over the preset before the --set overrides.
 
 Flows run on the Prefect API configured in the environment, or in Prefect's ephemeral mode when none is.
 User mistakes (config, data, storage) end with one line on stderr and exit code 2 (config) or 1; any other
@@ -33,7 +37,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from hlat.core.config import ConfigError, closest_match, parse_override
+from hlat.core.config import ConfigError, apply_overrides, closest_match, flatten_config, parse_override
 from hlat.core.presets import PRESETS, load_config
 from hlat.core.stages import STAGE_NAMES, stage
 from hlat.deploy import DEFAULT_POOL, POOL_TYPES
@@ -58,13 +62,23 @@ def _preset(name: str) -> str:
     raise argparse.ArgumentTypeError(f"unknown preset {name!r}; {hint}(choose from {', '.join(PRESETS)})")
 
 
+DEFAULT_PRESET = "tiny"
+
+
 def _add_config_options(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--preset",
-        default="tiny",
+        default=None,  # not given: the --config file's `preset:`, else DEFAULT_PRESET (command_overrides)
         type=_preset,
         metavar="{" + ",".join(PRESETS) + "}",
-        help="named preset (default: tiny)",
+        help=f"named preset (default: the --config file's preset:, else {DEFAULT_PRESET})",
+    )
+    p.add_argument(
+        "--config",
+        dest="config_file",
+        metavar="FILE",
+        help="a YAML (.yaml, .yml) or JSON file of config fields nested by section, e.g. "
+        "deployments/mix-example.yaml, laid over the preset; --set applies after it",
     )
     p.add_argument(
         "--set",
@@ -203,6 +217,86 @@ def _overrides(items: list[str]) -> dict[str, Any]:
     return dict(parse_override(item) for item in items)
 
 
+def command_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The command's one overrides dict: its --config file's fields as dotted paths, then its --set ones (a --set
+    wins over the file). Without --preset, `args.preset` becomes the file's `preset:`, else DEFAULT_PRESET."""
+    file_preset, overrides = read_config_file(args.config_file) if args.config_file else (None, {})
+    if args.preset is None:
+        args.preset = file_preset or DEFAULT_PRESET
+    overrides.update(_overrides(args.overrides))
+    return overrides
+
+
+def read_config_file(path: str) -> tuple[str | None, dict[str, Any]]:
+    """A --config file: its `preset:` (None if it names none) and its fields as dotted-path overrides
+    (core.config.flatten_config: sections are descended into, any other value, data.sources included, is one
+    field). A missing file, bad YAML or JSON (with its line), a top level that is not a mapping, an unknown preset
+    or an unknown field is a ConfigError of one line naming the file."""
+    data = _parse_config_file(Path(path))
+    if data is None:  # an empty file (or every line commented out): the preset as it is
+        return None, {}
+    if not isinstance(data, dict):
+        raise ConfigError(
+            f"{path}: the top level must be a mapping of config sections (e.g. 'training: {{max_steps: 100}}'), "
+            f"not a {type(data).__name__}"
+        )
+    data = dict(data)
+    preset = data.pop("preset", None)
+    if preset is not None and preset not in PRESETS:
+        close = closest_match(str(preset), list(PRESETS))
+        hint = f"did you mean {close!r}? " if close else ""
+        raise ConfigError(f"{path}: preset: unknown preset {preset!r}; {hint}(choose from {', '.join(PRESETS)})")
+    overrides = flatten_config(data)
+    try:
+        apply_overrides({}, overrides)  # every path known: the same message as --set's, naming the file
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}") from None
+    return preset, overrides
+
+
+def _parse_config_file(file: Path) -> Any:
+    """The file's content as plain data, by its extension: YAML (PyYAML's safe loader) or JSON."""
+    suffix = file.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".json"):
+        raise ConfigError(f"{file}: a config file is YAML (.yaml, .yml) or JSON (.json), not {suffix or 'no suffix'!r}")
+    try:
+        text = file.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise ConfigError(f"{file}: no such config file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{file}: cannot be read: {exc}") from None
+    if suffix == ".json":
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{file}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{file}: not valid YAML{where}: {problem}") from None
+
+
+def check_mixture(config: Any, *, show: bool) -> None:
+    """Refuse (ConfigError naming the source and its numbers) a run that would repeat a source of its data mixture
+    more often than that source's max_epochs (core.mixture.check_repetition), before anything starts; `show`:
+    print the per-source table first (dry run, plan), so the refusal comes with the numbers of every source."""
+    from hlat.core.mixture import check_repetition
+
+    try:
+        check_repetition(config)
+    except ConfigError:
+        if show:
+            from hlat.infra.stage_jobs import source_lines
+
+            print("\n".join(source_lines(config)))
+        raise
+
+
 def presets_table() -> str:
     head = (
         "preset",
@@ -274,10 +368,15 @@ def _token_count(text: str) -> float:
 
 
 def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
+    from hlat.core.mixture import source_draws
     from hlat.infra import planner
-    from hlat.infra.stage_jobs import data_estimate
+    from hlat.infra.stage_jobs import data_estimate, for_tokens, source_lines
 
     config = load_config(args.preset, overrides)
+    # The sources' draws of the budget planned (--tokens, else the run's): a budget that would repeat a source past
+    # its max_epochs is refused with the table (exit 2), as the run itself would be.
+    budgeted = for_tokens(config, args.tokens) if args.tokens else config
+    check_mixture(budgeted, show=not args.json)
     instance_type, note = planner.planning_instance(config)
     the_plan = planner.plan(config, nodes=args.nodes, instance_type=instance_type)
     if note:
@@ -292,9 +391,14 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
             "workers": data.workers, "instances": data.instances, "instance_type": data.instance_type,
             "mb_per_s_per_worker": data.mb_per_s_per_worker, "basis": data.basis,
         }  # fmt: skip
+        body["sources"] = [
+            {"name": d.name, "share": round(d.share, 6), "tokens": d.tokens, "source_tokens": d.available,
+             "epochs": None if d.epochs is None else round(d.epochs, 4), "max_epochs": d.max_epochs}
+            for d in source_draws(budgeted)
+        ]  # fmt: skip
         print(json.dumps(body, indent=2))
     else:
-        print(planner.render(the_plan, costs, top=args.top, also=[data.line()]))
+        print(planner.render(the_plan, costs, top=args.top, also=[data.line()], sources=source_lines(budgeted)))
     return 0
 
 
@@ -448,7 +552,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
 
         worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name, stack=args.stack,
                region=args.region)  # fmt: skip
-    overrides = _overrides(args.overrides)
+    overrides = command_overrides(args)
     if args.command == "preflight":
         from hlat.preflight_cli import preflight_command
 
@@ -464,6 +568,9 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     # The command's one config: a bad one fails here, before Prefect starts (an ephemeral API takes seconds to come
     # up); the flow the command runs is handed this one (handing_over), not a second.
     config = build_config(args.preset, overrides, args.run_id, args.storage)
+    # A run that would repeat a source past its max_epochs is refused here: before any job is shown or sent, and
+    # before a server starts (the dry run shows the per-source table with the refusal).
+    check_mixture(config, show=args.dry_run)
     if args.dry_run:
         from hlat.infra.stage_jobs import dry_run
 

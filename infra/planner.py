@@ -839,9 +839,16 @@ def _fmt_tokens(n: float) -> str:
     return f"{n:.0f}"
 
 
-def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 10, also: Sequence[str] = ()) -> str:
-    """The ranked table, what does not fit and why, the configured layout, and time and cost for a budget (with
-    the lines of `also` under it: the preparation of its data)."""
+def render(
+    the_plan: Plan,
+    costs: list[InstanceCost] | None = None,
+    top: int = 10,
+    also: Sequence[str] = (),
+    sources: Sequence[str] = (),
+) -> str:
+    """The ranked table, what does not fit and why, the configured layout, time and cost for a budget (with
+    the lines of `also` under it: the preparation of its data), and the lines of `sources`: the tokens the budget
+    draws from each source of the data mixture."""
     p = the_plan
     gib = 1024**3
     cal = p.calibration
@@ -898,5 +905,7 @@ def render(the_plan: Plan, costs: list[InstanceCost] | None = None, top: int = 1
                 f"${c.usd:>14,.0f}  {per_usd}  ({c.basis}; ${c.usd_per_node_hour:,.3f}/node-hour)"
             )
         lines += [f"  {line}" for line in also]
+    if sources:
+        lines += ["", *sources]
     lines += [f"note: {n}" for n in p.notes]
     return "\n".join(lines)

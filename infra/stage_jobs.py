@@ -19,6 +19,7 @@ from typing import Any
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import STOP_DEADLINE, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
+from hlat.core.mixture import draws_table, source_draws
 from hlat.core.stages import DATA, EVALUATION, JOB_STAGES, Stage, stage
 from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
@@ -512,6 +513,23 @@ def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstima
     )
 
 
+def for_tokens(config: HlatConfig, tokens: float) -> HlatConfig:
+    """`config` trained for `tokens` (`hlat plan --tokens`): training.max_steps the steps that draw them."""
+    steps = max(1, math.ceil(tokens / config.tokens_per_step))
+    return config.model_copy(update={"training": config.training.model_copy(update={"max_steps": steps})})
+
+
+def source_lines(config: HlatConfig) -> list[str]:
+    """The data mixture as the dry run and `hlat plan` show it: per source (core.mixture), its share of the run's
+    training tokens, the tokens drawn, its size and the epochs of it that makes, against its max_epochs."""
+    return [
+        f"data: {config.training.max_steps:,} steps x {config.tokens_per_step:,} tokens drawn from "
+        f"{len(config.data.mixture)} source(s); epochs count against each source's declared size "
+        "(data.sources[].tokens) until prepare-data measures it",
+        *(f"  {line}" for line in draws_table(source_draws(config))),
+    ]
+
+
 def _describe_requests(requests: list[dict[str, Any]]) -> list[str]:
     """Uploads summarised (count, bytes, common prefix); every other request printed in full."""
     uploads = [r["params"] for r in requests if r.get("operation") == "PutObject"]
@@ -620,6 +638,8 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     lines = [f"dry run: {stage} of run {run_id} on the {job.backend} backend (nothing is sent)"]
     lines.append(f"layout: {describe_layout(config)}")
     lines += [f"  placeholder: {n}" for n in notes]
+    if stage in ("train", "prepare-data"):
+        lines += source_lines(config)
     lines.append("")
     lines.append(f"requests of attempt 1 (job {spec.name}):")
     lines += _describe_requests(requests)

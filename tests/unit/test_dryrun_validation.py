@@ -132,3 +132,22 @@ def test_a_training_past_the_28_day_cap_says_how_its_jobs_are_chained() -> None:
 def test_a_whole_request_is_checked_before_it_is_sent() -> None:
     with pytest.raises(ValueError, match=r"TrainingJobName"):
         check_request("CreateTrainingJob", {"TrainingJobName": "x" * 64})
+
+
+def test_the_dry_run_of_training_and_of_prepare_data_shows_the_tokens_drawn_from_each_source() -> None:
+    sources = [
+        {"name": "web", "source": "HuggingFaceFW/fineweb", "weight": 0.9, "tokens": 15_000_000_000_000},
+        {"name": "wiki", "source": "wikimedia/wikipedia", "weight": 0.1},  # no declared size: epochs unknown
+    ]
+    config = sagemaker(**{"data.sources": sources})
+    tokens = 429_000 * 1024 * 4096
+    for stage in ("train", "prepare-data"):
+        lines = dry_run(config, stage=stage).splitlines()
+        head = lines.index("  source  share  tokens drawn       source tokens       epochs")
+        assert lines[head + 1].split() == [
+            "web", "90.0%", f"{round(0.9 * tokens):,}", "15,000,000,000,000", f"{0.9 * tokens / 15e12:.2f}", "(max",
+            "4)",
+        ]  # fmt: skip
+        assert lines[head + 2].split() == ["wiki", "10.0%", f"{round(0.1 * tokens):,}", "unknown", "?", "(max", "4)"]
+    # The evaluation job draws no training tokens: no table.
+    assert "tokens drawn" not in dry_run(config, stage="evaluate")

@@ -4,17 +4,18 @@ deployment placeholder that was never filled in."""
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import get_args
 
 import pytest
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
-from hlat.cli import _overrides, build_parser, flow_call
-from hlat.core.config import ConfigError, HlatConfig, parse_override
-from hlat.core.presets import PRESETS
+from hlat.cli import build_parser, command_overrides, flow_call
+from hlat.core.config import ConfigError, HlatConfig, SourceConfig, parse_override
+from hlat.core.presets import PRESETS, load_config
 from hlat.core.stages import STAGE_NAMES, stage
-from hlat.flows.params import FORM_FIELDS, Overrides, PresetName, overrides_dict
+from hlat.flows.params import FORM_FIELDS, Overrides, PresetName, build_config, overrides_dict
 from hlat.flows.pretrain import hlat, stage_flow_of
 from hlat.flows.stage import resolve
 
@@ -54,6 +55,39 @@ def test_overrides_keep_set_fields_and_extra_paths_and_drop_empty_ones() -> None
 def test_a_form_field_is_checked_like_the_config_field() -> None:
     with pytest.raises(ValidationError, match=r"training\.max_steps"):
         Overrides.model_validate({"training.max_steps": 0})
+    with pytest.raises(ValidationError, match=r"data\.sources`?\.0\.wieght"):
+        Overrides.model_validate({"data.sources": [{"source": "a.jsonl", "wieght": 0.6}]})
+
+
+def test_the_form_takes_the_list_of_sources_and_the_schedule_as_the_config_file_does() -> None:
+    """data.sources and data.schedule are form fields: arrays whose entries are drawn inline with the config's own
+    descriptions, their optional fields as their type alone (no $ref to resolve, no "None" type switch)."""
+    fn_schema = parameter_schema(hlat.fn).model_dump()
+    assert list(fn_schema["definitions"]) == ["Overrides"]  # entries inline: no SourceConfig to look up
+    props = fn_schema["definitions"]["Overrides"]["properties"]
+    sources, schedule = props["data.sources"], props["data.schedule"]
+    assert sources["type"] == schedule["type"] == "array" and "anyOf" not in sources and "default" not in sources
+    entry = sources["items"]
+    assert entry["required"] == ["source"] and entry["additionalProperties"] is False
+    assert set(entry["properties"]) == set(SourceConfig.model_fields)
+    for name, field in SourceConfig.model_fields.items():
+        assert entry["properties"][name]["description"] == field.description
+    assert entry["properties"]["tokens"] == {
+        "description": SourceConfig.model_fields["tokens"].description, "minimum": 1, "title": "Tokens",
+        "type": "integer",
+    }  # fmt: skip
+    # max_epochs keeps its null branch: None there is "no limit", not its default of 4.
+    assert [b["type"] for b in entry["properties"]["max_epochs"]["anyOf"]] == ["number", "null"]
+    assert schedule["items"]["properties"]["weights"]["additionalProperties"] == {"type": "number"}
+    # What the form sends back is what a config file gives: the flow's config has the mixture.
+    given = {
+        "data.sources": [{"source": "HuggingFaceFW/fineweb", "weight": 0.7}, {"source": "/data/books", "weight": 0.3}],
+        "data.schedule": [{"step": 5, "weights": {"fineweb": 1, "books": 1}}],
+    }
+    validated = hlat.validate_parameters({"preset": "tiny", "overrides": given})
+    config = build_config("tiny", overrides_dict(validated["overrides"]), None, None)
+    assert [(s.resolved_name, s.weight) for s in config.data.mixture] == [("fineweb", 0.7), ("books", 0.3)]
+    assert config.data.weights_at(5) == {"fineweb": 0.5, "books": 0.5}
 
 
 @pytest.mark.parametrize("name", [*STAGE_NAMES, "pretrain"])
@@ -85,6 +119,29 @@ def test_an_unfilled_deployment_placeholder_is_named_before_anything_runs() -> N
 def test_what_the_cli_passes_is_valid_for_the_flow(argv: list[str]) -> None:
     """With or without --set: the flow's own parameter validation accepts the CLI's call (as Prefect runs it)."""
     args = build_parser().parse_args(argv)
-    fn, params = flow_call(args, _overrides(args.overrides))
+    fn, params = flow_call(args, command_overrides(args))
     validated = fn.validate_parameters(params)
     assert overrides_dict(validated["overrides"]) == dict(parse_override(o) for o in args.overrides)
+    assert validated["preset"] == "tiny"
+
+
+def test_a_config_file_reaches_the_flow_as_the_one_overrides_dict(tmp_path: Path) -> None:
+    """--config then --set: one dict of dotted paths, the file's preset, and the flow builds the CLI's config."""
+    mix = tmp_path / "mix.yaml"
+    mix.write_text(
+        "preset: hlat-7b\ndata:\n  sources:\n    - {source: HuggingFaceFW/fineweb, weight: 2, tokens: 15000000000000}\n"
+        "    - {source: /data/books, weight: 1, max_epochs: 2}\n  curation: {minhash: true}\n"
+        "training: {max_steps: 100}\n"
+    )
+    args = build_parser().parse_args(["pretrain", "--config", str(mix), "--set", "training.max_steps=50"])
+    overrides = command_overrides(args)
+    assert list(overrides) == ["data.sources", "data.curation.minhash", "training.max_steps"]
+    fn, params = flow_call(args, overrides)
+    validated = fn.validate_parameters(params)
+    assert validated["preset"] == "hlat-7b"
+    flows = build_config(validated["preset"], overrides_dict(validated["overrides"]), None, None)
+    assert flows == load_config(args.preset, overrides)  # the same run: same config, same run id
+    assert flows.training.max_steps == 50 and flows.data.curation.minhash
+    assert [(s.resolved_name, s.tokens, s.max_epochs) for s in flows.data.mixture] == [
+        ("fineweb", 15_000_000_000_000, 4.0), ("books", None, 2.0)
+    ]  # fmt: skip

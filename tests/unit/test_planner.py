@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import re
 from typing import Any
 
@@ -300,6 +301,41 @@ def test_cli_plans_a_local_preset_as_if_on_trn1(capsys: pytest.CaptureFixture[st
     with pytest.raises(SystemExit) as exc:
         main(["plan", "--preset", "hlat-7b", "--nodes", "0"])
     assert exc.value.code == 2
+
+
+MIX = (
+    '--set=data.sources=[{"name": "web", "source": "HuggingFaceFW/fineweb", "weight": 3, "tokens": 15000000000000},'
+    ' {"name": "wiki", "source": "wikimedia/wikipedia", "hf_config": "20231101.en", "weight": 1, "max_epochs": 2,'
+    ' "tokens": 5000000000}]'
+)
+
+
+def test_cli_plans_the_tokens_each_source_gives_and_refuses_a_budget_that_repeats_one(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """The budget's draws per source (here --tokens: its steps), and exit 2 with the table when one is over."""
+    from hlat.cli import main
+
+    assert main(["plan", "--preset", "hlat-7b", "--top", "1", "--tokens", "20B", MIX]) == 0
+    out = capsys.readouterr().out.splitlines()
+    steps = math.ceil(20e9 / (1024 * 4096))
+    head = out.index(f"data: {steps:,} steps x 4,194,304 tokens drawn from 2 source(s); epochs count against each "
+                     "source's declared size (data.sources[].tokens) until prepare-data measures it")  # fmt: skip
+    web, wiki = (line.split() for line in out[head + 2 : head + 4])
+    tokens = steps * 1024 * 4096
+    assert web == ["web", "75.0%", f"{round(0.75 * tokens):,}", "15,000,000,000,000", "0.00", "(max", "4)"]
+    assert wiki == ["wiki", "25.0%", f"{round(0.25 * tokens):,}", "5,000,000,000", "1.00", "(max", "2)"]
+    assert main(["plan", "--preset", "hlat-7b", "--json", "--tokens", "20B", MIX]) == 0
+    body = json.loads(capsys.readouterr().out)
+    assert [(s["name"], s["tokens"], s["source_tokens"], s["max_epochs"]) for s in body["sources"]] == [
+        ("web", round(0.75 * tokens), 15_000_000_000_000, 4.0), ("wiki", round(0.25 * tokens), 5_000_000_000, 2.0)
+    ]  # fmt: skip
+    # 60B tokens: 3.00 epochs of wiki's 5B, past its 2.
+    assert main(["plan", "--preset", "hlat-7b", "--tokens", "60B", MIX]) == 2
+    captured = capsys.readouterr()
+    assert "wiki" in captured.out and "(max 2)" in captured.out and "plan: hlat-7b" not in captured.out
+    assert captured.err.startswith("hlat: error: data.sources[wiki]: the run draws ")
+    assert "3.00 epochs of its 5,000,000,000 tokens, more than its max_epochs=2" in captured.err
 
 
 # --- the task ------------------------------------------------------------------------------------------------------
