@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import sys
 import time
 import traceback
@@ -247,11 +248,25 @@ def read_config_file(path: str) -> tuple[str | None, dict[str, Any]]:
         hint = f"did you mean {close!r}? " if close else ""
         raise ConfigError(f"{path}: preset: unknown preset {preset!r}; {hint}(choose from {', '.join(PRESETS)})")
     overrides = flatten_config(data)
+    for dotted, value in overrides.items():
+        if not _finite(value):  # YAML's .inf and .nan: refused as --set refuses them
+            raise ConfigError(f"{path}: {dotted}: values must be finite")
     try:
         apply_overrides({}, overrides)  # every path known: the same message as --set's, naming the file
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}") from None
     return preset, overrides
+
+
+def _finite(value: Any) -> bool:
+    """No inf or nan anywhere in a value (lists and mappings included)."""
+    if isinstance(value, float):
+        return math.isfinite(value)
+    if isinstance(value, dict):
+        return all(map(_finite, value.values()))
+    if isinstance(value, list):
+        return all(map(_finite, value))
+    return True
 
 
 def _parse_config_file(file: Path) -> Any:

@@ -103,6 +103,8 @@ def test_the_files_preset_applies_only_when_no_preset_is_given(tmp_path: Path) -
         ("typo.json", '{"data": {"sources": [], "sourcez": "x"}}', r"typo\.json: data\.sourcez: unknown field "
          r"'sourcez' in data; did you mean data\.sources\?"),
         ("preset.yaml", "preset: hlat7b\n", r"preset\.yaml: preset: unknown preset 'hlat7b'; did you mean 'hlat-7b'"),
+        ("inf.yaml", "data:\n  sources: [{source: a, weight: .inf}]\n", r"inf\.yaml: data\.sources: values must be "
+         r"finite$"),
         ("mix.toml", "[training]\n", r"mix\.toml: a config file is YAML \(\.yaml, \.yml\) or JSON"),
     ],
 )  # fmt: skip
