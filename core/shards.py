@@ -53,7 +53,7 @@ class DataManifest(BaseModel):
         return hashlib.sha256("".join(s.sha256 for s in self.shards).encode()).hexdigest()
 
 
-MIXTURE_VERSION = 2
+MIXTURE_VERSION: Literal[2] = 2
 
 
 class MixtureSource(BaseModel):
