@@ -1,0 +1,598 @@
+"""Curation of one source with Hugging Face's datatrove (https://github.com/huggingface/datatrove): quality rules,
+n-gram decontamination, exact and MinHash near-duplicate removal, each as datatrove's own blocks.
+
+Every phase is a datatrove pipeline run by `LocalPipelineExecutor`; the run's storage (a local folder or an s3 prefix,
+through the `Storage`'s fsspec filesystem) is the only medium between phases, so the same code runs in one process,
+on N workers of one host, or on N hosts (each runs its share of a phase's tasks, then waits for the phase's
+completion files in storage: a barrier through storage). A phase killed half-way is re-run from its completion files:
+datatrove's `skip_completed` redoes only the tasks that did not finish.
+
+Phases (`{work}/curate/` on the storage):
+  1. `filter`: the unit shards -> Gopher quality, Gopher repetition, C4 quality, FineWeb quality, n-gram
+     decontamination (each removed document written by an exclusion writer) -> the survivors (`kept/filter/`, the split
+     in each document's metadata) -> exact-dedup signatures (else MinHash signatures). `tasks` tasks, one per group of
+     input files.
+  2. `exact_find`: one task per hash range (cfg.finder_workers): each finder merges only its range's sorted hashes,
+     so no task holds more than 1/finder_workers of the corpus's 12-byte signatures (datatrove's design).
+  3. `exact_filter` (only when MinHash also runs): the survivors minus the exact duplicates (`kept/exact/`), then
+     their MinHash signatures. The two dedups run one after the other, not side by side from one set of signatures,
+     because datatrove's dedup filters drop documents by their position in the task's stream (two chained filters
+     would disagree about positions) and because each keeps its own member of a group: side by side, exact dedup
+     could keep A1 and drop A2 while MinHash keeps A2 and drops A1, losing the document entirely.
+  4. `minhash_buckets`: one task per LSH band (cfg.minhash_buckets): each merges only its band's sorted signatures.
+  5. `minhash_cluster`: one task; it holds a union-find over the documents that have at least one near-duplicate
+     pair (two 4-byte ids per node), not over the corpus: its memory grows with the number of duplicates.
+  6. `write`: the survivors minus the duplicates, written as our shards (core.shards.ShardWriter: rows, bytes,
+     sha256 for the manifest) under `{work}/curated/<task>/<split>-<n>.<fmt>`; shard names and order depend only on
+     the task count and the input order, not on hosts or workers.
+
+Which copy of a duplicate stays: exact dedup keeps the validation copy when a document is in both splits (datatrove's
+`document_priority`: validation 2, train 1), else the first in (task, position) order; MinHash keeps the root
+datatrove's union-find picks for each cluster. Dedup works across splits, so a held-out document never stays in
+training as well. Decontamination applies to training documents only: the offline evaluation tasks are built from the
+held-out split itself (training/evaluation/lm_harness.py `write_offline_tasks`), which it must not empty.
+
+Word tokenizer: datatrove's English default is spaCy's blank pipeline (`SpaCyTokenizer('en')`); spaCy with its
+dependencies is 44 wheels and 77 MB to download for a tokenizer we use as a regular expression, and NLTK's punkt data
+cannot be fetched where the jobs run. `RegexWordTokenizer` below is a datatrove `WordTokenizer` on the `regex`
+module datatrove itself imports: words are runs of letters/digits, punctuation runs are their own tokens (as NLTK's
+Treebank tokenizer splits them), sentences end at . ! ? followed by white space. No data files, no download.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import numpy as np
+import regex
+from datatrove.data import Document, DocumentsPipeline
+from datatrove.executor.local import LocalPipelineExecutor
+from datatrove.io import DataFolder
+from datatrove.pipeline.base import PipelineStep
+from datatrove.pipeline.decont.n_grams import NGramsDecontConfig, NGramsDecontFilter, NGramsDecontIndexer
+from datatrove.pipeline.dedup.exact_dedup import (
+    ExactDedupConfig,
+    ExactDedupFilter,
+    ExactDedupSignature,
+    ExactFindDedups,
+)
+from datatrove.pipeline.dedup.minhash import (
+    MinhashConfig,
+    MinhashDedupBuckets,
+    MinhashDedupCluster,
+    MinhashDedupFilter,
+    MinhashDedupSignature,
+)
+from datatrove.pipeline.filters import (
+    C4QualityFilter,
+    FineWebQualityFilter,
+    GopherQualityFilter,
+    GopherRepetitionFilter,
+)
+from datatrove.pipeline.readers import JsonlReader, ParquetReader
+from datatrove.pipeline.writers import JsonlWriter
+from datatrove.utils.hashing import HashConfig
+from datatrove.utils.word_tokenizers import WordTokenizer
+
+from hlat.core.config import CurationConfig
+from hlat.core.shards import ShardInfo, ShardWriter
+from hlat.core.storage import Storage
+
+log = logging.getLogger(__name__)
+
+RULES = (
+    "gopher_quality",
+    "gopher_repetition",
+    "c4_quality",
+    "fineweb_quality",
+    "decontamination",
+    "exact_dedup",
+    "minhash",
+)
+EXAMPLE_CHARS = 200
+BARRIER_POLL_SECONDS = 1.0
+SPLIT_KEY = "split"
+VALIDATION_PRIORITY, TRAIN_PRIORITY = 2, 1
+# datatrove's default hash is xxhash, which it calls with str; xxhash 4 (our pin) takes only bytes ("Strings must be
+# encoded before hashing"), so every block hashes with datatrove's sha1 (hashlib, the first 8 bytes of the digest).
+HASH = HashConfig(precision=64, hash_fc="sha1")
+
+
+class RegexWordTokenizer(WordTokenizer):
+    """English words and sentences by regular expression (see the module docstring for why not spaCy or NLTK)."""
+
+    WORD = regex.compile(r"[\p{L}\p{N}_]+(?:['’][\p{L}]+)*|[^\p{L}\p{N}_\s]+")
+    SENTENCE_END = regex.compile(r"(?<=[.!?])\s+")
+
+    def __init__(self) -> None:
+        super().__init__("en")
+
+    def word_tokenize(self, text: str) -> list[str]:
+        return self.WORD.findall(text)
+
+    def sent_tokenize(self, text: str) -> list[str]:
+        return [s.strip() for s in self.SENTENCE_END.split(text) if s.strip()]
+
+    def span_tokenize(self, text: str) -> list[tuple[int, int]]:
+        spans, start = [], 0
+        for m in self.SENTENCE_END.finditer(text):
+            spans.append((start, m.start()))
+            start = m.end()
+        spans.append((start, len(text)))
+        return [(a, b) for a, b in spans if b > a]
+
+
+TOKENIZER = RegexWordTokenizer()
+
+
+@dataclass
+class CurationResult:
+    """What curate() produced and removed."""
+
+    shards: list[ShardInfo]
+    """Curated shards (paths relative to the folder), train then validation, each in task order."""
+    removed: dict[str, int]
+    """Documents removed per rule that ran (0 when it removed none)."""
+    examples: dict[str, list[str]]
+    """Per rule, up to cfg.examples_per_rule excerpts (<= 200 characters) of removed documents."""
+    seconds: dict[str, float]
+    """Wall time per phase (on this host, barrier included)."""
+    kept: int
+
+
+@dataclass
+class _Phase:
+    name: str
+    pipeline: list[Any]
+    tasks: int
+    rules: dict[str, str] = field(default_factory=dict)
+    """rule -> the name of the step (in datatrove's stats) that removes its documents."""
+
+
+# -- datatrove blocks adapted to our layout ------------------------------------------------------------------------
+class _DocumentsDecontIndexer(NGramsDecontIndexer):
+    """datatrove's n-gram index built from the documents it is fed (text: the evaluation text; metadata: task,
+    query) only. The base class declares lighteval for its other input, lighteval's task table, which would load
+    (and download) the tasks itself; the documents path needs none of it, so neither the dependency check nor that
+    branch runs here. The hashing (`compute_hashes`) and the index files are datatrove's."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> _DocumentsDecontIndexer:
+        return object.__new__(cls)
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        if world_size != 1:
+            raise ValueError("the decontamination index is built by one task")
+        hashes: dict[str, set[int]] = defaultdict(set)
+        for doc in data or ():
+            hashes[doc.metadata["task"]].update(self.compute_hashes(doc.text, doc.metadata.get("query") or None))
+        for task, values in sorted(hashes.items()):
+            array = np.array(sorted(values), dtype=self.config.hash_config.np_descr)
+            with self.output_folder.open(f"{task.replace(' ', '_')}.index.hashes", mode="wb") as f:
+                f.write(array.tobytes())
+        return
+        yield
+
+
+class _TrainDecontFilter(NGramsDecontFilter):
+    """datatrove's n-gram decontamination on training documents; held-out ones pass (see the module docstring)."""
+
+    def filter(self, doc: Document) -> bool | tuple[bool, str]:
+        if doc.metadata.get(SPLIT_KEY) == "validation":
+            return True
+        return super().filter(doc)
+
+
+class _AssignedFiles:
+    """A reader over the unit shards in plan order: task r of T reads the r-th contiguous block of them (not every
+    T-th file, datatrove's default), so (task, position) order is the input order."""
+
+    assigned: list[str]
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        n = len(self.assigned)
+        for doc in self.read_files_shard(self.assigned[n * rank // world_size : n * (rank + 1) // world_size]):  # type: ignore[attr-defined]
+            self.update_doc_stats(doc)  # type: ignore[attr-defined]
+            yield doc
+
+
+class _ParquetInputs(_AssignedFiles, ParquetReader):
+    pass
+
+
+class _JsonlInputs(_AssignedFiles, JsonlReader):
+    pass
+
+
+class _RankReader(JsonlReader):
+    """The file this task's rank wrote in the previous phase (`{rank:05d}.jsonl`): datatrove's dedup filters drop
+    documents by their position in the stream that their signatures were computed from, so each task must read
+    exactly its own rank's survivors (a reader sharding the folder's files would shift when a rank wrote none)."""
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        name = f"{rank:05d}.jsonl"
+        if self.data_folder.exists(name):
+            yield from self.read_files_shard([name])
+
+
+class _ShardSink(PipelineStep):
+    """Writes the documents that reach it as our shards (core.shards.ShardWriter, one folder per task) and the list of
+    them, for curate() to gather after the phase."""
+
+    type = "💽 - WRITER"
+    name = "hlat shards"
+
+    def __init__(self, folder: Storage, work: str, fmt: Literal["parquet", "jsonl"], shard_rows: int) -> None:
+        super().__init__()
+        self.folder, self.work, self.fmt, self.shard_rows = folder, work, fmt, shard_rows
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        writer = ShardWriter(self.folder, f"{self.work}/curated/{rank:05d}", self.fmt, self.shard_rows)
+        for doc in data or ():
+            with self.track_time():
+                writer.add(doc.text, doc.metadata[SPLIT_KEY])
+                self.stat_update("written")
+        shards = writer.close()
+        self.folder.write_json(_shard_list(self.work, rank), [s.model_dump(mode="json") for s in shards])
+        return
+        yield
+
+
+def _shard_list(work: str, rank: int) -> str:
+    return f"{work}/curate/shards/{rank:05d}.json"
+
+
+# -- the pipeline ---------------------------------------------------------------------------------------------------
+def curate(
+    cfg: CurationConfig,
+    folder: Storage,
+    work: str,
+    inputs: list[ShardInfo],
+    fmt: Literal["parquet", "jsonl"],
+    shard_rows: int,
+    *,
+    tasks: int,
+    workers: int = 1,
+    host: int = 0,
+    hosts: int = 1,
+    contamination: dict[str, list[str]] | None = None,
+    text_column: str = "text",
+) -> CurationResult:
+    """Curate the validated unit shards `inputs` (relative to `folder`, in plan order) into new shards under
+    `{work}/curated/`; this host runs its share of each phase's tasks and waits for the others' (see the module
+    docstring). Re-running after a kill redoes only the unfinished tasks."""
+    if not 0 <= host < hosts:
+        raise ValueError(f"host {host} is not one of {hosts} hosts")
+    tasks = max(1, min(tasks, len(inputs))) if inputs else 1
+    base = f"{work}/curate"
+    phases = _phases(cfg, folder, work, inputs, fmt, shard_rows, tasks, contamination or {}, text_column)
+    seconds: dict[str, float] = {}
+    for phase in phases:
+        started = time.monotonic()
+        _run_phase(phase, folder, f"{base}/logs/{phase.name}", workers, host, hosts)
+        seconds[phase.name] = round(time.monotonic() - started, 3)
+    removed = {rule: 0 for phase in phases for rule in phase.rules}
+    for phase in phases:
+        for rule, step in phase.rules.items():
+            removed[rule] += _dropped(folder, f"{base}/logs/{phase.name}", phase.tasks, step)
+    examples = {rule: _examples(folder, f"{base}/removed/{rule}", cfg.examples_per_rule) for rule in removed}
+    shards = _gather_shards(folder, work, tasks)
+    return CurationResult(
+        shards=shards,
+        removed={r: removed[r] for r in RULES if r in removed},
+        examples={r: examples[r] for r in RULES if r in examples},
+        seconds=seconds,
+        kept=sum(s.rows for s in shards),
+    )
+
+
+def _phases(
+    cfg: CurationConfig,
+    folder: Storage,
+    work: str,
+    inputs: list[ShardInfo],
+    fmt: Literal["parquet", "jsonl"],
+    shard_rows: int,
+    tasks: int,
+    contamination: dict[str, list[str]],
+    text_column: str,
+) -> list[_Phase]:
+    base = f"{work}/curate"
+
+    def at(rel: str) -> DataFolder:
+        return DataFolder(folder.path(f"{base}/{rel}"), fs=folder.fs)
+
+    def excluded(rule: str) -> JsonlWriter:
+        return JsonlWriter(at(f"removed/{rule}"), output_filename="${rank}.jsonl", compression=None)
+
+    def survivors(stage: str) -> JsonlWriter:
+        return JsonlWriter(at(f"kept/{stage}"), output_filename="${rank}.jsonl", compression=None)
+
+    phases: list[_Phase] = []
+    exact_config = ExactDedupConfig(content_getter=_doc_text, document_priority=_priority, hash_config=HASH)
+    minhash_config = MinhashConfig(
+        n_grams=cfg.minhash_ngrams,
+        num_buckets=cfg.minhash_buckets,
+        hashes_per_bucket=cfg.minhash_hashes_per_bucket,
+        hash_config=HASH,
+    )
+    decont = cfg.decontaminate and any(contamination.values())
+    if decont:
+        docs = [
+            Document(text=text, id=f"{task}/{i}", metadata={"task": task, "query": ""})
+            for task, texts in sorted(contamination.items())
+            for i, text in enumerate(texts)
+            if text.strip()
+        ]
+        indexer = _DocumentsDecontIndexer(
+            at("decont_index"),
+            config=_decont_config(cfg),
+            language=TOKENIZER,
+        )
+        phases.append(_Phase("decont_index", [docs, indexer], 1))
+
+    split_of = {s.path: s.split for s in inputs}
+    reader_cls = _ParquetInputs if fmt == "parquet" else _JsonlInputs
+    reader = reader_cls(
+        DataFolder(folder.path(), fs=folder.fs),
+        text_key=text_column,
+        adapter=_SplitAdapter(split_of, folder.path(), text_column),
+    )
+    reader.assigned = [s.path for s in inputs]
+    filters: list[tuple[str, PipelineStep]] = []
+    lang: Any = TOKENIZER
+    if cfg.gopher_quality:
+        filters.append(
+            ("gopher_quality", GopherQualityFilter(exclusion_writer=excluded("gopher_quality"), language=lang))
+        )
+    if cfg.gopher_repetition:
+        filters.append(
+            ("gopher_repetition", GopherRepetitionFilter(exclusion_writer=excluded("gopher_repetition"), language=lang))
+        )
+    if cfg.c4_quality:
+        # C4's rules without its bad-words list (C4BadWordsFilter downloads it) and without dropping every line that
+        # does not end in punctuation (filter_no_terminal_punct: it would cut code and lists line by line); its other
+        # line cuts (citations, javascript and policy lines, lines under 3 words) rewrite a kept document as C4 did.
+        c4 = C4QualityFilter(
+            exclusion_writer=excluded("c4_quality"), split_paragraph=True, filter_no_terminal_punct=False, language=lang
+        )
+        filters.append(("c4_quality", c4))
+    if cfg.fineweb_quality:
+        filters.append(
+            ("fineweb_quality", FineWebQualityFilter(exclusion_writer=excluded("fineweb_quality"), language=lang))
+        )
+    if decont:
+        dfilter = _TrainDecontFilter(
+            at("decont_index"), config=_decont_config(cfg), exclusion_writer=excluded("decontamination"), language=lang
+        )
+        filters.append(("decontamination", dfilter))
+    elif cfg.decontaminate:
+        filters.append(("decontamination", _NoOp()))
+
+    first: list[Any] = [reader, *(f for _, f in filters if not isinstance(f, _NoOp)), survivors("filter")]
+    rules = {rule: str(step) for rule, step in filters if not isinstance(step, _NoOp)}
+    rules.update({rule: "" for rule, step in filters if isinstance(step, _NoOp)})
+    if cfg.exact_dedup:
+        first.append(ExactDedupSignature(at("exact/sigs"), exact_config, finder_workers=cfg.finder_workers))
+    elif cfg.minhash:
+        first.append(MinhashDedupSignature(at("minhash/sigs"), config=minhash_config, language=lang))
+    phases.append(_Phase("filter", first, tasks, rules))
+
+    last_kept = "filter"
+    final: list[Any] = [_RankReader(at(f"kept/{last_kept}"))]
+    final_rules: dict[str, str] = {}
+    if cfg.exact_dedup:
+        phases.append(
+            _Phase(
+                "exact_find", [ExactFindDedups(at("exact/sigs"), at("exact/dups"), exact_config)], cfg.finder_workers
+            )
+        )
+        exact_filter = ExactDedupFilter(at("exact/dups"), exact_config, exclusion_writer=excluded("exact_dedup"))
+        if cfg.minhash:
+            phases.append(
+                _Phase(
+                    "exact_filter",
+                    [
+                        _RankReader(at("kept/filter")),
+                        exact_filter,
+                        survivors("exact"),
+                        MinhashDedupSignature(at("minhash/sigs"), config=minhash_config, language=lang),
+                    ],
+                    tasks,
+                    {"exact_dedup": str(exact_filter)},
+                )
+            )
+            final = [_RankReader(at("kept/exact"))]
+        else:
+            final.append(exact_filter)
+            final_rules["exact_dedup"] = str(exact_filter)
+    if cfg.minhash:
+        buckets = MinhashDedupBuckets(at("minhash/sigs"), at("minhash/buckets"), config=minhash_config)
+        phases.append(_Phase("minhash_buckets", [buckets], cfg.minhash_buckets))
+        cluster = MinhashDedupCluster(at("minhash/buckets"), at("minhash/remove"), config=minhash_config)
+        phases.append(_Phase("minhash_cluster", [cluster], 1))
+        minhash_filter = MinhashDedupFilter(at("minhash/remove"), exclusion_writer=excluded("minhash"))
+        final.append(minhash_filter)
+        final_rules["minhash"] = str(minhash_filter)
+    final.append(_ShardSink(folder, work, fmt, shard_rows))
+    phases.append(_Phase("write", final, tasks, final_rules))
+    return phases
+
+
+class _NoOp(PipelineStep):
+    """Stands for decontamination switched on with nothing to decontaminate against: counted as 0, runs nothing."""
+
+    name = "nothing to decontaminate against"
+
+    def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
+        return data
+
+
+def _decont_config(cfg: CurationConfig) -> NGramsDecontConfig:
+    return NGramsDecontConfig(
+        n_grams=cfg.decontamination_ngrams, find_query_ngrams=True, find_overlap_ngrams=False, hash_config=HASH
+    )
+
+
+def _doc_text(doc: Document) -> str:
+    return doc.text
+
+
+def _priority(doc: Document) -> int:
+    return VALIDATION_PRIORITY if doc.metadata.get(SPLIT_KEY) == "validation" else TRAIN_PRIORITY
+
+
+class _SplitAdapter:
+    """A reader adapter: the document's text and its split (from the unit shard it was read from) in metadata;
+    ids are `<shard path>/<row>` (the shard paths are relative to the folder)."""
+
+    def __init__(self, split_of: Mapping[str, str], root: str, text_column: str) -> None:
+        self.split_of, self.root, self.text_column = split_of, root.rstrip("/") + "/", text_column
+
+    def __call__(self, reader: Any, data: dict, path: str, id_in_file: int | str) -> dict:
+        rel = path[len(self.root) :] if path.startswith(self.root) else path
+        return {
+            "text": data[self.text_column],
+            "id": f"{rel}/{id_in_file}",
+            "metadata": {SPLIT_KEY: self.split_of[rel]},
+        }
+
+
+# -- running, the barrier and the tallies ---------------------------------------------------------------------------
+def _share(tasks: int, host: int, hosts: int) -> tuple[int, int]:
+    """This host's tasks of a phase: a contiguous range [offset, offset + count)."""
+    lo, hi = tasks * host // hosts, tasks * (host + 1) // hosts
+    return lo, hi - lo
+
+
+def _run_phase(phase: _Phase, folder: Storage, logs: str, workers: int, host: int, hosts: int) -> None:
+    offset, count = _share(phase.tasks, host, hosts)
+    logging_dir = DataFolder(folder.path(logs), fs=folder.fs)
+    if count:
+        LocalPipelineExecutor(
+            phase.pipeline,
+            tasks=phase.tasks,
+            workers=min(workers, count),
+            logging_dir=logging_dir,
+            skip_completed=True,
+            local_tasks=count,
+            local_rank_offset=offset,
+        ).run()
+    _barrier(folder, logs, phase.tasks)
+
+
+def _barrier(folder: Storage, logs: str, tasks: int) -> None:
+    """Wait until every task of the phase, on every host, has its completion file in storage."""
+    expected = {f"{rank:05d}" for rank in range(tasks)}
+    while True:
+        done = set(folder.list(f"{logs}/completions")) if folder.exists(f"{logs}/completions") else set()
+        if expected <= {name.rsplit("/", 1)[-1] for name in done}:
+            return
+        time.sleep(BARRIER_POLL_SECONDS)
+
+
+def _dropped(folder: Storage, logs: str, tasks: int, step: str) -> int:
+    """Documents a step dropped over a phase's tasks, from datatrove's per-task stats files."""
+    if not step:
+        return 0
+    total = 0
+    for rank in range(tasks):
+        rel = f"{logs}/stats/{rank:05d}.json"
+        if not folder.exists(rel):
+            continue
+        for entry in folder.read_json(rel):
+            if entry.get("name") == step:
+                value = entry.get("stats", {}).get("dropped", 0)
+                total += int(value["total"] if isinstance(value, dict) else value)
+    return total
+
+
+def _examples(folder: Storage, rel: str, limit: int) -> list[str]:
+    """The first `limit` removed documents of a rule (tasks in order), cut to 200 characters."""
+    out: list[str] = []
+    if limit <= 0 or not folder.exists(rel):
+        return out
+    for name in sorted(folder.list(rel)):
+        with folder.open(f"{rel}/{name.rsplit('/', 1)[-1]}", "rb") as f:
+            for line in f:
+                if line.strip():
+                    out.append(json.loads(line)["text"][:EXAMPLE_CHARS])
+                    if len(out) >= limit:
+                        return out
+    return out
+
+
+def _gather_shards(folder: Storage, work: str, tasks: int) -> list[ShardInfo]:
+    shards = [ShardInfo.model_validate(s) for rank in range(tasks) for s in folder.read_json(_shard_list(work, rank))]
+    return [s for s in shards if s.split == "train"] + [s for s in shards if s.split == "validation"]
+
+
+# -- what to decontaminate against ------------------------------------------------------------------------------------
+OFFLINE_TASKS = ("hlat_cloze", "hlat_choice")
+
+
+def contamination_texts(
+    tasks: list[str], validation_texts: Iterable[str], include_path: str | None
+) -> tuple[dict[str, list[str]], list[str]]:
+    """The texts of the evaluation tasks a run scores, per task, and the tasks whose data are not available offline.
+
+    The offline tasks (hlat_cloze, hlat_choice) are built from the run's held-out text, so their texts are
+    `validation_texts`. Hub tasks are loaded through lm-eval's task manager with Hugging Face offline (only the local
+    dataset cache is read; nothing is fetched): each document's question and answer text. A task that cannot be
+    loaded that way is returned in the second list."""
+    from hlat.training.evaluation.lm_harness import _hub_offline
+
+    texts: dict[str, list[str]] = {}
+    unavailable: list[str] = []
+    offline = [t for t in tasks if t in OFFLINE_TASKS]
+    if offline:
+        held_out = [t for t in validation_texts if t and t.strip()]
+        for task in offline:
+            texts[task] = held_out
+    hub = [t for t in tasks if t not in OFFLINE_TASKS]
+    if not hub:
+        return texts, unavailable
+    with _hub_offline():
+        for task in hub:
+            try:
+                texts[task] = list(_hub_task_texts(task, include_path))
+            except Exception as exc:  # lm-eval raises many kinds when a dataset is not in the cache
+                log.warning("decontamination: %s is not available offline (%s: %s)", task, type(exc).__name__, exc)
+                unavailable.append(task)
+    return texts, unavailable
+
+
+def _hub_task_texts(task: str, include_path: str | None) -> Iterator[str]:
+    """Question and answer text of every evaluation document of one lm-eval task (and of its subtasks)."""
+    from lm_eval.tasks import TaskManager, get_task_dict
+
+    manager = TaskManager(include_path=include_path) if include_path else TaskManager()
+    for obj in _leaf_tasks(get_task_dict([task], manager)):
+        docs = obj.test_docs() if obj.has_test_docs() else obj.validation_docs()
+        for doc in docs or ():
+            question = str(obj.doc_to_text(doc))
+            answer = _answer_text(obj, doc)
+            yield f"{question} {answer}".strip()
+
+
+def _leaf_tasks(tree: Any) -> Iterator[Any]:
+    for value in tree.values():
+        if isinstance(value, dict):
+            yield from _leaf_tasks(value)
+        else:
+            yield value
+
+
+def _answer_text(obj: Any, doc: Any) -> str:
+    target = obj.doc_to_target(doc)
+    choices = obj.doc_to_choice(doc) if getattr(obj.config, "doc_to_choice", None) else None
+    if isinstance(target, int) and choices and 0 <= target < len(choices):
+        return str(choices[target])
+    if isinstance(target, list):
+        return " ".join(str(t) for t in target)
+    return str(target)
