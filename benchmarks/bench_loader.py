@@ -59,7 +59,7 @@ def loader_epoch(data: Storage, model: str, seq_len: int, micro_batch: int, thre
     with PackedLoader(data, model, seq_len, micro_batch, seed=0, prefetch=4, encode_threads=threads) as it:
         for batch in it:
             batches += 1
-            if batch.state["epoch"] >= 1:
+            if batch.state["sources"][0]["epoch"] >= 1:
                 break
     return batches * micro_batch * seq_len
 

@@ -209,14 +209,15 @@ def test_resume_is_bit_exact_at_any_batch(corpus: dict[str, Any], rank: int, dp:
     with loader(corpus, data_rank=rank, data_degree=dp, prefetch=4) as it:
         straight = take(it, per_epoch + 12)
     # Each batch's state was attached while the producer ran up to four batches ahead.
-    mid_document = next(i for i, b in enumerate(straight) if b.state["offset"] > 0)
-    crossing = next(i for i, b in enumerate(straight) if b.state["epoch"] == 1) - 2
+    mid_document = next(i for i, b in enumerate(straight) if b.state["sources"][0]["offset"] > 0)
+    crossing = next(i for i, b in enumerate(straight) if b.state["sources"][0]["epoch"] == 1) - 2
     for n in sorted({1, mid_document + 1, crossing, per_epoch + 1}):
         saved = json.loads(json.dumps(straight[n - 1].state))
         with loader(corpus, data_rank=rank, data_degree=dp, prefetch=2) as resumed:
             resumed.load_state_dict(saved)
             assert_same(take(resumed, 6), straight[n : n + 6])
-    assert straight[crossing + 5].state["epoch"] == 1  # the last resume above ran across the epoch boundary
+    # The last resume above ran across the epoch boundary.
+    assert straight[crossing + 5].state["sources"][0]["epoch"] == 1
     # A state saved before the degrees had one name each (dp_rank, dp_size) resumes the same way.
     old = {{"data_rank": "dp_rank", "data_degree": "dp_size"}.get(k, k): v for k, v in straight[4].state.items()}
     with loader(corpus, data_rank=rank, data_degree=dp, prefetch=2) as resumed:
@@ -227,13 +228,15 @@ def test_resume_is_bit_exact_at_any_batch(corpus: dict[str, Any], rank: int, dp:
 def test_state_dict_follows_the_consumer_not_the_producer(corpus: dict[str, Any]) -> None:
     with loader(corpus, prefetch=4) as it:
         fresh = it.state_dict()
-        assert fresh["carry"] == [] and (fresh["epoch"], fresh["shard"], fresh["row"], fresh["offset"]) == (0, 0, 0, 0)
+        (position,) = fresh["sources"]
+        assert fresh["carry"] == [] and fresh["current"] is None
+        assert [position[k] for k in ("epoch", "shard", "row", "offset", "tokens")] == [0, 0, 0, 0, 0]
         batches = take(it, 5)
         time.sleep(0.2)  # let the producer run ahead
         state = it.state_dict()
         assert state == batches[-1].state and state["batches"] == 5
         assert json.loads(json.dumps(state)) == state
-        assert set(state) >= {"epoch", "shard", "row", "offset", "carry", "data_rank", "data_degree", "seq_len"}
+        assert set(state) >= {"sources", "current", "mix", "carry", "data_rank", "data_degree", "seq_len"}
         assert set(state) >= {"micro_batch_size", "seed", "split", "data_fingerprint"}
         # Loading into a running loader drops what it had built ahead.
         it.load_state_dict(batches[1].state)
@@ -294,7 +297,7 @@ def test_resume_refuses_other_data_tokenizer_seed_or_split(corpus: dict[str, Any
 def test_validation_split_and_bad_arguments(corpus: dict[str, Any], tmp_path: Path) -> None:
     with loader(corpus, split="validation") as val:
         batches = take(val, 30)  # 9 short documents: many epochs
-    assert batches[-1].state["epoch"] > 1 and batches[-1].state["split"] == "validation"
+    assert batches[-1].state["sources"][0]["epoch"] > 1 and batches[-1].state["split"] == "validation"
     with pytest.raises(ValueError, match="data_rank"):
         loader(corpus, data_rank=2, data_degree=2)
     with pytest.raises(ValueError, match="too few for 16 data-parallel ranks"):

@@ -1,50 +1,73 @@
-"""HLAT's online tokenize-and-pack data loader: prepared shards -> fixed-length (inputs, targets) batches.
+"""HLAT's online tokenize-and-pack data loader: a run's prepared sources -> fixed-length (inputs, targets) batches.
 
-Documents are tokenized while training runs (no pre-tokenized copy of the corpus is ever written), joined into
-one token stream per data-parallel rank and cut into rows of exactly `seq_len` tokens: no padding, ever.
+Documents are tokenized while training runs (no pre-tokenized copy of the corpus is ever written), drawn from the
+run's sources by weight, joined into one token stream per data-parallel rank and cut into rows of exactly `seq_len`
+tokens: no padding, ever.
 
-Order. Every epoch orders the documents of the split afresh, deterministically from (seed, epoch):
-`random.Random(seed * 1_000_003 + epoch)` shuffles the order of the shards, then draws one 64-bit seed per
-shard position from which that shard's rows are shuffled. Documents are numbered 0, 1, ... in this order
-(across shards) and document g goes to rank g % data_degree, so the ranks see disjoint documents that together
-cover the epoch. Only the shard being read (and the next one, read ahead) is in memory, and only this rank's
-rows of it are decoded; the plan itself costs O(shards) plus O(rows of one shard). Every rank reads every
-shard (the tokenizing, not the reading, is what the ranks divide).
+Order within a source. Each source (a prepared folder of `read_mixture`) has its own document stream. Every epoch
+orders that source's documents of the split afresh, deterministically from (seed, source index, epoch):
+`random.Random(source_seed * 1_000_003 + epoch)`, with source_seed = seed + index * 1_000_000_007 (source 0's is the
+seed itself, so a one-source run keeps the order of the single-source loader before mixtures), shuffles the order of
+the shards, then draws one 64-bit seed per shard position from which that shard's rows are shuffled. Documents are
+numbered 0, 1, ... in this order (across shards) and document g goes to rank g % data_degree, so the ranks see
+disjoint documents that together cover the epoch. Per source only the shard being read (and the next one, read
+ahead) is in memory, and only this rank's rows of it are decoded. Every rank reads every shard (the tokenizing, not
+the reading, is what the ranks divide). Each source's epochs roll over independently and forever (training decides
+when to stop; the train stage refuses a run that would repeat a source past its max_epochs, core/mixture.py).
+
+Mixing by tokens. Before each document the loader picks the source with the largest deficit
+`w_i * T - t_i` (ties: the lowest index), where w_i is the source's weight at the optimizer step of the batch being
+built (`MixtureManifest.weights_at(batches // micro_batches_per_step)`), T the tokens drawn from all sources and t_i
+those drawn from source i, counted in whole documents (EOS included) since the weights last changed. A source of
+weight 0 is never picked. No RNG: the mix is a function of the documents' lengths. The counts restart when the
+weights change (a schedule entry), so the new weights hold from that step on instead of the stream first catching
+up on the run's cumulative shares, which would draw only from one source for as long as the run has already lasted.
+Bound: the picked source always has a deficit >= 0 and a document adds at most L tokens (the longest document), so
+each t_i stays within [w_i T - (S - 1) L, w_i T + L] (S sources); over a window of W tokens a source's share
+therefore differs from its weight by at most about (S + 2) L / W (the window's ends may cut a document each): the
+longest document over the window's tokens bounds the deviation. For 1,000 rows of 2,048 tokens and documents of up to
+4,096 tokens with 3 sources that is about 1 point; documents long against the window (books in a tiny run) can
+exceed 2, and a window across a weight change follows neither weight. The validation loader (evaluation) mixes the
+validation splits by the same rule with the weights at step 0, leaving out sources without validation documents.
 
 Packing. Each document is encoded with sentencepiece (no BOS) and followed by EOS; the documents form one
 stream t0 t1 t2 .... A row is a window of seq_len + 1 stream tokens: inputs are its first seq_len, targets its
 last seq_len, and the next row starts at the last token of this one. Consecutive rows thus overlap by one
 token, so every stream token but the very first is a target exactly once and nothing is thrown away at row
-boundaries. What a batch leaves over is carried into the next one, across shards and epochs: a document may
-start in one row and end in the next, and epochs roll over forever (training decides when to stop).
+boundaries. What a batch leaves over is carried into the next one: a document may start in one row and end in the
+next. `Batch.source_tokens` counts the batch's targets per source (built on the host by the producer).
 
 State. `Batch.state` (and `state_dict()`) is a plain JSON-able dict that says where the stream stands after
 that batch. A long document may span many batches, so the position is a token offset inside the document
 being consumed rather than a copy of its remaining tokens; on resume that one document is re-tokenized
 (sentencepiece is deterministic) and `carry` holds the single overlap token:
 
-    version            1
-    epoch              epoch of the next token to read
-    shard              position in that epoch's shard order
-    row                position in that shard's shuffled row order (the document being, or next to be, read)
-    offset             tokens of document `row` (its EOS included) already in the stream
+    version            2
+    sources            per source, in manifest order: name, fingerprint (data_fingerprint of its split), and
+                       epoch, shard, row: the position in its stream of its next document (of the document being
+                       read, for the current source); offset: tokens of that document already in the stream (0 but
+                       for the current source); tokens: its targets yielded so far on this rank
+    current            index of the source whose document a batch ended inside, or None
+    mix                {"weights": the weights the counts are for, "drawn": tokens drawn per source since then}
     carry              the overlap token: the last target of this batch, the first input of the next ([] at start)
     batches            batches this rank has yielded since the start of training
     data_rank, data_degree, seq_len, micro_batch_size, seed, split
-    data_fingerprint   sha256 over the split's shards (path, rows, sha256) and the manifest format
+    data_fingerprint   sha256 over the sources' names and fingerprints
     tokenizer_sha256   sha256 of tokenizer.model
 
 Each rank saves its own state (the checkpoint code stores one per rank) and loads it back into a loader built
-with the same rank. Resuming refuses other data, another tokenizer, another seed or split, and another
-data-parallel size: resharding on a changed DP degree is not supported; resume with the same number of
-data-parallel ranks. seq_len and micro_batch_size may change on resume: the stream simply continues, cut to
-the new shape.
+with the same rank. Resuming refuses other data (other sources, or other shards of one), another tokenizer, another
+seed or split, and another data-parallel size: resharding on a changed DP degree is not supported; resume with the
+same number of data-parallel ranks. seq_len, micro_batch_size and the weights may change on resume: the stream
+simply continues. A version-1 state (before mixtures) loads into a one-source loader of the same data: its position
+becomes the source's, its tokens are its batches times its rows' targets (exact unless the shape changed on an
+earlier resume).
 
 Overlap with compute: a daemon thread reads, tokenizes and packs ahead into a queue of `prefetch` batches
 (sentencepiece and shard reads release the GIL), and attaches to every batch the state it had when it finished
-building that batch, so the state matches the batch whatever the prefetch depth. An exception in that thread
-is re-raised in the consumer; the next `next()` then retries from the last yielded batch. `close()`, leaving a
-`with` block, or garbage collection stops the thread.
+building that batch, so the state matches the batch whatever the prefetch depth; the weights of a batch are those of
+its own step, whatever the prefetch. An exception in that thread is re-raised in the consumer; the next `next()`
+then retries from the last yielded batch. `close()`, leaving a `with` block, or garbage collection stops the thread.
 """
 
 from __future__ import annotations
@@ -66,13 +89,15 @@ import pyarrow.parquet as pq
 import sentencepiece as spm
 import torch
 
-from hlat.core.shards import DataManifest, ShardInfo, read_manifest
+from hlat.core.shards import DataManifest, MixtureManifest, ShardInfo, read_mixture
 from hlat.core.storage import Storage
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 SEED_STRIDE = 1_000_003
 """Epoch e of seed s draws from random.Random(s * SEED_STRIDE + e): distinct seeds give distinct orders for
 the first million epochs."""
+SOURCE_STRIDE = 1_000_000_007
+"""Source i of seed s orders its documents as seed s + i * SOURCE_STRIDE would: source 0 as the seed itself."""
 ENCODE_DOCS = 64
 ENCODE_CHARS = 1 << 18
 """Documents are encoded in groups of at most this many documents / characters: large enough for
@@ -81,7 +106,8 @@ _POLL_S = 0.1
 """How often a blocked producer or consumer looks whether the other side has gone away."""
 _RENAMED = {"dp_rank": "data_rank", "dp_size": "data_degree"}
 """State keys of earlier releases, read under today's names."""
-_RESUME_KEYS = ("epoch", "shard", "row", "offset", "carry", "batches", "data_rank", "data_degree", "seed", "split")
+_RESUME_KEYS = ("sources", "current", "mix", "carry", "batches", "data_rank", "data_degree", "seed", "split")
+_POSITION = ("epoch", "shard", "row", "offset", "tokens")
 
 
 @dataclass(frozen=True)
@@ -97,6 +123,8 @@ class Batch:
     so equal ids mark one document's tokens (for block-diagonal attention masks); otherwise None."""
     state: dict[str, Any]
     """The loader state after this batch (JSON-able; `load_state_dict` resumes right after this batch)."""
+    source_tokens: list[int]
+    """Targets of this batch drawn from each source, in manifest order (sums to micro_batch_size * seq_len)."""
 
 
 def data_fingerprint(manifest: DataManifest, split: str) -> str:
@@ -104,6 +132,15 @@ def data_fingerprint(manifest: DataManifest, split: str) -> str:
     shards = [[s.path, s.rows, s.sha256] for s in manifest.shards if s.split == split]
     body = json.dumps({"format": manifest.format, "text_column": manifest.text_column, "shards": shards})
     return hashlib.sha256(body.encode()).hexdigest()
+
+
+def mixture_fingerprint(sources: Sequence[tuple[str, str]]) -> str:
+    """The sources a saved position refers to: (name, data_fingerprint) of each, in order."""
+    return hashlib.sha256(json.dumps([list(s) for s in sources]).encode()).hexdigest()
+
+
+def source_seed(seed: int, index: int) -> int:
+    return seed + index * SOURCE_STRIDE
 
 
 def epoch_plan(seed: int, epoch: int, n_shards: int) -> tuple[list[int], list[int]]:
@@ -121,23 +158,38 @@ def row_order(rows: int, row_seed: int) -> list[int]:
     return perm
 
 
+def pick_source(weights: Sequence[float], drawn: Sequence[int]) -> int:
+    """The source with the largest deficit weight * total - drawn (ties: the lowest index); weight 0: never."""
+    total = sum(drawn)
+    best, best_deficit = -1, 0.0
+    for i, (w, t) in enumerate(zip(weights, drawn, strict=True)):
+        if w > 0 and (best < 0 or w * total - t > best_deficit):
+            best, best_deficit = i, w * total - t
+    if best < 0:
+        raise ValueError("no source of the mixture has a positive weight")
+    return best
+
+
 def initial_state(
     *,
+    sources: Sequence[tuple[str, str]],
     data_rank: int,
     data_degree: int,
     seq_len: int,
     micro_batch_size: int,
     seed: int,
     split: str,
-    data_fingerprint: str,
     tokenizer_sha256: str,
 ) -> dict[str, Any]:
+    """The state before the first batch; `sources`: (name, fingerprint) of each."""
     return {
         "version": STATE_VERSION,
-        "epoch": 0,
-        "shard": 0,
-        "row": 0,
-        "offset": 0,
+        "sources": [
+            {"name": name, "fingerprint": fp, "epoch": 0, "shard": 0, "row": 0, "offset": 0, "tokens": 0}
+            for name, fp in sources
+        ],
+        "current": None,
+        "mix": {"weights": [], "drawn": [0] * len(sources)},
         "carry": [],
         "batches": 0,
         "data_rank": data_rank,
@@ -146,28 +198,52 @@ def initial_state(
         "micro_batch_size": micro_batch_size,
         "seed": seed,
         "split": split,
-        "data_fingerprint": data_fingerprint,
+        "data_fingerprint": mixture_fingerprint(sources),
         "tokenizer_sha256": tokenizer_sha256,
     }
+
+
+@dataclass(frozen=True)
+class _Source:
+    """One source's split, as its stream reads it."""
+
+    name: str
+    data: Storage
+    shards: list[ShardInfo]
+    fmt: str
+    text_column: str
+    seed: int
+    """Its order seed: source_seed(seed, index)."""
 
 
 @dataclass(frozen=True)
 class _Plan:
     """Everything the producer thread needs; deliberately not the loader, so the loader can be collected."""
 
-    data: Storage
-    shards: list[ShardInfo]
-    fmt: str
-    text_column: str
+    sources: list[_Source]
+    mixture: MixtureManifest
+    split: str
+    micro_batches_per_step: int
     model_proto: bytes
     eos_id: int
     seq_len: int
     micro_batch_size: int
     data_rank: int
     data_degree: int
-    seed: int
     document_masking: bool
     encode_threads: int
+
+    def weights(self, batches: int) -> list[float]:
+        """The weights of the batch after `batches` ones: its optimizer step's for training, step 0's for the
+        validation split; sources without documents in the split get 0 and the rest share their weight."""
+        step = batches // self.micro_batches_per_step if self.split == "train" else 0
+        raw = [w if s.shards and sum(x.rows for x in s.shards) else 0.0 for w, s in zip(
+            self.mixture.weights_at(step), self.sources, strict=True
+        )]  # fmt: skip
+        total = sum(raw)
+        if total <= 0:
+            raise ValueError(f"no source with {self.split!r} documents has a positive weight at step {step}")
+        return [w / total for w in raw]
 
 
 class _Failure:
@@ -178,18 +254,18 @@ class _Failure:
 
 
 class _ShardReader:
-    """Reads shards (checksum-verified) and keeps the next one downloading in the background."""
+    """Reads one source's shards (checksum-verified) and keeps the next one downloading in the background."""
 
-    def __init__(self, plan: _Plan, stop: threading.Event) -> None:
-        self.plan, self.stop = plan, stop
+    def __init__(self, source: _Source, stop: threading.Event) -> None:
+        self.source, self.stop = source, stop
         self.pending: dict[int, tuple[threading.Thread, list[Any]]] = {}
 
     def _read(self, index: int) -> bytes:
-        info = self.plan.shards[index]
-        payload = self.plan.data.read_bytes(info.path)
+        info = self.source.shards[index]
+        payload = self.source.data.read_bytes(info.path)
         if hashlib.sha256(payload).hexdigest() != info.sha256:
             raise ValueError(
-                f"{self.plan.data.uri(info.path)} does not match its checksum in the manifest; re-run prepare-data"
+                f"{self.source.data.uri(info.path)} does not match its checksum in the manifest; re-run prepare-data"
             )
         return payload
 
@@ -223,11 +299,11 @@ class _ShardReader:
 
     def texts(self, index: int, rows: Sequence[int]) -> list[str]:
         """The texts of the given rows of a shard, in the given order."""
-        info = self.plan.shards[index]
+        info = self.source.shards[index]
         payload = self.get(index)
-        where = self.plan.data.uri(info.path)
-        if self.plan.fmt == "parquet":
-            column = pq.read_table(io.BytesIO(payload), columns=[self.plan.text_column]).column(0)
+        where = self.source.data.uri(info.path)
+        if self.source.fmt == "parquet":
+            column = pq.read_table(io.BytesIO(payload), columns=[self.source.text_column]).column(0)
             found = len(column)
             picked = column.take(pa.array(rows, pa.int64())).to_pylist() if found == info.rows else []
         else:
@@ -237,12 +313,12 @@ class _ShardReader:
             if lines and not lines[-1]:
                 lines.pop()
             found = len(lines)
-            picked = [json.loads(lines[r])[self.plan.text_column] for r in rows] if found == info.rows else []
+            picked = [json.loads(lines[r])[self.source.text_column] for r in rows] if found == info.rows else []
         if found != info.rows:
             raise ValueError(f"{where} has {found} rows but the manifest says {info.rows}; re-run prepare-data")
         for text in picked:
             if not isinstance(text, str):
-                raise ValueError(f"{where}: column {self.plan.text_column!r} holds {type(text).__name__}, not text")
+                raise ValueError(f"{where}: column {self.source.text_column!r} holds {type(text).__name__}, not text")
         return picked
 
 
@@ -251,18 +327,18 @@ class _Stopped(Exception):
 
 
 def _documents(
-    plan: _Plan, epoch: int, shard: int, row: int, reader: _ShardReader
+    plan: _Plan, source: _Source, epoch: int, shard: int, row: int, reader: _ShardReader
 ) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
-    """This rank's documents from a position on, forever: (epoch, shard position, row position, rows of the
-    shard, token ids with EOS appended)."""
+    """This rank's documents of one source from a position on, forever: (epoch, shard position, row position,
+    rows of the shard, token ids with EOS appended)."""
     processor = spm.SentencePieceProcessor(model_proto=plan.model_proto)
-    n = len(plan.shards)
+    n = len(source.shards)
     while True:
-        order, row_seeds = epoch_plan(plan.seed, epoch, n)
-        base = sum(plan.shards[i].rows for i in order[:shard])
+        order, row_seeds = epoch_plan(source.seed, epoch, n)
+        base = sum(source.shards[i].rows for i in order[:shard])
         for pos in range(shard, n):
             index = order[pos]
-            rows = plan.shards[index].rows
+            rows = source.shards[index].rows
             first = (plan.data_rank - base) % plan.data_degree  # first row position whose global number is ours
             start = row + (first - row) % plan.data_degree
             base += rows
@@ -274,7 +350,7 @@ def _documents(
             perm = row_order(rows, row_seeds[pos])
             texts = reader.texts(index, [perm[k] for k in ks])
             # Read the next shard while this one is tokenized.
-            reader.prefetch(order[pos + 1] if pos + 1 < n else epoch_plan(plan.seed, epoch + 1, n)[0][0])
+            reader.prefetch(order[pos + 1] if pos + 1 < n else epoch_plan(source.seed, epoch + 1, n)[0][0])
             i = 0
             while i < len(texts):
                 j, chars = i, 0
@@ -291,7 +367,7 @@ def _documents(
         epoch, shard, row = epoch + 1, 0, 0
 
 
-def _make_batch(plan: _Plan, window: np.ndarray, state: dict[str, Any]) -> Batch:
+def _make_batch(plan: _Plan, window: np.ndarray, state: dict[str, Any], source_tokens: list[int]) -> Batch:
     b, n = plan.micro_batch_size, plan.seq_len
     inputs = torch.from_numpy(window[:-1].reshape(b, n).copy())
     targets = torch.from_numpy(window[1:].reshape(b, n).copy())
@@ -300,7 +376,7 @@ def _make_batch(plan: _Plan, window: np.ndarray, state: dict[str, Any]) -> Batch
         # A new document starts right after each EOS; the EOS itself belongs to the document it ends.
         eos = (inputs == plan.eos_id).long()
         doc_ids = eos.cumsum(1) - eos
-    return Batch(inputs=inputs, targets=targets, doc_ids=doc_ids, state=state)
+    return Batch(inputs=inputs, targets=targets, doc_ids=doc_ids, state=state, source_tokens=source_tokens)
 
 
 def _put(out: queue.Queue[Any], stop: threading.Event, item: Any) -> bool:
@@ -323,56 +399,98 @@ def _produce(plan: _Plan, state: dict[str, Any], out: queue.Queue[Any], stop: th
         _put(out, stop, _Failure(exc))
 
 
+class _Streams:
+    """Each source's document stream, opened at its saved position on first use, and its position since."""
+
+    def __init__(self, plan: _Plan, positions: list[dict[str, Any]], stop: threading.Event) -> None:
+        self.plan, self.stop = plan, stop
+        self.positions = [dict(p) for p in positions]
+        self.open: dict[int, Iterator[tuple[int, int, int, int, np.ndarray]]] = {}
+
+    def next_document(self, i: int) -> tuple[np.ndarray, int]:
+        """Source i's next document and the tokens of it already in the stream (its saved offset, the first time
+        only); its position then points at the following document."""
+        position = self.positions[i]
+        if i not in self.open:
+            source = self.plan.sources[i]
+            start = (position["epoch"], position["shard"], position["row"])
+            self.open[i] = _documents(self.plan, source, *start, _ShardReader(source, self.stop))
+        epoch, shard, row, rows, ids = next(self.open[i])
+        offset, position["offset"] = int(position["offset"]), 0
+        if offset and (epoch, shard, row) != (position["epoch"], position["shard"], position["row"]):
+            where = (position["epoch"], position["shard"], position["row"])
+            raise ValueError(f"loader state points {offset} tokens into document {where}, which is not this rank's")
+        if offset > len(ids):
+            raise ValueError(f"loader state offset {offset} lies past the end of a {len(ids)}-token document")
+        # Where the source's next document comes from.
+        if row + 1 < rows:
+            position.update(epoch=epoch, shard=shard, row=row + 1)
+        elif shard + 1 < len(self.plan.sources[i].shards):
+            position.update(epoch=epoch, shard=shard + 1, row=0)
+        else:
+            position.update(epoch=epoch + 1, shard=0, row=0)
+        position["at"] = (epoch, shard, row)
+        return ids, offset
+
+
 def _pack(plan: _Plan, state: dict[str, Any], out: queue.Queue[Any], stop: threading.Event) -> None:
     need = plan.micro_batch_size * plan.seq_len + 1
     window = np.empty(need, dtype=np.int64)
     carry = list(state["carry"])
     fill = len(carry)
     window[:fill] = carry
-    offset, batches = int(state["offset"]), int(state["batches"])
-    start = (int(state["epoch"]), int(state["shard"]), int(state["row"]))
-    reader = _ShardReader(plan, stop)
-    n_shards = len(plan.shards)
-    for epoch, shard, row, rows, ids in _documents(plan, *start, reader):
-        if stop.is_set():
-            return
-        if offset and (epoch, shard, row) != start:
-            raise ValueError(f"loader state points {offset} tokens into document {start}, which is not this rank's")
-        used, offset = offset, 0
-        if used > len(ids):
-            raise ValueError(f"loader state offset {used} lies past the end of document {start} ({len(ids)} tokens)")
+    batches = int(state["batches"])
+    streams = _Streams(plan, state["sources"], stop)
+    tokens = [int(p["tokens"]) for p in state["sources"]]
+    mix_weights, drawn = list(state["mix"]["weights"]), [int(t) for t in state["mix"]["drawn"]]
+    in_batch = [0] * len(plan.sources)
+    current: int | None = state["current"]
+    while not stop.is_set():
+        if current is None:
+            weights = plan.weights(batches)
+            if weights != mix_weights:  # a new phase of the schedule (or the start): count from here
+                mix_weights, drawn = weights, [0] * len(plan.sources)
+            current = pick_source(weights, drawn)
+            ids, used = streams.next_document(current)
+            drawn[current] += len(ids)
+        else:  # resuming inside a document: it was drawn (and counted) before the state was saved
+            ids, used = streams.next_document(current)
         while used < len(ids):
             take = min(len(ids) - used, need - fill)
             window[fill : fill + take] = ids[used : used + take]
+            in_batch[current] += take - (1 if fill == 0 else 0)  # the stream's very first token is no target
             fill += take
             used += take
             if fill < need:
                 continue
             batches += 1
-            # Where the next token comes from: further into this document, or the start of the next one.
-            if used < len(ids):
-                at = (epoch, shard, row, used)
-            elif row + 1 < rows:
-                at = (epoch, shard, row + 1, 0)
-            elif shard + 1 < n_shards:
-                at = (epoch, shard + 1, 0, 0)
-            else:
-                at = (epoch + 1, 0, 0, 0)
+            tokens = [t + n for t, n in zip(tokens, in_batch, strict=True)]
+            inside = current if used < len(ids) else None
+            positions = []
+            for i, (saved, now) in enumerate(zip(state["sources"], streams.positions, strict=True)):
+                where = {k: now[k] for k in ("epoch", "shard", "row")}
+                if i == inside:
+                    where = dict(zip(("epoch", "shard", "row"), now["at"], strict=True))
+                positions.append(
+                    {"name": saved["name"], "fingerprint": saved["fingerprint"], **where,
+                     "offset": used if i == inside else 0, "tokens": tokens[i]}
+                )  # fmt: skip
             after = {
                 **state,
-                "epoch": at[0],
-                "shard": at[1],
-                "row": at[2],
-                "offset": at[3],
+                "sources": positions,
+                "current": inside,
+                "mix": {"weights": mix_weights, "drawn": list(drawn)},
                 "carry": [int(window[-1])],
                 "batches": batches,
                 "seq_len": plan.seq_len,
                 "micro_batch_size": plan.micro_batch_size,
             }
-            if not _put(out, stop, _make_batch(plan, window, after)):
+            if not _put(out, stop, _make_batch(plan, window, after, in_batch)):
                 return
+            in_batch = [0] * len(plan.sources)
             window[0] = window[-1]
             fill = 1
+        current = None
 
 
 def _shutdown(stop: threading.Event, out: queue.Queue[Any], thread: threading.Thread | None) -> None:
@@ -403,28 +521,42 @@ class PackedLoader:
         document_masking: bool = False,
         prefetch: int = 4,
         encode_threads: int = 1,
+        micro_batches_per_step: int = 1,
     ) -> None:
-        """`data`: the prepared-data folder (with manifest.json); `tokenizer_model`: local path of the run's
-        tokenizer.model; `prefetch`: batches built ahead; `encode_threads`: sentencepiece threads (1 keeps
-        the many ranks of a node from oversubscribing its cores)."""
+        """`data`: the run's prepared-data folder (its manifest.json: a mixture, or one source's before mixtures);
+        `tokenizer_model`: local path of the run's tokenizer.model; `prefetch`: batches built ahead;
+        `encode_threads`: sentencepiece threads (1 keeps the many ranks of a node from oversubscribing its cores);
+        `micro_batches_per_step`: the gradient accumulation, so that batch b belongs to optimizer step
+        b // micro_batches_per_step (whose weights it follows)."""
         if seq_len < 1 or micro_batch_size < 1:
             raise ValueError(f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be positive")
         if data_degree < 1 or not 0 <= data_rank < data_degree:
             raise ValueError(
                 f"data_rank must be in [0, data_degree); got data_rank={data_rank}, data_degree={data_degree}"
             )
-        if prefetch < 1 or encode_threads < 1:
-            raise ValueError(f"prefetch ({prefetch}) and encode_threads ({encode_threads}) must be positive")
-        manifest = read_manifest(data)
-        shards = [s for s in manifest.shards if s.split == split]
-        rows = sum(s.rows for s in shards)
-        if rows == 0:
-            raise ValueError(f"{data.uri()} has no {split!r} documents; re-run prepare-data or pick another split")
-        if rows <= data_rank:
+        if prefetch < 1 or encode_threads < 1 or micro_batches_per_step < 1:
             raise ValueError(
-                f"the {split!r} split has {rows} documents, too few for {data_degree} data-parallel ranks: "
-                f"rank {data_rank} would get none"
+                f"prefetch ({prefetch}), encode_threads ({encode_threads}) and micro_batches_per_step "
+                f"({micro_batches_per_step}) must be positive"
             )
+        mixture, prepared = read_mixture(data)
+        sources = []
+        for index, p in enumerate(prepared):
+            shards = [s for s in p.manifest.shards if s.split == split]
+            rows = sum(s.rows for s in shards)
+            if 0 < rows <= data_rank:
+                raise ValueError(
+                    f"the {split!r} split of source {p.name!r} has {rows} documents, too few for {data_degree} "
+                    f"data-parallel ranks: rank {data_rank} would get none"
+                )
+            sources.append(
+                _Source(
+                    name=p.name, data=p.data, shards=shards if rows else [], fmt=p.manifest.format,
+                    text_column=p.manifest.text_column, seed=source_seed(seed, index),
+                )
+            )  # fmt: skip
+        if not any(s.shards for s in sources):
+            raise ValueError(f"{data.uri()} has no {split!r} documents; re-run prepare-data or pick another split")
         with open(tokenizer_model, "rb") as fh:
             model_proto = fh.read()
         processor = spm.SentencePieceProcessor(model_proto=model_proto)
@@ -432,34 +564,53 @@ class PackedLoader:
         if eos_id < 0:
             raise ValueError(f"{tokenizer_model} has no EOS piece; packed documents need one between them")
         self._plan = _Plan(
-            data=data,
-            shards=shards,
-            fmt=manifest.format,
-            text_column=manifest.text_column,
+            sources=sources,
+            mixture=mixture,
+            split=split,
+            micro_batches_per_step=micro_batches_per_step,
             model_proto=model_proto,
             eos_id=eos_id,
             seq_len=seq_len,
             micro_batch_size=micro_batch_size,
             data_rank=data_rank,
             data_degree=data_degree,
-            seed=seed,
             document_masking=document_masking,
             encode_threads=encode_threads,
         )
+        if split == "train":
+            self._check_weights()
         self.prefetch = prefetch
+        self.data = data
         self._state = initial_state(
+            sources=[(p.name, data_fingerprint(p.manifest, split)) for p in prepared],
             data_rank=data_rank,
             data_degree=data_degree,
             seq_len=seq_len,
             micro_batch_size=micro_batch_size,
             seed=seed,
             split=split,
-            data_fingerprint=data_fingerprint(manifest, split),
             tokenizer_sha256=hashlib.sha256(model_proto).hexdigest(),
         )
         self._closed = False
         self._worker: tuple[threading.Thread, queue.Queue[Any], threading.Event, weakref.finalize[Any, Any]] | None
         self._worker = None
+
+    def _check_weights(self) -> None:
+        """A training source given weight at any step of the schedule must have training documents."""
+        plan = self._plan
+        steps = {0, *(int(e["step"]) for e in plan.mixture.schedule)}
+        for step in sorted(steps):
+            for source, weight in zip(plan.sources, plan.mixture.weights_at(step), strict=True):
+                if weight > 0 and not source.shards:
+                    raise ValueError(
+                        f"source {source.name!r} has weight {weight:.3g} at step {step} but no 'train' documents; "
+                        "re-run prepare-data or give it weight 0"
+                    )
+
+    @property
+    def source_names(self) -> list[str]:
+        """The sources' names, in the order of `Batch.source_tokens`."""
+        return [s.name for s in self._plan.sources]
 
     # -- iteration ---------------------------------------------------------------------------------------
     def __iter__(self) -> Iterator[Batch]:
@@ -493,7 +644,7 @@ class PackedLoader:
         stop = threading.Event()
         thread = threading.Thread(
             target=_produce,
-            args=(self._plan, dict(self._state), out, stop),
+            args=(self._plan, json.loads(json.dumps(self._state)), out, stop),
             name=f"hlat-packed-loader-rank{self._plan.data_rank}",
             daemon=True,
         )
@@ -527,10 +678,12 @@ class PackedLoader:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue right after the batch `state` was saved with: the next batches are exactly those an
         uninterrupted run would have yielded. Refuses states of other data, tokenizer, seed, split, rank or
-        data-parallel size."""
+        data-parallel size; maps a version-1 state of a one-source run."""
+        if isinstance(state, dict) and state.get("version") == 1:
+            state = self._from_version_1(state)
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             got = state.get("version") if isinstance(state, dict) else type(state).__name__
-            raise ValueError(f"not a PackedLoader state of version {STATE_VERSION} (got version {got!r})")
+            raise ValueError(f"not a PackedLoader state of version {STATE_VERSION} or 1 (got version {got!r})")
         # Checkpoints written before the parallel degrees had one name each call them dp_rank and dp_size.
         state = {_RENAMED.get(key, key): value for key, value in state.items()}
         missing = [k for k in (*_RESUME_KEYS, "data_fingerprint", "tokenizer_sha256") if k not in state]
@@ -549,9 +702,11 @@ class PackedLoader:
                 "each rank must load the state it saved"
             )
         if state["data_fingerprint"] != mine["data_fingerprint"]:
+            theirs = [s.get("name") for s in state["sources"]] if isinstance(state["sources"], list) else "?"
             raise ValueError(
-                f"the loader state was saved on different data (its {state['split']!r} shards differ from those in "
-                f"{self._plan.data.uri()}); resume on the prepared data the checkpoint was trained on"
+                f"the loader state was saved on different data (its {state['split']!r} split of sources {theirs} "
+                f"differs from that of {self.source_names} in {self.data.uri()}); resume on the prepared data the "
+                "checkpoint was trained on"
             )
         if state["tokenizer_sha256"] != mine["tokenizer_sha256"]:
             raise ValueError("the loader state was saved with a different tokenizer.model; resume with the same one")
@@ -560,13 +715,52 @@ class PackedLoader:
                 raise ValueError(
                     f"the loader state was saved with {key}={state[key]!r} but this loader has {key}={mine[key]!r}"
                 )
-        ints = ("epoch", "shard", "row", "offset", "batches")
-        bad = any(not isinstance(state[k], int) or state[k] < 0 for k in ints)
-        bad = bad or state["shard"] >= len(self._plan.shards)
-        if bad or not isinstance(state["carry"], list) or len(state["carry"]) > 1:
-            shown = {k: state[k] for k in (*ints, "carry")}
-            raise ValueError(f"malformed loader state: {shown}")
+        self._check_positions(state)
         self._stop()
         # seq_len and micro_batch_size stay this loader's: the stream position does not depend on them.
         fresh = {**state, "seq_len": mine["seq_len"], "micro_batch_size": mine["micro_batch_size"]}
         self._state = json.loads(json.dumps(fresh))
+
+    def _check_positions(self, state: dict[str, Any]) -> None:
+        """Refuse a state whose positions cannot be this loader's (a hand-edited or truncated one)."""
+        n = len(self._plan.sources)
+        sources, current, mix = state["sources"], state["current"], state["mix"]
+        bad = not isinstance(sources, list) or len(sources) != n or not isinstance(mix, dict)
+        bad = bad or not (current is None or (isinstance(current, int) and 0 <= current < n))
+        bad = bad or not isinstance(state["carry"], list) or len(state["carry"]) > 1
+        bad = bad or not isinstance(state["batches"], int) or state["batches"] < 0
+        if not bad:
+            for i, (position, source) in enumerate(zip(sources, self._plan.sources, strict=True)):
+                values = [position.get(k) if isinstance(position, dict) else None for k in _POSITION]
+                bad = bad or any(not isinstance(v, int) or v < 0 for v in values)
+                bad = bad or (values[1] or 0) >= max(len(source.shards), 1)
+                bad = bad or (i != current and values[3] != 0)
+            drawn = mix.get("drawn")
+            bad = bad or not isinstance(mix.get("weights"), list) or not isinstance(drawn, list) or len(drawn) != n
+        if bad:
+            shown = {k: state[k] for k in ("sources", "current", "mix", "carry", "batches")}
+            raise ValueError(f"malformed loader state: {shown}")
+
+    def _from_version_1(self, state: dict[str, Any]) -> dict[str, Any]:
+        """A state saved before mixtures, in today's form: only for a one-source loader of the same data."""
+        old = {_RENAMED.get(key, key): value for key, value in state.items()}
+        mine = self._state
+        (source,) = mine["sources"] if len(mine["sources"]) == 1 else (None,)
+        if source is None or old.get("data_fingerprint") != source["fingerprint"]:
+            raise ValueError(
+                "the loader state (version 1, from before mixtures) was saved on different data: it resumes only a "
+                f"one-source run on the same prepared shards, not the sources {self.source_names} in "
+                f"{self.data.uri()}"
+            )
+        position = {k: old.get(k) for k in ("epoch", "shard", "row", "offset")}
+        batches = old.get("batches")
+        targets = old.get("seq_len", 0) * old.get("micro_batch_size", 0) if isinstance(batches, int) else 0
+        tokens = batches * targets if isinstance(batches, int) and isinstance(targets, int) else 0
+        return {
+            **{k: v for k, v in old.items() if k not in (*position, "data_fingerprint")},
+            "version": STATE_VERSION,
+            "sources": [{"name": source["name"], "fingerprint": source["fingerprint"], **position, "tokens": tokens}],
+            "current": 0 if position["offset"] else None,
+            "mix": {"weights": [], "drawn": [0]},
+            "data_fingerprint": mine["data_fingerprint"],
+        }
