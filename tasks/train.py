@@ -12,11 +12,14 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from hlat.core.layout import CHECKPOINTS_DIR, METRICS_FILE, CheckpointIndex
+from hlat.core.layout import CHECKPOINTS_DIR, DATA_DIR, METRICS_FILE, TOKENIZER_DIR, CheckpointIndex
+from hlat.core.mixture import SourceDraw, check_repetition
+from hlat.core.shards import MANIFEST_FILE, read_mixture
 from hlat.core.storage import Storage
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
+from hlat.infra.tokenizer import REPORT_FILE
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 
 log = logging.getLogger("hlat.train")
@@ -38,25 +41,87 @@ def training_present(run: Run) -> bool:
     return latest_checkpoint(run.storage) == run.config.training.max_steps
 
 
-class _Artifacts:
-    """The stage's live artifacts: a progress bar (with the progress line as its description) and the attempts
-    table, each created once and then updated in place: one card per artifact in the flow run, not a new keyed
-    version on every change. Failing to publish never stops training."""
+def measured_source_tokens(data: Storage, tokenizer: Storage) -> dict[str, int]:
+    """Each prepared source's training tokens, estimated as its train_bytes over the tokenizer report's
+    bytes_per_token (measured on the run's held-out mixture, so a source whose text tokenizes unlike the mixture's
+    is estimated less well). Empty when the data or the tokenizer report is not there yet."""
+    if not data.exists(MANIFEST_FILE) or not tokenizer.exists(REPORT_FILE):
+        return {}
+    bytes_per_token = tokenizer.read_json(REPORT_FILE).get("bytes_per_token")
+    if not bytes_per_token:
+        return {}
+    mixture, _ = read_mixture(data)
+    return {s.name: round(s.train_bytes / bytes_per_token) for s in mixture.sources}
 
-    def __init__(self, run_id: str) -> None:
-        self.run_id = run_id
+
+def check_training_repetition(run: Run) -> list[SourceDraw]:
+    """The tokens the run draws from each source against its measured size: ConfigError (naming the source and the
+    numbers) when a source would be repeated past its max_epochs, before any training job is launched."""
+    measured = measured_source_tokens(run.stage(DATA_DIR), run.stage(TOKENIZER_DIR))
+    return check_repetition(run.config, measured)
+
+
+def source_tokens(record: dict[str, Any]) -> dict[str, int]:
+    """The `tokens/<source>` counts of a metrics record, by source name."""
+    return {key.split("/", 1)[1]: int(value) for key, value in record.items() if key.startswith("tokens/")}
+
+
+def mixture_line(counts: dict[str, int]) -> str:
+    """`web 60.1%, code 29.8%, books 10.1%`: each source's share of the tokens counted."""
+    total = sum(counts.values())
+    return ", ".join(f"{name} {n / total:.1%}" for name, n in counts.items()) if total else ""
+
+
+def latest_source_tokens(run: Storage, tail_bytes: int = 1 << 16) -> dict[str, int]:
+    """The per-source counts of the newest metrics record that has them, from the last `tail_bytes` of
+    metrics.jsonl only (the file grows with the run; the progress artifact reads it at every new step)."""
+    if not run.exists(METRICS_FILE):
+        return {}
+    size = run.size(METRICS_FILE)
+    with run.open(METRICS_FILE, "rb") as fh:
+        fh.seek(max(0, size - tail_bytes))
+        tail = fh.read().decode("utf-8", errors="replace").splitlines()
+    for line in reversed(tail[1:] if size > tail_bytes else tail):  # the first line may be cut
+        try:
+            counts = source_tokens(json.loads(line))
+        except ValueError:
+            continue
+        if counts:
+            return counts
+    return {}
+
+
+class _Artifacts:
+    """The stage's live artifacts: a progress bar (with the progress line, and each source's share of the tokens
+    so far, as its description) and the attempts table, each created once and then updated in place: one card per
+    artifact in the flow run, not a new keyed version on every change. Failing to publish never stops training."""
+
+    def __init__(self, run_id: str, run: Storage | None = None) -> None:
+        self.run_id, self.run = run_id, run
         self.progress_id: UUID | None = None
         self.attempts_id: UUID | None = None
         self.rows: list[dict[str, Any]] | None = None
+        self.mix: tuple[int | None, str] = (None, "")  # (step, line) of the last per-source shares read
+
+    def description(self, p: Progress) -> str:
+        """The progress line, then the sources' shares of the tokens (data rank 0's counts), read again only when
+        a new step was logged."""
+        if self.run is not None and (p.step != self.mix[0] or p.final):
+            try:
+                self.mix = (p.step, mixture_line(latest_source_tokens(self.run)))
+            except Exception as exc:  # a metrics file being rewritten must not stop the progress bar
+                log.debug("could not read the per-source tokens: %s", exc)
+        return f"{p.line()}; sources: {self.mix[1]}" if self.mix[1] else p.line()
 
     def progress(self, p: Progress) -> None:
         try:
+            description = self.description(p)
             if self.progress_id is None:
                 key = artifact_key("train-progress", self.run_id)
-                made = create_progress_artifact(100 * p.fraction, key=key, description=p.line())
+                made = create_progress_artifact(100 * p.fraction, key=key, description=description)
                 self.progress_id = cast(UUID, made)  # sync_compatible: a UUID when called from sync code
             else:
-                update_progress_artifact(self.progress_id, 100 * p.fraction, description=p.line())
+                update_progress_artifact(self.progress_id, 100 * p.fraction, description=description)
         except Exception as exc:  # the API being away must not stop a week-long job
             log.warning("could not update the progress artifact: %s", exc)
 
@@ -84,7 +149,9 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     with evaluation.every_steps, evaluate intermediate checkpoints alongside."""
     from hlat.tasks.evaluate import CheckpointEvaluator
 
-    artifacts = _Artifacts(run.run_id)
+    # A source the run would repeat past its max_epochs fails the stage here, before any job is submitted.
+    check_training_repetition(run)
+    artifacts = _Artifacts(run.run_id, run.storage)
     evaluator = CheckpointEvaluator(run)
 
     def on_progress(p: Progress) -> None:
@@ -115,16 +182,21 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
 
 def training_summary(run: Storage) -> dict[str, Any]:
     """Final step, the last logged training loss, validation loss, gradient norm, learning rate, tokens/s and MFU
-    (each the trainer's reading at its last logged step), read back from metrics.jsonl. The stage replaces tokens/s
-    with its attempts' average where it measured one."""
+    (each the trainer's reading at its last logged step), and each source's tokens at the last record that counts
+    them (`tokens/<source>`, data rank 0's, with `data_degree`), read back from metrics.jsonl. The stage replaces
+    tokens/s with its attempts' average where it measured one."""
     summary: dict[str, Any] = {"final_step": latest_checkpoint(run)}
+    sources: dict[str, Any] = {}
     if run.exists(METRICS_FILE):
         for line in run.read_text(METRICS_FILE).splitlines():
             record = json.loads(line)
             for key in ("loss", "val_loss", "tokens_per_s", "grad_norm", "lr", "mfu"):
                 if record.get(key) is not None:
                     summary[key] = record[key]
-    return summary
+            if counts := source_tokens(record):
+                sources = {f"tokens/{name}": n for name, n in counts.items()}
+                sources["data_degree"] = record.get("data_degree", 1)
+    return {**summary, **sources}
 
 
 SUMMARY_ROWS = {  # key: (label, format)
@@ -142,9 +214,22 @@ SUMMARY_ROWS = {  # key: (label, format)
 
 
 def summary_rows(summary: dict[str, Any]) -> list[dict[str, str]]:
-    """The training report's rows: each figure labelled with what it is and rounded to what it means."""
+    """The training report's rows: each figure labelled with what it is and rounded to what it means; each source's
+    tokens with its share of them (data rank 0's counts: every data rank mixes its own documents by the same rule,
+    so the run's shares are the same and its tokens about data_degree times these)."""
+    counts = source_tokens(summary)
+    total = sum(counts.values())
+    degree = summary.get("data_degree", 1)
+    rank = "data rank 0" if degree == 1 else f"data rank 0 of {degree}"
     rows = []
     for key, value in summary.items():
+        if key == "data_degree":
+            continue
+        if key.startswith("tokens/"):
+            name = key.split("/", 1)[1]
+            share = f" ({value / total:.1%})" if total else ""
+            rows.append({"metric": f"tokens from source {name} ({rank})", "value": f"{value:,}{share}"})
+            continue
         label, fmt = SUMMARY_ROWS.get(key, (key, "{}"))
         rows.append({"metric": label, "value": "" if value is None else fmt.format(value)})
     return rows

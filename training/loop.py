@@ -287,6 +287,8 @@ class Trainer:
             data_degree=self.world.layout.data,
             split=split,
             document_masking=t.document_masking,
+            # Batch b follows the mixture weights of optimizer step b // gradient_accumulation.
+            micro_batches_per_step=self.cfg.gradient_accumulation,
         )
 
     def _checkpoint_format(self) -> CheckpointFormat:
@@ -662,6 +664,7 @@ class Trainer:
         }
         if self._peak:
             values["mfu"] = tokens_per_s * self._flops_per_token / (self._peak * self.world.world_size)
+        values.update(self._source_tokens())
         self.metrics.record(self.step, values)
         if self.world.is_main and self.extracting_graphs:
             log.info("step %d traced (extracting graphs: its values are invalid)", self.step)
@@ -670,6 +673,17 @@ class Trainer:
                 "step %d loss %.4f grad_norm %.3f lr %.2e %.0f tok/s",
                 self.step, stats["loss"], stats["grad_norm"], values["lr"], tokens_per_s,
             )  # fmt: skip
+
+    def _source_tokens(self) -> dict[str, int]:
+        """`tokens/<source>`: each source's training tokens so far on this rank, and `data_degree`. Host integers
+        from the state of the last batch a step consumed (no device read, no collective). The records are rank 0's,
+        so the counts are data rank 0's: a source's tokens over the whole run are about data_degree times them (each
+        rank mixes its own documents by the same rule), and its share is the same."""
+        state = self._loader_state
+        if state is None:
+            return {}
+        counts = {f"tokens/{s['name']}": int(s["tokens"]) for s in state.get("sources", [])}
+        return {**counts, "data_degree": self.world.layout.data} if counts else {}
 
     # -- hooks -------------------------------------------------------------------------------------------
     def health_check(self, step: int) -> None:

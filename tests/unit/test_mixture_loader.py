@@ -323,3 +323,78 @@ def test_per_source_tokens_sum_to_the_targets(corpus: dict[str, Any]) -> None:
     assert all(x <= y for a, b in itertools.pairwise(batches) for x, y in zip(
         [s["tokens"] for s in a.state["sources"]], [s["tokens"] for s in b.state["sources"]], strict=True
     ))  # fmt: skip
+
+
+# -- what the loop records and the train stage reports ---------------------------------------------------
+def test_the_loop_records_rank_0s_cumulative_tokens_per_source_and_the_data_degree(corpus: dict[str, Any]) -> None:
+    from types import SimpleNamespace
+
+    from hlat.training.loop import Trainer
+
+    data = run_data(corpus, "loop", {"web": 0.6, "code": 0.3, "books": 0.1})
+    with PackedLoader(data, corpus["model"], 16, 2, SEED) as it:
+        batches = take(it, 20)
+    trainer = SimpleNamespace(_loader_state=batches[-1].state, world=SimpleNamespace(layout=SimpleNamespace(data=2)))
+    values = Trainer._source_tokens(trainer)  # type: ignore[arg-type]
+    assert values == {
+        **{f"tokens/{n}": sum(b.source_tokens[i] for b in batches) for i, n in enumerate(("web", "code", "books"))},
+        "data_degree": 2,
+    }
+    assert sum(values[f"tokens/{n}"] for n in ("web", "code", "books")) == 20 * 32
+    assert Trainer._source_tokens(SimpleNamespace(_loader_state=None)) == {}  # type: ignore[arg-type]
+
+
+def test_the_training_report_and_progress_show_each_sources_tokens_and_share(tmp_path: Path) -> None:
+    from hlat.core.layout import METRICS_FILE
+    from hlat.tasks.train import latest_source_tokens, mixture_line, summary_rows, training_summary
+
+    run = Storage(str(tmp_path / "run"))
+    records = [
+        {"step": 10, "loss": 5.0, "tokens/web": 600, "tokens/code": 300, "tokens/books": 100, "data_degree": 2},
+        {"step": 15, "val_loss": 4.9},
+        {"step": 20, "loss": 4.0, "tokens/web": 1210, "tokens/code": 590, "tokens/books": 200, "data_degree": 2},
+    ]
+    run.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records))
+    summary = training_summary(run)
+    assert summary["tokens/web"] == 1210 and summary["data_degree"] == 2 and summary["loss"] == 4.0
+    rows = {r["metric"]: r["value"] for r in summary_rows(summary)}
+    assert rows["tokens from source web (data rank 0 of 2)"] == "1,210 (60.5%)"
+    assert rows["tokens from source books (data rank 0 of 2)"] == "200 (10.0%)"
+    assert "data_degree" not in rows
+    assert latest_source_tokens(run) == {"web": 1210, "code": 590, "books": 200}
+    assert latest_source_tokens(run, tail_bytes=150) == {"web": 1210, "code": 590, "books": 200}  # a cut first line
+    assert mixture_line({"web": 1210, "code": 590, "books": 200}) == "web 60.5%, code 29.5%, books 10.0%"
+    assert latest_source_tokens(Storage(str(tmp_path / "none"))) == {}
+
+
+def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
+    corpus: dict[str, Any], tmp_path: Path
+) -> None:
+    from hlat.core.config import ConfigError
+    from hlat.core.presets import load_config
+    from hlat.infra.tokenizer import REPORT_FILE
+    from hlat.tasks.train import measured_source_tokens
+
+    data = run_data(corpus, "measured", {"web": 0.6, "code": 0.3, "books": 0.1})
+    tokenizer = Storage(str(tmp_path / "tokenizer"))
+    assert measured_source_tokens(data, tokenizer) == {}  # no tokenizer report yet: nothing measured
+    tokenizer.write_json(REPORT_FILE, {"bytes_per_token": 2.5})
+    measured = measured_source_tokens(data, tokenizer)
+    for name in ("web", "code", "books"):
+        assert measured[name] == round(corpus["sources"][name][1].bytes("train") / 2.5)
+    # The stage's check: the run's draws against these estimates, refused naming the source and the numbers.
+    from hlat.infra.runs import Run
+    from hlat.tasks.train import check_training_repetition
+
+    sources = [{"name": "web", "source": "web.jsonl", "weight": 0.6}, {"name": "code", "source": "code.jsonl"}]
+    sources += [{"name": "books", "source": "books.jsonl", "weight": 0.1, "max_epochs": 2.0}]
+    sources[1]["weight"] = 0.3
+    cfg = load_config("tiny", {"data.sources": sources})
+    run = Run.at(str(corpus["root"] / "runs" / "measured"), cfg, run_id="measured")
+    run.stage("tokenizer").write_json(REPORT_FILE, {"bytes_per_token": 1e-6})  # every source is huge
+    assert [d.name for d in check_training_repetition(run)] == ["web", "code", "books"]
+    books_bytes = corpus["sources"]["books"][1].bytes("train")
+    run.stage("tokenizer").write_json(REPORT_FILE, {"bytes_per_token": books_bytes / 10})  # books: 10 tokens
+    refusal = r"data.sources\[books\]: the run draws [\d,]+ tokens from it = .* of its 10 tokens"
+    with pytest.raises(ConfigError, match=refusal):
+        check_training_repetition(run)
