@@ -3,6 +3,11 @@
 Only rank 0 writes. On local storage lines are appended as they come; on S3 (no appends) they are buffered
 and the object is rewritten at each flush (before every checkpoint is saved, and at exit). A resumed job first drops the
 lines past the step it resumes from, so the file always describes one consistent history.
+
+Besides the step's figures, the training loop records `tokens/<source>` for each source of the data mixture: the
+training tokens drawn from it so far by data rank 0's loader (host integers from its state, so no device read and
+no collective), with `data_degree`. Every data rank mixes its own documents by the same rule, so rank 0's shares are
+the run's and the run's tokens of a source are about data_degree times rank 0's.
 """
 
 from __future__ import annotations

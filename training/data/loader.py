@@ -233,13 +233,14 @@ class _Plan:
     document_masking: bool
     encode_threads: int
 
-    def weights(self, batches: int) -> list[float]:
-        """The weights of the batch after `batches` ones: its optimizer step's for training, step 0's for the
-        validation split; sources without documents in the split get 0 and the rest share their weight."""
-        step = batches // self.micro_batches_per_step if self.split == "train" else 0
-        raw = [w if s.shards and sum(x.rows for x in s.shards) else 0.0 for w, s in zip(
-            self.mixture.weights_at(step), self.sources, strict=True
-        )]  # fmt: skip
+    def step_of(self, batches: int) -> int:
+        """The optimizer step whose weights the batch after `batches` ones follows (step 0 for validation)."""
+        return batches // self.micro_batches_per_step if self.split == "train" else 0
+
+    def weights(self, step: int) -> list[float]:
+        """The sources' weights at `step`; sources without documents in the split get 0 and the rest share
+        their weight."""
+        raw = [w if s.shards else 0.0 for w, s in zip(self.mixture.weights_at(step), self.sources, strict=True)]
         total = sum(raw)
         if total <= 0:
             raise ValueError(f"no source with {self.split!r} documents has a positive weight at step {step}")
@@ -445,9 +446,13 @@ def _pack(plan: _Plan, state: dict[str, Any], out: queue.Queue[Any], stop: threa
     mix_weights, drawn = list(state["mix"]["weights"]), [int(t) for t in state["mix"]["drawn"]]
     in_batch = [0] * len(plan.sources)
     current: int | None = state["current"]
+    step: int | None = None
+    weights: list[float] = []
     while not stop.is_set():
         if current is None:
-            weights = plan.weights(batches)
+            if plan.step_of(batches) != step:
+                step = plan.step_of(batches)
+                weights = plan.weights(step)
             if weights != mix_weights:  # a new phase of the schedule (or the start): count from here
                 mix_weights, drawn = weights, [0] * len(plan.sources)
             current = pick_source(weights, drawn)
