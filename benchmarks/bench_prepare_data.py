@@ -14,6 +14,17 @@ great-expectations, building the suite) is timed apart. Then the job program its
 worker processes, then the merge) runs over the corpus with 1 and with 2 workers. Run:
 
     .venv/bin/python -m benchmarks.bench_prepare_data [--mb 200] [--repeats 3] [--batch-rows N]
+
+With `--docs`, the curation benchmark instead (training/data/curation.py, datatrove's exact and MinHash dedup): for
+each size, a corpus of documents of about `--chars` characters from the same Zipf vocabulary, in parquet unit shards,
+with planted exact copies (one document in 20 copies the one 3 before it) and near copies (one in 20 copies the one 5
+before it with one word changed): each dedup's precision and recall against the planted pairs; the peak RSS of the
+largest process (the run is a child process; its own and its children's ru_maxrss), which must stay flat as the
+documents double (the tasks of a phase grow with them, `--docs-per-task`, as a job's units do); the time of each phase; MB/s per worker of curate() against datatrove's own plain pipeline (its
+readers -> the same dedup blocks -> its writer, on a local folder, no split metadata, barrier or shard writer) on the
+same shards, as a ratio in the same run. The full run of the issue:
+
+    .venv/bin/python -m benchmarks.bench_prepare_data --docs 1000000 2000000 4000000 [--docs-per-task 50000] [--chars 300]
 """
 
 from __future__ import annotations
@@ -26,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from benchmarks.measure import best_of, table
 
@@ -201,12 +212,20 @@ def job_row(workers: int, run: tuple[float, float], docs: int, mb: float, one: t
 
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--docs", type=int, nargs="+", default=None, help="curation benchmark at these corpus sizes")
+    parser.add_argument("--chars", type=int, default=300, help="curation benchmark: characters per document")
+    parser.add_argument("--docs-per-task", type=int, default=50_000, help="curation benchmark: documents per task")
+    parser.add_argument("--child", nargs=3, metavar=("MODE", "FOLDER", "TASKS"), help=argparse.SUPPRESS)
     parser.add_argument("--mb", type=float, default=200, help="size of the generated corpus in MB")
     parser.add_argument("--documents", type=int, default=None, help="generate this many lines instead of --mb")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--batch-rows", type=int, default=None, help="data.batch_rows (default: the config's)")
     parser.add_argument("--job-unit-mb", type=int, default=16, help="data.unit_mb of the job rows")
     args = parser.parse_args(argv)
+    if args.child:
+        return curation_child(args.child[0], args.child[1], int(args.child[2]))
+    if args.docs:
+        return curation_main(args.docs, args.chars, args.docs_per_task)
 
     from hlat.core.config import DataConfig
     from hlat.core.storage import Storage
@@ -256,6 +275,240 @@ def main(argv: list[str] | None = None) -> str:
         f"one run each, units of {args.job_unit_mb} MB, {os.cpu_count()} cores\n{out}"
     )
     return out
+
+
+# -- curation (training/data/curation.py) ------------------------------------------------------------------------
+SHARD_DOCS = 10_000
+EXACT_EVERY, EXACT_OFFSET, EXACT_BACK = 20, 7, 3
+NEAR_EVERY, NEAR_OFFSET, NEAR_BACK = 20, 13, 5
+
+
+def curation_corpus(folder: Any, docs: int, chars: int, seed: int = SEED) -> tuple[list[Any], int]:
+    """Parquet unit shards of `docs` documents (the last shard held out); returns the shards and their bytes of text.
+    Planted: document i with i % 20 == 7 is document i - 3 again; with i % 20 == 13, document i - 5 with one word
+    changed (at a random place)."""
+    import numpy as np
+
+    from hlat.core.shards import write_shard
+
+    rng = np.random.default_rng(seed)
+    words = np.array(_COMMON.split(), dtype=object)
+    weights = 1.0 / np.arange(1, len(words) + 1) ** 1.1
+    weights /= weights.sum()
+    per_doc = max(8, chars // 6)
+    shards: list[Any] = []
+    texts: list[str] = []
+    size = 0
+    picks = rng.choice(len(words), size=(docs, per_doc), p=weights)
+    places = rng.integers(0, per_doc, size=docs)
+    for i in range(docs):
+        if i % EXACT_EVERY == EXACT_OFFSET and i >= EXACT_BACK:
+            text = texts[i - EXACT_BACK]
+        elif i % NEAR_EVERY == NEAR_OFFSET and i >= NEAR_BACK:
+            changed = texts[i - NEAR_BACK].split(" ")
+            changed[int(places[i]) % len(changed)] = f"zq{i}"
+            text = " ".join(changed)
+        else:
+            text = " ".join(words[picks[i]].tolist())
+        texts.append(text)
+        if len(texts) % SHARD_DOCS == 0 or i == docs - 1:
+            start = (len(texts) - 1) // SHARD_DOCS * SHARD_DOCS
+            batch = texts[start:]
+            split: Literal["train", "validation"] = "validation" if i == docs - 1 and start > 0 else "train"
+            shards.append(
+                write_shard(folder, f"units/{split}-{start // SHARD_DOCS:05d}.parquet", split, batch, "parquet")
+            )
+            size += sum(len(t.encode()) for t in batch)
+    return shards, size
+
+
+def planted(docs: int) -> tuple[set[int], set[int]]:
+    """The documents each dedup should remove: the planted copies (the kept member of a pair may be either)."""
+    exact = {i for i in range(EXACT_BACK, docs) if i % EXACT_EVERY == EXACT_OFFSET}
+    near = {i for i in range(NEAR_BACK, docs) if i % NEAR_EVERY == NEAR_OFFSET}
+    return exact, near
+
+
+def _pair(i: int, rule: str) -> tuple[int, int]:
+    back = EXACT_BACK if rule == "exact_dedup" else NEAR_BACK
+    return (i - back, i)
+
+
+def precision_recall(removed: list[int], rule: str, docs: int) -> tuple[float, float]:
+    """A removal is right when it removes one member of a planted pair of its kind (each pair counted once)."""
+    exact, near = planted(docs)
+    truth = exact if rule == "exact_dedup" else near
+    pairs_of = {m: _pair(c, rule) for c in truth for m in _pair(c, rule)}
+    hit_pairs = {pairs_of[i] for i in removed if i in pairs_of}
+    right = sum(1 for i in removed if i in pairs_of)
+    precision = right / len(removed) if removed else 1.0
+    return precision, len(hit_pairs) / len(truth) if truth else 1.0
+
+
+def _removed_indices(folder: Any, rule: str) -> list[int]:
+    """Global document numbers of what a rule removed (ids are <unit shard>/<row>)."""
+    out: list[int] = []
+    rel = f"work-bench/curate/removed/{rule}"
+    if not folder.exists(rel):
+        return out
+    for name in folder.list(rel):
+        for line in folder.read_text(f"{rel}/{name.rsplit('/', 1)[-1]}").splitlines():
+            doc_id = json.loads(line)["id"]
+            shard, row = doc_id.rsplit("/", 1)
+            out.append(int(shard.rsplit("-", 1)[1].split(".")[0]) * SHARD_DOCS + int(row))
+    return out
+
+
+def curation_child(mode: str, root: str, tasks: int) -> str:
+    """One measured run in a fresh process: curate() ("hlat") or datatrove's plain pipeline ("plain") over the unit
+    shards under `root`; prints a JSON line with its seconds per phase, kept documents and peak RSS (MB)."""
+    import resource
+    import time
+
+    from hlat.core.config import CurationConfig
+    from hlat.core.shards import ShardInfo
+    from hlat.core.storage import Storage
+    from hlat.training.data.curation import curate
+
+    folder = Storage(root)
+    shards = [ShardInfo.model_validate(s) for s in folder.read_json("units.json")]
+    cfg = CurationConfig(exact_dedup=True, minhash=True, finder_workers=tasks)
+    start = time.perf_counter()
+    if mode == "hlat":
+        result = curate(cfg, folder, "work-bench", shards, "parquet", 100_000, tasks=tasks, workers=1)
+        seconds, kept = result.seconds, result.kept
+    else:
+        seconds, kept = plain_datatrove(cfg, root, tasks)
+    total = time.perf_counter() - start
+    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    line = json.dumps({"seconds": seconds, "total": total, "kept": kept, "rss_mb": rss / 1024})
+    print(line)
+    return line
+
+
+def plain_datatrove(cfg: Any, root: str, tasks: int) -> tuple[dict[str, float], int]:
+    """datatrove's own pipeline, as its examples write it: readers and writers on local folders, the same dedup blocks
+    and hash function as curate(), exact dedup then MinHash; returns seconds per phase and the documents kept."""
+    import time
+
+    from datatrove.executor.local import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.exact_dedup import (
+        ExactDedupConfig,
+        ExactDedupFilter,
+        ExactDedupSignature,
+        ExactFindDedups,
+    )
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.readers import JsonlReader, ParquetReader
+    from datatrove.pipeline.writers import JsonlWriter
+
+    from hlat.training.data.curation import HASH, TOKENIZER, _doc_text
+
+    p = f"{root}/plain"
+    exact = ExactDedupConfig(content_getter=_doc_text, hash_config=HASH)
+    mh = MinhashConfig(cfg.minhash_ngrams, cfg.minhash_buckets, cfg.minhash_hashes_per_bucket, hash_config=HASH)
+    stages = {
+        "exact_signatures": ([ParquetReader(f"{root}/units"), ExactDedupSignature(f"{p}/esig", exact, tasks)], tasks),
+        "exact_find": ([ExactFindDedups(f"{p}/esig", f"{p}/edup", exact)], tasks),
+        "exact_filter": (
+            [
+                ParquetReader(f"{root}/units"),
+                ExactDedupFilter(f"{p}/edup", exact),
+                JsonlWriter(f"{p}/kept1", compression=None),
+                MinhashDedupSignature(f"{p}/msig", config=mh, language=TOKENIZER),
+            ],
+            tasks,
+        ),
+        "minhash_buckets": ([MinhashDedupBuckets(f"{p}/msig", f"{p}/mbuck", config=mh)], cfg.minhash_buckets),
+        "minhash_cluster": ([MinhashDedupCluster(f"{p}/mbuck", f"{p}/mrem", config=mh)], 1),
+        "write": (
+            [JsonlReader(f"{p}/kept1"), MinhashDedupFilter(f"{p}/mrem"), JsonlWriter(f"{p}/out", compression=None)],
+            tasks,
+        ),
+    }
+    seconds = {}
+    for name, (pipeline, n) in stages.items():
+        start = time.perf_counter()
+        LocalPipelineExecutor(pipeline, tasks=n, workers=1, logging_dir=f"{p}/logs/{name}").run()
+        seconds[name] = round(time.perf_counter() - start, 3)
+    kept = sum(sum(1 for _ in path.open()) for path in Path(f"{p}/out").glob("*.jsonl"))
+    return seconds, kept
+
+
+def _child(mode: str, root: str, tasks: int) -> dict[str, Any]:
+    command = [sys.executable, "-m", "benchmarks.bench_prepare_data", "--child", mode, root, str(tasks)]
+    done = subprocess.run(command, check=True, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def curation_main(sizes: list[int], chars: int, docs_per_task: int) -> str:
+    """The curation benchmark at each size (see the module docstring); prints and returns its tables. The tasks of a
+    phase grow with the corpus (`docs_per_task`), as a prepare-data job's units do: datatrove's signature blocks sort
+    a task's signatures in memory, so a task's memory follows its share of the corpus, not the corpus."""
+    from hlat.core.storage import Storage
+
+    rows, phase_rows = [], []
+    for docs in sizes:
+        tasks = max(1, -(-docs // docs_per_task))
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = Storage(tmp)
+            shards, size = curation_corpus(folder, docs, chars)
+            folder.write_json("units.json", [s.model_dump(mode="json") for s in shards])
+            ours = _child("hlat", tmp, tasks)
+            plain = _child("plain", tmp, tasks)
+            quality = {
+                rule: precision_recall(_removed_indices(folder, rule), rule, docs)
+                for rule in ("exact_dedup", "minhash")
+            }
+        mb = size / 1e6
+        # Per worker: one worker ran every task, so the corpus over the whole run's time is one worker's rate.
+        ours_mbs, plain_mbs = mb / ours["total"], mb / plain["total"]
+        (ep, er), (mp, mr) = quality["exact_dedup"], quality["minhash"]
+        rows.append(
+            [
+                f"{docs:,}",
+                tasks,
+                f"{mb:.0f}",
+                f"{ep:.4f} / {er:.4f}",
+                f"{mp:.4f} / {mr:.4f}",
+                f"{ours['kept']:,} / {plain['kept']:,}",
+                f"{ours['rss_mb']:.0f} / {plain['rss_mb']:.0f}",
+                f"{ours_mbs:.2f} / {plain_mbs:.2f}",
+                f"{ours_mbs / plain_mbs:.2f}",
+            ]
+        )
+        phase_rows.append([f"{docs:,}", *(f"{v:.1f}" for v in ours["seconds"].values())])
+        phases = list(ours["seconds"])
+    head = [
+        "docs",
+        "tasks",
+        "MB",
+        "exact P / R",
+        "MinHash P / R",
+        "kept hlat / plain",
+        "peak RSS MB hlat / plain",
+        "MB/s per worker hlat / plain",
+        "ratio",
+    ]
+    out = table(head, rows) + "\n" + table(["docs", *(f"{p} s" for p in phases)], phase_rows)
+    print(
+        f"curation (exact dedup + MinHash 14x8 of 5-grams, datatrove {_datatrove_version()}), documents of ~{chars} "
+        f"chars, {docs_per_task:,} documents per task, all run by 1 worker, {os.cpu_count()} cores; planted: 1 in "
+        f"{EXACT_EVERY} an exact copy, 1 in {NEAR_EVERY} a near copy (one word changed)\n{out}"
+    )
+    return out
+
+
+def _datatrove_version() -> str:
+    from importlib.metadata import version
+
+    return version("datatrove")
 
 
 if __name__ == "__main__":

@@ -220,9 +220,47 @@ def test_offline_tasks_decontaminate_against_the_held_out_text(monkeypatch: pyte
     assert unavailable == ["no_such_task_anywhere"]
 
 
+def test_a_task_whose_data_are_cached_gives_its_questions_and_answers(tmp_path: Path) -> None:
+    """An lm-eval task read offline from local data (as a hub task is from the datasets cache)."""
+    import json
+
+    import yaml
+
+    data = tmp_path / "qa.jsonl"
+    rows = [{"question": "Where is the red door?", "choices": ["north", "south"], "gold": 1}]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    task = {
+        "task": "local_qa",
+        "dataset_path": "json",
+        "dataset_kwargs": {"data_files": {"test": str(data)}, "cache_dir": str(tmp_path / "cache")},
+        "test_split": "test",
+        "doc_to_text": "question",
+        "output_type": "multiple_choice",
+        "doc_to_target": "gold",
+        "doc_to_choice": "choices",
+        "metadata": {"version": 1.0},
+    }
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "local_qa.yaml").write_text(yaml.safe_dump(task))
+    texts, unavailable = curation.contamination_texts(["local_qa"], [], str(tmp_path / "tasks"))
+    assert texts == {"local_qa": ["Where is the red door? south"]}
+    assert unavailable == []
+
+
 def test_regex_tokenizer_splits_words_and_sentences() -> None:
     tok = curation.RegexWordTokenizer()
     assert tok.word_tokenize("It's a dog, isn't it?") == ["It's", "a", "dog", ",", "isn't", "it", "?"]
     text = "One two. Three four! Five"
     assert tok.sent_tokenize(text) == ["One two.", "Three four!", "Five"]
     assert [text[a:b] for a, b in tok.span_tokenize(text)] == ["One two.", "Three four!", "Five"]
+
+
+def test_the_curation_benchmark_finds_its_planted_duplicates() -> None:
+    from benchmarks.bench_prepare_data import curation_main
+
+    out = curation_main([1500], chars=300, docs_per_task=750)
+    row = next(line for line in out.splitlines() if line.startswith("| 1,500"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[3] == "1.0000 / 1.0000"  # exact dedup: every planted copy and nothing else
+    precision, recall = (float(v) for v in cells[4].split(" / "))
+    assert precision == 1.0 and recall >= 0.8  # MinHash: LSH finds most one-word changes of 50-word documents

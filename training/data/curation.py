@@ -533,7 +533,6 @@ def _gather_shards(folder: Storage, work: str, tasks: int) -> list[ShardInfo]:
 
 
 # -- what to decontaminate against ------------------------------------------------------------------------------------
-OFFLINE_TASKS = ("hlat_cloze", "hlat_choice")
 
 
 def contamination_texts(
@@ -545,16 +544,16 @@ def contamination_texts(
     `validation_texts`. Hub tasks are loaded through lm-eval's task manager with Hugging Face offline (only the local
     dataset cache is read; nothing is fetched): each document's question and answer text. A task that cannot be
     loaded that way is returned in the second list."""
-    from hlat.training.evaluation.lm_harness import _hub_offline
+    from hlat.training.evaluation.lm_harness import CHOICE_TASK, CLOZE_TASK, _hub_offline
 
     texts: dict[str, list[str]] = {}
     unavailable: list[str] = []
-    offline = [t for t in tasks if t in OFFLINE_TASKS]
+    offline = [t for t in tasks if t in (CLOZE_TASK, CHOICE_TASK)]
     if offline:
         held_out = [t for t in validation_texts if t and t.strip()]
         for task in offline:
             texts[task] = held_out
-    hub = [t for t in tasks if t not in OFFLINE_TASKS]
+    hub = [t for t in tasks if t not in offline]
     if not hub:
         return texts, unavailable
     with _hub_offline():
