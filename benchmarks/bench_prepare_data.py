@@ -20,11 +20,12 @@ each size, a corpus of documents of about `--chars` characters from the same Zip
 with planted exact copies (one document in 20 copies the one 3 before it) and near copies (one in 20 copies the one 5
 before it with one word changed): each dedup's precision and recall against the planted pairs; the peak RSS of the
 largest process (the run is a child process; its own and its children's ru_maxrss), which must stay flat as the
-documents double (the tasks of a phase grow with them, `--docs-per-task`, as a job's units do); the time of each phase; MB/s per worker of curate() against datatrove's own plain pipeline (its
-readers -> the same dedup blocks -> its writer, on a local folder, no split metadata, barrier or shard writer) on the
-same shards, as a ratio in the same run. The full run of the issue:
+documents double (the tasks of a phase grow with them, `--docs-per-task`, as a job's units do); the time of each
+phase; MB/s per worker of curate() against datatrove's own plain pipeline (its readers -> the same dedup blocks -> its
+writer, on a local folder, no split metadata, barrier or shard writer) on the same shards, as a ratio in the same run.
+The full run of the issue:
 
-    .venv/bin/python -m benchmarks.bench_prepare_data --docs 1000000 2000000 4000000 [--docs-per-task 50000] [--chars 300]
+    .venv/bin/python -m benchmarks.bench_prepare_data --docs 1000000 2000000 4000000 [--docs-per-task 50000]
 """
 
 from __future__ import annotations
