@@ -44,7 +44,17 @@ from hlat.core.layout import source_folder
 from hlat.core.storage import Storage
 from hlat.training.data.reader import Unit
 from hlat.training.data.sources import SourceError
-from hlat.training.data.units import assign, committed, merge, plan, prepared, run_worker, work_dir, write_mixture
+from hlat.training.data.units import (
+    assign,
+    committed,
+    curate_units,
+    merge,
+    plan,
+    prepared,
+    run_worker,
+    work_dir,
+    write_mixture,
+)
 from hlat.training.data.validation import DataValidationError
 from hlat.training.hooks import hooks
 
@@ -157,7 +167,7 @@ def _all_sources(
         if prepared(folder, key):
             log.info("source %s: prepared before (%s)", name, folder.uri())
             continue
-        _host(cfg.data.source_data_config(source), folder, key, name, args, host, count)
+        _host(cfg.data.source_data_config(source), folder, key, name, args, host, count, cfg.evaluation.tasks)
     if host != 0:
         return 0
     while not all(prepared(folder, key) for folder, (_, key) in zip(folders, sources, strict=True)):
@@ -171,8 +181,18 @@ def _all_sources(
     return 0
 
 
-def _host(cfg: DataConfig, data: Storage, key: str, name: str, args: argparse.Namespace, host: int, count: int) -> None:
-    """One source on this host: its workers, then (host 0) the merge into the source's manifest and report."""
+def _host(
+    cfg: DataConfig,
+    data: Storage,
+    key: str,
+    name: str,
+    args: argparse.Namespace,
+    host: int,
+    count: int,
+    evaluation_tasks: list[str],
+) -> None:
+    """One source on this host: its workers, then this host's share of curation once every unit is committed,
+    then (host 0) the merge into the source's manifest and report."""
     started = time.time()
     work = work_dir(key)
     if host != 0:  # host 0 writes the plan
@@ -186,10 +206,14 @@ def _host(cfg: DataConfig, data: Storage, key: str, name: str, args: argparse.Na
     )  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hlat-prepare-") as tmp:
         _supervise_workers(args, name, mine, cfg.worker_retries, Path(tmp))
+    _await_units(data, work, units, cfg)
+    workers = len(host_workers(cfg.workers, host, count))
+    curated = curate_units(
+        cfg, data, work, units, evaluation_tasks=evaluation_tasks, host=host, hosts=count, workers=max(workers, 1)
+    )
     if host != 0:
         return
-    _await_units(data, work, units, cfg)
-    report = merge(cfg, data, work, units, key, started=started)
+    report = merge(cfg, data, work, units, key, started=started, curated=curated)
     log.info(
         "source %s: merged %d units: %d rows read = %d kept + %d quarantined %s; %d duplicates across units",
         name, report.units, report.rows_read, report.rows_kept, report.rows_quarantined, report.quarantined_by_reason,
@@ -248,7 +272,7 @@ def _start(args: argparse.Namespace, name: str, worker: int, life: int, tmp: Pat
 
 
 def _await_units(data: Storage, work: str, units: list[Unit], cfg: DataConfig) -> None:
-    """Host 0: wait until every unit to read is committed (the other hosts' workers write theirs)."""
+    """Wait until every unit to read is committed (the other hosts' workers write theirs)."""
     if cfg.max_documents is not None:
         return  # worker 0 (this host) read the prefix it needed
     waiting = [u for u in units if committed(data, work, u) is None]

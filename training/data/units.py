@@ -1,39 +1,43 @@
-"""The prepare-data stage body: cut the source into units, validate and shard each unit, merge them into one
-manifest and one report.
+"""The prepare-data body of one source: cut it into units, validate and shard each unit, curate the whole source
+(training.data.curation, datatrove), and write its manifest and report.
 
 The work is split so that many workers can share it and none has to start over: `plan` cuts the source into
 deterministic units (training.data.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
 share of a hub data set per worker); `assign` deals them out to `data.workers` workers, largest first; each
-worker runs `prepare_unit` on its units, which writes the unit's shards and commits it with `unit.json`, written
-last; `merge` then finds the exact duplicates *across* units (each unit drops its own), rewrites the few shards
-that hold them, and writes the manifest and the report. The output depends on the plan alone, not on how many
-workers ran it or how often one was restarted: a committed unit is never redone.
+worker runs `prepare_unit` on its units, which validates them with great-expectations (dropping exact duplicates
+within the unit), writes the unit's shards and commits it with `unit.json`, written last. Curation then runs over
+every unit's shards, in phases whose tasks the workers share (exact duplicates across the whole source,
+hash-partitioned; near duplicates; quality rules; decontamination), and `merge` writes the manifest and the report.
+The output depends on the plan alone, not on how many workers ran it or how often one was restarted: a committed
+unit, or a completed curation task, is never redone.
 
-Outputs under the run's `data/` folder:
+Outputs under the source's folder (`<storage root>/sources/<name>-<key>/`, core.layout.source_folder):
 ```
-data/work-<key>/plan.json                              the units, in output order
-data/work-<key>/units/000003/train-00000.parquet ...   kept documents of unit 3 (validation-00000... held out)
-data/work-<key>/units/000003/quarantine-00000.parquet  set-aside rows: text, reason, file, line (in the unit)
-data/work-<key>/units/000003/digests.npz               a 16-byte hash and the split of every kept row
-data/work-<key>/units/000003/unit.json                 the unit's counts and shards: its commit marker
-data/manifest.json                                     every shard once, with rows, bytes, sha256 (after the units)
-data/report.json                                       counts that reconcile, reasons, per worker, timing (last)
+work-<key>/plan.json                              the units, in output order
+work-<key>/units/000003/train-00000.parquet ...   kept documents of unit 3 (validation-00000... held out)
+work-<key>/units/000003/quarantine-00000.parquet  set-aside rows: text, reason, file, line (in the unit)
+work-<key>/units/000003/unit.json                 the unit's counts and shards: its commit marker
+work-<key>/curate/...                             curation's phases: their logs, completions and outputs
+manifest.json                                     every shard once, with rows, bytes, sha256 (after the units)
+report.json                                       counts that reconcile, reasons and rules, per worker, timing (last)
 ```
-A run that fails leaves the previous manifest and its shards untouched; the work folders of earlier keys are
-removed only after the new manifest is in place.
+A source that fails leaves the previous manifest and its shards untouched; the work folders of earlier keys are
+removed only after the new manifest is in place. `write_mixture` then writes the run's own `data/manifest.json`
+(the mixture of its sources) and `data/report.json` (their reports and totals).
 """
 
 from __future__ import annotations
 
 import hashlib
 import io
+import itertools
 import logging
 import time
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-import numpy as np
 import pandas as pd
 from pydantic import BaseModel, Field
 
@@ -47,18 +51,19 @@ from hlat.core.shards import (
     ShardWriter,
     read_manifest,
     shard_texts,
-    write_shard,
 )
 from hlat.core.storage import Storage
 from hlat.training.data.reader import BadRow, Unit, absolute_line, plan_units, read_unit
 from hlat.training.data.validation import DataValidationError, DocumentValidator, ValidationTally, check_totals
+
+if TYPE_CHECKING:
+    from hlat.training.data.curation import CurationResult
 
 log = logging.getLogger("hlat.data")
 
 REPORT_FILE = "report.json"
 PLAN_FILE = "plan.json"
 UNIT_FILE = "unit.json"
-DIGEST_FILE = "digests.npz"
 QUARANTINE_TEXT_LIMIT = 65_536  # characters of a quarantined row kept for inspection
 EXAMPLES_PER_UNIT = 20  # set-aside rows named (file and line) in a unit's record, and so in the report
 
@@ -123,7 +128,7 @@ class DataReport(BaseModel):
     expectation_failures: dict[str, int]
     duplicate_rate: float
     cross_unit_duplicates: int = 0
-    """Exact duplicates of a document kept by an earlier unit (found by the merge, across workers)."""
+    """Exact duplicates found across the whole source by curation's exact dedup (across units and workers)."""
     train_rows: int
     validation_rows: int
     train_bytes: int
@@ -136,6 +141,8 @@ class DataReport(BaseModel):
     """The first set-aside rows with their file and 1-based line (or row group)."""
     manifest_checksum: str
     seconds: float
+    curation_seconds: dict[str, float] = Field(default_factory=dict)
+    """Seconds of each curation phase."""
     name: str = ""
     """The source's name in the mixture (a source's own report); empty in a run's report."""
     sources: list[DataReport] = Field(default_factory=list)
@@ -209,8 +216,6 @@ def prepare_unit(
     # The stage's policy is applied here, where each row's file and line are known.
     validator = DocumentValidator(cfg.validation.model_copy(update={"policy": "quarantine"}), cfg.text_column)
     quarantine = QuarantineWriter(data, folder, unit.file)
-    digests: list[bytes] = []
-    splits: list[bool] = []
     examples: list[BadExample] = []
     unreadable: Counter[str] = Counter()
     rows_read = lines = raw = 0
@@ -239,20 +244,15 @@ def prepare_unit(
             if outcome.quarantined and cfg.validation.policy == "fail":
                 first = outcome.quarantined_index[0]
                 raise _refused(cfg, unit, where[first], outcome.quarantined[0][1])
-            # The validator's sha256 of each kept text: its first 16 bytes find duplicates across units (as they
-            # did within this one), its first 8 are assign_split's hash.
+            # The validator's sha256 of each kept text: its first 8 bytes are assign_split's hash.
             for text, sha in zip(outcome.kept, outcome.kept_digests, strict=True):
-                validation = held_out(sha, cfg.validation_fraction)
-                writer.add(text, "validation" if validation else "train")
-                digests.append(sha[:16])
-                splits.append(validation)
+                writer.add(text, "validation" if held_out(sha, cfg.validation_fraction) else "train")
         on_batch(unit, rows_read)
         if limit is not None and rows_read >= limit:
             break
     shards = writer.close()
     tally = validator.tally
     by_reason = tally.by_reason + unreadable
-    _write_digests(data, f"{folder}/{DIGEST_FILE}", digests, splits)
     result = UnitResult(
         index=unit.index,
         label=unit.label(),
@@ -354,18 +354,6 @@ class QuarantineWriter:
         return self.files
 
 
-def _write_digests(data: Storage, rel: str, digests: list[bytes], validation: list[bool]) -> None:
-    buf = io.BytesIO()
-    raw = np.frombuffer(b"".join(digests), dtype=np.uint8).reshape(-1, 16)
-    np.savez(buf, digests=raw, validation=np.array(validation, dtype=bool))
-    data.write_bytes(rel, buf.getvalue())
-
-
-def _read_digests(data: Storage, rel: str) -> tuple[np.ndarray, np.ndarray]:
-    with np.load(io.BytesIO(data.read_bytes(rel))) as npz:
-        return npz["digests"], npz["validation"]
-
-
 # -- one worker, and the whole stage in this process -------------------------------------------------------------
 def run_worker(
     cfg: DataConfig,
@@ -396,13 +384,63 @@ def run_worker(
     return results
 
 
-def prepare_dataset(cfg: DataConfig, data: Storage, fingerprint: str) -> DataReport:
-    """The whole stage in this process, one unit after another (what each worker of the job does, then the merge)."""
+def prepare_dataset(
+    cfg: DataConfig, data: Storage, fingerprint: str, evaluation_tasks: tuple[str, ...] = ()
+) -> DataReport:
+    """One source, the whole stage in this process: its units one after another (what each worker of the job does),
+    curation, then the merge."""
     start = time.time()
     work = work_dir(fingerprint)
     units = plan(cfg, data, work)
     run_worker(cfg, data, work, units, worker=0, limit=cfg.max_documents)
-    return merge(cfg, data, work, units, fingerprint, started=start)
+    curated = curate_units(cfg, data, work, units, evaluation_tasks=evaluation_tasks)
+    return merge(cfg, data, work, units, fingerprint, started=start, curated=curated)
+
+
+CONTAMINATION_DOCUMENTS = 2000
+"""Held-out documents of a source whose text the offline evaluation tasks may quote (training.evaluate reads the
+first OFFLINE_TASK_DOCUMENTS of the mixture's held-out split, which are among each source's first this many)."""
+
+
+def curation_on(cfg: DataConfig) -> bool:
+    c = cfg.curation
+    rules = (c.exact_dedup, c.minhash, c.gopher_quality, c.gopher_repetition, c.c4_quality, c.fineweb_quality)
+    return any(rules) or c.decontaminate
+
+
+def curate_units(
+    cfg: DataConfig,
+    data: Storage,
+    work: str,
+    units: list[Unit],
+    *,
+    evaluation_tasks: tuple[str, ...] | list[str] = (),
+    host: int = 0,
+    hosts: int = 1,
+    workers: int = 1,
+) -> CurationResult | None:
+    """Curate a source's committed units (training.data.curation): one task per unit in the phases that read them
+    (so the output depends on the plan alone, not on how many workers or hosts ran it), this host running its share
+    of each phase's tasks on `workers` processes. None when every rule is off."""
+    if not curation_on(cfg):
+        return None
+    from hlat.training.data.curation import contamination_texts, curate
+
+    results = _results(cfg, data, work, units)
+    inputs = [s for r in results for s in r.shards]
+    contamination = None
+    if cfg.curation.decontaminate:
+        held_out = (t for s in inputs if s.split == "validation" for t in shard_texts(data, s, cfg.shard_format))
+        texts, missing = contamination_texts(
+            list(evaluation_tasks), itertools.islice(held_out, CONTAMINATION_DOCUMENTS), None
+        )
+        if missing:
+            log.warning("decontamination: the texts of %s are not available offline here; not checked", missing)
+        contamination = texts
+    return curate(
+        cfg.curation, data, work, inputs, cfg.shard_format, cfg.shard_rows, tasks=len(results), workers=workers,
+        host=host, hosts=hosts, contamination=contamination, text_column="text",
+    )  # fmt: skip
 
 
 def prepared(folder: Storage, key: str) -> bool:
@@ -482,25 +520,30 @@ def combined_report(reports: list[DataReport], key: str, checksum: str, policy: 
 
 
 # -- the merge ----------------------------------------------------------------------------------------------------
-def merge(cfg: DataConfig, data: Storage, work: str, units: list[Unit], fingerprint: str, started: float) -> DataReport:
-    """Drop exact duplicates across units (the first in plan order is kept), write the manifest, then the report;
-    data-set-level rules (empty, duplicate rate, too few rows) fail the stage here, before the manifest."""
+def merge(
+    cfg: DataConfig,
+    data: Storage,
+    work: str,
+    units: list[Unit],
+    fingerprint: str,
+    started: float,
+    curated: CurationResult | None = None,
+) -> DataReport:
+    """The source's manifest, then its report, from its committed units and, when any curation rule ran, what
+    curation kept (`curated`: its shards replace the units'; every document a rule removed is counted under the
+    rule, exact duplicates under 'duplicate'). Data-set-level rules (empty, duplicate rate, too few rows) fail the
+    stage here, before the manifest."""
     results = _results(cfg, data, work, units)
-    dropped = _cross_unit_duplicates(data, work, results)
-    shards: list[ShardInfo] = []
-    for result in results:
-        rows = dropped.get(result.index)
-        if rows is not None and rows.size:
-            result = _drop_rows(cfg, data, work, result, rows)
-        shards.extend(result.shards)
+    removed = {RULE_REASONS.get(rule, rule): n for rule, n in (curated.removed if curated else {}).items()}
+    shards = curated.shards if curated is not None else [s for r in results for s in r.shards]
     tally = ValidationTally()
     for r in results:
         tally.rows_read += r.rows_read
         tally.non_null_rows += r.non_null_rows
         tally.by_reason.update(r.quarantined_by_reason)
         tally.expectation_failures.update(r.expectation_failures)
-    cross = sum(int(v.size) for v in dropped.values())
-    tally.by_reason["duplicate"] += cross
+    cross = removed.get("duplicate", 0)
+    tally.by_reason.update(removed)
     tally.expectation_failures["duplicate"] += cross
     tally.by_reason = +tally.by_reason
     tally.expectation_failures = +tally.expectation_failures
@@ -533,7 +576,8 @@ def merge(cfg: DataConfig, data: Storage, work: str, units: list[Unit], fingerpr
         units=len(results),
         raw_bytes=sum(r.bytes for r in results),
         workers=_per_worker(results),
-        examples=_examples(results)[:100],
+        examples=(_examples(results) + _rule_examples(curated))[:100] if curated else _examples(results)[:100],
+        curation_seconds=curated.seconds if curated else {},
         manifest_checksum=manifest.checksum,
         seconds=round(time.time() - started, 3),
     )
@@ -555,60 +599,19 @@ def _results(cfg: DataConfig, data: Storage, work: str, units: list[Unit]) -> li
     return results
 
 
-def _cross_unit_duplicates(data: Storage, work: str, results: list[UnitResult]) -> dict[int, np.ndarray]:
-    """Per unit, the positions (in its kept rows) of documents an earlier unit already kept."""
-    arrays = [_read_digests(data, f"{unit_dir(work, r.index)}/{DIGEST_FILE}")[0] for r in results]
-    if not arrays:
-        return {}
-    every = np.concatenate(arrays) if len(arrays) > 1 else arrays[0]
-    keys = np.ascontiguousarray(every).view(np.dtype([("hi", "<u8"), ("lo", "<u8")])).ravel()
-    _, first = np.unique(keys, return_index=True)
-    later = np.ones(len(keys), dtype=bool)
-    later[first] = False
-    out: dict[int, np.ndarray] = {}
-    offset = 0
-    for r, a in zip(results, arrays, strict=True):
-        rows = np.flatnonzero(later[offset : offset + len(a)])
-        if rows.size:
-            out[r.index] = rows
-        offset += len(a)
-    return out
+RULE_REASONS = {"exact_dedup": "duplicate"}
+"""Curation rules counted under another name in the report: an exact duplicate is one whichever step found it."""
 
 
-def _drop_rows(cfg: DataConfig, data: Storage, work: str, result: UnitResult, rows: np.ndarray) -> UnitResult:
-    """Rewrite the unit's shards without the kept rows at `rows` (duplicates of an earlier unit's), set them aside
-    with reason 'duplicate', and record the new counts in the unit's result (not committed again: the merge is
-    redone from the units as committed)."""
-    _, validation = _read_digests(data, f"{unit_dir(work, result.index)}/{DIGEST_FILE}")
-    index_in_split = np.where(validation, np.cumsum(validation) - 1, np.cumsum(~validation) - 1)
-    drop: dict[tuple[str, int], set[int]] = {}
-    for row in rows.tolist():
-        split = "validation" if validation[row] else "train"
-        shard, at = divmod(int(index_in_split[row]), cfg.shard_rows)
-        drop.setdefault((split, shard), set()).add(at)
-    quarantine = QuarantineWriter(data, f"{unit_dir(work, result.index)}/merge", result.file)
-    shards: list[ShardInfo] = []
-    counters: Counter[str] = Counter()
-    for info in result.shards:
-        number = counters[info.split]
-        counters[info.split] += 1
-        gone = drop.get((info.split, number))
-        if not gone:
-            shards.append(info)
-            continue
-        texts = list(shard_texts(data, info, cfg.shard_format))
-        for at in sorted(gone):
-            quarantine.add(texts[at], "duplicate", 0)
-        kept = [t for i, t in enumerate(texts) if i not in gone]
-        if kept:
-            rel = info.path.replace(f".{cfg.shard_format}", f"-dedup.{cfg.shard_format}")
-            shards.append(write_shard(data, rel, info.split, kept, cfg.shard_format))
-    quarantine.close()
-    by_reason = Counter(result.quarantined_by_reason)
-    by_reason["duplicate"] += int(rows.size)
-    return result.model_copy(
-        update={"shards": shards, "rows_kept": result.rows_kept - int(rows.size), "quarantined_by_reason": by_reason}
-    )
+def _rule_examples(curated: CurationResult | None) -> list[BadExample]:
+    """A few documents each curation rule removed (their file and line are not known past the units)."""
+    if curated is None:
+        return []
+    return [
+        BadExample(reason=RULE_REASONS.get(rule, rule), file="", line=0, excerpt=text[:200])
+        for rule, texts in sorted(curated.examples.items())
+        for text in texts
+    ]
 
 
 def _per_worker(results: list[UnitResult]) -> list[WorkerReport]:
