@@ -224,6 +224,13 @@ def test_validation_mixes_the_validation_splits_at_the_first_weights(corpus: dic
     web, code, books = (sum(b.source_tokens[i] for b in batches) for i in range(3))
     assert books == 0 and abs(web / (web + code) - 0.5 / 0.8) < 0.02
     assert batches[-1].state["split"] == "validation"
+    # code has 7 validation documents: with 8 data ranks it is left out on every rank, web (12) is not.
+    for rank in (0, 7):
+        with PackedLoader(data, corpus["model"], 32, 1, SEED, split="validation", data_rank=rank, data_degree=8) as it:
+            counts = [sum(c) for c in zip(*(b.source_tokens for b in take(it, 20)), strict=True)]
+        assert counts[0] == 20 * 32 and counts[1:] == [0, 0]
+    with pytest.raises(ValueError, match=r"source 'web' has 12, source 'code' has 7 documents, too few for 16"):
+        PackedLoader(data, corpus["model"], 32, 1, SEED, split="validation", data_rank=0, data_degree=16)
 
 
 def test_a_source_without_training_documents_but_with_weight_is_refused(corpus: dict[str, Any], tmp_path: Path) -> None:

@@ -28,7 +28,8 @@ therefore differs from its weight by at most about (S + 2) L / W (the window's e
 longest document over the window's tokens bounds the deviation. For 1,000 rows of 2,048 tokens and documents of up to
 4,096 tokens with 3 sources that is about 1 point; documents long against the window (books in a tiny run) can
 exceed 2, and a window across a weight change follows neither weight. The validation loader (evaluation) mixes the
-validation splits by the same rule with the weights at step 0, leaving out sources without validation documents.
+validation splits by the same rule with the weights at step 0, leaving out sources without validation documents
+(or with fewer than the data-parallel ranks: left out on every rank alike).
 
 Packing. Each document is encoded with sentencepiece (no BOS) and followed by EOS; the documents form one
 stream t0 t1 t2 .... A row is a window of seq_len + 1 stream tokens: inputs are its first seq_len, targets its
@@ -545,15 +546,19 @@ class PackedLoader:
                 f"({micro_batches_per_step}) must be positive"
             )
         mixture, prepared = read_mixture(data)
-        sources = []
+        sources, too_few = [], []
         for index, p in enumerate(prepared):
             shards = [s for s in p.manifest.shards if s.split == split]
             rows = sum(s.rows for s in shards)
-            if 0 < rows <= data_rank:
+            if split == "train" and 0 < rows <= data_rank:
                 raise ValueError(
-                    f"the {split!r} split of source {p.name!r} has {rows} documents, too few for {data_degree} "
+                    f"the 'train' split of source {p.name!r} has {rows} documents, too few for {data_degree} "
                     f"data-parallel ranks: rank {data_rank} would get none"
                 )
+            if split != "train" and 0 < rows < data_degree:
+                # Evaluation leaves such a source out on every rank alike, so that the ranks mix the same sources.
+                too_few.append(f"source {p.name!r} has {rows}")
+                rows = 0
             sources.append(
                 _Source(
                     name=p.name, data=p.data, shards=shards if rows else [], fmt=p.manifest.format,
@@ -561,6 +566,11 @@ class PackedLoader:
                 )
             )  # fmt: skip
         if not any(s.shards for s in sources):
+            if too_few:
+                raise ValueError(
+                    f"the {split!r} split is too small: {', '.join(too_few)} documents, too few for {data_degree} "
+                    "data-parallel ranks (some ranks would get none)"
+                )
             raise ValueError(f"{data.uri()} has no {split!r} documents; re-run prepare-data or pick another split")
         with open(tokenizer_model, "rb") as fh:
             model_proto = fh.read()
