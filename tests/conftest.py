@@ -189,6 +189,70 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return root / "base"
 
 
+def prose_corpus(path: Path, docs: int) -> str:
+    """A jsonl source of English-like prose, deterministic: the second source of the mixture fixture."""
+    import json
+    import random
+
+    rng = random.Random(7)
+    words = [
+        "the",
+        "a",
+        "model",
+        "data",
+        "token",
+        "learns",
+        "from",
+        "each",
+        "of",
+        "many",
+        "short",
+        "long",
+        "sentences",
+        "and",
+        "stream",
+        "mixes",
+        "weight",
+    ]
+    lines = []
+    for i in range(docs):
+        sentences = [" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + "."
+                     for _ in range(rng.randint(3, 12))]  # fmt: skip
+        lines.append(json.dumps({"text": f"Note {i}. " + " ".join(sentences)}))
+    path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def prepared_mixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A run folder whose prepared data is a mixture of two sources (the stdlib corpus 0.7, prose 0.3), each in its
+    folder beside the runs, and a tokenizer trained on the mixture."""
+    from hlat.core.layout import source_folder
+    from hlat.core.presets import load_config
+    from hlat.infra.runs import open_run
+    from hlat.infra.tokenizer import build_tokenizer
+    from hlat.training.data.units import prepare_dataset, write_mixture
+
+    root = tmp_path_factory.mktemp("prepared-mixture")
+    prose = prose_corpus(root / "prose.jsonl", 200)
+    sources = [
+        {"name": "stdlib", "source": "builtin:python-stdlib", "max_documents": 300, "weight": 0.7},
+        {"name": "prose", "source": prose, "weight": 0.3},
+    ]
+    cfg = load_config("tiny", {**SMALL_DATA, "data.sources": sources}, run_id="base-mix", storage=str(root))
+    run = open_run(cfg)
+    folders = []
+    for source in cfg.data.mixture:
+        folder = source_folder(run.storage, source.resolved_name, f"fixture-{source.resolved_name}")
+        prepare_dataset(cfg.data.source_data_config(source), folder, fingerprint=source.resolved_name)
+        folders.append((source, folder))
+    write_mixture(cfg.data, run.stage("data"), folders, "training-tests-mixture")
+    build_tokenizer(
+        run.stage("data"), run.stage("tokenizer"), cfg.model.vocab_size, cfg.model.max_seq_len, cfg.tokenizer
+    )
+    return root / "base-mix"
+
+
 @pytest.fixture
 def small_run() -> dict[str, object]:
     return dict(SMALL_RUN)
