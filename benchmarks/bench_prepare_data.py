@@ -19,7 +19,7 @@ With `--docs`, the curation benchmark instead (training/data/curation.py, datatr
 each size, a corpus of documents of about `--chars` characters from the same Zipf vocabulary, in parquet unit shards,
 with planted exact copies (one document in 20 copies the one 3 before it) and near copies (one in 20 copies the one 5
 before it with one word changed): each dedup's precision and recall against the planted pairs; the peak RSS of the
-largest process (the run is a child process; its own and its children's ru_maxrss), which must stay flat as the
+largest process (the run is a child process; its VmHWM and its children's ru_maxrss), which must stay flat as the
 documents double (the tasks of a phase grow with them, `--docs-per-task`, as a job's units do); the time of each
 phase; MB/s per worker of curate() against datatrove's own plain pipeline (its readers -> the same dedup blocks -> its
 writer, on a local folder, no split metadata, barrier or shard writer) on the same shards, as a ratio in the same run.
@@ -381,10 +381,25 @@ def curation_child(mode: str, root: str, tasks: int) -> str:
     else:
         seconds, kept = plain_datatrove(cfg, root, tasks)
     total = time.perf_counter() - start
-    rss = max(resource.getrusage(who).ru_maxrss for who in (resource.RUSAGE_SELF, resource.RUSAGE_CHILDREN))
+    rss = max(_own_peak_kb(), resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)
     line = json.dumps({"seconds": seconds, "total": total, "kept": kept, "rss_mb": rss / 1024})
     print(line)
     return line
+
+
+def _own_peak_kb() -> int:
+    """This process's peak RSS in kB: /proc's VmHWM, the high-water mark of this program's memory. Not ru_maxrss of
+    RUSAGE_SELF, which Linux carries across execve: a child started from the benchmark would report the benchmark's
+    own peak (its corpus generation) whenever that is higher."""
+    import resource
+
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
 
 
 def plain_datatrove(cfg: Any, root: str, tasks: int) -> tuple[dict[str, float], int]:
