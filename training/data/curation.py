@@ -12,14 +12,18 @@ Phases (`{work}/curate/` on the storage):
      decontamination (each removed document written by an exclusion writer) -> the survivors (`kept/filter/`, the split
      in each document's metadata) -> exact-dedup signatures (else MinHash signatures). `tasks` tasks, one per group of
      input files.
-  2. `exact_find`: one task per hash range (cfg.finder_workers): each finder merges only its range's sorted hashes,
-     so no task holds more than 1/finder_workers of the corpus's 12-byte signatures (datatrove's design).
+  2. `exact_find`: one task per hash range (cfg.finder_workers): each finder merges its range's sorted signature
+     files as a stream (a heap of one signature per file), so its memory grows with the number of files, not with
+     the corpus (datatrove's design). The signature steps sort one task's signatures in memory (12 bytes a document
+     for exact dedup, 8 per hash for MinHash): a task's memory follows its share of the corpus, bounded by giving
+     a larger corpus more tasks (one per unit), never by the corpus.
   3. `exact_filter` (only when MinHash also runs): the survivors minus the exact duplicates (`kept/exact/`), then
      their MinHash signatures. The two dedups run one after the other, not side by side from one set of signatures,
      because datatrove's dedup filters drop documents by their position in the task's stream (two chained filters
      would disagree about positions) and because each keeps its own member of a group: side by side, exact dedup
      could keep A1 and drop A2 while MinHash keeps A2 and drops A1, losing the document entirely.
-  4. `minhash_buckets`: one task per LSH band (cfg.minhash_buckets): each merges only its band's sorted signatures.
+  4. `minhash_buckets`: one task per LSH band (cfg.minhash_buckets): each merges its band's sorted signature files
+     as a stream, as the exact finders do.
   5. `minhash_cluster`: one task; it holds a union-find over the documents that have at least one near-duplicate
      pair (two 4-byte ids per node), not over the corpus: its memory grows with the number of duplicates.
   6. `write`: the survivors minus the duplicates, written as our shards (core.shards.ShardWriter: rows, bytes,
@@ -27,10 +31,11 @@ Phases (`{work}/curate/` on the storage):
      the task count and the input order, not on hosts or workers.
 
 Which copy of a duplicate stays: exact dedup keeps the validation copy when a document is in both splits (datatrove's
-`document_priority`: validation 2, train 1), else the first in (task, position) order; MinHash keeps the root
-datatrove's union-find picks for each cluster. Dedup works across splits, so a held-out document never stays in
-training as well. Decontamination applies to training documents only: the offline evaluation tasks are built from the
-held-out split itself (training/evaluation/lm_harness.py `write_offline_tasks`), which it must not empty.
+`document_priority`: validation 2, train 1), else the one earliest in its task's stream (datatrove orders a hash's
+copies by priority, then position in the task); MinHash keeps the root datatrove's union-find picks for each cluster,
+whichever its split. Dedup works across splits, so a held-out document never stays in training as well.
+Decontamination applies to training documents only: the offline evaluation tasks are built from the held-out split
+itself (training/evaluation/lm_harness.py `write_offline_tasks`), which it must not empty.
 
 Word tokenizer: datatrove's English default is spaCy's blank pipeline (`SpaCyTokenizer('en')`); spaCy with its
 dependencies is 44 wheels and 77 MB to download for a tokenizer we use as a regular expression, and NLTK's punkt data
@@ -41,6 +46,7 @@ Treebank tokenizer splits them), sentences end at . ! ? followed by white space.
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import time
@@ -80,7 +86,7 @@ from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.word_tokenizers import WordTokenizer
 
-from hlat.core.config import CurationConfig
+from hlat.core.config import ConfigError, CurationConfig
 from hlat.core.shards import ShardInfo, ShardWriter
 from hlat.core.storage import Storage
 
@@ -346,26 +352,24 @@ def _phases(
     reader.assigned = [s.path for s in inputs]
     filters: list[tuple[str, PipelineStep]] = []
     lang: Any = TOKENIZER
-    if cfg.gopher_quality:
-        filters.append(
-            ("gopher_quality", GopherQualityFilter(exclusion_writer=excluded("gopher_quality"), language=lang))
-        )
-    if cfg.gopher_repetition:
-        filters.append(
-            ("gopher_repetition", GopherRepetitionFilter(exclusion_writer=excluded("gopher_repetition"), language=lang))
-        )
-    if cfg.c4_quality:
-        # C4's rules without its bad-words list (C4BadWordsFilter downloads it) and without dropping every line that
-        # does not end in punctuation (filter_no_terminal_punct: it would cut code and lists line by line); its other
-        # line cuts (citations, javascript and policy lines, lines under 3 words) rewrite a kept document as C4 did.
-        c4 = C4QualityFilter(
-            exclusion_writer=excluded("c4_quality"), split_paragraph=True, filter_no_terminal_punct=False, language=lang
-        )
-        filters.append(("c4_quality", c4))
-    if cfg.fineweb_quality:
-        filters.append(
-            ("fineweb_quality", FineWebQualityFilter(exclusion_writer=excluded("fineweb_quality"), language=lang))
-        )
+    # Each quality rule is datatrove's block with the config's arguments over its defaults (data.curation.*_params).
+    # C4's defaults here leave out its bad-words list (C4BadWordsFilter downloads it) and do not drop every line that
+    # does not end in punctuation (filter_no_terminal_punct: it would cut code and lists line by line); its other line
+    # cuts (citations, javascript and policy lines, lines under 3 words) rewrite a kept document as C4 did.
+    quality: list[tuple[str, bool, type[PipelineStep], dict[str, Any]]] = [
+        ("gopher_quality", cfg.gopher_quality, GopherQualityFilter, cfg.gopher_quality_params),
+        ("gopher_repetition", cfg.gopher_repetition, GopherRepetitionFilter, cfg.gopher_repetition_params),
+        (
+            "c4_quality",
+            cfg.c4_quality,
+            C4QualityFilter,
+            {"split_paragraph": True, "filter_no_terminal_punct": False, **cfg.c4_quality_params},
+        ),
+        ("fineweb_quality", cfg.fineweb_quality, FineWebQualityFilter, cfg.fineweb_quality_params),
+    ]
+    for rule, on, block, params in quality:
+        if on:
+            filters.append((rule, _quality_filter(rule, block, params, excluded(rule), lang)))
     if decont:
         dfilter = _TrainDecontFilter(
             at("decont_index"), config=_decont_config(cfg), exclusion_writer=excluded("decontamination"), language=lang
@@ -431,6 +435,24 @@ class _NoOp(PipelineStep):
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         return data
+
+
+def _quality_filter(rule: str, block: type[PipelineStep], params: dict[str, Any], writer: Any, lang: Any) -> Any:
+    """datatrove's `block` with `params` over its defaults; an argument it does not take is a config error naming
+    the field and the arguments it does take."""
+    known = [
+        p for p in inspect.signature(block.__init__).parameters if p not in ("self", "exclusion_writer", "language")
+    ]
+    unknown = sorted(set(params) - set(known))
+    if unknown:
+        raise ConfigError(
+            f"data.curation.{rule}_params: {', '.join(map(repr, unknown))} is not an argument of datatrove's "
+            f"{block.__name__}; it takes {', '.join(known)}"
+        )
+    tuples = {
+        k: [tuple(v) for v in value] if k in ("top_n_grams", "dup_n_grams") else value for k, value in params.items()
+    }
+    return block(exclusion_writer=writer, language=lang, **tuples)
 
 
 def _decont_config(cfg: CurationConfig) -> NGramsDecontConfig:
