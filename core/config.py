@@ -241,12 +241,22 @@ class CurationConfig(Section):
     """Hashes per LSH band."""
     gopher_quality: bool = False
     """Gopher's quality rules (Rae et al. 2021): word counts and lengths, symbol ratios, stop words."""
+    gopher_quality_params: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of datatrove's GopherQualityFilter that differ from its defaults (Gopher's), e.g.
+    {"min_doc_words": 50, "max_non_alpha_words_ratio": 0.8}."""
     gopher_repetition: bool = False
     """Gopher's repetition rules: duplicated lines, paragraphs and n-grams within a document."""
+    gopher_repetition_params: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of datatrove's GopherRepetitionFilter that differ from its defaults, e.g. {"dup_line_frac": 0.3}."""
     c4_quality: bool = False
     """C4's rules (Raffel et al. 2020): lines ending in punctuation, no javascript/lorem ipsum/curly brackets."""
+    c4_quality_params: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of datatrove's C4QualityFilter that differ from its defaults, e.g. {"filter_no_terminal_punct":
+    false}."""
     fineweb_quality: bool = False
     """FineWeb's rules (Penedo et al. 2024): line punctuation ratio, short lines, duplicated line characters."""
+    fineweb_quality_params: dict[str, Any] = Field(default_factory=dict)
+    """Arguments of datatrove's FineWebQualityFilter that differ from its defaults, e.g. {"line_punct_thr": 0.12}."""
     decontaminate: bool = False
     """Drop documents that share an n-gram with the texts of the evaluation tasks the run scores
     (evaluation.tasks, the offline ones included)."""

@@ -24,6 +24,7 @@ from typing import Any
 from hlat.core.config import (
     BurnInConfig,
     ConfigError,
+    CurationConfig,
     DataConfig,
     DataValidationConfig,
     EvaluationConfig,
@@ -50,12 +51,49 @@ def _trn1_job(instance_count: int) -> JobConfig:
 
 # A public web corpus streamed from the hub; point data.source at your own copy (s3://...) for real runs.
 # Prepared by a job of 64 workers (8 x ml.c5.4xlarge): the hub data set's files are split between them.
+# Curated public corpora (HLAT's mixture, the Pile for Pythia and NeoX): deduplicated (exact, then MinHash near
+# duplicates) and decontaminated against the evaluation tasks; the web-text quality rules stay off, since on code,
+# books and papers they drop good documents (docs/data.md).
+_PUBLIC_CORPUS_CURATION = CurationConfig(exact_dedup=True, minhash=True, decontaminate=True)
+# The tiny rehearsal runs every rule, so the whole curation path is exercised before money is spent. Its offline
+# corpus is Python source and docstrings, which the web-text rules at their defaults would mostly remove (Gopher's
+# alphabetic-word ratio alone drops 84% of it): their thresholds are loosened to keep about 80% of it, every rule still
+# examining every document.
+_EVERY_RULE = CurationConfig(
+    exact_dedup=True,
+    minhash=True,
+    gopher_quality=True,
+    gopher_quality_params={
+        "max_non_alpha_words_ratio": 0.3,
+        "min_doc_words": 20,
+        "max_symbol_word_ratio": 0.5,
+        "min_stop_words": 0,
+        "max_avg_word_length": 20,
+    },
+    gopher_repetition=True,
+    gopher_repetition_params={
+        "top_n_grams": [[2, 0.4], [3, 0.3], [4, 0.25]],
+        "dup_n_grams": [[5, 0.3], [6, 0.28], [7, 0.26], [8, 0.24], [9, 0.22], [10, 0.2]],
+    },
+    c4_quality=True,
+    c4_quality_params={
+        "min_num_sentences": -1,
+        "min_words_per_line": 1,
+        "filter_javascript": False,
+        "filter_curly_bracket": False,
+    },
+    fineweb_quality=True,
+    fineweb_quality_params={"char_duplicates_ratio": 0.3, "line_punct_thr": 0.0, "short_line_thr": 0.9},
+    decontaminate=True,
+)
+
 _WEB_CORPUS = DataConfig(
     source="HuggingFaceFW/fineweb",
     hf_config="sample-350BT",
     streaming=True,
     workers=64,
     workers_per_instance=8,
+    curation=_PUBLIC_CORPUS_CURATION,
 )
 
 # HLAT's evaluation suite (lm-eval-harness task names).
@@ -106,6 +144,7 @@ PRESETS: dict[str, HlatConfig] = {
             shard_rows=500,
             batch_rows=1000,
             validation=DataValidationConfig(min_chars=32, max_chars=200_000, max_duplicate_rate=0.2),
+            curation=_EVERY_RULE,
         ),
         tokenizer=TokenizerConfig(sample_bytes=3_000_000, report_sample_bytes=500_000),
         training=TrainingConfig(

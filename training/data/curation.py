@@ -85,12 +85,13 @@ from datatrove.pipeline.readers import JsonlReader, ParquetReader
 from datatrove.pipeline.writers import JsonlWriter
 from datatrove.utils.hashing import HashConfig
 from datatrove.utils.word_tokenizers import WordTokenizer
+from loguru import logger as loguru_logger
 
 from hlat.core.config import ConfigError, CurationConfig
 from hlat.core.shards import ShardInfo, ShardWriter
 from hlat.core.storage import Storage
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("hlat.data")
 
 RULES = (
     "gopher_quality",
@@ -282,6 +283,7 @@ def curate(
         started = time.monotonic()
         _run_phase(phase, folder, f"{base}/logs/{phase.name}", workers, host, hosts)
         seconds[phase.name] = round(time.monotonic() - started, 3)
+        log.info("curation %s: %d task(s) done in %.1f s", phase.name, phase.tasks, seconds[phase.name])
     removed = {rule: 0 for phase in phases for rule in phase.rules}
     for phase in phases:
         for rule, step in phase.rules.items():
@@ -496,15 +498,21 @@ def _run_phase(phase: _Phase, folder: Storage, logs: str, workers: int, host: in
     offset, count = _share(phase.tasks, host, hosts)
     logging_dir = DataFolder(folder.path(logs), fs=folder.fs)
     if count:
-        LocalPipelineExecutor(
-            phase.pipeline,
-            tasks=phase.tasks,
-            workers=min(workers, count),
-            logging_dir=logging_dir,
-            skip_completed=True,
-            local_tasks=count,
-            local_rank_offset=offset,
-        ).run()
+        # datatrove logs every task's pipeline and statistics to stderr through loguru (hundreds of lines per phase);
+        # its statistics are also written as JSON under the phase's logging folder, and we log one line per phase.
+        loguru_logger.disable("datatrove")
+        try:
+            LocalPipelineExecutor(
+                phase.pipeline,
+                tasks=phase.tasks,
+                workers=min(workers, count),
+                logging_dir=logging_dir,
+                skip_completed=True,
+                local_tasks=count,
+                local_rank_offset=offset,
+            ).run()
+        finally:
+            loguru_logger.enable("datatrove")
     _barrier(folder, logs, phase.tasks)
 
 
