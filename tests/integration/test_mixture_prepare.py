@@ -4,6 +4,7 @@ runs, whichever run asks for it; the run's manifest names the sources with their
 from __future__ import annotations
 
 import json
+import random
 from pathlib import Path
 from typing import Any
 
@@ -80,3 +81,62 @@ def test_a_source_with_other_settings_is_prepared_again_beside_the_first(tmp_pat
     assert len(folders) == 2 and all(f.startswith("web-") for f in folders)
     body = json.loads((storage / "large" / "data" / "manifest.json").read_text())
     assert MixtureManifest.model_validate(body).sources[0].name == "web"
+
+
+def test_the_job_removes_planted_near_duplicates_and_an_evaluation_passage_and_counts_them_by_rule(
+    tmp_path: Path,
+) -> None:
+    """A source with near duplicates (a few words changed in long documents) and a training document that quotes a
+    held-out document (what the offline evaluation tasks are drawn from): the job's report counts each by its rule
+    and keeps examples of both."""
+    from hlat.training.data.units import assign_split
+
+    rng = random.Random(3)
+    # Letters only: datatrove's text normalisation before hashing folds digits (w12 and w34 would be one word).
+    vocabulary = ["".join(rng.choice("abcdefghijklmnoprstuvw") for _ in range(rng.randint(3, 9))) for _ in range(3000)]
+
+    def prose(n: int) -> str:
+        return " ".join(rng.choice(vocabulary) for _ in range(n)) + "."
+
+    fraction = 0.2
+    docs = [prose(200) for _ in range(80)]
+    # Near duplicates of training documents, themselves in training (a held-out original would make its copy a
+    # contamination instead): 2 of 200 words changed, a 5-gram Jaccard similarity about 0.9, far above MinHash's 0.75.
+    near: list[str] = []
+    for text in (t for t in docs if assign_split(t, fraction) == "train"):
+        words = text.split()
+        words[40], words[140] = "changed", "altered"
+        copy = " ".join(words)
+        if assign_split(copy, fraction) == "train":
+            near.append(copy)
+        if len(near) == 5:
+            break
+    held_out = next(t for t in docs if assign_split(t, fraction) == "validation")
+    quote = " ".join(held_out.split()[20:60])  # 40 words of a held-out document
+    contaminated = next(
+        c for c in (f"Preface {i}: {quote} {prose(30)}" for i in range(100)) if assign_split(c, fraction) == "train"
+    )
+    path = tmp_path / "planted.jsonl"
+    path.write_text("".join(json.dumps({"text": t}) + "\n" for t in [*docs, *near, contaminated]))
+    curation = {"exact_dedup": True, "minhash": True, "decontaminate": True, "gopher_quality": False,
+                "gopher_repetition": False, "c4_quality": False, "fineweb_quality": False}  # fmt: skip
+    run = open_run(
+        config(
+            tmp_path / "runs",
+            "planted",
+            [{"source": str(path), "name": "planted"}],
+            **{"data.validation_fraction": fraction, "data.curation": curation},
+        )
+    )
+    record, state = prepare_job(run)
+    assert state is not None and state.status.value == "Completed", record
+    report = DataReport.model_validate(run.stage("data").read_json(REPORT_FILE))
+    (source,) = report.sources
+    assert source.quarantined_by_reason.get("minhash") == len(near)
+    assert source.quarantined_by_reason.get("decontamination") == 1
+    assert source.rows_kept == len(docs) and report.rows_read == len(docs) + len(near) + 1
+    rules = {e.reason for e in source.examples}
+    assert {"minhash", "decontamination"} <= rules
+    assert any(
+        quote[:60] in e.excerpt or e.excerpt in contaminated for e in source.examples if e.reason == "decontamination"
+    )
