@@ -138,6 +138,8 @@ def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[fl
         run.uri + "/config.json",
         "--key",
         "bench",
+        "--sources",  # each source's cache key (tasks/prepare_data.py source_keys); any fresh one prepares it
+        json.dumps({s.resolved_name: f"bench-{workers}" for s in config.data.mixture}),
     ]
     subprocess.run(command, check=True, capture_output=True, cwd=Path(__file__).resolve().parents[1])
     wall = time.perf_counter() - start
