@@ -103,6 +103,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)
     parser.add_argument("--life", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    # datatrove's dedup steps draw tqdm bars into the job's log; tqdm reads this when it is first imported (below).
+    os.environ.setdefault("TQDM_DISABLE", "1")
     prefix = f"worker{args.worker} " if args.worker is not None else "prepare-data "
     logging.basicConfig(level=logging.INFO, format=prefix + "%(message)s", force=True)
     _quiet_great_expectations(worker=args.worker is not None)

@@ -52,7 +52,7 @@ def test_three_weighted_sources_from_a_config_file_train_at_their_shares(prefect
         "data": {"sources": sources, "max_documents": None},
         "model": {"vocab_size": 384},
         "tokenizer": {"sample_bytes": 300_000, "report_sample_bytes": 50_000},
-        "training": {"max_steps": STEPS, "checkpoint_every": 70, "eval_every": 0, "eval_batches": 2},
+        "training": {"max_steps": STEPS, "seq_len": 64, "checkpoint_every": 70, "eval_every": 0, "eval_batches": 2},
         "evaluation": {"limit": 10, "perplexity_tokens": 2000},
     }
     path = tmp_path / "mix.yaml"
@@ -76,7 +76,7 @@ def test_three_weighted_sources_from_a_config_file_train_at_their_shares(prefect
         after = by_step[start + WINDOW]
         drawn = {n: after[n] - before[n] for n in WEIGHTS}
         total = sum(drawn.values())
-        assert total == WINDOW * 8 * 128
+        assert total == WINDOW * 8 * 64
         for name, weight in WEIGHTS.items():
             assert abs(drawn[name] / total - weight) < 0.02, (start, name, drawn)
     # The training report (the train stage's artifact) shows each source's tokens with its share.

@@ -68,6 +68,8 @@ def job_config(corpus: Path, storage: Path, run_id: str, **more: Any) -> HlatCon
         "data.shard_rows": 25,
         "data.batch_rows": 16,
         "data.validation.min_chars": 8,
+        # The exact duplicates across files are this test's subject (the other rules: tests/unit/test_curation.py).
+        "data.curation": {"exact_dedup": True},
         **more,
     }
     return load_config("tiny", overrides, run_id=run_id, storage=str(storage))

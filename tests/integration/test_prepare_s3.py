@@ -21,7 +21,8 @@ def test_s3_source_to_s3_run_storage(s3_env: S3Env) -> None:
             json.dumps({"text": f"document {part}-{i} about tokenizers and packing"}) + "\n" for i in range(30)
         )
         client.put_object(Bucket=s3_env.bucket, Key=f"corpus/part-{part}.jsonl", Body=body.encode())
-    cfg = load_config("tiny", {"data.source": f"s3://{s3_env.bucket}/corpus", "data.validation_fraction": 0.0}).data
+    overrides = {"data.source": f"s3://{s3_env.bucket}/corpus", "data.validation_fraction": 0.0}
+    cfg = load_config("tiny", {**overrides, "data.curation": {"exact_dedup": True}}).data
     out = Storage(f"{s3_env.url}/run/data")
     report = prepare_dataset(cfg, out, fingerprint="a" * 64)
     assert (report.rows_read, report.rows_kept) == (60, 60)
@@ -54,7 +55,8 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
         docs.append("the same planted document in every object of the corpus")
         body = "".join(json.dumps({"text": d}) + "\n" for d in docs)
         client.put_object(Bucket=s3_env.bucket, Key=f"corpus/part-{part}.jsonl", Body=body.encode())
-    overrides = {"data.source": f"s3://{s3_env.bucket}/corpus", "data.workers": 2, "data.max_documents": None}
+    overrides = {"data.source": f"s3://{s3_env.bucket}/corpus", "data.workers": 2, "data.max_documents": None,
+                 "data.curation": {"exact_dedup": True}}  # fmt: skip
     config = load_config("tiny", overrides, run_id="s3job", storage=s3_env.url)
     run = open_run(config)
     record, state = prepare_job(run)

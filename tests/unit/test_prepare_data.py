@@ -43,7 +43,10 @@ def doc(i: int, words: int = 12) -> str:
 
 
 def data_cfg(source: Path | str, **overrides: Any) -> DataConfig:
-    return load_config("tiny", {"data.source": str(source), **{f"data.{k}": v for k, v in overrides.items()}}).data
+    """The tiny preset's data settings on `source`, curated by exact dedup alone: these tests are about reading and
+    great-expectations' row checks (every curation rule: tests/unit/test_curation.py)."""
+    given = {"data.source": str(source), "data.curation": {"exact_dedup": True}}
+    return load_config("tiny", {**given, **{f"data.{k}": v for k, v in overrides.items()}}).data
 
 
 def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:

@@ -276,6 +276,31 @@ def curate(
     if not 0 <= host < hosts:
         raise ValueError(f"host {host} is not one of {hosts} hosts")
     tasks = max(1, min(tasks, len(inputs))) if inputs else 1
+    # datatrove logs every task's pipeline and statistics to stderr through loguru, hundreds of lines per phase: its
+    # statistics are also written as JSON under each phase's logging folder, and this module logs one line per phase
+    # instead. (Its dedup steps' tqdm bars are off in the prepare-data job: TQDM_DISABLE, training/prepare_data.py.)
+    loguru_logger.disable("datatrove")
+    try:
+        return _curate(cfg, folder, work, inputs, fmt, shard_rows, tasks, workers, host, hosts, contamination,
+                       text_column)  # fmt: skip
+    finally:
+        loguru_logger.enable("datatrove")
+
+
+def _curate(
+    cfg: CurationConfig,
+    folder: Storage,
+    work: str,
+    inputs: list[ShardInfo],
+    fmt: Literal["parquet", "jsonl"],
+    shard_rows: int,
+    tasks: int,
+    workers: int,
+    host: int,
+    hosts: int,
+    contamination: dict[str, list[str]] | None,
+    text_column: str,
+) -> CurationResult:
     base = f"{work}/curate"
     phases = _phases(cfg, folder, work, inputs, fmt, shard_rows, tasks, contamination or {}, text_column)
     seconds: dict[str, float] = {}
@@ -498,21 +523,15 @@ def _run_phase(phase: _Phase, folder: Storage, logs: str, workers: int, host: in
     offset, count = _share(phase.tasks, host, hosts)
     logging_dir = DataFolder(folder.path(logs), fs=folder.fs)
     if count:
-        # datatrove logs every task's pipeline and statistics to stderr through loguru (hundreds of lines per phase);
-        # its statistics are also written as JSON under the phase's logging folder, and we log one line per phase.
-        loguru_logger.disable("datatrove")
-        try:
-            LocalPipelineExecutor(
-                phase.pipeline,
-                tasks=phase.tasks,
-                workers=min(workers, count),
-                logging_dir=logging_dir,
-                skip_completed=True,
-                local_tasks=count,
-                local_rank_offset=offset,
-            ).run()
-        finally:
-            loguru_logger.enable("datatrove")
+        LocalPipelineExecutor(
+            phase.pipeline,
+            tasks=phase.tasks,
+            workers=min(workers, count),
+            logging_dir=logging_dir,
+            skip_completed=True,
+            local_tasks=count,
+            local_rank_offset=offset,
+        ).run()
     _barrier(folder, logs, phase.tasks)
 
 
