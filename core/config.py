@@ -267,6 +267,12 @@ class CurationConfig(Section):
     finder_workers: int = Field(4, ge=1)
     """Hash ranges of the exact dedup (and tasks of its find phase); each finder holds only its range."""
 
+    @property
+    def any_rule(self) -> bool:
+        """Whether any rule is on (else prepare-data writes the validated units as they are)."""
+        rules = (self.exact_dedup, self.minhash, self.gopher_quality, self.gopher_repetition, self.c4_quality)
+        return any(rules) or self.fineweb_quality or self.decontaminate
+
 
 class DataConfig(Section):
     """Where the corpus comes from and how prepare-data shards it."""

@@ -470,10 +470,15 @@ class DataEstimate:
     mb_per_s_per_worker: float
     usd_per_node_hour: float | None
     basis: str
+    curation_mb_per_s_per_worker: float | None = None
+    """The curation phases' rate (data.curation: any rule on), after the units' validation; None: no curation."""
 
     @property
     def hours(self) -> float:
-        return self.bytes / 1e6 / (self.mb_per_s_per_worker * self.workers) / 3600
+        seconds_per_mb = 1 / self.mb_per_s_per_worker + (
+            1 / self.curation_mb_per_s_per_worker if self.curation_mb_per_s_per_worker else 0
+        )
+        return self.bytes / 1e6 * seconds_per_mb / self.workers / 3600
 
     @property
     def usd(self) -> float | None:
@@ -487,8 +492,13 @@ class DataEstimate:
         )
         return (
             f"prepare-data: {self.bytes / 1e12:,.2f} TB of text in {self.hours:,.2f} h on {self.workers} worker(s) "
-            f"({self.instances} x {self.instance_type}) at {self.mb_per_s_per_worker:g} MB/s per worker, {price} "
-            f"({self.basis})"
+            f"({self.instances} x {self.instance_type}) at {self.mb_per_s_per_worker:g} MB/s per worker"
+            + (
+                f" to validate and {self.curation_mb_per_s_per_worker:g} MB/s to curate"
+                if self.curation_mb_per_s_per_worker
+                else ""
+            )
+            + f", {price} ({self.basis})"
         )
 
 
@@ -510,6 +520,9 @@ def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstima
         mb_per_s_per_worker=float(figures["mb_per_s_per_worker"]),
         usd_per_node_hour=hourly,
         basis=f"{BYTES_PER_TOKEN:g} bytes/token; throughput measured {figures['measured']} on {figures['machine']}",
+        curation_mb_per_s_per_worker=(
+            float(measured("curation")["mb_per_s_per_worker"]) if d.curation.any_rule else None
+        ),
     )
 
 

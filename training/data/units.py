@@ -402,12 +402,6 @@ CONTAMINATION_DOCUMENTS = 2000
 first OFFLINE_TASK_DOCUMENTS of the mixture's held-out split, which are among each source's first this many)."""
 
 
-def curation_on(cfg: DataConfig) -> bool:
-    c = cfg.curation
-    rules = (c.exact_dedup, c.minhash, c.gopher_quality, c.gopher_repetition, c.c4_quality, c.fineweb_quality)
-    return any(rules) or c.decontaminate
-
-
 def curate_units(
     cfg: DataConfig,
     data: Storage,
@@ -422,7 +416,7 @@ def curate_units(
     """Curate a source's committed units (training.data.curation): one task per unit in the phases that read them
     (so the output depends on the plan alone, not on how many workers or hosts ran it), this host running its share
     of each phase's tasks on `workers` processes. None when every rule is off."""
-    if not curation_on(cfg):
+    if not cfg.curation.any_rule:
         return None
     from hlat.training.data.curation import contamination_texts, curate
 
