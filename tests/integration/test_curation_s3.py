@@ -5,12 +5,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from hlat.core.storage import Storage
 from hlat.training.data.curation import curate
 from tests.integration.conftest import S3Env
 from tests.unit.test_curation import ALL_ON, Corpus, _texts
 
 
+@pytest.mark.slow  # every phase twice, once through moto's S3 (15-20 s)
 def test_curation_on_s3_matches_a_local_folder(s3_env: S3Env, tmp_path: Path) -> None:
     corpus = Corpus(seed=13)
     results = {}
