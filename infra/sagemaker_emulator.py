@@ -48,6 +48,7 @@ from pathlib import Path
 from typing import Any
 
 from hlat.core.config import JobConfig
+from hlat.core.layout import SOURCES_DIR
 from hlat.core.storage import Storage, storage_errors
 from hlat.infra.jobs import JobSpec
 
@@ -351,7 +352,8 @@ def host_command(host: HostTree, hosts_path: str, command: list[str], keep: list
 def reachable(request: Mapping[str, Any], python: str) -> list[str]:
     """What an emulated container must reach even where its /tmp or home covers it: the job's Python environment
     (the image), the project's code (installed in it as a link to the source), the emulator's own interpreter, and
-    the local folders the request names under LOCAL_BUCKET (a local run's storage, S3's stand-in)."""
+    the local folders the request names under LOCAL_BUCKET (a local run's storage, S3's stand-in), and the prepared
+    sources beside such a run (`<storage root>/sources/`, core.layout.SOURCES_DIR), which its data manifest names."""
     paths = {PROJECT_ROOT, sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(sys.executable))}
     for interpreter in (python, os.path.realpath(python)):
         paths.add(os.path.dirname(os.path.dirname(os.path.abspath(interpreter))))
@@ -360,6 +362,9 @@ def reachable(request: Mapping[str, Any], python: str) -> list[str]:
         if text.startswith(prefix):
             path = storage_of(text).path()
             paths.add(path if os.path.exists(path) else os.path.dirname(path))
+            beside = next((p / SOURCES_DIR for p in Path(path).parents if (p / SOURCES_DIR).is_dir()), None)
+            if beside is not None:
+                paths.add(str(beside))
     return sorted(str(p) for p in paths)
 
 
