@@ -30,7 +30,10 @@ def corpus(folder: Path, name: str, docs: int) -> str:
 
 
 def config(storage: Path, run_id: str, sources: list[dict[str, Any]], **more: Any) -> Any:
-    overrides = {"data.sources": sources, "data.max_documents": None, "data.validation.min_chars": 8, **more}
+    # Exact dedup alone unless a test says otherwise: its corpora are made up, not prose the quality rules would keep.
+    given = {"data.sources": sources, "data.max_documents": None, "data.validation.min_chars": 8,
+             "data.curation": {"exact_dedup": True}}  # fmt: skip
+    overrides = {**given, **more}
     return load_config("tiny", overrides, run_id=run_id, storage=str(storage))
 
 
