@@ -161,14 +161,11 @@ SOURCE_READER_FIELDS = ("source", "hf_config", "split", "streaming", "revision",
 """The reader settings a source has: data.sources entries and the one-source shorthand fields of data."""
 
 
-class SourceConfig(Section):
-    """One source of the corpus mixture: where its documents come from, its share of the training tokens and how
-    often it may be repeated."""
+class SourceReader(Section):
+    """The reader settings of one source (SOURCE_READER_FIELDS): a data.sources entry's, and data's one-source
+    shorthand."""
 
-    name: str | None = None
-    """Short name (letters, digits, '-', '_'), used in reports, metrics and the mixture schedule; None derives one
-    from `source` (its last path part, lower-cased)."""
-    source: str
+    source: str = "builtin:python-stdlib"
     """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
     'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
     hf_config: str | None = None
@@ -185,6 +182,22 @@ class SourceConfig(Section):
     """Format of local or s3:// files; 'auto' goes by the file extension."""
     max_documents: int | None = Field(None, ge=1)
     """Read at most this many documents from the source (None: all)."""
+
+    def reader(self) -> dict[str, Any]:
+        """The reader settings alone (what decides which documents are read)."""
+        return {k: getattr(self, k) for k in SOURCE_READER_FIELDS}
+
+
+class SourceConfig(SourceReader):
+    """One source of the corpus mixture: where its documents come from, its share of the training tokens and how
+    often it may be repeated."""
+
+    name: str | None = None
+    """Short name (letters, digits, '-', '_'), used in reports, metrics and the mixture schedule; None derives one
+    from `source` (its last path part, lower-cased)."""
+    source: str
+    """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
+    'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
     weight: float = Field(1.0, gt=0)
     """This source's share of the training tokens, relative to the other sources' weights (normalised to sum 1)."""
     max_epochs: float | None = Field(4.0, gt=0)
@@ -198,10 +211,6 @@ class SourceConfig(Section):
     @property
     def resolved_name(self) -> str:
         return self.name or source_slug(self.source)
-
-    def reader(self) -> dict[str, Any]:
-        """The reader settings alone (what decides which documents are read)."""
-        return {k: getattr(self, k) for k in SOURCE_READER_FIELDS}
 
 
 def source_slug(source: str) -> str:
@@ -274,26 +283,9 @@ class CurationConfig(Section):
         return any(rules) or self.fineweb_quality or self.decontaminate
 
 
-class DataConfig(Section):
+class DataConfig(SourceReader):
     """Where the corpus comes from and how prepare-data shards it."""
 
-    source: str = "builtin:python-stdlib"
-    """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
-    'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
-    hf_config: str | None = None
-    """Hugging Face dataset configuration name (e.g. 'wikitext-103-raw-v1')."""
-    split: str = "train"
-    """Split to read from the source."""
-    streaming: bool = False
-    """Stream the source instead of downloading it whole (Hugging Face and remote files)."""
-    revision: str | None = None
-    """Hugging Face dataset revision (commit, tag or branch) to pin."""
-    text_column: str = "text"
-    """Column holding the document text."""
-    file_format: Literal["auto", "jsonl", "parquet", "txt"] = "auto"
-    """Format of local or s3:// files; 'auto' goes by the file extension."""
-    max_documents: int | None = Field(None, ge=1)
-    """Read at most this many documents from the source (None: all)."""
     validation_fraction: float = Field(0.01, ge=0, lt=1)
     """Fraction of kept documents held out for validation (assigned by content hash, so stable)."""
     shard_format: Literal["parquet", "jsonl"] = "parquet"
@@ -358,7 +350,7 @@ class DataConfig(Section):
         """The corpus's sources: data.sources, or the one source of the shorthand fields (weight 1)."""
         if self.sources:
             return list(self.sources)
-        return [SourceConfig(**{k: getattr(self, k) for k in SOURCE_READER_FIELDS}, max_epochs=None)]
+        return [SourceConfig(**self.reader(), max_epochs=None)]
 
     def weights_at(self, step: int) -> dict[str, float]:
         """Each source's weight at optimizer step `step`, normalised to sum 1 (the schedule's last entry at or
