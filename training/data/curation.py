@@ -52,6 +52,7 @@ import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -254,6 +255,18 @@ def _shard_list(work: str, rank: int) -> str:
     return f"{work}/curate/shards/{rank:05d}.json"
 
 
+@contextmanager
+def _datatrove_quiet() -> Iterator[None]:
+    """datatrove logs every task's pipeline and statistics to stderr through loguru, hundreds of lines per phase: its
+    statistics are also written as JSON under each phase's logging folder, and this module logs one line per phase
+    instead. (Its dedup steps' tqdm bars are off in the prepare-data job: TQDM_DISABLE, training/prepare_data.py.)"""
+    loguru_logger.disable("datatrove")
+    try:
+        yield
+    finally:
+        loguru_logger.enable("datatrove")
+
+
 # -- the pipeline ---------------------------------------------------------------------------------------------------
 def curate(
     cfg: CurationConfig,
@@ -276,52 +289,28 @@ def curate(
     if not 0 <= host < hosts:
         raise ValueError(f"host {host} is not one of {hosts} hosts")
     tasks = max(1, min(tasks, len(inputs))) if inputs else 1
-    # datatrove logs every task's pipeline and statistics to stderr through loguru, hundreds of lines per phase: its
-    # statistics are also written as JSON under each phase's logging folder, and this module logs one line per phase
-    # instead. (Its dedup steps' tqdm bars are off in the prepare-data job: TQDM_DISABLE, training/prepare_data.py.)
-    loguru_logger.disable("datatrove")
-    try:
-        return _curate(cfg, folder, work, inputs, fmt, shard_rows, tasks, workers, host, hosts, contamination,
-                       text_column)  # fmt: skip
-    finally:
-        loguru_logger.enable("datatrove")
-
-
-def _curate(
-    cfg: CurationConfig,
-    folder: Storage,
-    work: str,
-    inputs: list[ShardInfo],
-    fmt: Literal["parquet", "jsonl"],
-    shard_rows: int,
-    tasks: int,
-    workers: int,
-    host: int,
-    hosts: int,
-    contamination: dict[str, list[str]] | None,
-    text_column: str,
-) -> CurationResult:
-    base = f"{work}/curate"
-    phases = _phases(cfg, folder, work, inputs, fmt, shard_rows, tasks, contamination or {}, text_column)
-    seconds: dict[str, float] = {}
-    for phase in phases:
-        started = time.monotonic()
-        _run_phase(phase, folder, f"{base}/logs/{phase.name}", workers, host, hosts)
-        seconds[phase.name] = round(time.monotonic() - started, 3)
-        log.info("curation %s: %d task(s) done in %.1f s", phase.name, phase.tasks, seconds[phase.name])
-    removed = {rule: 0 for phase in phases for rule in phase.rules}
-    for phase in phases:
-        for rule, step in phase.rules.items():
-            removed[rule] += _dropped(folder, f"{base}/logs/{phase.name}", phase.tasks, step)
-    examples = {rule: _examples(folder, f"{base}/removed/{rule}", cfg.examples_per_rule) for rule in removed}
-    shards = _gather_shards(folder, work, tasks)
-    return CurationResult(
-        shards=shards,
-        removed={r: removed[r] for r in RULES if r in removed},
-        examples={r: examples[r] for r in RULES if r in examples},
-        seconds=seconds,
-        kept=sum(s.rows for s in shards),
-    )
+    with _datatrove_quiet():
+        base = f"{work}/curate"
+        phases = _phases(cfg, folder, work, inputs, fmt, shard_rows, tasks, contamination or {}, text_column)
+        seconds: dict[str, float] = {}
+        for phase in phases:
+            started = time.monotonic()
+            _run_phase(phase, folder, f"{base}/logs/{phase.name}", workers, host, hosts)
+            seconds[phase.name] = round(time.monotonic() - started, 3)
+            log.info("curation %s: %d task(s) done in %.1f s", phase.name, phase.tasks, seconds[phase.name])
+        removed = {rule: 0 for phase in phases for rule in phase.rules}
+        for phase in phases:
+            for rule, step in phase.rules.items():
+                removed[rule] += _dropped(folder, f"{base}/logs/{phase.name}", phase.tasks, step)
+        examples = {rule: _examples(folder, f"{base}/removed/{rule}", cfg.examples_per_rule) for rule in removed}
+        shards = _gather_shards(folder, work, tasks)
+        return CurationResult(
+            shards=shards,
+            removed={r: removed[r] for r in RULES if r in removed},
+            examples={r: examples[r] for r in RULES if r in examples},
+            seconds=seconds,
+            kept=sum(s.rows for s in shards),
+        )
 
 
 def _phases(
