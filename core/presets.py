@@ -57,8 +57,9 @@ def _trn1_job(instance_count: int) -> JobConfig:
 _PUBLIC_CORPUS_CURATION = CurationConfig(exact_dedup=True, minhash=True, decontaminate=True)
 # The tiny rehearsal runs every rule, so the whole curation path is exercised before money is spent. Its offline
 # corpus is Python source and docstrings, which the web-text rules at their defaults would mostly remove (Gopher's
-# alphabetic-word ratio alone drops 84% of it): their thresholds are loosened to keep about 80% of it, every rule still
-# examining every document.
+# alphabetic-word ratio alone drops 84% of it): their thresholds are loosened, and curation keeps two thirds of it
+# (920 of 1,376 documents, decontamination against its held-out text the largest cut), every rule still examining
+# every document.
 _EVERY_RULE = CurationConfig(
     exact_dedup=True,
     minhash=True,
