@@ -35,6 +35,7 @@ if problem := namespaces_available():
 
 TWO_HOSTS = {"job.instance_count": 2, "job.processes_per_node": 2, "micro_batch_size": 2}
 GRACE_S = 15.0
+STOP_GRACE_S = 120.0  # SageMaker's (`docker stop -t120`): the stop test may take longer than 15 s on a loaded machine
 UNRELATED = "MY_DATABASE_PASS"
 
 
@@ -174,7 +175,7 @@ def stop_after(backend: LocalBackend, spec: JobSpec, step: int) -> float:
 
 def test_a_stop_reaches_the_ranks_of_every_host_through_our_init(prepared: Path, tmp_path: Path) -> None:
     run = two_host_run(prepared, tmp_path, "stopped", max_steps=100_000, checkpoint_every=1000)
-    backend = LocalBackend(str(run / "jobs"), stop_grace_seconds=GRACE_S)
+    backend = LocalBackend(str(run / "jobs"), stop_grace_seconds=STOP_GRACE_S)
     spec = two_host_spec(run)
     seconds = stop_after(backend, spec, 3)
     log = log_text(backend, spec.name)
@@ -183,7 +184,7 @@ def test_a_stop_reaches_the_ranks_of_every_host_through_our_init(prepared: Path,
     assert len(stopped) == 1 and log.count("SIGTERM: checkpointing step") == 4  # every rank, the same step
     step = stopped.pop()
     assert (run / "checkpoints" / step_dir(step) / CHECKPOINT_MARKER).exists()
-    assert "after SIGTERM: SIGKILL" not in log and seconds < GRACE_S
+    assert "after SIGTERM: SIGKILL" not in log and seconds < STOP_GRACE_S
 
 
 def test_the_sdks_shell_as_pid_1_never_passes_the_stop_on(
