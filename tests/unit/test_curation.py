@@ -201,6 +201,30 @@ def test_a_killed_phase_redoes_only_its_unfinished_tasks(tmp_path: Path, monkeyp
     assert result.removed == corpus.expected
 
 
+def test_a_barrier_names_the_tasks_and_hosts_it_waits_for_and_returns_when_they_commit(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    storage = Storage(str(tmp_path))
+    logs = "work/curate/logs/minhash_buckets"
+    for rank in (0, 1, 2, 3, 5):  # of 8 tasks on 3 hosts (0-1, 2-4, 5-7): 4 of host 1, 6 and 7 of host 2 missing
+        storage.write_bytes(f"{logs}/completions/{rank:05d}", b"")
+    monkeypatch.setattr(curation, "BARRIER_POLL_SECONDS", 0.05)
+    monkeypatch.setattr(curation, "BARRIER_REPORT_SECONDS", 0.0)
+
+    def finish() -> None:
+        for rank in (4, 6, 7):
+            storage.write_bytes(f"{logs}/completions/{rank:05d}", b"")
+
+    late = threading.Timer(0.5, finish)
+    late.start()
+    with caplog.at_level("INFO", logger="hlat.data"):
+        curation._barrier(storage, logs, 8, hosts=3)
+    late.join()
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.endswith("for 3 of 8 task(s): 4, 6, 7 (hosts 1, 2)") for line in lines), lines
+    assert lines[0].startswith("curation minhash_buckets: waiting ")
+
+
 def test_rules_that_are_off_are_not_counted_and_nothing_changes(tmp_path: Path) -> None:
     corpus = Corpus(seed=5)
     storage = Storage(str(tmp_path))

@@ -105,6 +105,7 @@ RULES = (
 )
 EXAMPLE_CHARS = 200
 BARRIER_POLL_SECONDS = 1.0
+BARRIER_REPORT_SECONDS = 600.0
 SPLIT_KEY = "split"
 VALIDATION_PRIORITY, TRAIN_PRIORITY = 2, 1
 # datatrove's default hash is xxhash, which it calls with str; xxhash 4 (our pin) takes only bytes ("Strings must be
@@ -521,17 +522,41 @@ def _run_phase(phase: _Phase, folder: Storage, logs: str, workers: int, host: in
             local_tasks=count,
             local_rank_offset=offset,
         ).run()
-    _barrier(folder, logs, phase.tasks)
+    _barrier(folder, logs, phase.tasks, hosts)
 
 
-def _barrier(folder: Storage, logs: str, tasks: int) -> None:
-    """Wait until every task of the phase, on every host, has its completion file in storage."""
+def _barrier(folder: Storage, logs: str, tasks: int, hosts: int = 1) -> None:
+    """Wait until every task of the phase, on every host, has its completion file in storage. No timeout of its
+    own: a host that dies ends the job (SageMaker stops every host when one fails, and so does the local backend),
+    and the job's max runtime bounds a hung one; every BARRIER_REPORT_SECONDS the wait says which tasks, of which
+    hosts, it is waiting for, so that a slow or stuck host is named in the job's log."""
     expected = {f"{rank:05d}" for rank in range(tasks)}
+    started = reported = time.monotonic()
     while True:
         done = set(folder.list(f"{logs}/completions")) if folder.exists(f"{logs}/completions") else set()
-        if expected <= {name.rsplit("/", 1)[-1] for name in done}:
+        missing = sorted(expected - {name.rsplit("/", 1)[-1] for name in done})
+        if not missing:
             return
+        if time.monotonic() - reported >= BARRIER_REPORT_SECONDS:
+            reported = time.monotonic()
+            log.info("%s", _waiting_line(logs, [int(m) for m in missing], tasks, hosts, reported - started))
         time.sleep(BARRIER_POLL_SECONDS)
+
+
+def _waiting_line(logs: str, missing: list[int], tasks: int, hosts: int, seconds: float) -> str:
+    """'curation minhash_buckets: waiting 600 s for 2 of 64 task(s): 12, 13 (host 3)'."""
+    owners = sorted({host for host in range(hosts) for rank in missing if _owns(tasks, host, hosts, rank)})
+    shown = ", ".join(str(rank) for rank in missing[:8]) + (", ..." if len(missing) > 8 else "")
+    hosts_text = ", ".join(str(h) for h in owners)
+    return (
+        f"curation {logs.rsplit('/', 1)[-1]}: waiting {seconds:.0f} s for {len(missing)} of {tasks} task(s): "
+        f"{shown} (host{'s' if len(owners) > 1 else ''} {hosts_text})"
+    )
+
+
+def _owns(tasks: int, host: int, hosts: int, rank: int) -> bool:
+    offset, count = _share(tasks, host, hosts)
+    return offset <= rank < offset + count
 
 
 def _dropped(folder: Storage, logs: str, tasks: int, step: str) -> int:
