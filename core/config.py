@@ -45,8 +45,16 @@ class ModelConfig(Section):
     """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
     ffn_hidden: int = Field(344, ge=8)
     """SwiGLU inner width (11008 for 7B, 28672 for 70B)."""
+    arch: Literal["llama", "gpt_neox"] = "llama"
+    """Model family: llama (pre-norm RMSNorm, SwiGLU, RoPE, no biases) or gpt_neox (GPT-NeoX / Pythia: parallel
+    attention and MLP on the same input, LayerNorm with bias, GeLU MLP, biased projections, partial rotary)."""
     vocab_size: int = Field(4096, ge=260)
-    """Vocabulary size; the tokenizer stage trains exactly this many pieces (>= 260: 256 byte pieces plus specials)."""
+    """The tokenizer's vocabulary: the tokenizer stage trains exactly this many pieces (>= 260: 256 byte pieces plus
+    specials); with tokenizer.pretrained it is that tokenizer's size. The model's embedding is padded_vocab_size."""
+    vocab_multiple: int = Field(1, ge=1)
+    """Pad the embedding and output rows up to a multiple of this (Megatron/NxDT's make_vocab_size_divisible_by, e.g.
+    128); padded rows never take probability in the loss and are dropped on export. The padded size must also
+    divide evenly over parallelism.tensor."""
     max_seq_len: int = Field(4096, ge=16)
     """Longest context the model supports (RoPE tables are built this long)."""
     norm_eps: float = Field(1e-5, gt=0)
@@ -81,6 +89,11 @@ class ModelConfig(Section):
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def padded_vocab_size(self) -> int:
+        """Rows of the embedding and the output projection: vocab_size rounded up to a multiple of vocab_multiple."""
+        return -(-self.vocab_size // self.vocab_multiple) * self.vocab_multiple
 
     @property
     def head_dim(self) -> int:
@@ -369,7 +382,13 @@ class DataConfig(SourceReader):
 
 
 class TokenizerConfig(Section):
-    """sentencepiece BPE trained the LLaMA way; the vocabulary size is model.vocab_size."""
+    """sentencepiece BPE trained the LLaMA way (the vocabulary size is model.vocab_size), or an existing tokenizer."""
+
+    pretrained: str | None = None
+    """An existing tokenizer instead of training one: a Hugging Face hub name (e.g. meta-llama/Llama-2-7b-hf, as
+    HLAT used), a local folder or an s3:// prefix holding it in Hugging Face's format (tokenizer.json and/or a
+    sentencepiece tokenizer.model). The stage validates it and copies it into the run; model.vocab_size follows it.
+    None trains a sentencepiece tokenizer on the run's data."""
 
     sample_bytes: int = Field(50_000_000, ge=1_000)
     """Bytes of training text streamed from the shards into the tokenizer trainer (a bounded sample)."""
@@ -890,6 +909,12 @@ class HlatConfig(Section):
             )
         if (problem := ParallelDims(p.tensor, p.pipeline).problem(m.n_heads, m.kv_heads, m.n_layers)) is not None:
             raise ValueError(f"parallelism.tensor={p.tensor}, parallelism.pipeline={p.pipeline}: {problem}")
+        if m.padded_vocab_size % p.tensor:
+            raise ValueError(
+                f"model.vocab_multiple={m.vocab_multiple}: the padded vocabulary ({m.padded_vocab_size} rows for "
+                f"model.vocab_size={m.vocab_size}) does not divide over parallelism.tensor={p.tensor}; set "
+                f"model.vocab_multiple to a multiple of {p.tensor}"
+            )
         try:
             dims = self.parallel_dims
         except LayoutError as exc:
