@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from hlat.core.config import HlatConfig, validate_config
-from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
-from hlat.core.storage import Storage
+from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, TOKENIZER_DIR, TOKENIZER_FILES, tokenizer_defining_files
+from hlat.core.storage import Storage, StorageNotFound
 
 EXIT_NAN = 3
 """The loss became NaN or inf with training.nan_policy=exit: relaunch from the last checkpoint (HLAT)."""
@@ -232,10 +232,49 @@ def read_job_config(config_uri: str) -> tuple[Storage, HlatConfig]:
 
 
 def fetch_tokenizer(run: Storage, folder: str) -> str:
-    """Copy the sentencepiece model (from the job's tokenizer channel, or the run) into `folder`; its path."""
-    path = os.path.join(folder, TOKENIZER_MODEL)
-    channel_location(run, TOKENIZER_DIR).get_file(TOKENIZER_MODEL, path)
-    return path
+    """Copy the tokenizer's files (from the job's tokenizer channel, or the run) into `folder`; the path of the file
+    that defines it (tokenizer.model where there is one, else tokenizer.json: what `Tokenizer.load` reads)."""
+    source = channel_location(run, TOKENIZER_DIR)
+    present = [name for name in source.list() if name in TOKENIZER_FILES]
+    defining = tokenizer_defining_files(present)
+    if not defining:
+        raise StorageNotFound(
+            f"{source.uri()} holds no tokenizer (tokenizer.model or tokenizer.json): run the train-tokenizer stage"
+        )
+    os.makedirs(folder, exist_ok=True)
+    for name in present:
+        source.get_file(name, os.path.join(folder, name))
+    return os.path.join(folder, defining[0])
+
+
+def model_follows_tokenizer(cfg: HlatConfig, tokenizer_vocab: int) -> tuple[HlatConfig, str | None]:
+    """The config a job trains with, given the size of the run's tokenizer (ids 0 .. tokenizer_vocab - 1), and a line
+    saying what changed (None: nothing did).
+
+    With tokenizer.pretrained, model.vocab_size becomes the tokenizer's (the model's embedding is then padded to
+    model.vocab_multiple, and the config's checks run again on the new size); the stored config keeps what the user
+    wrote, so this runs wherever a job builds its model. A trained tokenizer has model.vocab_size pieces: the config
+    stays, and one with more ids than the model has rows is refused (its ids would index past the embedding)."""
+    m = cfg.model
+    if cfg.tokenizer.pretrained is None:
+        if tokenizer_vocab > m.vocab_size:
+            raise ValueError(
+                f"the run's tokenizer has {tokenizer_vocab} ids but model.vocab_size={m.vocab_size}: re-run the "
+                "train-tokenizer stage for this model.vocab_size"
+            )
+        return cfg, None
+    if tokenizer_vocab == m.vocab_size:
+        return cfg, None
+    data = cfg.model_dump(mode="json")
+    data["model"]["vocab_size"] = tokenizer_vocab
+    followed = validate_config(data)
+    padded = followed.model.padded_vocab_size
+    rows = (
+        f", padded to {padded} rows by model.vocab_multiple={m.vocab_multiple}"
+        if padded != tokenizer_vocab
+        else f" ({padded} rows: model.vocab_multiple={m.vocab_multiple} adds none)"
+    )
+    return followed, f"model.vocab_size {m.vocab_size} -> {tokenizer_vocab} (the tokenizer's){rows}"
 
 
 def reporting_failure(program: Callable[[], int]) -> int:

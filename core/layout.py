@@ -4,7 +4,7 @@ A run is one folder (local path or s3:// prefix), `<storage>/<run_id>/`:
 
     config.json                  the validated config (CONFIG_FILE)
     data/                        shards, manifest and report of prepare-data (DATA_DIR)
-    tokenizer/                   tokenizer.model and its report (TOKENIZER_DIR)
+    tokenizer/                   tokenizer.model and/or tokenizer.json, the HF files, report.json (TOKENIZER_DIR)
     compile-cache/               latest.json, torch/<key>/, xla/<key>/, neuron/ (COMPILE_CACHE_DIR)
     burn-in/report.json          the burn-in verdict (BURN_IN_REPORT)
     checkpoints/step-NNNNNNNNN/  one checkpoint, complete once its COMMITTED marker exists (CHECKPOINTS_DIR)
@@ -25,6 +25,7 @@ import json
 import logging
 import os
 import re
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,6 +37,12 @@ CONFIG_FILE = "config.json"
 DATA_DIR = "data"
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_MODEL = "tokenizer.model"
+"""A sentencepiece model: what the tokenizer stage trains, and what LLaMA's Hugging Face folders hold too."""
+TOKENIZER_SPECIALS = ("tokenizer_config.json", "special_tokens_map.json")
+"""The Hugging Face files that name a tokenizer.json's special tokens (its EOS and BOS among them)."""
+TOKENIZER_FILES = (TOKENIZER_MODEL, "tokenizer.json", *TOKENIZER_SPECIALS, "added_tokens.json", "chat_template.jinja")
+"""The files of a Hugging Face tokenizer folder that `AutoTokenizer.from_pretrained` reads: what is copied of one.
+tokenizer.json is a Hugging Face `tokenizers` tokenizer (GPT-NeoX's folders hold only that one)."""
 COMPILE_CACHE_DIR = "compile-cache"
 COMPILE_LATEST_FILE = "latest.json"
 COMPILE_LATEST = f"{COMPILE_CACHE_DIR}/{COMPILE_LATEST_FILE}"
@@ -59,6 +66,28 @@ report), keyed by its reader, validation, curation and shard settings and its co
 prepares the same source the same way, so adding a source or changing weights prepares nothing twice."""
 STAGE_DIRS = (DATA_DIR, TOKENIZER_DIR, COMPILE_CACHE_DIR, BURN_IN_DIR, CHECKPOINTS_DIR, EVAL_DIR)
 """The folders each stage writes, in the DAG's order."""
+
+
+def tokenizer_defining_files(names: Iterable[str]) -> list[str]:
+    """Of a tokenizer folder's file `names`, those that decide its token ids: tokenizer.model alone where there is
+    one (sentencepiece is preferred: it also holds its EOS and BOS), otherwise tokenizer.json and the files beside
+    it that name its special tokens. Empty: no tokenizer."""
+    present = set(names)
+    if TOKENIZER_MODEL in present:
+        return [TOKENIZER_MODEL]
+    if "tokenizer.json" in present:
+        return ["tokenizer.json", *(name for name in TOKENIZER_SPECIALS if name in present)]
+    return []
+
+
+def tokenizer_sha256(contents: Mapping[str, bytes]) -> str:
+    """The identity of a tokenizer from its defining files' bytes (`tokenizer_defining_files`): one file's sha256
+    (so a trained tokenizer's is its tokenizer.model's, as the loader states of earlier runs recorded), several
+    files' the sha256 of their `sha256sum` lines in name order."""
+    if len(contents) == 1:
+        return hashlib.sha256(next(iter(contents.values()))).hexdigest()
+    lines = "".join(f"{hashlib.sha256(data).hexdigest()}  {name}\n" for name, data in sorted(contents.items()))
+    return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
 
 def source_folder(run: Storage, name: str, key: str) -> Storage:

@@ -151,6 +151,7 @@ class Trainer:
     checkpoints: Storage
     world: World
     tokenizer_model: str
+    """The run's tokenizer: its folder, or its tokenizer.model or tokenizer.json (`data.tokenizer.Tokenizer.load`)."""
     tensorboard_dir: str | None = None
     hooks: list[Hook] = field(default_factory=list)
     data: Storage | None = None

@@ -57,6 +57,7 @@ from hlat.training.compile_cache import (
     write_xla_cache,
     xla_cache_dir,
 )
+from hlat.training.data.tokenizer import job_config
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import World, close_world, init_world, resolve_device_kind
 
@@ -70,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _precompile(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
+    cfg = job_config(run, cfg)  # model.vocab_size follows a pretrained tokenizer, as in the training job
     cache = run.child(CACHE_DIR)
     kind = resolve_device_kind(device or cfg.training.device)
     if kind == "xla":

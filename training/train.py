@@ -36,6 +36,7 @@ from hlat.training.compile_cache import (
     load_torch_cache,
     use_node_local_neuron_cache,
 )
+from hlat.training.data.tokenizer import job_config
 from hlat.training.hooks import hooks
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
@@ -54,6 +55,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
+    cfg = job_config(run, cfg)  # model.vocab_size follows a pretrained tokenizer
     kind = resolve_device_kind(device or cfg.training.device)
     xla_cache = None
     if kind == "xla" and not neuron_available():

@@ -31,7 +31,8 @@ exceed 2, and a window across a weight change follows neither weight. The valida
 validation splits by the same rule with the weights at step 0, leaving out sources without validation documents
 (or with fewer than the data-parallel ranks: left out on every rank alike).
 
-Packing. Each document is encoded with sentencepiece (no BOS) and followed by EOS; the documents form one
+Packing. Each document is encoded with the run's tokenizer (`tokenizer.Tokenizer`: sentencepiece, or a Hugging
+Face tokenizer.json; no BOS) and followed by EOS; the documents form one
 stream t0 t1 t2 .... A row is a window of seq_len + 1 stream tokens: inputs are its first seq_len, targets its
 last seq_len, and the next row starts at the last token of this one. Consecutive rows thus overlap by one
 token, so every stream token but the very first is a target exactly once and nothing is thrown away at row
@@ -41,7 +42,7 @@ next. `Batch.source_tokens` counts the batch's targets per source (built on the 
 State. `Batch.state` (and `state_dict()`) is a plain JSON-able dict that says where the stream stands after
 that batch. A long document may span many batches, so the position is a token offset inside the document
 being consumed rather than a copy of its remaining tokens; on resume that one document is re-tokenized
-(sentencepiece is deterministic) and `carry` holds the single overlap token:
+(tokenizers are deterministic) and `carry` holds the single overlap token:
 
     version            2
     sources            per source, in manifest order: name, fingerprint (data_fingerprint of its split), and
@@ -54,7 +55,7 @@ being consumed rather than a copy of its remaining tokens; on resume that one do
     batches            batches this rank has yielded since the start of training
     data_rank, data_degree, seq_len, micro_batch_size, seed, split
     data_fingerprint   sha256 over the sources' names and fingerprints
-    tokenizer_sha256   sha256 of tokenizer.model
+    tokenizer_sha256   the tokenizer's identity (`Tokenizer.sha256`: its tokenizer.model's sha256 where it has one)
 
 Each rank saves its own state (the checkpoint code stores one per rank) and loads it back into a loader built
 with the same rank. Resuming refuses other data (other sources, or other shards of one), another tokenizer, another
@@ -87,11 +88,11 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-import sentencepiece as spm
 import torch
 
 from hlat.core.shards import DataManifest, MixtureManifest, ShardInfo, read_mixture
 from hlat.core.storage import Storage
+from hlat.training.data.tokenizer import Tokenizer
 
 STATE_VERSION = 2
 SEED_STRIDE = 1_000_003
@@ -102,7 +103,7 @@ SOURCE_STRIDE = 1_000_000_007
 ENCODE_DOCS = 64
 ENCODE_CHARS = 1 << 18
 """Documents are encoded in groups of at most this many documents / characters: large enough for
-sentencepiece's batch call to pay off, small enough that a resume re-encodes little."""
+the tokenizer's batch call to pay off, small enough that a resume re-encodes little."""
 _POLL_S = 0.1
 """How often a blocked producer or consumer looks whether the other side has gone away."""
 _RENAMED = {"dp_rank": "data_rank", "dp_size": "data_degree"}
@@ -225,7 +226,7 @@ class _Plan:
     mixture: MixtureManifest
     split: str
     micro_batches_per_step: int
-    model_proto: bytes
+    tokenizer: Tokenizer
     eos_id: int
     seq_len: int
     micro_batch_size: int
@@ -333,7 +334,6 @@ def _documents(
 ) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
     """This rank's documents of one source from a position on, forever: (epoch, shard position, row position,
     rows of the shard, token ids with EOS appended)."""
-    processor = spm.SentencePieceProcessor(model_proto=plan.model_proto)
     n = len(source.shards)
     while True:
         order, row_seeds = epoch_plan(source.seed, epoch, n)
@@ -359,9 +359,7 @@ def _documents(
                 while j < len(texts) and j - i < ENCODE_DOCS and (j == i or chars + len(texts[j]) <= ENCODE_CHARS):
                     chars += len(texts[j])
                     j += 1
-                encoded = processor.encode(
-                    texts[i:j], add_bos=False, add_eos=True, return_type="numpy", num_threads=plan.encode_threads
-                )
+                encoded = plan.tokenizer.encode_batch(texts[i:j], add_eos=True, threads=plan.encode_threads)
                 for k, ids in zip(ks[i:j], encoded, strict=True):
                     yield epoch, pos, k, rows, ids
                 i = j
@@ -530,8 +528,9 @@ class PackedLoader:
         micro_batches_per_step: int = 1,
     ) -> None:
         """`data`: the run's prepared-data folder (its manifest.json: a mixture, or one source's before mixtures);
-        `tokenizer_model`: local path of the run's tokenizer.model; `prefetch`: batches built ahead;
-        `encode_threads`: sentencepiece threads (1 keeps the many ranks of a node from oversubscribing its cores);
+        `tokenizer_model`: local path of the run's tokenizer folder, or of its tokenizer.model or tokenizer.json
+        (`Tokenizer.load`); `prefetch`: batches built ahead; `encode_threads`: the tokenizer's threads (1 keeps the
+        many ranks of a node from oversubscribing its cores);
         `micro_batches_per_step`: the gradient accumulation, so that batch b belongs to optimizer step
         b // micro_batches_per_step (whose weights it follows)."""
         if seq_len < 1 or micro_batch_size < 1:
@@ -572,19 +571,14 @@ class PackedLoader:
                     "data-parallel ranks (some ranks would get none)"
                 )
             raise ValueError(f"{data.uri()} has no {split!r} documents; re-run prepare-data or pick another split")
-        with open(tokenizer_model, "rb") as fh:
-            model_proto = fh.read()
-        processor = spm.SentencePieceProcessor(model_proto=model_proto)
-        eos_id = processor.eos_id()
-        if eos_id < 0:
-            raise ValueError(f"{tokenizer_model} has no EOS piece; packed documents need one between them")
+        tokenizer = Tokenizer.load(tokenizer_model)
         self._plan = _Plan(
             sources=sources,
             mixture=mixture,
             split=split,
             micro_batches_per_step=micro_batches_per_step,
-            model_proto=model_proto,
-            eos_id=eos_id,
+            tokenizer=tokenizer,
+            eos_id=tokenizer.eos_id,
             seq_len=seq_len,
             micro_batch_size=micro_batch_size,
             data_rank=data_rank,
@@ -604,7 +598,7 @@ class PackedLoader:
             micro_batch_size=micro_batch_size,
             seed=seed,
             split=split,
-            tokenizer_sha256=hashlib.sha256(model_proto).hexdigest(),
+            tokenizer_sha256=tokenizer.sha256,
         )
         self._closed = False
         self._worker: tuple[threading.Thread, queue.Queue[Any], threading.Event, weakref.finalize[Any, Any]] | None
@@ -724,7 +718,10 @@ class PackedLoader:
                 "checkpoint was trained on"
             )
         if state["tokenizer_sha256"] != mine["tokenizer_sha256"]:
-            raise ValueError("the loader state was saved with a different tokenizer.model; resume with the same one")
+            raise ValueError(
+                "the loader state was saved with a different tokenizer (tokenizer.model or tokenizer.json); resume "
+                "with the same one"
+            )
         for key in ("seed", "split"):
             if state[key] != mine[key]:
                 raise ValueError(

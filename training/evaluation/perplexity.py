@@ -21,24 +21,24 @@ import math
 from collections.abc import Iterable
 from typing import Any
 
-import sentencepiece as spm
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hlat.training.data.tokenizer import Tokenizer
+
 
 def token_stream(texts: Iterable[str], tokenizer_model: str, max_tokens: int) -> tuple[list[int], int, int, int]:
     """(stream, eos id, documents, UTF-8 bytes): whole documents, each followed by EOS, after a leading EOS,
-    until the stream holds more than `max_tokens` predicted tokens."""
-    processor = spm.SentencePieceProcessor(model_file=tokenizer_model)
-    eos = processor.eos_id()
-    if eos < 0:
-        raise ValueError(f"{tokenizer_model} has no EOS piece")
+    until the stream holds more than `max_tokens` predicted tokens. `tokenizer_model`: the run's tokenizer folder,
+    or its tokenizer.model or tokenizer.json (`Tokenizer.load`)."""
+    tokenizer = Tokenizer.load(tokenizer_model)
+    eos = tokenizer.eos_id
     stream, documents, size = [eos], 0, 0
     for text in texts:
         if not text:
             continue
-        stream.extend(processor.encode(text))
+        stream.extend(tokenizer.encode(text))
         stream.append(eos)
         documents += 1
         size += len(text.encode("utf-8"))
