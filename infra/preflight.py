@@ -5,6 +5,8 @@ Two parts, each a list of `Finding`s (one line each; a failure names its fix):
 - `source_findings(config)`, for every run (local too): the corpus source can be read. A local path exists; an
   s3:// object or prefix exists (one HEAD or LIST); a Hugging Face dataset name resolves on the hub (one API call),
   or, offline (HF_HUB_OFFLINE=1) or with the hub unreachable, has a copy in the local cache. No other network.
+  With tokenizer.pretrained, that tokenizer's files can be fetched (its folder, s3:// prefix or hub name holds a
+  tokenizer.json or tokenizer.model; the hub's through its cache, offline too): the tokenizer stage needs them.
 - `aws_findings(config)`, for a SageMaker run: the caller's identity (STS); the execution role `job.role_arn`
   exists, trusts sagemaker.amazonaws.com, and the caller may iam:PassRole it; write, read, list and delete of a
   probe object under the run's prefix (removed afterwards); the images of the jobs exist in ECR in `job.region`;
@@ -105,7 +107,7 @@ def _recently_passed(key: str) -> bool:
 
 def _source_key(config: HlatConfig) -> str:
     readers = [[s.source, s.hf_config, s.revision] for s in config.data.mixture]
-    return json.dumps(["source", readers, os.environ.get("HF_HUB_OFFLINE")])
+    return json.dumps(["source", readers, config.tokenizer.pretrained, os.environ.get("HF_HUB_OFFLINE")])
 
 
 def _aws_key(config: HlatConfig) -> str:
@@ -130,7 +132,26 @@ def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
             named = f"data.sources[{source.resolved_name}]"
             found = Finding(found.check, found.ok, found.message.replace("data.source:", f"{named}:"), found.checked)
         findings.append(found)
+    if config.tokenizer.pretrained is not None:
+        findings.append(tokenizer_finding(config.tokenizer.pretrained))
     return findings
+
+
+def tokenizer_finding(source: str) -> Finding:
+    """Whether tokenizer.pretrained can be fetched: its files are copied to a scratch folder as the tokenizer stage
+    will copy them (a few MB; a hub name's land in the hub cache, where the stage finds them)."""
+    import tempfile
+
+    from hlat.core.storage import StorageError
+    from hlat.infra.tokenizer import fetch_pretrained
+
+    with tempfile.TemporaryDirectory(prefix="hlat-preflight-tokenizer-") as tmp:
+        try:
+            info = fetch_pretrained(source, tmp)
+        except (ValueError, StorageError) as exc:
+            return Finding("tokenizer", False, str(exc))
+    revision = f" at {info['revision']}" if info["revision"] else ""
+    return Finding("tokenizer", True, f"{source}{revision}: {', '.join(info['names'])}")
 
 
 def _one_source(data: DataConfig, shape: SourceShape, backend: str) -> Finding:

@@ -28,8 +28,8 @@ from hlat.core.layout import (
     EVAL_RESULTS_FILE,
     METRICS_FILE,
     TOKENIZER_DIR,
-    TOKENIZER_MODEL,
     CheckpointIndex,
+    tokenizer_defining_files,
 )
 from hlat.core.stages import JOB_STAGES, STAGE_NAMES
 from hlat.core.storage import Storage
@@ -132,7 +132,7 @@ def _done(run: Storage, config: HlatConfig, stage: str, newest: int | None) -> b
     if stage == "prepare-data":
         return run.exists("data/manifest.json")
     if stage == "train-tokenizer":
-        return run.exists(f"{TOKENIZER_DIR}/{TOKENIZER_MODEL}")
+        return bool(tokenizer_defining_files(run.child(TOKENIZER_DIR).list()))  # tokenizer.model or tokenizer.json
     if stage == "precompile":
         return run.exists(COMPILE_LATEST)
     if stage == "burn-in":

@@ -1,10 +1,16 @@
-"""The run's tokenizer: sentencepiece BPE trained the LLaMA way, plus an identical Hugging Face export.
+"""The run's tokenizer: sentencepiece BPE trained the LLaMA way, plus an identical Hugging Face export; or an existing
+Hugging Face tokenizer (tokenizer.pretrained), validated and copied in.
 
 The train-tokenizer stage streams a bounded sample of text from the prepared shards into the sentencepiece
 trainer (`training_lines`, `train_sentencepiece`), writes Hugging Face tokenizer files that load offline with
 `AutoTokenizer.from_pretrained` as a fast `LlamaTokenizer` (`export_hf_tokenizer`), measures the result on
 held-out text (`tokenizer_report`) and uploads everything to run storage with `report.json` last
 (`build_tokenizer`).
+
+With tokenizer.pretrained it trains nothing (`build_pretrained_tokenizer`): the tokenizer's files are fetched from a
+local folder, an s3:// prefix or the Hugging Face hub (`fetch_pretrained`), loaded by the caller's loader (the
+training layer's `Tokenizer.load`, passed in: this layer imports no training code), measured on the same held-out
+text, and uploaded the same way with report.json last.
 
 Contract: for any text without U+2581, both tokenizers give the same ids and decode them back to exactly
 the input. U+2581 ("▁") is sentencepiece's own whitespace symbol, so a literal one decodes as a space (the
@@ -13,6 +19,7 @@ ids still agree; `tokenizer_report` counts such documents as round-trip failures
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
@@ -20,17 +27,18 @@ import re
 import shutil
 import tempfile
 import time
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import sentencepiece as spm
 
+from hlat.core.layout import TOKENIZER_FILES, tokenizer_defining_files, tokenizer_sha256
 from hlat.core.layout import TOKENIZER_MODEL as MODEL_FILE
 from hlat.core.shards import Split, data_checksum_of, mixture_documents, mixture_rows, read_mixture
+from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
     from hlat.core.config import TokenizerConfig
-    from hlat.core.storage import Storage
 
 REPORT_FILE = "report.json"
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
@@ -367,6 +375,15 @@ def tokenizer_report(
     return report
 
 
+def _remove_other_tokenizer_files(out: Storage, keep: Iterable[str]) -> None:
+    """Delete the tokenizer files in `out` that the tokenizer being uploaded does not have: an earlier tokenizer's
+    (a trained one's tokenizer.model beside a pretrained tokenizer.json) would be taken for part of it."""
+    kept = set(keep)
+    for name in out.list():
+        if name in TOKENIZER_FILES and name not in kept:
+            out.remove(name)
+
+
 class _CountingSentences:
     """Passes sentences through while counting them and their bytes (the sample actually trained on)."""
 
@@ -434,7 +451,220 @@ def build_tokenizer(
             )
         # An old report.json would vouch for a half-replaced tokenizer while the new files upload.
         out.remove(REPORT_FILE)
+        _remove_other_tokenizer_files(out, files)
         for name in files:
+            out.put_file(os.path.join(tmp, name), name)
+        out.write_json(REPORT_FILE, report)
+    return report
+
+
+# -- an existing tokenizer (tokenizer.pretrained) ----------------------------------------------------------------------
+PRETRAINED_FIX = (
+    "point tokenizer.pretrained at a local folder, an s3:// prefix or a Hugging Face hub name (org/name[@revision]) "
+    "holding tokenizer.json or tokenizer.model, or remove it to train a tokenizer on the run's data"
+)
+_LOCAL = ("/", "./", "../", "~", "file://")
+
+
+class LoadedTokenizer(Protocol):
+    """What the stage needs of a loaded tokenizer (the training layer's `Tokenizer`)."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def vocab_size(self) -> int: ...
+    @property
+    def eos_id(self) -> int: ...
+    @property
+    def bos_id(self) -> int | None: ...
+    @property
+    def byte_ids(self) -> frozenset[int]: ...
+    @property
+    def sha256(self) -> str: ...
+    @property
+    def files(self) -> tuple[str, ...]: ...
+    def encode(self, text: str) -> list[int]: ...
+    def decode(self, ids: Sequence[int]) -> str: ...
+    def pieces(self, ids: Sequence[int]) -> list[str]: ...
+
+
+def _copy_tokenizer_files(folder: Storage, dest: str) -> list[str]:
+    """Copy the Hugging Face tokenizer files (TOKENIZER_FILES) `folder` holds into `dest`; their names."""
+    names = [name for name in folder.list() if name in TOKENIZER_FILES]
+    os.makedirs(dest, exist_ok=True)
+    for name in names:
+        folder.get_file(name, os.path.join(dest, name))
+    return names
+
+
+def _hub_cache_dir() -> str | None:
+    """The hub cache the environment names now (HF_HUB_CACHE, else HF_HOME/hub): huggingface_hub reads both only
+    when it is imported, so a value set later (a job's environment, a test) is passed explicitly."""
+    if os.environ.get("HF_HUB_CACHE"):
+        return os.environ["HF_HUB_CACHE"]
+    return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
+
+
+def _hub_offline() -> bool:
+    """HF_HUB_OFFLINE as huggingface_hub reads it (https://huggingface.co/docs/huggingface_hub/package_reference/environment_variables)."""
+    return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
+
+
+def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
+    """`org/name[@revision]` from the Hugging Face hub (only its tokenizer files), through huggingface_hub's cache:
+    from the cache alone when HF_HUB_OFFLINE is set."""
+    from huggingface_hub import snapshot_download
+
+    repo_id, _, revision = source.partition("@")
+    try:
+        snapshot = snapshot_download(
+            repo_id,
+            revision=revision or None,
+            allow_patterns=list(TOKENIZER_FILES),
+            cache_dir=_hub_cache_dir(),
+            local_files_only=_hub_offline(),
+        )
+    except (OSError, ValueError) as exc:  # not found, gated, offline without a cached copy, malformed name
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        offline = " (HF_HUB_OFFLINE is set: only the local hub cache is read)" if _hub_offline() else ""
+        raise ValueError(
+            f"tokenizer.pretrained={source!r}: the Hugging Face hub could not give it{offline}: "
+            f"{type(exc).__name__}: {reason}; for a gated model (LLaMA-2) accept its license and set HF_TOKEN, or "
+            f"{PRETRAINED_FIX}"
+        ) from None
+    names = _copy_tokenizer_files(Storage(snapshot), dest)
+    # The cache keeps each snapshot under its commit: the revision the run actually got.
+    return {"source": source, "from": "hub", "revision": os.path.basename(os.path.normpath(snapshot)), "names": names}
+
+
+def fetch_pretrained(source: str, dest: str) -> dict[str, Any]:
+    """Copy the tokenizer files of `source` (tokenizer.pretrained) into the local folder `dest`, and say where they came
+    from: {"source", "from": "local" | "s3" | "hub", "revision" (hub: the commit), "names"}. `source` is an s3://
+    prefix, an existing local folder (or a path: "/", "./", "../", "~"), or else a hub name `org/name[@revision]`.
+    ValueError in one line, naming tokenizer.pretrained and the fix, when it holds no tokenizer.json or
+    tokenizer.model."""
+    if source.startswith("s3://"):
+        names = _copy_tokenizer_files(Storage(source), dest)
+        info: dict[str, Any] = {"source": source, "from": "s3", "revision": None, "names": names}
+    elif os.path.isdir(os.path.expanduser(source)) or source.startswith(_LOCAL):
+        folder = os.path.expanduser(source.removeprefix("file://"))
+        if not os.path.isdir(folder):
+            raise ValueError(f"tokenizer.pretrained={source!r}: no such folder; {PRETRAINED_FIX}")
+        names = _copy_tokenizer_files(Storage(folder), dest)
+        info = {"source": source, "from": "local", "revision": None, "names": names}
+    else:
+        info = _fetch_from_hub(source, dest)
+    if not tokenizer_defining_files(info["names"]):
+        raise ValueError(
+            f"tokenizer.pretrained={source!r} holds no tokenizer (neither tokenizer.json nor {MODEL_FILE}); "
+            f"{PRETRAINED_FIX}"
+        )
+    return info
+
+
+def pretrained_fingerprint(source: str) -> dict[str, Any]:
+    """What a pretrained tokenizer's stage output depends on: its source, and the sha256 of its defining files
+    (fetched now, so a folder or prefix whose files changed, or a hub branch that moved, gives another)."""
+    with tempfile.TemporaryDirectory(prefix="hlat-pretrained-") as tmp:
+        info = fetch_pretrained(source, tmp)
+        contents = {}
+        for name in tokenizer_defining_files(info["names"]):
+            with open(os.path.join(tmp, name), "rb") as fh:
+                contents[name] = fh.read()
+    return {"source": source, "sha256": tokenizer_sha256(contents)}
+
+
+def pretrained_report(
+    tokenizer: LoadedTokenizer, validation_texts: Iterable[str], report_sample_bytes: int, n_samples: int = 3
+) -> dict[str, Any]:
+    """The figures `tokenizer_report` gives a trained tokenizer, for any loaded one: bytes per token, byte-fallback rate
+    (0 for a byte-level BPE such as GPT-NeoX's, which has no byte pieces), round-trip failures, sample encodings."""
+    texts = total_bytes = tokens = byte_tokens = round_trip_failures = 0
+    samples: list[dict[str, Any]] = []
+    budget = report_sample_bytes
+    for full_text in validation_texts:
+        if budget <= 0:
+            break
+        text, size = _within_budget(full_text, budget)
+        if full_text and not text:
+            break
+        budget -= size
+        ids = tokenizer.encode(text)
+        texts += 1
+        total_bytes += size
+        tokens += len(ids)
+        byte_tokens += sum(1 for i in ids if i in tokenizer.byte_ids)
+        round_trip_failures += tokenizer.decode(ids) != text
+        if len(samples) < n_samples and text.strip():
+            snippet_ids = tokenizer.encode(text[:SNIPPET_CHARS])
+            samples.append({"text": text[:SNIPPET_CHARS], "pieces": tokenizer.pieces(snippet_ids), "ids": snippet_ids})
+    return {
+        "vocab_size": tokenizer.vocab_size,
+        "texts": texts,
+        "bytes": total_bytes,
+        "tokens": tokens,
+        "bytes_per_token": round(total_bytes / tokens, 4) if tokens else None,
+        "byte_fallback_tokens": byte_tokens,
+        "byte_fallback_rate": round(byte_tokens / tokens, 6) if tokens else 0.0,
+        "round_trip_failures": round_trip_failures,
+        "samples": samples,
+    }
+
+
+def build_pretrained_tokenizer(
+    data: Storage,
+    out: Storage,
+    source: str,
+    max_seq_len: int,
+    cfg: TokenizerConfig,
+    load: Callable[[str], LoadedTokenizer],
+) -> dict[str, Any]:
+    """The train-tokenizer stage with tokenizer.pretrained=`source`: fetch it, load it with `load` (a folder -> its
+    tokenizer), check that it encodes and decodes the held-out split and has an EOS, and upload its files and the
+    report (report.json last, as `build_tokenizer` does) into `out`. Trains nothing; returns the report."""
+    mixture, sources = read_mixture(data)
+    weights = mixture.weights_at(0)
+    with tempfile.TemporaryDirectory(prefix="hlat-pretrained-") as tmp:
+        info = fetch_pretrained(source, tmp)
+        try:
+            tokenizer = load(tmp)
+        except ValueError as exc:  # no EOS, a malformed file
+            raise ValueError(f"tokenizer.pretrained={source!r}: {exc}; {PRETRAINED_FIX}") from None
+        report_split: Split = "validation" if mixture_rows(sources, "validation") else "train"
+        texts = mixture_documents(sources, weights, report_split)
+        report = pretrained_report(tokenizer, texts, cfg.report_sample_bytes)
+        if not report["tokens"]:
+            raise ValueError(
+                f"tokenizer.pretrained={source!r} gave no tokens for the {report_split} split of {data.uri()}: "
+                "nothing to validate it on; re-run prepare-data on a non-empty source"
+            )
+        hashes = {}
+        for name in info["names"]:
+            with open(os.path.join(tmp, name), "rb") as fh:
+                hashes[name] = hashlib.sha256(fh.read()).hexdigest()
+        report.update(
+            {
+                "pretrained": {k: info[k] for k in ("source", "from", "revision")},
+                "kind": tokenizer.kind,
+                "tokenizer_sha256": tokenizer.sha256,
+                "defining_files": list(tokenizer.files),
+                "file_sha256": hashes,
+                "eos_id": tokenizer.eos_id,
+                "bos_id": tokenizer.bos_id,
+                "data_checksum": data_checksum_of(data),
+                "report_split": report_split,
+                "max_seq_len": max_seq_len,
+                "files": [*info["names"], REPORT_FILE],
+            }
+        )
+        if report_split == "train":
+            report["report_note"] = (
+                "the data has no validation split, so these figures are measured on training text; set "
+                "data.validation_fraction > 0 for held-out figures"
+            )
+        out.remove(REPORT_FILE)
+        _remove_other_tokenizer_files(out, info["names"])
+        for name in info["names"]:
             out.put_file(os.path.join(tmp, name), name)
         out.write_json(REPORT_FILE, report)
     return report

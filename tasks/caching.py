@@ -3,7 +3,6 @@ and artifact naming."""
 
 from __future__ import annotations
 
-import hashlib
 import re
 from collections.abc import Callable
 from typing import Any
@@ -12,7 +11,7 @@ from prefect import Task, task
 from prefect.client.schemas.objects import State, TaskRun
 
 from hlat.core.config import stable_hash
-from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, TOKENIZER_MODEL
+from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, TOKENIZER_MODEL, tokenizer_defining_files, tokenizer_sha256
 from hlat.core.shards import data_checksum_of
 from hlat.core.stages import stage
 from hlat.core.storage import Storage, is_transient
@@ -46,10 +45,14 @@ def data_checksum(run: Storage) -> str:
 
 
 def tokenizer_checksum(run: Storage) -> str:
-    """sha256 of the run's tokenizer.model (train-tokenizer's output)."""
+    """The identity of the run's tokenizer (train-tokenizer's output), as the loader records it: its tokenizer.model's
+    sha256, or for a pretrained tokenizer.json-only one the hash of tokenizer.json and its special-token files
+    (`hlat.core.layout.tokenizer_sha256`)."""
     tokenizer = run.child(TOKENIZER_DIR)
-    tokenizer.require(TOKENIZER_MODEL, what="tokenizer")
-    return hashlib.sha256(tokenizer.read_bytes(TOKENIZER_MODEL)).hexdigest()
+    names = tokenizer_defining_files(tokenizer.list())
+    if not names:
+        tokenizer.require(TOKENIZER_MODEL, what="tokenizer")  # StorageNotFound naming the missing tokenizer
+    return tokenizer_sha256({name: tokenizer.read_bytes(name) for name in names})
 
 
 OUTPUT_CHECKSUMS: dict[str, Callable[[Storage], str]] = {

@@ -12,6 +12,7 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
+from hlat.core.contract import model_follows_tokenizer
 from hlat.core.layout import CHECKPOINTS_DIR, DATA_DIR, METRICS_FILE, TOKENIZER_DIR, CheckpointIndex
 from hlat.core.mixture import SourceDraw, check_repetition
 from hlat.core.shards import MANIFEST_FILE, read_mixture
@@ -52,6 +53,18 @@ def measured_source_tokens(data: Storage, tokenizer: Storage) -> dict[str, int]:
         return {}
     mixture, _ = read_mixture(data)
     return {s.name: round(s.train_bytes / bytes_per_token) for s in mixture.sources}
+
+
+def vocabulary_change(run: Run) -> str | None:
+    """With tokenizer.pretrained, what the training jobs' model becomes: model.vocab_size is the tokenizer's (its
+    report's vocab_size), padded to model.vocab_multiple (`model_follows_tokenizer`, which each job applies to the
+    config it reads). None when nothing changes; ConfigError when the padded size does not divide over the tensor
+    ranks. The stored config keeps what the user wrote."""
+    tokenizer = run.stage(TOKENIZER_DIR)
+    if run.config.tokenizer.pretrained is None or not tokenizer.exists(REPORT_FILE):
+        return None
+    _, change = model_follows_tokenizer(run.config, int(tokenizer.read_json(REPORT_FILE)["vocab_size"]))
+    return change
 
 
 def check_training_repetition(run: Run) -> list[SourceDraw]:
@@ -151,6 +164,8 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
 
     # A source the run would repeat past its max_epochs fails the stage here, before any job is submitted.
     check_training_repetition(run)
+    if change := vocabulary_change(run):
+        log.info("train: %s (tokenizer.pretrained=%s)", change, run.config.tokenizer.pretrained)
     artifacts = _Artifacts(run.run_id, run.storage)
     evaluator = CheckpointEvaluator(run)
 

@@ -1,4 +1,5 @@
-"""train-tokenizer tasks: read the data manifest, train sentencepiece + HF export (cached), publish the report."""
+"""train-tokenizer tasks: read the data manifest, train sentencepiece + HF export, or validate and copy in an existing
+tokenizer (tokenizer.pretrained) (cached), publish the report."""
 
 from __future__ import annotations
 
@@ -7,34 +8,43 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from hlat.core.layout import DATA_DIR, TOKENIZER_DIR
+from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, tokenizer_defining_files
 from hlat.infra.runs import Run
-from hlat.infra.tokenizer import MODEL_FILE, REPORT_FILE, build_tokenizer
+from hlat.infra.tokenizer import REPORT_FILE, build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
+from hlat.training.data.tokenizer import Tokenizer
 
 
 @task(name="fit-tokenizer", **CACHED_STAGE)
 def fit_tokenizer(run: Run, cache_key: str) -> dict[str, Any]:
-    """Train sentencepiece BPE on a bounded sample of the shards and export HF files into <run>/tokenizer/."""
-    m = run.config.model
-    return build_tokenizer(
-        run.stage(DATA_DIR), run.stage(TOKENIZER_DIR), m.vocab_size, m.max_seq_len, run.config.tokenizer
-    )
+    """Train sentencepiece BPE on a bounded sample of the shards and export HF files into <run>/tokenizer/; with
+    tokenizer.pretrained, validate that tokenizer on the shards and copy it there instead (nothing is trained)."""
+    m, t = run.config.model, run.config.tokenizer
+    data, out = run.stage(DATA_DIR), run.stage(TOKENIZER_DIR)
+    if t.pretrained is not None:
+        return build_pretrained_tokenizer(data, out, t.pretrained, m.max_seq_len, t, Tokenizer.load)
+    return build_tokenizer(data, out, m.vocab_size, m.max_seq_len, t)
 
 
 def tokenizer_cache_key(run: Run) -> str:
-    """What the tokenizer depends on: its settings, the vocabulary size and context length, and the shards."""
-    m = run.config.model
-    settings = run.config.tokenizer.model_dump(mode="json")
+    """What the tokenizer depends on: its settings, the vocabulary size and context length, and the shards; with
+    tokenizer.pretrained, that tokenizer's source and its files' hash (fetched now: changed files re-run the stage),
+    the report's sample size and the context length (model.vocab_size then follows the tokenizer, not the reverse)."""
+    m, t = run.config.model, run.config.tokenizer
+    if t.pretrained is not None:
+        return stage_cache_key(
+            run, "train-tokenizer", pretrained_fingerprint(t.pretrained), t.report_sample_bytes, m.max_seq_len
+        )
+    settings = t.model_dump(mode="json")
     return stage_cache_key(run, "train-tokenizer", settings, m.vocab_size, m.max_seq_len)
 
 
 def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:
     """A cached report counts only while the tokenizer it describes is still in run storage."""
-    out = run.stage("tokenizer")
+    out = run.stage(TOKENIZER_DIR)
     return (
         out.exists(REPORT_FILE)
-        and out.exists(MODEL_FILE)
+        and bool(tokenizer_defining_files(out.list()))
         and out.read_json(REPORT_FILE).get("data_checksum") == report.get("data_checksum")
     )
 
