@@ -33,7 +33,7 @@ class Section(BaseModel):
 
 
 class ModelConfig(Section):
-    """Decoder-only LLaMA architecture (pre-norm RMSNorm, SwiGLU, RoPE, untied embeddings)."""
+    """Decoder-only transformer: LLaMA (pre-norm RMSNorm, SwiGLU, RoPE, untied embeddings) or GPT-NeoX (`arch`)."""
 
     n_layers: int = Field(2, ge=1)
     """Number of transformer blocks."""
@@ -44,7 +44,7 @@ class ModelConfig(Section):
     n_kv_heads: int | None = Field(None, ge=1)
     """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
     ffn_hidden: int = Field(344, ge=8)
-    """SwiGLU inner width (11008 for 7B, 28672 for 70B)."""
+    """MLP inner width: SwiGLU's (11008 for LLaMA 7B, 28672 for 70B), or GPT-NeoX's GeLU MLP (4 x d_model)."""
     arch: Literal["llama", "gpt_neox"] = "llama"
     """Model family: llama (pre-norm RMSNorm, SwiGLU, RoPE, no biases) or gpt_neox (GPT-NeoX / Pythia: parallel
     attention and MLP on the same input, LayerNorm with bias, GeLU MLP, biased projections, partial rotary)."""
@@ -58,7 +58,7 @@ class ModelConfig(Section):
     max_seq_len: int = Field(4096, ge=16)
     """Longest context the model supports (RoPE tables are built this long)."""
     norm_eps: float = Field(1e-5, gt=0)
-    """RMSNorm epsilon."""
+    """Epsilon of the norms (RMSNorm for llama, LayerNorm for gpt_neox)."""
     rope_theta: float = Field(10000.0, gt=0)
     """RoPE base frequency."""
     rotary_fraction: float = Field(1.0, gt=0, le=1)
@@ -84,7 +84,25 @@ class ModelConfig(Section):
                 f"rotary_fraction={self.rotary_fraction} rotates {rotated} of {head_dim} head dims; "
                 "it must rotate an even whole number of dims"
             )
+        if self.arch == "gpt_neox":
+            self._check_gpt_neox(head_dim, int(rotated))
         return self
+
+    def _check_gpt_neox(self, head_dim: int, rotated: int) -> None:
+        """What the GPT-NeoX block supports: multi-head attention, untied embeddings, and a rotated width that
+        divides the head (training/model.py rotates each run of that many dims, the first with the frequencies)."""
+        if self.kv_heads != self.n_heads:
+            raise ValueError(
+                f"n_kv_heads={self.n_kv_heads}: arch=gpt_neox has no grouped-query attention; "
+                f"set n_kv_heads to None or {self.n_heads}"
+            )
+        if self.tie_embeddings:
+            raise ValueError("tie_embeddings=True: arch=gpt_neox has untied embeddings; set tie_embeddings to false")
+        if head_dim % rotated:
+            raise ValueError(
+                f"rotary_fraction={self.rotary_fraction} rotates {rotated} of {head_dim} head dims; with "
+                "arch=gpt_neox the rotated dims must divide the head (e.g. rotary_fraction 0.25, 0.5 or 1)"
+            )
 
     @property
     def kv_heads(self) -> int:
@@ -102,15 +120,24 @@ class ModelConfig(Section):
     # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
     # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/planner.py) use these.
     def block_params(self) -> int:
-        """Parameters of one transformer block: attention with GQA (Q and O d x d, K and V d x kv_dim), the SwiGLU
-        MLP (three d x ffn_hidden), two RMSNorm weights."""
-        d, kv_dim = self.d_model, self.kv_heads * self.head_dim
-        return 2 * d * d + 2 * d * kv_dim + 3 * d * self.ffn_hidden + 2 * d
+        """Parameters of one transformer block.
+
+        llama: attention with GQA (Q and O d x d, K and V d x kv_dim), the SwiGLU MLP (three d x ffn_hidden), two
+        RMSNorm weights. gpt_neox: Q, K, V and O d x d with their biases (4d), the GeLU MLP (d x ffn_hidden and
+        ffn_hidden x d, biases ffn_hidden + d), two LayerNorms (weight and bias: 4d)."""
+        d, f, kv_dim = self.d_model, self.ffn_hidden, self.kv_heads * self.head_dim
+        if self.arch == "gpt_neox":
+            return 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
+        return 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
+
+    def final_norm_params(self) -> int:
+        """The final norm's parameters: RMSNorm's weight (llama), LayerNorm's weight and bias (gpt_neox)."""
+        return 2 * self.d_model if self.arch == "gpt_neox" else self.d_model
 
     def num_params(self) -> int:
-        """Parameter count (embeddings included; a tied embedding counts once)."""
-        embeddings = self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
-        return self.n_layers * self.block_params() + embeddings + self.d_model
+        """Parameter count (embeddings of padded_vocab_size rows included; a tied embedding counts once)."""
+        embeddings = self.padded_vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+        return self.n_layers * self.block_params() + embeddings + self.final_norm_params()
 
     def training_state_bytes(self, precision: str) -> int:
         """Bytes of one whole replica's weights, gradients and AdamW moments (activations not counted): 16 per
@@ -124,8 +151,9 @@ class ModelConfig(Section):
         return 6 * self.block_params() + 12 * self.d_model * seq_len
 
     def head_flops_per_token(self) -> int:
-        """The output projection and the final norm, forward + backward (6 per parameter)."""
-        return 6 * (self.vocab_size * self.d_model + self.d_model)
+        """The output projection (its padded_vocab_size rows are all computed) and the final norm, forward +
+        backward (6 per parameter)."""
+        return 6 * (self.padded_vocab_size * self.d_model + self.final_norm_params())
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs (forward + backward) per token, for MFU: 6·N + 12·L·d·T.

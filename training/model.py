@@ -1,4 +1,4 @@
-"""The HLAT / LLaMA decoder-only transformer: architecture only (no distributed or device code).
+"""The HLAT / LLaMA and GPT-NeoX decoder-only transformers: architecture only (no distributed or device code).
 
 `Transformer(cfg)` builds the modules; `init_weights()` initialises them (construction alone does not, so a
 model built on the meta device can be materialised with `to_empty()` and then initialised or loaded).
@@ -23,6 +23,21 @@ the rotated dims are `[0, r/2)` and `[head_dim/2, head_dim/2 + r/2)`. That is GP
 rotates dims `[0, r)` with pairs `(i, i + r/2)` and the same frequencies) up to a fixed permutation of the
 head dims, i.e. the same family of functions; with `rotary_fraction = 1` it is exactly HF Llama.
 
+GPT-NeoX (`cfg.arch == "gpt_neox"`, matching Hugging Face `GPTNeoXForCausalLM` with `use_parallel_residual`):
+
+- token embedding → `n_layers` blocks → final LayerNorm (with bias) → output projection (untied, no bias);
+- block (parallel residual): `x + attn(attn_norm(x)) + mlp(mlp_norm(x))`, both branches on the same input;
+- LayerNorm with weight and bias (eps `cfg.norm_eps`); multi-head attention with biased Q, K, V and O;
+- GeLU MLP: `fc_out(gelu(fc_in(x)))`, both with biases (exact, erf GeLU: HF's "gelu").
+
+Its partial rotary is applied as the AWS post on GPT-NeoX and Pythia on trn1 does it: full-width cos/sin tables
+whose unrotated dims have frequency zero (cos = 1, sin = 0), so every dim goes through the same
+`x * cos + rotate(x) * sin` with no slice of the head. To equal HF's GPT-NeoX exactly (HF rotates only the first
+`r` dims, pairing dim `i` with `i + r/2` by a rotate_half over that slice), the turn is taken over each run of
+`r` dims of the head (`r` divides the head: `ModelConfig` checks it): the first run is HF's rotated slice with
+HF's pairing and frequencies `theta^(-2i/r)`, and the other runs are turned with sin = 0, i.e. left exactly as
+they are (x * 1 + y * 0 = x), which is HF's pass-through part. The LLaMA path keeps its pairing above.
+
 Positions are absolute within the (packed) sequence also under document masking: RoPE scores depend only
 on the distance between query and key, so a document attends within itself exactly as it would alone.
 
@@ -32,6 +47,10 @@ neuronx-distributed's tensor-parallel layers, and each rank then holds its heads
 with the local head counts). Either way `init_weights(seed)` draws every parameter's dense tensor the same way
 (`training.parallel.tensor_slices`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the
 dense one.
+The vocabulary may be padded (`cfg.vocab_multiple`): the embedding and the output projection have
+`cfg.padded_vocab_size` rows, and the logits of the padded rows are set to -inf (`Transformer._mask_padding`), so
+they take no probability in the loss (and get no gradient) while every tensor-parallel rank keeps an equal slice of
+the vocabulary, as vocabulary-parallel cross-entropy needs (slicing them off would not). Exports drop those rows.
 This file imports no distributed code.
 """
 
@@ -59,16 +78,28 @@ def rope_tables(
     """
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     head_dim = cfg.head_dim
-    rotary_dims = round(head_dim * cfg.rotary_fraction)
+    rotary_dims = rotary_block(cfg)
     # On the CPU whatever the default device (also inside `with torch.device("meta")`), then moved.
-    inv_freq = torch.zeros(head_dim // 2, dtype=torch.float64, device="cpu")  # (head_dim/2,)
     exponents = torch.arange(0, rotary_dims, 2, dtype=torch.float64, device="cpu") / rotary_dims
-    inv_freq[: rotary_dims // 2] = torch.pow(cfg.rope_theta, -exponents)
     positions = torch.arange(seq_len, dtype=torch.float64, device="cpu")
-    angles = torch.outer(positions, inv_freq)  # (T, head_dim/2)
-    # Both halves of the head share a pair's angle (rotate_half pairing).
-    angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim)
+    if cfg.arch == "gpt_neox":
+        # The first run of rotary_dims dims turns (its pairs (i, i + r/2) at theta^(-2i/r)); the rest of the head
+        # has frequency zero: cos = 1, sin = 0 (the module docstring).
+        angles = torch.outer(positions, torch.pow(cfg.rope_theta, -exponents))  # (T, r/2)
+        angles = torch.cat([angles, angles, angles.new_zeros(seq_len, head_dim - rotary_dims)], dim=-1)
+    else:
+        inv_freq = torch.zeros(head_dim // 2, dtype=torch.float64, device="cpu")  # (head_dim/2,)
+        inv_freq[: rotary_dims // 2] = torch.pow(cfg.rope_theta, -exponents)
+        angles = torch.outer(positions, inv_freq)  # (T, head_dim/2)
+        # Both halves of the head share a pair's angle (rotate_half pairing).
+        angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim)
     return angles.cos().to(device=device, dtype=torch.float32), angles.sin().to(device=device, dtype=torch.float32)
+
+
+def rotary_block(cfg: ModelConfig) -> int:
+    """The rotated dims of a head, `head_dim * rotary_fraction`: for gpt_neox also the width of the runs of dims
+    the rotation turns (`apply_rotary`'s `block`)."""
+    return round(cfg.head_dim * cfg.rotary_fraction)
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -77,10 +108,16 @@ def rotate_half(x: Tensor) -> Tensor:
     return torch.cat([-x2, x1], dim=-1)
 
 
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotate x (..., T, head_dim) by the tables cos, sin (T, head_dim) (cast to x's dtype, as HF does)."""
+def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, block: int | None = None) -> Tensor:
+    """Rotate x (..., T, head_dim) by the tables cos, sin (T, head_dim) (cast to x's dtype, as HF does).
+
+    `block` (gpt_neox): take rotate_half over each run of `block` dims of the head (pairs (i, i + block/2) within
+    a run) instead of over the whole head; see the module docstring."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos + rotate_half(x) * sin
+    if block is None or block == x.shape[-1]:
+        return x * cos + rotate_half(x) * sin
+    turned = rotate_half(x.unflatten(-1, (x.shape[-1] // block, block))).flatten(-2)
+    return x * cos + turned * sin
 
 
 class RMSNorm(nn.Module):
@@ -101,6 +138,35 @@ class RMSNorm(nn.Module):
         return self.weight * x32.to(x.dtype)
 
 
+class LayerNorm(nn.Module):
+    """LayerNorm with a learned scale and bias (GPT-NeoX's), as torch's nn.LayerNorm computes it."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.bias = nn.Parameter(torch.zeros(dim))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+        nn.init.zeros_(self.bias)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
+
+
+def make_norm(cfg: ModelConfig, parallel: Layers) -> RMSNorm | LayerNorm:
+    """The architecture's norm (RMSNorm for llama, LayerNorm for gpt_neox), its parameters marked for `parallel`."""
+    norm: RMSNorm | LayerNorm
+    if cfg.arch == "gpt_neox":
+        norm = LayerNorm(cfg.d_model, cfg.norm_eps)
+        parallel.norm(norm.bias)
+    else:
+        norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+    parallel.norm(norm.weight)
+    return norm
+
+
 class Layers(Protocol):
     """Where the model's linear and embedding layers come from, and how its parameters are split (see
     `DenseLayers`; `training.parallel.neuron.NxdLayers` for tensor parallelism)."""
@@ -108,7 +174,7 @@ class Layers(Protocol):
     tensor: int
     """The tensor-parallel degree: how many ranks share each layer."""
 
-    def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module: ...
+    def linear(self, kind: LinearKind, in_features: int, out_features: int, bias: bool = False) -> nn.Module: ...
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module: ...
 
@@ -130,12 +196,12 @@ LinearKind = Literal["column", "row", "output"]
 
 
 class DenseLayers:
-    """The whole model on one device: nn.Linear (no bias) and nn.Embedding, parameters unsplit."""
+    """The whole model on one device: nn.Linear (biased only where asked) and nn.Embedding, parameters unsplit."""
 
     tensor = 1
 
-    def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module:
-        return nn.Linear(in_features, out_features, bias=False)
+    def linear(self, kind: LinearKind, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
+        return nn.Linear(in_features, out_features, bias=bias)
 
     def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
         return nn.Embedding(num_embeddings, dim)
@@ -161,7 +227,7 @@ class DenseLayers:
 
 class Attention(nn.Module):
     """Grouped-query causal self-attention with rotary embeddings and optional document masking; with tensor
-    parallelism, this rank's heads only."""
+    parallelism, this rank's heads only. gpt_neox: biased projections, partial rotary over runs of dims."""
 
     rope_cos: Tensor
     rope_sin: Tensor
@@ -173,12 +239,15 @@ class Attention(nn.Module):
         # them: training/parallel/tensor_slices.py).
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, max(1, cfg.kv_heads // tp), cfg.head_dim
         d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
+        bias = cfg.arch == "gpt_neox"
+        # None: rotate_half over the whole head (llama); gpt_neox turns each run of its rotated width.
+        self.rotary_block = rotary_block(cfg) if bias else None
         self.qkv = parallel.grouped_qkv(cfg)
         if self.qkv is None:
-            self.q_proj = parallel.linear("column", d, q_dim)
-            self.k_proj = parallel.linear("column", d, kv_dim)
-            self.v_proj = parallel.linear("column", d, kv_dim)
-        self.o_proj = parallel.linear("row", q_dim, d)
+            self.q_proj = parallel.linear("column", d, q_dim, bias=bias)
+            self.k_proj = parallel.linear("column", d, kv_dim, bias=bias)
+            self.v_proj = parallel.linear("column", d, kv_dim, bias=bias)
+        self.o_proj = parallel.linear("row", q_dim, d, bias=bias)
         self.core = CoreAttention()
         # The RoPE tables: the model's own, shared by every layer (Transformer._share_rope_tables); each layer holds
         # them so that a pipeline stage of layers is self-contained.
@@ -196,7 +265,7 @@ class Attention(nn.Module):
         k = k.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         v = v.view(B, T, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, n_kv, T, head_dim)
         cos, sin = rope_window(self.rope_cos, T), rope_window(self.rope_sin, T)  # (T, head_dim)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = apply_rotary(q, cos, sin, self.rotary_block), apply_rotary(k, cos, sin, self.rotary_block)
         out = self.core(q, k, v, mask)  # (B, n_heads, T, head_dim); positional: torch-xla's checkpoint takes no kwargs
         return self.o_proj(out.transpose(1, 2).reshape(B, T, -1))  # (B, T, d_model)
 
@@ -240,19 +309,43 @@ class GatedSiLU(nn.Module):
         return F.silu(gate) * up
 
 
-class Block(nn.Module):
-    """Pre-norm transformer block: attention then SwiGLU, each added to the residual stream."""
+class GeLUMLP(nn.Module):
+    """GPT-NeoX's MLP: fc_out(gelu(fc_in x)), both biased (HF's dense_h_to_4h and dense_4h_to_h)."""
 
     def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
-        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.fc_in = parallel.linear("column", cfg.d_model, cfg.ffn_hidden, bias=True)
+        self.fc_out = parallel.linear("row", cfg.ffn_hidden, cfg.d_model, bias=True)
+        self.act = GeLU()
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))  # (B, T, d_model)
+
+
+class GeLU(nn.Module):
+    """The exact (erf) GeLU, the GeLU MLP's elementwise part: what 'selective' activation checkpointing recomputes
+    in a gpt_neox block, as it does GatedSiLU in a llama one."""
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.gelu(x)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block. llama: attention then SwiGLU, each added to the residual stream; gpt_neox
+    (parallel residual): attention and the GeLU MLP on the same input, both added to it."""
+
+    def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
+        super().__init__()
+        self.parallel_residual = cfg.arch == "gpt_neox"
+        self.attn_norm = make_norm(cfg, parallel)
         self.attn = Attention(cfg, parallel)
-        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.mlp = SwiGLU(cfg, parallel)
-        parallel.norm(self.attn_norm.weight)
-        parallel.norm(self.mlp_norm.weight)
+        self.mlp_norm = make_norm(cfg, parallel)
+        self.mlp = GeLUMLP(cfg, parallel) if self.parallel_residual else SwiGLU(cfg, parallel)
 
     def forward(self, x: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
+        if self.parallel_residual:
+            # HF GPTNeoXLayer's order of the sums (mlp + attn + x).
+            return self.mlp(self.mlp_norm(x)) + self.attn(self.attn_norm(x), mask) + x  # (B, T, d_model)
         x = x + self.attn(self.attn_norm(x), mask)  # (B, T, d_model)
         return x + self.mlp(self.mlp_norm(x))  # (B, T, d_model)
 
@@ -290,7 +383,8 @@ def document_block_mask(doc_ids: Tensor) -> BlockMask:
 
 
 class Transformer(nn.Module):
-    """LLaMA-style decoder. The weights are uninitialised memory until `init_weights()` or `load_state_dict`.
+    """LLaMA or GPT-NeoX decoder (`cfg.arch`). The weights are uninitialised memory until `init_weights()` or
+    `load_state_dict`.
 
     `device` (default: torch's default device) is where the parameters live. With `device="meta"` nothing
     is allocated; then `to_empty(device=...)` and either `init_weights()`, or `init_rope_tables()` and
@@ -316,12 +410,12 @@ class Transformer(nn.Module):
         # ones whatever the device, the way the model was built, or how it is split), and a model too big for
         # one process is never materialised whole.
         with torch.device("meta"):
-            self.embed = self.parallel.embedding(cfg.vocab_size, cfg.d_model)
+            self.embed = self.parallel.embedding(cfg.padded_vocab_size, cfg.d_model)
             self.layers = nn.ModuleList(Block(cfg, self.parallel) for _ in range(cfg.n_layers))
-            self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-            self.output = self.parallel.linear("output", cfg.d_model, cfg.vocab_size)
-            self.parallel.norm(self.norm.weight)
+            self.norm = make_norm(cfg, self.parallel)
+            self.output = self.parallel.linear("output", cfg.d_model, cfg.padded_vocab_size)
             cos, sin = rope_tables(cfg, seq_len=cfg.max_seq_len, device="meta")
+        self._vocab_offset = self._first_vocab_row()
         # Non-persistent: derived from the config, so they stay out of checkpoints and HF exports.
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, head_dim)
@@ -330,6 +424,21 @@ class Transformer(nn.Module):
         if target.type != "meta":
             self.to_empty(device=target)
             self.init_rope_tables()
+
+    def _first_vocab_row(self) -> int:
+        """The vocabulary id of this rank's first output row (0 unless tensor parallelism splits the vocabulary):
+        where `_mask_padding` starts counting."""
+        output = next(p for p in dense_parameters(self.cfg) if p.name in ("output.weight", "embed.weight"))
+        ids = self.parallel.shard(output, torch.arange(self.cfg.padded_vocab_size, device="cpu"))
+        return int(ids[0])
+
+    def _mask_padding(self, logits: Tensor) -> Tensor:
+        """logits (B, T, V_local) with the padded vocabulary rows' set to -inf (as they are when vocab_multiple
+        pads nothing: then unchanged). -inf rather than a slice keeps every rank's logits the same width."""
+        if self.cfg.padded_vocab_size == self.cfg.vocab_size:
+            return logits
+        ids = torch.arange(logits.shape[-1], device=logits.device) + self._vocab_offset  # (V_local,)
+        return logits.masked_fill(ids >= self.cfg.vocab_size, float("-inf"))
 
     def _tie(self) -> None:
         if self.cfg.tie_embeddings:
@@ -410,8 +519,9 @@ class Transformer(nn.Module):
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
-        """Logits (B, T, vocab_size) in float32 for tokens (B, T); with `targets` (B, T), their mean cross-entropy
-        instead (the form a pipeline-parallel stage computes: the last stage ends with the loss).
+        """Logits (B, T, padded_vocab_size) in float32 for tokens (B, T), -inf in the padded columns; with `targets`
+        (B, T), their mean cross-entropy instead (the form a pipeline-parallel stage computes: the last stage ends
+        with the loss).
 
         doc_ids (B, T), optional: document index of each token of a packed sequence; attention then stays
         within a document (block-diagonal causal mask). Without it, plain causal attention (fast path).
@@ -430,7 +540,7 @@ class Transformer(nn.Module):
         h = self.embed(tokens)  # (B, T, d_model)
         for layer in self.layers:
             h = layer(h, mask)  # (B, T, d_model)
-        logits = self.output(self.norm(h)).float()  # (B, T, vocab_size; under TP this rank's slice of it)
+        logits = self._mask_padding(self.output(self.norm(h)).float())  # (B, T, V; under TP this rank's slice)
         if targets is None:
             return logits
         return self.loss(logits, targets)

@@ -121,8 +121,9 @@ def test_the_cli_exports_and_says_how_to_load(tmp_path: Path, capsys: pytest.Cap
     assert "step 5" in printed and "LlamaForCausalLM.from_pretrained" in printed
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["num_hidden_layers"] == 1
     (run / "tokenizer" / "tokenizer.model").unlink()
+    (run / "tokenizer" / "tokenizer.json").unlink()
     assert main(["export", str(run), str(tmp_path / "hf2")]) == 1
-    assert "no tokenizer.model" in capsys.readouterr().err
+    assert "no tokenizer.model or tokenizer.json" in capsys.readouterr().err
 
 
 def test_a_tokenizer_without_tokenizer_json_is_completed_by_the_cli_so_transformers_loads_it(

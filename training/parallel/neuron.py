@@ -165,16 +165,18 @@ class NxdLayers:
     def _sequence(self) -> dict[str, Any]:
         return {"sequence_parallel_enabled": self.sequence_parallel, "sequence_dimension": 1}
 
-    def linear(self, kind: LinearKind, in_features: int, out_features: int) -> nn.Module:
+    def linear(self, kind: LinearKind, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
         from neuronx_distributed.parallel_layers import layers
 
+        # With a bias (gpt_neox, refused on NxD for now: parallelize.model_layers), the column layer splits it with
+        # its outputs and the row layer adds its whole bias once, after the reduction over the ranks.
         if kind == "row":
             return layers.RowParallelLinear(
-                in_features, out_features, bias=False, input_is_parallel=True, **self._sequence()
+                in_features, out_features, bias=bias, input_is_parallel=True, **self._sequence()
             )
         if kind == "column":
             return layers.ColumnParallelLinear(
-                in_features, out_features, bias=False, gather_output=False, **self._sequence()
+                in_features, out_features, bias=bias, gather_output=False, **self._sequence()
             )
         # The output projection keeps the vocabulary split: each rank holds the logits of its slice of it, and the
         # loss is NxD's vocabulary-parallel cross-entropy (`cross_entropy`), as HLAT's training script does; no rank

@@ -56,12 +56,24 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
 
 
 def model_layers(cfg: HlatConfig, world: World) -> Layers:
-    """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise."""
+    """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise.
+
+    Refuses model.arch=gpt_neox on XLA and under NxD: those paths have not been built and tested for it yet."""
+    check_arch_supported(cfg, world)
     if world.nxd is not None and world.layout.tensor > 1:
         from hlat.training.parallel.neuron import NxdLayers
 
         return NxdLayers(cfg)
     return DenseLayers()
+
+
+def check_arch_supported(cfg: HlatConfig, world: World) -> None:
+    """Refuse model.arch=gpt_neox where it does not run yet: on XLA (Trainium) and under neuronx-distributed."""
+    if cfg.model.arch == "gpt_neox" and (world.on_xla or world.nxd is not None):
+        raise ValueError(
+            "model.arch=gpt_neox runs on CPU and CUDA (one process, DDP or FSDP2) only, not yet on XLA or "
+            "neuronx-distributed (Trainium); set model.arch=llama or train on CPU/CUDA"
+        )
 
 
 def fsdp_active(cfg: HlatConfig, world: World) -> bool:

@@ -37,7 +37,7 @@ import torch
 from hlat.core.config import ModelConfig
 
 Kind = Literal["column", "row", "vocab", "replicated", "q", "o", "kv"]
-Init = Literal["normal", "output", "ones"]
+Init = Literal["normal", "output", "ones", "zeros"]
 
 
 @dataclass(frozen=True)
@@ -48,32 +48,69 @@ class DenseParameter:
     shape: tuple[int, ...]
     init: Init
     """'normal': N(0, init_std); 'output': N(0, init_std / sqrt(2 * n_layers)) with scale_output_init, else as
-    'normal'; 'ones'."""
+    'normal'; 'ones'; 'zeros' (biases)."""
     kind: Kind
 
 
 def dense_parameters(cfg: ModelConfig) -> list[DenseParameter]:
-    """Every parameter of the dense model, in a fixed order (names as in its state dict)."""
+    """Every parameter of the dense model, in a fixed order (names as in its state dict). The embedding and the
+    output projection have `cfg.padded_vocab_size` rows."""
+    d, v = cfg.d_model, cfg.padded_vocab_size
+    out: list[DenseParameter] = [DenseParameter("embed.weight", (v, d), "normal", "vocab")]
+    block = _gpt_neox_block if cfg.arch == "gpt_neox" else _llama_block
+    for i in range(cfg.n_layers):
+        out += block(cfg, f"layers.{i}")
+    out += _norm(cfg, "norm")
+    if not cfg.tie_embeddings:
+        out.append(DenseParameter("output.weight", (v, d), "normal", "column"))
+    return out
+
+
+def _norm(cfg: ModelConfig, name: str) -> list[DenseParameter]:
+    """A norm's parameters: RMSNorm's scale (llama), LayerNorm's scale and bias (gpt_neox); replicated."""
+    weight = [DenseParameter(f"{name}.weight", (cfg.d_model,), "ones", "replicated")]
+    if cfg.arch == "gpt_neox":
+        return [*weight, DenseParameter(f"{name}.bias", (cfg.d_model,), "zeros", "replicated")]
+    return weight
+
+
+def _llama_block(cfg: ModelConfig, p: str) -> list[DenseParameter]:
     d, hd = cfg.d_model, cfg.head_dim
     q_dim, kv_dim = cfg.n_heads * hd, cfg.kv_heads * hd
-    out: list[DenseParameter] = [DenseParameter("embed.weight", (cfg.vocab_size, d), "normal", "vocab")]
-    for i in range(cfg.n_layers):
-        p = f"layers.{i}"
-        out += [
-            DenseParameter(f"{p}.attn_norm.weight", (d,), "ones", "replicated"),
-            DenseParameter(f"{p}.attn.q_proj.weight", (q_dim, d), "normal", "q"),
-            DenseParameter(f"{p}.attn.k_proj.weight", (kv_dim, d), "normal", "kv"),
-            DenseParameter(f"{p}.attn.v_proj.weight", (kv_dim, d), "normal", "kv"),
-            DenseParameter(f"{p}.attn.o_proj.weight", (d, q_dim), "output", "o"),
-            DenseParameter(f"{p}.mlp_norm.weight", (d,), "ones", "replicated"),
-            DenseParameter(f"{p}.mlp.w1.weight", (cfg.ffn_hidden, d), "normal", "column"),
-            DenseParameter(f"{p}.mlp.w3.weight", (cfg.ffn_hidden, d), "normal", "column"),
-            DenseParameter(f"{p}.mlp.w2.weight", (d, cfg.ffn_hidden), "output", "row"),
-        ]
-    out.append(DenseParameter("norm.weight", (d,), "ones", "replicated"))
-    if not cfg.tie_embeddings:
-        out.append(DenseParameter("output.weight", (cfg.vocab_size, d), "normal", "column"))
-    return out
+    return [
+        *_norm(cfg, f"{p}.attn_norm"),
+        DenseParameter(f"{p}.attn.q_proj.weight", (q_dim, d), "normal", "q"),
+        DenseParameter(f"{p}.attn.k_proj.weight", (kv_dim, d), "normal", "kv"),
+        DenseParameter(f"{p}.attn.v_proj.weight", (kv_dim, d), "normal", "kv"),
+        DenseParameter(f"{p}.attn.o_proj.weight", (d, q_dim), "output", "o"),
+        *_norm(cfg, f"{p}.mlp_norm"),
+        DenseParameter(f"{p}.mlp.w1.weight", (cfg.ffn_hidden, d), "normal", "column"),
+        DenseParameter(f"{p}.mlp.w3.weight", (cfg.ffn_hidden, d), "normal", "column"),
+        DenseParameter(f"{p}.mlp.w2.weight", (d, cfg.ffn_hidden), "output", "row"),
+    ]
+
+
+def _gpt_neox_block(cfg: ModelConfig, p: str) -> list[DenseParameter]:
+    """GPT-NeoX's block: biased Q, K, V, O and a biased two-matrix GeLU MLP. A column-parallel layer's bias is split
+    with its output features (Q, K, V heads; the MLP's fc_in); a row-parallel layer's bias is replicated (added once,
+    after the reduction over the ranks)."""
+    d, f = cfg.d_model, cfg.ffn_hidden
+    return [
+        *_norm(cfg, f"{p}.attn_norm"),
+        DenseParameter(f"{p}.attn.q_proj.weight", (d, d), "normal", "q"),
+        DenseParameter(f"{p}.attn.q_proj.bias", (d,), "zeros", "q"),
+        DenseParameter(f"{p}.attn.k_proj.weight", (d, d), "normal", "kv"),
+        DenseParameter(f"{p}.attn.k_proj.bias", (d,), "zeros", "kv"),
+        DenseParameter(f"{p}.attn.v_proj.weight", (d, d), "normal", "kv"),
+        DenseParameter(f"{p}.attn.v_proj.bias", (d,), "zeros", "kv"),
+        DenseParameter(f"{p}.attn.o_proj.weight", (d, d), "output", "o"),
+        DenseParameter(f"{p}.attn.o_proj.bias", (d,), "zeros", "replicated"),
+        *_norm(cfg, f"{p}.mlp_norm"),
+        DenseParameter(f"{p}.mlp.fc_in.weight", (f, d), "normal", "column"),
+        DenseParameter(f"{p}.mlp.fc_in.bias", (f,), "zeros", "column"),
+        DenseParameter(f"{p}.mlp.fc_out.weight", (d, f), "output", "row"),
+        DenseParameter(f"{p}.mlp.fc_out.bias", (d,), "zeros", "replicated"),
+    ]
 
 
 def q_head_order(cfg: ModelConfig, tp: int) -> list[int]:
@@ -139,8 +176,8 @@ def unshard(param: DenseParameter, pieces: list[torch.Tensor], cfg: ModelConfig)
 
 
 def init_std(param: DenseParameter, cfg: ModelConfig) -> float | None:
-    """The normal init's standard deviation of `param` (None: ones)."""
-    if param.init == "ones":
+    """The normal init's standard deviation of `param` (None: a constant, ones or zeros)."""
+    if param.init in ("ones", "zeros"):
         return None
     if param.init == "output" and cfg.scale_output_init:
         return cfg.init_std / math.sqrt(2 * cfg.n_layers)
@@ -152,7 +189,7 @@ def dense_init(param: DenseParameter, cfg: ModelConfig, seed: int) -> torch.Tens
     not depend on the order parameters are initialised in, the device, or how the model is split."""
     std = init_std(param, cfg)
     if std is None:
-        return torch.ones(param.shape)
+        return torch.zeros(param.shape) if param.init == "zeros" else torch.ones(param.shape)
     digest = hashlib.blake2b(f"init:{seed}:{param.name}".encode(), digest_size=8).digest()
     generator = torch.Generator().manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
     return torch.randn(param.shape, generator=generator) * std
