@@ -22,7 +22,13 @@ from hlat.core.contract import model_follows_tokenizer
 from hlat.core.presets import load_config
 from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import REPORT_FILE, build_pretrained_tokenizer, build_tokenizer, fetch_pretrained
+from hlat.infra.tokenizer import (
+    REPORT_FILE,
+    build_pretrained_tokenizer,
+    build_tokenizer,
+    fetch_pretrained,
+    pretrained_fingerprint,
+)
 from hlat.training.data.loader import PackedLoader
 from hlat.training.data.tokenizer import Tokenizer
 from hlat.training.evaluation.perplexity import token_stream
@@ -295,3 +301,16 @@ def test_a_padded_vocabulary_that_does_not_divide_over_the_tensor_ranks_is_refus
     cfg = load_config("tiny", tp2)
     with pytest.raises(ConfigError, match=r"does not divide over parallelism\.tensor=2"):
         model_follows_tokenizer(cfg, 50277)
+
+
+def test_the_stage_cache_key_input_changes_with_the_tokenizer_files(folders: dict[str, Path], tmp_path: Path) -> None:
+    copy = tmp_path / "copy"
+    shutil.copytree(folders["neox"], copy)
+    before = pretrained_fingerprint(str(copy))
+    assert before == pretrained_fingerprint(str(copy)) and before["source"] == str(copy)
+    assert before["sha256"] == Tokenizer.load(str(copy)).sha256
+    (copy / "README.md").write_text("not a tokenizer file")
+    assert pretrained_fingerprint(str(copy)) == before
+    config = json.loads((copy / "tokenizer_config.json").read_text())
+    (copy / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "doc"}))
+    assert pretrained_fingerprint(str(copy))["sha256"] != before["sha256"]
