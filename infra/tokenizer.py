@@ -38,7 +38,7 @@ from hlat.core.shards import Split, data_checksum_of, mixture_documents, mixture
 from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
-    from hlat.core.config import TokenizerConfig
+    from hlat.core.config import HlatConfig, TokenizerConfig
 
 REPORT_FILE = "report.json"
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
@@ -572,6 +572,20 @@ def pretrained_fingerprint(source: str) -> dict[str, Any]:
             with open(os.path.join(tmp, name), "rb") as fh:
                 contents[name] = fh.read()
     return {"source": source, "sha256": tokenizer_sha256(contents)}
+
+
+def vocabulary_note(config: HlatConfig) -> str | None:
+    """For the dry run and the plan, which price the model before the tokenizer stage has run: with
+    tokenizer.pretrained, the line saying that the jobs take model.vocab_size from that tokenizer and which size the
+    figures shown assume; None for a trained tokenizer (it has model.vocab_size pieces)."""
+    pretrained, m = config.tokenizer.pretrained, config.model
+    if pretrained is None:
+        return None
+    return (
+        f"vocabulary: model.vocab_size comes from tokenizer.pretrained={pretrained} once the tokenizer stage has "
+        f"run (padded to model.vocab_multiple={m.vocab_multiple}); these figures assume model.vocab_size="
+        f"{m.vocab_size} ({m.padded_vocab_size} rows): set it to the tokenizer's size for exact ones"
+    )
 
 
 def pretrained_report(

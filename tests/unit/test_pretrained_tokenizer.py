@@ -28,6 +28,7 @@ from hlat.infra.tokenizer import (
     build_tokenizer,
     fetch_pretrained,
     pretrained_fingerprint,
+    vocabulary_note,
 )
 from hlat.training.data.loader import PackedLoader
 from hlat.training.data.tokenizer import Tokenizer
@@ -314,3 +315,11 @@ def test_the_stage_cache_key_input_changes_with_the_tokenizer_files(folders: dic
     config = json.loads((copy / "tokenizer_config.json").read_text())
     (copy / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "doc"}))
     assert pretrained_fingerprint(str(copy))["sha256"] != before["sha256"]
+
+
+def test_the_dry_runs_note_says_where_the_vocabulary_comes_from() -> None:
+    assert vocabulary_note(load_config("tiny")) is None
+    cfg = load_config("tiny", {"tokenizer.pretrained": "EleutherAI/gpt-neox-20b", "model.vocab_multiple": 128})
+    note = vocabulary_note(cfg)
+    assert note is not None and "model.vocab_size comes from tokenizer.pretrained=EleutherAI/gpt-neox-20b" in note
+    assert f"model.vocab_size={cfg.model.vocab_size} ({cfg.model.padded_vocab_size} rows)" in note
