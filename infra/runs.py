@@ -4,7 +4,7 @@
 <storage_root>/<run_id>/
   config.json      the resolved config, written once
   data/            shards, manifest.json, report.json, quarantine/
-  tokenizer/       tokenizer.model, HF tokenizer files, report.json
+  tokenizer/       tokenizer.model and/or tokenizer.json, the HF tokenizer files, report.json
   compile-cache/  burn-in/  checkpoints/  eval/
 ```
 """
