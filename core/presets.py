@@ -2,8 +2,8 @@
 wrong field name or value fails when this module is imported, and mypy checks every field.
 
 Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
-(partial rotary 25%, sequence 2048). Pythia and NeoX keep their depth, width, heads and vocabulary; their
-4x GeLU MLP becomes a SwiGLU of 2/3 the width, so parameter counts stay 6.9B and 20B.
+(partial rotary 25%, sequence 2048). Pythia and NeoX are GPT-NeoX blocks (`model.arch=gpt_neox`: parallel residual,
+LayerNorm, a 4x GeLU MLP, biases, 25% of each head rotated) with their published depth, width, heads and vocabulary.
 `tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
 
 Each trn1 preset's token budget (training.max_steps x global batch x sequence) follows one named source, recorded
@@ -111,6 +111,14 @@ HLAT_EVAL_TASKS = [
     "nq_open",
     "gsm8k",
 ]
+
+_GPT_NEOX_VOCABULARY: dict[str, Any] = {"vocab_size": 50277, "vocab_multiple": 256}
+"""GPT-NeoX's tokenizer has 50,277 tokens (https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/tokenizer.json);
+the published Pythia-6.9B and GPT-NeoX-20B models have 50,432 embedding rows
+(https://huggingface.co/EleutherAI/pythia-6.9b/blob/main/config.json,
+https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/config.json): the GPT-NeoX library pads the vocabulary to a
+multiple of make_vocab_size_divisible_by (128) x the model-parallel size (2 in both runs), i.e. of 256, and 50,277
+rounded up to a multiple of 256 is 50,432 (`ModelConfig.padded_vocab_size`; it also divides over TP 8)."""
 
 TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
     "hlat-7b": (1.8e12, "HLAT paper (arXiv 2404.10630): 1.8T tokens = ~429k steps of 1024 x 4096 tokens"),
@@ -255,9 +263,11 @@ PRESETS: dict[str, HlatConfig] = {
             n_layers=32,
             d_model=4096,
             n_heads=32,
-            ffn_hidden=10944,
-            vocab_size=50432,
+            ffn_hidden=16384,
+            arch="gpt_neox",
+            **_GPT_NEOX_VOCABULARY,
             max_seq_len=2048,
+            norm_eps=1e-5,
             rotary_fraction=0.25,
             init_std=0.02,
         ),
@@ -279,7 +289,7 @@ PRESETS: dict[str, HlatConfig] = {
         precision=PrecisionConfig(mode="bf16-sr"),
         parallelism=ParallelismConfig(tensor=8, pipeline=1, sequence_parallel=True),
         job=_trn1_job(4),
-        # Perplexity only (no task list); partial rotary models cannot be exported to Hugging Face Llama.
+        # Perplexity only (no task list).
         evaluation=EvaluationConfig(instance_type="ml.p4d.24xlarge"),
     ),
     "neox-20b": HlatConfig(
@@ -288,9 +298,11 @@ PRESETS: dict[str, HlatConfig] = {
             n_layers=44,
             d_model=6144,
             n_heads=64,
-            ffn_hidden=16384,
-            vocab_size=50432,
+            ffn_hidden=24576,
+            arch="gpt_neox",
+            **_GPT_NEOX_VOCABULARY,
             max_seq_len=2048,
+            norm_eps=1e-5,
             rotary_fraction=0.25,
             init_std=0.01,
         ),

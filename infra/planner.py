@@ -78,8 +78,9 @@ STATE_BYTES: dict[str, StateBytes] = {
 # Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198),
 # section 4: activation bytes per layer for 16-bit activations are s·b·h·(34 + 5·a·s/h); tensor parallelism shards
 # 24 of the 34 (10 + 24/t), sequence parallelism the other 10 (34/t); the 5·a·s/h attention scores, softmax and its
-# dropout are what selective recomputation drops. The formula is GPT's (GeLU MLP of 4h, dropout); for LLaMA blocks
-# (SwiGLU, no dropout) it is used as is: an approximation, not re-derived.
+# dropout are what selective recomputation drops. The formula is GPT's (GeLU MLP of 4h, dropout): GPT-NeoX blocks
+# (model.arch=gpt_neox, without dropout) are that; for LLaMA blocks (SwiGLU, no dropout) it is used as is: an
+# approximation, not re-derived.
 KORTHIKANTI_SHARDED = 24
 KORTHIKANTI_REPLICATED = 10
 KORTHIKANTI_SCORES = 5
@@ -101,8 +102,8 @@ TP_RECOMPUTE_COLLECTIVES = 4
 # (aws-neuron/neuronx-nemo-megatron,
 # nemo/examples/nlp/language_modeling/pythia_6.9B_slurm.sh and neox_20b.sh), which train in BF16 with stochastic
 # rounding, sequence parallelism, full activation checkpointing ('uniform', 1 layer), no ZeRO, micro-batch 2 (Pythia)
-# and 1 (NeoX); `published_config` lays the presets out that way, with the post's global batches. The presets' SwiGLU
-# MLPs of 2/3 width have the GeLU MLPs' parameter count, so the FLOPs per token are the same.
+# and 1 (NeoX); `published_config` lays the presets out that way, with the post's global batches. The presets are
+# GPT-NeoX blocks with the published shapes (model.arch=gpt_neox), so the FLOPs per token are the runs'.
 PUBLISHED_PRICE_PER_NODE_HOUR = 7.59
 
 
@@ -339,12 +340,13 @@ def block_params(config: HlatConfig) -> int:
 
 def stage_params(config: HlatConfig, pipeline: int) -> int:
     """Parameters of the largest pipeline stage: its blocks plus the input embedding (first stage) or the output
-    layer and final norm (last stage); with one stage, everything."""
+    layer and final norm (last stage); with one stage, everything. Embeddings have the padded vocabulary's rows."""
     m = config.model
     if pipeline == 1:
         return m.num_params()
     # With tied embeddings the first and last stages each hold a copy (as Megatron does).
-    return m.n_layers // pipeline * block_params(config) + m.vocab_size * m.d_model + m.d_model
+    head = m.padded_vocab_size * m.d_model + m.final_norm_params()
+    return m.n_layers // pipeline * block_params(config) + head
 
 
 def layer_flops_per_token(config: HlatConfig) -> float:
@@ -410,7 +412,7 @@ def memory_per_core(config: HlatConfig, layout: Layout, topology: Topology, usab
         activations += scale * activation_bytes_per_layer(
             s, layout.micro_batch, m.d_model, m.n_heads, layout.tensor, layout.sequence_parallel, "none"
         )
-    activations += LOGIT_BYTES * s * layout.micro_batch * m.vocab_size / layout.tensor
+    activations += LOGIT_BYTES * s * layout.micro_batch * m.padded_vocab_size / layout.tensor
     return Memory(
         weights=params * states.weights,
         grads=params * states.grads,

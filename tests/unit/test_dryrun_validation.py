@@ -114,18 +114,18 @@ def test_the_real_submit_checks_before_any_stage_runs(tmp_path: Path) -> None:
 
 def test_a_training_past_the_28_day_cap_says_how_its_jobs_are_chained() -> None:
     text = dry_run(sagemaker("hlat-70b"))
-    assert "46.0 days" in text  # the planner's figure for HLAT's layout (TP32 PP8) on 256 nodes
+    assert "46.1 days" in text  # the planner's figure for HLAT's layout (TP32 PP8) on 256 nodes
     assert (
-        "chaining: 46.0 days > 28-day max runtime (SageMaker's 28-day cap): 2 jobs of at most "
+        "chaining: 46.1 days > 28-day max runtime (SageMaker's 28-day cap): 2 jobs of at most "
         "MaxRuntimeInSeconds=2,419,200, each resuming from the newest checkpoint (every 300 steps)"
     ) in text
     assert '"MaxRuntimeInSeconds": 2419200' in text
     # ... which is what the supervisor does with a job SageMaker stopped at its max runtime: relaunch at once.
     stopped = JobState("r1-train-1", Status.STOPPED, None, "MaxRuntimeExceeded", 2_419_200.0, 256)
     assert classify(stopped).action == Action.RESUME
-    assert "chaining" not in dry_run(sagemaker("hlat-7b"))  # 17.7 days: one job
+    assert "chaining" not in dry_run(sagemaker("hlat-7b"))  # 17.8 days: one job
     shorter = dry_run(sagemaker("hlat-7b", **{"job.max_runtime_hours": 100, "job.max_restarts": 3}))
-    assert "17.7 days > 4.16667-day max runtime (job.max_runtime_hours): 5 jobs" in shorter
+    assert "17.8 days > 4.16667-day max runtime (job.max_runtime_hours): 5 jobs" in shorter
     assert "4 relaunches and job.max_restarts is 3" in shorter
 
 
