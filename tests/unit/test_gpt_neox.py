@@ -282,3 +282,64 @@ def test_xla_and_nxd_refuse_gpt_neox_with_one_line() -> None:
     with pytest.raises(ValueError, match=r"model\.arch=gpt_neox"):
         model_layers(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"), nxd={"tp": 2}))
     assert model_layers(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).tensor == 1
+
+
+# -- end to end ------------------------------------------------------------------------------------------------
+NEOX_RUN = {
+    "model.arch": "gpt_neox",
+    "model.rotary_fraction": 0.25,  # 8 of the tiny model's 32 head dims, as Pythia's quarter
+    "model.vocab_multiple": 96,  # the tests' 512-piece tokenizer padded to 576 rows
+    "max_steps": 6,
+    "checkpoint_every": 3,
+    "eval_every": 3,
+    "eval_batches": 1,
+}
+
+
+@pytest.mark.slow
+def test_a_tiny_gpt_neox_run_trains_exports_and_transformers_gives_its_logits(prepared: Path, tmp_path: Path) -> None:
+    """The tiny pipeline's training job with model.arch=gpt_neox, as the job backend launches it; then `hlat
+    export`'s function, and transformers' GPTNeoXForCausalLM on the exported folder against the checkpoint's model."""
+    from transformers import GPTNeoXForCausalLM
+
+    from hlat.core.layout import locate_checkpoint
+    from hlat.infra.tokenizer import export_hf_tokenizer
+    from hlat.training.checkpoint.hf_export import export_checkpoint, load_checkpoint_model
+    from tests.jobs import make_run, metrics, train
+
+    run = make_run(prepared, tmp_path, "neox", **NEOX_RUN)
+    code, log = train(run)
+    assert code == 0, log
+    losses = [m["loss"] for m in metrics(run) if "loss" in m]
+    assert len(losses) >= 2 and losses[-1] < losses[0], losses
+    out, ref = export_checkpoint(str(run), tmp_path / "hf", build_tokenizer_json=export_hf_tokenizer)
+    assert ref.step == 6
+    ours, config = load_checkpoint_model(locate_checkpoint(str(run)))
+    assert config.model.arch == "gpt_neox" and ours.embed.weight.shape[0] == 576
+    hf = GPTNeoXForCausalLM.from_pretrained(out).eval()
+    assert hf.config.vocab_size == 512
+    x = tokens(2, 128, vocab=512, seed=9)
+    with torch.no_grad():
+        diff = (ours(x)[..., :512] - hf(x).logits).abs().max().item()
+    assert diff < 1e-5, diff
+
+
+@pytest.mark.slow
+def test_an_fsdp2_gpt_neox_step_on_two_gloo_ranks_equals_one_process(prepared: Path, tmp_path: Path) -> None:
+    import torch.multiprocessing as mp
+
+    from tests.integration.conftest import free_port
+    from tests.integration.test_distributed import run_layout
+
+    results = {}
+    extra = {"parallelism.fsdp": True, "model.arch": "gpt_neox", "model.rotary_fraction": 0.25}
+    for world_size in (1, 2):
+        out = tmp_path / f"ws{world_size}.pt"
+        args = (world_size, free_port(), str(prepared), str(out), extra)
+        mp.start_processes(run_layout, args=args, nprocs=world_size, start_method="spawn")
+        results[world_size] = torch.load(out, weights_only=True)
+    one, two = results[1], results[2]
+    assert two["sharded"] and "layers.0.mlp.fc_in.bias" in one["model"]
+    assert one["losses"] == pytest.approx(two["losses"], rel=1e-5)
+    for name, tensor in one["model"].items():
+        torch.testing.assert_close(two["model"][name], tensor, rtol=1e-5, atol=3e-6, msg=name)
