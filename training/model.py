@@ -415,7 +415,7 @@ class Transformer(nn.Module):
             self.norm = make_norm(cfg, self.parallel)
             self.output = self.parallel.linear("output", cfg.d_model, cfg.padded_vocab_size)
             cos, sin = rope_tables(cfg, seq_len=cfg.max_seq_len, device="meta")
-        self._vocab_offset = self._first_vocab_row()
+        self._real_columns = self._real_vocab_columns()
         # Non-persistent: derived from the config, so they stay out of checkpoints and HF exports.
         self.register_buffer("rope_cos", cos, persistent=False)  # (max_seq_len, head_dim)
         self.register_buffer("rope_sin", sin, persistent=False)  # (max_seq_len, head_dim)
@@ -425,20 +425,21 @@ class Transformer(nn.Module):
             self.to_empty(device=target)
             self.init_rope_tables()
 
-    def _first_vocab_row(self) -> int:
-        """The vocabulary id of this rank's first output row (0 unless tensor parallelism splits the vocabulary):
-        where `_mask_padding` starts counting."""
-        output = next(p for p in dense_parameters(self.cfg) if p.name in ("output.weight", "embed.weight"))
-        ids = self.parallel.shard(output, torch.arange(self.cfg.padded_vocab_size, device="cpu"))
-        return int(ids[0])
+    def _real_vocab_columns(self) -> int:
+        """How many of this rank's logits columns are real tokens (the others are padded rows): the vocabulary ids
+        this rank holds start where `tensor_slices.shard` puts its slice (0 unless tensor parallelism splits it)."""
+        embed = next(p for p in dense_parameters(self.cfg) if p.name == "embed.weight")
+        ids = self.parallel.shard(embed, torch.arange(self.cfg.padded_vocab_size, device="cpu"))
+        return int((ids < self.cfg.vocab_size).sum())
 
     def _mask_padding(self, logits: Tensor) -> Tensor:
         """logits (B, T, V_local) with the padded vocabulary rows' set to -inf (as they are when vocab_multiple
-        pads nothing: then unchanged). -inf rather than a slice keeps every rank's logits the same width."""
+        pads nothing: then unchanged). -inf rather than a slice keeps every rank's logits the same width. Python
+        ints and slices only: NxD's pipeline traces this with torch.fx."""
         if self.cfg.padded_vocab_size == self.cfg.vocab_size:
             return logits
-        ids = torch.arange(logits.shape[-1], device=logits.device) + self._vocab_offset  # (V_local,)
-        return logits.masked_fill(ids >= self.cfg.vocab_size, float("-inf"))
+        real = self._real_columns
+        return torch.cat([logits[..., :real], torch.full_like(logits[..., real:], float("-inf"))], dim=-1)
 
     def _tie(self) -> None:
         if self.cfg.tie_embeddings:

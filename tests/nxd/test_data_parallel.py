@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.nxd.conftest import make_run, run_ranks
@@ -40,12 +41,19 @@ def test_tp2_x_dp2_one_step_equals_the_dense_step_and_tp_peers_read_the_same_tok
     assert moved <= 1e-5
 
 
-def test_pp2_one_step_through_nxd_pipeline_equals_the_dense_step(prepared: Path, tmp_path: Path) -> None:
-    dense_run = make_run(prepared, tmp_path, "dense", **COMMON)
+# GPT-NeoX blocks with a padded vocabulary (512 -> 576 rows): the last stage masks the padded logits.
+GPT_NEOX = {"model.arch": "gpt_neox", "model.rotary_fraction": 0.25, "model.vocab_multiple": 96}
+
+
+@pytest.mark.parametrize("model", [{}, GPT_NEOX], ids=["llama", "gpt-neox-padded-vocabulary"])
+def test_pp2_one_step_through_nxd_pipeline_equals_the_dense_step(
+    prepared: Path, tmp_path: Path, model: dict[str, object]
+) -> None:
+    dense_run = make_run(prepared, tmp_path, "dense", **COMMON, **model)
     (dense,) = run_ranks(1, "one_step", tmp_path / "dense-ranks", run=str(dense_run))
     split = {"parallelism.pipeline": 2, "job.processes_per_node": 2}
     ranks = run_ranks(
-        2, "one_step", tmp_path / "pp-ranks", run=str(make_run(prepared, tmp_path, "pp2", **COMMON, **split))
+        2, "one_step", tmp_path / "pp-ranks", run=str(make_run(prepared, tmp_path, "pp2", **COMMON, **split, **model))
     )
 
     stages = [set(r["local_parameters"]) for r in ranks]

@@ -28,6 +28,27 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
             "document_masking": True,
         },
     ),
+    # GPT-NeoX blocks (biased column/row layers: the row bias added once, after the reduction; LayerNorm biases under
+    # SP) with a padded vocabulary (320 -> 384 rows: the padded logits of the last rank's slice are -inf).
+    "tp2-gpt-neox-padded-vocabulary-document-masking": (
+        2,
+        {
+            "config": {
+                "parallelism.tensor": 2, "model.arch": "gpt_neox", "model.rotary_fraction": 0.25,
+                "model.vocab_multiple": 96,
+            },
+            "document_masking": True,
+        },
+    ),
+    "tp4-gpt-neox-sequence-parallel": (
+        4,
+        {
+            "config": {
+                "parallelism.tensor": 4, "model.n_heads": 8, "model.arch": "gpt_neox", "model.rotary_fraction": 0.25,
+                "model.vocab_multiple": 96, "parallelism.sequence_parallel": True,
+            },
+        },
+    ),
 }  # fmt: skip
 
 
@@ -39,11 +60,12 @@ def test_forward_and_backward_equal_the_dense_model(case: str, tmp_path: Path) -
         assert result["tp"] == (rank, processes)
         assert result["weight_error"] == 0.0  # every rank holds exactly its slice of the dense weights
         # The logits stay split over the vocabulary (no rank gathers B x T x V): NxD's parallel cross-entropy.
-        assert result["logits_shape"][-1] * processes == result["vocab_size"], result["logits_shape"]
+        assert result["logits_shape"][-1] * processes == result["padded_vocab_size"], result["logits_shape"]
         assert abs(result["loss"] - result["dense_loss"]) <= 1e-5 * abs(result["dense_loss"])
         worst = max(result["grad_error"], key=result["grad_error"].get)
         # Gradients gathered from the shards: within 1e-5 of the largest dense gradient.
         assert result["grad_error"][worst] <= 1e-5 * result["grad_scale"], (worst, result["grad_error"][worst])
     heads, kv_heads = ranks[0]["local_heads"]
     n_heads = args["config"].get("model.n_heads", 4)
-    assert heads == n_heads // processes and kv_heads == max(1, args["config"].get("model.n_kv_heads", 4) // processes)
+    n_kv_heads = args["config"].get("model.n_kv_heads") or n_heads
+    assert heads == n_heads // processes and kv_heads == max(1, n_kv_heads // processes)

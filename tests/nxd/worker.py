@@ -98,7 +98,7 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
         "grad_error": {n: float((grads[n] - dense_weights[n].grad).abs().max()) for n in grads},
         "grad_scale": max(float(dense_weights[n].grad.abs().max()) for n in grads),
         "tp": (world.tensor_rank, world.layout.tensor),
-        "vocab_size": cfg.model.vocab_size,
+        "padded_vocab_size": cfg.model.padded_vocab_size,
     }
 
 

@@ -168,8 +168,8 @@ class NxdLayers:
     def linear(self, kind: LinearKind, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
         from neuronx_distributed.parallel_layers import layers
 
-        # With a bias (gpt_neox, refused on NxD for now: parallelize.model_layers), the column layer splits it with
-        # its outputs and the row layer adds its whole bias once, after the reduction over the ranks.
+        # With a bias (gpt_neox), the column layer splits it with its outputs and the row layer adds its whole bias
+        # once, after the reduction over the ranks (tests/nxd/test_tensor_parallel.py).
         if kind == "row":
             return layers.RowParallelLinear(
                 in_features, out_features, bias=bias, input_is_parallel=True, **self._sequence()
@@ -302,7 +302,7 @@ def pipeline_model(
     A model built on the meta device is materialised stage by stage: each rank gives storage to its own stage's
     parameters only and fills them with `init(module, device)` (`Transformer.initialiser`)."""
     require_nxd()
-    from hlat.training.model import Block, RMSNorm
+    from hlat.training.model import Block, LayerNorm, RMSNorm
 
     inputs = ["tokens", "doc_ids", "targets"] if cfg.training.document_masking else ["tokens", "targets"]
     return _device_loss_pipeline()(
@@ -312,8 +312,9 @@ def pipeline_model(
         output_loss_value_spec=True,
         input_names=inputs,
         tracer_cls="torch",
-        # The final norm uses its own parameters outside the blocks: a leaf, or its weight has no stage.
-        leaf_module_cls=[RMSNorm.__name__],
+        # The final norm (either arch's) uses its own parameters outside the blocks: a leaf, or its weight has no
+        # stage.
+        leaf_module_cls=[RMSNorm.__name__, LayerNorm.__name__],
         auto_partition=True,
         use_optimizer_wrapper=True,
         # The loss stays on the device: NxD's own averaging and broadcast (broadcast_and_average_loss) ends in an
