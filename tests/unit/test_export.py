@@ -189,3 +189,32 @@ def test_a_tensor_parallel_checkpoint_consolidates_and_exports_as_the_dense_mode
     tokens = torch.randint(0, config.model.vocab_size, (2, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         torch.testing.assert_close(hf(tokens).logits, dense.eval()(tokens), rtol=0, atol=1e-5)
+
+
+def test_a_gpt_neox_run_with_a_tokenizer_json_only_tokenizer_exports_with_its_bos_and_eos(tmp_path: Path) -> None:
+    """A pretrained tokenizer's folder (tokenizer.json and tokenizer_config.json, no sentencepiece model) is exported
+    as it is, BOS/EOS from its files; the gpt_neox checkpoint, padded vocabulary dropped, loads as GPTNeoXForCausalLM
+    with our logits."""
+    from tokenizers import Tokenizer, models
+    from transformers import GPTNeoXForCausalLM
+
+    run, model = make_run(
+        tmp_path, steps=(5,), **{"model.arch": "gpt_neox", "model.rotary_fraction": 0.5, "model.vocab_multiple": 128}
+    )
+    folder = run / "tokenizer"
+    for name in ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (folder / name).unlink(missing_ok=True)
+    vocab = {f"t{i}": i for i in range(model.cfg.vocab_size) if i != 7} | {"<|endoftext|>": 7}
+    Tokenizer(models.WordLevel(vocab, unk_token="t0")).save(str(folder / "tokenizer.json"))
+    special = {"bos_token": "<|endoftext|>", "eos_token": "<|endoftext|>"}
+    (folder / "tokenizer_config.json").write_text(json.dumps(special))
+    out, _ = export_checkpoint(str(run), tmp_path / "hf")
+    assert {p.name for p in out.iterdir()} >= {"tokenizer.json", "tokenizer_config.json"}
+    assert not (out / "tokenizer.model").exists()
+    config = json.loads((out / "config.json").read_text())
+    assert (config["bos_token_id"], config["eos_token_id"], config["vocab_size"]) == (7, 7, model.cfg.vocab_size)
+    hf = GPTNeoXForCausalLM.from_pretrained(out).eval()
+    x = torch.randint(0, model.cfg.vocab_size, (2, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        diff = (model.eval()(x)[..., : model.cfg.vocab_size] - hf(x).logits).abs().max().item()
+    assert diff < 1e-5
