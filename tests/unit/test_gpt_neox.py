@@ -272,16 +272,6 @@ def test_special_token_ids_come_from_the_tokenizers_files(tmp_path: Path) -> Non
     assert special_token_ids(tmp_path / "bare") == (1, 2)
 
 
-def test_the_xla_device_refuses_gpt_neox_with_one_line() -> None:
-    from hlat.training.parallel.distributed import World
-    from hlat.training.parallel.parallelize import model_layers
-
-    cfg = load_config("tiny", {"model.arch": "gpt_neox"})
-    with pytest.raises(ValueError, match=r"model\.arch=gpt_neox .* not yet on the XLA device"):
-        model_layers(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("xla")))
-    assert model_layers(cfg, World(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))).tensor == 1
-
-
 # -- end to end ------------------------------------------------------------------------------------------------
 NEOX_RUN = {
     "model.arch": "gpt_neox",

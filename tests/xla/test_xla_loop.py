@@ -91,7 +91,16 @@ VARIANTS = {
         "precision.mode": "bf16-mixed",
         "parallelism.activation_checkpointing": "full",
     },
+    "fp32-gpt-neox-padded-vocabulary-document-masking-selective": {
+        "model.arch": "gpt_neox",
+        "model.rotary_fraction": 0.25,
+        "model.vocab_multiple": 96,
+        "training.document_masking": True,
+        "parallelism.activation_checkpointing": "selective",
+    },
 }
+GPT_NEOX = {"model.arch": "gpt_neox", "model.rotary_fraction": 0.25, "model.vocab_multiple": 96}
+"""GPT-NeoX blocks with a padded vocabulary (the tests' tokenizer's rows padded to a multiple of 96)."""
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
@@ -134,10 +143,11 @@ def test_the_same_graphs_every_step_and_no_host_read_between_sync_points(
     assert dtypes == {torch.bfloat16 if cast else torch.float32}, (variant, dtypes)
 
 
-def test_fp32_losses_on_xla_equal_the_eager_cpu_run(prepared: Path, tmp_path: Path) -> None:
+@pytest.mark.parametrize("model", [{}, GPT_NEOX], ids=["llama", "gpt-neox-padded-vocabulary"])
+def test_fp32_losses_on_xla_equal_the_eager_cpu_run(prepared: Path, tmp_path: Path, model: dict[str, Any]) -> None:
     losses = {}
     for device in ("cpu", "xla"):
-        trainer = build(make_run(prepared, tmp_path, device, device=device, **{"training.max_steps": STEPS}))
+        trainer = build(make_run(prepared, tmp_path, device, device=device, **{"training.max_steps": STEPS}, **model))
         batches = trainer.device_batches(trainer.loader, trainer.cfg.gradient_accumulation)
         out = [trainer.train_step(batches)["loss"] for _ in range(STEPS)]
         losses[device] = [float(x) for x in trainer.world.to_host(out)]

@@ -56,25 +56,12 @@ def _recompute_in_backward(module: nn.Module, on_xla: bool) -> None:
 
 
 def model_layers(cfg: HlatConfig, world: World) -> Layers:
-    """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise.
-
-    Refuses model.arch=gpt_neox on XLA (`check_arch_supported`)."""
-    check_arch_supported(cfg, world)
+    """1. The model's layer factory: NxD's tensor-parallel layers when the model is split, dense ones otherwise."""
     if world.nxd is not None and world.layout.tensor > 1:
         from hlat.training.parallel.neuron import NxdLayers
 
         return NxdLayers(cfg)
     return DenseLayers()
-
-
-def check_arch_supported(cfg: HlatConfig, world: World) -> None:
-    """Refuse model.arch=gpt_neox where it has not been tested yet: on the XLA device (Trainium, with or without
-    neuronx-distributed). Its NxD layers (TP, SP, PP) are tested in NxD's CPU mode (tests/nxd)."""
-    if cfg.model.arch == "gpt_neox" and world.on_xla:
-        raise ValueError(
-            "model.arch=gpt_neox runs on CPU and CUDA (one process, DDP, FSDP2) and in neuronx-distributed's CPU "
-            "mode, not yet on the XLA device (Trainium); set model.arch=llama or train on CPU/CUDA"
-        )
 
 
 def fsdp_active(cfg: HlatConfig, world: World) -> bool:
