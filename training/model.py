@@ -30,7 +30,9 @@ GPT-NeoX (`cfg.arch == "gpt_neox"`, matching Hugging Face `GPTNeoXForCausalLM` w
 - LayerNorm with weight and bias (eps `cfg.norm_eps`); multi-head attention with biased Q, K, V and O;
 - GeLU MLP: `fc_out(gelu(fc_in(x)))`, both with biases (exact, erf GeLU: HF's "gelu").
 
-Its partial rotary is applied as the AWS post on GPT-NeoX and Pythia on trn1 does it: full-width cos/sin tables
+Its partial rotary is applied as the AWS post on GPT-NeoX and Pythia on trn1 does it ("Frugality meets Accuracy:
+Cost-efficient training of GPT NeoX and Pythia models with AWS Trainium", https://aws.amazon.com/blogs/machine-learning/
+frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/): full-width cos/sin tables
 whose unrotated dims have frequency zero (cos = 1, sin = 0), so every dim goes through the same
 `x * cos + rotate(x) * sin` with no slice of the head. To equal HF's GPT-NeoX exactly (HF rotates only the first
 `r` dims, pairing dim `i` with `i + r/2` by a rotate_half over that slice), the turn is taken over each run of
