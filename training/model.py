@@ -31,14 +31,14 @@ GPT-NeoX (`cfg.arch == "gpt_neox"`, matching Hugging Face `GPTNeoXForCausalLM` w
 - GeLU MLP: `fc_out(gelu(fc_in(x)))`, both with biases (exact, erf GeLU: HF's "gelu").
 
 Its partial rotary is applied as the AWS post on GPT-NeoX and Pythia on trn1 does it ("Frugality meets Accuracy:
-Cost-efficient training of GPT NeoX and Pythia models with AWS Trainium", https://aws.amazon.com/blogs/machine-learning/
-frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/): full-width cos/sin tables
-whose unrotated dims have frequency zero (cos = 1, sin = 0), so every dim goes through the same
-`x * cos + rotate(x) * sin` with no slice of the head. To equal HF's GPT-NeoX exactly (HF rotates only the first
-`r` dims, pairing dim `i` with `i + r/2` by a rotate_half over that slice), the turn is taken over each run of
-`r` dims of the head (`r` divides the head: `ModelConfig` checks it): the first run is HF's rotated slice with
-HF's pairing and frequencies `theta^(-2i/r)`, and the other runs are turned with sin = 0, i.e. left exactly as
-they are (x * 1 + y * 0 = x), which is HF's pass-through part. The LLaMA path keeps its pairing above.
+Cost-efficient training of GPT NeoX and Pythia models with AWS Trainium",
+https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/):
+full-width cos/sin tables whose unrotated dims have frequency zero (cos = 1, sin = 0), so every dim goes through
+the same `x * cos + rotate(x) * sin` with no slice of the head. To equal HF's GPT-NeoX exactly (HF rotates only
+the first `r` dims, pairing dim `i` with `i + r/2` by a rotate_half over that slice), the turn is taken over each
+run of `r` dims of the head (`r` divides the head: `ModelConfig` checks it): the first run is HF's rotated slice
+with HF's pairing and frequencies `theta^(-2i/r)`, and the other runs are turned with sin = 0, i.e. left exactly
+as they are (x * 1 + y * 0 = x), which is HF's pass-through part. The LLaMA path keeps its pairing above.
 
 Positions are absolute within the (packed) sequence also under document masking: RoPE scores depend only
 on the distance between query and key, so a document attends within itself exactly as it would alone.
