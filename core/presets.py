@@ -41,6 +41,14 @@ from hlat.core.config import (
     validate_config,
 )
 
+# The published tokenizers these runs used. HLAT used LLaMA-2's (https://github.com/awslabs/HLAT, "Get Started" step
+# 2): a gated model, so a run needs HF_TOKEN with its licence accepted, or an s3:// copy, or
+# --set tokenizer.pretrained=null to train its own (a sentencepiece BPE of model.vocab_size pieces on the run's data).
+# Pythia and GPT-NeoX-20B share GPT-NeoX's 50,277-token BPE (https://huggingface.co/EleutherAI/gpt-neox-20b).
+# sample_bytes is what a run that trains its own tokenizer samples.
+_LLAMA2_TOKENIZER = TokenizerConfig(pretrained="meta-llama/Llama-2-7b-hf", sample_bytes=2_000_000_000)
+_GPT_NEOX_TOKENIZER = TokenizerConfig(pretrained="EleutherAI/gpt-neox-20b", sample_bytes=2_000_000_000)
+
 
 def _trn1_job(instance_count: int) -> JobConfig:
     """SageMaker jobs on `instance_count` trn1.32xlarge nodes, one process per NeuronCore."""
@@ -192,7 +200,7 @@ PRESETS: dict[str, HlatConfig] = {
             init_std=0.021,
         ),
         data=_WEB_CORPUS,
-        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
+        tokenizer=_LLAMA2_TOKENIZER,
         training=TrainingConfig(
             lr=3e-4,
             min_lr_ratio=0.1,
@@ -230,7 +238,7 @@ PRESETS: dict[str, HlatConfig] = {
             scale_output_init=True,
         ),
         data=_WEB_CORPUS,
-        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
+        tokenizer=_LLAMA2_TOKENIZER,
         training=TrainingConfig(
             lr=1.5e-4,
             min_lr_ratio=0.1,
@@ -272,7 +280,7 @@ PRESETS: dict[str, HlatConfig] = {
             init_std=0.02,
         ),
         data=_WEB_CORPUS,
-        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
+        tokenizer=_GPT_NEOX_TOKENIZER,
         # Pythia's own schedule (TOKEN_BUDGETS): 143k steps of 1024 sequences, LR 1.2e-4 after 1% warmup. The
         # published trn1 runs of Pythia 6.9B used a global batch of 256: a throughput benchmark, not a budget.
         training=TrainingConfig(
@@ -307,7 +315,7 @@ PRESETS: dict[str, HlatConfig] = {
             init_std=0.01,
         ),
         data=_WEB_CORPUS,
-        tokenizer=TokenizerConfig(sample_bytes=2_000_000_000),
+        tokenizer=_GPT_NEOX_TOKENIZER,
         # GPT-NeoX-20B's own schedule (TOKEN_BUDGETS): 150k steps of ~3.15M tokens, LR 0.97e-4 after 1% warmup.
         # The paper's 1538 sequences become 1536 so that 32 data-parallel replicas (32 nodes at TP 8 x PP 4) split
         # it evenly (48 pipeline micro-batches each). The published trn1 runs' batch of 16,384 sequences is a

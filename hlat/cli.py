@@ -121,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     _add_dry_run(p)
     p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
-    p = add("export", help="write a checkpoint as a Hugging Face Llama folder (weights, config, tokenizer)")
+    p = add("export", help="write a checkpoint as a Hugging Face folder: Llama or GPT-NeoX, weights, config, tokenizer")
     p.add_argument("source", help="a checkpoint folder (.../checkpoints/step-N), a run's checkpoints folder, or a run")
     p.add_argument("out", help="output folder (local)")
     p.add_argument("--step", type=int, help="the step to export when source is a run (default: the newest)")
@@ -414,6 +414,10 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         print(json.dumps(body, indent=2))
     else:
         print(planner.render(the_plan, costs, top=args.top, also=[data.line()], sources=source_lines(budgeted)))
+        from hlat.infra.tokenizer import vocabulary_note
+
+        if (vocabulary := vocabulary_note(config)) is not None:
+            print(vocabulary)
     return 0
 
 
@@ -716,7 +720,8 @@ def _export(args: argparse.Namespace) -> int:
     )
     files = ", ".join(sorted(p.name for p in out.iterdir()))
     print(f"hlat: exported {ref.uri} (step {ref.step}) to {out} in {time.perf_counter() - start:.1f} s: {files}")
-    print(f"  load it with transformers: LlamaForCausalLM.from_pretrained({str(out)!r})")
+    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
+    print(f"  load it with transformers: {architecture}.from_pretrained({str(out)!r})")
     return 0
 
 

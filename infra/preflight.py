@@ -133,21 +133,26 @@ def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
             found = Finding(found.check, found.ok, found.message.replace("data.source:", f"{named}:"), found.checked)
         findings.append(found)
     if config.tokenizer.pretrained is not None:
-        findings.append(tokenizer_finding(config.tokenizer.pretrained))
+        findings.append(tokenizer_finding(config.tokenizer.pretrained, config.job.backend))
     return findings
 
 
-def tokenizer_finding(source: str) -> Finding:
+def tokenizer_finding(source: str, backend: str = "local") -> Finding:
     """Whether tokenizer.pretrained can be fetched: its files are copied to a scratch folder as the tokenizer stage
-    will copy them (a few MB; a hub name's land in the hub cache, where the stage finds them)."""
+    will copy them (a few MB; a hub name's land in the hub cache, where the stage finds them). A hub that does not
+    answer from here is unchecked, not failed, for SageMaker runs (as a hub data source is): the stage runs on AWS."""
     import tempfile
 
     from hlat.core.storage import StorageError
-    from hlat.infra.tokenizer import fetch_pretrained
+    from hlat.infra.tokenizer import HubUnreachable, fetch_pretrained
 
     with tempfile.TemporaryDirectory(prefix="hlat-preflight-tokenizer-") as tmp:
         try:
             info = fetch_pretrained(source, tmp)
+        except HubUnreachable as exc:
+            if backend == "sagemaker":
+                return Finding("tokenizer", True, f"{source}: the hub does not answer from here", checked=False)
+            return Finding("tokenizer", False, str(exc))
         except (ValueError, StorageError) as exc:
             return Finding("tokenizer", False, str(exc))
     revision = f" at {info['revision']}" if info["revision"] else ""

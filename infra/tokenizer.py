@@ -510,10 +510,16 @@ def _hub_offline() -> bool:
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
+class HubUnreachable(ValueError):
+    """The hub did not answer (no network, a proxy) and its cache has no copy: not a wrong name (preflight: a job
+    that reaches the hub from elsewhere may still get it)."""
+
+
 def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
     """`org/name[@revision]` from the Hugging Face hub (only its tokenizer files), through huggingface_hub's cache:
     from the cache alone when HF_HUB_OFFLINE is set."""
     from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import LocalEntryNotFoundError
 
     repo_id, _, revision = source.partition("@")
     try:
@@ -527,7 +533,8 @@ def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
     except (OSError, ValueError) as exc:  # not found, gated, offline without a cached copy, malformed name
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         offline = " (HF_HUB_OFFLINE is set: only the local hub cache is read)" if _hub_offline() else ""
-        raise ValueError(
+        unreachable = isinstance(exc, LocalEntryNotFoundError) and not _hub_offline()
+        raise (HubUnreachable if unreachable else ValueError)(
             f"tokenizer.pretrained={source!r}: the Hugging Face hub could not give it{offline}: "
             f"{type(exc).__name__}: {reason}; for a gated model (LLaMA-2) accept its license and set HF_TOKEN, or "
             f"{PRETRAINED_FIX}"

@@ -5,9 +5,10 @@ Evaluates one committed checkpoint of the run (the newest, or `--step`) in one p
 1. perplexity, NLL per token and bits per byte on the held-out split with our own model
    (`training/evaluation/perplexity.py`; `evaluation.perplexity_tokens`, 0 skips it);
 2. the lm-eval-harness tasks of `evaluation.tasks` through its Python API on the checkpoint exported as a
-   Hugging Face Llama folder (`training/checkpoint/hf_export.py`). The project's own offline tasks (`hlat_cloze`,
-   `hlat_choice`) are generated first from the held-out text (`training/evaluation/lm_harness.py`), so the harness runs
-   without a network; the standard tasks (MMLU, HellaSwag...) fetch their data sets as lm-eval does.
+   Hugging Face folder, LlamaForCausalLM or GPTNeoXForCausalLM (`training/checkpoint/hf_export.py`). The project's
+   own offline tasks (`hlat_cloze`, `hlat_choice`) are generated first from the held-out text
+   (`training/evaluation/lm_harness.py`), so the harness runs without a network; the standard tasks (MMLU,
+   HellaSwag...) fetch their data sets as lm-eval does.
 
 Writes `<run>/eval/step-NNNNNNNNN/results.json` (the flow turns it into the report). A model that cannot be
 exported keeps its perplexity; its lm-eval part records why it was skipped. Task names are
@@ -37,7 +38,7 @@ from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import (
     export_hf,
     fetch_tokenizer_files,
-    hf_llama_config,
+    hf_config,
     load_checkpoint_model,
     locate_checkpoint,
 )
@@ -138,7 +139,7 @@ def _run_tasks(
     from hlat.training.evaluation import lm_harness
 
     try:
-        hf_llama_config(model_cfg)
+        hf_config(model_cfg)
     except ValueError as exc:
         log.warning("lm-eval skipped: %s", exc)
         return {"skipped": str(exc), "tasks": {}}

@@ -90,7 +90,9 @@ def prepare_account(endpoint: str, bucket: str, admin: tuple[str, str], caller_p
 
 
 def sagemaker_config(account: Account, **sets: Any) -> HlatConfig:
-    """hlat-7b on SageMaker in the emulator's region, every job's image the account's own."""
+    """hlat-7b on SageMaker in the emulator's region, every job's image the account's own, the builtin corpus and a
+    tokenizer trained on it (the preset's LLaMA-2 tokenizer is on the hub, which tests do not reach; a pretrained
+    tokenizer's check is tested in tests/integration/test_pretrained_tokenizer.py)."""
     changes = {
         "job.backend": "sagemaker",
         "job.region": REGION,
@@ -99,6 +101,7 @@ def sagemaker_config(account: Account, **sets: Any) -> HlatConfig:
         "data.image_uri": account.image,
         "evaluation.image_uri": account.image,
         "data.source": "builtin:python-stdlib",
+        "tokenizer.pretrained": None,
         **sets,
     }
     return load_config("hlat-7b", changes, storage=account.storage)
@@ -162,7 +165,7 @@ def test_hlat_preflight_prints_one_line_per_check_and_exits_1_on_a_failure(
     overrides = {
         "job.backend": "sagemaker", "job.region": REGION, "job.role_arn": account.role_arn,
         "job.image_uri": account.image, "data.image_uri": account.image, "evaluation.image_uri": account.image,
-        "data.source": "builtin:python-stdlib",
+        "data.source": "builtin:python-stdlib", "tokenizer.pretrained": None,
     }  # fmt: skip
     assert preflight_command(parser.parse_args(["--preset", "hlat-7b", "--storage", account.storage]), overrides) == 0
     lines = capsys.readouterr().out.splitlines()

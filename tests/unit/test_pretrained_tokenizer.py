@@ -6,10 +6,12 @@ vocabulary following the tokenizer."""
 from __future__ import annotations
 
 import hashlib
+import http.server
 import itertools
 import json
 import random
 import shutil
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -323,3 +325,46 @@ def test_the_dry_runs_note_says_where_the_vocabulary_comes_from() -> None:
     note = vocabulary_note(cfg)
     assert note is not None and "model.vocab_size comes from tokenizer.pretrained=EleutherAI/gpt-neox-20b" in note
     assert f"model.vocab_size={cfg.model.vocab_size} ({cfg.model.padded_vocab_size} rows)" in note
+
+
+class _NoSuchRepo(http.server.BaseHTTPRequestHandler):
+    """A hub on 127.0.0.1 that answers every request as the real one answers a repository that does not exist."""
+
+    def do_GET(self) -> None:
+        self.send_response(404)
+        self.send_header("X-Error-Code", "RepoNotFound")
+        self.send_header("X-Error-Message", "Repository not found")
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, *args: Any) -> None:
+        pass
+
+
+@pytest.mark.parametrize("backend", ["local", "sagemaker"])
+def test_preflight_leaves_a_hub_that_does_not_answer_unchecked_for_sagemaker_and_fails_a_name_it_does_not_have(
+    backend: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import huggingface_hub.constants
+
+    from hlat.infra.preflight import tokenizer_finding
+
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", "http://127.0.0.1:1")  # nothing listens: no answer
+    silent = tokenizer_finding("test-org/neox-like", backend)
+    assert silent.ok == (backend == "sagemaker") and silent.checked == (backend == "local"), silent
+    expected = "does not answer from here" if backend == "sagemaker" else "tokenizer.pretrained='test-org/neox-like'"
+    assert expected in silent.message and "\n" not in silent.message
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _NoSuchRepo)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        monkeypatch.setattr(huggingface_hub.constants, "ENDPOINT", f"http://127.0.0.1:{server.server_port}")
+        missing = tokenizer_finding("test-org/no-such-tokenizer", backend)
+    finally:
+        server.shutdown()
+    assert not missing.ok and missing.checked, missing  # a wrong name fails wherever the stage will run
+    assert "tokenizer.pretrained='test-org/no-such-tokenizer'" in missing.message and "\n" not in missing.message

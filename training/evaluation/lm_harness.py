@@ -1,9 +1,10 @@
 """lm-eval-harness 0.4 on an exported Hugging Face folder, plus two offline tasks made from held-out text.
 
-The evaluation stage exports a checkpoint as a Hugging Face Llama folder (`training/checkpoint/hf_export.py`) and
-scores it with lm-eval-harness through its Python API (`run_harness`). Standard tasks (HellaSwag, MMLU...) fetch their
-data sets from the hub; so that the harness also runs with no network at all (tests, the tiny preset, air-gapped
-clusters), `write_offline_tasks` turns the run's held-out documents into two tasks of our own:
+The evaluation stage exports a checkpoint as a Hugging Face folder, Llama or GPT-NeoX
+(`training/checkpoint/hf_export.py`), and scores it with lm-eval-harness through its Python API (`run_harness`).
+Standard tasks (HellaSwag, MMLU...) fetch their data sets from the hub; so that the harness also runs with no network
+at all (tests, the tiny preset, air-gapped clusters), `write_offline_tasks` turns the run's held-out documents into
+two tasks of our own:
 
 - `hlat_cloze`: predict the last word of a passage from the text before it, in the spirit of LAMBADA
   (loglikelihood; `acc` is "the word is the greedy continuation", `perplexity` is exp of the mean negative
