@@ -236,6 +236,7 @@ def test_rules_that_are_off_are_not_counted_and_nothing_changes(tmp_path: Path) 
     assert texts["validation"] == corpus.validation
 
 
+@pytest.mark.slow  # lm-eval builds its index of every task (~10 s)
 def test_offline_tasks_decontaminate_against_the_held_out_text(monkeypatch: pytest.MonkeyPatch) -> None:
     texts, unavailable = curation.contamination_texts(
         ["hlat_cloze", "hlat_choice", "no_such_task_anywhere"], ["held out one", " ", "held out two"], None
@@ -244,6 +245,7 @@ def test_offline_tasks_decontaminate_against_the_held_out_text(monkeypatch: pyte
     assert unavailable == ["no_such_task_anywhere"]
 
 
+@pytest.mark.slow  # lm-eval builds its index of every task (~10 s)
 def test_a_task_whose_data_are_cached_gives_its_questions_and_answers(tmp_path: Path) -> None:
     """An lm-eval task read offline from local data (as a hub task is from the datasets cache)."""
     import json
