@@ -332,14 +332,7 @@ def tokenizer_report(
         hf = AutoTokenizer.from_pretrained(hf_dir, local_files_only=True)
     texts = total_bytes = tokens = byte_tokens = unk = round_trip_failures = hf_mismatches = 0
     samples: list[dict[str, Any]] = []
-    budget = report_sample_bytes
-    for full_text in validation_texts:
-        if budget <= 0:
-            break
-        text, size = _within_budget(full_text, budget)
-        if full_text and not text:
-            break
-        budget -= size
+    for text, size in _report_texts(validation_texts, report_sample_bytes):
         ids = processor.encode(text)
         texts += 1
         total_bytes += size
@@ -595,6 +588,19 @@ def vocabulary_note(config: HlatConfig) -> str | None:
     )
 
 
+def _report_texts(validation_texts: Iterable[str], budget: int) -> Iterator[tuple[str, int]]:
+    """The validation texts a tokenizer report encodes, each with its UTF-8 size, until `budget` bytes (the last one
+    cut to fit, `_within_budget`)."""
+    for full_text in validation_texts:
+        if budget <= 0:
+            return
+        text, size = _within_budget(full_text, budget)
+        if full_text and not text:
+            return
+        budget -= size
+        yield text, size
+
+
 def pretrained_report(
     tokenizer: LoadedTokenizer, validation_texts: Iterable[str], report_sample_bytes: int, n_samples: int = 3
 ) -> dict[str, Any]:
@@ -602,14 +608,7 @@ def pretrained_report(
     (0 for a byte-level BPE such as GPT-NeoX's, which has no byte pieces), round-trip failures, sample encodings."""
     texts = total_bytes = tokens = byte_tokens = round_trip_failures = 0
     samples: list[dict[str, Any]] = []
-    budget = report_sample_bytes
-    for full_text in validation_texts:
-        if budget <= 0:
-            break
-        text, size = _within_budget(full_text, budget)
-        if full_text and not text:
-            break
-        budget -= size
+    for text, size in _report_texts(validation_texts, report_sample_bytes):
         ids = tokenizer.encode(text)
         texts += 1
         total_bytes += size
