@@ -69,6 +69,12 @@ class ModelConfig(Section):
     """Scale output projections' init std by 1/sqrt(2 * n_layers) (HLAT 70B)."""
     tie_embeddings: bool = False
     """Share input embedding and output projection weights (HLAT: untied)."""
+    init_from: str | None = None
+    """Start from published weights instead of a random initialisation: a Hugging Face `LlamaForCausalLM` or
+    `GPTNeoXForCausalLM` checkpoint (config.json and safetensors, one file or a sharded index) as a hub name
+    `org/name[@revision]`, a local folder or an s3:// prefix. Its config.json decides the family and shape (where
+    this section says otherwise, the checkpoint wins, with one line saying what changed); the optimizer starts
+    fresh with this run's schedule. Needs tokenizer.pretrained (the tokenizer the weights were trained with)."""
 
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
@@ -446,7 +452,13 @@ class TrainingConfig(Section):
     max_steps: int = Field(429_000, ge=1)
     """Optimizer steps to train."""
     schedule_steps: int | None = Field(None, ge=1)
-    """Cosine horizon in steps (HLAT 7B: 500k); None means max_steps."""
+    """Schedule horizon in steps (HLAT 7B's cosine: 500k); None means max_steps."""
+    schedule: Literal["cosine", "wsd"] = "cosine"
+    """Learning-rate schedule after the linear warm-up: 'cosine' down to min_lr_ratio at the horizon (HLAT), or
+    'wsd' (warmup-stable-decay): the peak held, then a decay over the last decay_steps of the horizon, so that a run
+    can be extended (more steps) without a re-warm or a kink before its decay starts."""
+    decay_steps: int | None = Field(None, ge=1)
+    """With schedule='wsd': the decay's length at the end of the horizon (None: 20% of it)."""
     beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -953,6 +965,16 @@ class HlatConfig(Section):
             raise ValueError(f"training.global_batch_size: {problem} (training.micro_batch_size)")
         if p.fsdp:
             self._check_fsdp()
+        if m.init_from is not None and self.tokenizer.pretrained is None:
+            raise ValueError(
+                f"model.init_from={m.init_from!r} needs tokenizer.pretrained: the weights read token ids of the "
+                "tokenizer they were trained with; set tokenizer.pretrained to it (usually the same as model.init_from)"
+            )
+        if t.schedule == "wsd" and t.decay_steps is not None and t.warmup_steps + t.decay_steps > t.schedule_horizon:
+            raise ValueError(
+                f"training.decay_steps={t.decay_steps}: warm-up ({t.warmup_steps}) and decay do not fit in the "
+                f"schedule's {t.schedule_horizon} steps (training.schedule_steps or max_steps); shorten one of them"
+            )
         if self.run_id is not None:
             check_run_id(self.run_id)
         return self

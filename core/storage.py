@@ -286,6 +286,13 @@ class Storage:
             data: bytes = self.fs.cat_file(self.path(rel), **options)
             return data
 
+    def read_range(self, rel: str, start: int, end: int) -> bytes:
+        """Bytes [start, end) of an object: one ranged GET on S3 (no HEAD), a seek and read on a file system. A
+        safetensors reader takes one tensor at a time this way, never the whole file."""
+        with storage_errors(self.uri(rel)):
+            data: bytes = self.fs.cat_file(self.path(rel), start=start, end=end)
+            return data
+
     def read_text(self, rel: str) -> str:
         return self.read_bytes(rel).decode("utf-8")
 

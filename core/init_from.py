@@ -1,0 +1,191 @@
+"""Starting from published weights (`model.init_from`): what the run records about them, and the model they define.
+
+The train stage resolves `model.init_from` (a hub name, a local folder or an s3:// prefix) once, before any job, into
+a folder every job can read (`location`) and writes `init/import.json` in the run: the source, where it was read
+(the hub's commit), the checkpoint's `config.json`, its files with their sizes and sha256, and one `sha256` over
+them, so that the run records exactly which weights it started from. Jobs read that record (`import_record`), build
+the model the checkpoint's config describes (`model_follows_checkpoint`) and read the weights tensor by tensor from
+`location` (training/checkpoint/hf_import.py).
+
+The config mapping follows transformers' `LlamaConfig` and `GPTNeoXConfig` (https://huggingface.co/docs/transformers/
+model_doc/llama, .../gpt_neox), in both the names transformers 4 writes (`rope_theta`, `rope_scaling`, `rotary_pct`,
+`rotary_emb_base`) and those of transformers 5 (`rope_parameters`). What hlat's two families cannot represent (a RoPE
+scaling, biases on a LLaMA, GPT-NeoX's sequential residual, another activation) is refused in one line that names
+the key, before anything is trained.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from hlat.core.config import HlatConfig, validate_config
+from hlat.core.storage import Storage, StorageNotFound
+
+IMPORT_DIR = "init"
+IMPORT_RECORD = f"{IMPORT_DIR}/import.json"
+"""The run's record of the weights it started from (the module docstring)."""
+
+ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPTNeoXForCausalLM": "gpt_neox"}
+MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt_neox"}
+
+# The ModelConfig fields a checkpoint decides, in the order the change line lists them.
+DECIDED = (
+    "arch",
+    "n_layers",
+    "d_model",
+    "n_heads",
+    "n_kv_heads",
+    "ffn_hidden",
+    "max_seq_len",
+    "norm_eps",
+    "rope_theta",
+    "rotary_fraction",
+    "tie_embeddings",
+)
+
+
+class InitFromError(ValueError):
+    """A checkpoint hlat cannot start from, in one line naming model.init_from, the key and the fix."""
+
+
+def _refuse(source: str, what: str) -> InitFromError:
+    return InitFromError(f"model.init_from={source!r}: {what}")
+
+
+def hf_arch(hf: Mapping[str, Any], source: str = "") -> str:
+    """hlat's family of a transformers config.json: llama or gpt_neox (from `architectures`, else `model_type`)."""
+    for name in hf.get("architectures") or []:
+        if name in ARCHITECTURES:
+            return ARCHITECTURES[name]
+    if hf.get("model_type") in MODEL_TYPES:
+        return MODEL_TYPES[hf["model_type"]]
+    found = hf.get("architectures") or hf.get("model_type")
+    raise _refuse(
+        source, f"config.json describes {found!r}; hlat imports LlamaForCausalLM and GPTNeoXForCausalLM checkpoints"
+    )
+
+
+def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
+    """The RoPE settings under either transformers' names: {"rope_type", "rope_theta", "partial_rotary_factor"}."""
+    params = dict(hf.get("rope_parameters") or {})
+    scaling = hf.get("rope_scaling") or {}
+    rope_type = params.get("rope_type") or scaling.get("rope_type") or scaling.get("type") or "default"
+    theta = params.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
+    fraction = params.get("partial_rotary_factor", hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)))
+    return {"rope_type": rope_type, "rope_theta": float(theta), "partial_rotary_factor": float(fraction)}
+
+
+def model_fields(hf: Mapping[str, Any], source: str = "") -> dict[str, Any]:
+    """The ModelConfig fields (`DECIDED`) a transformers LLaMA or GPT-NeoX config.json gives, and `vocab_size` (the
+    checkpoint's embedding rows); InitFromError for what hlat's model cannot represent."""
+    arch = hf_arch(hf, source)
+    rope = _rope(hf)
+    if rope["rope_type"] != "default":
+        raise _refuse(source, f"RoPE scaling {rope['rope_type']!r} (config.json rope_scaling / rope_parameters): "
+                      "hlat's models use the default RoPE; start from a checkpoint without it")  # fmt: skip
+    d_model, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
+    fields: dict[str, Any] = {
+        "arch": arch,
+        "n_layers": int(hf["num_hidden_layers"]),
+        "d_model": d_model,
+        "n_heads": heads,
+        "ffn_hidden": int(hf["intermediate_size"]),
+        "max_seq_len": int(hf.get("max_position_embeddings", 2048)),
+        "rope_theta": rope["rope_theta"],
+        "vocab_size": int(hf["vocab_size"]),
+    }
+    head_dim = hf.get("head_dim")
+    if head_dim is not None and int(head_dim) != d_model // heads:
+        raise _refuse(source, f"head_dim={head_dim} is not hidden_size / num_attention_heads ({d_model // heads})")
+    if arch == "llama":
+        _require(hf, source, hidden_act="silu", attention_bias=False, mlp_bias=False)
+        kv = hf.get("num_key_value_heads")
+        fields.update(
+            n_kv_heads=None if kv in (None, heads) else int(kv),
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rotary_fraction=1.0,
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+        )
+    else:
+        _require(hf, source, hidden_act="gelu", use_parallel_residual=True, attention_bias=True)
+        if hf.get("tie_word_embeddings", False):
+            raise _refuse(source, "tie_word_embeddings=true: hlat's GPT-NeoX has untied embeddings (as GPT-NeoX has)")
+        fields.update(
+            n_kv_heads=None,
+            norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
+            rotary_fraction=rope["partial_rotary_factor"],
+            tie_embeddings=False,
+        )
+    return fields
+
+
+def _require(hf: Mapping[str, Any], source: str, **expected: Any) -> None:
+    """Keys whose value must be `expected` where present (absent: transformers' default, which is the expected one)."""
+    for key, want in expected.items():
+        if key in hf and hf[key] != want:
+            raise _refuse(source, f"config.json {key}={hf[key]!r}: hlat's model has {key}={want!r}; it cannot hold "
+                          "these weights")  # fmt: skip
+
+
+def model_follows_checkpoint(cfg: HlatConfig, hf: Mapping[str, Any]) -> tuple[HlatConfig, str | None]:
+    """The config a job trains with, given the imported checkpoint's config.json, and one line saying what changed
+    (None: the config already described the checkpoint). The checkpoint decides the family and the shape (`DECIDED`);
+    model.vocab_size stays the tokenizer's (`contract.model_follows_tokenizer`), and `check_embedding_rows` then
+    checks the checkpoint's rows fit it. The config's own checks run again on the result (e.g. a
+    parallelism.tensor that does not divide the checkpoint's heads is refused there)."""
+    source = cfg.model.init_from or ""
+    fields = model_fields(hf, source)
+    fields.pop("vocab_size")
+    current = cfg.model.model_dump(mode="json")
+    changed = [f"{k} {current[k]} -> {fields[k]}" for k in DECIDED if current[k] != fields[k]]
+    if not changed:
+        return cfg, None
+    data = cfg.model_dump(mode="json")
+    data["model"].update(fields)
+    try:
+        followed = validate_config(data)
+    except ValueError as exc:
+        raise _refuse(source, f"the checkpoint's model does not fit this run's config: {exc}") from None
+    return followed, f"model: {', '.join(changed)} (the config.json of model.init_from={source})"
+
+
+def check_embedding_rows(cfg: HlatConfig, rows: int) -> None:
+    """The checkpoint's embedding (`rows`, config.json vocab_size) must hold every id of the run's tokenizer
+    (model.vocab_size) and fit in the model's padded embedding (model.padded_vocab_size; the rows beyond the
+    checkpoint's are zero and masked like any padding)."""
+    m = cfg.model
+    if rows < m.vocab_size:
+        raise _refuse(
+            m.init_from or "",
+            f"its embedding has {rows} rows but the tokenizer (tokenizer.pretrained={cfg.tokenizer.pretrained}) "
+            f"has {m.vocab_size} ids; use the tokenizer the weights were trained with",
+        )
+    if rows > m.padded_vocab_size:
+        raise _refuse(
+            m.init_from or "",
+            f"its embedding has {rows} rows, more than the {m.padded_vocab_size} this run's model has for "
+            f"model.vocab_size={m.vocab_size} padded to model.vocab_multiple={m.vocab_multiple}; set "
+            f"model.vocab_multiple so that {m.vocab_size} pads to at least {rows} rows (e.g. {rows - m.vocab_size} "
+            f"more: model.vocab_multiple={_multiple_for(m.vocab_size, rows)})",
+        )
+
+
+def _multiple_for(vocab: int, rows: int) -> int:
+    """The smallest power of two that pads `vocab` to at least `rows` rows (NxDT and Megatron use 128 or 256)."""
+    multiple = 1
+    while -(-vocab // multiple) * multiple < rows:
+        multiple *= 2
+    return multiple
+
+
+def import_record(run: Storage) -> dict[str, Any]:
+    """The run's record of its imported weights (`IMPORT_RECORD`); StorageNotFound naming the stage that writes
+    it."""
+    if not run.exists(IMPORT_RECORD):
+        raise StorageNotFound(
+            f"{run.uri(IMPORT_RECORD)} is missing: model.init_from is set but its weights were not imported; run the "
+            "train stage (it imports them before the first job)"
+        )
+    record: dict[str, Any] = run.read_json(IMPORT_RECORD)
+    return record
