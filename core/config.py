@@ -492,6 +492,16 @@ class TrainingConfig(Section):
     commit (the job then fails and is relaunched from the previous checkpoint)."""
     nan_policy: Literal["exit", "skip"] = "exit"
     """On a NaN/inf loss: 'exit' non-zero so the job restarts from the last checkpoint (HLAT), or 'skip' the step."""
+    spike_skip: bool = False
+    """Skip the update of a step whose loss or gradient norm spikes: more than spike_zscore standard deviations
+    above the mean of the trailing spike_window steps, decided on the device (no host sync; OLMo-core's skip-step
+    optimizer). Skipped steps are counted and logged at the next sync point."""
+    spike_window: int = Field(128, ge=8)
+    """Trailing steps whose loss and gradient norm define a spike (no step is judged before the window is full)."""
+    spike_zscore: float = Field(6.0, gt=0)
+    """Standard deviations above the trailing mean that make a spike."""
+    spike_max_consecutive: int = Field(8, ge=1)
+    """Spiking steps in a row that stop the job (exit code EXIT_LOSS_SPIKES, not relaunched): the run has diverged."""
     log_every: int = Field(1, ge=1)
     """Steps between metric records."""
     eval_every: int = Field(1000, ge=0)

@@ -46,6 +46,10 @@ EXIT_DATA_INVALID = 6
 """The prepare-data job (`training.prepare_data`) met data its policy refuses (data.validation.policy=fail, an empty
 source, too many duplicates...): not worth relaunching; the failure reason (`DataValidationError: ...`) says where."""
 
+EXIT_LOSS_SPIKES = 7
+"""training.spike_skip skipped training.spike_max_consecutive steps in a row: the run diverged. Deterministic (the same
+data and weights spike again), so not relaunched; the failure reason (`LossSpikes: ...`) names the steps."""
+
 SAGEMAKER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 SAGEMAKER_TENSORBOARD_DIR = "/opt/ml/output/tensorboard"
 SAGEMAKER_FAILURE_FILE = "/opt/ml/output/failure"

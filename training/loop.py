@@ -369,7 +369,13 @@ class Trainer:
         step = found[0] if found is not None else None
         self.ckpt.discard_after(step)
         if step is None:
-            log.info("no complete checkpoint under %s: starting from scratch", self.checkpoints.url)
+            if self.cfg.model.init_from is not None:
+                from hlat.training.checkpoint.hf_import import import_weights
+
+                # Only when no checkpoint exists: a relaunch resumes from its own checkpoints, never re-imports.
+                import_weights(self)
+            else:
+                log.info("no complete checkpoint under %s: starting from scratch", self.checkpoints.url)
             self.metrics.resume_at(0)
             return 0
         shared, mine = self.format.load(self.ckpt, step)
