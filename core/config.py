@@ -446,7 +446,7 @@ class TrainingConfig(Section):
     lr: float = Field(3e-4, gt=0)
     """Peak learning rate."""
     min_lr_ratio: float = Field(0.1, ge=0, le=1)
-    """Cosine floor as a fraction of the peak (HLAT: 0.1)."""
+    """Floor of the decay (cosine or WSD) as a fraction of the peak (HLAT: 0.1)."""
     warmup_steps: int = Field(2000, ge=0)
     """Linear warmup steps."""
     max_steps: int = Field(429_000, ge=1)
@@ -458,7 +458,9 @@ class TrainingConfig(Section):
     'wsd' (warmup-stable-decay): the peak held, then a decay over the last decay_steps of the horizon, so that a run
     can be extended (more steps) without a re-warm or a kink before its decay starts."""
     decay_steps: int | None = Field(None, ge=1)
-    """With schedule='wsd': the decay's length at the end of the horizon (None: 20% of it)."""
+    """With schedule='wsd': the decay's length at the end of the horizon (None: 20% of it), a 1-sqrt decay from
+    the peak to min_lr_ratio of it, reached on the horizon's last step (Hägele et al. 2024,
+    https://arxiv.org/abs/2405.18392)."""
     beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -530,8 +532,45 @@ class TrainingConfig(Section):
 
     @property
     def schedule_horizon(self) -> int:
-        """The cosine schedule's length in steps: schedule_steps, or max_steps when unset."""
+        """The schedule's length in steps: schedule_steps, or max_steps when unset."""
         return self.schedule_steps or self.max_steps
+
+    @property
+    def decay_start(self) -> int:
+        """With schedule='wsd': the first step of the decay, decay_steps (None: 20% of the horizon, at least one
+        step) before the horizon's end, never inside the warm-up; the peak is held from the warm-up's end to here."""
+        horizon = self.schedule_horizon
+        length = self.decay_steps if self.decay_steps is not None else max(1, horizon // 5)
+        return max(self.warmup_steps, horizon - length)
+
+    def lr_differs_from(self, other: TrainingConfig) -> int | None:
+        """The first optimizer step whose learning rate differs between this schedule and `other`'s (None: none).
+        Exact where the two share the peak, floor, warm-up and schedule kind; otherwise step 0 (conservatively)."""
+        same = ("schedule", "lr", "min_lr_ratio", "warmup_steps")
+        if any(getattr(self, f) != getattr(other, f) for f in same):
+            return 0
+        if self.schedule == "cosine":  # the cosine's every step after the warm-up depends on its horizon
+            return None if self.schedule_horizon == other.schedule_horizon else self.warmup_steps
+        if (self.decay_start, self.schedule_horizon) == (other.decay_start, other.schedule_horizon):
+            return None
+        return min(self.decay_start, other.decay_start)  # both hold the peak until one of them starts its decay
+
+    def extension_problem(self, longer: TrainingConfig, steps_taken: int) -> str | None:
+        """Why a run trained `steps_taken` steps under this schedule cannot go on under `longer`'s (one line), or
+        None when every step already taken had the same learning rate under both (its checkpoints stay valid):
+        a WSD run extended before its decay began."""
+        first = self.lr_differs_from(longer)
+        if first is None or first >= steps_taken:
+            return None
+        if self.schedule == longer.schedule == "wsd" and first == self.decay_start:
+            why = f"its decay began at step {self.decay_start} and it has taken {steps_taken} steps"
+        else:
+            why = f"the learning rate of step {first} (of the {steps_taken} taken) would change"
+        return (
+            f"training.max_steps {self.max_steps} -> {longer.max_steps}: the run cannot be extended in place, {why}; "
+            "start a new run from its checkpoint (hlat export, then model.init_from) or re-run with the longer "
+            "horizon (training.max_steps / training.schedule_steps) from the start"
+        )
 
 
 class PrecisionConfig(Section):
@@ -1041,12 +1080,18 @@ class HlatConfig(Section):
         return stable_hash(body)
 
     def trajectory_fingerprint(self) -> str:
-        """The fingerprint less the run's length: training.max_steps is left out and the cosine horizon made explicit
-        (schedule_steps or max_steps). Two configs with the same one compute the same weights at every step both
-        reach, so a run may be extended from one to the other (open_run allows it)."""
-        horizon = self.training.schedule_horizon
-        same_length = self.training.model_copy(update={"max_steps": 1, "schedule_steps": horizon})
-        return self.model_copy(update={"training": same_length}).fingerprint()
+        """The fingerprint less the run's length, so that a run may be extended from one config to another with the
+        same one (open_run allows it). Cosine: training.max_steps is left out and the horizon made explicit
+        (schedule_steps or max_steps): the two compute the same weights at every step both reach. WSD: the horizon
+        and decay_steps are left out too, since they only move the decay's start: the two compute the same weights
+        until the first of their decays begins, so whether a run can still be extended depends on how far it got
+        (`TrainingConfig.extension_problem`, checked when a job resumes)."""
+        t = self.training
+        if t.schedule == "wsd":
+            length: dict[str, Any] = {"max_steps": 1, "schedule_steps": None, "decay_steps": None}
+        else:
+            length = {"max_steps": 1, "schedule_steps": t.schedule_horizon}
+        return self.model_copy(update={"training": t.model_copy(update=length)}).fingerprint()
 
     def resolved_run_id(self) -> str:
         return self.run_id or f"{self.preset}-{self.fingerprint()[:10]}"

@@ -1,13 +1,22 @@
 """Optimizer, learning-rate schedule and gradient clipping of an hlat run (HLAT recipe).
 
-- `lr_at(step, cfg)`: linear warmup, then cosine decay to `lr * min_lr_ratio` over the horizon
-  (`TrainingConfig.schedule_horizon`: schedule_steps or max_steps), flat at that floor afterwards. `step` is the
-  0-based index of the optimizer step about to be taken; warmup uses `(step + 1) / warmup_steps`, so step 0
-  already learns (lr/warmup) and the last warmup step (warmup_steps - 1) runs at the peak. The cosine starts at the
-  peak on step `warmup_steps`.
+- `lr_at(step, cfg)`: linear warmup, then (training.schedule='cosine') cosine decay to `lr * min_lr_ratio` over
+  the horizon (`TrainingConfig.schedule_horizon`: schedule_steps or max_steps), flat at that floor afterwards.
+  `step` is the 0-based index of the optimizer step about to be taken; warmup uses `(step + 1) / warmup_steps`, so
+  step 0 already learns (lr/warmup) and the last warmup step (warmup_steps - 1) runs at the peak. The cosine starts
+  at the peak on step `warmup_steps`.
+  With schedule='wsd' (warmup-stable-decay) the peak is held after the warm-up until `TrainingConfig.decay_start`,
+  then a "1-sqrt" decay, lr = floor + (peak - floor) * (1 - sqrt(p)) with p = (step - decay_start + 1) / decay
+  length, reaches the floor on the horizon's last step (flat afterwards). 1-sqrt rather than linear: Hägele et al.
+  2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations" (https://arxiv.org/abs/2405.18392,
+  section 3) find it matches a cosine's final loss with a short (~20%) cooldown and beats the linear one. A longer
+  horizon only moves the decay's start, so a WSD run extended before its decay began keeps every learning rate it
+  already used: no re-warm, no kink.
 - `build_scheduler(optimizer, cfg)`: the same schedule as a stateful `LambdaLR` (its state_dict holds only
   plain numbers, so it checkpoints under `torch.load(weights_only=True)`). The optimizer's lr during step k is
-  `lr_at(k)` when the loop calls `scheduler.step()` once after every `optimizer.step()`.
+  `lr_at(k)` when the loop calls `scheduler.step()` once after every `optimizer.step()`. Its state records the
+  schedule it ran under; loading it under a schedule that gives any step already taken another learning rate (a WSD
+  run extended after its decay began) is refused (`TrainingConfig.extension_problem`).
 - `build_optimizer(model, cfg, precision)`: AdamW with weight decay on every parameter, norms included (HLAT);
   `optimizer_recipe` gives its class and arguments (NxD's optimizer wrapper builds from them).
   'fp32' and 'bf16-mixed' use `torch.optim.AdamW` on FP32 parameters: in 'bf16-mixed' the parameters *are* the
@@ -57,6 +66,8 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
     if step < warmup:
         return peak * (step + 1) / warmup
     horizon = cfg.schedule_horizon
+    if cfg.schedule == "wsd":
+        return _wsd_after_warmup(step, cfg.decay_start, horizon, peak, floor)
     decay_steps = horizon - warmup
     if decay_steps <= 0:
         # A horizon inside the warmup leaves no room for a cosine: hold the floor once warmup ends.
@@ -65,15 +76,54 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
     return floor + (peak - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
+def _wsd_after_warmup(step: int, decay_start: int, horizon: int, peak: float, floor: float) -> float:
+    """WSD past the warm-up: the peak until decay_start, then 1-sqrt down to the floor on step horizon - 1."""
+    if step < decay_start:
+        return peak
+    length = horizon - decay_start
+    if length <= 0:  # a horizon inside the warm-up: hold the floor once it ends, as the cosine does
+        return floor
+    progress = min(1.0, (step - decay_start + 1) / length)
+    return floor + (peak - floor) * (1.0 - math.sqrt(progress))
+
+
+SCHEDULE_FIELDS = ("schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "schedule_steps", "decay_steps")
+"""The TrainingConfig fields `lr_at` reads: the schedule record a scheduler's state carries."""
+
+
+class Schedule(torch.optim.lr_scheduler.LambdaLR):
+    """`lr_at` as a LambdaLR whose state also records the schedule (`SCHEDULE_FIELDS`, plain values) it ran under,
+    so that a resume under another schedule is checked against the steps already taken."""
+
+    def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> None:
+        self.schedule = cfg.model_dump(include=set(SCHEDULE_FIELDS))
+        self._cfg = cfg
+
+        # A plain function, not a callable object: LambdaLR.state_dict() stores a callable object's __dict__ (here
+        # it would hold the pydantic config, which `torch.load(weights_only=True)` refuses), but skips functions.
+        def factor(step: int) -> float:
+            return lr_at(step, cfg) / cfg.lr
+
+        super().__init__(optimizer, factor)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in super().state_dict().items() if k != "_cfg"}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume, refusing (ValueError, one line) when the saved schedule and this one give a step already taken
+        different learning rates: the weights would not be the ones this schedule computes. States saved before
+        the record existed are taken as they are."""
+        saved = state_dict.get("schedule")
+        if saved is not None:
+            problem = TrainingConfig(**saved).extension_problem(self._cfg, int(state_dict["last_epoch"]))
+            if problem is not None:
+                raise ValueError(problem)
+        super().load_state_dict({k: v for k, v in state_dict.items() if k != "schedule"})
+
+
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """`lr_at` as a LambdaLR over an optimizer whose groups were created with lr=cfg.lr."""
-
-    # A plain function, not a callable object: LambdaLR.state_dict() stores a callable object's __dict__ (here
-    # it would hold the pydantic config, which `torch.load(weights_only=True)` refuses), but skips functions.
-    def factor(step: int) -> float:
-        return lr_at(step, cfg) / cfg.lr
-
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+    """`lr_at` as a LambdaLR (`Schedule`) over an optimizer whose groups were created with lr=cfg.lr."""
+    return Schedule(optimizer, cfg)
 
 
 # -- stochastic rounding -----------------------------------------------------------------------------------
