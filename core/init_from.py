@@ -145,8 +145,9 @@ def model_follows_checkpoint(cfg: HlatConfig, hf: Mapping[str, Any]) -> tuple[Hl
     data["model"].update(fields)
     try:
         followed = validate_config(data)
-    except ValueError as exc:
-        raise _refuse(source, f"the checkpoint's model does not fit this run's config: {exc}") from None
+    except ValueError as exc:  # validate_config's "invalid config:" then one indented line per problem
+        problems = "; ".join(line.strip() for line in str(exc).splitlines()[1:]) or str(exc)
+        raise _refuse(source, f"the checkpoint's model does not fit this run's config: {problems}") from None
     return followed, f"model: {', '.join(changed)} (the config.json of model.init_from={source})"
 
 
@@ -166,8 +167,8 @@ def check_embedding_rows(cfg: HlatConfig, rows: int) -> None:
             m.init_from or "",
             f"its embedding has {rows} rows, more than the {m.padded_vocab_size} this run's model has for "
             f"model.vocab_size={m.vocab_size} padded to model.vocab_multiple={m.vocab_multiple}; set "
-            f"model.vocab_multiple so that {m.vocab_size} pads to at least {rows} rows (e.g. {rows - m.vocab_size} "
-            f"more: model.vocab_multiple={_multiple_for(m.vocab_size, rows)})",
+            f"model.vocab_multiple so that {m.vocab_size} pads to at least {rows} rows (e.g. "
+            f"model.vocab_multiple={_multiple_for(m.vocab_size, rows)})",
         )
 
 

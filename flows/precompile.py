@@ -9,12 +9,15 @@ from typing import Any
 from hlat.flows.stage import not_a_command, stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
+from hlat.tasks.init_from import import_weights
 from hlat.tasks.precompile import precompile_cache_key, precompile_graphs, precompile_present
 
 
 @stage_flow("precompile")
 def precompile(run: Run) -> dict[str, Any]:
     """Precompile the training graphs of the run's model, sequence length, batch, parallelism and precision."""
+    if run.config.model.init_from is not None:  # the jobs build the model its config.json describes
+        import_weights(run)
     key = precompile_cache_key(run)
     result: dict[str, Any] = run_cached(precompile_graphs, lambda r: precompile_present(run, r), run=run, cache_key=key)
     print(f"precompile: {result.get('status')} ({result.get('reason') or result.get('digest', '')})")

@@ -508,18 +508,20 @@ class HubUnreachable(ValueError):
     that reaches the hub from elsewhere may still get it)."""
 
 
-def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
-    """`org/name[@revision]` from the Hugging Face hub (only its tokenizer files), through huggingface_hub's cache:
-    from the cache alone when HF_HUB_OFFLINE is set."""
+def hub_snapshot(source: str, allow_patterns: list[str], field: str, fix: str) -> str:
+    """The local folder of `org/name[@revision]` from the Hugging Face hub (only the files `allow_patterns` match),
+    through huggingface_hub's cache: from the cache alone when HF_HUB_OFFLINE is set. The folder's name is the
+    commit the run actually got. A hub that does not answer raises HubUnreachable; a name it does not have (or a gated
+    model without access) ValueError, both in one line naming `field` and ending with `fix`."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
     repo_id, _, revision = source.partition("@")
     try:
-        snapshot = snapshot_download(
+        snapshot: str = snapshot_download(
             repo_id,
             revision=revision or None,
-            allow_patterns=list(TOKENIZER_FILES),
+            allow_patterns=allow_patterns,
             cache_dir=_hub_cache_dir(),
             local_files_only=_hub_offline(),
         )
@@ -528,10 +530,15 @@ def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
         offline = " (HF_HUB_OFFLINE is set: only the local hub cache is read)" if _hub_offline() else ""
         unreachable = isinstance(exc, LocalEntryNotFoundError) and not _hub_offline()
         raise (HubUnreachable if unreachable else ValueError)(
-            f"tokenizer.pretrained={source!r}: the Hugging Face hub could not give it{offline}: "
-            f"{type(exc).__name__}: {reason}; for a gated model (LLaMA-2) accept its license and set HF_TOKEN, or "
-            f"{PRETRAINED_FIX}"
+            f"{field}={source!r}: the Hugging Face hub could not give it{offline}: {type(exc).__name__}: {reason}; "
+            f"for a gated model (LLaMA-2) accept its license and set HF_TOKEN, or {fix}"
         ) from None
+    return snapshot
+
+
+def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
+    """`org/name[@revision]` from the Hugging Face hub (only its tokenizer files, `hub_snapshot`)."""
+    snapshot = hub_snapshot(source, list(TOKENIZER_FILES), "tokenizer.pretrained", PRETRAINED_FIX)
     names = _copy_tokenizer_files(Storage(snapshot), dest)
     # The cache keeps each snapshot under its commit: the revision the run actually got.
     return {"source": source, "from": "hub", "revision": os.path.basename(os.path.normpath(snapshot)), "names": names}

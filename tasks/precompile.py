@@ -13,6 +13,7 @@ from hlat.core.layout import COMPILE_LATEST
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_shape, on_neuron, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, stage_cache_key
+from hlat.tasks.init_from import imported_identity
 from hlat.tasks.job_failures import job_ended_badly
 
 log = logging.getLogger("hlat.jobs")
@@ -40,6 +41,7 @@ def precompile_cache_key(run: Run) -> str:
         config.section_hash("model", "parallelism", "precision", "precompile", "neuron"),
         [t.seq_len, t.micro_batch_size, t.compile, t.device],
         job_shape(config),
+        *imported_identity(run),  # the imported checkpoint decides the model's shape (its config.json)
     )
 
 

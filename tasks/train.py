@@ -13,6 +13,7 @@ from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
 from hlat.core.contract import model_follows_tokenizer
+from hlat.core.init_from import IMPORT_RECORD, check_embedding_rows, model_follows_checkpoint
 from hlat.core.layout import CHECKPOINTS_DIR, DATA_DIR, METRICS_FILE, TOKENIZER_DIR, CheckpointIndex
 from hlat.core.mixture import SourceDraw, check_repetition
 from hlat.core.shards import MANIFEST_FILE, read_mixture
@@ -22,6 +23,7 @@ from hlat.infra.stage_jobs import supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
 from hlat.infra.tokenizer import REPORT_FILE
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
+from hlat.tasks.init_from import imported_identity
 
 log = logging.getLogger("hlat.train")
 
@@ -34,7 +36,7 @@ def latest_checkpoint(run: Storage) -> int | None:
 def train_cache_key(run: Run) -> str:
     """What the trained weights depend on: the run's fingerprint, and its shards and tokenizer (the inputs
     core/stages.py names)."""
-    return stage_cache_key(run, "train", run.config.fingerprint())
+    return stage_cache_key(run, "train", run.config.fingerprint(), *imported_identity(run))
 
 
 def training_present(run: Run) -> bool:
@@ -55,16 +57,26 @@ def measured_source_tokens(data: Storage, tokenizer: Storage) -> dict[str, int]:
     return {s.name: round(s.train_bytes / bytes_per_token) for s in mixture.sources}
 
 
-def vocabulary_change(run: Run) -> str | None:
-    """With tokenizer.pretrained, what the training jobs' model becomes: model.vocab_size is the tokenizer's (its
-    report's vocab_size), padded to model.vocab_multiple (`model_follows_tokenizer`, which each job applies to the
-    config it reads). None when nothing changes; ConfigError when the padded size does not divide over the tensor
-    ranks. The stored config keeps what the user wrote."""
+def model_changes(run: Run) -> list[str]:
+    """What the training jobs' model becomes, in the lines each job logs too (the stored config keeps what the user
+    wrote): with model.init_from, the imported checkpoint's family and shape (`model_follows_checkpoint`); with
+    tokenizer.pretrained, model.vocab_size is the tokenizer's (its report's vocab_size), padded to
+    model.vocab_multiple (`model_follows_tokenizer`). ConfigError when the padded size does not divide over the
+    tensor ranks or the imported embedding does not fit the tokenizer."""
+    config, lines = run.config, []
     tokenizer = run.stage(TOKENIZER_DIR)
-    if run.config.tokenizer.pretrained is None or not tokenizer.exists(REPORT_FILE):
-        return None
-    _, change = model_follows_tokenizer(run.config, int(tokenizer.read_json(REPORT_FILE)["vocab_size"]))
-    return change
+    record = run.storage.read_json(IMPORT_RECORD) if run.storage.exists(IMPORT_RECORD) else None
+    if config.model.init_from is not None and record is not None:
+        config, change = model_follows_checkpoint(config, record["config"])
+        lines += [change] if change else []
+    if config.tokenizer.pretrained is None or not tokenizer.exists(REPORT_FILE):
+        return lines
+    config, change = model_follows_tokenizer(config, int(tokenizer.read_json(REPORT_FILE)["vocab_size"]))
+    if change:
+        lines.append(f"{change} (tokenizer.pretrained={config.tokenizer.pretrained})")
+    if config.model.init_from is not None and record is not None:
+        check_embedding_rows(config, int(record["config"]["vocab_size"]))
+    return lines
 
 
 def check_training_repetition(run: Run) -> list[SourceDraw]:
@@ -164,8 +176,8 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
 
     # A source the run would repeat past its max_epochs fails the stage here, before any job is submitted.
     check_training_repetition(run)
-    if change := vocabulary_change(run):
-        log.info("train: %s (tokenizer.pretrained=%s)", change, run.config.tokenizer.pretrained)
+    for change in model_changes(run):
+        log.info("train: %s", change)
     artifacts = _Artifacts(run.run_id, run.storage)
     evaluator = CheckpointEvaluator(run)
 
