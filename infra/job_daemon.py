@@ -41,7 +41,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hlat.core.contract import EXIT_NAN
+from hlat.core.contract import EXIT_LOSS_SPIKES, EXIT_NAN
 from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
 from hlat.core.hooks import load_hooks
 from hlat.core.layout import CHECKPOINT_MARKER
@@ -167,6 +167,11 @@ def failure_reason(exit_code: int, failure_file_text: str | None, last_lines: li
         reason = f"AlgorithmError: {failure_file_text.strip()}"
     elif exit_code == EXIT_NAN:
         reason = f"AlgorithmError: NonFiniteLoss: the training exited on a non-finite loss (exit code {EXIT_NAN})"
+    elif exit_code == EXIT_LOSS_SPIKES:
+        reason = (
+            "AlgorithmError: LossSpikes: the training exited on training.spike_max_consecutive loss spikes in a row "
+            f"(exit code {EXIT_LOSS_SPIKES})"
+        )
     elif signum in _SIGNALS:
         name = signal.Signals(signum).name
         reason = f"AlgorithmError: training process killed by signal {name} (exit code {128 + signum})"

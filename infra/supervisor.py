@@ -644,7 +644,7 @@ class Supervisor:
             # the run is being started again, so go on from the last checkpoint.
             record.reason = "stopped when an earlier flow run was cancelled"
             return Decision(Action.RESUME, "cancelled", record.reason, FailureClass.PLATFORM)
-        decision = classify(final, log_tail="\n".join(self.log_tail))
+        decision = loss_spikes_stop(classify(final, log_tail="\n".join(self.log_tail)))
         if decision.action == Action.DONE and (record.end_step or 0) < self.target_step:
             # A job that stopped itself (budget, deadline, no supervisor) says so in its log and in a stop record in
             # run storage: the record is what a supervisor re-attaching after the job ended (its log skipped) reads.
@@ -944,6 +944,24 @@ def as_displayed(line: str) -> str:
         return line
     drawn = [part for part in line.split("\r") if part.strip()]
     return drawn[-1].rstrip() if drawn else ""
+
+
+LOSS_SPIKES = re.compile(r"\bLossSpikes\b")
+"""The type of the failure record a job stopped by training.spike_max_consecutive spikes in a row writes
+(EXIT_LOSS_SPIKES; training/loop.py), and the start of the reason the local backend gives such an exit without one."""
+
+
+def loss_spikes_stop(decision: Decision) -> Decision:
+    """A job that exited on training.spike_max_consecutive loss spikes in a row (EXIT_LOSS_SPIKES) is not relaunched:
+    the cause is deterministic (a resume is bitwise, so the same data and weights spike again), whatever
+    job.max_repeats says. Fatal, with one line that says what happened and what to change; any other decision as it
+    is."""
+    record = decision.record
+    if not (record.type == "LossSpikes" if record else LOSS_SPIKES.search(decision.reason)):
+        return decision
+    detail = f"{record.type}: {record.message}" if record else decision.reason
+    reason = f"the run diverged, not relaunched (a deterministic cause: the same steps spike again): {detail}"
+    return Decision(Action.FATAL, "loss-spikes", " ".join(reason.split()), FailureClass.FATAL, record)
 
 
 def _cause(attempt: Attempt) -> str:

@@ -27,6 +27,18 @@ any step since the last sync was non-finite; under nan_policy=exit it then exits
 saved after that check, so no checkpoint holds the NaN weights of the steps between. Under nan_policy=skip the
 decision is made on the device (`masked_step`). A step whose stop vote passes becomes a sync point.
 
+Loss spikes (training.spike_skip; `training/spikes.py`, OLMo-core's skip-step rule): once the trailing
+training.spike_window steps are known, a step whose loss or gradient norm is more than training.spike_zscore standard
+deviations above their mean is not applied, decided on the device like nan_policy=skip (`masked_step`: the same graph
+for a spiking step and a normal one, no host read), and its values stay out of the window. Under NxD, whose optimizer
+clips inside step(), the norm exists only after the update: the loss alone decides there. The skipped steps are
+counted on the device and read at the next sync point, which logs the newest ("step 1234: loss spike skipped (loss 9.1
+vs window mean 3.2 +/- 0.1); 3 skipped so far") and records `spikes_skipped` in metrics.jsonl. training.
+spike_max_consecutive spikes in a row end the job at that sync point, before any hook saves a checkpoint: exit
+EXIT_LOSS_SPIKES with a `LossSpikes: ...` failure record naming the steps, which the supervisor does not relaunch. The
+window and counters go into every checkpoint's shared state, so a resumed run skips exactly the steps an
+uninterrupted one does.
+
 Under graph extraction (`extracting_graphs`: neuron_parallel_compile's trial run, where "no real execution is performed
 and the outputs are invalid") the loop does every step, hook, collective and host read as a job would, so that every
 graph a job runs is traced, and acts on none of the values and writes nothing: no health verdict, no NaN exit, no
@@ -52,7 +64,7 @@ from typing import Any
 import torch
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.contract import EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
+from hlat.core.contract import EXIT_LOSS_SPIKES, EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
 from hlat.core.environment import neuron_available, precision_by_flags
 from hlat.core.layout import CHECKPOINT_META
 from hlat.core.storage import Storage
@@ -83,6 +95,7 @@ from hlat.training.optim import (
 )
 from hlat.training.parallel.distributed import World
 from hlat.training.parallel.parallelize import fsdp_active, model_layers, parallelize, reduce_gradients
+from hlat.training.spikes import SpikeDetector, Verdict, describe_spike, spikes_reason
 
 log = logging.getLogger("hlat.train")
 
@@ -216,6 +229,8 @@ class Trainer:
         self._health_reference: float | None = None  # busbw of this job's first judged health check
         self.step = 0
         self.tally = StepTally(world.device, 0)
+        self.spikes = self._spike_detector()
+        self._spikes_restored = 0  # spikes skipped as the resumed checkpoint says (a host number: no device read)
         self._loader_state: dict[str, Any] | None = None  # of the last batch a step consumed
         self.saved_step: int | None = None
         self.stop_requested = False
@@ -241,6 +256,13 @@ class Trainer:
         self.add_hook(self.save_checkpoint, every=t.checkpoint_every)
 
     # -- set-up ------------------------------------------------------------------------------------------
+    def _spike_detector(self) -> SpikeDetector | None:
+        """training.spike_skip's detector on the job's device (None when off)."""
+        t = self.cfg.training
+        if not t.spike_skip:
+            return None
+        return SpikeDetector(t.spike_window, t.spike_zscore, t.spike_max_consecutive, self.world.device)
+
     def _optimizer(self) -> Any:
         """AdamW as `training.optim` prescribes; when the model is split, through NxD's optimizer, which reduces the
         gradients over the data-parallel group and clips by the global norm across TP and PP (`grad_norm`)."""
@@ -432,23 +454,31 @@ class Trainer:
         return self._update(loss.to(self.world.device), micro[-1].crc)
 
     def _update(self, loss_mean: torch.Tensor, crc: int) -> dict[str, Any]:
-        """The optimizer step after the gradients of `loss_mean` (the step's loss, averaged over every rank)."""
+        """The optimizer step after the gradients of `loss_mean` (the step's loss, averaged over every rank). Under
+        nan_policy=skip a non-finite step, and under training.spike_skip a spiking one, is not applied: decided on
+        the device (`masked_step`), the same ops either way. Under NxD the optimizer reduces and clips inside step(),
+        so the norm exists only after the update: a spike is judged on the loss alone there, and the norm still
+        enters the spike window."""
         # An async checkpoint copies the weights and optimizer states while this step's forward and backward ran:
         # the optimizer may change them once the copy is made.
         self.ckpt.wait_staged()
         skip = self.cfg.training.nan_policy == "skip"
+        masked = skip or self.spikes is not None
         if self.world.nxd is None:
             reduce_gradients(self.model, self.world)
             grad_norm = clip_grad_norm(self.model.parameters(), self.cfg.training.grad_clip)
             finite = self.tally.update(loss_mean, grad_norm)
-            if skip:
-                masked_step(self.optimizer, finite)
+            verdict = self.spikes.judge(loss_mean, grad_norm) if self.spikes is not None else None
+            if masked:
+                masked_step(self.optimizer, self._applied(finite if skip else None, verdict))
             else:  # a non-finite step is caught at the next sync point, before any checkpoint can save it
                 self.optimizer.step()
+            if self.spikes is not None and verdict is not None:
+                self.spikes.record(self.tally.step, verdict)
         else:
-            # NxD's optimizer reduces over DP and clips by the global norm inside step(): skip on the loss alone.
-            if skip:
-                masked_step(self.optimizer, torch.isfinite(loss_mean))
+            verdict = self.spikes.judge(loss_mean, None) if self.spikes is not None else None
+            if masked:
+                masked_step(self.optimizer, self._applied(torch.isfinite(loss_mean) if skip else None, verdict))
             else:
                 self.optimizer.step()
             grad_norm = self.optimizer.grad_norm
@@ -458,9 +488,19 @@ class Trainer:
                 grad_norm = get_grad_norm([p for group in self.optimizer.param_groups for p in group["params"]])
             grad_norm = grad_norm.reshape(())  # NxD's norm has shape (1,)
             finite = self.tally.update(loss_mean, grad_norm)
+            if self.spikes is not None and verdict is not None:
+                self.spikes.record(self.tally.step, verdict, grad_norm)
         self.scheduler.step()
         self.world.mark_step()
         return {"loss": loss_mean, "grad_norm": grad_norm, "finite": finite, "samples_crc32": crc}
+
+    @staticmethod
+    def _applied(finite: torch.Tensor | None, verdict: Verdict | None) -> torch.Tensor:
+        """Whether the step's update is kept (a bool device tensor): finite (when nan_policy=skip) and no spike."""
+        if verdict is None:
+            assert finite is not None
+            return finite
+        return ~verdict.spike if finite is None else finite & ~verdict.spike
 
     def fit(self) -> int:
         """Train to training.max_steps; return the process exit code."""
@@ -491,6 +531,7 @@ class Trainer:
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
         first_step = self.step
         since, since_step, nonfinite_seen = time.perf_counter(), self.step, 0
+        spikes_seen = self._spikes_restored  # skipped before this job (from its checkpoint): only new ones are logged
         pace = hooks().step_seconds()  # tests' stand-in for a big model's step (None here)
         try:
             while self.step < t.max_steps:
@@ -508,7 +549,10 @@ class Trainer:
                 if not stop and not self._sync_point(first_step):
                     continue
                 # The sync point: everything the host needs of the steps since the last one, in one transfer.
-                seen = self.world.to_host({k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors())
+                spikes = self.spikes.tensors() if self.spikes is not None else {}
+                seen = self.world.to_host(
+                    {k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors() | spikes
+                )
                 seconds = (time.perf_counter() - since) / (self.step - since_step)
                 self.step_seconds = seconds
                 nonfinite = int(seen["nonfinite"])
@@ -519,6 +563,18 @@ class Trainer:
                         return EXIT_NAN
                     log.warning("%s: %d step(s) skipped so far (training.nan_policy=skip)", where, nonfinite)
                     nonfinite_seen = nonfinite
+                if spikes and not self.extracting_graphs:
+                    if int(seen["spikes_tripped_at"]):  # before any hook: no checkpoint holds those steps
+                        reason = spikes_reason(seen, t.spike_max_consecutive, t.spike_zscore)
+                        log.error("%s", reason)
+                        write_failure(reason)
+                        return EXIT_LOSS_SPIKES
+                    if int(seen["spikes_skipped"]) > spikes_seen:
+                        spikes_seen = int(seen["spikes_skipped"])
+                        log.warning(
+                            "step %d: %s; %d skipped so far (training.spike_skip)",
+                            int(seen["spike_step"]), describe_spike(seen, t.spike_zscore), spikes_seen,
+                        )  # fmt: skip
                 values: dict[str, Any] = {
                     "loss": float(seen["loss"]),
                     "grad_norm": float(seen["grad_norm"]),
@@ -526,6 +582,10 @@ class Trainer:
                 }
                 if not bool(seen["finite"]):
                     values["skipped"] = True
+                if spikes:
+                    values["spikes_skipped"] = int(seen["spikes_skipped"])
+                    if int(seen["spike_step"]) == self.step:
+                        values["skipped"] = True
                 if self.step == first_step + 1:
                     # Time to first step: build, compile (or load the compile cache), resume, one step. Recorded
                     # whatever log_every says: it is what precompilation saves a job.
@@ -725,13 +785,17 @@ class Trainer:
             self._last_save = (step, time.perf_counter() - began)
 
     def _shared_state(self, step: int) -> dict[str, Any]:
-        """What every rank holds alike besides the model and optimizer."""
-        return {
+        """What every rank holds alike besides the model and optimizer (the spike detector's state too: the loss and
+        the norm it judges are the same on every rank)."""
+        state: dict[str, Any] = {
             "step": step,
             "scheduler": self.scheduler.state_dict(),
             "config_fingerprint": self.cfg.fingerprint(),
             "config": self.cfg.model_dump(mode="json"),
         }
+        if self.spikes is not None:  # device tensors: staged to the host with the rest of the state
+            state["spikes"] = self.spikes.state_dict()
+        return state
 
     def _rank_state(self) -> dict[str, Any]:
         # The state after the last batch a step consumed: the device loader may have fetched more.
@@ -740,6 +804,9 @@ class Trainer:
     def _restore(self, shared: dict[str, Any], mine: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(shared["scheduler"])
         restore_rank_state(mine, self.loader)
+        if self.spikes is not None and "spikes" in shared:  # none: a checkpoint from before spike_skip was on
+            self.spikes.load_state_dict(shared["spikes"])
+            self._spikes_restored = int(shared["spikes"]["skipped"])
 
     def _held_out_loss(self, chunk: list[DeviceBatch]) -> torch.Tensor:
         if self.world.layout.pipeline > 1:  # averaged over the micro-batches and the data-parallel group, every stage
