@@ -1,0 +1,385 @@
+"""Start a run from a Hugging Face `LlamaForCausalLM` or `GPTNeoXForCausalLM` checkpoint (`model.init_from`), in
+whatever layout the job's model has: each rank reads the tensors its own parameters need, one at a time.
+
+The checkpoint is read as safetensors (https://huggingface.co/docs/safetensors: a file is an 8-byte little-endian
+header length N, N bytes of JSON mapping each tensor's name to its dtype, shape and `data_offsets` [begin, end) within
+the byte buffer that follows the header, then that buffer). `SafetensorsReader` finds every tensor's file (the
+`weight_map` of `model.safetensors.index.json`, or the one `model.safetensors`), parses each file's header from two
+ranged reads, and reads one tensor's bytes at a time with `Storage.read_range` (one ranged GET on S3): no file is
+ever read whole, and it counts what it read.
+
+`import_weights(trainer)` fills this rank's parameters from it (`fill_parameters`), walking the dense model's
+parameters (`tensor_slices.dense_parameters`) in order and, for each this rank holds, reading its HF tensor (the
+names of `hf_export`, in reverse), padding the vocabulary rows with zeros up to `model.padded_vocab_size` as
+`hf_export.from_hf_state_dict` does, and keeping the rank's part of it:
+- dense (one process, DDP, XLA): the whole tensor;
+- NxD tensor parallelism: the rank's slice, by the same rules the model's initialisation slices with
+  (`Layers.shard`: `tensor_slices.shard`), under the rank's local name (`Layers.local_name`);
+- NxD pipeline parallelism: only the parameters of this rank's stage (NxDPPModel's `local_named_parameters`, under
+  their original names), each sliced as above;
+- FSDP2: the rank's shard of each DTensor parameter (`distribute_tensor(..., src_data_rank=None)`: every rank cuts
+  its own shard from the tensor it read, no collective).
+GPT-NeoX's fused `query_key_value` is read once and split into our q, k, v projections (`hf_export.split_qkv`); it is
+held until its three parts are filled, then dropped. So a rank holds its own parameters plus one checkpoint tensor
+(a padded embedding: its copy too) at a time. Values are copied into the parameters' dtype (a bf16-sr model is
+BF16). On XLA the copy into a device parameter is a host-to-device transfer, as loading a checkpoint's state dict
+is: no computation is left pending for the loop's first graph. ZeRO-1's master weights, made from the parameters
+when the optimizer was built, are made again from the imported ones (the optimizer has taken no step).
+
+Every parameter of the rank is filled exactly once; a tensor the model needs that the checkpoint lacks, a shape that
+differs from the config's, or a tensor the model does not take (other than known non-parameters: rotary `inv_freq`
+buffers, GPT-NeoX's saved causal-mask buffers, a tied LLaMA's duplicate `lm_head`) fails the job in one line naming
+model.init_from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import sys
+import time
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from hlat.core.config import ModelConfig
+from hlat.core.init_from import InitFromError, import_record
+from hlat.core.storage import Storage, StorageNotFound
+from hlat.training.checkpoint.hf_export import SAFETENSORS_FILE, _pad_rows, _rename, split_qkv
+from hlat.training.model import Transformer
+from hlat.training.parallel.tensor_slices import DenseParameter, dense_parameters
+
+log = logging.getLogger("hlat.train")
+
+INDEX_FILE = "model.safetensors.index.json"
+DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+"""The safetensors dtypes a weight may have (https://huggingface.co/docs/safetensors, "Format")."""
+MAX_HEADER = 100_000_000
+"""The format's limit on a header's size (safetensors refuses larger ones): anything above is a corrupt file."""
+NON_PARAMETERS = (
+    re.compile(r"(model|gpt_neox)\.(layers\.\d+\.(self_attn|attention)\.)?rotary_emb\.inv_freq"),
+    # Older GPT-NeoX files (Pythia, NeoX-20B) hold each layer's causal mask and its fill value as buffers.
+    re.compile(r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)"),
+)
+"""Checkpoint tensors that are buffers of transformers' modules, not weights: the model does not take them."""
+
+
+def _refuse(source: str, what: str) -> InitFromError:
+    return InitFromError(f"model.init_from={source!r}: {what}")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor's bytes are: its file and the absolute byte range [start, end) in it."""
+
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+class SafetensorsReader:
+    """The tensors of a Hugging Face safetensors checkpoint in `store` (a folder or an s3:// prefix), one at a time
+    (the module docstring). `source` (model.init_from) names the checkpoint in errors. `bytes_read`, `reads` and
+    `largest_read` count every ranged read made."""
+
+    def __init__(self, store: Storage, source: str = "") -> None:
+        if sys.byteorder != "little":
+            raise RuntimeError("safetensors files are little-endian; this host is not")
+        self.store = store
+        self.source = source or store.uri()
+        self.bytes_read = 0
+        self.reads = 0
+        self.largest_read = 0
+        self._headers: dict[str, dict[str, TensorEntry]] = {}
+        self.weight_map = self._weight_map()
+        """Tensor name -> the file holding it."""
+
+    def _weight_map(self) -> dict[str, str]:
+        if self.store.exists(INDEX_FILE):
+            index = json.loads(self._read(INDEX_FILE, 0, self.store.size(INDEX_FILE), what="index"))
+            weight_map = index.get("weight_map") if isinstance(index, dict) else None
+            if not isinstance(weight_map, dict) or not weight_map:
+                raise _refuse(self.source, f"{self.store.uri(INDEX_FILE)} has no weight_map")
+            return {str(name): str(file) for name, file in weight_map.items()}
+        if self.store.exists(SAFETENSORS_FILE):
+            return {name: SAFETENSORS_FILE for name in self._header(SAFETENSORS_FILE)}
+        raise _refuse(
+            self.source, f"neither {INDEX_FILE} nor {SAFETENSORS_FILE} in {self.store.uri()}: hlat imports "
+            "safetensors checkpoints (save_pretrained's default)"
+        )  # fmt: skip
+
+    def names(self) -> set[str]:
+        return set(self.weight_map)
+
+    def _read(self, file: str, start: int, end: int, what: str = "tensor") -> bytes:
+        """Bytes [start, end) of `file`: one ranged read; a missing or short file is a one-line error."""
+        try:
+            data = self.store.read_range(file, start, end)
+        except (StorageNotFound, FileNotFoundError):
+            named = f" (named by {INDEX_FILE})" if file != SAFETENSORS_FILE and file != INDEX_FILE else ""
+            raise _refuse(self.source, f"{self.store.uri(file)} is missing{named}") from None
+        self.reads += 1
+        self.bytes_read += len(data)
+        self.largest_read = max(self.largest_read, len(data))
+        if len(data) != end - start:
+            raise _refuse(
+                self.source, f"{self.store.uri(file)} is truncated: its {what} needs bytes {start}-{end}, the file "
+                f"ends at {start + len(data)}"
+            )  # fmt: skip
+        return data
+
+    def _header(self, file: str) -> dict[str, TensorEntry]:
+        """The tensors of `file`, from its header (read once, then kept: names and offsets only)."""
+        if file in self._headers:
+            return self._headers[file]
+        length = int.from_bytes(self._read(file, 0, 8, what="header length"), "little")
+        if length > MAX_HEADER:
+            raise _refuse(self.source, f"{self.store.uri(file)} is not a safetensors file (header of {length} bytes)")
+        try:
+            header = json.loads(self._read(file, 8, 8 + length, what="header"))
+        except json.JSONDecodeError as exc:
+            raise _refuse(self.source, f"{self.store.uri(file)} has an unreadable safetensors header: {exc}") from None
+        entries = {}
+        for name, spec in header.items():
+            if name == "__metadata__":
+                continue
+            begin, end = spec["data_offsets"]
+            entries[name] = TensorEntry(file, spec["dtype"], tuple(spec["shape"]), 8 + length + begin, 8 + length + end)
+        self._headers[file] = entries
+        return entries
+
+    def entry(self, name: str) -> TensorEntry:
+        file = self.weight_map.get(name)
+        if file is None:
+            raise _refuse(self.source, f"the checkpoint has no tensor {name!r}")
+        found = self._header(file).get(name)
+        if found is None:
+            raise _refuse(self.source, f"{INDEX_FILE} puts {name!r} in {file}, which does not hold it")
+        return found
+
+    def read(self, name: str) -> Tensor:
+        """Tensor `name`, in the dtype of the file, from one ranged read of its bytes."""
+        entry = self.entry(name)
+        dtype = DTYPES.get(entry.dtype)
+        if dtype is None:
+            raise _refuse(self.source, f"{name} is {entry.dtype}; hlat imports weights in {', '.join(DTYPES)}")
+        numel = 1
+        for size in entry.shape:
+            numel *= size
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if entry.end - entry.start != numel * itemsize:
+            raise _refuse(
+                self.source, f"{self.store.uri(entry.file)}: {name}'s byte range ({entry.end - entry.start}) is not "
+                f"its shape {list(entry.shape)} x {itemsize} bytes"
+            )  # fmt: skip
+        if numel == 0:
+            return torch.empty(entry.shape, dtype=dtype)
+        data = self._read(entry.file, entry.start, entry.end)
+        with warnings.catch_warnings():
+            # The bytes object is not writable: the tensor is only read (copied into the parameters), never written.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            return torch.frombuffer(data, dtype=dtype).reshape(entry.shape)
+
+
+# -- the tensors of the dense model ---------------------------------------------------------------------------
+_QKV_PART = re.compile(r"(layers\.\d+)\.attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$")
+_VOCAB = ("embed.weight", "output.weight")
+
+
+def hf_names(name: str, cfg: ModelConfig) -> tuple[str, ...]:
+    """The checkpoint tensor(s) that dense parameter `name` comes from, any one of which may hold it (GPT-NeoX's
+    output projection is `embed_out` in its files, `lm_head` in transformers 5's)."""
+    if cfg.arch == "gpt_neox":
+        m = _QKV_PART.match(name)
+        if m:
+            name = f"{m.group(1)}.attn.qkv.{m.group(3)}"
+        if name == "output.weight":
+            return ("embed_out.weight", "lm_head.weight")
+    return (_rename(name, cfg.arch, "to_hf_state_dict"),)
+
+
+def _hf_shape(param: DenseParameter, cfg: ModelConfig) -> tuple[int, ...]:
+    """The shape the checkpoint's tensor of `param` must have (the rows of the vocabulary aside)."""
+    if cfg.arch == "gpt_neox" and _QKV_PART.match(param.name):
+        return (3 * param.shape[0], *param.shape[1:])
+    return param.shape
+
+
+class _DenseTensors:
+    """The dense model's tensors from the checkpoint, each read when asked for; only the last tensor read is kept
+    (GPT-NeoX's fused QKV, whose three parts are asked for in turn)."""
+
+    def __init__(self, reader: SafetensorsReader, cfg: ModelConfig) -> None:
+        self.reader, self.cfg = reader, cfg
+        self._last: tuple[str, dict[str, Tensor]] | None = None
+        self.tensors = 0
+
+    def source_name(self, param: DenseParameter) -> str:
+        names = hf_names(param.name, self.cfg)
+        return next((n for n in names if n in self.reader.weight_map), names[0])
+
+    def get(self, param: DenseParameter) -> Tensor:
+        hf = self.source_name(param)
+        if self._last is None or self._last[0] != hf:
+            self._last = None  # freed before the next is read
+            self._last = (hf, self._convert(hf, param))
+            self.tensors += 1
+        return self._last[1][param.name]
+
+    def _convert(self, hf: str, param: DenseParameter) -> dict[str, Tensor]:
+        cfg, source = self.cfg, self.reader.source
+        t = self.reader.read(hf)
+        want = _hf_shape(param, cfg)
+        vocab = param.name in _VOCAB
+        if (tuple(t.shape[1:]) if vocab else tuple(t.shape)) != (want[1:] if vocab else want):
+            raise _refuse(source, f"{hf} has shape {list(t.shape)}; this run's model needs {list(want)}")
+        if vocab:
+            if t.shape[0] > cfg.padded_vocab_size:
+                raise _refuse(source, f"{hf} has {t.shape[0]} rows, more than the model's {cfg.padded_vocab_size}")
+            if t.shape[0] < cfg.padded_vocab_size:
+                t = _pad_rows(t, cfg.padded_vocab_size)  # rows no token reaches, masked like any padding
+            return {"embed.weight": t, "output.weight": t}  # a tied output projection is the embedding
+        m = _QKV_PART.match(param.name) if cfg.arch == "gpt_neox" else None
+        if m:
+            fused = f"{m.group(1)}.attn.qkv.{m.group(3)}"
+            return split_qkv({fused: t}, cfg)
+        return {param.name: t}
+
+
+def rank_parameters(trainer: Any) -> dict[str, nn.Parameter]:
+    """This rank's parameters under the model's (local) names: its pipeline stage's only under NxD's pipeline
+    (NxDPPModel gives them their original names), else the whole model's (TP slices, FSDP2's DTensors)."""
+    if trainer.world.layout.pipeline > 1:
+        return dict(trainer.wrapped.local_named_parameters())
+    return dict(trainer.model.named_parameters())
+
+
+def _local_targets(model: Transformer, params: Mapping[str, nn.Parameter]) -> Iterator[tuple[DenseParameter, str]]:
+    """(dense parameter, local name) for every parameter in `params`, in the dense model's order. A tied output
+    projection held as its own parameter (a last pipeline stage's copy of the embedding) is the embedding's."""
+    cfg = model.cfg
+    dense = dense_parameters(cfg)
+    local = {model.parallel.local_name(p.name): p for p in dense}
+    if cfg.tie_embeddings:  # the embedding's tensor and slice (both split the vocabulary's rows)
+        local.setdefault("output.weight", next(p for p in dense if p.name == "embed.weight"))
+    strangers = sorted(set(params) - set(local))
+    if strangers:
+        raise ValueError(f"import: parameters {strangers[:5]} are not the model's ({cfg.arch}) dense parameters")
+    for name, param in local.items():
+        if name in params:
+            yield param, name
+
+
+def check_names(reader: SafetensorsReader, cfg: ModelConfig) -> None:
+    """Every tensor the model needs is in the checkpoint, and every tensor there is one the model takes or a known
+    non-parameter (`NON_PARAMETERS`; a tied LLaMA's `lm_head`): one line listing what is wrong."""
+    available = reader.names()
+    needed: set[str] = set()
+    lacking: list[str] = []
+    for param in dense_parameters(cfg):
+        names = hf_names(param.name, cfg)
+        present = [n for n in names if n in available]
+        needed.update(present)
+        if not present:
+            lacking.append(names[0])
+    lacking = sorted(set(lacking))
+    if lacking:
+        raise _refuse(
+            reader.source, f"the checkpoint lacks {len(lacking)} tensor(s) the {cfg.arch} model needs: "
+            f"{', '.join(lacking[:8])}{' ...' if len(lacking) > 8 else ''}"
+        )  # fmt: skip
+    ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
+    unknown = sorted(n for n in available - needed - ignored if not any(p.fullmatch(n) for p in NON_PARAMETERS))
+    if unknown:
+        raise _refuse(
+            reader.source, f"the checkpoint holds {len(unknown)} tensor(s) the {cfg.arch} model does not take: "
+            f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}"
+        )  # fmt: skip
+
+
+@torch.no_grad()
+def _copy(param: nn.Parameter, value: Tensor, name: str) -> None:
+    """`value` (this rank's part of the parameter, on the host) into `param`, in the parameter's dtype."""
+    if tuple(value.shape) != tuple(param.shape):
+        raise ValueError(f"import: {name} is {list(param.shape)} on this rank, its slice {list(value.shape)}")
+    value = value.to(param.dtype)
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(param, DTensor):
+        # Each rank cuts its own shard from the whole tensor it read (src_data_rank=None: no collective).
+        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+    param.copy_(value)
+
+
+def fill_parameters(model: Transformer, params: Mapping[str, nn.Parameter], reader: SafetensorsReader) -> int:
+    """Fill `params` (this rank's parameters of `model`, under the model's local names) from the checkpoint;
+    return how many checkpoint tensors were read. Each exactly once, or a clear error."""
+    cfg = model.cfg
+    check_names(reader, cfg)
+    tensors = _DenseTensors(reader, cfg)
+    targets = list(_local_targets(model, params))
+    # The parameters one checkpoint tensor fills in a row (GPT-NeoX's q, k, v weights, then their biases): each
+    # tensor is read once.
+    first: dict[str, int] = {}
+    for i, (dense, _) in enumerate(targets):
+        first.setdefault(tensors.source_name(dense), i)
+    targets.sort(key=lambda target: first[tensors.source_name(target[0])])
+    filled: set[str] = set()
+    for dense, name in targets:
+        full = tensors.get(dense)
+        _copy(params[name], model.parallel.shard(dense, full), name)
+        filled.add(name)
+    unfilled = sorted(set(params) - filled)
+    if unfilled:
+        raise ValueError(f"import: parameters {unfilled[:5]} of this rank were not filled")
+    return tensors.tensors
+
+
+def _refresh_zero1_masters(optimizer: Any) -> None:
+    """ZeRO-1 (torch-xla's ZeroRedundancyOptimizer under NxD's wrapper) made its master-weight shards from the
+    parameters when it was built; `init_zero` makes them again from the imported ones, as its `load_state_dict`
+    does before loading a checkpoint's state. The optimizer has taken no step, so nothing else is lost."""
+    zero1 = getattr(optimizer, "optimizer", optimizer)
+    init_zero = getattr(zero1, "init_zero", None)
+    if init_zero is None:
+        raise TypeError(f"parallelism.zero1: {type(zero1).__name__} has no init_zero to rebuild its master weights")
+    init_zero()
+
+
+def import_weights(trainer: Any) -> dict[str, Any]:
+    """Fill the trainer's parameters on this rank from the run's imported checkpoint (`core.init_from.import_record`:
+    its `location`), whatever the layout (the module docstring); log once what was read. Returns
+    {"source", "sha256", "tensors", "parameters", "bytes", "reads", "largest_read", "seconds"}."""
+    began = time.perf_counter()
+    cfg = trainer.cfg
+    record = import_record(trainer.run)
+    source = str(record.get("source") or cfg.model.init_from)
+    reader = SafetensorsReader(Storage(str(record["location"])), source)
+    params = rank_parameters(trainer)
+    tensors = fill_parameters(trainer.model, params, reader)
+    if cfg.parallelism.zero1:
+        _refresh_zero1_masters(trainer.optimizer)
+    seconds = time.perf_counter() - began
+    sha = str(record.get("sha256", ""))
+    if trainer.world.is_main:
+        log.info(
+            "imported %d tensors (%.3f GB) from %s (sha256 %s) in %.1f s",
+            tensors, reader.bytes_read / 1e9, source, sha[:12], seconds,
+        )  # fmt: skip
+    return {
+        "source": source,
+        "sha256": sha,
+        "tensors": tensors,
+        "parameters": len(params),
+        "bytes": reader.bytes_read,
+        "reads": reader.reads,
+        "largest_read": reader.largest_read,
+        "seconds": seconds,
+    }
