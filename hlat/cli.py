@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("out", help="output folder (local)")
     p.add_argument("--step", type=int, help="the step to export when source is a run (default: the newest)")
     p.add_argument("--tokenizer", help="tokenizer folder or s3:// URI (default: <run>/tokenizer)")
+    p = add("average", help="average the model weights of a run's last K checkpoints into a new checkpoint")
+    p.add_argument("run", help="a run folder or s3:// URI (or its checkpoints folder)")
+    p.add_argument("--last", type=_positive_int, required=True, metavar="K", help="how many of the newest complete "
+                   "checkpoints to average")  # fmt: skip
+    p.add_argument("--out", help="the folder the averaged step-N goes into (default: <run>/averaged)")
     p = add("compare", help="two runs' loss and gradient-norm curves on one chart, with the difference")
     p.add_argument("run_a", help="run folder or s3:// URI (with metrics.jsonl)")
     p.add_argument("run_b", help="run folder or s3:// URI")
@@ -414,10 +419,10 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         print(json.dumps(body, indent=2))
     else:
         print(planner.render(the_plan, costs, top=args.top, also=[data.line()], sources=source_lines(budgeted)))
-        from hlat.infra.tokenizer import vocabulary_note
+        from hlat.infra.init_from import model_notes
 
-        if (vocabulary := vocabulary_note(config)) is not None:
-            print(vocabulary)
+        for note in model_notes(config):
+            print(note)
     return 0
 
 
@@ -556,6 +561,8 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         return 0
     if args.command == "export":
         return _export(args)
+    if args.command == "average":
+        return _average(args)
     if args.command == "compare":
         return _compare(args)
     if args.command == "status":
@@ -722,6 +729,18 @@ def _export(args: argparse.Namespace) -> int:
     print(f"hlat: exported {ref.uri} (step {ref.step}) to {out} in {time.perf_counter() - start:.1f} s: {files}")
     architecture = json.loads((out / "config.json").read_text())["architectures"][0]
     print(f"  load it with transformers: {architecture}.from_pretrained({str(out)!r})")
+    return 0
+
+
+def _average(args: argparse.Namespace) -> int:
+    from hlat.training.checkpoint.average import average_checkpoints
+
+    start = time.perf_counter()
+    averaged = average_checkpoints(args.run, args.last, out=args.out)
+    steps = ", ".join(map(str, averaged.steps))
+    print(f"hlat: averaged the model weights of steps {steps} ({averaged.layout}) into {averaged.uri} in "
+          f"{time.perf_counter() - start:.1f} s (optimizer state left out)")  # fmt: skip
+    print(f"  export it: hlat export {averaged.uri} <out> (--tokenizer <run>/tokenizer when it is not in the run)")
     return 0
 
 

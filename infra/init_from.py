@@ -143,3 +143,41 @@ def import_checkpoint(config: HlatConfig, run: Storage) -> dict[str, Any]:
     }
     run.write_json(IMPORT_RECORD, record)
     return record
+
+
+def model_notes(config: HlatConfig) -> list[str]:
+    """For the dry run and the plan, which price the model before any stage ran: where the jobs' model comes from
+    when it is not all in the config (model.init_from's config.json, tokenizer.pretrained's vocabulary)."""
+    from hlat.infra.tokenizer import vocabulary_note
+
+    notes = []
+    if (source := config.model.init_from) is not None:
+        m = config.model
+        notes.append(
+            f"weights: from model.init_from={source}; its config.json decides the model's family and shape once the "
+            f"import has run (the train stage says what changed); these figures assume the config's {m.arch} "
+            f"({m.n_layers} layers, d_model {m.d_model}): set them to the checkpoint's for exact ones"
+        )
+    if (vocabulary := vocabulary_note(config)) is not None:
+        notes.append(vocabulary)
+    return notes
+
+
+def peek(source: str) -> str:
+    """What preflight says of model.init_from, reading only the small files: its config.json checked against hlat's
+    families (`model_fields`) and, for a folder or prefix, its safetensors listed (`weight_files`); a hub name's
+    config.json and index come through the hub cache, its weights not. ValueError (HubUnreachable for a hub that
+    does not answer) as `import_checkpoint` would raise."""
+    if source.startswith("s3://") or os.path.isdir(os.path.expanduser(source)) or source.startswith(_LOCAL):
+        folder, origin = locate(source)
+        names = weight_files(folder, source)
+    else:
+        folder = Storage(hub_snapshot(source, [CONFIG_FILE, INDEX_FILE], "model.init_from", FIX))
+        origin = {"revision": os.path.basename(os.path.normpath(folder.url))}
+        # Only what was asked for counts (a cache may hold more): the index's shards, when the model is sharded.
+        names = sorted(set(folder.read_json(INDEX_FILE)["weight_map"].values())) if folder.exists(INDEX_FILE) else []
+    fields = model_fields(folder.read_json(CONFIG_FILE), source)
+    revision = f" at {origin['revision'][:12]}" if origin.get("revision") else ""
+    shards = len([n for n in names if n.endswith(".safetensors")])
+    files = f", {shards} safetensors file(s)" if shards else ""
+    return f"{source}{revision}: {fields['arch']}, {fields['n_layers']} layers, d_model {fields['d_model']}{files}"

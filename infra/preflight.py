@@ -134,6 +134,8 @@ def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
         findings.append(found)
     if config.tokenizer.pretrained is not None:
         findings.append(tokenizer_finding(config.tokenizer.pretrained, config.job.backend))
+    if config.model.init_from is not None:
+        findings.append(init_from_finding(config.model.init_from, config.job.backend))
     return findings
 
 
@@ -157,6 +159,24 @@ def tokenizer_finding(source: str, backend: str = "local") -> Finding:
             return Finding("tokenizer", False, str(exc))
     revision = f" at {info['revision']}" if info["revision"] else ""
     return Finding("tokenizer", True, f"{source}{revision}: {', '.join(info['names'])}")
+
+
+def init_from_finding(source: str, backend: str = "local") -> Finding:
+    """Whether model.init_from can be imported, from its small files only (infra/init_from.py `peek`): a config
+    hlat's model cannot hold, a folder without safetensors or a name the hub does not have fail here, before any
+    stage; a hub that does not answer from here is unchecked for SageMaker runs (as for the tokenizer)."""
+    from hlat.core.storage import StorageError
+    from hlat.infra.init_from import peek
+    from hlat.infra.tokenizer import HubUnreachable
+
+    try:
+        return Finding("init_from", True, peek(source))
+    except HubUnreachable as exc:
+        if backend == "sagemaker":
+            return Finding("init_from", True, f"{source}: the hub does not answer from here", checked=False)
+        return Finding("init_from", False, str(exc))
+    except (ValueError, StorageError) as exc:
+        return Finding("init_from", False, str(exc))
 
 
 def _one_source(data: DataConfig, shape: SourceShape, backend: str) -> Finding:

@@ -651,10 +651,9 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     lines = [f"dry run: {stage} of run {run_id} on the {job.backend} backend (nothing is sent)"]
     lines.append(f"layout: {describe_layout(config)}")
     lines += [f"  placeholder: {n}" for n in notes]
-    from hlat.infra.tokenizer import vocabulary_note
+    from hlat.infra.init_from import model_notes
 
-    if (vocabulary := vocabulary_note(config)) is not None:
-        lines.append(vocabulary)
+    lines += model_notes(config)
     if stage in ("train", "prepare-data"):
         lines += source_lines(config)
     lines.append("")

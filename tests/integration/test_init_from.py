@@ -194,3 +194,37 @@ def test_the_imported_embedding_must_hold_the_tokenizer_and_fit_the_padded_rows(
     with pytest.raises(InitFromError, match=r"set model.vocab_multiple .* model.vocab_multiple=32\)"):
         check_embedding_rows(config, 320)
     check_embedding_rows(_config(init_from="org/x", vocab_size=300, vocab_multiple=64), 320)
+
+
+def test_preflight_reads_only_the_small_files_and_fails_what_the_import_would(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hlat.infra.preflight import init_from_finding
+
+    folder = _llama(tmp_path / "llama", shard_bytes="40KB")
+    found = init_from_finding(str(folder))
+    assert found.ok and found.message.endswith(
+        ": llama, 2 layers, d_model 64, " + f"{len(list(folder.glob('*.safetensors')))} safetensors file(s)"
+    )
+    # A hub name: config.json and the index only (the weights stay on the hub until the stage imports them).
+    cache = hub_cache(tmp_path / "hub", "org/tiny-llama", folder)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    assert init_from_finding("org/tiny-llama").message == (
+        f"org/tiny-llama at {HUB_COMMIT[:12]}: llama, 2 layers, d_model 64, {len(list(folder.glob('*.safetensors')))} "
+        "safetensors file(s)"
+    )
+    (folder / "config.json").write_text(
+        json.dumps({**json.loads((folder / "config.json").read_text()), "mlp_bias": True})
+    )
+    bad = init_from_finding(str(folder))
+    assert not bad.ok and "config.json mlp_bias=True" in bad.message
+
+
+def test_the_dry_run_says_where_the_weights_come_from() -> None:
+    from hlat.infra.init_from import model_notes
+
+    notes = model_notes(_config(init_from="org/tiny-llama"))
+    assert notes[0].startswith("weights: from model.init_from=org/tiny-llama; its config.json decides")
+    assert notes[1].startswith("vocabulary: model.vocab_size comes from tokenizer.pretrained=org/tokenizer")
+    assert model_notes(load_config("tiny")) == []
