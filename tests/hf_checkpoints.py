@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -136,3 +137,15 @@ def run_config(location: str | Path, vocab_multiple: int = 1, **overrides: Any) 
     cfg = load_config("tiny", config_overrides(location, vocab_multiple, **overrides))
     followed, _ = model_follows_checkpoint(cfg, Storage(str(location)).read_json("config.json"))
     return followed
+
+
+def fake_trainer(cfg: HlatConfig, run: str | Path, model: torch.nn.Module | None = None, **extra: Any) -> Any:
+    """What `hf_import.import_weights` uses of a Trainer, for one process: the config, the run, a world of one, the
+    model (default: the config's, randomly initialised); `extra` attributes (e.g. optimizer)."""
+    from hlat.training.model import Transformer
+
+    if model is None:
+        model = Transformer(cfg.model)
+        model.init_weights(0)
+    world = SimpleNamespace(layout=SimpleNamespace(pipeline=1), is_main=True)
+    return SimpleNamespace(cfg=cfg, run=Storage(str(run)), world=world, model=model, wrapped=model, **extra)

@@ -22,21 +22,20 @@ from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
 from hlat.training.model import Transformer
 from hlat.training.parallel.tensor_slices import dense_parameters, local_name, shard, unshard
-from tests.hf_checkpoints import ARCHS, VOCAB, original_tensors, run_config, saved, write_import_record
+from tests.hf_checkpoints import (
+    ARCHS,
+    VOCAB,
+    fake_trainer,
+    original_tensors,
+    run_config,
+    saved,
+    write_import_record,
+)
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 SHARDED = "40KB"
 """max_shard_size that splits the tiny models over several files (each tensor is 8-100 KB in float32)."""
-
-
-def fake_trainer(cfg: HlatConfig, run: Path, model: torch.nn.Module | None = None, **extra: Any) -> Any:
-    """What `import_weights` uses of a Trainer, for one process: the config, the run, a world of one, the model."""
-    if model is None:
-        model = Transformer(cfg.model)
-        model.init_weights(0)
-    world = SimpleNamespace(layout=SimpleNamespace(pipeline=1), is_main=True)
-    return SimpleNamespace(cfg=cfg, run=Storage(str(run)), world=world, model=model, wrapped=model, **extra)
 
 
 def imported(
