@@ -1,0 +1,130 @@
+"""Importing Hugging Face checkpoints (model.init_from) into neuronx-distributed's layouts (CPU mode, gloo ranks): a
+tiny random LlamaForCausalLM and GPTNeoXForCausalLM saved by transformers, imported by the Trainer's own resume into
+TP2 (each rank its slices, NxD's parallel layers) and PP2 (each rank its stage), give transformers' logits (TP: the
+vocabulary-parallel logits gathered) or its loss (PP: through NxD's pipeline), and the checkpoint saved right after
+the import (one shard per TP/PP position) exports bitwise to the original tensors.
+
+The ranks run this module (`python -m tests.nxd.test_hf_import <out> <json args>` under torchrun), with the Neuron
+stand-ins installed first, as tests/nxd/worker.py's scenarios do."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hlat.core.layout import CheckpointRef
+from hlat.core.storage import Storage
+from tests.hf_checkpoints import ARCHS, VOCAB, config_overrides, original_tensors, saved, write_import_record
+from tests.nxd.conftest import PROJECT, cpu_mode_environment, make_run
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+LAYOUTS = {
+    "tp2": {"parallelism.tensor": 2, "job.processes_per_node": 2},
+    "pp2": {"parallelism.pipeline": 2, "job.processes_per_node": 2},
+}
+COMMON = {"training.global_batch_size": 8, "training.micro_batch_size": 2, "training.async_checkpoint": False}
+VOCAB_MULTIPLE = 128
+"""320 rows padded to 384: each TP rank's slice of the vocabulary 192 rows, the second one's half padding."""
+
+
+def tokens(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Fixed tokens of the checkpoints' vocabulary: (inputs, targets) of `rows` x 32."""
+    x = torch.randint(0, VOCAB, (rows, 33), generator=torch.Generator().manual_seed(17))
+    return x[:, :-1], x[:, 1:]
+
+
+def run_import_ranks(processes: int, out: Path, run: Path) -> list[dict[str, Any]]:
+    """`rank_main` on `processes` torchrun ranks in NxD's CPU mode; each rank's result, in rank order."""
+    out.mkdir(parents=True, exist_ok=True)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
+        "-m", "tests.nxd.test_hf_import", str(out), json.dumps({"run": str(run)}),
+    ]  # fmt: skip
+    done = subprocess.run(command, cwd=PROJECT, env=cpu_mode_environment(), capture_output=True, text=True, timeout=600)
+    if done.returncode != 0:
+        raise AssertionError(f"import on {processes} ranks exited {done.returncode}:\n{done.stderr[-6000:]}")
+    return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(processes)]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_import_into_tp2_and_pp2_gives_transformers_logits_and_its_checkpoint_exports_bitwise(
+    arch: str, layout: str, prepared: Path, tmp_path: Path
+) -> None:
+    from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
+
+    folder = tmp_path / "hf"
+    hf = saved(arch, folder, seed=31, max_shard_size="40KB")
+    overrides = {**config_overrides(folder, VOCAB_MULTIPLE), **COMMON, **LAYOUTS[layout]}
+    run = make_run(prepared, tmp_path, layout, **overrides)
+    write_import_record(Storage(str(run)), folder)
+    ranks = run_import_ranks(2, tmp_path / "ranks", run)
+
+    inputs, targets = tokens(ranks[0]["rows"])
+    with torch.no_grad():
+        logits = hf(inputs).logits
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
+    for rank, result in enumerate(ranks):
+        assert abs(result["loss"] - loss) <= 1e-5 * loss, (rank, result["loss"], loss)
+        if layout == "tp2":  # the vocabulary-parallel logits of both ranks, gathered
+            assert result["logits"].shape[-1] == 384
+            assert (result["logits"][..., :VOCAB] - logits).abs().max().item() < 1e-5
+            assert torch.isneginf(result["logits"][..., VOCAB:]).all()
+    if layout == "pp2":  # each stage filled its own parameters only
+        stages = [set(r["names"]) for r in ranks]
+        assert not stages[0] & stages[1] and "embed.weight" in stages[0] and "output.weight" in stages[1]
+
+    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
+    exported = to_hf_state_dict(shared["model"], config.model)
+    original = original_tensors(folder)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name
+
+
+# -- one rank -----------------------------------------------------------------------------------------------------
+def rank_main(out: Path, args: dict[str, Any]) -> None:
+    """One rank: the Trainer of the run (its resume imports the checkpoint), the loss (and under TP the gathered
+    logits) on `tokens`, then a checkpoint of step 0; the results in `<out>/rank-<rank>.pt`."""
+    import torch.distributed as dist
+
+    from hlat.core.contract import read_job_config
+    from hlat.training.checkpoint.hf_import import rank_parameters
+    from hlat.training.parallel.distributed import close_world, init_world
+    from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
+
+    cfg = read_job_config(f"{args['run']}/config.json")[1]
+    world = init_world("cpu", cfg)
+    try:
+        trainer = worker.trainer_for(cfg, world, args["run"])
+        assert trainer.resume() == 0  # no checkpoint: it imports model.init_from
+        rows = cfg.gradient_accumulation * cfg.training.micro_batch_size
+        inputs, targets = tokens(rows)
+        result: dict[str, Any] = {"rows": rows, "names": sorted(rank_parameters(trainer))}
+        with torch.no_grad():
+            if world.layout.pipeline > 1:
+                result["loss"] = float(trainer.wrapped.run_eval(tokens=inputs, targets=targets))
+            else:
+                local = trainer.model(inputs)
+                result["loss"] = float(trainer.model.loss(local, targets))
+                pieces = [torch.empty_like(local) for _ in range(world.layout.tensor)]
+                dist.all_gather(pieces, local.contiguous(), group=worker.tp_group())
+                result["logits"] = torch.cat(pieces, dim=-1)
+        trainer.save_checkpoint(0)
+        trainer.ckpt.wait()
+        trainer.loader.close()
+        torch.save(result, out / f"rank-{world.rank}.pt")
+    finally:
+        close_world()
+
+
+if __name__ == "__main__":
+    rank_main(Path(sys.argv[1]), json.loads(sys.argv[2]))
