@@ -1,0 +1,108 @@
+"""Loss-spike skipping on the XLA device (XLA:CPU): a spiking step runs the graphs a normal step runs, with no host
+read, no extra transfer at a sync point and no recompilation after step 2, compared with the same run with
+training.spike_skip off; and its update is not applied (the weights after it are those before it).
+
+Spikes come from tests/spike_hooks.py through the job's `loss_of_step` hook point (the loss of the named steps times
+ten, after the backward: the gradients are a normal step's, the loss decides)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from hlat.core.config import validate_config
+from hlat.core.storage import Storage
+from hlat.training import hooks as job_hooks
+from hlat.training import xla
+from hlat.training.loop import Trainer
+from hlat.training.parallel.distributed import init_world
+from tests import spike_hooks
+from tests.xla.conftest import make_run
+
+STEPS = 20
+LOG_EVERY = 5
+SPIKES = (11, 13)  # quiet steps (no sync point), after the window of 8 is full
+CHANGES = {"training.max_steps": STEPS, "training.log_every": LOG_EVERY, "training.checkpoint_every": 10}
+SPIKY = {"training.spike_skip": True, "training.spike_window": 8}
+
+
+@pytest.fixture
+def spiking(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setenv(job_hooks.HOOKS_ENV, spike_hooks.MODULE)
+    monkeypatch.setenv(spike_hooks.SPIKE_STEPS, ",".join(str(s) for s in SPIKES))
+    job_hooks.hooks.cache_clear()
+    yield
+    job_hooks.hooks.cache_clear()
+
+
+def build(run: Path) -> Trainer:
+    cfg = validate_config(Storage(str(run)).read_json("config.json"))
+    return Trainer(
+        cfg=cfg,
+        run=Storage(str(run)),
+        checkpoints=Storage(str(run / "checkpoints")),
+        world=init_world(cfg.training.device, cfg),
+        tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),
+    )
+
+
+def counted_steps(trainer: Trainer) -> list[dict[str, float]]:
+    """fit() (which must succeed); per step k (index k - 1), the XLA counters' change from the end of step k to the
+    end of step k + 1: step k's sync work, if any, and the whole of step k + 1."""
+    marks: list[dict[str, float]] = []
+    step = trainer.train_step
+
+    def train_step(batches: Any) -> dict[str, Any]:
+        out = step(batches)
+        xla.wait()
+        marks.append(xla.counters())
+        return out
+
+    trainer.train_step = train_step  # type: ignore[method-assign]
+    assert trainer.fit() == 0
+    return [{key: b[key] - a[key] for key in b} for a, b in itertools.pairwise(marks)]
+
+
+def records(run: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_spike_is_skipped_with_the_graphs_and_transfers_of_a_run_without_spike_skipping(
+    prepared: Path, tmp_path: Path, spiking: None
+) -> None:
+    plain = counted_steps(build(make_run(prepared, tmp_path, "plain", **CHANGES)))
+    run = make_run(prepared, tmp_path, "spiky", **CHANGES, **SPIKY)
+    spiky = counted_steps(build(run))
+    assert len(spiky) == len(plain) == STEPS - 1
+    assert sum(d["compilations"] for d in spiky[1:]) == 0, spiky  # after step 2: the same graphs, spike or not
+    for k, (ours, theirs) in enumerate(zip(spiky, plain, strict=True), 1):
+        assert ours["transfers_to_host"] == theirs["transfers_to_host"], (k, ours, theirs)
+        assert ours["executions"] == theirs["executions"], (k, ours, theirs)
+    for spike in SPIKES:  # step `spike` follows a quiet step and is quiet itself: nothing reaches the host
+        assert spiky[spike - 2]["transfers_to_host"] == 0, spiky[spike - 2]
+        assert spiky[spike - 1]["transfers_to_host"] == 0, spiky[spike - 1]
+    logged = {r["step"]: r for r in records(run) if "loss" in r}
+    assert logged[10]["spikes_skipped"] == 0 and logged[15]["spikes_skipped"] == 2 == logged[20]["spikes_skipped"]
+
+
+def test_a_spiking_steps_update_is_not_applied_on_the_device(prepared: Path, tmp_path: Path, spiking: None) -> None:
+    trainer = build(make_run(prepared, tmp_path, "weights", **{**CHANGES, **SPIKY, "training.max_steps": 12}))
+    after: list[dict[str, torch.Tensor]] = []
+    step = trainer.train_step
+
+    def train_step(batches: Any) -> dict[str, Any]:
+        out = step(batches)
+        after.append(trainer.world.to_host({k: v.detach().clone() for k, v in trainer.model.state_dict().items()}))
+        return out
+
+    trainer.train_step = train_step  # type: ignore[method-assign]
+    assert trainer.fit() == 0
+    for name, before in after[9].items():  # after step 11: the weights after step 10
+        assert torch.equal(after[10][name], before), name
+    assert any(not torch.equal(after[11][n], after[10][n]) for n in after[10])  # step 12 is applied
