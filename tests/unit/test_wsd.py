@@ -132,3 +132,45 @@ def test_open_run_extends_a_wsd_run_in_place_and_refuses_cosine_as_before(tmp_pa
     open_run(cosine)
     with pytest.raises(ConfigError, match=r"also set training\.schedule_steps=40"):
         open_run(load_config("tiny", {"training.max_steps": 60}, run_id="c", storage=str(tmp_path)))
+
+
+@pytest.mark.slow
+def test_a_wsd_job_extended_by_half_continues_bitwise_and_one_past_its_decay_is_refused(
+    prepared: Path, tmp_path: Path
+) -> None:
+    from tests.jobs import final_weights, make_run, metrics, train
+    from tests.sizes import SMALL_DATA
+
+    common = {"checkpoint_every": 4, "eval_every": 0, "warmup_steps": 2, "schedule": "wsd", "keep_checkpoints": 5}
+    whole = make_run(prepared, tmp_path, "whole", max_steps=12, **common)
+    code, out = train(whole)
+    assert code == 0, out[-3000:]
+
+    # An 8-step run (its decay would start at step 7) stopped at step 6 (a NaN exit; checkpoint 4), then extended to
+    # 12 steps in place: the relaunch resumes from step 4 under the 12-step schedule.
+    ext = make_run(prepared, tmp_path, "ext", max_steps=8, **common)
+    code, out = train(ext, {"HLAT_FAULT_NAN_AT_STEP": "6"})
+    assert code == 3, out[-3000:]
+
+    def extended(max_steps: int) -> None:
+        overrides = {**SMALL_DATA, **{f"training.{k}": v for k, v in common.items()}, "training.max_steps": max_steps}
+        open_run(load_config("tiny", overrides, run_id="ext", storage=str(tmp_path)))
+
+    extended(12)
+    code, out = train(ext)
+    assert code == 0 and "resumed from step 4" in out, out[-3000:]
+
+    def history(run: Path) -> list[tuple[int, float, float]]:
+        return [(r["step"], r["lr"], r["loss"]) for r in metrics(run) if "loss" in r]
+
+    assert history(ext) == history(whole)  # every step's learning rate and loss, bitwise
+    lrs = [lr for _, lr, _ in history(ext)]
+    assert lrs[2:9] == [lrs[2]] * 7  # the peak held from the warm-up's end past the old decay's start: no re-warm
+    for name, tensor in final_weights(whole).items():
+        assert torch.equal(final_weights(ext)[name], tensor), name
+
+    # Past its decay (it began at step 10 of 12), a longer run is refused by the job, saying why and what to do.
+    extended(18)
+    code, out = train(ext)
+    assert code != 0
+    assert "its decay began at step 10 and it has taken 12 steps; start a new run from its checkpoint" in out
