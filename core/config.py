@@ -530,6 +530,16 @@ class TrainingConfig(Section):
     accumulation + 1 graphs per step, each one small to compile; 'step': one graph for the whole optimizer step
     (fewest launches, largest compile)."""
 
+    @model_validator(mode="after")
+    def _check_schedule(self) -> TrainingConfig:
+        if self.decay_steps is not None and self.schedule != "wsd":
+            raise ValueError(
+                f"training.decay_steps={self.decay_steps} is the decay of training.schedule='wsd'; the "
+                f"'{self.schedule}' schedule decays over its whole horizon: set training.schedule=wsd, or leave "
+                "training.decay_steps unset"
+            )
+        return self
+
     @property
     def schedule_horizon(self) -> int:
         """The schedule's length in steps: schedule_steps, or max_steps when unset."""

@@ -174,3 +174,8 @@ def test_a_wsd_job_extended_by_half_continues_bitwise_and_one_past_its_decay_is_
     code, out = train(ext)
     assert code != 0
     assert "its decay began at step 10 and it has taken 12 steps; start a new run from its checkpoint" in out
+
+
+def test_decay_steps_without_wsd_is_refused_naming_the_fix() -> None:
+    with pytest.raises(ConfigError, match=r"decay_steps=50 is the decay of training\.schedule='wsd'.*schedule=wsd"):
+        load_config("tiny", {"training.decay_steps": 50})
