@@ -228,3 +228,78 @@ def test_the_dry_run_says_where_the_weights_come_from() -> None:
     assert notes[0].startswith("weights: from model.init_from=org/tiny-llama; its config.json decides")
     assert notes[1].startswith("vocabulary: model.vocab_size comes from tokenizer.pretrained=org/tokenizer")
     assert model_notes(load_config("tiny")) == []
+
+
+@pytest.mark.slow
+def test_the_train_stage_imports_published_weights_and_trains_and_exports_from_them(
+    prefect_server: None, prepared: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The continued-pretraining recipe's path at tiny scale: one folder holds a LLaMA checkpoint and its tokenizer
+    (model.init_from and tokenizer.pretrained), the tokenizer stage copies the tokenizer, the train stage imports the
+    weights, the job's model takes the checkpoint's shape, and two steps at a negligible learning rate leave weights
+    that export to what transformers computes with the original ones."""
+    import itertools
+    import shutil
+
+    import torch
+    from transformers import LlamaForCausalLM
+
+    from hlat.core.shards import iter_documents, read_manifest
+    from hlat.flows.train import train
+    from hlat.flows.train_tokenizer import train_tokenizer
+    from hlat.infra.runs import open_run
+    from hlat.training.checkpoint.hf_export import export_checkpoint
+    from tests.conftest import SMALL_RUN
+    from tests.jobs import source_data
+    from tests.pretrained_tokenizers import llama_like
+
+    data = source_data(Storage(str(prepared / "data")))
+    texts = list(itertools.islice(iter_documents(data, read_manifest(data), "train"), 200))
+    folder = llama_like(tmp_path / "published", texts, vocab_size=400)
+    _llama(folder, vocab_size=400, max_position_embeddings=256)
+    overrides: dict[str, Any] = {
+        **SMALL_RUN,
+        "model.init_from": str(folder),
+        "tokenizer.pretrained": str(folder),
+        "training.max_steps": 2,
+        "training.checkpoint_every": 2,
+        "training.eval_every": 2,
+        "training.warmup_steps": 1,
+        "training.lr": 1e-9,  # the weights stay the imported ones to ~1e-9
+        "training.schedule": "wsd",
+        "training.decay_steps": 1,
+    }
+    open_run(load_config("tiny", overrides, run_id="continued", storage=str(tmp_path)))
+    run = tmp_path / "continued"
+    shutil.copytree(prepared / "data", run / "data")
+    train_tokenizer(preset="tiny", overrides=overrides, run_id="continued", storage=str(tmp_path))
+    summary = train(preset="tiny", overrides=overrides, run_id="continued", storage=str(tmp_path))
+    assert summary["final_step"] == 2
+    record = json.loads((run / IMPORT_RECORD).read_text())
+    assert record["source"] == str(folder) and record["config"]["hidden_size"] == 64
+    lines = [r.getMessage() for r in caplog.records]
+    changed = "model: d_model 128 -> 64, n_kv_heads None -> 2, ffn_hidden 344 -> 96, norm_eps 1e-05 -> 1e-06 (the"
+    assert any(line.startswith(f"train: {changed}") for line in lines)  # the stage says it once
+    assert any(line.startswith(f"rank0 {changed}") for line in lines)  # and the job (its log)
+    assert any(line.startswith("rank0 imported 21 tensors") and record["sha256"][:12] in line for line in lines)
+
+    exported, _ = export_checkpoint(str(run), tmp_path / "hf")
+    ours, theirs = LlamaForCausalLM.from_pretrained(exported), LlamaForCausalLM.from_pretrained(folder)
+    tokens = torch.randint(0, 400, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.allclose(ours(tokens).logits, theirs(tokens).logits, atol=1e-4)
+
+
+def test_the_continued_pretraining_recipe_is_a_valid_config_file() -> None:
+    from hlat.cli import read_config_file
+
+    recipe = Path(__file__).resolve().parents[2] / "deployments" / "continue-llama2-7b.yaml"
+    preset, overrides = read_config_file(str(recipe))
+    config = load_config(preset or "tiny", overrides)
+    assert config.model.init_from == config.tokenizer.pretrained == "meta-llama/Llama-2-7b-hf"
+    assert (config.training.schedule, config.training.max_steps) == ("wsd", 2500)
+    # The preset's shape is LLaMA-2 7B's already: the import changes nothing in it.
+    llama2 = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+              "num_key_value_heads": 32, "max_position_embeddings": 4096, "vocab_size": 32000, "rms_norm_eps": 1e-5}  # fmt: skip
+    hf = _hf("llama", **llama2, head_dim=128)
+    assert model_follows_checkpoint(config, hf) == (config, None)
