@@ -299,7 +299,9 @@ def test_the_continued_pretraining_recipe_is_a_valid_config_file() -> None:
     assert config.model.init_from == config.tokenizer.pretrained == "meta-llama/Llama-2-7b-hf"
     assert (config.training.schedule, config.training.max_steps) == ("wsd", 2500)
     # The preset's shape is LLaMA-2 7B's already: the import changes nothing in it.
-    llama2 = {"hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
-              "num_key_value_heads": 32, "max_position_embeddings": 4096, "vocab_size": 32000, "rms_norm_eps": 1e-5}  # fmt: skip
+    llama2 = {
+        "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32, "num_attention_heads": 32,
+        "num_key_value_heads": 32, "max_position_embeddings": 4096, "vocab_size": 32000, "rms_norm_eps": 1e-5,
+    }  # fmt: skip
     hf = _hf("llama", **llama2, head_dim=128)
     assert model_follows_checkpoint(config, hf) == (config, None)
