@@ -959,6 +959,45 @@ class EvaluationConfig(Section):
     """Wall-clock limit of one evaluation job."""
 
 
+class TrackingConfig(Section):
+    """Experiment tracking in the team's own tool, beside the run's TensorBoard files and metrics.jsonl. Every attempt
+    of a run logs into one tracked run (resumed across relaunches, never duplicated)."""
+
+    backend: Literal["none", "mlflow", "wandb"] = "none"
+    """'mlflow' (MLflow tracking: a server, SageMaker's managed MLflow, or a local store), 'wandb' (Weights & Biases),
+    or 'none' (TensorBoard files and metrics.jsonl only)."""
+    mlflow_tracking_uri: str | None = None
+    """MLflow's tracking URI (an http(s) server, a sqlite:/// or file: store); None: a SQLite store in the run's
+    tracking/ folder for a local run, and with mlflow_tracking_server_arn that server."""
+    mlflow_tracking_server_arn: str | None = None
+    """A SageMaker managed MLflow tracking server (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME): the
+    training job's request carries it (CreateTrainingJob MlflowConfig) and the stages log to it through the
+    sagemaker-mlflow plugin."""
+    experiment: str = "hlat"
+    """MLflow experiment, or W&B project, the run is logged under."""
+    wandb_entity: str | None = None
+    """W&B entity (team or user); None: the API key's default."""
+    wandb_mode: Literal["online", "offline"] = "online"
+    """W&B mode: 'offline' writes the run under the run's tracking/ folder for a later `wandb sync`."""
+
+
+class AlertsConfig(Section):
+    """Notifications when a run needs a person: Prefect automations (created by `hlat deploy`) that send through a
+    Prefect notification block. Each alert says what happened, the run, and how to look."""
+
+    block: str | None = None
+    """The Prefect notification block alerts go through, as 'TYPE/NAME' (e.g. 'slack-webhook/hlat-alerts',
+    'custom-webhook/oncall'); None: no alerts. The block holds the webhook and its secrets, never the config."""
+    stalled_minutes: int = Field(60, ge=1)
+    """Alert when a training job has made no progress (no new step) for this long."""
+    max_relaunches: int = Field(3, ge=1)
+    """Alert when a run relaunches its training job more than this many times."""
+    budget_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.9])
+    """Alert when the spend crosses each of these fractions of job.budget_usd."""
+    eval_floors: dict[str, float] = Field(default_factory=dict)
+    """Alert when an evaluation metric comes out below its floor (metric name -> minimum, e.g. {"hellaswag": 0.3})."""
+
+
 class HlatConfig(Section):
     """An hlat run: everything that determines its outputs."""
 
@@ -992,6 +1031,10 @@ class HlatConfig(Section):
     """Parallelism planning advice and the prices it compares."""
     evaluation: EvaluationConfig = Field(default_factory=EvaluationConfig)
     """Evaluation."""
+    tracking: TrackingConfig = Field(default_factory=TrackingConfig)
+    """Experiment tracking (MLflow, W&B)."""
+    alerts: AlertsConfig = Field(default_factory=AlertsConfig)
+    """Notifications through Prefect automations."""
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> HlatConfig:
@@ -1077,13 +1120,12 @@ class HlatConfig(Section):
 
     def fingerprint(self) -> str:
         """Hash of everything that determines the run's outputs. Excluded: run_id, the storage root, evaluation,
-        precompile, burn-in, the planner, the Neuron compiler and runtime settings and the job's operational
-        settings (budget, restarts, polling, networking...), which may change between relaunches of the same run.
-        A relaunch with other Neuron settings continues the same run; the compile cache's key holds the ones that
-        change the compiled graphs, so those are rebuilt."""
-        body = self.model_dump(
-            mode="json", exclude={"run_id", "storage", "evaluation", "precompile", "burn_in", "planner", "neuron"}
-        )
+        tracking, alerts, precompile, burn-in, the planner, the Neuron compiler and runtime settings and the job's
+        operational settings (budget, restarts, polling, networking...), which may change between relaunches of the
+        same run. A relaunch with other Neuron settings continues the same run; the compile cache's key holds the ones
+        that change the compiled graphs, so those are rebuilt."""
+        operational = {"evaluation", "precompile", "burn_in", "planner", "neuron", "tracking", "alerts"}
+        body = self.model_dump(mode="json", exclude={"run_id", "storage", *operational})
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
         body["data"] = {k: v for k, v in body["data"].items() if k not in OPERATIONAL_DATA_FIELDS}
         body["training"] = {k: v for k, v in body["training"].items() if k not in OPERATIONAL_TRAINING_FIELDS}
