@@ -50,3 +50,11 @@ def test_checkpoint_benchmark_runs_and_loads_back_what_its_peer_saved() -> None:
     out = main([*args, "--batch", "2", "--seq", "16", "--repeats", "1"])  # asserts the checkpoint equals the peer's
     assert "plain write of the tensor bytes + fsync (peer)" in out and "CheckpointManager, sync " in out
     assert "async: loop blocked, later saves" in out
+
+
+def test_import_benchmark_runs_and_its_dense_import_holds_the_peers_weights() -> None:
+    from benchmarks.bench_import import main
+
+    args = ["--layers", "2", "--d-model", "128", "--heads", "4", "--ffn", "256", "--vocab", "1000"]
+    out = main([*args, "--shard-mb", "0.3", "--tp", "2", "--pp", "2"])  # asserts the dense import equals the peer
+    assert "dense (1 x 1)" in out and "tp1 pp1 of 2 x 2" in out and "load_file into the dense parameters (peer)" in out

@@ -310,11 +310,11 @@ def _copy(param: nn.Parameter, value: Tensor, name: str) -> None:
     if tuple(value.shape) != tuple(param.shape):
         raise ValueError(f"import: {name} is {list(param.shape)} on this rank, its slice {list(value.shape)}")
     value = value.to(param.dtype)
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    if isinstance(param, DTensor):
+    # A DTensor parameter means FSDP2 has imported torch.distributed.tensor (a second of imports otherwise).
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(param, dtensor.DTensor):
         # Each rank cuts its own shard from the whole tensor it read (src_data_rank=None: no collective).
-        value = distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
+        value = dtensor.distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
     param.copy_(value)
 
 
