@@ -804,9 +804,11 @@ class Trainer:
     def _restore(self, shared: dict[str, Any], mine: dict[str, Any]) -> None:
         self.scheduler.load_state_dict(shared["scheduler"])
         restore_rank_state(mine, self.loader)
-        if self.spikes is not None and "spikes" in shared:  # none: a checkpoint from before spike_skip was on
+        if self.spikes is not None and "spikes" in shared:
             self.spikes.load_state_dict(shared["spikes"])
             self._spikes_restored = int(shared["spikes"]["skipped"])
+        elif self.spikes is not None:
+            log.info("training.spike_skip: the checkpoint holds no spike window (saved with it off): it starts empty")
 
     def _held_out_loss(self, chunk: list[DeviceBatch]) -> torch.Tensor:
         if self.world.layout.pipeline > 1:  # averaged over the micro-batches and the data-parallel group, every stage
