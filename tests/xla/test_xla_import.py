@@ -1,0 +1,66 @@
+"""Importing a Hugging Face checkpoint (model.init_from) into a model already on the XLA device (XLA:CPU): the
+Trainer's resume gives each parameter its tensor as device data, compiling and executing nothing and leaving no
+operation pending for the loop's first graph; the imported model gives transformers' logits, and a checkpoint saved
+right after exports bitwise to the original tensors."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from hlat.core.config import validate_config
+from hlat.core.layout import CheckpointRef
+from hlat.core.storage import Storage
+from hlat.training import xla
+from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
+from hlat.training.loop import Trainer
+from hlat.training.parallel.distributed import init_world
+from tests.hf_checkpoints import ARCHS, VOCAB, config_overrides, original_tensors, saved, write_import_record
+from tests.xla.conftest import make_run
+
+os.environ["HF_HUB_OFFLINE"] = "1"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_an_import_on_the_xla_device_runs_no_graph_and_gives_transformers_logits(
+    arch: str, prepared: Path, tmp_path: Path
+) -> None:
+    folder = tmp_path / "hf"
+    hf = saved(arch, folder, seed=41, max_shard_size="40KB")
+    overrides = {**config_overrides(folder, 64), "training.async_checkpoint": False}
+    run = make_run(prepared, tmp_path, arch, **overrides)
+    write_import_record(Storage(str(run)), folder)
+    cfg = validate_config(Storage(str(run)).read_json("config.json"))
+    trainer = Trainer(
+        cfg=cfg,
+        run=Storage(str(run)),
+        checkpoints=Storage(str(run / "checkpoints")),
+        world=init_world(cfg.training.device, cfg),
+        tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),
+    )
+    xla.wait()
+    before = xla.counters()
+    assert trainer.resume() == 0  # no checkpoint: the import
+    assert all(p.device.type == "xla" for p in trainer.model.parameters())
+    # Nothing pending: a graph cut right after the import has nothing to compile or execute.
+    xla.mark_step()
+    xla.wait()
+    after = xla.counters()
+    assert after["compilations"] == before["compilations"] and after["executions"] == before["executions"]
+
+    x = torch.randint(0, VOCAB, (2, 32), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        ours = trainer.model(x.to(trainer.world.device)).cpu()
+        diff = (ours[..., :VOCAB] - hf(x).logits).abs().max().item()
+    assert diff < 1e-5, diff
+
+    trainer.save_checkpoint(0)
+    trainer.ckpt.wait()
+    trainer.loader.close()
+    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
+    exported = to_hf_state_dict(shared["model"], config.model)
+    for name, tensor in original_tensors(folder).items():
+        assert torch.equal(exported[name], tensor), name
