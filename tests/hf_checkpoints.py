@@ -2,7 +2,11 @@
 transformers (`save_pretrained`: safetensors, one file, or shards and their index with `max_shard_size`), the run
 config a job would build for them (`run_config`: the model the checkpoint's config.json describes), and the run's
 import record (`write_import_record`), as the train stage writes it before the first job (core/init_from.py).
-Nothing is downloaded."""
+Nothing is downloaded.
+
+The XLA and NxD tiers' environments have no transformers (the Neuron images' job side): there
+`write_checkpoint` writes the same layout itself (config.json with transformers' keys, the tensors under their HF
+names in shards with model.safetensors.index.json); tests/unit/test_hf_import.py shows transformers loads it."""
 
 from __future__ import annotations
 
@@ -149,3 +153,69 @@ def fake_trainer(cfg: HlatConfig, run: str | Path, model: torch.nn.Module | None
         model.init_weights(0)
     world = SimpleNamespace(layout=SimpleNamespace(pipeline=1), is_main=True)
     return SimpleNamespace(cfg=cfg, run=Storage(str(run)), world=world, model=model, wrapped=model, **extra)
+
+
+HF_CONFIG = {
+    "llama": {
+        **LLAMA,
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_act": "silu",
+        "rope_theta": 10000.0,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "torch_dtype": "float32",
+    },
+    "gpt_neox": {
+        **NEOX,
+        "architectures": ["GPTNeoXForCausalLM"],
+        "model_type": "gpt_neox",
+        "rotary_emb_base": 10000,
+        "torch_dtype": "float32",
+    },
+}
+"""config.json of `write_checkpoint`'s models: LLAMA's and NEOX's shapes under transformers' keys."""
+
+
+def write_checkpoint(arch: str, folder: Path, seed: int = 0, shard_bytes: int = 40_000) -> dict[str, torch.Tensor]:
+    """A random float32 checkpoint of `arch` (HF_CONFIG's shape) as save_pretrained lays one out, without
+    transformers: config.json, shards of about `shard_bytes` and model.safetensors.index.json; every tensor drawn
+    from N(0, 0.2). Returns the tensors."""
+    from safetensors.torch import save_file
+
+    from hlat.core.config import ModelConfig
+    from hlat.core.init_from import model_fields
+    from hlat.training.checkpoint.hf_export import _gpt_neox_shapes, _llama_shapes
+
+    config = HF_CONFIG[arch]
+    cfg = ModelConfig(**model_fields(config))
+    shapes = _gpt_neox_shapes(cfg) if arch == "gpt_neox" else _llama_shapes(cfg)
+    generator = torch.Generator().manual_seed(seed)
+    tensors = {name: torch.randn(shape, generator=generator) * 0.2 for name, shape in sorted(shapes.items())}
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    for name, tensor in tensors.items():
+        if shards[-1] and sum(t.nbytes for t in shards[-1].values()) + tensor.nbytes > shard_bytes:
+            shards.append({})
+        shards[-1][name] = tensor
+    folder.mkdir(parents=True, exist_ok=True)
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, str(folder / file), metadata={"format": "pt"})
+        weight_map |= dict.fromkeys(shard, file)
+    index = {"metadata": {"total_size": sum(t.nbytes for t in tensors.values())}, "weight_map": weight_map}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    (folder / "config.json").write_text(json.dumps(config, indent=2))
+    return tensors
+
+
+def dense_import(folder: Path, vocab_multiple: int = 1) -> Any:
+    """The dense model (`training.model.Transformer`, float32, eval mode) of the run starting from `folder`, its
+    weights imported (`hf_import.fill_parameters`)."""
+    from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters
+    from hlat.training.model import Transformer
+
+    cfg = run_config(folder, vocab_multiple)
+    model = Transformer(cfg.model)
+    fill_parameters(model, dict(model.named_parameters()), SafetensorsReader(Storage(str(folder))))
+    return model.eval()

@@ -15,19 +15,20 @@ import torch.multiprocessing as mp
 
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import export_hf, read_checkpoint, to_hf_state_dict
-from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
-from hlat.training.model import Transformer
-from tests.hf_checkpoints import ARCHS, VOCAB, fake_trainer, original_tensors, run_config, saved, write_import_record
+from hlat.training.checkpoint.hf_import import import_weights
+from tests.hf_checkpoints import (
+    ARCHS,
+    VOCAB,
+    dense_import,
+    fake_trainer,
+    original_tensors,
+    run_config,
+    saved,
+    write_import_record,
+)
 from tests.integration.conftest import S3Env, free_port
 
 os.environ["HF_HUB_OFFLINE"] = "1"
-
-
-def dense_import(folder: Path, vocab_multiple: int) -> Transformer:
-    cfg = run_config(folder, vocab_multiple)
-    model = Transformer(cfg.model)
-    fill_parameters(model, dict(model.named_parameters()), SafetensorsReader(Storage(str(folder))))
-    return model
 
 
 def fsdp_rank(

@@ -1,8 +1,10 @@
 """Importing Hugging Face checkpoints (model.init_from) into neuronx-distributed's layouts (CPU mode, gloo ranks): a
-tiny random LlamaForCausalLM and GPTNeoXForCausalLM saved by transformers, imported by the Trainer's own resume into
-TP2 (each rank its slices, NxD's parallel layers) and PP2 (each rank its stage), give transformers' logits (TP: the
-vocabulary-parallel logits gathered) or its loss (PP: through NxD's pipeline), and the checkpoint saved right after
-the import (one shard per TP/PP position) exports bitwise to the original tensors.
+tiny random LlamaForCausalLM and GPTNeoXForCausalLM checkpoint (`tests.hf_checkpoints.write_checkpoint`: this tier's
+environment has no transformers; the unit tier shows transformers loads that layout and that the dense import gives
+its logits), imported by the Trainer's own resume into TP2 (each rank its slices, NxD's parallel layers) and PP2
+(each rank its stage), give the dense import's logits (TP: the vocabulary-parallel logits gathered) or its loss (PP:
+through NxD's pipeline), and the checkpoint saved right after the import (one shard per TP/PP position) exports
+bitwise to the original tensors.
 
 The ranks run this module (`python -m tests.nxd.test_hf_import <out> <json args>` under torchrun), with the Neuron
 stand-ins installed first, as tests/nxd/worker.py's scenarios do."""
@@ -21,7 +23,15 @@ import torch
 
 from hlat.core.layout import CheckpointRef
 from hlat.core.storage import Storage
-from tests.hf_checkpoints import ARCHS, VOCAB, config_overrides, original_tensors, saved, write_import_record
+from tests.hf_checkpoints import (
+    ARCHS,
+    VOCAB,
+    config_overrides,
+    dense_import,
+    original_tensors,
+    write_checkpoint,
+    write_import_record,
+)
 from tests.nxd.conftest import PROJECT, cpu_mode_environment, make_run
 
 os.environ["HF_HUB_OFFLINE"] = "1"
@@ -56,13 +66,13 @@ def run_import_ranks(processes: int, out: Path, run: Path) -> list[dict[str, Any
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 @pytest.mark.parametrize("arch", ARCHS)
-def test_an_import_into_tp2_and_pp2_gives_transformers_logits_and_its_checkpoint_exports_bitwise(
+def test_an_import_into_tp2_and_pp2_gives_the_dense_logits_and_its_checkpoint_exports_bitwise(
     arch: str, layout: str, prepared: Path, tmp_path: Path
 ) -> None:
     from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
 
     folder = tmp_path / "hf"
-    hf = saved(arch, folder, seed=31, max_shard_size="40KB")
+    write_checkpoint(arch, folder, seed=31)
     overrides = {**config_overrides(folder, VOCAB_MULTIPLE), **COMMON, **LAYOUTS[layout]}
     run = make_run(prepared, tmp_path, layout, **overrides)
     write_import_record(Storage(str(run)), folder)
@@ -70,7 +80,7 @@ def test_an_import_into_tp2_and_pp2_gives_transformers_logits_and_its_checkpoint
 
     inputs, targets = tokens(ranks[0]["rows"])
     with torch.no_grad():
-        logits = hf(inputs).logits
+        logits = dense_import(folder, VOCAB_MULTIPLE)(inputs)[..., :VOCAB]
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten()).item()
     for rank, result in enumerate(ranks):
         assert abs(result["loss"] - loss) <= 1e-5 * loss, (rank, result["loss"], loss)

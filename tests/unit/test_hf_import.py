@@ -24,11 +24,14 @@ from hlat.training.model import Transformer
 from hlat.training.parallel.tensor_slices import dense_parameters, local_name, shard, unshard
 from tests.hf_checkpoints import (
     ARCHS,
+    HF_CONFIG,
     VOCAB,
+    dense_import,
     fake_trainer,
     original_tensors,
     run_config,
     saved,
+    write_checkpoint,
     write_import_record,
 )
 
@@ -270,3 +273,20 @@ def test_zero1_master_weights_are_made_again_from_the_imported_parameters(tmp_pa
     zero1 = SimpleNamespace(init_zero=lambda: calls.append(1))
     import_weights(fake_trainer(cfg, tmp_path / "run", optimizer=SimpleNamespace(optimizer=zero1)))
     assert calls == [1]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_xla_and_nxd_tiers_checkpoint_writer_lays_out_what_transformers_loads(arch: str, tmp_path: Path) -> None:
+    """`write_checkpoint` (for the tiers without transformers): transformers loads it with every tensor it has and
+    no other, and the dense import gives its logits."""
+    from transformers import AutoModelForCausalLM
+
+    tensors = write_checkpoint(arch, tmp_path / "hf", seed=13)
+    assert len(list((tmp_path / "hf").glob("*.safetensors"))) > 3
+    hf, info = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf"), output_loading_info=True)
+    assert not any(info[key] for key in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    assert type(hf).__name__ == HF_CONFIG[arch]["architectures"][0]
+    x = tokens()
+    with torch.no_grad():
+        assert (dense_import(tmp_path / "hf")(x) - hf.eval()(x).logits).abs().max().item() < 1e-5
+    assert set(tensors) == set(original_tensors(tmp_path / "hf"))
