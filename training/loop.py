@@ -33,8 +33,8 @@ deviations above their mean is not applied, decided on the device like nan_polic
 for a spiking step and a normal one, no host read), and its values stay out of the window. Under NxD, whose optimizer
 clips inside step(), the norm exists only after the update: the loss alone decides there. The skipped steps are
 counted on the device and read at the next sync point, which logs the newest ("step 1234: loss spike skipped (loss 9.1
-vs window mean 3.2 +/- 0.1); 3 skipped so far") and records `spikes_skipped` in metrics.jsonl. training.
-spike_max_consecutive spikes in a row end the job at that sync point, before any hook saves a checkpoint: exit
+vs window mean 3.2 +/- 0.1); 3 skipped so far") and records `spikes_skipped` in metrics.jsonl. As many spikes in a
+row as training.spike_max_consecutive end the job at that sync point, before any hook saves a checkpoint: exit
 EXIT_LOSS_SPIKES with a `LossSpikes: ...` failure record naming the steps, which the supervisor does not relaunch. The
 window and counters go into every checkpoint's shared state, so a resumed run skips exactly the steps an
 uninterrupted one does.
