@@ -80,3 +80,37 @@ def test_a_run_with_spikes_killed_and_resumed_is_bitwise_the_uninterrupted_one(p
         assert ours[part].keys() == theirs[part].keys()
         for name in ours[part]:
             assert torch.equal(ours[part][name], theirs[part][name]), (part, name)
+
+
+def test_a_job_stopped_by_spikes_in_a_row_is_not_relaunched_by_the_train_stage(
+    prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Through the local job backend and the train stage's supervisor: the job exits EXIT_LOSS_SPIKES with its
+    failure record, and the stage stops with one line naming the steps, after one job (job.max_repeats is 3)."""
+    from hlat.core.presets import load_config
+    from hlat.infra.runs import Run
+    from hlat.infra.stage_jobs import supervisor_for
+    from hlat.infra.supervisor import JobFailed
+    from tests.sizes import SMALL_DATA
+
+    training = {**RUN, "max_steps": 14, "spike_max_consecutive": 3}
+    job = {"job.poll_seconds": 0.5, "job.max_repeats": 3}
+    run_id = "diverged"
+    run = make_run(prepared, tmp_path, run_id, **training, **job)
+    config = load_config(
+        "tiny", {**SMALL_DATA, **{f"training.{k}": v for k, v in training.items()}, **job}, run_id=run_id,
+        storage=str(tmp_path),
+    )  # fmt: skip
+    monkeypatch.setenv("HLAT_JOB_HOOKS", spike_hooks.MODULE)  # the job's processes inherit the test's environment
+    monkeypatch.setenv(spike_hooks.SPIKE_STEPS, "10,11,12")
+
+    def latest() -> int | None:
+        return CheckpointManager(Storage(str(run / "checkpoints")), keep_last=1).latest_step()
+
+    with pytest.raises(JobFailed) as info:
+        supervisor_for(Run.at(str(run), config, run_id), current_step=latest).run_to_completion()
+    message = str(info.value)
+    assert "\n" not in message and "the run diverged, not relaunched" in message, message
+    assert "LossSpikes: steps 10-12 spiked 3 in a row" in message, message
+    assert [(a.action, a.category) for a in info.value.attempts] == [("fatal", "loss-spikes")]
+    assert latest() == 8  # no checkpoint of the spiking steps
