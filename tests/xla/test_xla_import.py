@@ -50,6 +50,7 @@ def test_an_import_on_the_xla_device_runs_no_graph_and_gives_the_dense_logits(
         world=init_world(cfg.training.device, cfg),
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),
     )
+    xla.mark_step()  # what building the trainer left pending
     xla.wait()
     before = xla.counters()
     assert trainer.resume() == 0  # no checkpoint: the import

@@ -22,10 +22,10 @@ names of `hf_export`, in reverse), padding the vocabulary rows with zeros up to 
 GPT-NeoX's fused `query_key_value` is read once and split into our q, k, v projections (`hf_export.split_qkv`); it is
 held until its three parts are filled, then dropped. So a rank holds its own parameters plus one checkpoint tensor
 (a padded embedding: its copy too; under TP: its slice too) at a time. Values are copied into the parameters' dtype
-(a bf16-sr model is BF16). On XLA a parameter is given the tensor moved to the device, as `model.to(device)` moved
-the model there: a host-to-device transfer, with no computation left pending for the loop's first graph. ZeRO-1's
-master weights, made from the parameters when the optimizer was built, are made again from the imported ones (the
-optimizer has taken no step).
+(a bf16-sr model is BF16). On XLA the copy into a device parameter is a host-to-device transfer, as loading a
+checkpoint's state dict is: no computation is left pending for the loop's first graph. ZeRO-1's master weights,
+made from the parameters when the optimizer was built, are made again from the imported ones (the optimizer has
+taken no step).
 
 Every parameter of the rank is filled exactly once; a tensor the model needs that the checkpoint lacks, a shape that
 differs from the config's, or a tensor the model does not take (other than known non-parameters: rotary `inv_freq`
@@ -151,8 +151,14 @@ class SafetensorsReader:
         for name, spec in header.items():
             if name == "__metadata__":
                 continue
-            begin, end = spec["data_offsets"]
-            entries[name] = TensorEntry(file, spec["dtype"], tuple(spec["shape"]), 8 + length + begin, 8 + length + end)
+            try:
+                begin, end = (int(offset) for offset in spec["data_offsets"])
+                shape = tuple(int(size) for size in spec["shape"])
+                entries[name] = TensorEntry(file, str(spec["dtype"]), shape, 8 + length + begin, 8 + length + end)
+            except (KeyError, TypeError, ValueError):
+                raise _refuse(
+                    self.source, f"{self.store.uri(file)}: {name}'s header entry {spec!r} is malformed"
+                ) from None
         self._headers[file] = entries
         return entries
 
@@ -316,12 +322,9 @@ def _copy(param: nn.Parameter, value: Tensor, name: str) -> None:
     if dtensor is not None and isinstance(param, dtensor.DTensor):
         # Each rank cuts its own shard from the whole tensor it read (src_data_rank=None: no collective).
         value = dtensor.distribute_tensor(value, param.device_mesh, param.placements, src_data_rank=None)
-    if param.device.type == "xla":
-        # A transfer to the device's own buffer, as `model.to(device)` moved the model there (nn.Module._apply sets
-        # each parameter's data): the parameter is device data again, with no operation pending for the loop's
-        # first graph. The Parameter object stays (the optimizer and NxD's attributes hold it).
-        param.data = value.to(param.device)
-        return
+    # On XLA, a copy from the host is a transfer into the parameter's device data (torch-xla's _copy_from), as
+    # loading a checkpoint's state dict is: no operation is left pending for the loop's first graph
+    # (tests/xla/test_xla_import.py).
     param.copy_(value)
 
 
