@@ -987,15 +987,27 @@ class AlertsConfig(Section):
 
     block: str | None = None
     """The Prefect notification block alerts go through, as 'TYPE/NAME' (e.g. 'slack-webhook/hlat-alerts',
-    'custom-webhook/oncall'); None: no alerts. The block holds the webhook and its secrets, never the config."""
-    stalled_minutes: int = Field(60, ge=1)
-    """Alert when a training job has made no progress (no new step) for this long."""
+    'custom-webhook/oncall'); None: no alerts. The block holds the webhook and its secrets, never the config.
+    `hlat deploy` makes the automations (tasks/alerts.py) from the deployments' configs; they are the Prefect
+    server's, one set for every hlat run it sees."""
+    stalled_minutes: float = Field(60, ge=1 / 6)
+    """Alert when a training job has made no progress (no new step) for this long; at least 10 s, the shortest
+    window a Prefect proactive trigger takes."""
     max_relaunches: int = Field(3, ge=1)
     """Alert when a run relaunches its training job more than this many times."""
     budget_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.9])
     """Alert when the spend crosses each of these fractions of job.budget_usd."""
     eval_floors: dict[str, float] = Field(default_factory=dict)
-    """Alert when an evaluation metric comes out below its floor (metric name -> minimum, e.g. {"hellaswag": 0.3})."""
+    """Alert when an evaluation metric comes out below its floor (metric name -> minimum, e.g. {"hellaswag": 0.3}):
+    an lm-eval task (its main metric), '<task>/<metric>', or a field of the perplexity results."""
+
+    @field_validator("block")
+    @classmethod
+    def _block_is_type_and_name(cls, value: str | None) -> str | None:
+        kind, _, name = (value or "x/x").partition("/")
+        if not kind or not name or "/" in name:
+            raise ValueError(f"{value!r}: give a Prefect notification block as TYPE/NAME, e.g. custom-webhook/oncall")
+        return value
 
 
 class HlatConfig(Section):

@@ -19,6 +19,10 @@ reads the stack's outputs and sets everything a user would otherwise hand-edit: 
 block holding the SageMaker role, and the ECS pool's base job template (image, cluster, task and execution roles,
 VPC, subnets, logs, size), refusing a worker image that was not pushed for this commit.
 
+With a notification block named (a deployment's alerts.block, or HLAT_ALERTS_BLOCK), `hlat deploy` also creates or
+updates the alert automations through it (tasks/alerts.py): failed or crashed flow runs, stalled trainings,
+relaunches, budget crossings, skipped loss spikes, evaluations below their floor.
+
 `hlat worker` creates the pool when missing (or refuses one of another type) and then becomes `prefect worker
 start` (same process id, so a supervisor or a test stops it with one signal: SIGINT or SIGTERM, which Prefect
 turns into SIGINT; SIGINT is reset to its default first, since a worker started in the background by a
@@ -294,9 +298,13 @@ def deploy(
     prefect_file: Path = PREFECT_FILE,
     stack: str | None = None,
     region: str | None = None,
+    alerts_block: str | None = None,
 ) -> int:
     """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`. `pool_type`
     None: the existing pool's type, or process for a new pool (ecs with a `stack`).
+
+    Alerts: when the deployments' configs name a notification block (alerts.block), or `alerts_block` (else
+    HLAT_ALERTS_BLOCK) does, the alert automations are created or updated through it (`deployment_alerts`).
 
     With `stack` (the CloudFormation stack of deployments/account.yaml, in `region` or boto3's default): its
     RunsRoot is HLAT_S3_ROOT unless that is set, its execution role is saved in the Secret block the AWS
@@ -327,6 +335,7 @@ def deploy(
         lines = "; ".join(f"{v}: {ENV_HELP.get(v, 'named by a {{ $' + v + ' }} placeholder')}" for v in missing)
         hint = " (or deploy the local ones only: hlat deploy --name '*-tiny')" if "HLAT_S3_ROOT" in missing else ""
         raise ConfigError(f"set {', '.join(missing)} before deploying {len(chosen)} deployment(s): {lines}{hint}")
+    alerts = deployment_alerts(chosen, alerts_block or env.get("HLAT_ALERTS_BLOCK") or None)
     template = None
     if account is not None and kind == "ecs":
         image = worker_image(account)
@@ -353,9 +362,35 @@ def deploy(
     code = run_prefect_deploy(cmd, env)
     if code == 0:
         submittable_forms([d["name"] for d in chosen])
+        if alerts is not None:
+            from hlat.tasks.alerts import sync_automations
+
+            block, stalled_minutes = alerts
+            print(f"hlat: alerts through the notification block {block!r}:")
+            for line in sync_automations(block, stalled_minutes):
+                print(f"hlat:   automation {line}")
         for pool in chosen_pools:
             print(f"hlat: to run them, start a worker on pool {pool!r} in another terminal: hlat worker --pool {pool}")
     return code
+
+
+def deployment_alerts(deployments: Iterable[dict[str, Any]], block: str | None) -> tuple[str, float] | None:
+    """The notification block and stalled-training window of the alert automations (`tasks.alerts.alerts_settings`)
+    from the deployments' configs (their preset and overrides, as their flow runs build them) and `block`; None: no
+    alerts. A deployment whose config does not build is named in the error."""
+    from hlat.core.presets import load_config
+    from hlat.flows.params import overrides_dict
+    from hlat.tasks.alerts import alerts_settings
+
+    configs = {}
+    for dep in deployments:
+        params = dep.get("parameters") or {}
+        try:
+            config = load_config(params.get("preset") or "tiny", overrides_dict(params.get("overrides")))
+        except (ConfigError, ValueError) as exc:
+            raise ConfigError(f"deployment {dep['name']}: its config does not build: {exc}") from exc
+        configs[str(dep["name"])] = config.alerts
+    return alerts_settings(configs, block)
 
 
 def run_prefect_deploy(cmd: list[str], env: dict[str, str]) -> int:

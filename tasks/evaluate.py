@@ -2,7 +2,8 @@
 
 The job (`training/evaluate.py`, one process on `evaluation.instance_type`) writes
 `eval/step-NNNNNNNNN/results.json`; the report task copies the newest to `eval/results.json` and writes
-`eval/report.md` with the loss and gradient-norm curves beside it (`infra/eval_report.py`), plus Prefect artifacts.
+`eval/report.md` with the loss and gradient-norm curves beside it (`infra/eval_report.py`), plus Prefect artifacts;
+a metric under its `alerts.eval_floors` floor emits an alert event (tasks/alerts.py).
 Intermediate evaluations (`evaluation.every_steps`) run the same job from the train stage while training goes on.
 """
 
@@ -37,6 +38,7 @@ from hlat.infra.eval_report import (
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.infra.supervisor import JobFailed
+from hlat.tasks.alerts import RunEvents, alert_eval_floors
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 
 log = logging.getLogger("hlat.evaluate")
@@ -96,6 +98,7 @@ def write_eval_report(results: dict[str, Any], run: Run) -> dict[str, str]:
     out.write_json(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}", results)
     files[EVAL_RESULTS_FILE] = out.uri(EVAL_DIR, EVAL_RESULTS_FILE)
     publish_eval_report(out, results, run.run_id)
+    alert_eval_floors(run, results.get("step"), results)
     return files
 
 
@@ -136,6 +139,7 @@ class CheckpointEvaluator:
         except Exception as exc:
             log.warning("could not clear the stale pins under %s: %s", self._checkpoints.storage.uri(), exc)
         self._pending: list[int] = []
+        self._events = RunEvents(run.run_id, run.uri)  # made here: the worker thread has no flow run context
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None  # set while the worker runs; the worker clears it on exit
 
@@ -163,6 +167,7 @@ class CheckpointEvaluator:
             try:
                 results = run_evaluation_job(self.run, step)
                 log.info("intermediate evaluation of step %d: %s", step, evaluation_summary(results))
+                alert_eval_floors(self.run, step, results, self._events)
             except Exception as exc:
                 log.warning("intermediate evaluation of step %d failed: %s", step, exc)
             finally:

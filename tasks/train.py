@@ -19,9 +19,10 @@ from hlat.core.mixture import SourceDraw, check_repetition
 from hlat.core.shards import MANIFEST_FILE, read_mixture
 from hlat.core.storage import Storage
 from hlat.infra.runs import Run
-from hlat.infra.stage_jobs import supervisor_for
+from hlat.infra.stage_jobs import budget, supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
 from hlat.infra.tokenizer import REPORT_FILE
+from hlat.tasks.alerts import TrainAlerts
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.init_from import imported_identity
 
@@ -180,18 +181,30 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
         log.info("train: %s", change)
     artifacts = _Artifacts(run.run_id, run.storage)
     evaluator = CheckpointEvaluator(run)
+    alerts = TrainAlerts(run, budget(run.config).usd)
 
     def on_progress(p: Progress) -> None:
         artifacts.progress(p)
+        alerts.progress(p)
         evaluator.poll()
+
+    def on_attempts(attempts: list[Attempt]) -> None:
+        artifacts.attempts(attempts)
+        alerts.attempts(attempts)
 
     supervisor = supervisor_for(
         run,
         current_step=lambda: latest_checkpoint(run.storage),
         on_progress=on_progress,
-        on_attempts=artifacts.attempts,
+        on_attempts=on_attempts,
     )
-    attempts = supervisor.run_to_completion()
+    alerts.started(latest_checkpoint(run.storage), run.config.training.max_steps)
+    try:
+        attempts = supervisor.run_to_completion()
+    except BaseException as exc:  # the stage stops watching: a stalled-training alert would say nothing new
+        alerts.ended(type(exc).__name__)
+        raise
+    alerts.ended("done")
     # Only on success: a failed or interrupted stage must not wait for evaluations (a cancelled flow's hook stops
     # the evaluation job with the others).
     evaluator.close()
