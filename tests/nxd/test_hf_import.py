@@ -16,6 +16,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -51,14 +52,18 @@ def tokens(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x[:, :-1], x[:, 1:]
 
 
-def run_import_ranks(processes: int, out: Path, run: Path) -> list[dict[str, Any]]:
-    """`rank_main` on `processes` torchrun ranks in NxD's CPU mode; each rank's result, in rank order."""
+def run_import_ranks(
+    processes: int, out: Path, run: Path, scenario: str = "layout", env: dict[str, str] | None = None
+) -> list[dict[str, Any]]:
+    """`scenario` of this module (`SCENARIOS`) on `processes` torchrun ranks in NxD's CPU mode (`env` added); each
+    rank's result, in rank order."""
     out.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        "-m", "tests.nxd.test_hf_import", str(out), json.dumps({"run": str(run)}),
+        "-m", "tests.nxd.test_hf_import", scenario, str(out), json.dumps({"run": str(run)}),
     ]  # fmt: skip
-    done = subprocess.run(command, cwd=PROJECT, env=cpu_mode_environment(), capture_output=True, text=True, timeout=600)
+    environment = {**cpu_mode_environment(), **(env or {})}
+    done = subprocess.run(command, cwd=PROJECT, env=environment, capture_output=True, text=True, timeout=600)
     if done.returncode != 0:
         raise AssertionError(f"import on {processes} ranks exited {done.returncode}:\n{done.stderr[-6000:]}")
     return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(processes)]
@@ -100,7 +105,73 @@ def test_an_import_into_tp2_and_pp2_gives_the_dense_logits_and_its_checkpoint_ex
         assert torch.equal(exported[name], tensor), name
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])
+def test_zero1_master_weights_are_the_imported_parameters(precision: str, prepared: Path, tmp_path: Path) -> None:
+    """NxD's ZeRO-1 optimizer (XLA:CPU, one process, as tests/nxd/test_zero1.py runs it) made its master weights from
+    the parameters when it was built: after the import they are the imported weights, not the random init's."""
+    from hlat.core.environment import xla_precision_environment
+    from tests.nxd.conftest import SDK
+
+    folder = tmp_path / "hf"
+    write_checkpoint("llama", folder, seed=33)
+    config = {"parallelism.zero1": True, "precision.mode": precision, "training.grad_clip": 0.0}
+    run = make_run(prepared, tmp_path, "zero1", **config_overrides(folder), **COMMON, **config)
+    write_import_record(Storage(str(run)), folder)
+    env = xla_precision_environment(precision, SDK.precision_flags)  # set before torch_xla is imported
+    (result,) = run_import_ranks(1, tmp_path / "ranks", run, scenario="zero1", env=env)
+    assert result["masters_are_the_parameters"], result
+    dense = dense_import(folder).state_dict()
+    for name, value in result["parameters"].items():
+        assert torch.equal(value, dense[name].to(value.dtype)), name
+
+
 # -- one rank -----------------------------------------------------------------------------------------------------
+def zero1_main(out: Path, args: dict[str, Any]) -> None:
+    """One process: the model on XLA:CPU with NxD's ZeRO-1 optimizer (as the Trainer builds them on XLA), then
+    `import_weights`; the master weights against the parameters, and the parameters, on the host."""
+    import torch.distributed as dist
+
+    from hlat.core.contract import read_job_config
+    from hlat.core.environment import precision_by_flags
+    from hlat.training import xla
+    from hlat.training.checkpoint.hf_import import import_weights
+    from hlat.training.model import Transformer
+    from hlat.training.optim import optimizer_recipe, trainable_parameters
+    from hlat.training.parallel.distributed import close_world, init_world
+    from hlat.training.parallel.neuron import parallel_optimizer
+    from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
+
+    cfg = read_job_config(f"{args['run']}/config.json")[1]
+    dist.init_process_group("gloo")  # NxD forms its groups (each of one rank) inside torch.distributed's
+    world = init_world("cpu", cfg)
+    try:
+        device, flags = xla.device(), precision_by_flags(cfg, on_xla=True)
+        model = Transformer(cfg.model)
+        model.init_weights(worker.SEED)
+        if cfg.precision.mode == "bf16-sr" and not flags:  # as the trainer does
+            model = model.to(torch.bfloat16)
+        model = model.to(device)
+        params = trainable_parameters(model)
+        kind, arguments = optimizer_recipe(params, cfg.training, cfg.precision.mode, "xla", zero1=True, flags=flags)
+        optimizer = parallel_optimizer(world.nxd, kind, params, **arguments)
+        trainer = SimpleNamespace(
+            cfg=cfg, run=Storage(args["run"]), world=world, model=model, wrapped=model, optimizer=optimizer
+        )
+        import_weights(trainer)
+        zero1 = optimizer.optimizer  # NxD's NxDOptimizer around its NeuronZero1Optimizer
+        masters = xla.to_host([p.detach() for group in zero1.base_optimizer.param_groups for p in group["params"]])
+        parameters = xla.to_host([p.detach() for p in params])
+        names = {id(p): n for n, p in model.named_parameters()}
+        result = {
+            "masters_are_the_parameters": len(masters) == len(parameters)
+            and all(torch.equal(m, p.to(m.dtype)) for m, p in zip(masters, parameters, strict=True)),
+            "parameters": {names[id(p)]: v for p, v in zip(params, parameters, strict=True)},
+        }
+        torch.save(result, out / f"rank-{world.rank}.pt")
+    finally:
+        close_world()
+
+
 def rank_main(out: Path, args: dict[str, Any]) -> None:
     """One rank: the Trainer of the run (its resume imports the checkpoint), the loss (and under TP the gathered
     logits) on `tokens`, then a checkpoint of step 0; the results in `<out>/rank-<rank>.pt`."""
@@ -136,5 +207,7 @@ def rank_main(out: Path, args: dict[str, Any]) -> None:
         close_world()
 
 
+SCENARIOS = {"layout": rank_main, "zero1": zero1_main}
+
 if __name__ == "__main__":
-    rank_main(Path(sys.argv[1]), json.loads(sys.argv[2]))
+    SCENARIOS[sys.argv[1]](Path(sys.argv[2]), json.loads(sys.argv[3]))
