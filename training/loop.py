@@ -27,7 +27,7 @@ any step since the last sync was non-finite; under nan_policy=exit it then exits
 saved after that check, so no checkpoint holds the NaN weights of the steps between. Under nan_policy=skip the
 decision is made on the device (`masked_step`). A step whose stop vote passes becomes a sync point.
 
-Loss spikes (training.spike_skip; `training/spikes.py`, OLMo-core's skip-step rule): once the trailing
+Loss spikes (training.spike_skip; `training/spikes.py`, after OLMo-core's skip-step optimizer): once the trailing
 training.spike_window steps are known, a step whose loss or gradient norm is more than training.spike_zscore standard
 deviations above their mean is not applied, decided on the device like nan_policy=skip (`masked_step`: the same graph
 for a spiking step and a normal one, no host read), and its values stay out of the window. Under NxD, whose optimizer

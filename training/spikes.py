@@ -1,11 +1,13 @@
 """Loss-spike skipping (training.spike_skip): a step whose loss or gradient norm spikes is not applied, decided on
 the device.
 
-The rule is OLMo-core's skip-step optimizer's (allenai/OLMo-core, src/olmo_core/optim/skip_step_optimizer.py): once
-the trailing window of training.spike_window steps is full, a step spikes when its loss, or its gradient norm, is more
-than training.spike_zscore standard deviations (unbiased, over the window) above the window's mean. A spiking step's
-values do not enter the window, nor do a non-finite step's (training.nan_policy handles those); every other step's
-replace the oldest.
+The rule follows OLMo-core's skip-step optimizer (allenai/OLMo-core, src/olmo_core/optim/skip_step_optimizer.py): a
+step spikes when its loss, or its gradient norm, is more than training.spike_zscore standard deviations (unbiased, over
+the window) from the mean of the trailing training.spike_window steps. It differs in three ways: only a rise counts (a
+sudden drop of the loss is no reason to drop an update; OLMo-core takes the absolute z-score); no step is judged before
+the window is full (OLMo-core starts at max(20, window / 2) steps); and a spiking step's values do not enter the window,
+so a spike does not inflate the mean and spread that judge the steps after it (OLMo-core appends every step's). A
+non-finite step's values stay out too (training.nan_policy handles those); every other step's replace the oldest.
 
 Everything lives on the device as fixed-shape tensors (a ring buffer of the last `window` losses and norms, integer
 counters) and every update is a `torch.where`, so a spiking step and a normal one run the same ops: no host read, no
