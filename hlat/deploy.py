@@ -342,6 +342,10 @@ def deploy(
         check_pushed(account, image)
         template = ecs_job_template(account, image)
     wait_for_api(api)
+    if alerts is not None:  # a block that is not there fails before anything is registered
+        from hlat.tasks.alerts import block_document_id
+
+        block_document_id(alerts[0])
     chosen_pools = sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen})
     for pool in chosen_pools:
         print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}")

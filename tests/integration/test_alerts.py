@@ -168,3 +168,26 @@ def test_a_failed_run_a_stalled_training_a_budget_crossing_and_a_skipped_spike_e
     assert "skipped a loss spike" in text and "1 loss spike(s) skipped by step 5" in text
     # The webhook's URL (a secret, for a real webhook) is in no log line of the test process.
     assert receiver.url not in caplog.text
+
+
+def test_hlat_deploy_makes_the_automations_once_and_refuses_a_missing_block(
+    receiver: Receiver, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from prefect.client.orchestration import get_client
+
+    import hlat.deploy
+    from hlat.core.config import ConfigError
+
+    monkeypatch.setattr(hlat.deploy, "ensure_pool", lambda *args: "exists (type process)")  # tested in test_deploy
+    monkeypatch.setattr(hlat.deploy, "run_prefect_deploy", lambda cmd, env: 0)  # `prefect deploy`: tests/e2e
+    with pytest.raises(ConfigError, match="no such block on this Prefect server: create it first"):
+        hlat.deploy.deploy(["train-tiny"], alerts_block="custom-webhook/not-there")
+    assert "automation" not in capsys.readouterr().out
+    for verb in ("created", "updated"):
+        assert hlat.deploy.deploy(["train-tiny"], alerts_block=BLOCK) == 0
+        out = capsys.readouterr().out
+        assert f"alerts through the notification block {BLOCK!r}" in out
+        assert all(f"automation '{AUTOMATION_PREFIX}{a.kind}': {verb}" in out for a in ALERTS), out
+        assert receiver.url not in out
+    with get_client(sync_client=True) as client:
+        assert all(len(client.read_automations_by_name(AUTOMATION_PREFIX + a.kind)) == 1 for a in ALERTS)
