@@ -77,7 +77,8 @@ def write_checkpoint(cfg: ModelConfig, folder: Path, shard_bytes: int) -> int:
             size = 0
         groups[-1].append((name, hf_names(name, cfg)[0]))
         size += nbytes
-    weight_map, total = {}, 0
+    weight_map: dict[str, str] = {}
+    total = 0
     for i, group in enumerate(groups):
         file = f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors"
         tensors = {hf: (torch.randn(shapes[name], generator=generator) * 0.02).bfloat16() for name, hf in group}
