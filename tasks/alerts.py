@@ -434,23 +434,27 @@ def block_document_id(ref: str) -> UUID:
 
 
 def sync_automations(block: str, stalled_minutes: float) -> list[str]:
-    """Create the automations, or update those of the same name in place (one of each: extra copies are deleted);
-    one line per automation saying what was done."""
+    """Create the automations, or update those of the same name in place (one of each: extra copies are deleted),
+    leaving alone one that is already as wanted (an update would reset the windows its trigger has open, e.g. a
+    training's stalled window); one line per automation saying what was done."""
     from prefect.client.orchestration import get_client
+    from prefect.events.schemas.automations import AutomationCore
 
     wanted = automations(block_document_id(block), stalled_minutes)
     done = []
     with get_client(sync_client=True) as client:
         for automation in wanted:
             found = client.read_automations_by_name(automation.name)
+            for extra in found[1:]:
+                client.delete_automation(extra.id)
             if not found:
                 client.create_automation(automation)
                 done.append(f"{automation.name!r}: created")
-                continue
-            client.update_automation(found[0].id, automation)
-            for extra in found[1:]:
-                client.delete_automation(extra.id)
-            done.append(f"{automation.name!r}: updated")
+            elif AutomationCore.model_validate(found[0].model_dump(exclude={"id"})) == automation:
+                done.append(f"{automation.name!r}: unchanged")
+            else:
+                client.update_automation(found[0].id, automation)
+                done.append(f"{automation.name!r}: updated")
     return done
 
 

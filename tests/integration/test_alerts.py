@@ -102,12 +102,14 @@ def test_a_failed_run_a_stalled_training_a_budget_crossing_and_a_skipped_spike_e
     from hlat.flows.train import train
 
     caplog.set_level(logging.INFO)
-    # `hlat deploy`'s step, twice: the second updates the same automations in place.
-    first = sync_automations(BLOCK, STALLED_MINUTES)
+    # `hlat deploy`'s step, three times: the second finds them as wanted, the third updates the one that changed.
+    first = sync_automations(BLOCK, 1.0)
     assert all(line.endswith(": created") for line in first) and len(first) == len(ALERTS)
     with get_client(sync_client=True) as client:
         ids = {a.kind: client.read_automations_by_name(AUTOMATION_PREFIX + a.kind)[0].id for a in ALERTS}
-    assert all(line.endswith(": updated") for line in sync_automations(BLOCK, STALLED_MINUTES))
+    assert all(line.endswith(": unchanged") for line in sync_automations(BLOCK, 1.0))
+    again = sync_automations(BLOCK, STALLED_MINUTES)
+    assert [line for line in again if not line.endswith(": unchanged")] == ["'hlat: training stalled': updated"]
     with get_client(sync_client=True) as client:
         for alert in ALERTS:
             (only,) = client.read_automations_by_name(AUTOMATION_PREFIX + alert.kind)
@@ -183,7 +185,7 @@ def test_hlat_deploy_makes_the_automations_once_and_refuses_a_missing_block(
     with pytest.raises(ConfigError, match="no such block on this Prefect server: create it first"):
         hlat.deploy.deploy(["train-tiny"], alerts_block="custom-webhook/not-there")
     assert "automation" not in capsys.readouterr().out
-    for verb in ("created", "updated"):
+    for verb in ("created", "unchanged"):
         assert hlat.deploy.deploy(["train-tiny"], alerts_block=BLOCK) == 0
         out = capsys.readouterr().out
         assert f"alerts through the notification block {BLOCK!r}" in out
