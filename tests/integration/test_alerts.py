@@ -1,7 +1,8 @@
 """Alerts end to end: the automations `hlat deploy` makes (tasks/alerts.py), on the test session's Prefect server
 (whose ephemeral services include the reactive and proactive triggers and the actions), notify through a
 CustomWebhookNotificationBlock to a webhook receiver on 127.0.0.1 that records what it got: a failed hlat flow run,
-a stalled training, a budget crossing and a skipped loss spike each deliver exactly one notification naming the run.
+a stalled training, a budget crossing, a skipped loss spike and an evaluation below its floor each deliver exactly one
+notification naming the run; `hlat deploy` makes the automations once.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import pytest
 from hlat.core.presets import load_config
 from hlat.infra.runs import Run
 from hlat.infra.supervisor import Progress
-from hlat.tasks.alerts import ALERTS, AUTOMATION_PREFIX, TrainAlerts, sync_automations
+from hlat.tasks.alerts import ALERTS, AUTOMATION_PREFIX, TrainAlerts, alert_eval_floors, sync_automations
 from tests.integration.conftest import free_port
 
 STALLED_MINUTES = 1 / 6  # 10 s: the shortest window a proactive trigger takes
@@ -94,7 +95,7 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
 
 
 @pytest.mark.slow
-def test_a_failed_run_a_stalled_training_a_budget_crossing_and_a_skipped_spike_each_notify_once(
+def test_a_failed_run_a_stall_a_budget_crossing_a_skipped_spike_and_a_low_evaluation_each_notify_once(
     receiver: Receiver, tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from prefect.client.orchestration import get_client
@@ -147,12 +148,23 @@ def test_a_failed_run_a_stalled_training_a_budget_crossing_and_a_skipped_spike_e
     spikes.progress(Progress(1, "job-1", "InProgress", step=10, target_step=20))
     spikes.ended("done")
 
+    # An evaluation below its floor (the evaluate task's call, with a results.json as the job writes it).
+    eval_run = tiny_run(tmp_path, f"alerts-eval-{tag}", **{"alerts.eval_floors": {"hellaswag": 0.3}})
+    results = {"step": 40, "lm_eval": {"tasks": {"hellaswag": {"metrics": {"acc": 0.25, "acc_norm": 0.26}}}}}
+    alert_eval_floors(eval_run, 40, results)
+
     # A failed flow run of an hlat flow: the train stage of a run whose data was never prepared.
     failed = f"alerts-failed-{tag}"
     state = train(preset="tiny", run_id=failed, storage=str(tmp_path), return_state=True)
     assert state.is_failed()
 
-    runs = {"failed": failed, "stalled": stalled.run_id, "budget": budget_run.run_id, "spike": spike_run.run_id}
+    runs = {
+        "failed": failed,
+        "stalled": stalled.run_id,
+        "budget": budget_run.run_id,
+        "spike": spike_run.run_id,
+        "eval": eval_run.run_id,
+    }
     wait_for(lambda: all(receiver.about(r) for r in runs.values()), 90, "a notification about each run")
     # Past the stalled window and a few proactive evaluations (every 5 s): the ended trainings did not stall, and
     # nothing came twice.
@@ -168,6 +180,8 @@ def test_a_failed_run_a_stalled_training_a_budget_crossing_and_a_skipped_spike_e
     assert f"hlat status {budget_run.uri}" in text
     (text,) = about["spike"]
     assert "skipped a loss spike" in text and "1 loss spike(s) skipped by step 5" in text
+    (text,) = about["eval"]
+    assert "evaluated below a floor" in text and "step 40: hellaswag acc_norm 0.26 is below its floor 0.3" in text
     # The webhook's URL (a secret, for a real webhook) is in no log line of the test process.
     assert receiver.url not in caplog.text
 

@@ -205,3 +205,53 @@ def test_the_automations_and_their_templates() -> None:
     for automation in made:
         (action,) = automation.actions
         ServerSendNotification.model_validate(action.model_dump())  # the server's check of the Jinja templates
+
+
+class FakeSupervisor:
+    """Stands for the train stage's supervisor: reports one step and one attempt, then ends or fails."""
+
+    def __init__(self, fail: bool, **callbacks: Any) -> None:
+        self.fail, self.callbacks = fail, callbacks
+
+    def run_to_completion(self) -> list[Attempt]:
+        from hlat.infra.supervisor import JobFailed
+
+        attempts = [Attempt(1, "r1-train-1")]
+        self.callbacks["on_attempts"](attempts)
+        self.callbacks["on_progress"](Progress(1, "r1-train-1", "InProgress", step=3, target_step=9))
+        if self.fail:
+            raise JobFailed("train stopped: bad data", attempts)
+        return attempts
+
+    def spent_usd(self) -> float:
+        return 0.0
+
+    def tokens_per_s(self) -> None:
+        return None
+
+    def startup_s(self) -> None:
+        return None
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_the_train_task_emits_start_progress_and_end_around_its_supervisor(
+    tmp_path: Path, emitted: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, fail: bool
+) -> None:
+    from hlat.infra.supervisor import JobFailed
+    from hlat.tasks import train
+
+    def supervisor_for(run: Run, current_step: Any, **callbacks: Any) -> FakeSupervisor:
+        return FakeSupervisor(fail, **callbacks)
+
+    monkeypatch.setattr(train, "supervisor_for", supervisor_for)
+    monkeypatch.setattr(train, "create_progress_artifact", lambda *a, **k: uuid4())
+    monkeypatch.setattr(train, "create_table_artifact", lambda *a, **k: uuid4())
+    run = tiny_run(tmp_path)
+    if fail:
+        with pytest.raises(JobFailed):
+            train.train_model.fn(run, "key")
+    else:
+        train.train_model.fn(run, "key")
+    assert names(emitted) == [alerts.STARTED, PROGRESS, alerts.ENDED]
+    assert emitted[-1]["payload"] == {"step": 3, "outcome": "JobFailed" if fail else "done"}
+    assert all(e["resource"]["hlat.storage"] == run.uri for e in emitted)
