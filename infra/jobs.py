@@ -316,6 +316,9 @@ FAILURE_RULES: list[FailureRule] = [
     ),
     FailureRule(r"NonFiniteLoss", F.JOB, "nan", _record_example("NonFiniteLoss", "the loss became NaN or inf"), R),
     FailureRule(
+        r"LossSpikes", F.FATAL, "loss-spikes", _record_example("LossSpikes", "steps 41-48 spiked 8 in a row"), R
+    ),
+    FailureRule(
         r"UnhealthyCollective",
         F.PLATFORM,
         "hardware",
@@ -416,6 +419,7 @@ FAILURE_RULES: list[FailureRule] = [
         r"NonFiniteLoss|non-finite loss", F.JOB, "nan", "AlgorithmError: NonFiniteLoss: loss is nan at step 8", T
     ),
     FailureRule(r"BurnInFailed", F.FATAL, "burn-in", "AlgorithmError: BurnInFailed: rank 3 matmul error", T),
+    FailureRule(r"LossSpikes", F.FATAL, "loss-spikes", "AlgorithmError: LossSpikes: steps 41-48 spiked 8 in a row", T),
     FailureRule(r"DataValidationError|SourceError", F.FATAL, "data", "AlgorithmError: DataValidationError: 12% bad", T),
     FailureRule(r"ConfigError", F.FATAL, "validation", "AlgorithmError: ConfigError: training.lr must be > 0", T),
     FailureRule(

@@ -89,7 +89,9 @@ def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, A
     and checkpointing are left out: they are inputs or side effects of the step, not part of its graphs.
     """
     t = cfg.training
-    key: dict[str, Any] = {f"model.{k}": v for k, v in cfg.model.model_dump(mode="json").items()}
+    # model.init_from names where the starting weights came from: the graphs are the model's shape, not its values.
+    model = cfg.model.model_dump(mode="json", exclude={"init_from"})
+    key: dict[str, Any] = {f"model.{k}": v for k, v in model.items()}
     key.update(
         {
             "training.seq_len": t.seq_len,
@@ -97,6 +99,11 @@ def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, A
             "training.compile": t.compile,
             "training.document_masking": t.document_masking,
             "training.xla_graph_cuts": t.xla_graph_cuts,
+            # A skipped step's update is masked on the device (masked_step), and the spike detector's window is a
+            # tensor of spike_window entries: both are ops of the step's graph.
+            "training.nan_policy": t.nan_policy,
+            "training.spike_skip": t.spike_skip,
+            "training.spike_window": t.spike_window if t.spike_skip else None,
             # DDP skips the gradient all-reduce on all but the last micro-batch of a step.
             "gradient_accumulation": cfg.gradient_accumulation,
         }
