@@ -1,7 +1,8 @@
 """Importing Hugging Face checkpoints (model.init_from) in the integration tier: into FSDP2's shards on two gloo
 ranks, through the Trainer's own resume (each rank its DTensor shards: gathered, the dense import's weights, and the
-sharded checkpoint saved right after exports bitwise to the original tensors); and from an s3:// prefix on the moto
-server, by ranged GETs."""
+sharded checkpoint saved right after exports bitwise to the original tensors), also into a model built on the meta
+device and sharded (`shard_fully`: no host ever holds it whole); and from an s3:// prefix on the moto server, by
+ranged GETs."""
 
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ import torch.multiprocessing as mp
 
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import export_hf, read_checkpoint, to_hf_state_dict
-from hlat.training.checkpoint.hf_import import import_weights
+from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
+from hlat.training.model import Transformer
+from hlat.training.parallel.parallelize import shard_fully
 from tests.hf_checkpoints import (
     ARCHS,
     VOCAB,
@@ -62,11 +65,20 @@ def fsdp_rank(
         assert trainer.resume() == 0  # no checkpoint: the import
         local = {name: tuple(p.to_local().shape) for name, p in trainer.model.named_parameters()}
         full = {k: v.full_tensor() for k, v in trainer.model.state_dict().items()}
+        # A model built on the meta device and sharded (never whole on a host), then imported: the same weights and
+        # logits.
+        meta = Transformer(cfg.model, device="meta")
+        shard_fully(meta, cfg, world)
+        fill_parameters(meta, dict(meta.named_parameters()), SafetensorsReader(Storage(folder)))
+        meta_full = {k: v.full_tensor() for k, v in meta.state_dict().items()}
+        x = torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(3))
+        with torch.no_grad():
+            same_logits = torch.equal(meta(x), trainer.model(x))
         trainer.save_checkpoint(0)
         trainer.ckpt.wait()
         trainer.loader.close()
         if rank == 0:
-            torch.save({"model": full, "local": local}, out)
+            torch.save({"model": full, "local": local, "meta": meta_full, "same_logits": same_logits}, out)
     finally:
         close_world()
 
@@ -89,6 +101,8 @@ def test_an_fsdp2_import_on_two_gloo_ranks_is_the_dense_import_and_exports_bitwi
     assert found["local"]["embed.weight"] == (192, 64) and found["local"]["norm.weight"] == (32,)
     for name, tensor in dense.state_dict().items():
         assert torch.equal(found["model"][name], tensor), name
+        assert torch.equal(found["meta"][name], tensor), name
+    assert found["same_logits"]
     # The checkpoint saved right after the import (FSDP2's torch.distributed.checkpoint shards) exports bitwise.
     from hlat.core.layout import CheckpointRef
 

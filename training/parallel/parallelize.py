@@ -120,7 +120,9 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
 
 def shard_fully(model: nn.Module, cfg: HlatConfig, world: World) -> None:
     """FSDP2 over every rank of the job: each block its own unit (gathered just before it runs, freed after), then
-    the rest (embedding, final norm, output) as the root unit. The model's parameters become DTensors in place."""
+    the rest (embedding, final norm, output) as the root unit. The model's parameters become DTensors in place. A
+    model built on the meta device gets uninitialised storage for this rank's shards (its weights are then loaded,
+    e.g. `hf_import.import_weights`)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -133,7 +135,14 @@ def shard_fully(model: nn.Module, cfg: HlatConfig, world: World) -> None:
     for block in model.layers:  # type: ignore[union-attr]
         fully_shard(block, mesh=mesh, mp_policy=policy)
     fully_shard(model, mesh=mesh, mp_policy=policy)
-    model.to(world.device)  # this rank's shards only
+    if any(p.is_meta for p in model.parameters()):
+        # Built on the meta device (weights that come from elsewhere, e.g. an import: never materialised whole on a
+        # host): each rank gives storage to its own shards only, and the model its RoPE tables (FSDP2's
+        # meta-device initialisation: https://pytorch.org/docs/stable/distributed.fsdp.fully_shard.html).
+        model.to_empty(device=world.device)
+        model.init_rope_tables()  # type: ignore[operator]
+    else:
+        model.to(world.device)  # this rank's shards only
 
 
 def check_replica_fits(cfg: HlatConfig, world: World) -> None:
