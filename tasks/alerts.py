@@ -11,12 +11,12 @@ relaunch) is kept in its storage (`alerts/sent.json`), so a restarted train stag
 Emitting never stops a stage: a failure to emit is a warning.
 
 `hlat deploy` creates the automations (`sync_automations`): one per kind (`ALERTS`), named "hlat: <kind>",
-updated in place when they exist, each a SendNotification through the notification block `alerts.block` names. A
-flow run of an hlat flow that ends Failed or Crashed, and no progress for `alerts.stalled_minutes` while a training
-runs (a proactive trigger: https://docs.prefect.io/v3/automate/events/custom-triggers), are judged by Prefect
+updated in place when they differ, each a SendNotification through the notification block `alerts.block` names. A
+flow run of an hlat flow that ends Failed, Crashed or TimedOut, and no progress for `alerts.stalled_minutes` while a
+training runs (a proactive trigger: https://docs.prefect.io/v3/concepts/event-triggers), are judged by Prefect
 itself; the rest fire on the events above. The notification's text is templated by Prefect from the event and its
-flow run (https://docs.prefect.io/v3/automate/events/automations-triggers#templating-with-jinja): it names the run,
-the command to look at it, and the flow run's page.
+flow run (https://docs.prefect.io/v3/concepts/automations): it names the run, the command to look at it, and the
+flow run's page.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hlat.alerts")
 
-# The events (https://docs.prefect.io/v3/automate/events/custom-triggers#custom-events).
+# The events (https://docs.prefect.io/v3/concepts/events).
 STARTED = "hlat.train.started"
 PROGRESS = "hlat.train.progress"
 RELAUNCHED = "hlat.train.relaunched"
@@ -342,7 +342,7 @@ class AlertKind:
 
 
 ALERTS = (
-    AlertKind("flow run failed", "An hlat flow run ended Failed or Crashed.",
+    AlertKind("flow run failed", "An hlat flow run ended Failed, Crashed or TimedOut.",
               "hlat: flow run {{ flow_run.name }} {{ flow_run.state.name }}"),
     AlertKind("training stalled", "A training logged no new step for alerts.stalled_minutes.",
               "hlat: run " + _RUN + " made no progress"),
@@ -363,7 +363,7 @@ def _trigger(kind: str, stalled: timedelta) -> Any:
     each = {"prefect.resource.id"}
     if kind == "flow run failed":
         return EventTrigger(
-            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed"},
+            expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
             match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOW_NAMES)},
             for_each=each, posture=Posture.Reactive, threshold=1, within=timedelta(0),

@@ -200,7 +200,8 @@ def test_the_automations_and_their_templates() -> None:
     assert stalled.posture == "Proactive" and stalled.within == timedelta(minutes=15)  # type: ignore[union-attr]
     assert alerts.ENDED in stalled.expect and alerts.ENDED not in stalled.after  # type: ignore[union-attr]
     failed = by_name["hlat: flow run failed"].trigger
-    assert failed.expect == {"prefect.flow-run.Failed", "prefect.flow-run.Crashed"}  # type: ignore[union-attr]
+    ended = {"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"}
+    assert failed.expect == ended  # type: ignore[union-attr]
     assert "train" in str(failed.match_related) and "hlat" in str(failed.match_related)  # type: ignore[union-attr]
     for automation in made:
         (action,) = automation.actions
