@@ -189,9 +189,14 @@ class Trainer:
         # Built with its parallelism (each TP rank holds its slices), initialised on the host from the seed, so every
         # device and every split starts from the same weights. Under pipeline parallelism the model stays on the meta
         # device: NxD's pipeline materialises and initialises this rank's stage only.
+        # With model.init_from the weights come from resume() (the import, or a checkpoint): no random init, and under
+        # FSDP2 the model stays on the meta device until each rank materialises its own shards (no host holds it
+        # whole).
         staged = world.layout.pipeline > 1
-        model = Transformer(cfg.model, device="meta" if staged else "cpu", layers=model_layers(cfg, world))
-        if not staged:
+        imported = cfg.model.init_from is not None
+        meta = staged or (imported and fsdp_active(cfg, world))
+        model = Transformer(cfg.model, device="meta" if meta else "cpu", layers=model_layers(cfg, world))
+        if not meta and not imported:
             model.init_weights(cfg.training.seed)
         self.precision_flags = precision_by_flags(cfg, world.on_xla)
         if cfg.precision.mode == "bf16-sr" and not self.precision_flags:
