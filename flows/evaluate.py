@@ -19,6 +19,7 @@ from hlat.tasks.evaluate import (
     evaluation_summary,
     write_eval_report,
 )
+from hlat.tasks.tracking import track_evaluation
 
 
 @stage_flow("evaluate")
@@ -34,6 +35,7 @@ def evaluate(run: Run, step: OptionalStep = STEP) -> dict[str, Any]:
         evaluation_of, lambda _: evaluation_present(run, step), run=run, step=step, cache_key=key
     )
     files = write_eval_report(results, run)
+    track_evaluation(run, results)
     print(f"evaluate: step {step}: {evaluation_summary(results)}; report {files.get('report.md')}")
     return {**results, "files": files}
 

@@ -12,18 +12,21 @@ from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.init_from import import_weights
 from hlat.tasks.plan import plan_parallelism
+from hlat.tasks.tracking import start_tracking, track_training
 from hlat.tasks.train import publish_training_report, summary_line, train_cache_key, train_model, training_present
 
 
 @stage_flow("train")
 def train(run: Run) -> dict[str, Any]:
     """Train the run's model from its prepared data and tokenizer."""
+    start_tracking(run)  # the run's tracked run, which every training job resumes: checked before any job
     plan_parallelism(run)  # advice: warns on a slow configured layout, never stops the stage
     if run.config.model.init_from is not None:  # before the cache key: it holds the imported weights' hash
         import_weights(run)
     key = train_cache_key(run)
     summary: dict[str, Any] = run_cached(train_model, lambda _: training_present(run), run=run, cache_key=key)
     publish_training_report(summary, run.run_id)
+    track_training(run, summary)
     print(summary_line(summary))
     return summary
 

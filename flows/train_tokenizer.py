@@ -8,6 +8,7 @@ from typing import Any
 from hlat.flows.stage import not_a_command, stage_flow
 from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
+from hlat.tasks.tracking import track_tokenizer_report
 from hlat.tasks.train_tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present
 
 
@@ -17,6 +18,7 @@ def train_tokenizer(run: Run) -> dict[str, Any]:
     key = tokenizer_cache_key(run)
     report: dict[str, Any] = run_cached(fit_tokenizer, lambda r: tokenizer_present(run, r), run=run, cache_key=key)
     publish_tokenizer_report(report, run.run_id)
+    track_tokenizer_report(run, report)
     pretrained = report.get("pretrained")
     origin = f"pretrained {pretrained['source']} (trained nothing), " if pretrained else ""
     print(

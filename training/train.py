@@ -7,7 +7,8 @@ written to it, checkpoints go to its checkpoints/ (or, inside a job, to the loca
 syncs with the run's checkpoint prefix). The job stops itself, checkpointed, when the run's budget or deadline runs
 out or its supervisor goes silent (`training/stop_rule.py`). Compiled graphs come from its compile-cache/ when the
 precompile stage left ones matching this job (`training/compile_cache.py`). A failure's reason is written where
-the backend reports it from.
+the backend reports it from. With tracking.backend set, rank 0 logs the config and every step's metrics into the
+run's one tracked run, resumed by every attempt (`training/tracking.py`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from hlat.training.hooks import hooks
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
 from hlat.training.stop_rule import stop_rule
+from hlat.training.tracking import open_tracker
 
 log = logging.getLogger("hlat.train")
 
@@ -89,10 +91,22 @@ def _train(config_uri: str, device: str | None) -> int:
                 # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).
                 cache = xla_cache or load_torch_cache(run, cfg, world.world_size, world.device.type, world.is_main)
                 trainer.first_step_metrics.update(cache.metrics())
-                # The run's budget, deadline and supervision: the job stops itself at a checkpoint when one runs out.
-                with stop_rule(trainer, run):
-                    trainer.resume()
-                    code = trainer.fit()
+                # Rank 0's: the run's tracked run, resumed (it logs only the steps its store does not hold yet).
+                tracker = None
+                if world.is_main and not trainer.extracting_graphs:
+                    tracker = open_tracker(cfg, run)
+                if tracker is not None:
+                    tracker.log_config(cfg)
+                    trainer.metrics.attach(tracker)
+                try:
+                    # The run's budget, deadline and supervision: the job stops itself at a checkpoint when one runs
+                    # out.
+                    with stop_rule(trainer, run):
+                        trainer.resume()
+                        code = trainer.fit()
+                finally:
+                    if tracker is not None:
+                        tracker.close()
                 if world.on_xla and world.is_main:
                     counts = xla.counters()
                     log.info(
