@@ -980,6 +980,19 @@ class TrackingConfig(Section):
     wandb_mode: Literal["online", "offline"] = "online"
     """W&B mode: 'offline' writes the run under the run's tracking/ folder for a later `wandb sync`."""
 
+    @field_validator("mlflow_tracking_server_arn")
+    @classmethod
+    def _check_arn(cls, arn: str | None) -> str | None:
+        # CreateTrainingJob's MlflowConfig.MlflowResourceArn pattern (botocore's SageMaker service model).
+        if arn is not None and not re.fullmatch(
+            r"arn:aws[a-z\-]*:sagemaker:[a-z0-9\-]*:[0-9]{12}:mlflow-[a-zA-Z-]*/.+", arn
+        ):
+            raise ValueError(
+                f"{arn!r} is not a SageMaker MLflow tracking server ARN "
+                "(arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME)"
+            )
+        return arn
+
 
 class AlertsConfig(Section):
     """Notifications when a run needs a person: Prefect automations (created by `hlat deploy`) that send through a

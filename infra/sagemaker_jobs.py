@@ -32,7 +32,7 @@ from botocore.awsrequest import AWSResponse
 from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
-from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, closest_match
+from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, TrackingConfig, closest_match
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.core.environment import NEURON_SDKS
 from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
@@ -171,6 +171,36 @@ def request_environment(spec: JobSpec) -> dict[str, str]:
     """The Environment member of the job's CreateTrainingJob request: the job's own variables, the run id, and the
     program the entry script runs."""
     return {**spec.environment, "HLAT_RUN_ID": spec.run_id, JOB_MODULE_ENV: spec.entry}
+
+
+MLFLOW_URI_ENV = "MLFLOW_TRACKING_URI"
+MLFLOW_EXPERIMENT_ENV = "MLFLOW_EXPERIMENT_NAME"
+_MLFLOW_ARN = re.compile(r"arn:aws[a-z\-]*:sagemaker:[a-z0-9\-]*:[0-9]{12}:mlflow-[a-zA-Z-]*/.+")
+"""A SageMaker managed MLflow resource (MlflowConfig.MlflowResourceArn's pattern in botocore's service model)."""
+
+
+def tracking_environment(tracking: TrackingConfig) -> dict[str, str]:
+    """A training job's variables for SageMaker's managed MLflow (tracking.backend=mlflow with
+    tracking.mlflow_tracking_server_arn): MLflow's own MLFLOW_TRACKING_URI (the ARN, which the sagemaker-mlflow
+    plugin resolves) and MLFLOW_EXPERIMENT_NAME. From them the request carries MlflowConfig (`mlflow_config`)."""
+    if tracking.backend != "mlflow" or not tracking.mlflow_tracking_server_arn:
+        return {}
+    return {MLFLOW_URI_ENV: tracking.mlflow_tracking_server_arn, MLFLOW_EXPERIMENT_ENV: tracking.experiment}
+
+
+def mlflow_config(spec: JobSpec) -> dict[str, str] | None:
+    """CreateTrainingJob's MlflowConfig for a job whose environment names a SageMaker MLflow tracking server
+    (`tracking_environment`): the server, the experiment, and the hlat run id as the run's name (the job's tracker
+    finds that run: training/tracking.py). None otherwise.
+    https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateTrainingJob.html#sagemaker-CreateTrainingJob-request-MlflowConfig"""
+    arn = spec.environment.get(MLFLOW_URI_ENV, "")
+    if not _MLFLOW_ARN.fullmatch(arn):
+        return None
+    config = {"MlflowResourceArn": arn, "MlflowRunName": spec.run_id}
+    experiment = spec.environment.get(MLFLOW_EXPERIMENT_ENV)
+    if experiment:
+        config["MlflowExperimentName"] = experiment
+    return config
 
 
 def requirements_of(spec: JobSpec) -> str:
@@ -571,6 +601,9 @@ def config_request(spec: JobSpec, job: JobConfig) -> dict[str, Any]:
         request["AlgorithmSpecification"] = {"TrainingImage": spec.image_uri or job.image_uri}
     if job.subnets:
         request["VpcConfig"] = {"Subnets": list(job.subnets), "SecurityGroupIds": list(job.security_group_ids)}
+    mlflow = mlflow_config(spec)
+    if mlflow is not None:
+        request["MlflowConfig"] = mlflow
     return request
 
 
@@ -728,6 +761,9 @@ def _request_with_source(
     # SIGTERM on to the ranks (infra/job_init.py says why the SDK's shell never would).
     algorithm = request["AlgorithmSpecification"]
     algorithm["ContainerEntrypoint"] = [*JOB_INIT, *algorithm["ContainerEntrypoint"]]
+    mlflow = mlflow_config(spec)  # (ModelTrainer has no MLflow setting: the member is added to its request)
+    if mlflow is not None:
+        request["MlflowConfig"] = mlflow
     return request
 
 

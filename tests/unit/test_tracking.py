@@ -1,0 +1,152 @@
+"""Experiment tracking's parts on a real MLflow SQLite store: what a record logs, one run found again and each step
+logged once across reopenings, a failing store warned about once, MetricsLog's hand-over (at flushes; the kept
+history the store lacks at a resume); and SageMaker's MlflowConfig in the CreateTrainingJob request, checked
+against botocore's service model."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+import pytest
+from botocore.validate import validate_parameters
+
+from hlat.core.config import ConfigError, TrackingConfig
+from hlat.core.presets import load_config
+from hlat.core.storage import Storage
+from hlat.infra.sagemaker_jobs import (
+    SageMakerBackend,
+    config_request,
+    mlflow_config,
+    tracking_environment,
+    validate_request,
+)
+from hlat.training.metrics import MetricsLog
+from hlat.training.tracking import (
+    LOGGED_TAG,
+    TRACKING_RECORD,
+    MlflowTracker,
+    _whole_steps,
+    flat_config,
+    numeric,
+    open_tracker,
+    wandb_run_id,
+)
+from tests.unit.test_sagemaker_jobs import make_job, make_spec, no_network, plain_client
+
+__all__ = ["no_network"]  # its autouse fixture: nothing here connects anywhere but the local store
+
+ARN = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking-server/team"
+
+
+def mlflow_cfg(run_id: str = "r1") -> object:
+    return load_config("tiny", {"tracking.backend": "mlflow"}, run_id=run_id)
+
+
+def test_a_record_logs_its_finite_numbers_and_the_config_flattens() -> None:
+    values = {"loss": 2.5, "skipped": True, "spikes_skipped": 3, "note": "x", "val_loss": None, "bad": float("nan")}
+    assert numeric(values) == {"loss": 2.5, "skipped": 1.0, "spikes_skipped": 3.0}
+    params = flat_config(load_config("tiny", {"training.max_steps": 7}, run_id="r"))
+    assert params["training.max_steps"] == "7" and params["model.arch"] == "llama"
+    assert all(len(v) <= 6000 for v in params.values())
+    assert wandb_run_id("tiny-a/b:c") == "tiny-a-b-c"
+
+
+def test_chunks_never_split_a_step() -> None:
+    records = [(s, {f"k{i}": 1.0 for i in range(400)}) for s in (1, 1, 2, 3, 3, 3)]
+    chunks = list(_whole_steps(records, 1000))
+    assert [[s for s, _ in c] for c in chunks] == [[1, 1, 2], [3, 3, 3]]
+
+
+def test_one_mlflow_run_found_again_and_each_step_logged_once(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    run = Storage(str(tmp_path / "r1"))
+    cfg = mlflow_cfg()
+    first = open_tracker(cfg, run)  # type: ignore[arg-type]
+    assert isinstance(first, MlflowTracker) and first.logged_step == -1
+    first.log_records([(1, {"loss": 3.0}), (2, {"loss": 2.0}), (2, {"val_loss": 2.5})])
+    first.close()
+    record = json.loads((tmp_path / "r1" / TRACKING_RECORD).read_text())
+
+    (tmp_path / "r1" / TRACKING_RECORD).unlink()  # found again by its tag, without the record
+    again = open_tracker(cfg, run)  # type: ignore[arg-type]
+    assert isinstance(again, MlflowTracker) and again.run_id == record["run_id"] and again.logged_step == 2
+    again.log_records([(1, {"loss": 3.0}), (2, {"loss": 2.0}), (3, {"loss": 1.0})])  # 1 and 2 already there
+    again.close()
+
+    client = MlflowClient(tracking_uri=record["tracking_uri"])
+    assert [(m.step, m.value) for m in client.get_metric_history(record["run_id"], "loss")] == [
+        (1, 3.0), (2, 2.0), (3, 1.0)
+    ]  # fmt: skip
+    assert [m.step for m in client.get_metric_history(record["run_id"], "val_loss")] == [2]
+    assert client.get_run(record["run_id"]).data.tags[LOGGED_TAG] == "3"
+    assert len(client.search_runs([client.get_experiment_by_name("hlat").experiment_id])) == 1
+
+
+def test_a_failing_store_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    tracker = open_tracker(mlflow_cfg(), Storage(str(tmp_path / "r1")))  # type: ignore[arg-type]
+    assert tracker is not None
+    (tmp_path / "r1" / "tracking" / "mlflow.db").write_bytes(b"not a database")  # the store breaks under it
+    with caplog.at_level(logging.WARNING, "hlat.tracking"):
+        for step in range(1, 4):
+            tracker.log_records([(step, {"loss": 1.0})])
+        tracker.log_json("data.json", {"rows": 1})
+    warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "metrics.jsonl" in warnings[0].getMessage() and tracker.broken
+
+
+def test_metrics_log_hands_its_records_over_at_flushes_and_what_the_store_lacks_at_resume(tmp_path: Path) -> None:
+    from mlflow.tracking import MlflowClient
+
+    run = Storage(str(tmp_path / "r1"))
+    cfg = mlflow_cfg()
+    log = MetricsLog(run, enabled=True)
+    tracker = open_tracker(cfg, run)  # type: ignore[arg-type]
+    log.attach(tracker)
+    log.resume_at(0)
+    for step in (1, 2, 3):
+        log.record(step, {"loss": float(step)})
+    assert tracker is not None and tracker.logged_step == -1  # nothing before a flush
+    log.flush()
+    assert tracker.logged_step == 3
+    log.record(4, {"loss": 4.0})  # never flushed: the job dies
+    tracker.close()
+
+    # The store lost nothing of 1-3; a store that missed them (a W&B attempt killed before it wrote) gets them here.
+    other = Storage(str(tmp_path / "r2"))
+    (tmp_path / "r2").mkdir()
+    (tmp_path / "r2" / "metrics.jsonl").write_text((tmp_path / "r1" / "metrics.jsonl").read_text())
+    fresh = MetricsLog(other, enabled=True)
+    tracker2 = open_tracker(mlflow_cfg("r2"), other)  # type: ignore[arg-type]
+    fresh.attach(tracker2)
+    fresh.resume_at(2)  # the checkpoint: lines 1-2 kept and logged now, 3 and 4 come again from training
+    assert tracker2 is not None and tracker2.logged_step == 2
+    tracker2.close()
+    record = json.loads((tmp_path / "r2" / TRACKING_RECORD).read_text())
+    history = MlflowClient(tracking_uri=record["tracking_uri"]).get_metric_history(record["run_id"], "loss")
+    assert [m.step for m in history] == [1, 2]
+
+
+def test_sagemaker_request_carries_mlflow_config_valid_for_the_service_model(tmp_path: Path) -> None:
+    tracking = TrackingConfig(backend="mlflow", mlflow_tracking_server_arn=ARN, experiment="hlat-7b")
+    spec = make_spec(environment={"NEURON_COMPILE_CACHE_URL": "s3://b/c", **tracking_environment(tracking)})
+    expected = {"MlflowResourceArn": ARN, "MlflowExperimentName": "hlat-7b", "MlflowRunName": spec.run_id}
+    assert mlflow_config(spec) == expected
+    model = plain_client("sagemaker").meta.service_model
+    shape = model.operation_model("CreateTrainingJob").input_shape
+    partial = config_request(spec, make_job())
+    assert partial["MlflowConfig"] == expected
+    create = next(r for r in SageMakerBackend(make_job()).dry_run(spec) if r["operation"] == "CreateTrainingJob")
+    params = create["params"]
+    assert params["MlflowConfig"] == expected
+    validate_parameters(params, shape)
+    validate_request(params)
+    assert params["Environment"]["MLFLOW_TRACKING_URI"] == ARN  # the sagemaker-mlflow plugin resolves the ARN
+
+    # Without a tracking server, no MlflowConfig.
+    assert tracking_environment(TrackingConfig(backend="mlflow")) == {}
+    assert "MlflowConfig" not in config_request(make_spec(), make_job())
+    with pytest.raises(ConfigError, match="mlflow_tracking_server_arn"):
+        load_config("tiny", {"tracking.mlflow_tracking_server_arn": "arn:aws:s3:::bucket"})
