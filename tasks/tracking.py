@@ -7,13 +7,17 @@ itself. Tracking never decides a stage: a store that fails is warned about, and 
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from prefect import task
 
+from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.environment import NEURON_SDKS
 from hlat.core.layout import EVAL_DIR
 from hlat.infra.runs import Run
+from hlat.infra.sagemaker_jobs import PROJECT_ROOT
 from hlat.training.tracking import Tracker, check_tracking, open_tracker
 
 log = logging.getLogger("hlat.tracking")
@@ -43,6 +47,35 @@ def flat_figures(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return out
 
 
+def check_job_tracking(cfg: HlatConfig) -> None:
+    """Refuse, naming the field and the fix, tracking that SageMaker training jobs could not do: W&B (its API key
+    would have to travel in the job's environment, which the job's description shows), and MLflow while the jobs'
+    requirements file (deployments/job-requirements-<neuron.sdk>.txt, what the instances install on the Neuron
+    image) lacks MLflow's client (and, for a tracking server ARN, the sagemaker-mlflow plugin)."""
+    t = cfg.tracking
+    if cfg.job.backend != "sagemaker" or t.backend == "none":
+        return
+    if t.backend == "wandb":
+        raise ConfigError(
+            "tracking.backend=wandb with job.backend=sagemaker: the jobs would need WANDB_API_KEY in their "
+            "environment, which SageMaker shows in the job's description; use tracking.backend=mlflow with "
+            "tracking.mlflow_tracking_server_arn (the job's role signs its requests) or tracking.backend=none"
+        )
+    name = NEURON_SDKS[cfg.neuron.sdk].job_requirements
+    text = (PROJECT_ROOT / "deployments" / name).read_text()
+    present = {re.split(r"[=<>~!\[; ]", line.strip(), maxsplit=1)[0].lower() for line in text.splitlines()}
+    needed = {"mlflow-skinny": {"mlflow", "mlflow-skinny"}}
+    if t.mlflow_tracking_server_arn:
+        needed["sagemaker-mlflow"] = {"sagemaker-mlflow"}
+    missing = sorted(package for package, names in needed.items() if not names & present)
+    if missing:
+        raise ConfigError(
+            f"tracking.backend=mlflow with job.backend=sagemaker: the training jobs install deployments/{name}, which "
+            f"lacks {', '.join(missing)}, so they could not log; add them there (pinned, resolved against the image's "
+            "pins by tests/integration/test_job_requirements.py) or set tracking.backend=none"
+        )
+
+
 @task(name="start-tracking")
 def start_tracking(run: Run) -> None:
     """Refuse a tracking setting the run cannot use (naming the fix), then open the run's tracked run (found or
@@ -50,6 +83,7 @@ def start_tracking(run: Run) -> None:
     if run.config.tracking.backend == "none":
         return
     check_tracking(run.config, run.storage)
+    check_job_tracking(run.config)
     _with_tracker(run, lambda t: t.log_config(run.config))
 
 

@@ -150,3 +150,31 @@ def test_sagemaker_request_carries_mlflow_config_valid_for_the_service_model(tmp
     assert "MlflowConfig" not in config_request(make_spec(), make_job())
     with pytest.raises(ConfigError, match="mlflow_tracking_server_arn"):
         load_config("tiny", {"tracking.mlflow_tracking_server_arn": "arn:aws:s3:::bucket"})
+
+
+def test_tracking_sagemaker_jobs_cannot_do_is_refused_naming_the_fix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from hlat.core.environment import NEURON_SDKS
+    from hlat.tasks import tracking
+    from hlat.tasks.tracking import check_job_tracking
+
+    def cfg(**tracking: object) -> object:
+        overrides = {"job.backend": "sagemaker", "job.instance_type": "ml.trn1.32xlarge",
+                     "job.role_arn": "arn:aws:iam::123456789012:role/hlat"}  # fmt: skip
+        return load_config("tiny", {**overrides, **{f"tracking.{k}": v for k, v in tracking.items()}}, run_id="r")
+
+    check_job_tracking(cfg())  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"WANDB_API_KEY.*tracking\.backend=mlflow"):
+        check_job_tracking(cfg(backend="wandb"))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match=r"job-requirements-.*lacks .*sagemaker-mlflow"):
+        check_job_tracking(cfg(backend="mlflow", mlflow_tracking_server_arn=ARN))  # type: ignore[arg-type]
+
+    # Once the jobs' requirements install the client and the plugin, the same setting goes through.
+    sdk = load_config("tiny", {}).neuron.sdk
+    (tmp_path / "deployments").mkdir()
+    (tmp_path / "deployments" / NEURON_SDKS[sdk].job_requirements).write_text(
+        "pydantic==2.14.3\nmlflow-skinny==3.17.2\nsagemaker-mlflow==0.5.0\n"
+    )
+    monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path)
+    check_job_tracking(cfg(backend="mlflow", mlflow_tracking_server_arn=ARN))  # type: ignore[arg-type]
