@@ -16,7 +16,7 @@ import logging
 from dataclasses import dataclass
 
 from hlat.core.config import ConfigError, HlatConfig, validate_config
-from hlat.core.layout import CONFIG_FILE, STAGE_DIRS
+from hlat.core.layout import CHECKPOINTS_DIR, CONFIG_FILE, STAGE_DIRS, CheckpointIndex
 from hlat.core.storage import Storage, StorageNotFound
 
 log = logging.getLogger("hlat.runs")
@@ -93,9 +93,11 @@ def open_run(config: HlatConfig) -> Run:
     _refuse_unless_compatible(run, existing, resolved, derived=config.run_id is None)
     if existing.fingerprint() != resolved.fingerprint():
         # Only the length changed, under the same schedule: the steps trained so far stay valid.
-        log.info("run %s: training.max_steps %d -> %d (the cosine horizon stays %d steps)", run.run_id,
-                 existing.training.max_steps, resolved.training.max_steps,
-                 resolved.training.schedule_horizon)  # fmt: skip
+        t = resolved.training
+        kept = (f"the decay moves to the new horizon's end, from step {t.decay_start}" if t.schedule == "wsd"
+                else f"the cosine horizon stays {t.schedule_horizon} steps")  # fmt: skip
+        log.info("run %s: training.max_steps %d -> %d (%s)", run.run_id, existing.training.max_steps, t.max_steps,
+                 kept)  # fmt: skip
         run.storage.write_text(CONFIG_FILE, text)
     elif existing.model_dump(exclude={"storage"}) != resolved.model_dump(exclude={"storage"}):
         # Only settings outside the fingerprint changed (job budget and limits, precompile, burn-in,
@@ -113,7 +115,7 @@ def _stored(run: Run) -> HlatConfig | None:
 
 
 def _extended_in_place(existing: HlatConfig, resolved: HlatConfig) -> bool:
-    """`existing` is `resolved` run longer on the same cosine schedule (`--set training.max_steps=800 --set
+    """`existing` is `resolved` run longer on the same schedule (`--set training.max_steps=800 --set
     training.schedule_steps=600` given to the run `resolved` started)."""
     return (
         existing.training.max_steps > resolved.training.max_steps
@@ -159,6 +161,11 @@ def _refuse_unless_compatible(run: Run, existing: HlatConfig, resolved: HlatConf
         return
     longer = resolved.training.max_steps > existing.training.max_steps
     if longer and existing.trajectory_fingerprint() == resolved.trajectory_fingerprint():
+        # A WSD run extended after its decay began would change the learning rate of steps already taken: refused
+        # here, before any job (whose resume would refuse it too, once per relaunch).
+        taken = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step() or 0
+        if (problem := existing.training.extension_problem(resolved.training, taken)) is not None:
+            raise ConfigError(f"run {run.run_id!r} at {run.uri}: {problem}")
         return
     difference = describe_difference(existing, resolved)
     if derived:

@@ -9,7 +9,7 @@ import pytest
 
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
-from hlat.core.storage import StorageNotFound
+from hlat.core.storage import Storage, StorageNotFound
 from hlat.infra.runs import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
 
 
@@ -174,3 +174,26 @@ def test_settings_outside_the_fingerprint_follow_the_latest_flow_run(tmp_path: P
     stored = first.storage.read_json("config.json")
     assert stored["job"]["budget_usd"] == 50 and stored["burn_in"]["continue_on_failure"] is True
     assert stored["neuron"]["exec_timeout"] == 9000  # the next job's environment follows it
+
+
+def test_a_wsd_run_extends_in_place_until_its_decay_began_and_is_refused_before_any_job_after(tmp_path: Path) -> None:
+    from hlat.training.checkpoint import CheckpointManager
+
+    wsd = {"training.schedule": "wsd", "training.warmup_steps": 2, "training.max_steps": 20, "training.decay_steps": 4}
+    open_run(load_config("tiny", wsd, run_id="wsd", storage=str(tmp_path)))
+    manager = CheckpointManager(Storage(str(tmp_path / "wsd" / "checkpoints")), keep_last=2)
+
+    def committed(step: int) -> None:
+        manager.save(step, {"step": step}, {})
+        manager.wait()
+
+    committed(10)  # inside the stable phase (the decay begins at step 16): no step taken changes its lr
+    longer = open_run(load_config("tiny", {**wsd, "training.max_steps": 30}, run_id="wsd", storage=str(tmp_path)))
+    assert longer.config.training.max_steps == 30 and longer.config.training.decay_start == 26
+    committed(28)  # now past the decay's start
+    refused = (
+        r"training.max_steps 30 -> 40: the run cannot be extended in place, its decay began at step 26 and it has "
+        r"taken 28 steps; start a new run from its checkpoint"
+    )
+    with pytest.raises(ConfigError, match=refused):
+        open_run(load_config("tiny", {**wsd, "training.max_steps": 40}, run_id="wsd", storage=str(tmp_path)))
