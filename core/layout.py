@@ -56,6 +56,8 @@ NEURON_CACHE = f"{COMPILE_CACHE_DIR}/{NEURON_CACHE_DIR}"
 BURN_IN_DIR = "burn-in"
 BURN_IN_REPORT = f"{BURN_IN_DIR}/report.json"
 CHECKPOINTS_DIR = "checkpoints"
+AVERAGED_DIR = "averaged"
+"""`hlat average`'s checkpoints: the mean of the last K checkpoints' weights, as step-N (N: the newest averaged)."""
 METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 EVAL_RESULTS_FILE = "results.json"
@@ -115,9 +117,10 @@ def shard_file(shard: str) -> str:
     return f"model-{shard}.pt"
 
 
-def eval_results_path(step: int) -> str:
-    """Where the evaluation of checkpoint `step` is written, relative to the run."""
-    return f"{EVAL_DIR}/{step_dir(step)}/{EVAL_RESULTS_FILE}"
+def eval_results_path(step: int, averaged: bool = False) -> str:
+    """Where the evaluation of checkpoint `step` is written, relative to the run (an averaged checkpoint's beside
+    the trained step's, under averaged-step-N)."""
+    return f"{EVAL_DIR}/{'averaged-' if averaged else ''}{step_dir(step)}/{EVAL_RESULTS_FILE}"
 
 
 class CheckpointError(RuntimeError):
@@ -282,5 +285,5 @@ def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
         )
     manager.read_meta(step)  # raises CheckpointError naming the problem of an incomplete checkpoint
     base, _, last = checkpoints.uri().rstrip("/").rpartition("/")
-    run = Storage(base) if last == CHECKPOINTS_DIR and base else None
+    run = Storage(base) if last in (CHECKPOINTS_DIR, AVERAGED_DIR) and base else None
     return CheckpointRef(checkpoints=checkpoints, step=step, run=run)

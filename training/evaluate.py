@@ -31,7 +31,7 @@ import torch
 
 from hlat.core.config import OFFLINE_TASK_PREFIX, EvaluationConfig, HlatConfig, ModelConfig
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
-from hlat.core.layout import CHECKPOINTS_DIR
+from hlat.core.layout import AVERAGED_DIR, CHECKPOINTS_DIR
 from hlat.core.layout import eval_results_path as results_path
 from hlat.core.shards import mixture_documents, read_mixture
 from hlat.core.storage import Storage
@@ -79,8 +79,11 @@ def _held_out(data: Storage) -> Any:
     return mixture_documents(sources, mixture.weights_at(0), "validation")
 
 
-def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device: torch.device) -> dict[str, Any]:
-    """Evaluate one checkpoint of `run` and write its results.json; returns the results."""
+def evaluate_checkpoint(
+    run: Storage, cfg: HlatConfig, step: int | None, device: torch.device, averaged: bool = False
+) -> dict[str, Any]:
+    """Evaluate one checkpoint of `run` (with `averaged`, one of `hlat average`'s under averaged/) and write its
+    results.json; returns the results."""
     from hlat.training.evaluation import lm_harness
 
     started = time.perf_counter()
@@ -89,12 +92,13 @@ def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device:
     standard = [t for t in e.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
     if standard:
         lm_harness.check_tasks(standard, None)  # a typo fails in seconds, not after the model is loaded
-    ref = locate_checkpoint(run.uri(CHECKPOINTS_DIR), step)
+    ref = locate_checkpoint(run.uri(AVERAGED_DIR if averaged else CHECKPOINTS_DIR), step)
     log.info("evaluating %s on %s", ref.uri, device)
     model, saved = load_checkpoint_model(ref, device)
     results: dict[str, Any] = {
         "run_id": cfg.resolved_run_id(),
         "step": ref.step,
+        "averaged": averaged,
         "checkpoint": ref.uri,
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "model": {"preset": saved.preset, "params": model.num_params()},
@@ -120,8 +124,8 @@ def evaluate_checkpoint(run: Storage, cfg: HlatConfig, step: int | None, device:
             work = os.path.join(tmp, "work")
             results["lm_eval"] = _run_tasks(run, e, saved.model, cfg.training.seed, model, data, work, device)
     results["duration_s"] = round(time.perf_counter() - started, 1)
-    run.write_json(results_path(ref.step), results)
-    log.info("wrote %s", run.uri(results_path(ref.step)))
+    run.write_json(results_path(ref.step, averaged), results)
+    log.info("wrote %s", run.uri(results_path(ref.step, averaged)))
     return results
 
 
@@ -212,13 +216,14 @@ def quiet_progress_bars() -> None:
 def main(argv: list[str] | None = None) -> int:
     def more(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
+        parser.add_argument("--averaged", action="store_true", help="a checkpoint of `hlat average` (<run>/averaged)")
 
     args = job_arguments("python -m hlat.training.evaluate", __doc__, argv, more)
     quiet_progress_bars()
 
     def program() -> int:
         run, cfg = read_job_config(args.config)
-        evaluate_checkpoint(run, cfg, args.step, _device(args.device))
+        evaluate_checkpoint(run, cfg, args.step, _device(args.device), averaged=args.averaged)
         return 0
 
     return reporting_failure(program)

@@ -45,9 +45,10 @@ def leave_a_torn_checkpoint(checkpoints: Path, newest: int) -> None:
 
 
 def exports_and_evaluates(run: Path, averaged: str, tmp_path: Path) -> tuple[dict[str, Any], dict[str, Any]]:
-    """`hlat export` of the averaged checkpoint loads in transformers with its weights; training/evaluate.py scores
-    it (in a run folder whose checkpoints/ the averaged checkpoint is written to, beside the run's data and
-    tokenizer). Returns the averaged model's dense state and the evaluation's results."""
+    """`hlat export` of the averaged checkpoint (the run's tokenizer found from it) loads in transformers with its
+    weights; training/evaluate.py scores it as `--averaged` does (in a run folder with the run's data and tokenizer
+    and a config asking for perplexity, whose averaged/ the average is written to). Returns the averaged model's
+    dense state and the evaluation's results."""
     from transformers import AutoModelForCausalLM
 
     from hlat.training.evaluate import evaluate_checkpoint
@@ -57,7 +58,7 @@ def exports_and_evaluates(run: Path, averaged: str, tmp_path: Path) -> tuple[dic
     assert "optimizer" not in shared
 
     out = tmp_path / "hf"
-    assert cli(["export", averaged, str(out), "--tokenizer", str(run / "tokenizer")]) == 0
+    assert cli(["export", averaged, str(out)]) == 0  # the run's tokenizer, found from <run>/averaged
     hf = AutoModelForCausalLM.from_pretrained(out)
     expected = to_hf_state_dict(shared["model"], config.model)
     for name, tensor in hf.state_dict().items():
@@ -69,10 +70,11 @@ def exports_and_evaluates(run: Path, averaged: str, tmp_path: Path) -> tuple[dic
     stored = json.loads((run / "config.json").read_text())
     stored["evaluation"] = {**stored.get("evaluation", {}), "perplexity_tokens": 2000, "tasks": []}
     (scored / "config.json").write_text(json.dumps(stored))
-    average_checkpoints(str(run), 3, out=str(scored / "checkpoints"))
+    average_checkpoints(str(run), 3, out=str(scored / "averaged"))
     cfg = validate_config(stored)
-    results = evaluate_checkpoint(Storage(str(scored)), cfg, ref.step, torch.device("cpu"))
-    assert results["step"] == ref.step and results["perplexity"]["tokens"] > 0
+    results = evaluate_checkpoint(Storage(str(scored)), cfg, ref.step, torch.device("cpu"), averaged=True)
+    assert results["step"] == ref.step and results["averaged"] and results["perplexity"]["tokens"] > 0
+    assert (scored / "eval" / f"averaged-step-{ref.step:09d}" / "results.json").is_file()
     assert 1 < results["perplexity"]["perplexity"] < config.model.vocab_size * 4
     return shared["model"], results
 

@@ -46,6 +46,7 @@ import torch
 
 from hlat.core.config import validate_config
 from hlat.core.layout import (
+    AVERAGED_DIR,
     CHECKPOINT_MARKER,
     CHECKPOINT_META,
     CHECKPOINTS_DIR,
@@ -61,7 +62,6 @@ from hlat.training.checkpoint.serialization import read_state, write_state
 
 log = logging.getLogger("hlat.training.checkpoint")
 
-AVERAGED_DIR = "averaged"
 """Where a run's averaged checkpoints go by default: <run>/averaged/step-NNNNNNNNN."""
 
 MODEL_PREFIX = "model."
