@@ -82,6 +82,19 @@ def receiver(prefect_server: None) -> Iterator[Receiver]:
         got.close()
 
 
+PACE_S = 0.3
+
+
+class PacedAlerts(TrainAlerts):
+    """The train task's alerts, one event at a time as a supervisor's polls space them: a burst of events makes the
+    triggers service of a SQLite-backed server (the test server) drop one now and then ('database is locked',
+    dead-lettered after its retries), e.g. a training's end, which then reads as a stall."""
+
+    def emit(self, event: str, payload: dict[str, Any] | None = None, message: str | None = None) -> None:
+        super().emit(event, payload, message)
+        time.sleep(PACE_S)
+
+
 def tiny_run(root: Path, run_id: str, **overrides: Any) -> Run:
     config = load_config("tiny", overrides, run_id=run_id, storage=str(root))
     return Run.at(str(root / run_id), config)
@@ -118,26 +131,26 @@ def test_a_failed_run_a_stall_a_budget_crossing_a_skipped_spike_and_a_low_evalua
     tag = uuid.uuid4().hex[:6]
 
     # A training that started, logged a step and then nothing: no end, no further step.
-    stalled = TrainAlerts(tiny_run(tmp_path, f"alerts-stalled-{tag}"), budget_usd=None)
+    stalled = PacedAlerts(tiny_run(tmp_path, f"alerts-stalled-{tag}"), budget_usd=None)
     stalled.started(0, 20)
     stalled.progress(Progress(1, "job-1", "InProgress", step=1, target_step=20))
 
     # The spend crosses 50% of the budget, then grows without crossing 90%; a restarted stage (a new TrainAlerts
     # on the same run) does not announce the crossing again.
     budget_run = tiny_run(tmp_path, f"alerts-budget-{tag}", **{"job.budget_usd": 10.0})
-    spending = TrainAlerts(budget_run, budget_usd=10.0)
+    spending = PacedAlerts(budget_run, budget_usd=10.0)
     spending.started(0, 20)
     for step, cost in ((1, 2.0), (2, 5.5), (3, 7.0)):
         spending.progress(Progress(1, "job-1", "InProgress", step=step, target_step=20, cost_usd=cost))
     spending.ended("done")
-    again = TrainAlerts(budget_run, budget_usd=10.0)
+    again = PacedAlerts(budget_run, budget_usd=10.0)
     again.started(3, 20)
     again.progress(Progress(2, "job-2", "InProgress", step=4, target_step=20, cost_usd=8.0))
     again.ended("done")
 
     # A loss spike skipped: the loop's record at a sync point counts it; the next record counts the same one.
     spike_run = tiny_run(tmp_path, f"alerts-spike-{tag}")
-    spikes = TrainAlerts(spike_run, budget_usd=None)
+    spikes = PacedAlerts(spike_run, budget_usd=None)
     spikes.started(0, 20)
     metrics = Path(spike_run.uri) / "metrics.jsonl"
     metrics.parent.mkdir(parents=True, exist_ok=True)
