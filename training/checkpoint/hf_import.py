@@ -35,13 +35,17 @@ model.init_from.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
+import os
 import re
+import shutil
 import sys
+import tempfile
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 from hlat.core.config import ModelConfig
+from hlat.core.contract import in_sagemaker
 from hlat.core.init_from import InitFromError, import_record
 from hlat.core.storage import Storage, StorageNotFound
 from hlat.training.checkpoint.hf_export import SAFETENSORS_FILE, _pad_rows, _rename, split_qkv
@@ -85,15 +90,101 @@ class TensorEntry:
     end: int
 
 
+NODE_SCRATCH_ENV = "HLAT_NODE_SCRATCH"
+SAGEMAKER_SCRATCH = "/opt/ml/input/data"
+"""A SageMaker job's node-local disk: the instance storage (trn1.32xlarge: 4 x 1900 GB NVMe), as for the Neuron
+cache's node-local copy (training/compile_cache.py)."""
+NODE_SHARE_TIMEOUT_S = 1800.0
+
+
+class NodeShare:
+    """One read per node of each tensor: the local ranks of a node share what any of them read from remote storage
+    through a folder on the node's disk.
+
+    Under tensor parallelism every rank of a stage needs the same full tensors (each keeps its slice): read from S3
+    by each, a trn1 host's 32 ranks would fetch its stage 32 times (560 GB per host for LLaMA-2 70B at TP 32 x PP 8)
+    in 32 times the GETs, which S3 throttles past 5,500 a second per prefix. Here the first local rank to ask for a
+    byte range claims it (an O_EXCL file), reads it once and writes it into the folder (renamed into place when
+    whole); the others wait for the file and read it from the disk. No collective is needed (the process group may
+    not be up, and none of its ranks holds more than one tensor). The folder is this job's (`node_job_token`): a
+    relaunch never waits on a claim a dead job left; the last local rank to finish removes it."""
+
+    def __init__(self, folder: str, local_rank: int, local_world: int, timeout_s: float = NODE_SHARE_TIMEOUT_S):
+        self.folder, self.local_rank, self.local_world, self.timeout_s = folder, local_rank, local_world, timeout_s
+        os.makedirs(folder, exist_ok=True)
+        self.fetched = 0
+        """Byte ranges this rank read from remote storage (the others came from the node's disk)."""
+
+    @classmethod
+    def for_job(cls, location: str, sha256: str) -> NodeShare | None:
+        """The share of this job's local ranks, when it has several and the weights are remote (torchrun's
+        LOCAL_RANK, LOCAL_WORLD_SIZE); None otherwise (a local folder is read in place)."""
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+        if local_world <= 1 or Storage(location).is_local:
+            return None
+        from hlat.training.compile_cache import node_job_token
+
+        scratch = os.environ.get(NODE_SCRATCH_ENV) or (SAGEMAKER_SCRATCH if in_sagemaker() else tempfile.gettempdir())
+        job = hashlib.sha256(node_job_token().encode()).hexdigest()[:12]
+        folder = os.path.join(scratch, f"hlat-import-{sha256[:16]}-{job}")
+        return cls(folder, int(os.environ.get("LOCAL_RANK", "0")), local_world)
+
+    def read(self, key: str, fetch: Callable[[], bytes]) -> bytes:
+        """The bytes `fetch` gives for `key`, fetched by one local rank of the node."""
+        path = os.path.join(self.folder, hashlib.sha256(key.encode()).hexdigest())
+        if not os.path.exists(path):
+            try:
+                os.close(os.open(f"{path}.claim", os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return self._wait(path, key)
+            try:
+                data = fetch()
+            except Exception as exc:  # the waiting ranks fail too, naming it, instead of waiting out the timeout
+                with open(f"{path}.failed", "w") as fh:
+                    fh.write(f"{type(exc).__name__}: {exc}")
+                raise
+            self.fetched += 1
+            part = f"{path}.part-{os.getpid()}"
+            with open(part, "wb") as fh:
+                fh.write(data)
+            os.replace(part, path)
+            return data
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def _wait(self, path: str, key: str) -> bytes:
+        deadline = time.monotonic() + self.timeout_s
+        while not os.path.exists(path):
+            if os.path.exists(f"{path}.failed"):
+                with open(f"{path}.failed") as fh:
+                    raise RuntimeError(f"the local rank that read {key} for this node failed: {fh.read()}")
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"waited {self.timeout_s:.0f} s for another local rank to read {key} into {self.folder}"
+                )
+            time.sleep(0.02)
+        with open(path, "rb") as fh:
+            return fh.read()
+
+    def close(self) -> None:
+        """This rank is done; the last of the node's local ranks removes the folder."""
+        os.close(os.open(os.path.join(self.folder, f"done-{self.local_rank}"), os.O_CREAT | os.O_WRONLY))
+        done = [name for name in os.listdir(self.folder) if name.startswith("done-")]
+        if len(done) >= self.local_world:
+            shutil.rmtree(self.folder, ignore_errors=True)
+
+
 class SafetensorsReader:
     """The tensors of a Hugging Face safetensors checkpoint in `store` (a folder or an s3:// prefix), one at a time
     (the module docstring). `source` (model.init_from) names the checkpoint in errors. `bytes_read`, `reads` and
     `largest_read` count every ranged read made."""
 
-    def __init__(self, store: Storage, source: str = "") -> None:
+    def __init__(self, store: Storage, source: str = "", share: NodeShare | None = None) -> None:
         if sys.byteorder != "little":
             raise RuntimeError("safetensors files are little-endian; this host is not")
         self.store = store
+        self.share = share
+        """With a NodeShare, tensor data is read once per node (headers and the index by every rank: a few KB)."""
         self.source = source or store.uri()
         self.bytes_read = 0
         self.reads = 0
@@ -120,9 +211,13 @@ class SafetensorsReader:
         return set(self.weight_map)
 
     def _read(self, file: str, start: int, end: int, what: str = "tensor") -> bytes:
-        """Bytes [start, end) of `file`: one ranged read; a missing or short file is a one-line error."""
+        """Bytes [start, end) of `file`: one ranged read (a tensor's through the node's share, when there is one); a
+        missing or short file is a one-line error."""
         try:
-            data = self.store.read_range(file, start, end)
+            if self.share is not None and what == "tensor":
+                data = self.share.read(f"{file}:{start}:{end}", lambda: self.store.read_range(file, start, end))
+            else:
+                data = self.store.read_range(file, start, end)
         except (StorageNotFound, FileNotFoundError):
             named = f" (named by {INDEX_FILE})" if file != SAFETENSORS_FILE and file != INDEX_FILE else ""
             raise _refuse(self.source, f"{self.store.uri(file)} is missing{named}") from None
@@ -366,18 +461,24 @@ def _refresh_zero1_masters(optimizer: Any) -> None:
 def import_weights(trainer: Any) -> dict[str, Any]:
     """Fill the trainer's parameters on this rank from the run's imported checkpoint (`core.init_from.import_record`:
     its `location`), whatever the layout (the module docstring); log once what was read. Returns
-    {"source", "sha256", "tensors", "parameters", "bytes", "reads", "largest_read", "seconds"}."""
+    {"source", "sha256", "tensors", "parameters", "bytes", "reads", "fetched" (tensor reads this rank made from remote
+    storage for its node, `NodeShare`; None without one), "largest_read", "seconds"}."""
     began = time.perf_counter()
     cfg = trainer.cfg
     record = import_record(trainer.run)
     source = str(record.get("source") or cfg.model.init_from)
-    reader = SafetensorsReader(Storage(str(record["location"])), source)
+    sha = str(record.get("sha256", ""))
+    share = NodeShare.for_job(str(record["location"]), sha)
+    reader = SafetensorsReader(Storage(str(record["location"])), source, share)
     params = rank_parameters(trainer)
-    tensors = fill_parameters(trainer.model, params, reader)
+    try:
+        tensors = fill_parameters(trainer.model, params, reader)
+    finally:
+        if share is not None:
+            share.close()
     if cfg.parallelism.zero1:
         _refresh_zero1_masters(trainer.optimizer)
     seconds = time.perf_counter() - began
-    sha = str(record.get("sha256", ""))
     if trainer.world.is_main:
         log.info(
             "imported %d tensors (%.3f GB) from %s (sha256 %s) in %.1f s",
@@ -390,6 +491,7 @@ def import_weights(trainer: Any) -> dict[str, Any]:
         "parameters": len(params),
         "bytes": reader.bytes_read,
         "reads": reader.reads,
+        "fetched": share.fetched if share is not None else None,
         "largest_read": reader.largest_read,
         "seconds": seconds,
     }
