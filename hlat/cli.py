@@ -187,6 +187,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_pool_type(p, "type of the work pool when it is created")
     _add_stack(p)
+    p.add_argument(
+        "--alerts-block",
+        metavar="TYPE/NAME",
+        help="Prefect notification block the alert automations send through, e.g. slack-webhook/hlat-alerts "
+        "(default: the deployments' alerts.block, or HLAT_ALERTS_BLOCK)",
+    )
     p = add("worker", help="create the work pool if missing and start a worker on it")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (default: {DEFAULT_POOL})")
     _add_pool_type(p, "worker and pool type")
@@ -572,7 +578,9 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     if args.command == "deploy":
         from hlat.deploy import deploy
 
-        return deploy(args.names, pool_type=args.pool_type, stack=args.stack, region=args.region)
+        return deploy(
+            args.names, pool_type=args.pool_type, stack=args.stack, region=args.region, alerts_block=args.alerts_block
+        )
     if args.command == "worker":
         from hlat.deploy import worker
 

@@ -256,3 +256,12 @@ def test_the_train_task_emits_start_progress_and_end_around_its_supervisor(
     assert names(emitted) == [alerts.STARTED, PROGRESS, alerts.ENDED]
     assert emitted[-1]["payload"] == {"step": 3, "outcome": "JobFailed" if fail else "done"}
     assert all(e["resource"]["hlat.storage"] == run.uri for e in emitted)
+
+
+def test_hlat_deploy_takes_the_alerts_block_on_its_command_line() -> None:
+    from hlat.cli import build_parser
+
+    assert build_parser().parse_args(["deploy", "--alerts-block", "custom-webhook/oncall"]).alerts_block == (
+        "custom-webhook/oncall"
+    )
+    assert build_parser().parse_args(["deploy"]).alerts_block is None
