@@ -201,7 +201,8 @@ def job_spec(
         image_uri=evaluation_image(config) if evaluating else job.image_uri,
         neuron_sdk=config.neuron.sdk,
         entry=program,
-        args={"step": str(step)} if step is not None else {},
+        # The checkpoint an evaluation job scores: its step, and `args` (e.g. {"from": "averaged"}: `hlat average`'s).
+        args={**({"step": str(step)} if step is not None else {}), **(args or {})},
         python=job_python(config, stage),
     )
 

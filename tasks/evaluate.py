@@ -18,6 +18,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.config import OFFLINE_TASK_PREFIX, HlatConfig
 from hlat.core.layout import (
+    AVERAGED_DIR,
     CHECKPOINT_MARKER,
     CHECKPOINTS_DIR,
     EVAL_DIR,
@@ -45,19 +46,22 @@ log = logging.getLogger("hlat.evaluate")
 
 
 @task(name="checkpoint-marker", **TRANSIENT_RETRIES)
-def checkpoint_marker(run: Run, step: int) -> str:
+def checkpoint_marker(run: Run, step: int, averaged: bool = False) -> str:
     """The checkpoint's commit marker (step and meta.json's sha256): changes whenever the checkpoint does."""
-    return run.stage(CHECKPOINTS_DIR).read_text(f"{step_dir(step)}/{CHECKPOINT_MARKER}")
+    folder = run.storage.child(AVERAGED_DIR if averaged else CHECKPOINTS_DIR)
+    return folder.read_text(f"{step_dir(step)}/{CHECKPOINT_MARKER}")
 
 
-def evaluation_cache_key(run: Run, step: int) -> str:
-    """What an evaluation depends on: the checkpoint (its step and commit marker) and the evaluation settings."""
-    marker = checkpoint_marker(run, step)
-    return stage_cache_key(run, "evaluate", step, marker, run.config.evaluation.model_dump(mode="json"))
+def evaluation_cache_key(run: Run, step: int, averaged: bool = False) -> str:
+    """What an evaluation depends on: the checkpoint (its step and commit marker; `hlat average`'s, under
+    averaged/, apart) and the evaluation settings."""
+    marker = checkpoint_marker(run, step, averaged)
+    which = [AVERAGED_DIR] if averaged else []
+    return stage_cache_key(run, "evaluate", step, *which, marker, run.config.evaluation.model_dump(mode="json"))
 
 
-def evaluation_present(run: Run, step: int) -> bool:
-    return run.storage.exists(eval_results_path(step))
+def evaluation_present(run: Run, step: int, averaged: bool = False) -> bool:
+    return run.storage.exists(eval_results_path(step, averaged))
 
 
 def check_task_names(config: HlatConfig) -> None:
@@ -69,11 +73,12 @@ def check_task_names(config: HlatConfig) -> None:
         check_tasks(standard, None)
 
 
-def run_evaluation_job(run: Run, step: int) -> dict[str, Any]:
-    """Run the evaluation job of checkpoint `step` to its end; its results.json."""
-    record, state = run_stage_job(run, "evaluate", step)
+def run_evaluation_job(run: Run, step: int, averaged: bool = False) -> dict[str, Any]:
+    """Run the evaluation job of checkpoint `step` (`averaged`: of `hlat average`'s step-N) to its end; its
+    results.json."""
+    record, state = run_stage_job(run, "evaluate", step, {"from": AVERAGED_DIR} if averaged else None)
     out = run.storage
-    path = eval_results_path(step)
+    path = eval_results_path(step, averaged)
     if state is None or state.status.value != "Completed" or not out.exists(path):
         # A job that reports success without its results is named as such, with the missing file's path.
         ended = record.ending if record.status != "Completed" else f"Completed but wrote no {out.uri(path)}"
@@ -83,10 +88,10 @@ def run_evaluation_job(run: Run, step: int) -> dict[str, Any]:
 
 
 @task(name="evaluate-checkpoint", **CACHED_STAGE)
-def evaluation_of(run: Run, step: int, cache_key: str) -> dict[str, Any]:
-    """Perplexity and lm-eval tasks of checkpoint `step`, in an evaluation job on the run's backend (the job's
-    program is training/evaluate.py)."""
-    return run_evaluation_job(run, step)
+def evaluation_of(run: Run, step: int, cache_key: str, averaged: bool = False) -> dict[str, Any]:
+    """Perplexity and lm-eval tasks of checkpoint `step` (`averaged`: `hlat average`'s), in an evaluation job on the
+    run's backend (the job's program is training/evaluate.py)."""
+    return run_evaluation_job(run, step, averaged)
 
 
 @task(name="write-eval-report", **TRANSIENT_RETRIES)

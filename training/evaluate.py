@@ -216,14 +216,17 @@ def quiet_progress_bars() -> None:
 def main(argv: list[str] | None = None) -> int:
     def more(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--step", type=int, default=None, help="checkpoint step (default: the newest)")
-        parser.add_argument("--averaged", action="store_true", help="a checkpoint of `hlat average` (<run>/averaged)")
+        parser.add_argument(
+            "--from", dest="folder", choices=(CHECKPOINTS_DIR, AVERAGED_DIR), default=CHECKPOINTS_DIR,
+            help="the run's folder the checkpoint is in: its training's, or `hlat average`'s (default: checkpoints)",
+        )  # fmt: skip
 
     args = job_arguments("python -m hlat.training.evaluate", __doc__, argv, more)
     quiet_progress_bars()
 
     def program() -> int:
         run, cfg = read_job_config(args.config)
-        evaluate_checkpoint(run, cfg, args.step, _device(args.device), averaged=args.averaged)
+        evaluate_checkpoint(run, cfg, args.step, _device(args.device), averaged=args.folder == AVERAGED_DIR)
         return 0
 
     return reporting_failure(program)
