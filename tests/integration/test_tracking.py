@@ -50,6 +50,7 @@ def per_step(run: Path, key: str) -> dict[int, float]:
     return {r["step"]: r[key] for r in metrics(run) if r.get(key) is not None}
 
 
+@pytest.mark.slow  # three training jobs
 def test_mlflow_one_run_every_step_once_with_config_and_reports(prepared: Path, tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
@@ -106,6 +107,7 @@ def track_stages(run: Path) -> None:
     track_evaluation.fn(stored, {"step": STEPS, "perplexity": {"val_ppl": 42.0, "val_loss": 3.7}})
 
 
+@pytest.mark.slow  # three training jobs
 def test_wandb_offline_one_run_every_step_once_no_secret(
     prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
