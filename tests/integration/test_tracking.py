@@ -45,6 +45,12 @@ def killed_twice_and_resumed(run: Path) -> None:
     assert code == 0 and "tracking (" not in out, out[-3000:]
 
 
+def wandb_offline_history_of(path: Path) -> list[tuple[int, dict[str, Any]]]:
+    """The history rows of one attempt's .wandb file (what each attempt wrote, for a failure's message)."""
+    rows = [r.history for r in wandb_records(path) if r.WhichOneof("record_type") == "history"]
+    return [(int(json.loads(i.value_json)), {}) for h in rows for i in h.item if wandb_key(i) == "_step"]
+
+
 def per_step(run: Path, key: str) -> dict[int, float]:
     """metrics.jsonl's `key` per step (the final history: a resumed job keeps one line per step)."""
     return {r["step"]: r[key] for r in metrics(run) if r.get(key) is not None}
@@ -124,7 +130,8 @@ def test_wandb_offline_one_run_every_step_once_no_secret(
     assert len(files) == 3  # one per attempt, all the same W&B run id (`wandb sync` resumes one run from them)
     rows = wandb_offline_history(folder, record["id"])
     steps = [step for step, _ in rows]
-    assert steps == sorted(set(steps)) and set(steps) == set(range(1, STEPS + 1)), steps
+    per_file = {f.parent.name: [s for s, _ in wandb_offline_history_of(f)] for f in files}
+    assert steps == sorted(set(steps)) and set(steps) == set(range(1, STEPS + 1)), per_file
     losses = {step: values["loss"] for step, values in rows if "loss" in values}
     assert losses == pytest.approx(per_step(run, "loss"), rel=1e-12)
     assert {s: v["val_loss"] for s, v in rows if "val_loss" in v} == pytest.approx(per_step(run, "val_loss"))
