@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import re
+import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -18,6 +19,7 @@ from hlat.core.environment import NEURON_SDKS
 from hlat.core.layout import EVAL_DIR
 from hlat.infra.runs import Run
 from hlat.infra.sagemaker_jobs import PROJECT_ROOT
+from hlat.infra.stage_jobs import job_python
 from hlat.training.tracking import Tracker, check_tracking, open_tracker
 
 log = logging.getLogger("hlat.tracking")
@@ -48,12 +50,16 @@ def flat_figures(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def check_job_tracking(cfg: HlatConfig) -> None:
-    """Refuse, naming the field and the fix, tracking that SageMaker training jobs could not do: W&B (its API key
-    would have to travel in the job's environment, which the job's description shows), and MLflow while the jobs'
-    requirements file (deployments/job-requirements-<neuron.sdk>.txt, what the instances install on the Neuron
-    image) lacks MLflow's client (and, for a tracking server ARN, the sagemaker-mlflow plugin)."""
+    """Refuse, naming the field and the fix, tracking that the training jobs could not do. Local jobs in another
+    interpreter (job.python, or the XLA environment) need the backend's client there. SageMaker jobs: W&B would need
+    its API key in the job's environment, which the job's description shows; MLflow needs the jobs' requirements
+    file (deployments/job-requirements-<neuron.sdk>.txt, what the instances install on the Neuron image) to hold
+    MLflow's client (and, for a tracking server ARN, the sagemaker-mlflow plugin)."""
     t = cfg.tracking
-    if cfg.job.backend != "sagemaker" or t.backend == "none":
+    if t.backend == "none":
+        return
+    if cfg.job.backend == "local":
+        _check_job_python(cfg)
         return
     if t.backend == "wandb":
         raise ConfigError(
@@ -73,6 +79,20 @@ def check_job_tracking(cfg: HlatConfig) -> None:
             f"tracking.backend=mlflow with job.backend=sagemaker: the training jobs install deployments/{name}, which "
             f"lacks {', '.join(missing)}, so they could not log; add them there (pinned, resolved against the image's "
             "pins by tests/integration/test_job_requirements.py) or set tracking.backend=none"
+        )
+
+
+def _check_job_python(cfg: HlatConfig) -> None:
+    python = job_python(cfg, "train")
+    if python is None:  # the flow's own interpreter: this one, which has them (pyproject's dependencies)
+        return
+    module = "mlflow" if cfg.tracking.backend == "mlflow" else "wandb"
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    found = subprocess.run([python, "-c", probe], capture_output=True, timeout=60).returncode == 0
+    if not found:
+        raise ConfigError(
+            f"tracking.backend={cfg.tracking.backend}: the local training jobs run in {python}, which has no {module}; "
+            f"install it there (`{python} -m pip install -c constraints.txt {module}`) or set tracking.backend=none"
         )
 
 

@@ -178,3 +178,20 @@ def test_tracking_sagemaker_jobs_cannot_do_is_refused_naming_the_fix(
     )
     monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path)
     check_job_tracking(cfg(backend="mlflow", mlflow_tracking_server_arn=ARN))  # type: ignore[arg-type]
+
+
+def test_local_jobs_in_an_interpreter_without_the_client_are_refused() -> None:
+    import shutil
+    import sys
+
+    from hlat.tasks.tracking import check_job_tracking
+
+    def cfg(python: str) -> object:
+        return load_config("tiny", {"tracking.backend": "mlflow", "job.python": python}, run_id="r")
+
+    check_job_tracking(cfg(sys.executable))  # type: ignore[arg-type]
+    bare = shutil.which("python3", path="/usr/bin:/usr/local/bin")
+    if bare is None or bare == sys.executable:
+        pytest.skip("no interpreter without mlflow on this machine")
+    with pytest.raises(ConfigError, match=r"has no mlflow; install it there"):
+        check_job_tracking(cfg(bare))  # type: ignore[arg-type]
