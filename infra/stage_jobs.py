@@ -70,8 +70,13 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
     """A stage job's environment: the run id, and for the jobs on the training's instances (train, precompile,
     burn-in) what XLA needs: on trn1 the precision flags, the `neuron` section's compiler and runtime settings and
     the run's Neuron compile cache; with training.device=xla elsewhere, XLA:CPU's (precision flags, PJRT_DEVICE).
-    The evaluation job runs Hugging Face transformers on its own instance: none of it."""
+    The evaluation job runs Hugging Face transformers on its own instance: none of it. A training job with
+    tracking.mlflow_tracking_server_arn also gets MLflow's variables (`sagemaker_jobs.tracking_environment`)."""
     config, env = run.config, {"HLAT_RUN_ID": run.run_id}
+    if stage == "train":  # SageMaker's managed MLflow: the request's MlflowConfig is made from these
+        from hlat.infra.sagemaker_jobs import tracking_environment
+
+        env.update(tracking_environment(config.tracking))
     if not _stage(stage).on_training_instances:
         return env
     if on_neuron(config) or config.training.device == "xla":

@@ -35,12 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.layout import TRACKING_DIR
 from hlat.core.storage import Storage
 
 log = logging.getLogger("hlat.tracking")
 
-TRACKING_DIR = "tracking"
-"""The run's tracking folder: the record, a local MLflow store, W&B's run files."""
 TRACKING_RECORD = f"{TRACKING_DIR}/tracking.json"
 """Which tracked run the hlat run logs into: {"backend", "run_id" (MLflow) or "id" (W&B), ...}."""
 RUN_TAG = "hlat.run_id"

@@ -145,6 +145,15 @@ def test_sagemaker_request_carries_mlflow_config_valid_for_the_service_model(tmp
     validate_request(params)
     assert params["Environment"]["MLFLOW_TRACKING_URI"] == ARN  # the sagemaker-mlflow plugin resolves the ARN
 
+    # The train stage's job gets those variables from the run's config (the other stages' jobs do not).
+    from hlat.infra.runs import Run
+    from hlat.infra.stage_jobs import job_environment
+
+    settings = {"tracking.backend": "mlflow", "tracking.mlflow_tracking_server_arn": ARN}
+    run = Run.at("s3://b/runs/r", load_config("tiny", settings))
+    assert job_environment(run, "train")["MLFLOW_TRACKING_URI"] == ARN
+    assert "MLFLOW_TRACKING_URI" not in job_environment(run, "evaluate")
+
     # Without a tracking server, no MlflowConfig.
     assert tracking_environment(TrackingConfig(backend="mlflow")) == {}
     assert "MlflowConfig" not in config_request(make_spec(), make_job())
