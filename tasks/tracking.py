@@ -77,8 +77,9 @@ def check_job_tracking(cfg: HlatConfig) -> None:
     if missing:
         raise ConfigError(
             f"tracking.backend=mlflow with job.backend=sagemaker: the training jobs install deployments/{name}, which "
-            f"lacks {', '.join(missing)}, so they could not log; add them there (pinned, resolved against the image's "
-            "pins by tests/integration/test_job_requirements.py) or set tracking.backend=none"
+            f"lacks {', '.join(missing)}, so they could not log (pip cannot install mlflow-skinny beside the Neuron "
+            "image's pinned tensorboard 2.6.0: tests/integration/test_job_requirements.py); set tracking.backend=none "
+            "for SageMaker runs (metrics.jsonl and TensorBoard stay their record)"
         )
 
 
