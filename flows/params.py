@@ -63,6 +63,11 @@ STEP: Any = Field(
     ge=0,
     description="Checkpoint step to evaluate. Empty: the newest committed checkpoint.",
 )
+AVERAGED: Any = Field(
+    False,
+    description="Evaluate `hlat average`'s checkpoint (<run>/averaged/step-N, the mean of the last K checkpoints) "
+    "instead of the training's.",
+)
 
 FORM_FIELDS = (
     "data.sources",

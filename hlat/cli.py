@@ -121,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     _add_dry_run(p)
     p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
+    p.add_argument(
+        "--averaged", action="store_true", help="evaluate: hlat average's checkpoint (<run>/averaged) instead"
+    )
     p = add("export", help="write a checkpoint as a Hugging Face folder: Llama or GPT-NeoX, weights, config, tokenizer")
     p.add_argument("source", help="a checkpoint folder (.../checkpoints/step-N), a run's checkpoints folder, or a run")
     p.add_argument("out", help="output folder (local)")
@@ -682,11 +685,13 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
         from hlat.flows.pretrain import stage_flow_of
 
         flow_fn = stage_flow_of(stage(args.stage))
-    if args.command == "run" and args.step is not None and args.stage != "evaluate":
-        raise ConfigError(f"--step applies to 'hlat run evaluate' only, not {args.stage}")
+    if args.command == "run" and args.stage != "evaluate" and (args.step is not None or args.averaged):
+        raise ConfigError(f"--step and --averaged apply to 'hlat run evaluate' only, not {args.stage}")
     params = {"preset": args.preset, "overrides": overrides, "run_id": args.run_id, "storage": args.storage}
     if args.command == "run" and args.stage == "evaluate":
         params["step"] = args.step
+        if args.averaged:
+            params["averaged"] = True
     return flow_fn, params
 
 

@@ -136,3 +136,17 @@ def test_compare_puts_two_runs_on_one_chart_with_their_difference(
     for name in ("compare.md", "compare-loss.png", "compare-grad_norm.png"):
         assert (out / name).is_file()
     assert main(["compare", str(trained), str(tmp_path / "missing")]) == 1
+
+
+def test_the_average_of_the_last_checkpoints_is_evaluated_by_the_stage(prefect_server: None, trained: Path) -> None:
+    """`hlat average` then `hlat run evaluate --averaged`: the evaluation job scores <run>/averaged/step-N, its
+    results beside the trained step's (eval/averaged-step-N), and the stage caches it apart from step N's."""
+    from hlat.flows.evaluate import evaluate
+
+    assert main(["average", str(trained), "--last", "2"]) == 0
+    storage = str(trained.parent)
+    scores = evaluate(preset="tiny", overrides=overrides(), run_id="scored", storage=storage, averaged=True)
+    assert scores["step"] == 4 and scores["averaged"] and "/averaged/step-000000004" in scores["checkpoint"]
+    assert (trained / "eval" / "averaged-step-000000004" / "results.json").is_file()
+    trained_step = evaluate(preset="tiny", overrides=overrides(), run_id="scored", storage=storage, step=4)
+    assert not trained_step["averaged"] and scores["perplexity"] != trained_step["perplexity"]
