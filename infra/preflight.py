@@ -139,44 +139,46 @@ def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
     return findings
 
 
+def _fetched(check: str, source: str, backend: str, describe: Callable[[], str]) -> Finding:
+    """The finding of a check that fetches `source` (`describe` gives the line of a success): a hub that does not
+    answer from here is unchecked, not failed, for SageMaker runs (as a hub data source is: the stage runs on AWS);
+    a name the hub does not have, a bad folder or prefix, fails."""
+    from hlat.core.storage import StorageError
+    from hlat.infra.tokenizer import HubUnreachable
+
+    try:
+        return Finding(check, True, describe())
+    except HubUnreachable as exc:
+        if backend == "sagemaker":
+            return Finding(check, True, f"{source}: the hub does not answer from here", checked=False)
+        return Finding(check, False, str(exc))
+    except (ValueError, StorageError) as exc:
+        return Finding(check, False, str(exc))
+
+
 def tokenizer_finding(source: str, backend: str = "local") -> Finding:
     """Whether tokenizer.pretrained can be fetched: its files are copied to a scratch folder as the tokenizer stage
-    will copy them (a few MB; a hub name's land in the hub cache, where the stage finds them). A hub that does not
-    answer from here is unchecked, not failed, for SageMaker runs (as a hub data source is): the stage runs on AWS."""
+    will copy them (a few MB; a hub name's land in the hub cache, where the stage finds them)."""
     import tempfile
 
-    from hlat.core.storage import StorageError
-    from hlat.infra.tokenizer import HubUnreachable, fetch_pretrained
+    from hlat.infra.tokenizer import fetch_pretrained
 
-    with tempfile.TemporaryDirectory(prefix="hlat-preflight-tokenizer-") as tmp:
-        try:
+    def describe() -> str:
+        with tempfile.TemporaryDirectory(prefix="hlat-preflight-tokenizer-") as tmp:
             info = fetch_pretrained(source, tmp)
-        except HubUnreachable as exc:
-            if backend == "sagemaker":
-                return Finding("tokenizer", True, f"{source}: the hub does not answer from here", checked=False)
-            return Finding("tokenizer", False, str(exc))
-        except (ValueError, StorageError) as exc:
-            return Finding("tokenizer", False, str(exc))
-    revision = f" at {info['revision']}" if info["revision"] else ""
-    return Finding("tokenizer", True, f"{source}{revision}: {', '.join(info['names'])}")
+        revision = f" at {info['revision']}" if info["revision"] else ""
+        return f"{source}{revision}: {', '.join(info['names'])}"
+
+    return _fetched("tokenizer", source, backend, describe)
 
 
 def init_from_finding(source: str, backend: str = "local") -> Finding:
     """Whether model.init_from can be imported, from its small files only (infra/init_from.py `peek`): a config
     hlat's model cannot hold, a folder without safetensors or a name the hub does not have fail here, before any
-    stage; a hub that does not answer from here is unchecked for SageMaker runs (as for the tokenizer)."""
-    from hlat.core.storage import StorageError
+    stage."""
     from hlat.infra.init_from import peek
-    from hlat.infra.tokenizer import HubUnreachable
 
-    try:
-        return Finding("init_from", True, peek(source))
-    except HubUnreachable as exc:
-        if backend == "sagemaker":
-            return Finding("init_from", True, f"{source}: the hub does not answer from here", checked=False)
-        return Finding("init_from", False, str(exc))
-    except (ValueError, StorageError) as exc:
-        return Finding("init_from", False, str(exc))
+    return _fetched("init_from", source, backend, lambda: peek(source))
 
 
 def _one_source(data: DataConfig, shape: SourceShape, backend: str) -> Finding:

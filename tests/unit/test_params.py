@@ -103,7 +103,7 @@ def test_every_flow_takes_the_same_typed_parameters(name: str) -> None:
     assert props["run_id"]["type"] == props["storage"]["type"] == "string"
     assert props["overrides"]["default"] == {}
     assert schema["definitions"]["Overrides"]["properties"].keys() == set(FORM_FIELDS)
-    assert list(inspect.signature(fn.fn).parameters)[4:] == (["step"] if name == "evaluate" else [])
+    assert list(inspect.signature(fn.fn).parameters)[4:] == (["step", "averaged"] if name == "evaluate" else [])
 
 
 def test_an_unfilled_deployment_placeholder_is_named_before_anything_runs() -> None:
@@ -114,7 +114,13 @@ def test_an_unfilled_deployment_placeholder_is_named_before_anything_runs() -> N
 
 
 @pytest.mark.parametrize(
-    "argv", [["pretrain"], *(["run", s] for s in STAGE_NAMES), ["run", "evaluate", "--step", "3", "--set", "a.b=1"]]
+    "argv",
+    [
+        ["pretrain"],
+        *(["run", s] for s in STAGE_NAMES),
+        ["run", "evaluate", "--step", "3", "--set", "a.b=1"],
+        ["run", "evaluate", "--averaged"],
+    ],
 )
 def test_what_the_cli_passes_is_valid_for_the_flow(argv: list[str]) -> None:
     """With or without --set: the flow's own parameter validation accepts the CLI's call (as Prefect runs it)."""

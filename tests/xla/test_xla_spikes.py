@@ -7,7 +7,6 @@ ten, after the backward: the gradients are a normal step's, the loss decides).""
 
 from __future__ import annotations
 
-import itertools
 import json
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,11 +18,11 @@ import torch
 from hlat.core.config import validate_config
 from hlat.core.storage import Storage
 from hlat.training import hooks as job_hooks
-from hlat.training import xla
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import init_world
 from tests import spike_hooks
 from tests.xla.conftest import make_run
+from tests.xla.test_xla_loop import counted_fit, deltas
 
 STEPS = 20
 LOG_EVERY = 5
@@ -54,19 +53,11 @@ def build(run: Path) -> Trainer:
 
 def counted_steps(trainer: Trainer) -> list[dict[str, float]]:
     """fit() (which must succeed); per step k (index k - 1), the XLA counters' change from the end of step k to the
-    end of step k + 1: step k's sync work, if any, and the whole of step k + 1."""
-    marks: list[dict[str, float]] = []
-    step = trainer.train_step
-
-    def train_step(batches: Any) -> dict[str, Any]:
-        out = step(batches)
-        xla.wait()
-        marks.append(xla.counters())
-        return out
-
-    trainer.train_step = train_step  # type: ignore[method-assign]
-    assert trainer.fit() == 0
-    return [{key: b[key] - a[key] for key in b} for a, b in itertools.pairwise(marks)]
+    end of step k + 1: step k's sync work, if any, and the whole of step k + 1 (`deltas` of the loop tier's marks,
+    less the one at fit's end)."""
+    code, marks = counted_fit(trainer)
+    assert code == 0
+    return deltas(marks[:-1])
 
 
 def records(run: Path) -> list[dict[str, Any]]:
