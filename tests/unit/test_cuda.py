@@ -1,5 +1,6 @@
 """The CUDA path, where a GPU is present (skipped without one; CI has none): FSDP2 with compiled blocks, bf16-mixed
-and fused AdamW, as `training.parallel.parallelize` sets them up, against the same model unsharded."""
+and fused AdamW, as `training.parallel.parallelize` sets them up, against the same model unsharded, for both model
+families (LLaMA, and GPT-NeoX with its partial rotary and biases)."""
 
 from __future__ import annotations
 
@@ -30,8 +31,20 @@ OVERRIDES = {
 }
 
 
-def test_fsdp2_compiled_bf16_steps_match_the_unsharded_compiled_model() -> None:
-    cfg = load_config("tiny", OVERRIDES)
+ARCHES = {
+    "llama": {},
+    "gpt_neox": {
+        "model.arch": "gpt_neox",
+        "model.n_kv_heads": None,
+        "model.ffn_hidden": 1024,
+        "model.rotary_fraction": 0.25,
+    },
+}
+
+
+@pytest.mark.parametrize("arch", list(ARCHES))
+def test_fsdp2_compiled_bf16_steps_match_the_unsharded_compiled_model(arch: str) -> None:
+    cfg = load_config("tiny", {**OVERRIDES, **ARCHES[arch]})
     device = torch.device("cuda")
     dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
