@@ -50,6 +50,10 @@ EXIT_LOSS_SPIKES = 7
 """training.spike_skip skipped training.spike_max_consecutive steps in a row: the run diverged. Deterministic (the same
 data and weights spike again), so not relaunched; the failure reason (`LossSpikes: ...`) names the steps."""
 
+TRACKED_BY_STAGE_ENV = "HLAT_TRACKED_BY_STAGE"
+"""Set in a training job whose metrics the train stage logs into the tracked run (`tasks.tracking.MetricsMirror`:
+SageMaker's): the job then opens no tracker of its own."""
+
 SAGEMAKER_CHECKPOINT_DIR = "/opt/ml/checkpoints"
 SAGEMAKER_TENSORBOARD_DIR = "/opt/ml/output/tensorboard"
 SAGEMAKER_FAILURE_FILE = "/opt/ml/output/failure"

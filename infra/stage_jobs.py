@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.contract import STOP_DEADLINE, StopTerms
+from hlat.core.contract import STOP_DEADLINE, TRACKED_BY_STAGE_ENV, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.mixture import draws_table, source_draws
 from hlat.core.stages import DATA, EVALUATION, JOB_STAGES, Stage, stage
@@ -66,6 +66,13 @@ def on_neuron(config: HlatConfig) -> bool:
     return on_trainium(config)
 
 
+def stage_tracks_metrics(config: HlatConfig) -> bool:
+    """Whether the train stage, not the training job, logs the metrics into the tracked run (tracking.backend): for
+    SageMaker jobs, whose Neuron images cannot install MLflow's client beside their pins (tensorboard 2.6.0) and
+    whose environment SageMaker shows (no W&B key there). Local jobs log at their own flushes."""
+    return config.tracking.backend != "none" and config.job.backend == "sagemaker"
+
+
 def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
     """A stage job's environment: the run id, and for the jobs on the training's instances (train, precompile,
     burn-in) what XLA needs: on trn1 the precision flags, the `neuron` section's compiler and runtime settings and
@@ -77,6 +84,8 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
         from hlat.infra.sagemaker_jobs import tracking_environment
 
         env.update(tracking_environment(config.tracking))
+        if stage_tracks_metrics(config):
+            env[TRACKED_BY_STAGE_ENV] = "1"
     if not _stage(stage).on_training_instances:
         return env
     if on_neuron(config) or config.training.device == "xla":

@@ -1,13 +1,15 @@
 """The stages' side of experiment tracking (tracking.backend, `training/tracking.py`): at a stage's start the run's
 setting is checked and its tracked run opened (found or created once, with the config and the run's storage URI);
 at its end what it produced goes there: the data and tokenizer reports as artifacts, the training summary with its
-cost, the evaluation results (figures, results.json and report.md). The training job logs the per-step metrics
-itself. Tracking never decides a stage: a store that fails is warned about, and the stage goes on."""
+cost, the evaluation results (figures, results.json and report.md). A local training job logs the per-step metrics
+itself; a SageMaker job's are logged by the train stage from metrics.jsonl as the supervisor sees them
+(`MetricsMirror`, `stage_tracks_metrics`). Tracking never decides a stage: a store that fails is warned about, and
+the stage goes on."""
 
 from __future__ import annotations
 
+import json
 import logging
-import re
 import subprocess
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -15,11 +17,9 @@ from typing import Any
 from prefect import task
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.environment import NEURON_SDKS
-from hlat.core.layout import EVAL_DIR
+from hlat.core.layout import EVAL_DIR, METRICS_FILE
 from hlat.infra.runs import Run
-from hlat.infra.sagemaker_jobs import PROJECT_ROOT
-from hlat.infra.stage_jobs import job_python
+from hlat.infra.stage_jobs import job_python, stage_tracks_metrics
 from hlat.training.tracking import Tracker, check_tracking, open_tracker
 
 log = logging.getLogger("hlat.tracking")
@@ -50,37 +50,12 @@ def flat_figures(values: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 def check_job_tracking(cfg: HlatConfig) -> None:
-    """Refuse, naming the field and the fix, tracking that the training jobs could not do. Local jobs in another
-    interpreter (job.python, or the XLA environment) need the backend's client there. SageMaker jobs: W&B would need
-    its API key in the job's environment, which the job's description shows; MLflow needs the jobs' requirements
-    file (deployments/job-requirements-<neuron.sdk>.txt, what the instances install on the Neuron image) to hold
-    MLflow's client (and, for a tracking server ARN, the sagemaker-mlflow plugin)."""
-    t = cfg.tracking
-    if t.backend == "none":
+    """Refuse, naming the field and the fix, tracking that the training jobs could not do: local jobs in another
+    interpreter (job.python, or the XLA environment) need the backend's client there. SageMaker jobs track nothing
+    themselves (the stage logs their metrics: `MetricsMirror`), so they need nothing."""
+    if cfg.tracking.backend == "none" or stage_tracks_metrics(cfg):
         return
-    if cfg.job.backend == "local":
-        _check_job_python(cfg)
-        return
-    if t.backend == "wandb":
-        raise ConfigError(
-            "tracking.backend=wandb with job.backend=sagemaker: the jobs would need WANDB_API_KEY in their "
-            "environment, which SageMaker shows in the job's description; use tracking.backend=mlflow with "
-            "tracking.mlflow_tracking_server_arn (the job's role signs its requests) or tracking.backend=none"
-        )
-    name = NEURON_SDKS[cfg.neuron.sdk].job_requirements
-    text = (PROJECT_ROOT / "deployments" / name).read_text()
-    present = {re.split(r"[=<>~!\[; ]", line.strip(), maxsplit=1)[0].lower() for line in text.splitlines()}
-    needed = {"mlflow-skinny": {"mlflow", "mlflow-skinny"}}
-    if t.mlflow_tracking_server_arn:
-        needed["sagemaker-mlflow"] = {"sagemaker-mlflow"}
-    missing = sorted(package for package, names in needed.items() if not names & present)
-    if missing:
-        raise ConfigError(
-            f"tracking.backend=mlflow with job.backend=sagemaker: the training jobs install deployments/{name}, which "
-            f"lacks {', '.join(missing)}, so they could not log (pip cannot install mlflow-skinny beside the Neuron "
-            "image's pinned tensorboard 2.6.0: tests/integration/test_job_requirements.py); set tracking.backend=none "
-            "for SageMaker runs (metrics.jsonl and TensorBoard stay their record)"
-        )
+    _check_job_python(cfg)
 
 
 def _check_job_python(cfg: HlatConfig) -> None:
@@ -148,3 +123,55 @@ def track_evaluation(run: Run, results: Mapping[str, Any]) -> None:
             t.log_text("report.md", run.storage.read_text(EVAL_REPORT))
 
     _with_tracker(run, work)
+
+
+class MetricsMirror:
+    """The train stage's logging of a job's per-step metrics into the tracked run, for jobs that do not track
+    (`stage_tracks_metrics`: SageMaker's): each `poll` reads what metrics.jsonl gained since the last (a ranged read
+    from the last offset; the whole file again when a resume rewrote it shorter) and logs its records, one step's lines
+    merged. The tracker logs only steps past the last one its store holds, so the steps a resumed job re-trains (with
+    bitwise the same values) are not logged twice. Never stops the stage: a failure is warned about once."""
+
+    def __init__(self, run: Run) -> None:
+        self.run = run
+        mirrors = stage_tracks_metrics(run.config)
+        self.tracker: Tracker | None = open_tracker(run.config, run.storage) if mirrors else None
+        self.offset = 0
+        self._warned = False
+
+    def poll(self) -> None:
+        if self.tracker is None:
+            return
+        try:
+            self._poll(self.tracker)
+        except Exception as exc:  # tracking never decides the stage
+            if not self._warned:
+                self._warned = True
+                log.warning("tracking: could not read %s for the tracked run: %s", METRICS_FILE, exc)
+
+    def _poll(self, tracker: Tracker) -> None:
+        store = self.run.storage
+        if not store.exists(METRICS_FILE):
+            return
+        size = store.size(METRICS_FILE)
+        if size < self.offset:  # rewritten shorter: a resume cut it back to its checkpoint
+            self.offset = 0
+        if size == self.offset:
+            return
+        data = store.read_range(METRICS_FILE, self.offset, size)
+        whole = data.rfind(b"\n") + 1  # a line still being written waits for the next poll
+        self.offset += whole
+        by_step: dict[int, dict[str, Any]] = {}
+        for line in data[:whole].decode("utf-8", errors="replace").splitlines():
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict) and isinstance(record.get("step"), int):
+                by_step.setdefault(record.pop("step"), {}).update(record)
+        tracker.log_records(sorted(by_step.items()))
+
+    def close(self) -> None:
+        self.poll()
+        if self.tracker is not None:
+            self.tracker.close()

@@ -25,6 +25,7 @@ from hlat.infra.tokenizer import REPORT_FILE
 from hlat.tasks.alerts import TrainAlerts
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.init_from import imported_identity
+from hlat.tasks.tracking import MetricsMirror
 
 log = logging.getLogger("hlat.train")
 
@@ -182,10 +183,12 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     artifacts = _Artifacts(run.run_id, run.storage)
     evaluator = CheckpointEvaluator(run)
     alerts = TrainAlerts(run, budget(run.config).usd)
+    mirror = MetricsMirror(run)  # a SageMaker job's metrics into the tracked run (its job tracks nothing itself)
 
     def on_progress(p: Progress) -> None:
         artifacts.progress(p)
         alerts.progress(p)
+        mirror.poll()
         evaluator.poll()
 
     def on_attempts(attempts: list[Attempt]) -> None:
@@ -204,6 +207,8 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     except BaseException as exc:  # the stage stops watching: a stalled-training alert would say nothing new
         alerts.ended(type(exc).__name__)
         raise
+    finally:
+        mirror.close()  # what the last attempt flushed
     alerts.ended("done")
     # Only on success: a failed or interrupted stage must not wait for evaluations (a cancelled flow's hook stops
     # the evaluation job with the others).

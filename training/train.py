@@ -20,6 +20,7 @@ import tempfile
 
 from hlat.core.contract import (
     EXIT_NAN,
+    TRACKED_BY_STAGE_ENV,
     channel_location,
     checkpoint_location,
     fetch_tokenizer,
@@ -93,7 +94,7 @@ def _train(config_uri: str, device: str | None) -> int:
                 trainer.first_step_metrics.update(cache.metrics())
                 # Rank 0's: the run's tracked run, resumed (it logs only the steps its store does not hold yet).
                 tracker = None
-                if world.is_main and not trainer.extracting_graphs:
+                if world.is_main and not trainer.extracting_graphs and not os.environ.get(TRACKED_BY_STAGE_ENV):
                     tracker = open_tracker(cfg, run)
                 if tracker is not None:
                     tracker.log_config(cfg)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from botocore.validate import validate_parameters
 
-from hlat.core.config import ConfigError, TrackingConfig
+from hlat.core.config import ConfigError, HlatConfig, TrackingConfig
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 from hlat.infra.sagemaker_jobs import (
@@ -161,32 +161,52 @@ def test_sagemaker_request_carries_mlflow_config_valid_for_the_service_model(tmp
         load_config("tiny", {"tracking.mlflow_tracking_server_arn": "arn:aws:s3:::bucket"})
 
 
-def test_tracking_sagemaker_jobs_cannot_do_is_refused_naming_the_fix(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from hlat.core.environment import NEURON_SDKS
-    from hlat.tasks import tracking
-    from hlat.tasks.tracking import check_job_tracking
+def sagemaker_config(run_id: str = "r", **tracking: object) -> HlatConfig:
+    overrides = {"job.backend": "sagemaker", "job.instance_type": "ml.trn1.32xlarge",
+                 "job.role_arn": "arn:aws:iam::123456789012:role/hlat"}  # fmt: skip
+    return load_config("tiny", {**overrides, **{f"tracking.{k}": v for k, v in tracking.items()}}, run_id=run_id)
 
-    def cfg(**tracking: object) -> object:
-        overrides = {"job.backend": "sagemaker", "job.instance_type": "ml.trn1.32xlarge",
-                     "job.role_arn": "arn:aws:iam::123456789012:role/hlat"}  # fmt: skip
-        return load_config("tiny", {**overrides, **{f"tracking.{k}": v for k, v in tracking.items()}}, run_id="r")
 
-    check_job_tracking(cfg())  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"WANDB_API_KEY.*tracking\.backend=mlflow"):
-        check_job_tracking(cfg(backend="wandb"))  # type: ignore[arg-type]
-    with pytest.raises(ConfigError, match=r"job-requirements-.*lacks .*sagemaker-mlflow"):
-        check_job_tracking(cfg(backend="mlflow", mlflow_tracking_server_arn=ARN))  # type: ignore[arg-type]
+@pytest.mark.slow  # MLflow's SQLite store: about 5 s to create
+def test_sagemaker_jobs_track_nothing_themselves_the_train_stage_logs_their_metrics(tmp_path: Path) -> None:
+    """The Neuron images cannot install MLflow's client beside their pins and SageMaker shows a job's environment
+    (no W&B key there): the train stage reads metrics.jsonl as it grows and logs each step once (MetricsMirror), and
+    the job is told not to track (HLAT_TRACKED_BY_STAGE)."""
+    from mlflow.tracking import MlflowClient
 
-    # Once the jobs' requirements install the client and the plugin, the same setting goes through.
-    sdk = load_config("tiny", {}).neuron.sdk
-    (tmp_path / "deployments").mkdir()
-    (tmp_path / "deployments" / NEURON_SDKS[sdk].job_requirements).write_text(
-        "pydantic==2.14.3\nmlflow-skinny==3.17.2\nsagemaker-mlflow==0.5.0\n"
-    )
-    monkeypatch.setattr(tracking, "PROJECT_ROOT", tmp_path)
-    check_job_tracking(cfg(backend="mlflow", mlflow_tracking_server_arn=ARN))  # type: ignore[arg-type]
+    from hlat.infra.runs import Run
+    from hlat.infra.stage_jobs import job_environment
+    from hlat.tasks.tracking import MetricsMirror, check_job_tracking
+
+    store = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    cfg = sagemaker_config(backend="mlflow", mlflow_tracking_uri=store)
+    check_job_tracking(cfg)  # nothing needed of the jobs
+    check_job_tracking(sagemaker_config(backend="wandb"))  # the key stays with the flow, not in the job
+    run = Run.at(str(tmp_path / "r"), cfg)
+    assert job_environment(run, "train")["HLAT_TRACKED_BY_STAGE"] == "1"
+    assert "HLAT_TRACKED_BY_STAGE" not in job_environment(Run.at(str(tmp_path / "l"), mlflow_cfg("l")), "train")
+
+    metrics = tmp_path / "r" / "metrics.jsonl"
+    metrics.parent.mkdir(parents=True)
+
+    def lines(steps: range, partial: bool = False) -> str:
+        text = "".join(json.dumps({"step": k, "loss": 10.0 - k, "lr": 0.1}) + "\n" for k in steps)
+        text += json.dumps({"step": 4, "val_loss": 6.5}) + "\n" if 4 in steps else ""
+        return text + ('{"step": 99, "lo' if partial else "")
+
+    mirror = MetricsMirror(run)
+    metrics.write_text(lines(range(1, 5), partial=True))  # a line still being written waits
+    mirror.poll()
+    metrics.write_text(lines(range(1, 3)))  # a relaunch resumed from step 2: the file rewritten shorter
+    mirror.poll()
+    metrics.write_text(lines(range(1, 7)))  # steps 3 and 4 again (bitwise the same values), then 5 and 6
+    mirror.close()
+    record = json.loads((tmp_path / "r" / TRACKING_RECORD).read_text())
+    client = MlflowClient(tracking_uri=record["tracking_uri"])
+    assert [(m.step, m.value) for m in client.get_metric_history(record["run_id"], "loss")] == [
+        (k, 10.0 - k) for k in range(1, 7)
+    ]
+    assert [(m.step, m.value) for m in client.get_metric_history(record["run_id"], "val_loss")] == [(4, 6.5)]
 
 
 def test_local_jobs_in_an_interpreter_without_the_client_are_refused() -> None:
