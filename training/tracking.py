@@ -313,6 +313,7 @@ class WandbTracker(Tracker):
         self.folder = folder
         if self.offline:  # what earlier attempts logged: offline there is no server to ask
             self.logged_step = max((s for s, _ in wandb_offline_history(folder, self.id)), default=-1)
+            _next_offline_second(folder, self.id)
         self.wb = wandb.init(
             project=t.experiment,
             entity=t.wandb_entity,
@@ -355,6 +356,14 @@ class WandbTracker(Tracker):
         finally:
             if self._tmp is not None:
                 self._tmp.cleanup()
+
+
+def _next_offline_second(folder: Path, run_id: str) -> None:
+    """W&B names an offline session's folder `offline-run-<YYYYMMDD_HHMMSS>-<id>`: a second session of the same run
+    started within the same second (two stages ending together) would write into the first's folder. Wait for the
+    next second when this one's folder already exists."""
+    while (folder / "wandb" / f"offline-run-{time.strftime('%Y%m%d_%H%M%S')}-{run_id}").exists():
+        time.sleep(1.0 - time.time() % 1.0 + 0.01)
 
 
 def open_tracker(cfg: HlatConfig, run: Storage) -> Tracker | None:

@@ -68,7 +68,7 @@ def test_hlat_deploy_registers_every_deployment_with_forms_pull_steps_and_paused
     # Parameters are forms: the preset a choice, overrides a model of typed, described config fields.
     schema = deployments["evaluate-7b"].parameter_openapi_schema
     assert schema["properties"]["preset"]["enum"] == ["tiny", "hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"]
-    assert list(schema["properties"]) == ["preset", "run_id", "storage", "overrides", "step"]
+    assert list(schema["properties"]) == ["preset", "run_id", "storage", "overrides", "step", "averaged"]
     # Optional parameters: their type alone, no null default for the UI to fill in and then refuse.
     for name, kind in (("run_id", "string"), ("storage", "string"), ("step", "integer")):
         assert schema["properties"][name]["type"] == kind and "default" not in schema["properties"][name]

@@ -14,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from hlat.core.config import ConfigError, TrainingConfig
+from hlat.core.config import ConfigError, HlatConfig, TrainingConfig
 from hlat.core.presets import load_config
 from hlat.infra.runs import CONFIG_FILE, open_run
 from hlat.training.optim import build_optimizer, build_scheduler, lr_at
@@ -152,9 +152,12 @@ def test_a_wsd_job_extended_by_half_continues_bitwise_and_one_past_its_decay_is_
     code, out = train(ext, {"HLAT_FAULT_NAN_AT_STEP": "6"})
     assert code == 3, out[-3000:]
 
-    def extended(max_steps: int) -> None:
+    def longer(max_steps: int) -> HlatConfig:
         overrides = {**SMALL_DATA, **{f"training.{k}": v for k, v in common.items()}, "training.max_steps": max_steps}
-        open_run(load_config("tiny", overrides, run_id="ext", storage=str(tmp_path)))
+        return load_config("tiny", overrides, run_id="ext", storage=str(tmp_path))
+
+    def extended(max_steps: int) -> None:
+        open_run(longer(max_steps))
 
     extended(12)
     code, out = train(ext)
@@ -169,11 +172,14 @@ def test_a_wsd_job_extended_by_half_continues_bitwise_and_one_past_its_decay_is_
     for name, tensor in final_weights(whole).items():
         assert torch.equal(final_weights(ext)[name], tensor), name
 
-    # Past its decay (it began at step 10 of 12), a longer run is refused by the job, saying why and what to do.
-    extended(18)
+    # Past its decay (it began at step 10 of 12), a longer run is refused before any job, saying why and what to do;
+    # and by the job itself, for a config.json that did not come through open_run.
+    refused = "its decay began at step 10 and it has taken 12 steps; start a new run from its checkpoint"
+    with pytest.raises(ConfigError, match=refused):
+        extended(18)
+    (ext / "config.json").write_text(longer(18).model_dump_json(indent=2))
     code, out = train(ext)
-    assert code != 0
-    assert "its decay began at step 10 and it has taken 12 steps; start a new run from its checkpoint" in out
+    assert code != 0 and refused in out
 
 
 def test_decay_steps_without_wsd_is_refused_naming_the_fix() -> None:

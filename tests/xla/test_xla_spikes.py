@@ -71,9 +71,13 @@ def test_a_spike_is_skipped_with_the_graphs_and_transfers_of_a_run_without_spike
     run = make_run(prepared, tmp_path, "spiky", **CHANGES, **SPIKY)
     spiky = counted_steps(build(run))
     assert len(spiky) == len(plain) == STEPS - 1
-    # After step 2 the same graphs as the run without spike skipping, spike or not (both compile the held-out
-    # loss's graph at the first evaluation, step 10): no graph of their own, none recompiled by a spike.
-    assert [d["compilations"] for d in spiky[1:]] == [d["compilations"] for d in plain[1:]], (spiky, plain)
+    # After step 2 the graphs of the run without spike skipping, the spiking steps 12 and 13 included: none recompiled
+    # by a spike. The one exception is step 10's checkpoint (index 9: step 10's sync work and step 11), which stages
+    # the detector's state with the rest: a graph of its own, compiled once (unless an earlier test in the same
+    # process compiled it).
+    for i in range(1, len(spiky)):
+        extra = 1 if i == 9 else 0
+        assert plain[i]["compilations"] <= spiky[i]["compilations"] <= plain[i]["compilations"] + extra, (i, spiky)
     for k, (ours, theirs) in enumerate(zip(spiky, plain, strict=True), 1):
         assert ours["transfers_to_host"] == theirs["transfers_to_host"], (k, ours, theirs)
         assert ours["executions"] == theirs["executions"], (k, ours, theirs)
