@@ -219,3 +219,17 @@ def dense_import(folder: Path, vocab_multiple: int = 1) -> Any:
     model = Transformer(cfg.model)
     fill_parameters(model, dict(model.named_parameters()), SafetensorsReader(Storage(str(folder))))
     return model.eval()
+
+
+def assert_first_checkpoint_exports_the_original(run: Path, folder: Path) -> None:
+    """The checkpoint a job saved right after its import (step 0 under <run>/checkpoints, any layout) exports as
+    exactly the tensors of the checkpoint in `folder`: the same names, bitwise the same values."""
+    from hlat.core.layout import CheckpointRef
+    from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
+
+    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
+    exported = to_hf_state_dict(shared["model"], config.model)
+    original = original_tensors(folder)
+    assert set(exported) == set(original)
+    for name, tensor in original.items():
+        assert torch.equal(exported[name], tensor), name

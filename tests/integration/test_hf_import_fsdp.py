@@ -15,13 +15,14 @@ import torch
 import torch.multiprocessing as mp
 
 from hlat.core.storage import Storage
-from hlat.training.checkpoint.hf_export import export_hf, read_checkpoint, to_hf_state_dict
+from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
 from hlat.training.model import Transformer
 from hlat.training.parallel.parallelize import shard_fully
 from tests.hf_checkpoints import (
     ARCHS,
     VOCAB,
+    assert_first_checkpoint_exports_the_original,
     dense_import,
     fake_trainer,
     original_tensors,
@@ -104,14 +105,7 @@ def test_an_fsdp2_import_on_two_gloo_ranks_is_the_dense_import_and_exports_bitwi
         assert torch.equal(found["meta"][name], tensor), name
     assert found["same_logits"]
     # The checkpoint saved right after the import (FSDP2's torch.distributed.checkpoint shards) exports bitwise.
-    from hlat.core.layout import CheckpointRef
-
-    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
-    exported = to_hf_state_dict(shared["model"], config.model)
-    original = original_tensors(folder)
-    assert set(exported) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
+    assert_first_checkpoint_exports_the_original(run, folder)
 
 
 class CountingStorage(Storage):

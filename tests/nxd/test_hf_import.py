@@ -22,14 +22,13 @@ from typing import Any
 import pytest
 import torch
 
-from hlat.core.layout import CheckpointRef
 from hlat.core.storage import Storage
 from tests.hf_checkpoints import (
     ARCHS,
     VOCAB,
+    assert_first_checkpoint_exports_the_original,
     config_overrides,
     dense_import,
-    original_tensors,
     write_checkpoint,
     write_import_record,
 )
@@ -74,7 +73,6 @@ def run_import_ranks(
 def test_an_import_into_tp2_and_pp2_gives_the_dense_logits_and_its_checkpoint_exports_bitwise(
     arch: str, layout: str, prepared: Path, tmp_path: Path
 ) -> None:
-    from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
 
     folder = tmp_path / "hf"
     write_checkpoint(arch, folder, seed=31)
@@ -97,12 +95,7 @@ def test_an_import_into_tp2_and_pp2_gives_the_dense_logits_and_its_checkpoint_ex
         stages = [set(r["names"]) for r in ranks]
         assert not stages[0] & stages[1] and "embed.weight" in stages[0] and "output.weight" in stages[1]
 
-    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
-    exported = to_hf_state_dict(shared["model"], config.model)
-    original = original_tensors(folder)
-    assert set(exported) == set(original)
-    for name, tensor in original.items():
-        assert torch.equal(exported[name], tensor), name
+    assert_first_checkpoint_exports_the_original(run, folder)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16-sr"])

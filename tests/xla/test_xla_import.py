@@ -13,18 +13,16 @@ import pytest
 import torch
 
 from hlat.core.config import validate_config
-from hlat.core.layout import CheckpointRef
 from hlat.core.storage import Storage
 from hlat.training import xla
-from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
 from hlat.training.loop import Trainer
 from hlat.training.parallel.distributed import init_world
 from tests.hf_checkpoints import (
     ARCHS,
     VOCAB,
+    assert_first_checkpoint_exports_the_original,
     config_overrides,
     dense_import,
-    original_tensors,
     write_checkpoint,
     write_import_record,
 )
@@ -70,7 +68,4 @@ def test_an_import_on_the_xla_device_runs_no_graph_and_gives_the_dense_logits(
     trainer.save_checkpoint(0)
     trainer.ckpt.wait()
     trainer.loader.close()
-    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
-    exported = to_hf_state_dict(shared["model"], config.model)
-    for name, tensor in original_tensors(folder).items():
-        assert torch.equal(exported[name], tensor), name
+    assert_first_checkpoint_exports_the_original(run, folder)
