@@ -72,12 +72,12 @@ def test_a_spike_is_skipped_with_the_graphs_and_transfers_of_a_run_without_spike
     spiky = counted_steps(build(run))
     assert len(spiky) == len(plain) == STEPS - 1
     # After step 2 the graphs of the run without spike skipping, the spiking steps 12 and 13 included: none recompiled
-    # by a spike. The one exception is step 10's checkpoint (index 9: step 10's sync work and step 11), which stages
-    # the detector's state with the rest: a graph of its own, compiled once (unless an earlier test in the same
-    # process compiled it).
-    for i in range(1, len(spiky)):
-        extra = 1 if i == 9 else 0
-        assert plain[i]["compilations"] <= spiky[i]["compilations"] <= plain[i]["compilations"] + extra, (i, spiky)
+    # by a spike. The one exception is step 10's checkpoint, which stages the detector's state with the rest while
+    # steps 11 and 12 run (in the background: it lands at index 9 or 10): a graph of its own, compiled once (unless an
+    # earlier test in the same process compiled it).
+    extra = [spiky[i]["compilations"] - plain[i]["compilations"] for i in range(1, len(spiky))]
+    assert all(e >= 0 for e in extra) and sum(extra) <= 1, (spiky, plain)
+    assert all(e == 0 for i, e in enumerate(extra, 1) if i not in (9, 10)), (spiky, plain)
     for k, (ours, theirs) in enumerate(zip(spiky, plain, strict=True), 1):
         assert ours["transfers_to_host"] == theirs["transfers_to_host"], (k, ours, theirs)
         assert ours["executions"] == theirs["executions"], (k, ours, theirs)
