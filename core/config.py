@@ -751,6 +751,14 @@ class JobConfig(Section):
     unsupervised_stop_minutes: float | None = Field(30, gt=0)
     """A training job stops itself at a checkpoint when no supervisor has written its heartbeat
     (jobs/train-supervisor.json) for this long: a dead CLI or flow leaves no job running unwatched. None: never."""
+    watchdog: Literal["auto", "off"] | float = "auto"
+    """The training job's own hang watchdog (training/watchdog.py), on every rank: with no step, evaluation batch or
+    checkpoint save for longer than its bound it logs every thread's stack, records `HangDetected` and ends the
+    process, so the job (and its bill) ends whether or not a supervisor lives. 'auto': the bound follows this job's
+    measured step and save times (`watchdog_bound_seconds`); a number: that many seconds, fixed; 'off': none."""
+    collective_timeout_minutes: float = Field(20, gt=0)
+    """How long a host-side (gloo) collective, and the forming of its group, may wait for its peers before it fails
+    (gloo's own default is 30 min). With the watchdog on, its bound usually ends a hang first and says where."""
     subnets: list[str] = Field(default_factory=list)
     """SageMaker: VPC subnet ids (empty: no VPC). trn1 clusters need EFA, so subnets in one AZ."""
     security_group_ids: list[str] = Field(default_factory=list)
@@ -781,6 +789,8 @@ class JobConfig(Section):
                 )
         if self.security_group_ids and not self.subnets:
             raise ValueError("security_group_ids need subnets: set job.subnets as well")
+        if not isinstance(self.watchdog, str) and self.watchdog <= 0:
+            raise ValueError(f"job.watchdog={self.watchdog} is not a bound: use seconds > 0, 'auto' or 'off'")
         if self.deadline is not None and self.deadline.utcoffset() is None:
             raise ValueError(
                 f"job.deadline={self.deadline.isoformat()} has no time zone: add one, e.g. "
@@ -800,6 +810,7 @@ OPERATIONAL_JOB_FIELDS = frozenset(
         "poll_seconds", "hang_timeout_minutes", "backoff_seconds", "stop_grace_seconds", "subnets",
         "security_group_ids", "kms_key_id", "keep_alive_minutes", "training_plan_arn", "sagemaker_retry_attempts",
         "infra_check", "role_arn_secret", "aws_credentials_block", "python", "deadline", "unsupervised_stop_minutes",
+        "watchdog", "collective_timeout_minutes",
     }
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""
