@@ -50,6 +50,11 @@ EXIT_LOSS_SPIKES = 7
 """training.spike_skip skipped training.spike_max_consecutive steps in a row: the run diverged. Deterministic (the same
 data and weights spike again), so not relaunched; the failure reason (`LossSpikes: ...`) names the steps."""
 
+EXIT_HUNG = 8
+"""The job's hang watchdog (`training/watchdog.py`) saw no progress for longer than its bound: every thread's stack is
+in the log and the failure reason (`HangDetected: ...`) names the step and the bound; relaunch from the last
+checkpoint."""
+
 TRACKED_BY_STAGE_ENV = "HLAT_TRACKED_BY_STAGE"
 """Set in a training job whose metrics the train stage logs into the tracked run (`tasks.tracking.MetricsMirror`:
 SageMaker's): the job then opens no tracker of its own."""
