@@ -21,11 +21,20 @@ from hlat.core.contract import STOP_DEADLINE, TRACKED_BY_STAGE_ENV, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.mixture import draws_table, source_draws
 from hlat.core.stages import DATA, EVALUATION, JOB_STAGES, Stage, stage
+from hlat.core.stop_timeline import stop_timeline
 from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
 from hlat.infra.runs import Run, run_for
-from hlat.infra.supervisor import Attempt, Ledger, Progress, Supervisor, run_job, stop_live_job
+from hlat.infra.supervisor import (
+    STARTUP_FLOOR_S,
+    Attempt,
+    Ledger,
+    Progress,
+    Supervisor,
+    run_job,
+    stop_live_job,
+)
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
 PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
@@ -345,6 +354,9 @@ def supervisor_for(
     (training.max_steps), within job.max_restarts, job.max_repeats and the budget."""
     config = run.config
     job = config.job
+    # What a SageMaker attempt must be able to buy before it is submitted: a start-up and one checkpoint interval at
+    # the plan's step time (a local job's start-up is seconds, and its price notional: not checked).
+    planned_tps = estimate(config)["tokens_per_s"] if job.backend == "sagemaker" else None
     return Supervisor(
         backend=backend_for(run),
         run=run.storage,
@@ -365,6 +377,13 @@ def supervisor_for(
         backoff_seconds=list(job.backoff_seconds),
         on_progress=on_progress,
         on_attempts=on_attempts,
+        max_attempts_without_progress=job.max_attempts_without_progress,
+        startup_timeout_s=job.startup_timeout_minutes * 60 if job.startup_timeout_minutes else None,
+        deadline=job.deadline.timestamp() if job.deadline else None,
+        startup_floor_s=STARTUP_FLOOR_S if job.backend == "sagemaker" else None,
+        checkpoint_interval_s=config.training.checkpoint_every * config.tokens_per_step / planned_tps
+        if planned_tps
+        else None,
     )
 
 
@@ -423,50 +442,21 @@ def budget(config: HlatConfig) -> Budget:
     )
 
 
-CHECKPOINT_WRITE_MB_S_PER_RANK = 200.0
-"""Assumed S3 write rate of one rank streaming its checkpoint file (one s3fs multipart upload, parts sent one after
-another): an assumption, not a measurement on trn1; the job logs the save time it measures at each checkpoint."""
-CHECKPOINT_WRITE_GB_S_PER_HOST = 5.0
-"""Assumed ceiling of one trn1.32xlarge host's S3 writes (its 800 Gbps EFA is not S3's path; S3 serves about
-100 Gb/s per large instance, https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html)."""
-
-
 def checkpoint_write_seconds(config: HlatConfig) -> float:
-    """Estimated time to write one checkpoint: the largest single writer (a model shard, written by the first
-    data-parallel replica of each tensor/pipeline position; under ZeRO-1 its optimizer states split over the
-    replicas) at CHECKPOINT_WRITE_MB_S_PER_RANK, or the busiest host at CHECKPOINT_WRITE_GB_S_PER_HOST."""
-    params = config.model.num_params()
-    mode, zero1 = config.precision.mode, config.parallelism.zero1
-    weights = 4 if mode == "fp32" else 2
-    # AdamW's two moments (BF16 under bf16-sr, FP32 otherwise) and, under bf16-mixed, the FP32 master weights.
-    optimizer = 4 if mode == "bf16-sr" else 8 + (4 if mode == "bf16-mixed" else 0)
-    dims = config.parallel_dims
-    shards = dims.tensor * dims.pipeline
-    per_writer = params * weights / shards + params * optimizer / shards / (dims.data if zero1 else 1)
-    per_node = config.job.processes_per_node
-    writers_on_busiest_host = min(per_node, shards)
-    host_bytes = per_writer * writers_on_busiest_host
-    return max(per_writer / (CHECKPOINT_WRITE_MB_S_PER_RANK * 1e6), host_bytes / (CHECKPOINT_WRITE_GB_S_PER_HOST * 1e9))
+    """Estimated time of one synchronous checkpoint save, from the bytes each rank's files hold (FP32 master
+    weights and moments where the format saves them): the copy to host memory, the paced writes at the assumed
+    per-rank and per-host S3 rates, and rank 0's commit (`core.stop_timeline`, where the figures and their
+    sources are; the job logs the save time it measures)."""
+    timeline = stop_timeline(config, None, in_flight=False)
+    return timeline.seconds("staging") + timeline.seconds("writes") + timeline.seconds("commit")
 
 
-def stop_fit(config: HlatConfig, tokens_per_s: float | None) -> str:
+def stop_fit(config: HlatConfig, tokens_per_s: float | None, vote_every: int = 1) -> str:
     """Whether a stop (StopTrainingJob, max runtime, the budget) checkpoints inside the grace between SIGTERM and
-    SIGKILL: the rest of the step being run, then the checkpoint write (estimated: the job logs the measured ones)."""
-    grace = config.job.stop_grace_seconds if config.job.backend == "local" else 120.0
-    write = checkpoint_write_seconds(config)
-    if not tokens_per_s:
-        return f"stop: a stop checkpoints within SageMaker's {grace:g} s grace if the write (~{write:,.0f} s est.) fits"
-    step = config.tokens_per_step / tokens_per_s
-    need = step + write
-    verdict = (
-        "fits"
-        if need <= grace
-        else "does NOT fit: the stop ends in SIGKILL and loses the steps since the last checkpoint"
-    )
-    return (
-        f"stop: SIGTERM -> the current step ({step:,.1f} s) + its checkpoint write (~{write:,.0f} s est.) = "
-        f"{need:,.0f} s of the {grace:g} s grace: {verdict}"
-    )
+    SIGKILL, in the worst case and phase by phase (`core.stop_timeline`): up to `vote_every` steps to the stop vote,
+    an async save in flight superseded, the save's staging, paced writes and commit."""
+    step = config.tokens_per_step / tokens_per_s if tokens_per_s else None
+    return stop_timeline(config, step, vote_every=vote_every).line()
 
 
 BYTES_PER_TOKEN = 4.0

@@ -67,6 +67,7 @@ from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import EXIT_LOSS_SPIKES, EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
 from hlat.core.environment import neuron_available, precision_by_flags
 from hlat.core.layout import CHECKPOINT_META
+from hlat.core.stop_timeline import grace_seconds, stop_timeline
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
     CheckpointFormat,
@@ -622,26 +623,36 @@ class Trainer:
             signal.signal(signal.SIGTERM, previous)
 
     def _stop(self, step_seconds: float) -> int:
-        """Every rank, once the stop vote passed after step `self.step`: finish an async save still in flight, save
-        this step synchronously (committed before the process exits), return the exit code 0. Under graph extraction
-        there is nothing real to save: the stop ends the rehearsal at this step."""
+        """Every rank, once the stop vote passed after step `self.step`: supersede an async save still in flight
+        (`CheckpointManager.supersede`: cut at its next part, never committed; waiting for it could take the grace,
+        core/stop_timeline.py), save this step synchronously (committed before the process exits), return the exit
+        code 0. Under graph extraction there is nothing real to save: the stop ends the rehearsal at this step."""
         if self.extracting_graphs:
             log.warning("SIGTERM while extracting graphs: stopping at step %d, no checkpoint", self.step)
             return 0
-        grace = self.cfg.job.stop_grace_seconds
+        grace = grace_seconds(self.cfg)
         # A stop voted for this rank by another is the SIGTERM every rank gets, or the stop rule's (rank 0 says why).
         log.warning("%s: checkpointing step %d and exiting", self.stop_why or "SIGTERM", self.step)
         if self.world.is_main:
             self._log_stop_budget(grace, step_seconds)
         if self._async_save is not None:
             step, began = self._async_save
-            waited_from = time.perf_counter()
-            self.ckpt.wait()  # its error, if any, is raised here: the stop's save would not make a run resumable
-            waited = time.perf_counter() - waited_from
-            if waited > 0.05:  # still running when the stop came: its end is known, so is its length
-                self._last_save = (step, time.perf_counter() - began)
-                log.info("stop: the async save of step %d was in flight; waited %.1f s for it to finish", step, waited)
             self._async_save = None
+            if step == self.step:  # this very step's save is in flight: it is the stop's checkpoint
+                self.ckpt.wait()
+                log.warning("stop: step %d saved (its async save finished) in %.1f s; exiting 0", step,
+                            time.perf_counter() - began)  # fmt: skip
+                self.stopped_at = self.step
+                return 0
+            cut_from = time.perf_counter()
+            # Every rank supersedes alike (each reaches this stop at the same step), so rank 0 never waits to commit
+            # files the others stopped writing.
+            superseded = self.ckpt.supersede()
+            if superseded is not None:
+                log.info(
+                    "stop: the async save of step %d was in flight %.1f s: superseded (cut in %.1f s), not committed",
+                    superseded, cut_from - began, time.perf_counter() - cut_from,
+                )  # fmt: skip
         began = time.perf_counter()
         self.save_checkpoint(self.step)
         self.ckpt.wait()  # an async manager's save, made synchronous: this rank's files are written (rank 0: committed)
@@ -669,33 +680,31 @@ class Trainer:
         return STOP_MARGIN * (self.step_seconds + self._last_save[1])
 
     def _log_stop_budget(self, grace: float, step_seconds: float) -> None:
-        """One line: the grace, the measured step and save times, and whether the stop's checkpoint is expected to
-        fit. The worst case from SIGTERM: a whole step before the vote, an async save in flight to finish, the save."""
-        measured = f"step {step_seconds:.1f} s"
-        if self._sigterm_at is not None:
-            measured += f", {time.monotonic() - self._sigterm_at:.1f} s since this rank's SIGTERM"
+        """One line: the stop's timeline from SIGTERM (`core.stop_timeline`, as the dry run prints it) from what this
+        job measured: the time since this rank's SIGTERM (else a whole step), an async save in flight (superseded:
+        at most one part), the last save's time (else the modelled staging, writes and commit), and whether the
+        checkpoint is expected to fit."""
+        since = time.monotonic() - self._sigterm_at if self._sigterm_at is not None else None
         if self._last_save is None:
             self._last_save = self._async_save_seconds()
-        if self._last_save is None:
-            log.warning(
-                "stop at step %d: grace %.0f s (job.stop_grace_seconds), %s, no save timed yet in this job: cannot "
-                "tell whether the checkpoint fits before SIGKILL",
-                self.step, grace, measured,
-            )  # fmt: skip
-            return
-        step, save = self._last_save
-        # What is left of an async save still running, if it takes as long as the last one did.
-        left = max(0.0, save - (time.perf_counter() - self._async_save[1])) if self._async_save else 0.0
-        worst = step_seconds + left + save
-        how = f"a step{f', {left:.1f} s left of the async save in flight' if left else ''} and the save"
-        line = (
-            f"stop at step {self.step}: grace {grace:.0f} s (job.stop_grace_seconds), {measured}, last save "
-            f"{save:.1f} s (step {step}); worst case {worst:.1f} s from SIGTERM ({how})"
-        )
-        if worst <= grace:
-            log.info("%s: the checkpoint is expected to fit", line)
+        save = self._last_save[1] if self._last_save is not None else None
+        left = None
+        if self._async_save is not None and save is not None:
+            # What is left of the async save still running, if it takes as long as the last one did.
+            left = max(0.0, save - (time.perf_counter() - self._async_save[1]))
+        timeline = stop_timeline(
+            self.cfg, since if since is not None else step_seconds, save_seconds=save,
+            in_flight=self._async_save is not None, in_flight_left_s=left, grace=grace,
+        )  # fmt: skip
+        measured = f"step {step_seconds:.1f} s"
+        measured += f", SIGTERM {since:.1f} s ago" if since is not None else ", no SIGTERM here (a whole step counted)"
+        last = self._last_save
+        measured += f", last save {last[1]:.1f} s (step {last[0]})" if last else ", no save timed yet"
+        line = f"stop at step {self.step}: {timeline.line().removeprefix('stop: ')}; measured: {measured}"
+        if timeline.fits():
+            log.info("%s", line)
         else:
-            log.warning("%s: the checkpoint is NOT expected to fit: SIGKILL may come first", line)
+            log.warning("%s: SIGKILL may come first", line)
 
     def _sync_point(self, first_step: int) -> bool:
         """Whether the host reads the device after this step: the same steps on every rank (the stop vote and the

@@ -72,10 +72,12 @@ from typing import Any
 from hlat.core.layout import CHECKPOINT_MARKER as MARKER
 from hlat.core.layout import CHECKPOINT_META as META
 from hlat.core.layout import CheckpointError, CheckpointIndex, shard_file, step_dir
+from hlat.core.stop_timeline import COMMIT_POLL_S, write_start_seconds
 from hlat.core.storage import Storage, StorageError
 from hlat.training.checkpoint import dcp
 from hlat.training.checkpoint.serialization import (
     CHECKPOINT_PART_SIZE,
+    SaveSuperseded,
     StagingBuffers,
     check_loadable,
     one_intra_op_thread,
@@ -271,6 +273,7 @@ class CheckpointManager(CheckpointIndex):
         self._pending: Future[None] | None = None
         self._pending_step: int | None = None
         self._lock = threading.Lock()
+        self._superseding = threading.Event()  # set while `supersede` cuts the pending async save short
         self.bytes_read = 0
         """Bytes this rank has read from checkpoint files (what a resume costs it)."""
         self.share = share
@@ -393,6 +396,37 @@ class CheckpointManager(CheckpointIndex):
                 f"{type(exc).__name__}: {exc}"
             ) from exc
 
+    def supersede(self) -> int | None:
+        """Cut the pending async save short for a newer save (a stop's, inside the grace) instead of waiting for it:
+        its thread stops at its next check (its pacing wait, between two files or two parts of an upload, rank 0's
+        wait for the other ranks' files and its manifest reads, before meta.json), its upload in progress is aborted,
+        and nothing of it is committed; the marker-less folder it leaves is deleted by retention once a newer
+        checkpoint commits, or by the next job's `discard_after`. Every rank must supersede alike (a rank 0 waiting
+        for the pending save would wait for files the others stopped writing): the stop does, on every rank. DCP's
+        own async writes (FSDP2) are waited for. Returns the step superseded; None when no save was pending or it
+        had finished on this rank before it could stop (rank 0: committed). A pending save that failed is logged,
+        not raised: the newer save replaces it, and reports its own errors."""
+        with self._lock:
+            pending, step = self._pending, self._pending_step
+            self._pending, self._pending_step = None, None
+        if pending is None:
+            return None
+        self._superseding.set()
+        try:
+            pending.result()
+        except SaveSuperseded:
+            log.info("the save of step %s was superseded (%s): not committed", step, self._who())
+            return step
+        except Exception as exc:
+            log.warning(
+                "the background save of step %s had failed (%s): %s: %s; superseded", step, self._who(),
+                type(exc).__name__, exc,
+            )  # fmt: skip
+            return step
+        finally:
+            self._superseding.clear()
+        return None
+
     def _who(self, rank: int | None = None) -> str:
         """`rank 5 on algo-1`: a rank and its host, as error messages name them."""
         rank = self.rank if rank is None else rank
@@ -467,11 +501,14 @@ class CheckpointManager(CheckpointIndex):
         elif not self.distributed:
             self._clear_stale_marker(step)
         if not self.storage.is_local:
-            # Spread the ranks' first requests over time (see the module docstring): a rank file and a manifest.
-            time.sleep(request_offset(self.rank, self.world_size, 2, self.write_rate))
+            # Spread the ranks' first requests over time, the shard writers first (see the module docstring).
+            self._pause(self._write_offset())
         if shared is not None:
+            self._check_superseded(step)
             known[self._shared_file] = self._write_file(folder, self._shared_file, shared)
+        self._check_superseded(step)
         known[rank_file(self.rank)] = self._write_file(folder, rank_file(self.rank), rank_state)
+        self._check_superseded(step)
         if self.rank != 0:
             manifest = {"rank": self.rank, "host": self.host, "files": known}
             with self._naming_errors(f"{folder}/{manifest_file(self.rank)}"):
@@ -482,10 +519,12 @@ class CheckpointManager(CheckpointIndex):
             self.barrier()
         if self.rank != 0:
             return
-        sizes = self._wait_for_files(folder)
+        sizes = self._wait_for_files(folder, step)
         # The manifests' contents go into meta.json; they themselves are not part of the checkpoint.
         files = {name: {"size": sizes[name], "sha256": None} for name in sorted(sizes) if not _is_manifest(name)}
-        for rank, written in [(0, known), *self._read_manifests(folder, sizes)]:
+        manifests = self._read_manifests(folder, sizes)
+        self._check_superseded(step)  # the last moment a superseded save may stop: nothing of it is committed
+        for rank, written in [(0, known), *manifests]:
             for name, info in written.items():
                 if name not in files or files[name]["size"] != info["size"]:
                     listed = files[name]["size"] if name in files else "missing"
@@ -521,7 +560,26 @@ class CheckpointManager(CheckpointIndex):
 
     def _write_file(self, folder: str, name: str, state: Any) -> dict[str, Any]:
         with self._naming_errors(f"{folder}/{name}"):
-            return write_state(self.storage, f"{folder}/{name}", state)
+            return write_state(self.storage, f"{folder}/{name}", state, abort=self._superseding)
+
+    def _write_offset(self) -> float:
+        """This rank's pacing delay (`core.stop_timeline.write_start_seconds`): the ranks that write a shard (or the
+        shared file) first, in shard order, then every rank in rank order."""
+        if self.shard is not None:
+            writer = self.shards.index(self.shard) if self.shard_writer else None
+            return write_start_seconds(self.rank, self.world_size, self.write_rate, writer, len(self.shards))
+        if self.distributed:
+            return write_start_seconds(self.rank, self.world_size, self.write_rate)
+        return write_start_seconds(self.rank, self.world_size, self.write_rate, 0 if self.rank == 0 else None, 1)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep, cut short when the save being written is superseded (its thread then stops at the next check)."""
+        if seconds > 0:
+            self._superseding.wait(seconds)
+
+    def _check_superseded(self, step: int) -> None:
+        if self._superseding.is_set():
+            raise SaveSuperseded(f"the save of step {step} was superseded by a stop's save ({self._who()})")
 
     @contextlib.contextmanager
     def _naming_errors(self, rel: str) -> Iterator[None]:
@@ -551,7 +609,10 @@ class CheckpointManager(CheckpointIndex):
 
         if not ranks:
             return []
-        with ThreadPoolExecutor(max_workers=min(16, len(ranks)), thread_name_prefix="ckpt-manifests") as pool:
+        # As many reads in flight as the S3 client has connections (core.storage.S3_MAX_POOL_CONNECTIONS): at 8,192
+        # ranks this is most of a commit's time, inside the stop's grace (core/stop_timeline.py).
+        workers = min(self.storage.parallel_reads, len(ranks))
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="ckpt-manifests") as pool:
             return list(pool.map(read, ranks))
 
     def _expected_files(self, listed: Mapping[str, int]) -> list[str]:
@@ -571,11 +632,13 @@ class CheckpointManager(CheckpointIndex):
         gathered: what export reads), without a process group."""
         return dcp.load_full(self.storage, step, self.read_meta(step))
 
-    def _wait_for_files(self, folder: str) -> dict[str, int]:
+    def _wait_for_files(self, folder: str, step: int | None = None) -> dict[str, int]:
         """Sizes of the checkpoint's files once all are visible; CheckpointError after commit_timeout_s."""
         deadline = time.monotonic() + self.commit_timeout_s
         delay = 0.05
         while True:
+            if step is not None:
+                self._check_superseded(step)
             listed = self._file_sizes(folder)
             expected = self._expected_files(listed)
             missing = [name for name in expected if name not in listed]
@@ -591,8 +654,8 @@ class CheckpointManager(CheckpointIndex):
                     f"{self.commit_timeout_s:g}s{self._missing_ranks(missing)}; every rank must call "
                     f"save({int(folder[5:])}, ...){writers}"
                 )
-            time.sleep(min(delay, max(0.0, deadline - time.monotonic())))
-            delay = min(delay * 2, 0.5)
+            self._pause(min(delay, max(0.0, deadline - time.monotonic())))
+            delay = min(delay * 2, COMMIT_POLL_S)
 
     def _missing_ranks(self, missing: Sequence[str]) -> str:
         """` (the files of 2 ranks are missing, by host: algo-1: rank 5; algo-2: rank 37)`."""

@@ -274,9 +274,10 @@ class _DigestingWriter:
     keeps the failure, which says more than torch.save's own complaint on its way out (its zip cannot be finished).
     """
 
-    def __init__(self, sink: IO[bytes], stable: _TensorMemory) -> None:
+    def __init__(self, sink: IO[bytes], stable: _TensorMemory, abort: threading.Event | None = None) -> None:
         self._sink = sink
         self._stable = stable
+        self._abort = abort
         self._sha = hashlib.sha256()
         self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-sha256")
         self._queued: deque[Future[None]] = deque()
@@ -290,6 +291,9 @@ class _DigestingWriter:
         if self.error is not None:
             return view.nbytes
         try:
+            if self._abort is not None and self._abort.is_set():
+                # Between two writes, so between two parts of an upload: the part in flight has finished.
+                raise SaveSuperseded("the write was cut short: a newer save superseded it")
             self._write(view)
         except BaseException as exc:
             self.error = exc
@@ -353,13 +357,20 @@ class _DigestingWriter:
 CHECKPOINT_PART_SIZE = 512 << 20
 
 
-def write_state(storage: Storage, rel: str, state: Any, part_size: int | None = None) -> dict[str, Any]:
+class SaveSuperseded(CheckpointError):
+    """A save cut short because a newer one replaces it (`CheckpointManager.supersede`): nothing of it is committed."""
+
+
+def write_state(
+    storage: Storage, rel: str, state: Any, part_size: int | None = None, abort: threading.Event | None = None
+) -> dict[str, Any]:
     """torch.save `state` (CPU tensors) straight into the storage object `rel`, atomically; its size and sha256,
     taken on the way. `part_size` (S3): the bytes of each multipart part; default: the storage's
-    default_block_size if its options set one, else CHECKPOINT_PART_SIZE."""
+    default_block_size if its options set one, else CHECKPOINT_PART_SIZE. `abort`: once set, the next write raises
+    SaveSuperseded and the object is not created (S3: its multipart upload is aborted)."""
     parts = {} if storage.is_local else {"part_size": part_size or storage.block_size or CHECKPOINT_PART_SIZE}
     with storage.atomic_writer(rel, **parts) as sink:
-        out = _DigestingWriter(sink, _TensorMemory(state))
+        out = _DigestingWriter(sink, _TensorMemory(state), abort)
         try:
             with _no_record_crc32():
                 torch.save(state, cast(IO[bytes], out))
