@@ -9,10 +9,12 @@ Two parts, each a list of `Finding`s (one line each; a failure names its fix):
   tokenizer.json or tokenizer.model; the hub's through its cache, offline too): the tokenizer stage needs them.
 - `aws_findings(config)`, for a SageMaker run: the caller's identity (STS); the execution role `job.role_arn`
   exists, trusts sagemaker.amazonaws.com, and the caller may iam:PassRole it; write, read, list and delete of a
-  probe object under the run's prefix (removed afterwards); the images of the jobs exist in ECR in `job.region`;
-  the SageMaker instance quotas cover the instances each stage needs; and, with `job.training_plan_arn`, the plan's
-  capacity. A check that this account cannot make (an image in AWS's own registry, a caller who may not read IAM)
-  is reported as not verified (`checked=False`), never as a failure.
+  probe object under the run's prefix (removed afterwards), as the caller and as the job's role (assumed with STS
+  where the caller may; where not, the finding says it was checked as the caller only); the images of the jobs
+  exist in ECR in `job.region`; the SageMaker instance quotas, less what the account's other running training jobs
+  hold, cover the instances each stage needs; and, with `job.training_plan_arn`, the plan's capacity. A check that
+  this account cannot make (an image in AWS's own registry, a caller who may not read IAM or assume the role) is
+  reported as not verified (`checked=False`), never as a failure.
 
 The clients are boto3's default chain in `job.region`, as the job backends build theirs (infra/sagemaker_jobs.py):
 the caller activates `job.aws_credentials_block` first (tasks/aws.py), so the preflight asks as the run will.
@@ -21,7 +23,6 @@ No Prefect here.
 
 from __future__ import annotations
 
-import contextlib
 import fnmatch
 import json
 import os
@@ -362,9 +363,26 @@ def aws_findings(config: HlatConfig, clients: Mapping[str, Any] | None = None) -
         ]
     caller, account = str(identity["Arn"]), str(identity["Account"])
     findings = [Finding("caller", True, f"{caller} (account {account}, region {config.job.region})")]
+
+    def assume(role_arn: str) -> Any:
+        import boto3
+
+        session_name = f"{PROBE_SESSION}{uuid.uuid4().hex[:12]}"
+        answer = client("sts").assume_role(
+            RoleArn=role_arn, RoleSessionName=session_name, DurationSeconds=PROBE_SESSION_S
+        )
+        credentials = answer["Credentials"]
+        role_session = boto3.Session(
+            aws_access_key_id=credentials["AccessKeyId"],
+            aws_secret_access_key=credentials["SecretAccessKey"],
+            aws_session_token=credentials["SessionToken"],
+            region_name=config.job.region,
+        )
+        return role_session.client("s3", config=_client_config())
+
     checks: list[tuple[str, Callable[[], list[Finding]]]] = [
         ("role", lambda: _role(client, config, caller, account)),
-        ("storage", lambda: _storage(client, config)),
+        ("storage", lambda: _storage(client, config, caller, assume)),
         ("image", lambda: _images(client, config, account)),
         ("quota", lambda: _quotas(client, config)),
         ("training-plan", lambda: _training_plan(client, config)),
@@ -434,10 +452,20 @@ def _role(client: ClientFactory, config: HlatConfig, caller: str, account: str) 
             return [Finding("role", True, f"{role_arn}: iam:GetRole denied to the caller, not checked", checked=False)]
         raise
     findings = []
+    trusted = _trusts_sagemaker(role.get("AssumeRolePolicyDocument"), sagemaker_request_context(config, account))
     if role.get("Arn") and role["Arn"] != role_arn:
         findings.append(Finding("role", False, f"job.role_arn: {role_arn} is not the role's ARN; use {role['Arn']}"))
-    elif _trusts_sagemaker(role.get("AssumeRolePolicyDocument")):
+    elif trusted:
         findings.append(Finding("role", True, f"{role_arn} exists and trusts {SAGEMAKER_SERVICE}"))
+    elif trusted is None:
+        findings.append(
+            Finding(
+                "role",
+                True,
+                f"{role_arn} trusts {SAGEMAKER_SERVICE} under a condition only IAM evaluates; not checked",
+                checked=False,
+            )
+        )
     else:
         findings.append(
             Finding(
@@ -466,18 +494,56 @@ def _listed(value: Any) -> list[Any]:
     return value if isinstance(value, list) else [] if value is None else [value]
 
 
-def _trusts_sagemaker(document: Any) -> bool:
+def sagemaker_request_context(config: HlatConfig, account: str) -> dict[str, str]:
+    """The condition keys SageMaker's AssumeRole of the execution role carries for one of the run's jobs: the
+    account and the job's ARN (aws:SourceAccount, aws:SourceArn; the confused-deputy guard of the SageMaker
+    developer guide, https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html), keys lower-cased."""
+    from hlat.infra.jobs import job_name
+
+    partition = config.job.role_arn.split(":")[1] if config.job.role_arn and ":" in config.job.role_arn else "aws"
+    name = job_name(config.resolved_run_id(), 1)
+    job = f"arn:{partition}:sagemaker:{config.job.region}:{account}:training-job/{name}"
+    return {"aws:sourceaccount": account, "aws:sourcearn": job}
+
+
+def _trusts_sagemaker(document: Any, context: Mapping[str, str] | None = None) -> bool | None:
+    """Whether a trust policy lets sagemaker.amazonaws.com assume the role for a request with the condition keys
+    `context` (sagemaker_request_context): True, False, or None where it hangs on a condition not evaluated here."""
+    answer: bool | None = False
     for statement in _listed(_document(document).get("Statement")):
-        if statement.get("Effect") != "Allow" or statement.get("Condition"):
+        if statement.get("Effect") != "Allow":
             continue
         actions = [str(a).lower() for a in _listed(statement.get("Action"))]
         if not any(fnmatch.fnmatchcase("sts:assumerole", a) for a in actions):
             continue
         principal = statement.get("Principal")
         services = _listed(principal.get("Service")) if isinstance(principal, Mapping) else []
-        if SAGEMAKER_SERVICE in services or principal == "*":
+        if SAGEMAKER_SERVICE not in services and principal != "*":
+            continue
+        holds = _trust_condition_holds(statement.get("Condition"), context or {})
+        if holds:
             return True
-    return False
+        if holds is None:
+            answer = None
+    return answer
+
+
+def _trust_condition_holds(condition: Any, context: Mapping[str, str]) -> bool | None:
+    """A trust statement's Condition for SageMaker's request: string and ARN tests of the keys in `context`
+    (wildcards as IAM's *Like operators match them); None for any other key or operator."""
+    if not condition:
+        return True
+    for operator, tests in dict(condition).items():
+        op = operator.split(":")[-1].removesuffix("IfExists")
+        for key, values in dict(tests).items():
+            got = context.get(key.lower())
+            if got is None or op not in ("StringEquals", "StringLike", "ArnEquals", "ArnLike"):
+                return None
+            wanted = [str(v) for v in _listed(values)]
+            ok = any(fnmatch.fnmatchcase(got, w) for w in wanted) if op.endswith("Like") else got in wanted
+            if not ok:
+                return False
+    return True
 
 
 def caller_principal(caller: str, iam: Any) -> str | None:
@@ -653,8 +719,21 @@ def _condition_holds(condition: Any) -> bool | None:
 
 
 # -- the storage prefix -----------------------------------------------------------------------------------------
-def _storage(client: ClientFactory, config: HlatConfig) -> list[Finding]:
-    """Write, read, list and delete a probe object under the run's prefix: what every stage does there."""
+PROBE_SESSION = "hlat-preflight-"
+"""Session-name prefix of the preflight's AssumeRole of the execution role: deployments/account.yaml lets
+FlowRunPolicy's holders assume it only in sessions so named (the sts:RoleSessionName condition), and CloudTrail
+shows the probe under that name."""
+PROBE_SESSION_S = 900
+"""The assumed session's lifetime: STS's minimum (the probe takes seconds)."""
+RoleAssumer = Callable[[str], Any]
+"""Assumes a role (its ARN) for the preflight and returns an S3 client with its credentials; raises botocore's
+ClientError when STS refuses."""
+
+
+def _storage(client: ClientFactory, config: HlatConfig, caller: str, assume: RoleAssumer) -> list[Finding]:
+    """Write, read, list and delete a probe object under the run's prefix, as the caller (the flow writes the run's
+    files there) and as the job's role (every stage's job reads and writes there with it): the role assumed where
+    the caller may (`assume`), else said so."""
     from botocore.exceptions import ClientError
 
     root = config.storage.root.rstrip("/")
@@ -662,8 +741,6 @@ def _storage(client: ClientFactory, config: HlatConfig) -> list[Finding]:
         return [Finding("storage", False, f"storage.root: SageMaker needs s3://bucket/prefix, not {root!r}")]
     bucket, _, prefix = root[len("s3://") :].partition("/")
     run_prefix = "/".join(p for p in (prefix, config.resolved_run_id()) if p)
-    key = f"{run_prefix}/{PROBE_NAME}{uuid.uuid4().hex[:12]}"
-    where = f"s3://{bucket}/{key}"
     s3 = client("s3")
     findings: list[Finding] = []
     try:
@@ -690,6 +767,24 @@ def _storage(client: ClientFactory, config: HlatConfig) -> list[Finding]:
             ]
         if _code(exc) not in _DENIED:
             raise
+    from botocore.exceptions import BotoCoreError
+    from botocore.parsers import ResponseParserError
+
+    findings.append(_probe(s3, bucket, run_prefix, "the caller", cleanup=s3))
+    try:  # an unexpected answer to the job's role's probe keeps the caller's finding
+        findings.append(_probe_as_job_role(s3, bucket, run_prefix, config, caller, assume))
+    except (ClientError, BotoCoreError, ResponseParserError) as exc:
+        findings.append(_unexpected("storage", exc))
+    return findings
+
+
+def _probe(s3: Any, bucket: str, run_prefix: str, who: str, cleanup: Any) -> Finding:
+    """The four calls every stage makes under the run prefix, by the principal of client `s3` (named `who` in the
+    finding); a probe left by a refused call is removed with client `cleanup`."""
+    from botocore.exceptions import ClientError
+
+    key = f"{run_prefix}/{PROBE_NAME}{uuid.uuid4().hex[:12]}"
+    where = f"s3://{bucket}/{key}"
     steps: list[tuple[str, Callable[[], Any]]] = [
         ("s3:PutObject", lambda: s3.put_object(Bucket=bucket, Key=key, Body=b"hlat preflight probe\n")),
         ("s3:GetObject", lambda: s3.get_object(Bucket=bucket, Key=key)["Body"].read()),
@@ -700,32 +795,69 @@ def _storage(client: ClientFactory, config: HlatConfig) -> list[Finding]:
         try:
             answer = step()
         except ClientError as exc:
-            if action in ("s3:GetObject", "s3:ListBucket"):
-                _remove_quietly(s3, bucket, key)
-            left = f"; the probe {where} is left: remove it by hand" if action == "s3:DeleteObject" else ""
+            left = ""
+            if action != "s3:PutObject":
+                removed = _remove_quietly(cleanup, bucket, key)
+                left = "" if removed else f"; the probe {where} is left: remove it by hand"
             resource = f"arn:aws:s3:::{bucket}" + ("" if action == "s3:ListBucket" else f"/{run_prefix}/*")
-            findings.append(
-                Finding(
-                    "storage",
-                    False,
-                    f"{action} denied on s3://{bucket}/{run_prefix}/ ({_code(exc)}); allow "
-                    f"{action} on {resource} to the caller{left}",
-                )
+            return Finding(
+                "storage",
+                False,
+                f"{action} denied on s3://{bucket}/{run_prefix}/ ({_code(exc)}); allow {action} on {resource} "
+                f"to {who}{left}",
             )
-            return findings
         if action == "s3:ListBucket" and key not in [o["Key"] for o in answer]:
-            _remove_quietly(s3, bucket, key)
-            findings.append(Finding("storage", False, f"the probe {where} was written but is not listed"))
-            return findings
-    findings.append(Finding("storage", True, f"write, read, list and delete under s3://{bucket}/{run_prefix}/"))
-    return findings
+            _remove_quietly(cleanup, bucket, key)
+            return Finding("storage", False, f"the probe {where} was written by {who} but is not listed")
+    return Finding("storage", True, f"write, read, list and delete under s3://{bucket}/{run_prefix}/ as {who}")
 
 
-def _remove_quietly(s3: Any, bucket: str, key: str) -> None:
+def _probe_as_job_role(
+    caller_s3: Any, bucket: str, run_prefix: str, config: HlatConfig, caller: str, assume: RoleAssumer
+) -> Finding:
+    """The probe as the job's role (job.role_arn): SageMaker's jobs read and write the run prefix with its rights,
+    not the caller's. Where the caller may not assume it, the finding says so and is not verified."""
+    from botocore.exceptions import BotoCoreError, ClientError
+    from botocore.parsers import ResponseParserError
+
+    role_arn = config.job.role_arn
+
+    def as_caller(why: str) -> Finding:
+        return Finding("storage", True, f"checked as the caller, not as the job's role: {why}", checked=False)
+
+    if not role_arn:
+        return as_caller("job.role_arn is not set")
+    name = role_arn.rsplit("/", 1)[-1]
+    parts = caller.split(":", 5)
+    if len(parts) == 6 and parts[5].startswith(f"assumed-role/{name}/") and parts[4] == role_arn.split(":")[4]:
+        return _probe(caller_s3, bucket, run_prefix, f"the job's role {role_arn} (the caller)", cleanup=caller_s3)
+    try:
+        role_s3 = assume(role_arn)
+    except ClientError as exc:
+        code = _code(exc)
+        fix = (
+            f"to check as the job's role, allow the caller sts:AssumeRole on it in sessions named "
+            f"{PROBE_SESSION}* and trust the caller's account in the role's trust policy (deployments/account.yaml: "
+            "PreflightAssumesExecutionRole)"
+        )
+        if code in _DENIED:
+            return as_caller(f"sts:AssumeRole of {role_arn} denied ({code}); {fix}")
+        return as_caller(f"sts:AssumeRole of {role_arn}: {code}: {_message(exc)}; {fix}")
+    except (BotoCoreError, ResponseParserError) as exc:  # no usable answer from STS
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        return as_caller(f"sts:AssumeRole of {role_arn}: no answer ({type(exc).__name__}: {text[:160]})")
+    return _probe(role_s3, bucket, run_prefix, f"the job's role {role_arn}", cleanup=caller_s3)
+
+
+def _remove_quietly(s3: Any, bucket: str, key: str) -> bool:
+    """Delete the probe; whether that was allowed."""
     from botocore.exceptions import BotoCoreError, ClientError
 
-    with contextlib.suppress(ClientError, BotoCoreError):
+    try:
         s3.delete_object(Bucket=bucket, Key=key)
+        return True
+    except (ClientError, BotoCoreError):
+        return False
 
 
 # -- images -----------------------------------------------------------------------------------------------------
@@ -840,6 +972,9 @@ def instance_needs(config: HlatConfig) -> dict[str, tuple[int, list[str]]]:
 
 
 def _quotas(client: ClientFactory, config: HlatConfig) -> list[Finding]:
+    """Each needed type's quota (Service Quotas' `<type> for training job usage`, which caps the instances of that
+    type across all running training jobs) less what the account's other running training jobs hold, against
+    the most instances the run's stages hold at once (instance_needs)."""
     from botocore.exceptions import ClientError
 
     quotas = client("service-quotas")
@@ -851,6 +986,8 @@ def _quotas(client: ClientFactory, config: HlatConfig) -> list[Finding]:
             return [Finding("quota", True, "servicequotas:ListServiceQuotas denied: quotas not checked", checked=False)]
         raise
     defaults: dict[str, dict[str, Any]] | None = None
+    usage: dict[str, list[tuple[str, int]]] | None = None
+    usage_unread = ""
     findings = []
     for instance_type, (count, stages) in instance_needs(config).items():
         name = QUOTA_NAME.format(instance_type=instance_type)
@@ -867,26 +1004,114 @@ def _quotas(client: ClientFactory, config: HlatConfig) -> list[Finding]:
             findings.append(Finding("quota", True, f"{what}: no quota named {name!r} in {region}", checked=False))
             continue
         value = int(quota.get("Value") or 0)
-        if value >= count:
-            findings.append(Finding("quota", True, f"{what}: {name!r} is {value}"))
-            continue
         planned = config.job.training_plan_arn and instance_type == config.job.instance_type
+        if planned:  # the plan's reserved instances are checked instead (its AvailableInstanceCount)
+            if value >= count:
+                findings.append(Finding("quota", True, f"{what}: {name!r} is {value}"))
+            else:
+                findings.append(
+                    Finding(
+                        "quota",
+                        True,
+                        f"{what}: {name!r} is {value}; the training plan's capacity is checked instead",
+                        checked=False,
+                    )
+                )
+            continue
+        if usage is None and not usage_unread:
+            try:
+                usage = instances_in_use(client("sagemaker"), own_job_names(config.resolved_run_id()))
+            except ClientError as exc:
+                if _code(exc) not in _DENIED:
+                    raise
+                usage_unread = f"sagemaker:ListTrainingJobs or DescribeTrainingJob denied ({_code(exc)})"
+        held = (usage or {}).get(instance_type, [])
+        in_use = sum(n for _, n in held)
+        free = max(value - in_use, 0)
+        jobs = _held_by(held)
+        desired = count + in_use
         fix = (
-            f"request {count}: aws service-quotas request-service-quota-increase --service-code sagemaker "
-            f"--quota-code {quota.get('QuotaCode')} --desired-value {count} --region {region}"
+            f"request {desired}: aws service-quotas request-service-quota-increase --service-code sagemaker "
+            f"--quota-code {quota.get('QuotaCode')} --desired-value {desired} --region {region}"
         )
-        if planned:
+        if value < count:
+            findings.append(Finding("quota", False, f"{what}: {name!r} is {value} in {region}{jobs}; {fix}"))
+        elif free < count:
+            findings.append(
+                Finding(
+                    "quota",
+                    False,
+                    f"{what}: {name!r} is {value} in {region}{jobs}: {free} free, {count} needed; wait for those "
+                    f"jobs or stop them, or {fix}",
+                )
+            )
+        elif usage_unread:
             findings.append(
                 Finding(
                     "quota",
                     True,
-                    f"{what}: {name!r} is {value}; the training plan's capacity is checked instead",
+                    f"{what}: {name!r} is {value}; what running jobs hold is not counted: {usage_unread}",
                     checked=False,
                 )
             )
         else:
-            findings.append(Finding("quota", False, f"{what}: {name!r} is {value} in {region}; {fix}"))
+            held_line = jobs or ", none held by other running training jobs"
+            findings.append(Finding("quota", True, f"{what}: {name!r} is {value}{held_line}: {free} free"))
     return findings
+
+
+def _held_by(held: list[tuple[str, int]]) -> str:
+    """', N held by K running training job(s) of other runs (a: n, b: m, ...)', or '' when none."""
+    if not held:
+        return ""
+    shown = ", ".join(f"{name}: {n}" for name, n in held[:3]) + (f", {len(held) - 3} more" if len(held) > 3 else "")
+    return f", {sum(n for _, n in held)} held by {len(held)} running training job(s) of other runs ({shown})"
+
+
+def own_job_names(run_id: str) -> Callable[[str], bool]:
+    """Whether a training job is one of run `run_id`'s own (`job_name(run_id, attempt, stage)` of a job stage): the
+    run's jobs are counted by instance_needs (evaluation beside training included), not as other usage."""
+    from hlat.core.stages import JOB_STAGES
+    from hlat.infra.jobs import job_name
+
+    def own(name: str) -> bool:
+        match = re.fullmatch(r".+-(\d+)", name)
+        return match is not None and any(name == job_name(run_id, int(match[1]), s) for s in JOB_STAGES)
+
+    return own
+
+
+def instances_in_use(sagemaker: Any, own: Callable[[str], bool]) -> dict[str, list[tuple[str, int]]]:
+    """The instances the account's running training jobs hold in this region, by instance type: [(job, count)].
+    ListTrainingJobs(StatusEquals=InProgress), every page, then DescribeTrainingJob's ResourceConfig (each instance
+    group of a heterogeneous cluster). Jobs `own` accepts are left out; a job gone between the two calls is too."""
+    from botocore.exceptions import ClientError
+
+    held: dict[str, list[tuple[str, int]]] = {}
+    token: str | None = None
+    while True:
+        page = sagemaker.list_training_jobs(
+            StatusEquals="InProgress", MaxResults=100, **({"NextToken": token} if token else {})
+        )
+        for summary in page.get("TrainingJobSummaries", []):
+            name = str(summary["TrainingJobName"])
+            if own(name):
+                continue
+            try:
+                job = sagemaker.describe_training_job(TrainingJobName=name)
+            except ClientError as exc:
+                if _code(exc) in ("ValidationException", "ResourceNotFound"):
+                    continue
+                raise
+            if job.get("TrainingJobStatus", "InProgress") != "InProgress":
+                continue  # ended since the listing
+            resources = job.get("ResourceConfig") or {}
+            for group in resources.get("InstanceGroups") or [resources]:
+                if group.get("InstanceType") and group.get("InstanceCount"):
+                    held.setdefault(str(group["InstanceType"]), []).append((name, int(group["InstanceCount"])))
+        token = page.get("NextToken")
+        if not token:
+            return held
 
 
 def _all_quotas(quotas: Any, operation: str) -> dict[str, dict[str, Any]]:

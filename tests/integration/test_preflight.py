@@ -1,14 +1,22 @@
-"""The live preflight (infra/preflight.py) against AWS's emulator: moto servers on 127.0.0.1 for STS, IAM, S3 and
-ECR; botocore's Stubber for Service Quotas (moto lists VPC's quotas only) and SageMaker's DescribeTrainingPlan
-(moto has none).
+"""The live preflight (infra/preflight.py) against AWS's emulator: moto servers on 127.0.0.1 for STS, IAM, S3, ECR
+and SageMaker's training-job listing; botocore's Stubber for Service Quotas (moto lists VPC's quotas only) and
+SageMaker's DescribeTrainingPlan (moto has none).
 
 Each injected fault is named in one line:
 - a missing quota: the stubbed ListServiceQuotas gives ml.trn1.32xlarge 0 instances;
+- a quota that other runs' jobs use up: training jobs created on moto, one of them set InProgress in moto's
+  backend (moto completes every job at creation; the listing, its StatusEquals filter and DescribeTrainingJob's
+  ResourceConfig are moto's);
 - a caller without PassRole: moto has no policy simulator (SimulatePrincipalPolicy answers 500), so the preflight
   reads the caller's own policies and evaluates them (`passrole_decision`); the caller's policy allows everything
   but iam:PassRole (NotAction);
-- a bucket without delete: moto does not enforce bucket policies, so the fault is IAM's, on a moto server that
-  enforces IAM (a subprocess: moto's switch is process-wide): the caller's policy denies s3:DeleteObject.
+- a bucket without delete, for the caller or for the job's role only: moto does not enforce bucket policies, so the
+  fault is IAM's, on a moto server that enforces IAM (a subprocess: moto's switch is process-wide), which also
+  applies an assumed role's own policies to its session and checks the role's trust policy at AssumeRole;
+- a caller who may not assume the job's role: the caller's policy denies sts:AssumeRole, or the role's trust does
+  not name it. moto evaluates a trust statement's AWS principal only (a statement naming nothing but a Service
+  principal makes its AssumeRole answer 500), so the roles on that server trust sagemaker.amazonaws.com and the
+  caller in one statement.
 
 And the source checks that run before anything starts or is written: a bad s3:// source and a hub name that does not
 resolve fail in seconds with one line and leave no run folder.
@@ -65,15 +73,29 @@ class Account:
     secret: str
 
 
-def prepare_account(endpoint: str, bucket: str, admin: tuple[str, str], caller_policy: str) -> Account:
-    """A caller (an IAM user with `caller_policy`, whose keys the test uses), the execution role, and the image."""
+def prepare_account(
+    endpoint: str,
+    bucket: str,
+    admin: tuple[str, str],
+    caller_policy: str,
+    role_policy: str | None = None,
+    *,
+    trust_caller: bool = False,
+) -> Account:
+    """A caller (an IAM user with `caller_policy`, whose keys the test uses), the execution role (trusting
+    SageMaker, and the caller too with `trust_caller`; with `role_policy` inline), and the image."""
     suffix = uuid.uuid4().hex[:8]
     iam = s3_client(endpoint, *admin, service="iam")
     user = f"deployer-{suffix}"
-    iam.create_user(UserName=user)
+    user_arn = iam.create_user(UserName=user)["User"]["Arn"]
     iam.put_user_policy(UserName=user, PolicyName="caller", PolicyDocument=caller_policy)
     key = iam.create_access_key(UserName=user)["AccessKey"]
-    role = iam.create_role(RoleName=f"hlat-sagemaker-{suffix}", AssumeRolePolicyDocument=json.dumps(TRUST))
+    trust = json.loads(json.dumps(TRUST))
+    if trust_caller:
+        trust["Statement"][0]["Principal"]["AWS"] = user_arn
+    role = iam.create_role(RoleName=f"hlat-sagemaker-{suffix}", AssumeRolePolicyDocument=json.dumps(trust))
+    if role_policy is not None:
+        iam.put_role_policy(RoleName=role["Role"]["RoleName"], PolicyName="job", PolicyDocument=role_policy)
     ecr = s3_client(endpoint, *admin, service="ecr")
     repo = f"hlat-train-{suffix}"
     ecr.create_repository(repositoryName=repo)
@@ -145,10 +167,16 @@ def test_a_prepared_account_passes_every_check_and_the_probe_is_removed(account:
     assert by_check["caller"].message.startswith(f"arn:aws:iam::{ACCOUNT}:user/deployer-")
     assert "trusts sagemaker.amazonaws.com" in by_check["role"].message
     assert "(its policies, read here)" in by_check["passrole"].message  # moto has no policy simulator
-    assert (
-        by_check["storage"].message
-        == f"write, read, list and delete under s3://{account.bucket}/runs/{config.resolved_run_id()}/"
-    )
+    # The probe as the caller (the flow writes the run's files) and as the job's role (assumed: this moto server
+    # does not enforce IAM, so any caller may).
+    where = f"write, read, list and delete under s3://{account.bucket}/runs/{config.resolved_run_id()}/"
+    assert [f.message for f in result.findings if f.check == "storage"] == [
+        f"{where} as the caller",
+        f"{where} as the job's role {account.role_arn}",
+    ]
+    # No training job of another run holds instances (moto's jobs are Completed at creation).
+    (trn1,) = [f.message for f in result.findings if f.message.startswith("ml.trn1.32xlarge")]
+    assert trn1.endswith("is 64, none held by other running training jobs: 64 free"), trn1
     assert all(line.startswith("preflight ok ") for line in result.lines()), result.lines()
     assert probes(account) == []
 
@@ -171,7 +199,7 @@ def test_hlat_preflight_prints_one_line_per_check_and_exits_1_on_a_failure(
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[1:3] for line in lines] == [
         ["ok", "run:"], ["ok", "config:"], ["ok", "source:"], ["ok", "caller:"], ["ok", "role:"], ["ok", "passrole:"],
-        ["ok", "storage:"], ["ok", "image:"],
+        ["ok", "storage:"], ["ok", "storage:"], ["ok", "image:"],
         # moto has no SageMaker quotas (it answers 500): not verified, not failed.
         ["??", "quota:"],
     ], lines  # fmt: skip
@@ -300,7 +328,12 @@ def test_a_bucket_without_delete_is_one_line_naming_the_permission(
     bucket = f"hlat-no-delete-{uuid.uuid4().hex[:8]}"
     s3_client(endpoint, *admin).create_bucket(Bucket=bucket)
     made = prepare_account(
-        endpoint, bucket, admin, allow({"Effect": "Deny", "Action": "s3:DeleteObject", "Resource": "*"})
+        endpoint,
+        bucket,
+        admin,
+        allow({"Effect": "Deny", "Action": "s3:DeleteObject", "Resource": "*"}),
+        role_policy=allow(),
+        trust_caller=True,
     )
     set_aws_env(monkeypatch, endpoint, made.key, made.secret)
     config = sagemaker_config(made)
@@ -312,6 +345,123 @@ def test_a_bucket_without_delete_is_one_line_naming_the_permission(
         f"s3:DeleteObject on arn:aws:s3:::{bucket}/{run_prefix}/* to the caller; the probe s3://{bucket}/{run_prefix}/"
         ".hlat-preflight-"
     ), failure.line()
+    # The job's role may delete: its own probe passes.
+    storage = [f for f in result.findings if f.check == "storage"]
+    assert storage[-1].ok and storage[-1].message.endswith(f"as the job's role {made.role_arn}"), storage
+
+
+def test_a_job_role_without_delete_fails_where_the_caller_would_pass(
+    iam_server: tuple[str, tuple[str, str]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The caller may do everything, the job's role everything but s3:DeleteObject (retention's deletes would fail
+    in the job): probed as the caller only, this passed."""
+    endpoint, admin = iam_server
+    bucket = f"hlat-role-no-delete-{uuid.uuid4().hex[:8]}"
+    s3_client(endpoint, *admin).create_bucket(Bucket=bucket)
+    no_delete = {"Effect": "Deny", "Action": "s3:DeleteObject", "Resource": "*"}
+    made = prepare_account(endpoint, bucket, admin, allow(), role_policy=allow(no_delete), trust_caller=True)
+    set_aws_env(monkeypatch, endpoint, made.key, made.secret)
+    config = sagemaker_config(made)
+    result = run_preflight(config, clients={"service-quotas": stubbed_quotas(config)})
+    run_prefix = f"runs/{config.resolved_run_id()}"
+    (failure,) = result.failures
+    assert failure.line() == (
+        f"preflight FAIL storage: s3:DeleteObject denied on s3://{bucket}/{run_prefix}/ (AccessDenied); allow "
+        f"s3:DeleteObject on arn:aws:s3:::{bucket}/{run_prefix}/* to the job's role {made.role_arn}"
+    )
+    caller_probe = next(f for f in result.findings if f.check == "storage")
+    assert caller_probe.ok and caller_probe.message.endswith("as the caller")
+    # The role's probe was removed by the caller: nothing left under the prefix.
+    listed = s3_client(endpoint, *admin).list_objects_v2(Bucket=bucket, Prefix="runs/")
+    assert listed.get("KeyCount", 0) == 0, listed.get("Contents")
+
+
+@pytest.mark.parametrize("refusal", ["caller-policy", "trust"])
+def test_a_caller_who_may_not_assume_the_job_role_is_said_so_not_passed_silently(
+    iam_server: tuple[str, tuple[str, str]], monkeypatch: pytest.MonkeyPatch, refusal: str
+) -> None:
+    """AssumeRole refused, by the caller's own policy or by a role that trusts SageMaker alone: the storage line
+    says the prefix was checked as the caller only, and why (`??`: not verified, not failed)."""
+    endpoint, admin = iam_server
+    bucket = f"hlat-no-assume-{uuid.uuid4().hex[:8]}"
+    s3_client(endpoint, *admin).create_bucket(Bucket=bucket)
+    no_assume = {"Effect": "Deny", "Action": "sts:AssumeRole", "Resource": "*"}
+    caller_policy = allow(no_assume) if refusal == "caller-policy" else allow()
+    # A role that trusts only SageMaker makes moto's AssumeRole answer 500 (see the module docstring); one that
+    # trusts another principal is refused by moto as by IAM.
+    made = prepare_account(endpoint, bucket, admin, caller_policy, role_policy=allow(), trust_caller=True)
+    if refusal == "trust":
+        other = {"Effect": "Allow", "Principal": {"AWS": f"arn:aws:iam::{ACCOUNT}:user/someone-else"},
+                 "Action": "sts:AssumeRole"}  # fmt: skip
+        s3_client(endpoint, *admin, service="iam").update_assume_role_policy(
+            RoleName=made.role_arn.rsplit("/", 1)[-1],
+            PolicyDocument=json.dumps({"Version": "2012-10-17", "Statement": [other]}),
+        )
+    set_aws_env(monkeypatch, endpoint, made.key, made.secret)
+    config = sagemaker_config(made)
+    result = run_preflight(config, clients={"service-quotas": stubbed_quotas(config)})
+    storage = [f for f in result.findings if f.check == "storage"]
+    assert [(f.ok, f.checked) for f in storage] == [(True, True), (True, False)], storage
+    assert (
+        storage[1]
+        .line()
+        .startswith(
+            f"preflight ??   storage: checked as the caller, not as the job's role: sts:AssumeRole of "
+            f"{made.role_arn} denied (AccessDenied); to check as the job's role, allow the caller sts:AssumeRole on "
+            "it in sessions named hlat-preflight-* and trust the caller's account"
+        )
+    ), storage[1].line()
+    assert "storage" not in [f.check for f in result.failures]
+
+
+def test_quotas_less_what_other_runs_jobs_hold(s3_server: str, account: Account) -> None:
+    """Three training jobs on moto: another run's, InProgress, on 48 trn1 nodes; a Completed one on 64; this run's
+    own train job, InProgress on 64 (the run's own holdings are counted by instance_needs, not as other usage)."""
+    from moto.sagemaker.models import sagemaker_backends
+
+    from hlat.infra.jobs import job_name
+
+    config = sagemaker_config(account)
+    sagemaker = s3_client(account.endpoint, service="sagemaker")
+    suffix = uuid.uuid4().hex[:6]
+    jobs = {
+        f"other-run-{suffix}-train-2": ("InProgress", 48),
+        f"done-run-{suffix}-train-1": ("Completed", 64),
+        job_name(config.resolved_run_id(), 3): ("InProgress", 64),
+    }
+    for name, (_, count) in jobs.items():
+        sagemaker.create_training_job(
+            TrainingJobName=name,
+            AlgorithmSpecification={"TrainingImage": account.image, "TrainingInputMode": "File"},
+            RoleArn=account.role_arn,
+            OutputDataConfig={"S3OutputPath": f"{account.storage}/out"},
+            ResourceConfig={"InstanceType": "ml.trn1.32xlarge", "InstanceCount": count, "VolumeSizeInGB": 50},
+            StoppingCondition={"MaxRuntimeInSeconds": 3600},
+        )
+    backend = sagemaker_backends[ACCOUNT][REGION]
+    try:
+        for name, (status, _) in jobs.items():
+            backend.training_jobs[name].training_job_status = status  # moto completes every job at creation
+        short = run_preflight(config, clients={"service-quotas": stubbed_quotas(config, ml_trn1_32xlarge=100)})
+        enough = run_preflight(config, clients={"service-quotas": stubbed_quotas(config, ml_trn1_32xlarge=128)})
+    finally:
+        for name in jobs:
+            backend.training_jobs.pop(name, None)
+    (failure,) = short.failures
+    assert failure.message == (
+        "ml.trn1.32xlarge x 64 (precompile, burn-in, train): 'ml.trn1.32xlarge for training job usage' is 100 in "
+        f"us-east-1, 48 held by 1 running training job(s) of other runs (other-run-{suffix}-train-2: 48): 52 free, "
+        "64 needed; wait for those jobs or stop them, or request 112: aws service-quotas "
+        "request-service-quota-increase --service-code sagemaker --quota-code L-00000001 --desired-value 112 "
+        "--region us-east-1"
+    ), failure.message
+    assert enough.ok, enough.lines()
+    (line,) = [x for x in enough.lines() if "ml.trn1.32xlarge x 64" in x]
+    assert line == (
+        "preflight ok   quota: ml.trn1.32xlarge x 64 (precompile, burn-in, train): 'ml.trn1.32xlarge for training "
+        f"job usage' is 128, 48 held by 1 running training job(s) of other runs (other-run-{suffix}-train-2: 48): "
+        "80 free"
+    )
 
 
 # -- sources: before anything starts or is written ------------------------------------------------------------------
