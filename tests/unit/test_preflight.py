@@ -1,17 +1,29 @@
-"""The preflight's own logic, without AWS: PassRole evaluated from policy documents, a role's trust, the instances each
-stage holds; and a default run extended in place (issue 40): a plain re-run continues it, and a config its
-config.json refuses is refused before a server starts."""
+"""The preflight's own logic, without AWS: PassRole evaluated from policy documents, a role's trust (with the
+confused-deputy conditions AWS recommends), the instances each stage holds and those other runs' running jobs hold
+(SageMaker's answers from botocore's Stubber, checked against its service model); and a default run extended in
+place (issue 40): a plain re-run continues it, and a config its config.json refuses is refused before a server
+starts."""
 
 from __future__ import annotations
 
 import json
+from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
+import boto3
 import pytest
+from botocore.stub import Stubber
 
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
-from hlat.infra.preflight import _trusts_sagemaker, instance_needs, passrole_decision
+from hlat.infra.preflight import (
+    _trusts_sagemaker,
+    instance_needs,
+    instances_in_use,
+    own_job_names,
+    passrole_decision,
+)
 from hlat.infra.runs import check_run, continued, open_run
 from hlat.preflight_cli import check_before_start
 
@@ -55,6 +67,110 @@ def test_a_role_trusts_sagemaker_only_through_an_allow_of_sts_assume_role() -> N
     assert not _trusts_sagemaker(
         statement(Effect="Deny", Principal={"Service": "sagemaker.amazonaws.com"}, Action="sts:AssumeRole")
     )
+
+
+def test_a_trust_guarded_by_the_source_account_trusts_sagemaker_for_that_account_only() -> None:
+    """deployments/account.yaml's trust: SageMaker, with aws:SourceAccount the stack's account (before, any condition
+    read as 'does not trust', so the template's own role failed the preflight)."""
+    guarded = statement(
+        Effect="Allow",
+        Principal={"Service": "sagemaker.amazonaws.com"},
+        Action="sts:AssumeRole",
+        Condition={"StringEquals": {"aws:SourceAccount": "123456789012"}},
+    )
+    job = "arn:aws:sagemaker:us-west-2:123456789012:training-job/hlat-7b-1a2b-train-1"
+    here = {"aws:sourceaccount": "123456789012", "aws:sourcearn": job}
+    assert _trusts_sagemaker(guarded, here) is True
+    assert _trusts_sagemaker(guarded, {**here, "aws:sourceaccount": "210987654321"}) is False
+    by_arn = statement(
+        Effect="Allow",
+        Principal={"Service": "sagemaker.amazonaws.com"},
+        Action="sts:AssumeRole",
+        Condition={"ArnLike": {"aws:SourceArn": "arn:aws:sagemaker:*:123456789012:training-job/*"}},
+    )
+    assert _trusts_sagemaker(by_arn, here) is True
+    assert _trusts_sagemaker(by_arn, {**here, "aws:sourcearn": job.replace("training-job", "endpoint")}) is False
+    # A key only IAM knows the value of: not decided here.
+    other = statement(
+        Effect="Allow",
+        Principal={"Service": "sagemaker.amazonaws.com"},
+        Action="sts:AssumeRole",
+        Condition={"StringEquals": {"aws:PrincipalTag/team": "ml"}},
+    )
+    assert _trusts_sagemaker(other, here) is None
+
+
+def test_the_runs_own_jobs_are_told_from_other_runs() -> None:
+    own = own_job_names("hlat-7b-1a2b")
+    assert own("hlat-7b-1a2b-train-3") and own("hlat-7b-1a2b-evaluate-1") and own("hlat-7b-1a2b-prepare-data-12")
+    assert not own("hlat-7b-1a2b-c-train-3")  # another run whose id starts alike
+    assert not own("hlat-7b-1a2b-train") and not own("hlat-70b-9f9f-train-1") and not own("someone-elses-job")
+
+
+def _sagemaker_stub() -> tuple[Any, Stubber]:
+    client = boto3.client("sagemaker", region_name="us-east-1", aws_access_key_id="x", aws_secret_access_key="x")
+    return client, Stubber(client)
+
+
+def _described(name: str, status: str = "InProgress", **resources: Any) -> dict[str, Any]:
+    """A DescribeTrainingJob answer with the fields the service model requires."""
+    return {
+        "TrainingJobName": name,
+        "TrainingJobArn": f"arn:aws:sagemaker:us-east-1:123456789012:training-job/{name}",
+        "ModelArtifacts": {"S3ModelArtifacts": "s3://b/out"},
+        "TrainingJobStatus": status,
+        "SecondaryStatus": "Training",
+        "AlgorithmSpecification": {"TrainingInputMode": "File"},
+        "ResourceConfig": {"VolumeSizeInGB": 50, **resources},
+        "StoppingCondition": {"MaxRuntimeInSeconds": 3600},
+        "CreationTime": datetime(2026, 1, 1, tzinfo=UTC),
+    }
+
+
+def _summary(name: str) -> dict[str, Any]:
+    return {
+        "TrainingJobName": name,
+        "TrainingJobArn": f"arn:aws:sagemaker:us-east-1:123456789012:training-job/{name}",
+        "CreationTime": datetime(2026, 1, 1, tzinfo=UTC),
+        "TrainingJobStatus": "InProgress",
+    }
+
+
+def test_the_instances_other_runs_jobs_hold_by_type_over_every_page() -> None:
+    """Two pages of running jobs: a heterogeneous cluster (both instance groups count), this run's own job (not
+    counted, not even described), a job that ended between the listing and its description (not counted)."""
+    client, stub = _sagemaker_stub()
+    stub.add_response(
+        "list_training_jobs",
+        {"TrainingJobSummaries": [_summary("a-train-1"), _summary("hlat-7b-1a2b-train-2")], "NextToken": "p2"},
+        {"StatusEquals": "InProgress", "MaxResults": 100},
+    )
+    stub.add_response(
+        "describe_training_job",
+        _described("a-train-1", InstanceType="ml.trn1.32xlarge", InstanceCount=16),
+        {"TrainingJobName": "a-train-1"},
+    )
+    stub.add_response(
+        "list_training_jobs",
+        {"TrainingJobSummaries": [_summary("b-hetero-1"), _summary("c-ended-1")]},
+        {"StatusEquals": "InProgress", "MaxResults": 100, "NextToken": "p2"},
+    )
+    groups = [
+        {"InstanceType": "ml.trn1.32xlarge", "InstanceCount": 4, "InstanceGroupName": "train"},
+        {"InstanceType": "ml.c5.4xlarge", "InstanceCount": 2, "InstanceGroupName": "data"},
+    ]
+    stub.add_response("describe_training_job", _described("b-hetero-1", InstanceGroups=groups))
+    stub.add_response(
+        "describe_training_job",
+        _described("c-ended-1", "Completed", InstanceType="ml.trn1.32xlarge", InstanceCount=64),
+    )
+    with stub:
+        held = instances_in_use(client, own_job_names("hlat-7b-1a2b"))
+    stub.assert_no_pending_responses()
+    assert held == {
+        "ml.trn1.32xlarge": [("a-train-1", 16), ("b-hetero-1", 4)],
+        "ml.c5.4xlarge": [("b-hetero-1", 2)],
+    }
 
 
 def test_the_instances_each_stage_holds_at_once() -> None:
