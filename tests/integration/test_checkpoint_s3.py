@@ -212,3 +212,48 @@ def test_a_distributed_fsdp2_checkpoint_round_trips_on_s3(s3_env: S3Env) -> None
         assert torch.equal(full["model"]["0.weight"], model.state_dict()["0.weight"].full_tensor())
     finally:
         dist.destroy_process_group()
+
+
+class SlowUpload(Storage):
+    """Each large write of a checkpoint file takes `delay` seconds: a save stays in flight long enough to supersede."""
+
+    def __init__(self, url: str, delay: float, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.delay = delay
+
+    @contextlib.contextmanager
+    def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
+        import time
+
+        with super().atomic_writer(rel, part_size) as fh:
+            real = fh.write
+
+            def write(data: Any) -> int:
+                if memoryview(data).nbytes >= 1 << 20:
+                    time.sleep(self.delay)
+                return real(data)
+
+            fh.write = write  # type: ignore[method-assign]
+            yield fh
+
+
+def test_a_superseded_async_save_aborts_its_multipart_upload_and_commits_nothing_on_s3(s3_env: S3Env) -> None:
+    """A stop supersedes an async save mid-upload (5 MiB parts, 5 tensors of 4 MB, each write 0.4 s): the upload
+    stops at its next write and is aborted, so no object, no marker and no incomplete upload is left; the stop's
+    save then commits."""
+    import time
+
+    url, part = f"{s3_env.url}/run/checkpoints", 5 * 2**20
+    state: dict[str, Any] = {f"w{i}": torch.randn(1_000_000) for i in range(5)}
+    manager = CheckpointManager(SlowUpload(url, 0.4, default_block_size=part), keep_last=2, async_save=True)
+    manager.save(1, {**state, "step": 1}, {"rank": 0})
+    time.sleep(0.6)
+    started = time.monotonic()
+    assert manager.supersede() == 1
+    assert time.monotonic() - started < 3
+    assert not [k for k in object_keys(s3_env) if step_dir(1) in k]
+    assert not s3_env.client().list_multipart_uploads(Bucket=s3_env.bucket).get("Uploads")
+    manager.save(2, {**state, "step": 2}, {"rank": 0})
+    manager.wait()
+    assert manager.latest_step() == 2 and torch.equal(manager.load(2)[0]["w4"], state["w4"])
+    manager.close()

@@ -1067,3 +1067,62 @@ def test_a_job_start_removes_the_temporary_files_a_killed_attempt_left(tmp_path:
     stray.write_bytes(b"again")
     assert manager.abort_incomplete_uploads() == 1 and not stray.exists()
     assert CheckpointManager(store, keep_last=2, rank=1, world_size=2).abort_incomplete_uploads() == 0
+
+
+def test_a_stop_supersedes_an_async_save_in_flight_which_commits_nothing(tmp_path: Path) -> None:
+    """Rank 0's async save of step 1 waits for rank 1's files, which never come (the stop came first): supersede()
+    cuts it within a poll instead of the commit timeout, nothing of step 1 is committed, and the stop's save of step
+    3 commits; retention then deletes the superseded folder. A save already committed is left alone."""
+    storage = Storage(str(tmp_path / "two"))
+    rank0 = CheckpointManager(storage, keep_last=2, world_size=2, async_save=True, commit_timeout_s=60)
+    rank1 = CheckpointManager(storage, keep_last=2, rank=1, world_size=2, async_save=True, commit_timeout_s=60)
+    rank0.save(1, {"w": torch.ones(4)}, {"r": 0})
+    time.sleep(0.3)
+    started = time.monotonic()
+    assert rank0.supersede() == 1 and time.monotonic() - started < 2
+    assert not (tmp_path / "two" / step_dir(1) / MARKER).exists()
+    assert rank0.supersede() is None  # nothing pending
+    rank0.check()  # the superseded save is no error
+    rank1.save(3, None, {"r": 1})
+    rank1.wait()
+    rank0.save(3, {"w": torch.full((4,), 3.0)}, {"r": 0})
+    rank0.wait()
+    assert rank0.latest_step() == 3 and rank0.all_steps() == [3]
+    assert torch.equal(rank0.load(3)[0]["w"], torch.full((4,), 3.0))
+
+    solo = CheckpointManager(Storage(str(tmp_path / "one")), keep_last=2, async_save=True)
+    solo.save(5, {"w": torch.ones(4)}, {"r": 0})
+    deadline = time.monotonic() + 30
+    while not (tmp_path / "one" / step_dir(5) / MARKER).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    time.sleep(0.2)  # its thread returns (retention) after the marker
+    assert solo.supersede() is None and solo.latest_step() == 5
+    solo.close()
+    rank0.close()
+    rank1.close()
+
+
+def test_a_superseded_write_stops_at_its_next_write_and_leaves_no_file(tmp_path: Path) -> None:
+    from hlat.training.checkpoint.serialization import SaveSuperseded, write_state
+
+    abort = threading.Event()
+    abort.set()
+    with pytest.raises(SaveSuperseded, match="superseded"):
+        write_state(Storage(str(tmp_path)), "step/f.pt", {"w": torch.ones(1000)}, abort=abort)
+    assert [p.name for p in tmp_path.rglob("*") if p.is_file()] == []
+
+
+def test_the_shard_writers_are_paced_before_every_other_rank() -> None:
+    """core.stop_timeline.write_start_seconds: the writers of the big files first (in shard order), then every rank
+    in rank order, at write_rate requests a second (two each)."""
+    shards = [f"tp{t:02d}-pp00" for t in range(4)]
+    root = Storage("s3://bucket/x")
+
+    def offset(rank: int, shard: str | None, writer: bool) -> float:
+        layout: dict[str, Any] = {"shard": shard, "shard_writer": writer, "shards": shards} if shard else {}
+        return CheckpointManager(root, keep_last=1, rank=rank, world_size=8, **layout)._write_offset()
+
+    assert offset(6, "tp02-pp00", True) == pytest.approx(2 * 2 / 2000)
+    assert offset(6, "tp02-pp00", False) == pytest.approx((4 + 6) * 2 / 2000)
+    assert offset(0, None, False) == 0.0 and offset(3, None, False) == pytest.approx((1 + 3) * 2 / 2000)
