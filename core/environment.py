@@ -223,6 +223,13 @@ def on_trainium(config: HlatConfig) -> bool:
     return "trn" in config.job.instance_type
 
 
+GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
+"""Set to 1 in every job process of several ranks, on every device (`training.parallel.distributed.init_world`, before
+any gloo group exists; neuron.env may set it otherwise): gloo then connects a pair of ranks when a collective first
+needs it, not every pair when a group is made (torch 2.9's ProcessGroupGloo reads it, `getDefaultGlooLazyInit`; torch
+2.7, Neuron 2.24's, has no such switch). A runtime setting: it shapes no graph."""
+
+
 def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
     """The environment of a trn1 job (set before torch_xla is imported), as HLAT's launch scripts set it: the
     precision flags of precision.mode, then the compiler, runtime and EFA settings of the `neuron` section (with
@@ -281,7 +288,7 @@ def xla_job_environment(config: HlatConfig, compile_cache: str | None = None) ->
 
 _RUNTIME_ONLY_PREFIXES = ("NEURON_RT_", "FI_", "RDMAV_")
 _RUNTIME_ONLY = frozenset(
-    {"MALLOC_ARENA_MAX", "TORCH_DIST_INIT_BARRIER", "NEURON_COMPILE_CACHE_URL", *NO_INDUCTOR_POOL}
+    {"MALLOC_ARENA_MAX", "TORCH_DIST_INIT_BARRIER", GLOO_LAZY_INIT, "NEURON_COMPILE_CACHE_URL", *NO_INDUCTOR_POOL}
 )
 
 

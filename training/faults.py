@@ -14,6 +14,9 @@ HLAT_FAULT_SAVE_SECONDS=<s>: each checkpoint file this process writes takes s se
 write: a slow upload, so that a stop can land inside a checkpoint write).
 HLAT_FAULT_ALLREDUCE_SECONDS=<s>: each timed iteration of a health check's all-reduce takes s seconds longer (a host
 sleep inside the timer: a degraded link, whose bus bandwidth then falls below any floor the check applies).
+HLAT_FAULT_HANG_AT_STEP=<step>:<rank>: that rank never finishes that step (1-based): once the step's work is launched
+it blocks on the host for good, as a rank whose host-side collective never returns (a peer gone, a storage read with
+no deadline); its peers then wait in the next step's collectives for it. Only the job's hang watchdog ends that.
 HLAT_FAULT_SAVE_FAILS=<step>:<rank>: that rank's write of its rank file of that step's checkpoint fails with an
 OSError (a failed upload); in an async save, the loop's check after the next step sees it.
 HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}': in the prepare-data job, that worker SIGKILLs
@@ -27,6 +30,7 @@ import json
 import logging
 import os
 import signal
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -51,6 +55,7 @@ STEP_SECONDS = "HLAT_FAULT_STEP_SECONDS"
 SAVE_SECONDS = "HLAT_FAULT_SAVE_SECONDS"
 SAVE_FAILS = "HLAT_FAULT_SAVE_FAILS"
 ALLREDUCE_SECONDS = "HLAT_FAULT_ALLREDUCE_SECONDS"
+HANG_AT_STEP = "HLAT_FAULT_HANG_AT_STEP"
 PREPARE_FAULTS = "HLAT_PREPARE_FAULTS"
 
 
@@ -113,6 +118,17 @@ def allreduce_delay() -> float:
     return float(os.environ.get(ALLREDUCE_SECONDS) or 0)
 
 
+def hang_at_step(step: int, rank: int) -> None:
+    """Block this thread for good when HLAT_FAULT_HANG_AT_STEP names this step and rank (a wait nothing ends)."""
+    wanted = os.environ.get(HANG_AT_STEP)
+    if not wanted:
+        return
+    at, _, which = wanted.partition(":")
+    if int(at) == step and int(which or 0) == rank:
+        log.warning("fault: rank %d hangs in step %d (%s)", rank, step, HANG_AT_STEP)
+        threading.Event().wait()
+
+
 def inject_nan(run: Storage, step: int) -> bool:
     """True once per run at the step named by HLAT_FAULT_NAN_AT_STEP."""
     wanted = os.environ.get(NAN_AT_STEP)
@@ -151,6 +167,9 @@ class FaultHooks(JobHooks):
 
     def step_seconds(self) -> float | None:
         return step_seconds()
+
+    def after_step(self, step: int, rank: int) -> None:
+        hang_at_step(step, rank)
 
     def loss_of_step(self, loss: torch.Tensor, run: Storage, step: int) -> torch.Tensor:
         return loss * float("nan") if inject_nan(run, step) else loss

@@ -40,6 +40,10 @@ class JobHooks:
         (None: as long as the step takes)."""
         return None
 
+    def after_step(self, step: int, rank: int) -> None:
+        """Called on rank `rank` once optimizer step `step` (1-based) is launched, before its boundary: a hook may
+        hold the rank there (nothing by default)."""
+
     def loss_of_step(self, loss: torch.Tensor, run: Storage, step: int) -> torch.Tensor:
         """The loss of optimizer step `step` (1-based) of `run`, on the main rank, before it is averaged and used."""
         return loss

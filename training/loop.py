@@ -7,13 +7,15 @@ SIGTERM (sent by SageMaker before it stops a job) checkpoints and exits 0.
 
 The stop must fit SageMaker's grace: SIGTERM, then SIGKILL 120 s later
 (https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). So the ranks
-vote on it at every step boundary, whatever `training.log_every` is: a host-side vote (`World.any_rank`, a CPU
-tensor over a gloo group) that adds no device op, graph or transfer. On a stop every rank finishes its step, reads
+agree on the step to stop after as soon as one asks, whatever `training.log_every` is, with no collective at the step
+boundaries (`training/stop_vote.py`: the stop step is agreed once through the job's store, by a thread; at a boundary
+the loop only compares numbers), so it adds no device op, graph, transfer or per-step network round trip. On a stop
+every rank finishes its step, reads
 the device once (the NaN check, as at any sync point), finishes an async save still in flight, writes the
 checkpoint of that step synchronously (committed before it exits) and exits 0; rank 0 first logs whether the
 write is expected to fit `job.stop_grace_seconds`, from the step and save times it measured. The job's stop rule
 (`training/stop_rule.py`: the run's budget, its deadline, a silent supervisor) asks for the same stop from a thread
-(`request_stop`): the flag the vote reads, no other cost to the loop. After every step the
+(`request_stop`): the same request, no other cost to the loop. After every step the
 loop also asks the checkpoint manager, without I/O, whether a background save failed (`CheckpointManager.check`),
 so a rank's failed upload fails the job within a step, not one checkpoint interval later.
 
@@ -97,6 +99,8 @@ from hlat.training.optim import (
 from hlat.training.parallel.distributed import World
 from hlat.training.parallel.parallelize import fsdp_active, model_layers, parallelize, reduce_gradients
 from hlat.training.spikes import SpikeDetector, Verdict, describe_spike, spikes_reason
+from hlat.training.stop_vote import StopVote
+from hlat.training.watchdog import Progress
 
 log = logging.getLogger("hlat.train")
 
@@ -170,6 +174,9 @@ class Trainer:
     hooks: list[Hook] = field(default_factory=list)
     data: Storage | None = None
     """The prepared data (default: the run's data/); inside a job, the folder of its data channel."""
+    progress: Progress = field(default_factory=Progress)
+    """What the loop tells the job's hang watchdog (`training/watchdog.py`; the job program starts it): each step,
+    evaluation batch, hook and stop."""
 
     def __post_init__(self) -> None:
         self._built_at = time.perf_counter()  # time to first step counts from here (first_step_seconds)
@@ -241,6 +248,7 @@ class Trainer:
         self.saved_step: int | None = None
         self.stop_requested = False
         self.stop_why: str | None = None  # why this rank requested the stop, when not on SIGTERM (request_stop)
+        self.vote: StopVote | None = None  # fit()'s: the stop agreed with the other ranks
         self.stopped_at: int | None = None  # the step a stop checkpointed (_stop)
         self.step_seconds: float | None = None  # the mean step time measured at the last sync point
         self._sigterm_at: float | None = None  # time.monotonic() of this process's first SIGTERM
@@ -539,19 +547,29 @@ class Trainer:
         since, since_step, nonfinite_seen = time.perf_counter(), self.step, 0
         spikes_seen = self._spikes_restored  # skipped before this job (from its checkpoint): only new ones are logged
         pace = hooks().step_seconds()  # tests' stand-in for a big model's step (None here)
+        vote = self.vote = StopVote(
+            self.world.rank, self.world.world_size, t.max_steps, passed=self.step,
+            connect=self.world.connect_store if self.world.world_size > 1 else None,
+        )  # fmt: skip
+        vote.start()
+        if self.stop_requested:  # asked before the loop (the stop rule's thread, a SIGTERM during resume)
+            vote.request()
         try:
             while self.step < t.max_steps:
                 started = time.perf_counter()
                 stats = self.train_step(batches)
                 if pace:  # host side, after the step's work is launched
                     time.sleep(max(0.0, pace - (time.perf_counter() - started)))
+                hooks().after_step(self.step + 1, self.world.rank)
                 self.step += 1
                 note_step(self.step)
+                self.progress.beat(self.step)
                 # No I/O, no device read: a rank whose background save failed (an upload) fails now, naming its rank,
                 # host and key, rather than at the next save.
                 self.ckpt.check()
-                # Every step boundary, on every rank: a stop must not wait log_every steps for a sync point.
-                stop = self.world.any_rank(self.stop_requested)
+                # Every step boundary, on every rank: a stop must not wait log_every steps for a sync point. Local
+                # numbers only: the stop step is agreed by the vote's threads (training/stop_vote.py).
+                stop = vote.at_boundary(self.step)
                 if not stop and not self._sync_point(first_step):
                     continue
                 # The sync point: everything the host needs of the steps since the last one, in one transfer.
@@ -560,7 +578,7 @@ class Trainer:
                     {k: stats[k] for k in ("loss", "grad_norm", "finite")} | self.tally.tensors() | spikes
                 )
                 seconds = (time.perf_counter() - since) / (self.step - since_step)
-                self.step_seconds = seconds
+                self.step_seconds = self.progress.step_s = seconds
                 nonfinite = int(seen["nonfinite"])
                 if nonfinite > nonfinite_seen and not self.extracting_graphs:
                     where = f"loss is {float(seen['first_loss'])} at step {int(seen['first_step'])}"
@@ -600,23 +618,30 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.max_steps or self.step == first_step + 1:
                     self._record(values, seconds)
                 if stop:  # no evaluation or health check: the grace is for the checkpoint
+                    self.progress.beat(self.step, "stop")
                     return self._stop(seconds)
                 try:
                     for hook in self.hooks:
                         if self.step % hook.every == 0:
+                            self.progress.beat(self.step, getattr(hook.fn, "__name__", "hook"))
                             hook.fn(self.step)
+                            self._note_save()
+                    self.progress.beat(self.step)
                 except UnhealthyCollective as exc:
                     log.error("%s: exiting so the job restarts from the last checkpoint", exc)
                     write_failure(f"UnhealthyCollective: {exc}")
                     return EXIT_UNHEALTHY
                 since, since_step = time.perf_counter(), self.step  # hooks do not count as step time
             if self.step > first_step and (not t.eval_every or self.step % t.eval_every):
+                self.progress.beat(self.step, "evaluate")
                 self.evaluate(self.step)
             # Decided from local state, not by listing storage: every rank must make the same choice.
             if self.saved_step != self.step:
+                self.progress.beat(self.step, "save_checkpoint")
                 self.save_checkpoint(self.step)
             return 0
         finally:
+            vote.close()
             self.ckpt.wait()
             self.metrics.close()
             self.loader.close()
@@ -667,10 +692,12 @@ class Trainer:
 
     def request_stop(self, why: str) -> None:
         """Stop at the next step boundary as on SIGTERM (a checkpoint, exit 0), for `why` (the stop rule's reason,
-        from its thread: the loop reads the flag at the stop vote it takes anyway)."""
+        from its thread: the vote's threads tell the other ranks)."""
         if not self.stop_requested:
             self.stop_why = why
             self.stop_requested = True
+        if self.vote is not None:
+            self.vote.request()
 
     def stop_margin_seconds(self) -> float:
         """How long before a hard limit a stop must be asked for: STOP_MARGIN x (a step + a save) as measured here,
@@ -730,6 +757,13 @@ class Trainer:
         if self._sigterm_at is None:
             self._sigterm_at = time.monotonic()
         self.stop_requested = True
+        if self.vote is not None:
+            self.vote.request()  # an Event: safe in a signal handler
+
+    def _note_save(self) -> None:
+        """The watchdog's save time: the last save timed to its end (a synchronous one, or an async one at a stop)."""
+        if self._last_save is not None:
+            self.progress.save_s = self._last_save[1]
 
     def _record(self, stats: dict[str, Any], seconds: float) -> None:
         """Record a sync point's values; `seconds` is the mean step time since the previous sync point."""
@@ -858,6 +892,7 @@ class Trainer:
                 total = loss if total is None else total + loss
                 count += 1
                 self.world.mark_step()  # one forward per graph: the same graph for every batch
+                self.progress.beat(self.step, "evaluate")  # a long evaluation is progress too
         finally:
             loader.close()
             self.wrapped.train()

@@ -5,7 +5,9 @@ Run under torchrun for several processes; on SageMaker the Torchrun driver start
 config's folder: data/ and tokenizer/ are read from it (or from the job's input channels), metrics.jsonl is
 written to it, checkpoints go to its checkpoints/ (or, inside a job, to the local checkpoint folder the backend
 syncs with the run's checkpoint prefix). The job stops itself, checkpointed, when the run's budget or deadline runs
-out or its supervisor goes silent (`training/stop_rule.py`). Compiled graphs come from its compile-cache/ when the
+out or its supervisor goes silent (`training/stop_rule.py`), and ends itself when it hangs (`training/watchdog.py`, on
+every rank from the start: no step progress for longer than its bound dumps every thread's stack, records
+`HangDetected` and exits EXIT_HUNG). Compiled graphs come from its compile-cache/ when the
 precompile stage left ones matching this job (`training/compile_cache.py`). A failure's reason is written where
 the backend reports it from. With tracking.backend set, rank 0 logs the config and every step's metrics into the
 run's one tracked run, resumed by every attempt (`training/tracking.py`).
@@ -18,6 +20,7 @@ import os
 import sys
 import tempfile
 
+from hlat.core.config import HlatConfig
 from hlat.core.contract import (
     EXIT_NAN,
     TRACKED_BY_STAGE_ENV,
@@ -31,6 +34,7 @@ from hlat.core.contract import (
     write_failure,
 )
 from hlat.core.environment import neuron_available
+from hlat.core.storage import Storage
 from hlat.training import xla
 from hlat.training.compile_cache import (
     NeuronGraphSharing,
@@ -40,10 +44,11 @@ from hlat.training.compile_cache import (
 )
 from hlat.training.data.tokenizer import job_config
 from hlat.training.hooks import hooks
-from hlat.training.loop import Trainer
+from hlat.training.loop import Trainer, extracting_graphs
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
 from hlat.training.stop_rule import stop_rule
 from hlat.training.tracking import open_tracker
+from hlat.training.watchdog import Progress, start_watchdog
 
 log = logging.getLogger("hlat.train")
 
@@ -58,6 +63,17 @@ def main(argv: list[str] | None = None) -> int:
 
 def _train(config_uri: str, device: str | None) -> int:
     run, cfg = read_job_config(config_uri)
+    # From here: a start-up that hangs (a store, a group that never forms, a compile cache read) is bounded too.
+    progress = Progress()
+    watchdog = start_watchdog(progress, cfg.job.watchdog, extracting_graphs())
+    try:
+        return _train_watched(run, cfg, device, progress)
+    finally:
+        if watchdog is not None:
+            watchdog.close()
+
+
+def _train_watched(run: Storage, cfg: HlatConfig, device: str | None, progress: Progress) -> int:
     cfg = job_config(run, cfg)  # model.vocab_size follows a pretrained tokenizer
     kind = resolve_device_kind(device or cfg.training.device)
     xla_cache = None
@@ -87,6 +103,7 @@ def _train(config_uri: str, device: str | None) -> int:
                     tokenizer_model=tokenizer,
                     tensorboard_dir=tensorboard_location(run),
                     data=channel_location(run, "data"),
+                    progress=progress,
                 )
                 # Before the first compiled step: the precompile stage's graphs and kernels, when they match this job
                 # (it may point TORCHINDUCTOR_CACHE_DIR at a copy of the kernels: nothing has compiled yet).

@@ -7,28 +7,51 @@
   a laptop, under torchrun with several CPU ranks, on GPUs or on NeuronCores.
 - Collectives take and return tensors on the job's device (`all_reduce`): nothing reaches the host unless the
   caller reads it, once, through `to_host` at its sync points. On CPU (gloo) the device is the host.
-- Host-side collectives (`any_rank`, the stop vote at every step boundary; `share_from_main`, rank 0's objects on
-  every rank) run on CPU tensors over a gloo group beside the job's main group (`host_group`: made with
-  `dist.new_group(backend="gloo")` when the main group is nccl or xla, the main group itself when it is gloo), so
-  they never add a device op, an XLA graph or a device-to-host transfer. torch.distributed runs a group of another
-  backend beside the default one (https://pytorch.org/docs/stable/distributed.html#torch.distributed.new_group), and
-  neuronx-distributed makes such gloo groups under the `xla` group for its pipeline's metadata
-  (parallel_state.initialize_pp_gloo_groups); that ours forms under `xla` on trn1 is checked only there.
+- Host-side collectives (`any_rank`; `share_from_main`, rank 0's objects on every rank, once at resume) run on CPU
+  tensors over a gloo group beside the job's main group (`host_group`: made with `dist.new_group(backend="gloo")`
+  when the main group is nccl or xla, the main group itself when it is gloo), so they never add a device op, an XLA
+  graph or a device-to-host transfer. torch.distributed runs a group of another backend beside the default one
+  (https://pytorch.org/docs/stable/distributed.html#torch.distributed.new_group), and neuronx-distributed makes such
+  gloo groups under the `xla` group for its pipeline's metadata (parallel_state.initialize_pp_gloo_groups); that ours
+  forms under `xla` on trn1 is checked only there. None runs at a step boundary: the stop is agreed through the
+  job's store (`training/stop_vote.py`, through `World.connect_store`).
+- Gloo groups are formed lazily and with a deadline. gloo's default connects every rank of a group to every other at
+  its creation (a full mesh: P - 1 sockets per rank, each rank reading every other's address from the one store;
+  pytorch/gloo#407 reports 46 min to form one at 8k ranks, past gloo's 30-min default timeout). TORCH_GLOO_LAZY_INIT=1
+  (read by torch's ProcessGroupGloo when it makes its device: torch 2.9, Neuron 2.28's; torch 2.7, Neuron 2.24's,
+  has no such switch and forms the full mesh) connects a pair only when a collective first needs it; every group gets
+  job.collective_timeout_minutes as its timeout. The open-file limit is raised to its hard limit first
+  (`raise_open_file_limit`), with a warning when even that is below what a full mesh of this world needs.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import random
 from dataclasses import dataclass, field, replace
+from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hlat.core.config import HlatConfig
-from hlat.core.environment import neuron_available, neuron_sdk, rehearsal_sdk, xla_precision_environment
+from hlat.core.environment import (
+    GLOO_LAZY_INIT,
+    neuron_available,
+    neuron_sdk,
+    rehearsal_sdk,
+    xla_precision_environment,
+)
 from hlat.core.parallel import ParallelDims
+
+log = logging.getLogger("hlat.train")
+
+DEFAULT_COLLECTIVE_TIMEOUT_MIN = 20.0
+"""job.collective_timeout_minutes's default, for a World made without a config."""
+FILES_BESIDE_SOCKETS = 4096
+"""Open files a rank needs besides its gloo sockets: its checkpoint and data files, the store, the runtime's."""
 
 
 @dataclass(frozen=True)
@@ -48,6 +71,8 @@ class World:
     host_group: Any = None
     """The gloo group of host-side collectives when the main group is not gloo (init_world makes it); None: the
     main group, which must then be gloo."""
+    store_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN * 60
+    """How long a client of the job's store (`connect_store`) waits to connect."""
 
     def __post_init__(self) -> None:
         if not self.layout.splits_model:
@@ -102,10 +127,24 @@ class World:
             return self.world_size > 1 or os.environ.get("XLA_ALWAYS_ALLREDUCE") == "1"
         return _grouped()
 
+    def connect_store(self) -> Any:
+        """A new client of the job's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT), for a thread of its own: a
+        client's blocking wait holds its connection, so threads never share one with the process group's. None on
+        one process."""
+        if not _grouped():
+            return None
+        return dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=self.store_timeout_s),
+        )
+
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when it is true on any: ranks must take the same branch (the stop). Host-side: a CPU
-        tensor all-reduced (MAX) over the gloo `host_group`, never a device op, so it may run at every step
-        boundary (between steps: every rank must call it at the same points); on one process, `flag` itself."""
+        """True on every rank when it is true on any: ranks must take the same branch. Host-side: a CPU tensor
+        all-reduced (MAX) over the gloo `host_group`, never a device op, but a collective over the whole world (at
+        8,192 ranks a ring of 16,382 hops): for rare decisions, never at every step (the stop is agreed through the
+        store: `training/stop_vote.py`). On one process, `flag` itself."""
         if not _grouped():
             return flag
         vote = torch.tensor([int(flag)], dtype=torch.int32)  # CPU, whatever the job's device
@@ -205,6 +244,12 @@ def init_world(
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     kind = resolve_device_kind(device_kind)
+    minutes = cfg.job.collective_timeout_minutes if cfg is not None else DEFAULT_COLLECTIVE_TIMEOUT_MIN
+    timeout = timedelta(minutes=minutes)
+    if world_size > 1:
+        # Before any gloo group exists: torch reads the switch when a group makes its device.
+        os.environ.setdefault(GLOO_LAZY_INIT, "1")
+        raise_open_file_limit(world_size, log_it=rank == 0)  # one gloo group: the main one or the host one
     if kind == "xla":
         from hlat.training import xla
 
@@ -218,7 +263,10 @@ def init_world(
             if not on_neuron and os.environ.get("PJRT_DEVICE") == "CPU":
                 raise RuntimeError(f"this job has {world_size} processes: {xla.XLA_CPU_NOTE}")
             xla.init_process_group()
-        world = World(rank, world_size, local_rank, xla.device(), host_group=_host_side_group())
+        world = World(
+            rank, world_size, local_rank, xla.device(), host_group=_host_side_group(timeout),
+            store_timeout_s=timeout.total_seconds(),
+        )  # fmt: skip
         return _model_parallel(world, cfg)
     if kind == "cuda":
         if cfg is None or cfg.training.deterministic:
@@ -228,18 +276,58 @@ def init_world(
     else:
         device = torch.device("cpu")
     if world_size > 1 and not dist.is_initialized():
-        dist.init_process_group(backend="nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size)
-    world = World(rank, world_size, local_rank, device, host_group=_host_side_group())
+        dist.init_process_group(
+            backend="nccl" if kind == "cuda" else "gloo", rank=rank, world_size=world_size, timeout=timeout
+        )
+    world = World(
+        rank, world_size, local_rank, device, host_group=_host_side_group(timeout),
+        store_timeout_s=timeout.total_seconds(),
+    )  # fmt: skip
     return _model_parallel(world, cfg)
 
 
-def _host_side_group() -> Any:
+def _host_side_group(timeout: timedelta | None = None) -> Any:
     """The gloo group for host-side collectives, made by every rank right after joining the main group (new_group
-    is collective: every rank makes its groups in the same order, before neuronx-distributed makes its own). None
+    is collective: every rank makes its groups in the same order, before neuronx-distributed makes its own), lazily
+    connected (TORCH_GLOO_LAZY_INIT, set by init_world) and with `timeout` (job.collective_timeout_minutes). None
     on one process, or when the main group is gloo (it serves)."""
     if not _grouped() or dist.get_backend() == "gloo":
         return None
-    return dist.new_group(backend="gloo")
+    return dist.new_group(backend="gloo", timeout=timeout or timedelta(minutes=DEFAULT_COLLECTIVE_TIMEOUT_MIN))
+
+
+def open_files_needed(world_size: int, gloo_groups: int = 1) -> int:
+    """Open files a rank may need: a socket to every other rank per gloo group (a full mesh, what gloo forms without
+    TORCH_GLOO_LAZY_INIT and the most a lazy group can reach), plus FILES_BESIDE_SOCKETS."""
+    return gloo_groups * max(0, world_size - 1) + FILES_BESIDE_SOCKETS
+
+
+def raise_open_file_limit(world_size: int, gloo_groups: int = 1, log_it: bool = True) -> tuple[int, int, int]:
+    """Raise this process's soft RLIMIT_NOFILE to its hard limit (an unprivileged process may: getrlimit(2)); log
+    one line with the figures (rank 0) and warn on every rank when the hard limit is below `open_files_needed`.
+    (soft before, soft after, needed)."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    needed = open_files_needed(world_size, gloo_groups)
+    raised = soft
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, needed)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            raised = target
+        except (ValueError, OSError) as exc:
+            log.warning("open files: could not raise the soft limit %d to %d: %s", soft, target, exc)
+    shown = "unlimited" if hard == resource.RLIM_INFINITY else str(hard)
+    line = (
+        f"open files: soft limit {soft} -> {raised} (hard {shown}); {world_size} ranks may need {needed} "
+        f"({gloo_groups} gloo group(s) x {max(0, world_size - 1)} peer sockets as a full mesh + {FILES_BESIDE_SOCKETS})"
+    )
+    if hard != resource.RLIM_INFINITY and hard < needed:
+        log.warning("%s: the hard limit is lower: raise the container's nofile ulimit", line)
+    elif log_it:
+        log.info("%s", line)
+    return soft, raised, needed
 
 
 def use_deterministic_cuda() -> None:

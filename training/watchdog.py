@@ -1,0 +1,228 @@
+"""The training job's own hang watchdog: a daemon thread on every rank that ends the process when the loop makes no
+progress for longer than a bound, so a hung job ends (and SageMaker's bill with it) whether or not a supervisor
+lives.
+
+Without it a job that hangs (a storage read with no deadline, a loader deadlock, a device collective the runtime
+never times out, a peer gone silent) never reaches the step boundary where SIGTERM and the stop rule are acted on:
+only gloo's own timeout ends a hung host-side collective, and nothing else is bounded before MaxRuntimeInSeconds
+(28 days: ~$4.25M for hlat-70b's 256 trn1.32xlarge at $6,330/h).
+
+Progress is what the loop reports (`Progress.beat`): every optimizer step, every evaluation batch, the start and end
+of every hook (a checkpoint save, a health check) and of a stop's save. When the last beat is older than the bound,
+the watchdog logs one line, dumps every thread's stack into the log (`faulthandler.dump_traceback(all_threads=True)`,
+https://docs.python.org/3/library/faulthandler.html), writes the failure record `HangDetected: no step for N s after
+step K (bound B s, ...)` (`core.contract.write_failure`: SageMaker's FailureReason) and ends the process with
+EXIT_HUNG through `os._exit`: a hung thread cannot block the exit, and torchrun then ends the host's other ranks,
+the host's container exits and SageMaker ends the job (and its billing); on the emulator the other hosts are killed
+5 s later.
+
+The bound (`watchdog_bound_seconds`, job.watchdog=auto):
+- a phase this job has not been through yet (its start-up to the first step: build, resume, the first compile; the
+  first evaluation, health check, checkpoint save or stop, each of which may compile a graph of its own on trn1)
+  gets the start-up allowance, STARTUP_S (60 min: a Neuron compile of a graph the precompile stage did not cache);
+- after that, STEP_FACTOR x the step time measured at the last sync point plus SAVE_FACTOR x the last save timed
+  to its end, and never less than FLOOR_S (10 min): a GC pause, an S3 retry storm (botocore's 10 attempts with
+  120 s read timeouts) or a slow commit is not a hang. For hlat-70b (9.28 s steps, saves of about a minute) that is
+  10 min: a hang costs ~$1,055 of 256 idle hosts, not 28 days.
+A number (job.watchdog=<seconds>) replaces the whole rule; job.watchdog=off disables it. Never under graph extraction
+(neuron_parallel_compile's trial run executes nothing: its time says nothing of a hang).
+
+On every rank, not one per host: which rank hangs is not known in advance and its stacks are the ones that say why
+(the others show where they wait for it); 32 ranks of ~5 KB of stacks per host is a small price, once. Every rank's
+watchdog runs the same bound on nearly the same beats, so whichever fires first writes its host's failure record.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from hlat.core.contract import EXIT_HUNG, write_failure
+
+log = logging.getLogger("hlat.train")
+
+STARTUP_S = 60 * 60.0
+"""A phase met for the first time in this job (the start-up to the first step included): it may compile graphs."""
+STEP_FACTOR = 10.0
+"""Steady state: this many measured steps..."""
+SAVE_FACTOR = 3.0
+"""... plus this many measured checkpoint saves..."""
+FLOOR_S = 10 * 60.0
+"""... and never less than this."""
+TICK_S = 5.0
+"""How often the thread looks at the clock (a hang is found at most this late)."""
+
+STEP = "step"
+START_UP = "start-up"
+
+
+def watchdog_bound_seconds(
+    step_s: float | None,
+    save_s: float | None,
+    *,
+    first_of_phase: bool = False,
+    startup_s: float = STARTUP_S,
+    step_factor: float = STEP_FACTOR,
+    save_factor: float = SAVE_FACTOR,
+    floor_s: float = FLOOR_S,
+) -> float:
+    """Seconds without progress after which a job is hung (job.watchdog=auto): `startup_s` before the job's step time
+    is known or in a phase met for the first time (`first_of_phase`); else step_factor x `step_s` + save_factor x
+    `save_s` (0 when no save was timed yet), at least `floor_s`. Pure: the scale tests and the dry run use it too."""
+    if first_of_phase or step_s is None:
+        return max(startup_s, floor_s)
+    return max(floor_s, step_factor * step_s + save_factor * (save_s or 0.0))
+
+
+@dataclass
+class Progress:
+    """What the loop tells the watchdog (any thread may read it; one writer, the loop): when it last made progress,
+    at which step, in which phase, and which phases it has been through."""
+
+    clock: Callable[[], float] = time.monotonic
+    at: float = field(default=0.0)
+    step: int = 0
+    phase: str = START_UP
+    seen: set[str] = field(default_factory=set)
+    step_s: float | None = None
+    """The step time measured at the last sync point (the loop sets it)."""
+    save_s: float | None = None
+    """The last checkpoint save timed to its end (the loop sets it)."""
+
+    def __post_init__(self) -> None:
+        self.at = self.clock()
+
+    def beat(self, step: int, phase: str = STEP) -> None:
+        """Progress: `step` is the last step finished, `phase` what the loop is now doing ('step': training). The
+        phase just left counts as seen."""
+        self.seen.add(self.phase)
+        self.at, self.step, self.phase = self.clock(), step, phase
+
+
+def stack_dump() -> None:
+    """Every thread's stack, into the log stream (stderr, where the job's log lines go), then flushed."""
+    for handler in logging.getLogger().handlers + log.handlers:
+        handler.flush()
+    sys.stderr.flush()
+    faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+    sys.stderr.flush()
+
+
+def end_process(code: int) -> None:
+    """Flush the log and leave at once: a hung thread (non-daemon, or holding the GIL in a C call's retry) cannot
+    hold the exit up, and no `finally` that might itself block runs."""
+    logging.shutdown()
+    os._exit(code)
+
+
+class Watchdog:
+    """The thread: `check(now)` says whether the job is hung (pure, on a fake clock in tests); `start()` runs it
+    every `tick_s`; on a hang `fire` dumps the stacks, writes the record and ends the process (`exit`)."""
+
+    def __init__(
+        self,
+        progress: Progress,
+        fixed_s: float | None = None,
+        tick_s: float = TICK_S,
+        dump: Callable[[], None] = stack_dump,
+        exit: Callable[[int], None] = end_process,
+    ) -> None:
+        self.progress, self.fixed_s, self.tick_s = progress, fixed_s, tick_s
+        self.dump, self.exit = dump, exit
+        self.fired: str | None = None
+        self._done = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _first(self) -> bool:
+        p = self.progress
+        return p.phase not in p.seen or (self.fixed_s is None and p.step_s is None)
+
+    def bound(self) -> float:
+        """The bound that holds now: the start-up allowance in a phase met for the first time, else job.watchdog's
+        number or the rule (`watchdog_bound_seconds`)."""
+        p = self.progress
+        if self.fixed_s is not None and not self._first():
+            return self.fixed_s
+        return watchdog_bound_seconds(p.step_s, p.save_s, first_of_phase=self._first())
+
+    def describe_bound(self) -> str:
+        p = self.progress
+        if self._first():
+            return f"bound {self.bound():.0f} s: the start-up allowance, {p.phase} not yet seen in this job"
+        if self.fixed_s is not None:
+            return f"bound {self.fixed_s:g} s, job.watchdog"
+        save = f" + {SAVE_FACTOR:g} x {p.save_s:.1f} s save" if p.save_s else ""
+        return f"bound {self.bound():.0f} s: {STEP_FACTOR:g} x {p.step_s:.2f} s step{save}, at least {FLOOR_S:.0f} s"
+
+    def check(self, now: float | None = None) -> str | None:
+        """The hang's description when the last progress is older than the bound, else None."""
+        p = self.progress
+        now = p.clock() if now is None else now
+        idle = now - p.at
+        if idle <= self.bound():
+            return None
+        doing = "" if p.phase == STEP else f" ({p.phase})"
+        return f"no step for {idle:.0f} s after step {p.step}{doing} ({self.describe_bound()})"
+
+    def fire(self, reason: str) -> None:
+        """Stacks, record, exit: once."""
+        if self.fired is not None:
+            return
+        self.fired = reason
+        log.error("watchdog: %s; every thread's stack follows, then the process ends (exit %d)", reason, EXIT_HUNG)
+        try:
+            self.dump()
+        finally:
+            try:
+                write_failure(f"HangDetected: {reason}")
+            finally:
+                self.exit(EXIT_HUNG)
+
+    def start(self) -> None:
+        log.info("watchdog: on (%s now); a hang ends the process with exit %d", self.describe_bound(), EXIT_HUNG)
+        self._thread = threading.Thread(target=self._run, name="hlat-watchdog", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._done.wait(self.tick_s):
+            try:
+                reason = self.check()
+            except Exception as exc:  # a bug here must not kill training: the supervisor's hang timer remains
+                log.warning("watchdog: %s: %s; no longer watching", type(exc).__name__, exc)
+                return
+            if reason is not None:
+                self.fire(reason)
+                return
+
+    def close(self) -> None:
+        self._done.set()
+        if self._thread is not None:
+            self._thread.join(timeout=self.tick_s + 1)
+
+
+def watchdog_setting(setting: str | float) -> tuple[bool, float | None]:
+    """job.watchdog read: (on, the fixed steady-state bound in seconds, None for 'auto': the rule)."""
+    if setting == "off":
+        return False, None
+    if setting == "auto":
+        return True, None
+    return True, float(setting)
+
+
+def start_watchdog(progress: Progress, setting: str | float, extracting_graphs: bool) -> Watchdog | None:
+    """The job's watchdog over `progress` as job.watchdog says, started; None when off or extracting graphs."""
+    on, fixed = watchdog_setting(setting)
+    if not on or extracting_graphs:
+        log.info("watchdog: off (%s)", "extracting graphs" if on else "job.watchdog=off")
+        return None
+    # A short fixed bound is looked at often enough to be kept to within a tenth of it.
+    tick = TICK_S if fixed is None else min(TICK_S, max(0.1, fixed / 10))
+    watchdog = Watchdog(progress, fixed_s=fixed, tick_s=tick)
+    watchdog.start()
+    return watchdog
