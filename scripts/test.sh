@@ -2,7 +2,8 @@
 # The project's tests, in two tiers.
 #
 # `scripts/test.sh --fast`: the inner loop, after each edit (under 3 minutes on 2 cores): the unit tests and the fast
-# integration tests (tests/unit and tests/integration without the `slow` marker) in .venv on two pytest-xdist
+# integration tests (tests/unit and tests/integration without the `slow` marker) and the control plane at full scale
+# (tests/scale: a simulated SageMaker of 256 x 32 ranks on a virtual clock, about 20 s of CPU) in .venv on two pytest-xdist
 # workers, nothing else (no XLA or NxD tier, no flows, chaos, deployments or README blocks). A test whose body
 # takes more than about 4 s on an idle machine is marked `slow`; the fast tier fails when a test not so marked
 # overruns its budget (--test-budget, HLAT_TEST_BUDGET_S, default 8 s for a test's body, 3x that for a fixture's
@@ -46,7 +47,7 @@ tier() {
 if [ "${1:-}" = --fast ]; then
   shift
   tier "fast tier" .venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow" \
-    --test-budget "${HLAT_TEST_BUDGET_S:-8}" --durations=10 tests/unit tests/integration "$@"
+    --test-budget "${HLAT_TEST_BUDGET_S:-8}" --durations=10 tests/unit tests/integration tests/scale "$@"
   rc=$?
   echo "test.sh: the fast tier took $SECONDS s (load average $(cut -d' ' -f1-3 /proc/loadavg)), exit code $rc"
   exit "$rc"
