@@ -729,8 +729,13 @@ class JobConfig(Section):
     max_restarts: int = Field(100, ge=0)
     """Relaunches from the newest checkpoint before the stage gives up (HLAT: 100)."""
     max_repeats: int = Field(2, ge=1)
-    """Stop the stage when the same failure of the job's own (same cause: the failure record's type and step) ends
-    this many attempts in a row with no newer checkpoint committed between them: it repeats deterministically."""
+    """Stop the stage when the same failure of the job's own (same cause: the failure record's type and step; a NaN
+    at any step) ends this many attempts in a row with no newer checkpoint committed between them: it repeats
+    deterministically."""
+    max_attempts_without_progress: int = Field(3, ge=1)
+    """Stop the stage when this many attempts in a row commit no newer checkpoint, whatever ended them (the job's
+    own failure, a platform fault, no capacity, a hang): each costs the whole cluster's start-up, and a fault that
+    repeats that often is not going away by itself (fatal failures stop at once)."""
     budget_usd: float | None = Field(None, gt=0)
     """Stop relaunching once this many dollars have been billed. None: on SageMaker, 1.25 x the plan's estimate of
     the training's cost (the dry run states it; a run with no estimate must set one); locally, no budget."""
@@ -739,7 +744,11 @@ class JobConfig(Section):
     poll_seconds: float = Field(60, gt=0)
     """How often the train stage polls the job's status and logs."""
     hang_timeout_minutes: float | None = Field(60, gt=0)
-    """Stop and relaunch a job that logs no new step for this long (None: never)."""
+    """Stop and relaunch a job that logs no new step for this long, counted from its first step once it reached
+    SageMaker's Training status (None: never)."""
+    startup_timeout_minutes: float | None = Field(120, gt=0)
+    """Stop and relaunch a job that logs no first step this long after it reached SageMaker's Training status (the
+    start-up in the container: compile-cache copy, process groups, first graphs); None: no bound."""
     backoff_seconds: list[float] = Field(default_factory=lambda: [60.0, 300.0, 900.0, 1800.0])
     """Delays before relaunching after a capacity or throttling failure (the last repeats)."""
     stop_grace_seconds: float = Field(120, ge=0)
@@ -810,7 +819,7 @@ OPERATIONAL_JOB_FIELDS = frozenset(
         "poll_seconds", "hang_timeout_minutes", "backoff_seconds", "stop_grace_seconds", "subnets",
         "security_group_ids", "kms_key_id", "keep_alive_minutes", "training_plan_arn", "sagemaker_retry_attempts",
         "infra_check", "role_arn_secret", "aws_credentials_block", "python", "deadline", "unsupervised_stop_minutes",
-        "watchdog", "collective_timeout_minutes",
+        "watchdog", "collective_timeout_minutes", "max_attempts_without_progress", "startup_timeout_minutes",
     }
 )  # fmt: skip
 """Job settings that do not change what a run computes: not part of its fingerprint (nor its run id)."""

@@ -23,6 +23,7 @@ import logging
 import os
 import re
 import socket
+import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -105,13 +106,20 @@ _RECORD = re.compile(r"\[" + RECORD_TAG + r" (\{[^{}]*\})\]")
 _current_step: int | None = None
 
 
+FAILURE_FILE_BUDGET = MAX_FAILURE_REASON - 160
+"""Characters a failure record may take in the failure file. SageMaker reports the file as its FailureReason after
+its own prefix ("AlgorithmError: ") and cuts the whole at MAX_FAILURE_REASON; the room left over also takes the
+words a launcher may put before the file's text (the SageMaker SDK's driver, torchrun's summary). A record written
+within it, its fields first, reaches the control plane whole."""
+
+
 @dataclass(frozen=True)
 class FailureRecord:
     """Why a job program failed: the exception's type (and module, for library errors), the step the job had
-    reached, the rank and host that failed first, and the message. Written as one line,
-    `<type>: <message> [hlat-failure {"type": ..., "step": ..., "rank": ..., "host": ...}]`: readable as it
-    stands, and the record's fields at its end survive SageMaker's 1,024-character FailureReason (the message is cut
-    to make room)."""
+    reached, the rank and host that failed and when (epoch seconds by that host's clock), and the message. Written
+    as one line, `[hlat-failure {"type": ..., "step": ..., "rank": ..., "host": ..., "time": ...}] <type>:
+    <message>`: the fields first, so a cut (SageMaker's 1,024-character FailureReason, after its prefix) only
+    shortens the message, and the line stays readable. Lines of the older form, the fields last, still parse."""
 
     type: str
     message: str
@@ -119,16 +127,21 @@ class FailureRecord:
     step: int | None = None
     rank: int | None = None
     host: str | None = None
+    time: float | None = None
+    """When the failing process wrote it (epoch seconds, its host's clock): of several ranks' records, the earliest
+    names the rank that failed first (the others saw its peers leave). None in records written before times."""
 
-    def line(self, limit: int = MAX_FAILURE_REASON) -> str:
-        fields = {"type": self.type, "module": self.module, "step": self.step, "rank": self.rank, "host": self.host}
+    def line(self, limit: int = FAILURE_FILE_BUDGET) -> str:
+        fields = {
+            "type": self.type, "module": self.module, "step": self.step, "rank": self.rank, "host": self.host,
+            "time": None if self.time is None else round(self.time, 3),
+        }  # fmt: skip
         # No braces inside the record (the pattern above matches a flat object): a host or module name has none.
-        tail = f" [{RECORD_TAG} {json.dumps({k: v for k, v in fields.items() if v is not None}, sort_keys=True)}]"
-        head = f"{self.type}: {' '.join(self.message.split())}"
-        room = limit - len(tail)
-        if len(head) > room:
-            head = head[: max(0, room - 3)] + "..."
-        return head + tail
+        head = f"[{RECORD_TAG} {json.dumps({k: v for k, v in fields.items() if v is not None}, sort_keys=True)}]"
+        text = f"{head} {self.type}: {' '.join(self.message.split())}"
+        if len(text) > limit:
+            text = text[: max(len(head), limit - 3)] + "..."
+        return text
 
     @property
     def cause(self) -> str:
@@ -138,29 +151,47 @@ class FailureRecord:
 
 def parse_failure_record(text: str | None) -> FailureRecord | None:
     """The last failure record in `text` (None: there is none, or it does not parse)."""
+    records = failure_records(text)
+    return records[-1] if records else None
+
+
+def failure_records(text: str | None) -> list[FailureRecord]:
+    """Every failure record in `text`, in order (one per line at most: a record is one line)."""
     if not text:
-        return None
-    found = _RECORD.findall(text)
-    for raw in reversed(found):
+        return []
+    out = []
+    for line in text.splitlines():
+        if RECORD_TAG in line and (record := _parse_line(line)) is not None:
+            out.append(record)
+    return out
+
+
+def _parse_line(line: str) -> FailureRecord | None:
+    for match in reversed(list(_RECORD.finditer(line))):
         try:
-            fields = json.loads(raw)
+            fields = json.loads(match.group(1))
         except ValueError:
             continue
         if not isinstance(fields, dict) or not isinstance(fields.get("type"), str):
             continue
-        start = text.rfind(f"[{RECORD_TAG} {raw}]")
-        line_start = text.rfind("\n", 0, start) + 1
-        head = text[line_start:start].strip()
-        # The message is what follows '<type>: ' on the record's own line (any prefix, e.g. SageMaker's, before it).
-        _, sep, message = head.partition(f"{fields['type']}: ")
-        step, rank = fields.get("step"), fields.get("rank")
+        kind = fields["type"]
+        after, before = line[match.end() :].strip(), line[: match.start()].strip()
+        # The message follows '<type>: ' after the record (this form) or before it (the older one, fields last),
+        # with any prefix (SageMaker's 'AlgorithmError: ', a log line's rank) in front.
+        if after.startswith(f"{kind}: ") or after == f"{kind}:":
+            message = after[len(kind) + 1 :].strip()
+        else:
+            _, sep, message = before.partition(f"{kind}: ")
+            message = message if sep else (after or before)
+        step, rank, when = fields.get("step"), fields.get("rank"), fields.get("time")
         return FailureRecord(
-            type=fields["type"],
-            message=message if sep else head,
+            type=kind,
+            message=message,
             module=fields.get("module"),
             step=step if isinstance(step, int) else None,
             rank=rank if isinstance(rank, int) else None,
             host=fields.get("host") if isinstance(fields.get("host"), str) else None,
+            time=float(when) if isinstance(when, int | float) and not isinstance(when, bool) else None,
         )
     return None
 
@@ -187,6 +218,7 @@ def failure_record(type_name: str, message: str, module: str | None = None) -> F
         step=_current_step,
         rank=int(rank) if rank is not None and rank.isdigit() else None,
         host=current_host(),
+        time=time.time(),
     )
 
 

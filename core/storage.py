@@ -22,6 +22,7 @@ import os
 import posixpath
 import uuid
 from collections.abc import Iterator
+from datetime import datetime
 from typing import IO, Any, cast
 
 import fsspec
@@ -322,6 +323,26 @@ class Storage:
         with storage_errors(self.uri(rel)):
             return int(self.fs.size(self.path(rel)))
 
+    def modified(self, rel: str) -> float:
+        """When the object was last written, by the store's own clock (epoch seconds): a local file's mtime, set by
+        the kernel of the machine that wrote it (a shared file system's server); S3's LastModified, set by S3 when
+        the PUT completed (second resolution), read with a HEAD through fsspec's info()."""
+        with storage_errors(self.uri(rel)):
+            if self.is_local:
+                return os.stat(self.path(rel)).st_mtime
+            info = self.fs.info(self.path(rel))
+        for key in ("LastModified", "last_modified", "mtime", "updated", "created"):
+            value = info.get(key)
+            if value is None:
+                continue
+            if hasattr(value, "timestamp"):
+                return float(value.timestamp())
+            if isinstance(value, int | float):
+                return float(value)
+            with contextlib.suppress(ValueError):
+                return datetime.fromisoformat(str(value).replace("Z", "+00:00")).timestamp()
+        raise StorageError(f"{self.uri(rel)}: the store reports no modification time ({sorted(info)})")
+
     def list(self, rel: str = "") -> list[str]:
         """Names (not paths) directly under a folder, sorted; empty when the folder does not exist."""
         with storage_errors(self.uri(rel)):
@@ -498,3 +519,32 @@ class Storage:
         probe = f".hlat-write-probe-{uuid.uuid4().hex[:8]}"
         self.write_bytes(probe, b"ok")
         self.remove(probe)
+
+
+class StorageClock:
+    """Time as run storage keeps it: one clock that a job's hosts and its supervisor (on other machines, whose own
+    clocks may disagree by minutes) both read. `modified(rel)`: when an object was last written; `now()`: the
+    store's present, as the time of a tiny probe object written and read back (one PUT and one HEAD on S3). Only
+    differences of store times are meaningful to a reader (`now() - modified(rel)`: how long ago a heartbeat was
+    written); the reader's own clock then only measures intervals. A test or a simulation replaces both methods
+    (a subclass on its virtual clock)."""
+
+    def __init__(self, storage: Storage, probe: str = ".hlat-clock-probe") -> None:
+        self.storage, self.probe = storage, probe
+
+    def modified(self, rel: str) -> float | None:
+        """When `rel` was last written (None: it does not exist)."""
+        try:
+            return self.storage.modified(rel)
+        except StorageNotFound:
+            return None
+
+    def now(self) -> float:
+        """The store's time now: the probe's modification time right after writing it."""
+        self.storage.write_bytes(self.probe, b"")
+        return self.storage.modified(self.probe)
+
+    def age(self, rel: str) -> float | None:
+        """Seconds, by the store's clock, since `rel` was written (None: it does not exist)."""
+        written = self.modified(rel)
+        return None if written is None else max(0.0, self.now() - written)

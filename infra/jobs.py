@@ -17,12 +17,12 @@ from typing import Any, Protocol
 
 from hlat.core.config import DEFAULT_NEURON_SDK
 from hlat.core.contract import (
-    RECORD_TAG,
     STOP_BUDGET,
     STOP_DEADLINE,
     STOP_UNSUPERVISED,
     FailureRecord,
     StopRecord,
+    failure_records,
     parse_failure_record,
     parse_stop_record,
     stop_record_path,
@@ -319,6 +319,13 @@ FAILURE_RULES: list[FailureRule] = [
         r"LossSpikes", F.FATAL, "loss-spikes", _record_example("LossSpikes", "steps 41-48 spiked 8 in a row"), R
     ),
     FailureRule(
+        r"HangDetected",
+        F.PLATFORM,
+        "hung",
+        _record_example("HangDetected", "no step for 1,530 s (bound 1,500 s); every thread's stack is in the log"),
+        R,
+    ),
+    FailureRule(
         r"UnhealthyCollective",
         F.PLATFORM,
         "hardware",
@@ -366,7 +373,22 @@ FAILURE_RULES: list[FailureRule] = [
         r"[Ss]ocket [Tt]imeout",
     ),
     # -- SageMaker's own status fields and error codes (no record: nothing of the job wrote one) -------------------
-    FailureRule(r"ResourceLimitExceeded|ResourceInUse", F.FATAL, "quota", "ResourceLimitExceeded: quota", S),
+    # ResourceLimitExceeded at CreateTrainingJob: "too many training jobs", or instances over the account's quota
+    # while an earlier job still holds them (one stopping, a warm pool): it clears as they are released, so it backs
+    # off, bounded like every class by job.max_attempts_without_progress (a quota that never grows stops the stage
+    # after that many refusals, its message naming the quota).
+    # https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateTrainingJob.html#API_CreateTrainingJob_Errors
+    FailureRule(
+        r"ResourceLimitExceeded",
+        F.CAPACITY,
+        "resource-limit",
+        "ResourceLimitExceeded: The account-level service limit 'ml.trn1.32xlarge for training job usage' is 16",
+        S,
+    ),
+    # ResourceInUse ("Resource being accessed is in use"): a name or resource the request needs is held by something
+    # this run does not supervise (its job names are deterministic and the stage's lease admits one supervisor, so
+    # not a job of its own). Waiting does not release it: fatal, for the user to look at.
+    FailureRule(r"ResourceInUse", F.FATAL, "in-use", "ResourceInUse: Resource being accessed is in use", S),
     FailureRule(
         r"AccessDenied|UnauthorizedOperation|ExpiredToken|InvalidClientTokenId|UnrecognizedClient",
         F.FATAL,
@@ -443,28 +465,49 @@ UNKNOWN = FailureRule(r"", FailureClass.JOB, "unknown", "AlgorithmError: Execute
 AlgorithmError with no better clue)."""
 
 
-def classify_reason(reason: str, log_tail: str = "") -> Decision:
+def classify_reason(reason: str, log_tail: str = "", first_record: FailureRecord | None = None) -> Decision:
     """Classify a failure reason (or a refused submission's error) and the end of the job's log. By the job's failure
-    record when the reason holds one; else by SageMaker's own words at the start of the reason (CapacityError,
+    record when the reason holds one (or an earlier record the supervisor saw in the job's log, `first_record`:
+    see `first_failure`); else by SageMaker's own words at the start of the reason (CapacityError,
     InternalServerError...: the platform's judgement comes before whatever a rank logged as a consequence); else by
-    the first record in the log (the rank that failed first, when another host's failure file was reported); else
-    by words in the reason or the log."""
+    the record of the rank that failed first in the log (another host's failure file may be the one reported);
+    else by words in the reason or the log."""
     record = parse_failure_record(reason)
     if record is None:
         status = next((r for r in FAILURE_RULES if r.source == Source.STATUS and r.takes(None, reason)), None)
         if status is not None:
             return Decision(status.action, status.category, reason, status.failure_class)
-        record = _first_record(log_tail)
+    record = first_failure([r for r in (record, first_record) if r is not None] + failure_records(log_tail))
     text = reason if not log_tail else f"{reason}\n{log_tail}"
     rule = next((r for r in FAILURE_RULES if r.source != Source.STATUS and r.takes(record, text)), UNKNOWN)
     return Decision(rule.action, rule.category, reason, rule.failure_class, record)
 
 
-def _first_record(log_tail: str) -> FailureRecord | None:
-    for line in log_tail.splitlines():
-        if RECORD_TAG in line and (record := parse_failure_record(line)):
-            return record
-    return None
+def _rule_of(record: FailureRecord) -> FailureRule:
+    return next((r for r in FAILURE_RULES if r.source == Source.RECORD and r.takes(record, "")), UNKNOWN)
+
+
+def is_lost_peer(record: FailureRecord) -> bool:
+    """A record of a rank that saw a peer go ('connection closed by peer', a store or collective error): a
+    consequence of another rank's end, never its cause."""
+    return _rule_of(record).category == "lost-peer"
+
+
+def first_failure(records: list[FailureRecord]) -> FailureRecord | None:
+    """The record of the rank that failed first, of several (the FailureReason's, the ones in the job's log): the
+    earliest by its time, a record of a lost peer only when there is no other (every rank of a job whose rank 17 hit
+    a bug sees its peers close their connections, and any of their records may be the one SageMaker reports; a host
+    lost to the platform writes nothing, so its peers' lost-peer records are all there is). Records without a time
+    (written before records had one) keep their order: the first of them, after any timed one."""
+    if not records:
+        return None
+    causes = [r for r in records if not is_lost_peer(r)] or records
+
+    def key(indexed: tuple[int, FailureRecord]) -> tuple[int, float, int]:
+        i, r = indexed
+        return (0, r.time, i) if r.time is not None else (1, 0.0, i)
+
+    return min(enumerate(causes), key=key)[1]
 
 
 SELF_STOPS = {
@@ -499,10 +542,13 @@ def stored_self_stop(run: Storage, job: str, stage: str = "train") -> Decision |
     return self_stop(record.line())
 
 
-def classify(state: JobState, stop_requested: bool = False, log_tail: str = "") -> Decision:
+def classify(
+    state: JobState, stop_requested: bool = False, log_tail: str = "", first_record: FailureRecord | None = None
+) -> Decision:
     """What to do after a job ended. `stop_requested`: we stopped it (cancel, budget), so it is not a failure;
     `log_tail`: the last lines of the job's log (a record another host wrote, torchrun's account of a signal, the
-    stop record of a job that stopped itself)."""
+    stop record of a job that stopped itself); `first_record`: the earliest failure record the supervisor saw in
+    the whole of the job's log (at 8,192 ranks the tail holds only the last of them)."""
     reason = state.failure_reason or state.secondary_status or state.status.value
     if state.status == Status.COMPLETED:
         return self_stop(log_tail) or Decision(Action.DONE, "completed", reason)
@@ -510,4 +556,4 @@ def classify(state: JobState, stop_requested: bool = False, log_tail: str = "") 
         if stop_requested:
             return Decision(Action.FATAL, "stopped", "stopped on request")
         return classify_reason(f"{state.secondary_status or 'Stopped'}: {state.failure_reason or 'stopped'}")
-    return classify_reason(reason, log_tail)
+    return classify_reason(reason, log_tail, first_record)

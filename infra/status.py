@@ -11,7 +11,6 @@ an AWS credentials block first when the run names one.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import time
 from collections.abc import Callable
@@ -32,11 +31,23 @@ from hlat.core.layout import (
     tokenizer_defining_files,
 )
 from hlat.core.stages import JOB_STAGES, STAGE_NAMES
-from hlat.core.storage import Storage
+from hlat.core.storage import Storage, StorageClock
 from hlat.infra.catalog import job_cost, price_per_hour
 from hlat.infra.jobs import Action, FailureClass, JobBackend, JobState
 from hlat.infra.runs import Run, load_stored_config
-from hlat.infra.supervisor import USER_STOP, Attempt, Ledger, _duration, end_time, read_heartbeat
+from hlat.infra.supervisor import (
+    USER_STOP,
+    Attempt,
+    Ledger,
+    _duration,
+    describe_holder,
+    end_time,
+    lease_live,
+    pid_alive,
+    read_heartbeat,
+    read_lease,
+    request_stop,
+)
 
 STALE_POLLS = 3
 """A heartbeat older than this many of the run's polls (and at least STALE_MIN_S) means nobody supervises."""
@@ -109,6 +120,8 @@ class RunStatus:
     stages: list[tuple[str, str]] = field(default_factory=list)
     """(stage, what it stands at): 'done', 'not started', 'running', 'failed: ...', 'stopped at step N ...'."""
     live: list[LiveJob] = field(default_factory=list)
+    leases: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
+    """(stage, lease) of each stage whose supervisor holds a live lease (`jobs/<stage>-lease.json`)."""
     spent_usd: float = 0.0
     step: int | None = None
     loss: float | None = None
@@ -156,6 +169,15 @@ def _ended(attempt: Attempt) -> str:
     return attempt.status.lower()
 
 
+def store_now(run: Storage, clock: Callable[[], float] = time.time) -> float:
+    """Run storage's time now (what leases are stamped with); this machine's clock where the store cannot be
+    written (a read-only view of the run)."""
+    try:
+        return StorageClock(run, probe="jobs/status-clock").now()
+    except Exception:
+        return clock()
+
+
 def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatus:
     config = load_stored_config(run)
     run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
@@ -169,13 +191,22 @@ def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatu
         attempts = Ledger(run, stage).load() if stage in JOB_STAGES else []
         status.spent_usd += sum(attempt_cost(config, stage, a) for a in attempts if a.ended)
         live = attempts[-1] if attempts and not attempts[-1].ended else None
+        lease = read_lease(run, stage) if stage in JOB_STAGES else None
+        held = lease is not None and lease_live(lease, store_now(run, clock))
+        if held and lease is not None:
+            status.leases.append((stage, lease))
         if live is not None:
             backend = backend or backend_of(config, run)
             state = backend.describe(live.job_name)
             if state is not None:
                 status.spent_usd += attempt_cost(config, stage, live, state)
             status.live.append(_live(run, config, stage, live, state, clock()))
-            stood = "running" if state is None or not state.terminal else f"ended {state.status.value} (unrecorded)"
+            if state is None:
+                stood = "submitting" if held else "recorded, never created (the same command submits it)"
+            else:
+                stood = "running" if not state.terminal else f"ended {state.status.value} (unrecorded)"
+        elif held:
+            stood = "between attempts (its supervisor is backing off or about to submit)"
         elif _done(run, config, stage, newest):
             stood = "done"
         elif attempts:
@@ -188,16 +219,6 @@ def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatu
     return status
 
 
-def _pid_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
-
-
 def _live(
     run: Storage, config: HlatConfig, stage: str, attempt: Attempt, state: JobState | None, now: float
 ) -> LiveJob:
@@ -206,7 +227,7 @@ def _live(
     stale_after = max(STALE_POLLS * config.job.poll_seconds, STALE_MIN_S)
     supervised = beat is not None and age is not None and age <= stale_after
     if supervised and beat is not None and beat.get("host") == socket.gethostname():
-        supervised = _pid_alive(int(beat.get("pid") or 0))  # a dead process on this host: nobody, at once
+        supervised = pid_alive(int(beat.get("pid") or 0))  # a dead process on this host: nobody, at once
     return LiveJob(stage, attempt, state, beat, supervised, age)
 
 
@@ -227,6 +248,8 @@ def render(status: RunStatus) -> str:
             job += f", ${attempt_cost(c, live.stage, live.attempt, live.state):,.2f} so far"
         lines.append(f"  {job}")
         lines.append(f"  supervised by: {_supervisor(live)}")
+    for stage, lease in status.leases:
+        lines.append(f"  {stage} lease {lease.get('token')}: held by {describe_holder(lease)}")
     return "\n".join(lines)
 
 
@@ -273,11 +296,13 @@ def _one_line(run: Storage, name: str) -> str:
 @dataclass
 class Stopped:
     stage: str
-    job_name: str
+    job_name: str | None
     state: JobState | None
     """Its final state (None: not seen ending within the wait)."""
     step: int | None
     """The run's newest checkpoint afterwards."""
+    note: str | None = None
+    """What the stop did where no job was there to stop (a supervisor backing off, a job being submitted)."""
 
 
 def stop_run(
@@ -294,15 +319,33 @@ def stop_run(
     config = load_stored_config(run)
     backend = backend_of(config, run)
     asked: list[tuple[str, Attempt]] = []
+    pending: list[Stopped] = []
+    now = store_now(run, clock)
     for stage in JOB_STAGES:
         ledger = Ledger(run, stage)
         attempts = ledger.load()
-        if not attempts or attempts[-1].ended:
+        lease = read_lease(run, stage)
+        held = lease_live(lease, now)
+        unfinished = bool(attempts) and not attempts[-1].ended
+        if not unfinished and not held:
+            continue
+        # First the request (before any stop): a supervisor checks it before each submission, through each
+        # back-off and at each poll, so the stage ends whatever moment this finds it in.
+        request_stop(run, stage, now)
+        holder = f"its supervisor ({describe_holder(lease)})" if held and lease else "no supervisor"
+        if not unfinished:
+            note = f"no {stage} job is running; {holder} will not submit another: the stage will not relaunch"
+            pending.append(Stopped(stage, None, None, None, note))
             continue
         record = attempts[-1]
         state = backend.describe(record.job_name)
-        if state is None:
-            continue  # recorded, never created: nothing runs (the next command submits it)
+        if state is None:  # recorded, not created (yet)
+            if held:
+                note = f"{record.job_name} ({stage}) is being submitted: {holder} stops it once it exists"
+            else:
+                note = f"{record.job_name} ({stage}) was recorded but never created: nothing runs"
+            pending.append(Stopped(stage, record.job_name, None, None, note))
+            continue
         if record.stop_requested is None:
             record.stop_requested = USER_STOP
             ledger.save(attempts)
@@ -327,6 +370,7 @@ def stop_run(
         if final is not None and final.terminal:
             _record_stop(run, config, stage, record, final, clock())
         results.append(Stopped(stage, record.job_name, final if final and final.terminal else None, None))
+    results += pending
     step = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
     for r in results:
         r.step = step
@@ -358,6 +402,9 @@ def stop_summary(results: list[Stopped], run_id: str) -> str:
         return f"hlat: nothing to stop: no job of run {run_id} is running"
     lines = []
     for r in results:
+        if r.note is not None:
+            lines.append(f"hlat: {r.note}")
+            continue
         ended = f"ended {r.state.status.value}" if r.state else "is still stopping (`hlat status` shows when it ends)"
         lines.append(f"hlat: {r.job_name} ({r.stage}) {ended}")
     saved = f"the run's newest checkpoint is step {r.step:,}" if r.step is not None else "no checkpoint yet"

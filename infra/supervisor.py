@@ -39,13 +39,15 @@ import re
 import socket
 import sys
 import time
+import uuid
 from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from hlat.core.storage import Storage, is_transient
+from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record
+from hlat.core.storage import Storage, StorageClock, is_transient
 from hlat.infra.catalog import job_cost
 from hlat.infra.jobs import (
     Action,
@@ -58,6 +60,7 @@ from hlat.infra.jobs import (
     SubmitError,
     classify,
     classify_reason,
+    first_failure,
     job_name,
     stored_self_stop,
 )
@@ -93,8 +96,25 @@ class BudgetExhausted(SupervisorError):
     pass
 
 
+class NoProgress(JobFailed):
+    """job.max_attempts_without_progress attempts in a row committed no newer checkpoint, whatever their class."""
+
+
+class DeadlinePassed(SupervisorError):
+    """job.deadline passed before the next attempt: nothing is submitted (nor recorded)."""
+
+
 class StoppedByUser(SupervisorError):
     """`hlat stop` stopped the job: the stage ends (not a failure), and running the command again goes on."""
+
+
+class SupervisorBusy(SupervisorError):
+    """Another supervisor holds the stage's lease (`SupervisorLease`): this one refuses, touching nothing."""
+
+
+class LeaseLost(SupervisorError):
+    """This supervisor's lease was taken over by another one (it went silent past the lease's expiry): it neither
+    relaunches nor stops the job again; the other supervisor goes on with it."""
 
 
 USER_STOP = "user"
@@ -364,11 +384,19 @@ class Heartbeat:
     supervisor's beat grows older than job.unsupervised_stop_minutes stops itself; `hlat status` shows it. A failed
     write is a warning (once until one succeeds again), never a reason to stop the stage."""
 
-    def __init__(self, run: Storage, stage: str, clock: Callable[[], float] = time.time) -> None:
-        self.run, self.rel, self.clock = run, heartbeat_path(stage), clock
+    def __init__(
+        self,
+        run: Storage,
+        stage: str,
+        clock: Callable[[], float] = time.time,
+        before: Callable[[], None] | None = None,
+    ) -> None:
+        self.run, self.rel, self.clock, self.before = run, heartbeat_path(stage), clock, before
         self.failing = False
 
     def beat(self) -> None:
+        if self.before is not None:
+            self.before()  # the supervisor's lease: a supervisor that lost it stops here (LeaseLost), unbeaten
         flow_run_id, command = supervisor_identity()
         body = {
             "beat_at": self.clock(),
@@ -394,6 +422,184 @@ def read_heartbeat(run: Storage, stage: str) -> dict[str, Any] | None:
     except Exception:
         return None
     return beat if isinstance(beat, dict) and isinstance(beat.get("beat_at"), int | float) else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether process `pid` of this host lives (signal 0: exists, and ours or not ours to signal)."""
+    if pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+STARTUP_FLOOR_S = 600.0
+"""The start-up an attempt is taken to need, billed, when its stage has measured none (Attempt.startup_s): 10 min.
+Below any start-up a trn1 cluster job has (SageMaker's Starting and Downloading, the Neuron image's pull, the
+compile cache and the first graphs before the first step), so a job that could still commit a checkpoint is never
+refused for it, while a budget left for minutes (a job with a 126 s MaxRuntime) no longer buys a job."""
+
+
+# -- one supervisor per run and stage: a lease in run storage ---------------------------------------------------------
+LEASE_POLLS = 5
+"""A lease lasts this many of the run's polls past its last renewal (and at least LEASE_MIN_S): a supervisor renews it
+every poll while it watches a job and through every back-off, so only one that is gone (or stuck for that long) loses
+it."""
+LEASE_MIN_S = 300.0
+
+
+def lease_path(stage: str) -> str:
+    """The stage's supervisor lease, relative to the run."""
+    return f"jobs/{stage}-lease.json"
+
+
+def read_lease(run: Storage, stage: str) -> dict[str, Any] | None:
+    """The stage's lease as stored (None: none, or unreadable)."""
+    try:
+        lease = run.read_json(lease_path(stage)) if run.exists(lease_path(stage)) else None
+    except Exception:
+        return None
+    return lease if isinstance(lease, dict) and isinstance(lease.get("token"), int) else None
+
+
+def lease_live(lease: dict[str, Any] | None, now: float) -> bool:
+    """Whether a stored lease still holds at `now` (the store's time): not released, not expired, and not held by a
+    process of this host that has died (it can be seen at once, without waiting out the expiry)."""
+    if lease is None or lease.get("released") or float(lease.get("expires_at") or 0) <= now:
+        return False
+    return not (lease.get("host") == socket.gethostname() and not pid_alive(int(lease.get("pid") or 0)))
+
+
+def describe_holder(lease: dict[str, Any]) -> str:
+    """'hlat pretrain, pid 4242 on ip-10-0-0-5, flow run <id>, since 2026-...Z': who holds a lease."""
+    who = f"{lease.get('command') or 'a supervisor'}, pid {lease.get('pid')} on {lease.get('host')}"
+    if lease.get("flow_run_id"):
+        who += f", flow run {lease['flow_run_id']}"
+    since = _iso(lease.get("since")) if isinstance(lease.get("since"), int | float) else None
+    return who + (f", since {since}" if since else "")
+
+
+class SupervisorLease:
+    """`jobs/<stage>-lease.json`: which supervisor may submit and stop the stage's jobs. {"token", "nonce", "pid",
+    "host", "flow_run_id", "command", "since", "renewed_at", "expires_at", "released"}, times by run storage's clock
+    (`now`: `StorageClock.now`, so two machines' clocks never meet).
+
+    `acquire` takes it when there is none, it was released, or it expired (the token grows with each holder), and
+    refuses (`SupervisorBusy`, naming the holder) while another holds it. The holder renews it every poll; before
+    each submission and stop it checks that the stored lease is still its own (token and nonce: fencing), and a
+    holder whose lease was taken over stops with `LeaseLost`, submitting and stopping nothing more. The store has no
+    compare-and-swap here: two supervisors starting in the same instant both write, and the one whose write is read
+    back keeps it (the other is refused on reading back), so the window is one write-and-read."""
+
+    def __init__(self, run: Storage, stage: str, now: Callable[[], float], ttl_s: float) -> None:
+        self.run, self.stage, self.now, self.ttl_s = run, stage, now, ttl_s
+        self.rel = lease_path(stage)
+        self.mine: dict[str, Any] | None = None
+
+    @property
+    def token(self) -> int | None:
+        return None if self.mine is None else int(self.mine["token"])
+
+    def acquire(self, attempts: list[Attempt] | None = None) -> int:
+        """Take the lease (its token), or raise SupervisorBusy naming its holder."""
+        now = self.now()
+        held = read_lease(self.run, self.stage)
+        if lease_live(held, now):
+            assert held is not None
+            raise SupervisorBusy(self._busy(held, now), attempts or [])
+        flow_run_id, command = supervisor_identity()
+        mine = {
+            "token": int(held["token"]) + 1 if held else 1, "nonce": uuid.uuid4().hex, "pid": os.getpid(),
+            "host": socket.gethostname(), "flow_run_id": flow_run_id, "command": command, "since": now,
+            "renewed_at": now, "expires_at": now + self.ttl_s, "released": False,
+        }  # fmt: skip
+        self.run.write_json(self.rel, mine)
+        back = read_lease(self.run, self.stage)
+        if back is None or back.get("nonce") != mine["nonce"]:  # another supervisor wrote in the same instant
+            raise SupervisorBusy(self._busy(back or mine, now), attempts or [])
+        self.mine = mine
+        if held and not held.get("released"):
+            log.warning("%s: took over the supervisor lease of %s (expired)", self.stage, describe_holder(held))
+        return int(mine["token"])
+
+    def _busy(self, held: dict[str, Any], now: float) -> str:
+        left = float(held.get("expires_at") or now) - now
+        return (
+            f"{self.stage}: another supervisor runs this run's {self.stage} stage ({describe_holder(held)}; lease "
+            f"{held.get('token')}, renewed every poll, expires {_duration(left)} after its last renewal): this one "
+            "touches nothing. `hlat status` shows it; `hlat stop` stops the run; this command may run again once "
+            "that one has ended"
+        )
+
+    def check(self, attempts: list[Attempt] | None = None) -> None:
+        """Raise LeaseLost unless the stored lease is still this supervisor's (before any submission or stop)."""
+        if self.mine is None:
+            return
+        held = read_lease(self.run, self.stage)
+        if held is not None and held.get("nonce") == self.mine["nonce"]:
+            return
+        other = describe_holder(held) if held else "nobody (the lease was removed)"
+        raise LeaseLost(
+            f"{self.stage}: this supervisor's lease {self.mine['token']} was taken over by {other} after it went "
+            "silent past the lease's expiry; it submits and stops nothing more (the other one goes on with the job)",
+            attempts or [],
+        )
+
+    def renew(self, attempts: list[Attempt] | None = None) -> None:
+        if self.mine is None:
+            return
+        self.check(attempts)
+        now = self.now()
+        self.mine = {**self.mine, "renewed_at": now, "expires_at": now + self.ttl_s}
+        self.run.write_json(self.rel, self.mine)
+
+    def release(self) -> None:
+        """Give the lease up (the stage ended, or this supervisor stops): the next supervisor takes it at once."""
+        if self.mine is None:
+            return
+        try:
+            held = read_lease(self.run, self.stage)
+            if held is not None and held.get("nonce") == self.mine["nonce"]:
+                self.run.write_json(self.rel, {**self.mine, "released": True, "expires_at": self.now()})
+        except Exception as exc:  # it expires by itself
+            log.warning("could not release %s: %s", self.run.uri(self.rel), exc)
+        self.mine = None
+
+
+# -- hlat stop at any moment: a stop request in run storage -----------------------------------------------------------
+def stop_request_path(stage: str) -> str:
+    """The stage's stop request (`hlat stop`), relative to the run."""
+    return f"jobs/{stage}-stop-request.json"
+
+
+def request_stop(run: Storage, stage: str, requested_at: float | None = None) -> None:
+    """Record that the stage must not relaunch (`hlat stop`): its supervisor checks it before every submission,
+    through every back-off and at every poll, and ends the stage (StoppedByUser). Running the stage's command again
+    clears it."""
+    _, command = supervisor_identity()
+    run.write_json(
+        stop_request_path(stage),
+        {"requested_at": time.time() if requested_at is None else requested_at, "pid": os.getpid(),
+         "host": socket.gethostname(), "command": command},
+    )  # fmt: skip
+
+
+def stop_requested(run: Storage, stage: str) -> bool:
+    """Whether a stop request stands for the stage (a read that fails counts as none: the next poll reads again)."""
+    try:
+        return run.exists(stop_request_path(stage))
+    except Exception as exc:
+        log.warning("could not read %s: %s", run.uri(stop_request_path(stage)), exc)
+        return False
+
+
+def clear_stop_request(run: Storage, stage: str) -> None:
+    if run.exists(stop_request_path(stage)):
+        run.remove(stop_request_path(stage))
 
 
 def ending_reason(state: JobState) -> str | None:
@@ -441,10 +647,31 @@ class Supervisor:
     """A short job's stage (prepare-data, precompile, burn-in, evaluate: `run_job`): its job runs to its own end,
     relaunched only when that ending is classified resume or back-off, up to this many jobs in one call; the caller
     judges the last one by its outputs. None: the train stage, relaunched until target_step's checkpoint."""
+    max_attempts_without_progress: int = 3
+    """Attempts in a row that may commit no newer checkpoint, whatever their class (job, platform, capacity), before
+    the stage stops (job.max_attempts_without_progress)."""
+    startup_timeout_s: float | None = 7200.0
+    """Longest from the job reaching SageMaker's Training status to its first logged step (job.startup_timeout_minutes;
+    None: no bound): past it the job is stopped as hung (its start-up overran)."""
+    deadline: float | None = None
+    """job.deadline in epoch seconds (None: none): no attempt is recorded or submitted past it."""
+    startup_floor_s: float | None = None
+    """The billed seconds of a start-up, when the stage has measured none (STARTUP_FLOOR_S from the train stage); None:
+    the budget is not checked for what an attempt needs before it is submitted."""
+    checkpoint_interval_s: float | None = None
+    """Seconds from the first step to the first checkpoint at the planned step time (training.checkpoint_every x the
+    plan's step time); None: no plan (the start-up alone is what an attempt must be able to buy)."""
+    storage_clock: StorageClock | None = None
+    """Run storage's clock (the lease's times); None: the run's own (`StorageClock`). A simulation passes its own."""
 
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.run, self.stage)
-        self.heartbeat = Heartbeat(self.run, self.stage, self.clock)
+        if self.storage_clock is None:
+            self.storage_clock = StorageClock(self.run, probe=f"jobs/{self.stage}-clock-supervisor")
+        ttl = max(LEASE_POLLS * self.poll_seconds, LEASE_MIN_S)
+        self.lease = SupervisorLease(self.run, self.stage, self.storage_clock.now, ttl)
+        self._renewed_at: float | None = None
+        self.heartbeat = Heartbeat(self.run, self.stage, self.clock, before=self._renew_lease)
         self.attempts: list[Attempt] = []
         self.resumed = False
         """The attempt being run came unfinished from the ledger (a restarted supervisor)."""
@@ -453,6 +680,13 @@ class Supervisor:
         signal (what `classify` reads when the FailureReason holds no record)."""
         self.final: JobState | None = None
         """The last attempt's final state (None: its submission was refused)."""
+        self.first_record: FailureRecord | None = None
+        """The earliest failure record seen in any line of the watched job's log (by its time): at 8,192 ranks
+        the rank that failed first logs long before the tail's last 400 lines."""
+        self._spec: JobSpec | None = None
+        """The spec built for the attempt just recorded (built before recording it: a refusal records nothing)."""
+        self._hung: str | None = None
+        """Why the watched job was judged hung (the reason of its 'hung' stop)."""
 
     @property
     def short(self) -> bool:
@@ -463,8 +697,19 @@ class Supervisor:
     def run_to_completion(self) -> list[Attempt]:
         """Relaunch until the newest checkpoint reaches target_step; raise SupervisorError when stopping short. A
         short job's stage (`max_attempts`) returns once its job ended done or fatal, or its attempts are used: the
-        last attempt is its job, `final` that job's final state."""
+        last attempt is its job, `final` that job's final state. Holds the stage's lease throughout (a second
+        supervisor is refused: SupervisorBusy); a stop request standing from before (`hlat stop`) is cleared: running
+        the command again goes on."""
         self.attempts = self.ledger.load()
+        self.lease.acquire(self.attempts)
+        self._renewed_at = self.clock()
+        try:
+            clear_stop_request(self.run, self.stage)
+            return self._loop()
+        finally:
+            self.lease.release()
+
+    def _loop(self) -> list[Attempt]:
         backoffs = tries = 0
         while True:
             current = self._latest_step()
@@ -484,14 +729,14 @@ class Supervisor:
                     log.warning("%s job %s ended %s; relaunching", self.stage, record.job_name, record.ending)
                 delays = self.backoff_seconds or [self.poll_seconds]
                 backoff = self.final is None or decision.action == Action.BACKOFF
-                self.sleep(delays[min(tries - 1, len(delays) - 1)] if backoff else self.poll_seconds)
+                self._pause(delays[min(tries - 1, len(delays) - 1)] if backoff else self.poll_seconds)
                 continue
             if decision.action == Action.RESUME and self._platform_fault_repeated(decision):
                 decision = replace(decision, action=Action.BACKOFF)
             record.action, record.category = decision.action.value, decision.category
             record.failure_class = decision.failure_class.value if decision.action != Action.DONE else None
             record.cause = decision.cause if decision.action != Action.DONE else None
-            repeat = self._repeated_without_progress(decision)
+            repeat = self._repeated_without_progress(decision) or self._no_progress(decision)
             if repeat:
                 record.action = Action.FATAL.value
             self._save()
@@ -504,14 +749,74 @@ class Supervisor:
             if decision.action == Action.FATAL:
                 raise JobFailed(f"{self.stage} stopped: {decision.reason}", self.attempts)
             if repeat:
-                raise JobFailed(repeat, self.attempts)
+                kind = JobFailed if repeat.startswith(f"{self.stage} stopped: the same failure") else NoProgress
+                raise kind(repeat, self.attempts)
             if record.progressed:
                 backoffs = 0  # a delay grows only over attempts that got nowhere
             if decision.action == Action.BACKOFF:
                 delay = self.backoff_seconds[min(backoffs, len(self.backoff_seconds) - 1)]
                 backoffs += 1
                 log.warning("%s (%s): relaunching in %s", decision.category, decision.reason, _duration(delay))
-                self.sleep(delay)
+                self._pause(delay)
+
+    def _pause(self, seconds: float, between_attempts: bool = True) -> None:
+        """Sleep `seconds` in poll-sized parts, renewing the lease after each; between attempts (a back-off) a stop
+        request (`hlat stop`) ends the stage at once: StoppedByUser, the next job never submitted."""
+        left = seconds
+        while left > 0:
+            part = min(left, self.poll_seconds)
+            self.sleep(part)
+            left -= part
+            self._renew_lease()
+            if between_attempts:
+                self._honour_stop_request()
+
+    def _renew_lease(self) -> None:
+        """Renew the lease when a fifth of its life has passed since the last renewal (this host's clock measures
+        only that interval); raises LeaseLost when it was taken over."""
+        now = self.clock()
+        if self._renewed_at is None or now - self._renewed_at >= self.lease.ttl_s / 5:
+            self.lease.renew(self.attempts)
+            self._renewed_at = now
+
+    def _honour_stop_request(self, next_attempt: int | None = None) -> None:
+        """End the stage when `hlat stop` recorded a stop request: before a submission, or during a back-off."""
+        if not stop_requested(self.run, self.stage):
+            return
+        newest = self._latest_step()
+        what = f"before attempt {next_attempt}" if next_attempt else "between attempts"
+        where = (
+            "run the same command to run it again"
+            if self.short
+            else f"at step {newest} of {self.target_step} (its newest checkpoint); run the same command to go on"
+        )
+        log.warning("%s: hlat stop requested %s: no job is submitted", self.stage, what)
+        raise StoppedByUser(f"{self.stage} stopped by hlat stop {what} (no job was running) {where}", self.attempts)
+
+    def _no_progress(self, decision: Decision) -> str | None:
+        """job.max_attempts_without_progress attempts in a row, ending in any way but done or fatal (a job's own
+        failure, a platform fault, no capacity, a hang, a job that stopped itself), committed no newer checkpoint:
+        the stage stops, whatever the class. A fault the platform repeats (a deterministic bug on one rank seen as a
+        lost peer on the others, a hang, a quota) costs the whole cluster's start-up each time; a stop of the user's
+        or a cancelled flow run ends a streak instead (it was deliberate)."""
+        if decision.action not in (Action.RESUME, Action.BACKOFF):
+            return None
+        streak: list[Attempt] = []
+        for attempt in reversed(self.attempts):
+            if attempt.progressed or _category(attempt) in ("user-stop", "cancelled"):
+                break
+            streak.append(attempt)
+        if len(streak) < self.max_attempts_without_progress:
+            return None
+        first, last = streak[-1], streak[0]
+        causes = ", ".join(dict.fromkeys(_cause(a) for a in reversed(streak)))
+        newest = f"step {last.end_step}" if last.end_step else "none"
+        return (
+            f"{self.stage} stopped: {len(streak)} attempts in a row committed no newer checkpoint (attempts "
+            f"{first.attempt}-{last.attempt}: {causes}; newest checkpoint {newest}; job.max_attempts_without_progress="
+            f"{self.max_attempts_without_progress}): {(last.reason or last.status).splitlines()[0][:300]}; fix the "
+            "cause, or raise job.max_attempts_without_progress to keep relaunching"
+        )
 
     def _latest_step(self) -> int:
         return self.current_step() or 0
@@ -591,18 +896,80 @@ class Supervisor:
         if self.budget_usd is not None and self.spent_usd() >= self.budget_usd:
             raise BudgetExhausted(self._budget_message(current), self.attempts)
         n = used + 1
-        record = Attempt(attempt=n, job_name=job_name(self.run_id, n, self.stage), start_step=current)
+        name = job_name(self.run_id, n, self.stage)
+        # Everything that refuses a submission is asked before the attempt is recorded: a refusal leaves no
+        # 'Submitting' attempt behind (`hlat status` would say running).
+        self._honour_stop_request(n)
+        if self.deadline is not None and self.clock() >= self.deadline:
+            raise DeadlinePassed(
+                f"{self.stage} stopped at step {current} of {self.target_step}: job.deadline={_iso(self.deadline)} "
+                "has passed; set a later job.deadline to go on from the last checkpoint",
+                self.attempts,
+            )
+        spec = self.make_spec(n, name)  # may refuse too (ConfigError: a deadline past, a budget spent)
+        self._check_budget_buys_a_checkpoint(spec, current)
+        self.lease.check(self.attempts)
+        record = Attempt(attempt=n, job_name=name, start_step=current, instance_count=spec.instance_count)
         record.submitted_at = self.clock()
         self.attempts.append(record)
+        self._spec = spec
         self._save()  # before submitting: a restarted supervisor then looks for this job by name
         return record
+
+    def attempt_need_s(self) -> float | None:
+        """Billed seconds an attempt needs to commit one checkpoint: its start-up (the longest this stage measured,
+        else startup_floor_s) and one checkpoint interval at the planned step time. None: not checked."""
+        if self.startup_floor_s is None:
+            return None
+        measured = [a.startup_s for a in self.attempts if a.startup_s]
+        return (max(measured) if measured else self.startup_floor_s) + (self.checkpoint_interval_s or 0.0)
+
+    def _check_budget_buys_a_checkpoint(self, spec: JobSpec, current: int) -> None:
+        need_s = self.attempt_need_s()
+        if self.budget_usd is None or need_s is None or self.price_per_hour <= 0 or self.short:
+            return
+        hourly = self.price_per_hour * spec.instance_count
+        left = self.budget_usd - self.spent_usd()
+        need = need_s / 3600 * hourly
+        if left >= need:
+            return
+        ckpt = self.checkpoint_interval_s
+        interval = f" + a checkpoint interval {_duration(ckpt)}" if ckpt else ""
+        raise BudgetExhausted(
+            f"{self.stage} stopped at step {current} of {self.target_step}: job.budget_usd=${self.budget_usd:,.2f} "
+            f"has ${left:,.2f} left, {_duration(left / hourly * 3600)} of {spec.instance_count} x "
+            f"${self.price_per_hour:,.2f}/h, and a job needs ${need:,.2f} to commit a checkpoint (start-up "
+            f"{_duration(need_s - (self.checkpoint_interval_s or 0))}{interval}): nothing submitted; raise "
+            "job.budget_usd to go on from the last checkpoint",
+            self.attempts,
+        )
 
     def _run_attempt(self, record: Attempt) -> Decision:
         state = self._describe(record.job_name)
         if self.resumed:
             announce_resumed(record, state)
         if state is None:
-            spec = self.make_spec(record.attempt, record.job_name)
+            spec = self._spec if self._spec is not None and self._spec.name == record.job_name else None
+            self._spec = None
+            try:
+                if spec is None:  # recorded by an earlier supervisor, never created: checked as a new one is
+                    self._honour_stop_request(record.attempt)
+                    if self.deadline is not None and self.clock() >= self.deadline:
+                        raise DeadlinePassed(
+                            f"{self.stage} stopped: job.deadline={_iso(self.deadline)} has passed; set a later "
+                            "job.deadline to go on from the last checkpoint",
+                            self.attempts,
+                        )
+                    spec = self.make_spec(record.attempt, record.job_name)
+                self.lease.check(self.attempts)
+            except SupervisorError as exc:
+                if isinstance(exc, LeaseLost):
+                    raise
+                self._never_submitted(record, str(exc))
+                raise
+            except Exception as exc:  # the spec refused (ConfigError: a deadline past, a budget spent)
+                self._never_submitted(record, str(exc))
+                raise
             record.instance_count = spec.instance_count
             try:
                 self.backend.submit(spec)
@@ -628,7 +995,7 @@ class Supervisor:
             self._save()
             raise StoppedByUser(self._user_stop_message(record), self.attempts)
         if self.short:  # its own ending, judged by the caller from its outputs
-            return classify(final, log_tail="\n".join(self.log_tail))
+            return classify(final, log_tail="\n".join(self.log_tail), first_record=self.first_record)
         if record.stop_requested == USER_STOP:
             # Stopped by `hlat stop` while no supervisor watched (this one re-attached): running again goes on.
             record.reason = "stopped by hlat stop"
@@ -637,20 +1004,28 @@ class Supervisor:
             self._save()
             raise BudgetExhausted(self._budget_message(record.end_step), self.attempts)
         if record.stop_requested == "hung":
-            record.reason = f"hung: no step logged for {_duration(self.hang_timeout_s or 0)}"
+            record.reason = self._hung or f"hung: no step logged for {_duration(self.hang_timeout_s or 0)}"
             return Decision(Action.RESUME, "hung", record.reason, FailureClass.PLATFORM)
         if record.stop_requested == "cancelled" and final.status != Status.COMPLETED:
             # Stopped when an earlier supervisor was cancelled (a cancellation in this one re-raises in _watch):
             # the run is being started again, so go on from the last checkpoint.
             record.reason = "stopped when an earlier flow run was cancelled"
             return Decision(Action.RESUME, "cancelled", record.reason, FailureClass.PLATFORM)
-        decision = loss_spikes_stop(classify(final, log_tail="\n".join(self.log_tail)))
+        decision = loss_spikes_stop(classify(final, log_tail="\n".join(self.log_tail), first_record=self.first_record))
         if decision.action == Action.DONE and (record.end_step or 0) < self.target_step:
             # A job that stopped itself (budget, deadline, no supervisor) says so in its log and in a stop record in
             # run storage: the record is what a supervisor re-attaching after the job ended (its log skipped) reads.
             decision = stored_self_stop(self.run, record.job_name, self.stage) or self._completed_short(record)
             record.reason = decision.reason
         return decision
+
+    def _never_submitted(self, record: Attempt, why: str) -> None:
+        """An attempt recorded but never created that will not be now: ended, so no reader takes it for running."""
+        record.status, record.reason, record.ended_at = "NotSubmitted", why.splitlines()[0], self.clock()
+        record.action = Action.FATAL.value
+        if not self.short:
+            record.end_step = record.start_step
+        self._save()
 
     def _completed_short(self, record: Attempt) -> Decision:
         """A job that reported success without the checkpoint of the last step. It may have stopped itself (a
@@ -664,13 +1039,42 @@ class Supervisor:
         return Decision(Action.RESUME, "completed-early", reason)
 
     def _watch(self, record: Attempt, reattached: bool = False) -> JobState:
-        """Follow the job until it ends, streaming its progress; stop it when hung or over budget."""
+        """Follow the job until it ends, streaming its progress; stop it when hung, over budget, or asked to by a
+        stop request (`hlat stop` while its job was being created). The hang timer starts when the job reaches
+        SageMaker's Training status (a backend that reports no secondary status: when the watch starts); before its
+        first logged step only the start-up bound (startup_timeout_s, from Training) applies, since the start-up in
+        the container (the compile cache, the process groups, the first graphs) is no step and may outlast it."""
         progress = Progress(record.attempt, record.job_name, "InProgress", target_step=self.target_step)
         every = self.progress_every_s or 10 * self.poll_seconds
         gate = ProgressGate(every, 6 * every)
         meter = Throughput(self.tokens_per_step, self.rate_window_s or 30 * self.poll_seconds)
         last_advance = self.clock()
+        training_since: float | None = None
+        phases = stepped = False
         self.log_tail.clear()
+        self.first_record, self._hung = None, None
+
+        def earlier(lines: list[str]) -> None:
+            """A re-attached job's output from before: its records, and whether it had begun its steps."""
+            nonlocal stepped
+            self._scan_records(lines)
+            stepped = stepped or any(PROGRESS_LINE.search(line) for line in lines)
+
+        def hung(now: float) -> str | None:
+            if phases and training_since is None:
+                return None  # Starting, Downloading: SageMaker's own phases, which end by its own errors
+            if phases and not stepped and training_since is not None:
+                if self.startup_timeout_s and now - training_since > self.startup_timeout_s:
+                    self._hung = (
+                        f"hung: start-up overran: no first step {_duration(self.startup_timeout_s)} after the job "
+                        "reached Training (job.startup_timeout_minutes)"
+                    )
+                    return "hung"
+                return None
+            if self.hang_timeout_s and now - last_advance > self.hang_timeout_s:
+                self._hung = f"hung: no step logged for {_duration(self.hang_timeout_s)} (job.hang_timeout_minutes)"
+                return "hung"
+            return None
 
         def measured() -> None:
             """The attempt's throughput in its record: the final progress line's figure, start-up apart."""
@@ -679,18 +1083,26 @@ class Supervisor:
                 record.startup_s = max(0.0, meter.first[0] - record.submitted_at)
 
         def on_poll(lines: list[str], state: JobState | None) -> str | None:
-            nonlocal last_advance
+            nonlocal last_advance, training_since, phases, stepped
             self.log_tail.extend(lines)
+            self._scan_records(lines)
+            if state is not None and not state.terminal and stop_requested(self.run, self.stage):
+                return USER_STOP  # `hlat stop` as its job was being created: it never saw the job
             if self.short:  # its log forwarded whole; no steps, no progress line, no budget or hang to watch
                 for line in lines:
                     job_log.info("%s", line)
                 return None
             now = self.clock()
             if self._absorb(lines, progress, meter, now):
-                last_advance = now
+                last_advance, stepped = now, True
                 record.last_logged_step = progress.step
             if state is None:
                 return None
+            phases = phases or state.secondary_status is not None
+            if state.secondary_status == "Training" and training_since is None:
+                training_since = now
+                if not stepped:
+                    last_advance = now  # the hang timer starts at Training, not at the submission
             self._account(record, state)
             progress.status = state.secondary_status or state.status.value
             progress.cost_usd = self.spent_usd()
@@ -702,19 +1114,24 @@ class Supervisor:
                 log.info("%s", progress.line())
             if self.budget_usd is not None and self.spent_usd() >= self.budget_usd:
                 return "budget"
-            if self.hang_timeout_s and self.clock() - last_advance > self.hang_timeout_s:
-                return "hung"
-            return None
+            return hung(self.clock())
 
         def record_end(final: JobState) -> None:
             measured()
             self._record_interrupted(record, final)
 
         return follow(
-            self.backend, record, self._save, self.poll_seconds, self.sleep, on_poll, reattached,
+            self.backend, record, self._save, self.poll_seconds,
+            lambda seconds: self._pause(seconds, between_attempts=False), on_poll, reattached,
             heartbeat=self.heartbeat, stored_stop=lambda: stored_stop(self.ledger, record.attempt),
-            record_end=record_end,
+            record_end=record_end, may_act=lambda: self.lease.check(self.attempts), on_earlier=earlier,
         )  # fmt: skip
+
+    def _scan_records(self, lines: list[str]) -> None:
+        """Keep the earliest failure record of any line (see `first_record`)."""
+        for line in lines:
+            if RECORD_TAG in line and (found := parse_failure_record(line)) is not None:
+                self.first_record = first_failure([self.first_record, found]) if self.first_record else found
 
     def _absorb(self, lines: list[str], progress: Progress, meter: Throughput, now: float) -> bool:
         """Forward job output to our log and pick up progress; True when a new step was seen. The trainer's step
@@ -755,14 +1172,16 @@ class Supervisor:
     def _repeated_without_progress(self, decision: Decision) -> str | None:
         """The same failure of the job's own (the same cause: category, record type and step), ending attempt after
         attempt with no newer checkpoint committed between them, job.max_repeats times: it is deterministic (a
-        resume is bitwise, so a NaN at step 41 comes back at step 41), and relaunching will not help. Platform and
-        capacity faults never stop the stage by repeating (see FailureClass)."""
+        resume is bitwise, so a crash at step 41 comes back at step 41), and relaunching will not help. A NaN is the
+        same failure whatever its step: with bf16 stochastic rounding or training.deterministic=False the step it
+        comes back at moves, so 'no newer checkpoint' alone judges it. Every class's repeats are bounded too, by
+        job.max_attempts_without_progress (`_no_progress`)."""
         if decision.action != Action.RESUME or decision.failure_class != FailureClass.JOB:
             return None
         last = self.attempts[-1]
         same = [last]
         for before in reversed(self.attempts[:-1]):
-            if before.end_step != last.end_step or _cause(before) != decision.cause:
+            if before.end_step != last.end_step or not _same_failure(before, decision):
                 break
             same.append(before)
         if len(same) < self.max_repeats:
@@ -775,8 +1194,12 @@ class Supervisor:
                 "checkpoint of training.max_steps to the run's checkpoints/)"
             )
         newest = f"step {last.end_step}" if last.end_step else "none"
+        cause = decision.cause
+        seen = list(dict.fromkeys(_cause(a) for a in reversed(same)))
+        if len(seen) > 1:  # a NaN whose step moved
+            cause = "nan: " + ", then ".join(c.removeprefix("nan: ") for c in seen)
         return (
-            f"{self.stage} stopped: the same failure repeated with no newer checkpoint: {decision.cause}, "
+            f"{self.stage} stopped: the same failure repeated with no newer checkpoint: {cause}, "
             f"{len(same)} times (attempts {first.attempt}-{last.attempt}; newest checkpoint {newest}; job.max_repeats="
             f"{self.max_repeats}): {last.reason}{hint}"
         )
@@ -816,6 +1239,8 @@ def follow(
     heartbeat: Heartbeat | None = None,
     stored_stop: Callable[[], str | None] | None = None,
     record_end: Callable[[JobState], None] | None = None,
+    may_act: Callable[[], None] | None = None,
+    on_earlier: Callable[[list[str]], None] | None = None,
 ) -> JobState:
     """Poll a job until it ends. Each poll beats the `heartbeat`, reads the job's new log lines, describes it, and
     hands both to `on_poll` (state None: not visible yet), which may return a reason to stop the job ('budget',
@@ -824,9 +1249,12 @@ def follow(
     Exception) stops the job too: `save` records the stop in the ledger first, and once the job is seen ending
     (within STOP_WAIT_S) `record_end` records its end and `save` keeps it, so the ledger says when it stopped. A job
     `reattached` to (started by an earlier flow run) has its earlier output skipped, said in one line: replayed under
-    today's timestamps it read as if the run had started again."""
+    today's timestamps it read as if the run had started again (`on_earlier` still reads it). `may_act` is asked
+    before any stop: it raises (LeaseLost) when this supervisor may no longer stop the job."""
 
     def stop(why: str) -> None:
+        if may_act is not None:
+            may_act()
         record.stop_requested = why
         save()
         log.warning("stopping %s (%s)", record.job_name, why)
@@ -844,6 +1272,8 @@ def follow(
     try:
         if reattached:
             earlier, cursor = read_logs(backend, record.job_name, cursor)
+            if on_earlier is not None:
+                on_earlier(earlier)
             if earlier:
                 log.info(
                     "%s: its %d earlier log line(s) are in the job's own log, not repeated here; following its new "
@@ -866,7 +1296,11 @@ def follow(
     except BaseException as exc:
         if not isinstance(exc, Exception):  # the job must not outlive an interrupted supervisor
             log.warning("interrupted (%s)", type(exc).__name__)
-            stop("cancelled")
+            try:
+                stop("cancelled")
+            except LeaseLost as lost:  # another supervisor has the job now: its stop is not this one's to send
+                log.warning("not stopping %s: %s", record.job_name, lost)
+                raise exc from None
             final = wait_for_end(backend, record.job_name, STOP_WAIT_S, min(poll_seconds, 0.5))
             if final is not None and final.terminal and record_end is not None:
                 try:  # the ledger says when the job stopped, not when the next command happens to look
@@ -964,6 +1398,13 @@ def loss_spikes_stop(decision: Decision) -> Decision:
     return Decision(Action.FATAL, "loss-spikes", " ".join(reason.split()), FailureClass.FATAL, record)
 
 
+def _same_failure(attempt: Attempt, decision: Decision) -> bool:
+    """Whether an earlier attempt ended in the failure `decision` judges: the same cause, or for a NaN, any NaN."""
+    if decision.category == "nan":
+        return _category(attempt) == "nan"
+    return _cause(attempt) == decision.cause
+
+
 def _cause(attempt: Attempt) -> str:
     """The attempt's cause (older ledgers recorded none: its category stands in)."""
     return attempt.cause or _category(attempt)
@@ -1039,6 +1480,20 @@ def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> st
     """Stop the stage's unfinished job, if any (the flow's cancellation hook); returns its name."""
     attempts = Ledger(run, stage).load()
     if not attempts or attempts[-1].ended:
+        return None
+    lease = read_lease(run, stage)
+    now = StorageClock(run, probe=f"jobs/{stage}-clock-supervisor").now()
+    if (
+        lease_live(lease, now)
+        and lease is not None
+        and (lease.get("pid"), lease.get("host"))
+        != (
+            os.getpid(),
+            socket.gethostname(),
+        )
+    ):
+        # Another supervisor (another terminal, a deployment) watches this job: a cancellation here is not its end.
+        log.warning("not stopping the %s job: %s supervises it", stage, describe_holder(lease))
         return None
     record = attempts[-1]
     state = backend.describe(record.job_name)

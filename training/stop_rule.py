@@ -15,10 +15,13 @@ finished short: budget and deadline end the stage, naming the setting to raise; 
   budget at submitted + (budget - spent before it) / price per hour. It stops a margin before that: 1.25 x (a step +
   a checkpoint save) as measured in this job, or job.stop_grace_seconds until a synchronous save has been timed.
 - Deadline: the same margin before job.deadline.
-- Supervision: the heartbeat (`supervisor_heartbeat`, its `beat_at`) is read at most every minute (every quarter of
-  the timeout when that is shorter). The submission counts as a beat: a job starts with its submission (or its own
-  start) as its last beat, so a job whose supervisor has not beaten yet, or started by hand, is stopped only after
-  the timeout, never at once; an older beat (a stale file from an earlier supervisor) is ignored. A heartbeat that
+- Supervision: the heartbeat (`supervisor_heartbeat`) is judged by run storage's own clock, never by the
+  supervisor's: at most every minute (every quarter of the timeout when that is shorter) the rule reads how long
+  ago, by the store's clock, the heartbeat object was written (`core.storage.StorageClock`: its modification time
+  against a probe's), and places that beat on this host's clock as `now - age`. The supervisor's clock and the
+  hosts' never meet, so a supervisor whose clock is 30 minutes behind is still seen beating. The job's own start
+  counts as a beat (a job whose supervisor has not beaten yet, or started by hand, is stopped only after the
+  timeout, never at once); an older beat (a stale file from an earlier supervisor) is ignored. A heartbeat that
   cannot be read is a warning, and the last beat read stands.
 """
 
@@ -43,7 +46,7 @@ from hlat.core.contract import (
     stop_record_path,
     supervisor_heartbeat,
 )
-from hlat.core.storage import Storage
+from hlat.core.storage import Storage, StorageClock
 
 log = logging.getLogger("hlat.train")
 
@@ -74,13 +77,20 @@ class StopRule:
         stage: str = "train",
         clock: Callable[[], float] = time.time,
         tick_s: float = TICK_S,
+        storage_clock: StorageClock | None = None,
     ) -> None:
         self.terms, self.request_stop, self.margin, self.run = terms, request_stop, margin, run
         self.heartbeat = supervisor_heartbeat(stage)
         self.stage, self.clock, self.tick_s = stage, clock, tick_s
         self.billed_from = terms.submitted_at if terms.submitted_at is not None else clock()
-        """Where the bill is counted from, and the first beat."""
-        self.last_beat = self.billed_from
+        """Where the bill is counted from."""
+        self.storage_clock = storage_clock
+        """How old the heartbeat is, by run storage's clock (None: the run's own, `StorageClock`)."""
+        if storage_clock is None and run is not None:
+            self.storage_clock = StorageClock(run, probe=f"{self.heartbeat.rpartition('/')[0]}/{stage}-clock-job")
+        self.last_beat = clock()
+        """The supervisor's last beat on this host's clock (its age by the store's clock, from now); the job's own
+        start to begin with."""
         self.read_every: float | None = None
         if terms.unsupervised_stop_s is not None:
             self.read_every = min(HEARTBEAT_READ_S, max(tick_s, terms.unsupervised_stop_s / 4))
@@ -109,11 +119,11 @@ class StopRule:
         if self._read_at is not None and now - self._read_at < self.read_every:
             return
         self._read_at = now
+        assert self.storage_clock is not None
         try:
-            beat = self.run.read_json(self.heartbeat) if self.run.exists(self.heartbeat) else None
-            beat_at = beat.get("beat_at") if isinstance(beat, dict) else None
-            if isinstance(beat_at, int | float):
-                self.last_beat = max(self.last_beat, float(beat_at))
+            age = self.storage_clock.age(self.heartbeat)
+            if age is not None:
+                self.last_beat = max(self.last_beat, now - age)
             self._read_failing = False
         except Exception as exc:  # storage away, a half-written file: the last beat read stands
             if not self._read_failing:

@@ -298,7 +298,7 @@ def test_a_refused_upload_is_a_refused_submission() -> None:
         (
             "ResourceLimitExceeded",
             "The account-level service limit 'ml.trn1.32xlarge for training job usage' is 16 Instances",
-            Action.FATAL,
+            Action.BACKOFF,  # instances still held by a stopping job clear; job.max_attempts_without_progress bounds it
         ),
         ("ValidationException", "1 validation error detected: Value at 'roleArn' failed", Action.FATAL),
         ("ThrottlingException", "Rate exceeded", Action.BACKOFF),

@@ -32,7 +32,7 @@ from hlat.core.contract import (
     supervisor_heartbeat,
 )
 from hlat.core.presets import load_config
-from hlat.core.storage import Storage
+from hlat.core.storage import Storage, StorageClock
 from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
 from hlat.infra.runs import Run
 from hlat.infra.sagemaker_jobs import SageMakerBackend, request_problems, sagemaker_service_model
@@ -110,7 +110,7 @@ def beat(run: Storage, at: float) -> None:
                                                    "command": "hlat pretrain"})  # fmt: skip
 
 
-def test_a_job_with_no_heartbeat_counts_from_its_submission(tmp_path: Path) -> None:
+def test_a_job_with_no_heartbeat_counts_from_its_start(tmp_path: Path) -> None:
     run = Storage(str(tmp_path))
     made = rule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), run)
     assert made.read_every == 60  # at most one read a minute
@@ -118,42 +118,101 @@ def test_a_job_with_no_heartbeat_counts_from_its_submission(tmp_path: Path) -> N
     assert "no supervisor heartbeat (jobs/train-supervisor.json)" in made.record(3).message
 
 
+class StoreClock(StorageClock):
+    """Run storage's clock for a test on a fake clock: an object's time is the time its writer put in it (as a
+    simulation's store would stamp it), the store's now the fake clock's."""
+
+    def __init__(self, run: Storage, clock: Clock, skew: float = 0.0) -> None:
+        super().__init__(run)
+        self.clock, self.skew, self.failing = clock, skew, False
+
+    def modified(self, rel: str) -> float | None:
+        if self.failing:
+            raise OSError("storage away")
+        return float(self.storage.read_json(rel)["beat_at"]) if self.storage.exists(rel) else None
+
+    def now(self) -> float:
+        return self.clock.now + self.skew
+
+
+def supervised(run: Storage, clock: Clock, skew: float = 0.0) -> StopRule:
+    """A rule of 10 minutes without a heartbeat, on `clock`; the store's clock is `skew` ahead of the job's."""
+    made = StopRule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), lambda why: None, lambda: 0.0, run,
+                    clock=clock, storage_clock=StoreClock(run, clock, skew))  # fmt: skip
+    return made
+
+
 def test_beats_keep_the_job_going_and_their_end_stops_it(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
-    made = rule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), run)
+    run, clock = Storage(str(tmp_path)), Clock()
+    made = supervised(run, clock)
     for t in range(0, 3000, 60):  # a supervisor beating each minute for 50 minutes
         beat(run, T0 + t)
-        assert made.check(T0 + t + 1) is None
+        clock.now = T0 + t + 1
+        assert made.check() is None
     last = T0 + 2940
     assert made.last_beat == last
     # It dies: the job stops 10 minutes after its last beat (read at most a minute late).
-    assert made.check(last + 599) is None
-    assert made.check(last + 600) == STOP_UNSUPERVISED
+    clock.now = last + 599
+    assert made.check() is None
+    clock.now = last + 600
+    assert made.check() == STOP_UNSUPERVISED
 
 
-def test_a_stale_heartbeat_at_start_is_older_than_the_submission(tmp_path: Path) -> None:
-    """A heartbeat left by an earlier supervisor does not stop a job just submitted: the submission is a beat."""
-    run = Storage(str(tmp_path))
+def test_a_stale_heartbeat_at_start_is_older_than_the_jobs_start(tmp_path: Path) -> None:
+    """A heartbeat left by an earlier supervisor does not stop a job just started: its start is a beat."""
+    run, clock = Storage(str(tmp_path)), Clock()
     beat(run, T0 - 86400)
-    made = rule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), run)
-    assert made.check(T0 + 1) is None and made.last_beat == T0
-    assert made.check(T0 + 600) == STOP_UNSUPERVISED
+    made = supervised(run, clock)
+    clock.now = T0 + 1
+    assert made.check() is None and made.last_beat == T0
+    clock.now = T0 + 600
+    assert made.check() == STOP_UNSUPERVISED
+
+
+@pytest.mark.parametrize("skew", [-2700.0, 2700.0])
+def test_only_the_stores_clock_judges_a_heartbeat(tmp_path: Path, skew: float) -> None:
+    """The store's clock 45 minutes off the job's (the supervisor's clock behind or ahead of the hosts, as the store
+    stamps the supervisor's writes): the heartbeat's age is what counts, so beats keep the job going and their end
+    stops it 10 minutes later, as with one clock."""
+    run, clock = Storage(str(tmp_path)), Clock()
+    made = supervised(run, clock, skew)
+    for t in range(0, 600, 60):
+        beat(run, T0 + t + skew)  # the store stamps the beat by its own clock
+        clock.now = T0 + t + 1
+        assert made.check() is None
+    clock.now = T0 + 540 + 599
+    assert made.check() is None
+    clock.now = T0 + 540 + 600
+    assert made.check() == STOP_UNSUPERVISED
+
+
+def test_a_supervisor_clock_behind_the_hosts_does_not_stop_the_job(tmp_path: Path) -> None:
+    """Real storage, real clocks: the supervisor's clock 45 minutes behind writes beat_at 45 minutes ago; the
+    heartbeat object's own time (its mtime, a probe's for now) says it is fresh, and the job goes on."""
+    run = Storage(str(tmp_path))
+    beat(run, time.time() - 2700)
+    made = StopRule(StopTerms(unsupervised_stop_s=1800), lambda why: None, lambda: 0.0, run)
+    assert made.check() is None and abs(made.last_beat - time.time()) < 30
+    assert (tmp_path / "jobs" / "train-clock-job").exists()  # the store's 'now' is a probe it wrote
 
 
 def test_an_unreadable_heartbeat_warns_once_and_the_last_beat_stands(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Storage(str(tmp_path))
-    made = rule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), run)
+    run, clock = Storage(str(tmp_path)), Clock()
+    made = supervised(run, clock)
     beat(run, T0 + 100)
-    assert made.check(T0 + 120) is None and made.last_beat == T0 + 100
-    (tmp_path / supervisor_heartbeat("train")).write_text("{half a fi")
+    clock.now = T0 + 120
+    assert made.check() is None and made.last_beat == T0 + 100
+    made.storage_clock.failing = True  # type: ignore[union-attr]
     with caplog.at_level(logging.WARNING, "hlat.train"):
         for t in (200, 300, 400):
-            assert made.check(T0 + t) is None
+            clock.now = T0 + t
+            assert made.check() is None
     assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
     assert "cannot read" in caplog.records[0].message and made.last_beat == T0 + 100
-    assert made.check(T0 + 700) == STOP_UNSUPERVISED
+    clock.now = T0 + 700
+    assert made.check() == STOP_UNSUPERVISED
 
 
 def test_the_record_is_kept_in_run_storage_for_a_supervisor_that_missed_the_log(

@@ -5,6 +5,7 @@ tests/unit/test_sagemaker_jobs.py (test_supervisor_relaunches_through_capacity_a
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,7 +152,8 @@ def test_capacity_backs_off_with_growing_delays(tmp_path: Path) -> None:
     capacity = ("Failed", "CapacityError: Unable to provision requested ML compute capacity.")
     plays = [Play([capacity], reaches=0), Play([capacity], reaches=0), Play([capacity], reaches=0), Play()]
     backend = ScriptedBackend(plays, clock)
-    attempts = supervisor(tmp_path, backend, clock, poll_seconds=1.0).run_to_completion()
+    sup = supervisor(tmp_path, backend, clock, poll_seconds=1.0, max_attempts_without_progress=4)
+    attempts = sup.run_to_completion()
     assert [a.action for a in attempts] == ["backoff", "backoff", "backoff", "done"]
     assert clock[0] >= 60 + 600 + 600  # the last delay repeats
 
@@ -166,7 +168,7 @@ def test_throttled_submission_backs_off_then_succeeds(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("refusal", "message"),
     [
-        (SubmitError("ResourceLimitExceeded", "The account-level service limit for ml.trn1.32xlarge"), "service limit"),
+        (SubmitError("ResourceInUse", "Resource being accessed is in use"), "in use"),
         (SubmitError("ValidationException", "Invalid RoleArn"), "Invalid RoleArn"),
         (SubmitError("AccessDeniedException", "not authorized to perform CreateTrainingJob"), "not authorized"),
     ],
@@ -204,25 +206,31 @@ def test_a_nan_at_the_same_step_twice_is_fatal(tmp_path: Path) -> None:
     assert len(info.value.attempts) == 2  # the first one committed step 30, then failed as the second did
 
 
-def test_platform_faults_keep_relaunching_with_growing_delays(tmp_path: Path) -> None:
-    """A dead host or daemon, again and again before the next checkpoint: never a reason to stop (only
-    job.max_restarts or the budget are); the first relaunch is at once, repeats wait longer and longer."""
+def test_platform_faults_keep_relaunching_with_growing_delays(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """A dead host or daemon, again and again before the next checkpoint: relaunched until
+    job.max_attempts_without_progress (here 10; see test_every_class_stops_after_attempts_without_progress),
+    job.max_restarts or the budget; the first relaunch is at once, repeats wait longer and longer."""
     clock = [0.0]
     died = ("Failed", "InternalServerError: the job's supervisor process died")
     killed = ("Failed", "AlgorithmError: training process killed by signal SIGKILL (exit code 137)")
     plays = [Play([died], reaches=0), Play([killed], reaches=0), Play([died], reaches=0), Play([died], reaches=0)]
     plays += [Play([killed], reaches=20), Play([died], reaches=20), Play()]
     backend = ScriptedBackend(plays, clock)
-    delays: list[float] = []
-    sup = supervisor(tmp_path, backend, clock, backoff_seconds=[30.0, 600.0])  # (polls sleep 60 s)
-    sup.sleep = lambda s: (delays.append(s), clock.__setitem__(0, clock[0] + s))  # type: ignore[func-returns-value]
-    attempts = sup.run_to_completion()
+    sup = supervisor(tmp_path, backend, clock, backoff_seconds=[30.0, 600.0], max_attempts_without_progress=10)
+    with caplog.at_level(logging.WARNING, "hlat.supervisor"):
+        attempts = sup.run_to_completion()
     assert [a.action for a in attempts] == ["resume", "backoff", "backoff", "backoff", "resume", "resume", "done"]
     assert [a.failure_class for a in attempts] == ["platform"] * 6 + [None]
-    assert [d for d in delays if d != 60.0] == [30.0, 600.0, 600.0]  # an attempt that gained steps resets them
+    # Back-offs sleep in poll-sized parts (a stop request is honoured between them): the log states each delay.
+    delays = [
+        r.getMessage().rsplit("relaunching in ", 1)[1] for r in caplog.records if "relaunching in" in r.getMessage()
+    ]
+    assert delays == ["30 s", "10 min", "10 min"]  # an attempt that gained steps resets them
     with pytest.raises(RestartsExhausted):
         plays = [Play([died], reaches=0) for _ in range(5)]
-        supervisor(tmp_path / "again", ScriptedBackend(plays, clock), clock, max_restarts=3).run_to_completion()
+        supervisor(
+            tmp_path / "again", ScriptedBackend(plays, clock), clock, max_restarts=3, max_attempts_without_progress=10
+        ).run_to_completion()
 
 
 @pytest.mark.parametrize("rule", [*FAILURE_RULES, UNKNOWN], ids=lambda r: r.category)
@@ -421,7 +429,8 @@ def test_classification(state: JobState, action: Action, category: str) -> None:
 
 
 def test_submission_error_codes_classify() -> None:
-    assert classify_reason("ResourceLimitExceeded: quota").action == Action.FATAL
+    assert classify_reason("ResourceLimitExceeded: quota").action == Action.BACKOFF
+    assert classify_reason("ResourceInUse: in use").action == Action.FATAL
     assert classify_reason("ThrottlingException: Rate exceeded").action == Action.BACKOFF
     assert classify_reason("InsufficientCapacityError: no trn1").action == Action.BACKOFF
     assert classify_reason("AccessDeniedException: no").action == Action.FATAL
@@ -494,11 +503,12 @@ def test_a_nan_at_step_41_after_a_checkpoint_at_30_stops_after_max_repeats(tmp_p
 
 
 def test_the_same_type_at_another_step_is_another_cause(tmp_path: Path) -> None:
-    """A NaN at 41 then at 57 (a newer checkpoint in between, or not) is not a deterministic repeat."""
+    """A crash at 41 then at 57 (a newer checkpoint in between, or not) is not a deterministic repeat (a NaN is:
+    test_a_nan_whose_step_moves_is_still_the_same_failure)."""
     clock = [0.0]
-    nan = [record_reason("NonFiniteLoss", "loss is nan", step) for step in (41, 57, 63)]
-    plays = [Play([("Failed", nan[0])], reaches=30), Play([("Failed", nan[1])], reaches=30)]
-    plays += [Play([("Failed", nan[2])], reaches=60), Play()]
+    crash = [record_reason("RuntimeError", "index out of range", step) for step in (41, 57, 63)]
+    plays = [Play([("Failed", crash[0])], reaches=30), Play([("Failed", crash[1])], reaches=30)]
+    plays += [Play([("Failed", crash[2])], reaches=60), Play()]
     attempts = supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
     assert [a.action for a in attempts] == ["resume", "resume", "resume", "done"]
 
@@ -578,7 +588,8 @@ def killed_before_its_first_step() -> Play:
 def test_a_rank_killed_before_its_first_step_is_a_kill_each_time(tmp_path: Path) -> None:
     clock = [0.0]
     plays = [killed_before_its_first_step() for _ in range(3)] + [Play()]
-    attempts = supervisor(tmp_path, ScriptedBackend(plays, clock), clock).run_to_completion()
+    sup = supervisor(tmp_path, ScriptedBackend(plays, clock), clock, max_attempts_without_progress=4)
+    attempts = sup.run_to_completion()
     assert [(a.category, a.failure_class) for a in attempts[:3]] == [("killed", "platform")] * 3
     assert [a.action for a in attempts] == ["resume", "backoff", "backoff", "done"]
 
@@ -588,7 +599,9 @@ def test_platform_faults_with_records_retry_to_max_restarts(tmp_path: Path) -> N
     hw = record_reason("RuntimeError", "nrt_execute status=1006 NRT_EXEC_HW_ERR_COLLECTIVES", 41)
     plays = [Play([("Failed", hw)], reaches=30) for _ in range(8)]
     with pytest.raises(RestartsExhausted) as info:
-        supervisor(tmp_path, ScriptedBackend(plays, clock), clock, max_restarts=5).run_to_completion()
+        supervisor(
+            tmp_path, ScriptedBackend(plays, clock), clock, max_restarts=5, max_attempts_without_progress=10
+        ).run_to_completion()
     assert len(info.value.attempts) == 6
     assert {a.category for a in info.value.attempts} == {"hardware"}
 
