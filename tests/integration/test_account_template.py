@@ -3,11 +3,13 @@ from it what the jobs and flow runs need; the policies it creates allow what the
 run prefix, the execution role's PassRole and the stack's cluster; `hlat deploy --stack` and the worker image's
 push read the stack's outputs, so nothing is hand-edited and no git remote is needed.
 
-moto's CloudFormation creates the bucket with its encryption but drops three of the bucket's properties
-(LifecycleConfiguration, PublicAccessBlockConfiguration, OwnershipControls) and has no AWS::S3::BucketPolicy (the
-TLS-only policy): those are checked by putting the template's own values through S3's API on the created bucket
-(botocore validates their shape, moto stores and returns them), and by cfn-lint against CloudFormation's schemas.
-IAM is not simulated by moto: the created policies are read back from moto's IAM and evaluated here (`allows`).
+moto's CloudFormation creates the bucket with its encryption but drops four of the bucket's properties
+(VersioningConfiguration, LifecycleConfiguration, PublicAccessBlockConfiguration, OwnershipControls) and has no
+AWS::S3::BucketPolicy (the TLS-only policy): those are checked by putting the template's own values through S3's API
+on the created bucket (botocore validates their shape, moto stores and returns them), and by cfn-lint against
+CloudFormation's schemas. IAM is not simulated by moto: the created policies are read back from moto's IAM and
+evaluated here (`allows`). The preflight itself runs against the created stack: its role's trust as the template
+writes it, and the S3 probe as that role.
 """
 
 from __future__ import annotations
@@ -141,7 +143,8 @@ def default_stack(s3_server: str) -> Created:
 
 @pytest.fixture(scope="module")
 def vpc_stack(s3_server: str) -> Created:
-    """The stack with jobs in a VPC, a KMS key and a corpus bucket."""
+    """The stack with jobs in a VPC, a KMS key and a corpus bucket, S3 versioning (noncurrent versions kept 3 days),
+    and no AssumeRole of the execution role for the preflight."""
     import boto3
 
     ec2 = boto3.client(
@@ -151,6 +154,9 @@ def vpc_stack(s3_server: str) -> Created:
     subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.8.{i}.0/24")["Subnet"]["SubnetId"] for i in (1, 2)]
     return create_stack(
         s3_server,
+        Versioning="Enabled",
+        NoncurrentVersionDays="3",
+        PreflightAssumesExecutionRole="false",
         VpcId=vpc,
         SubnetIds=",".join(subnets),
         AssignPublicIp="DISABLED",
@@ -239,7 +245,12 @@ def test_the_stack_creates_the_bucket_roles_repository_cluster_and_outputs(defau
     s3 = default_stack.client("s3")
     rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
     assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
-    assert "Status" not in s3.get_bucket_versioning(Bucket=bucket)  # versioning never switched on
+    # Versioning=Suspended (the default) is written as such, so that an update from Enabled suspends it; on a new
+    # bucket it is never enabled, one version per key (moto's CloudFormation sets no versioning at all).
+    assert template()["Resources"]["RunsBucket"]["Properties"]["VersioningConfiguration"] == {
+        "Status": {"Ref": "Versioning"}
+    }
+    assert s3.get_bucket_versioning(Bucket=bucket).get("Status") != "Enabled"
     repo = default_stack.client("ecr").describe_repositories(repositoryNames=[f"{default_stack.stack.name}-worker"])
     assert repo["repositories"][0]["repositoryUri"] == out["WorkerRepositoryUri"]
     clusters = default_stack.client("ecs").describe_clusters(clusters=[out["ClusterName"]])["clusters"]
@@ -253,28 +264,45 @@ def test_the_stack_creates_the_bucket_roles_repository_cluster_and_outputs(defau
         assert all(f":{ACCOUNT}:policy/" in p["PolicyArn"] for p in attached), attached
 
 
+def lifecycle_rules(parameters: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """The runs bucket's lifecycle rules as the template writes them, in S3's API shape
+    (PutBucketLifecycleConfiguration), each !Ref resolved to `parameters` or the parameter's default. A rule
+    property not translated here fails."""
+    params = {k: str(v.get("Default", "")) for k, v in template()["Parameters"].items()} | (parameters or {})
+
+    def value(v: Any) -> int:
+        return int(params[v["Ref"]] if isinstance(v, dict) else v)
+
+    rules = []
+    for rule in template()["Resources"]["RunsBucket"]["Properties"]["LifecycleConfiguration"]["Rules"]:
+        known = {"Id", "Status", "Prefix", "AbortIncompleteMultipartUpload", "NoncurrentVersionExpiration"}
+        assert set(rule) <= known | {"ExpiredObjectDeleteMarker"}, set(rule) - known
+        out: dict[str, Any] = {"ID": rule["Id"], "Status": rule["Status"], "Filter": {"Prefix": rule.get("Prefix", "")}}
+        if "AbortIncompleteMultipartUpload" in rule:
+            days = value(rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"])
+            out["AbortIncompleteMultipartUpload"] = {"DaysAfterInitiation": days}
+        if "NoncurrentVersionExpiration" in rule:
+            out["NoncurrentVersionExpiration"] = {
+                "NoncurrentDays": value(rule["NoncurrentVersionExpiration"]["NoncurrentDays"])
+            }
+        if rule.get("ExpiredObjectDeleteMarker"):
+            out["Expiration"] = {"ExpiredObjectDeleteMarker": True}
+        rules.append(out)
+    return rules
+
+
 def test_the_bucket_aborts_incomplete_uploads_and_blocks_public_access(default_stack: Created) -> None:
     """The properties moto's CloudFormation drops, put through S3's API as the template writes them."""
     bucket = template()["Resources"]["RunsBucket"]["Properties"]
-    (rule,) = bucket["LifecycleConfiguration"]["Rules"]
-    assert rule["AbortIncompleteMultipartUpload"]["DaysAfterInitiation"] == {"Ref": "AbortIncompleteUploadDays"}
+    rules = lifecycle_rules()
+    assert [r["ID"] for r in rules] == ["abort-incomplete-multipart-uploads", "expire-noncurrent-versions"]
     assert template()["Parameters"]["AbortIncompleteUploadDays"]["Default"] == 3
     s3, name = default_stack.client("s3"), default_stack.bucket
-    s3.put_bucket_lifecycle_configuration(
-        Bucket=name,
-        LifecycleConfiguration={
-            "Rules": [
-                {
-                    "ID": rule["Id"],
-                    "Status": rule["Status"],
-                    "Filter": {"Prefix": ""},
-                    "AbortIncompleteMultipartUpload": {"DaysAfterInitiation": 3},
-                }
-            ]
-        },
+    s3.put_bucket_lifecycle_configuration(Bucket=name, LifecycleConfiguration={"Rules": rules})
+    stored = s3.get_bucket_lifecycle_configuration(Bucket=name)["Rules"]
+    assert (
+        stored[0]["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 3} and stored[0]["Status"] == "Enabled"
     )
-    (stored,) = s3.get_bucket_lifecycle_configuration(Bucket=name)["Rules"]
-    assert stored["AbortIncompleteMultipartUpload"] == {"DaysAfterInitiation": 3} and stored["Status"] == "Enabled"
     block = bucket["PublicAccessBlockConfiguration"]
     assert block == dict.fromkeys(
         ("BlockPublicAcls", "BlockPublicPolicy", "IgnorePublicAcls", "RestrictPublicBuckets"), True
@@ -286,12 +314,54 @@ def test_the_bucket_aborts_incomplete_uploads_and_blocks_public_access(default_s
     assert (tls["Effect"], tls["Condition"]) == ("Deny", {"Bool": {"aws:SecureTransport": "false"}})
 
 
+def test_every_versioned_bucket_expires_its_noncurrent_versions(vpc_stack: Created) -> None:
+    """Retention deletes a checkpoint every checkpoint_every steps; under versioning the delete only hides it, and
+    every bucket that can be versioned expires those noncurrent versions after NoncurrentVersionDays (and the delete
+    markers left behind), for the whole bucket, whatever the Versioning parameter."""
+    buckets = {k: r for k, r in template()["Resources"].items() if r["Type"] == "AWS::S3::Bucket"}
+    versioned = {k: r for k, r in buckets.items() if "VersioningConfiguration" in r["Properties"]}
+    assert versioned and set(versioned) == set(buckets), "a bucket the template can version"
+    for name, resource in versioned.items():
+        rules = resource["Properties"]["LifecycleConfiguration"]["Rules"]
+        expiring = [r for r in rules if "NoncurrentVersionExpiration" in r and r["Status"] == "Enabled"]
+        assert expiring, f"{name}: no enabled NoncurrentVersionExpiration rule"
+        for rule in expiring:
+            assert "Prefix" not in rule and "TagFilters" not in rule, f"{name}: {rule['Id']} covers part of the bucket"
+            assert rule["NoncurrentVersionExpiration"]["NoncurrentDays"] == {"Ref": "NoncurrentVersionDays"}
+            assert rule["ExpiredObjectDeleteMarker"] is True
+    days = template()["Parameters"]["NoncurrentVersionDays"]
+    assert days["Default"] == 1 and days["MinValue"] == 1  # ~25.7 TB of hlat-70b checkpoints a day (docs)
+    # The stack with Versioning=Enabled and NoncurrentVersionDays=3: versioning and the rules as S3 takes them
+    # (moto's CloudFormation drops both).
+    s3, bucket = vpc_stack.client("s3"), vpc_stack.bucket
+    status = template()["Resources"]["RunsBucket"]["Properties"]["VersioningConfiguration"]["Status"]
+    s3.put_bucket_versioning(
+        Bucket=bucket, VersioningConfiguration={"Status": {"Versioning": "Enabled"}[status["Ref"]]}
+    )
+    s3.put_bucket_lifecycle_configuration(
+        Bucket=bucket, LifecycleConfiguration={"Rules": lifecycle_rules({"NoncurrentVersionDays": "3"})}
+    )
+    stored = {r["ID"]: r for r in s3.get_bucket_lifecycle_configuration(Bucket=bucket)["Rules"]}
+    expire = stored["expire-noncurrent-versions"]
+    assert expire["NoncurrentVersionExpiration"]["NoncurrentDays"] == 3 and expire["Status"] == "Enabled"
+    assert expire["Expiration"] == {"ExpiredObjectDeleteMarker": True}
+    # What the rule is for: a rotated checkpoint under versioning is a noncurrent version, still stored.
+    key = "hlat/run/checkpoints/step-000000300/rank-0.pt"
+    s3.put_object(Bucket=bucket, Key=key, Body=b"shard")
+    s3.delete_object(Bucket=bucket, Key=key)
+    versions = s3.list_object_versions(Bucket=bucket, Prefix=key)
+    assert [v["IsLatest"] for v in versions["Versions"]] == [False] and len(versions["DeleteMarkers"]) == 1
+
+
 def test_the_execution_role_reaches_the_run_prefix_images_and_logs_only(default_stack: Created) -> None:
     name, bucket = default_stack.stack.name, default_stack.bucket
     iam = default_stack.client("iam")
     trust = iam.get_role(RoleName=f"{name}-sagemaker-execution")["Role"]["AssumeRolePolicyDocument"]
     trust = _document(trust)
-    assert [s["Principal"] for s in trust["Statement"]] == [{"Service": "sagemaker.amazonaws.com"}]
+    assert [s["Principal"] for s in trust["Statement"]] == [
+        {"Service": "sagemaker.amazonaws.com"},
+        {"AWS": f"arn:aws:iam::{ACCOUNT}:root"},  # the preflight's probe (PreflightAssumesExecutionRole)
+    ]
     st = role_statements(default_stack, f"{name}-sagemaker-execution")
     obj = f"arn:aws:s3:::{bucket}/hlat/hlat-7b-1a2b/checkpoints/step-000001000/rank-0.pt"
     for action in ("s3:GetObject", "s3:PutObject", "s3:DeleteObject", "s3:AbortMultipartUpload"):
@@ -338,9 +408,69 @@ def test_the_flow_runs_may_run_jobs_and_pass_the_execution_role_only(default_sta
     assert not allows(st, "sagemaker:CreateEndpoint", "*") and not allows(st, "iam:CreateRole", "*")
 
 
+def test_the_preflight_may_assume_the_execution_role_in_its_own_sessions_only(
+    default_stack: Created, vpc_stack: Created
+) -> None:
+    """The trust delegates to the account's own policies (Principal: the account) for sessions named
+    hlat-preflight-*, and FlowRunPolicy allows exactly that; with PreflightAssumesExecutionRole=false the trust names
+    SageMaker alone."""
+    from hlat.infra.preflight import PROBE_SESSION, _trusts_sagemaker
+
+    out, name = default_stack.stack.outputs, default_stack.stack.name
+    role = out["SageMakerExecutionRoleArn"]
+    iam = default_stack.client("iam")
+    trust = _document(iam.get_role(RoleName=f"{name}-sagemaker-execution")["Role"]["AssumeRolePolicyDocument"])
+    (probe,) = [s for s in trust["Statement"] if s.get("Sid") == "PreflightProbes"]
+    session = {"sts:RoleSessionName": f"{PROBE_SESSION}0123456789ab"}
+    assert probe["Action"] == "sts:AssumeRole" and probe["Effect"] == "Allow"
+    (op, tests), = probe["Condition"].items()  # fmt: skip
+    assert all(_condition(op, key, want, session) for key, want in tests.items())
+    assert not all(_condition(op, key, want, {"sts:RoleSessionName": "admin"}) for key, want in tests.items())
+    flow_run = role_statements(default_stack, f"{name}-flow-run")
+    assert allows(flow_run, "sts:AssumeRole", role, session)
+    assert not allows(flow_run, "sts:AssumeRole", role, {"sts:RoleSessionName": "anything-else"})
+    assert not allows(flow_run, "sts:AssumeRole", out["FlowRunRoleArn"], session)
+    # The preflight reads this trust as trusting SageMaker for the account's jobs (its aws:SourceAccount guard).
+    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-7b-1a2b-train-1"
+    assert _trusts_sagemaker(trust, {"aws:sourceaccount": ACCOUNT, "aws:sourcearn": job}) is True
+    off = vpc_stack.stack.name
+    off_trust = _document(
+        vpc_stack.client("iam").get_role(RoleName=f"{off}-sagemaker-execution")["Role"]["AssumeRolePolicyDocument"]
+    )
+    # FlowRunPolicy's statement stays, inert: IAM lets a principal assume a role only where the role's trust lets it.
+    assert [s["Principal"] for s in off_trust["Statement"]] == [{"Service": "sagemaker.amazonaws.com"}]
+
+
+def test_the_preflight_passes_on_the_stack_probing_as_its_execution_role(
+    default_stack: Created, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`hlat preflight` against what the template created (moto's default caller): the role trusts SageMaker as the
+    template writes it (before, its aws:SourceAccount condition read as 'does not trust'), and the run prefix is
+    probed as the assumed execution role."""
+    from hlat.core.presets import load_config
+    from hlat.infra.preflight import run_preflight
+    from tests.integration.test_preflight import stubbed_quotas
+
+    set_aws_env(monkeypatch, s3_server, "testing", "testing")
+    out = default_stack.stack.outputs
+    role = out["SageMakerExecutionRoleArn"]
+    sets = {"job.backend": "sagemaker", "job.region": REGION, "job.role_arn": role,
+            "data.source": "builtin:python-stdlib", "tokenizer.pretrained": None}  # fmt: skip
+    config = load_config("hlat-7b", sets, storage=out["RunsRoot"])
+    result = run_preflight(config, clients={"service-quotas": stubbed_quotas(config)})
+    assert result.ok, result.lines()
+    by_check = {f.check: f for f in result.findings}
+    assert by_check["role"].line() == f"preflight ok   role: {role} exists and trusts sagemaker.amazonaws.com"
+    where = f"s3://{default_stack.bucket}/hlat/{config.resolved_run_id()}/"
+    assert [f.line() for f in result.findings if f.check == "storage"] == [
+        f"preflight ok   storage: write, read, list and delete under {where} as the caller",
+        f"preflight ok   storage: write, read, list and delete under {where} as the job's role {role}",
+    ]
+
+
 def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack: Created) -> None:
-    """Each boto3 call of SageMaker, CloudWatch Logs, IAM, ECR and Service Quotas written in infra/ (the flow runs'
-    code, the preflight's included) is allowed to the flow-run role on some resource: a new call fails here until
+    """Each boto3 call of SageMaker, CloudWatch Logs, IAM, ECR, Service Quotas and STS written in infra/ (the flow
+    runs' code, the preflight's included) is allowed to the flow-run role on some resource: a new call fails here until
     the template grants it."""
     import botocore.session
     from botocore import xform_name
@@ -348,7 +478,7 @@ def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack
     st = role_statements(default_stack, f"{default_stack.stack.name}-flow-run")
     loader = botocore.session.get_session()
     operations: dict[str, str] = {}
-    for service in ("sagemaker", "logs", "iam", "ecr", "service-quotas"):
+    for service in ("sagemaker", "logs", "iam", "ecr", "service-quotas", "sts"):
         prefix = "servicequotas" if service == "service-quotas" else service
         for op in loader.get_service_model(service).operation_names:
             operations.setdefault(xform_name(op), f"{prefix}:{op}")
@@ -366,8 +496,11 @@ def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack
             *("GetGroupPolicy", "ListGroupPolicies", "ListAttachedGroupPolicies"),
         )
     }
-    actions = sorted(operations[m] for m in called & set(operations) if operations[m] not in users_only)
+    # sts:GetCallerIdentity needs no permission (IAM user guide, "GetCallerIdentity").
+    free = {"sts:GetCallerIdentity"}
+    actions = sorted(operations[m] for m in called & set(operations) if operations[m] not in users_only | free)
     assert "sagemaker:DescribeTrainingJob" in actions and "logs:FilterLogEvents" in actions
+    assert {"sts:AssumeRole", "sagemaker:ListTrainingJobs"} <= set(actions)  # the preflight's probe and usage
     denied = [a for a in actions if not allows(st, a, "*") and not _allowed_somewhere(st, a)]
     assert not denied, f"deployments/account.yaml's FlowRunPolicy lacks {denied}"
 
