@@ -16,6 +16,8 @@ from hlat.core.stop_timeline import (
     PART_BYTES,
     PLAN,
     S3FS_DEFAULT_POOL,
+    StopPlan,
+    StopTimeline,
     checkpoint_shape,
     grace_seconds,
     state_bytes,
@@ -29,9 +31,9 @@ SAGEMAKER = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.roo
 STEP_S = {"hlat-7b": 3.58, "hlat-70b": 9.28}
 
 
-def timeline(preset: str, plan: object = PLAN, **overrides: object):  # type: ignore[no-untyped-def]
+def timeline(preset: str, plan: StopPlan = PLAN, **overrides: str) -> StopTimeline:
     config = load_config(preset, {**SAGEMAKER, **overrides})
-    return stop_timeline(config, STEP_S[preset], plan=plan)  # type: ignore[arg-type]
+    return stop_timeline(config, STEP_S[preset], plan=plan)
 
 
 # (preset, overrides): the worst case from SIGTERM before issue 50 and now, in seconds (rounded).
