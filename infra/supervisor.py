@@ -539,10 +539,14 @@ class SupervisorLease:
         """Raise LeaseLost unless the stored lease is still this supervisor's (before any submission or stop)."""
         if self.mine is None:
             return
-        held = read_lease(self.run, self.stage)
-        if held is not None and held.get("nonce") == self.mine["nonce"]:
+        try:
+            held = self.run.read_json(self.rel) if self.run.exists(self.rel) else None
+        except Exception as exc:  # storage away for a moment: only a lease read as another's is lost
+            log.warning("could not read %s: %s", self.run.uri(self.rel), exc)
             return
-        other = describe_holder(held) if held else "nobody (the lease was removed)"
+        if not isinstance(held, dict) or held.get("nonce") == self.mine["nonce"]:
+            return  # ours (or removed by hand: nobody else holds it)
+        other = describe_holder(held)
         raise LeaseLost(
             f"{self.stage}: this supervisor's lease {self.mine['token']} was taken over by {other} after it went "
             "silent past the lease's expiry; it submits and stops nothing more (the other one goes on with the job)",
@@ -776,7 +780,13 @@ class Supervisor:
         only that interval); raises LeaseLost when it was taken over."""
         now = self.clock()
         if self._renewed_at is None or now - self._renewed_at >= self.lease.ttl_s / 5:
-            self.lease.renew(self.attempts)
+            try:
+                self.lease.renew(self.attempts)
+            except LeaseLost:
+                raise
+            except Exception as exc:  # storage away: the next poll renews (the lease outlives five polls)
+                log.warning("could not renew %s: %s", self.run.uri(self.lease.rel), exc)
+                return
             self._renewed_at = now
 
     def _honour_stop_request(self, next_attempt: int | None = None) -> None:
@@ -1482,16 +1492,12 @@ def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> st
     if not attempts or attempts[-1].ended:
         return None
     lease = read_lease(run, stage)
-    now = StorageClock(run, probe=f"jobs/{stage}-clock-supervisor").now()
-    if (
-        lease_live(lease, now)
-        and lease is not None
-        and (lease.get("pid"), lease.get("host"))
-        != (
-            os.getpid(),
-            socket.gethostname(),
-        )
-    ):
+    try:
+        now = StorageClock(run, probe=f"jobs/{stage}-clock-supervisor").now()
+    except Exception:  # a store that cannot be written: judged by this machine's clock
+        now = time.time()
+    holder = None if lease is None else (lease.get("pid"), lease.get("host"))
+    if lease_live(lease, now) and lease is not None and holder != (os.getpid(), socket.gethostname()):
         # Another supervisor (another terminal, a deployment) watches this job: a cancellation here is not its end.
         log.warning("not stopping the %s job: %s supervises it", stage, describe_holder(lease))
         return None

@@ -196,3 +196,33 @@ def test_ctrl_c_records_the_end_and_cancels_the_flow_run_without_an_error_line(
     states = {t.name.rsplit("-", 1)[0]: t.state.type for t in tasks if t.state is not None}
     assert states.get("train-model") == StateType.CANCELLED, states
     assert processes_mentioning(str(run)) == []
+
+
+def test_hlat_stop_during_a_back_off_prevents_the_next_job(prepared: Path, tmp_path: Path) -> None:
+    """The first job finds no capacity; its supervisor backs off for 10 minutes. `hlat stop` then, with no job
+    running, says the stage will not relaunch, and the supervising command ends within a poll, submitting
+    nothing more."""
+    run = new_run(prepared, tmp_path, "backing-off")
+    env = {**env_for(tmp_path), "HLAT_LOCAL_FAULTS": json.dumps({"1": {"fail": "CapacityError: none", "after_s": 0}})}
+    output = (tmp_path / "backing-off.out").open("wb")
+    flow = subprocess.Popen(
+        [str(BIN / "hlat"), "run", "train", "--run-id", "backing-off", "--storage", str(tmp_path),
+         *sets(**{"job.backoff_seconds": [600]})],
+        cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
+    )  # fmt: skip
+    ledger = Ledger(Storage(str(run)), "train")
+    wait_for(lambda: [a.action for a in ledger.load()] == ["backoff"], 180, "the first job's capacity failure")
+    lease = json.loads((run / "jobs" / "train-lease.json").read_text())
+    assert lease["pid"] == flow.pid and not lease["released"]
+    status = hlat(tmp_path, "status", "backing-off")
+    assert "train            between attempts" in status.stdout and f"pid {flow.pid}" in status.stdout, status.stdout
+    stop = hlat(tmp_path, "stop", "backing-off")
+    assert stop.returncode == 0, stop.stderr
+    assert "no train job is running" in stop.stdout and "the stage will not relaunch" in stop.stdout, stop.stdout
+    assert "nothing to stop" not in stop.stdout
+    code = flow.wait(timeout=120)
+    out = (tmp_path / "backing-off.out").read_text()
+    (line,) = [line for line in out.splitlines() if line.startswith("hlat: stopped:")]
+    assert code == 0 and "stopped by hlat stop between attempts" in line, out[-3000:]
+    assert [a.attempt for a in ledger.load()] == [1]  # no second job
+    assert processes_mentioning(str(run)) == []
