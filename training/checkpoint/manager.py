@@ -28,7 +28,11 @@ one and re-raises its error as `CheckpointError`. The background thread never ca
 from a second thread can deadlock against the loop's own (NCCL, gloo); rank 0 relies on polling the storage for the
 other ranks' files instead, so give it a generous `commit_timeout_s`. FSDP2's async saves go through DCP's own
 (dcp.py). A failed background save is raised by `check()` too, which the loop calls after every step: it costs no
-I/O, so a rank's failed upload stops the job at once rather than one checkpoint interval later.
+I/O, so a rank's failed upload stops the job at once rather than one checkpoint interval later. A stop does not wait
+for a save in flight: `supersede()` cuts it at its next check (between two parts of an upload, or in rank 0's wait
+for the other ranks' files) and commits nothing of it, so the stop's own save fits SageMaker's 120 s grace
+(core/stop_timeline.py). Rank 0 reads the ranks' manifests with as many reads in flight as its S3 client has
+connections (`Storage.parallel_reads`).
 
 Every rank's files get a sha256: each rank other than 0 writes `manifest-RRRRR.json` (its files' sizes and sha256,
 its host) beside them, and rank 0 merges the manifests into meta.json at commit; `read_state` checks the sha256 of
@@ -37,7 +41,8 @@ every file it reads. Checkpoints written before manifests existed record sizes o
 S3 request rates (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html: 3,500
 PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second per partitioned prefix, 503 SlowDown beyond): checkpoint
 files go up in 512 MiB parts (serialization.CHECKPOINT_PART_SIZE), so most files are one PUT; on S3 each rank starts
-its writes `rank x requests_per_rank / write_rate` seconds after the save began, and its reads at resume
+its writes `position x 2 / write_rate` seconds after the save began, the shard writers first (in shard order, then
+every rank in rank order: `core.stop_timeline.write_start_seconds`), and its reads at resume
 likewise after `read_rate`, so thousands of ranks spread their requests over a few seconds instead of sending them
 within one (`request_offset`); botocore retries what is throttled anyway (core.storage.S3_CLIENT_CONFIG). At resume
 one rank (0) lists the checkpoints and reads meta.json (`resume_point`), and hands the result to the others through
