@@ -151,7 +151,7 @@ class StopVote:
         if self._closing.is_set():
             return
         try:
-            self.connect_once().set(REQUEST, str(self.rank))  # type: ignore[misc]
+            self.connect_once().set(REQUEST, str(self.rank))
         except Exception as exc:
             log.warning("stop vote: could not ask the other ranks to stop (%s: %s)", type(exc).__name__, exc)
 
