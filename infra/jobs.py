@@ -179,10 +179,11 @@ class FailureClass(StrEnum):
     deterministically)."""
     PLATFORM = "platform"
     """The platform's fault (a dead host or daemon, an internal error, hardware, an interruption, a hang): relaunched
-    at once, and after a growing delay when it repeats with no checkpoint gained; it never stops the stage by repeating,
-    only job.max_restarts or the budget do."""
+    at once, and after a growing delay when it repeats with no checkpoint gained; job.max_attempts_without_progress
+    attempts in a row gaining none stop the stage (as for every class)."""
     CAPACITY = "capacity"
-    """No capacity, or throttled: relaunched after a growing delay, until job.max_restarts or the budget."""
+    """No capacity, throttled, a transient quota refusal: relaunched after a growing delay, until
+    job.max_attempts_without_progress attempts in a row gained nothing, job.max_restarts or the budget."""
 
 
 @dataclass(frozen=True)

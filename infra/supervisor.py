@@ -8,15 +8,19 @@ is restarted finds the job it launched (by its deterministic name) and watches i
 Each attempt ends in one of four ways (`infra.jobs.classify`, by the failure's class, judged from the job's own
 failure record when it wrote one, else from SageMaker's status fields, else from words in the reason or the log):
 done; resume at once (a failure of the job's own: NaN exit, a crash; or of the platform: a dead host or daemon, a
-killed rank, hardware, an internal error, max runtime); resume after a growing delay (capacity, throttling, and a
-platform fault that repeats with no checkpoint gained, which never stops the stage by itself); fatal (bad config,
-data, image, access, quota; or the same failure of the job's own, by its cause, ending `job.max_repeats` attempts in
-a row with no newer checkpoint committed between them). Progress is a committed checkpoint: steps logged past it and
-lost do not count. A job that reports Completed without the checkpoint of the last step is no 'done': it is resumed,
+killed rank, hardware, an internal error, max runtime, a hang); resume after a growing delay (capacity, throttling,
+a transient quota refusal, and a platform fault that repeats with no checkpoint gained); fatal (bad config, data,
+image, access; the same failure of the job's own, by its cause, ending `job.max_repeats` attempts in a row with no
+newer checkpoint committed between them; or `job.max_attempts_without_progress` attempts in a row, of any class,
+committing none). Progress is a committed checkpoint: steps logged past it and lost do not count. The ending is
+judged by the record of the rank that failed first, the earliest of any line of the job's log. A job that reports
+Completed without the checkpoint of the last step is no 'done': it is resumed,
 as 'completed without a checkpoint at step N', and stops the stage when that repeats the same way. The loop also
 stops when the relaunches allowed (`job.max_restarts`) or the dollar budget (billable seconds x instance count x
-node-hour price; on SageMaker 1.25 x the plan's estimate unless `job.budget_usd` says otherwise) run out. A job that
-logs no new step for `job.hang_timeout_minutes` is stopped and relaunched.
+node-hour price; on SageMaker 1.25 x the plan's estimate unless `job.budget_usd` says otherwise) run out, and no
+attempt is recorded that the deadline or the budget left would refuse. A job that logs no new step for
+`job.hang_timeout_minutes` once it reached Training, or no first step for `job.startup_timeout_minutes` after it, is
+stopped and relaunched.
 
 What it logs stays short on a long run: the progress line (step, loss, tokens/s and ETA measured over a window of
 recent steps, dollars) when its status changes or, while steps advance, at most every ten polls, ending with the
@@ -26,8 +30,10 @@ Interrupting the supervisor itself (Ctrl-C, a cancelled flow run: anything that 
 job and records its end; a supervisor that crashes or is killed leaves the job running for the next supervisor to
 re-attach to. While it watches a job the supervisor writes a heartbeat each poll (`jobs/<stage>-supervisor.json`:
 when, which process on which host, which flow run): `hlat status` shows it, and a job whose supervisor has gone
-silent stops itself. A job stopped by `hlat stop` (stop_requested 'user' in the ledger) ends the stage without a
-relaunch: `StoppedByUser`.
+silent stops itself. A job stopped by `hlat stop` (stop_requested 'user' in the ledger), or a stop request
+(`jobs/<stage>-stop-request.json`) met before a submission, in a back-off or at a poll, ends the stage without a
+relaunch: `StoppedByUser`. One supervisor runs a stage at a time: a lease in run storage (`SupervisorLease`), checked
+before every submission and stop.
 """
 
 from __future__ import annotations
@@ -512,8 +518,9 @@ class SupervisorLease:
             assert held is not None
             raise SupervisorBusy(self._busy(held, now), attempts or [])
         flow_run_id, command = supervisor_identity()
-        mine = {
-            "token": int(held["token"]) + 1 if held else 1, "nonce": uuid.uuid4().hex, "pid": os.getpid(),
+        token = int(held["token"]) + 1 if held else 1
+        mine: dict[str, Any] = {
+            "token": token, "nonce": uuid.uuid4().hex, "pid": os.getpid(),
             "host": socket.gethostname(), "flow_run_id": flow_run_id, "command": command, "since": now,
             "renewed_at": now, "expires_at": now + self.ttl_s, "released": False,
         }  # fmt: skip
@@ -524,7 +531,7 @@ class SupervisorLease:
         self.mine = mine
         if held and not held.get("released"):
             log.warning("%s: took over the supervisor lease of %s (expired)", self.stage, describe_holder(held))
-        return int(mine["token"])
+        return token
 
     def _busy(self, held: dict[str, Any], now: float) -> str:
         left = float(held.get("expires_at") or now) - now

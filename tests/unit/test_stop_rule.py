@@ -204,7 +204,8 @@ def test_an_unreadable_heartbeat_warns_once_and_the_last_beat_stands(
     beat(run, T0 + 100)
     clock.now = T0 + 120
     assert made.check() is None and made.last_beat == T0 + 100
-    made.storage_clock.failing = True  # type: ignore[union-attr]
+    assert isinstance(made.storage_clock, StoreClock)
+    made.storage_clock.failing = True
     with caplog.at_level(logging.WARNING, "hlat.train"):
         for t in (200, 300, 400):
             clock.now = T0 + t

@@ -266,7 +266,7 @@ def test_a_second_supervisor_is_refused_then_takes_over_an_expired_lease(tmp_pat
     clock[0] += first.lease.ttl_s + 1
     attempts = second.run_to_completion()
     assert attempts[0].status == "Completed"
-    assert read_lease(Storage(str(tmp_path)), "train")["token"] == token + 1  # type: ignore[index]
+    assert (read_lease(Storage(str(tmp_path)), "train") or {}).get("token") == token + 1
     with pytest.raises(LeaseLost, match="taken over by"):
         first.lease.check()
 
@@ -289,7 +289,7 @@ def test_a_supervisor_whose_lease_was_taken_neither_stops_nor_relaunches(tmp_pat
     with pytest.raises(KeyboardInterrupt):
         made.run_to_completion()
     assert backend.stopped == [] and len(backend.submitted) == 1
-    assert read_lease(run, "train")["nonce"] == "other"  # type: ignore[index]  # not released: not its own
+    assert (read_lease(run, "train") or {}).get("nonce") == "other"  # not released: not its own
 
 
 def test_hlat_status_names_the_lease_holder(tmp_path: Path) -> None:
