@@ -198,12 +198,18 @@ class StopPlan:
     for (`CheckpointManager.supersede`)."""
     writers_first: bool
     """Pacing puts the shard writers first (`write_start_seconds`), instead of every rank in global rank order."""
+    steps_to_stop: int = 2
+    """Steps from SIGTERM to the boundary every rank stops at, in the worst case. A vote at every step boundary
+    stops after the step in progress (1); the stop step agreed once through the job's store
+    (training/stop_vote.py) stops after it, or after the next when a rank went past its boundary before it heard (2)."""
     write_rate: float = 2000.0
     """Requests a second all ranks together start at (the manager's write_rate)."""
 
 
-OLD_PLAN = StopPlan("before issue 50", S3FS_DEFAULT_POOL, supersede_in_flight=False, writers_first=False)
-PLAN = StopPlan("now", S3_MAX_POOL_CONNECTIONS, supersede_in_flight=True, writers_first=True)
+OLD_PLAN = StopPlan(
+    "before issue 50", S3FS_DEFAULT_POOL, supersede_in_flight=False, writers_first=False, steps_to_stop=1
+)
+PLAN = StopPlan("now", S3_MAX_POOL_CONNECTIONS, supersede_in_flight=True, writers_first=True, steps_to_stop=2)
 
 
 def write_start_seconds(
@@ -336,8 +342,8 @@ def stop_timeline(
     config: HlatConfig,
     step_seconds: float | None = None,
     *,
-    vote_every: int = 1,
     save_seconds: float | None = None,
+    since_sigterm: float | None = None,
     in_flight: bool | None = None,
     in_flight_left_s: float | None = None,
     plan: StopPlan = PLAN,
@@ -346,7 +352,8 @@ def stop_timeline(
     """The stop's worst case from SIGTERM for `config` under `plan`.
 
     `step_seconds`: the step time (measured by the job, or the plan's estimate; None: left out, the line says so);
-    `vote_every`: steps between stop votes (the worst case waits for all of them); `save_seconds`: a measured save
+    `plan.steps_to_stop` steps come before the stop's boundary in the worst case (`since_sigterm`: the seconds that
+    actually passed, where the job measured them); `save_seconds`: a measured save
     (staging, pacing, writes and commit in one figure) in place of the modelled phases; `in_flight`: whether an
     async save is running at the stop (None: the worst case, whenever training.async_checkpoint is on);
     `in_flight_left_s`: how long it has left, when the job knows (else all of a save); `grace`: default
@@ -354,11 +361,15 @@ def stop_timeline(
     shape = checkpoint_shape(config)
     measured: list[str] = []
     phases: list[Phase] = []
-    if step_seconds is None:
+    if since_sigterm is not None:
+        measured.append("to the vote")
+        phases.append(Phase("to the vote", since_sigterm, "since SIGTERM"))
+    elif step_seconds is None:
         phases.append(Phase("to the vote", 0.0, "step time unknown: add up to a step"))
     else:
-        note = "the step in progress" if vote_every <= 1 else f"up to {vote_every} steps, the vote every {vote_every}"
-        phases.append(Phase("to the vote", vote_every * step_seconds, note))
+        steps = plan.steps_to_stop
+        note = "the step in progress" if steps <= 1 else f"up to {steps} steps: the one in progress and the next"
+        phases.append(Phase("to the vote", steps * step_seconds, note))
     writes, writes_note = _writes(shape, plan)
     commit, commit_note = _commit(shape, plan)
     staging = _staging(shape)

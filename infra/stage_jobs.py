@@ -451,12 +451,12 @@ def checkpoint_write_seconds(config: HlatConfig) -> float:
     return timeline.seconds("staging") + timeline.seconds("writes") + timeline.seconds("commit")
 
 
-def stop_fit(config: HlatConfig, tokens_per_s: float | None, vote_every: int = 1) -> str:
+def stop_fit(config: HlatConfig, tokens_per_s: float | None) -> str:
     """Whether a stop (StopTrainingJob, max runtime, the budget) checkpoints inside the grace between SIGTERM and
-    SIGKILL, in the worst case and phase by phase (`core.stop_timeline`): up to `vote_every` steps to the stop vote,
+    SIGKILL, in the worst case and phase by phase (`core.stop_timeline`): up to two steps to the stop's boundary,
     an async save in flight superseded, the save's staging, paced writes and commit."""
     step = config.tokens_per_step / tokens_per_s if tokens_per_s else None
-    return stop_timeline(config, step, vote_every=vote_every).line()
+    return stop_timeline(config, step).line()
 
 
 BYTES_PER_TOKEN = 4.0

@@ -720,11 +720,11 @@ class Trainer:
             # What is left of the async save still running, if it takes as long as the last one did.
             left = max(0.0, save - (time.perf_counter() - self._async_save[1]))
         timeline = stop_timeline(
-            self.cfg, since if since is not None else step_seconds, save_seconds=save,
+            self.cfg, step_seconds, since_sigterm=since, save_seconds=save,
             in_flight=self._async_save is not None, in_flight_left_s=left, grace=grace,
         )  # fmt: skip
         measured = f"step {step_seconds:.1f} s"
-        measured += f", SIGTERM {since:.1f} s ago" if since is not None else ", no SIGTERM here (a whole step counted)"
+        measured += f", SIGTERM {since:.1f} s ago" if since is not None else ", no SIGTERM here (the worst case counted)"
         last = self._last_save
         measured += f", last save {last[1]:.1f} s (step {last[0]})" if last else ", no save timed yet"
         line = f"stop at step {self.step}: {timeline.line().removeprefix('stop: ')}; measured: {measured}"

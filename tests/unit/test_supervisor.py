@@ -633,7 +633,7 @@ def test_the_dry_run_says_whether_a_stop_fits_the_grace() -> None:
 
     role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
     line = next(x for x in dry_run(load_config("hlat-70b", role)).splitlines() if x.startswith("stop:"))
-    assert "of the 120 s grace from SIGTERM, fits: to the vote 9.3 s" in line, line
+    assert "of the 120 s grace from SIGTERM, fits: to the vote 18.6 s" in line, line
     slow = load_config("hlat-7b", {**role, "job.instance_count": 1, "training.micro_batch_size": 1})
     line = next(x for x in dry_run(slow).splitlines() if x.startswith("stop:"))
     assert "does NOT fit" in line, line
