@@ -31,7 +31,7 @@ Cost at 8,192 ranks: per step, nothing on the network and nothing that grows wit
 `request` key, 8,192 posts of a few bytes, one wait and one multi_get of 8,192 small values on rank 0, one `step`
 key whose notification goes to 8,192 waiters: tens of thousands of small store operations, well under a second for
 one store server (the same store handles every rank's rendezvous at start-up). While nothing is asked: each rank
-renews its wait every WAIT_S (an hour): 2.3 requests a second to the store at 8,192 ranks. The store's host (torchrun's
+renews its wait every WAIT_S (six hours): 0.4 requests a second to the store at 8,192 ranks. The store's host (torchrun's
 agent on the first host) holds one more connection per rank (the watcher's), and one more per rank that asks for a
 stop (the poster's): see docs/trn1.md for the open-file limit that needs.
 
@@ -49,10 +49,12 @@ from typing import Any
 
 log = logging.getLogger("hlat.train")
 
-WAIT_S = 3600.0
-"""How long one store wait lasts before it is renewed (its timeout): an hour, well inside the 5 days an AWS security
-group tracks an idle TCP connection (https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/security-group-connection-tracking.html),
-and each renewal logs c10d's two timeout lines."""
+WAIT_S = 6 * 3600.0
+"""How long one store wait lasts before it is renewed (its timeout): six hours, well inside the 5 days an AWS
+security group tracks an idle TCP connection
+(https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/security-group-connection-tracking.html). c10d logs two warning
+lines at each renewal (a wait that timed out), so a shorter wait is log noise: at an hour, 64 lines an hour on each
+32-rank host; at six hours, about 11."""
 PREFIX = "hlat-stop/"
 REQUEST, DECISION = "request", "step"
 
