@@ -93,7 +93,9 @@ def main(argv: list[str]) -> int:
         return 2
     if not os.path.isdir(OPT_ML):
         try:
-            os.makedirs(OPT_ML)  # an empty mount point on the real file system; each instance binds over it
+            # An empty mount point on the real file system; each instance binds over it. exist_ok: the hosts of one
+            # job start together, and another may have made it a moment ago.
+            os.makedirs(OPT_ML, exist_ok=True)
         except OSError as exc:
             print(f"emulated host: cannot create the mount point {OPT_ML} ({exc}): create it once, as root "
                   f"(mkdir -p {OPT_ML})", file=sys.stderr)  # fmt: skip
