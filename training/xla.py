@@ -97,13 +97,17 @@ def device() -> torch.device:
     return torch.device(xm.xla_device())
 
 
-def init_process_group() -> None:
-    """Join torchrun's processes through the `xla` backend of torch.distributed (on trn1: NeuronLink and EFA)."""
+def init_process_group(timeout: Any = None) -> None:
+    """Join torchrun's processes through the `xla` backend of torch.distributed (on trn1: NeuronLink and EFA), with
+    `timeout` (a timedelta: job.collective_timeout_minutes) for the store's rendezvous instead of torch's default."""
     import torch.distributed as dist
     import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
 
     if not dist.is_initialized():
-        dist.init_process_group("xla", init_method="xla://")
+        if timeout is None:
+            dist.init_process_group("xla", init_method="xla://")
+        else:
+            dist.init_process_group("xla", init_method="xla://", timeout=timeout)
 
 
 def mark_step() -> None:

@@ -262,7 +262,7 @@ def init_world(
         if world_size > 1:
             if not on_neuron and os.environ.get("PJRT_DEVICE") == "CPU":
                 raise RuntimeError(f"this job has {world_size} processes: {xla.XLA_CPU_NOTE}")
-            xla.init_process_group()
+            xla.init_process_group(timeout)
         world = World(
             rank, world_size, local_rank, xla.device(), host_group=_host_side_group(timeout),
             store_timeout_s=timeout.total_seconds(),
