@@ -764,7 +764,8 @@ class JobConfig(Section):
     """The training job's own hang watchdog (training/watchdog.py), on every rank: with no step, evaluation batch or
     checkpoint save for longer than its bound it logs every thread's stack, records `HangDetected` and ends the
     process, so the job (and its bill) ends whether or not a supervisor lives. 'auto': the bound follows this job's
-    measured step and save times (`watchdog_bound_seconds`); a number: that many seconds, fixed; 'off': none."""
+    measured step and save times (`watchdog_bound_seconds`); a number: that many seconds once each phase has been
+    seen (a phase met for the first time, start-up included, keeps the 60-min allowance); 'off': none."""
     collective_timeout_minutes: float = Field(20, gt=0)
     """How long a host-side (gloo) collective, and the forming of its group, may wait for its peers before it fails
     (gloo's own default is 30 min). With the watchdog on, its bound usually ends a hang first and says where."""

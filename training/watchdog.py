@@ -24,7 +24,8 @@ The bound (`watchdog_bound_seconds`, job.watchdog=auto):
   to its end, and never less than FLOOR_S (10 min): a GC pause, an S3 retry storm (botocore's 10 attempts with
   120 s read timeouts) or a slow commit is not a hang. For hlat-70b (9.28 s steps, saves of about a minute) that is
   10 min: a hang costs ~$1,055 of 256 idle hosts, not 28 days.
-A number (job.watchdog=<seconds>) replaces the whole rule; job.watchdog=off disables it. Never under graph extraction
+A number (job.watchdog=<seconds>) replaces the steady-state rule (a phase met for the first time keeps the start-up
+allowance); job.watchdog=off disables it. Never under graph extraction
 (neuron_parallel_compile's trial run executes nothing: its time says nothing of a hang).
 
 On every rank, not one per host: which rank hangs is not known in advance and its stacks are the ones that say why
