@@ -65,6 +65,9 @@ PEER_RECORD_S = 5.0
 GLOO_HOP_S = 20e-6
 """Assumed: one message of gloo's ring (a 1-element tensor) between two ranks on the cluster network: 10-30 us is
 TCP's round trip inside one placement group; the middle is taken."""
+STORE_OP_S = 1e-3
+"""Assumed: one small request to torchrun's TCPStore from a rank on another host (a round trip and the store's
+work): what a stop vote through the store would pay per step for each request it sent at a step boundary."""
 GLOO_MESH_INIT_S_AT_8192 = 46 * 60.0
 """ProcessGroupGloo's full-mesh formation at 8,192 ranks as pytorch/gloo PR #407 reports it (46 min; every rank
 reads every other rank's address from one TCPStore, so it grows with P squared)."""

@@ -203,10 +203,25 @@ def scenario_5(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None
     sc = model.scale(preset, **overrides)
     ranks = sc.ranks
     if fixed:
-        # The stop vote through the store (training/stop_vote.py): no collective at a step boundary, and no
-        # full-mesh group to form (the host-side gloo group is lazy): the plan's step and start-up.
-        need("hlat.training.stop_vote", "StopVote")
-        step_s, startup_s, fail_s = sc.step_s, sc.startup_s, None
+        # The stop vote through the store (training/stop_vote.py), driven at this world's size: what its step
+        # boundaries send (counted on a recording store: nothing, while no stop is asked), and the host-side gloo
+        # group formed lazily (init_world's switch): no mesh to form at start-up, no socket before a collective.
+        vote_mod = need("hlat.training.stop_vote", "StopVote")
+        dist_mod = need("hlat.training.parallel.distributed", "GLOO_LAZY_INIT")
+        sent: list[str] = []
+
+        class RecordingStore:
+            def __getattr__(self, op: str) -> Any:
+                return lambda *args, **kwargs: sent.append(op)
+
+        vote = vote_mod.StopVote(
+            rank=ranks - 1, world_size=ranks, max_steps=10**6, passed=0, connect=lambda: RecordingStore()
+        )
+        boundaries = 1000
+        stops = sum(vote.at_boundary(step) for step in range(1, boundaries + 1))
+        assert stops == 0 and dist_mod.GLOO_LAZY_INIT == "TORCH_GLOO_LAZY_INIT"
+        per_step = len(sent) / boundaries * model.STORE_OP_S
+        step_s, startup_s, fail_s = sc.step_s + per_step, sc.startup_s, None
     else:
         init = model.gloo_mesh_init_seconds(ranks)
         step_s, startup_s = sc.step_s + model.gloo_vote_seconds(ranks), sc.startup_s + init
@@ -219,8 +234,9 @@ def scenario_5(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None
     script = Script(step_s=step_s, startup_s=startup_s, fail_in_startup_s=fail_s, failure=timeout)
     w = world(mp, tmp, preset, fixed=fixed, script=lambda a: script, **overrides)
     start = _start(w)
-    return _outcome(w, _supervise(w), start, sockets_per_rank=model.gloo_sockets_per_rank(ranks),
-                    vote_s=model.gloo_vote_seconds(ranks))  # fmt: skip
+    sockets = 0 if fixed else model.gloo_sockets_per_rank(ranks)  # lazy: none to a peer before a collective
+    vote_s = per_step if fixed else model.gloo_vote_seconds(ranks)
+    return _outcome(w, _supervise(w), start, sockets_per_rank=sockets, vote_s=vote_s)
 
 
 # -- 6. a stop that does not fit SageMaker's 120 s ----------------------------------------------------------------

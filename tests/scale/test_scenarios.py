@@ -128,6 +128,8 @@ def test_5_full_world_vote_before(monkeypatch, tmp_path, preset):
 @pytest.mark.parametrize("preset", PRESETS)
 def test_5_stop_vote_without_a_per_step_collective(monkeypatch, tmp_path, preset):
     o = run("5", monkeypatch, tmp_path, preset, fixed=True)
+    # The real StopVote's step boundaries send nothing at this world's size, and the lazy group opens no socket.
+    assert o.notes["vote_s"] == 0 and o.notes["sockets_per_rank"] == 0, o.notes
     assert o.reached and o.submissions == 1 and o.wasted_usd == 0 and o.steps_lost == 0, o
 
 
