@@ -206,3 +206,16 @@ def wait_for(condition: Any, timeout: float, what: str) -> None:
         if time.monotonic() > deadline:
             raise TimeoutError(what)
         time.sleep(0.2)
+
+
+def require_emulator() -> None:
+    """Skip the calling test module where the SageMaker emulator's hosts cannot run (no Linux namespaces: not root),
+    or fail it where the run requires them (HLAT_REQUIRE_EMULATOR=1, as CI sets)."""
+    import pytest
+
+    from hlat.infra.sagemaker_emulator import namespaces_available
+
+    if problem := namespaces_available():
+        if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
+            raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
+        pytest.skip(problem, allow_module_level=True)

@@ -724,7 +724,8 @@ class Trainer:
             in_flight=self._async_save is not None, in_flight_left_s=left, grace=grace,
         )  # fmt: skip
         measured = f"step {step_seconds:.1f} s"
-        measured += f", SIGTERM {since:.1f} s ago" if since is not None else ", no SIGTERM here (the worst case counted)"
+        sigterm = f", SIGTERM {since:.1f} s ago" if since is not None else ", no SIGTERM here (the worst case counted)"
+        measured += sigterm
         last = self._last_save
         measured += f", last save {last[1]:.1f} s (step {last[0]})" if last else ", no save timed yet"
         line = f"stop at step {self.step}: {timeline.line().removeprefix('stop: ')}; measured: {measured}"

@@ -7,9 +7,10 @@ keep (`core.contract.StopTerms`, in its environment): the run's budget, what its
 job's price per hour, the deadline, and how long it may go without a supervisor's heartbeat. A thread on the main
 rank (global rank 0) compares them with the clock (never with the device) and on a breach sets the trainer's stop
 request; every rank then stops after the same step through the loop's stop vote (`training/stop_vote.py`: the stop
-step agreed once through the job's store, nothing at a step boundary), which checkpoints and exits 0 as on SIGTERM. The main rank then logs and stores a
-`StopRecord` (`core.contract`), from which the supervisor, if alive, tells a deliberate stop from a job that
-finished short: budget and deadline end the stage, naming the setting to raise; unsupervised is relaunched.
+step agreed once through the job's store, nothing at a step boundary), which checkpoints and exits 0 as on SIGTERM.
+The main rank then logs and stores a `StopRecord` (`core.contract`), from which the supervisor, if alive, tells a
+deliberate stop from a job that finished short: budget and deadline end the stage, naming the setting to raise;
+unsupervised is relaunched.
 
 - Budget: the job is billed from its submission (HLAT_SUBMITTED_AT; its own start when absent), so it reaches the
   budget at submitted + (budget - spent before it) / price per hour. It stops a margin before that: 1.25 x (a step +

@@ -31,9 +31,9 @@ Cost at 8,192 ranks: per step, nothing on the network and nothing that grows wit
 `request` key, 8,192 posts of a few bytes, one wait and one multi_get of 8,192 small values on rank 0, one `step`
 key whose notification goes to 8,192 waiters: tens of thousands of small store operations, well under a second for
 one store server (the same store handles every rank's rendezvous at start-up). While nothing is asked: each rank
-renews its wait every WAIT_S (six hours): 0.4 requests a second to the store at 8,192 ranks. The store's host (torchrun's
-agent on the first host) holds one more connection per rank (the watcher's), and one more per rank that asks for a
-stop (the poster's): see docs/trn1.md for the open-file limit that needs.
+renews its wait every WAIT_S (six hours): 0.4 requests a second to the store at 8,192 ranks. The store's host
+(torchrun's agent on the first host) holds one more connection per rank (the watcher's), and one more per rank
+that asks for a stop (the poster's): see docs/trn1.md for the open-file limit that needs.
 
 The stop step is the step in progress when the stop is asked for, or the next when a rank went past its boundary
 before it heard (a race of milliseconds against a step): what the per-step vote gave, as the stop-grace tests check.

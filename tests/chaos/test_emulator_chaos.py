@@ -30,7 +30,7 @@ from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import TERMINAL, Status
 from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.runs import Run, open_run
-from hlat.infra.sagemaker_emulator import HOST_ENV, namespaces_available
+from hlat.infra.sagemaker_emulator import HOST_ENV
 from hlat.infra.stage_jobs import job_spec
 from hlat.infra.supervisor import Ledger
 from hlat.training.checkpoint import CheckpointManager
@@ -38,15 +38,12 @@ from tests.chaos.test_train_stage import ROOT, cli, cli_env
 from tests.conftest import SMALL_DATA
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
-from tests.jobs import environ_of
+from tests.jobs import environ_of, require_emulator
 from tests.s3_faults import Rule, S3Faults
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
-if problem := namespaces_available():
-    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
-        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+require_emulator()
 
 KINDS = ("host", "rank", "flow", "stop", "storage")
 EVENTS = int(os.environ.get("HLAT_CHAOS_EVENTS", str(len(KINDS))))

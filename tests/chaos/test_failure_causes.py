@@ -18,17 +18,13 @@ from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import job_name
-from hlat.infra.sagemaker_emulator import namespaces_available
 from hlat.training.checkpoint import CheckpointManager
 from tests.conftest import SMALL_DATA
-from tests.jobs import environ_of, make_run
+from tests.jobs import environ_of, make_run, require_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
-if problem := namespaces_available():
-    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
-        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+require_emulator()
 
 TRAINING = {"max_steps": 3, "checkpoint_every": 3, "eval_every": 0, "micro_batch_size": 2}
 JOB = {"job.instance_count": 2, "job.processes_per_node": 1, "job.poll_seconds": 0.5, "job.backoff_seconds": [1, 2]}

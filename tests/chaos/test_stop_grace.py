@@ -25,17 +25,13 @@ from hlat.core.layout import CHECKPOINT_MARKER, step_dir
 from hlat.core.storage import Storage
 from hlat.infra.jobs import Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import namespaces_available
 from hlat.training.checkpoint import CheckpointManager
 from tests.integration.test_local_jobs import log_text, spec_for, wait
-from tests.jobs import make_run
+from tests.jobs import make_run, require_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
-if problem := namespaces_available():
-    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
-        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+require_emulator()
 
 EVENTS = int(os.environ.get("HLAT_STOP_EVENTS", "2"))
 GRACE_S = 120.0  # SageMaker's

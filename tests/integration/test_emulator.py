@@ -22,16 +22,12 @@ from hlat.core.layout import CHECKPOINT_MARKER, step_dir
 from hlat.infra.jobs import JobSpec, Status
 from hlat.infra.local_faults import FAULTS_ENV
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import namespaces_available
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
-from tests.jobs import make_run
+from tests.jobs import make_run, require_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
-if problem := namespaces_available():
-    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
-        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+require_emulator()
 
 TWO_HOSTS = {"job.instance_count": 2, "job.processes_per_node": 2, "micro_batch_size": 2}
 GRACE_S = 15.0

@@ -22,18 +22,15 @@ from hlat.infra import sagemaker_emulator
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import HOST_ENV, HostTree, host_command, hosts_file, namespaces_available
+from hlat.infra.sagemaker_emulator import HOST_ENV, HostTree, host_command, hosts_file
 from hlat.training.checkpoint.manager import host_of
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, spec_for, wait
-from tests.jobs import environ_of, make_run, s3_job
+from tests.jobs import environ_of, make_run, require_emulator, s3_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
-if problem := namespaces_available():
-    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
-        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+require_emulator()
 
 ENDS_WITHIN_S = 15.0
 CALLER_KEY = "caller-key-AKIA0000"

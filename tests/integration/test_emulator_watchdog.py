@@ -6,7 +6,6 @@ is submitted through the local backend directly: no supervisor runs, none relaun
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 
@@ -16,16 +15,12 @@ from hlat.core.contract import EXIT_HUNG, parse_failure_record
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import namespaces_available
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
-from tests.jobs import make_run
+from tests.jobs import make_run, require_emulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a_time")]
 
-if problem := namespaces_available():
-    if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":
-        raise RuntimeError(f"HLAT_REQUIRE_EMULATOR=1 but {problem}")
-    pytest.skip(problem, allow_module_level=True)
+require_emulator()
 
 BOUND_S = 8.0
 HANG = "fault: rank 1 hangs in step 3"

@@ -199,15 +199,15 @@ def test_ctrl_c_records_the_end_and_cancels_the_flow_run_without_an_error_line(
 
 
 def test_hlat_stop_during_a_back_off_prevents_the_next_job(prepared: Path, tmp_path: Path) -> None:
-    """The first job finds no capacity; its supervisor backs off for 10 minutes. `hlat stop` then, with no job
-    running, says the stage will not relaunch, and the supervising command ends within a poll, submitting
-    nothing more."""
-    run = new_run(prepared, tmp_path, "backing-off")
+    """The first job, on the SageMaker emulator's two hosts, finds no capacity; its supervisor backs off for 10
+    minutes. `hlat stop` then, with no job running, says the stage will not relaunch, and the supervising command
+    ends within a poll, submitting nothing more."""
+    run = new_run(prepared, tmp_path, "backing-off", **TWO_HOSTS)
     env = {**env_for(tmp_path), "HLAT_LOCAL_FAULTS": json.dumps({"1": {"fail": "CapacityError: none", "after_s": 0}})}
     output = (tmp_path / "backing-off.out").open("wb")
     flow = subprocess.Popen(
         [str(BIN / "hlat"), "run", "train", "--run-id", "backing-off", "--storage", str(tmp_path),
-         *sets(**{"job.backoff_seconds": [600]})],
+         *sets(**TWO_HOSTS, **{"job.backoff_seconds": [600]})],
         cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
     ledger = Ledger(Storage(str(run)), "train")

@@ -172,10 +172,11 @@ def test_the_stop_line_warns_when_the_checkpoint_cannot_fit_the_grace(
     trainer._log_stop_budget(120, step_seconds=37.0)
     fits, too_long = (r for r in caplog.records if r.message.startswith("stop at step 40: "))
     assert fits.levelname == "INFO", fits.message
-    assert " s of the 120 s grace from SIGTERM, fits: to the vote 74.0 s (up to 2 steps: the one in progress and the next)"
-    " + in-flight save " in (
-        fits.message
-    ), fits.message
+    expected = (
+        " s of the 120 s grace from SIGTERM, fits: to the vote 74.0 s (up to 2 steps: the one in progress and the next)"
+        " + in-flight save "
+    )
+    assert expected in fits.message, fits.message
     assert "(superseded: cut at its next part) + save 45.0 s (as measured); measured: step 37.0 s" in fits.message
     assert fits.message.endswith("last save 45.0 s (step 30)"), fits.message
     assert too_long.levelname == "WARNING" and "does NOT fit" in too_long.message, too_long.message
