@@ -1,7 +1,9 @@
 """Failures judged from their causes on the SageMaker emulator (2 hosts): a rank SIGKILLed before its first step
 writes no failure record, SageMaker's FailureReason is the SDK driver's CalledProcessError, and torchrun's own
 account of the signal in the log says what happened. Three jobs in a row killed that way are each relaunched (a
-platform fault: it never stops the stage by repeating) and the fourth trains to the end."""
+platform fault, backed off when it repeats) and the fourth trains to the end: job.max_attempts_without_progress is 4
+here, since with its default of 3 the stage stops after the third attempt that gained nothing, whatever the class
+(tests/unit/test_supervisor_control.py, and tests/scale's scenario 2 at 256 hosts)."""
 
 from __future__ import annotations
 
@@ -27,7 +29,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("one_multi_host_job_at_a
 require_emulator()
 
 TRAINING = {"max_steps": 3, "checkpoint_every": 3, "eval_every": 0, "micro_batch_size": 2}
-JOB = {"job.instance_count": 2, "job.processes_per_node": 1, "job.poll_seconds": 0.5, "job.backoff_seconds": [1, 2]}
+JOB = {
+    "job.instance_count": 2, "job.processes_per_node": 1, "job.poll_seconds": 0.5, "job.backoff_seconds": [1, 2],
+    "job.max_attempts_without_progress": 4,
+}  # fmt: skip
 
 
 def kill_first_rank(job_dir: str, timeout: float = 180) -> float:
