@@ -66,7 +66,7 @@ def test_a_wrong_rank_fails_the_burn_in_naming_it(prepared: Path, tmp_path: Path
     assert {f["rank"] for f in report["failures"]} == {1}
     assert "matmul_checksum" in {f["check"] for f in report["failures"]}
     reason = failure.read_text()
-    assert reason.startswith("BurnInFailed: rank 1 on ") and "matmul_checksum" in reason
+    assert reason.split("] ", 1)[-1].startswith("BurnInFailed: rank 1 on ") and "matmul_checksum" in reason
 
 
 def test_a_threshold_not_met_fails_naming_the_check(prepared: Path, tmp_path: Path) -> None:
@@ -119,5 +119,5 @@ def test_an_unhealthy_collective_ends_training_for_a_relaunch(prepared: Path, tm
     # A link that takes 50 ms an all-reduce: 1 MB at under 0.02 GB/s, below the 0.5 GB/s floor for 1 MB on one rank.
     code, out = train(run, {"HLAT_FAILURE_FILE": str(failure), "HLAT_FAULT_ALLREDUCE_SECONDS": "0.05"})
     assert code == 5, out[-2000:]
-    assert failure.read_text().startswith("UnhealthyCollective: step 2: rank 0 all-reduce busbw")
+    assert failure.read_text().split("] ", 1)[-1].startswith("UnhealthyCollective: step 2: rank 0 all-reduce busbw")
     assert not (run / "checkpoints/step-000000002").exists()  # health first: no checkpoint of a suspect step

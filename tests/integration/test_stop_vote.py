@@ -141,7 +141,8 @@ def test_a_failed_background_save_of_one_rank_fails_it_within_a_step_naming_rank
     assert socket.gethostname() in error and f"{step_dir(2)}/rank-00001.pt" in error, error
     assert "injected write failure" in error
     # The launcher stopped rank 0 (waiting in step 4's collectives for its peer) at once: it never saw step 4's end.
-    assert first is None and time.monotonic() - started < 40
+    # Within a step, not the checkpoint interval: 49 s was seen on a heavily loaded 2-core CI machine.
+    assert first is None and time.monotonic() - started < 90
     assert CheckpointManager(Storage(str(tmp_path / "failed" / "checkpoints")), keep_last=1).latest_step() is None
 
 
