@@ -58,6 +58,11 @@ def rank_main(rank: int, port: int, out: str, lazy: str | None, timeout_minutes:
     world = init_world("cpu", cfg)
     result: dict[str, Any] = {"formed": sockets() - before, "lazy": os.environ.get("TORCH_GLOO_LAZY_INIT")}
     result["nofile"] = resource.getrlimit(resource.RLIMIT_NOFILE)
+    # Every rank counts before any rank runs a collective: a peer's first collective would connect to this rank
+    # before it counted (seen on a loaded machine). The barrier is files, not a collective, to open no gloo socket.
+    Path(out, f"counted-{rank}").touch()
+    while len(list(Path(out).glob("counted-*"))) < RANKS:
+        time.sleep(0.05)
     world.all_reduce(torch.ones(1))
     result["after_all_reduce"] = sockets() - before
     if timeout_minutes < 1:
