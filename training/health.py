@@ -13,7 +13,7 @@ Nothing here touches the global RNGs (operands come from a private `torch.Genera
 The floors are judged where they mean something. An all-reduce's bus bandwidth depends on its size and its rank
 count (latency-bound when small and wide): `allreduce_floor_gbps` turns the instance type's bandwidth floor into a
 floor for the measured size and ranks with a latency-bandwidth model, and the trainer's periodic check also compares
-each measurement with this job's first (`RELATIVE_FLOOR`). A matmul floor is set for BF16 and scaled for an FP32
+each measurement with this job's first (`min_allreduce_share_of_first`). A matmul floor is set for BF16 and scaled for an FP32
 matmul by the device's FP32/BF16 peak ratio (`matmul_floor_tflops`). The cross-rank bit-exact checksum is taken of a
 product whose every partial sum is exact in BF16 (`exact_operands`), so no rounding mode, stochastic rounding
 included, can change its bits: only a faulty device can.
@@ -63,15 +63,12 @@ ALLREDUCE_ITERS = 5
 # Neuron's collectives are hierarchical on trn1 (NeuronLink inside an instance, EFA between instances; "up to 75%
 # reduction in latency for 2MB buffers across 256 ranks", Neuron Collectives 2.12.22.0 release notes,
 # https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/runtime/aws-neuronx-collectives/index.html),
-# so a healthy job measures well above it; a degraded link is caught by RELATIVE_FLOOR. Verified only on trn1.
+# so a healthy job measures well above it; a degraded link is caught by the relative check
+# (`HealthThresholds.min_allreduce_share_of_first`). Verified only on trn1.
 RING_STEP_LATENCY_S = 50e-6
 """Upper bound of one ring step's latency: an EFA hop between instances (tens of microseconds) with margin."""
 LAUNCH_LATENCY_S = 1e-3
 """Upper bound of one graph launch and its completion wait around a timed all-reduce (each iteration is a graph)."""
-RELATIVE_FLOOR = 0.25
-"""The trainer's periodic check: unhealthy when the slowest rank's busbw falls below this fraction of the job's
-first measurement (a link down to a quarter of what it delivered at the start; timing noise of one check of a few
-iterations stays well inside a factor of 4)."""
 
 # -- the matmul floor: per precision ------------------------------------------------------------------------------
 FP32_SHARE_OF_BF16_PEAK = {"xla": 47.5 / 190.0, "cuda": 1 / 16}
@@ -437,7 +434,7 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge
 
     algbw = nbytes / seconds / 1e9 if seconds > 0 else float("inf")
     # The best iteration: what the link delivers when nothing else (a preempted host thread) got in the way; a
-    # degraded link slows every iteration. The trainer's relative check compares it (RELATIVE_FLOOR).
+    # degraded link slows every iteration. The trainer's relative check compares it (`min_allreduce_share_of_first`).
     out.update(seconds=seconds, algbw_gbps=algbw, best_busbw_gbps=bus(min(times)))
     if n > 1:
         out["busbw_gbps"] = bus(seconds)
@@ -621,8 +618,9 @@ def periodic_health_check(
     in the next collective). Raises UnhealthyCollective, on every rank, when any rank saw a wrong sum, a busbw below
     the floor for this size and rank count (`allreduce_floor_gbps` of `thresholds.min_allreduce_gbps`: a 16 MB
     all-reduce over 2,048 ranks is latency-bound, far from a large one's bandwidth), or a best-iteration busbw below
-    RELATIVE_FLOOR of `reference_gbps` (the job's first check's `slowest_best_busbw_gbps`, kept by the trainer; None:
-    this is the first).
+    `thresholds.min_allreduce_share_of_first` of `reference_gbps` (the job's first check's `slowest_best_busbw_gbps`,
+    kept by the trainer; None: this is the first). No thresholds (an instance type not listed): measured, never
+    failed.
 
     `judge` off (graph extraction: the outputs are invalid): the same collectives and host reads, and no verdict;
     the result says `judged: False`."""
@@ -651,7 +649,8 @@ def periodic_health_check(
         if world.is_main:
             log.info("health check at step %d: traced, not judged (graph extraction: the outputs are invalid)", step)
         return result
-    relative = RELATIVE_FLOOR * reference_gbps if reference_gbps else None
+    share = thresholds.min_allreduce_share_of_first if thresholds is not None else 0.0
+    relative = share * reference_gbps if reference_gbps and share else None
     problems = []
     for rank, (wrong, busbw, best) in enumerate(table):
         if wrong:
@@ -660,7 +659,7 @@ def periodic_health_check(
             problems.append(f"rank {rank} all-reduce busbw {busbw:.4g} GB/s < {floor:.4g} ({floor_from})")
         if relative is not None and best < relative:
             problems.append(
-                f"rank {rank} all-reduce busbw {best:.4g} GB/s at best < {relative:.4g} ({RELATIVE_FLOOR:g} of this "
+                f"rank {rank} all-reduce busbw {best:.4g} GB/s at best < {relative:.4g} ({share:g} of this "
                 f"job's first measurement, {reference_gbps:.4g} GB/s)"
             )
     slowest = min(busbw for _, busbw, _ in table)
