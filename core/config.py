@@ -919,7 +919,10 @@ def _default_thresholds() -> dict[str, HealthThresholds]:
             min_matmul_tflops=30.0, max_matmul_rel_error=2e-2, min_allreduce_gbps=20.0, min_write_mbps=200.0
         ),
         "local": HealthThresholds(
-            min_matmul_tflops=0.0005, max_matmul_rel_error=1e-4, min_allreduce_gbps=0.001, min_write_mbps=5.0,
+            min_matmul_tflops=0.0005,
+            max_matmul_rel_error=1e-4,
+            min_allreduce_gbps=0.001,
+            min_write_mbps=5.0,
             min_allreduce_share_of_first=0.0,
         ),
     }

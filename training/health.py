@@ -13,10 +13,10 @@ Nothing here touches the global RNGs (operands come from a private `torch.Genera
 The floors are judged where they mean something. An all-reduce's bus bandwidth depends on its size and its rank
 count (latency-bound when small and wide): `allreduce_floor_gbps` turns the instance type's bandwidth floor into a
 floor for the measured size and ranks with a latency-bandwidth model, and the trainer's periodic check also compares
-each measurement with this job's first (`min_allreduce_share_of_first`). A matmul floor is set for BF16 and scaled for an FP32
-matmul by the device's FP32/BF16 peak ratio (`matmul_floor_tflops`). The cross-rank bit-exact checksum is taken of a
-product whose every partial sum is exact in BF16 (`exact_operands`), so no rounding mode, stochastic rounding
-included, can change its bits: only a faulty device can.
+each measurement with this job's first (`HealthThresholds.min_allreduce_share_of_first`). A matmul floor is set for
+BF16 and scaled for an FP32 matmul by the device's FP32/BF16 peak ratio (`matmul_floor_tflops`). The cross-rank
+bit-exact checksum is taken of a product whose every partial sum is exact in BF16 (`exact_operands`), so no
+rounding mode, stochastic rounding included, can change its bits: only a faulty device can.
 """
 
 from __future__ import annotations

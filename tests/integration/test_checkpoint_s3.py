@@ -138,15 +138,25 @@ class FailingUpload:
         self.inner.flush()
 
 
-class FlakyStorage(Storage):
-    def __init__(self, url: str, budget: int, **options: Any) -> None:
-        super().__init__(url, **options)
-        self.budget = budget
+class WrappedUploads(Storage):
+    """Storage whose atomic writers pass through `wrap`: a fault in every upload."""
+
+    def wrap(self, fh: IO[bytes]) -> IO[bytes]:
+        raise NotImplementedError
 
     @contextlib.contextmanager
     def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
         with super().atomic_writer(rel, part_size) as fh:
-            yield cast(IO[bytes], FailingUpload(fh, self.budget))
+            yield self.wrap(fh)
+
+
+class FlakyStorage(WrappedUploads):
+    def __init__(self, url: str, budget: int, **options: Any) -> None:
+        super().__init__(url, **options)
+        self.budget = budget
+
+    def wrap(self, fh: IO[bytes]) -> IO[bytes]:
+        return cast(IO[bytes], FailingUpload(fh, self.budget))
 
 
 def test_a_checkpoint_streams_to_s3_as_a_multipart_upload_that_appears_only_when_complete(s3_env: S3Env) -> None:
@@ -214,27 +224,25 @@ def test_a_distributed_fsdp2_checkpoint_round_trips_on_s3(s3_env: S3Env) -> None
         dist.destroy_process_group()
 
 
-class SlowUpload(Storage):
+class SlowUpload(WrappedUploads):
     """Each large write of a checkpoint file takes `delay` seconds: a save stays in flight long enough to supersede."""
 
     def __init__(self, url: str, delay: float, **options: Any) -> None:
         super().__init__(url, **options)
         self.delay = delay
 
-    @contextlib.contextmanager
-    def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
+    def wrap(self, fh: IO[bytes]) -> IO[bytes]:
         import time
 
-        with super().atomic_writer(rel, part_size) as fh:
-            real = fh.write
+        real = fh.write
 
-            def write(data: Any) -> int:
-                if memoryview(data).nbytes >= 1 << 20:
-                    time.sleep(self.delay)
-                return real(data)
+        def write(data: Any) -> int:
+            if memoryview(data).nbytes >= 1 << 20:
+                time.sleep(self.delay)
+            return real(data)
 
-            fh.write = write  # type: ignore[method-assign]
-            yield fh
+        fh.write = write  # type: ignore[method-assign]
+        return fh
 
 
 def test_a_superseded_async_save_aborts_its_multipart_upload_and_commits_nothing_on_s3(s3_env: S3Env) -> None:

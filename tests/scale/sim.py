@@ -226,21 +226,26 @@ class SimJob:
     generation: int = 0
     """Bumped when the job's course changes (a stop, a failure): pending events of an older course do nothing."""
 
+    def _scripted(self, name: str) -> float:
+        """The script's figure where it sets one, else the plan's (`Scale`)."""
+        value = getattr(self.script, name)
+        return float(value if value is not None else getattr(self.scale, name))
+
     @property
     def starting_s(self) -> float:
-        return self.script.starting_s if self.script.starting_s is not None else self.scale.starting_s
+        return self._scripted("starting_s")
 
     @property
     def downloading_s(self) -> float:
-        return self.script.downloading_s if self.script.downloading_s is not None else self.scale.downloading_s
+        return self._scripted("downloading_s")
 
     @property
     def startup_s(self) -> float:
-        return self.script.startup_s if self.script.startup_s is not None else self.scale.startup_s
+        return self._scripted("startup_s")
 
     @property
     def step_s(self) -> float:
-        return self.script.step_s if self.script.step_s is not None else self.scale.step_s
+        return self._scripted("step_s")
 
     @property
     def billed_from(self) -> float:

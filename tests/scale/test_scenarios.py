@@ -23,6 +23,15 @@ def run(name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, preset: str,
     return scenarios.SCENARIOS[name](monkeypatch, tmp_path, preset, fixed, **kw)
 
 
+def before_and_after(
+    name: str, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, preset: str
+) -> tuple[Outcome, Outcome]:
+    """The scenario on the code before issue 50's fixes, then on the code as it is."""
+    before = run(name, monkeypatch, tmp_path / "before", preset, fixed=False)
+    monkeypatch.undo()
+    return before, run(name, monkeypatch, tmp_path / "after", preset, fixed=True)
+
+
 def per_attempt(preset: str) -> float:
     """Dollars of one start-up of the whole job (billed from Downloading to the first step)."""
     sc = model.scale(preset)
@@ -136,9 +145,7 @@ def test_5_stop_vote_without_a_per_step_collective(monkeypatch, tmp_path, preset
 # -- 6 --------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 def test_6_stop_with_a_save_in_flight(monkeypatch, tmp_path, preset):
-    before = run("6", monkeypatch, tmp_path / "before", preset, fixed=False)
-    monkeypatch.undo()
-    after = run("6", monkeypatch, tmp_path / "after", preset, fixed=True)
+    before, after = before_and_after("6", monkeypatch, tmp_path, preset)
     sc = model.scale(preset)
     assert after.notes["stop_s"] <= model.STOP_GRACE_S and after.notes["stops_killed"] == 0
     assert after.steps_lost == 0 and after.wasted_usd == 0
@@ -152,21 +159,17 @@ def test_6_stop_with_a_save_in_flight(monkeypatch, tmp_path, preset):
 # -- 7 --------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 def test_7_hlat_stop_during_backoff(monkeypatch, tmp_path, preset):
-    before = run("7", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("7", monkeypatch, tmp_path, preset)
     assert "nothing to stop" in before.notes["said"][0] and before.submissions == 2
     assert before.wasted_usd >= model.scale(preset).ideal_usd(2 * model.scale(preset).checkpoint_every) * 0.99
-    monkeypatch.undo()
-    after = run("7", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.ended.startswith("StoppedByUser") and after.submissions == 1 and after.wasted_usd == 0
 
 
 # -- 8 --------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 def test_8_two_supervisors(monkeypatch, tmp_path, preset):
-    before = run("8", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("8", monkeypatch, tmp_path, preset)
     assert before.submissions == 2 and before.wasted_usd > per_attempt(preset), before  # B relaunched A's stop
-    monkeypatch.undo()
-    after = run("8", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.ended.startswith("SupervisorBusy") and "pid" in after.ended  # B refused, naming A
     assert after.submissions == 1 and after.wasted_usd == 0
 
@@ -174,22 +177,18 @@ def test_8_two_supervisors(monkeypatch, tmp_path, preset):
 # -- 9 --------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 def test_9_supervisor_clock_behind(monkeypatch, tmp_path, preset):
-    before = run("9", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("9", monkeypatch, tmp_path, preset)
     # Every job stops itself as unsupervised at its first check and gains a step: only the cap ends it.
     assert before.submissions == RESTARTS + 1 and before.notes["rule_fired"] == RESTARTS + 1
     assert before.wasted_usd >= RESTARTS * per_attempt(preset)
-    monkeypatch.undo()
-    after = run("9", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.reached and after.submissions == 1 and after.notes["rule_fired"] == 0 and after.wasted_usd == 0
 
 
 # -- 10 -------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 def test_10_failure_record_cut_by_failure_reason(monkeypatch, tmp_path, preset):
-    before = run("10", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("10", monkeypatch, tmp_path, preset)
     assert before.ended.startswith("JobFailed") and "unknown" in before.ended and not before.reached
-    monkeypatch.undo()
-    after = run("10", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.reached and after.submissions == 3
     sc = model.scale(preset)
     # The two attempts the storage fault took, nothing more.
@@ -199,10 +198,8 @@ def test_10_failure_record_cut_by_failure_reason(monkeypatch, tmp_path, preset):
 # -- 11 -------------------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("preset", PRESETS)
 def test_11a_deadline_in_a_backoff(monkeypatch, tmp_path, preset):
-    before = run("11a", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("11a", monkeypatch, tmp_path, preset)
     assert before.ended.startswith("ConfigError")  # a crash in the job's spec, not the supervisor's judgement
-    monkeypatch.undo()
-    after = run("11a", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.ended.startswith("DeadlinePassed") and not after.notes["phantom"]
     assert "running" not in after.notes["status"].split("train", 1)[1].splitlines()[0]
     assert after.spent_usd == 0
@@ -210,19 +207,15 @@ def test_11a_deadline_in_a_backoff(monkeypatch, tmp_path, preset):
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_11b_last_ten_dollars(monkeypatch, tmp_path, preset):
-    before = run("11b", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("11b", monkeypatch, tmp_path, preset)
     left_s = 10.0 / model.scale(preset).hourly * 3600  # $10 of the job's hours, then the stop's grace
     assert before.notes["max_runtimes"] == [pytest.approx(left_s + model.STOP_GRACE_S, abs=1)]
     assert before.wasted_usd > 10
-    monkeypatch.undo()
-    after = run("11b", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.ended.startswith("BudgetExhausted") and after.submissions == 0 and after.wasted_usd == 0
 
 
 @pytest.mark.parametrize("preset", PRESETS)
 def test_11c_transient_resource_limit(monkeypatch, tmp_path, preset):
-    before = run("11c", monkeypatch, tmp_path / "before", preset, fixed=False)
+    before, after = before_and_after("11c", monkeypatch, tmp_path, preset)
     assert before.ended.startswith("JobFailed") and "ResourceLimitExceeded" in before.ended
-    monkeypatch.undo()
-    after = run("11c", monkeypatch, tmp_path / "after", preset, fixed=True)
     assert after.reached and after.submissions == 2 and after.wasted_usd == 0

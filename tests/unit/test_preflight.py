@@ -72,32 +72,21 @@ def test_a_role_trusts_sagemaker_only_through_an_allow_of_sts_assume_role() -> N
 def test_a_trust_guarded_by_the_source_account_trusts_sagemaker_for_that_account_only() -> None:
     """deployments/account.yaml's trust: SageMaker, with aws:SourceAccount the stack's account (before, any condition
     read as 'does not trust', so the template's own role failed the preflight)."""
-    guarded = statement(
-        Effect="Allow",
-        Principal={"Service": "sagemaker.amazonaws.com"},
-        Action="sts:AssumeRole",
-        Condition={"StringEquals": {"aws:SourceAccount": "123456789012"}},
-    )
+
+    def assume(condition: dict[str, Any]) -> dict[str, Any]:
+        sagemaker = {"Service": "sagemaker.amazonaws.com"}
+        return statement(Effect="Allow", Principal=sagemaker, Action="sts:AssumeRole", Condition=condition)
+
+    guarded = assume({"StringEquals": {"aws:SourceAccount": "123456789012"}})
     job = "arn:aws:sagemaker:us-west-2:123456789012:training-job/hlat-7b-1a2b-train-1"
     here = {"aws:sourceaccount": "123456789012", "aws:sourcearn": job}
     assert _trusts_sagemaker(guarded, here) is True
     assert _trusts_sagemaker(guarded, {**here, "aws:sourceaccount": "210987654321"}) is False
-    by_arn = statement(
-        Effect="Allow",
-        Principal={"Service": "sagemaker.amazonaws.com"},
-        Action="sts:AssumeRole",
-        Condition={"ArnLike": {"aws:SourceArn": "arn:aws:sagemaker:*:123456789012:training-job/*"}},
-    )
+    by_arn = assume({"ArnLike": {"aws:SourceArn": "arn:aws:sagemaker:*:123456789012:training-job/*"}})
     assert _trusts_sagemaker(by_arn, here) is True
     assert _trusts_sagemaker(by_arn, {**here, "aws:sourcearn": job.replace("training-job", "endpoint")}) is False
     # A key only IAM knows the value of: not decided here.
-    other = statement(
-        Effect="Allow",
-        Principal={"Service": "sagemaker.amazonaws.com"},
-        Action="sts:AssumeRole",
-        Condition={"StringEquals": {"aws:PrincipalTag/team": "ml"}},
-    )
-    assert _trusts_sagemaker(other, here) is None
+    assert _trusts_sagemaker(assume({"StringEquals": {"aws:PrincipalTag/team": "ml"}}), here) is None
 
 
 def test_the_runs_own_jobs_are_told_from_other_runs() -> None:
