@@ -2,12 +2,10 @@
 
 A stop (SageMaker's SIGTERM to every rank, the stop rule's `request_stop` on rank 0) must end every rank after the
 same step, which every rank then checkpoints: a rank that steps on alone hangs in the next step's collectives, and
-the commit waits for the files of a rank that never writes them. It used to be a full-world all-reduce of one flag
-over a gloo group at every step boundary: at hlat-70b's 8,192 ranks a ring all-reduce is 2 x 8,191 sequential hops,
-0.17-0.53 s a vote on paper (2-6% of a 9.28 s step, $133k-$399k over the run), a per-step barrier of every host's
-Python thread, and a gloo group whose default full mesh holds 8,191 sockets per rank. Here nothing at a step boundary
-leaves the process; the stop step is agreed once, when a stop is asked for, through the job's TCPStore (torchrun's
-store: https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore):
+the commit waits for the files of a rank that never writes them. Nothing at a step boundary leaves the process (a
+full-world vote at every boundary costs 2-6% of hlat-70b's step: docs/multi-host.md); the stop step is agreed once,
+when a stop is asked for, through the job's TCPStore (torchrun's store:
+https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore):
 
 - Each rank keeps `passed`, the last boundary it went past. At a boundary the loop calls `at_boundary(step)`: a lock,
   two comparisons. Nothing else happens at a boundary until some rank has asked for a stop.
@@ -27,13 +25,8 @@ the decision then lets the waiting peer run the step both need. A rank that neve
 others waiting at their boundaries: the watchdog (`training/watchdog.py`) ends that as a hang. A decision at or past
 training.max_steps is no stop: the training ends there (a rank does not wait at the last boundary).
 
-Cost at 8,192 ranks: per step, nothing on the network and nothing that grows with the world. Per stop (once): one
-`request` key, 8,192 posts of a few bytes, one wait and one multi_get of 8,192 small values on rank 0, one `step`
-key whose notification goes to 8,192 waiters: tens of thousands of small store operations, well under a second for
-one store server (the same store handles every rank's rendezvous at start-up). While nothing is asked: each rank
-renews its wait every WAIT_S (six hours): 0.4 requests a second to the store at 8,192 ranks. The store's host
-(torchrun's agent on the first host) holds one more connection per rank (the watcher's), and one more per rank
-that asks for a stop (the poster's): see docs/trn1.md for the open-file limit that needs.
+Per step: nothing on the network. Per stop: a few small store operations per rank, once (their count at 8,192 ranks,
+and the connections the store's host holds: docs/multi-host.md, docs/trn1.md).
 
 The stop step is the step in progress when the stop is asked for, or the next when a rank went past its boundary
 before it heard (a race of milliseconds against a step): what the per-step vote gave, as the stop-grace tests check.

@@ -3,9 +3,8 @@ progress for longer than a bound, so a hung job ends (and SageMaker's bill with 
 lives.
 
 Without it a job that hangs (a storage read with no deadline, a loader deadlock, a device collective the runtime
-never times out, a peer gone silent) never reaches the step boundary where SIGTERM and the stop rule are acted on:
-only gloo's own timeout ends a hung host-side collective, and nothing else is bounded before MaxRuntimeInSeconds
-(28 days: ~$4.25M for hlat-70b's 256 trn1.32xlarge at $6,330/h).
+never times out) never reaches the step boundary where SIGTERM and the stop rule are acted on, and runs to
+MaxRuntimeInSeconds (what that costs at 256 hosts: docs/multi-host.md).
 
 Progress is what the loop reports (`Progress.beat`): every optimizer step, every evaluation batch, the start and end
 of every hook (a checkpoint save, a health check) and of a stop's save. When the last beat is older than the bound,
@@ -22,8 +21,7 @@ The bound (`watchdog_bound_seconds`, job.watchdog=auto):
   gets the start-up allowance, STARTUP_S (60 min: a Neuron compile of a graph the precompile stage did not cache);
 - after that, STEP_FACTOR x the step time measured at the last sync point plus SAVE_FACTOR x the last save timed
   to its end, and never less than FLOOR_S (10 min): a GC pause, an S3 retry storm (botocore's 10 attempts with
-  120 s read timeouts) or a slow commit is not a hang. For hlat-70b (9.28 s steps, saves of about a minute) that is
-  10 min: a hang costs ~$1,055 of 256 idle hosts, not 28 days.
+  120 s read timeouts) or a slow commit is not a hang. (hlat-70b: 10 min.)
 A number (job.watchdog=<seconds>) replaces the steady-state rule (a phase met for the first time keeps the start-up
 allowance); job.watchdog=off disables it. Never under graph extraction
 (neuron_parallel_compile's trial run executes nothing: its time says nothing of a hang).
