@@ -598,6 +598,14 @@ the one Neuron advises XLA-training users to stay on. (HLAT itself ran Neuron 2.
 image: awslabs/HLAT, common/install_2_20_0.sh.)"""
 NEURON_RESERVED_ENV = frozenset({"NEURON_COMPILE_CACHE_URL", "RUN_NEURON_PARALLEL_COMPILE", "HLAT_RUN_ID"})
 """Variables the job backends set themselves (the run's compile cache, the precompile wrapper, the run id)."""
+NEURON_ENV_PREFIXES = ("NEURON_", "XLA_", "PJRT_", "FI_", "CCOM_", "NCCL_", "TORCH_DIST_", "TORCH_GLOO_")
+"""What neuron.env may set: the Neuron compiler and runtime (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/
+neuron-runtime/nrt-configurable-parameters.html), torch-xla and PJRT, libfabric/EFA, Neuron's collectives, and
+torch.distributed's process-group switches."""
+NEURON_ENV_NAMES = frozenset({"MALLOC_ARENA_MAX", "OMP_NUM_THREADS", "RDMAV_FORK_SAFE", "TF_CPP_MIN_LOG_LEVEL"})
+"""Single variables neuron.env may set besides `NEURON_ENV_PREFIXES`'."""
+NEURON_ENV_REFUSED = ("PATH", "LIBRARY", "PLUGIN", "PRELOAD")
+"""Within the prefixes, names holding one of these are refused: a search path, library or plugin to load is code."""
 
 
 class NeuronConfig(Section):
@@ -640,7 +648,8 @@ class NeuronConfig(Section):
     RDMAV_FORK_SAFE=1 itself)."""
     env: dict[str, str] = Field(default_factory=dict)
     """Extra or overriding variables of the trn1 jobs, applied last (e.g. {"NEURON_RT_LOG_LEVEL": "INFO"}); numbers
-    are taken as text. NEURON_COMPILE_CACHE_URL, RUN_NEURON_PARALLEL_COMPILE and HLAT_RUN_ID are the backends'."""
+    are taken as text. Only Neuron, XLA, EFA and process-group variables (`NEURON_ENV_PREFIXES`, `NEURON_ENV_NAMES`);
+    NEURON_COMPILE_CACHE_URL, RUN_NEURON_PARALLEL_COMPILE and HLAT_RUN_ID are the backends'."""
 
     @field_validator("env", mode="before")
     @classmethod
@@ -663,6 +672,20 @@ class NeuronConfig(Section):
         reserved = sorted(NEURON_RESERVED_ENV & set(env))
         if reserved:
             raise ValueError(f"{reserved} are set by the job backends for the run: remove them from neuron.env")
+        # An allow-list, not a deny-list: whoever can start a run can set this, and a loader, shell, Python or pip
+        # variable (LD_PRELOAD, BASH_ENV, PYTHONSTARTUP, PIP_INDEX_URL) runs code of their choosing in the job.
+        foreign = sorted(
+            k
+            for k in env
+            if (k not in NEURON_ENV_NAMES and not k.startswith(NEURON_ENV_PREFIXES))
+            or any(part in k for part in NEURON_ENV_REFUSED)
+        )
+        if foreign:
+            allowed = ", ".join([*(f"{p}*" for p in NEURON_ENV_PREFIXES), *sorted(NEURON_ENV_NAMES)])
+            raise ValueError(
+                f"{foreign} are not Neuron, XLA, EFA or process-group settings: neuron.env takes {allowed} only "
+                "(a loader, shell, Python or pip variable would run code in the job); remove them"
+            )
         return env
 
 

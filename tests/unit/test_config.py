@@ -126,6 +126,11 @@ def test_tiny_is_cpu_sized_and_offline() -> None:
         (["neuron.exec_timeout=0"], "neuron.exec_timeout: Input should be greater than or equal to 1 (got 0)"),
         (["neuron.env.NEURON_COMPILE_CACHE_URL=/x"], "neuron.env: ['NEURON_COMPILE_CACHE_URL'] are set by the job"),
         (["neuron.env.1X=1"], "neuron.env: ['1X'] are not environment variable names"),
+        (["neuron.env.BASH_ENV=/tmp/x"], "neuron.env: ['BASH_ENV'] are not Neuron, XLA, EFA or process-group settings"),
+        (["neuron.env.LD_PRELOAD=/tmp/x.so"], "neuron.env: ['LD_PRELOAD'] are not Neuron, XLA"),
+        (["neuron.env.PIP_INDEX_URL=https://evil"], "neuron.env: ['PIP_INDEX_URL'] are not Neuron, XLA"),
+        (["neuron.env.PYTHONSTARTUP=/tmp/x.py"], "would run code in the job); remove them"),
+        (["neuron.env.NEURON_LIBRARY_PATH=/tmp"], "neuron.env: ['NEURON_LIBRARY_PATH'] are not Neuron"),
     ],
 )
 def test_wrong_values_name_the_field_and_the_fix(overrides: list[str], expected: str) -> None:

@@ -199,7 +199,7 @@ def test_the_xla_cpu_rehearsal_gets_the_precision_flags_and_no_neuron_runtime() 
     overrides = {
         "training.device": "xla",
         "precision.mode": "bf16-sr",
-        "neuron.env": {"A": "1"},
+        "neuron.env": {"NEURON_RT_LOG_LEVEL": "INFO"},
         "neuron.sdk": "2.24.1",
     }
     cfg = load_config("tiny", overrides)
