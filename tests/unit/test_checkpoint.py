@@ -1126,3 +1126,22 @@ def test_the_shard_writers_are_paced_before_every_other_rank() -> None:
     assert offset(6, "tp02-pp00", True) == pytest.approx(2 * 2 / 2000)
     assert offset(6, "tp02-pp00", False) == pytest.approx((4 + 6) * 2 / 2000)
     assert offset(0, None, False) == 0.0 and offset(3, None, False) == pytest.approx((1 + 3) * 2 / 2000)
+
+
+def test_planted_folders_that_look_committed_neither_push_out_nor_get_deleted(tmp_path: Path) -> None:
+    """Issue 51: three folders past the run's checkpoints, each with a marker (empty; a valid-looking one whose meta
+    does not match; one whose listed file is missing), made a run's own retention delete every real checkpoint.
+    Retention counts and deletes verified checkpoints only."""
+    store = Storage(str(tmp_path))
+    manager = CheckpointManager(store, keep_last=2)
+    manager.save(1, {"w": torch.tensor(1)}, {})
+    store.write_bytes(f"{step_dir(97)}/{MARKER}", b"")
+    store.write_bytes(f"{step_dir(98)}/{META}", b'{"step": 98, "files": {}}\n')
+    store.write_bytes(f"{step_dir(98)}/{MARKER}", b'{"step": 98, "meta_sha256": "0"}\n')
+    meta = b'{"step": 99, "files": {"train_state.pt": {"size": 10}}}\n'
+    store.write_bytes(f"{step_dir(99)}/{META}", meta)
+    store.write_bytes(f"{step_dir(99)}/{MARKER}", json.dumps({"meta_sha256": hashlib.sha256(meta).hexdigest()}).encode())
+    for step in (2, 3):
+        manager.save(step, {"w": torch.tensor(step)}, {})
+    assert store.list() == [step_dir(s) for s in (2, 3, 97, 98, 99)]  # step 1 aged out; the planted ones stay
+    assert manager.latest_step() == 3

@@ -17,7 +17,9 @@ it. Rank 0 re-saving a step whose folder still exists also first removes that st
 
 Retention (rank 0, after each commit): the newest `keep_last` complete checkpoints, plus every complete one whose
 step is a multiple of `keep_every`, forever; older complete ones and marker-less folders older than the newest
-complete checkpoint are deleted, whatever files they hold. Newer marker-less folders are left alone: with async
+complete checkpoint are deleted, whatever files they hold. Complete means verified (the marker's sha256 of meta.json,
+each listed file at its size): a folder with a marker that does not verify (planted by another writer, or broken)
+is neither counted nor deleted. Newer marker-less folders are left alone: with async
 saves another rank may already be writing the next checkpoint.
 
 Async saves (`async_save=True`): `save` copies the state to CPU tensors (the only part that blocks the training
@@ -784,9 +786,22 @@ class CheckpointManager(CheckpointIndex):
         if self.rank != 0:
             return []
         steps = self.all_steps()
-        committed = [s for s in steps if self.storage.exists(f"{step_dir(s)}/{MARKER}")]
+        marked = [s for s in steps if self.storage.exists(f"{step_dir(s)}/{MARKER}")]
+        # Only checkpoints that verify (the marker's sha256 of meta.json, every file it lists at its size) count or
+        # are deleted: a folder that merely looks committed (planted, or broken) must neither push this run's
+        # checkpoints out of keep_last nor be deleted as if it were one of them. It is left alone, with a warning.
+        committed, suspect = [], []
+        for step in marked:
+            problem = self._problem(step)
+            (committed if problem is None else suspect).append(step)
+            if problem is not None:
+                log.warning(
+                    "retention leaves %s alone, neither kept nor deleted as a checkpoint: %s",
+                    self.storage.uri(step_dir(step)), problem,
+                )  # fmt: skip
         if not committed:
             return []
+        steps = [s for s in steps if s not in suspect]
         doomed = retention(steps, committed, self.keep_last, self.keep_every, newest, pinned=self.pinned_steps())
         for step in doomed:
             self.delete(step)
