@@ -1140,7 +1140,8 @@ def test_planted_folders_that_look_committed_neither_push_out_nor_get_deleted(tm
     store.write_bytes(f"{step_dir(98)}/{MARKER}", b'{"step": 98, "meta_sha256": "0"}\n')
     meta = b'{"step": 99, "files": {"train_state.pt": {"size": 10}}}\n'
     store.write_bytes(f"{step_dir(99)}/{META}", meta)
-    store.write_bytes(f"{step_dir(99)}/{MARKER}", json.dumps({"meta_sha256": hashlib.sha256(meta).hexdigest()}).encode())
+    marker = {"step": 99, "meta_sha256": hashlib.sha256(meta).hexdigest()}
+    store.write_bytes(f"{step_dir(99)}/{MARKER}", json.dumps(marker).encode())
     for step in (2, 3):
         manager.save(step, {"w": torch.tensor(step)}, {})
     assert store.list() == [step_dir(s) for s in (2, 3, 97, 98, 99)]  # step 1 aged out; the planted ones stay
