@@ -14,10 +14,11 @@ import hashlib
 import json
 import math
 import re
+from collections.abc import Iterator
 from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from hlat.core.parallel import LayoutError, ParallelDims
 
@@ -26,10 +27,42 @@ class ConfigError(ValueError):
     """A user mistake in the config: the message names the field and the fix."""
 
 
+CREDENTIALS_IN_URI = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://[^/?#@\s]+@")
+"""A URI with a user (and password, or token) before its host: https://user:pw@host, https://token@host."""
+CREDENTIALS_REFUSED = (
+    "holds credentials in a URI (user:password@host): a config is copied into config.json, checkpoints, tracking "
+    "and logs. Give the URI without them and the credentials from a secret: MLflow reads MLFLOW_TRACKING_USERNAME "
+    "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), resolved from AWS Secrets Manager or a Prefect Secret "
+    "block at run time (docs/deployments.md, 'Secrets')"
+)
+
+
+def _texts(value: Any) -> Iterator[str]:
+    """The strings of a field's raw value: itself, or a list's or a mapping's values (nested sections check their
+    own fields)."""
+    if isinstance(value, str):
+        yield value
+    elif isinstance(value, list | tuple):
+        yield from (v for v in value if isinstance(v, str))
+    elif isinstance(value, dict):
+        yield from (v for v in value.values() if isinstance(v, str))
+
+
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings are field descriptions."""
+    """Base of every config section: unknown keys are errors, docstrings are field descriptions, and no field holds
+    a URI with credentials in it."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_credentials(cls, value: Any, info: ValidationInfo) -> Any:
+        annotation = cls.model_fields[info.field_name].annotation if info.field_name else None
+        if isinstance(annotation, type) and issubclass(annotation, Section):
+            return value  # a nested section checks its own fields, and names them
+        if any(CREDENTIALS_IN_URI.search(text) for text in _texts(value)):
+            raise ValueError(CREDENTIALS_REFUSED)
+        return value
 
 
 class ModelConfig(Section):
@@ -1278,7 +1311,8 @@ def _format_errors(err: ValidationError) -> str:
         if e["type"] == "extra_forbidden":
             msg = "unknown field"
         got = e.get("input")
-        shown = "" if isinstance(got, dict) or e["type"] == "extra_forbidden" else f" (got {got!r})"
+        hidden = isinstance(got, dict) or e["type"] == "extra_forbidden" or msg == CREDENTIALS_REFUSED
+        shown = "" if hidden else f" (got {got!r})"  # never a credential back on the terminal
         lines.append(f"{field}: {msg}{shown}")
     return "invalid config:\n  " + "\n  ".join(lines)
 

@@ -230,3 +230,22 @@ def test_neuron_settings_are_not_part_of_the_run() -> None:
     )
     assert changed.neuron.env == {"NEURON_RT_LOG_LEVEL": "3"}  # a number on the command line is the variable's text
     assert changed.fingerprint() == base.fingerprint() and changed.resolved_run_id() == base.resolved_run_id()
+
+
+@pytest.mark.parametrize(
+    "override, field",
+    [
+        ("tracking.mlflow_tracking_uri=https://bob:hunter2@mlflow.example.com", "tracking.mlflow_tracking_uri"),
+        ("data.source=https://hunter2@huggingface.co/datasets/x", "data.source"),
+        ('data.sources=[{"source": "s3://b/x", "weight": 1}, {"source": "https://a:hunter2@h/y"}]', "data.sources.1"),
+        ("neuron.env.NEURON_RT_LOG_URL=http://a:hunter2@h", "neuron.env"),
+    ],
+)
+def test_a_uri_with_credentials_is_refused_naming_the_field_and_never_shown(override: str, field: str) -> None:
+    """Issue 51: a config is copied into config.json, checkpoints, tracking and logs, so it holds no secret."""
+    with pytest.raises(ConfigError) as err:
+        load_config("tiny", [override])
+    message = str(err.value)
+    assert f"{field}" in message and "holds credentials in a URI" in message and "MLFLOW_TRACKING_PASSWORD" in message
+    assert "hunter2" not in message
+    assert load_config("tiny", ["tracking.mlflow_tracking_uri=https://mlflow.example.com:5000/x?a=b@c"])

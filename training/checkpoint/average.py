@@ -56,7 +56,7 @@ from hlat.core.layout import (
     step_dir,
 )
 from hlat.core.storage import Storage
-from hlat.training.checkpoint.dcp import METADATA, is_dcp_file
+from hlat.training.checkpoint.dcp import METADATA, is_dcp_file, read_metadata
 from hlat.training.checkpoint.manager import FORMAT_VERSION, SHARED_FILE
 from hlat.training.checkpoint.serialization import read_state, write_state
 
@@ -266,7 +266,9 @@ def _average_file(
 
 # -- FSDP2's torch.distributed.checkpoint files ------------------------------------------------------------------
 def _dcp_metadata(checkpoints: Storage, step: int) -> Any:
-    metadata = pickle.loads(checkpoints.read_bytes(f"{step_dir(step)}/{METADATA}"))  # as DCP's own reader loads it
+    metadata = read_metadata(  # DCP's own classes only: a planted .metadata runs nothing
+        checkpoints.read_bytes(f"{step_dir(step)}/{METADATA}"), checkpoints.uri(step_dir(step), METADATA)
+    )
     for index, info in metadata.storage_data.items():
         if index.fqn.startswith(MODEL_PREFIX) and getattr(info, "transform_descriptors", None):
             raise CheckpointError(

@@ -7,13 +7,22 @@ on a thread of its own. DCP's background writes plan and finish with collectives
 group of their own (made once, by every rank, when the manager is): a collective issued from a second thread on
 the loop's own group can deadlock against the loop's, and NCCL groups cannot hold CPU tensors at all. The files
 are complete once rank 0's save has finished (rank 0 writes `.metadata` after every rank reported its writes).
+
+Nothing read back runs code. DCP's `.metadata` is a pickle by design, and DCP loads each non-tensor item of a
+`.distcp` file with `torch.load(weights_only=False)` (torch 2.13's `DefaultLoadPlanner.load_bytes`): whoever can
+write to the run's storage could plant either. So every read here goes through `read_metadata` (an unpickler that
+admits DCP's own metadata classes and nothing else, https://docs.python.org/3/library/pickle.html#restricting-globals)
+and planners that load those items with `weights_only=True`; a refused file is named in the error.
 """
 
 from __future__ import annotations
 
+import contextlib
+import io
 import os
+import pickle
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import Future
 from typing import Any
 
@@ -26,6 +35,114 @@ METADATA = ".metadata"
 """torch.distributed.checkpoint's index of a distributed checkpoint (written last of its files, by rank 0)."""
 
 State = dict[str, Any]
+
+DCP_METADATA_CLASSES = frozenset(
+    {
+        *(
+            ("torch.distributed.checkpoint.metadata", name)
+            for name in (
+                "Metadata", "MetadataIndex", "StorageMeta", "TensorStorageMetadata", "BytesStorageMetadata",
+                "ChunkStorageMetadata", "TensorProperties", "_MEM_FORMAT_ENCODING",
+            )
+        ),
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("pathlib", "PosixPath"),  # StorageMeta.checkpoint_id of a local save
+        ("collections", "OrderedDict"),
+    }
+)  # fmt: skip
+"""The globals a DCP `.metadata` pickle may name (torch 2.13's, listed from real saves), besides torch's dtypes."""
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in DCP_METADATA_CLASSES or (
+            module == "torch" and isinstance(getattr(torch, name, None), torch.dtype)
+        ):
+            return super().find_class(module, name)
+        raise pickle.UnpicklingError(f"it names {module}.{name}, which is not one of DCP's metadata classes")
+
+
+def read_metadata(data: bytes, where: str) -> Any:
+    """DCP's checkpoint metadata from the bytes of a `.metadata` file, admitting DCP's own classes only; a file
+    naming anything else (a planted one) raises CheckpointError naming `where`, and nothing of it runs."""
+    from torch.distributed.checkpoint.metadata import Metadata
+
+    try:
+        metadata = _MetadataUnpickler(io.BytesIO(data)).load()
+    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as exc:
+        raise CheckpointError(f"refusing {where}: {exc}") from None
+    if not isinstance(metadata, Metadata):
+        raise CheckpointError(f"refusing {where}: it holds a {type(metadata).__name__}, not DCP's Metadata")
+    return metadata
+
+
+def _weights_only(value: io.BytesIO, where: str) -> io.BytesIO:
+    """A non-tensor item of a .distcp file, loaded with weights_only=True (a planted item naming any other global is
+    refused) and saved again for the planner's own torch.load: what reaches that load is what weights_only admitted."""
+    try:
+        item = torch.load(value, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise CheckpointError(f"refusing an item of {where}: {str(exc).splitlines()[0]}") from None
+    clean = io.BytesIO()
+    torch.save(item, clean)
+    clean.seek(0)
+    return clean
+
+
+def _safe_reader(location: str, options: Mapping[str, Any], local: bool) -> Any:
+    """DCP's reader of `location` (FileSystemReader, or FsspecReader for a URL) with `read_metadata` above."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.metadata import StorageMeta
+
+    base: Any = dcp.FileSystemReader if local else FsspecReader
+
+    class SafeReader(base):
+        def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+            path = self.fs.concat_path(self.path, METADATA)
+            with self.fs.create_stream(path, "rb") as stream:
+                metadata = read_metadata(stream.read(), str(path))
+            if getattr(metadata, "storage_meta", None) is None:
+                metadata.storage_meta = StorageMeta()
+            metadata.storage_meta.load_id = self.load_id
+            return metadata
+
+    return SafeReader(location) if local else SafeReader(location, **options)
+
+
+def _check_metadata(storage: Storage, step: int) -> None:
+    """Refuse checkpoint `step` before DCP opens it when its `.metadata` names anything but DCP's classes (the
+    readers refuse it again when they read it: a file replaced in between is no way around)."""
+    folder = step_dir(step)
+    with storage_errors(storage.uri(folder)):
+        data = storage.read_bytes(f"{folder}/{METADATA}")
+    read_metadata(data, storage.uri(folder, METADATA))
+
+
+@contextlib.contextmanager
+def _refusals() -> Iterator[None]:
+    """DCP wraps each rank's error in its CheckpointException: a refusal of ours comes out as itself."""
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    try:
+        yield
+    except CheckpointException as exc:
+        for error, _ in exc.failures.values():
+            if isinstance(error, CheckpointError):
+                raise error from None
+        raise
+
+
+def _safe_planner(base: Any, where: str) -> Any:
+    """An instance of DCP load planner class `base` whose non-tensor items load with weights_only=True."""
+
+    class SafePlanner(base):
+        def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+            super().load_bytes(read_item, _weights_only(value, where))
+
+    return SafePlanner()
 
 
 def is_dcp_file(name: str) -> bool:
@@ -101,26 +218,33 @@ def load(storage: Storage, step: int, meta: Mapping[str, Any], state: dict[str, 
     """Fill `state` (this rank's DTensor state dict, as FSDP2's get_state_dict gives it) in place from the
     distributed files of committed checkpoint `step`; every rank calls it (a collective)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
+    from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
     if not meta.get("distributed"):
         raise CheckpointError(
             f"checkpoint {storage.uri(step_dir(step))} holds no distributed (FSDP2) state: it was written "
             "without parallelism.fsdp; resume it with the parallelism that wrote it"
         )
+    _check_metadata(storage, step)
     location, options = _location(storage, step)
-    reader = dcp.FileSystemReader(location) if storage.is_local else FsspecReader(location, **options)
-    with storage_errors(storage.uri(step_dir(step))):
-        dcp.load(state, storage_reader=reader)
+    where = storage.uri(step_dir(step))
+    with storage_errors(where), _refusals():
+        dcp.load(
+            state,
+            storage_reader=_safe_reader(location, options, storage.is_local),
+            planner=_safe_planner(DefaultLoadPlanner, where),
+        )
 
 
 def load_full(storage: Storage, step: int, meta: Mapping[str, Any]) -> State:
     """The distributed state of committed checkpoint `step` consolidated into plain CPU tensors (every shard
     gathered: what export reads), without a process group."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 
     if not meta.get("distributed"):
         raise CheckpointError(f"checkpoint {storage.uri(step_dir(step))} holds no distributed state")
+    _check_metadata(storage, step)
     folder = step_dir(step)
     with tempfile.TemporaryDirectory(prefix="hlat-dcp-") as tmp:
         local = storage.path(folder) if storage.is_local else os.path.join(tmp, "dcp")
@@ -129,7 +253,14 @@ def load_full(storage: Storage, step: int, meta: Mapping[str, Any]) -> State:
             for name in meta["files"]:
                 if is_dcp_file(name):
                     storage.get_file(f"{folder}/{name}", os.path.join(local, name))
-        out = os.path.join(tmp, "full.pt")
-        dcp_to_torch_save(local, out)
-        state: State = torch.load(out, map_location="cpu", weights_only=True)
+        # What torch's dcp_to_torch_save does (its private loader: the public one fills only the keys it is
+        # given), through the safe reader and planner, which it does not take.
+        state: State = {}
+        with _refusals():
+            _load_state_dict(
+                state,
+                storage_reader=_safe_reader(local, {}, local=True),
+                planner=_safe_planner(_EmptyStateDictLoadPlanner, storage.uri(folder)),
+                no_dist=True,
+            )
     return state

@@ -790,7 +790,8 @@ class CheckpointManager(CheckpointIndex):
         # Only checkpoints that verify (the marker's sha256 of meta.json, every file it lists at its size) count or
         # are deleted: a folder that merely looks committed (planted, or broken) must neither push this run's
         # checkpoints out of keep_last nor be deleted as if it were one of them. It is left alone, with a warning.
-        committed, suspect = [], []
+        committed: list[int] = []
+        suspect: list[int] = []
         for step in marked:
             problem = self._problem(step)
             (committed if problem is None else suspect).append(step)
