@@ -182,3 +182,35 @@ def test_the_dry_run_shows_hlats_layouts() -> None:
         "8192 ranks = TP 32 x PP 8 x DP 32, micro-batch 1 x 32 pipeline micro-batches, sequence parallel, ZeRO-1 "
         "with FP32 master weights, selective activation checkpointing, precision bf16-mixed"
     )
+
+
+def test_the_accounts_ceiling_refuses_a_run_over_it_whatever_its_parameters() -> None:
+    """Issue 51: a run's parameters cannot lift what the account allows (HLAT_MAX_BUDGET_USD, HLAT_MAX_INSTANCES, in
+    the environment where flow runs start), and a node-hour price of 0 cannot switch budget enforcement off."""
+    from hlat.infra.stage_jobs import check_spend
+
+    aws = {"job.backend": "sagemaker", "job.region": "us-west-2", "job.role_arn": "arn:aws:iam::123456789012:role/r"}
+    limits = {"HLAT_MAX_BUDGET_USD": "100000", "HLAT_MAX_INSTANCES": "64"}
+    check_spend(load_config("hlat-7b", {**aws, "job.budget_usd": 100_000}), limits)  # at the ceiling: allowed
+    refusals = [
+        ({"job.budget_usd": 100_001}, r"job.budget_usd: .*\$100,001.00, is over this account's ceiling of \$100,000"),
+        ({}, r"job.budget_usd: the training's budget, \$[\d,.]+ = 1.25 x the estimate .* over this account's ceiling"),
+        ({"job.budget_usd": 50, "job.instance_count": 128}, r"job.instance_count: 128 instances is over .* of 64"),
+        ({"job.budget_usd": 50, "job.price_per_hour_usd": 0}, r"job.price_per_hour_usd is 0: .* must be above 0"),
+        ({"job.budget_usd": 50, "job.instance_type": "ml.m5.xlarge"}, r"is unset and 'ml.m5.xlarge' has no price"),
+    ]
+    for overrides, message in refusals:
+        with pytest.raises(ConfigError, match=message):
+            check_spend(load_config("hlat-7b", {**aws, **overrides}), limits)
+    with pytest.raises(ConfigError, match=r"HLAT_MAX_INSTANCES='many': the account's ceiling must be a number"):
+        check_spend(load_config("hlat-7b", {**aws, "job.budget_usd": 50}), {"HLAT_MAX_INSTANCES": "many"})
+    check_spend(load_config("tiny", {"job.price_per_hour_usd": 0}), limits)  # local: nothing billed, not checked
+
+
+def test_a_flow_runs_config_is_checked_against_the_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
+    from hlat.flows.params import build_config
+
+    monkeypatch.setenv("HLAT_MAX_BUDGET_USD", "1000")
+    changes = {"job.backend": "sagemaker", "job.region": "us-west-2", "job.budget_usd": 8_700_000}
+    with pytest.raises(ConfigError, match=r"over this account's ceiling of \$1,000.00"):
+        build_config("hlat-70b", changes, None, "s3://b/runs")
