@@ -34,6 +34,7 @@ from __future__ import annotations
 import base64
 import fnmatch
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -350,7 +351,8 @@ def deploy(
     for pool in chosen_pools:
         print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}")
     if template is not None:
-        print(f"hlat: flow runs use the worker image {template['variables']['properties']['image']['default']}")
+        image = template["job_configuration"]["task_definition"]["containerDefinitions"][0]["image"]
+        print(f"hlat: flow runs use the worker image {image}")
     if account is not None:
         print(f"hlat: Secret block {ROLE_SECRET!r}: {save_role_secret(account.outputs['SageMakerExecutionRoleArn'])}")
     cmd = [_prefect(), "--no-prompt", "deploy", "--prefect-file", str(prefect_file)]
@@ -553,15 +555,36 @@ def check_pushed(stack: Stack, image: str, session: Any = None) -> None:
         raise DeployError(f"cannot check the worker image {image} ({_aws_error(exc)})") from exc
 
 
+FIXED_ECS_VARIABLES = (
+    "image", "command", "env", "task_role_arn", "execution_role_arn", "task_definition_arn", "aws_credentials",
+    "cluster", "vpc_id", "network_configuration", "launch_type", "capacity_provider_strategy", "family",
+    "container_name", "configure_cloudwatch_logs", "cloudwatch_logs_options", "cloudwatch_logs_prefix",
+    "prefect_api_key_secret_arn", "prefect_api_auth_string_secret_arn",
+)  # fmt: skip
+"""What the ECS pool's template fixes, so that no run can change it through job variables: what runs (image,
+command, a task definition), as whom (the task and execution roles, AWS credentials), in which environment (env:
+the account's spend ceiling is there) and network, and where its logs go. Left to a run: cpu, memory, labels, name
+and the task-definition housekeeping switches."""
+FLOW_RUN_COMMAND = "prefect flow-run execute"
+"""What an ECS flow-run task runs (Prefect's own command for a flow run)."""
+
+
 def ecs_job_template(stack: Stack, image: str) -> dict[str, Any]:
-    """The ECS pool's base job template: prefect-aws's own, with the defaults of every variable a user would
-    otherwise hand-edit set from the stack (image, cluster, task and execution roles, VPC and subnets, logs, size)."""
+    """The ECS pool's base job template: prefect-aws's own, with every variable a user would otherwise hand-edit set
+    from the stack (image, cluster, task and execution roles, VPC and subnets, logs, size), and those of
+    `FIXED_ECS_VARIABLES` written into the template itself and taken out of its variables: a run's job variables
+    name only what remains, and Prefect's server refuses any other (additionalProperties false)."""
     from prefect_aws.workers.ecs_worker import ECSWorker
 
     out = stack.outputs
     template: dict[str, Any] = ECSWorker.get_default_base_job_template()
-    defaults: dict[str, Any] = {
+    env = {"AWS_DEFAULT_REGION": stack.region}
+    for output, variable in (("MaxRunBudgetUsd", "HLAT_MAX_BUDGET_USD"), ("MaxJobInstances", "HLAT_MAX_INSTANCES")):
+        if out.get(output):
+            env[variable] = out[output]
+    values: dict[str, Any] = {
         "image": image,
+        "command": FLOW_RUN_COMMAND,
         "cluster": out["ClusterName"],
         "task_role_arn": out["FlowRunRoleArn"],
         "execution_role_arn": out["TaskExecutionRoleArn"],
@@ -569,22 +592,47 @@ def ecs_job_template(stack: Stack, image: str) -> dict[str, Any]:
         "memory": FLOW_RUN_MEMORY,
         "configure_cloudwatch_logs": True,
         "cloudwatch_logs_options": {"awslogs-group": out["FlowRunLogGroup"], "awslogs-region": stack.region},
-        "env": {"AWS_DEFAULT_REGION": stack.region},
+        "env": env,
+        "launch_type": "FARGATE",
+        "container_name": "prefect",  # prefect-aws's default name
+        "vpc_id": out["VpcId"] or None,
     }
-    if out["VpcId"]:
-        defaults["vpc_id"] = out["VpcId"]
-        subnets = [s for s in out["SubnetIds"].split(",") if s]
-        if subnets:  # else prefect-aws takes every subnet of the VPC
-            defaults["network_configuration"] = {
-                "subnets": subnets,
-                "assignPublicIp": out["AssignPublicIp"] or "ENABLED",
-                "securityGroups": [],
-            }
+    subnets = [s for s in out["SubnetIds"].split(",") if s]
+    if out["VpcId"] and subnets:  # else prefect-aws takes every subnet of the VPC
+        values["network_configuration"] = {
+            "subnets": subnets,
+            "assignPublicIp": out["AssignPublicIp"] or "ENABLED",
+            "securityGroups": [],
+        }
     properties = template["variables"]["properties"]
-    for key, value in defaults.items():
+    for key, value in values.items():
         assert key in properties, f"prefect-aws's ECS template has no variable {key}"
-        properties[key]["default"] = value
+        if key not in FIXED_ECS_VARIABLES:
+            properties[key]["default"] = value
+    fixed = {key: values.get(key) for key in FIXED_ECS_VARIABLES}
+    template["job_configuration"] = _fill(template["job_configuration"], fixed)
+    for key in FIXED_ECS_VARIABLES:
+        properties.pop(key, None)
+    template["variables"]["additionalProperties"] = False
     return template
+
+
+_UNSET = object()
+
+
+def _fill(node: Any, fixed: dict[str, Any]) -> Any:
+    """`node` with every `{{ key }}` of `fixed` replaced by its value; a key whose value is None is left out."""
+    if isinstance(node, dict):
+        filled = {k: _fill(v, fixed) for k, v in node.items()}
+        return {k: v for k, v in filled.items() if v is not _UNSET}
+    if isinstance(node, list):
+        return [v for v in (_fill(item, fixed) for item in node) if v is not _UNSET]
+    if isinstance(node, str):
+        match = re.fullmatch(r"\{\{\s*(\w+)\s*\}\}", node)
+        if match and match.group(1) in fixed:
+            value = fixed[match.group(1)]
+            return _UNSET if value is None else value
+    return node
 
 
 def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:

