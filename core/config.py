@@ -828,7 +828,14 @@ class JobConfig(Section):
     subnets: list[str] = Field(default_factory=list)
     """SageMaker: VPC subnet ids (empty: no VPC). trn1 clusters need EFA, so subnets in one AZ."""
     security_group_ids: list[str] = Field(default_factory=list)
-    """SageMaker: VPC security groups (with subnets)."""
+    """SageMaker: VPC security groups (with subnets). With inter-container encryption they must pass UDP 500 and
+    ESP (protocol 50) between their members (deployments/account.yaml's job group passes all traffic among them)."""
+    encrypt_inter_container_traffic: bool = True
+    """SageMaker: encrypt the traffic between a job's instances (EnableInterContainerTrafficEncryption, IPsec:
+    https://docs.aws.amazon.com/sagemaker/latest/dg/train-encrypt.html). No fee of its own, but SageMaker states it
+    can lengthen distributed training, by as much as the job's traffic between instances costs to encrypt, and the
+    billed hours with it; one instance is unaffected. What it costs a trn1 step (torchrun's store and gloo go over
+    TCP; whether EFA's collectives pass through it) only a trn1 run can show: docs/trn1.md."""
     kms_key_id: str | None = None
     """SageMaker: KMS key for the training volumes and output."""
     keep_alive_minutes: int | None = Field(None, ge=1, le=60)

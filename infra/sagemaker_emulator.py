@@ -285,22 +285,28 @@ def role_credentials(request: Mapping[str, Any], base: Mapping[str, str]) -> tup
     """The AWS credentials an emulated container gets, and where they come from. SageMaker gives a job's
     containers temporary credentials of the request's RoleArn, never the caller's
     (https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html). A local run: none (its storage is this
-    machine's). A run on an S3 endpoint of this machine's (AWS_ENDPOINT_URL, a moto server in tests): STS
-    AssumeRole of RoleArn there, with the caller's credentials. A run on AWS itself: the emulator's role exists in
-    no account, so the caller's credentials are passed on, and the source says so."""
+    machine's). A run on S3: STS AssumeRole of RoleArn, with the caller's credentials, at this machine's endpoint
+    (AWS_ENDPOINT_URL, a moto server in tests) or AWS's own STS. Never the caller's own keys: where the caller may
+    not assume the role, the job does not start, and the error says what to change."""
     if not run_on_s3(request):
         return {}, "none (a local run)"
-    endpoint = base.get("AWS_ENDPOINT_URL_STS") or base.get("AWS_ENDPOINT_URL")
-    if not endpoint:
-        return {k: v for k, v in base.items() if k in CREDENTIALS}, "the caller's (a run on AWS: no emulated role)"
     import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
 
+    endpoint = base.get("AWS_ENDPOINT_URL_STS") or base.get("AWS_ENDPOINT_URL") or None
     region = base.get("AWS_REGION") or base.get("AWS_DEFAULT_REGION") or "us-east-1"
     duration = min(ROLE_SESSION_S, max(900, int(request["StoppingCondition"]["MaxRuntimeInSeconds"]) + 3600))
     sts = boto3.client("sts", endpoint_url=endpoint, region_name=region)
     role = str(request["RoleArn"])
     session = str(request["TrainingJobName"])[:64]
-    granted = sts.assume_role(RoleArn=role, RoleSessionName=session, DurationSeconds=duration)
+    try:
+        granted = sts.assume_role(RoleArn=role, RoleSessionName=session, DurationSeconds=duration)
+    except (ClientError, BotoCoreError) as exc:
+        raise RuntimeError(
+            f"the emulated job's containers run as its role {role}, never on the caller's credentials, and the "
+            f"caller may not assume it ({exc}): let this principal assume it in the role's trust policy, or run "
+            "the emulated job on local storage"
+        ) from None
     credentials = granted["Credentials"]
     env = {
         "AWS_ACCESS_KEY_ID": credentials["AccessKeyId"],

@@ -688,14 +688,11 @@ def _request_with_source(
         keep_alive_period_in_seconds=job.keep_alive_minutes * 60 if job.keep_alive_minutes else None,
         training_plan_arn=job.training_plan_arn,
     )
-    networking = None
-    if job.subnets:
-        networking = cfg.Networking(
-            subnets=list(job.subnets),
-            security_group_ids=list(job.security_group_ids),
-            # Encrypting traffic between nodes slows the collectives of every step.
-            enable_inter_container_traffic_encryption=False,
-        )
+    networking = cfg.Networking(
+        subnets=list(job.subnets) or None,
+        security_group_ids=list(job.security_group_ids) or None,
+        enable_inter_container_traffic_encryption=job.encrypt_inter_container_traffic,
+    )
     try:
         trainer = sdk.ModelTrainer(
             sagemaker_session=session,

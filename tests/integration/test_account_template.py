@@ -435,6 +435,13 @@ def test_the_preflight_may_assume_the_execution_role_in_its_own_sessions_only(
     # The preflight reads this trust as trusting SageMaker for the account's jobs (its aws:SourceAccount guard).
     job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-7b-1a2b-train-1"
     assert _trusts_sagemaker(trust, {"aws:sourceaccount": ACCOUNT, "aws:sourcearn": job}) is True
+    # aws:SourceArn too (issue 51): SageMaker acting for this account's training jobs only, in the stack's region.
+    for other in (job.replace(REGION, "eu-west-1"), job.replace("training-job", "notebook-instance")):
+        assert _trusts_sagemaker(trust, {"aws:sourceaccount": ACCOUNT, "aws:sourcearn": other}) is False, other
+    for role_name in ("task-execution", "flow-run", "worker"):
+        ecs_trust = _document(iam.get_role(RoleName=f"{name}-{role_name}")["Role"]["AssumeRolePolicyDocument"])
+        (statement,) = ecs_trust["Statement"]
+        assert statement["Condition"]["ArnLike"] == {"aws:SourceArn": f"arn:aws:ecs:{REGION}:{ACCOUNT}:*"}, role_name
     off = vpc_stack.stack.name
     off_trust = _document(
         vpc_stack.client("iam").get_role(RoleName=f"{off}-sagemaker-execution")["Role"]["AssumeRolePolicyDocument"]

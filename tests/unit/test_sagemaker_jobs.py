@@ -157,6 +157,7 @@ def expected_create_request() -> dict[str, Any]:
             {"Key": "hlat:attempt", "Value": "3"},
         ],
         "StoppingCondition": {"MaxRuntimeInSeconds": 86400},
+        "EnableInterContainerTrafficEncryption": True,  # job.encrypt_inter_container_traffic's default
         "OutputDataConfig": {"S3OutputPath": f"{RUN_URI}/sagemaker-output", "CompressionType": "GZIP"},
         "Environment": {
             "NEURON_COMPILE_CACHE_URL": f"{RUN_URI}/compile-cache",
@@ -559,7 +560,7 @@ def test_dry_run_carries_every_job_setting() -> None:
     assert params["RetryStrategy"] == {"MaximumRetryAttempts": 2}
     assert params["InfraCheckConfig"] == {"EnableInfraCheck": True}
     assert params["VpcConfig"] == {"Subnets": ["subnet-0a1b2c3d"], "SecurityGroupIds": ["sg-0a1b2c3d"]}
-    assert params["EnableInterContainerTrafficEncryption"] is False
+    assert params["EnableInterContainerTrafficEncryption"] is True  # the default (issue 51)
     assert params["OutputDataConfig"]["KmsKeyId"] == "alias/hlat"
     assert params["AlgorithmSpecification"]["TrainingImage"] == job.image_uri
     assert params["ResourceConfig"] == {
