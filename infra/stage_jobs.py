@@ -450,7 +450,8 @@ MAX_INSTANCES_ENV = "HLAT_MAX_INSTANCES"
 
 
 def check_spend(config: HlatConfig, env: Mapping[str, str] | None = None) -> None:
-    """Refuse a SageMaker run that could spend past what the account allows, before anything of it is written: a
+    """Refuse a SageMaker run that could spend past what the account allows (`preflight`, which every flow run
+    passes before anything of its run is written): a
     budget over HLAT_MAX_BUDGET_USD (job.budget_usd, or the default from the plan's estimate), an instance count over
     HLAT_MAX_INSTANCES, or a node-hour price of 0 (job.price_per_hour_usd=0, or an instance type the catalog does not
     price), which would leave the budget unenforced. Local runs cost nothing and are not checked."""
@@ -664,12 +665,13 @@ def preflight(config: HlatConfig) -> None:
     S3 URIs under storage.root...) against the service model, before any stage runs: a typo then fails the flow
     run at once, not after data preparation. Settings not given yet (no role) are left to the stage that needs
     them; nothing is sent or uploaded. Then the budget: a SageMaker run with no job.budget_usd and no estimate to
-    default one from is refused here."""
+    default one from is refused here, and so is one over the account's ceiling (`check_spend`)."""
     if config.job.backend != "sagemaker":
         return
     if config.storage.root.startswith("s3://"):
         _check_requests(config)
     budget(config)  # refuses a run with neither a budget nor an estimate to default one from
+    check_spend(config)  # the account's ceiling, whatever the run's parameters say
 
 
 def _check_requests(config: HlatConfig) -> None:

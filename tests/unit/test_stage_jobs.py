@@ -207,10 +207,13 @@ def test_the_accounts_ceiling_refuses_a_run_over_it_whatever_its_parameters() ->
     check_spend(load_config("tiny", {"job.price_per_hour_usd": 0}), limits)  # local: nothing billed, not checked
 
 
-def test_a_flow_runs_config_is_checked_against_the_ceiling(monkeypatch: pytest.MonkeyPatch) -> None:
-    from hlat.flows.params import build_config
+def test_a_flow_runs_config_is_checked_against_the_ceiling(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """Every flow run resolves its run first (build_config, then the preflight): a run over the ceiling stops there,
+    before its config.json is written."""
+    from hlat.flows.stage import resolve
 
     monkeypatch.setenv("HLAT_MAX_BUDGET_USD", "1000")
-    changes = {"job.backend": "sagemaker", "job.region": "us-west-2", "job.budget_usd": 8_700_000}
+    changes = {"job.budget_usd": 8_700_000, "job.role_arn": "arn:aws:iam::123456789012:role/r"}
     with pytest.raises(ConfigError, match=r"over this account's ceiling of \$1,000.00"):
-        build_config("hlat-70b", changes, None, "s3://b/runs")
+        resolve("hlat-70b", changes, "r1", str(tmp_path / "runs"))
+    assert not (tmp_path / "runs").exists()

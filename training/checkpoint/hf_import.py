@@ -169,7 +169,10 @@ class NodeShare:
     def close(self) -> None:
         """This rank is done; the last of the node's local ranks removes the folder."""
         os.close(os.open(os.path.join(self.folder, f"done-{self.local_rank}"), os.O_CREAT | os.O_WRONLY))
-        done = [name for name in os.listdir(self.folder) if name.startswith("done-")]
+        try:
+            done = [name for name in os.listdir(self.folder) if name.startswith("done-")]
+        except FileNotFoundError:  # another rank, done too, saw every rank's file first and removed the folder
+            return
         if len(done) >= self.local_world:
             shutil.rmtree(self.folder, ignore_errors=True)
 

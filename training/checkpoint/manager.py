@@ -258,6 +258,7 @@ class CheckpointManager(CheckpointIndex):
                 raise ValueError(f"{len(shards)} shards need at least as many ranks to write them, not {world_size}")
         self.storage = storage
         self.keep_last = keep_last
+        self._verified: set[int] = set()  # steps retention found complete (see prune)
         self.keep_every = keep_every
         self.rank = rank
         self.world_size = world_size
@@ -790,10 +791,16 @@ class CheckpointManager(CheckpointIndex):
         # Only checkpoints that verify (the marker's sha256 of meta.json, every file it lists at its size) count or
         # are deleted: a folder that merely looks committed (planted, or broken) must neither push this run's
         # checkpoints out of keep_last nor be deleted as if it were one of them. It is left alone, with a warning.
+        # The step just committed here is verified by its own commit; a step verified once keeps its verdict for
+        # this manager's life (a commit then costs no re-reads of the checkpoints it keeps).
+        if newest is not None:
+            self._verified.add(newest)
         committed: list[int] = []
         suspect: list[int] = []
         for step in marked:
-            problem = self._problem(step)
+            problem = None if step in self._verified else self._problem(step)
+            if problem is None:
+                self._verified.add(step)
             (committed if problem is None else suspect).append(step)
             if problem is not None:
                 log.warning(
@@ -814,6 +821,7 @@ class CheckpointManager(CheckpointIndex):
         if self.extracting_graphs:
             return
         folder = step_dir(step)
+        self._verified.discard(step)
         self.storage.remove(f"{folder}/{MARKER}")
         self.storage.remove(folder, recursive=True)
         log.info("deleted checkpoint %s", self.storage.uri(folder))
