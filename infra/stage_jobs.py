@@ -450,11 +450,11 @@ MAX_INSTANCES_ENV = "HLAT_MAX_INSTANCES"
 
 
 def check_spend(config: HlatConfig, env: Mapping[str, str] | None = None) -> None:
-    """Refuse a SageMaker run that could spend past what the account allows (`preflight`, which every flow run
-    passes before anything of its run is written): a
-    budget over HLAT_MAX_BUDGET_USD (job.budget_usd, or the default from the plan's estimate), an instance count over
-    HLAT_MAX_INSTANCES, or a node-hour price of 0 (job.price_per_hour_usd=0, or an instance type the catalog does not
-    price), which would leave the budget unenforced. Local runs cost nothing and are not checked."""
+    """Refuse a SageMaker run that could spend past what the account allows: a budget over HLAT_MAX_BUDGET_USD
+    (job.budget_usd, or the default from the plan's estimate), an instance count over HLAT_MAX_INSTANCES, or a
+    node-hour price of 0 (job.price_per_hour_usd=0, or an instance type the catalog does not price), which would
+    leave the budget unenforced. Called by `preflight`, which every flow run passes before anything of its run is
+    written. Local runs cost nothing and are not checked."""
     env = os.environ if env is None else env
     job = config.job
     if job.backend != "sagemaker":
