@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -135,3 +136,14 @@ def run_job(run: Path, processes: int, program: str = "train", env: dict[str, st
     ]  # fmt: skip
     full_env = {**cpu_mode_environment(), **(env or {})}
     return subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=900)
+
+
+def first_errors(stderr: str, tail: int = 3000) -> str:
+    """A failed job's stderr for an assertion: each rank's first error line (the rank that failed first is not the
+    last to print: its peers' "connection closed" tracebacks follow it), then the tail."""
+    firsts: dict[str, str] = {}
+    for line in stderr.splitlines():
+        match = re.match(r"\[(rank\d+)\]:\s*(\w+(Error|Exception)\b.*)", line)
+        if match:
+            firsts.setdefault(match.group(1), line)
+    return "\n".join(firsts.values()) + "\n...\n" + stderr[-tail:]
