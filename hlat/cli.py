@@ -196,6 +196,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Prefect notification block the alert automations send through, e.g. slack-webhook/hlat-alerts "
         "(default: the deployments' alerts.block, or HLAT_ALERTS_BLOCK)",
     )
+    p.add_argument(
+        "--allow-open-server",
+        action="store_true",
+        help="register AWS deployments on a Prefect API that answers without credentials (refused otherwise, "
+        "except a process pool on this machine's loopback)",
+    )
     p = add("worker", help="create the work pool if missing and start a worker on it")
     p.add_argument("--pool", default=DEFAULT_POOL, help=f"work pool (default: {DEFAULT_POOL})")
     _add_pool_type(p, "worker and pool type")
@@ -582,7 +588,12 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         from hlat.deploy import deploy
 
         return deploy(
-            args.names, pool_type=args.pool_type, stack=args.stack, region=args.region, alerts_block=args.alerts_block
+            args.names,
+            pool_type=args.pool_type,
+            stack=args.stack,
+            region=args.region,
+            alerts_block=args.alerts_block,
+            allow_open_server=args.allow_open_server,
         )
     if args.command == "worker":
         from hlat.deploy import worker

@@ -212,6 +212,60 @@ def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
         time.sleep(1)
 
 
+def api_guarded(url: str) -> bool:
+    """Whether the Prefect API at `url` refuses a request that carries no credentials (401 or 403), as a server
+    with `PREFECT_SERVER_API_AUTH_STRING` and Prefect Cloud do; False when it answers one. The health check is
+    exempt from a server's authentication, so a listing is asked for."""
+    opener = httpx.Client(trust_env=False, timeout=10)
+    try:
+        with opener:
+            answer = opener.post(f"{url.rstrip('/')}/flows/filter", json={"limit": 1})
+    except httpx.HTTPError as exc:
+        raise DeployError(f"cannot reach the Prefect API at {url} ({type(exc).__name__}: {exc})") from exc
+    if answer.status_code in (401, 403):
+        return True
+    if answer.is_success:
+        return False
+    raise DeployError(f"the Prefect API at {url} answered {answer.status_code} to a flow listing: is it Prefect's API?")
+
+
+def loopback(url: str) -> bool:
+    """Whether `url`'s host is this machine's loopback (127.0.0.0/8, ::1, localhost): no other machine reaches it."""
+    import ipaddress
+
+    host = httpx.URL(url).host
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def aws_deployments(deployments: Iterable[dict[str, Any]]) -> list[str]:
+    """The names of the deployments whose runs go to AWS (their storage is HLAT_S3_ROOT, an s3:// root)."""
+    return [d["name"] for d in deployments if "HLAT_S3_ROOT" in str((d.get("parameters") or {}).get("storage", ""))]
+
+
+def check_api_guarded(url: str, deployments: Iterable[dict[str, Any]], pool_type: str, allow_open: bool) -> None:
+    """Refuse to register AWS deployments on a Prefect API that anyone who reaches it may use: a run of one starts
+    SageMaker jobs as the flow-run role, so an open API is a door to the account. An API on this machine's
+    loopback serving a process pool is exempt (only this machine's users reach it, and a process worker runs on
+    it); an ECS or Kubernetes pool's flow runs reach the API over the network, so it must be guarded there.
+    `allow_open` (`--allow-open-server`) says the user knows."""
+    names = aws_deployments(deployments)
+    if not names or allow_open or (pool_type == "process" and loopback(url)):
+        return
+    if api_guarded(url):
+        return
+    raise DeployError(
+        f"the Prefect API at {url} answers without credentials, and {len(names)} AWS deployment(s) "
+        f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) would let anyone who reaches it start SageMaker "
+        "jobs: turn its authentication on (PREFECT_SERVER_API_AUTH_STRING on the server, PREFECT_API_AUTH_STRING "
+        'here; docs/deployments.md, "The Prefect API") or use Prefect Cloud, or pass --allow-open-server'
+    )
+
+
 def existing_pool_type(name: str) -> str | None:
     """The type of the work pool `name`, or None when there is no such pool."""
     from prefect.client.orchestration import get_client
@@ -300,6 +354,7 @@ def deploy(
     stack: str | None = None,
     region: str | None = None,
     alerts_block: str | None = None,
+    allow_open_server: bool = False,
 ) -> int:
     """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`. `pool_type`
     None: the existing pool's type, or process for a new pool (ecs with a `stack`).
@@ -310,7 +365,10 @@ def deploy(
     With `stack` (the CloudFormation stack of deployments/account.yaml, in `region` or boto3's default): its
     RunsRoot is HLAT_S3_ROOT unless that is set, its execution role is saved in the Secret block the AWS
     deployments read, and an ECS pool gets the base job template made from its outputs, with this checkout's
-    worker image, which must have been pushed (`push_worker_image`)."""
+    worker image, which must have been pushed (`push_worker_image`).
+
+    AWS deployments are registered only on a Prefect API that refuses unauthenticated requests
+    (`check_api_guarded`), unless `allow_open_server`."""
     api = api_url()
     deployments, default_pull = load_deployments(prefect_file)
     pools = {(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in deployments}
@@ -341,8 +399,9 @@ def deploy(
     if account is not None and kind == "ecs":
         image = worker_image(account)
         check_pushed(account, image)
-        template = ecs_job_template(account, image)
+        template = ecs_job_template(account, image, flow_run_secrets(account))
     wait_for_api(api)
+    check_api_guarded(api, chosen, kind, allow_open_server)
     if alerts is not None:  # a block that is not there fails before anything is registered
         from hlat.tasks.alerts import block_document_id
 
@@ -569,11 +628,44 @@ FLOW_RUN_COMMAND = "prefect flow-run execute"
 """What an ECS flow-run task runs (Prefect's own command for a flow run)."""
 
 
-def ecs_job_template(stack: Stack, image: str) -> dict[str, Any]:
+SECRET_ENV_PREFIX = "env/"
+"""Secrets Manager secrets named `<stack>/env/<NAME>` become the flow runs' variable NAME (HF_TOKEN,
+WANDB_API_KEY, MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, ...): ECS resolves them as each task starts."""
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def flow_run_secrets(stack: Stack, session: Any = None) -> list[dict[str, str]]:
+    """The ECS container's `secrets` of the flow runs: one `{"name": NAME, "valueFrom": ARN}` per Secrets Manager
+    secret `<stack>/env/<NAME>` (listed now; add one and run `hlat deploy --stack` again). The task definition holds
+    the ARNs only; ECS reads the values with the stack's task execution role as a task starts."""
+    import boto3
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    prefix = f"{stack.name}/{SECRET_ENV_PREFIX}"
+    client = (session or boto3.Session(region_name=stack.region)).client("secretsmanager")
+    found: list[dict[str, str]] = []
+    try:
+        for page in client.get_paginator("list_secrets").paginate(Filters=[{"Key": "name", "Values": [prefix]}]):
+            for secret in page["SecretList"]:
+                name = secret["Name"]
+                variable = name[len(prefix) :]
+                if not name.startswith(prefix) or not _ENV_NAME.fullmatch(variable):
+                    continue  # the filter matches prefixes of words too; a name that is no variable is not ours
+                found.append({"name": variable, "valueFrom": secret["ARN"]})
+    except (BotoCoreError, ClientError) as exc:
+        raise DeployError(f"cannot list the flow runs' secrets {prefix}* ({_aws_error(exc)})") from exc
+    return sorted(found, key=lambda s: s["name"])
+
+
+def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]] = ()) -> dict[str, Any]:
     """The ECS pool's base job template: prefect-aws's own, with every variable a user would otherwise hand-edit set
     from the stack (image, cluster, task and execution roles, VPC and subnets, logs, size), and those of
     `FIXED_ECS_VARIABLES` written into the template itself and taken out of its variables: a run's job variables
-    name only what remains, and Prefect's server refuses any other (additionalProperties false)."""
+    name only what remains, and Prefect's server refuses any other (additionalProperties false).
+
+    Secrets reach a flow run through ECS, as ARNs in the task definition: the Prefect API's credential (the stack's
+    PrefectApiSecretArn, as prefect-aws's auth-string or API-key secret: prefect-aws then drops the worker's own
+    copy from the task's environment) and `secrets` (`flow_run_secrets`)."""
     from prefect_aws.workers.ecs_worker import ECSWorker
 
     out = stack.outputs
@@ -597,6 +689,13 @@ def ecs_job_template(stack: Stack, image: str) -> dict[str, Any]:
         "container_name": "prefect",  # prefect-aws's default name
         "vpc_id": out["VpcId"] or None,
     }
+    if out.get("PrefectApiSecretArn"):
+        key = (
+            "prefect_api_key_secret_arn"
+            if out.get("PrefectAuth") == "api-key"
+            else "prefect_api_auth_string_secret_arn"
+        )
+        values[key] = out["PrefectApiSecretArn"]
     subnets = [s for s in out["SubnetIds"].split(",") if s]
     if out["VpcId"] and subnets:  # else prefect-aws takes every subnet of the VPC
         values["network_configuration"] = {
@@ -611,6 +710,9 @@ def ecs_job_template(stack: Stack, image: str) -> dict[str, Any]:
             properties[key]["default"] = value
     fixed = {key: values.get(key) for key in FIXED_ECS_VARIABLES}
     template["job_configuration"] = _fill(template["job_configuration"], fixed)
+    if secrets:
+        (container,) = template["job_configuration"]["task_definition"]["containerDefinitions"]
+        container["secrets"] = [dict(s) for s in secrets]
     for key in FIXED_ECS_VARIABLES:
         properties.pop(key, None)
     template["variables"]["additionalProperties"] = False
@@ -734,7 +836,7 @@ def worker(
         if pool_type == "ecs":
             image = worker_image(account)
             check_pushed(account, image)
-            template = ecs_job_template(account, image)
+            template = ecs_job_template(account, image, flow_run_secrets(account))
     wait_for_api(api_url())
     env = deploy_env(pool_type=pool_type or "process")
     print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}", flush=True)

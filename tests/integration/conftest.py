@@ -233,3 +233,19 @@ def s3_denied(iam_s3_server: IamS3, monkeypatch: pytest.MonkeyPatch) -> IamS3:
     """The environment of a user allowed `allowed_bucket` and nothing else, on the IAM-enforcing server."""
     set_aws_env(monkeypatch, iam_s3_server.endpoint, iam_s3_server.key, iam_s3_server.secret)
     return iam_s3_server
+
+
+@pytest.fixture
+def guarded_prefect_server() -> Iterator[str]:
+    """A temporary Prefect server with its authentication on (PREFECT_SERVER_API_AUTH_STRING), and this process's
+    Prefect settings pointing at it with the matching PREFECT_API_AUTH_STRING; yields the auth string. Per test
+    (~10 s): it stands beside the session's open server, whose settings come back when it stops."""
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_SERVER_API_AUTH_STRING, temporary_settings
+    from prefect.testing.utilities import prefect_test_harness
+
+    auth = f"hlat:{uuid.uuid4().hex}"
+    with (
+        temporary_settings({PREFECT_SERVER_API_AUTH_STRING: auth, PREFECT_API_AUTH_STRING: auth}),
+        prefect_test_harness(server_startup_timeout=120),
+    ):
+        yield auth

@@ -40,6 +40,7 @@ from hlat.deploy import (
     check_pushed,
     code_source,
     ecs_job_template,
+    flow_run_secrets,
     load_deployments,
     push_worker_image,
     read_stack,
@@ -624,6 +625,75 @@ def test_a_run_cannot_change_what_the_ecs_pool_runs_as_whom_or_where(vpc_stack: 
     assert config.network_configuration["assignPublicIp"] == "DISABLED"
 
 
+SEEDED = {
+    "prefect-api": "seeded-prefect-auth-8d1f0c",
+    "env/HF_TOKEN": "hf_seededtoken1234567890",
+    "env/WANDB_API_KEY": "seeded-wandb-key-5b2e9a",
+    "env/MLFLOW_TRACKING_PASSWORD": "seeded-mlflow-pw-77c1",
+}
+
+
+def with_secrets(created: Created, prefect_auth: str = "auth-string") -> Stack:
+    """The stack with its secrets: moto's CloudFormation has no AWS::SecretsManager::Secret, so the template's
+    `<stack>/prefect-api` is made through Secrets Manager's API under the template's name, with its outputs, and a
+    user's `<stack>/env/<NAME>` secrets beside it (and one name that only shares the prefix)."""
+    sm, name = created.client("secretsmanager"), created.stack.name
+    declared = template()["Resources"]["PrefectApiSecret"]["Properties"]["Name"]
+    assert declared == {"Fn::Sub": "${AWS::StackName}/prefect-api"}
+    arns = {key: sm.create_secret(Name=f"{name}/{key}", SecretString=value)["ARN"] for key, value in SEEDED.items()}
+    sm.create_secret(Name=f"{name}/envelope", SecretString="not a variable of ours")
+    outputs = {**created.stack.outputs, "PrefectApiSecretArn": arns["prefect-api"], "PrefectAuth": prefect_auth}
+    return dataclasses.replace(created.stack, outputs=outputs)
+
+
+def test_flow_runs_get_their_secrets_from_secrets_manager_and_the_task_holds_none(
+    vpc_stack: Created, s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: the Prefect API's credential and the flow runs' HF, W&B and MLflow secrets reach an ECS flow run
+    as secret ARNs that ECS resolves at start: the task definition and run request prefect-aws's worker sends (built
+    here by its own code, with the worker holding the Prefect credential as a user's worker does) name the ARNs and
+    hold no value; the stack's task execution role may read them."""
+    from prefect.client.schemas.objects import FlowRun
+    from prefect.settings import PREFECT_API_AUTH_STRING, PREFECT_API_URL, temporary_settings
+    from prefect_aws.workers.ecs_worker import ECSJobConfiguration, ECSWorker
+
+    set_aws_env(monkeypatch, s3_server, "testing", "testing")  # the worker reads the subnets from moto's EC2
+    stack = with_secrets(vpc_stack)
+    secrets = flow_run_secrets(stack, session=vpc_stack.session)
+    assert [s["name"] for s in secrets] == ["HF_TOKEN", "MLFLOW_TRACKING_PASSWORD", "WANDB_API_KEY"]
+    template = ecs_job_template(stack, f"{stack.outputs['WorkerRepositoryUri']}:0123456789ab", secrets)
+    assert template["job_configuration"]["prefect_api_auth_string_secret_arn"] == stack.outputs["PrefectApiSecretArn"]
+    assert "prefect_api_auth_string_secret_arn" not in template["variables"]["properties"]  # fixed, not a variable
+    settings = {PREFECT_API_URL: "https://prefect.example.com/api", PREFECT_API_AUTH_STRING: SEEDED["prefect-api"]}
+    with temporary_settings(settings):
+        config = asyncio.run(ECSJobConfiguration.from_template_and_values(template, {}))
+        flow_run = FlowRun(flow_id=uuid.uuid4(), name="seeded")
+        config.prepare_for_flow_run(flow_run)
+        worker = ECSWorker(work_pool_name="hlat")
+        task_definition = worker._prepare_task_definition(config, stack.region, flow_run)
+        request = worker._prepare_task_run_request(config, task_definition, "arn:task-definition/x:1", True)
+    sent = json.dumps([task_definition, request, config.env])
+    for key, value in SEEDED.items():
+        assert value not in sent, f"{key}'s value is in what the worker sends to ECS"
+    (container,) = task_definition["containerDefinitions"]
+    by_name = {s["name"]: s["valueFrom"] for s in container["secrets"]}
+    assert by_name["PREFECT_API_AUTH_STRING"] == stack.outputs["PrefectApiSecretArn"]
+    assert {k: by_name[k] for k in ("HF_TOKEN", "WANDB_API_KEY")} == {s["name"]: s["valueFrom"] for s in secrets[::2]}
+    statements = role_statements(vpc_stack, f"{stack.name}-task-execution")
+    for arn in by_name.values():
+        assert allows(statements, "secretsmanager:GetSecretValue", arn), arn
+    other = by_name["HF_TOKEN"].replace(f"secret:{stack.name}/", "secret:other-stack/")
+    assert not allows(statements, "secretsmanager:GetSecretValue", other)
+    # Prefect Cloud: the key's secret, as prefect-aws's API-key secret.
+    cloud = ecs_job_template(with_secrets_outputs(stack, "api-key"), "x:1")
+    assert cloud["job_configuration"]["prefect_api_key_secret_arn"] == stack.outputs["PrefectApiSecretArn"]
+    assert "prefect_api_auth_string_secret_arn" not in cloud["job_configuration"]
+
+
+def with_secrets_outputs(stack: Stack, prefect_auth: str) -> Stack:
+    return dataclasses.replace(stack, outputs={**stack.outputs, "PrefectAuth": prefect_auth})
+
+
 def test_a_missing_stack_or_an_unpushed_image_is_one_line_naming_the_fix(default_stack: Created) -> None:
     with pytest.raises(DeployError) as err:
         read_stack("no-such-stack", session=default_stack.session)
@@ -708,16 +778,58 @@ def test_the_worker_image_holds_the_code_where_the_aws_deployments_look(tmp_path
     assert len(aws) == 10 and {code_source(d, default_pull) for d in aws} == {"image"}
 
 
-def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
+def test_aws_deployments_are_not_registered_on_a_prefect_api_anyone_may_use(
     default_stack: Created,
     s3_server: str,
     prefect_server: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    """Issue 51: the session's Prefect server answers without credentials; `hlat deploy --stack` (an ECS pool, whose
+    flow runs reach the API over the network) refuses it before anything is registered, naming the fix, unless
+    told (--allow-open-server)."""
+    from prefect.client.orchestration import get_client
+    from prefect.exceptions import ObjectNotFound
+    from prefect.settings import PREFECT_API_URL
+
+    import hlat.deploy
+    from tests.integration.test_deploy import prefect_file_on_pool
+
+    set_aws_env(monkeypatch, s3_server, "testing", "testing")
+    monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+    monkeypatch.setenv("HLAT_WORKER_TAG", "0badc0ffee00")
+    _push(default_stack, "0badc0ffee00")
+    pool = f"hlat-{uuid.uuid4().hex[:8]}"
+    prefect_file = prefect_file_on_pool(tmp_path, pool)
+    calls: list[list[str]] = []
+    monkeypatch.setattr(hlat.deploy, "run_prefect_deploy", lambda cmd, env: calls.append(cmd) or 0)
+    assert hlat.deploy.api_guarded(str(PREFECT_API_URL.value())) is False
+    with pytest.raises(DeployError, match=r"answers without credentials, and 1 AWS deployment\(s\) \(pretrain-7b\)"):
+        hlat.deploy.deploy(["pretrain-7b"], prefect_file=prefect_file, stack=default_stack.stack.name)
+    assert not calls
+    with get_client(sync_client=True) as client, pytest.raises(ObjectNotFound):
+        client.read_work_pool(pool)  # nothing was created
+    # The tiny deployments run on this machine's process pool: a loopback server serves them.
+    assert hlat.deploy.deploy(["train-tiny"], prefect_file=prefect_file, pool_type="process") == 0
+    told = prefect_file_on_pool(tmp_path / "told", f"{pool}-ecs")
+    assert (
+        hlat.deploy.deploy(["pretrain-7b"], prefect_file=told, stack=default_stack.stack.name, allow_open_server=True)
+        == 0
+    )
+    assert len(calls) == 2
+
+
+def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
+    default_stack: Created,
+    s3_server: str,
+    guarded_prefect_server: str,
     monkeypatch: pytest.MonkeyPatch,
     tmp_path: Path,
     capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`hlat deploy --type ecs --stack S`: nothing left to hand-edit, and the AWS deployments' pull step is the
     image's working directory (the `prefect deploy` it runs is recorded: tests/e2e registers for real)."""
+    import httpx
     from prefect.blocks.system import Secret
     from prefect.client.orchestration import get_client
     from prefect.settings import PREFECT_API_URL
@@ -728,6 +840,9 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
 
     set_aws_env(monkeypatch, s3_server, "testing", "testing")
     monkeypatch.setenv("PREFECT_API_URL", str(PREFECT_API_URL.value()))
+    # The server refuses a client without its credentials (issue 51); hlat's, from the settings, get in.
+    refused = httpx.post(f"{PREFECT_API_URL.value()}/work_pools/filter", json={}, timeout=30)
+    assert refused.status_code == 401 and hlat.deploy.api_guarded(str(PREFECT_API_URL.value()))
     for var in ("HLAT_S3_ROOT", "HLAT_CODE_DIR", "HLAT_WORKER_TAG"):
         monkeypatch.delenv(var, raising=False)
     pool = f"hlat-{uuid.uuid4().hex[:8]}"

@@ -158,6 +158,7 @@ def prefect_file_on_pool(tmp_path: Path, pool: str) -> Path:
     old = "      name: hlat\n      work_queue_name: default"
     assert old in text
     path = tmp_path / "prefect.yaml"
+    path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text.replace(old, f"      name: {pool}\n      work_queue_name: default"))
     return path
 
@@ -169,7 +170,9 @@ def test_a_pool_of_another_type_is_an_error_that_names_the_fix(api: str, tmp_pat
     assert ensure_pool(pool, "process", env) == "created (type process)"
     assert ensure_pool(pool, "process", env) == "exists (type process)"
     with pytest.raises(DeployError) as err:
-        deploy(["pretrain-7b"], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool))
+        deploy(
+            ["pretrain-7b"], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool), allow_open_server=True
+        )
     message = str(err.value)
     assert f"work pool {pool!r} exists with type process, not ecs" in message
     assert "use --type process" in message and f"`prefect work-pool delete {pool}`" in message
@@ -197,7 +200,8 @@ def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
         return 0
 
     monkeypatch.setattr(hlat.deploy, "run_prefect_deploy", run)
-    assert deploy([], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool)) == 0
+    # (The session's server is open: test_account_template.py shows it refused without --allow-open-server.)
+    assert deploy([], pool_type="ecs", prefect_file=prefect_file_on_pool(tmp_path, pool), allow_open_server=True) == 0
     out = capsys.readouterr().out
     assert f"work pool {pool!r}: exists (type ecs)" in out
     assert "skipping 7 deployment(s) that run from this checkout, which ecs workers cannot reach" in out
@@ -207,7 +211,7 @@ def test_deploy_to_an_ecs_pool_leaves_out_the_local_deployments_and_says_so(
     assert "--all" not in cmd and len(names) == 10 and "pretrain-7b" in names and "train-tiny" not in names
     # Without --type, the existing pool's type decides the same way.
     calls.clear()
-    assert deploy([], prefect_file=prefect_file_on_pool(tmp_path, pool)) == 0
+    assert deploy([], prefect_file=prefect_file_on_pool(tmp_path, pool), allow_open_server=True) == 0
     assert "skipping 7 deployment(s)" in capsys.readouterr().out
 
 
