@@ -48,6 +48,7 @@ import httpx
 import yaml
 
 from hlat.core.config import ConfigError
+from hlat.infra.run_roles import BOUNDARY_ENV, PATH_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
@@ -671,7 +672,9 @@ def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]]
     out = stack.outputs
     template: dict[str, Any] = ECSWorker.get_default_base_job_template()
     env = {"AWS_DEFAULT_REGION": stack.region}
-    for output, variable in (("MaxRunBudgetUsd", "HLAT_MAX_BUDGET_USD"), ("MaxJobInstances", "HLAT_MAX_INSTANCES")):
+    ceilings = (("MaxRunBudgetUsd", "HLAT_MAX_BUDGET_USD"), ("MaxJobInstances", "HLAT_MAX_INSTANCES"))
+    run_roles = (("RunRoleBoundaryArn", BOUNDARY_ENV), ("RunRolePath", PATH_ENV))
+    for output, variable in (*ceilings, *run_roles):
         if out.get(output):
             env[variable] = out[output]
     values: dict[str, Any] = {

@@ -77,6 +77,9 @@ class JobSpec:
     python: str | None = None
     """Local backend: the Python interpreter that runs the program (None: the backend's own); SageMaker ignores it
     (the image decides)."""
+    reads: tuple[str, ...] = ()
+    """s3:// prefixes beyond the run and the shared sources that the job reads (`model.init_from`,
+    `tokenizer.pretrained`, `data.sources`): what a run role (infra/run_roles.py) may read besides its own."""
     channels: tuple[str, ...] = ("data", "tokenizer")
     """The run's folders the job gets as input channels (SageMaker InputDataConfig; local: links): none for
     prepare-data, which writes data/."""

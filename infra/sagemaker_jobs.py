@@ -36,6 +36,7 @@ from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, TrackingConfig, clos
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.core.environment import NEURON_SDKS
 from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
+from hlat.infra.run_roles import RunRoleError, RunRoles, ensure_run_role, retry_while_new
 
 log = logging.getLogger("hlat.sagemaker")
 
@@ -807,9 +808,20 @@ class SageMakerBackend:
                 f"a training job named {spec.name} already exists ({existing.status.value}); "
                 "describe it to re-attach instead of submitting it again",
             )
-        request = build_request(spec, self.job, self.boto_session, requirements=self.requirements(spec))
+        job, just_created = self.job, False
+        roles = RunRoles.from_environment()
+        if roles is not None:  # the run's own role (infra/run_roles.py), in place of the stack's execution role
+            assert job.role_arn is not None  # _check refused it otherwise
+            try:
+                arn, just_created = ensure_run_role(
+                    self.boto_session, roles, spec.run_uri, spec.stage, job.role_arn, spec.reads
+                )
+            except RunRoleError as exc:
+                raise SubmitError("AccessDeniedException", str(exc)) from exc
+            job = job.model_copy(update={"role_arn": arn})
+        request = build_request(spec, job, self.boto_session, requirements=self.requirements(spec))
         try:
-            self._create(request, stage=spec.stage)
+            retry_while_new(lambda: self._create(request, stage=spec.stage), just_created)
         except SubmitError as exc:
             # The job did not exist a moment ago: if it does now, this is our own request, retried by botocore
             # after a first try that got through (a timeout, say). It is the job we launched.

@@ -227,7 +227,16 @@ def job_spec(
         # The checkpoint an evaluation job scores: its step, and `args` (e.g. {"from": "averaged"}: `hlat average`'s).
         args={**({"step": str(step)} if step is not None else {}), **(args or {})},
         python=job_python(config, stage),
+        reads=config_reads(config),
     )
+
+
+def config_reads(config: HlatConfig) -> tuple[str, ...]:
+    """The s3:// prefixes the run's config names for reading: the checkpoint it starts from, the tokenizer it reuses,
+    its corpora (a job's run role may read them: infra/run_roles.py)."""
+    named = [config.model.init_from, config.tokenizer.pretrained, config.data.source]
+    named += [s.source for s in config.data.sources]
+    return tuple(sorted({uri for uri in named if uri and uri.startswith("s3://")}))
 
 
 def stop_terms(config: HlatConfig, spent_usd: float = 0.0, submitted_at: float | None = None) -> StopTerms:
@@ -316,6 +325,7 @@ def data_spec(run: Run, attempt: int, args: dict[str, str]) -> JobSpec:
         entry=program,
         args=args,
         python=job_python(config, "prepare-data"),
+        reads=config_reads(config),
         channels=(),
     )
 

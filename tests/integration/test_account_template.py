@@ -478,6 +478,44 @@ def test_the_preflight_passes_on_the_stack_probing_as_its_execution_role(
     ]
 
 
+def test_the_flow_runs_make_run_roles_only_under_the_stacks_path_with_its_boundary(default_stack: Created) -> None:
+    """Issue 51, a role per run (infra/run_roles.py; tests/integration/test_run_roles.py shows the isolation on an
+    IAM-enforcing moto): the flow-run policy creates and passes roles under /hlat-runs/<stack>/ only, only carrying
+    the stack's run-role boundary, and attaches the stack's <stack>-job-* policies only; the boundary caps storage
+    at the run root and the corpus bucket."""
+    name, out = default_stack.stack.name, default_stack.stack.outputs
+    st = role_statements(default_stack, f"{name}-flow-run")
+    boundary = out["RunRoleBoundaryArn"]
+    assert boundary == f"arn:aws:iam::{ACCOUNT}:policy/{name}-run-role-boundary"
+    assert out["RunRolePath"] == f"/hlat-runs/{name}/"
+    role = f"arn:aws:iam::{ACCOUNT}:role/hlat-runs/{name}/hlat-run-0123-run"
+    for action in ("iam:CreateRole", "iam:PutRolePolicy", "iam:AttachRolePolicy"):
+        assert allows(st, action, role, {"iam:PermissionsBoundary": boundary}), action
+        assert not allows(st, action, role), f"{action} without the boundary"
+        assert not allows(st, action, role, {"iam:PermissionsBoundary": f"arn:aws:iam::{ACCOUNT}:policy/admin"})
+        other = f"arn:aws:iam::{ACCOUNT}:role/{name}-sagemaker-execution"
+        assert not allows(st, action, other, {"iam:PermissionsBoundary": boundary}), f"{action} outside the path"
+    assert allows(st, "iam:PassRole", role, {"iam:PassedToService": "sagemaker.amazonaws.com"})
+    assert not allows(st, "iam:PassRole", role, {"iam:PassedToService": "ec2.amazonaws.com"})
+    (deny,) = [x for x in st if x.get("Sid") == "RunRolesStackPoliciesOnly"]
+    assert deny["Effect"] == "Deny" and deny["Action"] == "iam:AttachRolePolicy"
+    (pattern,) = _listed(deny["Condition"]["ArnNotLike"]["iam:PolicyARN"])
+    assert fnmatch.fnmatchcase(f"arn:aws:iam::{ACCOUNT}:policy/{name}-job-common", pattern)
+    assert not fnmatch.fnmatchcase("arn:aws:iam::aws:policy/AdministratorAccess", pattern)
+    iam = default_stack.client("iam")
+    version = iam.get_policy(PolicyArn=boundary)["Policy"]["DefaultVersionId"]
+    doc = _document(iam.get_policy_version(PolicyArn=boundary, VersionId=version)["PolicyVersion"]["Document"])
+    caps = doc["Statement"]
+    bucket = default_stack.bucket
+    assert allows(caps, "s3:PutObject", f"arn:aws:s3:::{bucket}/hlat/run-a/checkpoints/x")
+    assert not allows(caps, "s3:PutObject", f"arn:aws:s3:::{bucket}/elsewhere/x")
+    assert not allows(caps, "s3:GetObject", "arn:aws:s3:::another-bucket/x")
+    assert not allows(caps, "iam:CreateRole", role) and not allows(caps, "sagemaker:CreateTrainingJob", "*")
+    # Every managed policy of the execution role is one a run role may carry (<stack>-job-*).
+    attached = iam.list_attached_role_policies(RoleName=f"{name}-sagemaker-execution")["AttachedPolicies"]
+    assert [p["PolicyName"] for p in attached] == [f"{name}-job-common"]
+
+
 def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack: Created) -> None:
     """Each boto3 call of SageMaker, CloudWatch Logs, IAM, ECR, Service Quotas and STS written in infra/ (the flow
     runs' code, the preflight's included) is allowed to the flow-run role on some resource: a new call fails here until
@@ -620,7 +658,9 @@ def test_a_run_cannot_change_what_the_ecs_pool_runs_as_whom_or_where(vpc_stack: 
     assert config.task_run_request["overrides"]["taskRoleArn"] == stack.outputs["FlowRunRoleArn"]
     assert "taskDefinition" not in config.task_run_request
     assert config.env == {
-        "AWS_DEFAULT_REGION": stack.region, "HLAT_MAX_BUDGET_USD": "50000", "HLAT_MAX_INSTANCES": "64"
+        "AWS_DEFAULT_REGION": stack.region, "HLAT_MAX_BUDGET_USD": "50000", "HLAT_MAX_INSTANCES": "64",
+        "HLAT_RUN_ROLE_BOUNDARY": stack.outputs["RunRoleBoundaryArn"],
+        "HLAT_RUN_ROLE_PATH": f"/hlat-runs/{stack.name}/",
     }  # fmt: skip
     assert config.network_configuration["assignPublicIp"] == "DISABLED"
 
