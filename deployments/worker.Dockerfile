@@ -6,7 +6,10 @@
 #
 #   deployments/push-worker-image.sh --stack hlat     # build for linux/amd64, tag with the commit, push to the
 #                                                     # stack's ECR repository (add --dry-run to see the commands)
-FROM python:3.11-slim
+# The base by digest: push-worker-image.sh resolves python:3.11-slim to the digest it pulled (or takes
+# HLAT_WORKER_BASE=python@sha256:... as given) and builds on exactly that image.
+ARG PYTHON_BASE=python:3.11-slim
+FROM ${PYTHON_BASE}
 
 WORKDIR /opt/hlat
 COPY pyproject.toml constraints.txt README.md ./
@@ -30,3 +33,8 @@ assert str(s.PROJECT_ROOT) == '/opt/hlat', s.PROJECT_ROOT"
 # The commit the code was built from (deployments/push-worker-image.sh passes it), for `docker inspect` and logs.
 ARG HLAT_CODE_VERSION=unknown
 ENV HLAT_PROJECT_DIR=/opt/hlat HLAT_CODE_VERSION=$HLAT_CODE_VERSION PYTHONUNBUFFERED=1
+
+# Flow runs run as an unprivileged user (the code is root's and read-only to it; ~ holds Prefect's and hlat's caches).
+RUN useradd --create-home --uid 10001 --user-group hlat
+USER 10001:10001
+ENV HOME=/home/hlat

@@ -399,8 +399,7 @@ def deploy(
     template = None
     if account is not None and kind == "ecs":
         image = worker_image(account)
-        check_pushed(account, image)
-        template = ecs_job_template(account, image, flow_run_secrets(account))
+        template = ecs_job_template(account, pinned(image, check_pushed(account, image)), flow_run_secrets(account))
     wait_for_api(api)
     check_api_guarded(api, chosen, kind, allow_open_server)
     if alerts is not None:  # a block that is not there fails before anything is registered
@@ -581,13 +580,19 @@ def read_stack(name: str, region: str | None = None, session: Any = None) -> Sta
 
 def image_tag() -> str:
     """The worker image's tag for this checkout's code: HLAT_WORKER_TAG if set, else its commit (12 hex digits),
-    `-dirty` when tracked files differ from it (such an image is not reproducible from the commit alone)."""
+    with `-dirty-<digest of the changes>` when tracked files differ from it (such an image is not reproducible from
+    the commit alone; the repository's tags are immutable, so other changes get another tag)."""
     if tag := os.environ.get("HLAT_WORKER_TAG"):
         return tag
     commit = _git("rev-parse", "--short=12", "HEAD")
     if commit is None:
         raise DeployError(f"{PROJECT_ROOT} is not a git checkout: set HLAT_WORKER_TAG to the worker image's tag")
-    return f"{commit}-dirty" if _git("status", "--porcelain", "--untracked-files=no") else commit
+    if not _git("status", "--porcelain", "--untracked-files=no"):
+        return commit
+    import hashlib
+
+    changes = _git("diff", "HEAD", "--binary") or ""
+    return f"{commit}-dirty-{hashlib.sha256(changes.encode()).hexdigest()[:10]}"
 
 
 def worker_image(stack: Stack, tag: str | None = None) -> str:
@@ -595,15 +600,21 @@ def worker_image(stack: Stack, tag: str | None = None) -> str:
     return f"{stack.outputs['WorkerRepositoryUri']}:{tag or image_tag()}"
 
 
-def check_pushed(stack: Stack, image: str, session: Any = None) -> None:
-    """Refuse to point a pool at a worker image that is not in ECR (its flow runs would fail to start)."""
+def pinned(image: str, digest: str) -> str:
+    """`repository:tag` as `repository@digest`: what the pool pulls, so that it runs the image that was checked."""
+    return f"{image.rsplit(':', 1)[0]}@{digest}"
+
+
+def check_pushed(stack: Stack, image: str, session: Any = None) -> str:
+    """Refuse to point a pool at a worker image that is not in ECR (its flow runs would fail to start); returns its
+    digest."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
     repository, tag = image.split("/", 1)[1].rsplit(":", 1)
     ecr = (session or boto3.Session(region_name=stack.region)).client("ecr")
     try:
-        ecr.describe_images(repositoryName=repository, imageIds=[{"imageTag": tag}])
+        found = ecr.describe_images(repositoryName=repository, imageIds=[{"imageTag": tag}])
     except ClientError as exc:
         if exc.response["Error"].get("Code") in ("ImageNotFoundException", "RepositoryNotFoundException"):
             raise DeployError(
@@ -613,13 +624,14 @@ def check_pushed(stack: Stack, image: str, session: Any = None) -> None:
         raise DeployError(f"cannot check the worker image {image} ({_aws_error(exc)})") from exc
     except BotoCoreError as exc:
         raise DeployError(f"cannot check the worker image {image} ({_aws_error(exc)})") from exc
+    return str(found["imageDetails"][0]["imageDigest"])
 
 
 FIXED_ECS_VARIABLES = (
     "image", "command", "env", "task_role_arn", "execution_role_arn", "task_definition_arn", "aws_credentials",
     "cluster", "vpc_id", "network_configuration", "launch_type", "capacity_provider_strategy", "family",
     "container_name", "configure_cloudwatch_logs", "cloudwatch_logs_options", "cloudwatch_logs_prefix",
-    "prefect_api_key_secret_arn", "prefect_api_auth_string_secret_arn",
+    "prefect_api_key_secret_arn", "prefect_api_auth_string_secret_arn", "auto_deregister_task_definition",
 )  # fmt: skip
 """What the ECS pool's template fixes, so that no run can change it through job variables: what runs (image,
 command, a task definition), as whom (the task and execution roles, AWS credentials), in which environment (env:
@@ -691,6 +703,7 @@ def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]]
         "launch_type": "FARGATE",
         "container_name": "prefect",  # prefect-aws's default name
         "vpc_id": out["VpcId"] or None,
+        "auto_deregister_task_definition": False,  # the worker's policy has no DeregisterTaskDefinition
     }
     if out.get("PrefectApiSecretArn"):
         key = (
@@ -754,6 +767,32 @@ def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:
     return "set to the stack's SageMaker execution role"
 
 
+WORKER_BASE = "python:3.11-slim"
+"""The worker image's base, which the build pins by digest (`base_digest`; HLAT_WORKER_BASE=name@sha256:... pins it
+to a given one)."""
+
+
+def base_digest(docker: str, pull: list[str]) -> str:
+    """Pull the base and return it as `name@sha256:...`, the exact image the worker image is then built on."""
+    name = pull[-1]
+    try:
+        pulled = subprocess.run(pull, capture_output=True, text=True, check=False)
+        if pulled.returncode != 0:
+            raise DeployError(f"`{' '.join(pull)}` failed: {(pulled.stderr or pulled.stdout).strip()[-300:]}")
+        inspect = [docker, "image", "inspect", "--format", "{{json .RepoDigests}}", name]
+        found = subprocess.run(inspect, capture_output=True, text=True, check=False)
+    except FileNotFoundError as exc:
+        raise DeployError(f"{docker}: not found: install Docker (with buildx) to build the worker image") from exc
+    import json
+
+    digests = json.loads(found.stdout or "[]") if found.returncode == 0 else []
+    repository = name.split(":", 1)[0]
+    for digest in digests:
+        if digest.split("@", 1)[0].endswith(repository.rsplit("/", 1)[-1]):
+            return str(digest)
+    raise DeployError(f"no digest for the base image {name} after pulling it: set HLAT_WORKER_BASE=<name>@sha256:...")
+
+
 def push_worker_image(
     stack: Stack, tag: str | None = None, dry_run: bool = False, docker: str = "docker", session: Any = None
 ) -> str:
@@ -765,11 +804,20 @@ def push_worker_image(
     image = worker_image(stack, tag)
     registry = image.split("/", 1)[0]
     version = image.rsplit(":", 1)[1]
+    base = os.environ.get("HLAT_WORKER_BASE") or WORKER_BASE
+    pull = [docker, "pull", "--platform", "linux/amd64", base]
+    if dry_run:
+        pinned_base = base if "@sha256:" in base else f"<the digest `{' '.join(pull)}` gives>"
+    else:
+        pinned_base = base if "@sha256:" in base else base_digest(docker, pull)
     build = [docker, "build", "--platform", "linux/amd64", "-f", str(WORKER_DOCKERFILE.relative_to(PROJECT_ROOT))]
-    build += ["--build-arg", f"HLAT_CODE_VERSION={version}", "-t", image, "."]
+    build += ["--build-arg", f"PYTHON_BASE={pinned_base}", "--build-arg", f"HLAT_CODE_VERSION={version}"]
+    build += ["-t", image, "."]
     login = [docker, "login", "--username", "AWS", "--password-stdin", registry]
     steps: list[tuple[list[str], str | None]] = [(build, None), (login, "password"), ([docker, "push", image], None)]
     if dry_run:
+        if "@sha256:" not in base:
+            print(" ".join(pull))
         for cmd, _ in steps:
             print(" ".join(cmd) + (" < (ECR password)" if "--password-stdin" in cmd else ""))
         return image
@@ -838,8 +886,8 @@ def worker(
         pool_type = pool_type or "ecs"
         if pool_type == "ecs":
             image = worker_image(account)
-            check_pushed(account, image)
-            template = ecs_job_template(account, image, flow_run_secrets(account))
+            digest = check_pushed(account, image)
+            template = ecs_job_template(account, pinned(image, digest), flow_run_secrets(account))
     wait_for_api(api_url())
     env = deploy_env(pool_type=pool_type or "process")
     print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}", flush=True)

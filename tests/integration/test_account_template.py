@@ -226,6 +226,8 @@ def allows(statements: list[dict[str, Any]], action: str, resource: str, context
 
 
 def _condition(op: str, key: str, want: Any, context: dict[str, str]) -> bool:
+    if op == "Null":  # "false": the key must be in the request; "true": it must not
+        return (key in context) == (str(want).lower() == "false")
     if key not in context:
         return False
     got = context[key]
@@ -390,9 +392,10 @@ def test_the_flow_runs_may_run_jobs_and_pass_the_execution_role_only(default_sta
     out, name, bucket = default_stack.stack.outputs, default_stack.stack.name, default_stack.bucket
     st = role_statements(default_stack, f"{name}-flow-run")
     job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-7b-1a2b-train-3"
+    hlats = {"aws:RequestTag/hlat:run-id": "hlat-7b-1a2b", "aws:ResourceTag/hlat:run-id": "hlat-7b-1a2b"}
     for action in ("sagemaker:CreateTrainingJob", "sagemaker:DescribeTrainingJob", "sagemaker:StopTrainingJob"):
-        assert allows(st, action, job), action
-    assert allows(st, "sagemaker:AddTags", job)  # CreateTrainingJob carries tags
+        assert allows(st, action, job, hlats), action
+    assert allows(st, "sagemaker:AddTags", job, hlats)  # CreateTrainingJob carries tags
     role = out["SageMakerExecutionRoleArn"]
     to_sagemaker = {"iam:PassedToService": "sagemaker.amazonaws.com"}
     assert allows(st, "iam:PassRole", role, to_sagemaker)
@@ -516,6 +519,30 @@ def test_the_flow_runs_make_run_roles_only_under_the_stacks_path_with_its_bounda
     assert [p["PolicyName"] for p in attached] == [f"{name}-job-common"]
 
 
+def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Created) -> None:
+    """Issue 51, least privilege: CreateTrainingJob only with hlat's run tag (the backend tags every job), and
+    StopTrainingJob only on a job that carries it; the worker cannot deregister task definitions (the pool's
+    template fixes auto_deregister_task_definition off)."""
+    name = default_stack.stack.name
+    st = role_statements(default_stack, f"{name}-flow-run")
+    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/run-a-train-1"
+    tagged = {"aws:RequestTag/hlat:run-id": "run-a"}
+    assert allows(st, "sagemaker:CreateTrainingJob", job, tagged) and allows(st, "sagemaker:AddTags", job, tagged)
+    assert not allows(st, "sagemaker:CreateTrainingJob", job) and not allows(st, "sagemaker:AddTags", job)
+    assert allows(st, "sagemaker:StopTrainingJob", job, {"aws:ResourceTag/hlat:run-id": "run-a"})
+    assert not allows(st, "sagemaker:StopTrainingJob", job)  # another team's job
+    assert allows(st, "sagemaker:DescribeTrainingJob", job)  # a name not yet used is described before it is made
+    worker = role_statements(default_stack, f"{name}-worker")
+    assert not _allowed_somewhere(worker, "ecs:DeregisterTaskDefinition")
+    template = ecs_job_template(default_stack.stack, "x:1")
+    assert template["job_configuration"]["auto_deregister_task_definition"] is False
+    assert "auto_deregister_task_definition" not in template["variables"]["properties"]
+    from hlat.infra.sagemaker_jobs import _request_with_source  # noqa: F401  (the tags below are its own)
+
+    source = (PROJECT_ROOT / "infra" / "sagemaker_jobs.py").read_text()
+    assert 'cfg.Tag(key="hlat:run-id", value=spec.run_id)' in source
+
+
 def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack: Created) -> None:
     """Each boto3 call of SageMaker, CloudWatch Logs, IAM, ECR, Service Quotas and STS written in infra/ (the flow
     runs' code, the preflight's included) is allowed to the flow-run role on some resource: a new call fails here until
@@ -635,7 +662,7 @@ def test_a_run_cannot_change_what_the_ecs_pool_runs_as_whom_or_where(vpc_stack: 
     image = f"{stack.outputs['WorkerRepositoryUri']}:0123456789ab"
     template = ecs_job_template(stack, image)
     assert sorted(template["variables"]["properties"]) == [
-        "auto_deregister_task_definition", "cpu", "labels", "match_latest_revision_in_family", "memory", "name"
+        "cpu", "labels", "match_latest_revision_in_family", "memory", "name"
     ]  # fmt: skip
     evil = {
         "image": "attacker/image:latest",
@@ -749,20 +776,26 @@ def test_a_missing_stack_or_an_unpushed_image_is_one_line_naming_the_fix(default
     check_pushed(default_stack.stack, image, session=default_stack.session)
 
 
-def _push(created: Created, tag: str) -> None:
-    """An image in the stack's repository under `tag`, as `docker push` leaves it."""
+def _push(created: Created, tag: str) -> str:
+    """An image in the stack's repository under `tag`, as `docker push` leaves it (one image per tag); its digest."""
+    import hashlib
+
     manifest = {
         "schemaVersion": 2,
         "mediaType": "application/vnd.docker.distribution.manifest.v2+json",
         "config": {
             "mediaType": "application/vnd.docker.container.image.v1+json",
             "size": 1,
-            "digest": "sha256:" + "0" * 64,
+            "digest": "sha256:" + hashlib.sha256(tag.encode()).hexdigest(),
         },
         "layers": [],
     }
     repository = created.stack.outputs["WorkerRepositoryUri"].split("/", 1)[1]
-    created.client("ecr").put_image(repositoryName=repository, imageManifest=json.dumps(manifest), imageTag=tag)
+    ecr = created.client("ecr")
+    ecr.put_image(repositoryName=repository, imageManifest=json.dumps(manifest), imageTag=tag)
+    return str(
+        ecr.describe_images(repositoryName=repository, imageIds=[{"imageTag": tag}])["imageDetails"][0]["imageDigest"]
+    )
 
 
 def test_the_push_script_builds_this_checkout_for_fargate_and_never_shows_the_password(
@@ -771,11 +804,19 @@ def test_the_push_script_builds_this_checkout_for_fargate_and_never_shows_the_pa
     image = push_worker_image(default_stack.stack, tag="abc123", dry_run=True)
     lines = capsys.readouterr().out.splitlines()
     assert image == f"{default_stack.stack.outputs['WorkerRepositoryUri']}:abc123"
-    assert lines[0] == (
-        f"docker build --platform linux/amd64 -f deployments/worker.Dockerfile --build-arg HLAT_CODE_VERSION=abc123 "
+    assert lines[0] == "docker pull --platform linux/amd64 python:3.11-slim"
+    assert lines[1] == (
+        "docker build --platform linux/amd64 -f deployments/worker.Dockerfile --build-arg PYTHON_BASE=<the digest "
+        "`docker pull --platform linux/amd64 python:3.11-slim` gives> --build-arg HLAT_CODE_VERSION=abc123 "
         f"-t {image} ."
     )
-    assert lines[1].startswith("docker login --username AWS --password-stdin") and lines[2] == f"docker push {image}"
+    assert lines[2].startswith("docker login --username AWS --password-stdin") and lines[3] == f"docker push {image}"
+    # A base pinned by the user is built on as given, without a pull.
+    monkeypatch.setenv("HLAT_WORKER_BASE", "python@sha256:" + "a" * 64)
+    push_worker_image(default_stack.stack, tag="abc123", dry_run=True)
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("docker build") and f"PYTHON_BASE=python@sha256:{'a' * 64} " in lines[0]
+    monkeypatch.delenv("HLAT_WORKER_BASE")
     # The script itself, as a user runs it, against the stack on moto (AWS_ENDPOINT_URL reaches it).
     set_aws_env(monkeypatch, s3_server, "testing", "testing")
     done = subprocess.run(
@@ -802,10 +843,41 @@ def test_the_push_script_builds_this_checkout_for_fargate_and_never_shows_the_pa
     ]
 
 
+def test_the_push_builds_on_the_base_it_pulled_by_digest_and_logs_in_through_stdin(
+    default_stack: Created, tmp_path: Path
+) -> None:
+    """The push with a recording `docker`: the base is pulled, resolved to its digest and built on by digest; the
+    registry password goes through stdin only."""
+    calls = tmp_path / "calls.txt"
+    digest = "python@sha256:" + "b" * 64
+    docker = tmp_path / "docker"
+    docker.write_text(
+        "#!/bin/bash\n"
+        f'echo "$*" >> {calls}\n'
+        f'if [ "$1 $2" = "image inspect" ]; then echo \'["{digest}"]\'; fi\n'
+        f'if [ "$1" = login ]; then echo "stdin:$(cat)" >> {calls}; fi\n'
+    )
+    docker.chmod(0o755)
+    image = push_worker_image(default_stack.stack, tag="abc124", docker=str(docker), session=default_stack.session)
+    lines = calls.read_text().splitlines()
+    assert lines[0] == "pull --platform linux/amd64 python:3.11-slim"
+    assert lines[1].startswith("image inspect")
+    assert lines[2].startswith(
+        f"build --platform linux/amd64 -f deployments/worker.Dockerfile --build-arg PYTHON_BASE={digest} "
+    )
+    login = next(i for i, line in enumerate(lines) if line.startswith("login"))
+    assert "--password-stdin" in lines[login] and lines[login + 1].startswith("stdin:")
+    password = lines[login + 1].removeprefix("stdin:")
+    assert password and all(password not in line for line in lines if not line.startswith("stdin:"))
+    assert lines[-1] == f"push {image}"
+
+
 def test_the_worker_image_holds_the_code_where_the_aws_deployments_look(tmp_path: Path) -> None:
     """The AWS deployments' pull step is a working directory in the image: no git remote for Fargate to reach."""
     dockerfile = (PROJECT_ROOT / "deployments" / "worker.Dockerfile").read_text()
     assert f"WORKDIR {IMAGE_CODE_DIR}\n" in dockerfile and "-e ." in dockerfile
+    # Issue 51: the base by digest (a build argument the push script sets), the flow runs as a user, not root.
+    assert "FROM ${PYTHON_BASE}\n" in dockerfile and dockerfile.rstrip().splitlines()[-2] == "USER 10001:10001"
     import tomllib
 
     folders = set(
@@ -893,7 +965,7 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
     with pytest.raises(DeployError, match="0123456789ab is not in ECR: build and push it first"):
         hlat.deploy.deploy(["pretrain-7b"], prefect_file=prefect_file, stack=default_stack.stack.name)
     assert not calls
-    _push(default_stack, "0123456789ab")
+    first = _push(default_stack, "0123456789ab")
     assert hlat.deploy.deploy([], prefect_file=prefect_file, stack=default_stack.stack.name) == 0
     out = capsys.readouterr().out
     assert f"work pool {pool!r}: created (type ecs), base job template from the stack" in out
@@ -909,7 +981,7 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
     with get_client(sync_client=True) as client:
         template = client.read_work_pool(pool).base_job_template
     image = template["job_configuration"]["task_definition"]["containerDefinitions"][0]["image"]
-    assert image == f"{default_stack.stack.outputs['WorkerRepositoryUri']}:0123456789ab"
+    assert image == f"{default_stack.stack.outputs['WorkerRepositoryUri']}@{first}"  # pulled by digest
     role = template["job_configuration"]["task_run_request"]["overrides"]["taskRoleArn"]
     assert role == default_stack.stack.outputs["FlowRunRoleArn"]
     # A run of a deployment on the pool that names the image, the command or the role is refused by the server
@@ -929,7 +1001,7 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
     assert Secret.load("hlat-sagemaker-role").get() == default_stack.stack.outputs["SageMakerExecutionRoleArn"]
     # Again: the existing pool's template is set again (a new commit's image), the secret is unchanged.
     monkeypatch.setenv("HLAT_WORKER_TAG", "fedcba987654")
-    _push(default_stack, "fedcba987654")
+    second = _push(default_stack, "fedcba987654")
     assert hlat.deploy.deploy(["pretrain-7b"], prefect_file=prefect_file, stack=default_stack.stack.name) == 0
     out = capsys.readouterr().out
     assert f"work pool {pool!r}: exists (type ecs), base job template set from the stack" in out
@@ -937,4 +1009,8 @@ def test_deploy_with_the_stack_sets_the_pool_the_secret_and_the_code_source(
     with get_client(sync_client=True) as client:
         template = client.read_work_pool(pool).base_job_template
     image = template["job_configuration"]["task_definition"]["containerDefinitions"][0]["image"]
-    assert image.endswith(":fedcba987654")
+    assert image.endswith(f"@{second}")  # (moto gives every manifest one digest)
+    # The repository's tags are immutable: a tag cannot be moved to another image.
+    repository = default_stack.stack.outputs["WorkerRepositoryUri"].split("/", 1)[1]
+    (repo,) = default_stack.client("ecr").describe_repositories(repositoryNames=[repository])["repositories"]
+    assert repo["imageTagMutability"] == "IMMUTABLE"
