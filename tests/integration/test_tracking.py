@@ -32,17 +32,27 @@ STEPS = 12
 RUN = {"max_steps": STEPS, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 6, "log_every": 1,
        "warmup_steps": 2}  # fmt: skip
 SECRET = "wandb-key-0123456789abcdef-never-logged"
+SEEDED = {
+    "WANDB_API_KEY": SECRET,
+    "HF_TOKEN": "hf_seeded0123456789abcdefNEVERLOGGED",
+    "MLFLOW_TRACKING_USERNAME": "seeded-mlflow-user-never-logged",
+    "MLFLOW_TRACKING_PASSWORD": "seeded-mlflow-password-never-logged",
+    "PREFECT_API_KEY": "pnu_seeded0123456789abcdefneverlogged",
+}
 
 
-def killed_twice_and_resumed(run: Path) -> None:
+def killed_twice_and_resumed(run: Path) -> list[str]:
     """Killed while saving step 4's checkpoint (no checkpoint yet: steps 1-4 are trained again), then while saving
     step 8's (resumed from 4: steps 5-8 again), then to the end. Each time the tracker had logged through the
-    step being saved."""
+    step being saved. Returns the three jobs' output (their logs)."""
+    outs = []
     for step in (4, 8):
         code, out = train(run, {"HLAT_FAULT_KILL_BEFORE_COMMIT": str(step)})
         assert code == -9 and "tracking (" not in out, out[-3000:]  # (no tracker warning: the store answered)
+        outs.append(out)
     code, out = train(run)
     assert code == 0 and "tracking (" not in out, out[-3000:]
+    return [*outs, out]
 
 
 def wandb_offline_history_of(path: Path) -> list[tuple[int, dict[str, Any]]]:
@@ -117,11 +127,14 @@ def track_stages(run: Path) -> None:
 def test_wandb_offline_one_run_every_step_once_no_secret(
     prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setenv("WANDB_API_KEY", SECRET)
+    # Issue 51: every secret a flow run or job may hold, seeded where it would come from (the ECS task's secrets,
+    # resolved into the environment): none reaches config.json, a checkpoint, the tracked run or a log.
+    for variable, value in SEEDED.items():
+        monkeypatch.setenv(variable, value)
     monkeypatch.setenv("WANDB_SILENT", "true")
     overrides = {"tracking.backend": "wandb", "tracking.wandb_mode": "offline", "tracking.experiment": "hlat-test"}
     run = make_run(prepared, tmp_path, "tracked-wb", **RUN, **overrides)
-    killed_twice_and_resumed(run)
+    logs = killed_twice_and_resumed(run)
 
     record = json.loads((run / TRACKING_RECORD).read_text())
     assert record["id"] == wandb_run_id("tracked-wb") == "tracked-wb"
@@ -153,8 +166,13 @@ def test_wandb_offline_one_run_every_step_once_no_secret(
         for item in r.summary.update
     }
     assert summary["train/cost_usd"] == 0.0 and summary["eval/perplexity/val_ppl"] == 42.0
-    leaked = [p for p in run.rglob("*") if p.is_file() and SECRET.encode() in p.read_bytes()]
-    assert not leaked, leaked
+    files = [p for p in run.rglob("*") if p.is_file()]
+    assert {"config.json", "metrics.jsonl"} <= {p.name for p in files}
+    assert any(p.parts[-3] == "checkpoints" for p in files if len(p.parts) > 3)  # the final checkpoint's files
+    for variable, value in SEEDED.items():
+        leaked = [p for p in files if value.encode() in p.read_bytes()]
+        assert not leaked, (variable, leaked)
+        assert not [out for out in logs if value in out], variable
 
 
 def test_a_store_that_does_not_answer_never_stops_training(prepared: Path, tmp_path: Path) -> None:
