@@ -3,6 +3,7 @@ sharded checkpoint and relaunched ends bitwise equal to one never interrupted; `
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
 import subprocess
@@ -101,7 +102,11 @@ def test_a_sharded_job_killed_mid_checkpoint_resumes_bitwise_and_exports(prepare
     assert code == 0, out[-3000:]
     step_12 = reference / "checkpoints" / "step-000000012"
     assert {".metadata", "__0_0.distcp", "__1_0.distcp", "rank-00000.pt", "rank-00001.pt"} <= set(os.listdir(step_12))
-    assert CheckpointIndex(Storage(str(reference / "checkpoints"))).read_meta(12)["distributed"] is True
+    meta = CheckpointIndex(Storage(str(reference / "checkpoints"))).read_meta(12)
+    assert meta["distributed"] is True
+    # The commit records DCP's .metadata sha256 (issue 51: loads check it before parsing the pickle).
+    metadata = reference / "checkpoints" / "step-000000012" / ".metadata"
+    assert meta["files"][".metadata"]["sha256"] == hashlib.sha256(metadata.read_bytes()).hexdigest()
 
     chaos = make_run(prepared, tmp_path, "chaos", **RUN)
     # Rank 0 dies after step 8's files (both ranks' shards included), before its commit marker.

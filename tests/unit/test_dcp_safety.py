@@ -50,7 +50,7 @@ def test_a_checkpoint_of_dcp_classes_and_plain_items_loads(checkpoints: Storage)
     into: dict[str, Any] = {"model": {"w": torch.zeros(2, 3)}, "step": 0, "extra": {"lr": 0.0, "name": ""}}
     dcp.load(checkpoints, 1, meta, into)
     assert torch.equal(into["model"]["w"], STATE["model"]["w"]) and into["step"] == 3
-    assert "model.w" in {index.fqn for index in _dcp_metadata(checkpoints, 1).storage_data}
+    assert "model.w" in {index.fqn for index in _dcp_metadata(checkpoints, 1, meta).storage_data}
 
 
 def test_a_planted_metadata_pickle_is_refused_by_every_reader(checkpoints: Storage, tmp_path: Path) -> None:
@@ -61,7 +61,7 @@ def test_a_planted_metadata_pickle_is_refused_by_every_reader(checkpoints: Stora
     for read in (
         lambda: dcp.load_full(checkpoints, 1, meta),
         lambda: dcp.load(checkpoints, 1, meta, {"model": {"w": torch.zeros(2, 3)}}),
-        lambda: _dcp_metadata(checkpoints, 1),
+        lambda: _dcp_metadata(checkpoints, 1, meta),
     ):
         with pytest.raises(CheckpointError, match=r"refusing .*step-000000001/\.metadata: it names io.open"):
             read()
@@ -89,3 +89,26 @@ def test_a_planted_item_of_a_distcp_file_is_refused(checkpoints: Storage, tmp_pa
         no_dist=True,
     )
     assert marker.exists()
+
+
+def test_a_metadata_that_differs_from_its_recorded_sha256_is_refused_before_it_is_parsed(
+    checkpoints: Storage, tmp_path: Path
+) -> None:
+    """The commit records `.metadata`'s sha256 in meta.json (`dcp.metadata_sha256`): a file replaced afterwards, even
+    by another checkpoint's genuine DCP metadata, is refused by every reader without being unpickled."""
+    folder = Path(checkpoints.path(step_dir(1)))
+    meta = save(folder, STATE)
+    meta["files"][".metadata"]["sha256"] = dcp.metadata_sha256(checkpoints, step_dir(1))
+    other = save(tmp_path / "other", {**STATE, "model": {"w": torch.ones(2, 3)}})
+    assert other["files"][".metadata"]
+    marker = tmp_path / "pwned"
+    for planted in ((tmp_path / "other" / ".metadata").read_bytes(), pickle.dumps(Payload(marker))):
+        (folder / ".metadata").write_bytes(planted)
+        for read in (
+            lambda: dcp.load_full(checkpoints, 1, meta),
+            lambda: dcp.load(checkpoints, 1, meta, {"model": {"w": torch.zeros(2, 3)}}),
+            lambda: _dcp_metadata(checkpoints, 1, meta),
+        ):
+            with pytest.raises(CheckpointError, match=r"\.metadata: it does not match its sha256 in meta.json"):
+                read()
+        assert not marker.exists()

@@ -56,7 +56,7 @@ from hlat.core.layout import (
     step_dir,
 )
 from hlat.core.storage import Storage
-from hlat.training.checkpoint.dcp import METADATA, is_dcp_file, read_metadata
+from hlat.training.checkpoint.dcp import METADATA, is_dcp_file, read_metadata, recorded_sha256
 from hlat.training.checkpoint.manager import FORMAT_VERSION, SHARED_FILE
 from hlat.training.checkpoint.serialization import read_state, write_state
 
@@ -265,9 +265,11 @@ def _average_file(
 
 
 # -- FSDP2's torch.distributed.checkpoint files ------------------------------------------------------------------
-def _dcp_metadata(checkpoints: Storage, step: int) -> Any:
-    metadata = read_metadata(  # DCP's own classes only: a planted .metadata runs nothing
-        checkpoints.read_bytes(f"{step_dir(step)}/{METADATA}"), checkpoints.uri(step_dir(step), METADATA)
+def _dcp_metadata(checkpoints: Storage, step: int, meta: dict[str, Any]) -> Any:
+    metadata = read_metadata(  # as meta.json recorded it, and DCP's own classes only: a planted .metadata runs nothing
+        checkpoints.read_bytes(f"{step_dir(step)}/{METADATA}"),
+        checkpoints.uri(step_dir(step), METADATA),
+        recorded_sha256(meta),
     )
     for index, info in metadata.storage_data.items():
         if index.fqn.startswith(MODEL_PREFIX) and getattr(info, "transform_descriptors", None):
@@ -292,7 +294,7 @@ def _average_dcp(
 ) -> dict[str, dict[str, Any]]:
     """Average the model's chunks of FSDP2's DCP files, file by file; write the new files and .metadata; return
     their sizes and sha256 for meta.json."""
-    metadatas = {step: _dcp_metadata(checkpoints, step) for step in steps}
+    metadatas = {step: _dcp_metadata(checkpoints, step, metas[step]) for step in steps}
     chunks = {step: _model_chunks(md) for step, md in metadatas.items()}
     newest = metadatas[steps[-1]]
     layout = {key: info.relative_path for key, info in chunks[steps[-1]].items()}

@@ -18,6 +18,7 @@ and planners that load those items with `weights_only=True`; a refused file is n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import io
 import os
 import pickle
@@ -64,11 +65,21 @@ class _MetadataUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"it names {module}.{name}, which is not one of DCP's metadata classes")
 
 
-def read_metadata(data: bytes, where: str) -> Any:
+def recorded_sha256(meta: Mapping[str, Any] | None) -> str | None:
+    """The sha256 of the `.metadata` file that meta.json records (the commit reads it back; None in checkpoints
+    written before it did)."""
+    info = ((meta or {}).get("files") or {}).get(METADATA)
+    return info.get("sha256") if isinstance(info, Mapping) else None
+
+
+def read_metadata(data: bytes, where: str, sha256: str | None = None) -> Any:
     """DCP's checkpoint metadata from the bytes of a `.metadata` file, admitting DCP's own classes only; a file
-    naming anything else (a planted one) raises CheckpointError naming `where`, and nothing of it runs."""
+    naming anything else (a planted one) raises CheckpointError naming `where`, and nothing of it runs. With
+    `sha256` (meta.json's record of it), bytes that differ are refused before they are parsed at all."""
     from torch.distributed.checkpoint.metadata import Metadata
 
+    if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
+        raise CheckpointError(f"refusing {where}: it does not match its sha256 in meta.json (replaced or corrupted)")
     try:
         metadata = _MetadataUnpickler(io.BytesIO(data)).load()
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, ImportError) as exc:
@@ -91,7 +102,7 @@ def _weights_only(value: io.BytesIO, where: str) -> io.BytesIO:
     return clean
 
 
-def _safe_reader(location: str, options: Mapping[str, Any], local: bool) -> Any:
+def _safe_reader(location: str, options: Mapping[str, Any], local: bool, sha256: str | None = None) -> Any:
     """DCP's reader of `location` (FileSystemReader, or FsspecReader for a URL) with `read_metadata` above."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -103,7 +114,7 @@ def _safe_reader(location: str, options: Mapping[str, Any], local: bool) -> Any:
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             path = self.fs.concat_path(self.path, METADATA)
             with self.fs.create_stream(path, "rb") as stream:
-                metadata = read_metadata(stream.read(), str(path))
+                metadata = read_metadata(stream.read(), str(path), sha256)
             if getattr(metadata, "storage_meta", None) is None:
                 metadata.storage_meta = StorageMeta()
             metadata.storage_meta.load_id = self.load_id
@@ -112,13 +123,20 @@ def _safe_reader(location: str, options: Mapping[str, Any], local: bool) -> Any:
     return SafeReader(location) if local else SafeReader(location, **options)
 
 
-def _check_metadata(storage: Storage, step: int) -> None:
-    """Refuse checkpoint `step` before DCP opens it when its `.metadata` names anything but DCP's classes (the
-    readers refuse it again when they read it: a file replaced in between is no way around)."""
+def _check_metadata(storage: Storage, step: int, meta: Mapping[str, Any]) -> None:
+    """Refuse checkpoint `step` before DCP opens it when its `.metadata` differs from meta.json's sha256 of it or
+    names anything but DCP's classes (the readers refuse it again when they read it: a file replaced in between is
+    no way around)."""
     folder = step_dir(step)
     with storage_errors(storage.uri(folder)):
         data = storage.read_bytes(f"{folder}/{METADATA}")
-    read_metadata(data, storage.uri(folder, METADATA))
+    read_metadata(data, storage.uri(folder, METADATA), recorded_sha256(meta))
+
+
+def metadata_sha256(storage: Storage, folder: str) -> str:
+    """The sha256 of a step folder's `.metadata` as DCP wrote it: what the commit records in meta.json."""
+    with storage_errors(storage.uri(folder, METADATA)):
+        return hashlib.sha256(storage.read_bytes(f"{folder}/{METADATA}")).hexdigest()
 
 
 @contextlib.contextmanager
@@ -225,13 +243,13 @@ def load(storage: Storage, step: int, meta: Mapping[str, Any], state: dict[str, 
             f"checkpoint {storage.uri(step_dir(step))} holds no distributed (FSDP2) state: it was written "
             "without parallelism.fsdp; resume it with the parallelism that wrote it"
         )
-    _check_metadata(storage, step)
+    _check_metadata(storage, step, meta)
     location, options = _location(storage, step)
     where = storage.uri(step_dir(step))
     with storage_errors(where), _refusals():
         dcp.load(
             state,
-            storage_reader=_safe_reader(location, options, storage.is_local),
+            storage_reader=_safe_reader(location, options, storage.is_local, recorded_sha256(meta)),
             planner=_safe_planner(DefaultLoadPlanner, where),
         )
 
@@ -244,7 +262,7 @@ def load_full(storage: Storage, step: int, meta: Mapping[str, Any]) -> State:
 
     if not meta.get("distributed"):
         raise CheckpointError(f"checkpoint {storage.uri(step_dir(step))} holds no distributed state")
-    _check_metadata(storage, step)
+    _check_metadata(storage, step, meta)
     folder = step_dir(step)
     with tempfile.TemporaryDirectory(prefix="hlat-dcp-") as tmp:
         local = storage.path(folder) if storage.is_local else os.path.join(tmp, "dcp")
@@ -259,7 +277,7 @@ def load_full(storage: Storage, step: int, meta: Mapping[str, Any]) -> State:
         with _refusals():
             _load_state_dict(
                 state,
-                storage_reader=_safe_reader(local, {}, local=True),
+                storage_reader=_safe_reader(local, {}, local=True, sha256=recorded_sha256(meta)),
                 planner=_safe_planner(_EmptyStateDictLoadPlanner, storage.uri(folder)),
                 no_dist=True,
             )

@@ -541,6 +541,9 @@ class CheckpointManager(CheckpointIndex):
                         f"after writing {info['size']}"
                     )
                 files[name]["sha256"] = info.get("sha256")
+        if self.distributed and dcp.METADATA in files and files[dcp.METADATA]["sha256"] is None:
+            # DCP writes its index itself: read back (it is small), so that loads check it before parsing it.
+            files[dcp.METADATA]["sha256"] = dcp.metadata_sha256(self.storage, folder)
         fingerprint = self.fingerprint
         if fingerprint is None and isinstance(shared, Mapping):
             fingerprint = shared.get("config_fingerprint")
