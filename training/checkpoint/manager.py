@@ -529,7 +529,9 @@ class CheckpointManager(CheckpointIndex):
             return
         sizes = self._wait_for_files(folder, step)
         # The manifests' contents go into meta.json; they themselves are not part of the checkpoint.
-        files = {name: {"size": sizes[name], "sha256": None} for name in sorted(sizes) if not _is_manifest(name)}
+        files: dict[str, dict[str, Any]] = {
+            name: {"size": sizes[name], "sha256": None} for name in sorted(sizes) if not _is_manifest(name)
+        }
         manifests = self._read_manifests(folder, sizes)
         self._check_superseded(step)  # the last moment a superseded save may stop: nothing of it is committed
         for rank, written in [(0, known), *manifests]:
