@@ -689,6 +689,10 @@ def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]]
     for output, variable in (*ceilings, *run_roles):
         if out.get(output):
             env[variable] = out[output]
+    if out.get("JobEgress") == "aws-endpoints":
+        from hlat.infra.sagemaker_jobs import EGRESS_ENV
+
+        env[EGRESS_ENV] = "aws-endpoints"
     values: dict[str, Any] = {
         "image": image,
         "command": FLOW_RUN_COMMAND,

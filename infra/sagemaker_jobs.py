@@ -16,6 +16,7 @@ import functools
 import importlib
 import json
 import logging
+import os
 import re
 import shutil
 import tempfile
@@ -202,6 +203,17 @@ def mlflow_config(spec: JobSpec) -> dict[str, str] | None:
     if experiment:
         config["MlflowExperimentName"] = experiment
     return config
+
+
+EGRESS_ENV = "HLAT_JOB_EGRESS"
+"""`aws-endpoints` where the account stack's JobEgress keeps jobs off the internet (the ECS pool's environment)."""
+DLC_ACCOUNT = "763104351884"
+"""AWS's deep-learning-container images' account (most regions): the default images, which lack hlat's requirements."""
+
+
+def endpoints_only() -> bool:
+    """Whether the jobs of this account reach AWS's endpoints only (no package index)."""
+    return os.environ.get(EGRESS_ENV, "").strip() == "aws-endpoints"
 
 
 def requirements_of(spec: JobSpec) -> str:
@@ -563,6 +575,13 @@ def check_spec(
         )
     if job.subnets and not job.security_group_ids:
         raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
+    if endpoints_only() and (spec.image_uri is None or f"{DLC_ACCOUNT}.dkr.ecr." in spec.image_uri):
+        field = {"evaluate": "evaluation.image_uri", "prepare-data": "data.image_uri"}.get(spec.stage, "job.image_uri")
+        raise ValueError(
+            f"{field}: the account's jobs reach AWS's endpoints only ({EGRESS_ENV}=aws-endpoints), so they cannot "
+            f"pip-install {requirements_of(spec)} at start: build an image of your own on "
+            f"{spec.image_uri or 'the default image'} with that file installed, push it to ECR and name it here"
+        )
     check_request("CreateTrainingJob", judged(config_request(spec, job), validated_as), spec.stage, partial=True)
     if requirements is not None and not (PROJECT_ROOT / requirements).is_file():
         raise ValueError(
@@ -895,8 +914,9 @@ class SageMakerBackend:
 
     # -- building requests ----------------------------------------------------------------------------------
     def requirements(self, spec: JobSpec) -> str | None:
-        """The requirements file each instance installs before the job's program runs (None: none)."""
-        return requirements_of(spec)
+        """The requirements file each instance installs before the job's program runs (None: none, in an account
+        whose jobs reach no package index: the image holds them, `check_spec`)."""
+        return None if endpoints_only() else requirements_of(spec)
 
     def training_image(self, spec: JobSpec) -> str:
         return training_image(spec, self.job)

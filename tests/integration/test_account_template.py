@@ -32,6 +32,7 @@ from typing import Any
 import pytest
 import yaml
 
+from hlat.core.config import JobConfig
 from hlat.deploy import (
     IMAGE_CODE_DIR,
     PROJECT_ROOT,
@@ -625,6 +626,80 @@ def test_jobs_in_a_vpc_get_network_interfaces_an_efa_group_kms_and_the_corpus_bu
     assert out["JobSubnets"] == out["SubnetIds"] and len(out["SubnetIds"].split(",")) == 2
     enc = vpc_stack.client("s3").get_bucket_encryption(Bucket=vpc_stack.bucket)["ServerSideEncryptionConfiguration"]
     assert enc["Rules"][0]["ApplyServerSideEncryptionByDefault"] == {"SSEAlgorithm": "aws:kms", "KMSMasterKeyID": key}
+
+
+def test_jobs_kept_to_aws_endpoints_reach_their_nodes_s3_and_the_endpoints_only(
+    s3_server: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 51: JobEgress=aws-endpoints replaces the job group's allow-all egress with the job's own nodes, S3's
+    prefix list (through the gateway endpoint on the subnets' route tables) and HTTPS to the interface endpoints of
+    ECR, CloudWatch Logs and metrics and STS; the pool tells the flow runs, whose SageMaker jobs then install
+    nothing at start and need an image of the user's own."""
+    import boto3
+
+    from hlat.infra.jobs import JobSpec
+    from hlat.infra.sagemaker_jobs import check_spec
+
+    ec2 = boto3.client(
+        "ec2", endpoint_url=s3_server, region_name=REGION, aws_access_key_id="t", aws_secret_access_key="t"
+    )
+    vpc = ec2.create_vpc(CidrBlock="10.9.0.0/16")["Vpc"]["VpcId"]
+    subnets = [ec2.create_subnet(VpcId=vpc, CidrBlock=f"10.9.{i}.0/24")["Subnet"]["SubnetId"] for i in (1, 2)]
+    table = ec2.create_route_table(VpcId=vpc)["RouteTable"]["RouteTableId"]
+    created = create_stack(
+        s3_server, VpcId=vpc, SubnetIds=",".join(subnets), JobsInVpc="true", JobEgress="aws-endpoints",
+        RouteTableIds=table, S3PrefixListId="pl-63a5400a",
+    )  # fmt: skip
+    out = created.stack.outputs
+    assert out["JobEgress"] == "aws-endpoints"
+    # moto's CloudFormation keeps EC2's allow-all egress and makes no AWS::EC2::SecurityGroupEgress: the rules are
+    # read from the template (cfn-lint checks them against CloudFormation's schema).
+    resources = template()["Resources"]
+    inline = resources["JobSecurityGroup"]["Properties"]["SecurityGroupEgress"]["Fn::If"]
+    assert inline[0] == "EndpointsOnly" and [r["CidrIp"] for r in inline[1]] == ["127.0.0.1/32"]
+    rules = {
+        name: r["Properties"]
+        for name, r in resources.items()
+        if r["Type"] == "AWS::EC2::SecurityGroupEgress" and r.get("Condition") == "EndpointsOnly"
+    }
+    destinations = sorted(
+        str(rule.get("DestinationPrefixListId") or rule.get("DestinationSecurityGroupId")) for rule in rules.values()
+    )
+    assert destinations == sorted(
+        str(d)
+        for d in (
+            {"Fn::GetAtt": ["JobSecurityGroup", "GroupId"]},
+            {"Fn::GetAtt": ["EndpointSecurityGroup", "GroupId"]},
+            {"Ref": "S3PrefixListId"},
+        )
+    )
+    assert all(r["FromPort"] == 443 for r in rules.values() if r["IpProtocol"] == "tcp")
+    # (Nor does it make AWS::EC2::VPCEndpoint: the endpoints, too, are read from the template.)
+    endpoints = [r for r in resources.values() if r["Type"] == "AWS::EC2::VPCEndpoint"]
+    assert all(r.get("Condition") == "EndpointsOnly" for r in endpoints)
+    services = {r["Properties"]["ServiceName"]["Fn::Sub"].rsplit("}.", 1)[1] for r in endpoints}
+    gateway = [r["Properties"] for r in endpoints if r["Properties"]["VpcEndpointType"] == "Gateway"]
+    assert [g["RouteTableIds"] for g in gateway] == [{"Ref": "RouteTableIds"}]
+    assert services == {"s3", "ecr.api", "ecr.dkr", "logs", "monitoring", "sts"}, services
+    pool = ecs_job_template(created.stack, "x:1")
+    assert pool["job_configuration"]["env"]["HLAT_JOB_EGRESS"] == "aws-endpoints"
+    # A flow run there: a job on AWS's own image is refused (it could not install its requirements), naming the
+    # field; a job on the user's image installs nothing.
+    monkeypatch.setenv("HLAT_JOB_EGRESS", "aws-endpoints")
+    spec = JobSpec(
+        name="r-train-1", run_id="r", attempt=1, run_uri="s3://b/hlat/r", config_uri="s3://b/hlat/r/c.json",
+        instance_type="ml.trn1.32xlarge", instance_count=1, processes_per_node=32, max_runtime_s=3600,
+    )  # fmt: skip
+    job = JobConfig(
+        backend="sagemaker", instance_type="ml.trn1.32xlarge", role_arn=f"arn:aws:iam::{ACCOUNT}:role/x", region=REGION
+    )
+    with pytest.raises(ValueError, match=r"job.image_uri: the account's jobs reach AWS's endpoints only"):
+        check_spec(spec, job, None)
+    own = dataclasses.replace(spec, image_uri=f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/hlat-train@sha256:{'c' * 64}")
+    check_spec(own, job, None)
+    from hlat.infra.sagemaker_jobs import SageMakerBackend
+
+    assert SageMakerBackend(job).requirements(own) is None
 
 
 # -- the work pool and the worker image from the stack -------------------------------------------------------------
