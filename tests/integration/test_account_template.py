@@ -206,7 +206,7 @@ def _listed(value: Any) -> list[str]:
     return value if isinstance(value, list) else [value]
 
 
-def allows(statements: list[dict[str, Any]], action: str, resource: str, context: dict[str, str] | None = None) -> bool:
+def allows(statements: list[dict[str, Any]], action: str, resource: str, context: dict[str, Any] | None = None) -> bool:
     """Whether an Allow statement grants `action` on `resource` with the request `context` (IAM's wildcards;
     the condition operators this template uses; a condition key missing from the context does not match)."""
     context = context or {}
@@ -226,12 +226,18 @@ def allows(statements: list[dict[str, Any]], action: str, resource: str, context
     return False
 
 
-def _condition(op: str, key: str, want: Any, context: dict[str, str]) -> bool:
+def _condition(op: str, key: str, want: Any, context: dict[str, Any]) -> bool:
     if op == "Null":  # "false": the key must be in the request; "true": it must not
         return (key in context) == (str(want).lower() == "false")
     if key not in context:
         return False
     got = context[key]
+    if op.startswith("ForAllValues:"):  # every value of a multi-valued key matches one of `want`
+        if isinstance(want, str):  # a CommaDelimitedList parameter, which moto's CloudFormation keeps joined
+            want = want.split(",")
+        return all(_condition(op.split(":", 1)[1], key, want, {key: value}) for value in _listed(got))
+    if op == "NumericLessThanEquals":
+        return float(got) <= float(_listed(want)[0])
     if op in ("StringEquals", "ArnEquals", "Bool"):
         return any(got.lower() == str(w).lower() if op == "Bool" else got == w for w in _listed(want))
     if op in ("StringLike", "ArnLike"):
@@ -393,7 +399,7 @@ def test_the_flow_runs_may_run_jobs_and_pass_the_execution_role_only(default_sta
     out, name, bucket = default_stack.stack.outputs, default_stack.stack.name, default_stack.bucket
     st = role_statements(default_stack, f"{name}-flow-run")
     job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-7b-1a2b-train-3"
-    hlats = {"aws:RequestTag/hlat:run-id": "hlat-7b-1a2b", "aws:ResourceTag/hlat:run-id": "hlat-7b-1a2b"}
+    hlats = {"aws:RequestTag/hlat:run-id": "hlat-7b-1a2b", "aws:ResourceTag/hlat:run-id": "hlat-7b-1a2b", **BOUNDED}
     for action in ("sagemaker:CreateTrainingJob", "sagemaker:DescribeTrainingJob", "sagemaker:StopTrainingJob"):
         assert allows(st, action, job, hlats), action
     assert allows(st, "sagemaker:AddTags", job, hlats)  # CreateTrainingJob carries tags
@@ -520,6 +526,14 @@ def test_the_flow_runs_make_run_roles_only_under_the_stacks_path_with_its_bounda
     assert [p["PolicyName"] for p in attached] == [f"{name}-job-common"]
 
 
+BOUNDED = {
+    "sagemaker:InstanceTypes": ["ml.trn1.32xlarge"],
+    "sagemaker:MaxRuntimeInSeconds": "1908000",
+    "sagemaker:InterContainerTrafficEncryption": "true",
+}
+"""A CreateTrainingJob request of hlat-7b's training as IAM sees it (its condition keys)."""
+
+
 def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Created) -> None:
     """Issue 51, least privilege: CreateTrainingJob only with hlat's run tag (the backend tags every job), and
     StopTrainingJob only on a job that carries it; the worker cannot deregister task definitions (the pool's
@@ -527,9 +541,18 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     name = default_stack.stack.name
     st = role_statements(default_stack, f"{name}-flow-run")
     job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/run-a-train-1"
-    tagged = {"aws:RequestTag/hlat:run-id": "run-a"}
+    tagged = {"aws:RequestTag/hlat:run-id": "run-a", **BOUNDED}
     assert allows(st, "sagemaker:CreateTrainingJob", job, tagged) and allows(st, "sagemaker:AddTags", job, tagged)
-    assert not allows(st, "sagemaker:CreateTrainingJob", job) and not allows(st, "sagemaker:AddTags", job)
+    assert not allows(st, "sagemaker:CreateTrainingJob", job, BOUNDED) and not allows(st, "sagemaker:AddTags", job)
+    # The account's bounds on what a job may be (SageMaker's condition keys): instance types, runtime, encryption.
+    for outside in (
+        {"sagemaker:InstanceTypes": ["ml.trn1.32xlarge", "ml.p5en.48xlarge"]},
+        {"sagemaker:MaxRuntimeInSeconds": "2419201"},
+        {"sagemaker:InterContainerTrafficEncryption": "false"},
+    ):
+        assert not allows(st, "sagemaker:CreateTrainingJob", job, {**tagged, **outside}), outside
+    for inside in ("ml.trn1.32xlarge", "ml.p4d.24xlarge", "ml.c5.4xlarge", "ml.g5.2xlarge"):
+        assert allows(st, "sagemaker:CreateTrainingJob", job, {**tagged, "sagemaker:InstanceTypes": [inside]}), inside
     assert allows(st, "sagemaker:StopTrainingJob", job, {"aws:ResourceTag/hlat:run-id": "run-a"})
     assert not allows(st, "sagemaker:StopTrainingJob", job)  # another team's job
     assert allows(st, "sagemaker:DescribeTrainingJob", job)  # a name not yet used is described before it is made
