@@ -47,9 +47,10 @@ NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The project's checkout: deployments/ holds the requirements files the jobs install."""
-EVAL_REQUIREMENTS = "deployments/eval-requirements.txt"
-"""What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it."""
-DATA_REQUIREMENTS = "deployments/data-requirements.txt"
+EVAL_REQUIREMENTS = "deployments/eval-requirements.lock.txt"
+"""What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it.
+Every file a job installs is a lock with hashes (scripts/job_locks.py), made from the requirements file beside it."""
+DATA_REQUIREMENTS = "deployments/data-requirements.lock.txt"
 """What the prepare-data job installs on the PyTorch CPU image (great-expectations, datasets...)."""
 GPU_DLC_VERSION = "2.10.0"
 """PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
@@ -217,9 +218,10 @@ def endpoints_only() -> bool:
 
 
 def requirements_of(spec: JobSpec) -> str:
-    """What the job's instances pip-install before its program runs: a training, precompile or burn-in job the file
-    of its Neuron SDK's image (deployments/job-requirements-<release>.txt)."""
-    training = f"deployments/{NEURON_SDKS[spec.neuron_sdk].job_requirements}"
+    """What the job's instances pip-install before its program runs: a training, precompile or burn-in job the lock
+    of its Neuron SDK's image (deployments/job-requirements-<release>.lock.txt: every release pinned, with the sha256
+    of its files, which pip checks)."""
+    training = f"deployments/{NEURON_SDKS[spec.neuron_sdk].job_requirements.removesuffix('.txt')}.lock.txt"
     return {"evaluate": EVAL_REQUIREMENTS, "prepare-data": DATA_REQUIREMENTS}.get(spec.stage, training)
 
 

@@ -22,11 +22,7 @@ HLAT_REQUIRE_PYPI=1 (CI), where that fails instead.
 
 from __future__ import annotations
 
-import json
 import os
-import re
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -36,54 +32,25 @@ from pathlib import Path
 
 import pytest
 from packaging.requirements import Requirement
-from packaging.specifiers import SpecifierSet
 
-from hlat.core.environment import NEURON_SDKS
+from scripts.job_locks import (
+    DEPLOYMENTS,
+    NEURON,
+    PAIRS,
+    PIP_TIMEOUT_S,
+    JobImage,
+    Resolution,
+    installed_by_job,
+    lock_name,
+    normalise,
+    pip_resolve,
+    requirements_in,
+    resolve_pair,
+)
 
 pytestmark = pytest.mark.slow
 
-DEPLOYMENTS = Path(__file__).resolve().parents[2] / "deployments"
 PYPI_PROBE = "https://pypi.org/simple/pip/"
-PIP_TIMEOUT_S = 900
-"""pip resolves for minutes under the suite's load (botocore has over a thousand releases to weigh)."""
-
-
-@dataclass(frozen=True)
-class JobImage:
-    """A job's requirements file and the image it is installed on (files under deployments/)."""
-
-    requirements: str
-    image: str
-    python: str
-    """The image's Python, major.minor."""
-    glibc: tuple[int, int] = (2, 35)
-    """The image's C library (Ubuntu 22.04's by default): wheels needing a newer one could not install."""
-    sdist_only: tuple[str, ...] = ()
-    """Dependencies PyPI has only as source: the image builds them at install time; here they are built first
-    (pure Python, so the wheel built here is the one the image would build) and offered through --find-links,
-    since pip resolves for another Python version from wheels only."""
-
-    @property
-    def id(self) -> str:
-        return f"{self.requirements}@{self.image}"
-
-
-UBUNTU_GLIBC = {"22.04": (2, 35), "24.04": (2, 39)}
-PAIRS = [
-    # Each Neuron SDK's training image and what its jobs install (core.environment.NEURON_SDKS)
-    *(
-        JobImage(sdk.job_requirements, sdk.image_pins, sdk.python, glibc=UBUNTU_GLIBC[sdk.ubuntu])
-        for sdk in NEURON_SDKS.values()
-    ),
-    JobImage(
-        "eval-requirements.txt",
-        "gpu-image-2.10.txt",
-        "3.13",
-        sdist_only=("sqlitedict", "rouge-score", "word2number"),  # lm_eval's
-    ),
-    JobImage("data-requirements.txt", "gpu-image-2.10.txt", "3.13"),
-]
-NEURON = PAIRS[0]
 
 
 @dataclass(frozen=True)
@@ -101,94 +68,6 @@ NEGATIVES = [
     Refused("tensorboard-2.21-direct", "tensorboard==2.21.0", None, "tensorboard"),
     Refused("tensorboard-2.21-via-protobuf", "tensorboard==2.21.0", "tensorboard", "protobuf"),
 ]
-
-
-@dataclass(frozen=True)
-class Resolution:
-    returncode: int
-    output: str
-    """pip's stdout and stderr."""
-    report: dict[str, object] | None
-
-    def chosen(self) -> list[dict[str, str]]:
-        """The core metadata of every release pip chose (the report's install entries)."""
-        assert self.report is not None
-        installs = self.report["install"]
-        assert isinstance(installs, list)
-        return [i["metadata"] for i in installs]
-
-    def versions(self) -> dict[str, str]:
-        """Chosen version of every package, by normalised name."""
-        return {normalise(m["name"]): m["version"] for m in self.chosen()}
-
-    def needing_another_python(self, python: str) -> list[str]:
-        """The chosen releases whose Requires-Python excludes `python` (pip's own check, as the image's pip does it).
-        A release found on an index that does not state Requires-Python (a local --find-links folder, a file:// index)
-        is only known to need a newer Python once its metadata is read: pip 23.2 took networkx 3.6.1 and Markdown 3.11
-        (both Python >= 3.11) for the 2.24.1 image's Python 3.10 that way."""
-        return [
-            f"{m['name']} {m['version']} (Requires-Python {m['requires_python']})"
-            for m in self.chosen()
-            if m.get("requires_python") and not SpecifierSet(m["requires_python"]).contains(python, prereleases=True)
-        ]
-
-
-def normalise(name: str) -> str:
-    """PEP 503 normalised project name."""
-    return re.sub(r"[-_.]+", "-", name).lower()
-
-
-def requirements_in(path: Path) -> list[Requirement]:
-    """The requirement lines of a requirements file (comments and blank lines skipped)."""
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
-    return [Requirement(line) for line in lines if line]
-
-
-def manylinux_platforms(glibc: tuple[int, int], arch: str = "x86_64") -> list[str]:
-    """Every manylinux platform tag a system with this glibc accepts, newest first (pip takes them as given)."""
-    major, minor = glibc
-    tags = [f"manylinux_{major}_{m}_{arch}" for m in range(minor, 4, -1)]
-    return [*tags, f"manylinux2014_{arch}", f"manylinux2010_{arch}", f"manylinux1_{arch}"]
-
-
-def pip_resolve(
-    work: Path,
-    args: list[str],
-    python: str,
-    glibc: tuple[int, int],
-    find_links: Path | None = None,
-) -> Resolution:
-    """`pip install --dry-run --report` of `args` for another Python and platform, installing nothing."""
-    report = work / "report.json"
-    cmd = [sys.executable, "-m", "pip", "install", "--dry-run", "--ignore-installed"]
-    cmd += ["--target", str(work / "target"), "--report", str(report)]
-    cmd += ["--python-version", python, "--implementation", "cp", "--only-binary=:all:"]
-    for platform in manylinux_platforms(glibc):
-        cmd += ["--platform", platform]
-    if find_links is not None:
-        cmd += ["--find-links", str(find_links)]
-    cmd += ["--disable-pip-version-check", "--no-input", "--progress-bar", "off", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
-    loaded = json.loads(report.read_text()) if proc.returncode == 0 and report.is_file() else None
-    return Resolution(proc.returncode, proc.stdout + proc.stderr, loaded)
-
-
-def build_sdist_only(work: Path, names: tuple[str, ...]) -> Path:
-    """Wheels of source-only dependencies, built here (pip's wheel cache makes this quick after the first run)."""
-    wheels = work / "wheels"
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--disable-pip-version-check", "--no-input"]
-    cmd += ["--wheel-dir", str(wheels), *names]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=PIP_TIMEOUT_S, check=False)
-    if proc.returncode != 0:
-        raise RuntimeError(f"could not build wheels of {', '.join(names)}:\n{proc.stdout}{proc.stderr}")
-    return wheels
-
-
-def resolve_pair(pair: JobImage, work: Path) -> Resolution:
-    image = DEPLOYMENTS / pair.image
-    find_links = build_sdist_only(work, pair.sdist_only) if pair.sdist_only else None
-    args = ["-r", str(DEPLOYMENTS / pair.requirements), "-r", str(image), "-c", str(image)]
-    return pip_resolve(work, args, pair.python, pair.glibc, find_links)
 
 
 def resolve_refused(case: Refused, work: Path) -> Resolution:
@@ -256,6 +135,46 @@ def test_job_requirements_leave_the_image_pins_alone(
     assert not loose, f"{pair.requirements}: pin each requirement exactly (name==version): {loose}"
     wrong = [f"{req} -> {got(req)}" for req in own if got(req) != next(iter(req.specifier)).version]
     assert not wrong, f"{pair.requirements}: these would not install at their own pins: {wrong}"
+
+
+def lock_entries(path: Path) -> dict[str, tuple[str, set[str]]]:
+    """A lock's releases: name -> (version, the sha256 hashes listed for it)."""
+    text = path.read_text().replace("\\\n", " ")
+    entries: dict[str, tuple[str, set[str]]] = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line or line.startswith("--require-hashes"):
+            continue
+        spec, *options = line.split()
+        name, version = spec.split("==")
+        entries[normalise(name)] = (version, {o.removeprefix("--hash=sha256:") for o in options})
+    return entries
+
+
+@pytest.mark.parametrize("pair", PAIRS, ids=[p.id for p in PAIRS])
+def test_each_job_installs_a_lock_of_exactly_what_pip_resolves_with_the_hashes_of_its_files(
+    pair: JobImage, resolutions: dict[str, Future[Resolution]]
+) -> None:
+    """Issue 51: a job pip-installs its lock (deployments/<file>.lock.txt, scripts/job_locks.py) in hash-checking mode:
+    every release pip resolves today beyond the image's own, at that version, listing the hash of the file pip
+    chose (and of the release's other files, for another platform's pip)."""
+    result = resolutions[pair.id].result(timeout=PIP_TIMEOUT_S + 60)
+    assert result.returncode == 0 and result.report is not None
+    lock = DEPLOYMENTS / lock_name(pair.requirements)
+    assert lock.read_text().splitlines()[3] == "--require-hashes"
+    entries = lock_entries(lock)
+    wanted = installed_by_job(result, pair)
+    assert {n: v for n, (v, _) in entries.items()} == wanted, f"{lock.name} is stale: run `python scripts/job_locks.py`"
+    assert all(hashes for _, hashes in entries.values())
+    installs = result.report["install"]
+    assert isinstance(installs, list)
+    for item in installs:
+        name = normalise(item["metadata"]["name"])
+        info = item.get("download_info", {})
+        if name not in entries or str(info.get("url", "")).startswith("file:"):
+            continue  # the image's own, or a wheel built here from an sdist (its sdist's hash is listed)
+        chosen = info["archive_info"].get("hashes", {}).get("sha256") or info["archive_info"]["hash"].split("=", 1)[1]
+        assert chosen in entries[name][1], f"{lock.name}: {name}'s chosen file {info['url']} is not hashed"
 
 
 @pytest.mark.parametrize("case", NEGATIVES, ids=[c.name for c in NEGATIVES])

@@ -70,7 +70,7 @@ def test_submit_creates_the_job_and_uploads_the_code_into_the_run(moto_env: S3En
         "code/hlat_job.py",
         "code/hlat/training/train.py",
         "code/job_init.py",
-        "code/deployments/job-requirements-2.28.0.txt",  # the default neuron.sdk's
+        "code/deployments/job-requirements-2.28.0.lock.txt",  # the default neuron.sdk's
         "sm_drivers/sm_train.sh",
     } <= shipped
     assert not [k for k in shipped if k.startswith(("code/tests/", "code/.venv/", "code/runs/"))]

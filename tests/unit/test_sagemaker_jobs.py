@@ -233,7 +233,7 @@ def test_submit_creates_the_job_under_its_deterministic_name(
         "job_init.py",
         "hlat/__init__.py",
         *modules,
-        "deployments/job-requirements-2.28.0.txt",
+        "deployments/job-requirements-2.28.0.lock.txt",
     }
 
 
@@ -625,8 +625,8 @@ def test_region_gives_the_neuron_training_image() -> None:
     assert SageMakerBackend(make_job()).training_image(older) == IMAGE.replace(
         "2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04", "2.7.0-neuronx-py310-sdk2.24.1-ubuntu22.04"
     )
-    assert requirements_of(older) == "deployments/job-requirements-2.24.1.txt"
-    assert requirements_of(make_spec()) == "deployments/job-requirements-2.28.0.txt"
+    assert requirements_of(older) == "deployments/job-requirements-2.24.1.lock.txt"
+    assert requirements_of(make_spec()) == "deployments/job-requirements-2.28.0.lock.txt"
     explicit = make_job(image_uri="111122223333.dkr.ecr.us-west-2.amazonaws.com/mine:1")
     assert SageMakerBackend(explicit).training_image(older) == explicit.image_uri
     with pytest.raises(ValueError, match=r"job\.region='af-south-1'.*job\.image_uri=None"):
