@@ -33,7 +33,7 @@ CREDENTIALS_REFUSED = (
     "holds credentials in a URI (user:password@host): a config is copied into config.json, checkpoints, tracking "
     "and logs. Give the URI without them and the credentials from a secret: MLflow reads MLFLOW_TRACKING_USERNAME "
     "and MLFLOW_TRACKING_PASSWORD (or MLFLOW_TRACKING_TOKEN), resolved from AWS Secrets Manager or a Prefect Secret "
-    "block at run time (docs/deployments.md, 'Secrets')"
+    "block at run time (docs/deployments.md, 'Security')"
 )
 
 

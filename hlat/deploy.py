@@ -263,7 +263,7 @@ def check_api_guarded(url: str, deployments: Iterable[dict[str, Any]], pool_type
         f"the Prefect API at {url} answers without credentials, and {len(names)} AWS deployment(s) "
         f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) would let anyone who reaches it start SageMaker "
         "jobs: turn its authentication on (PREFECT_SERVER_API_AUTH_STRING on the server, PREFECT_API_AUTH_STRING "
-        'here; docs/deployments.md, "The Prefect API") or use Prefect Cloud, or pass --allow-open-server'
+        'here; docs/deployments.md, "Deploy to AWS", step 2) or use Prefect Cloud, or pass --allow-open-server'
     )
 
 
