@@ -201,7 +201,19 @@ def build_config(preset: str, changes: dict[str, Any], run_id: str | None, stora
     handed = _HANDED.get()
     if handed is not None and handed[0] == _parameters_key(preset, changes, run_id, storage):
         return handed[1]
+    refused = sorted(set(changes) & set(HOST_PATHS))
+    if refused:
+        raise ConfigError(
+            f"{', '.join(refused)}: {HOST_PATHS[refused[0]]}, which a flow run's parameters do not choose (whoever can "
+            "start a run would choose what runs on the worker's host); give it on the command line "
+            f"(`hlat run ... --set {refused[0]}=...`), or leave it to the default"
+        )
     return load_config(preset, changes, run_id=run_id, storage=storage)
+
+
+HOST_PATHS = {"job.python": "an interpreter the local backend runs on the worker's host"}
+"""Config paths that name something to run on the machine of the flow run: taken from the CLI, which its user runs
+on their own machine, and refused from a flow run's parameters (the Prefect API's)."""
 
 
 @contextmanager

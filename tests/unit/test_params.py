@@ -151,3 +151,21 @@ def test_a_config_file_reaches_the_flow_as_the_one_overrides_dict(tmp_path: Path
     assert [(s.resolved_name, s.tokens, s.max_epochs) for s in flows.data.mixture] == [
         ("fineweb", 15_000_000_000_000, 4.0), ("books", None, 2.0)
     ]  # fmt: skip
+
+
+def test_a_flow_runs_parameters_cannot_name_an_interpreter_for_the_worker_to_run() -> None:
+    """Issue 51: job.python (the local backend's interpreter) comes from the command line only; given as a flow
+    run's parameter (from the Prefect API) it is refused, naming the field and the way to set it."""
+    from hlat.flows.params import build_config, handing_over
+
+    with pytest.raises(ConfigError, match=r"job.python: an interpreter the local backend runs on the worker's host"):
+        build_config("tiny", {"job.python": "/tmp/attacker/python"}, None, None)
+    # The CLI's own config, handed to the flow it runs, keeps it.
+    from hlat.core.presets import load_config
+
+    mine = load_config("tiny", {"job.python": "/opt/venv/bin/python"})
+    with handing_over(mine, "tiny", {"job.python": "/opt/venv/bin/python"}, None, None):
+        assert (
+            build_config("tiny", {"job.python": "/opt/venv/bin/python"}, None, None).job.python
+            == "/opt/venv/bin/python"
+        )
