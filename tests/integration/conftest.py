@@ -178,19 +178,39 @@ class IamS3:
 _SETUP_ACTIONS = 4
 
 
-@pytest.fixture(scope="session")
-def iam_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IamS3]:
+@contextlib.contextmanager
+def moto_process(folder: Path, **env: str) -> Iterator[str]:
+    """A moto server of its own on a free port (its log in `folder`, shown if the block fails), with `env` added to
+    its environment (the caller's AWS_* variables left out); yields its endpoint, stopped afterwards."""
     port = free_port()
     endpoint = f"http://127.0.0.1:{port}"
     script = Path(sys.executable).with_name("moto_server")
     cmd = [str(script)] if script.exists() else [sys.executable, "-m", "moto.server"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env["INITIAL_NO_AUTH_ACTION_COUNT"] = str(_SETUP_ACTIONS)
-    log_path = tmp_path_factory.mktemp("iam-moto") / "server.log"
+    environment = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")} | env
+    log_path = folder / "server.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=log)
+        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], env=environment, stdout=log, stderr=log)
     try:
         wait_until_up(endpoint, proc=proc)
+        yield endpoint
+    except Exception:
+        sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
+        raise
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        with contextlib.suppress(OSError):
+            shutil.rmtree(folder)
+
+
+@pytest.fixture(scope="session")
+def iam_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IamS3]:
+    folder = tmp_path_factory.mktemp("iam-moto")
+    with moto_process(folder, INITIAL_NO_AUTH_ACTION_COUNT=str(_SETUP_ACTIONS)) as endpoint:
         denied = f"hlat-denied-{uuid.uuid4().hex[:8]}"
         allowed = f"hlat-allowed-{uuid.uuid4().hex[:8]}"
         user = "hlat-restricted"
@@ -214,18 +234,6 @@ def iam_s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[IamS3]:
         # From here on IAM is enforced: the user's own key creates the bucket its policy allows.
         s3_client(endpoint, key, secret).create_bucket(Bucket=allowed)
         yield IamS3(endpoint=endpoint, denied_bucket=denied, allowed_bucket=allowed, key=key, secret=secret)
-    except Exception:
-        sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-        with contextlib.suppress(OSError):
-            shutil.rmtree(log_path.parent)
 
 
 @pytest.fixture

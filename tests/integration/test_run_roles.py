@@ -13,14 +13,10 @@ from __future__ import annotations
 
 import contextlib
 import json
-import os
-import subprocess
-import sys
 import urllib.request
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import boto3
@@ -28,7 +24,7 @@ import pytest
 from botocore.exceptions import ClientError
 
 from hlat.infra.run_roles import RunRoles, ensure_run_role, role_name, storage_policy
-from tests.integration.conftest import REGION, S3Env, free_port, wait_until_up
+from tests.integration.conftest import REGION, S3Env, moto_process
 
 STACK = "hlat"
 ACCOUNT = "123456789012"  # moto's
@@ -74,16 +70,7 @@ def _enforce(endpoint: str, after: int) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
-    port = free_port()
-    endpoint = f"http://127.0.0.1:{port}"
-    script = Path(sys.executable).with_name("moto_server")
-    cmd = [str(script)] if script.exists() else [sys.executable, "-m", "moto.server"]
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    log_path = tmp_path_factory.mktemp("run-roles-moto") / "server.log"
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen([*cmd, "-H", "127.0.0.1", "-p", str(port)], env=env, stdout=log, stderr=log)
-    try:
-        wait_until_up(endpoint, proc=proc)
+    with moto_process(tmp_path_factory.mktemp("run-roles-moto")) as endpoint:
         _enforce(endpoint, 10**9)  # the set-up below is the account administrator's
         admin = _Session(endpoint)
         bucket = f"runs-{uuid.uuid4().hex[:8]}"
@@ -123,16 +110,6 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Runs]:
         s3.put_object(Bucket=bucket, Key="hlat/sources/web-0123/shard-00000.parquet", Body=b"shared shard")
         _enforce(endpoint, 0)  # from here on every request is judged by IAM
         yield Runs(endpoint, bucket, sessions[0], sessions[1], a_uri, b_uri)
-    except Exception:
-        sys.stderr.write(log_path.read_text(errors="replace")[-4000:])
-        raise
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
 
 
 def _denied(call: Any, **kwargs: Any) -> bool:

@@ -53,19 +53,25 @@ def test_a_checkpoint_of_dcp_classes_and_plain_items_loads(checkpoints: Storage)
     assert "model.w" in {index.fqn for index in _dcp_metadata(checkpoints, 1, meta).storage_data}
 
 
-def test_a_planted_metadata_pickle_is_refused_by_every_reader(checkpoints: Storage, tmp_path: Path) -> None:
-    folder = Path(checkpoints.path(step_dir(1)))
-    meta = save(folder, STATE)
-    marker = tmp_path / "pwned"
-    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+def refused_by_every_reader(checkpoints: Storage, meta: dict[str, Any], pattern: str, marker: Path) -> None:
+    """Resume (`dcp.load`), export and evaluation (`dcp.load_full`) and `hlat average` refuse step 1 with `pattern`,
+    and the payload's marker file is not there."""
     for read in (
         lambda: dcp.load_full(checkpoints, 1, meta),
         lambda: dcp.load(checkpoints, 1, meta, {"model": {"w": torch.zeros(2, 3)}}),
         lambda: _dcp_metadata(checkpoints, 1, meta),
     ):
-        with pytest.raises(CheckpointError, match=r"refusing .*step-000000001/\.metadata: it names io.open"):
+        with pytest.raises(CheckpointError, match=pattern):
             read()
         assert not marker.exists()
+
+
+def test_a_planted_metadata_pickle_is_refused_by_every_reader(checkpoints: Storage, tmp_path: Path) -> None:
+    folder = Path(checkpoints.path(step_dir(1)))
+    meta = save(folder, STATE)
+    marker = tmp_path / "pwned"
+    (folder / ".metadata").write_bytes(pickle.dumps(Payload(marker)))
+    refused_by_every_reader(checkpoints, meta, r"refusing .*step-000000001/\.metadata: it names io.open", marker)
     torch_dcp.FileSystemReader(str(folder)).read_metadata()  # DCP's own reader: the payload runs
     assert marker.exists()
 
@@ -104,11 +110,4 @@ def test_a_metadata_that_differs_from_its_recorded_sha256_is_refused_before_it_i
     marker = tmp_path / "pwned"
     for planted in ((tmp_path / "other" / ".metadata").read_bytes(), pickle.dumps(Payload(marker))):
         (folder / ".metadata").write_bytes(planted)
-        for read in (
-            lambda: dcp.load_full(checkpoints, 1, meta),
-            lambda: dcp.load(checkpoints, 1, meta, {"model": {"w": torch.zeros(2, 3)}}),
-            lambda: _dcp_metadata(checkpoints, 1, meta),
-        ):
-            with pytest.raises(CheckpointError, match=r"\.metadata: it does not match its sha256 in meta.json"):
-                read()
-        assert not marker.exists()
+        refused_by_every_reader(checkpoints, meta, r"\.metadata: it does not match its sha256 in meta.json", marker)
