@@ -257,12 +257,15 @@ def test_the_stack_creates_the_bucket_roles_repository_cluster_and_outputs(defau
     s3 = default_stack.client("s3")
     rules = s3.get_bucket_encryption(Bucket=bucket)["ServerSideEncryptionConfiguration"]["Rules"]
     assert rules[0]["ApplyServerSideEncryptionByDefault"]["SSEAlgorithm"] == "AES256"
-    # Versioning=Suspended (the default) is written as such, so that an update from Enabled suspends it; on a new
-    # bucket it is never enabled, one version per key (moto's CloudFormation sets no versioning at all).
+    # Versioning is written out in both states (Enabled, the default since issue 51: a deleted or overwritten
+    # checkpoint stays restorable for NoncurrentVersionDays), so that an update to Suspended suspends it (moto's
+    # CloudFormation sets no versioning at all: test_every_versioned_bucket_expires_its_noncurrent_versions puts
+    # the template's own settings through S3's API).
     assert template()["Resources"]["RunsBucket"]["Properties"]["VersioningConfiguration"] == {
         "Status": {"Ref": "Versioning"}
     }
-    assert s3.get_bucket_versioning(Bucket=bucket).get("Status") != "Enabled"
+    assert template()["Parameters"]["Versioning"]["Default"] == "Enabled"
+    assert template()["Parameters"]["NoncurrentVersionDays"]["Default"] == 1
     repo = default_stack.client("ecr").describe_repositories(repositoryNames=[f"{default_stack.stack.name}-worker"])
     assert repo["repositories"][0]["repositoryUri"] == out["WorkerRepositoryUri"]
     clusters = default_stack.client("ecs").describe_clusters(clusters=[out["ClusterName"]])["clusters"]
