@@ -140,6 +140,30 @@ def test_a_sharded_job_killed_mid_checkpoint_resumes_bitwise_and_exports(prepare
     for name, tensor in hf.state_dict().items():
         torch.testing.assert_close(tensor, expected[name], rtol=0, atol=0, msg=name)
 
+    # Issue 51: a .metadata planted in a committed checkpoint (a pickle whose loading would create a file) is refused
+    # by `hlat export` and `hlat average` as a user runs them, in one line naming the file; the payload never runs.
+    import pickle
+
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (open, (str(marker), "w"))
+
+    size = metadata.stat().st_size  # the same size, so that the checkpoint still looks complete (pickle stops early)
+    planted = pickle.dumps(Payload())
+    metadata.write_bytes(planted + b"\0" * (size - len(planted)))
+    hlat = [sys.executable, "-m", "hlat.cli"]
+    for command in (
+        ["export", str(reference), str(tmp_path / "hf-planted")],
+        ["average", str(reference), "--last", "2"],
+    ):
+        done = subprocess.run([*hlat, *command], capture_output=True, text=True, timeout=300, check=False)
+        assert done.returncode != 0, command
+        (error,) = [line for line in done.stderr.splitlines() if line.startswith("hlat: error:")]
+        assert "step-000000012/.metadata" in error and "sha256" in error and "Traceback" not in done.stderr, error
+        assert not marker.exists()
+
 
 def to_hf_state_dict_of(model_state: dict[str, torch.Tensor], run: Path, convert: Any) -> dict[str, torch.Tensor]:
     """Our dense state dict in Hugging Face's names, through a model of the run's config."""
