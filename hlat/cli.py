@@ -208,6 +208,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--limit", type=_positive_int, help="most flow runs at once (default: no limit)")
     p.add_argument("--name", help="worker name (default: Prefect's)")
     _add_stack(p)
+    p.add_argument(
+        "--allow-open-server",
+        action="store_true",
+        help="serve the stack's ECS pool from a Prefect API that answers without credentials (refused otherwise)",
+    )
     from hlat.preflight_cli import add_preflight_arguments
 
     p = add("preflight", help="check the account, role, storage, images, quotas and data source before a run")
@@ -599,7 +604,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         from hlat.deploy import worker
 
         worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name, stack=args.stack,
-               region=args.region)  # fmt: skip
+               region=args.region, allow_open_server=args.allow_open_server)  # fmt: skip
     overrides = command_overrides(args)
     if args.command == "preflight":
         from hlat.preflight_cli import preflight_command

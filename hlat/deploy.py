@@ -248,23 +248,30 @@ def aws_deployments(deployments: Iterable[dict[str, Any]]) -> list[str]:
     return [d["name"] for d in deployments if "HLAT_S3_ROOT" in str((d.get("parameters") or {}).get("storage", ""))]
 
 
-def check_api_guarded(url: str, deployments: Iterable[dict[str, Any]], pool_type: str, allow_open: bool) -> None:
-    """Refuse to register AWS deployments on a Prefect API that anyone who reaches it may use: a run of one starts
-    SageMaker jobs as the flow-run role, so an open API is a door to the account. An API on this machine's
-    loopback serving a process pool is exempt (only this machine's users reach it, and a process worker runs on
-    it); an ECS or Kubernetes pool's flow runs reach the API over the network, so it must be guarded there.
-    `allow_open` (`--allow-open-server`) says the user knows."""
-    names = aws_deployments(deployments)
-    if not names or allow_open or (pool_type == "process" and loopback(url)):
+def check_api_guarded(url: str, exposed: str | None, pool_type: str, allow_open: bool) -> None:
+    """Refuse to put AWS work behind a Prefect API that anyone who reaches it may use (`exposed` says what: AWS
+    deployments, an ECS pool; None: nothing of AWS): a run starts SageMaker jobs as the flow-run role, so an open API
+    is a door to the account. An API on this machine's loopback serving a process pool is exempt (only this
+    machine's users reach it, and a process worker runs on it); an ECS or Kubernetes pool's flow runs reach the API
+    over the network, so it must be guarded there. `allow_open` (`--allow-open-server`) says the user knows."""
+    if exposed is None or allow_open or (pool_type == "process" and loopback(url)):
         return
     if api_guarded(url):
         return
     raise DeployError(
-        f"the Prefect API at {url} answers without credentials, and {len(names)} AWS deployment(s) "
-        f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) would let anyone who reaches it start SageMaker "
-        "jobs: turn its authentication on (PREFECT_SERVER_API_AUTH_STRING on the server, PREFECT_API_AUTH_STRING "
-        'here; docs/deployments.md, "Deploy to AWS", step 2) or use Prefect Cloud, or pass --allow-open-server'
+        f"the Prefect API at {url} answers without credentials, and {exposed} would let anyone who reaches it start "
+        "SageMaker jobs: turn its authentication on (PREFECT_SERVER_API_AUTH_STRING on the server, "
+        'PREFECT_API_AUTH_STRING here; docs/deployments.md, "Deploy to AWS", step 2) or use Prefect Cloud, or pass '
+        "--allow-open-server"
     )
+
+
+def exposed_deployments(deployments: Iterable[dict[str, Any]]) -> str | None:
+    """What of AWS registering `deployments` exposes: 'N AWS deployment(s) (names)', or None."""
+    names = aws_deployments(deployments)
+    if not names:
+        return None
+    return f"{len(names)} AWS deployment(s) ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''})"
 
 
 def existing_pool_type(name: str) -> str | None:
@@ -401,7 +408,7 @@ def deploy(
         image = worker_image(account)
         template = ecs_job_template(account, pinned(image, check_pushed(account, image)), flow_run_secrets(account))
     wait_for_api(api)
-    check_api_guarded(api, chosen, kind, allow_open_server)
+    check_api_guarded(api, exposed_deployments(chosen), kind, allow_open_server)
     if alerts is not None:  # a block that is not there fails before anything is registered
         from hlat.tasks.alerts import block_document_id
 
@@ -876,6 +883,7 @@ def worker(
     name: str | None = None,
     stack: str | None = None,
     region: str | None = None,
+    allow_open_server: bool = False,
 ) -> NoReturn:
     """Create the pool if missing, then replace this process with `prefect worker start` on it.
 
@@ -893,6 +901,8 @@ def worker(
             digest = check_pushed(account, image)
             template = ecs_job_template(account, pinned(image, digest), flow_run_secrets(account))
     wait_for_api(api_url())
+    if template is not None:  # the ECS pool's flow runs, which start SageMaker jobs
+        check_api_guarded(api_url(), f"the ECS pool {pool!r}", "ecs", allow_open_server)
     env = deploy_env(pool_type=pool_type or "process")
     print(f"hlat: work pool {pool!r}: {ensure_pool(pool, pool_type, env, template)}", flush=True)
     cmd = [_prefect(), "worker", "start", "--pool", pool]  # the worker type follows the pool's own

@@ -1020,6 +1020,9 @@ def test_aws_deployments_are_not_registered_on_a_prefect_api_anyone_may_use(
     with pytest.raises(DeployError, match=r"answers without credentials, and 1 AWS deployment\(s\) \(pretrain-7b\)"):
         hlat.deploy.deploy(["pretrain-7b"], prefect_file=prefect_file, stack=default_stack.stack.name)
     assert not calls
+    # Nor does `hlat worker --stack` serve the stack's ECS pool from it.
+    with pytest.raises(DeployError, match=f"answers without credentials, and the ECS pool '{pool}'"):
+        hlat.deploy.worker(pool, stack=default_stack.stack.name)
     with get_client(sync_client=True) as client, pytest.raises(ObjectNotFound):
         client.read_work_pool(pool)  # nothing was created
     # The tiny deployments run on this machine's process pool: a loopback server serves them.
