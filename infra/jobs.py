@@ -146,15 +146,21 @@ class SubmitError(RuntimeError):
 MAX_JOB_NAME = 63  # SageMaker: ^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}
 
 
+JOB_NAME_PREFIX = "hlat-"
+"""Every job hlat names starts with it, so that the account's policies can scope hlat's jobs and their log streams
+by name (deployments/account.yaml: `training-job/hlat-*`, log streams `hlat-*`). A re-attached attempt keeps the
+name its ledger recorded, whatever scheme named it."""
+
+
 def job_name(run_id: str, attempt: int, stage: str = "train") -> str:
-    """`<run id>-<stage>-<attempt>`, made SageMaker-safe; long run ids keep a hash so names stay unique."""
+    """`hlat-<run id>-<stage>-<attempt>`, made SageMaker-safe; long run ids keep a hash so names stay unique."""
     suffix = f"-{stage}-{attempt}"
     base = re.sub(r"[^a-zA-Z0-9]+", "-", run_id).strip("-") or "run"
-    room = MAX_JOB_NAME - len(suffix)
+    room = MAX_JOB_NAME - len(suffix) - len(JOB_NAME_PREFIX)
     if len(base) > room:
         digest = hashlib.sha256(run_id.encode()).hexdigest()[:8]
         base = f"{base[: room - 9].rstrip('-')}-{digest}"
-    return f"{base}{suffix}"
+    return f"{JOB_NAME_PREFIX}{base}{suffix}"
 
 
 # -- failure classification -------------------------------------------------------------------------------

@@ -543,7 +543,7 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     template fixes auto_deregister_task_definition off)."""
     name = default_stack.stack.name
     st = role_statements(default_stack, f"{name}-flow-run")
-    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/run-a-train-1"
+    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-run-a-train-1"  # infra/jobs.py job_name
     tagged = {"aws:RequestTag/hlat:run-id": "run-a", **BOUNDED}
     assert allows(st, "sagemaker:CreateTrainingJob", job, tagged) and allows(st, "sagemaker:AddTags", job, tagged)
     assert not allows(st, "sagemaker:CreateTrainingJob", job, BOUNDED) and not allows(st, "sagemaker:AddTags", job)
@@ -559,6 +559,17 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     assert allows(st, "sagemaker:StopTrainingJob", job, {"aws:ResourceTag/hlat:run-id": "run-a"})
     assert not allows(st, "sagemaker:StopTrainingJob", job)  # another team's job
     assert allows(st, "sagemaker:DescribeTrainingJob", job)  # a name not yet used is described before it is made
+    # Another team's job (its name is not hlat's), even tagged as hlat's, is neither described nor stopped.
+    theirs = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/their-run-train-1"
+    assert not allows(st, "sagemaker:DescribeTrainingJob", theirs)
+    assert not allows(st, "sagemaker:StopTrainingJob", theirs, {"aws:ResourceTag/hlat:run-id": "x"})
+    assert not allows(st, "sagemaker:CreateTrainingJob", theirs, tagged)
+    group = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/aws/sagemaker/TrainingJobs"
+    assert allows(st, "logs:GetLogEvents", f"{group}:log-stream:hlat-run-a-train-1/algo-1-1700000000")
+    assert not allows(st, "logs:GetLogEvents", f"{group}:log-stream:their-run-train-1/algo-1-1700000000")
+    from hlat.infra.jobs import job_name
+
+    assert job_name("run-a", 1) == "hlat-run-a-train-1"
     worker = role_statements(default_stack, f"{name}-worker")
     assert not _allowed_somewhere(worker, "ecs:DeregisterTaskDefinition")
     template = ecs_job_template(default_stack.stack, "x:1")

@@ -102,7 +102,7 @@ def test_dry_run_prints_the_sagemaker_request_and_cost_and_sends_nothing(tmp_pat
     request = json.loads(text.split("sagemaker CreateTrainingJob:\n", 1)[1].split("\n\n", 1)[0])
     assert request["TrainingJobName"].endswith("-train-1")
     assert request["ResourceConfig"] == {"InstanceType": "ml.trn1.32xlarge", "InstanceCount": 64, "VolumeSizeInGB": 512}
-    run_uri = f"s3://my-bucket/runs/{request['TrainingJobName'].removesuffix('-train-1')}"
+    run_uri = f"s3://my-bucket/runs/{request['TrainingJobName'].removeprefix('hlat-').removesuffix('-train-1')}"
     assert "CheckpointConfig" not in request  # the ranks write to <run>/checkpoints/ themselves, from every host
     assert request["AlgorithmSpecification"]["ContainerEntrypoint"][:2] == [
         "python3",

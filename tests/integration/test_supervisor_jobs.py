@@ -68,7 +68,7 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
     assert polls >= 8 and len(lines) < polls, (polls, lines)
     assert len(lines) <= len(statuses) + elapsed / 2.5 + 2, lines
     final = lines[-1]
-    assert final.startswith("attempt 1 quiet-train-1 Completed, step 80/80") and "ETA" not in final
+    assert final.startswith("attempt 1 hlat-quiet-train-1 Completed, step 80/80") and "ETA" not in final
     match = re.search(r"([\d,]+) tok/s average", final)
     assert match, final
     # The average is tokens over the time they took: of the order of the trainer's own step times' average (which
@@ -109,7 +109,7 @@ def test_a_train_job_completed_without_its_checkpoint_is_relaunched_and_one_tabl
         summary = train(preset="tiny", overrides=overrides(), run_id="early", storage=str(tmp_path))
     assert summary["final_step"] == 12 and summary["jobs"] == 2
     cause = "completed without a checkpoint at step 12 (newest: none; the job logged no training step)"
-    assert f"attempt 1 (early-train-1) ended Completed: {cause} -> resume" in caplog.text
+    assert f"attempt 1 (hlat-early-train-1) ended Completed: {cause} -> resume" in caplog.text
     assert "re-attaching" not in caplog.text and "never created" not in caplog.text
 
     attempts = Ledger(Storage(str(run)), "train").load()
@@ -147,8 +147,8 @@ def test_burn_in_and_precompile_jobs_completed_without_their_outputs_name_the_mi
     with pytest.raises(JobFailed) as info:
         burn_in(preset="tiny", overrides=sets, run_id="hollow", storage=str(tmp_path))
     message = str(info.value)
-    assert f"burn-in: job hollow-burn-in-1 ended Completed but wrote no {report}" in message, message
-    assert str(run / "jobs/hollow-burn-in-1/output.log") in message and "Completed: Completed" not in message
+    assert f"burn-in: job hlat-hollow-burn-in-1 ended Completed but wrote no {report}" in message, message
+    assert str(run / "jobs/hlat-hollow-burn-in-1/output.log") in message and "Completed: Completed" not in message
     (attempt,) = Ledger(Storage(str(run)), "burn-in").load()
     assert (attempt.action, attempt.reason) == ("fatal", "completed without writing burn-in/report.json")
 

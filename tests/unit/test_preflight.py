@@ -91,9 +91,13 @@ def test_a_trust_guarded_by_the_source_account_trusts_sagemaker_for_that_account
 
 def test_the_runs_own_jobs_are_told_from_other_runs() -> None:
     own = own_job_names("hlat-7b-1a2b")
-    assert own("hlat-7b-1a2b-train-3") and own("hlat-7b-1a2b-evaluate-1") and own("hlat-7b-1a2b-prepare-data-12")
-    assert not own("hlat-7b-1a2b-c-train-3")  # another run whose id starts alike
-    assert not own("hlat-7b-1a2b-train") and not own("hlat-70b-9f9f-train-1") and not own("someone-elses-job")
+    assert (
+        own("hlat-hlat-7b-1a2b-train-3")
+        and own("hlat-hlat-7b-1a2b-evaluate-1")
+        and own("hlat-hlat-7b-1a2b-prepare-data-12")
+    )
+    assert not own("hlat-hlat-7b-1a2b-c-train-3")  # another run whose id starts alike
+    assert not own("hlat-hlat-7b-1a2b-train") and not own("hlat-hlat-70b-9f9f-train-1") and not own("someone-elses-job")
 
 
 def _sagemaker_stub() -> tuple[Any, Stubber]:
@@ -131,7 +135,7 @@ def test_the_instances_other_runs_jobs_hold_by_type_over_every_page() -> None:
     client, stub = _sagemaker_stub()
     stub.add_response(
         "list_training_jobs",
-        {"TrainingJobSummaries": [_summary("a-train-1"), _summary("hlat-7b-1a2b-train-2")], "NextToken": "p2"},
+        {"TrainingJobSummaries": [_summary("a-train-1"), _summary("hlat-hlat-7b-1a2b-train-2")], "NextToken": "p2"},
         {"StatusEquals": "InProgress", "MaxResults": 100},
     )
     stub.add_response(

@@ -43,14 +43,16 @@ def test_stage_jobs_share_the_training_instances_and_differ_in_program() -> None
     assert terms.budget_usd is not None
     left = terms.budget_usd / terms.price_per_hour_usd * 3600
     assert specs["train"].max_runtime_s == math.ceil(left + config.job.stop_grace_seconds) < 28 * 24 * 3600
-    assert [s.name for s in specs.values()] == ["r1-precompile-1", "r1-burn-in-1", "r1-train-1"]
+    assert [s.name for s in specs.values()] == ["hlat-r1-precompile-1", "hlat-r1-burn-in-1", "hlat-r1-train-1"]
 
 
 def test_the_evaluation_job_runs_one_process_on_its_own_instance_and_image() -> None:
     config = load_config("hlat-7b", {"job.region": "eu-west-1"})
     spec = job_spec(Run.at(RUN, config, "r1"), 2, "evaluate", step=1000)
     assert (spec.instance_type, spec.instance_count, spec.processes_per_node) == ("ml.p4d.24xlarge", 1, 1)
-    assert spec.entry == "hlat.training.evaluate" and spec.args == {"step": "1000"} and spec.name == "r1-evaluate-2"
+    assert (
+        spec.entry == "hlat.training.evaluate" and spec.args == {"step": "1000"} and spec.name == "hlat-r1-evaluate-2"
+    )
     assert spec.image_uri is not None and spec.image_uri.startswith("763104351884.dkr.ecr.eu-west-1.")
     assert "pytorch-training:" in spec.image_uri and "gpu" in spec.image_uri
     assert spec.checkpoint_prefix is None and spec.max_runtime_s == 24 * 3600

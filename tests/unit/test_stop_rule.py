@@ -281,7 +281,12 @@ def test_a_supervisor_that_missed_the_jobs_log_reads_its_stored_stop_record(tmp_
     clock = [0.0]
     plays = [Play([("InProgress", None), ("Completed", None)], reaches=40), Play()]
     backend = ScriptedBackend(plays, clock)
-    record = {"job": "tiny-test-train-1", "why": STOP_DEADLINE, "step": 40, "message": "job.deadline ... is reached"}
+    record = {
+        "job": "hlat-tiny-test-train-1",
+        "why": STOP_DEADLINE,
+        "step": 40,
+        "message": "job.deadline ... is reached",
+    }
     (tmp_path / stop_record_path("train")).parent.mkdir(parents=True, exist_ok=True)
     (tmp_path / stop_record_path("train")).write_text(json.dumps(record))
     with pytest.raises(JobFailed, match=r"job\.deadline"):

@@ -125,7 +125,7 @@ def test_completes_in_one_job_and_records_it(tmp_path: Path) -> None:
     clock = [0.0]
     backend = ScriptedBackend([Play()], clock)
     attempts = supervisor(tmp_path, backend, clock).run_to_completion()
-    assert [a.job_name for a in attempts] == ["tiny-test-train-1"]
+    assert [a.job_name for a in attempts] == ["hlat-tiny-test-train-1"]
     assert attempts[0].status == "Completed" and attempts[0].steps_gained == TARGET
     # 2 polls x 60 s billable x 2 nodes at $36/h = $2.40
     assert attempts[0].cost_usd == pytest.approx(2 * 60 * 2 * 36 / 3600)
@@ -274,7 +274,7 @@ def test_dollar_budget_stops_the_running_job(tmp_path: Path) -> None:
     # 2 nodes x $36/h: each 60 s poll bills $2.40; a $10 budget is spent on the fifth poll
     with pytest.raises(BudgetExhausted, match=r"job.budget_usd=\$10.00 is spent") as info:
         supervisor(tmp_path, backend, clock, budget_usd=10.0).run_to_completion()
-    assert backend.stopped == ["tiny-test-train-1"]
+    assert backend.stopped == ["hlat-tiny-test-train-1"]
     assert "step 40 of 100" in str(info.value)
     assert info.value.attempts[0].stop_requested == "budget"
 
@@ -294,7 +294,7 @@ def test_hung_job_is_stopped_and_relaunched(tmp_path: Path) -> None:
     hung = Play([("InProgress", None)] * 100, reaches=0, logs=progress)  # logs stop after step 3
     backend = ScriptedBackend([hung, Play()], clock)
     attempts = supervisor(tmp_path, backend, clock, hang_timeout_s=600.0).run_to_completion()
-    assert backend.stopped == ["tiny-test-train-1"]
+    assert backend.stopped == ["hlat-tiny-test-train-1"]
     assert attempts[0].stop_requested == "hung" and attempts[0].reason.startswith("hung")
     assert [a.action for a in attempts] == ["resume", "done"]
 
@@ -369,7 +369,7 @@ def test_interruption_stops_the_job_and_a_later_run_resumes(tmp_path: Path) -> N
     sup.on_progress = interrupt
     with pytest.raises(KeyboardInterrupt):
         sup.run_to_completion()
-    assert backend.stopped == ["tiny-test-train-1"]
+    assert backend.stopped == ["hlat-tiny-test-train-1"]
     attempts = supervisor(tmp_path, backend, clock).run_to_completion()
     assert [a.action for a in attempts] == ["resume", "done"]
 
@@ -439,7 +439,7 @@ def test_submission_error_codes_classify() -> None:
 def test_job_names_are_deterministic_and_valid() -> None:
     import re
 
-    assert job_name("tiny-63b61eb6b6", 3) == "tiny-63b61eb6b6-train-3"
+    assert job_name("tiny-63b61eb6b6", 3) == "hlat-tiny-63b61eb6b6-train-3"
     long = job_name("a_very/long run id " * 8, 12)
     assert len(long) <= 63 and re.fullmatch(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}", long)
     assert long == job_name("a_very/long run id " * 8, 12) != job_name("a_very/long run id " * 7, 12)
@@ -662,8 +662,8 @@ def test_a_short_job_is_relaunched_on_a_platform_fault_and_returns_its_last_job(
     plays = [Play([("InProgress", None), ("Failed", "InternalServerError: We encountered an internal error.")]), Play()]
     backend = ScriptedBackend(plays, clock)
     record, state = short_job(tmp_path, backend, clock)
-    assert [s.name for s in backend.submitted] == ["tiny-test-burn-in-1", "tiny-test-burn-in-2"]
-    assert record.job_name == "tiny-test-burn-in-2" and state is not None and state.status == Status.COMPLETED
+    assert [s.name for s in backend.submitted] == ["hlat-tiny-test-burn-in-1", "hlat-tiny-test-burn-in-2"]
+    assert record.job_name == "hlat-tiny-test-burn-in-2" and state is not None and state.status == Status.COMPLETED
     ledger = Ledger(Storage(str(tmp_path)), "burn-in").load()
     assert [(a.status, a.action) for a in ledger] == [("Failed", "resume"), ("Completed", "done")]
     assert all(a.end_step is None for a in ledger)

@@ -245,7 +245,7 @@ def test_hlat_stop_while_the_job_is_being_created_stops_it_once_it_exists(tmp_pa
     backend.submit = submit  # type: ignore[method-assign]
     with pytest.raises(StoppedByUser):
         made.run_to_completion()
-    assert backend.stopped == ["tiny-test-train-1"]
+    assert backend.stopped == ["hlat-tiny-test-train-1"]
     (only,) = Ledger(run, "train").load()
     assert only.stop_requested == "user" and only.ended
 
