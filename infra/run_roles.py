@@ -82,6 +82,12 @@ def role_name(run_uri: str, access: str) -> str:
     return f"hlat-run-{digest}-{access}"
 
 
+def run_role_arn(roles: RunRoles, base_role_arn: str, run_uri: str, stage: str) -> str:
+    """The ARN `ensure_run_role` gives the run's role for `stage` (what a dry run shows)."""
+    parts = base_role_arn.split(":")
+    return f"arn:{parts[1]}:iam::{parts[4]}:role{roles.path}{role_name(run_uri, access_of(stage))}"
+
+
 def _split(uri: str) -> tuple[str, str]:
     bucket, _, key = uri.removeprefix("s3://").partition("/")
     return bucket, key.strip("/")

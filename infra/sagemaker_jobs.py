@@ -37,7 +37,7 @@ from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, TrackingConfig, clos
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.core.environment import NEURON_SDKS
 from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
-from hlat.infra.run_roles import RunRoleError, RunRoles, ensure_run_role, retry_while_new
+from hlat.infra.run_roles import RunRoleError, RunRoles, ensure_run_role, retry_while_new, run_role_arn
 
 log = logging.getLogger("hlat.sagemaker")
 
@@ -909,8 +909,12 @@ class SageMakerBackend:
         and CreateTrainingJob with its full parameters, validated against the service model. Sends nothing."""
         bucket, _ = self._check(spec)
         assert self.job.role_arn is not None  # _check raised otherwise
+        job = self.job
+        roles = RunRoles.from_environment()
+        if roles is not None:  # the run's own role, as submit makes it (nothing is made here)
+            job = job.model_copy(update={"role_arn": run_role_arn(roles, self.job.role_arn, spec.run_uri, spec.stage)})
         offline = OfflineAWS(self.job.region, self.job.role_arn, [bucket])
-        request = build_request(spec, self.job, offline.session, requirements=self.requirements(spec))
+        request = build_request(spec, job, offline.session, requirements=self.requirements(spec))
         self._create(request, offline.session.client("sagemaker", region_name=self.job.region), spec.stage)
         return offline.requests()
 

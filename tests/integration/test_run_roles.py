@@ -196,9 +196,11 @@ def test_the_sagemaker_backend_runs_each_job_as_its_runs_role(s3_env: S3Env, mon
         iam.create_role(RoleName=base, AssumeRolePolicyDocument="{}")
     monkeypatch.setenv("HLAT_RUN_ROLE_BOUNDARY", boundary)
     monkeypatch.setenv("HLAT_RUN_ROLE_PATH", "/hlat-runs/test/")
+    (dry,) = [r for r in backend.dry_run(spec) if r["operation"] == "CreateTrainingJob"]
     backend.submit(spec)
     described = backend.sagemaker.describe_training_job(TrainingJobName=spec.name)
     assert described["RoleArn"] == f"arn:aws:iam::{ACCOUNT}:role/hlat-runs/test/{role_name(spec.run_uri, 'run')}"
+    assert dry["params"]["RoleArn"] == described["RoleArn"]  # the dry run shows the run's role
     policy = iam.get_role_policy(RoleName=role_name(spec.run_uri, "run"), PolicyName="run-storage")["PolicyDocument"]
     resources = json.dumps(policy)
     assert f"{spec.run_uri.removeprefix('s3://')}/*" in resources and "sources/*" in resources
