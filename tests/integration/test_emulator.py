@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 from hlat.core.layout import CHECKPOINT_MARKER, step_dir
-from hlat.infra.jobs import JobSpec, Status
+from hlat.infra.jobs import JobSpec, Status, job_name
 from hlat.infra.local_faults import FAULTS_ENV
 from hlat.infra.local_jobs import LocalBackend
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
@@ -235,7 +235,7 @@ def test_the_tiny_dag_runs_on_two_emulated_hosts_and_is_cached_on_rerun(
     run = tmp_path / first["run_id"]
     jobs = run / "jobs"
     for stage in ("burn-in", "train"):
-        assert (jobs / f"{first['run_id']}-{stage}-1" / "hosts" / "algo-2" / "opt" / "ml").is_dir(), stage
+        assert (jobs / job_name(first["run_id"], 1, stage) / "hosts" / "algo-2" / "opt" / "ml").is_dir(), stage
     # Burn-in: every rank's checks, the hosts by their names, one write to the run's checkpoint store per host.
     report = json.loads((run / "burn-in" / "report.json").read_text())
     assert report["passed"] and report["world_size"] == 4 and report["hosts"] == ["algo-1", "algo-2"]
