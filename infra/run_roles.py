@@ -36,11 +36,10 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlat.core.layout import SOURCES_DIR
+from hlat.infra.init_from import IMPORTS_DIR
 
 BOUNDARY_ENV = "HLAT_RUN_ROLE_BOUNDARY"
 PATH_ENV = "HLAT_RUN_ROLE_PATH"
-IMPORTS_DIR = "imports"
-"""`<storage root>/imports/<sha256>/`: checkpoints imported once for every run (infra/init_from.py)."""
 POLICY_NAME = "run-storage"
 DATA_STAGE = "prepare-data"
 JOB_POLICY_INFIX = "-job-"
