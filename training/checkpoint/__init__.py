@@ -1,36 +1,13 @@
-"""Atomic training checkpoints under a `Storage` (the run's `checkpoints/` folder), split the way the parts change:
+"""Atomic training checkpoints under a `Storage` (the run's `checkpoints/` folder).
 
-    manager.py        the commit protocol and retention (CheckpointManager: save, commit, find, load, prune)
-    formats.py        one format per way the model and optimizer are split (unsharded, NxD shards, ZeRO-1, FSDP2's
-                      DCP), chosen once per job
-    serialization.py  one file: what may be saved, staging to CPU, the digesting writer, reading back
-    rng.py            the per-rank state: RNG states and the loader's position
-    dcp.py            FSDP2's files through torch.distributed.checkpoint, sync and async
+    manager.py        the commit protocol and retention (CheckpointManager)
+    formats.py        one format per way the model and optimizer are split, chosen once per job
+    serialization.py  one file: what may be saved, staging to CPU, digesting writes, reading back
+    rng.py            per-rank state: RNG states and the loader's position
+    dcp.py            FSDP2's files through torch.distributed.checkpoint
 
-Layout of one checkpoint (`step-000001000/` for step 1000, 9 digits so names sort by step):
-
-    train_state.pt   unsharded (the default): the shared state, written by rank 0 only: model, optimizer,
-                     scheduler, step... (torch.save)
-    model-tp00.pt    sharded (tensor/pipeline parallel), instead of train_state.pt: one file per model-parallel
-    model-tp01.pt    shard, with whatever that shard's writer passes as its shared state (its slices of the model,
-                     its optimizer shard, step, config...), written by one data-parallel replica of the shard
-    __0_0.distcp     FSDP2 only: each rank's shards of the model and optimizer (torch.distributed.checkpoint), and
-    .metadata        their index, beside rank 0's train_state.pt (step, scheduler, config)
-    rank-00000.pt    one per rank: what differs between ranks (data-loader position, RNG states)
-    rank-00001.pt
-    manifest-00001.json  one per rank but 0: the sizes and sha256 of the files that rank wrote, and its host
-    meta.json        step, world_size, the shard names (sharded only), time, config fingerprint, and every file's
-                     size and sha256 (from the manifests; older checkpoints: sizes, and sha256 of rank 0's files)
-    COMMITTED        the commit marker: {"step", "meta_sha256"}, written last
-
-Sharding: each rank is given its shard's name (`shard`, e.g. "tp01-pp00"), whether it writes that shard
-(`shard_writer`: one data-parallel replica per shard does) and every shard name (`shards`). Data-parallel replicas
-hold the same weights, so they share one shard file; on resume every rank reads its own shard's file and its own
-rank file. A checkpoint is loaded only by a job with the same layout (shard names and world size): the message
-names both. `load_shards` reads every shard (what an exporter consolidates:
-`training.parallel.tensor_slices.consolidate`); `load_shared` reads the single shared state of an unsharded checkpoint.
-
-Beside the step folders, `pins/step-NNNNNNNNN` marks a checkpoint retention must keep (queued for evaluation).
+A step folder's files are drawn in docs/stages.md (the run tree). COMMITTED is written last.
+A checkpoint loads only into a job with the same shard names and world size.
 """
 
 from hlat.core.layout import CHECKPOINT_MARKER as MARKER

@@ -1,33 +1,12 @@
-"""`hlat average`: the mean of the model weights of a run's last K complete checkpoints, as a new committed checkpoint.
+"""`hlat average`: the mean of a run's last K complete checkpoints' model weights, as a new committed checkpoint.
 
-Averaging the weights of the last checkpoints of a run gives much of an annealed model's quality without another
-run (Sanyal et al. 2023, "Early Weight Averaging meets High Learning Rates for LLM Pre-training",
-https://arxiv.org/abs/2306.03241; Hägele et al. 2024, https://arxiv.org/abs/2405.18392, section 4.1), which is
-what a WSD run's stable phase (training.schedule='wsd') is for; OLMo-core's model merger and NeMo's checkpoint
-averaging script do the same.
-
-The mean is uniform, accumulated in float32 and cast back to each tensor's dtype; tensors that are not floating point
-(none in hlat's models today) must be equal in every checkpoint and are kept. Every checkpoint layout is averaged in
-its own form, one file (or DCP chunk) at a time, so no more than one shard's tensors are held at once:
-
-    Unsharded        train_state.pt: its model
-    ModelParallel /  each model-<tpNN-ppNN>.pt in turn (NxD's tensor/pipeline shards): its model
-    Zero1
-    Distributed      FSDP2's torch.distributed.checkpoint files: each .distcp file's model chunks in turn (every chunk
-                     is one torch.save blob at an offset the .metadata records), into new .distcp files and a
-                     .metadata that index the model alone
-
-The result goes to `<run>/averaged/step-NNNNNNNNN` (N: the newest step averaged; `out` chooses another parent
-folder), with a meta.json and COMMITTED marker as the training jobs write them, so `locate_checkpoint`, `hlat export`
-and the evaluation read it like any checkpoint of the same layout. Its meta.json's `averaged` records the steps
-averaged and where they came from. The optimizer state is left out: the mean of Adam's moments of different steps
-is no optimizer state any step had, and the averaged weights are for evaluation and export, not for resuming (the
-rank files, data positions and RNG states, are left out for the same reason); the rest of the shared state (step,
-scheduler, config) is the newest checkpoint's.
-
-Only complete checkpoints are used (marker, meta.json, sizes: `CheckpointIndex.read_meta`); ones of another layout
-or whose config differs from the others' (their trajectory fingerprint: an extended run's checkpoints keep theirs)
-are refused, before anything is written.
+Rules:
+- the mean is uniform, summed in float32, cast back; non-float tensors must be equal and are kept;
+- each layout is averaged in its own form, one file or DCP chunk at a time;
+- the result is `<run>/averaged/step-N` with meta.json and COMMITTED, readable like any checkpoint;
+- optimizer and rank states are left out: the result is for evaluation and export, not resuming;
+- checkpoints of another layout or trajectory are refused before anything is written.
+docs/training.md ("Averaging") gives the sources (Sanyal et al. 2023, https://arxiv.org/abs/2306.03241).
 """
 
 from __future__ import annotations
@@ -94,8 +73,7 @@ def checkpoints_folder(source: str) -> Storage:
 
 
 def last_complete_steps(index: CheckpointIndex, count: int) -> list[int]:
-    """The steps of the newest `count` complete checkpoints, ascending; incomplete ones (no marker, a missing or
-    truncated file) are skipped with a warning. Raises CheckpointError when there are fewer than `count`."""
+    """The steps of the newest `count` complete checkpoints, ascending; CheckpointError when there are fewer."""
     if count < 1:
         raise ValueError(f"--last must be at least 1, got {count}")
     found: list[int] = []
@@ -116,8 +94,7 @@ def last_complete_steps(index: CheckpointIndex, count: int) -> list[int]:
 
 
 def average_checkpoints(source: str, last: int, out: str | None = None) -> AveragedCheckpoint:
-    """Average the model weights of the newest `last` complete checkpoints of `source` (a run folder or its
-    checkpoints folder) into `<out>/step-N` (default out: `<run>/averaged`), committed; see the module docstring."""
+    """Average the newest `last` complete checkpoints of `source` (run or checkpoints folder) into `<out>/step-N`."""
     checkpoints = checkpoints_folder(source)
     index = CheckpointIndex(checkpoints)
     if not checkpoints.exists():
@@ -292,8 +269,7 @@ def _model_chunks(metadata: Any) -> dict[tuple[str, tuple[int, ...]], Any]:
 def _average_dcp(
     checkpoints: Storage, steps: list[int], metas: dict[int, dict[str, Any]], target: Storage, folder: str
 ) -> dict[str, dict[str, Any]]:
-    """Average the model's chunks of FSDP2's DCP files, file by file; write the new files and .metadata; return
-    their sizes and sha256 for meta.json."""
+    """Average the model's chunks of DCP files, file by file; return the new files' sizes and sha256."""
     metadatas = {step: _dcp_metadata(checkpoints, step, metas[step]) for step in steps}
     chunks = {step: _model_chunks(md) for step, md in metadatas.items()}
     newest = metadatas[steps[-1]]

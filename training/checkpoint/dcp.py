@@ -1,18 +1,11 @@
-"""FSDP2's checkpoints: the sharded model and optimizer states through torch.distributed.checkpoint (DCP), in the
-step folder beside the other files (`__<rank>_0.distcp` per rank, `.metadata` by rank 0, written last of them).
+"""FSDP2's checkpoints: sharded model and optimizer states through torch.distributed.checkpoint (DCP).
 
-Synchronous saves are `dcp.save`; asynchronous ones `dcp.async_save`, which copies the state to CPU before it
-returns (on CUDA into the pinned copies of the previous save: the writer's cache_staged_state_dict) and writes it
-on a thread of its own. DCP's background writes plan and finish with collectives, so they go over a gloo process
-group of their own (made once, by every rank, when the manager is): a collective issued from a second thread on
-the loop's own group can deadlock against the loop's, and NCCL groups cannot hold CPU tensors at all. The files
-are complete once rank 0's save has finished (rank 0 writes `.metadata` after every rank reported its writes).
-
-Nothing read back runs code. DCP's `.metadata` is a pickle by design, and DCP loads each non-tensor item of a
-`.distcp` file with `torch.load(weights_only=False)` (torch 2.13's `DefaultLoadPlanner.load_bytes`): whoever can
-write to the run's storage could plant either. So every read here goes through `read_metadata` (an unpickler that
-admits DCP's own metadata classes and nothing else, https://docs.python.org/3/library/pickle.html#restricting-globals)
-and planners that load those items with `weights_only=True`; a refused file is named in the error.
+Rules:
+- the files sit in the step folder: `__<rank>_0.distcp` per rank, `.metadata` by rank 0, last;
+- async saves use a gloo group of their own: DCP's thread runs collectives, which deadlock on the loop's group;
+- nothing read back runs code: `.metadata` is a pickle and DCP loads `.distcp` items with weights_only=False
+  (torch 2.13), so reads admit DCP's own classes only and load items with weights_only=True
+  (https://docs.python.org/3/library/pickle.html#restricting-globals).
 """
 
 from __future__ import annotations
@@ -33,7 +26,7 @@ from hlat.core.layout import CheckpointError, step_dir
 from hlat.core.storage import Storage, storage_errors
 
 METADATA = ".metadata"
-"""torch.distributed.checkpoint's index of a distributed checkpoint (written last of its files, by rank 0)."""
+"""DCP's index of a distributed checkpoint (written last of its files, by rank 0)."""
 
 State = dict[str, Any]
 
@@ -66,16 +59,17 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def recorded_sha256(meta: Mapping[str, Any] | None) -> str | None:
-    """The sha256 of the `.metadata` file that meta.json records (the commit reads it back; None in checkpoints
-    written before it did)."""
+    """The sha256 of `.metadata` that meta.json records (None in older checkpoints)."""
     info = ((meta or {}).get("files") or {}).get(METADATA)
     return info.get("sha256") if isinstance(info, Mapping) else None
 
 
 def read_metadata(data: bytes, where: str, sha256: str | None = None) -> Any:
-    """DCP's checkpoint metadata from the bytes of a `.metadata` file, admitting DCP's own classes only; a file
-    naming anything else (a planted one) raises CheckpointError naming `where`, and nothing of it runs. With
-    `sha256` (meta.json's record of it), bytes that differ are refused before they are parsed at all."""
+    """DCP's metadata from a `.metadata` file's bytes, admitting DCP's own classes only.
+
+    Anything else raises CheckpointError naming `where`, and nothing of it runs.
+    With `sha256`, bytes that differ are refused before parsing.
+    """
     from torch.distributed.checkpoint.metadata import Metadata
 
     if sha256 is not None and hashlib.sha256(data).hexdigest() != sha256:
@@ -90,8 +84,7 @@ def read_metadata(data: bytes, where: str, sha256: str | None = None) -> Any:
 
 
 def _weights_only(value: io.BytesIO, where: str) -> io.BytesIO:
-    """A non-tensor item of a .distcp file, loaded with weights_only=True (a planted item naming any other global is
-    refused) and saved again for the planner's own torch.load: what reaches that load is what weights_only admitted."""
+    """A .distcp item loaded with weights_only=True, then saved again for the planner's own torch.load."""
     try:
         item = torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -124,9 +117,7 @@ def _safe_reader(location: str, options: Mapping[str, Any], local: bool, sha256:
 
 
 def _check_metadata(storage: Storage, step: int, meta: Mapping[str, Any]) -> None:
-    """Refuse checkpoint `step` before DCP opens it when its `.metadata` differs from meta.json's sha256 of it or
-    names anything but DCP's classes (the readers refuse it again when they read it: a file replaced in between is
-    no way around)."""
+    """Refuse checkpoint `step` before DCP opens it if its `.metadata` fails the sha256 or the class check."""
     folder = step_dir(step)
     with storage_errors(storage.uri(folder)):
         data = storage.read_bytes(f"{folder}/{METADATA}")
@@ -168,14 +159,12 @@ def is_dcp_file(name: str) -> bool:
 
 
 def expected_files(listed: Mapping[str, int]) -> list[str]:
-    """The DCP files a committed checkpoint must hold, given what its folder lists: the metadata and every
-    .distcp file (each complete by the time rank 0's save returned)."""
+    """The DCP files a committed checkpoint must hold, from its folder listing: the metadata and every .distcp file."""
     return [METADATA, *sorted(n for n in listed if n.endswith(".distcp"))]
 
 
 def _location(storage: Storage, step: int) -> tuple[str, dict[str, Any]]:
-    """The step folder as DCP addresses it: a local path, or a URL with the storage's fsspec options (S3 endpoint,
-    credentials)."""
+    """The step folder as DCP addresses it: a local path, or a URL with the storage's fsspec options."""
     folder = step_dir(step)
     if storage.is_local:
         return storage.path(folder), {}
@@ -211,8 +200,7 @@ class DistributedWriter:
         return self._writer
 
     def save(self, step: int, state: Mapping[str, Any]) -> Future[Any] | None:
-        """Write this rank's part of `state` into checkpoint `step`'s folder (a collective every rank enters). Async:
-        returns once the state is copied to CPU, with the future of the writes."""
+        """Write this rank's part of `state` into step `step` (a collective); async returns a future once staged."""
         import torch.distributed.checkpoint as dcp
 
         location, options = _location(self.storage, step)
@@ -233,8 +221,7 @@ class DistributedWriter:
 
 
 def load(storage: Storage, step: int, meta: Mapping[str, Any], state: dict[str, Any]) -> None:
-    """Fill `state` (this rank's DTensor state dict, as FSDP2's get_state_dict gives it) in place from the
-    distributed files of committed checkpoint `step`; every rank calls it (a collective)."""
+    """Fill `state` (this rank's DTensor state dict) in place from committed checkpoint `step`; a collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -255,8 +242,7 @@ def load(storage: Storage, step: int, meta: Mapping[str, Any], state: dict[str, 
 
 
 def load_full(storage: Storage, step: int, meta: Mapping[str, Any]) -> State:
-    """The distributed state of committed checkpoint `step` consolidated into plain CPU tensors (every shard
-    gathered: what export reads), without a process group."""
+    """Committed checkpoint `step`'s distributed state gathered into CPU tensors, without a process group."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 

@@ -1,21 +1,12 @@
-"""Where a training job's state goes in a checkpoint: one format per way the model and optimizer are split, chosen
-once per job (`checkpoint_format`), so the trainer saves and resumes the same way whatever the parallelism.
+"""Where a job's state goes in a checkpoint: one format per way the model and optimizer are split.
 
-Every format saves what the trainer hands it, the shared state (step, scheduler, config: the same on every rank)
-and the rank state (loader position, RNG states: rng.rank_state), and adds the model and optimizer where they
-belong:
+The format is chosen once per job (`checkpoint_format`), so the trainer saves and resumes alike.
+Each adds the model and optimizer to the trainer's shared and rank states:
 
-    Unsharded     model and optimizer in the shared train_state.pt, written by rank 0 (single process, DDP)
-    ModelParallel NxD tensor/pipeline parallelism: one model-<tpNN-ppNN>.pt per model-parallel position, written by
-                  its first data-parallel replica, with that position's optimizer state
-    Zero1         ModelParallel with NxD's ZeRO-1 optimizer: each rank's optimizer shard (and master weights) in its
-                  own rank file
-    Distributed   FSDP2: the sharded model and optimizer through torch.distributed.checkpoint (dcp.py); the shared
-                  train_state.pt keeps the rest
-
-`layout` is what the `CheckpointManager` needs to know of the format (its shard, whether it writes it, every
-shard's name; whether DCP files come with it). `save` hands the manager this rank's files; `load` puts a checkpoint's
-model and optimizer back and returns the shared and rank states for the trainer to restore the rest.
+    Unsharded      train_state.pt, written by rank 0 (single process, DDP)
+    ModelParallel  NxD TP/PP: one model-<tpNN-ppNN>.pt per position, with its optimizer state
+    Zero1          ModelParallel, with each rank's optimizer shard in its rank file
+    Distributed    FSDP2 through torch.distributed.checkpoint (dcp.py)
 """
 
 from __future__ import annotations
@@ -32,7 +23,7 @@ State = dict[str, Any]
 
 
 class CheckpointFormat(ABC):
-    """How one job's model and optimizer are split into a checkpoint's files (see the module docstring)."""
+    """How one job's model and optimizer are split into a checkpoint's files."""
 
     def __init__(self, model: nn.Module, optimizer: Any) -> None:
         self.model = model
@@ -49,8 +40,7 @@ class CheckpointFormat(ABC):
 
 
 class Unsharded(CheckpointFormat):
-    """The model and optimizer states in the shared file. `model_state` / `load_model_state` read and fill this
-    rank's part of the model (default: the whole module's state dict)."""
+    """The model and optimizer in the shared file; `model_state` / `load_model_state` choose this rank's part."""
 
     def __init__(
         self,
@@ -66,7 +56,7 @@ class Unsharded(CheckpointFormat):
         self._load_model_state = load_model_state or model.load_state_dict
 
     def _optimizer_files(self, shared: State, mine: State) -> State:
-        """The state the optimizer's state goes with: the shared one (every data-parallel replica holds it whole)."""
+        """The state the optimizer goes with: the shared one (every data-parallel replica holds it whole)."""
         return shared
 
     def save(self, manager: CheckpointManager, step: int, shared: State, mine: State) -> None:
@@ -83,8 +73,7 @@ class Unsharded(CheckpointFormat):
 
 
 class ModelParallel(Unsharded):
-    """NxD's tensor and pipeline parallelism: this rank's part of the model (a pipeline stage's parameters under their
-    original names, its TP slices) in its shard's file, as `layout` names it (shard, shard_writer, shards)."""
+    """NxD tensor and pipeline parallelism: this rank's part of the model in its shard's file."""
 
     def __init__(
         self,
@@ -98,10 +87,11 @@ class ModelParallel(Unsharded):
 
 
 class Zero1(ModelParallel):
-    """ZeRO-1: the optimizer states are sharded over the data-parallel ranks, so each rank keeps its own, with its
-    shard of the master weights where the job saves them (`training.parallel.neuron.zero1_masters_outrank_parameters`:
-    torch-xla's ZeroRedundancyOptimizer puts them in its state_dict as `sharded_master_weights`, and its
-    load_state_dict copies them back over the shards it rebuilt from the parameters)."""
+    """ZeRO-1: each rank keeps its optimizer shard, with its master weights where the job saves them.
+
+    torch-xla's ZeroRedundancyOptimizer stores them as `sharded_master_weights` and restores them on load
+    (`training.parallel.neuron.zero1_masters_outrank_parameters`).
+    """
 
     def _optimizer_files(self, shared: State, mine: State) -> State:
         return mine

@@ -1,63 +1,13 @@
-"""The commit protocol and retention: `CheckpointManager` saves, commits, finds, loads and prunes the checkpoints of
-one rank of a run. What goes into which file is the format's (formats.py); how one file is written and read is
-serialization.py's; FSDP2's DCP files are dcp.py's.
+"""The commit protocol and retention: `CheckpointManager` saves, commits, finds, loads and prunes one rank's
+checkpoints.
 
-Protocol: every rank writes its rank file (the shared state's writer, its train_state.pt or shard file first; under
-FSDP2, DCP's files before both), then rank 0 waits for the others (the `barrier`, and then polling the storage
-until every expected file is visible, up to `commit_timeout_s`), lists the folder to record the sizes in meta.json,
-and writes COMMITTED. The storage is the run's own (a local folder or an S3 prefix every host writes to directly),
-so every host sees every file and rank 0 can commit what ranks on other hosts wrote. A crash at any point leaves
-either a folder without the marker or a complete checkpoint; only folders with the marker count, and
-`latest_step` also checks the marker against meta.json and every listed file's size (a truncated or missing file
-skips the checkpoint with a warning). Deleting removes the marker first, so a half-deleted folder never looks
-complete. A job resuming from step s first has rank 0 delete every folder past s (`discard_after`, before any rank
-writes): an earlier attempt that reached further left files there (marker-less, or unusable), and rank 0 polling
-for the new files would otherwise count the old ones as written, commit their sizes, and find them replaced under
-it. Rank 0 re-saving a step whose folder still exists also first removes that stale marker and meta.json.
-
-Retention (rank 0, after each commit): the newest `keep_last` complete checkpoints, plus every complete one whose
-step is a multiple of `keep_every`, forever; older complete ones and marker-less folders older than the newest
-complete checkpoint are deleted, whatever files they hold. Complete means verified (the marker's sha256 of meta.json,
-each listed file at its size): a folder with a marker that does not verify (planted by another writer, or broken)
-is neither counted nor deleted. Newer marker-less folders are left alone: with async
-saves another rank may already be writing the next checkpoint.
-
-Async saves (`async_save=True`): `save` copies the state to CPU tensors (the only part that blocks the training
-loop) and a background thread writes it. The copies go into the buffers of the previous save when the shapes match
-(refilling memory already touched is several times faster than allocating it afresh), so an async manager keeps
-one CPU copy of its state between saves; `close()` frees it. A later `save` or `wait()` first waits for the pending
-one and re-raises its error as `CheckpointError`. The background thread never calls `barrier`: a collective issued
-from a second thread can deadlock against the loop's own (NCCL, gloo); rank 0 relies on polling the storage for the
-other ranks' files instead, so give it a generous `commit_timeout_s`. FSDP2's async saves go through DCP's own
-(dcp.py). A failed background save is raised by `check()` too, which the loop calls after every step: it costs no
-I/O, so a rank's failed upload stops the job at once rather than one checkpoint interval later. A stop does not wait
-for a save in flight: `supersede()` cuts it at its next check (between two parts of an upload, or in rank 0's wait
-for the other ranks' files) and commits nothing of it, so the stop's own save fits SageMaker's 120 s grace
-(core/stop_timeline.py). Rank 0 reads the ranks' manifests with as many reads in flight as its S3 client has
-connections (`Storage.parallel_reads`).
-
-Every rank's files get a sha256: each rank other than 0 writes `manifest-RRRRR.json` (its files' sizes and sha256,
-its host) beside them, and rank 0 merges the manifests into meta.json at commit; `read_state` checks the sha256 of
-every file it reads. Checkpoints written before manifests existed record sizes only, and still load.
-
-S3 request rates (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html: 3,500
-PUT/COPY/POST/DELETE and 5,500 GET/HEAD requests per second per partitioned prefix, 503 SlowDown beyond): checkpoint
-files go up in 512 MiB parts (serialization.CHECKPOINT_PART_SIZE), so most files are one PUT; on S3 each rank starts
-its writes `position x 2 / write_rate` seconds after the save began, the shard writers first (in shard order, then
-every rank in rank order: `core.stop_timeline.write_start_seconds`), and its reads at resume
-likewise after `read_rate`, so thousands of ranks spread their requests over a few seconds instead of sending them
-within one (`request_offset`); botocore retries what is throttled anyway (core.storage.S3_CLIENT_CONFIG). At resume
-one rank (0) lists the checkpoints and reads meta.json (`resume_point`), and hands the result to the others through
-`share` (a broadcast the loop provides): every other rank only reads its own files.
-
-Graph extraction (`extracting_graphs`: neuron_parallel_compile's trial run, where the outputs are invalid): `save`
-fetches the state to the host as a save would (the same transfers and barrier are traced) and writes nothing; no
-folder is deleted, no upload aborted. HLAT's trn1 scripts skip their checkpoint writes at compile time the same way
-(awslabs/HLAT, 70b/tp_zero1_llama2_70b_hf_pretrain.py, `checkpoint_training_states`).
-
-Pins: a checkpoint pinned with `pin(step)` (the evaluator's, while it is queued for evaluation) is never deleted by
-retention; see CheckpointIndex.pin. At a job's start rank 0 aborts the incomplete multipart uploads a killed attempt
-left under the checkpoints prefix (`abort_incomplete_uploads`, called by `discard_after`).
+Rules:
+- every rank writes its files; rank 0 waits until all are visible, writes meta.json, then COMMITTED;
+- only a folder whose marker verifies against meta.json and every file's size counts;
+- deleting removes the marker first; a resumed job first deletes every folder past its step;
+- the async writer thread never calls a collective: rank 0 polls the storage instead;
+- under graph extraction (neuron_parallel_compile) nothing is written or deleted.
+docs/stages.md ("Checkpoints") explains the protocol; docs/multi-host.md the S3 pacing.
 """
 
 from __future__ import annotations
@@ -128,12 +78,12 @@ def _identity(value: Any) -> Any:
 
 
 def host_of(rank: int, env: Mapping[str, str] | None = None) -> str:
-    """The host that runs `rank`, from the environment torchrun and SageMaker set: torchrun gives each host
-    LOCAL_WORLD_SIZE consecutive ranks (rank // LOCAL_WORLD_SIZE is the host's node rank), and the SageMaker SDK's
-    torchrun driver passes --node_rank=SM_CURRENT_HOST_RANK, the host's index in sorted(hosts) (its
-    container_drivers/scripts/environment.py), which is also SM_HOSTS. The sort is by name: from 10 hosts on, node 1
-    is algo-10, not algo-2. Without SM_HOSTS: "node N"; without LOCAL_WORLD_SIZE (not in a job): this machine's
-    name for this process's own rank (RANK), "host unknown" for others."""
+    """The host that runs `rank`, from the environment torchrun and SageMaker set.
+
+    torchrun gives each host LOCAL_WORLD_SIZE consecutive ranks. SageMaker's torchrun driver sets the node rank
+    to the host's index in sorted(SM_HOSTS), a sort by name: from 10 hosts on, node 1 is algo-10.
+    Without SM_HOSTS: "node N"; outside a job: this machine's name for RANK, "host unknown" for others.
+    """
     env = os.environ if env is None else env
     local = _int(env.get("LOCAL_WORLD_SIZE"))
     if local:
@@ -158,25 +108,24 @@ def _int(text: str | None) -> int | None:
 
 
 def request_offset(rank: int, world_size: int, requests_per_rank: float, rate: float | None) -> float:
-    """Seconds rank `rank` waits before its requests so that `world_size` ranks, `requests_per_rank` each, send
-    about `rate` a second together (rank order: the ranks of one host go together); 0 with no rate."""
+    """Seconds `rank` waits so that `world_size` ranks send about `rate` requests a second together; 0 with no rate."""
     if not rate or world_size <= 1:
         return 0.0
     return rank * requests_per_rank / rate
 
 
 def read_requests(size: int, part_size: int | None = None) -> int:
-    """S3 requests s3fs makes to read an object of `size` bytes whole (serialization.read_state): one GET, or when it
-    is bigger than one part a HEAD for its size and one ranged GET per part."""
+    """S3 requests s3fs makes to read `size` bytes whole: one GET, or a HEAD and one ranged GET per part."""
     part = part_size or CHECKPOINT_PART_SIZE
     return 1 if size <= part else 1 + -(-size // part)
 
 
 def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int) -> dict[str, int]:
-    """The S3 write requests of one checkpoint's files (name -> size): a file smaller than one part is one
-    PutObject; another is CreateMultipartUpload, one UploadPart per part, CompleteMultipartUpload (s3fs's
-    writes). Plus one PutObject per manifest, meta.json and COMMITTED. What bench_checkpoint.py scales to a job's
-    size, and what the S3 test checks against the requests it counts."""
+    """The S3 write requests of one checkpoint's files (name -> size), as s3fs makes them.
+
+    A file under one part is one PutObject; a larger one is a multipart upload. Manifests, meta.json and
+    COMMITTED add one PutObject each. bench_checkpoint.py and the S3 test use this count.
+    """
     counts = {"PutObject": 0, "CreateMultipartUpload": 0, "UploadPart": 0, "CompleteMultipartUpload": 0}
     for size in sizes.values():
         if size < part_size:  # s3fs: one PUT when the file is closed before a whole part has been written
@@ -190,8 +139,9 @@ def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int
 
 
 class CheckpointManager(CheckpointIndex):
-    """Saves, finds, loads and prunes checkpoints for one rank of a run (see the module docstring); finding is
-    `CheckpointIndex`'s (core/layout.py, no torch)."""
+    """Saves, finds, loads and prunes checkpoints for one rank of a run; finding is `CheckpointIndex`'s
+    (core/layout.py).
+    """
 
     def __init__(
         self,
@@ -214,18 +164,16 @@ class CheckpointManager(CheckpointIndex):
         read_rate: float | None = 3000.0,
         extracting_graphs: bool = False,
     ) -> None:
-        """`shard`: this rank's model-state shard (e.g. "tp01-pp00"), None for an unsharded checkpoint (rank 0
-        writes train_state.pt); `shard_writer`: whether this rank writes that shard (one data-parallel replica per
-        shard does); `shards`: every shard name the checkpoint holds (the same on every rank); `distributed`: the
-        model and optimizer states go through torch.distributed.checkpoint (FSDP2), see the module docstring;
-        `stage_in_background` (async saves): the copies of CPU tensors are made by the writer thread, and the caller
-        leaves its tensors unchanged until `wait_staged()` returns (the trainer: before the next optimizer step);
-        `share`: called by every rank with a value, returns rank 0's value on every rank (a broadcast; the default,
-        for one rank, returns its argument): how `resume_point` hands rank 0's findings to the others;
-        `write_rate` / `read_rate` (S3 only; None: no spreading): the requests per second all ranks together aim at
-        while writing a checkpoint / reading one at resume, under S3's per-prefix 3,500 and 5,500;
-        `extracting_graphs`: neuron_parallel_compile's trial run, whose values are invalid: write and delete nothing
-        (see the module docstring)."""
+        """`shard`: this rank's shard name (e.g. "tp01-pp00"), None when unsharded.
+
+        `shard_writer`: this rank writes its shard (one data-parallel replica per shard does).
+        `shards`: every shard name, the same on every rank.
+        `distributed`: model and optimizer go through torch.distributed.checkpoint (FSDP2).
+        `stage_in_background`: the writer thread copies the tensors; callers leave them alone until `wait_staged()`.
+        `share`: a broadcast of rank 0's value; how `resume_point` hands its findings to the others.
+        `write_rate` / `read_rate`: S3 requests per second all ranks aim at together (None: no pacing).
+        `extracting_graphs`: neuron_parallel_compile's trial run; write and delete nothing.
+        """
         if distributed and shard is not None:
             raise ValueError("distributed (DCP) checkpoints hold no per-shard files: pass no shard")
         if keep_last < 1:
@@ -304,10 +252,12 @@ class CheckpointManager(CheckpointIndex):
         rank_state: Mapping[str, Any],
         distributed_state: Mapping[str, Any] | None = None,
     ) -> None:
-        """Checkpoint `step`: every rank calls this with its own rank_state; shared_state is used by the rank that
-        writes it (unsharded: rank 0; sharded: each shard's writer) and ignored elsewhere (pass None there);
-        distributed_state (a manager made with distributed=True: every rank, its DTensor state dict) goes through
-        torch.distributed.checkpoint. Synchronous unless async_save (then: stage, return, write later)."""
+        """Checkpoint `step`; every rank calls this with its own rank_state.
+
+        shared_state is used only by the rank that writes it (pass None elsewhere).
+        distributed_state (distributed=True only) is every rank's DTensor state dict.
+        Synchronous unless async_save: then stage, return, and write in the background.
+        """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
         if (distributed_state is not None) != self.distributed:
@@ -374,13 +324,11 @@ class CheckpointManager(CheckpointIndex):
         self._write(step, shared, rank_state, False, distributed_writes)
 
     def wait_staged(self) -> None:
-        """Block until a pending async save has its copy of the state: from then on the caller may change the
-        tensors it passed (a failed copy is raised by the next `save` or `wait`)."""
+        """Block until a pending async save has copied the state; then the caller may change its tensors."""
         self._staged.wait()
 
     def check(self) -> None:
-        """Raise CheckpointError at once if the pending async save has failed; otherwise return at once (a save
-        still running, done, or none). No I/O and no device read: the loop calls it after every step."""
+        """Raise CheckpointError if the pending async save failed; no I/O, so the loop calls it after every step."""
         with self._lock:
             pending = self._pending
             if pending is None or not pending.done() or pending.exception() is None:
@@ -405,15 +353,12 @@ class CheckpointManager(CheckpointIndex):
             ) from exc
 
     def supersede(self) -> int | None:
-        """Cut the pending async save short for a newer save (a stop's, inside the grace) instead of waiting for it:
-        its thread stops at its next check (its pacing wait, between two files or two parts of an upload, rank 0's
-        wait for the other ranks' files and its manifest reads, before meta.json), its upload in progress is aborted,
-        and nothing of it is committed; the marker-less folder it leaves is deleted by retention once a newer
-        checkpoint commits, or by the next job's `discard_after`. Every rank must supersede alike (a rank 0 waiting
-        for the pending save would wait for files the others stopped writing): the stop does, on every rank. DCP's
-        own async writes (FSDP2) are waited for. Returns the step superseded; None when no save was pending or it
-        had finished on this rank before it could stop (rank 0: committed). A pending save that failed is logged,
-        not raised: the newer save replaces it, and reports its own errors."""
+        """Cut the pending async save short for a newer one (a stop's, inside the grace); return its step or None.
+
+        The thread stops at its next check, aborts its upload and commits nothing.
+        Every rank must supersede alike, or rank 0 would wait for files nobody writes.
+        DCP's own async writes (FSDP2) are waited for. A failed pending save is logged, not raised.
+        """
         with self._lock:
             pending, step = self._pending, self._pending_step
             self._pending, self._pending_step = None, None
@@ -454,10 +399,11 @@ class CheckpointManager(CheckpointIndex):
                 self._dcp.close()
 
     def discard_after(self, step: int | None) -> list[int]:
-        """Before a job writes its first checkpoint: rank 0 deletes every checkpoint folder past `step` (the one it
-        resumed from; None: started from scratch, so every folder), then every rank waits at the barrier. Those
-        folders are an earlier attempt's, which got further and left no usable checkpoint there (`step` is the
-        newest usable one); their files must not pass for this attempt's. Returns the steps deleted (rank 0)."""
+        """Before the first save: rank 0 deletes every folder past `step` (None: all), then all ranks meet at a barrier.
+
+        Those folders are an earlier attempt's; their files must not pass for this attempt's.
+        Returns the steps deleted (rank 0).
+        """
         doomed: list[int] = []
         if self.rank == 0:
             doomed = [s for s in self.all_steps() if step is None or s > step]
@@ -477,9 +423,7 @@ class CheckpointManager(CheckpointIndex):
         return doomed
 
     def abort_incomplete_uploads(self) -> int:
-        """Rank 0, when a job starts and before any rank writes (`discard_after` calls it): abort the incomplete
-        multipart uploads a killed attempt left under the checkpoints prefix (S3 bills their parts, listings do
-        not show them), or remove stray temporary files (local). Returns how many; 0 on other ranks."""
+        """Rank 0 at job start: abort a killed attempt's unfinished uploads (S3 bills them); return how many."""
         if self.rank != 0 or self.extracting_graphs:
             return 0
         aborted = self.storage.abort_incomplete_uploads()
@@ -576,8 +520,7 @@ class CheckpointManager(CheckpointIndex):
             return write_state(self.storage, f"{folder}/{name}", state, abort=self._superseding)
 
     def _write_offset(self) -> float:
-        """This rank's pacing delay (`core.stop_timeline.write_start_seconds`): the ranks that write a shard (or the
-        shared file) first, in shard order, then every rank in rank order."""
+        """This rank's pacing delay: shard writers first, in shard order, then every rank in rank order."""
         if self.shard is not None:
             writer = self.shards.index(self.shard) if self.shard_writer else None
             return write_start_seconds(self.rank, self.world_size, self.write_rate, writer, len(self.shards))
@@ -586,7 +529,7 @@ class CheckpointManager(CheckpointIndex):
         return write_start_seconds(self.rank, self.world_size, self.write_rate, 0 if self.rank == 0 else None, 1)
 
     def _pause(self, seconds: float) -> None:
-        """Sleep, cut short when the save being written is superseded (its thread then stops at the next check)."""
+        """Sleep, cut short when the save being written is superseded."""
         if seconds > 0:
             self._superseding.wait(seconds)
 
@@ -596,9 +539,7 @@ class CheckpointManager(CheckpointIndex):
 
     @contextlib.contextmanager
     def _naming_errors(self, rel: str) -> Iterator[None]:
-        """Errors of a write name this rank, its host and the key. The error keeps its class where it can be made
-        from a message (callers catch OSError; a TransientStorageError is still retried as one), else it becomes a
-        CheckpointError; the original is its cause."""
+        """Errors of a write name this rank, its host and the key; the class is kept where possible."""
         try:
             yield
         except Exception as exc:
@@ -636,13 +577,11 @@ class CheckpointManager(CheckpointIndex):
 
     # -- torch.distributed.checkpoint (FSDP2) ------------------------------------------------------------
     def load_distributed(self, step: int, state: dict[str, Any]) -> None:
-        """Fill `state` (this rank's DTensor state dict, as FSDP2's get_state_dict gives it) in place from the
-        distributed files of committed checkpoint `step`; every rank calls it (a collective)."""
+        """Fill `state` (this rank's DTensor state dict) in place from checkpoint `step`; a collective."""
         dcp.load(self.storage, step, self._meta(step), state)
 
     def load_distributed_full(self, step: int) -> State:
-        """The distributed state of committed checkpoint `step` consolidated into plain CPU tensors (every shard
-        gathered: what export reads), without a process group."""
+        """Checkpoint `step`'s distributed state gathered into CPU tensors (for export), without a process group."""
         return dcp.load_full(self.storage, step, self.read_meta(step))
 
     def _wait_for_files(self, folder: str, step: int | None = None) -> dict[str, int]:
@@ -687,10 +626,10 @@ class CheckpointManager(CheckpointIndex):
 
     # -- loading -----------------------------------------------------------------------------------------
     def resume_point(self) -> tuple[int, dict[str, Any]] | None:
-        """(step, meta.json) of the newest complete checkpoint, None when there is none. Every rank calls it (a
-        collective through `share`): rank 0 alone lists the checkpoints and reads their markers and meta.json,
-        and `share` hands its finding to the others, so a resume costs one listing, not one per rank. `load` of
-        that step then reads no meta.json again."""
+        """(step, meta.json) of the newest complete checkpoint, or None; a collective through `share`.
+
+        Rank 0 alone lists and reads the markers, so a resume costs one listing, not one per rank.
+        """
         found: Any = None
         if self.share is _identity and self.world_size > 1:
             # No broadcast given: every rank must look for itself (a None from the default share on ranks other
@@ -720,8 +659,7 @@ class CheckpointManager(CheckpointIndex):
         return meta if meta is not None else self.read_meta(step)
 
     def load(self, step: int) -> tuple[State, State]:
-        """(shared state, this rank's rank_state) of checkpoint `step`, as CPU tensors. The shared state is the
-        unsharded train_state.pt, or this rank's own shard (data-parallel replicas read the same one)."""
+        """(shared state, this rank's rank_state) of checkpoint `step`, as CPU tensors."""
         folder = step_dir(step)
         meta = self._meta(step)
         theirs = _shard_list(meta)
@@ -751,8 +689,7 @@ class CheckpointManager(CheckpointIndex):
         return shared, mine
 
     def load_shared(self, step: int) -> State:
-        """The shared state (model, optimizer, step, config...) of unsharded checkpoint `step` alone, whatever
-        world size wrote it: what export and evaluation read."""
+        """The shared state of unsharded checkpoint `step`, whatever world size wrote it (for export and evaluation)."""
         folder = step_dir(step)
         meta = self.read_meta(step)
         shards = _shard_list(meta)
@@ -765,8 +702,7 @@ class CheckpointManager(CheckpointIndex):
         return self._read(folder, SHARED_FILE, meta)
 
     def load_shards(self, step: int) -> dict[str, State]:
-        """Every shard's state of sharded checkpoint `step`, by shard name, whatever layout wrote it: what an
-        exporter consolidates (all of them in memory at once)."""
+        """Every shard's state of sharded checkpoint `step`, by shard name, all in memory (for export)."""
         folder = step_dir(step)
         meta = self.read_meta(step)
         shards = _shard_list(meta)
@@ -787,8 +723,7 @@ class CheckpointManager(CheckpointIndex):
 
     # -- retention ---------------------------------------------------------------------------------------
     def prune(self, newest: int | None = None) -> list[int]:
-        """Delete what retention does not keep (rank 0 only; see the module docstring); return the steps
-        deleted. `newest` is the checkpoint just committed (default: the newest committed one)."""
+        """Delete what retention does not keep (rank 0 only); return the steps deleted."""
         if self.rank != 0:
             return []
         steps = self.all_steps()
@@ -821,8 +756,7 @@ class CheckpointManager(CheckpointIndex):
         return doomed
 
     def delete(self, step: int) -> None:
-        """Delete a checkpoint folder, its marker first (a half-deleted folder must not look complete). Nothing under
-        graph extraction."""
+        """Delete a checkpoint folder, its marker first. Nothing under graph extraction."""
         if self.extracting_graphs:
             return
         folder = step_dir(step)
@@ -842,7 +776,7 @@ def _same_kind(exc: Exception, message: str) -> Exception:
 
 
 def _shard_list(meta: Mapping[str, Any]) -> list[str] | None:
-    """The shard names a checkpoint's meta.json records (None: unsharded, as every checkpoint before sharding)."""
+    """The shard names a checkpoint's meta.json records (None: unsharded)."""
     shards = meta.get("shards")
     return sorted(str(name) for name in shards) if shards is not None else None
 
@@ -866,9 +800,11 @@ def retention(
     newest: int | None,
     pinned: Collection[int] = (),
 ) -> list[int]:
-    """The steps to delete, ascending: complete checkpoints beyond the newest `keep_last` (except multiples of
-    `keep_every`), and incomplete folders older than `newest` (default: the newest complete checkpoint); never a
-    `pinned` step (queued for evaluation)."""
+    """The steps to delete, ascending.
+
+    Keeps the newest `keep_last` complete checkpoints, multiples of `keep_every` and `pinned` steps.
+    Deletes incomplete folders older than `newest` (default: the newest complete checkpoint).
+    """
     if not committed:
         return []
     committed = sorted(committed)

@@ -1,6 +1,4 @@
-"""The per-rank state a checkpoint keeps besides the model and optimizer: the RNG states of the process and the
-data loader's position. Both differ between ranks, so each rank writes its own (the checkpoint's rank files).
-"""
+"""The per-rank state a checkpoint keeps: the RNG states and the loader's position, one rank file each."""
 
 from __future__ import annotations
 
@@ -18,9 +16,7 @@ State = dict[str, Any]
 
 
 def capture_rng_state() -> State:
-    """This process's RNG states as weights_only-loadable values: Python `random`, NumPy's global generator
-    (when NumPy is installed), torch CPU, torch CUDA (every device, when CUDA is initialised) and the XLA device's
-    (when torch-xla is in use)."""
+    """This process's RNG states as weights_only-loadable values: Python, NumPy, torch CPU, CUDA, XLA."""
     version, internal, gauss = random.getstate()
     state: State = {"python": {"version": version, "state": list(internal), "gauss_next": gauss}}
     try:

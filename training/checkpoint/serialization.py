@@ -1,17 +1,10 @@
-"""Serialization of one checkpoint file: what may be saved (`check_loadable`), the CPU copies an async save writes
-from (`StagingBuffers`, `stage_to_cpu`), and streaming a state into storage with its size and sha256 taken on the way
-(`write_state`) and reading it back against them (`read_state`).
+"""Serialization of one checkpoint file: what may be saved, staging to CPU, and writing and reading with a sha256.
 
-Everything is saved with torch.save and loaded with `torch.load(weights_only=True)` only: states must be made of
-tensors, plain containers, and ints/floats/strs/bools/None (RNG states included: see `rng.capture_rng_state`).
-`check_loadable` says so before anything is written, so a bad state fails the first save, not the resume.
-
-Each file is written whole and atomically (`Storage.atomic_writer`: torch.save streams into a temporary file that is
-fsynced and renamed, or into an S3 multipart upload that appears only when completed). Its sha256 is taken by
-`_DigestingWriter` on a thread of its own, behind the writes: no second pass over the data and no copy of it in
-memory. torch.save's own CRC32 of every record is switched off while it writes (torch.utils.serialization.config.save.
-compute_crc32): the sha256 already covers every byte, and the CRC32 was a third pass over the state on the loop's
-thread.
+Rules:
+- states are tensors, plain containers and scalars: `torch.load(weights_only=True)` is the only loader;
+- `check_loadable` refuses a bad state at the first save, not at resume;
+- each file is written whole and atomically (`Storage.atomic_writer`);
+- its size and sha256 are taken on the way, on a thread of their own, without a second pass.
 """
 
 from __future__ import annotations
@@ -49,10 +42,7 @@ _CONTAINERS = (dict, OrderedDict, list, tuple, set, frozenset)
 
 
 def check_loadable(obj: Any, where: str = "state") -> None:
-    """Raise CheckpointError naming the first value `torch.load(weights_only=True)` would refuse.
-
-    Checked before anything is written, so a run finds out at its first save, not when it needs to resume.
-    """
+    """Raise CheckpointError naming the first value `torch.load(weights_only=True)` would refuse."""
     kind = type(obj)
     if isinstance(obj, torch.Tensor):
         if kind not in (torch.Tensor, nn.Parameter):
@@ -76,26 +66,21 @@ def check_loadable(obj: Any, where: str = "state") -> None:
 
 
 def one_intra_op_thread() -> None:
-    """Initializer of a background thread that runs torch ops (the async writer): keep them on that thread.
-    Every thread that runs a parallel torch op on CPU gets an OpenMP team of its own, as large as the main one;
-    once the teams hold more threads than there are cores, libgomp's threads stop spinning at barriers and sleep
-    instead, and every parallel op of the training step pays for waking them. Measured on the tiny preset
-    (2 cores): 92 ms per step before the first async checkpoint, 181 ms after it, 64 ms with this. The setting is
-    the calling thread's; torch also takes it as the default of threads that start torch work later."""
+    """Thread initializer for the async writer: keep its torch ops on one OpenMP thread.
+
+    A second OpenMP team as large as the loop's makes libgomp's threads sleep at barriers and slows every step.
+    docs/stages.md ("Inside the training job") has the measurement.
+    """
     torch.set_num_threads(1)
 
 
 class StagingBuffers:
     """The CPU tensors one async save copied its state into, refilled by the next save of the same state.
 
-    What the training loop waits for in an async save is this copy. Into fresh memory it costs the page faults of
-    touching every page (0.25 s for 0.7 GB on 2 cores); into the previous save's buffers, a plain memcpy (0.06 s).
-    Buffers are matched by position in the state tree, shape, stride and dtype; a state that changed shape just
-    gets fresh ones. Only refill them once the save that used them has been written.
-
-    CUDA tensors are copied into pinned buffers, all copies queued before one wait. CPU tensors may be `deferred`:
-    their buffers are chosen now and filled later by `fill()` (the writer thread, while the loop runs the next
-    forward and backward); the caller must then leave them unchanged until `fill()` has returned.
+    Refilling touched memory is a memcpy; fresh memory costs a page fault per page (docs/benchmarks.md).
+    Buffers match by position in the state tree, shape, stride and dtype. Refill only after the save was written.
+    CUDA tensors go into pinned buffers. `deferred` CPU tensors are copied later by `fill()`, on the writer thread;
+    the caller leaves them unchanged until then.
     """
 
     def __init__(self) -> None:
@@ -123,7 +108,7 @@ class StagingBuffers:
         return buffer
 
     def done(self) -> None:
-        """The state is staged (the deferred copies aside): its buffers are the ones to refill next time."""
+        """The state is staged (deferred copies aside): its buffers are the ones to refill next time."""
         if self._cuda:  # the copies into pinned memory were queued on the stream: they are done once it is
             torch.cuda.current_stream().synchronize()
             self._cuda = False
@@ -140,14 +125,11 @@ class StagingBuffers:
 
 
 def stage_to_cpu(obj: Any, copy: bool = True, reuse: StagingBuffers | None = None, defer: bool = False) -> Any:
-    """The state tree with CPU tensors: fresh copies (copy=True: what the loop may mutate after save returns), or
-    the CPU tensors themselves and host copies of the others (copy=False). With `reuse`, the copies go into the
-    buffers of the previous call with the same `reuse` where they fit (with `defer`, CPU tensors' copies are left
-    to `reuse.fill()`).
+    """The state tree with CPU tensors: fresh copies (copy=True), or CPU tensors as they are (copy=False).
 
-    Device tensors reach the host together: on XLA in one transfer (torch.save or `.cpu()` would fetch them one by
-    one), on CUDA as copies queued into pinned memory before one wait. Tensors appearing more than once (tied
-    weights) stay shared in the copy, as torch.save would keep them.
+    `reuse` refills the previous call's buffers where they fit; with `defer`, CPU copies wait for `reuse.fill()`.
+    Device tensors reach the host together: XLA in one transfer, CUDA via pinned memory and one wait.
+    Tied weights stay shared in the copy, as torch.save keeps them.
     """
     if reuse is not None and not copy:
         raise ValueError("stage_to_cpu: reuse fills copies, it needs copy=True")
@@ -210,8 +192,7 @@ _LARGE_WRITE = 1 << 16
 
 
 def _address(view: memoryview) -> int | None:
-    """Where a buffer's bytes are (None: unknown, without NumPy). torch hands out read-only views, which ctypes'
-    from_buffer refuses; NumPy reads the address without copying."""
+    """Where a buffer's bytes are (None without NumPy); ctypes refuses torch's read-only views, NumPy does not."""
     try:
         import numpy as np
     except ImportError:
@@ -220,8 +201,7 @@ def _address(view: memoryview) -> int | None:
 
 
 class _TensorMemory:
-    """The address ranges of the CPU tensor storages in a state tree: memory that stays put while the caller
-    holds the tree."""
+    """The address ranges of the CPU tensor storages in a state tree, stable while the caller holds it."""
 
     def __init__(self, obj: Any) -> None:
         spans: dict[int, int] = {}
@@ -260,18 +240,12 @@ class _TensorMemory:
 
 
 class _DigestingWriter:
-    """The file torch.save writes into: every write goes on to `sink`, and its bytes are counted and hashed
-    (sha256) on the way, so meta.json gets both without a second pass over the data or a copy of it in memory.
+    """The file torch.save writes into: bytes go on to `sink`, counted and hashed (sha256) on the way.
 
-    Hashing runs on a thread of its own, behind the writes (hashlib and file writes both release the GIL), so it
-    costs next to nothing on top of torch.save's own work (its CRC32s, the copy into the page cache or the upload
-    buffer). A write may return before its bytes are hashed only when they lie in `stable` memory: the storages of
-    the tensors being saved, which the caller keeps until `finish()`. torch's other buffers (zip headers, the
-    pickle) may be freed as soon as write returns: small ones are copied into the queue, large ones hashed before
-    write returns. The queue runs in order (one worker), so the digest is the file's.
-
-    After a failed write (disk full, a lost connection) later writes are dropped, as the file will be; `error`
-    keeps the failure, which says more than torch.save's own complaint on its way out (its zip cannot be finished).
+    Hashing runs on its own thread, behind the writes; one worker keeps the order.
+    A write returns before hashing only for `stable` memory (the saved tensors, kept until `finish()`).
+    Other buffers may be freed at once: small ones are copied, large ones hashed before returning.
+    After a failed write, later writes are dropped and `error` keeps the cause.
     """
 
     def __init__(self, sink: IO[bytes], stable: _TensorMemory, abort: threading.Event | None = None) -> None:
@@ -364,10 +338,11 @@ class SaveSuperseded(CheckpointError):
 def write_state(
     storage: Storage, rel: str, state: Any, part_size: int | None = None, abort: threading.Event | None = None
 ) -> dict[str, Any]:
-    """torch.save `state` (CPU tensors) straight into the storage object `rel`, atomically; its size and sha256,
-    taken on the way. `part_size` (S3): the bytes of each multipart part; default: the storage's
-    default_block_size if its options set one, else CHECKPOINT_PART_SIZE. `abort`: once set, the next write raises
-    SaveSuperseded and the object is not created (S3: its multipart upload is aborted)."""
+    """torch.save `state` (CPU tensors) atomically into storage object `rel`; return its size and sha256.
+
+    `part_size`: S3 multipart part size (default: the storage's block size, else CHECKPOINT_PART_SIZE).
+    `abort`: once set, the next write raises SaveSuperseded and no object is created.
+    """
     parts = {} if storage.is_local else {"part_size": part_size or storage.block_size or CHECKPOINT_PART_SIZE}
     with storage.atomic_writer(rel, **parts) as sink:
         out = _DigestingWriter(sink, _TensorMemory(state), abort)
@@ -392,9 +367,10 @@ _crc32_before = True
 
 @contextlib.contextmanager
 def _no_record_crc32() -> Iterator[None]:
-    """torch.save without the CRC32 of every record (torch.utils.serialization.config.save.compute_crc32, a
-    process-wide switch: counted, so overlapping saves on several threads put it back only when the last ends).
-    torch.load reads such files as any other."""
+    """torch.save without its per-record CRC32: the sha256 already covers every byte.
+
+    The switch is process-wide, so it is counted: overlapping saves restore it when the last ends.
+    """
     global _crc32_off, _crc32_before
     save = torch.utils.serialization.config.save
     with _crc32_lock:
@@ -412,8 +388,7 @@ def _no_record_crc32() -> Iterator[None]:
 
 
 def read_state(storage: Storage, rel: str, info: Mapping[str, Any] | None) -> tuple[State, int]:
-    """(the state in storage object `rel`, its size) after checking it against what meta.json recorded of it
-    (`info`: size and sha256)."""
+    """(the state in storage object `rel`, its size), checked against meta.json's size and sha256 (`info`)."""
     uri = storage.uri(rel)
     if info is None:
         raise CheckpointError(f"{uri} is not listed in its checkpoint's meta.json")
