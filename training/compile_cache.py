@@ -1,33 +1,12 @@
-"""The run's graph compile cache (`<run>/compile-cache/`): what the precompile job writes and training jobs load.
+"""The run's graph compile cache (`<run>/compile-cache/`): what precompile writes and training jobs load.
 
-Compiling the training step is the slow part of a job's start: Dynamo, AOTAutograd and Inductor for torch.compile
-on CPU/CUDA, neuronx-cc on trn1 (hours for a 70B model). The train stage relaunches jobs from checkpoints, and
-every relaunch would pay it again; the precompile stage pays it once and leaves the compiled graphs with the run:
-
-    compile-cache/
-      latest.json                    what the last precompile produced: digest, kind, manifest path, created
-      torch/<digest>/artifacts.bin   bytes of torch.compiler.save_cache_artifacts() (Mega-Cache)
-      torch/<digest>/inductor.tar.gz the precompile job's Inductor disk cache (TORCHINDUCTOR_CACHE_DIR), compiled
-                                     kernels included
-      torch/<digest>/manifest.json   key, digest, size and sha256 of artifacts.bin and of inductor.tar.gz, created,
-                                     steps traced
-      xla/<digest>/xla-cache.tar.gz  torch-xla's persistent cache of the precompile job (`xr.initialize_cache`):
-                                     the compiled executables of every graph a job runs, off trn1 (XLA:CPU)
-      xla/<digest>/manifest.json     key, digest, size and sha256 of the tarball, graphs, created, steps
-      neuron/                        the Neuron persistent cache (NEURON_COMPILE_CACHE_URL), by neuron_parallel_compile
-      neuron/manifest.json           key, digest, created
-
-The artifacts are the portable part: graphs and generated code, but on CPU not the compiled C++ kernels, which a
-job loading only them still compiles (most of a CPU start's compile time). The tarball carries those too. It is
-valid wherever the key matches, since the key covers torch, Python, the device (and CUDA capability) and the
-config that shapes the graphs; a training job extracts it into a fresh folder of its own and points
-TORCHINDUCTOR_CACHE_DIR there before its first compile.
-
-A cache is used only when its key (`cache_key`: everything that changes the compiled graphs) equals the job's.
-Anything else is reported in one log line and in the job's first metrics record, and the job compiles as if
-there were no cache: `stale` names the key fields that differ, `corrupt` means the bytes do not match their
-manifest. Artifacts are written before their manifest and the manifest before latest.json, so a manifest always
-describes complete bytes. This module runs inside training jobs: no Prefect, Python 3.10.
+Rules:
+- a cache is used only when its key (`cache_key`) equals the job's; else the job compiles from scratch;
+- `stale` names the key fields that differ; `corrupt` means bytes do not match their manifest;
+- bytes are written before their manifest, the manifest before latest.json;
+- a bad cache never fails a job, it only makes it slower;
+- this module runs inside training jobs: no Prefect, Python 3.10.
+docs/stages.md ("precompile") draws the folder and explains the trn1 Neuron cache.
 """
 
 from __future__ import annotations
@@ -83,10 +62,9 @@ Status = Literal["hit", "stale", "corrupt", "missing", "off"]
 
 
 def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, Any]:
-    """Everything that changes the compiled graphs of the training step, as a flat {dotted name: value} dict.
+    """Everything that changes the training step's compiled graphs, as a flat {dotted name: value} dict.
 
-    Flat so that a stale cache can be explained field by field. The learning rate, the schedule, data, evaluation
-    and checkpointing are left out: they are inputs or side effects of the step, not part of its graphs.
+    Flat, so a stale cache is explained field by field. Learning rate, data and checkpointing are left out.
     """
     t = cfg.training
     # model.init_from names where the starting weights came from: the graphs are the model's shape, not its values.
@@ -156,7 +134,7 @@ class CacheStatus:
     size: int = 0
     """Bytes of artifacts loaded (for `hit`)."""
     kernels_size: int = 0
-    """Bytes of the Inductor cache tarball extracted (for `hit`; 0 when the cache has none)."""
+    """Bytes of the Inductor cache tarball extracted (for `hit`; 0 when there is none)."""
     kernels_dir: str | None = None
     """Where it was extracted: this process's TORCHINDUCTOR_CACHE_DIR from then on."""
     seconds: float = 0.0
@@ -188,12 +166,10 @@ def write_torch_cache(
     note: str = "",
     inductor_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Write artifacts.bin and inductor.tar.gz (`inductor_dir` packed), then their manifest, then latest.json
-    naming it; return the manifest.
+    """Write artifacts.bin and inductor.tar.gz, then their manifest, then latest.json; return the manifest.
 
-    `artifacts` None records that there is nothing to compile (training.compile off): the manifest says so and
-    `note` says why, so the stage has an answer to show rather than an empty folder. An `inductor_dir` with no
-    files is recorded as such (`inductor_files` 0), with no tarball.
+    `artifacts` None records that there is nothing to compile, with `note` saying why.
+    An empty `inductor_dir` is recorded as `inductor_files` 0, with no tarball.
     """
     digest = key_digest(key)
     folder = torch_cache_dir(digest)
@@ -234,8 +210,7 @@ def xla_cache_dir(digest: str) -> str:
 
 
 def write_xla_cache(cache: Storage, key: dict[str, Any], local_dir: str, steps: int, seconds: float) -> dict[str, Any]:
-    """Pack torch-xla's persistent cache `local_dir` (one file per compiled graph) into xla/<digest>/, then its
-    manifest, then latest.json naming it; return the manifest."""
+    """Pack torch-xla's persistent cache `local_dir` into xla/<digest>/, then its manifest and latest.json."""
     digest = key_digest(key)
     folder = xla_cache_dir(digest)
     manifest = _manifest_head("xla", key, steps, seconds)
@@ -252,9 +227,10 @@ def write_xla_cache(cache: Storage, key: dict[str, Any], local_dir: str, steps: 
 
 
 def fetch_xla_cache(run: Storage, cfg: HlatConfig, world_size: int, log_status: bool = True) -> CacheStatus:
-    """Extract the run's torch-xla persistent cache for this job's key into a fresh folder of this process's
-    (`kernels_dir` of a hit), to be given to `xr.initialize_cache` before anything compiles; like
-    `load_torch_cache`, never raises for a bad cache."""
+    """Extract the run's torch-xla cache for this job's key into a fresh folder, for `xr.initialize_cache`.
+
+    Like `load_torch_cache`, it never raises for a bad cache.
+    """
     start = time.perf_counter()
     cache = run.child(CACHE_DIR)
     key = cache_key(cfg, world_size, "xla")
@@ -321,11 +297,9 @@ def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) 
 
 
 def pack_cache_folder(folder: str, tarball: str) -> int:
-    """Pack a compile cache folder (Inductor's disk cache, torch-xla's persistent cache) into the gzipped tar
-    `tarball`; return the number of files packed (0: the folder holds none, and no tarball is written).
+    """Pack a cache folder into the gzipped tar `tarball`; return the files packed (0: none, no tarball).
 
-    Regular files only (locks, links and the like are left out), in sorted path order, without owners: a plain
-    archive that extracts under any user.
+    Regular files only, sorted, without owners: an archive that extracts under any user.
     """
     files: list[str] = []
     for parent, dirs, names in os.walk(folder):
@@ -348,10 +322,9 @@ def pack_cache_folder(folder: str, tarball: str) -> int:
 
 
 def unpack_cache_folder(tarball: str, folder: str) -> int:
-    """Extract a tarball written by `pack_cache_folder` into `folder`; return the number of files.
+    """Extract a `pack_cache_folder` tarball into `folder`; return the number of files.
 
-    Raises ValueError, extracting nothing, when a member is not a plain file or folder below `folder` (an absolute
-    path, a '..', a link, a device): the tarball is data and never writes elsewhere.
+    Raises ValueError, extracting nothing, for any member that is not a plain file or folder below `folder`.
     """
     with tarfile.open(tarball, "r:gz") as tar:
         members = tar.getmembers()
@@ -368,11 +341,9 @@ def unpack_cache_folder(tarball: str, folder: str) -> int:
 
 
 def use_inductor_cache_dir(folder: str | None) -> None:
-    """Make `folder` Inductor's disk cache for every compile from here on in this process (None: unset it).
+    """Make `folder` Inductor's disk cache for every later compile in this process (None: unset it).
 
-    torch reads TORCHINDUCTOR_CACHE_DIR whenever it resolves a cache path (`cache_dir()`), and its compile workers
-    start with the first compile and inherit it, so setting it before the first compile is enough; clear_caches()
-    forgets the few paths torch memoised from an earlier look.
+    Set it before the first compile: compile workers inherit it. clear_caches() drops memoised paths.
     """
     if folder is None:
         os.environ.pop(INDUCTOR_CACHE_ENV, None)
@@ -386,15 +357,10 @@ def use_inductor_cache_dir(folder: str | None) -> None:
 def load_torch_cache(
     run: Storage, cfg: HlatConfig, world_size: int, device_type: str, log_status: bool = True
 ) -> CacheStatus:
-    """Load the run's torch.compile artifacts for this job's key into torch's caches, before the first compiled
-    call; return what was found. Never raises for a bad cache: a job without one still trains, only slower.
+    """Load the run's torch.compile artifacts for this job's key before the first compiled call; return the status.
 
-    When the cache has an Inductor tarball, it is verified, extracted into a fresh folder and made this process's
-    TORCHINDUCTOR_CACHE_DIR (replacing any the job was given), so the compiled kernels come from the run's cache
-    too; a tarball that does not match its manifest makes the whole cache `corrupt`.
-
-    Each rank calls it (torch's caches are per process, and each rank extracts its own copy); `log_status` lets
-    only rank 0 log the line.
+    Never raises for a bad cache. An Inductor tarball is verified, extracted and made TORCHINDUCTOR_CACHE_DIR;
+    a bad tarball makes the whole cache `corrupt`. Each rank calls it; `log_status` lets rank 0 log.
     """
     start = time.perf_counter()
     cache = run.child(CACHE_DIR)
@@ -510,8 +476,7 @@ class _Kernels:
 
 
 def _extract_kernels(folder: Storage, manifest: dict[str, Any]) -> _Kernels | None:
-    """Verify the manifest's inductor.tar.gz and extract it into a fresh folder of this process's (deleted when
-    the process exits); None when the manifest lists none (an older precompile, or no files to pack)."""
+    """Verify and extract the manifest's inductor.tar.gz into a fresh folder; None when it lists none."""
     sha256 = manifest.get("inductor_sha256")
     if not sha256:
         return None
@@ -519,8 +484,9 @@ def _extract_kernels(folder: Storage, manifest: dict[str, Any]) -> _Kernels | No
 
 
 def _extract_tarball(folder: Storage, name: str, size: int | None, sha256: str | None, kind: str) -> _Kernels:
-    """Verify `name` in `folder` against its manifest's size and sha256 and extract it into a fresh folder of this
-    process's (deleted when the process exits); raises _Corrupt."""
+    """Verify `name` in `folder` against its manifest, then extract it into a fresh temporary folder; raises
+    _Corrupt.
+    """
     uri = folder.uri(name)
     if not folder.exists(name):
         raise _Corrupt(f"{uri} is missing")
@@ -574,14 +540,10 @@ def _report(result: CacheStatus, log_status: bool) -> CacheStatus:
 
 
 def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
-    """Copy the shared Neuron compile cache (a local folder or s3:// prefix) to this node's disk; return the local
-    folder, to be used as NEURON_COMPILE_CACHE_URL.
+    """Copy the shared Neuron cache (a folder or s3:// prefix) to this node's disk; return the local folder.
 
-    HLAT found that thousands of NeuronCores reading compiled graphs from shared storage at start-up made it the
-    bottleneck; one copy per node (`use_node_local_neuron_cache` runs this once per node, under a file lock) turns
-    that into one read per file per node. Files already present with the same size are kept, so a relaunch on a warm
-    instance copies only what is new; each file is written under a temporary name and renamed, so a copy cut
-    short never leaves a truncated graph behind.
+    HLAT found shared storage a start-up bottleneck; one copy per node reads each file once per node.
+    Files already present at the same size are kept. Each file is written under a temporary name, then renamed.
     """
     source = Storage(url)
     os.makedirs(local_dir, exist_ok=True)
@@ -621,21 +583,17 @@ def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
 
 
 SAGEMAKER_NEURON_CACHE_DIR = "/opt/ml/input/data/hlat-neuron-cache"
-"""A SageMaker training job's node-local Neuron cache: on the instance's own storage. On instances with NVMe
-instance storage (trn1.32xlarge: 4 x 1900 GB NVMe SSD) SageMaker provisions no EBS volume and "configures storage
-paths for training datasets, checkpoints, model artifacts, and outputs to use the entire capacity of the instance
-storage" (SageMaker developer guide, "Managing storage paths for different types of instance local storage",
-https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-tips-considerations.html). Of those paths
-/opt/ml/input/data (the training datasets') is the one SageMaker never uploads: /opt/ml/model and /opt/ml/output are
-packed into S3 at the end of the job, /opt/ml/checkpoints is synced with S3 under a CheckpointConfig (the storage-path
-table, https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-env-var-summary.html). The container's
-/tmp is "scratch space" in the same table, with no word on which volume holds it."""
+"""A SageMaker job's node-local Neuron cache, on the instance's own storage.
+
+On NVMe instances (trn1.32xlarge) SageMaker puts its storage paths on instance storage, and /opt/ml/input/data is
+the one it never uploads (https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-tips-considerations.html,
+https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-env-var-summary.html).
+"""
 
 NEURON_ENTRY_DONE = "model.done"
-"""The file that completes an entry (`neuronxcc-<version>/MODULE_<hash>/`) of the Neuron persistent cache, next to
-its model.neff, model.hlo_module.pb and compile_flags.json: entries without it are compiles still running or cut
-short (the layout as the Neuron compiler writes it, e.g. the neuronxcc-2.15 entries of the public
-aws-neuron/optimum-neuron-cache repository on the Hugging Face hub)."""
+"""The file that completes a Neuron cache entry (`neuronxcc-<version>/MODULE_<hash>/`); entries without it are
+unfinished.
+"""
 
 _LOCALIZED = ".hlat-localized.json"
 """In the node-local copy: which job's local ranks it was made for (one copy per node and job)."""
@@ -650,8 +608,9 @@ class NodeLocalCache:
 
 
 def node_local_neuron_cache_dir() -> str:
-    """Where this node keeps its copy: HLAT_LOCAL_NEURON_CACHE, else the instance storage inside a SageMaker job
-    (`SAGEMAKER_NEURON_CACHE_DIR`), else <tmp>/hlat-neuron-cache."""
+    """Where this node keeps its copy: HLAT_LOCAL_NEURON_CACHE, else SageMaker's instance storage, else a temp
+    folder.
+    """
     if os.environ.get(LOCAL_NEURON_CACHE_ENV):
         return os.environ[LOCAL_NEURON_CACHE_ENV]
     if in_sagemaker():
@@ -660,8 +619,7 @@ def node_local_neuron_cache_dir() -> str:
 
 
 def node_job_token() -> str:
-    """What every local rank of this job on this node shares and no other job does: the ranks' parent (torchrun's
-    agent), by process id and start time, and torchrun's run id."""
+    """What this job's local ranks on this node share and no other job does: torchrun's agent and run id."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat") as stat:
@@ -672,13 +630,10 @@ def node_job_token() -> str:
 
 
 def use_node_local_neuron_cache() -> NodeLocalCache | None:
-    """On trn1, before the process group exists (NxD's init all-reduce and the rendezvous compile graphs too): copy
-    the shared Neuron cache named by NEURON_COMPILE_CACHE_URL to this node's disk, once per node, and point
-    NEURON_COMPILE_CACHE_URL at the copy; None when no cache is configured.
+    """On trn1, before the process group: copy the shared Neuron cache to this node once; return its path or None.
 
-    There is no process group to wait on yet, so the local ranks take turns on a file lock beside the copy: the
-    first copies (`localize_neuron_cache`) and records this job's `node_job_token` in the copy; the others find it
-    there and go on. A relaunch on the same node is another job: it copies again, only what changed.
+    NEURON_COMPILE_CACHE_URL then points at the copy. Local ranks take turns on a file lock:
+    the first copies and records `node_job_token`; the others find it and go on.
     """
     url = os.environ.get("NEURON_COMPILE_CACHE_URL")
     if not url:
@@ -704,15 +659,11 @@ def use_node_local_neuron_cache() -> NodeLocalCache | None:
 
 
 def sync_new_neuron_graphs(cache: NodeLocalCache) -> int:
-    """Upload to the shared cache the entries this node compiled on a miss (complete ones: with model.done) that it
-    lacks; return how many. Run by one rank per node (local rank 0) at the end of a job.
+    """Upload the complete entries this node compiled on a miss that the shared cache lacks; return how many.
 
-    64 nodes that compiled the same graph upload the same entry: every file is written only if absent (S3's
-    conditional PUT, If-None-Match: *; a hard link on a local or shared filesystem), so one copy wins and none is
-    overwritten, and model.done goes last, so a job that copies the shared cache meanwhile never sees an entry as
-    complete before its NEFF is there. (s3fs sends multipart uploads, objects over 100 MB, without the condition:
-    for those the entry's absence from the listing is the check, and two nodes racing on one write the same
-    compile twice.)
+    One rank per node runs it. Every file is written only if absent (S3's If-None-Match: *, or a hard link),
+    and model.done goes last, so readers never see a half entry. s3fs's multipart uploads (over 100 MB) skip
+    the condition; for those, absence from the listing is the check.
     """
     shared = Storage(cache.shared)
     present = set(shared.walk_files())  # one listing per node
@@ -743,11 +694,11 @@ SHARE_EVERY_ENV = "HLAT_NEURON_CACHE_SHARE_SECONDS"
 
 
 class NeuronGraphSharing:
-    """`with NeuronGraphSharing(cache):` around a trn1 job. On one rank per node (local rank 0), a background thread
-    runs `sync_new_neuron_graphs` every `every` seconds while the job runs, so a job killed outright (a hardware
-    fault, SIGKILL after the stop grace) loses at most that much of what it compiled; and once more when the job
-    ends, however it ends. Nothing on the training's critical path waits for it, and no sync point is added (a
-    hook of the loop would add one). A failed upload is logged, never the job's failure."""
+    """`with NeuronGraphSharing(cache):` around a trn1 job shares newly compiled graphs periodically and at the end.
+
+    Local rank 0 runs `sync_new_neuron_graphs` on a background thread every `every` seconds.
+    A job killed outright loses at most that much. No sync point is added; failures are only logged.
+    """
 
     def __init__(self, cache: NodeLocalCache | None, every: float | None = None) -> None:
         self.cache = cache if cache is not None and os.environ.get("LOCAL_RANK", "0") == "0" else None
