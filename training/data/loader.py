@@ -1,75 +1,13 @@
-"""HLAT's online tokenize-and-pack data loader: a run's prepared sources -> fixed-length (inputs, targets) batches.
+"""HLAT's online tokenize-and-pack loader: a run's prepared sources -> fixed-length (inputs, targets) batches.
 
-Documents are tokenized while training runs (no pre-tokenized copy of the corpus is ever written), drawn from the
-run's sources by weight, joined into one token stream per data-parallel rank and cut into rows of exactly `seq_len`
-tokens: no padding, ever.
-
-Order within a source. Each source (a prepared folder of `read_mixture`) has its own document stream. Every epoch
-orders that source's documents of the split afresh, deterministically from (seed, source index, epoch):
-`random.Random(source_seed * 1_000_003 + epoch)`, with source_seed = seed + index * 1_000_000_007 (source 0's is the
-seed itself, so a one-source run keeps the order of the single-source loader before mixtures), shuffles the order of
-the shards, then draws one 64-bit seed per shard position from which that shard's rows are shuffled. Documents are
-numbered 0, 1, ... in this order (across shards) and document g goes to rank g % data_degree, so the ranks see
-disjoint documents that together cover the epoch. Per source only the shard being read (and the next one, read
-ahead) is in memory, and only this rank's rows of it are decoded. Every rank reads every shard (the tokenizing, not
-the reading, is what the ranks divide). Each source's epochs roll over independently and forever (training decides
-when to stop; the train stage refuses a run that would repeat a source past its max_epochs, core/mixture.py).
-
-Mixing by tokens. Before each document the loader picks the source with the largest deficit
-`w_i * T - t_i` (ties: the lowest index), where w_i is the source's weight at the optimizer step of the batch being
-built (`MixtureManifest.weights_at(batches // micro_batches_per_step)`), T the tokens drawn from all sources and t_i
-those drawn from source i, counted in whole documents (EOS included) since the weights last changed. A source of
-weight 0 is never picked. No RNG: the mix is a function of the documents' lengths. The counts restart when the
-weights change (a schedule entry), so the new weights hold from that step on instead of the stream first catching
-up on the run's cumulative shares, which would draw only from one source for as long as the run has already lasted.
-Bound: the picked source always has a deficit >= 0 and a document adds at most L tokens (the longest document), so
-each t_i stays within [w_i T - (S - 1) L, w_i T + L] (S sources); over a window of W tokens a source's share
-therefore differs from its weight by at most about (S + 2) L / W (the window's ends may cut a document each): the
-longest document over the window's tokens bounds the deviation. For 1,000 rows of 2,048 tokens and documents of up to
-4,096 tokens with 3 sources that is about 1 point; documents long against the window (books in a tiny run) can
-exceed 2, and a window across a weight change follows neither weight. The validation loader (evaluation) mixes the
-validation splits by the same rule with the weights at step 0, leaving out sources without validation documents
-(or with fewer than the data-parallel ranks: left out on every rank alike).
-
-Packing. Each document is encoded with the run's tokenizer (`tokenizer.Tokenizer`: sentencepiece, or a Hugging
-Face tokenizer.json; no BOS) and followed by EOS; the documents form one
-stream t0 t1 t2 .... A row is a window of seq_len + 1 stream tokens: inputs are its first seq_len, targets its
-last seq_len, and the next row starts at the last token of this one. Consecutive rows thus overlap by one
-token, so every stream token but the very first is a target exactly once and nothing is thrown away at row
-boundaries. What a batch leaves over is carried into the next one: a document may start in one row and end in the
-next. `Batch.source_tokens` counts the batch's targets per source (built on the host by the producer).
-
-State. `Batch.state` (and `state_dict()`) is a plain JSON-able dict that says where the stream stands after
-that batch. A long document may span many batches, so the position is a token offset inside the document
-being consumed rather than a copy of its remaining tokens; on resume that one document is re-tokenized
-(tokenizers are deterministic) and `carry` holds the single overlap token:
-
-    version            2
-    sources            per source, in manifest order: name, fingerprint (data_fingerprint of its split), and
-                       epoch, shard, row: the position in its stream of its next document (of the document being
-                       read, for the current source); offset: tokens of that document already in the stream (0 but
-                       for the current source); tokens: its targets yielded so far on this rank
-    current            index of the source whose document a batch ended inside, or None
-    mix                {"weights": the weights the counts are for, "drawn": tokens drawn per source since then}
-    carry              the overlap token: the last target of this batch, the first input of the next ([] at start)
-    batches            batches this rank has yielded since the start of training
-    data_rank, data_degree, seq_len, micro_batch_size, seed, split
-    data_fingerprint   sha256 over the sources' names and fingerprints
-    tokenizer_sha256   the tokenizer's identity (`Tokenizer.sha256`: its tokenizer.model's sha256 where it has one)
-
-Each rank saves its own state (the checkpoint code stores one per rank) and loads it back into a loader built
-with the same rank. Resuming refuses other data (other sources, or other shards of one), another tokenizer, another
-seed or split, and another data-parallel size: resharding on a changed DP degree is not supported; resume with the
-same number of data-parallel ranks. seq_len, micro_batch_size and the weights may change on resume: the stream
-simply continues. A version-1 state (before mixtures) loads into a one-source loader of the same data: its position
-becomes the source's, its tokens are its batches times its rows' targets (exact unless the shape changed on an
-earlier resume).
-
-Overlap with compute: a daemon thread reads, tokenizes and packs ahead into a queue of `prefetch` batches
-(sentencepiece and shard reads release the GIL), and attaches to every batch the state it had when it finished
-building that batch, so the state matches the batch whatever the prefetch depth; the weights of a batch are those of
-its own step, whatever the prefetch. An exception in that thread is re-raised in the consumer; the next `next()`
-then retries from the last yielded batch. `close()`, leaving a `with` block, or garbage collection stops the thread.
+Rules:
+- documents are tokenized while training runs; no tokenized copy of the corpus is written;
+- each source's order is a function of (seed, source, epoch); document g goes to rank g % data_degree;
+- before each document, the source with the largest token deficit `w_i * T - t_i` is picked; no RNG;
+- over W tokens a source's share is off its weight by at most about (S + 2) L / W (L: longest document);
+- rows are exactly `seq_len` tokens, overlapping by one: no padding, nothing dropped;
+- `Batch.state` resumes exactly; other data, tokenizer, seed, split or DP size is refused.
+docs/data.md ("The loader mixes by tokens") explains order, mixing, packing and the state.
 """
 
 from __future__ import annotations
@@ -96,14 +34,12 @@ from hlat.training.data.tokenizer import Tokenizer
 
 STATE_VERSION = 2
 SEED_STRIDE = 1_000_003
-"""Epoch e of seed s draws from random.Random(s * SEED_STRIDE + e): distinct seeds give distinct orders for
-the first million epochs."""
+"""Epoch e of seed s draws from random.Random(s * SEED_STRIDE + e): distinct orders for a million epochs."""
 SOURCE_STRIDE = 1_000_000_007
 """Source i of seed s orders its documents as seed s + i * SOURCE_STRIDE would: source 0 as the seed itself."""
 ENCODE_DOCS = 64
 ENCODE_CHARS = 1 << 18
-"""Documents are encoded in groups of at most this many documents / characters: large enough for
-the tokenizer's batch call to pay off, small enough that a resume re-encodes little."""
+"""Documents are encoded in groups of at most this many characters: big enough to batch, small to re-encode."""
 _POLL_S = 0.1
 """How often a blocked producer or consumer looks whether the other side has gone away."""
 _RENAMED = {"dp_rank": "data_rank", "dp_size": "data_degree"}
@@ -121,8 +57,10 @@ class Batch:
     targets: torch.Tensor
     """LongTensor (micro_batch_size, seq_len): inputs shifted left by one (next-token labels)."""
     doc_ids: torch.Tensor | None
-    """With document_masking: LongTensor (micro_batch_size, seq_len), 0 at the row start and +1 after each EOS,
-    so equal ids mark one document's tokens (for block-diagonal attention masks); otherwise None."""
+    """With document_masking: LongTensor (micro_batch_size, seq_len), +1 after each EOS; otherwise None.
+
+    Equal ids mark one document's tokens, for block-diagonal attention masks.
+    """
     state: dict[str, Any]
     """The loader state after this batch (JSON-able; `load_state_dict` resumes right after this batch)."""
     source_tokens: list[int]
@@ -240,8 +178,7 @@ class _Plan:
         return batches // self.micro_batches_per_step if self.split == "train" else 0
 
     def weights(self, step: int) -> list[float]:
-        """The sources' weights at `step`; sources without documents in the split get 0 and the rest share
-        their weight."""
+        """The sources' weights at `step`; sources without documents in the split get 0, the rest share theirs."""
         raw = [w if s.shards else 0.0 for w, s in zip(self.mixture.weights_at(step), self.sources, strict=True)]
         total = sum(raw)
         if total <= 0:
@@ -332,8 +269,7 @@ class _Stopped(Exception):
 def _documents(
     plan: _Plan, source: _Source, epoch: int, shard: int, row: int, reader: _ShardReader
 ) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
-    """This rank's documents of one source from a position on, forever: (epoch, shard position, row position,
-    rows of the shard, token ids with EOS appended)."""
+    """This rank's documents of one source from a position on, forever: (epoch, shard, row, rows, tokens + EOS)."""
     n = len(source.shards)
     while True:
         order, row_seeds = epoch_plan(source.seed, epoch, n)
@@ -408,8 +344,7 @@ class _Streams:
         self.open: dict[int, Iterator[tuple[int, int, int, int, np.ndarray]]] = {}
 
     def next_document(self, i: int) -> tuple[np.ndarray, int]:
-        """Source i's next document and the tokens of it already in the stream (its saved offset, the first time
-        only); its position then points at the following document."""
+        """Source i's next document and its tokens already in the stream (its saved offset, first time only)."""
         position = self.positions[i]
         if i not in self.open:
             source = self.plan.sources[i]
@@ -527,12 +462,12 @@ class PackedLoader:
         encode_threads: int = 1,
         micro_batches_per_step: int = 1,
     ) -> None:
-        """`data`: the run's prepared-data folder (its manifest.json: a mixture, or one source's before mixtures);
-        `tokenizer_model`: local path of the run's tokenizer folder, or of its tokenizer.model or tokenizer.json
-        (`Tokenizer.load`); `prefetch`: batches built ahead; `encode_threads`: the tokenizer's threads (1 keeps the
-        many ranks of a node from oversubscribing its cores);
-        `micro_batches_per_step`: the gradient accumulation, so that batch b belongs to optimizer step
-        b // micro_batches_per_step (whose weights it follows)."""
+        """`data`: the run's prepared-data folder (its manifest.json).
+
+        `tokenizer_model`: the run's tokenizer folder, or its tokenizer.model or tokenizer.json.
+        `prefetch`: batches built ahead. `encode_threads`: tokenizer threads (1 keeps ranks off each other's cores).
+        `micro_batches_per_step`: gradient accumulation; batch b uses the weights of step b // micro_batches_per_step.
+        """
         if seq_len < 1 or micro_batch_size < 1:
             raise ValueError(f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be positive")
         if data_degree < 1 or not 0 <= data_rank < data_degree:
@@ -685,9 +620,10 @@ class PackedLoader:
         return json.loads(json.dumps(self._state))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue right after the batch `state` was saved with: the next batches are exactly those an
-        uninterrupted run would have yielded. Refuses states of other data, tokenizer, seed, split, rank or
-        data-parallel size; maps a version-1 state of a one-source run."""
+        """Continue right after the batch `state` was saved with, exactly as an uninterrupted run would.
+
+        Refuses other data, tokenizer, seed, split, rank or DP size; maps a one-source version-1 state.
+        """
         if isinstance(state, dict) and state.get("version") == 1:
             state = self._from_version_1(state)
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
