@@ -1,22 +1,13 @@
-"""Health checks of the devices, collectives and storage a training job runs on, each returning a plain dict.
+"""Health checks of the devices, collectives and storage a job runs on, each returning a plain dict.
 
-Run by the burn-in program (`training/burn_in.py`) on every rank before training, and in part (the all-reduce)
-by the trainer every `burn_in.health_check_every` steps. A faulty node rarely crashes: it computes slowly, or
-computes wrong numbers, or its link drops to a fraction of its bandwidth, and a 64-node job then wastes days at
-the speed of its worst member or trains on corrupted gradients. So each check measures a speed and verifies a
-result, and `evaluate` compares all ranks' results against the instance type's floors
-(`burn_in.thresholds[job.instance_type]`) and against each other.
+burn_in.py runs them on every rank before training; the trainer repeats the all-reduce every
+`burn_in.health_check_every` steps. A faulty node is slow or wrong rather than dead, so each check times
+a speed and verifies a result. `evaluate` compares all ranks against the instance type's floors and each other.
 
-Nothing here touches the global RNGs (operands come from a private `torch.Generator`, scratch bytes from
-`os.urandom`), the model or the optimizer: a periodic check must leave training bitwise unchanged.
-
-The floors are judged where they mean something. An all-reduce's bus bandwidth depends on its size and its rank
-count (latency-bound when small and wide): `allreduce_floor_gbps` turns the instance type's bandwidth floor into a
-floor for the measured size and ranks with a latency-bandwidth model, and the trainer's periodic check also compares
-each measurement with this job's first (`HealthThresholds.min_allreduce_share_of_first`). A matmul floor is set for
-BF16 and scaled for an FP32 matmul by the device's FP32/BF16 peak ratio (`matmul_floor_tflops`). The cross-rank
-bit-exact checksum is taken of a product whose every partial sum is exact in BF16 (`exact_operands`), so no
-rounding mode, stochastic rounding included, can change its bits: only a faulty device can.
+Rules:
+- nothing here touches the global RNGs, the model or the optimizer: training stays bitwise unchanged;
+- the all-reduce floor depends on size and rank count (`allreduce_floor_gbps`);
+- the cross-rank checksum uses a product exact in BF16, so only a faulty device changes its bits.
 """
 
 from __future__ import annotations
@@ -46,25 +37,15 @@ log = logging.getLogger("hlat.health")
 MB = 1e6
 """Sizes and bandwidths are decimal (MB, MB/s, GB/s), as nccl-tests and nccom-test report them."""
 REFERENCE_ROWS = 64
-"""Rows of a matmul result checked against the float64 reference: the reference then costs rows x n² multiply-
-adds on the CPU instead of n³, and every row is as likely as any other to show a faulty device."""
+"""Rows of a matmul result checked against the float64 reference: rows x n² host multiply-adds instead of n³."""
 ALLREDUCE_ITERS = 5
 """Timed all-reduces after the (untimed) one whose result is checked."""
 
 # -- the all-reduce floor: a latency-bandwidth model (a model, not a measurement) ----------------------------------
-# A ring all-reduce of S bytes over n ranks takes 2(n-1) steps, each moving S/n bytes per rank, so with a per-step
-# latency a and a bus bandwidth B it takes 2(n-1)a + 2(n-1)/n * S/B (the "alpha-beta" cost model of collectives:
-# Thakur, Rabenseifner and Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1), 2005;
-# the bus-bandwidth convention of nccl-tests, https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md).
-# The check times one graph launch per iteration, so a launch time L is added. busbw = 2(n-1)/n * S / T then tends to
-# B for large S and falls as n grows at a fixed S: 16 MB over 2,048 ranks is latency-bound. The floor is this model's
-# busbw with B = the instance type's floor and with latencies chosen as generous upper bounds of a healthy cluster
-# (not measured here: no trn1), so that it errs towards passing a slow but healthy collective. It is pessimistic:
-# Neuron's collectives are hierarchical on trn1 (NeuronLink inside an instance, EFA between instances; "up to 75%
-# reduction in latency for 2MB buffers across 256 ranks", Neuron Collectives 2.12.22.0 release notes,
-# https://awsdocs-neuron.readthedocs-hosted.com/en/latest/release-notes/runtime/aws-neuronx-collectives/index.html),
-# so a healthy job measures well above it; a degraded link is caught by the relative check
-# (`HealthThresholds.min_allreduce_share_of_first`). Verified only on trn1.
+# A ring all-reduce of S bytes over n ranks takes 2(n-1)a + 2(n-1)/n * S/B, plus one launch L (Thakur, Rabenseifner
+# and Gropp, "Optimization of Collective Communication Operations in MPICH", IJHPCA 19(1), 2005; busbw as in
+# https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The latencies are generous upper bounds, so
+# the floor errs towards passing; a degraded link is caught by the relative check. Verified only on trn1.
 RING_STEP_LATENCY_S = 50e-6
 """Upper bound of one ring step's latency: an EFA hop between instances (tens of microseconds) with margin."""
 LAUNCH_LATENCY_S = 1e-3
@@ -72,21 +53,22 @@ LAUNCH_LATENCY_S = 1e-3
 
 # -- the matmul floor: per precision ------------------------------------------------------------------------------
 FP32_SHARE_OF_BF16_PEAK = {"xla": 47.5 / 190.0, "cuda": 1 / 16}
-"""An FP32 matmul's peak as a share of BF16's, per device type. Trainium: 190 BF16 and 47.5 FP32 TFLOP/s per chip of two
-NeuronCore-v2 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html),
-so about 23.75 FP32 TFLOP/s per core, under a BF16 floor of 30. NVIDIA A100: 19.5 FP32 and 312 BF16 dense TFLOP/s
-(A100 datasheet; H100 SXM about 1/15). CPU: the compute dtype is always float32 (`compute_dtype`): its floor is
-FP32's."""
+"""An FP32 matmul's peak as a share of BF16's, per device type.
+
+Trainium: 190 BF16 and 47.5 FP32 TFLOP/s per chip
+(https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html).
+NVIDIA A100: 19.5 FP32 and 312 BF16 dense TFLOP/s (A100 datasheet). CPU always computes in float32.
+"""
 EXACT_TERMS = 128
-"""Non-zero terms per row of the checksum product's left operand: every partial sum is an integer of magnitude at most
-128, exact in BF16 (8 significant bits: integers up to 256), so any accumulation order or rounding gives the same
-bits."""
+"""Non-zero terms per row of the checksum's left operand: partial sums stay integers up to 128, exact in BF16."""
 
 
 def allreduce_floor_gbps(floor_gbps: float, nbytes: float, ranks: int) -> float:
-    """The busbw floor, GB/s, for an all-reduce of `nbytes` over `ranks` ranks: the ring model above with B =
-    `floor_gbps` (the instance type's floor, reached by large all-reduces) and the latency bounds added. One rank
-    times a local copy (busbw = algbw): one launch and S/B."""
+    """The busbw floor, GB/s, for an all-reduce of `nbytes` over `ranks` ranks (the ring model above, B =
+    `floor_gbps`).
+
+    One rank times a local copy: one launch and S/B.
+    """
     if floor_gbps <= 0 or nbytes <= 0:
         return 0.0
     share = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
@@ -95,8 +77,7 @@ def allreduce_floor_gbps(floor_gbps: float, nbytes: float, ranks: int) -> float:
 
 
 def matmul_floor_tflops(thresholds: HealthThresholds, dtype: str, device: str) -> float:
-    """The matmul floor for a result of `dtype` on `device` (e.g. 'xla:0'): `min_matmul_tflops` is a BF16 floor; an
-    FP32 matmul is held to the same share of the device's FP32 peak (FP32_SHARE_OF_BF16_PEAK)."""
+    """The matmul floor for a `dtype` result on `device`: BF16's floor, scaled to FP32's peak for an FP32 matmul."""
     floor = thresholds.min_matmul_tflops
     if dtype == "float32":
         return floor * FP32_SHARE_OF_BF16_PEAK.get(device.split(":")[0], 1.0)
@@ -108,14 +89,15 @@ class UnhealthyCollective(RuntimeError):
 
 
 def host_name() -> str:
-    """The node's name as the job sees it: SageMaker's 'algo-N' where set (it names the instance in the job's
-    logs and describe output), else the machine's host name."""
+    """The node's name as the job sees it: SageMaker's 'algo-N' where set, else the machine's host name."""
     return os.environ.get("SM_CURRENT_HOST") or socket.gethostname()
 
 
 def compute_dtype(precision_mode: str, device: torch.device) -> torch.dtype:
-    """The dtype training's matmuls run in: BF16 for the bf16 modes on an accelerator, else float32 (a CPU's
-    BF16 matmul is an emulation whose speed says nothing about the machine)."""
+    """The dtype training's matmuls run in: BF16 for bf16 modes on an accelerator, else float32.
+
+    A CPU's BF16 matmul is an emulation whose speed says nothing about the machine.
+    """
     if precision_mode in ("bf16-mixed", "bf16-sr") and device.type in ("cuda", "xla"):
         return torch.bfloat16
     return torch.float32
@@ -133,8 +115,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def _materialize(device: torch.device) -> None:
-    """On XLA, cut the graph so that each timed matmul really executes: lazily traced, repeated matmuls of the
-    same operands would be one graph in which only the last result is live."""
+    """On XLA, cut the graph so each timed matmul executes; one lazy graph would keep only the last result."""
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
 
@@ -143,8 +124,7 @@ def _materialize(device: torch.device) -> None:
 
 # -- inventory -------------------------------------------------------------------------------------------
 def parse_neuron_ls(text: str) -> dict[str, Any]:
-    """Devices and NeuronCores from `neuron-ls --json-output`: a list of devices each with `nc_count` (newer tools
-    wrap it as {"neuron_devices": [...]})."""
+    """Devices and NeuronCores from `neuron-ls --json-output` (newer tools wrap them in {"neuron_devices": [...]})."""
     data = json.loads(text)
     devices = data.get("neuron_devices", []) if isinstance(data, dict) else data
     if not isinstance(devices, list):
@@ -175,9 +155,10 @@ def neuron_inventory() -> dict[str, Any]:
 
 
 def inventory(world: World, expected_world_size: int | None = None) -> dict[str, Any]:
-    """The devices this rank sees, and `problems` (each a dict with check, value, threshold, message): fewer
-    ranks than the job's world size joined, or this node has fewer devices than processes (on CUDA and trn1 each
-    rank needs a device of its own: two ranks sharing one halve each other's speed or run out of memory)."""
+    """The devices this rank sees, and `problems` (each a dict with check, value, threshold, message).
+
+    Problems: fewer ranks joined than the world size, or fewer devices than processes on CUDA and trn1.
+    """
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     out: dict[str, Any] = {
         "device_type": world.device.type,
@@ -247,11 +228,11 @@ def _checksum(tensor: torch.Tensor) -> str:
 
 
 def exact_operands(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer operands (float32, on the host) whose n x n product is exact in any float format from BF16 up, summed
-    in any order: each row of the left one has EXACT_TERMS entries of +-1 (a band, random signs), the right one is
-    -1, 0 or 1, so every partial sum is an integer of magnitude at most EXACT_TERMS. Rounding never happens, so
-    stochastic rounding (bf16-sr: NEURON_RT_STOCHASTIC_ROUNDING_EN=1) cannot change a bit: a checksum that differs
-    between ranks is a faulty device, never the rounding's random draws."""
+    """Integer operands (float32, on the host) whose n x n product is exact in any format from BF16 up.
+
+    Left rows hold EXACT_TERMS entries of +-1, the right operand -1, 0 or 1; partial sums stay small integers.
+    No rounding happens, so stochastic rounding (bf16-sr) cannot change a bit; only a faulty device can.
+    """
     terms = min(n, EXACT_TERMS)
     i = torch.arange(n)
     band = (i[None, :] - i[:, None]) % n < terms  # (n, n): row r holds columns r .. r+terms-1 (mod n)
@@ -270,19 +251,14 @@ def matmul_check(
     corrupt: bool = False,
     batch: int = 1,
 ) -> dict[str, Any]:
-    """Time `repeats` launches of one batched matmul, `batch` n x n products each (after one untimed launch of
-    the same graph), and check the result: TFLOP/s = 2n³ x batch / seconds per launch. One 2048² product is a
-    fifth of a millisecond of a NeuronCore's work, less than a launch costs; a batch of them per launch measures
-    the core, not the launch. `rel_error` = max |C - R| / max |R| over the first REFERENCE_ROWS rows of the first
-    product, R the float64 product of the same (dtype-rounded) operands on the CPU, so only the device's arithmetic
-    is measured, not the rounding of the inputs. `checksum` hashes every bit of one more product, of integer operands
-    (`exact_operands`) whose result is exact in `dtype` whatever the rounding mode: equal healthy devices reproduce it
-    bit for bit with stochastic rounding on (bf16-sr) too, and `exact` says whether its first REFERENCE_ROWS rows equal
-    the true product. On
-    XLA, `timed_compilations` counts the graphs compiled inside the timer (0, or the figure is not a speed).
+    """Time `repeats` launches of one batched matmul (`batch` n x n products) and check the result.
 
-    `corrupt` (a test's faulty device: JobHooks.matmul_corrupted) perturbs one element of each result by about 1% of
-    its value, as a faulty device would: large enough to change it in BF16 too."""
+    TFLOP/s = 2n³ x batch / seconds per launch; batching makes the launch cost negligible.
+    `rel_error`: max |C - R| / max |R| over REFERENCE_ROWS rows, R the float64 product on the CPU.
+    `checksum` hashes an `exact_operands` product; `exact` says whether it equals the true product.
+    On XLA, `timed_compilations` counts graphs compiled inside the timer (it must be 0).
+    `corrupt` (tests only) perturbs one element per result by about 1%, as a faulty device would.
+    """
     gen = torch.Generator(device="cpu").manual_seed(seed)  # private: the global RNG stream is training's
     a_host = torch.randn(n, n, generator=gen).to(dtype)
     b_host = torch.randn(n, n, generator=gen).to(dtype)
@@ -338,7 +314,7 @@ def matmul_check(
 
 
 def _compilations(device: torch.device) -> int:
-    """Graphs XLA has compiled so far in this process (0 off XLA: nothing compiles behind a timer there)."""
+    """Graphs XLA has compiled so far in this process (0 off XLA)."""
     if device.type != "xla":
         return 0
     from hlat.training import xla
@@ -347,8 +323,7 @@ def _compilations(device: torch.device) -> int:
 
 
 def device_element_bytes(dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes an element of `dtype` takes on `device`: float32 is BF16 on an XLA device under XLA_USE_BF16 or
-    XLA_DOWNCAST_BF16 (HLAT's precision flags), so a collective of it moves half the bytes its dtype says."""
+    """Bytes an element of `dtype` takes on `device`: float32 is BF16 on XLA under HLAT's precision flags."""
     bf16_on_device = os.environ.get("XLA_USE_BF16") == "1" or os.environ.get("XLA_DOWNCAST_BF16") == "1"
     if device.type == "xla" and dtype == torch.float32 and bf16_on_device:
         return 2
@@ -357,23 +332,14 @@ def device_element_bytes(dtype: torch.dtype, device: torch.device) -> int:
 
 # -- all-reduce ------------------------------------------------------------------------------------------
 def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge: bool = True) -> dict[str, Any]:
-    """All-reduce (SUM) a buffer of `mb` MB (as the device holds it) and check the result, then time `iters`
-    all-reduces of it, each to its end: algbw = bytes moved / mean seconds, busbw = algbw x 2(n-1)/n, the nccl-tests
-    convention (what each link carries in a ring; comparable across world sizes); `best_busbw_gbps` from the
-    fastest iteration. The bytes are the device's: a float32 buffer
-    under XLA_USE_BF16 is BF16 there, half the bytes.
+    """All-reduce (SUM) an `mb` MB buffer, check the sum, then time `iters` all-reduces of it.
 
-    The check: element i is 1 on rank i mod n and 0 on the others, so every element must sum to exactly 1 in any
-    float format and order (the device adds in BF16 under XLA_USE_BF16, where a sum like n(n+1)/2 is not exact
-    beyond a few ranks), and a rank whose share is lost or corrupted shows in its own elements. The timed graph
-    (one all-reduce, then a cut on XLA) runs once untimed first, so nothing compiles inside the timer
-    (`timed_compilations` on XLA).
-
-    One rank gets busbw = algbw (the formula gives 0), and one process without a process group has nothing to
-    all-reduce: the sum over one rank is its own buffer, so a copy of it is timed. `note` says so.
-
-    `judge` off (graph extraction, whose outputs are invalid): the same device work and host reads, no verdict on
-    the sum (no `correct`, no `error`)."""
+    busbw = algbw x 2(n-1)/n, the nccl-tests convention; bytes are the device's (BF16 under XLA_USE_BF16).
+    Element i is 1 on rank i mod n, 0 elsewhere: every sum must be exactly 1 in any format and order.
+    The timed graph runs once untimed first, so nothing compiles inside the timer.
+    One rank times a local copy (busbw = algbw); `note` says so.
+    `judge` off (graph extraction): the same device work, no verdict.
+    """
     n = world.world_size
     device = world.device
     element = device_element_bytes(torch.float32, device)
@@ -448,9 +414,10 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge
 
 # -- storage ---------------------------------------------------------------------------------------------
 def write_check(storage: Storage, mb: float) -> dict[str, Any]:
-    """Write `mb` MB of random bytes (incompressible, never deduplicated) as one object under `storage` the way a
-    checkpoint shard is written (atomic whole-object write: fsync locally, a PUT on S3), read its size back,
-    delete it; MB/s of the write. A size that does not match is reported as `error`."""
+    """Write `mb` MB of random bytes as one object under `storage`, as a checkpoint file is; return MB/s.
+
+    It reads the size back and deletes the object; a wrong size is reported as `error`.
+    """
     size = max(1, int(mb * MB))
     data = os.urandom(size)  # not `random`/torch: the training RNG streams stay untouched
     name = f"{host_name()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
@@ -486,8 +453,7 @@ def _failure(row: Mapping[str, Any], check: str, value: Any, threshold: Any, mes
 
 
 def _majority_checksums(results: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, ...], str]:
-    """Per group of comparable devices (same device model, dtype, size): the checksum most ranks agree on; a tie
-    goes to the checksum whose result is closest to the float64 reference (two ranks, one faulty)."""
+    """Per group of comparable devices: the checksum most ranks agree on (a tie: the one closest to the reference)."""
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for row in results:
         m = row.get("matmul") or {}
@@ -504,16 +470,12 @@ def _majority_checksums(results: Sequence[Mapping[str, Any]]) -> dict[tuple[Any,
 
 
 def evaluate(results: Sequence[Mapping[str, Any]], thresholds: HealthThresholds | None) -> list[dict[str, Any]]:
-    """Failures among all ranks' results, each naming the rank and host, the check, the measured value and the
-    threshold it missed.
+    """Failures among all ranks' results, each naming the rank, host, check, value and missed threshold.
 
-    Performance floors and the matmul error bound come from `thresholds` (None: an instance type without
-    thresholds, measured but not failed on them). Wrong answers fail whatever the instance type: a check that
-    raised, a wrong all-reduce sum, a scratch object of the wrong size, missing ranks or devices, a checksum product
-    that is not the exact one, and a matmul checksum that differs from the majority of the ranks with the same
-    device and operands (a faulty device can stay under the error bound and still compute different bits than its
-    peers). The matmul floor is the precision's (`matmul_floor_tflops`), the all-reduce floor the one for the
-    measured size and rank count (`allreduce_floor_gbps`)."""
+    Floors and the matmul error bound come from `thresholds` (None: measured, not judged).
+    Wrong answers fail always: a raised check, a wrong sum, a wrong object size, missing ranks or devices,
+    an inexact checksum product, or a checksum off the majority of comparable ranks.
+    """
     failures: list[dict[str, Any]] = []
     majority = _majority_checksums(results)
     for row in results:
@@ -613,17 +575,12 @@ def periodic_health_check(
     reference_gbps: float | None = None,
     judge: bool = True,
 ) -> dict[str, Any]:
-    """The trainer's health hook: an all-reduce check on every rank, then one small all-reduce so that every rank
-    knows every rank's verdict and all take the same branch (a rank raising alone would leave the others hanging
-    in the next collective). Raises UnhealthyCollective, on every rank, when any rank saw a wrong sum, a busbw below
-    the floor for this size and rank count (`allreduce_floor_gbps` of `thresholds.min_allreduce_gbps`: a 16 MB
-    all-reduce over 2,048 ranks is latency-bound, far from a large one's bandwidth), or a best-iteration busbw below
-    `thresholds.min_allreduce_share_of_first` of `reference_gbps` (the job's first check's `slowest_best_busbw_gbps`,
-    kept by the trainer; None: this is the first). No thresholds (an instance type not listed): measured, never
-    failed.
+    """The trainer's health hook: an all-reduce check, then a vote so every rank takes the same branch.
 
-    `judge` off (graph extraction: the outputs are invalid): the same collectives and host reads, and no verdict;
-    the result says `judged: False`."""
+    Raises UnhealthyCollective on every rank for a wrong sum, a busbw under the size's floor, or a best
+    busbw under `min_allreduce_share_of_first` of `reference_gbps` (the first check's; None: this is the first).
+    No thresholds: measured, never failed. `judge` off: no verdict, and the result says `judged: False`.
+    """
     result = allreduce_check(world, mb, judge=judge)
     floor, floor_from = None, ""
     if thresholds is not None:
