@@ -1,40 +1,14 @@
 """Optimizer, learning-rate schedule and gradient clipping of an hlat run (HLAT recipe).
 
-- `lr_at(step, cfg)`: linear warmup, then (training.schedule='cosine') cosine decay to `lr * min_lr_ratio` over
-  the horizon (`TrainingConfig.schedule_horizon`: schedule_steps or max_steps), flat at that floor afterwards.
-  `step` is the 0-based index of the optimizer step about to be taken; warmup uses `(step + 1) / warmup_steps`, so
-  step 0 already learns (lr/warmup) and the last warmup step (warmup_steps - 1) runs at the peak. The cosine starts
-  at the peak on step `warmup_steps`.
-  With schedule='wsd' (warmup-stable-decay) the peak is held after the warm-up until `TrainingConfig.decay_start`,
-  then a "1-sqrt" decay, lr = floor + (peak - floor) * (1 - sqrt(p)) with p = (step - decay_start + 1) / decay
-  length, reaches the floor on the horizon's last step (flat afterwards). 1-sqrt rather than linear: Hägele et al.
-  2024, "Scaling Laws and Compute-Optimal Training Beyond Fixed Training Durations" (https://arxiv.org/abs/2405.18392,
-  section 3) find it matches a cosine's final loss with a short (~20%) cooldown and beats the linear one. A longer
-  horizon only moves the decay's start, so a WSD run extended before its decay began keeps every learning rate it
-  already used: no re-warm, no kink.
-- `build_scheduler(optimizer, cfg)`: the same schedule as a stateful `LambdaLR` (its state_dict holds only
-  plain numbers, so it checkpoints under `torch.load(weights_only=True)`). The optimizer's lr during step k is
-  `lr_at(k)` when the loop calls `scheduler.step()` once after every `optimizer.step()`. Its state records the
-  schedule it ran under; loading it under a schedule that gives any step already taken another learning rate (a WSD
-  run extended after its decay began) is refused (`TrainingConfig.extension_problem`).
-- `build_optimizer(model, cfg, precision)`: AdamW with weight decay on every parameter, norms included (HLAT);
-  `optimizer_recipe` gives its class and arguments (NxD's optimizer wrapper builds from them).
-  'fp32' and 'bf16-mixed' use `torch.optim.AdamW` on FP32 parameters: in 'bf16-mixed' the parameters *are* the
-  FP32 master weights and the training loop runs forward/backward under `torch.autocast(dtype=bfloat16)`, so
-  nothing here is BF16. 'bf16-sr' uses `AdamWStochasticRounding`: pure BF16 parameters and BF16 Adam states,
-  the update computed in FP32 and written back with stochastic rounding (HLAT 7B).
-- `stochastic_round_to_bf16(x, generator)`: unbiased rounding of FP32 to BF16.
-- `clip_grad_norm(params, max_norm)`: clip to a global norm, returning the pre-clip norm (a device tensor).
-- `masked_step(optimizer, apply)`: an optimizer step kept only where a device-side flag says so (nan_policy=skip
-  without a host read).
-
-Why stochastic rounding: a BF16 weight has 8 significant bits, so an update smaller than half its ulp is lost
-entirely under round-to-nearest (late in training most updates are). Rounding up with probability equal to
-the fraction of the ulp makes the rounded value equal the exact one in expectation, so small updates
-accumulate. The random bits come from a `torch.Generator` seeded from (seed, step, parameter index): the
-same step rounds the same way after a resume (bitwise-exact restarts) with no generator state to checkpoint,
-and every data-parallel replica draws the same bits, so replicas holding identical weights and gradients stay
-identical without communication.
+Rules:
+- `lr_at(step)`: step is the 0-based step about to run; warmup uses (step + 1) / warmup_steps, so step 0 learns;
+- 'cosine' decays to `lr * min_lr_ratio` at the horizon; 'wsd' holds the peak, then decays as 1 - sqrt(p)
+  (Hägele et al. 2024, https://arxiv.org/abs/2405.18392, section 3); both stay flat after the horizon;
+- a scheduler state resumed under a schedule that changes any past step's lr is refused;
+- AdamW decays every parameter, norms included (HLAT);
+- 'bf16-sr' rounds BF16 updates stochastically: round-to-nearest would drop updates under half an ulp.
+  Its random bits are seeded by (seed, step, parameter), so resumes and replicas round alike.
+docs/training.md ("Schedules") covers WSD and extending a run.
 """
 
 from __future__ import annotations
@@ -60,7 +34,7 @@ _HIGH_MASK = -(1 << _LOW_BITS)  # 0xFFFF0000 as a (negative) int32
 
 
 def lr_at(step: int, cfg: TrainingConfig) -> float:
-    """Learning rate of the 0-based optimizer step `step` (see the module docstring for the exact shape)."""
+    """Learning rate of the 0-based optimizer step `step` (the shape is in the module docstring)."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     warmup = cfg.warmup_steps
     if step < warmup:
@@ -92,8 +66,7 @@ SCHEDULE_FIELDS = ("schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps"
 
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """`lr_at` as a LambdaLR whose state also records the schedule (`SCHEDULE_FIELDS`, plain values) it ran under,
-    so that a resume under another schedule is checked against the steps already taken."""
+    """`lr_at` as a LambdaLR whose state also records its schedule, so a resume under another is checked."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> None:
         self.schedule = cfg.model_dump(include=set(SCHEDULE_FIELDS))
@@ -110,9 +83,10 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         return {k: v for k, v in super().state_dict().items() if k != "_cfg"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume, refusing (ValueError, one line) when the saved schedule and this one give a step already taken
-        different learning rates: the weights would not be the ones this schedule computes. States saved before
-        the record existed are taken as they are."""
+        """Resume; ValueError when the saved schedule gives a step already taken another learning rate.
+
+        States saved before the record existed are taken as they are.
+        """
         saved = state_dict.get("schedule")
         if saved is not None:
             problem = TrainingConfig(**saved).extension_problem(self._cfg, int(state_dict["last_epoch"]))
@@ -132,15 +106,9 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> to
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Round an FP32 tensor to BF16, up or down with probabilities that make the result unbiased.
 
-    The FP32 bit pattern is read as int32, 16 uniformly random bits are added to its low half, and the low
-    half is cleared. FP32 is sign-magnitude, so this adds to the magnitude for either sign: a value a
-    fraction f of the way from its lower-magnitude BF16 neighbour to the next is rounded away from zero with
-    probability f, and E[result] == x exactly (a carry into the exponent is just the next BF16 number).
-    Exact BF16 values, zeros (of either sign), ±inf and NaN come out unchanged. A finite value beyond the
-    largest BF16 number (3.39e38) rounds to ±inf with the probability it would round up, inf being the next
-    value past the end of the BF16 range; round-to-nearest overflows the same way.
-
-    `generator` must live on x's device (None: the global generator, not reproducible across resumes).
+    Adds 16 random bits to the low half of the int32 pattern, then clears it; E[result] == x.
+    Exact BF16 values, zeros, ±inf and NaN pass unchanged; values past BF16's range may round to ±inf.
+    `generator` must live on x's device (None: the global one, not reproducible across resumes).
     """
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_to_bf16 expects a float32 tensor, got {x.dtype}")
@@ -191,8 +159,7 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW update, in place, exactly as `torch.optim.AdamW` computes it (decoupled weight decay, bias-corrected
-    moments); `step` is 1 on the first update. The tensors are the high-precision working copies."""
+    """One AdamW update in place, exactly as `torch.optim.AdamW` computes it; `step` is 1 on the first update."""
     param.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -203,14 +170,10 @@ def adamw_update(
 
 
 class AdamWStochasticRounding(torch.optim.Optimizer):
-    """AdamW for pure BF16 training: BF16 parameters and BF16 states, FP32 arithmetic, stochastic rounding.
+    """AdamW for pure BF16 training: BF16 parameters and states, FP32 arithmetic, stochastic rounding.
 
-    Each step, per parameter: upcast the parameter, its gradient and both moments to FP32; apply decoupled
-    weight decay (`p *= 1 - lr * weight_decay`) and the bias-corrected Adam update exactly as
-    `torch.optim.AdamW` does; then round the parameter and both moments back to BF16 stochastically (with
-    `stochastic_rounding=False`: to nearest, for ablations). The random bits of parameter number i (counted
-    over all groups in order) on its k-th step come from a generator seeded with `sr_seed(seed, k, i)`, so the
-    optimizer's state_dict (moments, step counts, hyper-parameters) is all a bitwise-exact resume needs.
+    Parameter i on its k-th step rounds with a generator seeded by `sr_seed(seed, k, i)`.
+    So the state_dict alone gives a bitwise-exact resume. `stochastic_rounding=False` rounds to nearest.
     """
 
     def __init__(
@@ -279,12 +242,9 @@ class AdamWStochasticRounding(torch.optim.Optimizer):
 class MasterWeightAdamW(torch.optim.Optimizer):
     """AdamW with FP32 master weights for BF16 compute on XLA (HLAT 70B's recipe, `bf16-mixed` on trn1).
 
-    Under XLA_DOWNCAST_BF16=1 the device keeps every float32 tensor in BF16 and every float64 tensor in FP32. The
-    parameters are float32 tensors, so the model computes in BF16; this optimizer keeps a float64-typed master copy
-    of each parameter and float64-typed moments, which live in FP32 on the device: the update is computed and
-    accumulated in FP32, then written to the BF16 parameter (rounded to nearest: stochastic rounding is off in this
-    mode). The masters are part of the optimizer's state, so checkpoints carry them. Off XLA (no downcast) the
-    masters would be real float64: CPU and CUDA use torch.autocast with FP32 parameters instead.
+    Under XLA_DOWNCAST_BF16=1 float32 is BF16 on the device and float64 is FP32.
+    So masters and moments are float64-typed: FP32 on the device, saved in checkpoints.
+    Off XLA they would be real float64; CPU and CUDA use autocast with FP32 parameters instead.
     """
 
     def __init__(
@@ -303,8 +263,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 self.state[p]["exp_avg_sq"] = torch.zeros_like(master)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, except that the FP64-typed masters and moments keep their dtype: torch's loader would cast
-        them to the parameters' float32, which the device would then store in BF16."""
+        """As torch's, but the float64-typed masters and moments keep their dtype (a cast would make them BF16)."""
         tensors = {
             int(i): {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for i, s in state_dict["state"].items()
         }
@@ -338,10 +297,11 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 
 
 def masked_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor) -> None:
-    """`optimizer.step()`, kept only where the boolean device tensor `apply` is true: otherwise the parameters and
-    the optimizer's tensor state are left as they were (a skipped step), decided on the device, with no host read.
-    Costs one copy of the parameters and tensor states while it runs. Step counters kept as Python numbers or host
-    tensors advance either way (as the learning-rate schedule does for a skipped step)."""
+    """`optimizer.step()`, kept only where the device bool `apply` is true; no host read.
+
+    A skipped step leaves parameters and tensor state unchanged; host-side step counters advance anyway.
+    It costs one copy of the parameters and tensor states while it runs.
+    """
 
     def tensors(p: torch.Tensor) -> dict[str, torch.Tensor]:
         state = optimizer.state.get(p, {})
@@ -377,16 +337,11 @@ def optimizer_recipe(
     zero1: bool = False,
     flags: bool | None = None,
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
-    """The optimizer class and its arguments for `params`: AdamW, one group, weight decay on all of them (HLAT).
+    """The optimizer class and its arguments for `params`: AdamW, one group, weight decay on all (HLAT).
 
-    Precision 'fp32' / 'bf16-mixed' need FP32 parameters (in 'bf16-mixed' they are the master weights; the training
-    loop casts compute to BF16 with autocast); 'bf16-sr' needs a BF16 model, updated with software stochastic
-    rounding on CPU and CUDA, and by plain AdamW on XLA, where the NeuronCore rounds stochastically.
-    Under torch-xla's precision flags (`flags`, by default on XLA: Neuron 2.24, `core.environment.precision_by_flags`)
-    the model stays FP32-typed and the device does the work: 'bf16-sr' is plain AdamW whose BF16 storage the
-    NeuronCore rounds stochastically (HLAT 7B), 'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps
-    the FP32 masters itself (`zero1`: NxD's optimizer, `training.parallel.neuron.parallel_optimizer`, wraps plain
-    AdamW).
+    'fp32' and 'bf16-mixed' need FP32 parameters; 'bf16-sr' a BF16 model with software stochastic rounding.
+    Under torch-xla's precision flags (`flags`) the device does the work: 'bf16-sr' is plain AdamW (HLAT 7B),
+    'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps the masters itself (`zero1`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -425,10 +380,9 @@ def build_optimizer(
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of max_norm; return the norm before clipping (max_norm 0: no clip), as a
-    0-dim tensor on the gradients' device: reading it is the caller's choice (a host sync on CUDA and XLA).
+    """Clip gradients to a global L2 norm of max_norm (0: no clip); return the pre-clip norm as a device tensor.
 
-    Non-finite norms are returned, not raised: the loop's nan_policy decides what a NaN step does.
+    Reading it is the caller's host sync. Non-finite norms are returned, not raised: nan_policy decides.
     """
     params = [p for p in params if p.grad is not None]
     if not params:
