@@ -1,47 +1,12 @@
-"""Curation of one source with Hugging Face's datatrove (https://github.com/huggingface/datatrove): quality rules,
-n-gram decontamination, exact and MinHash near-duplicate removal, each as datatrove's own blocks.
+"""Curation of one source with Hugging Face's datatrove (https://github.com/huggingface/datatrove).
 
-Every phase is a datatrove pipeline run by `LocalPipelineExecutor`; the run's storage (a local folder or an s3 prefix,
-through the `Storage`'s fsspec filesystem) is the only medium between phases, so the same code runs in one process,
-on N workers of one host, or on N hosts (each runs its share of a phase's tasks, then waits for the phase's
-completion files in storage: a barrier through storage). A phase killed half-way is re-run from its completion files:
-datatrove's `skip_completed` redoes only the tasks that did not finish.
-
-Phases (`{work}/curate/` on the storage):
-  1. `filter`: the unit shards -> Gopher quality, Gopher repetition, C4 quality, FineWeb quality, n-gram
-     decontamination (each removed document written by an exclusion writer) -> the survivors (`kept/filter/`, the split
-     in each document's metadata) -> exact-dedup signatures (else MinHash signatures). `tasks` tasks, one per group of
-     input files.
-  2. `exact_find`: one task per hash range (cfg.finder_workers): each finder merges its range's sorted signature
-     files as a stream (a heap of one signature per file), so its memory grows with the number of files, not with
-     the corpus (datatrove's design). The signature steps sort one task's signatures in memory (12 bytes a document
-     for exact dedup, 8 per hash for MinHash): a task's memory follows its share of the corpus, bounded by giving
-     a larger corpus more tasks (one per unit), never by the corpus.
-  3. `exact_filter` (only when MinHash also runs): the survivors minus the exact duplicates (`kept/exact/`), then
-     their MinHash signatures. The two dedups run one after the other, not side by side from one set of signatures,
-     because datatrove's dedup filters drop documents by their position in the task's stream (two chained filters
-     would disagree about positions) and because each keeps its own member of a group: side by side, exact dedup
-     could keep A1 and drop A2 while MinHash keeps A2 and drops A1, losing the document entirely.
-  4. `minhash_buckets`: one task per LSH band (cfg.minhash_buckets): each merges its band's sorted signature files
-     as a stream, as the exact finders do.
-  5. `minhash_cluster`: one task; it holds a union-find over the documents that have at least one near-duplicate
-     pair (two 4-byte ids per node), not over the corpus: its memory grows with the number of duplicates.
-  6. `write`: the survivors minus the duplicates, written as our shards (core.shards.ShardWriter: rows, bytes,
-     sha256 for the manifest) under `{work}/curated/<task>/<split>-<n>.<fmt>`; shard names and order depend only on
-     the task count and the input order, not on hosts or workers.
-
-Which copy of a duplicate stays: exact dedup keeps the validation copy when a document is in both splits (datatrove's
-`document_priority`: validation 2, train 1), else the one earliest in its task's stream (datatrove orders a hash's
-copies by priority, then position in the task); MinHash keeps the root datatrove's union-find picks for each cluster,
-whichever its split. Dedup works across splits, so a held-out document never stays in training as well.
-Decontamination applies to training documents only: the offline evaluation tasks are built from the held-out split
-itself (training/evaluation/lm_harness.py `write_offline_tasks`), which it must not empty.
-
-Word tokenizer: datatrove's English default is spaCy's blank pipeline (`SpaCyTokenizer('en')`); spaCy with its
-dependencies is 44 wheels and 77 MB to download for a tokenizer we use as a regular expression, and NLTK's punkt data
-cannot be fetched where the jobs run. `RegexWordTokenizer` below is a datatrove `WordTokenizer` on the `regex`
-module datatrove itself imports: words are runs of letters/digits, punctuation runs are their own tokens (as NLTK's
-Treebank tokenizer splits them), sentences end at . ! ? followed by white space. No data files, no download.
+Quality rules, n-gram decontamination, exact and MinHash dedup, each as datatrove's own blocks.
+Rules:
+- each phase is a datatrove pipeline; the run's storage is the only medium between phases;
+- hosts run their share of a phase's tasks, then wait for its completion files (a barrier through storage);
+- a killed phase redoes only its unfinished tasks (`skip_completed`);
+- output shard names and order depend only on the task count and input order.
+docs/data.md ("Curation with datatrove") lists the phases and which duplicate stays.
 """
 
 from __future__ import annotations
@@ -114,7 +79,7 @@ HASH = HashConfig(precision=64, hash_fc="sha1")
 
 
 class RegexWordTokenizer(WordTokenizer):
-    """English words and sentences by regular expression (see the module docstring for why not spaCy or NLTK)."""
+    """English words and sentences by regular expression; no spaCy or NLTK data (docs/data.md says why)."""
 
     WORD = regex.compile(r"[\p{L}\p{N}_]+(?:['’][\p{L}]+)*|[^\p{L}\p{N}_\s]+")
     SENTENCE_END = regex.compile(r"(?<=[.!?])\s+")
@@ -166,10 +131,10 @@ class _Phase:
 
 # -- datatrove blocks adapted to our layout ------------------------------------------------------------------------
 class _DocumentsDecontIndexer(NGramsDecontIndexer):
-    """datatrove's n-gram index built from the documents it is fed (text: the evaluation text; metadata: task,
-    query) only. The base class declares lighteval for its other input, lighteval's task table, which would load
-    (and download) the tasks itself; the documents path needs none of it, so neither the dependency check nor that
-    branch runs here. The hashing (`compute_hashes`) and the index files are datatrove's."""
+    """datatrove's n-gram index built from fed documents only (text: evaluation text; metadata: task, query).
+
+    The base class's lighteval path would load and download tasks; it is not used, so not checked for.
+    """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _DocumentsDecontIndexer:
         return object.__new__(cls)
@@ -189,7 +154,7 @@ class _DocumentsDecontIndexer(NGramsDecontIndexer):
 
 
 class _TrainDecontFilter(NGramsDecontFilter):
-    """datatrove's n-gram decontamination on training documents; held-out ones pass (see the module docstring)."""
+    """datatrove's n-gram decontamination on training documents; held-out ones pass."""
 
     def filter(self, doc: Document) -> bool | tuple[bool, str]:
         if doc.metadata.get(SPLIT_KEY) == "validation":
@@ -198,8 +163,7 @@ class _TrainDecontFilter(NGramsDecontFilter):
 
 
 class _AssignedFiles:
-    """A reader over the unit shards in plan order: task r of T reads the r-th contiguous block of them (not every
-    T-th file, datatrove's default), so (task, position) order is the input order."""
+    """A reader over the unit shards in plan order: task r of T reads the r-th contiguous block of them."""
 
     assigned: list[str]
 
@@ -219,9 +183,10 @@ class _JsonlInputs(_AssignedFiles, JsonlReader):
 
 
 class _RankReader(JsonlReader):
-    """The file this task's rank wrote in the previous phase (`{rank:05d}.jsonl`): datatrove's dedup filters drop
-    documents by their position in the stream that their signatures were computed from, so each task must read
-    exactly its own rank's survivors (a reader sharding the folder's files would shift when a rank wrote none)."""
+    """The file this task's rank wrote in the previous phase (`{rank:05d}.jsonl`).
+
+    datatrove's dedup filters drop documents by stream position, so each task reads exactly its own survivors.
+    """
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
         name = f"{rank:05d}.jsonl"
@@ -230,8 +195,7 @@ class _RankReader(JsonlReader):
 
 
 class _ShardSink(PipelineStep):
-    """Writes the documents that reach it as our shards (core.shards.ShardWriter, one folder per task) and the list of
-    them, for curate() to gather after the phase."""
+    """Writes the documents that reach it as our shards (one folder per task) and lists them for curate()."""
 
     type = "💽 - WRITER"
     name = "hlat shards"
@@ -258,9 +222,7 @@ def _shard_list(work: str, rank: int) -> str:
 
 @contextmanager
 def _datatrove_quiet() -> Iterator[None]:
-    """datatrove logs every task's pipeline and statistics to stderr through loguru, hundreds of lines per phase: its
-    statistics are also written as JSON under each phase's logging folder, and this module logs one line per phase
-    instead. (Its dedup steps' tqdm bars are off in the prepare-data job: TQDM_DISABLE, training/prepare_data.py.)"""
+    """Silence datatrove's loguru output: its stats go to JSON files, and this module logs one line per phase."""
     loguru_logger.disable("datatrove")
     try:
         yield
@@ -284,9 +246,10 @@ def curate(
     contamination: dict[str, list[str]] | None = None,
     text_column: str = "text",
 ) -> CurationResult:
-    """Curate the validated unit shards `inputs` (relative to `folder`, in plan order) into new shards under
-    `{work}/curated/`; this host runs its share of each phase's tasks and waits for the others' (see the module
-    docstring). Re-running after a kill redoes only the unfinished tasks."""
+    """Curate the validated unit shards `inputs` (relative to `folder`, in plan order) into `{work}/curated/`.
+
+    This host runs its share of each phase and waits for the others. A rerun redoes only unfinished tasks.
+    """
     if not 0 <= host < hosts:
         raise ValueError(f"host {host} is not one of {hosts} hosts")
     tasks = max(1, min(tasks, len(inputs))) if inputs else 1
@@ -455,8 +418,7 @@ class _NoOp(PipelineStep):
 
 
 def _quality_filter(rule: str, block: type[PipelineStep], params: dict[str, Any], writer: Any, lang: Any) -> Any:
-    """datatrove's `block` with `params` over its defaults; an argument it does not take is a config error naming
-    the field and the arguments it does take."""
+    """datatrove's `block` with `params` over its defaults; an unknown argument is a config error naming the field."""
     known = [
         p for p in inspect.signature(block.__init__).parameters if p not in ("self", "exclusion_writer", "language")
     ]
@@ -487,8 +449,7 @@ def _priority(doc: Document) -> int:
 
 
 class _SplitAdapter:
-    """A reader adapter: the document's text and its split (from the unit shard it was read from) in metadata;
-    ids are `<shard path>/<row>` (the shard paths are relative to the folder)."""
+    """A reader adapter: the text, and the split of its unit shard in metadata; ids are `<shard path>/<row>`."""
 
     def __init__(self, split_of: Mapping[str, str], root: str, text_column: str) -> None:
         self.split_of, self.root, self.text_column = split_of, root.rstrip("/") + "/", text_column
@@ -526,10 +487,11 @@ def _run_phase(phase: _Phase, folder: Storage, logs: str, workers: int, host: in
 
 
 def _barrier(folder: Storage, logs: str, tasks: int, hosts: int = 1) -> None:
-    """Wait until every task of the phase, on every host, has its completion file in storage. No timeout of its
-    own: a host that dies ends the job (SageMaker stops every host when one fails, and so does the local backend),
-    and the job's max runtime bounds a hung one; every BARRIER_REPORT_SECONDS the wait says which tasks, of which
-    hosts, it is waiting for, so that a slow or stuck host is named in the job's log."""
+    """Wait until every task of the phase, on every host, has its completion file in storage.
+
+    No timeout of its own: a dead host ends the job, and max runtime bounds a hung one.
+    Every BARRIER_REPORT_SECONDS it logs which tasks, of which hosts, it still waits for.
+    """
     expected = {f"{rank:05d}" for rank in range(tasks)}
     started = reported = time.monotonic()
     while True:
@@ -601,12 +563,11 @@ def _gather_shards(folder: Storage, work: str, tasks: int) -> list[ShardInfo]:
 def contamination_texts(
     tasks: list[str], validation_texts: Iterable[str], include_path: str | None
 ) -> tuple[dict[str, list[str]], list[str]]:
-    """The texts of the evaluation tasks a run scores, per task, and the tasks whose data are not available offline.
+    """The texts of the evaluation tasks a run scores, per task, and the tasks not available offline.
 
-    The offline tasks (hlat_cloze, hlat_choice) are built from the run's held-out text, so their texts are
-    `validation_texts`. Hub tasks are loaded through lm-eval's task manager with Hugging Face offline (only the local
-    dataset cache is read; nothing is fetched): each document's question and answer text. A task that cannot be
-    loaded that way is returned in the second list."""
+    Offline tasks are built from held-out text, so their texts are `validation_texts`. Hub tasks load through
+    lm-eval with Hugging Face offline; a task that cannot load is returned in the second list.
+    """
     from hlat.training.evaluation.lm_harness import CHOICE_TASK, CLOZE_TASK, _hub_offline
 
     texts: dict[str, list[str]] = {}

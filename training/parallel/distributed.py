@@ -1,27 +1,12 @@
 """The one place that decides a job program's device and process group, and how its collectives run.
 
-- Device (`init_world(kind)`): `xla` inside a Neuron container (or when asked: XLA:CPU elsewhere, the local
-  rehearsal of trn1), else CUDA when present, else CPU; `--device` / `training.device` choose.
-- Process group, under torchrun (WORLD_SIZE > 1): `xla` on XLA devices, nccl on CUDA, gloo on CPU. A single
-  process (no torchrun) runs without one and every collective below degrades to a no-op, so the same loop runs on
-  a laptop, under torchrun with several CPU ranks, on GPUs or on NeuronCores.
-- Collectives take and return tensors on the job's device (`all_reduce`): nothing reaches the host unless the
-  caller reads it, once, through `to_host` at its sync points. On CPU (gloo) the device is the host.
-- Host-side collectives (`any_rank`; `share_from_main`, rank 0's objects on every rank, once at resume) run on CPU
-  tensors over a gloo group beside the job's main group (`host_group`: made with `dist.new_group(backend="gloo")`
-  when the main group is nccl or xla, the main group itself when it is gloo), so they never add a device op, an XLA
-  graph or a device-to-host transfer. torch.distributed runs a group of another backend beside the default one
-  (https://pytorch.org/docs/stable/distributed.html#torch.distributed.new_group), and neuronx-distributed makes such
-  gloo groups under the `xla` group for its pipeline's metadata (parallel_state.initialize_pp_gloo_groups); that ours
-  forms under `xla` on trn1 is checked only there. None runs at a step boundary: the stop is agreed through the
-  job's store (`training/stop_vote.py`, through `World.connect_store`).
-- Gloo groups are formed lazily and with a deadline. gloo's default connects every rank of a group to every other at
-  its creation (a full mesh: P - 1 sockets per rank, each rank reading every other's address from the one store;
-  pytorch/gloo#407 reports 46 min to form one at 8k ranks, past gloo's 30-min default timeout). TORCH_GLOO_LAZY_INIT=1
-  (read by torch's ProcessGroupGloo when it makes its device: torch 2.9, Neuron 2.28's; torch 2.7, Neuron 2.24's,
-  has no such switch and forms the full mesh) connects a pair only when a collective first needs it; every group gets
-  job.collective_timeout_minutes as its timeout. The open-file limit is raised to its hard limit first
-  (`raise_open_file_limit`), with a warning when even that is below what a full mesh of this world needs.
+Rules:
+- device: `xla` in a Neuron container (or asked for), else CUDA when present, else CPU;
+- process group under torchrun: `xla`, nccl or gloo by device; one process has none, and collectives are no-ops;
+- device collectives take and return device tensors; only `to_host`, at sync points, reads them;
+- host-side collectives use a gloo group beside the main one, never at a step boundary;
+- gloo groups connect lazily (TORCH_GLOO_LAZY_INIT) and time out after job.collective_timeout_minutes.
+docs/trn1.md explains the gloo group on trn1 and the lazy connection (pytorch/gloo#407).
 """
 
 from __future__ import annotations
@@ -51,7 +36,7 @@ log = logging.getLogger("hlat.train")
 DEFAULT_COLLECTIVE_TIMEOUT_MIN = 20.0
 """job.collective_timeout_minutes's default, for a World made without a config."""
 FILES_BESIDE_SOCKETS = 4096
-"""Open files a rank needs besides its gloo sockets: its checkpoint and data files, the store, the runtime's."""
+"""Open files a rank needs besides its gloo sockets: checkpoint and data files, the store, the runtime's."""
 
 
 @dataclass(frozen=True)
@@ -69,8 +54,7 @@ class World:
     nxd: dict[str, Any] | None = None
     """neuronx-distributed's trainer config when the model is split (tensor/pipeline parallel, ZeRO-1)."""
     host_group: Any = None
-    """The gloo group of host-side collectives when the main group is not gloo (init_world makes it); None: the
-    main group, which must then be gloo."""
+    """The gloo group of host-side collectives when the main group is not gloo; None: the main group is gloo."""
     store_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN * 60
     """How long a client of the job's store (`connect_store`) waits to connect."""
 
@@ -91,10 +75,11 @@ class World:
         return self.device.type == "xla"
 
     def barrier(self, tag: str = "hlat-barrier") -> None:
-        """Wait until every rank gets here. On XLA through torch-xla's rendezvous (`xm.rendezvous`, what HLAT's
-        and NxD's training scripts call): the `xla` process group's own barrier returns a finished work object
-        without waiting (torch-xla 2.7, `ProcessGroupXla.barrier` in torch_xla/distributed/xla_backend.py). The
-        rendezvous launches the pending graph first (a mark_step): call it between steps, not inside one."""
+        """Wait until every rank gets here; call it between steps, not inside one.
+
+        On XLA it uses `xm.rendezvous`, as HLAT and NxD do: the `xla` group's barrier does not wait
+        (torch-xla 2.7, `ProcessGroupXla.barrier`). The rendezvous launches the pending graph first.
+        """
         if self.on_xla:
             if self.collective:
                 from hlat.training import xla
@@ -105,8 +90,7 @@ class World:
             dist.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """`tensor` (on this job's device) reduced over every rank, as a tensor on the device: 'sum' or 'max'. Use
-        the result: on CPU and CUDA it is `tensor`, reduced in place; on XLA a new tensor."""
+        """`tensor` (on this job's device) reduced over every rank ('sum' or 'max'); use the result, not `tensor`."""
         if self.on_xla:
             from hlat.training import xla
 
@@ -121,16 +105,15 @@ class World:
 
     @property
     def collective(self) -> bool:
-        """Whether collectives really run: several ranks, or one XLA process told to (XLA_ALWAYS_ALLREDUCE=1, which
-        makes torch-xla emit a one-process all-reduce: how tests exercise the multi-process path)."""
+        """Whether collectives run: several ranks, or one XLA process with XLA_ALWAYS_ALLREDUCE=1 (tests)."""
         if self.on_xla:
             return self.world_size > 1 or os.environ.get("XLA_ALWAYS_ALLREDUCE") == "1"
         return _grouped()
 
     def connect_store(self) -> Any:
-        """A new client of the job's TCPStore (torchrun's, at MASTER_ADDR:MASTER_PORT), for a thread of its own: a
-        client's blocking wait holds its connection, so threads never share one with the process group's. None on
-        one process."""
+        """A new client of the job's TCPStore for a thread of its own (a blocking wait holds a connection); None
+        alone.
+        """
         if not _grouped():
             return None
         return dist.TCPStore(
@@ -141,10 +124,10 @@ class World:
         )
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when it is true on any: ranks must take the same branch. Host-side: a CPU tensor
-        all-reduced (MAX) over the gloo `host_group`, never a device op, but a collective over the whole world (at
-        8,192 ranks a ring of 16,382 hops): for rare decisions, never at every step (the stop is agreed through the
-        store: `training/stop_vote.py`). On one process, `flag` itself."""
+        """True on every rank when it is true on any, so ranks take the same branch; `flag` itself on one process.
+
+        A host-side MAX over `host_group`, but a whole-world collective: for rare decisions, never every step.
+        """
         if not _grouped():
             return flag
         vote = torch.tensor([int(flag)], dtype=torch.int32)  # CPU, whatever the job's device
@@ -152,9 +135,7 @@ class World:
         return bool(vote.item())
 
     def share_from_main(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (every rank calls it; the others' `obj` is ignored): a host-side broadcast
-        of a picklable object over the gloo `host_group`; on one process, `obj` itself. How one rank's look at
-        storage (the checkpoint listing at resume) serves every rank."""
+        """Rank 0's `obj` on every rank (a host-side broadcast over `host_group`); `obj` itself on one process."""
         if not _grouped():
             return obj
         box = [obj if self.rank == 0 else None]
@@ -179,7 +160,7 @@ class World:
             xla.mark_step()
 
     def to_host(self, tree: Any) -> Any:
-        """`tree` with its device tensors as CPU tensors, in one transfer on XLA (the one host read of a sync point)."""
+        """`tree` with its device tensors as CPU tensors, in one transfer on XLA (a sync point's one host read)."""
         if self.on_xla:
             from hlat.training import xla
 
@@ -189,9 +170,7 @@ class World:
         return _map_tensors(tree, lambda t: t.cpu())
 
     def seed(self, seed: int) -> None:
-        """Seed every generator whose state a checkpoint saves (training/checkpoint/rng.py): torch's (CPU, and CUDA
-        through it), the XLA device's, Python's `random` and NumPy's global generator, so that a resumed run and an
-        uninterrupted one hold the same states."""
+        """Seed every generator a checkpoint saves: torch (CPU, CUDA), XLA, Python's `random` and NumPy's."""
         random.seed(seed)
         try:
             import numpy as np
@@ -232,11 +211,12 @@ def resolve_device_kind(kind: str) -> str:
 def init_world(
     device_kind: str = "auto", cfg: HlatConfig | None = None, xla_cache: tuple[str, bool] | None = None
 ) -> World:
-    """Pick this rank's device and join torchrun's process group when WORLD_SIZE > 1. On XLA, the precision flags
-    of `cfg` (`xla_precision_environment`) are set first, unless the job's environment already has them, then
-    torch-xla's persistent compilation cache when `xla_cache` names one (folder, read-only); on trn1,
-    neuronx-distributed's model-parallel groups are formed from `cfg.parallelism`. An XLA job refuses a torch-xla
-    other than its neuron.sdk's: the precision flags would mean something else there."""
+    """Pick this rank's device and join torchrun's process group when WORLD_SIZE > 1.
+
+    On XLA: set `cfg`'s precision flags unless already set, then the compilation cache `xla_cache` names.
+    On trn1: form neuronx-distributed's model-parallel groups from `cfg.parallelism`.
+    An XLA job refuses a torch-xla other than its neuron.sdk's.
+    """
     precision = cfg.precision.mode if cfg is not None else "fp32"
     # Without a config, the release of the torch-xla installed (nothing to check it against)
     sdk = neuron_sdk(cfg) if cfg is not None else rehearsal_sdk()
@@ -287,25 +267,25 @@ def init_world(
 
 
 def _host_side_group(timeout: timedelta | None = None) -> Any:
-    """The gloo group for host-side collectives, made by every rank right after joining the main group (new_group
-    is collective: every rank makes its groups in the same order, before neuronx-distributed makes its own), lazily
-    connected (TORCH_GLOO_LAZY_INIT, set by init_world) and with `timeout` (job.collective_timeout_minutes). None
-    on one process, or when the main group is gloo (it serves)."""
+    """The gloo group for host-side collectives, lazily connected and with `timeout`; None alone or under gloo.
+
+    new_group is collective: every rank makes it right after joining, before NxD makes its own groups.
+    """
     if not _grouped() or dist.get_backend() == "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=timeout or timedelta(minutes=DEFAULT_COLLECTIVE_TIMEOUT_MIN))
 
 
 def open_files_needed(world_size: int, gloo_groups: int = 1) -> int:
-    """Open files a rank may need: a socket to every other rank per gloo group (a full mesh, what gloo forms without
-    TORCH_GLOO_LAZY_INIT and the most a lazy group can reach), plus FILES_BESIDE_SOCKETS."""
+    """Open files a rank may need: a socket to every other rank per gloo group, plus FILES_BESIDE_SOCKETS."""
     return gloo_groups * max(0, world_size - 1) + FILES_BESIDE_SOCKETS
 
 
 def raise_open_file_limit(world_size: int, gloo_groups: int = 1, log_it: bool = True) -> tuple[int, int, int]:
-    """Raise this process's soft RLIMIT_NOFILE to its hard limit (an unprivileged process may: getrlimit(2)); log
-    one line with the figures (rank 0) and warn on every rank when the hard limit is below `open_files_needed`.
-    (soft before, soft after, needed)."""
+    """Raise the soft RLIMIT_NOFILE to the hard limit; return (soft before, soft after, needed).
+
+    Rank 0 logs the figures; every rank warns when the hard limit is under `open_files_needed`.
+    """
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -331,17 +311,17 @@ def raise_open_file_limit(world_size: int, gloo_groups: int = 1, log_it: bool = 
 
 
 def use_deterministic_cuda() -> None:
-    """Deterministic CUDA kernels (https://pytorch.org/docs/stable/notes/randomness.html): an op without a
-    deterministic kernel raises rather than silently break bitwise resume. cuBLAS reads its workspace setting when
-    its first handle is made, so this runs before anything touches the device."""
+    """Deterministic CUDA kernels (https://pytorch.org/docs/stable/notes/randomness.html), so resume stays bitwise.
+
+    An op without a deterministic kernel raises. Runs before the device's first cuBLAS handle.
+    """
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
 
 
 def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
-    """`world` with neuronx-distributed's groups formed and this rank's place in them, when `cfg` splits the model
-    (on trn1, or in NxD's CPU mode); unchanged otherwise."""
+    """`world` with neuronx-distributed's groups when `cfg` splits the model (trn1, or NxD's CPU mode)."""
     from hlat.training.parallel.neuron import needs_nxd
 
     if cfg is None or not needs_nxd(cfg):

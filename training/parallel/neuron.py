@@ -1,31 +1,11 @@
 """Model parallelism through neuronx-distributed (NxD): thin, and imported only where NxD is.
 
-NxD exists in the Neuron training container (with torch-neuronx: the NeuronCores). Its CPU mode
-(`NXD_CPU_MODE=1`: gloo collectives on CPU tensors) runs the same layers and process groups on any machine that has
-its source, which is how the tests prove this module against the real library (tests/nxd). Nothing here imports NxD
-at module level; the functions that do call `require_nxd()` first, which fails with a clear message elsewhere (the
-PyPI packages of NxD and torch-neuronx are empty placeholders).
-
-- `nxd_config(cfg)`: our parallel degrees as NxD's trainer config (`neuronx_distributed_config`), which also
-  forms NxD's process groups (`parallel_state`: tensor, pipeline, data parallel).
-- `NxdLayers`: the model's layer factory (`training.model.Layers`) on NxD's parallel layers:
-  `ColumnParallelLinear`, `RowParallelLinear`, `ParallelEmbedding`, and `GQAQKVColumnParallelLinear` where TP
-  exceeds the KV heads; sequence parallelism along the model's sequence dimension (1: the model is (batch, time,
-  dim)); each rank's slices of the dense initialisation (`training/parallel/tensor_slices.py`).
-- `parallel_optimizer(...)`: the optimizer through NxD's `initialize_parallel_optimizer`: gradients all-reduced
-  over the data-parallel group, the sequence-parallel norms' gradients over the tensor-parallel group, clipping
-  by the global norm across TP and PP, and ZeRO-1 (optimizer states sharded over DP, FP32 masters in mixed
-  precision: HLAT 70B) when `parallelism.zero1`, its master weights checkpointed where they hold more than the
-  parameters (`zero1_masters_outrank_parameters`). ZeRO-1 needs the XLA device: the NxD tier runs it on XLA:CPU in
-  one process (a checkpoint's round trip); across ranks it is verified only on trn1.
-- `pipeline_model(model, cfg)`: NxD's `NxDPPModel` over the built model (stages cut from the layer count, the step's
-  micro-batches through its 1F1B schedule, the loss from the last stage on every rank, kept on the device: no host
-  read inside a step).
-- `shard_name(s)`: the checkpoint shard of each (TP, PP) position (`training.checkpoint`).
-
-NxD's `initialize_parallel_model` is not used: it builds and moves the model itself (to the XLA device, also in
-CPU mode), where ours is built by its own factory with the dense initialisation sliced; the parallel layers,
-process groups, optimizer wrapper and pipeline are NxD's.
+Rules:
+- nothing imports NxD at module level; functions that need it call `require_nxd()` first;
+- NxD's CPU mode (`NXD_CPU_MODE=1`) runs the same layers and groups anywhere its source is (tests/nxd);
+- the parallel layers, groups, optimizer wrapper and pipeline are NxD's; the model and its init are ours;
+- NxD's `initialize_parallel_model` is not used: it builds the model itself, without our sliced dense init.
+docs/trn1.md ("Model parallelism on trn1") describes the whole path.
 """
 
 from __future__ import annotations
@@ -51,7 +31,7 @@ class NeuronUnavailable(ImportError):
 
 
 def nxd_cpu_mode() -> bool:
-    """NxD's CPU mode: its layers and groups on CPU tensors over gloo (NXD_CPU_MODE=1), where its source is."""
+    """NxD's CPU mode: its layers and groups on CPU tensors over gloo (NXD_CPU_MODE=1)."""
     return os.environ.get("NXD_CPU_MODE", "0") not in ("", "0")
 
 
@@ -100,30 +80,22 @@ def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:
 
 
 def zero1_masters_outrank_parameters(cfg: HlatConfig) -> bool:
-    """Whether ZeRO-1's master weights hold more than the parameters do on the device, and so go into checkpoints
-    (NxD's use_master_weights_in_ckpt: torch-xla's ZeroRedundancyOptimizer(save_master_weights=True) adds them to
-    its state_dict as `sharded_master_weights`, each rank its shard, which `training.checkpoint.Zero1` writes into
-    that rank's file). Without them, loading rebuilds the masters from the parameters
-    (`ZeroRedundancyOptimizer.load_state_dict` calls `init_zero`, which shards the parameters afresh), and torch-xla
-    warns "Not saving master weights may have accuracy issues when resuming training!"
-    (torch_xla/distributed/zero_redundancy_optimizer.py, torch-xla 2.7 and 2.9). They outrank the parameters:
-    - bf16-mixed under Neuron 2.24's flags (HLAT 70B): XLA_DOWNCAST_BF16 keeps the parameters in BF16 on the device
-      and NxD makes the masters FP64, FP32 on the device (optimizer_dtype=torch.double: trainer/trainer.py,
-      `initialize_optimizer_from_class`, NxD 0.13 and 0.17);
-    - bf16-sr without the flags (Neuron 2.28): a BF16 model, FP32 masters.
-    Elsewhere (fp32; bf16-mixed on 2.28, autocast over FP32 parameters; bf16-sr under XLA_USE_BF16, where the masters
-    are BF16 on the device too) the masters have the parameters' precision and are their exact copy after every
-    step (the optimizer's all-gather copies each master shard into its parameter): rebuilt, they are the same bits,
-    and saved they would add 4 bytes a parameter to every checkpoint for nothing. The NxD tier shows both cases
-    round-trip bitwise (tests/nxd/test_zero1.py)."""
+    """Whether ZeRO-1's master weights hold more than the device's parameters, and so go into checkpoints.
+
+    Without them, loading rebuilds the masters from the parameters (torch-xla 2.7 and 2.9 warn of accuracy).
+    They outrank the parameters under bf16-mixed with Neuron 2.24's flags (BF16 parameters, FP64-typed masters),
+    and under bf16-sr without flags (2.28: BF16 model, FP32 masters). Elsewhere they equal the parameters
+    bit for bit, and saving them would cost 4 bytes a parameter for nothing (tests/nxd/test_zero1.py).
+    """
     flags = neuron_sdk(cfg).precision_flags
     mode = cfg.precision.mode
     return (mode == "bf16-mixed" and flags) or (mode == "bf16-sr" and not flags)
 
 
 def nxd_config(cfg: HlatConfig) -> dict[str, Any]:
-    """NxD's trainer config for `cfg`; forms NxD's process groups (after torch.distributed's). On trn1 the
-    `xla` process group, in CPU mode gloo's."""
+    """NxD's trainer config for `cfg`; forms NxD's groups after torch.distributed's (`xla` on trn1, gloo in CPU
+    mode).
+    """
     require_nxd()
     from neuronx_distributed.trainer import neuronx_distributed_config
 
@@ -147,9 +119,10 @@ def formed_dims() -> ParallelDims:
 
 
 class NxdLayers:
-    """`training.model.Layers` on NxD's tensor-parallel layers (see the module docstring). Build the model under
-    `torch.device("meta")` (Transformer does), then `to_empty` and `init_weights`: NxD's own initialisation is
-    never used, every rank keeps its slice of the dense weights."""
+    """`training.model.Layers` on NxD's tensor-parallel layers.
+
+    Build under `torch.device("meta")`, then `to_empty` and `init_weights`: each rank keeps its dense slice.
+    """
 
     def __init__(self, cfg: HlatConfig) -> None:
         require_nxd()
@@ -189,8 +162,10 @@ class NxdLayers:
         return output
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of vocabulary-parallel logits (B, T, V / TP): NxD's `parallel_cross_entropy` (a max
-        and a sum all-reduced over the TP group; it shifts its input in place, so it gets a copy)."""
+        """Mean cross-entropy of vocabulary-parallel logits (B, T, V / TP) via NxD's `parallel_cross_entropy`.
+
+        It shifts its input in place, so it gets a copy.
+        """
         from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
 
         return parallel_cross_entropy(logits.float().clone(), targets).mean()
@@ -276,8 +251,7 @@ def _reduce_scatter_sequence(module: nn.Module, args: Any, output: torch.Tensor)
 def parallel_optimizer(
     config: dict[str, Any], optimizer_class: type[torch.optim.Optimizer], params: list[nn.Parameter], **hyper: Any
 ) -> Any:
-    """The optimizer through NxD's trainer API (`initialize_parallel_optimizer`); its `step()` reduces gradients
-    over DP, the sequence-parallel norms over TP, clips by the global norm, and exposes it as `grad_norm`."""
+    """The optimizer through NxD's `initialize_parallel_optimizer`; `step()` reduces, clips and sets `grad_norm`."""
     require_nxd()
     from neuronx_distributed.trainer import initialize_parallel_optimizer
 
@@ -292,15 +266,12 @@ def parallel_optimizer(
 def pipeline_model(
     model: nn.Module, cfg: HlatConfig, init: Callable[[nn.Module, torch.device], None] | None = None
 ) -> Any:
-    """`model` split into pipeline stages by NxD's NxDPPModel (FX-traced; a stage per PP rank): cuts from the layer
-    count (auto partition: the blocks spread evenly, any remainder to the later stages), the step's
-    `gradient_accumulation` micro-batches through the 1F1B schedule, the loss computed on the last stage and
-    averaged over the micro-batches and the data-parallel group onto every rank, where it stays on the device
-    (`_loss_on_every_stage`). Gradients are left to NxD's optimizer (`parallel_optimizer`), which reduces them over
-    DP and clips by the norm across every stage.
+    """`model` split into pipeline stages by NxD's NxDPPModel (FX-traced; one stage per PP rank).
 
-    A model built on the meta device is materialised stage by stage: each rank gives storage to its own stage's
-    parameters only and fills them with `init(module, device)` (`Transformer.initialiser`)."""
+    Blocks spread evenly, the remainder to later stages; micro-batches run 1F1B.
+    The loss stays on the device on every rank (`_loss_on_every_stage`); NxD's optimizer reduces gradients.
+    A meta-device model is materialised stage by stage, each rank filling only its own stage.
+    """
     require_nxd()
     from hlat.training.model import Block, LayerNorm, RMSNorm
 
@@ -332,8 +303,7 @@ def pipeline_model(
 
 @functools.cache
 def _device_loss_pipeline() -> type:
-    """NxD's NxDPPModel, whose `run_train` and `run_eval` return the step's loss on every stage as a device tensor
-    (made here, where NxD is importable)."""
+    """NxD's NxDPPModel whose `run_train` and `run_eval` return the loss on every stage as a device tensor."""
     from neuronx_distributed.pipeline import NxDPPModel
 
     class DeviceLossPipeline(NxDPPModel):
@@ -347,11 +317,10 @@ def _device_loss_pipeline() -> type:
 
 
 def _loss_on_every_stage(loss: torch.Tensor | None) -> torch.Tensor:
-    """The last stage's loss (the mean over its micro-batches; None on the other stages) averaged over the
-    data-parallel group and summed over the pipeline group (zero from every other stage): the same value on every
-    rank, on the device, with no host read. Collectives on NxD's groups, as NxD's own averaging makes them
-    (all-reduce over the pipeline group: its note says broadcast returns 0.0 in XLA mode); traced into the
-    optimizer step's graph (NxD's run_train has cut the graph before returning)."""
+    """The last stage's loss averaged over DP and summed over PP: the same value on every rank, on the device.
+
+    An all-reduce over the pipeline group, as NxD's own averaging does (broadcast returns 0.0 in XLA mode).
+    """
     import torch.distributed as dist
     from neuronx_distributed.parallel_layers import parallel_state as ps
 

@@ -1,22 +1,12 @@
 """Parallelism of a job's model, in a fixed order driven by the validated parallel degrees.
 
 Order: tensor parallel → activation checkpointing → compile → data-parallel wrapping or FSDP2 sharding.
-1. Tensor (and sequence) parallelism is part of the model's construction: `model_layers` gives the Transformer
-   neuronx-distributed's parallel layers when the model is split (`training/parallel/neuron.py`; NxD's groups were
-   formed by `init_world`), dense layers otherwise.
-2. Activation checkpointing: 'selective' recomputes what HLAT's training scripts recompute, the core attention
-   (softmax(QK^T)V) and SwiGLU's silu(gate) * up: no projection and no sequence-parallel collective runs twice;
-   'full' recomputes the whole block (torch-xla's checkpoint on XLA).
-3. torch.compile on CPU and CUDA, one transformer block at a time (`compile_blocks`; XLA compiles the whole step
-   itself).
-4. Data parallelism: DistributedDataParallel over gloo or nccl on CPU and CUDA, or, with parallelism.fsdp, FSDP2
-   (`fully_shard` on every block, then on the whole model: parameters, gradients and optimizer states sharded over
-   the ranks; bf16-mixed gathers parameters in BF16 and reduces gradients in FP32, the FP32 shards being the
-   master weights). When the model is split, NxD's optimizer reduces the gradients over the data-parallel group
-   (never over TP peers); on XLA without NxD the loop averages them itself (`reduce_gradients`, one all-reduce per
-   optimizer step, inside the step's graph).
-The returned module is what the loop calls; the model passed in keeps the parameters, so its state dict is the
-same whatever was applied.
+- Tensor and sequence parallelism are part of construction: `model_layers` picks NxD's layers or dense ones.
+- 'selective' checkpointing recomputes what HLAT's scripts do: core attention and SwiGLU's silu(gate) * up.
+  'full' recomputes the whole block.
+- torch.compile runs per block on CPU and CUDA; XLA compiles the whole step itself.
+- Data parallelism is DDP, or FSDP2 with parallelism.fsdp; NxD or `reduce_gradients` handle the rest.
+The returned module is what the loop calls; the model passed in keeps the parameters and its state dict.
 """
 
 from __future__ import annotations
@@ -72,11 +62,9 @@ def fsdp_active(cfg: HlatConfig, world: World) -> bool:
 def compile_blocks(model: nn.Module, device: torch.device | None = None, sharded: bool = False) -> None:
     """torch.compile every transformer block in place (`nn.Module.compile`: names and state dict unchanged).
 
-    The blocks run one code path, so Dynamo traces one graph (forward and backward) that every block reuses: the
-    compile time of one block, not of the whole depth, and the compiled code fuses the norms, the rotary embedding
-    and SwiGLU's elementwise work around the matrix multiplies. The embedding and the output head stay eager. On
-    CUDA, document masks become FlexAttention block masks, fused inside the compiled block (SDPA with a dense
-    (B, 1, T, T) mask has no flash kernel)."""
+    All blocks share one graph, so compile time is one block's. The embedding and output head stay eager.
+    On CUDA, document masks become FlexAttention block masks: SDPA with a dense mask has no flash kernel.
+    """
     for block in model.layers:  # type: ignore[union-attr]
         if sharded:
             # Under FSDP2 only the block's forward is compiled: its hooks (all-gather before, reshard after) stay
@@ -119,10 +107,10 @@ def parallelize(model: nn.Module, cfg: HlatConfig, world: World) -> nn.Module:
 
 
 def shard_fully(model: nn.Module, cfg: HlatConfig, world: World) -> None:
-    """FSDP2 over every rank of the job: each block its own unit (gathered just before it runs, freed after), then
-    the rest (embedding, final norm, output) as the root unit. The model's parameters become DTensors in place. A
-    model built on the meta device gets uninitialised storage for this rank's shards (its weights are then loaded,
-    e.g. `hf_import.import_weights`)."""
+    """FSDP2 over every rank: each block its own unit, then the rest as the root unit; parameters become DTensors.
+
+    A meta-device model gets uninitialised storage for this rank's shards, to be loaded afterwards.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
@@ -146,8 +134,7 @@ def shard_fully(model: nn.Module, cfg: HlatConfig, world: World) -> None:
 
 
 def check_replica_fits(cfg: HlatConfig, world: World) -> None:
-    """On CUDA, refuse a whole replica (DDP, or one process) whose weights, gradients and AdamW states exceed the
-    GPU's memory, with the fix, rather than run out of memory at the first step."""
+    """On CUDA, refuse a replica whose weights, gradients and AdamW states exceed the GPU, naming the fix."""
     if world.device.type != "cuda" or world.nxd is not None:
         return
     need = cfg.model.training_state_bytes(cfg.precision.mode)
@@ -162,8 +149,7 @@ def check_replica_fits(cfg: HlatConfig, world: World) -> None:
 
 
 def reduce_gradients(model: nn.Module, world: World) -> None:
-    """On XLA, average the gradients over the data-parallel processes (DDP does it on CPU and CUDA); call once per
-    optimizer step, after the last backward."""
+    """On XLA, average the gradients over data-parallel processes once per optimizer step, after the last backward."""
     if world.on_xla and world.world_size > 1 and world.nxd is None:
         from hlat.training import xla
 
