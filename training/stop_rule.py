@@ -1,29 +1,14 @@
-"""The run's stop rule, inside the training job: the job stops itself at a checkpoint when the run's budget or
-deadline is reached, or when its supervisor has gone silent, whether or not anything still watches it.
+"""The run's stop rule, inside the training job: the job stops itself at a checkpoint when a term is breached.
 
-A dead CLI or flow run would otherwise leave its job running: locally the job daemon is re-parented to PID 1 and
-trains on; on SageMaker the job runs until MaxRuntimeInSeconds. So the train stage hands the job the terms it must
-keep (`core.contract.StopTerms`, in its environment): the run's budget, what its earlier jobs were billed, this
-job's price per hour, the deadline, and how long it may go without a supervisor's heartbeat. A thread on the main
-rank (global rank 0) compares them with the clock (never with the device) and on a breach sets the trainer's stop
-request; every rank then stops after the same step through the loop's stop vote (`training/stop_vote.py`: the stop
-step agreed once through the job's store, nothing at a step boundary), which checkpoints and exits 0 as on SIGTERM.
-The main rank then logs and stores a `StopRecord` (`core.contract`), from which the supervisor, if alive, tells a
-deliberate stop from a job that finished short: budget and deadline end the stage, naming the setting to raise;
-unsupervised is relaunched.
-
-- Budget: the job is billed from its submission (HLAT_SUBMITTED_AT; its own start when absent), so it reaches the
-  budget at submitted + (budget - spent before it) / price per hour. It stops a margin before that: 1.25 x (a step +
-  a checkpoint save) as measured in this job, or job.stop_grace_seconds until a synchronous save has been timed.
-- Deadline: the same margin before job.deadline.
-- Supervision: the heartbeat (`supervisor_heartbeat`) is judged by run storage's own clock, never by the
-  supervisor's: at most every minute (every quarter of the timeout when that is shorter) the rule reads how long
-  ago, by the store's clock, the heartbeat object was written (`core.storage.StorageClock`: its modification time
-  against a probe's), and places that beat on this host's clock as `now - age`. The supervisor's clock and the
-  hosts' never meet, so a supervisor whose clock is 30 minutes behind is still seen beating. The job's own start
-  counts as a beat (a job whose supervisor has not beaten yet, or started by hand, is stopped only after the
-  timeout, never at once); an older beat (a stale file from an earlier supervisor) is ignored. A heartbeat that
-  cannot be read is a warning, and the last beat read stands.
+Terms (`core.contract.StopTerms`, from the environment): budget, deadline, and the supervisor's heartbeat.
+A dead CLI would otherwise leave its job running until MaxRuntimeInSeconds.
+Rules:
+- a thread on rank 0 judges the terms by the clock, never the device, and requests the stop once;
+- every rank stops after the same step through the stop vote, checkpoints, and exits 0;
+- budget and deadline stop a margin early: 1.25 x (a step + a save), or job.stop_grace_seconds until timed;
+- the heartbeat's age is read by run storage's clock, so supervisor clock skew does not matter;
+- the job's start counts as a beat; an unreadable heartbeat is a warning.
+docs/jobs.md ("A job is never left alone") explains the terms and the record.
 """
 
 from __future__ import annotations
@@ -66,8 +51,10 @@ def _minutes(seconds: float) -> str:
 
 
 class StopRule:
-    """The terms of one job, judged against the clock: `check` (on the thread, or called directly) requests the
-    stop once, through `request_stop(why)`. `margin()` is the time the stop needs, asked afresh at each check."""
+    """The terms of one job, judged against the clock; `check` requests the stop once, through `request_stop(why)`.
+
+    `margin()` is the time the stop needs, asked afresh at each check.
+    """
 
     def __init__(
         self,
@@ -90,8 +77,9 @@ class StopRule:
         if storage_clock is None and run is not None:
             self.storage_clock = StorageClock(run, probe=f"{self.heartbeat.rpartition('/')[0]}/{stage}-clock-job")
         self.last_beat = clock()
-        """The supervisor's last beat on this host's clock (its age by the store's clock, from now); the job's own
-        start to begin with."""
+        """The supervisor's last beat on this host's clock (now minus its age by the store's clock); the job's start
+        at first.
+        """
         self.read_every: float | None = None
         if terms.unsupervised_stop_s is not None:
             self.read_every = min(HEARTBEAT_READ_S, max(tick_s, terms.unsupervised_stop_s / 4))
@@ -227,9 +215,11 @@ class StopRule:
 
 @contextmanager
 def stop_rule(trainer: Any, run: Storage, terms: StopTerms | None = None) -> Iterator[StopRule | None]:
-    """Enforce the job's stop terms (from its environment by default) while the body trains: on the main rank, when
-    there are terms, and not while extracting graphs. A stop the rule requested and the trainer carried out
-    (`trainer.stopped_at`) short of training.max_steps leaves its record when the body ends."""
+    """Enforce the job's stop terms while the body trains: on rank 0, when there are terms, not under graph
+    extraction.
+
+    A rule-requested stop short of training.max_steps leaves its record when the body ends.
+    """
     terms = StopTerms.from_environment() if terms is None else terms
     if not terms.any or not trainer.world.is_main or trainer.extracting_graphs:
         yield None

@@ -1,34 +1,13 @@
-"""The training job's own hang watchdog: a daemon thread on every rank that ends the process when the loop makes no
-progress for longer than a bound, so a hung job ends (and SageMaker's bill with it) whether or not a supervisor
-lives.
+"""The training job's own hang watchdog: a daemon thread per rank that ends the process when progress stops.
 
-Without it a job that hangs (a storage read with no deadline, a loader deadlock, a device collective the runtime
-never times out) never reaches the step boundary where SIGTERM and the stop rule are acted on, and runs to
-MaxRuntimeInSeconds (what that costs at 256 hosts: docs/multi-host.md).
-
-Progress is what the loop reports (`Progress.beat`): every optimizer step, every evaluation batch, the start and end
-of every hook (a checkpoint save, a health check) and of a stop's save. When the last beat is older than the bound,
-the watchdog logs one line, dumps every thread's stack into the log (`faulthandler.dump_traceback(all_threads=True)`,
-https://docs.python.org/3/library/faulthandler.html), writes the failure record `HangDetected: no step for N s after
-step K (bound B s, ...)` (`core.contract.write_failure`: SageMaker's FailureReason) and ends the process with
-EXIT_HUNG through `os._exit`: a hung thread cannot block the exit, and torchrun then ends the host's other ranks,
-the host's container exits and SageMaker ends the job (and its billing); on the emulator the other hosts are killed
-5 s later.
-
-The bound (`watchdog_bound_seconds`, job.watchdog=auto):
-- a phase this job has not been through yet (its start-up to the first step: build, resume, the first compile; the
-  first evaluation, health check, checkpoint save or stop, each of which may compile a graph of its own on trn1)
-  gets the start-up allowance, STARTUP_S (60 min: a Neuron compile of a graph the precompile stage did not cache);
-- after that, STEP_FACTOR x the step time measured at the last sync point plus SAVE_FACTOR x the last save timed
-  to its end, and never less than FLOOR_S (10 min): a GC pause, an S3 retry storm (botocore's 10 attempts with
-  120 s read timeouts) or a slow commit is not a hang. (hlat-70b: 10 min.)
-A number (job.watchdog=<seconds>) replaces the steady-state rule (a phase met for the first time keeps the start-up
-allowance); job.watchdog=off disables it. Never under graph extraction
-(neuron_parallel_compile's trial run executes nothing: its time says nothing of a hang).
-
-On every rank, not one per host: which rank hangs is not known in advance and its stacks are the ones that say why
-(the others show where they wait for it); 32 ranks of ~5 KB of stacks per host is a small price, once. Every rank's
-watchdog runs the same bound on nearly the same beats, so whichever fires first writes its host's failure record.
+A hung job never reaches the step boundary where SIGTERM and the stop rule act, so it would bill to
+MaxRuntimeInSeconds. Rules:
+- progress is what the loop reports (`Progress.beat`): steps, evaluation batches, hooks, saves;
+- on a hang it dumps every thread's stack, writes a HangDetected failure record, and `os._exit`s with EXIT_HUNG;
+- a phase met for the first time gets STARTUP_S (it may compile); after that the measured rule, at least FLOOR_S;
+- job.watchdog=<seconds> replaces the rule, `off` disables it; never under graph extraction;
+- it runs on every rank: the hung rank's stacks say why.
+docs/multi-host.md ("Watchdog and stop vote") has the bounds and the emulator test.
 """
 
 from __future__ import annotations
@@ -47,7 +26,7 @@ from hlat.core.contract import EXIT_HUNG, write_failure
 log = logging.getLogger("hlat.train")
 
 STARTUP_S = 60 * 60.0
-"""A phase met for the first time in this job (the start-up to the first step included): it may compile graphs."""
+"""A phase met for the first time in this job (start-up included): it may compile graphs."""
 STEP_FACTOR = 10.0
 """Steady state: this many measured steps..."""
 SAVE_FACTOR = 3.0
@@ -71,9 +50,11 @@ def watchdog_bound_seconds(
     save_factor: float = SAVE_FACTOR,
     floor_s: float = FLOOR_S,
 ) -> float:
-    """Seconds without progress after which a job is hung (job.watchdog=auto): `startup_s` before the job's step time
-    is known or in a phase met for the first time (`first_of_phase`); else step_factor x `step_s` + save_factor x
-    `save_s` (0 when no save was timed yet), at least `floor_s`. Pure: the scale tests and the dry run use it too."""
+    """Seconds without progress after which a job is hung (job.watchdog=auto). Pure: tests and the dry run use it.
+
+    `startup_s` before the step time is known or in a new phase (`first_of_phase`);
+    else step_factor x `step_s` + save_factor x `save_s`, at least `floor_s`.
+    """
     if first_of_phase or step_s is None:
         return max(startup_s, floor_s)
     return max(floor_s, step_factor * step_s + save_factor * (save_s or 0.0))
@@ -81,8 +62,7 @@ def watchdog_bound_seconds(
 
 @dataclass
 class Progress:
-    """What the loop tells the watchdog (any thread may read it; one writer, the loop): when it last made progress,
-    at which step, in which phase, and which phases it has been through."""
+    """What the loop tells the watchdog (one writer, any reader): last progress, its step and phase, phases seen."""
 
     clock: Callable[[], float] = time.monotonic
     at: float = field(default=0.0)
@@ -98,8 +78,7 @@ class Progress:
         self.at = self.clock()
 
     def beat(self, step: int, phase: str = STEP) -> None:
-        """Progress: `step` is the last step finished, `phase` what the loop is now doing ('step': training). The
-        phase just left counts as seen."""
+        """Progress: `step` is the last step finished, `phase` what the loop does now; the phase left counts as seen."""
         self.seen.add(self.phase)
         self.at, self.step, self.phase = self.clock(), step, phase
 
@@ -114,15 +93,16 @@ def stack_dump() -> None:
 
 
 def end_process(code: int) -> None:
-    """Flush the log and leave at once: a hung thread (non-daemon, or holding the GIL in a C call's retry) cannot
-    hold the exit up, and no `finally` that might itself block runs."""
+    """Flush the log and leave at once: no hung thread or blocking `finally` can hold the exit up."""
     logging.shutdown()
     os._exit(code)
 
 
 class Watchdog:
-    """The thread: `check(now)` says whether the job is hung (pure, on a fake clock in tests); `start()` runs it
-    every `tick_s`; on a hang `fire` dumps the stacks, writes the record and ends the process (`exit`)."""
+    """The thread: `check(now)` says whether the job is hung (pure); `start()` runs it every `tick_s`.
+
+    On a hang `fire` dumps the stacks, writes the record and ends the process (`exit`).
+    """
 
     def __init__(
         self,
@@ -143,8 +123,7 @@ class Watchdog:
         return p.phase not in p.seen or (self.fixed_s is None and p.step_s is None)
 
     def bound(self) -> float:
-        """The bound that holds now: the start-up allowance in a phase met for the first time, else job.watchdog's
-        number or the rule (`watchdog_bound_seconds`)."""
+        """The bound now: the start-up allowance in a new phase, else job.watchdog's number or the rule."""
         p = self.progress
         if self.fixed_s is not None and not self._first():
             return self.fixed_s

@@ -1,18 +1,11 @@
-"""The prepare-data reading layer: the source cut into deterministic units, each streamed in batches of rows.
+r"""The prepare-data reading layer: the source cut into deterministic units, each streamed in batches of rows.
 
-A *unit* is a piece of the source that one worker reads on its own: a byte range of a jsonl file that starts at
-a line start, a whole txt file (one document), a run of whole parquet row groups, or one of N shards of a Hugging
-Face hub data set. `plan_units` lays them out in a fixed order (the output order); `read_unit` streams one.
-
-Reading never fails on one bad row: a jsonl line that is not JSON, or not an object, and a parquet row group that
-cannot be decoded are set aside as `BadRow`s (with their line, or row group, and an excerpt) and reading goes on.
-Invalid UTF-8 is decoded with U+FFFD in place of the bad bytes, as are lone surrogates from JSON escapes such as
-"\\udc80", so validation quarantines those rows as invalid_utf8. Only a missing file or an unreadable source
-(a parquet footer that cannot be read, a hub data set that does not load) raises, as `SourceError`.
-
-jsonl keeps the semantics of the `datasets` reader it replaces: only b"\\n" ends a record (a "\\r" before it is
-JSON whitespace), blank lines are not rows, and an object without the text key gives a None text. Files are read
-through fsspec (`core.storage.Storage`), so local paths and s3:// read alike.
+A unit is a piece one worker reads alone: a jsonl byte range, a txt file, parquet row groups, or a hub shard.
+Rules:
+- one bad row never fails a read: it becomes a `BadRow` and reading goes on;
+- invalid UTF-8 and lone surrogates become U+FFFD, so validation quarantines them as invalid_utf8;
+- only a missing file or an unreadable source raises `SourceError`;
+- jsonl keeps the `datasets` reader's semantics: only b"\n" ends a record, blank lines are not rows.
 """
 
 from __future__ import annotations
@@ -61,8 +54,9 @@ class Unit:
     start: int = 0
     """jsonl: byte offset of the unit's first line; parquet: first row group (0-based); hub: worker shard index."""
     end: int | None = None
-    """jsonl: byte offset where the unit ends (exclusive; None = end of file); parquet: row group end (exclusive);
-    hub: number of hub shards."""
+    """jsonl: byte offset where the unit ends (exclusive; None: end of file); parquet: row group end; hub: shard
+    count.
+    """
     size: int = 0
     """Bytes of raw input in this unit (parquet: compressed bytes of its row groups; hub: 0, unknown beforehand)."""
 
@@ -84,8 +78,7 @@ class BadRow:
     """A row set aside while reading, with where it was and what it looked like."""
 
     reason: str
-    """"unparseable_json" | "not_an_object" | "not_a_string" (a jsonl text value that is a number, list, ...) |
-    "corrupt_row_group"."""
+    """"unparseable_json" | "not_an_object" | "not_a_string" | "corrupt_row_group"."""
     file: str
     line: int
     """jsonl: 1-based line within the unit (see `absolute_line`); parquet: 1-based row group number in the file."""
@@ -100,28 +93,23 @@ class Rows:
     texts: list[str | None]
     """The text column's values, one per good row (None when the key is missing or null)."""
     lines: list[int]
-    """For each text: its 1-based line within the unit (jsonl), 1 (txt), 1-based row group (parquet), running row
-    number within the unit (hub)."""
+    """For each text: its 1-based line (jsonl), 1 (txt), row group (parquet) or running row number (hub)."""
     bad: list[BadRow]
     """Rows set aside while reading this batch, in order."""
     bytes: int
     """Raw input bytes this batch covered (bad rows and blank lines included)."""
     columns: list[str] = field(default_factory=list)
-    """Column names the source showed in this batch (jsonl: keys of its objects, in first-seen order; parquet and
-    hub: the schema's): lets the caller say which columns there are when data.text_column is not one of them."""
+    """Column names the source showed in this batch, so a wrong data.text_column can name the real ones."""
     lines_so_far: int = 0
-    """jsonl: the lines of the unit read so far, blank ones included (after its last batch: the unit's line count,
-    which numbers the lines of the file's next unit)."""
+    """jsonl: lines of the unit read so far, blank ones included (after the last batch: the unit's line count)."""
 
 
 # -- planning ---------------------------------------------------------------------------------------------
 def plan_units(cfg: DataConfig, unit_bytes: int, workers: int = 1) -> list[Unit]:
     """Deterministic units for data.source, in output order; for files the plan does not depend on `workers`.
 
-    jsonl files larger than `unit_bytes` are cut into byte ranges of at least `unit_bytes` that start at a line
-    start (only a small window around each cut is read); a txt file is one unit; parquet files are cut into runs
-    of whole row groups of about `unit_bytes` (from the footer); a hub data set becomes `workers` units, unit i
-    reading shard i of `workers`.
+    jsonl files over `unit_bytes` are cut at line starts; a txt file is one unit; parquet is cut into
+    row-group runs of about `unit_bytes`; a hub data set becomes `workers` shards.
     """
     if unit_bytes < 1:
         raise ValueError(f"unit_bytes must be at least 1, got {unit_bytes}")
@@ -196,10 +184,9 @@ def _row_group_runs(file: str, unit_bytes: int) -> list[tuple[int, int | None, i
 
 # -- reading ----------------------------------------------------------------------------------------------
 def read_unit(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
-    """Stream one unit in batches of about data.batch_rows rows (fewer when a batch reaches BATCH_BYTES of input).
+    """Stream one unit in batches of about data.batch_rows rows (or BATCH_BYTES of input).
 
-    Bad rows become BadRows, never errors; data.max_documents is not applied here (the caller counts). A missing
-    file or an unreadable source raises SourceError naming the file.
+    Bad rows become BadRows; data.max_documents is the caller's. A missing or unreadable source raises SourceError.
     """
     if unit.kind == "jsonl":
         yield from _read_jsonl(unit, cfg.text_column, cfg.batch_rows)
@@ -214,8 +201,7 @@ def read_unit(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
 
 
 def absolute_line(unit: Unit, line_in_unit: int) -> int:
-    """The 1-based line in the whole file of a unit's line (jsonl counts the b"\\n" before the unit, streamed);
-    other kinds number their rows absolutely already. For messages under policy=fail."""
+    """The 1-based line in the whole file of a unit's line (jsonl streams the lines before the unit); for messages."""
     if unit.kind != "jsonl" or unit.start == 0:
         return line_in_unit
     before = 0
@@ -246,8 +232,10 @@ def _read_jsonl(unit: Unit, column: str, batch_rows: int) -> Iterator[Rows]:
 
 
 class _Block:
-    """Whole lines of a jsonl file from one read, decoded at once: several times faster than line by line, and
-    exact, as b"\\n" never occurs inside a UTF-8 sequence and errors="replace" never swallows one."""
+    r"""Whole lines of a jsonl file from one read, decoded at once: faster than line by line, and exact.
+
+    b"\n" never occurs inside a UTF-8 sequence, and errors="replace" never swallows one.
+    """
 
     def __init__(self, raw: bytes | memoryview, first: bool) -> None:
         self.raw = raw
@@ -417,8 +405,7 @@ def _read_hub(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
 
 
 def _as_text(value: Any) -> str | None:
-    """A parquet or hub cell as text: bytes decoded with U+FFFD for bad bytes, lone surrogates replaced likewise,
-    other types through str()."""
+    """A parquet or hub cell as text: bad bytes and lone surrogates as U+FFFD, other types through str()."""
     if value is None or (isinstance(value, float) and value != value):
         return None
     if type(value) is str:
@@ -431,8 +418,7 @@ def _as_text(value: Any) -> str | None:
 # -- files ------------------------------------------------------------------------------------------------
 @contextmanager
 def _storage(file: str) -> Iterator[tuple[Any, str]]:
-    """(fs, path) of a source file, with its faults translated: a missing file is a SourceError that names it;
-    other storage faults keep their StorageError kind, so that transient ones are retried."""
+    """(fs, path) of a source file: a missing file is a SourceError; other faults keep their kind for retries."""
     store = Storage(file)
     try:
         with storage_errors(file):

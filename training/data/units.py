@@ -1,29 +1,11 @@
-"""The prepare-data body of one source: cut it into units, validate and shard each unit, curate the whole source
-(training.data.curation, datatrove), and write its manifest and report.
+"""The prepare-data body of one source: units cut, validated and sharded, then curated, then merged.
 
-The work is split so that many workers can share it and none has to start over: `plan` cuts the source into
-deterministic units (training.data.reader: files, byte ranges of large jsonl files, groups of parquet row groups, or one
-share of a hub data set per worker); `assign` deals them out to `data.workers` workers, largest first; each
-worker runs `prepare_unit` on its units, which validates them with great-expectations (dropping exact duplicates
-within the unit), writes the unit's shards and commits it with `unit.json`, written last. Curation then runs over
-every unit's shards, in phases whose tasks the workers share (exact duplicates across the whole source,
-hash-partitioned; near duplicates; quality rules; decontamination), and `merge` writes the manifest and the report.
-The output depends on the plan alone, not on how many workers ran it or how often one was restarted: a committed
-unit, or a completed curation task, is never redone.
-
-Outputs under the source's folder (`<storage root>/sources/<name>-<key>/`, core.layout.source_folder):
-```
-work-<key>/plan.json                              the units, in output order
-work-<key>/units/000003/train-00000.parquet ...   kept documents of unit 3 (validation-00000... held out)
-work-<key>/units/000003/quarantine-00000.parquet  set-aside rows: text, reason, file, line (in the unit)
-work-<key>/units/000003/unit.json                 the unit's counts and shards: its commit marker
-work-<key>/curate/...                             curation's phases: their logs, completions and outputs
-manifest.json                                     every shard once, with rows, bytes, sha256 (after the units)
-report.json                                       counts that reconcile, reasons and rules, per worker, timing (last)
-```
-A source that fails leaves the previous manifest and its shards untouched; the work folders of earlier keys are
-removed only after the new manifest is in place. `write_mixture` then writes the run's own `data/manifest.json`
-(the mixture of its sources) and `data/report.json` (their reports and totals).
+Rules:
+- `plan` cuts the source into deterministic units; `assign` deals them out, largest first;
+- a unit commits with `unit.json`, written last; a committed unit or curation task is never redone;
+- the output depends on the plan alone, not on worker count or restarts;
+- a failed source leaves the previous manifest and shards untouched.
+docs/stages.md ("prepare-data") draws the source folder and explains the stage.
 """
 
 from __future__ import annotations
@@ -150,7 +132,7 @@ class DataReport(BaseModel):
 
 
 def held_out(sha256: bytes, validation_fraction: float) -> bool:
-    """Held-out membership by content hash (the text's sha256): stable across re-runs, orders and shard sizes."""
+    """Held-out membership by the text's sha256: stable across re-runs, orders and shard sizes."""
     return int.from_bytes(sha256[:8], "big") < validation_fraction * 2**64
 
 
@@ -202,9 +184,11 @@ def prepare_unit(
     on_batch: Callable[[Unit, int], None] = lambda unit, rows: None,
     job: str = "",
 ) -> UnitResult:
-    """Read, validate and shard one unit (at most `limit` rows), then commit it; a committed unit is returned as it
-    was. Within the unit exact duplicates are dropped; under policy 'fail' the first bad row raises
-    DataValidationError naming its file and 1-based line."""
+    """Read, validate and shard one unit (at most `limit` rows), then commit it; a committed unit is returned as is.
+
+    Exact duplicates within the unit are dropped. Under policy 'fail' the first bad row raises
+    DataValidationError naming its file and line.
+    """
     done = committed(data, work, unit)
     if done is not None:
         return done
@@ -365,8 +349,10 @@ def run_worker(
     on_batch: Callable[[Unit, int], None] = lambda unit, rows: None,
     job: str = "",
 ) -> list[UnitResult]:
-    """Prepare `units` in order (skipping committed ones); with `limit`, stop once that many rows are read.
-    `on_batch(unit, rows read in it)` is called after each batch; `job` names the job committing them."""
+    """Prepare `units` in order, skipping committed ones; with `limit`, stop after that many rows.
+
+    `on_batch(unit, rows read in it)` runs after each batch; `job` names the committing job.
+    """
     results: list[UnitResult] = []
     read = 0
     for unit in units:
@@ -387,8 +373,7 @@ def run_worker(
 def prepare_dataset(
     cfg: DataConfig, data: Storage, fingerprint: str, evaluation_tasks: tuple[str, ...] = ()
 ) -> DataReport:
-    """One source, the whole stage in this process: its units one after another (what each worker of the job does),
-    curation, then the merge."""
+    """One source, the whole stage in this process: its units in turn, curation, then the merge."""
     start = time.time()
     work = work_dir(fingerprint)
     units = plan(cfg, data, work)
@@ -398,8 +383,7 @@ def prepare_dataset(
 
 
 CONTAMINATION_DOCUMENTS = 2000
-"""Held-out documents of a source whose text the offline evaluation tasks may quote (training.evaluate reads the
-first OFFLINE_TASK_DOCUMENTS of the mixture's held-out split, which are among each source's first this many)."""
+"""Held-out documents per source that the offline evaluation tasks may quote (see training.evaluate)."""
 
 
 def curate_units(
@@ -413,9 +397,10 @@ def curate_units(
     hosts: int = 1,
     workers: int = 1,
 ) -> CurationResult | None:
-    """Curate a source's committed units (training.data.curation): one task per unit in the phases that read them
-    (so the output depends on the plan alone, not on how many workers or hosts ran it), this host running its share
-    of each phase's tasks on `workers` processes. None when every rule is off."""
+    """Curate a source's committed units: one task per unit, this host running its share on `workers` processes.
+
+    None when every rule is off.
+    """
     if not cfg.curation.any_rule:
         return None
     from hlat.training.data.curation import contamination_texts, curate
@@ -445,8 +430,7 @@ def prepared(folder: Storage, key: str) -> bool:
 
 
 def write_mixture(cfg: DataConfig, data: Storage, sources: list[tuple[SourceConfig, Storage]], key: str) -> DataReport:
-    """The run's `data/manifest.json` (the mixture of the prepared sources) and then `data/report.json` (each
-    source's report and their totals). Leftovers of a single-source layout in `data` are removed after."""
+    """Write the run's `data/manifest.json` (the mixture), then `data/report.json`; remove single-source leftovers."""
     reports, entries = [], []
     for source, folder in sources:
         manifest = read_manifest(folder)
@@ -523,10 +507,10 @@ def merge(
     started: float,
     curated: CurationResult | None = None,
 ) -> DataReport:
-    """The source's manifest, then its report, from its committed units and, when any curation rule ran, what
-    curation kept (`curated`: its shards replace the units'; every document a rule removed is counted under the
-    rule, exact duplicates under 'duplicate'). Data-set-level rules (empty, duplicate rate, too few rows) fail the
-    stage here, before the manifest."""
+    """The source's manifest, then its report, from its committed units and what curation kept.
+
+    Curated shards replace the units'; removals count under their rule. Data-set-level rules fail here.
+    """
     results = _results(cfg, data, work, units)
     removed = {RULE_REASONS.get(rule, rule): n for rule, n in (curated.removed if curated else {}).items()}
     shards = curated.shards if curated is not None else [s for r in results for s in r.shards]

@@ -1,20 +1,10 @@
 """lm-eval-harness 0.4 on an exported Hugging Face folder, plus two offline tasks made from held-out text.
 
-The evaluation stage exports a checkpoint as a Hugging Face folder, Llama or GPT-NeoX
-(`training/checkpoint/hf_export.py`), and scores it with lm-eval-harness through its Python API (`run_harness`).
-Standard tasks (HellaSwag, MMLU...) fetch their data sets from the hub; so that the harness also runs with no network
-at all (tests, the tiny preset, air-gapped clusters), `write_offline_tasks` turns the run's held-out documents into
-two tasks of our own:
-
-- `hlat_cloze`: predict the last word of a passage from the text before it, in the spirit of LAMBADA
-  (loglikelihood; `acc` is "the word is the greedy continuation", `perplexity` is exp of the mean negative
-  log-likelihood of the whole word: per word, not per token, so it is large for small vocabularies);
-- `hlat_choice`: pick a passage's true continuation among four, the other three cut from other documents, in
-  the spirit of HellaSwag (multiple choice; `acc`, and `acc_norm` which normalises by continuation length).
-
-Each is a task YAML beside a JSONL data file in one folder, which is then the harness's `include_path`.
-`check_tasks` refuses unknown task names, with close matches, before any model is loaded. When every task
-comes from `include_path`, `run_harness` switches the Hugging Face libraries offline for the call.
+`run_harness` scores an exported Llama or GPT-NeoX folder through lm-eval's Python API.
+`write_offline_tasks` makes two tasks from held-out documents, so the harness runs with no network:
+- `hlat_cloze`: predict a passage's last word, after LAMBADA (`acc`; `perplexity` is per word, not per token);
+- `hlat_choice`: pick the true continuation among four, after HellaSwag (`acc`, `acc_norm`).
+Rules: unknown task names are refused before a model loads; all-offline task sets run with the hub switched off.
 """
 
 from __future__ import annotations
@@ -47,8 +37,7 @@ CONTINUATION_CHARS = 100
 MIN_DOCUMENT_CHARS = MIN_CONTEXT_CHARS + CONTINUATION_CHARS + 50
 """Shorter documents (ignoring surrounding whitespace) make no examples."""
 SEGMENT_CHARS = CONTEXT_CHARS + CONTINUATION_CHARS
-"""A document gives at most one example of each task per segment of this many characters: examples are drawn
-from random segments of all documents, so they spread over the text instead of crowding together."""
+"""A document gives at most one example of each task per segment of this many characters, so examples spread out."""
 CHOICES = 4
 DISTRACTOR_ATTEMPTS = 20
 """Random draws tried for each distractor before the example is dropped."""
@@ -81,8 +70,9 @@ def _passage_start(text: str, end: int) -> int:
 
 
 def _cut_at_word(text: str, start: int, length: int) -> str:
-    """Up to `length` characters of `text` from `start`, cut back to the last whitespace when that would split
-    a word (unless that drops more than half), without trailing whitespace."""
+    """Up to `length` characters from `start`, cut back to a word boundary unless that drops over half; no trailing
+    space.
+    """
     piece = text[start : start + length]
     if start + length < len(text) and not text[start + length].isspace():
         cut = next((i for i in range(len(piece) - 1, length // 2, -1) if piece[i].isspace()), None)
@@ -94,9 +84,9 @@ def _cut_at_word(text: str, start: int, length: int) -> str:
 def _draw_positions(
     texts: list[str], pattern: re.Pattern[str], usable: Callable[[str, int], bool], rng: random.Random, most: int
 ) -> list[tuple[int, int]]:
-    """Up to `most` (document, position) pairs, in document order: a random candidate from each of `most`
-    random segments that have one. Candidates are the start positions of `pattern`'s matches that pass
-    `usable`; only the drawn segments are searched, so the cost follows `most`, not the size of the text.
+    """Up to `most` (document, position) pairs, in document order: a random `usable` match from random segments.
+
+    Only the drawn segments are searched, so the cost follows `most`, not the text's size.
     """
     segments = [(doc, start) for doc, text in enumerate(texts) for start in range(0, len(text), SEGMENT_CHARS)]
     rng.shuffle(segments)
@@ -214,14 +204,11 @@ def _task_yaml(name: str, data_file: str, cache_dir: str) -> dict[str, Any]:
 def write_offline_tasks(texts: list[str], out_dir: str, seed: int = 0, max_examples: int = 500) -> list[str]:
     """Write the `hlat_cloze` and `hlat_choice` tasks made from `texts` into `out_dir`; return their names.
 
-    `out_dir` then holds `<task>.yaml` and `<task>.jsonl` for each, and is meant to be passed as `include_path`
-    to `run_harness`, so it should hold no other task YAML. Blank and short documents (under
-    MIN_DOCUMENT_CHARS) are skipped; each task gets at most `max_examples` examples, spread over the
-    documents. The same texts and seed give the same files. Raises ValueError when a task gets no example.
-
-    JSONL fields: `context`, then `target` (" " + the word) for the cloze task, or `choices` and `gold` (the
-    index of the true continuation) for the choice task; `doc` and `offset` say where the example came from:
-    `texts[doc][offset]` is the space right after the context.
+    `out_dir` becomes `run_harness`'s `include_path` and should hold no other task YAML.
+    Documents under MIN_DOCUMENT_CHARS are skipped; each task gets at most `max_examples`, spread out.
+    Same texts and seed, same files. ValueError when a task gets no example.
+    JSONL fields: `context`, then `target` (cloze) or `choices` and `gold` (choice); `texts[doc][offset]`
+    is the space right after the context.
     """
     import yaml
 
@@ -339,8 +326,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 def _hub_offline() -> Iterator[None]:
     """No request to the Hugging Face hub for the duration (it raises instead).
 
-    huggingface_hub and datasets read HF_HUB_OFFLINE into module constants when first imported, so setting the
-    variables is not enough in a process that has imported them already: the constants are switched too.
+    The libraries read HF_HUB_OFFLINE into constants at import, so the constants are switched too.
     """
     import datasets.config
     import huggingface_hub.constants
@@ -377,8 +363,7 @@ def _number(value: Any) -> float | int | None:
 def _compact(raw: dict[str, Any]) -> dict[str, Any]:
     """Per task (and group): metrics, sample count, shots, metric directions and version, nothing else.
 
-    lm-eval keys metrics "<metric>,<filter>"; the usual "none" filter is dropped ("acc,none" -> "acc",
-    "acc_stderr,none" -> "acc_stderr"), other filters keep lm-eval's key ("exact_match,strict-match").
+    lm-eval's "none" filter suffix is dropped ("acc,none" -> "acc"); other filters keep lm-eval's key.
     """
     tasks: dict[str, Any] = {}
     for name, row in raw["results"].items():
@@ -414,13 +399,11 @@ def run_harness(
     offline: bool | None = None,
     bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS,
 ) -> dict[str, Any]:
-    """Run lm-eval's `simple_evaluate` with its "hf" model on the exported folder `model_dir`; compact results.
+    """Run lm-eval's `simple_evaluate` with its "hf" model on exported folder `model_dir`; return compact results.
 
-    Task names are checked first (ValueError, before the model loads). The model runs in float32 on CPU and
-    bfloat16 on CUDA devices. `offline` (None: when every task is defined under `include_path`) keeps the call
-    off the Hugging Face hub; standard tasks need it to fetch their data sets unless they are cached. Returns
-    `{"lm_eval_version", "limit", "num_fewshot", "offline", "tasks": {name: {"metrics", "n_samples",
-    "num_fewshot", "higher_is_better", "version"}}}`, plain JSON values only (NaN and inf become None).
+    Task names are checked first. float32 on CPU, bfloat16 on CUDA. `offline` (None: when every task is local)
+    keeps the call off the hub. Returns plain JSON: {"lm_eval_version", "limit", "num_fewshot", "offline",
+    "tasks": {name: {"metrics", "n_samples", "num_fewshot", "higher_is_better", "version"}}}.
     """
     import lm_eval
 
