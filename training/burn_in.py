@@ -1,13 +1,9 @@
 """The burn-in program: `python -m hlat.training.burn_in --config <config.json uri> [--report <uri or path>]`.
 
-Run under torchrun by the job backends on the exact instance type and count the training job will use, one
-process per device, before training spends days on them. Every rank takes an inventory of its devices, times and
-verifies a matmul in the training's compute dtype, and joins a timed, verified all-reduce; each node's local rank 0
-also writes a scratch object to the checkpoint location. Rank 0 gathers every rank's results, evaluates them
-against `burn_in.thresholds[job.instance_type]` (see `training.health.evaluate`) and writes the report to
-`<run>/burn-in/report.json`. Exit 0 when every rank passed; otherwise the failure reason `BurnInFailed: ...`
-(naming the ranks and hosts) and exit code EXIT_BURN_IN_FAILED. SageMaker's Torchrun driver starts it through the job's
-entry script (infra/job_entry.py).
+It runs under torchrun on the training's exact instances, one process per device, before training.
+Each rank takes an inventory, checks a matmul and joins an all-reduce; each node also writes to checkpoint storage.
+Rank 0 judges all results (`training.health.evaluate`) and writes `<run>/burn-in/report.json`.
+Exit 0 when every rank passed; else `BurnInFailed: ...` naming ranks and hosts, and EXIT_BURN_IN_FAILED.
 """
 
 from __future__ import annotations
@@ -50,8 +46,7 @@ SCRATCH = "burn-in-scratch"
 
 
 def _guarded(check: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-    """Run one check; an exception becomes part of the result (a failure naming this rank), not a crash that
-    would leave the other ranks waiting in the next collective and the report unwritten."""
+    """Run one check; an exception becomes a failure in the result, not a crash that would strand the other ranks."""
     try:
         result: dict[str, Any] = fn(*args, **kwargs)
         return result
@@ -61,9 +56,10 @@ def _guarded(check: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
 
 
 def run_checks(cfg: HlatConfig, run: Storage, world: World) -> dict[str, Any]:
-    """This rank's results. Barriers between the checks keep them from timing each other: every rank's matmul
-    runs at once (as in training), then the all-reduce, then the writes (one per node, all nodes at once, as when
-    a checkpoint is saved)."""
+    """This rank's results; barriers keep the checks from timing each other.
+
+    All matmuls run at once, then the all-reduce, then one write per node, as in training.
+    """
     b = cfg.burn_in
     row: dict[str, Any] = {"rank": world.rank, "local_rank": world.local_rank, "host": host_name()}
     row["inventory"] = _guarded("inventory", inventory, world, cfg.world_size)

@@ -1,18 +1,10 @@
 """Entrypoint of an evaluation job: `python -m hlat.training.evaluate --config <config.json uri> [--step N]`.
 
-Evaluates one committed checkpoint of the run (the newest, or `--step`) in one process on one instance:
-
-1. perplexity, NLL per token and bits per byte on the held-out split with our own model
-   (`training/evaluation/perplexity.py`; `evaluation.perplexity_tokens`, 0 skips it);
-2. the lm-eval-harness tasks of `evaluation.tasks` through its Python API on the checkpoint exported as a
-   Hugging Face folder, LlamaForCausalLM or GPTNeoXForCausalLM (`training/checkpoint/hf_export.py`). The project's
-   own offline tasks (`hlat_cloze`, `hlat_choice`) are generated first from the held-out text
-   (`training/evaluation/lm_harness.py`), so the harness runs without a network; the standard tasks (MMLU,
-   HellaSwag...) fetch their data sets as lm-eval does.
-
-Writes `<run>/eval/step-NNNNNNNNN/results.json` (the flow turns it into the report). A model that cannot be
-exported keeps its perplexity; its lm-eval part records why it was skipped. Task names are
-checked before anything heavy runs. SageMaker starts it through the job's entry script (infra/job_entry.py).
+It evaluates one committed checkpoint (the newest, or `--step`) in one process:
+1. perplexity, NLL per token and bits per byte on the held-out split (`evaluation/perplexity.py`);
+2. lm-eval-harness tasks on the checkpoint exported as a Hugging Face folder (`evaluation/lm_harness.py`).
+It writes `<run>/eval/step-NNNNNNNNN/results.json`. Task names are checked before anything heavy runs.
+A model that cannot be exported keeps its perplexity; its lm-eval part records why.
 """
 
 from __future__ import annotations
@@ -48,8 +40,7 @@ log = logging.getLogger("hlat.evaluate")
 
 
 def perplexity_line(p: dict[str, Any]) -> str:
-    """`perplexity 266.55 (5.5855 nats/token, 1.2345 bits/byte) over 12,288 tokens of 40 documents`: the held-out
-    result as a reader wants it (results.json keeps the full precision)."""
+    """`perplexity 266.55 (5.5855 nats/token, 1.2345 bits/byte) over 12,288 tokens of 40 documents`."""
     ppl = p.get("perplexity")
     head = f"perplexity {ppl:,.2f}" if isinstance(ppl, int | float) else "perplexity overflowed"
     parts = []
@@ -67,8 +58,7 @@ OFFLINE_TASK_DOCUMENTS = 2000
 
 
 def _device(choice: str | None) -> torch.device:
-    """The evaluation job's device: it runs Hugging Face models on its own instance (CPU or CUDA), whatever device
-    the training used."""
+    """The evaluation job's device (CPU or CUDA), whatever device the training used."""
     if choice in (None, "auto", "xla"):
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     return torch.device(choice)
@@ -82,8 +72,7 @@ def _held_out(data: Storage) -> Any:
 def evaluate_checkpoint(
     run: Storage, cfg: HlatConfig, step: int | None, device: torch.device, averaged: bool = False
 ) -> dict[str, Any]:
-    """Evaluate one checkpoint of `run` (with `averaged`, one of `hlat average`'s under averaged/) and write its
-    results.json; returns the results."""
+    """Evaluate one checkpoint of `run` (or of `hlat average`'s with `averaged`); write and return its results.json."""
     from hlat.training.evaluation import lm_harness
 
     started = time.perf_counter()
@@ -190,8 +179,7 @@ def _run_tasks(
 
 
 class _TruncationCounter(logging.Filter):
-    """Counts lm-eval's per-request 'Truncating ... tokens from the left' warnings instead of logging each one
-    (thousands with a short-context model); one summary line follows."""
+    """Counts lm-eval's per-request truncation warnings instead of logging each; one summary line follows."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -205,8 +193,7 @@ class _TruncationCounter(logging.Filter):
 
 
 def quiet_progress_bars() -> None:
-    """No tqdm bars (lm-eval's requests, datasets' maps, the hub's) when the output is not a terminal: a job's log is
-    a file, where each bar would be one line thousands of characters long. Set before those libraries load."""
+    """No tqdm bars when the output is not a terminal: in a log file each bar is one huge line. Set before imports."""
     if sys.stderr.isatty():
         return
     for name in ("TQDM_DISABLE", "HF_DATASETS_DISABLE_PROGRESS_BARS", "HF_HUB_DISABLE_PROGRESS_BARS"):

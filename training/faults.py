@@ -1,27 +1,18 @@
-"""Fault injection for chaos tests: the `JobHooks` the tests install (HLAT_JOB_HOOKS=hlat.training.faults, see
-training/hooks.py), each fault switched on by an environment variable only (never by config). No production module
-imports this one (tests/unit/test_layers.py).
+"""Fault injection for chaos tests: the `JobHooks` that HLAT_JOB_HOOKS=hlat.training.faults installs.
 
-HLAT_FAULT_KILL_BEFORE_COMMIT=<step>: the process SIGKILLs itself while saving the checkpoint of that step,
-after its files are written and before the commit marker: the torn checkpoint a crash can leave behind.
-HLAT_FAULT_NAN_AT_STEP=<step>: the loss of that step (1-based) becomes NaN, once per run (a flag file in the
-run's faults/ folder records it, so the relaunched job gets past it).
-HLAT_FAULT_BURN_IN_WRONG_RANK=<rank>: in the burn-in program, that rank perturbs one element of its matmul result
-before the checks, as a faulty device would (every burn-in run: the fault is the device's, not a one-off).
-HLAT_FAULT_STEP_SECONDS=<s>: each optimizer step takes about s seconds: the loop sleeps on the host after the step's
-work is launched, as a big model's step would keep it (no device work added; a step already slower stays as it is).
-HLAT_FAULT_SAVE_SECONDS=<s>: each checkpoint file this process writes takes s seconds longer (a sleep before the
-write: a slow upload, so that a stop can land inside a checkpoint write).
-HLAT_FAULT_ALLREDUCE_SECONDS=<s>: each timed iteration of a health check's all-reduce takes s seconds longer (a host
-sleep inside the timer: a degraded link, whose bus bandwidth then falls below any floor the check applies).
-HLAT_FAULT_HANG_AT_STEP=<step>:<rank>: that rank never finishes that step (1-based): once the step's work is launched
-it blocks on the host for good, as a rank whose host-side collective never returns (a peer gone, a storage read with
-no deadline); its peers then wait in the next step's collectives for it. Only the job's hang watchdog ends that.
-HLAT_FAULT_SAVE_FAILS=<step>:<rank>: that rank's write of its rank file of that step's checkpoint fails with an
-OSError (a failed upload); in an async save, the loop's check after the next step sees it.
-HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}': in the prepare-data job, that worker SIGKILLs
-itself in that life (1: its first start) once it has read that many rows of a unit; "job": <name> limits it to that
-job (attempt), "unit_at_least": N to units from the N-th of the plan on.
+Each fault is switched on by an environment variable only, never by config. No production module imports this one.
+
+    HLAT_FAULT_KILL_BEFORE_COMMIT=<step>      SIGKILL after that step's files, before its commit marker
+    HLAT_FAULT_NAN_AT_STEP=<step>             that step's loss is NaN, once per run (a flag file remembers)
+    HLAT_FAULT_BURN_IN_WRONG_RANK=<rank>      that rank's burn-in matmul result is perturbed, every run
+    HLAT_FAULT_STEP_SECONDS=<s>               each step takes about s seconds (a host sleep, no device work)
+    HLAT_FAULT_SAVE_SECONDS=<s>               each checkpoint file write starts s seconds later
+    HLAT_FAULT_ALLREDUCE_SECONDS=<s>          each timed health all-reduce takes s seconds longer
+    HLAT_FAULT_HANG_AT_STEP=<step>:<rank>     that rank blocks for good in that step; only the watchdog ends it
+    HLAT_FAULT_SAVE_FAILS=<step>:<rank>       that rank's rank-file write of that step fails with OSError
+    HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}'
+                                              that prepare-data worker SIGKILLs itself after so many rows;
+                                              "job" and "unit_at_least" narrow it further
 """
 
 from __future__ import annotations
@@ -60,9 +51,7 @@ PREPARE_FAULTS = "HLAT_PREPARE_FAULTS"
 
 
 class FaultyCheckpoints(Storage):
-    """Checkpoint storage with the faults above: it dies just before writing the commit marker of one step
-    (`kill_before_commit`), sleeps before each checkpoint file (`save_seconds`), or fails the write of one rank
-    file (`fail_file`, a path under the storage)."""
+    """Checkpoint storage with the faults above: kill before a commit, slow each file, or fail one rank file."""
 
     def __init__(
         self,
@@ -92,8 +81,7 @@ class FaultyCheckpoints(Storage):
 
 
 def checkpoint_storage(storage: Storage, rank: int | None = None) -> Storage:
-    """`storage`, or the same place with the faults the environment asks for (`rank`: this process's, by default
-    torchrun's RANK)."""
+    """`storage`, or the same place with the environment's faults (`rank`: this process's, by default RANK)."""
     kill = os.environ.get(KILL_BEFORE_COMMIT)
     slow = float(os.environ.get(SAVE_SECONDS) or 0)
     fail_file = None

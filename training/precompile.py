@@ -1,33 +1,14 @@
 """Entrypoint of a precompile job: `python -m hlat.training.precompile --config <path or s3 uri of config.json>`.
 
-Builds the training step's compiled graphs once, before training, into the run's compile-cache/ (layout and key
-in `training/compile_cache.py`), so that no training job, first or relaunched, compiles from scratch. It runs on
-the same instances and process count as training (under torchrun; SageMaker's Torchrun driver starts it through
-the job's entry script, infra/job_entry.py), because the graphs depend on them.
-
-Every path runs the training loop itself (`Trainer.fit`, `rehearse`) on the job's config cut to precompile.steps
-steps (`rehearsal_config`; HLAT's compile run: 4 steps with a checkpoint at step 3): the steps, the sync points'
-host reads and stop vote, a periodic health check, a checkpoint, the last step's checkpoint and validation pass.
-The Trainer is built exactly as training builds it (model, parallelism, precision, loader over the run's data and
-tokenizer, or the job's input channels), with a throwaway folder for its metrics and one under the run's
-compile-cache/ for its checkpoints (every rank's, deleted afterwards): the run's history stays training's alone,
-and the weights are thrown away.
-
-- CPU/CUDA with training.compile on: from a fresh compiler state, with TORCHINDUCTOR_CACHE_DIR pointed at an
-  empty temporary folder; torch.compiler.save_cache_artifacts() then holds every graph the rehearsal compiled
-  (forward and backward, training and validation) and the folder every kernel, and rank 0 writes both (the folder
-  as inductor.tar.gz), their manifest and latest.json.
-- CPU/CUDA with training.compile off: eager PyTorch compiles nothing; a manifest says so and the job succeeds.
-- trn1 (torch-neuronx and torch-xla importable): the job runs under neuron_parallel_compile (the job backends
-  set RUN_NEURON_PARALLEL_COMPILE=1, and SageMaker's Torchrun driver wraps torchrun in it). The steps run on the
-  XLA device, where their graphs are extracted rather than executed; after this program exits the wrapper
-  compiles them all in parallel into NEURON_COMPILE_CACHE_URL (the run's compile-cache/neuron/). The wrapper sets
-  NEURON_EXTRACT_GRAPHS_ONLY, and every value the rehearsal reads back is invalid: the Trainer (`loop.py`,
-  `extracting_graphs`) then traces every step, hook and host read and acts on none of them (no health verdict, no
-  NaN exit, no checkpoint, metrics or failure file), as HLAT's scripts do at compile time.
-- XLA:CPU (the local rehearsal of trn1): torch-xla's persistent compilation cache records every graph the
-  rehearsal compiles, and the job packs it into compile-cache/xla/<digest>/; a training job with the same key
-  loads it before anything compiles (`training/train.py`) and compiles no graph of its own.
+It builds the training step's graphs once into the run's compile-cache/, so no training job compiles from scratch.
+Rules:
+- it runs on training's instances and process count, because the graphs depend on them;
+- it rehearses the training loop itself (`Trainer.fit`) for precompile.steps steps (HLAT's: 4);
+- metrics and checkpoints go to throwaway folders: the run's history stays training's, the weights are dropped;
+- CPU/CUDA save torch.compile's artifacts and Inductor kernels; eager runs record that nothing compiles;
+- trn1 runs under neuron_parallel_compile: graphs are extracted, values invalid, nothing acted on;
+- XLA:CPU packs torch-xla's persistent cache for training jobs with the same key.
+docs/stages.md ("precompile") tells the whole story.
 """
 
 from __future__ import annotations
@@ -118,10 +99,11 @@ def _precompile(config_uri: str, device: str | None) -> int:
 
 
 def rehearsal_config(cfg: HlatConfig) -> HlatConfig:
-    """The job's config, cut to precompile.steps steps that still take every path a job's step can take (HLAT's
-    compile run: 4 steps, a checkpoint at step 3): a periodic health check (when the job runs them) before the
-    checkpoint, the checkpoint one step before the end, the last step's checkpoint and validation pass, the stop
-    vote and the host reads of every sync point. The learning-rate schedule keeps the job's horizon."""
+    """The job's config cut to precompile.steps steps that still take every path a real step can take.
+
+    That is a health check, a checkpoint one step before the end, the last checkpoint and validation pass,
+    the stop vote and every sync point's host reads. The schedule keeps the job's horizon.
+    """
     steps, t = cfg.precompile.steps, cfg.training
     training = t.model_copy(
         update={
@@ -138,8 +120,9 @@ def rehearsal_config(cfg: HlatConfig) -> HlatConfig:
 
 
 def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
-    """Run the training loop itself (`Trainer.fit`) on `rehearsal_config(cfg)`, over the run's data, writing its
-    metrics and checkpoints to a throwaway folder; return the seconds it took."""
+    """Run `Trainer.fit` on `rehearsal_config(cfg)` over the run's data, writing to throwaway folders; return
+    seconds.
+    """
     with throwaway_trainer(run, rehearsal_config(cfg), world) as trainer:
         start = time.perf_counter()
         code = trainer.fit()
@@ -156,14 +139,14 @@ def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
 
 
 REHEARSAL_CHECKPOINTS = f"{CACHE_DIR}/rehearsal-checkpoints"
-"""Where the rehearsal's checkpoints go: under the run, so that every rank of every host writes into one folder
-and rank 0 can commit them (a folder of each process's own would never see the others' files); deleted after."""
+"""Where the rehearsal's checkpoints go: one folder under the run that every rank sees, deleted afterwards."""
 
 
 @contextmanager
 def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
-    """The Trainer training would build, reading the run's data and tokenizer, writing metrics to a temporary
-    folder and checkpoints to REHEARSAL_CHECKPOINTS, both deleted afterwards."""
+    """The Trainer training would build, writing metrics to a temporary folder and checkpoints to
+    REHEARSAL_CHECKPOINTS.
+    """
     checkpoints = run.child(REHEARSAL_CHECKPOINTS)
     if world.is_main:
         checkpoints.remove("", recursive=True)  # an earlier precompile's, cut short
@@ -193,11 +176,8 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
 def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
     """The XLA device: the rehearsal's graphs, every one a job runs.
 
-    - trn1, under neuron_parallel_compile: the graphs are extracted rather than executed and compiled into
-      NEURON_COMPILE_CACHE_URL after this program exits; the key goes to neuron/manifest.json.
-    - XLA:CPU (the local rehearsal): torch-xla's persistent cache (`xr.initialize_cache`) in a fresh folder
-      records every compiled graph; it is packed into xla/<digest>/, where training jobs with the same key load
-      it and compile nothing.
+    trn1: graphs are extracted, compiled after exit into NEURON_COMPILE_CACHE_URL; the key goes to neuron/.
+    XLA:CPU: torch-xla's persistent cache records each graph and is packed into xla/<digest>/.
     """
     on_neuron = neuron_available()
     if on_neuron and not os.environ.get("NEURON_COMPILE_CACHE_URL"):

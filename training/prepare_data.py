@@ -1,27 +1,13 @@
-"""The prepare-data job: `python -m hlat.training.prepare_data --config <run>/config.json --key <the stage's key>
---sources '{"<name>": "<source key>", ...}'`.
+"""The prepare-data job: `python -m hlat.training.prepare_data --config <run>/config.json --key <key> --sources
+<json>`.
 
-The corpus is a mixture of sources (data.sources). Each source is prepared on its own, in turn, into its own folder
-beside the runs, `<storage root>/sources/<name>-<key>/` (core.layout.source_folder), keyed by its reader, validation,
-curation and shard settings and its content: a source whose folder already holds the manifest of its key is not
-prepared again, whichever run prepared it. Once every source is prepared, host 0 writes the run's
-`data/manifest.json` (the mixture: each source's folder, weight, maximum repetition, and the weight schedule) and
-`data/report.json` (the sources' reports and their totals).
-
-For each source, on each instance of the job (host h of H: SM_HOSTS and SM_CURRENT_HOST, as SageMaker and the local
-backend set them) this program starts the workers that host owns, data.workers / H of them (the local backend runs
-one host: all data.workers), as child processes (`--worker w --only <name>`). Each prepares its share of the plan's
-units (training.data.units: read, validate with great-expectations, write shards, commit the unit). A worker that
-dies (killed, out of memory) is started again, alone, up to data.worker_retries times; the units it committed are
-kept, so it redoes only the one it was in. Host 0 makes the plan, and once every unit is committed, merges them:
-duplicates across units, the manifest, the report.
-
-Exit codes: 0 done; EXIT_DATA_INVALID (6) when the data breaks a rule of its policy (the failure reason names the
-file and line), which is not worth relaunching; 1 otherwise (a worker died more often than allowed, a source that
-cannot be read), with the reason in the job's failure file. A relaunched job finds the plan and the committed units
-of its key and continues from them.
-
-Tests may kill a worker mid-unit through the hook point `JobHooks.prepared_batch` (training/hooks.py).
+Rules:
+- each source is prepared on its own into `<storage root>/sources/<name>-<key>/`, once per key;
+- each host starts its data.workers / H workers as child processes; a dead one restarts alone;
+- host 0 plans, merges, and finally writes the run's mixture manifest and report;
+- exit 0 done, EXIT_DATA_INVALID (6) for data breaking its policy (not relaunched), 1 otherwise;
+- a relaunched job continues from its key's plan and committed units.
+docs/stages.md ("prepare-data") explains the stage.
 """
 
 from __future__ import annotations
@@ -128,8 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _quiet_great_expectations(worker: bool) -> None:
-    """great-expectations logs about itself at INFO, on import and after (one of its loggers sets its own level
-    then): warnings only, in the job log. Only workers import it."""
+    """Quiet great-expectations' own INFO logging to warnings (one of its loggers resets its level after import)."""
     logging.getLogger("great_expectations").setLevel(logging.WARNING)
     if worker:
         import great_expectations  # noqa: F401
@@ -193,8 +178,7 @@ def _host(
     count: int,
     evaluation_tasks: list[str],
 ) -> None:
-    """One source on this host: its workers, then this host's share of curation once every unit is committed,
-    then (host 0) the merge into the source's manifest and report."""
+    """One source on this host: its workers, then its share of curation, then (host 0) the merge."""
     started = time.time()
     work = work_dir(key)
     if host != 0:  # host 0 writes the plan
@@ -228,8 +212,7 @@ class WorkerFailed(RuntimeError):
 
 
 def _supervise_workers(args: argparse.Namespace, name: str, workers: list[int], retries: int, tmp: Path) -> None:
-    """Run the workers of source `name` as child processes; start one that dies again, alone; stop all on a data
-    error."""
+    """Run source `name`'s workers as child processes; restart a dead one alone; stop all on a data error."""
     lives = dict.fromkeys(workers, 1)
     procs = {w: _start(args, name, w, 1, tmp) for w in workers}
     try:

@@ -1,19 +1,11 @@
 """The torch-xla seam: every call into torch_xla that the job programs make, in one thin module.
 
-torch-xla exists in the Neuron training container (with torch-neuronx: the NeuronCores) and in the environment
-`scripts/install.sh xla-2.28` (or `xla`, for neuron.sdk=2.24.1) makes (PJRT_DEVICE=CPU: XLA:CPU, the local
-rehearsal of the trn1 code path). Nothing here is imported unless the job runs on the XLA device
-(`training.device=xla`, or `auto` inside a Neuron container), so CPU and CUDA jobs never need torch-xla.
-
-What an XLA training loop must respect (PyTorch/XLA's "Lazy tensor" and "Troubleshooting" docs,
-https://pytorch.org/xla/; Neuron's training developer guide, https://awsdocs-neuron.readthedocs-hosted.com/en/latest/
-frameworks/torch/torch-neuronx/programming-guide/training/pytorch-neuron-programming-guide.html): the step is traced
-lazily and compiled into graphs cut by `mark_step()`, by default one per micro-batch with the last one before the
-optimizer step (HLAT's cuts, training.xla_graph_cuts=micro-batch; 'step' makes it one graph per optimizer step), the
-same graphs every step; reading a device tensor on the host
-(`float(t)`, `.item()`, `.cpu()`) cuts the graph and waits for the device, so the loop reads its scalars only at its
-sync points, in one batched transfer (`to_host`); collectives take device tensors (`all_reduce`); activation
-checkpointing needs torch-xla's own checkpoint; batches reach the device from a background thread (`device_loader`).
+Imported only when the job runs on the XLA device, so CPU and CUDA jobs never need torch-xla.
+Rules an XLA loop keeps (https://pytorch.org/xla/; Neuron's training programming guide):
+- the step is traced lazily and cut into graphs by `mark_step()`, the same graphs every step;
+- reading a device tensor on the host cuts the graph and waits, so reads happen only at sync points (`to_host`);
+- collectives take device tensors; activation checkpointing needs torch-xla's own;
+- batches reach the device from a background thread (`device_loader`).
 """
 
 from __future__ import annotations
@@ -54,10 +46,10 @@ def require_xla() -> None:
 
 
 def require_release(sdk: NeuronSdk) -> None:
-    """Fail in one line when the installed torch-xla is not the release of the config's Neuron SDK (neuron.sdk): a
-    2.24 job's precision flags are unsupported after Neuron 2.24 (torch-xla 2.9 still reads XLA_USE_BF16, with a
-    deprecation warning, but Neuron no longer supports it), and a 2.28 job run where the flags are set would have
-    its own cast or autocast overridden by them (Neuron's migration guide: do not set them together)."""
+    """Fail in one line when torch-xla is not the release of the config's Neuron SDK (neuron.sdk).
+
+    2.24's precision flags are unsupported after Neuron 2.24; under 2.28 they would override the job's own casts.
+    """
     found = torch_xla_release()
     if found is not None and found != sdk.torch_xla:
         other = environment_sdk()
@@ -70,8 +62,10 @@ def require_release(sdk: NeuronSdk) -> None:
 
 
 def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> None:
-    """Set what torch-xla reads at import (the precision flags; PJRT_DEVICE=CPU off trn1) unless the job's
-    environment already says otherwise. Must run before torch_xla is first imported."""
+    """Set what torch-xla reads at import (precision flags; PJRT_DEVICE=CPU off trn1) unless already set.
+
+    Must run before torch_xla is first imported.
+    """
     for key, value in precision_env.items():
         os.environ.setdefault(key, value)
     # torch-xla warns at import that these will go away (2.7, and 2.9 still reads them): only a neuron.sdk=2.24.1 job
@@ -82,9 +76,11 @@ def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> No
 
 
 def initialize_cache(folder: str, readonly: bool) -> None:
-    """torch-xla's persistent compilation cache in `folder` (one file per compiled graph, keyed by the graph's
-    hash): graphs found there are loaded, not compiled; `readonly` jobs add none. Must run before the first
-    computation (https://pytorch.org/xla/release/r2.7/learn/api-guide.html, `torch_xla.runtime.initialize_cache`)."""
+    """torch-xla's persistent compilation cache in `folder`: cached graphs load instead of compiling.
+
+    `readonly` jobs add none. Must run before the first computation
+    (https://pytorch.org/xla/release/r2.7/learn/api-guide.html, `torch_xla.runtime.initialize_cache`).
+    """
     import torch_xla.runtime as xr
 
     xr.initialize_cache(folder, readonly=readonly)
@@ -98,8 +94,7 @@ def device() -> torch.device:
 
 
 def init_process_group(timeout: Any = None) -> None:
-    """Join torchrun's processes through the `xla` backend of torch.distributed (on trn1: NeuronLink and EFA), with
-    `timeout` (a timedelta: job.collective_timeout_minutes) for the store's rendezvous instead of torch's default."""
+    """Join torchrun's processes through the `xla` backend, with `timeout` (job.collective_timeout_minutes)."""
     import torch.distributed as dist
     import torch_xla.distributed.xla_backend  # noqa: F401  (registers the "xla" backend)
 
@@ -111,16 +106,14 @@ def init_process_group(timeout: Any = None) -> None:
 
 
 def mark_step() -> None:
-    """Cut the traced graph here and launch it: after each micro-batch's backward by default (HLAT's cuts), or once
-    per optimizer step (training.xla_graph_cuts=step)."""
+    """Cut the traced graph here and launch it: per micro-batch (HLAT's cuts) or per optimizer step."""
     import torch_xla.core.xla_model as xm
 
     xm.mark_step()
 
 
 def rendezvous(tag: str) -> None:
-    """Block until every process reaches the rendezvous named `tag` (an all-gather over the devices, after a
-    mark_step): the barrier of an XLA job."""
+    """Block until every process reaches rendezvous `tag` (after a mark_step): an XLA job's barrier."""
     import torch_xla.core.xla_model as xm
 
     xm.rendezvous(tag)
@@ -134,8 +127,7 @@ def wait() -> None:
 
 
 def to_host(tree: Any) -> Any:
-    """A copy of `tree` whose XLA tensors are CPU tensors, all fetched in one transfer (pending computations that
-    produce them run first, as one graph). torch.save or `.cpu()` would fetch them one by one."""
+    """A copy of `tree` with its XLA tensors as CPU tensors, fetched in one transfer (not one by one)."""
     import torch_xla.core.xla_model as xm
 
     # torch-xla's own xm.save uses this to move a whole state dict at once; it is not exported under a public name.
@@ -143,8 +135,9 @@ def to_host(tree: Any) -> Any:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a device tensor over every process (a new tensor). With one process it is a copy, unless
-    XLA_ALWAYS_ALLREDUCE=1, which makes a single process run the real collective (tests)."""
+    """All-reduce a device tensor over every process (a new tensor); one process copies unless
+    XLA_ALWAYS_ALLREDUCE=1.
+    """
     import torch_xla.core.xla_model as xm
 
     kind = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX}[op]
@@ -168,10 +161,10 @@ def checkpoint_function() -> Callable[..., Any]:
 
 
 def device_loader(batches: Iterable[Any], device: torch.device, batches_per_execution: int) -> Iterable[Any]:
-    """`batches` (tuples and dicts of CPU tensors) sent to the device by a background thread, a few ahead.
+    """`batches` sent to the device by a background thread, a few ahead.
 
-    MpDeviceLoader cuts the graph itself every `batches_per_execution` batches unless the loop already did: set
-    to the micro-batches of one optimizer step, its cut coincides with the loop's own and adds none."""
+    Set `batches_per_execution` to one step's micro-batches, so MpDeviceLoader's own cut adds none.
+    """
     import torch_xla.distributed.parallel_loader as pl
 
     return pl.MpDeviceLoader(batches, device, batches_per_execution=batches_per_execution)
@@ -197,8 +190,7 @@ def in_use() -> bool:
 
 
 def counters() -> dict[str, float]:
-    """What the loop's tests and benchmark count: graph compilations, executions, device-to-host transfers and
-    collectives so far (torch_xla.debug.metrics)."""
+    """Graph compilations, executions, device-to-host transfers and collectives so far (torch_xla.debug.metrics)."""
     import torch_xla.debug.metrics as met
 
     def samples(name: str) -> float:

@@ -1,14 +1,11 @@
 """Corpus sources for prepare-data: what a source is, its fingerprint, and opening a hub data set.
 
-A source is a Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl/json, parquet, txt),
-or `builtin:python-stdlib`: an offline corpus built deterministically from the installed Python standard
-library (module sources and their docstrings), written as jsonl and then read like any local file. Files are cut
-into units and streamed by training.data.reader; a hub data set is opened here, through Hugging Face `datasets`.
-
-Before a hub data set is loaded, the hub endpoint (HF_ENDPOINT, by default https://huggingface.co) is probed
-with one request of a few seconds: when it does not answer, the data set is loaded in offline mode (a copy in
-the datasets cache is still used) instead of through the minutes of retries `datasets` and `huggingface_hub`
-would spend, and without such a copy the stage fails at once with a SourceError that says what to do.
+A source is a hub data set name, an s3:// URI, a local file or folder (jsonl/json, parquet, txt),
+or `builtin:python-stdlib`, an offline corpus built from the installed standard library.
+Rules:
+- files are cut into units and streamed by training.data.reader; hub data sets open here via `datasets`;
+- the hub endpoint is probed once first: if silent, the load goes offline at once instead of retrying for minutes;
+- offline without a cached copy fails at once with a SourceError saying what to do.
 """
 
 from __future__ import annotations
@@ -126,8 +123,7 @@ def source_kind(src: str) -> str:
 
 
 def check_source(cfg: DataConfig) -> None:
-    """What can be known of data.source without reading it, checked before anything starts: the builtin corpus's
-    name, that a local path exists, the shape of an s3:// URI and of a hub name. Raises ConfigError naming the fix."""
+    """What can be known of data.source without reading it, checked first; raises ConfigError naming the fix."""
     src = cfg.source
     kind = source_kind(src)
     if kind == "builtin" and src != BUILTIN_STDLIB:
@@ -272,9 +268,8 @@ def _env_any(*names: str) -> bool:
 def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
     """Why `endpoint` gives no HTTP answer within about `timeout` seconds, or None when it answers (any status).
 
-    One HEAD request through the environment's proxies, as huggingface_hub's own requests go; it runs in a
-    daemon thread so that name resolution, which no socket timeout bounds, cannot hold the caller longer. A TLS
-    failure counts as an answer: whether the hub's requests fail on it is for them to say.
+    One HEAD request through the environment's proxies, on a daemon thread: name resolution has no timeout.
+    A TLS failure counts as an answer.
     """
     import ssl
     import urllib.error

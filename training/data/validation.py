@@ -1,15 +1,10 @@
 """Document validation with great-expectations 1.x, batch by batch.
 
-Row-level expectations (non-null text, length bounds, valid UTF-8, exact duplicates, and any row-level
-expectation users add in config) flag rows by index; each flagged row gets one reason, the first in
-`REASON_ORDER`, so counts reconcile: rows read = rows kept + rows quarantined, and the reasons add up to
-the quarantined rows. Data-set-level checks (column present, not empty, duplicate rate, enough rows) run
-once at the end and fail the stage under either policy.
-
-Each batch runs the whole suite once through great-expectations. What keeps that cheap: the text reaches it as
-pyarrow-backed strings (the form its regex and length metrics convert to anyway, and which it fingerprints several
-times faster than Python objects), only the unexpected row indices are asked of it (not the unexpected values nor
-their counts), and the column check sees the columns alone, not the rows.
+Rules:
+- row-level expectations flag rows; each flagged row gets one reason, the first in `REASON_ORDER`;
+- so counts reconcile: rows read = kept + quarantined, and reasons add up to the quarantined rows;
+- data-set-level checks run once at the end and fail the stage under either policy;
+- each batch runs the suite once, as pyarrow strings, asking only for unexpected row indices (it is cheaper).
 """
 
 from __future__ import annotations
@@ -49,9 +44,7 @@ class BatchOutcome:
     quarantined_index: list[int] = field(default_factory=list)
     """For each quarantined row: its position in the validated frame."""
     kept_digests: list[bytes] = field(default_factory=list)
-    """For each kept text: hashlib.sha256 of its UTF-8 bytes (32 bytes), computed here anyway. Its first 16 bytes
-    are the key exact duplicates are found by; its first 8 are the hash `training.data.units.assign_split` takes of the
-    text, so a caller need not hash the text again for either."""
+    """For each kept text: the sha256 of its UTF-8 bytes, reused as the duplicate key and the split hash."""
 
 
 @dataclass
@@ -207,9 +200,10 @@ class DocumentValidator:
         return outcome
 
     def _texts(self, column: pd.Series) -> tuple[list[str | None], pa.Array, np.ndarray, list[bytes]]:
-        """The column as text (see _as_text) and as a pyarrow array, which rows repeat an earlier text, and each
-        text's sha256. pyarrow encodes the whole column to UTF-8 in one call (refusing lone surrogates), and the
-        digests are taken from its buffer: cheaper than encoding text by text."""
+        """The column as text and as a pyarrow array, which rows repeat earlier texts, and each text's sha256.
+
+        pyarrow encodes the whole column in one call, and the digests come from its buffer.
+        """
         values = column.tolist()
         try:
             array = pa.array(values, pa.large_string())

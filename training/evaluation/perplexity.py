@@ -1,18 +1,14 @@
 """Perplexity and bits per byte of a model on the run's held-out split.
 
-Held-out documents (the `validation` split prepare-data set aside by content hash) are tokenized as training
-packs them: each document's tokens followed by EOS, concatenated into one stream that starts with an EOS (so the
-first document's first token is predicted too). The stream is cut into consecutive windows of `seq_len` tokens;
-every token after the leading EOS is predicted exactly once, from the tokens before it in its window (a window
-starts with no context from the previous one). Whole documents are taken until at least `max_tokens` tokens, so
-the byte count is exact:
+Documents are packed as training packs them: tokens then EOS, one stream starting with an EOS.
+The stream is cut into windows of `seq_len`; each token after the first is predicted once, within its window.
+Whole documents are taken until `max_tokens`, so the byte count is exact:
 
     nll_per_token = sum of -log p(token) / tokens          (nats)
     perplexity    = exp(nll_per_token)
     bits_per_byte = sum of -log p(token) / ln 2 / UTF-8 bytes of the documents
 
-Bits per byte does not depend on the tokenizer, so runs with different vocabularies compare on it; perplexity
-does not compare across tokenizers. With `document_masking` attention stays within a document, as in training.
+Bits per byte does not depend on the tokenizer, so runs with different vocabularies compare on it.
 """
 
 from __future__ import annotations
@@ -29,9 +25,10 @@ from hlat.training.data.tokenizer import Tokenizer
 
 
 def token_stream(texts: Iterable[str], tokenizer_model: str, max_tokens: int) -> tuple[list[int], int, int, int]:
-    """(stream, eos id, documents, UTF-8 bytes): whole documents, each followed by EOS, after a leading EOS,
-    until the stream holds more than `max_tokens` predicted tokens. `tokenizer_model`: the run's tokenizer folder,
-    or its tokenizer.model or tokenizer.json (`Tokenizer.load`)."""
+    """(stream, eos id, documents, UTF-8 bytes): whole documents with EOS until over `max_tokens` predicted tokens.
+
+    `tokenizer_model`: the run's tokenizer folder, or its tokenizer.model or tokenizer.json.
+    """
     tokenizer = Tokenizer.load(tokenizer_model)
     eos = tokenizer.eos_id
     stream, documents, size = [eos], 0, 0
@@ -88,8 +85,7 @@ def held_out_perplexity(
     device: torch.device,
     document_masking: bool = False,
 ) -> dict[str, Any]:
-    """Perplexity, NLL per token and bits per byte over at least `max_tokens` held-out tokens (see the module
-    docstring). Raises ValueError when there is no held-out text."""
+    """Perplexity, NLL per token and bits per byte over at least `max_tokens` held-out tokens; ValueError if none."""
     stream, eos, documents, size = token_stream(texts, tokenizer_model, max_tokens)
     if documents == 0 or size == 0:
         raise ValueError("the held-out split has no text: nothing to score (check data.validation_fraction)")
