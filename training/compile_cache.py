@@ -1,12 +1,11 @@
 """The run's graph compile cache (`<run>/compile-cache/`): what precompile writes and training jobs load.
 
 Rules:
-- a cache is used only when its key (`cache_key`) equals the job's; else the job compiles from scratch;
-- `stale` names the key fields that differ; `corrupt` means bytes do not match their manifest;
+- a cache is used only when its key (`cache_key`) equals the job's;
+- a stale, missing or corrupt cache never fails a job: it compiles from scratch;
 - bytes are written before their manifest, the manifest before latest.json;
-- a bad cache never fails a job, it only makes it slower;
 - this module runs inside training jobs: no Prefect, Python 3.10.
-docs/stages.md ("precompile") draws the folder and explains the trn1 Neuron cache.
+docs/stages.md ("precompile") draws the folder and the trn1 Neuron cache.
 """
 
 from __future__ import annotations
@@ -50,22 +49,19 @@ KERNELS_FILE = "inductor.tar.gz"
 XLA_CACHE_FILE = "xla-cache.tar.gz"
 
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
-"""Inductor's disk cache: FX graphs, AOTAutograd entries, generated code, compiled C++ (and Triton) kernels."""
+"""Inductor's disk cache: FX graphs, generated code and compiled kernels."""
 
 LOCAL_NEURON_CACHE_ENV = "HLAT_LOCAL_NEURON_CACHE"
 """Where each node keeps its copy of the Neuron cache (default: `node_local_neuron_cache_dir`)."""
 
 NEURON_PACKAGES = ("neuronx-cc", "torch-neuronx", "torch-xla", "neuronx-distributed")
-"""On trn1 the compiler and the XLA bridge decide the graphs as much as torch does."""
+"""On trn1 the compiler and the XLA bridge shape the graphs too."""
 
 Status = Literal["hit", "stale", "corrupt", "missing", "off"]
 
 
 def cache_key(cfg: HlatConfig, world_size: int, device_type: str) -> dict[str, Any]:
-    """Everything that changes the training step's compiled graphs, as a flat {dotted name: value} dict.
-
-    Flat, so a stale cache is explained field by field. Learning rate, data and checkpointing are left out.
-    """
+    """Everything that changes the step's compiled graphs, flat, so a stale cache is explained field by field."""
     t = cfg.training
     # model.init_from names where the starting weights came from: the graphs are the model's shape, not its values.
     model = cfg.model.model_dump(mode="json", exclude={"init_from"})
@@ -114,7 +110,7 @@ def key_digest(key: dict[str, Any]) -> str:
 
 
 def key_differences(cached: dict[str, Any], current: dict[str, Any]) -> list[str]:
-    """'torch 2.13.0 -> 2.14.0' for each field whose value differs (current fields first, in key order)."""
+    """'torch 2.13.0 -> 2.14.0' for each differing field, current fields first."""
     names = [*current, *(k for k in cached if k not in current)]
     return [
         f"{k} {_shown(cached.get(k))} -> {_shown(current.get(k))}" for k in names if cached.get(k) != current.get(k)
@@ -123,18 +119,18 @@ def key_differences(cached: dict[str, Any], current: dict[str, Any]) -> list[str
 
 @dataclass(frozen=True)
 class CacheStatus:
-    """What a training job found in the compile cache, and the line it logged about it."""
+    """What a training job found in the compile cache, and the line it logged."""
 
     status: Status
     uri: str
-    """The cache folder looked at (`<run>/compile-cache/torch/<digest>` when the job's key has one)."""
+    """The cache folder looked at."""
     message: str
     differences: list[str] = field(default_factory=list)
     """For `stale`: each differing key field, 'name cached -> current'."""
     size: int = 0
     """Bytes of artifacts loaded (for `hit`)."""
     kernels_size: int = 0
-    """Bytes of the Inductor cache tarball extracted (for `hit`; 0 when there is none)."""
+    """Bytes of the Inductor tarball extracted (0: none)."""
     kernels_dir: str | None = None
     """Where it was extracted: this process's TORCHINDUCTOR_CACHE_DIR from then on."""
     seconds: float = 0.0
@@ -168,8 +164,7 @@ def write_torch_cache(
 ) -> dict[str, Any]:
     """Write artifacts.bin and inductor.tar.gz, then their manifest, then latest.json; return the manifest.
 
-    `artifacts` None records that there is nothing to compile, with `note` saying why.
-    An empty `inductor_dir` is recorded as `inductor_files` 0, with no tarball.
+    `artifacts` None records that nothing compiles, with `note` saying why.
     """
     digest = key_digest(key)
     folder = torch_cache_dir(digest)
@@ -198,7 +193,7 @@ def write_torch_cache(
 
 
 def write_neuron_manifest(cache: Storage, key: dict[str, Any], steps: int, seconds: float) -> dict[str, Any]:
-    """Record which key the Neuron cache under neuron/ was extracted for, and point latest.json at it."""
+    """Record the key the Neuron cache under neuron/ holds, and point latest.json at it."""
     manifest = _manifest_head("neuron", key, steps, seconds)
     cache.write_json(f"{NEURON_DIR}/{MANIFEST_FILE}", manifest)
     _write_latest(cache, manifest, f"{NEURON_DIR}/{MANIFEST_FILE}")
@@ -227,10 +222,7 @@ def write_xla_cache(cache: Storage, key: dict[str, Any], local_dir: str, steps: 
 
 
 def fetch_xla_cache(run: Storage, cfg: HlatConfig, world_size: int, log_status: bool = True) -> CacheStatus:
-    """Extract the run's torch-xla cache for this job's key into a fresh folder, for `xr.initialize_cache`.
-
-    Like `load_torch_cache`, it never raises for a bad cache.
-    """
+    """Extract the run's torch-xla cache for this key into a fresh folder; never raises for a bad cache."""
     start = time.perf_counter()
     cache = run.child(CACHE_DIR)
     key = cache_key(cfg, world_size, "xla")
@@ -275,7 +267,7 @@ def _fetch_xla(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheSta
 
 
 def _manifest_head(kind: str, key: dict[str, Any], steps: int, seconds: float) -> dict[str, Any]:
-    """What every cache manifest starts with: its kind, key and digest, when and from how many steps."""
+    """What every cache manifest starts with: kind, key, digest, time and steps."""
     return {
         "kind": kind,
         "key": key,
@@ -297,10 +289,7 @@ def _write_latest(cache: Storage, manifest: dict[str, Any], manifest_path: str) 
 
 
 def pack_cache_folder(folder: str, tarball: str) -> int:
-    """Pack a cache folder into the gzipped tar `tarball`; return the files packed (0: none, no tarball).
-
-    Regular files only, sorted, without owners: an archive that extracts under any user.
-    """
+    """Pack a cache folder's regular files, sorted and ownerless, into `tarball`; return the count (0: no tarball)."""
     files: list[str] = []
     for parent, dirs, names in os.walk(folder):
         dirs.sort()
@@ -322,9 +311,9 @@ def pack_cache_folder(folder: str, tarball: str) -> int:
 
 
 def unpack_cache_folder(tarball: str, folder: str) -> int:
-    """Extract a `pack_cache_folder` tarball into `folder`; return the number of files.
+    """Extract a `pack_cache_folder` tarball into `folder`; return the file count.
 
-    Raises ValueError, extracting nothing, for any member that is not a plain file or folder below `folder`.
+    A member that is not a plain file or folder below `folder` raises ValueError, extracting nothing.
     """
     with tarfile.open(tarball, "r:gz") as tar:
         members = tar.getmembers()
@@ -341,10 +330,7 @@ def unpack_cache_folder(tarball: str, folder: str) -> int:
 
 
 def use_inductor_cache_dir(folder: str | None) -> None:
-    """Make `folder` Inductor's disk cache for every later compile in this process (None: unset it).
-
-    Set it before the first compile: compile workers inherit it. clear_caches() drops memoised paths.
-    """
+    """Make `folder` Inductor's disk cache for later compiles in this process (None: unset); set before the first."""
     if folder is None:
         os.environ.pop(INDUCTOR_CACHE_ENV, None)
     else:
@@ -357,10 +343,9 @@ def use_inductor_cache_dir(folder: str | None) -> None:
 def load_torch_cache(
     run: Storage, cfg: HlatConfig, world_size: int, device_type: str, log_status: bool = True
 ) -> CacheStatus:
-    """Load the run's torch.compile artifacts for this job's key before the first compiled call; return the status.
+    """Load the run's torch.compile artifacts and kernels for this key before the first compiled call.
 
-    Never raises for a bad cache. An Inductor tarball is verified, extracted and made TORCHINDUCTOR_CACHE_DIR;
-    a bad tarball makes the whole cache `corrupt`. Each rank calls it; `log_status` lets rank 0 log.
+    Returns the status; never raises for a bad cache. Each rank calls it; `log_status` lets one log.
     """
     start = time.perf_counter()
     cache = run.child(CACHE_DIR)
@@ -451,7 +436,7 @@ def _load(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
 
 
 def _missing_or_stale(cache: Storage, folder: Storage, key: dict[str, Any]) -> CacheStatus:
-    """No cache for this key: `stale` naming what differs from the last one precompile built, else `missing`."""
+    """No cache for this key: `stale` naming what differs from the newest one, else `missing`."""
     if cache.exists(LATEST_FILE):
         latest = cache.read_json(LATEST_FILE)
         manifest_path = latest.get("manifest") or f"{torch_cache_dir(str(latest.get('digest')))}/{MANIFEST_FILE}"
@@ -465,7 +450,7 @@ def _missing_or_stale(cache: Storage, folder: Storage, key: dict[str, Any]) -> C
 
 
 class _Corrupt(Exception):
-    """A cache file that does not match its manifest, or cannot be read as what it should be."""
+    """A cache file that does not match its manifest or cannot be read."""
 
 
 @dataclass(frozen=True)
@@ -476,7 +461,7 @@ class _Kernels:
 
 
 def _extract_kernels(folder: Storage, manifest: dict[str, Any]) -> _Kernels | None:
-    """Verify and extract the manifest's inductor.tar.gz into a fresh folder; None when it lists none."""
+    """Verify and extract the manifest's inductor.tar.gz into a fresh folder; None when there is none."""
     sha256 = manifest.get("inductor_sha256")
     if not sha256:
         return None
@@ -484,9 +469,7 @@ def _extract_kernels(folder: Storage, manifest: dict[str, Any]) -> _Kernels | No
 
 
 def _extract_tarball(folder: Storage, name: str, size: int | None, sha256: str | None, kind: str) -> _Kernels:
-    """Verify `name` in `folder` against its manifest, then extract it into a fresh temporary folder; raises
-    _Corrupt.
-    """
+    """Verify `name` against its manifest, then extract it into a fresh temporary folder; raises _Corrupt."""
     uri = folder.uri(name)
     if not folder.exists(name):
         raise _Corrupt(f"{uri} is missing")
@@ -540,10 +523,10 @@ def _report(result: CacheStatus, log_status: bool) -> CacheStatus:
 
 
 def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
-    """Copy the shared Neuron cache (a folder or s3:// prefix) to this node's disk; return the local folder.
+    """Copy the shared Neuron cache to this node's disk; return the local folder.
 
-    HLAT found shared storage a start-up bottleneck; one copy per node reads each file once per node.
-    Files already present at the same size are kept. Each file is written under a temporary name, then renamed.
+    HLAT found shared storage a start-up bottleneck. Files present at the same size are kept.
+    Each file is written under a temporary name, then renamed.
     """
     source = Storage(url)
     os.makedirs(local_dir, exist_ok=True)
@@ -583,34 +566,29 @@ def localize_neuron_cache(url: str, local_dir: str, workers: int = 16) -> str:
 
 
 SAGEMAKER_NEURON_CACHE_DIR = "/opt/ml/input/data/hlat-neuron-cache"
-"""A SageMaker job's node-local Neuron cache, on the instance's own storage.
+"""A SageMaker job's node-local Neuron cache: instance storage that SageMaker never uploads.
 
-On NVMe instances (trn1.32xlarge) SageMaker puts its storage paths on instance storage, and /opt/ml/input/data is
-the one it never uploads (https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-tips-considerations.html,
-https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-env-var-summary.html).
+See https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-tips-considerations.html
+and https://docs.aws.amazon.com/sagemaker/latest/dg/model-train-storage-env-var-summary.html.
 """
 
 NEURON_ENTRY_DONE = "model.done"
-"""The file that completes a Neuron cache entry (`neuronxcc-<version>/MODULE_<hash>/`); entries without it are
-unfinished.
-"""
+"""The file that completes a Neuron cache entry; entries without it are unfinished."""
 
 _LOCALIZED = ".hlat-localized.json"
-"""In the node-local copy: which job's local ranks it was made for (one copy per node and job)."""
+"""Which job's local ranks the node-local copy was made for."""
 
 
 @dataclass(frozen=True)
 class NodeLocalCache:
-    """This node's copy of the shared Neuron cache, and the shared cache it came from."""
+    """This node's copy of the shared Neuron cache, and its source."""
 
     shared: str
     local: str
 
 
 def node_local_neuron_cache_dir() -> str:
-    """Where this node keeps its copy: HLAT_LOCAL_NEURON_CACHE, else SageMaker's instance storage, else a temp
-    folder.
-    """
+    """This node's copy: HLAT_LOCAL_NEURON_CACHE, else SageMaker's instance storage, else a temp folder."""
     if os.environ.get(LOCAL_NEURON_CACHE_ENV):
         return os.environ[LOCAL_NEURON_CACHE_ENV]
     if in_sagemaker():
@@ -619,7 +597,7 @@ def node_local_neuron_cache_dir() -> str:
 
 
 def node_job_token() -> str:
-    """What this job's local ranks on this node share and no other job does: torchrun's agent and run id."""
+    """What only this job's local ranks on this node share: torchrun's agent and run id."""
     parent = os.getppid()
     try:
         with open(f"/proc/{parent}/stat") as stat:
@@ -630,10 +608,9 @@ def node_job_token() -> str:
 
 
 def use_node_local_neuron_cache() -> NodeLocalCache | None:
-    """On trn1, before the process group: copy the shared Neuron cache to this node once; return its path or None.
+    """On trn1, before the process group: copy the shared Neuron cache to this node once; return it or None.
 
-    NEURON_COMPILE_CACHE_URL then points at the copy. Local ranks take turns on a file lock:
-    the first copies and records `node_job_token`; the others find it and go on.
+    Local ranks take turns on a file lock; the first copies, the others find its `node_job_token`.
     """
     url = os.environ.get("NEURON_COMPILE_CACHE_URL")
     if not url:
@@ -659,11 +636,10 @@ def use_node_local_neuron_cache() -> NodeLocalCache | None:
 
 
 def sync_new_neuron_graphs(cache: NodeLocalCache) -> int:
-    """Upload the complete entries this node compiled on a miss that the shared cache lacks; return how many.
+    """Upload the complete entries this node compiled that the shared cache lacks; return how many.
 
-    One rank per node runs it. Every file is written only if absent (S3's If-None-Match: *, or a hard link),
-    and model.done goes last, so readers never see a half entry. s3fs's multipart uploads (over 100 MB) skip
-    the condition; for those, absence from the listing is the check.
+    Files are written only if absent (S3's If-None-Match: *, or a hard link); model.done goes last.
+    s3fs's multipart uploads skip the condition; for those the listing is the check.
     """
     shared = Storage(cache.shared)
     present = set(shared.walk_files())  # one listing per node
@@ -690,14 +666,13 @@ def sync_new_neuron_graphs(cache: NodeLocalCache) -> int:
 
 
 SHARE_EVERY_ENV = "HLAT_NEURON_CACHE_SHARE_SECONDS"
-"""How often a running trn1 job shares the graphs its node compiled on a miss (default 600 s)."""
+"""How often a running trn1 job shares its newly compiled graphs (default 600 s)."""
 
 
 class NeuronGraphSharing:
-    """`with NeuronGraphSharing(cache):` around a trn1 job shares newly compiled graphs periodically and at the end.
+    """`with NeuronGraphSharing(cache):` shares a trn1 job's new graphs every `every` seconds and at the end.
 
-    Local rank 0 runs `sync_new_neuron_graphs` on a background thread every `every` seconds.
-    A job killed outright loses at most that much. No sync point is added; failures are only logged.
+    One thread on local rank 0; no sync point added; failures are only logged.
     """
 
     def __init__(self, cache: NodeLocalCache | None, every: float | None = None) -> None:
@@ -740,7 +715,7 @@ class NeuronGraphSharing:
 
 
 def _put_if_absent(shared: Storage, local_path: str, rel: str) -> bool:
-    """Write `local_path` to `rel` unless something is there already (then False), atomically either way."""
+    """Write `local_path` to `rel` atomically unless something is there (then False)."""
     if shared.is_local:
         target = shared.path(rel)
         os.makedirs(os.path.dirname(target), exist_ok=True)

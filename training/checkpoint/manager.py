@@ -1,12 +1,11 @@
-"""The commit protocol and retention: `CheckpointManager` saves, commits, finds, loads and prunes one rank's
-checkpoints.
+"""The commit protocol and retention: `CheckpointManager` saves, commits, finds, loads and prunes checkpoints.
 
 Rules:
 - every rank writes its files; rank 0 waits until all are visible, writes meta.json, then COMMITTED;
-- only a folder whose marker verifies against meta.json and every file's size counts;
+- only a folder whose marker verifies against meta.json counts;
 - deleting removes the marker first; a resumed job first deletes every folder past its step;
 - the async writer thread never calls a collective: rank 0 polls the storage instead;
-- under graph extraction (neuron_parallel_compile) nothing is written or deleted.
+- under graph extraction nothing is written or deleted.
 docs/stages.md ("Checkpoints") explains the protocol; docs/multi-host.md the S3 pacing.
 """
 
@@ -58,7 +57,7 @@ def rank_file(rank: int) -> str:
 
 
 def manifest_file(rank: int) -> str:
-    """A rank's manifest: the sizes and sha256 of the files it wrote, merged into meta.json by rank 0."""
+    """A rank's manifest: its files' sizes and sha256, merged into meta.json by rank 0."""
     return f"manifest-{rank:05d}.json"
 
 
@@ -78,11 +77,10 @@ def _identity(value: Any) -> Any:
 
 
 def host_of(rank: int, env: Mapping[str, str] | None = None) -> str:
-    """The host that runs `rank`, from the environment torchrun and SageMaker set.
+    """The host that runs `rank`, from torchrun's and SageMaker's environment.
 
-    torchrun gives each host LOCAL_WORLD_SIZE consecutive ranks. SageMaker's torchrun driver sets the node rank
-    to the host's index in sorted(SM_HOSTS), a sort by name: from 10 hosts on, node 1 is algo-10.
-    Without SM_HOSTS: "node N"; outside a job: this machine's name for RANK, "host unknown" for others.
+    SageMaker numbers nodes by sorted(SM_HOSTS): from 10 hosts on, node 1 is algo-10.
+    Without SM_HOSTS: "node N"; outside a job: this machine for RANK, "host unknown" for others.
     """
     env = os.environ if env is None else env
     local = _int(env.get("LOCAL_WORLD_SIZE"))
@@ -108,14 +106,14 @@ def _int(text: str | None) -> int | None:
 
 
 def request_offset(rank: int, world_size: int, requests_per_rank: float, rate: float | None) -> float:
-    """Seconds `rank` waits so that `world_size` ranks send about `rate` requests a second together; 0 with no rate."""
+    """Seconds `rank` waits so all ranks together send about `rate` requests a second (0: no rate)."""
     if not rate or world_size <= 1:
         return 0.0
     return rank * requests_per_rank / rate
 
 
 def read_requests(size: int, part_size: int | None = None) -> int:
-    """S3 requests s3fs makes to read `size` bytes whole: one GET, or a HEAD and one ranged GET per part."""
+    """S3 requests s3fs makes to read `size` bytes: one GET, or a HEAD and a ranged GET per part."""
     part = part_size or CHECKPOINT_PART_SIZE
     return 1 if size <= part else 1 + -(-size // part)
 
@@ -123,8 +121,7 @@ def read_requests(size: int, part_size: int | None = None) -> int:
 def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int) -> dict[str, int]:
     """The S3 write requests of one checkpoint's files (name -> size), as s3fs makes them.
 
-    A file under one part is one PutObject; a larger one is a multipart upload. Manifests, meta.json and
-    COMMITTED add one PutObject each. bench_checkpoint.py and the S3 test use this count.
+    bench_checkpoint.py and the S3 test use this count.
     """
     counts = {"PutObject": 0, "CreateMultipartUpload": 0, "UploadPart": 0, "CompleteMultipartUpload": 0}
     for size in sizes.values():
@@ -139,9 +136,7 @@ def checkpoint_requests(sizes: Mapping[str, int], part_size: int, manifests: int
 
 
 class CheckpointManager(CheckpointIndex):
-    """Saves, finds, loads and prunes checkpoints for one rank of a run; finding is `CheckpointIndex`'s
-    (core/layout.py).
-    """
+    """Saves, finds, loads and prunes one rank's checkpoints; finding is `CheckpointIndex`'s (core/layout.py)."""
 
     def __init__(
         self,
@@ -164,15 +159,12 @@ class CheckpointManager(CheckpointIndex):
         read_rate: float | None = 3000.0,
         extracting_graphs: bool = False,
     ) -> None:
-        """`shard`: this rank's shard name (e.g. "tp01-pp00"), None when unsharded.
+        """`shard`: this rank's shard name (None: unsharded); `shard_writer`: this rank writes it; `shards`: all
+        names.
 
-        `shard_writer`: this rank writes its shard (one data-parallel replica per shard does).
-        `shards`: every shard name, the same on every rank.
-        `distributed`: model and optimizer go through torch.distributed.checkpoint (FSDP2).
-        `stage_in_background`: the writer thread copies the tensors; callers leave them alone until `wait_staged()`.
-        `share`: a broadcast of rank 0's value; how `resume_point` hands its findings to the others.
-        `write_rate` / `read_rate`: S3 requests per second all ranks aim at together (None: no pacing).
-        `extracting_graphs`: neuron_parallel_compile's trial run; write and delete nothing.
+        `distributed`: FSDP2 through DCP. `stage_in_background`: the writer thread copies; see `wait_staged()`.
+        `share`: broadcasts rank 0's value. `write_rate` / `read_rate`: S3 requests a second, all ranks.
+        `extracting_graphs`: write and delete nothing.
         """
         if distributed and shard is not None:
             raise ValueError("distributed (DCP) checkpoints hold no per-shard files: pass no shard")
@@ -231,7 +223,7 @@ class CheckpointManager(CheckpointIndex):
         self._lock = threading.Lock()
         self._superseding = threading.Event()  # set while `supersede` cuts the pending async save short
         self.bytes_read = 0
-        """Bytes this rank has read from checkpoint files (what a resume costs it)."""
+        """Bytes this rank has read from checkpoint files."""
         self.share = share
         self.write_rate = write_rate
         self.read_rate = read_rate
@@ -254,9 +246,8 @@ class CheckpointManager(CheckpointIndex):
     ) -> None:
         """Checkpoint `step`; every rank calls this with its own rank_state.
 
-        shared_state is used only by the rank that writes it (pass None elsewhere).
-        distributed_state (distributed=True only) is every rank's DTensor state dict.
-        Synchronous unless async_save: then stage, return, and write in the background.
+        shared_state matters only on its writer. distributed_state is the DTensor state (distributed=True).
+        Async saves stage, return, and write in the background.
         """
         if step < 0:
             raise ValueError(f"step must be >= 0, got {step}")
@@ -324,11 +315,11 @@ class CheckpointManager(CheckpointIndex):
         self._write(step, shared, rank_state, False, distributed_writes)
 
     def wait_staged(self) -> None:
-        """Block until a pending async save has copied the state; then the caller may change its tensors."""
+        """Block until a pending async save has copied the state; the caller may then change its tensors."""
         self._staged.wait()
 
     def check(self) -> None:
-        """Raise CheckpointError if the pending async save failed; no I/O, so the loop calls it after every step."""
+        """Raise CheckpointError if the pending async save failed; no I/O, so cheap after every step."""
         with self._lock:
             pending = self._pending
             if pending is None or not pending.done() or pending.exception() is None:
@@ -336,7 +327,7 @@ class CheckpointManager(CheckpointIndex):
         self.wait()  # done and failed: wait() returns nothing but its error
 
     def wait(self) -> None:
-        """Block until a pending async save has finished; re-raise its error as CheckpointError."""
+        """Block until a pending async save has finished; re-raise its error."""
         with self._lock:
             pending, step = self._pending, self._pending_step
             self._pending, self._pending_step = None, None
@@ -353,11 +344,10 @@ class CheckpointManager(CheckpointIndex):
             ) from exc
 
     def supersede(self) -> int | None:
-        """Cut the pending async save short for a newer one (a stop's, inside the grace); return its step or None.
+        """Cut the pending async save short for a newer one (a stop's); return its step or None.
 
-        The thread stops at its next check, aborts its upload and commits nothing.
-        Every rank must supersede alike, or rank 0 would wait for files nobody writes.
-        DCP's own async writes (FSDP2) are waited for. A failed pending save is logged, not raised.
+        It commits nothing. Every rank must supersede alike, or rank 0 waits for files nobody writes.
+        DCP's own async writes are waited for. A failed pending save is logged, not raised.
         """
         with self._lock:
             pending, step = self._pending, self._pending_step
@@ -381,12 +371,12 @@ class CheckpointManager(CheckpointIndex):
         return None
 
     def _who(self, rank: int | None = None) -> str:
-        """`rank 5 on algo-1`: a rank and its host, as error messages name them."""
+        """`rank 5 on algo-1`, as error messages name a rank."""
         rank = self.rank if rank is None else rank
         return f"rank {rank} on {self.host if rank == self.rank else host_of(rank)}"
 
     def close(self) -> None:
-        """Wait for a pending save, then stop the background thread and free the staging buffers."""
+        """Wait for a pending save, stop the background thread, free the staging buffers."""
         try:
             self.wait()
         finally:
@@ -399,10 +389,9 @@ class CheckpointManager(CheckpointIndex):
                 self._dcp.close()
 
     def discard_after(self, step: int | None) -> list[int]:
-        """Before the first save: rank 0 deletes every folder past `step` (None: all), then all ranks meet at a barrier.
+        """Before the first save: rank 0 deletes every folder past `step` (None: all); then a barrier.
 
-        Those folders are an earlier attempt's; their files must not pass for this attempt's.
-        Returns the steps deleted (rank 0).
+        An earlier attempt's files there must not pass for this one's. Returns the steps deleted.
         """
         doomed: list[int] = []
         if self.rank == 0:
@@ -423,7 +412,7 @@ class CheckpointManager(CheckpointIndex):
         return doomed
 
     def abort_incomplete_uploads(self) -> int:
-        """Rank 0 at job start: abort a killed attempt's unfinished uploads (S3 bills them); return how many."""
+        """Rank 0 at job start: abort a killed attempt's unfinished uploads (S3 bills them); return the count."""
         if self.rank != 0 or self.extracting_graphs:
             return 0
         aborted = self.storage.abort_incomplete_uploads()
@@ -432,7 +421,7 @@ class CheckpointManager(CheckpointIndex):
         return aborted
 
     def _clear_stale_marker(self, step: int) -> None:
-        """Rank 0: a folder left by an earlier attempt at this step must not vouch for the new files."""
+        """Rank 0: an earlier attempt's marker at this step must not vouch for new files."""
         if self.rank == 0 and not self.extracting_graphs:
             self.storage.remove(f"{step_dir(step)}/{MARKER}")
             self.storage.remove(f"{step_dir(step)}/{META}")
@@ -520,7 +509,7 @@ class CheckpointManager(CheckpointIndex):
             return write_state(self.storage, f"{folder}/{name}", state, abort=self._superseding)
 
     def _write_offset(self) -> float:
-        """This rank's pacing delay: shard writers first, in shard order, then every rank in rank order."""
+        """This rank's pacing delay: shard writers first, then every rank in rank order."""
         if self.shard is not None:
             writer = self.shards.index(self.shard) if self.shard_writer else None
             return write_start_seconds(self.rank, self.world_size, self.write_rate, writer, len(self.shards))
@@ -539,7 +528,7 @@ class CheckpointManager(CheckpointIndex):
 
     @contextlib.contextmanager
     def _naming_errors(self, rel: str) -> Iterator[None]:
-        """Errors of a write name this rank, its host and the key; the class is kept where possible."""
+        """Errors of a write name this rank, its host and the key."""
         try:
             yield
         except Exception as exc:
@@ -581,11 +570,11 @@ class CheckpointManager(CheckpointIndex):
         dcp.load(self.storage, step, self._meta(step), state)
 
     def load_distributed_full(self, step: int) -> State:
-        """Checkpoint `step`'s distributed state gathered into CPU tensors (for export), without a process group."""
+        """Checkpoint `step`'s distributed state gathered into CPU tensors, without a process group."""
         return dcp.load_full(self.storage, step, self.read_meta(step))
 
     def _wait_for_files(self, folder: str, step: int | None = None) -> dict[str, int]:
-        """Sizes of the checkpoint's files once all are visible; CheckpointError after commit_timeout_s."""
+        """The files' sizes once all are visible; CheckpointError after commit_timeout_s."""
         deadline = time.monotonic() + self.commit_timeout_s
         delay = 0.05
         while True:
@@ -626,9 +615,9 @@ class CheckpointManager(CheckpointIndex):
 
     # -- loading -----------------------------------------------------------------------------------------
     def resume_point(self) -> tuple[int, dict[str, Any]] | None:
-        """(step, meta.json) of the newest complete checkpoint, or None; a collective through `share`.
+        """(step, meta.json) of the newest complete checkpoint, or None; a collective.
 
-        Rank 0 alone lists and reads the markers, so a resume costs one listing, not one per rank.
+        Only rank 0 lists and reads, then `share`s the result.
         """
         found: Any = None
         if self.share is _identity and self.world_size > 1:
@@ -689,7 +678,7 @@ class CheckpointManager(CheckpointIndex):
         return shared, mine
 
     def load_shared(self, step: int) -> State:
-        """The shared state of unsharded checkpoint `step`, whatever world size wrote it (for export and evaluation)."""
+        """The shared state of unsharded checkpoint `step`, whatever world size wrote it."""
         folder = step_dir(step)
         meta = self.read_meta(step)
         shards = _shard_list(meta)
@@ -702,7 +691,7 @@ class CheckpointManager(CheckpointIndex):
         return self._read(folder, SHARED_FILE, meta)
 
     def load_shards(self, step: int) -> dict[str, State]:
-        """Every shard's state of sharded checkpoint `step`, by shard name, all in memory (for export)."""
+        """Every shard's state of checkpoint `step`, by shard name, all in memory (for export)."""
         folder = step_dir(step)
         meta = self.read_meta(step)
         shards = _shard_list(meta)
@@ -713,7 +702,7 @@ class CheckpointManager(CheckpointIndex):
         return {name: self._read(folder, shard_file(name), meta) for name in shards}
 
     def shard_names(self, step: int) -> list[str]:
-        """The shard names of checkpoint `step`, from its meta.json ([] for an unsharded checkpoint)."""
+        """Checkpoint `step`'s shard names ([] when unsharded)."""
         return _shard_list(self.read_meta(step)) or []
 
     def _read(self, folder: str, name: str, meta: Mapping[str, Any]) -> State:
@@ -767,7 +756,7 @@ class CheckpointManager(CheckpointIndex):
 
 
 def _same_kind(exc: Exception, message: str) -> Exception:
-    """An exception of `exc`'s class saying `message`, or a CheckpointError when that class takes other arguments."""
+    """An exception of `exc`'s class saying `message`, else a CheckpointError."""
     try:
         renamed = type(exc)(message)
     except Exception:
@@ -802,8 +791,8 @@ def retention(
 ) -> list[int]:
     """The steps to delete, ascending.
 
-    Keeps the newest `keep_last` complete checkpoints, multiples of `keep_every` and `pinned` steps.
-    Deletes incomplete folders older than `newest` (default: the newest complete checkpoint).
+    Keeps the newest `keep_last` complete ones, multiples of `keep_every` and `pinned` steps.
+    Deletes incomplete folders older than `newest`.
     """
     if not committed:
         return []
