@@ -1,13 +1,11 @@
 """Health checks of the devices, collectives and storage a job runs on, each returning a plain dict.
 
-burn_in.py runs them on every rank before training; the trainer repeats the all-reduce every
-`burn_in.health_check_every` steps. A faulty node is slow or wrong rather than dead, so each check times
-a speed and verifies a result. `evaluate` compares all ranks against the instance type's floors and each other.
-
+burn_in.py runs them before training; the trainer repeats the all-reduce periodically.
+A faulty node is slow or wrong rather than dead, so each check times a speed and verifies a result.
 Rules:
-- nothing here touches the global RNGs, the model or the optimizer: training stays bitwise unchanged;
+- nothing here touches the global RNGs, the model or the optimizer;
 - the all-reduce floor depends on size and rank count (`allreduce_floor_gbps`);
-- the cross-rank checksum uses a product exact in BF16, so only a faulty device changes its bits.
+- the cross-rank checksum is of a product exact in BF16: only a faulty device changes its bits.
 """
 
 from __future__ import annotations
@@ -35,9 +33,9 @@ from hlat.training.parallel.distributed import World
 log = logging.getLogger("hlat.health")
 
 MB = 1e6
-"""Sizes and bandwidths are decimal (MB, MB/s, GB/s), as nccl-tests and nccom-test report them."""
+"""Sizes and bandwidths are decimal, as nccl-tests and nccom-test report them."""
 REFERENCE_ROWS = 64
-"""Rows of a matmul result checked against the float64 reference: rows x n² host multiply-adds instead of n³."""
+"""Rows of a matmul result checked against the float64 reference (cheaper than the whole product)."""
 ALLREDUCE_ITERS = 5
 """Timed all-reduces after the (untimed) one whose result is checked."""
 
@@ -47,28 +45,24 @@ ALLREDUCE_ITERS = 5
 # https://github.com/NVIDIA/nccl-tests/blob/master/doc/PERFORMANCE.md). The latencies are generous upper bounds, so
 # the floor errs towards passing; a degraded link is caught by the relative check. Verified only on trn1.
 RING_STEP_LATENCY_S = 50e-6
-"""Upper bound of one ring step's latency: an EFA hop between instances (tens of microseconds) with margin."""
+"""Upper bound of one ring step's latency: an EFA hop, with margin."""
 LAUNCH_LATENCY_S = 1e-3
-"""Upper bound of one graph launch and its completion wait around a timed all-reduce (each iteration is a graph)."""
+"""Upper bound of one graph launch and its wait around a timed all-reduce."""
 
 # -- the matmul floor: per precision ------------------------------------------------------------------------------
 FP32_SHARE_OF_BF16_PEAK = {"xla": 47.5 / 190.0, "cuda": 1 / 16}
-"""An FP32 matmul's peak as a share of BF16's, per device type.
+"""An FP32 matmul's peak as a share of BF16's, per device type (CPU computes in float32 only).
 
 Trainium: 190 BF16 and 47.5 FP32 TFLOP/s per chip
 (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/general/arch/neuron-hardware/trainium.html).
-NVIDIA A100: 19.5 FP32 and 312 BF16 dense TFLOP/s (A100 datasheet). CPU always computes in float32.
+A100: 19.5 FP32 and 312 BF16 dense TFLOP/s (A100 datasheet).
 """
 EXACT_TERMS = 128
-"""Non-zero terms per row of the checksum's left operand: partial sums stay integers up to 128, exact in BF16."""
+"""Non-zero terms per row of the checksum's left operand: partial sums stay exact in BF16."""
 
 
 def allreduce_floor_gbps(floor_gbps: float, nbytes: float, ranks: int) -> float:
-    """The busbw floor, GB/s, for an all-reduce of `nbytes` over `ranks` ranks (the ring model above, B =
-    `floor_gbps`).
-
-    One rank times a local copy: one launch and S/B.
-    """
+    """The busbw floor, GB/s, for an all-reduce of `nbytes` over `ranks` by the ring model (B = `floor_gbps`)."""
     if floor_gbps <= 0 or nbytes <= 0:
         return 0.0
     share = 2 * (ranks - 1) / ranks if ranks > 1 else 1.0
@@ -77,7 +71,7 @@ def allreduce_floor_gbps(floor_gbps: float, nbytes: float, ranks: int) -> float:
 
 
 def matmul_floor_tflops(thresholds: HealthThresholds, dtype: str, device: str) -> float:
-    """The matmul floor for a `dtype` result on `device`: BF16's floor, scaled to FP32's peak for an FP32 matmul."""
+    """The matmul floor for `dtype` on `device`: the BF16 floor, scaled by FP32's peak for FP32."""
     floor = thresholds.min_matmul_tflops
     if dtype == "float32":
         return floor * FP32_SHARE_OF_BF16_PEAK.get(device.split(":")[0], 1.0)
@@ -85,18 +79,17 @@ def matmul_floor_tflops(thresholds: HealthThresholds, dtype: str, device: str) -
 
 
 class UnhealthyCollective(RuntimeError):
-    """The periodic all-reduce gave a wrong result or ran below the instance type's bandwidth floor."""
+    """The periodic all-reduce was wrong or below the bandwidth floor."""
 
 
 def host_name() -> str:
-    """The node's name as the job sees it: SageMaker's 'algo-N' where set, else the machine's host name."""
+    """The node's name: SageMaker's 'algo-N' where set, else the host name."""
     return os.environ.get("SM_CURRENT_HOST") or socket.gethostname()
 
 
 def compute_dtype(precision_mode: str, device: torch.device) -> torch.dtype:
-    """The dtype training's matmuls run in: BF16 for bf16 modes on an accelerator, else float32.
-
-    A CPU's BF16 matmul is an emulation whose speed says nothing about the machine.
+    """The dtype training's matmuls run in: BF16 for bf16 modes on an accelerator, else float32 (CPU BF16 is
+    emulated).
     """
     if precision_mode in ("bf16-mixed", "bf16-sr") and device.type in ("cuda", "xla"):
         return torch.bfloat16
@@ -104,7 +97,7 @@ def compute_dtype(precision_mode: str, device: torch.device) -> torch.dtype:
 
 
 def synchronize(device: torch.device) -> None:
-    """Wait for the device's queued work, so that a timer measures the work and not its launch."""
+    """Wait for the device's queued work, so a timer measures the work."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     elif device.type == "xla":
@@ -115,7 +108,7 @@ def synchronize(device: torch.device) -> None:
 
 
 def _materialize(device: torch.device) -> None:
-    """On XLA, cut the graph so each timed matmul executes; one lazy graph would keep only the last result."""
+    """On XLA, cut the graph so each timed matmul really executes."""
     if device.type == "xla":
         import torch_xla.core.xla_model as xm
 
@@ -124,7 +117,7 @@ def _materialize(device: torch.device) -> None:
 
 # -- inventory -------------------------------------------------------------------------------------------
 def parse_neuron_ls(text: str) -> dict[str, Any]:
-    """Devices and NeuronCores from `neuron-ls --json-output` (newer tools wrap them in {"neuron_devices": [...]})."""
+    """Devices and NeuronCores from `neuron-ls --json-output`."""
     data = json.loads(text)
     devices = data.get("neuron_devices", []) if isinstance(data, dict) else data
     if not isinstance(devices, list):
@@ -155,10 +148,7 @@ def neuron_inventory() -> dict[str, Any]:
 
 
 def inventory(world: World, expected_world_size: int | None = None) -> dict[str, Any]:
-    """The devices this rank sees, and `problems` (each a dict with check, value, threshold, message).
-
-    Problems: fewer ranks joined than the world size, or fewer devices than processes on CUDA and trn1.
-    """
+    """The devices this rank sees, and `problems`: missing ranks, or fewer devices than processes."""
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     out: dict[str, Any] = {
         "device_type": world.device.type,
@@ -216,7 +206,7 @@ def inventory(world: World, expected_world_size: int | None = None) -> dict[str,
 
 # -- matmul ----------------------------------------------------------------------------------------------
 def device_name(device: torch.device) -> str:
-    """What makes two devices' results comparable bit for bit: the GPU model, or the device type."""
+    """What makes two devices' results comparable bit for bit: GPU model or device type."""
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
     return device.type
@@ -228,10 +218,9 @@ def _checksum(tensor: torch.Tensor) -> str:
 
 
 def exact_operands(n: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer operands (float32, on the host) whose n x n product is exact in any format from BF16 up.
+    """Integer operands whose n x n product is exact in any float format from BF16 up, in any order.
 
-    Left rows hold EXACT_TERMS entries of +-1, the right operand -1, 0 or 1; partial sums stay small integers.
-    No rounding happens, so stochastic rounding (bf16-sr) cannot change a bit; only a faulty device can.
+    No rounding happens, so stochastic rounding cannot change a bit; only a faulty device can.
     """
     terms = min(n, EXACT_TERMS)
     i = torch.arange(n)
@@ -251,13 +240,11 @@ def matmul_check(
     corrupt: bool = False,
     batch: int = 1,
 ) -> dict[str, Any]:
-    """Time `repeats` launches of one batched matmul (`batch` n x n products) and check the result.
+    """Time `repeats` launches of `batch` n x n matmuls and check the result.
 
-    TFLOP/s = 2n³ x batch / seconds per launch; batching makes the launch cost negligible.
-    `rel_error`: max |C - R| / max |R| over REFERENCE_ROWS rows, R the float64 product on the CPU.
-    `checksum` hashes an `exact_operands` product; `exact` says whether it equals the true product.
-    On XLA, `timed_compilations` counts graphs compiled inside the timer (it must be 0).
-    `corrupt` (tests only) perturbs one element per result by about 1%, as a faulty device would.
+    `rel_error` compares REFERENCE_ROWS rows with a float64 CPU product. `checksum` hashes an
+    `exact_operands` product; `exact` says it is right. `timed_compilations` must be 0 on XLA.
+    `corrupt` (tests only) perturbs one element by about 1%, as a faulty device would.
     """
     gen = torch.Generator(device="cpu").manual_seed(seed)  # private: the global RNG stream is training's
     a_host = torch.randn(n, n, generator=gen).to(dtype)
@@ -323,7 +310,7 @@ def _compilations(device: torch.device) -> int:
 
 
 def device_element_bytes(dtype: torch.dtype, device: torch.device) -> int:
-    """Bytes an element of `dtype` takes on `device`: float32 is BF16 on XLA under HLAT's precision flags."""
+    """Bytes an element of `dtype` takes on `device` (float32 is BF16 on XLA under HLAT's flags)."""
     bf16_on_device = os.environ.get("XLA_USE_BF16") == "1" or os.environ.get("XLA_DOWNCAST_BF16") == "1"
     if device.type == "xla" and dtype == torch.float32 and bf16_on_device:
         return 2
@@ -334,10 +321,8 @@ def device_element_bytes(dtype: torch.dtype, device: torch.device) -> int:
 def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge: bool = True) -> dict[str, Any]:
     """All-reduce (SUM) an `mb` MB buffer, check the sum, then time `iters` all-reduces of it.
 
-    busbw = algbw x 2(n-1)/n, the nccl-tests convention; bytes are the device's (BF16 under XLA_USE_BF16).
-    Element i is 1 on rank i mod n, 0 elsewhere: every sum must be exactly 1 in any format and order.
-    The timed graph runs once untimed first, so nothing compiles inside the timer.
-    One rank times a local copy (busbw = algbw); `note` says so.
+    busbw = algbw x 2(n-1)/n, as nccl-tests counts it, in the device's bytes.
+    Element i is 1 on rank i mod n only, so each sum is exactly 1 in any format.
     `judge` off (graph extraction): the same device work, no verdict.
     """
     n = world.world_size
@@ -414,10 +399,7 @@ def allreduce_check(world: World, mb: float, iters: int = ALLREDUCE_ITERS, judge
 
 # -- storage ---------------------------------------------------------------------------------------------
 def write_check(storage: Storage, mb: float) -> dict[str, Any]:
-    """Write `mb` MB of random bytes as one object under `storage`, as a checkpoint file is; return MB/s.
-
-    It reads the size back and deletes the object; a wrong size is reported as `error`.
-    """
+    """Write `mb` MB of random bytes as one object under `storage`, read its size, delete it; return MB/s."""
     size = max(1, int(mb * MB))
     data = os.urandom(size)  # not `random`/torch: the training RNG streams stay untouched
     name = f"{host_name()}-{os.getpid()}-{uuid.uuid4().hex[:8]}.bin"
@@ -453,7 +435,7 @@ def _failure(row: Mapping[str, Any], check: str, value: Any, threshold: Any, mes
 
 
 def _majority_checksums(results: Sequence[Mapping[str, Any]]) -> dict[tuple[Any, ...], str]:
-    """Per group of comparable devices: the checksum most ranks agree on (a tie: the one closest to the reference)."""
+    """Per group of comparable devices: the majority checksum (a tie: the one nearest the reference)."""
     groups: dict[tuple[Any, ...], list[Mapping[str, Any]]] = {}
     for row in results:
         m = row.get("matmul") or {}
@@ -470,11 +452,10 @@ def _majority_checksums(results: Sequence[Mapping[str, Any]]) -> dict[tuple[Any,
 
 
 def evaluate(results: Sequence[Mapping[str, Any]], thresholds: HealthThresholds | None) -> list[dict[str, Any]]:
-    """Failures among all ranks' results, each naming the rank, host, check, value and missed threshold.
+    """Failures among all ranks' results, each naming rank, host, check, value and threshold.
 
-    Floors and the matmul error bound come from `thresholds` (None: measured, not judged).
-    Wrong answers fail always: a raised check, a wrong sum, a wrong object size, missing ranks or devices,
-    an inexact checksum product, or a checksum off the majority of comparable ranks.
+    Floors come from `thresholds` (None: not judged). Wrong answers always fail,
+    including a checksum off the majority of comparable ranks.
     """
     failures: list[dict[str, Any]] = []
     majority = _majority_checksums(results)
@@ -577,9 +558,8 @@ def periodic_health_check(
 ) -> dict[str, Any]:
     """The trainer's health hook: an all-reduce check, then a vote so every rank takes the same branch.
 
-    Raises UnhealthyCollective on every rank for a wrong sum, a busbw under the size's floor, or a best
-    busbw under `min_allreduce_share_of_first` of `reference_gbps` (the first check's; None: this is the first).
-    No thresholds: measured, never failed. `judge` off: no verdict, and the result says `judged: False`.
+    Raises UnhealthyCollective on every rank for a wrong sum, a busbw under its floor, or one under
+    `min_allreduce_share_of_first` of the first check's (`reference_gbps`). `judge` off: no verdict.
     """
     result = allreduce_check(world, mb, judge=judge)
     floor, floor_from = None, ""

@@ -1,13 +1,13 @@
 """HLAT's online tokenize-and-pack loader: a run's prepared sources -> fixed-length (inputs, targets) batches.
 
 Rules:
-- documents are tokenized while training runs; no tokenized copy of the corpus is written;
-- each source's order is a function of (seed, source, epoch); document g goes to rank g % data_degree;
-- before each document, the source with the largest token deficit `w_i * T - t_i` is picked; no RNG;
+- documents are tokenized while training runs; no tokenized corpus is written;
+- each source's order depends on (seed, source, epoch) only; document g goes to rank g % data_degree;
+- each document comes from the source with the largest token deficit `w_i * T - t_i`; no RNG;
 - over W tokens a source's share is off its weight by at most about (S + 2) L / W (L: longest document);
-- rows are exactly `seq_len` tokens, overlapping by one: no padding, nothing dropped;
+- rows are exactly `seq_len` tokens, overlapping by one: no padding;
 - `Batch.state` resumes exactly; other data, tokenizer, seed, split or DP size is refused.
-docs/data.md ("The loader mixes by tokens") explains order, mixing, packing and the state.
+docs/data.md ("The loader mixes by tokens") explains it.
 """
 
 from __future__ import annotations
@@ -34,14 +34,14 @@ from hlat.training.data.tokenizer import Tokenizer
 
 STATE_VERSION = 2
 SEED_STRIDE = 1_000_003
-"""Epoch e of seed s draws from random.Random(s * SEED_STRIDE + e): distinct orders for a million epochs."""
+"""Epoch e of seed s draws from random.Random(s * SEED_STRIDE + e)."""
 SOURCE_STRIDE = 1_000_000_007
-"""Source i of seed s orders its documents as seed s + i * SOURCE_STRIDE would: source 0 as the seed itself."""
+"""Source i of seed s orders as seed s + i * SOURCE_STRIDE would; source 0 as the seed itself."""
 ENCODE_DOCS = 64
 ENCODE_CHARS = 1 << 18
-"""Documents are encoded in groups of at most this many characters: big enough to batch, small to re-encode."""
+"""Characters encoded per group: big enough to batch, small enough to re-encode on resume."""
 _POLL_S = 0.1
-"""How often a blocked producer or consumer looks whether the other side has gone away."""
+"""How often a blocked producer or consumer checks the other side is still there."""
 _RENAMED = {"dp_rank": "data_rank", "dp_size": "data_degree"}
 """State keys of earlier releases, read under today's names."""
 _RESUME_KEYS = ("sources", "current", "mix", "carry", "batches", "data_rank", "data_degree", "seed", "split")
@@ -55,20 +55,17 @@ class Batch:
     inputs: torch.Tensor
     """LongTensor (micro_batch_size, seq_len): token ids."""
     targets: torch.Tensor
-    """LongTensor (micro_batch_size, seq_len): inputs shifted left by one (next-token labels)."""
+    """LongTensor (micro_batch_size, seq_len): next-token labels."""
     doc_ids: torch.Tensor | None
-    """With document_masking: LongTensor (micro_batch_size, seq_len), +1 after each EOS; otherwise None.
-
-    Equal ids mark one document's tokens, for block-diagonal attention masks.
-    """
+    """With document_masking: LongTensor (micro_batch_size, seq_len), +1 after each EOS; else None."""
     state: dict[str, Any]
-    """The loader state after this batch (JSON-able; `load_state_dict` resumes right after this batch)."""
+    """The loader state after this batch (JSON-able)."""
     source_tokens: list[int]
-    """Targets of this batch drawn from each source, in manifest order (sums to micro_batch_size * seq_len)."""
+    """Targets of this batch from each source, in manifest order."""
 
 
 def data_fingerprint(manifest: DataManifest, split: str) -> str:
-    """What a saved position refers to: the split's shards, in manifest order, with their rows and checksums."""
+    """What a saved position refers to: the split's shards with their rows and checksums."""
     shards = [[s.path, s.rows, s.sha256] for s in manifest.shards if s.split == split]
     body = json.dumps({"format": manifest.format, "text_column": manifest.text_column, "shards": shards})
     return hashlib.sha256(body.encode()).hexdigest()
@@ -84,7 +81,7 @@ def source_seed(seed: int, index: int) -> int:
 
 
 def epoch_plan(seed: int, epoch: int, n_shards: int) -> tuple[list[int], list[int]]:
-    """The epoch's shard order (indices into the split's shards) and the row-shuffle seed of each position."""
+    """The epoch's shard order and each position's row-shuffle seed."""
     rng = random.Random(seed * SEED_STRIDE + epoch)
     order = list(range(n_shards))
     rng.shuffle(order)
@@ -99,7 +96,7 @@ def row_order(rows: int, row_seed: int) -> list[int]:
 
 
 def pick_source(weights: Sequence[float], drawn: Sequence[int]) -> int:
-    """The source with the largest deficit weight * total - drawn (ties: the lowest index); weight 0: never."""
+    """The source with the largest deficit weight * total - drawn (ties: lowest index); weight 0: never."""
     total = sum(drawn)
     best, best_deficit = -1, 0.0
     for i, (w, t) in enumerate(zip(weights, drawn, strict=True)):
@@ -158,7 +155,7 @@ class _Source:
 
 @dataclass(frozen=True)
 class _Plan:
-    """Everything the producer thread needs; deliberately not the loader, so the loader can be collected."""
+    """Everything the producer thread needs, but not the loader, so the loader can be collected."""
 
     sources: list[_Source]
     mixture: MixtureManifest
@@ -174,11 +171,11 @@ class _Plan:
     encode_threads: int
 
     def step_of(self, batches: int) -> int:
-        """The optimizer step whose weights the batch after `batches` ones follows (step 0 for validation)."""
+        """The optimizer step whose weights batch number `batches` follows (0 for validation)."""
         return batches // self.micro_batches_per_step if self.split == "train" else 0
 
     def weights(self, step: int) -> list[float]:
-        """The sources' weights at `step`; sources without documents in the split get 0, the rest share theirs."""
+        """The sources' weights at `step`; sources without documents in the split get 0."""
         raw = [w if s.shards else 0.0 for w, s in zip(self.mixture.weights_at(step), self.sources, strict=True)]
         total = sum(raw)
         if total <= 0:
@@ -194,7 +191,7 @@ class _Failure:
 
 
 class _ShardReader:
-    """Reads one source's shards (checksum-verified) and keeps the next one downloading in the background."""
+    """Reads one source's shards, checksum-verified, with the next one downloading."""
 
     def __init__(self, source: _Source, stop: threading.Event) -> None:
         self.source, self.stop = source, stop
@@ -269,7 +266,7 @@ class _Stopped(Exception):
 def _documents(
     plan: _Plan, source: _Source, epoch: int, shard: int, row: int, reader: _ShardReader
 ) -> Iterator[tuple[int, int, int, int, np.ndarray]]:
-    """This rank's documents of one source from a position on, forever: (epoch, shard, row, rows, tokens + EOS)."""
+    """This rank's documents of one source from a position on, forever."""
     n = len(source.shards)
     while True:
         order, row_seeds = epoch_plan(source.seed, epoch, n)
@@ -326,7 +323,7 @@ def _put(out: queue.Queue[Any], stop: threading.Event, item: Any) -> bool:
 
 
 def _produce(plan: _Plan, state: dict[str, Any], out: queue.Queue[Any], stop: threading.Event) -> None:
-    """The producer thread: documents -> token stream -> batches, each with the state right after it."""
+    """The producer thread: documents -> token stream -> batches, each with its state."""
     try:
         _pack(plan, state, out, stop)
     except _Stopped:
@@ -336,7 +333,7 @@ def _produce(plan: _Plan, state: dict[str, Any], out: queue.Queue[Any], stop: th
 
 
 class _Streams:
-    """Each source's document stream, opened at its saved position on first use, and its position since."""
+    """Each source's document stream, opened at its saved position on first use."""
 
     def __init__(self, plan: _Plan, positions: list[dict[str, Any]], stop: threading.Event) -> None:
         self.plan, self.stop = plan, stop
@@ -344,7 +341,7 @@ class _Streams:
         self.open: dict[int, Iterator[tuple[int, int, int, int, np.ndarray]]] = {}
 
     def next_document(self, i: int) -> tuple[np.ndarray, int]:
-        """Source i's next document and its tokens already in the stream (its saved offset, first time only)."""
+        """Source i's next document and its tokens already in the stream (first time only)."""
         position = self.positions[i]
         if i not in self.open:
             source = self.plan.sources[i]
@@ -445,7 +442,7 @@ def _shutdown(stop: threading.Event, out: queue.Queue[Any], thread: threading.Th
 
 
 class PackedLoader:
-    """Endless iterator of packed `Batch`es for one data-parallel rank (see the module docstring)."""
+    """Endless iterator of packed `Batch`es for one data-parallel rank."""
 
     def __init__(
         self,
@@ -462,11 +459,10 @@ class PackedLoader:
         encode_threads: int = 1,
         micro_batches_per_step: int = 1,
     ) -> None:
-        """`data`: the run's prepared-data folder (its manifest.json).
+        """`data`: the run's prepared-data folder; `tokenizer_model`: its tokenizer folder or file.
 
-        `tokenizer_model`: the run's tokenizer folder, or its tokenizer.model or tokenizer.json.
-        `prefetch`: batches built ahead. `encode_threads`: tokenizer threads (1 keeps ranks off each other's cores).
-        `micro_batches_per_step`: gradient accumulation; batch b uses the weights of step b // micro_batches_per_step.
+        `prefetch`: batches built ahead. `encode_threads`: tokenizer threads.
+        `micro_batches_per_step`: gradient accumulation, which maps batches to schedule steps.
         """
         if seq_len < 1 or micro_batch_size < 1:
             raise ValueError(f"seq_len ({seq_len}) and micro_batch_size ({micro_batch_size}) must be positive")
@@ -540,7 +536,7 @@ class PackedLoader:
         self._worker = None
 
     def _check_weights(self) -> None:
-        """A training source given weight at any step of the schedule must have training documents."""
+        """A source with weight at any step of the schedule must have training documents."""
         plan = self._plan
         steps = {0, *(int(e["step"]) for e in plan.mixture.schedule)}
         for step in sorted(steps):
@@ -616,13 +612,13 @@ class PackedLoader:
 
     # -- state -------------------------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """The state after the last yielded batch (the initial state before the first): JSON-able, per rank."""
+        """The state after the last yielded batch: JSON-able, per rank."""
         return json.loads(json.dumps(self._state))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue right after the batch `state` was saved with, exactly as an uninterrupted run would.
 
-        Refuses other data, tokenizer, seed, split, rank or DP size; maps a one-source version-1 state.
+        Refuses other data, tokenizer, seed, split, rank or DP size.
         """
         if isinstance(state, dict) and state.get("version") == 1:
             state = self._from_version_1(state)
@@ -670,7 +666,7 @@ class PackedLoader:
         self._state = json.loads(json.dumps(fresh))
 
     def _check_positions(self, state: dict[str, Any]) -> None:
-        """Refuse a state whose positions cannot be this loader's (a hand-edited or truncated one)."""
+        """Refuse a state whose positions cannot be this loader's."""
         n = len(self._plan.sources)
         sources, current, mix = state["sources"], state["current"], state["mix"]
         bad = not isinstance(sources, list) or len(sources) != n or not isinstance(mix, dict)
@@ -690,7 +686,7 @@ class PackedLoader:
             raise ValueError(f"malformed loader state: {shown}")
 
     def _from_version_1(self, state: dict[str, Any]) -> dict[str, Any]:
-        """A state saved before mixtures, in today's form: only for a one-source loader of the same data."""
+        """A pre-mixture state in today's form, for a one-source loader of the same data."""
         old = {_RENAMED.get(key, key): value for key, value in state.items()}
         mine = self._state
         (source,) = mine["sources"] if len(mine["sources"]) == 1 else (None,)

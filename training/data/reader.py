@@ -1,11 +1,11 @@
 r"""The prepare-data reading layer: the source cut into deterministic units, each streamed in batches of rows.
 
-A unit is a piece one worker reads alone: a jsonl byte range, a txt file, parquet row groups, or a hub shard.
+A unit is what one worker reads alone: a jsonl byte range, a txt file, parquet row groups, or a hub shard.
 Rules:
-- one bad row never fails a read: it becomes a `BadRow` and reading goes on;
-- invalid UTF-8 and lone surrogates become U+FFFD, so validation quarantines them as invalid_utf8;
+- a bad row never fails a read: it becomes a `BadRow`;
+- invalid UTF-8 becomes U+FFFD, which validation quarantines;
 - only a missing file or an unreadable source raises `SourceError`;
-- jsonl keeps the `datasets` reader's semantics: only b"\n" ends a record, blank lines are not rows.
+- jsonl records end at b"\n" only; blank lines are not rows.
 """
 
 from __future__ import annotations
@@ -43,25 +43,23 @@ _scan: Callable[[str, int], tuple[Any, int]] = json.JSONDecoder().scan_once  # t
 
 @dataclass(frozen=True)
 class Unit:
-    """A piece of the source that one worker reads on its own; the plan's order is the output order."""
+    """A piece of the source that one worker reads on its own."""
 
     index: int
     """Position in the plan (0-based)."""
     kind: str
     """"jsonl" | "txt" | "parquet" | "hub"."""
     file: str
-    """File URI or path as `resolve_source` lists it; for "hub", the data set name."""
+    """File URI or path; for "hub", the data set name."""
     start: int = 0
-    """jsonl: byte offset of the unit's first line; parquet: first row group (0-based); hub: worker shard index."""
+    """jsonl: first byte; parquet: first row group; hub: worker shard index."""
     end: int | None = None
-    """jsonl: byte offset where the unit ends (exclusive; None: end of file); parquet: row group end; hub: shard
-    count.
-    """
+    """jsonl: end byte (None: end of file); parquet: row group end; hub: shard count."""
     size: int = 0
-    """Bytes of raw input in this unit (parquet: compressed bytes of its row groups; hub: 0, unknown beforehand)."""
+    """Bytes of raw input in this unit (parquet: compressed; hub: 0, unknown)."""
 
     def label(self) -> str:
-        """How messages name the unit: the file, and the part of it when the unit is not the whole file."""
+        """How messages name the unit: the file, and the part when not whole."""
         if self.kind == "jsonl" and (self.start or self.end is not None):
             end = "end" if self.end is None else str(self.end)
             return f"{self.file} bytes {self.start}-{end}"
@@ -75,41 +73,40 @@ class Unit:
 
 @dataclass
 class BadRow:
-    """A row set aside while reading, with where it was and what it looked like."""
+    """A row set aside while reading: where it was and what it looked like."""
 
     reason: str
     """"unparseable_json" | "not_an_object" | "not_a_string" | "corrupt_row_group"."""
     file: str
     line: int
-    """jsonl: 1-based line within the unit (see `absolute_line`); parquet: 1-based row group number in the file."""
+    """jsonl: 1-based line in the unit; parquet: 1-based row group."""
     excerpt: str
-    """Up to 200 characters of the raw line (decoded with errors="replace"), or the error message."""
+    """Up to 200 characters of the raw line, or the error message."""
 
 
 @dataclass
 class Rows:
-    """One batch of a unit: the text of every good row, in order, and the rows set aside meanwhile."""
+    """One batch of a unit: the good rows' texts, in order, and the rows set aside."""
 
     texts: list[str | None]
-    """The text column's values, one per good row (None when the key is missing or null)."""
+    """The text column's values, one per good row (None when missing or null)."""
     lines: list[int]
-    """For each text: its 1-based line (jsonl), 1 (txt), row group (parquet) or running row number (hub)."""
+    """Each text's 1-based line (jsonl), row group (parquet) or row number (hub); 1 for txt."""
     bad: list[BadRow]
     """Rows set aside while reading this batch, in order."""
     bytes: int
-    """Raw input bytes this batch covered (bad rows and blank lines included)."""
+    """Raw input bytes this batch covered."""
     columns: list[str] = field(default_factory=list)
-    """Column names the source showed in this batch, so a wrong data.text_column can name the real ones."""
+    """Column names seen in this batch, to name them when data.text_column is wrong."""
     lines_so_far: int = 0
-    """jsonl: lines of the unit read so far, blank ones included (after the last batch: the unit's line count)."""
+    """jsonl: the unit's lines read so far, blank ones included."""
 
 
 # -- planning ---------------------------------------------------------------------------------------------
 def plan_units(cfg: DataConfig, unit_bytes: int, workers: int = 1) -> list[Unit]:
-    """Deterministic units for data.source, in output order; for files the plan does not depend on `workers`.
+    """Deterministic units for data.source, in output order; for files independent of `workers`.
 
-    jsonl files over `unit_bytes` are cut at line starts; a txt file is one unit; parquet is cut into
-    row-group runs of about `unit_bytes`; a hub data set becomes `workers` shards.
+    jsonl is cut at line starts and parquet at row groups, about `unit_bytes` each.
     """
     if unit_bytes < 1:
         raise ValueError(f"unit_bytes must be at least 1, got {unit_bytes}")
@@ -149,7 +146,7 @@ def _jsonl_ranges(file: str, unit_bytes: int) -> list[tuple[int, int | None, int
 
 
 def _next_line_start(fh: IO[bytes], cut: int, size: int) -> int | None:
-    """The first line start at or after `cut` (the byte after the first b"\\n" at or after cut - 1), or None."""
+    """The first line start at or after `cut`, or None."""
     pos = cut - 1
     while pos < size:
         fh.seek(pos)
@@ -184,10 +181,7 @@ def _row_group_runs(file: str, unit_bytes: int) -> list[tuple[int, int | None, i
 
 # -- reading ----------------------------------------------------------------------------------------------
 def read_unit(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
-    """Stream one unit in batches of about data.batch_rows rows (or BATCH_BYTES of input).
-
-    Bad rows become BadRows; data.max_documents is the caller's. A missing or unreadable source raises SourceError.
-    """
+    """Stream one unit in batches of about data.batch_rows rows (or BATCH_BYTES); bad rows become BadRows."""
     if unit.kind == "jsonl":
         yield from _read_jsonl(unit, cfg.text_column, cfg.batch_rows)
     elif unit.kind == "txt":
@@ -201,7 +195,7 @@ def read_unit(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
 
 
 def absolute_line(unit: Unit, line_in_unit: int) -> int:
-    """The 1-based line in the whole file of a unit's line (jsonl streams the lines before the unit); for messages."""
+    """A unit's line number in the whole file, for messages."""
     if unit.kind != "jsonl" or unit.start == 0:
         return line_in_unit
     before = 0
@@ -232,10 +226,7 @@ def _read_jsonl(unit: Unit, column: str, batch_rows: int) -> Iterator[Rows]:
 
 
 class _Block:
-    r"""Whole lines of a jsonl file from one read, decoded at once: faster than line by line, and exact.
-
-    b"\n" never occurs inside a UTF-8 sequence, and errors="replace" never swallows one.
-    """
+    r"""Whole lines of a jsonl file from one read, decoded at once: faster than line by line, and exact."""
 
     def __init__(self, raw: bytes | memoryview, first: bool) -> None:
         self.raw = raw
@@ -252,7 +243,7 @@ class _Block:
         self._sizes: list[int] | None = None
 
     def bytes_of(self, i: int, j: int) -> int:
-        """Bytes of lines i to j (exclusive), their b"\\n" included; per-line sizes only when a batch ends inside."""
+        """Bytes of lines i to j (exclusive), newlines included."""
         if i == 0 and j == len(self.lines):
             return self.size
         if self._sizes is None:
@@ -266,7 +257,7 @@ class _Block:
 
 
 def _jsonl_blocks(unit: Unit) -> Iterator[_Block]:
-    """The unit's lines, one read at a time (a line longer than a read waits for the reads that complete it)."""
+    """The unit's lines, one read at a time."""
     with _open(unit.file) as fh:
         fh.seek(unit.start)
         left = None if unit.end is None else unit.end - unit.start
@@ -291,7 +282,7 @@ def _jsonl_blocks(unit: Unit) -> Iterator[_Block]:
 
 
 class _JsonlBatch:
-    """Parses lines into the Rows of one batch; line numbers run on across the batches of a unit."""
+    """Parses lines into one batch's Rows; line numbers run on across batches."""
 
     def __init__(self, file: str, column: str) -> None:
         self.file, self.column = file, column
@@ -405,7 +396,7 @@ def _read_hub(unit: Unit, cfg: DataConfig) -> Iterator[Rows]:
 
 
 def _as_text(value: Any) -> str | None:
-    """A parquet or hub cell as text: bad bytes and lone surrogates as U+FFFD, other types through str()."""
+    """A parquet or hub cell as text: bad bytes as U+FFFD, other types through str()."""
     if value is None or (isinstance(value, float) and value != value):
         return None
     if type(value) is str:
@@ -418,7 +409,7 @@ def _as_text(value: Any) -> str | None:
 # -- files ------------------------------------------------------------------------------------------------
 @contextmanager
 def _storage(file: str) -> Iterator[tuple[Any, str]]:
-    """(fs, path) of a source file: a missing file is a SourceError; other faults keep their kind for retries."""
+    """(fs, path) of a source file: missing is a SourceError; other faults keep their kind for retries."""
     store = Storage(file)
     try:
         with storage_errors(file):
@@ -434,14 +425,14 @@ def _size(file: str) -> int:
 
 @contextmanager
 def _open(file: str, block_size: int = READ_BYTES) -> Iterator[IO[bytes]]:
-    """A source file for reading; `block_size` is what each read asks remote storage for (s3fs reads ahead)."""
+    """A source file for reading; `block_size` is each remote read's size."""
     with _storage(file) as (fs, path), fs.open(path, "rb", block_size=block_size) as fh:
         yield fh
 
 
 @contextmanager
 def _parquet(file: str) -> Iterator[Any]:
-    """A pyarrow ParquetFile; a footer that cannot be read makes the whole file unreadable: a SourceError."""
+    """A pyarrow ParquetFile; an unreadable footer is a SourceError."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
