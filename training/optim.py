@@ -1,13 +1,12 @@
 """Optimizer, learning-rate schedule and gradient clipping of an hlat run (HLAT recipe).
 
 Rules:
-- `lr_at(step)`: step is the 0-based step about to run; warmup uses (step + 1) / warmup_steps, so step 0 learns;
+- `lr_at(step)` takes the 0-based step about to run; warmup uses (step + 1) / warmup_steps;
 - 'cosine' decays to `lr * min_lr_ratio` at the horizon; 'wsd' holds the peak, then decays as 1 - sqrt(p)
-  (Hägele et al. 2024, https://arxiv.org/abs/2405.18392, section 3); both stay flat after the horizon;
-- a scheduler state resumed under a schedule that changes any past step's lr is refused;
+  (Hägele et al. 2024, https://arxiv.org/abs/2405.18392, section 3);
+- a resume under a schedule that changes a past step's lr is refused;
 - AdamW decays every parameter, norms included (HLAT);
-- 'bf16-sr' rounds BF16 updates stochastically: round-to-nearest would drop updates under half an ulp.
-  Its random bits are seeded by (seed, step, parameter), so resumes and replicas round alike.
+- 'bf16-sr' rounds updates stochastically, seeded by (seed, step, parameter): small updates survive, resumes match.
 docs/training.md ("Schedules") covers WSD and extending a run.
 """
 
@@ -34,7 +33,7 @@ _HIGH_MASK = -(1 << _LOW_BITS)  # 0xFFFF0000 as a (negative) int32
 
 
 def lr_at(step: int, cfg: TrainingConfig) -> float:
-    """Learning rate of the 0-based optimizer step `step` (the shape is in the module docstring)."""
+    """Learning rate of the 0-based optimizer step `step`."""
     peak, floor = cfg.lr, cfg.lr * cfg.min_lr_ratio
     warmup = cfg.warmup_steps
     if step < warmup:
@@ -51,7 +50,7 @@ def lr_at(step: int, cfg: TrainingConfig) -> float:
 
 
 def _wsd_after_warmup(step: int, decay_start: int, horizon: int, peak: float, floor: float) -> float:
-    """WSD past the warm-up: the peak until decay_start, then 1-sqrt down to the floor on step horizon - 1."""
+    """WSD past the warm-up: the peak until decay_start, then 1-sqrt to the floor at the horizon's last step."""
     if step < decay_start:
         return peak
     length = horizon - decay_start
@@ -62,11 +61,11 @@ def _wsd_after_warmup(step: int, decay_start: int, horizon: int, peak: float, fl
 
 
 SCHEDULE_FIELDS = ("schedule", "lr", "min_lr_ratio", "warmup_steps", "max_steps", "schedule_steps", "decay_steps")
-"""The TrainingConfig fields `lr_at` reads: the schedule record a scheduler's state carries."""
+"""The TrainingConfig fields `lr_at` reads, recorded in the scheduler's state."""
 
 
 class Schedule(torch.optim.lr_scheduler.LambdaLR):
-    """`lr_at` as a LambdaLR whose state also records its schedule, so a resume under another is checked."""
+    """`lr_at` as a LambdaLR whose state records its schedule, so resumes are checked."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> None:
         self.schedule = cfg.model_dump(include=set(SCHEDULE_FIELDS))
@@ -83,10 +82,7 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
         return {k: v for k, v in super().state_dict().items() if k != "_cfg"}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Resume; ValueError when the saved schedule gives a step already taken another learning rate.
-
-        States saved before the record existed are taken as they are.
-        """
+        """Resume; ValueError when the saved schedule gave a past step another learning rate."""
         saved = state_dict.get("schedule")
         if saved is not None:
             problem = TrainingConfig(**saved).extension_problem(self._cfg, int(state_dict["last_epoch"]))
@@ -96,7 +92,7 @@ class Schedule(torch.optim.lr_scheduler.LambdaLR):
 
 
 def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> torch.optim.lr_scheduler.LambdaLR:
-    """`lr_at` as a LambdaLR (`Schedule`) over an optimizer whose groups were created with lr=cfg.lr."""
+    """`lr_at` as a LambdaLR (`Schedule`) over groups created with lr=cfg.lr."""
     return Schedule(optimizer, cfg)
 
 
@@ -106,9 +102,8 @@ def build_scheduler(optimizer: torch.optim.Optimizer, cfg: TrainingConfig) -> to
 def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None = None) -> torch.Tensor:
     """Round an FP32 tensor to BF16, up or down with probabilities that make the result unbiased.
 
-    Adds 16 random bits to the low half of the int32 pattern, then clears it; E[result] == x.
-    Exact BF16 values, zeros, ±inf and NaN pass unchanged; values past BF16's range may round to ±inf.
-    `generator` must live on x's device (None: the global one, not reproducible across resumes).
+    Exact BF16 values, zeros, ±inf and NaN pass unchanged.
+    `generator` must live on x's device (None: the global one, not reproducible).
     """
     if x.dtype != torch.float32:
         raise TypeError(f"stochastic_round_to_bf16 expects a float32 tensor, got {x.dtype}")
@@ -122,7 +117,7 @@ def stochastic_round_to_bf16(x: torch.Tensor, generator: torch.Generator | None 
 
 
 def sr_seed(seed: int, step: int, index: int) -> int:
-    """The generator seed for rounding parameter number `index` on optimizer step `step` (a 63-bit hash)."""
+    """The rounding seed of parameter `index` on step `step` (a 63-bit hash)."""
     digest = hashlib.blake2b(f"{seed}:{step}:{index}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
@@ -159,7 +154,7 @@ def adamw_update(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """One AdamW update in place, exactly as `torch.optim.AdamW` computes it; `step` is 1 on the first update."""
+    """One AdamW update in place, as `torch.optim.AdamW` computes it; `step` is 1 on the first update."""
     param.mul_(1.0 - lr * weight_decay)
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
@@ -172,8 +167,7 @@ def adamw_update(
 class AdamWStochasticRounding(torch.optim.Optimizer):
     """AdamW for pure BF16 training: BF16 parameters and states, FP32 arithmetic, stochastic rounding.
 
-    Parameter i on its k-th step rounds with a generator seeded by `sr_seed(seed, k, i)`.
-    So the state_dict alone gives a bitwise-exact resume. `stochastic_rounding=False` rounds to nearest.
+    Rounding bits come from `sr_seed`, so the state_dict alone resumes bitwise.
     """
 
     def __init__(
@@ -240,11 +234,9 @@ class AdamWStochasticRounding(torch.optim.Optimizer):
 
 
 class MasterWeightAdamW(torch.optim.Optimizer):
-    """AdamW with FP32 master weights for BF16 compute on XLA (HLAT 70B's recipe, `bf16-mixed` on trn1).
+    """AdamW with FP32 master weights for BF16 compute on XLA (HLAT 70B's `bf16-mixed`).
 
-    Under XLA_DOWNCAST_BF16=1 float32 is BF16 on the device and float64 is FP32.
-    So masters and moments are float64-typed: FP32 on the device, saved in checkpoints.
-    Off XLA they would be real float64; CPU and CUDA use autocast with FP32 parameters instead.
+    Under XLA_DOWNCAST_BF16=1 float64 tensors are FP32 on the device, so masters and moments are float64-typed.
     """
 
     def __init__(
@@ -263,7 +255,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
                 self.state[p]["exp_avg_sq"] = torch.zeros_like(master)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, but the float64-typed masters and moments keep their dtype (a cast would make them BF16)."""
+        """As torch's, but the float64-typed state keeps its dtype (a cast would make it BF16 on the device)."""
         tensors = {
             int(i): {k: v for k, v in s.items() if isinstance(v, torch.Tensor)} for i, s in state_dict["state"].items()
         }
@@ -299,8 +291,7 @@ class MasterWeightAdamW(torch.optim.Optimizer):
 def masked_step(optimizer: torch.optim.Optimizer, apply: torch.Tensor) -> None:
     """`optimizer.step()`, kept only where the device bool `apply` is true; no host read.
 
-    A skipped step leaves parameters and tensor state unchanged; host-side step counters advance anyway.
-    It costs one copy of the parameters and tensor states while it runs.
+    A skipped step leaves parameters and tensor state unchanged; host-side counters advance.
     """
 
     def tensors(p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -339,9 +330,9 @@ def optimizer_recipe(
 ) -> tuple[type[torch.optim.Optimizer], dict[str, Any]]:
     """The optimizer class and its arguments for `params`: AdamW, one group, weight decay on all (HLAT).
 
-    'fp32' and 'bf16-mixed' need FP32 parameters; 'bf16-sr' a BF16 model with software stochastic rounding.
-    Under torch-xla's precision flags (`flags`) the device does the work: 'bf16-sr' is plain AdamW (HLAT 7B),
-    'bf16-mixed' is `MasterWeightAdamW` (HLAT 70B), unless ZeRO-1 keeps the masters itself (`zero1`).
+    Under torch-xla's precision flags the device does the work: 'bf16-sr' is plain AdamW,
+    'bf16-mixed' is `MasterWeightAdamW` unless ZeRO-1 keeps the masters (`zero1`).
+    Elsewhere 'bf16-sr' uses `AdamWStochasticRounding`.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"precision {precision!r} is not one of {', '.join(PRECISIONS)}")
@@ -380,9 +371,9 @@ def build_optimizer(
 
 
 def clip_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> torch.Tensor:
-    """Clip gradients to a global L2 norm of max_norm (0: no clip); return the pre-clip norm as a device tensor.
+    """Clip gradients to a global L2 norm of max_norm (0: no clip); return the pre-clip norm on the device.
 
-    Reading it is the caller's host sync. Non-finite norms are returned, not raised: nan_policy decides.
+    Non-finite norms are returned, not raised: nan_policy decides.
     """
     params = [p for p in params if p.grad is not None]
     if not params:

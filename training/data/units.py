@@ -2,10 +2,10 @@
 
 Rules:
 - `plan` cuts the source into deterministic units; `assign` deals them out, largest first;
-- a unit commits with `unit.json`, written last; a committed unit or curation task is never redone;
+- a unit commits with `unit.json`, written last, and is never redone;
 - the output depends on the plan alone, not on worker count or restarts;
 - a failed source leaves the previous manifest and shards untouched.
-docs/stages.md ("prepare-data") draws the source folder and explains the stage.
+docs/stages.md ("prepare-data") explains the stage.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ EXAMPLES_PER_UNIT = 20  # set-aside rows named (file and line) in a unit's recor
 
 
 def work_dir(fingerprint: str) -> str:
-    """The folder (under data/) of one key's units: the same key finds the units committed before."""
+    """The folder of one key's units."""
     return f"work-{fingerprint[-12:]}"
 
 
@@ -59,7 +59,7 @@ class BadExample(BaseModel):
     reason: str
     file: str
     line: int
-    """1-based line in the unit for jsonl (row group for parquet); the report turns it into the file's line."""
+    """1-based line in the unit (parquet: row group)."""
     excerpt: str = ""
 
 
@@ -77,12 +77,12 @@ class UnitResult(BaseModel):
     quarantined_by_reason: dict[str, int]
     expectation_failures: dict[str, int]
     lines: int
-    """jsonl: the unit's lines, blank ones included: the next unit of the same file starts after them."""
+    """jsonl: the unit's lines, blank ones included."""
     bytes: int
     seconds: float
     worker: int
     job: str = ""
-    """The job that committed the unit (its name; empty outside a job)."""
+    """The job that committed the unit (empty outside a job)."""
     shards: list[ShardInfo]
     quarantine: list[str]
     examples: list[BadExample]
@@ -98,7 +98,7 @@ class WorkerReport(BaseModel):
 
 
 class DataReport(BaseModel):
-    """What prepare-data did; rows_read == rows_kept + rows_quarantined always, and per reason."""
+    """What prepare-data did; rows_read == rows_kept + rows_quarantined, also per reason."""
 
     source: str
     fingerprint: str
@@ -110,7 +110,7 @@ class DataReport(BaseModel):
     expectation_failures: dict[str, int]
     duplicate_rate: float
     cross_unit_duplicates: int = 0
-    """Exact duplicates found across the whole source by curation's exact dedup (across units and workers)."""
+    """Exact duplicates across the whole source, found by curation."""
     train_rows: int
     validation_rows: int
     train_bytes: int
@@ -120,19 +120,19 @@ class DataReport(BaseModel):
     raw_bytes: int = 0
     workers: list[WorkerReport] = Field(default_factory=list)
     examples: list[BadExample] = Field(default_factory=list)
-    """The first set-aside rows with their file and 1-based line (or row group)."""
+    """The first set-aside rows with their file and line."""
     manifest_checksum: str
     seconds: float
     curation_seconds: dict[str, float] = Field(default_factory=dict)
     """Seconds of each curation phase."""
     name: str = ""
-    """The source's name in the mixture (a source's own report); empty in a run's report."""
+    """The source's name (a source's report); empty in a run's report."""
     sources: list[DataReport] = Field(default_factory=list)
-    """A run's report: each source's own report (the counts above are their totals)."""
+    """A run's report: each source's report."""
 
 
 def held_out(sha256: bytes, validation_fraction: float) -> bool:
-    """Held-out membership by the text's sha256: stable across re-runs, orders and shard sizes."""
+    """Held-out membership by the text's sha256: stable across re-runs."""
     return int.from_bytes(sha256[:8], "big") < validation_fraction * 2**64
 
 
@@ -143,7 +143,7 @@ def assign_split(text: str, validation_fraction: float) -> str:
 
 # -- the plan ---------------------------------------------------------------------------------------------------
 def plan(cfg: DataConfig, data: Storage, work: str) -> list[Unit]:
-    """The units of `work` (data/<work>/plan.json), made once: a restarted job reads the plan it started with."""
+    """The units of `work`, planned once: a restarted job reads the same plan."""
     rel = f"{work}/{PLAN_FILE}"
     if data.exists(rel):
         return [Unit(**u) for u in data.read_json(rel)["units"]]
@@ -153,7 +153,7 @@ def plan(cfg: DataConfig, data: Storage, work: str) -> list[Unit]:
 
 
 def assign(units: list[Unit], workers: int) -> list[list[Unit]]:
-    """Units per worker: largest first to the least loaded (ties: the lower worker), each list in plan order."""
+    """Units per worker: largest first to the least loaded, each list in plan order."""
     load = [0] * workers
     shares: list[list[Unit]] = [[] for _ in range(workers)]
     for unit in sorted(units, key=lambda u: (-u.size, u.index)):
@@ -184,11 +184,7 @@ def prepare_unit(
     on_batch: Callable[[Unit, int], None] = lambda unit, rows: None,
     job: str = "",
 ) -> UnitResult:
-    """Read, validate and shard one unit (at most `limit` rows), then commit it; a committed unit is returned as is.
-
-    Exact duplicates within the unit are dropped. Under policy 'fail' the first bad row raises
-    DataValidationError naming its file and line.
-    """
+    """Read, validate and shard one unit (at most `limit` rows), then commit it; committed units return as they are."""
     done = committed(data, work, unit)
     if done is not None:
         return done
@@ -265,7 +261,7 @@ def prepare_unit(
 def _cut(
     texts: list[str | None], lines: list[int], bad: list[BadRow], room: int
 ) -> tuple[list[str | None], list[int], list[BadRow]]:
-    """The first `room` rows of a batch, good and bad, in line order."""
+    """The first `room` rows of a batch, good and bad."""
     rows = sorted([(line, 0, i) for i, line in enumerate(lines)] + [(b.line, 1, i) for i, b in enumerate(bad)])
     keep = rows[: max(room, 0)]
     good = [i for _, kind, i in keep if kind == 0]
@@ -287,7 +283,7 @@ REFUSALS = {
     "not_an_object": "is not a JSON object",
     "corrupt_row_group": "cannot be read",
 }
-"""What a bad row is, by reason, as the 'fail' policy's message says it."""
+"""What a bad row is, by reason, for the 'fail' policy's message."""
 
 
 def _refused(cfg: DataConfig, unit: Unit, line: int, reason: str) -> DataValidationError:
@@ -300,7 +296,7 @@ def _refused(cfg: DataConfig, unit: Unit, line: int, reason: str) -> DataValidat
 
 
 class QuarantineWriter:
-    """Set-aside rows of one unit, with their reason and line, in parquet files of at most shard_rows rows."""
+    """A unit's set-aside rows, with reason and line, in parquet files."""
 
     def __init__(self, data: Storage, folder: str, file: str, rows_per_file: int = 50_000) -> None:
         self.data, self.folder, self.file, self.rows_per_file = data, folder, file, rows_per_file
@@ -349,10 +345,7 @@ def run_worker(
     on_batch: Callable[[Unit, int], None] = lambda unit, rows: None,
     job: str = "",
 ) -> list[UnitResult]:
-    """Prepare `units` in order, skipping committed ones; with `limit`, stop after that many rows.
-
-    `on_batch(unit, rows read in it)` runs after each batch; `job` names the committing job.
-    """
+    """Prepare `units` in order, skipping committed ones; with `limit`, stop after that many rows."""
     results: list[UnitResult] = []
     read = 0
     for unit in units:
@@ -373,7 +366,7 @@ def run_worker(
 def prepare_dataset(
     cfg: DataConfig, data: Storage, fingerprint: str, evaluation_tasks: tuple[str, ...] = ()
 ) -> DataReport:
-    """One source, the whole stage in this process: its units in turn, curation, then the merge."""
+    """One source, the whole stage in this process."""
     start = time.time()
     work = work_dir(fingerprint)
     units = plan(cfg, data, work)
@@ -383,7 +376,7 @@ def prepare_dataset(
 
 
 CONTAMINATION_DOCUMENTS = 2000
-"""Held-out documents per source that the offline evaluation tasks may quote (see training.evaluate)."""
+"""Held-out documents per source that offline evaluation tasks may quote."""
 
 
 def curate_units(
@@ -397,10 +390,7 @@ def curate_units(
     hosts: int = 1,
     workers: int = 1,
 ) -> CurationResult | None:
-    """Curate a source's committed units: one task per unit, this host running its share on `workers` processes.
-
-    None when every rule is off.
-    """
+    """Curate a source's committed units, this host running its share; None when every rule is off."""
     if not cfg.curation.any_rule:
         return None
     from hlat.training.data.curation import contamination_texts, curate
@@ -423,14 +413,14 @@ def curate_units(
 
 
 def prepared(folder: Storage, key: str) -> bool:
-    """Whether `folder` holds a source prepared under `key` (its report is written last)."""
+    """Whether `folder` holds a source prepared under `key`."""
     if not folder.exists(REPORT_FILE) or not folder.exists(MANIFEST_FILE):
         return False
     return bool(folder.read_json(REPORT_FILE).get("fingerprint") == key == read_manifest(folder).fingerprint)
 
 
 def write_mixture(cfg: DataConfig, data: Storage, sources: list[tuple[SourceConfig, Storage]], key: str) -> DataReport:
-    """Write the run's `data/manifest.json` (the mixture), then `data/report.json`; remove single-source leftovers."""
+    """Write the run's mixture manifest, then its report."""
     reports, entries = [], []
     for source, folder in sources:
         manifest = read_manifest(folder)
@@ -458,7 +448,7 @@ def write_mixture(cfg: DataConfig, data: Storage, sources: list[tuple[SourceConf
 
 
 def combined_report(reports: list[DataReport], key: str, checksum: str, policy: str) -> DataReport:
-    """The run's report: the sources' counts added up, their reports inside."""
+    """The run's report: the sources' counts added up."""
 
     def total(field: str) -> int:
         return sum(int(getattr(r, field)) for r in reports)
@@ -507,9 +497,9 @@ def merge(
     started: float,
     curated: CurationResult | None = None,
 ) -> DataReport:
-    """The source's manifest, then its report, from its committed units and what curation kept.
+    """The source's manifest, then its report, from its units and what curation kept.
 
-    Curated shards replace the units'; removals count under their rule. Data-set-level rules fail here.
+    Data-set-level rules fail here, before the manifest.
     """
     results = _results(cfg, data, work, units)
     removed = {RULE_REASONS.get(rule, rule): n for rule, n in (curated.removed if curated else {}).items()}
@@ -565,7 +555,7 @@ def merge(
 
 
 def _results(cfg: DataConfig, data: Storage, work: str, units: list[Unit]) -> list[UnitResult]:
-    """The committed units in plan order; under data.max_documents the plan's prefix that was read."""
+    """The committed units in plan order (with max_documents, the prefix read)."""
     results: list[UnitResult] = []
     for unit in units:
         result = committed(data, work, unit)
@@ -578,11 +568,11 @@ def _results(cfg: DataConfig, data: Storage, work: str, units: list[Unit]) -> li
 
 
 RULE_REASONS = {"exact_dedup": "duplicate"}
-"""Curation rules counted under another name in the report: an exact duplicate is one whichever step found it."""
+"""Curation rules reported under another name."""
 
 
 def _rule_examples(curated: CurationResult | None) -> list[BadExample]:
-    """A few documents each curation rule removed (their file and line are not known past the units)."""
+    """A few documents each curation rule removed."""
     if curated is None:
         return []
     return [
@@ -612,7 +602,7 @@ def _per_worker(results: list[UnitResult]) -> list[WorkerReport]:
 
 
 def _examples(results: list[UnitResult]) -> list[BadExample]:
-    """Set-aside rows with their line in the whole file: a unit's lines count from its own first line."""
+    """Set-aside rows with their line in the whole file."""
     before: dict[str, int] = {}
     out: list[BadExample] = []
     for r in results:

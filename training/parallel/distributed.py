@@ -2,11 +2,10 @@
 
 Rules:
 - device: `xla` in a Neuron container (or asked for), else CUDA when present, else CPU;
-- process group under torchrun: `xla`, nccl or gloo by device; one process has none, and collectives are no-ops;
-- device collectives take and return device tensors; only `to_host`, at sync points, reads them;
-- host-side collectives use a gloo group beside the main one, never at a step boundary;
-- gloo groups connect lazily (TORCH_GLOO_LAZY_INIT) and time out after job.collective_timeout_minutes.
-docs/trn1.md explains the gloo group on trn1 and the lazy connection (pytorch/gloo#407).
+- process group: `xla`, nccl or gloo; a single process has none, and collectives are no-ops;
+- device collectives keep tensors on the device; only `to_host`, at sync points, reads them;
+- host-side collectives use a lazy gloo group beside the main one, never at a step boundary.
+docs/trn1.md explains the gloo group and its lazy connection.
 """
 
 from __future__ import annotations
@@ -36,7 +35,7 @@ log = logging.getLogger("hlat.train")
 DEFAULT_COLLECTIVE_TIMEOUT_MIN = 20.0
 """job.collective_timeout_minutes's default, for a World made without a config."""
 FILES_BESIDE_SOCKETS = 4096
-"""Open files a rank needs besides its gloo sockets: checkpoint and data files, the store, the runtime's."""
+"""Open files a rank needs besides its gloo sockets."""
 
 
 @dataclass(frozen=True)
@@ -46,17 +45,17 @@ class World:
     local_rank: int
     device: torch.device
     layout: ParallelDims = field(default_factory=ParallelDims)
-    """The job's layout (`core.parallel`); by default every rank is a data-parallel replica."""
+    """The job's layout (`core.parallel`); by default all data-parallel."""
     data_rank: int = -1
-    """This rank's data-parallel rank (what the loader shards by): the rank itself unless the model is split."""
+    """This rank's data-parallel rank, what the loader shards by."""
     tensor_rank: int = 0
     pipeline_rank: int = 0
     nxd: dict[str, Any] | None = None
-    """neuronx-distributed's trainer config when the model is split (tensor/pipeline parallel, ZeRO-1)."""
+    """neuronx-distributed's trainer config when the model is split."""
     host_group: Any = None
-    """The gloo group of host-side collectives when the main group is not gloo; None: the main group is gloo."""
+    """The gloo group for host-side collectives; None: the main group is gloo."""
     store_timeout_s: float = DEFAULT_COLLECTIVE_TIMEOUT_MIN * 60
-    """How long a client of the job's store (`connect_store`) waits to connect."""
+    """How long a store client (`connect_store`) waits to connect."""
 
     def __post_init__(self) -> None:
         if not self.layout.splits_model:
@@ -75,10 +74,9 @@ class World:
         return self.device.type == "xla"
 
     def barrier(self, tag: str = "hlat-barrier") -> None:
-        """Wait until every rank gets here; call it between steps, not inside one.
+        """Wait until every rank gets here; call it between steps.
 
-        On XLA it uses `xm.rendezvous`, as HLAT and NxD do: the `xla` group's barrier does not wait
-        (torch-xla 2.7, `ProcessGroupXla.barrier`). The rendezvous launches the pending graph first.
+        On XLA this is `xm.rendezvous`: the `xla` group's barrier does not wait (torch-xla 2.7).
         """
         if self.on_xla:
             if self.collective:
@@ -90,7 +88,7 @@ class World:
             dist.barrier()
 
     def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-        """`tensor` (on this job's device) reduced over every rank ('sum' or 'max'); use the result, not `tensor`."""
+        """`tensor` reduced over every rank ('sum' or 'max'), on the device; use the result."""
         if self.on_xla:
             from hlat.training import xla
 
@@ -100,20 +98,18 @@ class World:
         return tensor
 
     def mean(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Mean over ranks of a device tensor (for metrics: never on the gradient path)."""
+        """Mean over ranks of a device tensor, for metrics."""
         return self.all_reduce(tensor) / self.world_size
 
     @property
     def collective(self) -> bool:
-        """Whether collectives run: several ranks, or one XLA process with XLA_ALWAYS_ALLREDUCE=1 (tests)."""
+        """Whether collectives run: several ranks, or XLA_ALWAYS_ALLREDUCE=1 (tests)."""
         if self.on_xla:
             return self.world_size > 1 or os.environ.get("XLA_ALWAYS_ALLREDUCE") == "1"
         return _grouped()
 
     def connect_store(self) -> Any:
-        """A new client of the job's TCPStore for a thread of its own (a blocking wait holds a connection); None
-        alone.
-        """
+        """A new client of the job's TCPStore, for a thread of its own; None alone."""
         if not _grouped():
             return None
         return dist.TCPStore(
@@ -124,10 +120,7 @@ class World:
         )
 
     def any_rank(self, flag: bool) -> bool:
-        """True on every rank when it is true on any, so ranks take the same branch; `flag` itself on one process.
-
-        A host-side MAX over `host_group`, but a whole-world collective: for rare decisions, never every step.
-        """
+        """True on every rank when true on any, so ranks branch alike; a whole-world collective, for rare decisions."""
         if not _grouped():
             return flag
         vote = torch.tensor([int(flag)], dtype=torch.int32)  # CPU, whatever the job's device
@@ -135,7 +128,7 @@ class World:
         return bool(vote.item())
 
     def share_from_main(self, obj: Any) -> Any:
-        """Rank 0's `obj` on every rank (a host-side broadcast over `host_group`); `obj` itself on one process."""
+        """Rank 0's `obj` on every rank, broadcast over `host_group`."""
         if not _grouped():
             return obj
         box = [obj if self.rank == 0 else None]
@@ -153,14 +146,14 @@ class World:
         return None  # the default group
 
     def mark_step(self) -> None:
-        """End of an optimizer step: on XLA, cut and launch the step's graph; elsewhere nothing."""
+        """End of an optimizer step: on XLA, cut and launch the graph."""
         if self.on_xla:
             from hlat.training import xla
 
             xla.mark_step()
 
     def to_host(self, tree: Any) -> Any:
-        """`tree` with its device tensors as CPU tensors, in one transfer on XLA (a sync point's one host read)."""
+        """`tree` with its device tensors on the CPU, in one transfer on XLA."""
         if self.on_xla:
             from hlat.training import xla
 
@@ -170,7 +163,7 @@ class World:
         return _map_tensors(tree, lambda t: t.cpu())
 
     def seed(self, seed: int) -> None:
-        """Seed every generator a checkpoint saves: torch (CPU, CUDA), XLA, Python's `random` and NumPy's."""
+        """Seed every generator a checkpoint saves."""
         random.seed(seed)
         try:
             import numpy as np
@@ -200,7 +193,7 @@ def _map_tensors(tree: Any, fn: Any) -> Any:
 
 
 def resolve_device_kind(kind: str) -> str:
-    """'auto' made concrete: xla in a Neuron container, else cuda when present, else cpu."""
+    """'auto' made concrete: xla in a Neuron container, else cuda, else cpu."""
     if kind != "auto":
         return kind
     if neuron_available():
@@ -213,8 +206,7 @@ def init_world(
 ) -> World:
     """Pick this rank's device and join torchrun's process group when WORLD_SIZE > 1.
 
-    On XLA: set `cfg`'s precision flags unless already set, then the compilation cache `xla_cache` names.
-    On trn1: form neuronx-distributed's model-parallel groups from `cfg.parallelism`.
+    On XLA, set the precision flags and `xla_cache` first; on trn1, form NxD's groups.
     An XLA job refuses a torch-xla other than its neuron.sdk's.
     """
     precision = cfg.precision.mode if cfg is not None else "fp32"
@@ -267,25 +259,19 @@ def init_world(
 
 
 def _host_side_group(timeout: timedelta | None = None) -> Any:
-    """The gloo group for host-side collectives, lazily connected and with `timeout`; None alone or under gloo.
-
-    new_group is collective: every rank makes it right after joining, before NxD makes its own groups.
-    """
+    """The gloo group for host-side collectives (None alone or under gloo); every rank makes it right after joining."""
     if not _grouped() or dist.get_backend() == "gloo":
         return None
     return dist.new_group(backend="gloo", timeout=timeout or timedelta(minutes=DEFAULT_COLLECTIVE_TIMEOUT_MIN))
 
 
 def open_files_needed(world_size: int, gloo_groups: int = 1) -> int:
-    """Open files a rank may need: a socket to every other rank per gloo group, plus FILES_BESIDE_SOCKETS."""
+    """Open files a rank may need: a socket per peer per gloo group, plus the rest."""
     return gloo_groups * max(0, world_size - 1) + FILES_BESIDE_SOCKETS
 
 
 def raise_open_file_limit(world_size: int, gloo_groups: int = 1, log_it: bool = True) -> tuple[int, int, int]:
-    """Raise the soft RLIMIT_NOFILE to the hard limit; return (soft before, soft after, needed).
-
-    Rank 0 logs the figures; every rank warns when the hard limit is under `open_files_needed`.
-    """
+    """Raise the soft RLIMIT_NOFILE to the hard limit, warning if still too low; return (before, after, needed)."""
     import resource
 
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -311,17 +297,14 @@ def raise_open_file_limit(world_size: int, gloo_groups: int = 1, log_it: bool = 
 
 
 def use_deterministic_cuda() -> None:
-    """Deterministic CUDA kernels (https://pytorch.org/docs/stable/notes/randomness.html), so resume stays bitwise.
-
-    An op without a deterministic kernel raises. Runs before the device's first cuBLAS handle.
-    """
+    """Deterministic CUDA kernels, so resume stays bitwise (https://pytorch.org/docs/stable/notes/randomness.html)."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     torch.backends.cudnn.benchmark = False
 
 
 def _model_parallel(world: World, cfg: HlatConfig | None) -> World:
-    """`world` with neuronx-distributed's groups when `cfg` splits the model (trn1, or NxD's CPU mode)."""
+    """`world` with NxD's groups when `cfg` splits the model."""
     from hlat.training.parallel.neuron import needs_nxd
 
     if cfg is None or not needs_nxd(cfg):
