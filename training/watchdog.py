@@ -1,13 +1,12 @@
 """The training job's own hang watchdog: a daemon thread per rank that ends the process when progress stops.
 
-A hung job never reaches the step boundary where SIGTERM and the stop rule act, so it would bill to
-MaxRuntimeInSeconds. Rules:
-- progress is what the loop reports (`Progress.beat`): steps, evaluation batches, hooks, saves;
-- on a hang it dumps every thread's stack, writes a HangDetected failure record, and `os._exit`s with EXIT_HUNG;
-- a phase met for the first time gets STARTUP_S (it may compile); after that the measured rule, at least FLOOR_S;
-- job.watchdog=<seconds> replaces the rule, `off` disables it; never under graph extraction;
-- it runs on every rank: the hung rank's stacks say why.
-docs/multi-host.md ("Watchdog and stop vote") has the bounds and the emulator test.
+A hung job never reaches the step boundary where stops act, so it would bill to MaxRuntimeInSeconds.
+Rules:
+- progress is what the loop reports (`Progress.beat`);
+- on a hang: dump every stack, write a HangDetected record, `os._exit(EXIT_HUNG)`;
+- a new phase gets STARTUP_S (it may compile); otherwise the measured rule, at least FLOOR_S;
+- job.watchdog=<seconds> replaces the rule; `off` disables it; never under graph extraction.
+docs/multi-host.md ("Watchdog and stop vote") has the bounds.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from hlat.core.contract import EXIT_HUNG, write_failure
 log = logging.getLogger("hlat.train")
 
 STARTUP_S = 60 * 60.0
-"""A phase met for the first time in this job (start-up included): it may compile graphs."""
+"""A phase met for the first time (start-up included): it may compile graphs."""
 STEP_FACTOR = 10.0
 """Steady state: this many measured steps..."""
 SAVE_FACTOR = 3.0
@@ -34,7 +33,7 @@ SAVE_FACTOR = 3.0
 FLOOR_S = 10 * 60.0
 """... and never less than this."""
 TICK_S = 5.0
-"""How often the thread looks at the clock (a hang is found at most this late)."""
+"""How often the thread looks at the clock."""
 
 STEP = "step"
 START_UP = "start-up"
@@ -50,10 +49,9 @@ def watchdog_bound_seconds(
     save_factor: float = SAVE_FACTOR,
     floor_s: float = FLOOR_S,
 ) -> float:
-    """Seconds without progress after which a job is hung (job.watchdog=auto). Pure: tests and the dry run use it.
+    """Seconds without progress after which a job is hung (job.watchdog=auto); pure.
 
-    `startup_s` before the step time is known or in a new phase (`first_of_phase`);
-    else step_factor x `step_s` + save_factor x `save_s`, at least `floor_s`.
+    `startup_s` in a new phase; else step_factor x `step_s` + save_factor x `save_s`, at least `floor_s`.
     """
     if first_of_phase or step_s is None:
         return max(startup_s, floor_s)
@@ -62,7 +60,7 @@ def watchdog_bound_seconds(
 
 @dataclass
 class Progress:
-    """What the loop tells the watchdog (one writer, any reader): last progress, its step and phase, phases seen."""
+    """What the loop tells the watchdog: last progress, its step and phase, phases seen."""
 
     clock: Callable[[], float] = time.monotonic
     at: float = field(default=0.0)
@@ -70,21 +68,21 @@ class Progress:
     phase: str = START_UP
     seen: set[str] = field(default_factory=set)
     step_s: float | None = None
-    """The step time measured at the last sync point (the loop sets it)."""
+    """The step time measured at the last sync point."""
     save_s: float | None = None
-    """The last checkpoint save timed to its end (the loop sets it)."""
+    """The last checkpoint save's time."""
 
     def __post_init__(self) -> None:
         self.at = self.clock()
 
     def beat(self, step: int, phase: str = STEP) -> None:
-        """Progress: `step` is the last step finished, `phase` what the loop does now; the phase left counts as seen."""
+        """Progress: `step` last finished, `phase` what the loop does now."""
         self.seen.add(self.phase)
         self.at, self.step, self.phase = self.clock(), step, phase
 
 
 def stack_dump() -> None:
-    """Every thread's stack, into the log stream (stderr, where the job's log lines go), then flushed."""
+    """Every thread's stack into the log, flushed."""
     for handler in logging.getLogger().handlers + log.handlers:
         handler.flush()
     sys.stderr.flush()
@@ -93,16 +91,13 @@ def stack_dump() -> None:
 
 
 def end_process(code: int) -> None:
-    """Flush the log and leave at once: no hung thread or blocking `finally` can hold the exit up."""
+    """Flush the log and leave at once; nothing can hold the exit up."""
     logging.shutdown()
     os._exit(code)
 
 
 class Watchdog:
-    """The thread: `check(now)` says whether the job is hung (pure); `start()` runs it every `tick_s`.
-
-    On a hang `fire` dumps the stacks, writes the record and ends the process (`exit`).
-    """
+    """The thread: `check(now)` is pure; `start()` runs it; on a hang `fire` ends the process."""
 
     def __init__(
         self,
@@ -123,7 +118,7 @@ class Watchdog:
         return p.phase not in p.seen or (self.fixed_s is None and p.step_s is None)
 
     def bound(self) -> float:
-        """The bound now: the start-up allowance in a new phase, else job.watchdog's number or the rule."""
+        """The bound now: the start-up allowance in a new phase, else the steady-state one."""
         p = self.progress
         if self.fixed_s is not None and not self._first():
             return self.fixed_s
@@ -139,7 +134,7 @@ class Watchdog:
         return f"bound {self.bound():.0f} s: {STEP_FACTOR:g} x {p.step_s:.2f} s step{save}, at least {FLOOR_S:.0f} s"
 
     def check(self, now: float | None = None) -> str | None:
-        """The hang's description when the last progress is older than the bound, else None."""
+        """The hang's description when progress is older than the bound, else None."""
         p = self.progress
         now = p.clock() if now is None else now
         idle = now - p.at
@@ -185,7 +180,7 @@ class Watchdog:
 
 
 def watchdog_setting(setting: str | float) -> tuple[bool, float | None]:
-    """job.watchdog read: (on, the fixed steady-state bound in seconds, None for 'auto': the rule)."""
+    """job.watchdog read: (on, fixed bound in seconds or None for the rule)."""
     if setting == "off":
         return False, None
     if setting == "auto":
@@ -194,7 +189,7 @@ def watchdog_setting(setting: str | float) -> tuple[bool, float | None]:
 
 
 def start_watchdog(progress: Progress, setting: str | float, extracting_graphs: bool) -> Watchdog | None:
-    """The job's watchdog over `progress` as job.watchdog says, started; None when off or extracting graphs."""
+    """The job's watchdog, started; None when off or extracting graphs."""
     on, fixed = watchdog_setting(setting)
     if not on or extracting_graphs:
         log.info("watchdog: off (%s)", "extracting graphs" if on else "job.watchdog=off")

@@ -1,10 +1,9 @@
-"""Serialization of one checkpoint file: what may be saved, staging to CPU, and writing and reading with a sha256.
+"""Serialization of one checkpoint file: what may be saved, staging to CPU, writing and reading with a sha256.
 
 Rules:
-- states are tensors, plain containers and scalars: `torch.load(weights_only=True)` is the only loader;
-- `check_loadable` refuses a bad state at the first save, not at resume;
+- `torch.load(weights_only=True)` is the only loader; `check_loadable` refuses other states at the first save;
 - each file is written whole and atomically (`Storage.atomic_writer`);
-- its size and sha256 are taken on the way, on a thread of their own, without a second pass.
+- its size and sha256 are taken on the way, without a second pass.
 """
 
 from __future__ import annotations
@@ -66,21 +65,18 @@ def check_loadable(obj: Any, where: str = "state") -> None:
 
 
 def one_intra_op_thread() -> None:
-    """Thread initializer for the async writer: keep its torch ops on one OpenMP thread.
+    """Thread initializer for the async writer: one OpenMP thread, so the loop's threads keep spinning.
 
-    A second OpenMP team as large as the loop's makes libgomp's threads sleep at barriers and slows every step.
     docs/stages.md ("Inside the training job") has the measurement.
     """
     torch.set_num_threads(1)
 
 
 class StagingBuffers:
-    """The CPU tensors one async save copied its state into, refilled by the next save of the same state.
+    """The CPU tensors one async save copied its state into, refilled by the next save (docs/benchmarks.md).
 
-    Refilling touched memory is a memcpy; fresh memory costs a page fault per page (docs/benchmarks.md).
-    Buffers match by position in the state tree, shape, stride and dtype. Refill only after the save was written.
-    CUDA tensors go into pinned buffers. `deferred` CPU tensors are copied later by `fill()`, on the writer thread;
-    the caller leaves them unchanged until then.
+    Buffers match by tree position, shape, stride and dtype. Refill only after the save was written.
+    `deferred` CPU tensors are copied later by `fill()`; leave them unchanged until then.
     """
 
     def __init__(self) -> None:
@@ -108,7 +104,7 @@ class StagingBuffers:
         return buffer
 
     def done(self) -> None:
-        """The state is staged (deferred copies aside): its buffers are the ones to refill next time."""
+        """The state is staged: its buffers are the ones to refill next time."""
         if self._cuda:  # the copies into pinned memory were queued on the stream: they are done once it is
             torch.cuda.current_stream().synchronize()
             self._cuda = False
@@ -125,11 +121,10 @@ class StagingBuffers:
 
 
 def stage_to_cpu(obj: Any, copy: bool = True, reuse: StagingBuffers | None = None, defer: bool = False) -> Any:
-    """The state tree with CPU tensors: fresh copies (copy=True), or CPU tensors as they are (copy=False).
+    """The state tree with CPU tensors: fresh copies (copy=True), or CPU tensors as they are.
 
-    `reuse` refills the previous call's buffers where they fit; with `defer`, CPU copies wait for `reuse.fill()`.
-    Device tensors reach the host together: XLA in one transfer, CUDA via pinned memory and one wait.
-    Tied weights stay shared in the copy, as torch.save keeps them.
+    `reuse` refills earlier buffers; with `defer`, CPU copies wait for `reuse.fill()`.
+    Device tensors come over together. Tied weights stay shared.
     """
     if reuse is not None and not copy:
         raise ValueError("stage_to_cpu: reuse fills copies, it needs copy=True")
@@ -192,7 +187,7 @@ _LARGE_WRITE = 1 << 16
 
 
 def _address(view: memoryview) -> int | None:
-    """Where a buffer's bytes are (None without NumPy); ctypes refuses torch's read-only views, NumPy does not."""
+    """Where a buffer's bytes are (None without NumPy)."""
     try:
         import numpy as np
     except ImportError:
@@ -201,7 +196,7 @@ def _address(view: memoryview) -> int | None:
 
 
 class _TensorMemory:
-    """The address ranges of the CPU tensor storages in a state tree, stable while the caller holds it."""
+    """The address ranges of the CPU tensors in a state tree."""
 
     def __init__(self, obj: Any) -> None:
         spans: dict[int, int] = {}
@@ -240,11 +235,9 @@ class _TensorMemory:
 
 
 class _DigestingWriter:
-    """The file torch.save writes into: bytes go on to `sink`, counted and hashed (sha256) on the way.
+    """The file torch.save writes into: bytes go on to `sink`, counted and hashed on a thread of their own.
 
-    Hashing runs on its own thread, behind the writes; one worker keeps the order.
-    A write returns before hashing only for `stable` memory (the saved tensors, kept until `finish()`).
-    Other buffers may be freed at once: small ones are copied, large ones hashed before returning.
+    A write returns before hashing only for `stable` memory, kept until `finish()`.
     After a failed write, later writes are dropped and `error` keeps the cause.
     """
 
@@ -305,7 +298,7 @@ class _DigestingWriter:
         return self._sha.hexdigest()
 
     def abandon(self) -> None:
-        """Stop hashing (the save failed); returns once the hasher no longer reads the caller's memory."""
+        """Stop hashing; returns once the hasher no longer reads the caller's memory."""
         self._hasher.shutdown(wait=True, cancel_futures=True)
 
     def _reap(self) -> None:
@@ -332,15 +325,14 @@ CHECKPOINT_PART_SIZE = 512 << 20
 
 
 class SaveSuperseded(CheckpointError):
-    """A save cut short because a newer one replaces it (`CheckpointManager.supersede`): nothing of it is committed."""
+    """A save cut short by a newer one (`CheckpointManager.supersede`); nothing of it is committed."""
 
 
 def write_state(
     storage: Storage, rel: str, state: Any, part_size: int | None = None, abort: threading.Event | None = None
 ) -> dict[str, Any]:
-    """torch.save `state` (CPU tensors) atomically into storage object `rel`; return its size and sha256.
+    """torch.save `state` atomically into storage object `rel`; return its size and sha256.
 
-    `part_size`: S3 multipart part size (default: the storage's block size, else CHECKPOINT_PART_SIZE).
     `abort`: once set, the next write raises SaveSuperseded and no object is created.
     """
     parts = {} if storage.is_local else {"part_size": part_size or storage.block_size or CHECKPOINT_PART_SIZE}
@@ -367,10 +359,7 @@ _crc32_before = True
 
 @contextlib.contextmanager
 def _no_record_crc32() -> Iterator[None]:
-    """torch.save without its per-record CRC32: the sha256 already covers every byte.
-
-    The switch is process-wide, so it is counted: overlapping saves restore it when the last ends.
-    """
+    """torch.save without its per-record CRC32 (the sha256 covers every byte); counted, as the switch is global."""
     global _crc32_off, _crc32_before
     save = torch.utils.serialization.config.save
     with _crc32_lock:
@@ -388,7 +377,7 @@ def _no_record_crc32() -> Iterator[None]:
 
 
 def read_state(storage: Storage, rel: str, info: Mapping[str, Any] | None) -> tuple[State, int]:
-    """(the state in storage object `rel`, its size), checked against meta.json's size and sha256 (`info`)."""
+    """(the state in `rel`, its size), checked against meta.json's size and sha256."""
     uri = storage.uri(rel)
     if info is None:
         raise CheckpointError(f"{uri} is not listed in its checkpoint's meta.json")

@@ -1,12 +1,11 @@
-"""Curation of one source with Hugging Face's datatrove (https://github.com/huggingface/datatrove).
+"""Curation of one source with datatrove (https://github.com/huggingface/datatrove): quality, decontamination, dedup.
 
-Quality rules, n-gram decontamination, exact and MinHash dedup, each as datatrove's own blocks.
 Rules:
 - each phase is a datatrove pipeline; the run's storage is the only medium between phases;
-- hosts run their share of a phase's tasks, then wait for its completion files (a barrier through storage);
-- a killed phase redoes only its unfinished tasks (`skip_completed`);
+- hosts run their share of a phase, then wait for its completion files (a barrier through storage);
+- a killed phase redoes only its unfinished tasks;
 - output shard names and order depend only on the task count and input order.
-docs/data.md ("Curation with datatrove") lists the phases and which duplicate stays.
+docs/data.md ("Curation with datatrove") lists the phases.
 """
 
 from __future__ import annotations
@@ -79,7 +78,7 @@ HASH = HashConfig(precision=64, hash_fc="sha1")
 
 
 class RegexWordTokenizer(WordTokenizer):
-    """English words and sentences by regular expression; no spaCy or NLTK data (docs/data.md says why)."""
+    """English words and sentences by regular expression (docs/data.md says why not spaCy)."""
 
     WORD = regex.compile(r"[\p{L}\p{N}_]+(?:['’][\p{L}]+)*|[^\p{L}\p{N}_\s]+")
     SENTENCE_END = regex.compile(r"(?<=[.!?])\s+")
@@ -110,11 +109,11 @@ class CurationResult:
     """What curate() produced and removed."""
 
     shards: list[ShardInfo]
-    """Curated shards (paths relative to the folder), train then validation, each in task order."""
+    """Curated shards, train then validation, each in task order."""
     removed: dict[str, int]
     """Documents removed per rule that ran (0 when it removed none)."""
     examples: dict[str, list[str]]
-    """Per rule, up to cfg.examples_per_rule excerpts (<= 200 characters) of removed documents."""
+    """Per rule, a few excerpts of removed documents."""
     seconds: dict[str, float]
     """Wall time per phase (on this host, barrier included)."""
     kept: int
@@ -126,15 +125,12 @@ class _Phase:
     pipeline: list[Any]
     tasks: int
     rules: dict[str, str] = field(default_factory=dict)
-    """rule -> the name of the step (in datatrove's stats) that removes its documents."""
+    """rule -> the datatrove step that removes its documents."""
 
 
 # -- datatrove blocks adapted to our layout ------------------------------------------------------------------------
 class _DocumentsDecontIndexer(NGramsDecontIndexer):
-    """datatrove's n-gram index built from fed documents only (text: evaluation text; metadata: task, query).
-
-    The base class's lighteval path would load and download tasks; it is not used, so not checked for.
-    """
+    """datatrove's n-gram index built from fed documents only, so lighteval is never needed."""
 
     def __new__(cls, *args: Any, **kwargs: Any) -> _DocumentsDecontIndexer:
         return object.__new__(cls)
@@ -163,7 +159,7 @@ class _TrainDecontFilter(NGramsDecontFilter):
 
 
 class _AssignedFiles:
-    """A reader over the unit shards in plan order: task r of T reads the r-th contiguous block of them."""
+    """A reader over the unit shards: task r of T reads the r-th contiguous block."""
 
     assigned: list[str]
 
@@ -183,9 +179,9 @@ class _JsonlInputs(_AssignedFiles, JsonlReader):
 
 
 class _RankReader(JsonlReader):
-    """The file this task's rank wrote in the previous phase (`{rank:05d}.jsonl`).
+    """The file this task's rank wrote in the previous phase.
 
-    datatrove's dedup filters drop documents by stream position, so each task reads exactly its own survivors.
+    datatrove's dedup filters drop documents by stream position, so each task reads exactly its own.
     """
 
     def run(self, data: DocumentsPipeline = None, rank: int = 0, world_size: int = 1) -> DocumentsPipeline:
@@ -195,7 +191,7 @@ class _RankReader(JsonlReader):
 
 
 class _ShardSink(PipelineStep):
-    """Writes the documents that reach it as our shards (one folder per task) and lists them for curate()."""
+    """Writes the documents as our shards, one folder per task."""
 
     type = "💽 - WRITER"
     name = "hlat shards"
@@ -222,7 +218,7 @@ def _shard_list(work: str, rank: int) -> str:
 
 @contextmanager
 def _datatrove_quiet() -> Iterator[None]:
-    """Silence datatrove's loguru output: its stats go to JSON files, and this module logs one line per phase."""
+    """Silence datatrove's loguru output; this module logs one line per phase."""
     loguru_logger.disable("datatrove")
     try:
         yield
@@ -246,10 +242,7 @@ def curate(
     contamination: dict[str, list[str]] | None = None,
     text_column: str = "text",
 ) -> CurationResult:
-    """Curate the validated unit shards `inputs` (relative to `folder`, in plan order) into `{work}/curated/`.
-
-    This host runs its share of each phase and waits for the others. A rerun redoes only unfinished tasks.
-    """
+    """Curate the validated unit shards `inputs` into `{work}/curated/`; this host runs its share of each phase."""
     if not 0 <= host < hosts:
         raise ValueError(f"host {host} is not one of {hosts} hosts")
     tasks = max(1, min(tasks, len(inputs))) if inputs else 1
@@ -409,7 +402,7 @@ def _phases(
 
 
 class _NoOp(PipelineStep):
-    """Stands for decontamination switched on with nothing to decontaminate against: counted as 0, runs nothing."""
+    """Decontamination with nothing to check against: counted as 0, runs nothing."""
 
     name = "nothing to decontaminate against"
 
@@ -418,7 +411,7 @@ class _NoOp(PipelineStep):
 
 
 def _quality_filter(rule: str, block: type[PipelineStep], params: dict[str, Any], writer: Any, lang: Any) -> Any:
-    """datatrove's `block` with `params` over its defaults; an unknown argument is a config error naming the field."""
+    """datatrove's `block` with `params` over its defaults; unknown arguments are a config error."""
     known = [
         p for p in inspect.signature(block.__init__).parameters if p not in ("self", "exclusion_writer", "language")
     ]
@@ -449,7 +442,7 @@ def _priority(doc: Document) -> int:
 
 
 class _SplitAdapter:
-    """A reader adapter: the text, and the split of its unit shard in metadata; ids are `<shard path>/<row>`."""
+    """A reader adapter: the text, its split in metadata, ids `<shard path>/<row>`."""
 
     def __init__(self, split_of: Mapping[str, str], root: str, text_column: str) -> None:
         self.split_of, self.root, self.text_column = split_of, root.rstrip("/") + "/", text_column
@@ -465,7 +458,7 @@ class _SplitAdapter:
 
 # -- running, the barrier and the tallies ---------------------------------------------------------------------------
 def _share(tasks: int, host: int, hosts: int) -> tuple[int, int]:
-    """This host's tasks of a phase: a contiguous range [offset, offset + count)."""
+    """This host's tasks of a phase: [offset, offset + count)."""
     lo, hi = tasks * host // hosts, tasks * (host + 1) // hosts
     return lo, hi - lo
 
@@ -487,10 +480,9 @@ def _run_phase(phase: _Phase, folder: Storage, logs: str, workers: int, host: in
 
 
 def _barrier(folder: Storage, logs: str, tasks: int, hosts: int = 1) -> None:
-    """Wait until every task of the phase, on every host, has its completion file in storage.
+    """Wait until every task of the phase has its completion file in storage, naming laggards periodically.
 
-    No timeout of its own: a dead host ends the job, and max runtime bounds a hung one.
-    Every BARRIER_REPORT_SECONDS it logs which tasks, of which hosts, it still waits for.
+    No timeout: a dead host ends the job, and max runtime bounds a hung one.
     """
     expected = {f"{rank:05d}" for rank in range(tasks)}
     started = reported = time.monotonic()
@@ -522,7 +514,7 @@ def _owns(tasks: int, host: int, hosts: int, rank: int) -> bool:
 
 
 def _dropped(folder: Storage, logs: str, tasks: int, step: str) -> int:
-    """Documents a step dropped over a phase's tasks, from datatrove's per-task stats files."""
+    """Documents a step dropped, from datatrove's stats files."""
     if not step:
         return 0
     total = 0
@@ -538,7 +530,7 @@ def _dropped(folder: Storage, logs: str, tasks: int, step: str) -> int:
 
 
 def _examples(folder: Storage, rel: str, limit: int) -> list[str]:
-    """The first `limit` removed documents of a rule (tasks in order), cut to 200 characters."""
+    """The first `limit` removed documents of a rule, cut to 200 characters."""
     out: list[str] = []
     if limit <= 0 or not folder.exists(rel):
         return out
@@ -563,10 +555,9 @@ def _gather_shards(folder: Storage, work: str, tasks: int) -> list[ShardInfo]:
 def contamination_texts(
     tasks: list[str], validation_texts: Iterable[str], include_path: str | None
 ) -> tuple[dict[str, list[str]], list[str]]:
-    """The texts of the evaluation tasks a run scores, per task, and the tasks not available offline.
+    """The texts of the run's evaluation tasks, and the tasks not available offline.
 
-    Offline tasks are built from held-out text, so their texts are `validation_texts`. Hub tasks load through
-    lm-eval with Hugging Face offline; a task that cannot load is returned in the second list.
+    Offline tasks use `validation_texts`; hub tasks load through lm-eval with the hub offline.
     """
     from hlat.training.evaluation.lm_harness import CHOICE_TASK, CLOZE_TASK, _hub_offline
 
@@ -591,7 +582,7 @@ def contamination_texts(
 
 
 def _hub_task_texts(task: str, include_path: str | None) -> Iterator[str]:
-    """Question and answer text of every evaluation document of one lm-eval task (and of its subtasks)."""
+    """Question and answer text of one lm-eval task's documents, subtasks included."""
     from lm_eval.tasks import TaskManager, get_task_dict
 
     manager = TaskManager(include_path=include_path) if include_path else TaskManager()

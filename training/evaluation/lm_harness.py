@@ -1,10 +1,9 @@
 """lm-eval-harness 0.4 on an exported Hugging Face folder, plus two offline tasks made from held-out text.
 
-`run_harness` scores an exported Llama or GPT-NeoX folder through lm-eval's Python API.
-`write_offline_tasks` makes two tasks from held-out documents, so the harness runs with no network:
-- `hlat_cloze`: predict a passage's last word, after LAMBADA (`acc`; `perplexity` is per word, not per token);
-- `hlat_choice`: pick the true continuation among four, after HellaSwag (`acc`, `acc_norm`).
-Rules: unknown task names are refused before a model loads; all-offline task sets run with the hub switched off.
+`write_offline_tasks` makes the offline tasks, so the harness runs with no network:
+- `hlat_cloze`: predict a passage's last word, after LAMBADA (`perplexity` is per word);
+- `hlat_choice`: pick the true continuation among four, after HellaSwag.
+Unknown task names are refused before a model loads.
 """
 
 from __future__ import annotations
@@ -29,22 +28,22 @@ CHOICE_TASK = "hlat_choice"
 OFFLINE_TASKS = (CLOZE_TASK, CHOICE_TASK)
 
 CONTEXT_CHARS = 400
-"""Most characters of context before the word to predict or the point to continue from."""
+"""Most characters of context before the point to predict."""
 MIN_CONTEXT_CHARS = 100
-"""Fewest characters of the document before that point: a passage needs something to predict from."""
+"""Fewest characters of document before that point."""
 CONTINUATION_CHARS = 100
-"""Length of a `hlat_choice` continuation before it is cut back to a word boundary."""
+"""Length of a `hlat_choice` continuation, before cutting to a word."""
 MIN_DOCUMENT_CHARS = MIN_CONTEXT_CHARS + CONTINUATION_CHARS + 50
 """Shorter documents (ignoring surrounding whitespace) make no examples."""
 SEGMENT_CHARS = CONTEXT_CHARS + CONTINUATION_CHARS
-"""A document gives at most one example of each task per segment of this many characters, so examples spread out."""
+"""At most one example per task per segment of this many characters, so examples spread out."""
 CHOICES = 4
 DISTRACTOR_ATTEMPTS = 20
-"""Random draws tried for each distractor before the example is dropped."""
+"""Random draws tried per distractor before dropping the example."""
 DEFAULT_BOOTSTRAP_ITERS = 1000
-"""Bootstrap resamples for the standard error of `perplexity` (lm-eval's default of 100,000 takes minutes)."""
+"""Bootstrap resamples for `perplexity`'s standard error (lm-eval's 100,000 take minutes)."""
 DATASETS_CACHE_DIR = "datasets-cache"
-"""Folder inside the tasks folder where `datasets` keeps its Arrow copy of the JSONL files."""
+"""Where `datasets` keeps its Arrow copy of the JSONL files."""
 
 # A word is a run of at least 3 letters, digits or underscores right after a single space that follows text, so
 # the context ends on a non-space character and the target is exactly " " + word, as in LAMBADA.
@@ -61,7 +60,7 @@ _OFFLINE_ENV = ("HF_HUB_OFFLINE", "HF_DATASETS_OFFLINE", "TRANSFORMERS_OFFLINE")
 
 
 def _passage_start(text: str, end: int) -> int:
-    """Start of the context ending at `end`: at most CONTEXT_CHARS back, moved forward to a word start."""
+    """Start of the context ending at `end`: at most CONTEXT_CHARS back, at a word start."""
     start = end - CONTEXT_CHARS
     if start <= 0:
         return 0
@@ -70,9 +69,7 @@ def _passage_start(text: str, end: int) -> int:
 
 
 def _cut_at_word(text: str, start: int, length: int) -> str:
-    """Up to `length` characters from `start`, cut back to a word boundary unless that drops over half; no trailing
-    space.
-    """
+    """Up to `length` characters from `start`, cut back to a word boundary where sensible."""
     piece = text[start : start + length]
     if start + length < len(text) and not text[start + length].isspace():
         cut = next((i for i in range(len(piece) - 1, length // 2, -1) if piece[i].isspace()), None)
@@ -84,10 +81,7 @@ def _cut_at_word(text: str, start: int, length: int) -> str:
 def _draw_positions(
     texts: list[str], pattern: re.Pattern[str], usable: Callable[[str, int], bool], rng: random.Random, most: int
 ) -> list[tuple[int, int]]:
-    """Up to `most` (document, position) pairs, in document order: a random `usable` match from random segments.
-
-    Only the drawn segments are searched, so the cost follows `most`, not the text's size.
-    """
+    """Up to `most` (document, position) pairs, in document order, drawn from random segments."""
     segments = [(doc, start) for doc, text in enumerate(texts) for start in range(0, len(text), SEGMENT_CHARS)]
     rng.shuffle(segments)
     drawn: list[tuple[int, int]] = []
@@ -120,7 +114,7 @@ def _cloze_examples(texts: list[str], rng: random.Random, most: int) -> list[dic
 
 
 def _distractor(texts: list[str], doc: int, length: int, rng: random.Random, taken: list[str]) -> str | None:
-    """A continuation of about `length` characters starting at a word in a document other than `doc`."""
+    """A continuation of about `length` characters from a document other than `doc`."""
     for _ in range(DISTRACTOR_ATTEMPTS):
         other = rng.randrange(len(texts) - 1)
         if other >= doc:  # any document but `doc`
@@ -163,7 +157,7 @@ def _choice_examples(texts: list[str], rng: random.Random, most: int) -> list[di
 
 
 def _task_yaml(name: str, data_file: str, cache_dir: str) -> dict[str, Any]:
-    """The lm-eval task config of one offline task; the JSONL fields are named directly (no Jinja)."""
+    """The lm-eval task config of one offline task."""
     config: dict[str, Any] = {
         "task": name,
         "dataset_path": "json",
@@ -202,13 +196,10 @@ def _task_yaml(name: str, data_file: str, cache_dir: str) -> dict[str, Any]:
 
 
 def write_offline_tasks(texts: list[str], out_dir: str, seed: int = 0, max_examples: int = 500) -> list[str]:
-    """Write the `hlat_cloze` and `hlat_choice` tasks made from `texts` into `out_dir`; return their names.
+    """Write `hlat_cloze` and `hlat_choice` made from `texts` into `out_dir`; return their names.
 
-    `out_dir` becomes `run_harness`'s `include_path` and should hold no other task YAML.
-    Documents under MIN_DOCUMENT_CHARS are skipped; each task gets at most `max_examples`, spread out.
-    Same texts and seed, same files. ValueError when a task gets no example.
-    JSONL fields: `context`, then `target` (cloze) or `choices` and `gold` (choice); `texts[doc][offset]`
-    is the space right after the context.
+    `out_dir` becomes `run_harness`'s `include_path`. Same texts and seed, same files.
+    ValueError when a task gets no example. `texts[doc][offset]` is the space after an example's context.
     """
     import yaml
 
@@ -264,7 +255,7 @@ def _task_manager(include_path: str | None, include_defaults: bool = True, **kwa
 
 @functools.lru_cache(maxsize=1)
 def _builtin_task_names() -> frozenset[str]:
-    """Names of the tasks, groups and tags lm-eval ships (indexing its ~15k YAML files takes seconds)."""
+    """Names lm-eval ships (indexing its YAML files takes seconds)."""
     return frozenset(_task_manager(None).all_tasks)
 
 
@@ -275,7 +266,7 @@ def _included_task_names(include_path: str | None) -> set[str]:
 
 
 def known_tasks(include_path: str | None) -> set[str]:
-    """Every task, group and tag name lm-eval can run: its own plus those defined under `include_path`."""
+    """Every task, group and tag lm-eval can run, `include_path`'s included."""
     return set(_builtin_task_names()) | _included_task_names(include_path)
 
 
@@ -298,7 +289,7 @@ def _unknown_tasks(tasks: list[str], included: set[str]) -> ValueError | None:
 
 
 def check_tasks(tasks: list[str], include_path: str | None) -> None:
-    """Raise ValueError naming every task lm-eval does not know, with the closest known names."""
+    """Raise ValueError naming every unknown task, with the closest known names."""
     error = _unknown_tasks(tasks, _included_task_names(include_path))
     if error is not None:
         raise error
@@ -324,10 +315,7 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
 
 @contextlib.contextmanager
 def _hub_offline() -> Iterator[None]:
-    """No request to the Hugging Face hub for the duration (it raises instead).
-
-    The libraries read HF_HUB_OFFLINE into constants at import, so the constants are switched too.
-    """
+    """No request to the Hugging Face hub for the duration; module constants are switched too."""
     import datasets.config
     import huggingface_hub.constants
 
@@ -348,7 +336,7 @@ def _hub_offline() -> Iterator[None]:
 
 
 def _number(value: Any) -> float | int | None:
-    """A JSON-safe metric value: finite numbers as they are, anything else (NaN, inf, "N/A") as None."""
+    """A JSON-safe metric value: finite numbers, else None."""
     if isinstance(value, bool):
         return int(value)
     if isinstance(value, int):
@@ -361,10 +349,7 @@ def _number(value: Any) -> float | int | None:
 
 
 def _compact(raw: dict[str, Any]) -> dict[str, Any]:
-    """Per task (and group): metrics, sample count, shots, metric directions and version, nothing else.
-
-    lm-eval's "none" filter suffix is dropped ("acc,none" -> "acc"); other filters keep lm-eval's key.
-    """
+    """Per task: metrics (lm-eval's "none" filter suffix dropped), samples, shots, directions and version."""
     tasks: dict[str, Any] = {}
     for name, row in raw["results"].items():
         metrics: dict[str, float | int | None] = {}
@@ -399,11 +384,9 @@ def run_harness(
     offline: bool | None = None,
     bootstrap_iters: int = DEFAULT_BOOTSTRAP_ITERS,
 ) -> dict[str, Any]:
-    """Run lm-eval's `simple_evaluate` with its "hf" model on exported folder `model_dir`; return compact results.
+    """Run lm-eval's `simple_evaluate` with its "hf" model on `model_dir`; return compact plain-JSON results.
 
-    Task names are checked first. float32 on CPU, bfloat16 on CUDA. `offline` (None: when every task is local)
-    keeps the call off the hub. Returns plain JSON: {"lm_eval_version", "limit", "num_fewshot", "offline",
-    "tasks": {name: {"metrics", "n_samples", "num_fewshot", "higher_is_better", "version"}}}.
+    Task names are checked first. `offline` (None: when every task is local) keeps the call off the hub.
     """
     import lm_eval
 

@@ -1,10 +1,9 @@
 """Model parallelism through neuronx-distributed (NxD): thin, and imported only where NxD is.
 
 Rules:
-- nothing imports NxD at module level; functions that need it call `require_nxd()` first;
-- NxD's CPU mode (`NXD_CPU_MODE=1`) runs the same layers and groups anywhere its source is (tests/nxd);
-- the parallel layers, groups, optimizer wrapper and pipeline are NxD's; the model and its init are ours;
-- NxD's `initialize_parallel_model` is not used: it builds the model itself, without our sliced dense init.
+- nothing imports NxD at module level; functions that need it call `require_nxd()`;
+- NxD's CPU mode (`NXD_CPU_MODE=1`) runs the same layers and groups anywhere (tests/nxd);
+- the layers, groups, optimizer wrapper and pipeline are NxD's; the model and its init are ours.
 docs/trn1.md ("Model parallelism on trn1") describes the whole path.
 """
 
@@ -27,16 +26,16 @@ from hlat.training.parallel.tensor_slices import DenseParameter, local_name, sha
 
 
 class NeuronUnavailable(ImportError):
-    """neuronx-distributed is not available (outside a Neuron container, and not in NxD's CPU mode)."""
+    """neuronx-distributed is not available here."""
 
 
 def nxd_cpu_mode() -> bool:
-    """NxD's CPU mode: its layers and groups on CPU tensors over gloo (NXD_CPU_MODE=1)."""
+    """NxD's CPU mode: its layers and groups on CPU over gloo."""
     return os.environ.get("NXD_CPU_MODE", "0") not in ("", "0")
 
 
 def nxd_available() -> bool:
-    """NxD can run here: inside a Neuron container, or in its CPU mode with its source importable."""
+    """NxD can run here: a Neuron container, or CPU mode with its source."""
     if importlib.util.find_spec("neuronx_distributed") is None:
         return False
     return neuron_available() or nxd_cpu_mode()
@@ -57,7 +56,7 @@ def needs_nxd(cfg: HlatConfig) -> bool:
 
 
 def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:
-    """Our parallel config as the arguments of NxD's `neuronx_distributed_config` (checked against the heads)."""
+    """Our parallel config as NxD's `neuronx_distributed_config` arguments."""
     p, m, t = cfg.parallelism, cfg.model, cfg.training
     if (problem := heads_problem(m.n_heads, m.kv_heads, p.tensor)) is not None:
         raise ConfigError(f"parallelism.tensor={p.tensor}: {problem}")
@@ -80,12 +79,10 @@ def parallel_settings(cfg: HlatConfig) -> dict[str, Any]:
 
 
 def zero1_masters_outrank_parameters(cfg: HlatConfig) -> bool:
-    """Whether ZeRO-1's master weights hold more than the device's parameters, and so go into checkpoints.
+    """Whether ZeRO-1's masters hold more than the device's parameters, and so go into checkpoints.
 
-    Without them, loading rebuilds the masters from the parameters (torch-xla 2.7 and 2.9 warn of accuracy).
-    They outrank the parameters under bf16-mixed with Neuron 2.24's flags (BF16 parameters, FP64-typed masters),
-    and under bf16-sr without flags (2.28: BF16 model, FP32 masters). Elsewhere they equal the parameters
-    bit for bit, and saving them would cost 4 bytes a parameter for nothing (tests/nxd/test_zero1.py).
+    True under bf16-mixed with Neuron 2.24's flags and under bf16-sr without flags.
+    Elsewhere they equal the parameters bit for bit (tests/nxd/test_zero1.py).
     """
     flags = neuron_sdk(cfg).precision_flags
     mode = cfg.precision.mode
@@ -93,9 +90,7 @@ def zero1_masters_outrank_parameters(cfg: HlatConfig) -> bool:
 
 
 def nxd_config(cfg: HlatConfig) -> dict[str, Any]:
-    """NxD's trainer config for `cfg`; forms NxD's groups after torch.distributed's (`xla` on trn1, gloo in CPU
-    mode).
-    """
+    """NxD's trainer config for `cfg`; forms NxD's groups."""
     require_nxd()
     from neuronx_distributed.trainer import neuronx_distributed_config
 
@@ -103,14 +98,14 @@ def nxd_config(cfg: HlatConfig) -> dict[str, Any]:
 
 
 def coordinates() -> tuple[int, int, int]:
-    """This rank's place in NxD's groups: its tensor, pipeline and data-parallel rank."""
+    """This rank's tensor, pipeline and data-parallel rank."""
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
     return ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank()
 
 
 def formed_dims() -> ParallelDims:
-    """The layout NxD's groups formed, to check against the config's (`ParallelDims.check`)."""
+    """The layout NxD's groups formed."""
     from neuronx_distributed.parallel_layers import parallel_state as ps
 
     return ParallelDims(
@@ -119,10 +114,7 @@ def formed_dims() -> ParallelDims:
 
 
 class NxdLayers:
-    """`training.model.Layers` on NxD's tensor-parallel layers.
-
-    Build under `torch.device("meta")`, then `to_empty` and `init_weights`: each rank keeps its dense slice.
-    """
+    """`training.model.Layers` on NxD's tensor-parallel layers; each rank keeps its slice of the dense init."""
 
     def __init__(self, cfg: HlatConfig) -> None:
         require_nxd()
@@ -162,10 +154,7 @@ class NxdLayers:
         return output
 
     def cross_entropy(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean cross-entropy of vocabulary-parallel logits (B, T, V / TP) via NxD's `parallel_cross_entropy`.
-
-        It shifts its input in place, so it gets a copy.
-        """
+        """Mean cross-entropy of vocabulary-parallel logits via NxD (on a copy: it shifts in place)."""
         from neuronx_distributed.parallel_layers.loss_functions import parallel_cross_entropy
 
         return parallel_cross_entropy(logits.float().clone(), targets).mean()
@@ -215,7 +204,7 @@ class NxdLayers:
 
 
 class _SwapBatchAndTime(torch.autograd.Function):
-    """(B, T, ...) <-> (T, B, ...), contiguous both ways: NxD's layers `.view` their inputs and gradients."""
+    """(B, T, ...) <-> (T, B, ...), contiguous, as NxD's layers need."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
@@ -251,7 +240,7 @@ def _reduce_scatter_sequence(module: nn.Module, args: Any, output: torch.Tensor)
 def parallel_optimizer(
     config: dict[str, Any], optimizer_class: type[torch.optim.Optimizer], params: list[nn.Parameter], **hyper: Any
 ) -> Any:
-    """The optimizer through NxD's `initialize_parallel_optimizer`; `step()` reduces, clips and sets `grad_norm`."""
+    """The optimizer through NxD's `initialize_parallel_optimizer`."""
     require_nxd()
     from neuronx_distributed.trainer import initialize_parallel_optimizer
 
@@ -266,11 +255,9 @@ def parallel_optimizer(
 def pipeline_model(
     model: nn.Module, cfg: HlatConfig, init: Callable[[nn.Module, torch.device], None] | None = None
 ) -> Any:
-    """`model` split into pipeline stages by NxD's NxDPPModel (FX-traced; one stage per PP rank).
+    """`model` split into pipeline stages by NxD's NxDPPModel (one stage per PP rank, 1F1B).
 
-    Blocks spread evenly, the remainder to later stages; micro-batches run 1F1B.
-    The loss stays on the device on every rank (`_loss_on_every_stage`); NxD's optimizer reduces gradients.
-    A meta-device model is materialised stage by stage, each rank filling only its own stage.
+    The loss stays on the device on every rank. A meta-device model is materialised stage by stage.
     """
     require_nxd()
     from hlat.training.model import Block, LayerNorm, RMSNorm
@@ -303,7 +290,7 @@ def pipeline_model(
 
 @functools.cache
 def _device_loss_pipeline() -> type:
-    """NxD's NxDPPModel whose `run_train` and `run_eval` return the loss on every stage as a device tensor."""
+    """NxDPPModel returning the loss on every stage as a device tensor."""
     from neuronx_distributed.pipeline import NxDPPModel
 
     class DeviceLossPipeline(NxDPPModel):
@@ -317,9 +304,9 @@ def _device_loss_pipeline() -> type:
 
 
 def _loss_on_every_stage(loss: torch.Tensor | None) -> torch.Tensor:
-    """The last stage's loss averaged over DP and summed over PP: the same value on every rank, on the device.
+    """The last stage's loss averaged over DP and summed over PP: the same on every rank, on the device.
 
-    An all-reduce over the pipeline group, as NxD's own averaging does (broadcast returns 0.0 in XLA mode).
+    An all-reduce, not a broadcast: broadcast returns 0.0 in XLA mode.
     """
     import torch.distributed as dist
     from neuronx_distributed.parallel_layers import parallel_state as ps
@@ -341,10 +328,10 @@ def _xla_device() -> torch.device:
 
 
 def shard_name(tensor_rank: int, pipeline_rank: int) -> str:
-    """The checkpoint shard a model-parallel position writes: one per (TP rank, PP rank)."""
+    """The shard a model-parallel position writes."""
     return f"tp{tensor_rank:02d}-pp{pipeline_rank:02d}"
 
 
 def shard_names(dims: ParallelDims) -> list[str]:
-    """Every shard of a checkpoint of this layout, pipeline stage by stage."""
+    """Every shard of this layout, stage by stage."""
     return [shard_name(t, p) for p in range(dims.pipeline) for t in range(dims.tensor)]
