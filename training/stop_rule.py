@@ -1,14 +1,12 @@
 """The run's stop rule, inside the training job: the job stops itself at a checkpoint when a term is breached.
 
-Terms (`core.contract.StopTerms`, from the environment): budget, deadline, and the supervisor's heartbeat.
-A dead CLI would otherwise leave its job running until MaxRuntimeInSeconds.
+Terms (`core.contract.StopTerms`): budget, deadline, and the supervisor's heartbeat.
 Rules:
-- a thread on rank 0 judges the terms by the clock, never the device, and requests the stop once;
+- a thread on rank 0 judges the terms by the clock, never the device;
 - every rank stops after the same step through the stop vote, checkpoints, and exits 0;
-- budget and deadline stop a margin early: 1.25 x (a step + a save), or job.stop_grace_seconds until timed;
-- the heartbeat's age is read by run storage's clock, so supervisor clock skew does not matter;
-- the job's start counts as a beat; an unreadable heartbeat is a warning.
-docs/jobs.md ("A job is never left alone") explains the terms and the record.
+- budget and deadline stop a margin early: 1.25 x (a step + a save), or job.stop_grace_seconds;
+- the heartbeat's age is read by run storage's clock, so clock skew does not matter.
+docs/jobs.md ("A job is never left alone") explains the terms.
 """
 
 from __future__ import annotations
@@ -37,7 +35,7 @@ from hlat.core.storage import Storage, StorageClock
 log = logging.getLogger("hlat.train")
 
 HEARTBEAT_READ_S = 60.0
-"""At most one read of the heartbeat this often (one small GET a minute per job, from one rank)."""
+"""At most one heartbeat read this often (one small GET a minute)."""
 TICK_S = 1.0
 """How often the thread looks at the clock."""
 
@@ -51,10 +49,7 @@ def _minutes(seconds: float) -> str:
 
 
 class StopRule:
-    """The terms of one job, judged against the clock; `check` requests the stop once, through `request_stop(why)`.
-
-    `margin()` is the time the stop needs, asked afresh at each check.
-    """
+    """The terms of one job; `check` requests the stop once; `margin()` is the time the stop needs."""
 
     def __init__(
         self,
@@ -73,13 +68,11 @@ class StopRule:
         self.billed_from = terms.submitted_at if terms.submitted_at is not None else clock()
         """Where the bill is counted from."""
         self.storage_clock = storage_clock
-        """How old the heartbeat is, by run storage's clock (None: the run's own, `StorageClock`)."""
+        """How old the heartbeat is, by run storage's clock."""
         if storage_clock is None and run is not None:
             self.storage_clock = StorageClock(run, probe=f"{self.heartbeat.rpartition('/')[0]}/{stage}-clock-job")
         self.last_beat = clock()
-        """The supervisor's last beat on this host's clock (now minus its age by the store's clock); the job's start
-        at first.
-        """
+        """The supervisor's last beat on this host's clock; the job's start at first."""
         self.read_every: float | None = None
         if terms.unsupervised_stop_s is not None:
             self.read_every = min(HEARTBEAT_READ_S, max(tick_s, terms.unsupervised_stop_s / 4))
@@ -92,7 +85,7 @@ class StopRule:
 
     # -- the judgement -------------------------------------------------------------------------------------------
     def due(self, now: float) -> str | None:
-        """Which term is breached at `now`, if any: the budget or the deadline (a margin early), or supervision."""
+        """Which term is breached at `now`, if any."""
         limit = self.terms.limit_at(self.billed_from)
         if limit is not None and now >= limit[0] - self.margin():
             return limit[1]
@@ -121,7 +114,7 @@ class StopRule:
             self._read_failing = True
 
     def check(self, now: float | None = None) -> str | None:
-        """Request the stop when a term is breached (once); why it was requested, if it was."""
+        """Request the stop when a term is breached (once); return why."""
         if self.why is None:
             now = self.clock() if now is None else now
             why = self.due(now)
@@ -175,7 +168,7 @@ class StopRule:
         return "stop rule: this job stops itself at a checkpoint at the earliest of: " + "; ".join(parts)
 
     def save_record(self, step: int) -> StopRecord:
-        """Log the record (the supervisor reads it in the job's log) and keep it in run storage."""
+        """Log the record (the supervisor reads the log) and keep it in run storage."""
         record = self.record(step)
         log.warning("%s", record.line())
         if self.run is not None:
@@ -215,11 +208,7 @@ class StopRule:
 
 @contextmanager
 def stop_rule(trainer: Any, run: Storage, terms: StopTerms | None = None) -> Iterator[StopRule | None]:
-    """Enforce the job's stop terms while the body trains: on rank 0, when there are terms, not under graph
-    extraction.
-
-    A rule-requested stop short of training.max_steps leaves its record when the body ends.
-    """
+    """Enforce the job's stop terms on rank 0 while the body trains; a stop short of max_steps leaves its record."""
     terms = StopTerms.from_environment() if terms is None else terms
     if not terms.any or not trainer.world.is_main or trainer.extracting_graphs:
         yield None

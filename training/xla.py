@@ -46,10 +46,7 @@ def require_xla() -> None:
 
 
 def require_release(sdk: NeuronSdk) -> None:
-    """Fail in one line when torch-xla is not the release of the config's Neuron SDK (neuron.sdk).
-
-    2.24's precision flags are unsupported after Neuron 2.24; under 2.28 they would override the job's own casts.
-    """
+    """Fail in one line when torch-xla is not the release of neuron.sdk: the precision flags differ between them."""
     found = torch_xla_release()
     if found is not None and found != sdk.torch_xla:
         other = environment_sdk()
@@ -62,10 +59,7 @@ def require_release(sdk: NeuronSdk) -> None:
 
 
 def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> None:
-    """Set what torch-xla reads at import (precision flags; PJRT_DEVICE=CPU off trn1) unless already set.
-
-    Must run before torch_xla is first imported.
-    """
+    """Set what torch-xla reads at import unless already set; run before torch_xla is imported."""
     for key, value in precision_env.items():
         os.environ.setdefault(key, value)
     # torch-xla warns at import that these will go away (2.7, and 2.9 still reads them): only a neuron.sdk=2.24.1 job
@@ -76,10 +70,9 @@ def prepare_environment(precision_env: Mapping[str, str], on_neuron: bool) -> No
 
 
 def initialize_cache(folder: str, readonly: bool) -> None:
-    """torch-xla's persistent compilation cache in `folder`: cached graphs load instead of compiling.
+    """torch-xla's persistent compilation cache in `folder` (`readonly`: add none); run before any computation.
 
-    `readonly` jobs add none. Must run before the first computation
-    (https://pytorch.org/xla/release/r2.7/learn/api-guide.html, `torch_xla.runtime.initialize_cache`).
+    See https://pytorch.org/xla/release/r2.7/learn/api-guide.html, `torch_xla.runtime.initialize_cache`.
     """
     import torch_xla.runtime as xr
 
@@ -106,14 +99,14 @@ def init_process_group(timeout: Any = None) -> None:
 
 
 def mark_step() -> None:
-    """Cut the traced graph here and launch it: per micro-batch (HLAT's cuts) or per optimizer step."""
+    """Cut the traced graph here and launch it."""
     import torch_xla.core.xla_model as xm
 
     xm.mark_step()
 
 
 def rendezvous(tag: str) -> None:
-    """Block until every process reaches rendezvous `tag` (after a mark_step): an XLA job's barrier."""
+    """Block until every process reaches rendezvous `tag`: an XLA job's barrier."""
     import torch_xla.core.xla_model as xm
 
     xm.rendezvous(tag)
@@ -127,7 +120,7 @@ def wait() -> None:
 
 
 def to_host(tree: Any) -> Any:
-    """A copy of `tree` with its XLA tensors as CPU tensors, fetched in one transfer (not one by one)."""
+    """A copy of `tree` with XLA tensors as CPU tensors, in one transfer."""
     import torch_xla.core.xla_model as xm
 
     # torch-xla's own xm.save uses this to move a whole state dict at once; it is not exported under a public name.
@@ -135,9 +128,7 @@ def to_host(tree: Any) -> Any:
 
 
 def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """All-reduce a device tensor over every process (a new tensor); one process copies unless
-    XLA_ALWAYS_ALLREDUCE=1.
-    """
+    """All-reduce a device tensor over every process (a new tensor)."""
     import torch_xla.core.xla_model as xm
 
     kind = {"sum": xm.REDUCE_SUM, "max": xm.REDUCE_MAX}[op]
@@ -145,7 +136,7 @@ def all_reduce(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 
 def reduce_gradients(params: Iterable[torch.Tensor], world_size: int) -> None:
-    """Average the gradients over the data-parallel processes (what DDP does on CPU and CUDA), in place."""
+    """Average the gradients over data-parallel processes, in place."""
     grads = [p.grad for p in params if p.grad is not None]
     if grads:
         import torch_xla.core.xla_model as xm
@@ -161,10 +152,7 @@ def checkpoint_function() -> Callable[..., Any]:
 
 
 def device_loader(batches: Iterable[Any], device: torch.device, batches_per_execution: int) -> Iterable[Any]:
-    """`batches` sent to the device by a background thread, a few ahead.
-
-    Set `batches_per_execution` to one step's micro-batches, so MpDeviceLoader's own cut adds none.
-    """
+    """`batches` sent to the device by a background thread; `batches_per_execution` matches the loop's cuts."""
     import torch_xla.distributed.parallel_loader as pl
 
     return pl.MpDeviceLoader(batches, device, batches_per_execution=batches_per_execution)
@@ -183,7 +171,7 @@ def set_rng_state(seed: int) -> None:
 
 
 def in_use() -> bool:
-    """True once this process has imported torch_xla (its RNG state then belongs in checkpoints)."""
+    """True once torch_xla is imported (its RNG state then belongs in checkpoints)."""
     import sys
 
     return "torch_xla" in sys.modules

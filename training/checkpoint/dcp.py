@@ -1,10 +1,9 @@
 """FSDP2's checkpoints: sharded model and optimizer states through torch.distributed.checkpoint (DCP).
 
 Rules:
-- the files sit in the step folder: `__<rank>_0.distcp` per rank, `.metadata` by rank 0, last;
-- async saves use a gloo group of their own: DCP's thread runs collectives, which deadlock on the loop's group;
-- nothing read back runs code: `.metadata` is a pickle and DCP loads `.distcp` items with weights_only=False
-  (torch 2.13), so reads admit DCP's own classes only and load items with weights_only=True
+- files: `__<rank>_0.distcp` per rank, then `.metadata` by rank 0, in the step folder;
+- async saves use a gloo group of their own, as collectives from a second thread can deadlock;
+- nothing read back runs code: `.metadata` admits DCP's classes only, items load with weights_only=True
   (https://docs.python.org/3/library/pickle.html#restricting-globals).
 """
 
@@ -26,7 +25,7 @@ from hlat.core.layout import CheckpointError, step_dir
 from hlat.core.storage import Storage, storage_errors
 
 METADATA = ".metadata"
-"""DCP's index of a distributed checkpoint (written last of its files, by rank 0)."""
+"""DCP's index of a distributed checkpoint, written last."""
 
 State = dict[str, Any]
 
@@ -46,7 +45,7 @@ DCP_METADATA_CLASSES = frozenset(
         ("collections", "OrderedDict"),
     }
 )  # fmt: skip
-"""The globals a DCP `.metadata` pickle may name (torch 2.13's, listed from real saves), besides torch's dtypes."""
+"""The globals a DCP `.metadata` pickle may name (torch 2.13's), besides torch's dtypes."""
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -65,10 +64,9 @@ def recorded_sha256(meta: Mapping[str, Any] | None) -> str | None:
 
 
 def read_metadata(data: bytes, where: str, sha256: str | None = None) -> Any:
-    """DCP's metadata from a `.metadata` file's bytes, admitting DCP's own classes only.
+    """DCP's metadata from `.metadata` bytes, admitting DCP's classes only; CheckpointError otherwise.
 
-    Anything else raises CheckpointError naming `where`, and nothing of it runs.
-    With `sha256`, bytes that differ are refused before parsing.
+    With `sha256`, differing bytes are refused before parsing.
     """
     from torch.distributed.checkpoint.metadata import Metadata
 
@@ -84,7 +82,7 @@ def read_metadata(data: bytes, where: str, sha256: str | None = None) -> Any:
 
 
 def _weights_only(value: io.BytesIO, where: str) -> io.BytesIO:
-    """A .distcp item loaded with weights_only=True, then saved again for the planner's own torch.load."""
+    """A .distcp item loaded with weights_only=True."""
     try:
         item = torch.load(value, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as exc:
@@ -96,7 +94,7 @@ def _weights_only(value: io.BytesIO, where: str) -> io.BytesIO:
 
 
 def _safe_reader(location: str, options: Mapping[str, Any], local: bool, sha256: str | None = None) -> Any:
-    """DCP's reader of `location` (FileSystemReader, or FsspecReader for a URL) with `read_metadata` above."""
+    """DCP's reader of `location`, with `read_metadata`."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
     from torch.distributed.checkpoint.metadata import StorageMeta
@@ -117,7 +115,7 @@ def _safe_reader(location: str, options: Mapping[str, Any], local: bool, sha256:
 
 
 def _check_metadata(storage: Storage, step: int, meta: Mapping[str, Any]) -> None:
-    """Refuse checkpoint `step` before DCP opens it if its `.metadata` fails the sha256 or the class check."""
+    """Refuse checkpoint `step` whose `.metadata` fails the sha256 or class check."""
     folder = step_dir(step)
     with storage_errors(storage.uri(folder)):
         data = storage.read_bytes(f"{folder}/{METADATA}")
@@ -125,14 +123,14 @@ def _check_metadata(storage: Storage, step: int, meta: Mapping[str, Any]) -> Non
 
 
 def metadata_sha256(storage: Storage, folder: str) -> str:
-    """The sha256 of a step folder's `.metadata` as DCP wrote it: what the commit records in meta.json."""
+    """The sha256 of a step's `.metadata`, recorded in meta.json."""
     with storage_errors(storage.uri(folder, METADATA)):
         return hashlib.sha256(storage.read_bytes(f"{folder}/{METADATA}")).hexdigest()
 
 
 @contextlib.contextmanager
 def _refusals() -> Iterator[None]:
-    """DCP wraps each rank's error in its CheckpointException: a refusal of ours comes out as itself."""
+    """A refusal of ours comes out of DCP's CheckpointException as itself."""
     from torch.distributed.checkpoint.api import CheckpointException
 
     try:
@@ -145,7 +143,7 @@ def _refusals() -> Iterator[None]:
 
 
 def _safe_planner(base: Any, where: str) -> Any:
-    """An instance of DCP load planner class `base` whose non-tensor items load with weights_only=True."""
+    """DCP load planner `base` whose non-tensor items load with weights_only=True."""
 
     class SafePlanner(base):
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
@@ -159,12 +157,12 @@ def is_dcp_file(name: str) -> bool:
 
 
 def expected_files(listed: Mapping[str, int]) -> list[str]:
-    """The DCP files a committed checkpoint must hold, from its folder listing: the metadata and every .distcp file."""
+    """The DCP files a committed checkpoint must hold."""
     return [METADATA, *sorted(n for n in listed if n.endswith(".distcp"))]
 
 
 def _location(storage: Storage, step: int) -> tuple[str, dict[str, Any]]:
-    """The step folder as DCP addresses it: a local path, or a URL with the storage's fsspec options."""
+    """The step folder as DCP addresses it: a path, or a URL with fsspec options."""
     folder = step_dir(step)
     if storage.is_local:
         return storage.path(folder), {}
@@ -172,7 +170,7 @@ def _location(storage: Storage, step: int) -> tuple[str, dict[str, Any]]:
 
 
 class DistributedWriter:
-    """One rank's writer of DCP checkpoints under a storage, kept between saves (its staging copies are reused)."""
+    """One rank's DCP writer, kept between saves to reuse its staging copies."""
 
     def __init__(self, storage: Storage, asynchronous: bool) -> None:
         self.storage = storage
@@ -200,7 +198,7 @@ class DistributedWriter:
         return self._writer
 
     def save(self, step: int, state: Mapping[str, Any]) -> Future[Any] | None:
-        """Write this rank's part of `state` into step `step` (a collective); async returns a future once staged."""
+        """Write this rank's part of `state` into step `step` (a collective); async returns a future."""
         import torch.distributed.checkpoint as dcp
 
         location, options = _location(self.storage, step)
@@ -221,7 +219,7 @@ class DistributedWriter:
 
 
 def load(storage: Storage, step: int, meta: Mapping[str, Any], state: dict[str, Any]) -> None:
-    """Fill `state` (this rank's DTensor state dict) in place from committed checkpoint `step`; a collective."""
+    """Fill `state` in place from committed checkpoint `step`; a collective."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
@@ -242,7 +240,7 @@ def load(storage: Storage, step: int, meta: Mapping[str, Any], state: dict[str, 
 
 
 def load_full(storage: Storage, step: int, meta: Mapping[str, Any]) -> State:
-    """Committed checkpoint `step`'s distributed state gathered into CPU tensors, without a process group."""
+    """Checkpoint `step`'s distributed state gathered on the CPU, without a process group."""
     from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
     from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
 

@@ -40,7 +40,7 @@ _STDLIB_SKIP = {"site-packages", "dist-packages", "test", "tests", "idle_test", 
 
 
 class SourceError(RuntimeError):
-    """The corpus source cannot be read; the message says which source and what to change."""
+    """The corpus source cannot be read; the message says what to change."""
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ def cache_dir() -> Path:
 
 # -- the offline corpus -----------------------------------------------------------------------------------
 def stdlib_documents() -> Iterator[dict[str, str]]:
-    """Documents from the installed standard library, in a fixed order: per module its docstrings, then its source."""
+    """Standard-library documents in a fixed order: per module its docstrings, then its source."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = sorted(p for p in root.rglob("*.py") if not _STDLIB_SKIP.intersection(p.relative_to(root).parts[:-1]))
     for path in files:
@@ -88,7 +88,7 @@ def _docstrings(source: str) -> str:
 
 
 def build_stdlib_corpus() -> Path:
-    """Write the builtin corpus as jsonl once per Python version (atomically) and return its path."""
+    """Write the builtin corpus once per Python version; return its path."""
     version = f"{sys.version_info.major}.{sys.version_info.minor}.{sys.version_info.micro}"
     target = cache_dir() / "corpus" / f"python-stdlib-{version}.jsonl"
     if target.exists():
@@ -111,7 +111,7 @@ _HUB_ID = re.compile(r"^(?:[A-Za-z0-9][\w.-]*/)?[A-Za-z0-9][\w.-]*$")
 
 
 def source_kind(src: str) -> str:
-    """'builtin', 's3', 'local' or 'hub': how data.source is read, told by its shape alone."""
+    """'builtin', 's3', 'local' or 'hub', from data.source's shape alone."""
     if src.startswith("builtin:"):
         return "builtin"
     if src.startswith("s3://"):
@@ -123,7 +123,7 @@ def source_kind(src: str) -> str:
 
 
 def check_source(cfg: DataConfig) -> None:
-    """What can be known of data.source without reading it, checked first; raises ConfigError naming the fix."""
+    """Check what can be known of data.source without reading it; ConfigError names the fix."""
     src = cfg.source
     kind = source_kind(src)
     if kind == "builtin" and src != BUILTIN_STDLIB:
@@ -143,7 +143,7 @@ def check_source(cfg: DataConfig) -> None:
 
 
 def resolve_source(cfg: DataConfig) -> Source:
-    """Decide how to read data.source; unknown paths and missing buckets fail here, before any reading."""
+    """Decide how to read data.source; missing paths and buckets fail here."""
     src = cfg.source
     kind = source_kind(src)
     if src == BUILTIN_STDLIB:
@@ -192,7 +192,7 @@ def _builder_for(cfg: DataConfig, files: list[str]) -> str:
 
 
 def source_fingerprint(cfg: DataConfig) -> str:
-    """What the source's content is, cheaply: file sizes and times (or ETags), or the hub name and revision."""
+    """The source's content, cheaply: file sizes and times (or ETags), or hub name and revision."""
     spec = resolve_source(cfg)
     parts: list[Any] = [spec.kind, spec.name, cfg.hf_config, cfg.split, cfg.revision]
     if spec.kind == "builtin":
@@ -207,7 +207,7 @@ def source_fingerprint(cfg: DataConfig) -> str:
 
 # -- reading a hub data set (files are read by training.data.reader) -------------------------------------------
 def _guarded(batches: Iterator[dict[str, list[Any]]], name: str) -> Iterator[dict[str, list[Any]]]:
-    """Reading errors that are not transient (a malformed file) become one clear SourceError."""
+    """Non-transient reading errors become one clear SourceError."""
     try:
         yield from batches
     except (ConnectionError, TimeoutError, OSError) as exc:
@@ -266,10 +266,9 @@ def _env_any(*names: str) -> bool:
 
 
 def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | None:
-    """Why `endpoint` gives no HTTP answer within about `timeout` seconds, or None when it answers (any status).
+    """Why `endpoint` gives no HTTP answer within about `timeout` seconds, or None (any status answers).
 
-    One HEAD request through the environment's proxies, on a daemon thread: name resolution has no timeout.
-    A TLS failure counts as an answer.
+    One HEAD request on a daemon thread, since name resolution has no timeout.
     """
     import ssl
     import urllib.error
@@ -298,7 +297,7 @@ def hub_unreachable(endpoint: str, timeout: float = HUB_PROBE_SECONDS) -> str | 
 
 @contextmanager
 def _offline(datasets: Any) -> Iterator[None]:
-    """Hugging Face offline mode for one load (as HF_HUB_OFFLINE=1 gives): a cached copy or an error, at once."""
+    """Hugging Face offline mode for one load: a cached copy or an error, at once."""
     from huggingface_hub import constants
 
     before = datasets.config.HF_HUB_OFFLINE, constants.HF_HUB_OFFLINE

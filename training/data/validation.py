@@ -1,10 +1,9 @@
 """Document validation with great-expectations 1.x, batch by batch.
 
 Rules:
-- row-level expectations flag rows; each flagged row gets one reason, the first in `REASON_ORDER`;
-- so counts reconcile: rows read = kept + quarantined, and reasons add up to the quarantined rows;
+- each flagged row gets one reason, the first in `REASON_ORDER`, so counts reconcile;
 - data-set-level checks run once at the end and fail the stage under either policy;
-- each batch runs the suite once, as pyarrow strings, asking only for unexpected row indices (it is cheaper).
+- each batch runs the suite once, on pyarrow strings, asking only for unexpected indices.
 """
 
 from __future__ import annotations
@@ -33,7 +32,7 @@ _TEXT_DTYPE = pd.StringDtype("pyarrow", na_value=np.nan)
 
 
 class DataValidationError(RuntimeError):
-    """The data set breaks a rule that the policy does not allow to quarantine; not worth retrying."""
+    """The data break a rule the policy cannot quarantine; not worth retrying."""
 
 
 @dataclass
@@ -44,7 +43,7 @@ class BatchOutcome:
     quarantined_index: list[int] = field(default_factory=list)
     """For each quarantined row: its position in the validated frame."""
     kept_digests: list[bytes] = field(default_factory=list)
-    """For each kept text: the sha256 of its UTF-8 bytes, reused as the duplicate key and the split hash."""
+    """Each kept text's sha256, reused as duplicate key and split hash."""
 
 
 @dataclass
@@ -80,7 +79,7 @@ def _expectation_class(type_name: str) -> Any:
 
 
 class DocumentValidator:
-    """Validates DataFrames of documents with one great-expectations suite, keeping duplicate state across batches."""
+    """Validates document DataFrames with one suite, keeping duplicate state across batches."""
 
     def __init__(self, cfg: DataValidationConfig, text_column: str) -> None:
         import great_expectations as gx
@@ -200,10 +199,7 @@ class DocumentValidator:
         return outcome
 
     def _texts(self, column: pd.Series) -> tuple[list[str | None], pa.Array, np.ndarray, list[bytes]]:
-        """The column as text and as a pyarrow array, which rows repeat earlier texts, and each text's sha256.
-
-        pyarrow encodes the whole column in one call, and the digests come from its buffer.
-        """
+        """The column as text and pyarrow array, which rows repeat, and each text's sha256 (from one encode)."""
         values = column.tolist()
         try:
             array = pa.array(values, pa.large_string())
@@ -241,7 +237,7 @@ class DocumentValidator:
 
 
 def check_totals(tally: ValidationTally, cfg: DataValidationConfig) -> None:
-    """Data-set-level checks on the counts of a whole data set (not empty, duplicate rate, enough rows kept)."""
+    """Data-set-level checks on a whole data set's counts."""
     t = tally
     if t.rows_read == 0:
         raise DataValidationError("data.source: the data set is empty (0 rows read); check data.source and data.split")
@@ -259,7 +255,7 @@ def check_totals(tally: ValidationTally, cfg: DataValidationConfig) -> None:
 
 
 def _as_text(value: Any) -> str | None:
-    """Coerce a cell to str: bytes are decoded with replacement (so bad bytes show up as invalid_utf8)."""
+    """A cell as str: bytes decoded with replacement, so bad bytes show as invalid_utf8."""
     if value is None or value is pd.NA or (isinstance(value, float) and value != value):
         return None
     if isinstance(value, bytes | bytearray):
