@@ -310,17 +310,10 @@ class _DigestingWriter:
             self._queued.popleft().result()
 
 
-# The S3 part size of checkpoint files (s3fs's default is 50 MiB), and the size of the ranged GETs that read them.
-# Fewer, larger parts mean fewer requests, and a file no bigger than one part goes up in a single PUT instead of
-# CreateMultipartUpload + parts + CompleteMultipartUpload: every 70B ZeRO-1 rank file but 2.24.1's at 64 hosts
-# (its optimizer shard: on Neuron 2.28 FP32 moments, 8 bytes a parameter: 269 MB at 64 trn1 hosts, 67 MB at 256; on
-# 2.24.1 NxD keeps moments and master weights FP64-typed, FP32 on the device, 24 bytes a parameter: 808 MB at 64
-# hosts, two parts, and 202 MB at 256), and the 70B TP32 x PP8 shard files (FP32-typed parameters: 1,078 MB) in three
-# parts. At 256 MiB the 64-host rank files would each be a multipart upload of at least 4 requests: 2,048 of them at
-# once are what throttles (bench_checkpoint.py --s3-requests). The cost is memory: an upload holds under two parts at
-# a time (see core.storage._PartWriter), so the 32 ranks of a trn1.32xlarge hold at most 32 x 2 x 512 MiB = 32 GiB of
-# its 512 GiB, beside their states' CPU copies (~1 GB a rank for 70B). S3 allows parts up to 5 GiB and 10,000 parts
-# an object, objects up to 5 TiB (https://docs.aws.amazon.com/AmazonS3/latest/userguide/qfacts.html).
+# The S3 part size of checkpoint files (s3fs's default is 50 MiB), and of the ranged GETs that read them.
+# A file within one part is a single PUT, so most rank files at HLAT's scale are one request each.
+# An upload holds under two parts in memory; docs/multi-host.md ("Checkpoints and S3") has the arithmetic.
+# S3's limits: parts up to 5 GiB, 10,000 parts an object (https://docs.aws.amazon.com/AmazonS3/latest/userguide/qfacts.html).
 CHECKPOINT_PART_SIZE = 512 << 20
 
 
