@@ -1,9 +1,9 @@
 """The run's graph compile cache (`<run>/compile-cache/`): what precompile writes and training jobs load.
 
 Rules:
-- a cache is used only when its key (`cache_key`) equals the job's;
-- a stale, missing or corrupt cache never fails a job: it compiles from scratch;
-- bytes are written before their manifest, the manifest before latest.json;
+- a cache is used only when its key (`cache_key`) equals the job's.
+- a stale, missing or corrupt cache never fails a job: it compiles from scratch.
+- bytes are written before their manifest, the manifest before latest.json.
 - this module runs inside training jobs: no Prefect, Python 3.10.
 docs/stages.md ("precompile") draws the folder and the trn1 Neuron cache.
 """

@@ -2,17 +2,17 @@
 
 Each fault is switched on by an environment variable only, never by config. No production module imports this one.
 
-    HLAT_FAULT_KILL_BEFORE_COMMIT=<step>      SIGKILL after that step's files, before its commit marker
-    HLAT_FAULT_NAN_AT_STEP=<step>             that step's loss is NaN, once per run (a flag file remembers)
-    HLAT_FAULT_BURN_IN_WRONG_RANK=<rank>      that rank's burn-in matmul result is perturbed, every run
-    HLAT_FAULT_STEP_SECONDS=<s>               each step takes about s seconds (a host sleep, no device work)
-    HLAT_FAULT_SAVE_SECONDS=<s>               each checkpoint file write starts s seconds later
-    HLAT_FAULT_ALLREDUCE_SECONDS=<s>          each timed health all-reduce takes s seconds longer
-    HLAT_FAULT_HANG_AT_STEP=<step>:<rank>     that rank blocks for good in that step; only the watchdog ends it
-    HLAT_FAULT_SAVE_FAILS=<step>:<rank>       that rank's rank-file write of that step fails with OSError
+    HLAT_FAULT_KILL_BEFORE_COMMIT=<step>      SIGKILL after that step's files, before its commit marker.
+    HLAT_FAULT_NAN_AT_STEP=<step>             that step's loss is NaN, once per run (a flag file remembers).
+    HLAT_FAULT_BURN_IN_WRONG_RANK=<rank>      that rank's burn-in matmul result is perturbed, every run.
+    HLAT_FAULT_STEP_SECONDS=<s>               each step takes about s seconds (a host sleep, no device work).
+    HLAT_FAULT_SAVE_SECONDS=<s>               each checkpoint file write starts s seconds later.
+    HLAT_FAULT_ALLREDUCE_SECONDS=<s>          each timed health all-reduce takes s seconds longer.
+    HLAT_FAULT_HANG_AT_STEP=<step>:<rank>     that rank blocks for good in that step; only the watchdog ends it.
+    HLAT_FAULT_SAVE_FAILS=<step>:<rank>       that rank's rank-file write of that step fails with OSError.
     HLAT_PREPARE_FAULTS='{"worker": 1, "life": 1, "after_rows": 200}'
-                                              that prepare-data worker SIGKILLs itself after so many rows;
-                                              "job" and "unit_at_least" narrow it further
+                                              that prepare-data worker SIGKILLs itself after so many rows.
+                                              "job" and "unit_at_least" narrow it further.
 """
 
 from __future__ import annotations

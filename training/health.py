@@ -3,8 +3,8 @@
 burn_in.py runs them before training; the trainer repeats the all-reduce periodically.
 A faulty node is slow or wrong rather than dead, so each check times a speed and verifies a result.
 Rules:
-- nothing here touches the global RNGs, the model or the optimizer;
-- the all-reduce floor depends on size and rank count (`allreduce_floor_gbps`);
+- nothing here touches the global RNGs, the model or the optimizer.
+- the all-reduce floor depends on size and rank count (`allreduce_floor_gbps`).
 - the cross-rank checksum is of a product exact in BF16: only a faulty device changes its bits.
 """
 

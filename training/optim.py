@@ -1,11 +1,11 @@
 """Optimizer, learning-rate schedule and gradient clipping of an hlat run (HLAT recipe).
 
 Rules:
-- `lr_at(step)` takes the 0-based step about to run; warmup uses (step + 1) / warmup_steps;
+- `lr_at(step)` takes the 0-based step about to run; warmup uses (step + 1) / warmup_steps.
 - 'cosine' decays to `lr * min_lr_ratio` at the horizon; 'wsd' holds the peak, then decays as 1 - sqrt(p)
-  (Hägele et al. 2024, https://arxiv.org/abs/2405.18392, section 3);
-- a resume under a schedule that changes a past step's lr is refused;
-- AdamW decays every parameter, norms included (HLAT);
+  (Hägele et al. 2024, https://arxiv.org/abs/2405.18392, section 3).
+- a resume under a schedule that changes a past step's lr is refused.
+- AdamW decays every parameter, norms included (HLAT).
 - 'bf16-sr' rounds updates stochastically, seeded by (seed, step, parameter): small updates survive, resumes match.
 docs/training.md ("Schedules") covers WSD and extending a run.
 """

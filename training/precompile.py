@@ -2,11 +2,11 @@
 
 It builds the training step's graphs once into the run's compile-cache/, so no training job compiles from scratch.
 Rules:
-- it runs on training's instances and process count, because the graphs depend on them;
-- it rehearses the training loop itself (`Trainer.fit`) for precompile.steps steps (HLAT's: 4);
-- metrics and checkpoints go to throwaway folders: the run's history stays training's, the weights are dropped;
-- CPU/CUDA save torch.compile's artifacts and Inductor kernels; eager runs record that nothing compiles;
-- trn1 runs under neuron_parallel_compile: graphs are extracted, values invalid, nothing acted on;
+- it runs on training's instances and process count, because the graphs depend on them.
+- it rehearses the training loop itself (`Trainer.fit`) for precompile.steps steps (HLAT's: 4).
+- metrics and checkpoints go to throwaway folders: the run's history stays training's, the weights are dropped.
+- CPU/CUDA save torch.compile's artifacts and Inductor kernels; eager runs record that nothing compiles.
+- trn1 runs under neuron_parallel_compile: graphs are extracted, values invalid, nothing acted on.
 - XLA:CPU packs torch-xla's persistent cache for training jobs with the same key.
 docs/stages.md ("precompile") tells the whole story.
 """

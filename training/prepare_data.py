@@ -2,10 +2,10 @@
 <json>`.
 
 Rules:
-- each source is prepared on its own into `<storage root>/sources/<name>-<key>/`, once per key;
-- each host starts its data.workers / H workers as child processes; a dead one restarts alone;
-- host 0 plans, merges, and finally writes the run's mixture manifest and report;
-- exit 0 done, EXIT_DATA_INVALID (6) for data breaking its policy (not relaunched), 1 otherwise;
+- each source is prepared on its own into `<storage root>/sources/<name>-<key>/`, once per key.
+- each host starts its data.workers / H workers as child processes; a dead one restarts alone.
+- host 0 plans, merges, and finally writes the run's mixture manifest and report.
+- exit 0 done, EXIT_DATA_INVALID (6) for data breaking its policy (not relaunched), 1 otherwise.
 - a relaunched job continues from its key's plan and committed units.
 docs/stages.md ("prepare-data") explains the stage.
 """

@@ -2,9 +2,9 @@
 
 Terms (`core.contract.StopTerms`): budget, deadline, and the supervisor's heartbeat.
 Rules:
-- a thread on rank 0 judges the terms by the clock, never the device;
-- every rank stops after the same step through the stop vote, checkpoints, and exits 0;
-- budget and deadline stop a margin early: 1.25 x (a step + a save), or job.stop_grace_seconds;
+- a thread on rank 0 judges the terms by the clock, never the device.
+- every rank stops after the same step through the stop vote, checkpoints, and exits 0.
+- budget and deadline stop a margin early: 1.25 x (a step + a save), or job.stop_grace_seconds.
 - the heartbeat's age is read by run storage's clock, so clock skew does not matter.
 docs/jobs.md ("A job is never left alone") explains the terms.
 """

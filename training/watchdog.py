@@ -2,9 +2,9 @@
 
 A hung job never reaches the step boundary where stops act, so it would bill to MaxRuntimeInSeconds.
 Rules:
-- progress is what the loop reports (`Progress.beat`);
-- on a hang: dump every stack, write a HangDetected record, `os._exit(EXIT_HUNG)`;
-- a new phase gets STARTUP_S (it may compile); otherwise the measured rule, at least FLOOR_S;
+- progress is what the loop reports (`Progress.beat`).
+- on a hang: dump every stack, write a HangDetected record, `os._exit(EXIT_HUNG)`.
+- a new phase gets STARTUP_S (it may compile); otherwise the measured rule, at least FLOOR_S.
 - job.watchdog=<seconds> replaces the rule; `off` disables it; never under graph extraction.
 docs/multi-host.md ("Watchdog and stop vote") has the bounds.
 """

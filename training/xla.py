@@ -2,9 +2,9 @@
 
 Imported only when the job runs on the XLA device, so CPU and CUDA jobs never need torch-xla.
 Rules an XLA loop keeps (https://pytorch.org/xla/; Neuron's training programming guide):
-- the step is traced lazily and cut into graphs by `mark_step()`, the same graphs every step;
-- reading a device tensor on the host cuts the graph and waits, so reads happen only at sync points (`to_host`);
-- collectives take device tensors; activation checkpointing needs torch-xla's own;
+- the step is traced lazily and cut into graphs by `mark_step()`, the same graphs every step.
+- reading a device tensor on the host cuts the graph and waits, so reads happen only at sync points (`to_host`).
+- collectives take device tensors; activation checkpointing needs torch-xla's own.
 - batches reach the device from a background thread (`device_loader`).
 """
 

@@ -1,10 +1,10 @@
 """Atomic training checkpoints under a `Storage` (the run's `checkpoints/` folder).
 
-    manager.py        the commit protocol and retention (CheckpointManager)
-    formats.py        one format per way the model and optimizer are split, chosen once per job
-    serialization.py  one file: what may be saved, staging to CPU, digesting writes, reading back
-    rng.py            per-rank state: RNG states and the loader's position
-    dcp.py            FSDP2's files through torch.distributed.checkpoint
+    manager.py        the commit protocol and retention (CheckpointManager).
+    formats.py        one format per way the model and optimizer are split, chosen once per job.
+    serialization.py  one file: what may be saved, staging to CPU, digesting writes, reading back.
+    rng.py            per-rank state: RNG states and the loader's position.
+    dcp.py            FSDP2's files through torch.distributed.checkpoint.
 
 A step folder's files are drawn in docs/stages.md (the run tree). COMMITTED is written last.
 A checkpoint loads only into a job with the same shard names and world size.

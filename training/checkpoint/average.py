@@ -1,10 +1,10 @@
 """`hlat average`: the mean of a run's last K complete checkpoints' model weights, as a new committed checkpoint.
 
 Rules:
-- the mean is uniform, summed in float32, cast back; non-float tensors must be equal and are kept;
-- each layout is averaged in its own form, one file or DCP chunk at a time;
-- the result is `<run>/averaged/step-N` with meta.json and COMMITTED, readable like any checkpoint;
-- optimizer and rank states are left out: the result is for evaluation and export, not resuming;
+- the mean is uniform, summed in float32, cast back; non-float tensors must be equal and are kept.
+- each layout is averaged in its own form, one file or DCP chunk at a time.
+- the result is `<run>/averaged/step-N` with meta.json and COMMITTED, readable like any checkpoint.
+- optimizer and rank states are left out: the result is for evaluation and export, not resuming.
 - checkpoints of another layout or trajectory are refused before anything is written.
 docs/training.md ("Averaging") gives the sources (Sanyal et al. 2023, https://arxiv.org/abs/2306.03241).
 """

@@ -1,8 +1,8 @@
 """FSDP2's checkpoints: sharded model and optimizer states through torch.distributed.checkpoint (DCP).
 
 Rules:
-- files: `__<rank>_0.distcp` per rank, then `.metadata` by rank 0, in the step folder;
-- async saves use a gloo group of their own, as collectives from a second thread can deadlock;
+- files: `__<rank>_0.distcp` per rank, then `.metadata` by rank 0, in the step folder.
+- async saves use a gloo group of their own, as collectives from a second thread can deadlock.
 - nothing read back runs code: `.metadata` admits DCP's classes only, items load with weights_only=True
   (https://docs.python.org/3/library/pickle.html#restricting-globals).
 """

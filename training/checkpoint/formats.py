@@ -3,10 +3,10 @@
 The format is chosen once per job (`checkpoint_format`), so the trainer saves and resumes alike.
 Each adds the model and optimizer to the trainer's shared and rank states:
 
-    Unsharded      train_state.pt, written by rank 0 (single process, DDP)
-    ModelParallel  NxD TP/PP: one model-<tpNN-ppNN>.pt per position, with its optimizer state
-    Zero1          ModelParallel, with each rank's optimizer shard in its rank file
-    Distributed    FSDP2 through torch.distributed.checkpoint (dcp.py)
+    Unsharded      train_state.pt, written by rank 0 (single process, DDP).
+    ModelParallel  NxD TP/PP: one model-<tpNN-ppNN>.pt per position, with its optimizer state.
+    Zero1          ModelParallel, with each rank's optimizer shard in its rank file.
+    Distributed    FSDP2 through torch.distributed.checkpoint (dcp.py).
 """
 
 from __future__ import annotations

@@ -1,10 +1,10 @@
 """The commit protocol and retention: `CheckpointManager` saves, commits, finds, loads and prunes checkpoints.
 
 Rules:
-- every rank writes its files; rank 0 waits until all are visible, writes meta.json, then COMMITTED;
-- only a folder whose marker verifies against meta.json counts;
-- deleting removes the marker first; a resumed job first deletes every folder past its step;
-- the async writer thread never calls a collective: rank 0 polls the storage instead;
+- every rank writes its files; rank 0 waits until all are visible, writes meta.json, then COMMITTED.
+- only a folder whose marker verifies against meta.json counts.
+- deleting removes the marker first; a resumed job first deletes every folder past its step.
+- the async writer thread never calls a collective: rank 0 polls the storage instead.
 - under graph extraction nothing is written or deleted.
 docs/stages.md ("Checkpoints") explains the protocol; docs/multi-host.md the S3 pacing.
 """

@@ -1,8 +1,8 @@
 """Serialization of one checkpoint file: what may be saved, staging to CPU, writing and reading with a sha256.
 
 Rules:
-- `torch.load(weights_only=True)` is the only loader; `check_loadable` refuses other states at the first save;
-- each file is written whole and atomically (`Storage.atomic_writer`);
+- `torch.load(weights_only=True)` is the only loader; `check_loadable` refuses other states at the first save.
+- each file is written whole and atomically (`Storage.atomic_writer`).
 - its size and sha256 are taken on the way, without a second pass.
 """
 

@@ -1,9 +1,9 @@
 """Curation of one source with datatrove (https://github.com/huggingface/datatrove): quality, decontamination, dedup.
 
 Rules:
-- each phase is a datatrove pipeline; the run's storage is the only medium between phases;
-- hosts run their share of a phase, then wait for its completion files (a barrier through storage);
-- a killed phase redoes only its unfinished tasks;
+- each phase is a datatrove pipeline; the run's storage is the only medium between phases.
+- hosts run their share of a phase, then wait for its completion files (a barrier through storage).
+- a killed phase redoes only its unfinished tasks.
 - output shard names and order depend only on the task count and input order.
 docs/data.md ("Curation with datatrove") lists the phases.
 """

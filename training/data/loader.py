@@ -1,11 +1,11 @@
 """HLAT's online tokenize-and-pack loader: a run's prepared sources -> fixed-length (inputs, targets) batches.
 
 Rules:
-- documents are tokenized while training runs; no tokenized corpus is written;
-- each source's order depends on (seed, source, epoch) only; document g goes to rank g % data_degree;
-- each document comes from the source with the largest token deficit `w_i * T - t_i`; no RNG;
-- over W tokens a source's share is off its weight by at most about (S + 2) L / W (L: longest document);
-- rows are exactly `seq_len` tokens, overlapping by one: no padding;
+- documents are tokenized while training runs; no tokenized corpus is written.
+- each source's order depends on (seed, source, epoch) only; document g goes to rank g % data_degree.
+- each document comes from the source with the largest token deficit `w_i * T - t_i`; no RNG.
+- over W tokens a source's share is off its weight by at most about (S + 2) L / W (L: longest document).
+- rows are exactly `seq_len` tokens, overlapping by one: no padding.
 - `Batch.state` resumes exactly; other data, tokenizer, seed, split or DP size is refused.
 docs/data.md ("The loader mixes by tokens") explains it.
 """

@@ -2,9 +2,9 @@ r"""The prepare-data reading layer: the source cut into deterministic units, eac
 
 A unit is what one worker reads alone: a jsonl byte range, a txt file, parquet row groups, or a hub shard.
 Rules:
-- a bad row never fails a read: it becomes a `BadRow`;
-- invalid UTF-8 becomes U+FFFD, which validation quarantines;
-- only a missing file or an unreadable source raises `SourceError`;
+- a bad row never fails a read: it becomes a `BadRow`.
+- invalid UTF-8 becomes U+FFFD, which validation quarantines.
+- only a missing file or an unreadable source raises `SourceError`.
 - jsonl records end at b"\n" only; blank lines are not rows.
 """
 

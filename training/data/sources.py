@@ -3,8 +3,8 @@
 A source is a hub data set name, an s3:// URI, a local file or folder (jsonl/json, parquet, txt),
 or `builtin:python-stdlib`, an offline corpus built from the installed standard library.
 Rules:
-- files are cut into units and streamed by training.data.reader; hub data sets open here via `datasets`;
-- the hub endpoint is probed once first: if silent, the load goes offline at once instead of retrying for minutes;
+- files are cut into units and streamed by training.data.reader; hub data sets open here via `datasets`.
+- the hub endpoint is probed once first: if silent, the load goes offline at once instead of retrying for minutes.
 - offline without a cached copy fails at once with a SourceError saying what to do.
 """
 

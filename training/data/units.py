@@ -1,9 +1,9 @@
 """The prepare-data body of one source: units cut, validated and sharded, then curated, then merged.
 
 Rules:
-- `plan` cuts the source into deterministic units; `assign` deals them out, largest first;
-- a unit commits with `unit.json`, written last, and is never redone;
-- the output depends on the plan alone, not on worker count or restarts;
+- `plan` cuts the source into deterministic units; `assign` deals them out, largest first.
+- a unit commits with `unit.json`, written last, and is never redone.
+- the output depends on the plan alone, not on worker count or restarts.
 - a failed source leaves the previous manifest and shards untouched.
 docs/stages.md ("prepare-data") explains the stage.
 """

@@ -1,8 +1,8 @@
 """Document validation with great-expectations 1.x, batch by batch.
 
 Rules:
-- each flagged row gets one reason, the first in `REASON_ORDER`, so counts reconcile;
-- data-set-level checks run once at the end and fail the stage under either policy;
+- each flagged row gets one reason, the first in `REASON_ORDER`, so counts reconcile.
+- data-set-level checks run once at the end and fail the stage under either policy.
 - each batch runs the suite once, on pyarrow strings, asking only for unexpected indices.
 """
 

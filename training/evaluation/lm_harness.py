@@ -1,7 +1,7 @@
 """lm-eval-harness 0.4 on an exported Hugging Face folder, plus two offline tasks made from held-out text.
 
-`write_offline_tasks` makes the offline tasks, so the harness runs with no network:
-- `hlat_cloze`: predict a passage's last word, after LAMBADA (`perplexity` is per word);
+`write_offline_tasks` makes two offline tasks, so the harness runs with no network.
+- `hlat_cloze`: predict a passage's last word, after LAMBADA (`perplexity` is per word).
 - `hlat_choice`: pick the true continuation among four, after HellaSwag.
 Unknown task names are refused before a model loads.
 """

@@ -2,7 +2,7 @@
 
 Documents are packed as training packs them: tokens then EOS, one stream starting with an EOS.
 The stream is cut into windows of `seq_len`; each token after the first is predicted once, within its window.
-Whole documents are taken until `max_tokens`, so the byte count is exact:
+Whole documents are taken until `max_tokens`, so the byte count is exact.
 
     nll_per_token = sum of -log p(token) / tokens          (nats)
     perplexity    = exp(nll_per_token)

@@ -1,9 +1,9 @@
 """The one place that decides a job program's device and process group, and how its collectives run.
 
 Rules:
-- device: `xla` in a Neuron container (or asked for), else CUDA when present, else CPU;
-- process group: `xla`, nccl or gloo; a single process has none, and collectives are no-ops;
-- device collectives keep tensors on the device; only `to_host`, at sync points, reads them;
+- device: `xla` in a Neuron container (or asked for), else CUDA when present, else CPU.
+- process group: `xla`, nccl or gloo; a single process has none, and collectives are no-ops.
+- device collectives keep tensors on the device; only `to_host`, at sync points, reads them.
 - host-side collectives use a lazy gloo group beside the main one, never at a step boundary.
 docs/trn1.md explains the gloo group and its lazy connection.
 """

@@ -1,8 +1,8 @@
 """Model parallelism through neuronx-distributed (NxD): thin, and imported only where NxD is.
 
 Rules:
-- nothing imports NxD at module level; functions that need it call `require_nxd()`;
-- NxD's CPU mode (`NXD_CPU_MODE=1`) runs the same layers and groups anywhere (tests/nxd);
+- nothing imports NxD at module level; functions that need it call `require_nxd()`.
+- NxD's CPU mode (`NXD_CPU_MODE=1`) runs the same layers and groups anywhere (tests/nxd).
 - the layers, groups, optimizer wrapper and pipeline are NxD's; the model and its init are ours.
 docs/trn1.md ("Model parallelism on trn1") describes the whole path.
 """
