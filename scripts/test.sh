@@ -19,7 +19,9 @@
 # HLAT_TEST_SDKS: the SDKs whose tiers run, in order (default "2.28.0 2.24.1"; "2.28.0" leaves 2.24.1's tiers out,
 # and the summary says so). Arguments go to the main suite's pytest (`-n 0` runs it in one process).
 #
-# Either fails when any test fails, and when a tier collects no tests (pytest's exit code 5).
+# Either fails when any test fails, when a tier collects no tests (pytest's exit code 5), and when a tier's wall time
+# overruns its budget (BUDGET_S below, docs/testing.md#time-budgets), naming the tier, its time and its budget.
+# HLAT_BUDGET_SCALE multiplies every budget (default 1; e.g. 2 on a machine half as fast; 0 turns the check off).
 #
 # Several streams share the machine's cores, so each process computes on one thread (OMP_NUM_THREADS=1): two torch
 # processes with two OpenMP threads each on 2 cores run a training step ~6x slower than with one thread each, as
@@ -32,14 +34,37 @@ cd "$(dirname "$0")/.."
 export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 
+# Each tier's wall-time budget in seconds, from CI's clean-clone runs on the 2-core machine with headroom for a busy
+# one (docs/testing.md#time-budgets). The tiers run beside the main suite, so command 2 takes about the main suite's time.
+declare -A BUDGET_S=(
+  ["fast tier"]=300
+  ["main suite"]=2100
+  ["XLA tier (2.28.0)"]=420
+  ["NxD tier (2.28.0)"]=600
+  ["XLA tier (2.24.1)"]=300
+  ["NxD tier (2.24.1)"]=540
+)
+budget_scale=${HLAT_BUDGET_SCALE:-1}
+# A budget is for the whole tier: with arguments (a file, -k, -n 0), the main suite or the fast tier is timed only.
+[ $# -gt 0 ] && [ "$*" != --fast ] && BUDGET_S["main suite"]=0 BUDGET_S["fast tier"]=0
+
+# tier NAME COMMAND...: run a tier; its exit code, 1 when it collected no tests or overran its budget.
 tier() {
-  local name=$1 rc
+  local name=$1 rc started=$SECONDS took budget
   shift
   "$@"
   rc=$?
+  took=$((SECONDS - started))
+  budget=$(awk -v b="${BUDGET_S[$name]}" -v s="$budget_scale" 'BEGIN { printf "%d", b * s }')
+  echo "test.sh: the $name took $took s (budget: ${budget} s, 0 when unchecked; load average $(cut -d' ' -f1-3 /proc/loadavg))"
   if [ "$rc" -eq 5 ]; then
     echo "test.sh: the $name collected no tests: failing" >&2
     return 1
+  fi
+  if [ "$budget" -gt 0 ] && [ "$took" -gt "$budget" ]; then  # 0: not checked
+    echo "test.sh: OVER BUDGET: the $name took $took s, over its budget of $budget s by $((took - budget)) s:" \
+      "failing (its slowest tests are in --durations above; HLAT_BUDGET_SCALE scales the budgets)" >&2
+    [ "$rc" -eq 0 ] && rc=1
   fi
   return "$rc"
 }
@@ -49,7 +74,7 @@ if [ "${1:-}" = --fast ]; then
   tier "fast tier" .venv/bin/python -m pytest -n 2 --dist loadfile -m "not slow" \
     --test-budget "${HLAT_TEST_BUDGET_S:-8}" --durations=10 tests/unit tests/integration tests/scale "$@"
   rc=$?
-  echo "test.sh: the fast tier took $SECONDS s (load average $(cut -d' ' -f1-3 /proc/loadavg)), exit code $rc"
+  echo "test.sh: the fast tier's exit code $rc"
   exit "$rc"
 fi
 

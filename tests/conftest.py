@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from xdist.scheduler import LoadFileScheduling
 
 # Set before anything imports prefect, datasets or huggingface_hub: they read these at import time.
 _SESSION_DIR = Path(tempfile.mkdtemp(prefix="hlat-tests-"))
@@ -42,22 +43,33 @@ collect_ignore = ["xla", "nxd"]
 
 from tests.sizes import SMALL_DATA, SMALL_RUN  # noqa: E402  (re-exported: tests import them from here)
 
-# The longest test files first (by a timed serial run on 2 cores; tests/e2e/test_deployments.py gained
-# docs/deployments.md's block, ~4 minutes, when it came to share that block's tiny DAG): scripts/test.sh hands files
-# to its two pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`), so a long file
-# started last would keep one worker busy while the other idles.
-LONGEST_FILES = (
-    "tests/e2e/test_readme.py",
-    "tests/e2e/test_deployments.py",
-    "tests/integration/test_emulator.py",
+# The files whose tests hold the SageMaker emulator's machine-wide lock (`one_multi_host_job_at_a_time`). Under
+# `--dist loadfile` they form one work unit (EmulatorFilesTogether): one worker runs them in a row. Spread over both
+# workers, one would wait for the other's lock (CI, 2026-12-06: 398 s, 76 s and 73 s of set-up spent waiting).
+# tests/unit/test_test_order.py checks that this list names every file that takes the lock.
+EMULATOR_FILES = (
     "tests/chaos/test_emulator_chaos.py",
-    "tests/integration/test_job_requirements.py",
+    "tests/integration/test_emulator.py",
     "tests/integration/test_emulator_hosts.py",
     "tests/chaos/test_stop_grace.py",
-    "tests/integration/test_cli.py",
-    "tests/integration/test_emulator_storage_faults.py",
-    "tests/unit/test_benchmarks.py",
     "tests/chaos/test_failure_causes.py",
+    "tests/integration/test_emulator_storage_faults.py",
+    "tests/integration/test_status_stop.py",
+    "tests/integration/test_emulator_watchdog.py",
+)
+EMULATOR_UNIT = "tests: the SageMaker emulator's files"
+
+# The longest work units first (docs/testing.md has the times): scripts/test.sh hands units to its two
+# pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`). The emulator's files come
+# first, as one unit; the e2e blocks then start on the other worker; a long unit started last would keep one
+# worker busy while the other idles.
+LONGEST_FILES = (
+    *EMULATOR_FILES,
+    "tests/e2e/test_readme.py",
+    "tests/e2e/test_deployments.py",
+    "tests/integration/test_job_requirements.py",
+    "tests/integration/test_cli.py",
+    "tests/unit/test_benchmarks.py",
     "tests/integration/test_flows.py",
     "tests/integration/test_training.py",
     "tests/chaos/test_train_stage.py",
@@ -66,10 +78,25 @@ LONGEST_FILES = (
     "tests/integration/test_compile_cache.py",
     "tests/integration/test_stages.py",
     "tests/integration/test_xla_rehearsal.py",
+    "tests/integration/test_mixture_run.py",
     "tests/integration/test_fsdp.py",
     "tests/integration/test_prepare_job.py",
     "tests/chaos/test_kill_resume.py",
 )
+
+
+class EmulatorFilesTogether(LoadFileScheduling):
+    """`--dist loadfile`, with the files of EMULATOR_FILES as one work unit, run in a row by one worker."""
+
+    def _split_scope(self, nodeid: str) -> str:
+        path = super()._split_scope(nodeid)
+        return EMULATOR_UNIT if path in EMULATOR_FILES else path
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileScheduling | None:
+    """The scheduler of `--dist loadfile` (scripts/test.sh's); the other modes keep xdist's own."""
+    return EmulatorFilesTogether(config, log) if config.getvalue("dist") == "loadfile" else None
 
 
 # The fast tier's rule (scripts/test.sh --fast, which passes --test-budget): a test whose body takes more than a few
