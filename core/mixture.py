@@ -1,9 +1,8 @@
 """How many tokens a run draws from each source of its mixture, and whether that repeats a source too often.
 
-The arithmetic the dry run, `hlat plan` and the train stage share. A run of `max_steps` optimizer steps of
-`tokens_per_step` tokens draws from source i the tokens of every step times that step's weight of i
-(`DataConfig.weights_at`: the sources' weights, then the schedule's entries by step). Its epochs are those tokens over
-the source's training tokens: declared (`SourceConfig.tokens`) before the source is prepared, measured after.
+Shared by the dry run, `hlat plan` and the train stage. Step s draws `tokens_per_step` times the source's weight at s
+(`DataConfig.weights_at`). Epochs are those tokens over the source's training tokens: declared before preparation,
+measured after.
 """
 
 from __future__ import annotations
@@ -20,7 +19,7 @@ class SourceDraw:
 
     name: str
     share: float
-    """Its share of all the run's training tokens (the schedule averaged over the steps)."""
+    """Its share of the run's training tokens, averaged over the steps."""
     tokens: int
     """Training tokens the run draws from it."""
     available: int | None
@@ -39,8 +38,9 @@ class SourceDraw:
 
 
 def source_draws(cfg: HlatConfig, measured: dict[str, int] | None = None) -> list[SourceDraw]:
-    """Per source: its share, the tokens the run draws, its size (`measured` by name first, then its declared
-    `tokens`) and its epochs. Steps are counted from 0 to training.max_steps - 1."""
+    """Per source: share, tokens drawn, size and epochs, for steps 0 to max_steps - 1.
+
+    The size is `measured[name]` if given, else the declared `tokens`."""
     data, steps = cfg.data, cfg.training.max_steps
     names = [s.resolved_name for s in data.mixture]
     bounds = [*sorted({0, *(e.step for e in data.schedule if e.step < steps)}), steps]
@@ -66,8 +66,7 @@ def source_draws(cfg: HlatConfig, measured: dict[str, int] | None = None) -> lis
 
 
 def check_repetition(cfg: HlatConfig, measured: dict[str, int] | None = None) -> list[SourceDraw]:
-    """The draws, or ConfigError naming every source the run would repeat more often than its max_epochs allows,
-    with the numbers and the fixes."""
+    """The draws, or a ConfigError naming each source repeated past its max_epochs, with numbers and fixes."""
     draws = source_draws(cfg, measured)
     over = [d for d in draws if d.over]
     if over:

@@ -1,8 +1,8 @@
-"""plan-parallelism: before training, rank the layouts of the run's model on its nodes (infra/planner.py), publish the
-table as a Prefect artifact, and warn when the configured parallelism is predicted far slower than the best.
+"""plan-parallelism: rank the layouts of the run's model on its nodes before training (infra/planner.py).
 
-Advice only: the task never fails the train stage. Local and CPU runs, and instance types the planner has no
-topology for, get a "not applicable" note; a planner error becomes a logged warning.
+It publishes the table as a Prefect artifact and warns when the configured layout is predicted far slower. Advice only:
+it never fails the train stage. Runs it cannot judge (local, CPU, unknown instance) get a note. A planner error becomes
+a logged warning.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def plan_parallelism(run: Run) -> dict[str, Any]:
 
 
 def configured_warning(the_plan: planner.Plan, threshold: float) -> str | None:
-    """The warning for a configured layout that does not run, or runs more than `threshold` slower than the best."""
+    """The warning for a configured layout that cannot run, or runs over `threshold` slower than the best."""
     configured = the_plan.configured
     if not the_plan.ranked:
         return f"no layout fits {the_plan.preset} on {the_plan.nodes} x {the_plan.instance_type}"
