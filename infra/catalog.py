@@ -1,16 +1,9 @@
-"""Instance catalog: node prices, peak throughput and topology, for cost accounting, budgets, dry-run estimates and
-the parallelism planner.
+"""Instance catalog: node prices, peak throughput and topology, for costs, budgets, estimates and the planner.
 
-Prices are SageMaker *training* on-demand dollars per node-hour, which is what a training job is billed (`ml.`
-instances cost more than the same EC2 instance). Each figure lives in infra/prices.json with where it comes from
-(`PriceSource`): what the AWS Price List API said, with the term's effective date, its SKU and when it was read
-(`hlat prices --record` writes these), or, until then, a figure derived from EC2's rate or recalled, labelled so.
-The dry run and `hlat prices` print that provenance beside the figure. A run's `job.price_per_hour_usd` overrides
-the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved or
-negotiated rates, other regions, other instance types).
-Time to train is not assumed here: the dry run and `hlat plan` take it from `infra.planner` (Trainium layouts, by
-its model fitted on published trn1 runs) or from a GPU's measured or assumed MFU (`Topology.comparison`).
-`topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
+Prices are SageMaker training on-demand dollars per node-hour, what a job is billed. Each lives in infra/prices.json
+with its provenance (`PriceSource`), which the dry run and `hlat prices` print. `job.price_per_hour_usd` and
+`planner.prices_usd_per_hour` override them. Time to train comes from `infra.planner` or a GPU's MFU
+(`Topology.comparison`), never from here. docs/planning.md explains the figures.
 """
 
 from __future__ import annotations
@@ -24,11 +17,11 @@ GIB = 1024**3
 PRICES = Path(__file__).with_name("prices.json")
 """Each catalog instance type's price and where it comes from (`PriceSource`); `hlat prices --record` rewrites it."""
 MEASURED = Path(__file__).with_name("measured.json")
-"""Throughput figures measured by benchmarks/ (with the machine, date and command), which the estimates use."""
+"""Throughput measured by benchmarks/ (with machine, date and command), used by the estimates."""
 
 
 def measured(section: str) -> dict[str, Any]:
-    """One section of infra/measured.json ('prepare_data', 'train_step'), {} when it has none."""
+    """One section of infra/measured.json ('prepare_data', 'train_step'); {} when absent."""
     data: dict[str, Any] = json.loads(MEASURED.read_text()).get(section, {})
     return data
 
@@ -47,22 +40,22 @@ class Topology:
     peak_bf16_flops_per_device: float
     """Dense BF16 FLOP/s of one device."""
     peak_fp32_flops_per_device: float
-    """Dense FP32 FLOP/s of one device (what `precision.mode = 'fp32'` computes at)."""
+    """Dense FP32 FLOP/s of one device (`precision.mode = 'fp32'`)."""
     device_link_gib_per_s: float
     """Device-to-device bandwidth inside a node, GiB/s per device (NeuronLink-v2, NVLink)."""
     efa_gbit_per_s: float
     """Network bandwidth of the node to the others, Gbit/s (EFA)."""
     comparison_mfu: float = 0.0
-    """MFU the planner assumes when it compares time and cost across instance types without modelling this one
-    (GPUs) and nothing of ours was measured on its device: a published figure for a comparable dense model.
-    0: modelled instead."""
+    """MFU assumed for an instance the planner does not model (GPUs) when none was measured; 0: modelled.
+
+    A published figure for a comparable dense model."""
     device_name: str = ""
-    """The device's name as torch reports it (`torch.cuda.get_device_name()`): where benchmarks/bench_train's MFU
-    on it is recorded in infra/measured.json ('train_step'), which then replaces `comparison_mfu`."""
+    """The device's name as torch reports it; a measured MFU under this name in infra/measured.json replaces
+    `comparison_mfu`."""
 
     def comparison(self) -> tuple[float, str]:
-        """(MFU, where it comes from) for the planner's comparison: measured on this device when a figure was
-        recorded, else the assumed `comparison_mfu`."""
+        """(MFU, its source) for the planner's comparison: measured on this device, else the assumed
+        `comparison_mfu`."""
         figure = measured("train_step").get(self.device_name) if self.device_name else None
         if figure:
             return float(figure["mfu"]), (
@@ -152,10 +145,10 @@ class PriceSource:
     usd_per_hour: float
     region: str
     basis: PriceBasis
-    """'price-list': read from the AWS Price List API; 'derived' (from EC2's rate) and 'recalled': not read from AWS."""
+    """'price-list': read from the AWS Price List API; 'derived' (from EC2's rate) or 'recalled': not read."""
     note: str = ""
     effective: str = ""
-    """The on-demand term's effectiveDate, as the Price List gives it (price-list only)."""
+    """The on-demand term's effectiveDate (price-list only)."""
     sku: str = ""
     read_at: str = ""
     """When the Price List API was asked, UTC (price-list only)."""
@@ -184,7 +177,7 @@ class Instance:
     name: str
     price_per_hour_usd: float
     accelerators: int
-    """Devices per node: Trainium chips or GPUs (NeuronCores are 2 per chip)."""
+    """Devices per node: Trainium chips or GPUs (2 NeuronCores per chip)."""
     peak_bf16_flops: float
     """Peak dense BF16 FLOP/s of one node."""
     topology: Topology | None = None
@@ -218,8 +211,9 @@ CATALOG: dict[str, Instance] = {
 
 
 def price_per_hour(instance_type: str, override: float | None = None) -> float:
-    """Dollars per node-hour: the override when given, else the catalog; an unknown type without an override
-    costs 0 (budgets then cannot be enforced, and the stage says so)."""
+    """Dollars per node-hour: the override, else the catalog.
+
+    An unknown type without an override costs 0; budgets then cannot be enforced, and the stage says so."""
     if override is not None:
         return override
     known = CATALOG.get(instance_type)
@@ -232,15 +226,15 @@ def job_cost(billable_seconds: float, instance_count: int, price: float) -> floa
 
 
 def tokens_per_s_at(instance: Instance, nodes: int, mfu: float, flops_per_token: float) -> float:
-    """Training throughput of `nodes` nodes of `instance` running at model-FLOPs utilisation `mfu`."""
+    """Training tokens/s of `nodes` nodes of `instance` at model-FLOPs utilisation `mfu`."""
     return nodes * instance.peak_bf16_flops * mfu / flops_per_token
 
 
 @dataclass(frozen=True)
 class InstanceCost:
-    """Time and cost to train a token budget on `nodes` nodes of one instance type: the one cost arithmetic, used by
-    the dry run and `hlat plan` (`infra.planner.run_cost`, `compare_instances`: a Trainium layout's throughput by the
-    planner's model, or a GPU's measured or assumed MFU)."""
+    """Time and cost to train a token budget on `nodes` nodes of one instance type.
+
+    The one cost arithmetic for the dry run and `hlat plan` (`infra.planner.run_cost`, `compare_instances`)."""
 
     instance_type: str
     nodes: int
@@ -248,9 +242,9 @@ class InstanceCost:
     usd_per_node_hour: float
     tokens: float
     basis: str
-    """How tokens_per_s was obtained: the planner's best layout, or a measured or assumed MFU."""
+    """How tokens_per_s was got: the planner's best layout, or a measured or assumed MFU."""
     data_parallel: str = ""
-    """GPU rows: 'ddp' when a whole replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
+    """GPU rows: 'ddp' when a replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
     layout: Any = None
     """Trainium rows: the planner's Layout the throughput is for."""
 
