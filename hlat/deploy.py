@@ -1,10 +1,8 @@
 """`hlat deploy` and `hlat worker`: register deployments/prefect.yaml and serve its work pool.
 
-`hlat deploy` is `prefect deploy` from the project root, plus checks and defaults. It creates a missing pool, refuses
-one of another type, and names missing `{{ $VAR }}` placeholders. It registers AWS deployments only behind a guarded
-API, and makes parameter forms submittable. With `stack` it sets what a user would hand-edit from the account stack
-(deployments/account.yaml) and creates the alert automations (tasks/alerts.py). `hlat worker` ensures the pool, then
-execs `prefect worker start`. docs/deployments.md is the user's guide.
+`hlat deploy` is `prefect deploy` plus checks and defaults: the pool exists with the asked type, placeholders are set,
+AWS work sits behind a guarded API, and parameter forms are submittable. With a stack it also fills what a user would
+hand-edit, and creates the alert automations. docs/deployments.md is the user's guide.
 """
 
 from __future__ import annotations
@@ -34,12 +32,12 @@ DEFAULT_POOL = "hlat"
 POOL_TYPES = ("process", "ecs", "kubernetes")
 
 IMAGE_CODE_DIR = "/opt/hlat"
-"""The worker image's WORKDIR (deployments/worker.Dockerfile): the AWS deployments' code on ecs and kubernetes pools."""
+"""The worker image's WORKDIR, where container pools find the AWS deployments' code."""
 WORKER_DOCKERFILE = PROJECT_ROOT / "deployments" / "worker.Dockerfile"
 ROLE_SECRET = "hlat-sagemaker-role"
 """The Prefect Secret block the AWS deployments name in job.role_arn_secret (deployments/prefect.yaml)."""
 FLOW_RUN_CPU, FLOW_RUN_MEMORY = 4096, 16384
-"""The ECS flow-run task's size; the AWS presets train their tokenizer sample in the flow run itself."""
+"""The ECS flow-run task's size; AWS presets train their tokenizer sample in the flow run."""
 
 ENV_HELP = {
     "HLAT_PROJECT_DIR": "the checkout local workers run the flows from",
@@ -49,7 +47,7 @@ ENV_HELP = {
 
 
 def _prefect() -> str:
-    """The `prefect` executable of this environment (next to this Python), else the one on PATH."""
+    """This environment's `prefect` executable, else the one on PATH."""
     beside = Path(sys.executable).with_name("prefect")
     return str(beside) if beside.exists() else (shutil.which("prefect") or "prefect")
 
@@ -63,9 +61,7 @@ def _git(*args: str) -> str | None:
 
 
 def deploy_env(environ: dict[str, str] | None = None, pool_type: str = "process") -> dict[str, str]:
-    """The environment `prefect deploy` runs in: the caller's, plus this checkout's defaults.
-
-    HLAT_CODE_DIR is the image's copy on container pools, else this checkout."""
+    """The caller's environment plus this checkout's defaults; HLAT_CODE_DIR suits the pool type."""
     env = dict(os.environ if environ is None else environ)
     env.setdefault("HLAT_PROJECT_DIR", str(PROJECT_ROOT))
     env.setdefault("HLAT_CODE_DIR", str(PROJECT_ROOT) if pool_type == "process" else IMAGE_CODE_DIR)
@@ -73,13 +69,13 @@ def deploy_env(environ: dict[str, str] | None = None, pool_type: str = "process"
 
 
 def load_deployments(path: Path = PREFECT_FILE) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The deployments of a prefect.yaml (YAML anchors and merge keys resolved) and its default pull steps."""
+    """A prefect.yaml's deployments (anchors and merge keys resolved) and its default pull steps."""
     doc = yaml.safe_load(path.read_text())
     return list(doc.get("deployments") or []), list(doc.get("pull") or [])
 
 
 def select(deployments: list[dict[str, Any]], patterns: Sequence[str]) -> list[dict[str, Any]]:
-    """Deployments whose name matches any glob pattern, e.g. '*-tiny' or 'hlat/pretrain-*' (all when none)."""
+    """Deployments whose name matches any glob (all when none), e.g. '*-tiny'."""
     if not patterns:
         return deployments
     names = [p.rsplit("/", 1)[-1] for p in patterns]  # 'flow/deployment' or 'deployment'
@@ -96,9 +92,7 @@ _IMAGE_DIRS = ("{{ $HLAT_CODE_DIR }}", IMAGE_CODE_DIR)
 
 
 def code_source(deployment: dict[str, Any], default_pull: list[Any]) -> str:
-    """Where a deployment's flow code comes from, by its pull steps (its own, else the file's).
-
-    'remote' (git, S3, a block), 'image' (`HLAT_CODE_DIR` in the worker image) or 'checkout' (a local folder)."""
+    """Where a deployment's flow code comes from, by its pull steps: 'remote', 'image' or 'checkout'."""
     steps = [step for step in deployment.get("pull", default_pull) or [] if isinstance(step, dict)]
     names = [str(name).rsplit(".", 1)[-1] for step in steps for name in step]
     if any(n.startswith(_FETCHING_STEPS) for n in names):
@@ -114,17 +108,15 @@ def code_source(deployment: dict[str, Any], default_pull: list[Any]) -> str:
 
 
 def runs_from_checkout(deployment: dict[str, Any], default_pull: list[Any]) -> bool:
-    """Whether a deployment's pull steps point only at a local folder of the deploying machine."""
     return code_source(deployment, default_pull) == "checkout"
 
 
 def default_selection(
     deployments: list[dict[str, Any]], default_pull: list[Any], pool_type: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """What `hlat deploy` without --name registers on a pool of `pool_type`, and what it leaves out.
+    """What `hlat deploy` without --name registers on a `pool_type` pool, and what it leaves out.
 
-    A process pool gets every deployment. A container pool leaves out those that run from this checkout, whose path
-    means nothing in a fresh container."""
+    Container pools leave out deployments that run from this checkout, whose path means nothing there."""
     if pool_type == "process":
         return deployments, []
     local = [d for d in deployments if runs_from_checkout(d, default_pull)]
@@ -145,11 +137,11 @@ def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], 
 
 
 class DeployError(RuntimeError):
-    """A work pool could not be created, or has another type; the CLI prints the message as one line."""
+    """A work pool could not be created, or has another type; one line."""
 
 
 def api_url() -> str:
-    """The Prefect API this process talks to; deploying to an ephemeral one would register nothing lasting."""
+    """The Prefect API this process talks to; an ephemeral one would register nothing lasting."""
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
@@ -165,7 +157,7 @@ API_WAIT_SECONDS = 90.0
 
 
 def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
-    """Wait until the Prefect API at `url` passes its health check; a fresh background server takes ~20 s."""
+    """Wait until the API at `url` passes its health check (a fresh background server takes ~20 s)."""
     import time
     import urllib.request
 
@@ -189,9 +181,7 @@ def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
 
 
 def api_guarded(url: str) -> bool:
-    """Whether the API at `url` refuses a request without credentials (401 or 403), as guarded servers and Cloud do.
-
-    The health check is exempt from authentication, so a listing is asked for."""
+    """Whether the API at `url` refuses an unauthenticated listing (401 or 403); the health check is always open."""
     opener = httpx.Client(trust_env=False, timeout=10)
     try:
         with opener:
@@ -206,7 +196,7 @@ def api_guarded(url: str) -> bool:
 
 
 def loopback(url: str) -> bool:
-    """Whether `url`'s host is this machine's loopback (127.0.0.0/8, ::1, localhost)."""
+    """Whether `url`'s host is this machine's loopback."""
     import ipaddress
 
     host = httpx.URL(url).host
@@ -219,16 +209,14 @@ def loopback(url: str) -> bool:
 
 
 def aws_deployments(deployments: Iterable[dict[str, Any]]) -> list[str]:
-    """The deployments whose runs go to AWS (their storage is HLAT_S3_ROOT, an s3:// root)."""
+    """The deployments whose storage is an s3:// root (HLAT_S3_ROOT)."""
     return [d["name"] for d in deployments if "HLAT_S3_ROOT" in str((d.get("parameters") or {}).get("storage", ""))]
 
 
 def check_api_guarded(url: str, exposed: str | None, pool_type: str, allow_open: bool) -> None:
-    """Refuse to expose AWS work (`exposed`; None: nothing) behind a Prefect API anyone reaching it may use.
+    """Refuse to put AWS work (`exposed`) behind a Prefect API anyone reaching it may use.
 
-    A run starts SageMaker jobs as the flow-run role, so an open API is a door to the account. Exempt: a loopback
-    API serving a process pool. Container pools reach the API over the network, so it must be guarded.
-    `allow_open` (`--allow-open-server`) overrides."""
+    An open API is a door to the account. A loopback API serving a process pool is exempt. `allow_open` overrides."""
     if exposed is None or allow_open or (pool_type == "process" and loopback(url)):
         return
     if api_guarded(url):
@@ -242,7 +230,7 @@ def check_api_guarded(url: str, exposed: str | None, pool_type: str, allow_open:
 
 
 def exposed_deployments(deployments: Iterable[dict[str, Any]]) -> str | None:
-    """What of AWS registering `deployments` exposes: 'N AWS deployment(s) (names)', or None."""
+    """'N AWS deployment(s) (names)' that registering `deployments` exposes, or None."""
     names = aws_deployments(deployments)
     if not names:
         return None
@@ -250,7 +238,6 @@ def exposed_deployments(deployments: Iterable[dict[str, Any]]) -> str | None:
 
 
 def existing_pool_type(name: str) -> str | None:
-    """The type of the work pool `name`, or None when there is no such pool."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -267,7 +254,7 @@ def existing_pool_type(name: str) -> str | None:
 
 
 def _existing_type(pools: Iterable[str]) -> str | None:
-    """The type of the first of `pools` that exists; None if none does or the API is unreachable."""
+    """The type of the first existing pool of `pools`; None if none, or if the API is unreachable."""
     try:
         return next((t for p in sorted(pools) if (t := existing_pool_type(p))), None)
     except DeployError:
@@ -277,10 +264,10 @@ def _existing_type(pools: Iterable[str]) -> str | None:
 def ensure_pool(
     name: str, pool_type: str | None, env: dict[str, str], base_job_template: dict[str, Any] | None = None
 ) -> str:
-    """Create the work pool `name` of `pool_type` (None: process) unless it exists; returns what was done.
+    """Create the work pool `name` of `pool_type` (None: process) unless it exists; return what was done.
 
-    An existing pool of another type is an error: its worker would run the flows somewhere else. With no type
-    asked, an existing pool is kept. `base_job_template` replaces the pool's own template either way."""
+    An existing pool of another type is an error: its worker would run flows elsewhere. `base_job_template`
+    replaces the pool's own either way."""
     found = existing_pool_type(name)
     if found is not None and pool_type is not None and found != pool_type:
         raise DeployError(
@@ -307,7 +294,6 @@ def ensure_pool(
 
 
 def _set_pool_template(name: str, pool_type: str, template: dict[str, Any], create: bool) -> str:
-    """Create the pool with `template` as its base job template, or give the existing pool that template."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import PrefectHTTPStatusError
@@ -337,12 +323,9 @@ def deploy(
 ) -> int:
     """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`.
 
-    `pool_type` None: the existing pool's type, else process (ecs with a `stack`). A notification block
-    (alerts.block, `alerts_block` or HLAT_ALERTS_BLOCK) gets the alert automations (`deployment_alerts`).
-
-    With `stack`: its RunsRoot is HLAT_S3_ROOT unless set, its execution role goes into the Secret block, and an ECS
-    pool gets the stack's template with this checkout's pushed worker image. AWS deployments need a guarded API
-    (`check_api_guarded`) unless `allow_open_server`."""
+    `pool_type` None: the existing pool's type, else process (ecs with a `stack`). With `stack`, the stack's outputs
+    fill HLAT_S3_ROOT, the role secret and the ECS template; its worker image must be pushed. A notification block
+    gets the alert automations."""
     api = api_url()
     deployments, default_pull = load_deployments(prefect_file)
     pools = {(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in deployments}
@@ -413,9 +396,7 @@ def deploy(
 
 
 def deployment_alerts(deployments: Iterable[dict[str, Any]], block: str | None) -> tuple[str, float] | None:
-    """The alert automations' block and stalled-training window from the deployments' configs and `block`.
-
-    None: no alerts. A deployment whose config does not build is named in the error."""
+    """The alert automations' block and stall window from the deployments' configs and `block`; None: no alerts."""
     from hlat.core.presets import load_config
     from hlat.flows.params import overrides_dict
     from hlat.tasks.alerts import alerts_settings
@@ -432,7 +413,7 @@ def deployment_alerts(deployments: Iterable[dict[str, Any]], block: str | None) 
 
 
 def run_prefect_deploy(cmd: list[str], env: dict[str, str]) -> int:
-    """Run `prefect deploy`, showing its output less the repeated worker advice; return its exit code."""
+    """Run `prefect deploy` less its repeated worker advice; return its exit code."""
     with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         for line in without_worker_hints(proc.stdout):
@@ -441,8 +422,7 @@ def run_prefect_deploy(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def without_worker_hints(lines: Iterable[str]) -> Iterator[str]:
-    """`prefect deploy`'s output less its per-deployment advice to start a worker; `deploy` says it once, with `hlat
-    worker`."""
+    """`prefect deploy`'s output less its advice to start a worker; `deploy` says it once."""
     skipping = False
     for line in lines:
         if line.lstrip().startswith("To execute flow runs from th"):
@@ -454,10 +434,7 @@ def without_worker_hints(lines: Iterable[str]) -> Iterator[str]:
 
 
 def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A deployment's parameter schema without the `"default": null` of its optional typed parameters.
-
-    The UI fills a field with that null, then refuses it as not a string. Each field's description says what empty
-    means."""
+    """A parameter schema without its optional parameters' `"default": null`, which the UI would fill then refuse."""
     properties = {
         name: {k: v for k, v in prop.items() if not (k == "default" and v is None and "type" in prop)}
         for name, prop in schema.get("properties", {}).items()
@@ -493,7 +470,6 @@ STACK_OUTPUTS = (
     "SubnetIds",
     "AssignPublicIp",
 )
-"""The outputs of deployments/account.yaml that the deployments and the ECS pool are made from."""
 CREATE_STACK = (
     "aws cloudformation deploy --stack-name {stack} --template-file deployments/account.yaml "
     "--capabilities CAPABILITY_NAMED_IAM --parameter-overrides BucketName=<a new bucket name>"
@@ -505,8 +481,6 @@ _USABLE_STACK_STATUSES = ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK
 
 @dataclass(frozen=True)
 class Stack:
-    """The account stack of deployments/account.yaml: its name, region and outputs."""
-
     name: str
     region: str
     outputs: dict[str, str]
@@ -521,9 +495,7 @@ def _aws_error(exc: Exception) -> str:
 
 
 def read_stack(name: str, region: str | None = None, session: Any = None) -> Stack:
-    """The outputs of the CloudFormation stack `name`.
-
-    One-line errors for a stack missing, foreign, in progress, failed, or unreadable without credentials."""
+    """The outputs of the CloudFormation stack `name`, or a one-line error saying why not."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -555,9 +527,7 @@ def read_stack(name: str, region: str | None = None, session: Any = None) -> Sta
 
 
 def image_tag() -> str:
-    """The worker image's tag: HLAT_WORKER_TAG, else the commit (12 hex digits).
-
-    Tracked changes add `-dirty-<digest>`: such an image is not the commit's, and ECR tags are immutable."""
+    """The worker image's tag: HLAT_WORKER_TAG, else the commit, plus `-dirty-<digest>` with tracked changes."""
     if tag := os.environ.get("HLAT_WORKER_TAG"):
         return tag
     commit = _git("rev-parse", "--short=12", "HEAD")
@@ -572,17 +542,16 @@ def image_tag() -> str:
 
 
 def worker_image(stack: Stack, tag: str | None = None) -> str:
-    """The worker image of this checkout in the stack's ECR repository."""
     return f"{stack.outputs['WorkerRepositoryUri']}:{tag or image_tag()}"
 
 
 def pinned(image: str, digest: str) -> str:
-    """`repository:tag` as `repository@digest`, so the pool runs exactly the image that was checked."""
+    """`repository:tag` as `repository@digest`, so the pool runs exactly the image checked."""
     return f"{image.rsplit(':', 1)[0]}@{digest}"
 
 
 def check_pushed(stack: Stack, image: str, session: Any = None) -> str:
-    """Refuse a worker image not in ECR, whose flow runs would fail to start; return its digest."""
+    """Refuse a worker image not in ECR; return its digest."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -610,21 +579,17 @@ FIXED_ECS_VARIABLES = (
 )  # fmt: skip
 """What the ECS pool's template fixes, so no run's job variables can change it.
 
-That is what runs, as whom, with which environment (the spend ceiling is there), on which network, logging where. A run
-may set cpu, memory, labels, name and task-definition housekeeping."""
+A run may set only cpu, memory, labels, name and task-definition housekeeping."""
 FLOW_RUN_COMMAND = "prefect flow-run execute"
-"""What an ECS flow-run task runs (Prefect's own command for a flow run)."""
 
 
 SECRET_ENV_PREFIX = "env/"
-"""A Secrets Manager secret `<stack>/env/<NAME>` becomes the flow runs' variable NAME (HF_TOKEN, WANDB_API_KEY, ...)."""
+"""A secret `<stack>/env/<NAME>` becomes the flow runs' variable NAME (HF_TOKEN, WANDB_API_KEY, ...)."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def flow_run_secrets(stack: Stack, session: Any = None) -> list[dict[str, str]]:
-    """The flow runs' ECS `secrets`: one `{"name": NAME, "valueFrom": ARN}` per secret `<stack>/env/<NAME>`.
-
-    Listed at deploy time; add a secret and rerun `hlat deploy --stack`. ECS resolves the ARNs at task start."""
+    """The flow runs' ECS `secrets`, one ARN per secret `<stack>/env/<NAME>`, listed at deploy time."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -647,9 +612,8 @@ def flow_run_secrets(stack: Stack, session: Any = None) -> list[dict[str, str]]:
 def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]] = ()) -> dict[str, Any]:
     """The ECS pool's base job template: prefect-aws's own, filled from the stack.
 
-    `FIXED_ECS_VARIABLES` are written into the template and removed from its variables, so the server refuses
-    them as job variables. Secrets reach a flow run as ARNs: the Prefect API credential (PrefectApiSecretArn) and
-    `flow_run_secrets`."""
+    `FIXED_ECS_VARIABLES` are written in and removed from its variables, so no run can set them. Secrets travel as
+    ARNs."""
     from prefect_aws.workers.ecs_worker import ECSWorker
 
     out = stack.outputs
@@ -714,7 +678,7 @@ _UNSET = object()
 
 
 def _fill(node: Any, fixed: dict[str, Any]) -> Any:
-    """`node` with every `{{ key }}` of `fixed` replaced by its value; keys whose value is None are dropped."""
+    """`node` with each `{{ key }}` of `fixed` filled in; keys whose value is None are dropped."""
     if isinstance(node, dict):
         filled = {k: _fill(v, fixed) for k, v in node.items()}
         return {k: v for k, v in filled.items() if v is not _UNSET}
@@ -729,7 +693,7 @@ def _fill(node: Any, fixed: dict[str, Any]) -> Any:
 
 
 def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:
-    """Save the SageMaker execution role's ARN in the AWS deployments' Secret block; return what was done."""
+    """Save the execution role's ARN in the AWS deployments' Secret block; return what was done."""
     from prefect.blocks.system import Secret
 
     try:
@@ -743,11 +707,11 @@ def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:
 
 
 WORKER_BASE = "python:3.11-slim"
-"""The worker image's base, pinned by digest at build (`base_digest`); HLAT_WORKER_BASE=name@sha256:... overrides it."""
+"""The worker image's base, pinned by digest at build; HLAT_WORKER_BASE=name@sha256:... overrides it."""
 
 
 def base_digest(docker: str, pull: list[str]) -> str:
-    """Pull the base and return it as `name@sha256:...`, the exact image the build uses."""
+    """Pull the base and return it as `name@sha256:...`."""
     name = pull[-1]
     try:
         pulled = subprocess.run(pull, capture_output=True, text=True, check=False)
@@ -770,11 +734,9 @@ def base_digest(docker: str, pull: list[str]) -> str:
 def push_worker_image(
     stack: Stack, tag: str | None = None, dry_run: bool = False, docker: str = "docker", session: Any = None
 ) -> str:
-    """Build deployments/worker.Dockerfile for Fargate (linux/amd64), tag it with the commit, and push it to the stack's
-    ECR.
+    """Build the worker image for Fargate, tag it with the commit and push it to the stack's ECR; return it.
 
-    Returns the image. `dry_run` prints the commands; the registry password is never printed or put on a command
-    line."""
+    `dry_run` prints the commands. The registry password never appears in output or on a command line."""
     import boto3
 
     image = worker_image(stack, tag)
@@ -850,11 +812,10 @@ def worker(
     region: str | None = None,
     allow_open_server: bool = False,
 ) -> NoReturn:
-    """Create the pool if missing, then replace this process with `prefect worker start` on it.
+    """Create the pool if missing, then exec `prefect worker start` on it.
 
-    SIGINT is reset to default first. Prefect's worker stops on SIGTERM by sending itself SIGINT, so an inherited
-    SIG_IGN (`hlat worker &` in a script) would make it ignore SIGTERM. With `stack`, the pool gets `deploy`'s template.
-    """
+    SIGINT is reset first: the worker stops on SIGTERM by sending itself SIGINT, so an inherited SIG_IGN would
+    make it ignore SIGTERM. With `stack`, the pool gets `deploy`'s template."""
     template = None
     if stack:  # as `deploy` does: the ECS pool's template from the account stack
         account = read_stack(stack, region)
