@@ -1,8 +1,7 @@
 """Training jobs: the protocol both job backends implement, job naming, and failure classification.
 
-A backend runs a `JobSpec` and reports state in SageMaker's vocabulary, whether the job is on SageMaker
-(`infra.sagemaker_jobs`) or local (`infra.local_jobs`). The train stage (`infra.supervisor`) classifies each ending with
-`classify` and relaunches from the newest checkpoint. docs/jobs.md has the rule table.
+Backends (`infra.sagemaker_jobs`, `infra.local_jobs`) report state in SageMaker's vocabulary. The train stage classifies
+each ending with `classify` and relaunches from the newest checkpoint. docs/jobs.md has the rule table.
 """
 
 from __future__ import annotations
@@ -41,45 +40,39 @@ TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.STOPPED})
 
 @dataclass(frozen=True)
 class JobSpec:
-    """What a backend needs to launch one attempt of a run's training (or precompile) job."""
+    """What a backend needs to launch one attempt of a run's job."""
 
     name: str
-    """Deterministic job name (`job_name(run_id, attempt)`), so a restarted flow finds its job."""
+    """Deterministic, so a restarted flow finds its job (`job_name`)."""
     run_id: str
     attempt: int
     run_uri: str
-    """The run's storage root (local folder or s3:// prefix)."""
     config_uri: str
-    """The run's config.json, passed as `--config`."""
     instance_type: str
     instance_count: int
     processes_per_node: int
     max_runtime_s: int
     environment: dict[str, str] = field(default_factory=dict)
-    """Extra environment for the job's processes; never secrets, as the job description shows it."""
+    """Extra environment for the job's processes; never secrets, which the job description would show."""
     stage: str = "train"
-    """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
     checkpoint_prefix: str | None = None
-    """A run folder SageMaker syncs with the job's /opt/ml/checkpoints (CheckpointConfig); None for every stage now.
-
-    Training writes checkpoints/ itself: /opt/ml/checkpoints is per host, so rank 0 could not commit others' files."""
+    """A run folder SageMaker syncs with /opt/ml/checkpoints; None for every stage, as training writes checkpoints/
+    itself."""
     image_uri: str | None = None
-    """Container image (SageMaker); None: the backend's default for the instance type."""
+    """Container image (SageMaker); None: the default for the instance type."""
     neuron_sdk: str = DEFAULT_NEURON_SDK
-    """The job's Neuron SDK release (neuron.sdk): it picks SageMaker's default image and the installed requirements."""
+    """neuron.sdk: it picks SageMaker's default image and the requirements."""
     entry: str = "hlat.training.train"
     """The program's module; it takes `--config <config_uri>` and `--<key> <value>` per `args` entry."""
     args: dict[str, str] = field(default_factory=dict)
     python: str | None = None
-    """Local backend: the Python that runs the program (None: the backend's own). SageMaker ignores it."""
+    """Local backend: the program's Python (None: the backend's own). SageMaker ignores it."""
     reads: tuple[str, ...] = ()
-    """s3:// prefixes beyond the run and shared sources that the job reads; its run role may read them
-    (infra/run_roles.py)."""
+    """Other s3:// prefixes the job reads; its run role may read them too."""
     channels: tuple[str, ...] = ("data", "tokenizer")
-    """The run's folders given as input channels (SageMaker InputDataConfig; local: links)."""
+    """The run's folders given as input channels."""
 
     def arguments(self) -> list[str]:
-        """The program's command-line arguments."""
         out = ["--config", self.config_uri]
         for key, value in self.args.items():
             out += [f"--{key}", value]
@@ -88,20 +81,16 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class JobState:
-    """A job's state as the backend last saw it."""
-
     name: str
     status: Status
     failure_reason: str | None = None
     secondary_status: str | None = None
-    """SageMaker's finer status (Starting, Downloading, Training, MaxRuntimeExceeded, Interrupted, ...)."""
+    """SageMaker's finer status (Starting, Training, MaxRuntimeExceeded, ...)."""
     billable_seconds: float = 0.0
-    """Billed wall-clock seconds per instance so far (BillableTimeInSeconds, or elapsed while running)."""
+    """Billed seconds per instance so far (BillableTimeInSeconds)."""
     instance_count: int = 1
     ended_at: float | None = None
-    """When the job ended, in epoch seconds, as the backend recorded it.
-
-    A ledger written later records this, not when its writer saw the end."""
+    """Epoch seconds the job ended, as the backend recorded it; ledgers record this, not when they saw it."""
 
     @property
     def terminal(self) -> bool:
@@ -122,7 +111,7 @@ class JobBackend(Protocol):
     def stop(self, name: str) -> None: ...
 
     def logs(self, name: str, cursor: Any = None) -> tuple[list[str], Any]:
-        """New log lines since `cursor` (None: from the start), and the cursor to pass next time."""
+        """New log lines since `cursor` (None: from the start), and the next cursor."""
         ...
 
     def dry_run(self, spec: JobSpec) -> list[dict[str, Any]]:
@@ -142,9 +131,7 @@ MAX_JOB_NAME = 63  # SageMaker: ^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}
 
 
 JOB_NAME_PREFIX = "hlat-"
-"""Prefix of every hlat job name; the account's policies scope jobs and log streams by it (`hlat-*`).
-
-A re-attached attempt keeps the name its ledger recorded."""
+"""Prefix of every hlat job name; the account's policies scope jobs and log streams by it."""
 
 
 def job_name(run_id: str, attempt: int, stage: str = "train") -> str:
@@ -164,58 +151,50 @@ def job_name(run_id: str, attempt: int, stage: str = "train") -> str:
 class Action(StrEnum):
     DONE = "done"
     RESUME = "resume"
-    """Relaunch at once from the newest complete checkpoint."""
     BACKOFF = "backoff"
-    """Relaunch from the newest checkpoint after a growing delay."""
     FATAL = "fatal"
-    """Stop the stage: relaunching would fail the same way."""
 
 
 class FailureClass(StrEnum):
     """Whose fault an ending was; it decides what a repeat means (docs/jobs.md: "When a job fails")."""
 
     FATAL = "fatal"
-    """The run's settings, data or account: relaunching fails the same way, so the stage stops."""
+    """The run's settings, data or account: the stage stops at once."""
     JOB = "job"
-    """The job's own failure: relaunched from the newest checkpoint.
-
-    The same cause ending job.max_repeats attempts in a row, with no new checkpoint, stops the stage."""
+    """The job's own failure: relaunched; job.max_repeats same causes in a row without a new checkpoint stop the
+    stage."""
     PLATFORM = "platform"
-    """The platform's fault (dead host, internal error, hardware, interruption, hang): relaunched at once.
-
-    A repeat without a new checkpoint waits a growing delay."""
+    """The platform's fault (dead host, hardware, interruption, hang): relaunched, with back-off when it repeats."""
     CAPACITY = "capacity"
-    """No capacity, throttling, a transient quota refusal: relaunched after a growing delay."""
+    """No capacity, throttling, transient quota: relaunched after a growing delay."""
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
     category: str
-    """Short name of the failure class (e.g. 'capacity', 'hardware', 'nan')."""
+    """Short name of the failure class (e.g. 'capacity', 'nan')."""
     reason: str
     failure_class: FailureClass = FailureClass.JOB
     record: FailureRecord | None = None
-    """The job's own failure record, when the ending was judged from one."""
 
     @property
     def cause(self) -> str:
-        """What makes two endings one failure: the category, plus the record's type and step.
+        """What makes two endings one failure: category, record type and step.
 
         A NaN at step 41 on every resume is one cause; at 41 then 57 it is two."""
         return f"{self.category}: {self.record.cause}" if self.record else self.category
 
 
 class Source(StrEnum):
-    """What a failure rule is judged from (docs/jobs.md names it per row)."""
+    """What a failure rule is judged from."""
 
     RECORD = "record"
-    """The job's failure record (`core.contract.FailureRecord`): its exception type, and its message where needed."""
+    """The job's failure record (`core.contract.FailureRecord`): its type, and its message where needed."""
     STATUS = "status"
-    """SageMaker's own fields, for endings no program recorded: FailureReason, SecondaryStatus, a refused request's
-    code."""
+    """SageMaker's own fields, for endings no program recorded."""
     TEXT = "text"
-    """Words in the FailureReason or log, for endings with neither (e.g. torchrun's `Signal 9 (SIGKILL) received`)."""
+    """Words in the FailureReason or log, for endings with neither (e.g. torchrun's `Signal 9 (SIGKILL)`)."""
 
 
 @dataclass(frozen=True)
@@ -227,7 +206,7 @@ class FailureRule:
     """A failure reason this rule takes; docs/jobs.md shows it and the tests classify it."""
     source: Source = Source.TEXT
     message: str | None = None
-    """A pattern searched in the record's message, for types that say little alone (RuntimeError)."""
+    """A pattern searched in the record's message, for types such as RuntimeError."""
 
     @property
     def action(self) -> Action:
@@ -466,9 +445,8 @@ UNKNOWN = FailureRule(r"", FailureClass.JOB, "unknown", "AlgorithmError: Execute
 def classify_reason(reason: str, log_tail: str = "", first_record: FailureRecord | None = None) -> Decision:
     """Classify a failure reason (or refused submission's code) and the end of the job's log.
 
-    Order: the reason's failure record (or `first_record`); SageMaker's words at the reason's start, since the
-    platform's judgement outranks what ranks logged as a consequence; the first failed rank's record in the log;
-    words in the reason or log."""
+    Order: the failure record; SageMaker's own words, which outrank what ranks logged; the first failed rank's
+    record in the log; words in the reason or log."""
     record = parse_failure_record(reason)
     if record is None:
         status = next((r for r in FAILURE_RULES if r.source == Source.STATUS and r.takes(None, reason)), None)
@@ -490,10 +468,9 @@ def is_lost_peer(record: FailureRecord) -> bool:
 
 
 def first_failure(records: list[FailureRecord]) -> FailureRecord | None:
-    """The record of the rank that failed first, of several: the earliest by time.
+    """The record of the rank that failed first: the earliest by time.
 
-    Lost-peer records count only when there is no other; a host lost to the platform writes nothing. Records
-    without a time keep their order, after any timed one."""
+    Lost-peer records count only if there is no other. Untimed records keep their order, after timed ones."""
     if not records:
         return None
     causes = [r for r in records if not is_lost_peer(r)] or records
@@ -510,14 +487,13 @@ SELF_STOPS = {
     STOP_DEADLINE: (Action.FATAL, FailureClass.FATAL),
     STOP_UNSUPERVISED: (Action.RESUME, FailureClass.PLATFORM),
 }
-"""A job that stopped itself at a checkpoint and exited 0 (training/stop_rule.py), by its stop reason.
+"""A self-stopped job's decision, by stop reason (training/stop_rule.py).
 
-A budget or deadline ends the stage; relaunching would stop again. 'no supervisor heartbeat' is relaunched when a
-supervisor reads it."""
+A budget or deadline ends the stage. 'no supervisor heartbeat' is relaunched when a supervisor reads it."""
 
 
 def self_stop(log_tail: str) -> Decision | None:
-    """The decision on a job that stopped itself, from the stop record in its log (None: it wrote none)."""
+    """The decision on a self-stopped job, from the stop record in its log (None: none)."""
     record = parse_stop_record(log_tail)
     if record is None or record.why not in SELF_STOPS:
         return None
@@ -526,9 +502,7 @@ def self_stop(log_tail: str) -> Decision | None:
 
 
 def stored_self_stop(run: Storage, job: str, stage: str = "train") -> Decision | None:
-    """The decision from the stop record job `job` left in run storage; None if it left none.
-
-    For a supervisor that did not see the job's log, e.g. one re-attaching after the job ended."""
+    """The decision from the stop record job `job` left in storage, for a supervisor that missed its log."""
     try:
         kept = run.read_json(stop_record_path(stage)) if run.exists(stop_record_path(stage)) else None
     except Exception:  # unreadable: judged as if absent
@@ -544,8 +518,8 @@ def classify(
 ) -> Decision:
     """What to do after a job ended.
 
-    `stop_requested`: we stopped it, so it is not a failure. `log_tail`: the log's last lines. `first_record`: the
-    earliest failure record in the whole log (at 8,192 ranks the tail holds only the last)."""
+    `stop_requested`: we stopped it, no failure. `first_record`: the earliest failure record in the whole log,
+    since at 8,192 ranks the tail holds only the last."""
     reason = state.failure_reason or state.secondary_status or state.status.value
     if state.status == Status.COMPLETED:
         return self_stop(log_tail) or Decision(Action.DONE, "completed", reason)
