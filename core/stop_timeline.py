@@ -1,9 +1,8 @@
 """The stop's timeline: SIGTERM to the committed checkpoint, phase by phase, against SageMaker's grace.
 
-`stop_timeline` adds the phases up from the config, and from the job's measurements when it has them. The dry run prints
-it, the job logs it at a stop, and the scale tests time simulated stops with it. `PLAN` is how the job stops now;
-`OLD_PLAN` is the plan before issue 50, kept so tests show the change. Pure arithmetic: no torch, Prefect or I/O. Each
-constant cites its source or says it is an assumption; docs/multi-host.md has the phases and figures.
+`stop_timeline` adds the phases up from the config and the job's measurements. The dry run prints it, the job logs it at
+a stop, scale tests time stops with it. `OLD_PLAN` is the stop before issue 50, kept for comparison. Pure arithmetic.
+Constants cite a source or say they are assumed; docs/multi-host.md has the figures.
 """
 
 from __future__ import annotations
@@ -76,23 +75,18 @@ class StateBytes:
     device's."""
 
     weights: int
-    """The model's weights."""
     optimizer: int
     """The optimizer's state: AdamW's two moments, plus master weights where saved."""
     optimizer_in_rank_files: bool
-    """ZeRO-1: each data-parallel rank holds its part of the optimizer state in its rank file.
-
-    Otherwise the state goes with the weights."""
+    """ZeRO-1: each data-parallel rank's part of the optimizer state is in its rank file, not with the weights."""
 
 
 def state_bytes(config: HlatConfig) -> StateBytes:
-    """Bytes per parameter of a checkpoint of `config`, by the rules the training code follows.
+    """Bytes per parameter of a checkpoint of `config`, by the training code's rules.
 
-    - Weights: BF16 (2) for bf16-sr's cast model, else FP32 (4), also under torch-xla's precision flags.
-    - Without ZeRO-1, AdamW's moments match the weights; bf16-mixed under the flags keeps FP64 masters and moments.
-    - Under ZeRO-1, moments and masters use the optimizer's dtype: FP64 for bf16-mixed under XLA_DOWNCAST_BF16
-      (NxD trainer/trainer.py, `optimizer_dtype=torch.double`), else FP32. Masters are saved only where
-      `zero1_masters_outrank_parameters` says so; a test checks the two rules agree."""
+    Weights are BF16 for bf16-sr's cast model, else FP32. Moments match the weights, except FP64 masters and
+    moments for bf16-mixed under XLA_DOWNCAST_BF16 (NxD trainer/trainer.py). ZeRO-1 masters are saved only where
+    `zero1_masters_outrank_parameters` says; a test checks the rules agree."""
     mode = config.precision.mode
     flags = precision_by_flags(config, on_trainium(config) or config.training.device == "xla")
     weights = 2 if mode == "bf16-sr" and not flags else 4
@@ -114,9 +108,7 @@ class CheckpointShape:
     writers: tuple[int, ...]
     """Global ranks that write a shard or shared file, in the manager's shard order; each also writes a rank file."""
     shard_bytes: int
-    """Bytes of one shard (or the shared) file."""
     rank_bytes: int
-    """Bytes of one rank file."""
     distributed: bool = False
     """FSDP2: every rank writes its own part of model and optimizer (DCP) in `rank_bytes`."""
 
@@ -132,9 +124,8 @@ class CheckpointShape:
 def checkpoint_shape(config: HlatConfig) -> CheckpointShape:
     """The files one checkpoint of `config` writes (training.checkpoint.formats).
 
-    Under NxD: one shard file per (tensor, pipeline) position, written by rank p x data x tensor + t (NxD's rank
-    order), with ZeRO-1's states in every rank file. Under FSDP2 every rank writes an equal part. Otherwise rank 0
-    writes one shared file."""
+    NxD: a shard file per (tensor, pipeline) position, written by rank p x data x tensor + t. FSDP2: an equal part
+    per rank. Otherwise rank 0 writes one shared file."""
     dims = config.parallel_dims
     world = dims.world_size
     params = config.model.num_params()
@@ -163,8 +154,6 @@ def checkpoint_shape(config: HlatConfig) -> CheckpointShape:
 
 @dataclass(frozen=True)
 class StopPlan:
-    """The choices that decide a stop's length."""
-
     name: str
     manifest_connections: int
     """Rank 0's manifest reads in flight at once."""
@@ -173,10 +162,8 @@ class StopPlan:
     writers_first: bool
     """Pacing puts shard writers first (`write_start_seconds`), not every rank in rank order."""
     steps_to_stop: int = 2
-    """Worst-case steps from SIGTERM to the boundary every rank stops at.
-
-    A per-step vote stops after the step in progress (1). The stop step agreed through the store (training/stop_vote.py)
-    may stop one step later (2)."""
+    """Worst-case steps from SIGTERM to the stop boundary: 1 for a per-step vote, 2 for a stop step agreed via the
+    store."""
     write_rate: float = 2000.0
     """Requests a second that all ranks together start (the manager's write_rate)."""
 
@@ -190,11 +177,10 @@ PLAN = StopPlan("now", S3_MAX_POOL_CONNECTIONS, supersede_in_flight=True, writer
 def write_start_seconds(
     rank: int, world_size: int, rate: float | None, writer_index: int | None = None, writers: int = 0
 ) -> float:
-    """Seconds after a save begins that `rank` sends its first write, pacing all ranks to about `rate` a second.
+    """Seconds after a save begins that `rank` first writes, pacing all ranks to about `rate` requests a second.
 
     S3 takes 3,500 PUTs a second per prefix (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html).
-    Shard writers (`writer_index`, None for others) go first, since they have most to write; the rest follow in rank
-    order. 0 with no rate or one rank."""
+    Shard writers (`writer_index`) go first, as they have most to write."""
     if not rate or world_size <= 1:
         return 0.0
     position = writer_index if writer_index is not None else writers + rank
@@ -321,9 +307,8 @@ def stop_timeline(
 ) -> StopTimeline:
     """The stop's worst case from SIGTERM for `config` under `plan`.
 
-    Each argument replaces a modelled figure with the job's own: `step_seconds` (None: left out), `since_sigterm`,
-    `save_seconds` (one figure for staging, pacing, writes and commit) and `in_flight_left_s`. `in_flight` None
-    means the worst case whenever async checkpoints are on. `grace` defaults to `grace_seconds(config)`."""
+    Given figures replace modelled ones: `step_seconds` (None: left out), `since_sigterm`, `save_seconds` and
+    `in_flight_left_s`. `in_flight` None assumes the worst case when async checkpoints are on."""
     shape = checkpoint_shape(config)
     measured: list[str] = []
     phases: list[Phase] = []
