@@ -1,9 +1,8 @@
 """Run storage: one small interface over local folders and s3:// (fsspec), with one-line errors.
 
-`Storage(url)` is rooted at a folder or prefix; every method takes a path relative to it. Whole-object writes and
-`atomic_writer` streams are atomic, so a reader never sees half a file. S3 faults users cause become `StorageError`
-saying what to fix. S3 clients retry with back-off and time out stalled connections (`S3_CLIENT_CONFIG`).
-`abort_incomplete_uploads` clears the multipart uploads killed writers leave.
+`Storage(url)` is rooted at a folder or prefix; paths are relative to it. Whole-object writes and `atomic_writer` are
+atomic, so readers never see half a file. S3 faults users cause become `StorageError` saying what to fix. S3 clients
+retry with back-off and time out stalled connections (`S3_CLIENT_CONFIG`).
 """
 
 from __future__ import annotations
@@ -72,10 +71,9 @@ _TRANSIENT_API_CODES = _TRANSIENT_CODES | {"ServiceUnavailable", "InternalFailur
 # means a connection that is stuck, not a slow one; it then fails and is retried instead of hanging the save.
 # Connections: see S3_MAX_POOL_CONNECTIONS.
 S3_MAX_POOL_CONNECTIONS = 64
-"""Connections one S3 client keeps in flight, and reads a caller sends together (`Storage.parallel_reads`).
+"""Connections one S3 client keeps, and reads a caller sends together (`Storage.parallel_reads`).
 
-botocore's default is 10 (https://docs.aws.amazon.com/botocore/latest/reference/config.html). 64 lets rank 0 read
-8,191 manifests within the stop grace; docs/multi-host.md has the arithmetic."""
+botocore's default is 10; 64 lets rank 0 read 8,191 manifests within the stop grace (docs/multi-host.md)."""
 S3_CLIENT_CONFIG: dict[str, Any] = {
     "retries": {"mode": "adaptive", "total_max_attempts": 10},
     "connect_timeout": 10,
@@ -90,7 +88,7 @@ def _is_s3(url: str) -> bool:
 
 @contextlib.contextmanager
 def storage_errors(uri: str) -> Iterator[None]:
-    """Turn fsspec/botocore exceptions raised while touching `uri` into StorageError subclasses."""
+    """Turn fsspec/botocore exceptions raised while touching `uri` into StorageErrors."""
     try:
         yield
     except StorageError:
@@ -141,9 +139,7 @@ def translate_error(exc: BaseException, uri: str) -> BaseException:
 
 
 class _PartWriter:
-    """Feeds an s3fs upload at most one part per write.
-
-    s3fs buffers each write whole, so a 2 GB tensor written at once would be held twice."""
+    """Feeds an s3fs upload at most one part per write; s3fs buffers each write whole, doubling memory."""
 
     def __init__(self, upload: Any) -> None:
         self._upload = upload
@@ -185,9 +181,8 @@ _WRITEBACK_EVERY = 64 << 20
 
 
 class _WritebackFile:
-    """A local file written whole (a checkpoint) that starts the disk's writeback every 64 MiB.
-
-    The disk then works while the writer produces bytes, not all at the final fsync (docs/benchmarks.md)."""
+    """A local file written whole that starts the disk's writeback every 64 MiB, not all at fsync
+    (docs/benchmarks.md)."""
 
     def __init__(self, fh: IO[bytes]) -> None:
         self._fh = fh
@@ -209,7 +204,7 @@ class _WritebackFile:
 
 
 class Storage:
-    """A folder (local path or s3:// prefix) that run stages read and write through relative paths."""
+    """A folder (local path or s3:// prefix) that stages read and write through relative paths."""
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         url = str(url)
@@ -247,19 +242,17 @@ class Storage:
         return int(value) if value else None
 
     def child(self, *parts: str) -> Storage:
-        """The storage rooted at a sub-folder."""
         return Storage(self.uri(*parts), **self._options)
 
     def parent(self) -> Storage:
-        """The storage rooted at the folder holding this one."""
         return Storage(self.url.rpartition("/")[0] or "/", **self._options)
 
     def path(self, *parts: str) -> str:
-        """Filesystem path (as fsspec sees it) of a relative path."""
+        """Filesystem path of a relative path, as fsspec sees it."""
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def uri(self, *parts: str) -> str:
-        """Full URL of a relative path, as messages and reports show it."""
+        """Full URL of a relative path, as messages show it."""
         return "/".join([self.url, *[p.strip("/") for p in parts if p]])
 
     # -- reading -----------------------------------------------------------------------------------------
@@ -268,7 +261,7 @@ class Storage:
             return bool(self.fs.exists(self.path(rel)))
 
     def require(self, rel: str = "", what: str = "") -> None:
-        """Raise StorageNotFound unless the path exists, saying whether the whole bucket is missing."""
+        """Raise StorageNotFound unless the path exists, saying if the whole bucket is missing."""
         if self.exists(rel):
             return
         uri = self.uri(rel)
@@ -284,10 +277,9 @@ class Storage:
         raise StorageNotFound(f"{prefix}{uri} does not exist")
 
     def read_bytes(self, rel: str, part_size: int | None = None, one_request: bool = False) -> bytes:
-        """A whole object.
+        """A whole object; `one_request` skips S3's HEAD for objects known to be small.
 
-        S3: a HEAD, then one GET, or concurrent ranged GETs of `part_size` (default: block size) for big objects.
-        `one_request`: a single GET and no HEAD, for objects known to be small."""
+        Large S3 objects are read in concurrent ranged GETs of `part_size` (default: the block size)."""
         with storage_errors(self.uri(rel)):
             options: dict[str, Any] = {}
             if _is_s3(self.url):
@@ -296,7 +288,7 @@ class Storage:
             return data
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object: one ranged GET on S3, a seek and read locally."""
+        """Bytes [start, end) of an object, in one ranged GET on S3."""
         with storage_errors(self.uri(rel)):
             data: bytes = self.fs.cat_file(self.path(rel), start=start, end=end)
             return data
@@ -312,9 +304,7 @@ class Storage:
             return int(self.fs.size(self.path(rel)))
 
     def modified(self, rel: str) -> float:
-        """When the object was last written, in epoch seconds by the store's clock.
-
-        Local: the mtime set by the writing machine's kernel. S3: LastModified at PUT completion, to the second."""
+        """When the object was last written, in epoch seconds by the store's clock: mtime, or S3's LastModified."""
         with storage_errors(self.uri(rel)):
             if self.is_local:
                 return os.stat(self.path(rel)).st_mtime
@@ -332,7 +322,7 @@ class Storage:
         raise StorageError(f"{self.uri(rel)}: the store reports no modification time ({sorted(info)})")
 
     def list(self, rel: str = "") -> list[str]:
-        """Names (not paths) directly under a folder, sorted; empty when the folder does not exist."""
+        """Names directly under a folder, sorted; empty when it does not exist."""
         with storage_errors(self.uri(rel)):
             if not self.fs.exists(self.path(rel)):
                 return []
@@ -341,7 +331,6 @@ class Storage:
 
     # `builtins.list`: inside this class body `list` names the method above (mypy: "not valid as a type").
     def walk_files(self, rel: str = "") -> builtins.list[str]:
-        """Relative paths of every file under a folder, sorted."""
         base = self.path(rel)
         with storage_errors(self.uri(rel)):
             if not self.fs.exists(base):
@@ -386,9 +375,8 @@ class Storage:
     def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
         """A binary file to stream one object into: whole when the block ends, absent when it raises.
 
-        For objects too big to hold twice (checkpoints). Local: a temporary file, written back as it grows, fsynced
-        and renamed. S3: a multipart upload of `part_size` parts, visible on close, aborted on error. Others:
-        gathered in memory, then written like write_bytes."""
+        For objects too big to hold twice. Local: a temporary file, fsynced and renamed. S3: a multipart upload of
+        `part_size` parts, visible on close, aborted on error."""
         uri, target = self.uri(rel), self.path(rel)
         if self.is_local:
             with storage_errors(uri):
@@ -434,7 +422,7 @@ class Storage:
         self.write_text(rel, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
     def put_file(self, local_path: str, rel: str) -> None:
-        """Upload (or copy) a local file to a relative path, atomically for local targets."""
+        """Upload or copy a local file to a relative path, atomically for local targets."""
         with storage_errors(self.uri(rel)):
             if self.is_local:
                 with open(local_path, "rb") as fh:
@@ -443,7 +431,6 @@ class Storage:
                 self.fs.put_file(local_path, self.path(rel))
 
     def get_file(self, rel: str, local_path: str) -> None:
-        """Download a file to a local path."""
         with storage_errors(self.uri(rel)):
             os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
             self.fs.get_file(self.path(rel), local_path)
@@ -457,7 +444,7 @@ class Storage:
     def abort_incomplete_uploads(self, rel: str = "") -> int:
         """Abort what killed writers left under a folder; return how many.
 
-        S3: every incomplete multipart upload under the prefix; listings hide them but S3 bills them
+        S3: incomplete multipart uploads, hidden from listings but billed
         (https://docs.aws.amazon.com/AmazonS3/latest/userguide/mpu-abort-incomplete-mpu-lifecycle-config.html).
         Local: stray `.tmp-*` files. Call it only when no writer is at work there."""
         uri = self.uri(rel)
@@ -497,17 +484,17 @@ class Storage:
             markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def check_writable(self) -> None:
-        """Fail early, in one line, when the root cannot be written (bucket, credentials, policy)."""
+        """Fail early, in one line, when the root cannot be written."""
         probe = f".hlat-write-probe-{uuid.uuid4().hex[:8]}"
         self.write_bytes(probe, b"ok")
         self.remove(probe)
 
 
 class StorageClock:
-    """Time as run storage keeps it: one clock for a job's hosts and its supervisor, whose own clocks may disagree.
+    """Time as run storage keeps it: one clock for a job's hosts and its supervisor.
 
-    `modified(rel)` is an object's write time; `now()` writes and reads back a tiny probe. Only differences of
-    store times are meaningful. Tests replace both methods with a virtual clock."""
+    `now()` writes and reads back a tiny probe. Only differences of store times mean anything. Tests substitute a
+    virtual clock."""
 
     def __init__(self, storage: Storage, probe: str = ".hlat-clock-probe") -> None:
         self.storage, self.probe = storage, probe
@@ -520,7 +507,7 @@ class StorageClock:
             return None
 
     def now(self) -> float:
-        """The store's time now: the probe's modification time right after writing it."""
+        """The probe's modification time right after writing it."""
         self.storage.write_bytes(self.probe, b"")
         return self.storage.modified(self.probe)
 

@@ -1,10 +1,9 @@
 """The local job daemon: one job's platform, SageMaker's part played on this machine.
 
-`LocalBackend.submit` starts `python -m hlat.infra.job_daemon <job dir>` in its own session, so it outlives the
-submitter. One instance runs as local processes under the container contract; several run on emulated hosts
-(`infra.sagemaker_emulator`). The daemon mirrors CheckpointConfig, enforces stops and max runtime, sets SageMaker's
-final status and FailureReason, and writes status.json last. Every job process carries HLAT_LOCAL_JOB_DIR, which finds
-them all across sessions and pid reuse. Tests change a job through `BackendHooks` (HLAT_BACKEND_HOOKS).
+`LocalBackend.submit` starts it in its own session, so it outlives the submitter. One instance runs as local processes;
+several run on emulated hosts (`infra.sagemaker_emulator`). It enforces stops and max runtime, sets the final status and
+FailureReason, and writes status.json last. HLAT_LOCAL_JOB_DIR in every job process's environment finds them across
+sessions and pid reuse.
 """
 
 from __future__ import annotations
@@ -40,7 +39,7 @@ HOOKS_ENV = "HLAT_BACKEND_HOOKS"
 """The module whose `hooks()` the local backend's processes use (unset: the no-op `BackendHooks`)."""
 JOB_DIR_ENV = "HLAT_LOCAL_JOB_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-"""The folder holding training/: the training processes' working directory."""
+"""The training processes' working directory."""
 
 POLL_S = 0.25
 SYNC_EVERY_S = 1.0
@@ -71,7 +70,6 @@ def _tensorboard_dir(spec: JobSpec, ml: str) -> str:
 
 
 def single_host_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
-    """The container contract's additions to the daemon's environment for a one-instance job's processes."""
     ml = os.path.join(job_dir, "opt", "ml")
     env = {
         **spec.environment,
@@ -109,7 +107,7 @@ def training_command(spec: JobSpec) -> list[str]:
 
 
 def job_processes(job_dir: str) -> list[int]:
-    """Pids of the job's live training processes (all ranks, orphaned or not), found by their environment."""
+    """Pids of the job's live training processes, orphaned or not, found by their environment."""
     return processes_with(JOB_DIR_ENV, job_dir)
 
 
@@ -239,7 +237,6 @@ class ContainerProcess:
     name: str
     proc: subprocess.Popen[bytes]
     ml: str
-    """Its /opt/ml on this machine."""
     mirror: CheckpointMirror | None
     emulated: bool
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=5))
@@ -262,12 +259,10 @@ class ContainerProcess:
 
 
 Launch = tuple[str, list[str], dict[str, str], str, CheckpointMirror | None]
-"""An instance about to start: its name, command, environment, /opt/ml folder and checkpoint mirror."""
+"""An instance about to start: name, command, environment, /opt/ml and checkpoint mirror."""
 
 HOST_FAILURE_WAIT_S = 5.0
-"""Seconds the other instances get to end by themselves after one fails, before they are killed.
-
-Their ranks write their own failure records meanwhile; SageMaker ends a job one of whose hosts failed."""
+"""Seconds the other instances get to end by themselves after one fails, before they are killed."""
 
 
 class BackendHooks:
@@ -284,7 +279,6 @@ class BackendHooks:
         return request
 
     def container_environment(self, env: dict[str, str]) -> dict[str, str]:
-        """The environment the job's containers start from (the daemon's own)."""
         return env
 
     def before_launch(self, daemon: JobDaemon) -> dict[str, Any] | None:
@@ -302,16 +296,13 @@ def backend_hooks() -> BackendHooks:
 
 
 class JobDaemon:
-    """The platform side of one job, run in its own process."""
-
     def __init__(self, job_dir: str, stop_signalled: threading.Event) -> None:
         self.job_dir = job_dir
         record = read_json(os.path.join(job_dir, "job.json"))
         self.spec = JobSpec(**record["spec"])
         self.request: dict[str, Any] | None = record.get("request")
-        """The CreateTrainingJob request of an emulated multi-host job (None: the one-instance path)."""
+        """An emulated multi-host job's request (None: the one-instance path)."""
         self.hook_record: dict[str, Any] = record.get("hooks") or {}
-        """What the backend's hooks recorded for this job at submit (`BackendHooks.job_record`)."""
         self.grace = float(record["stop_grace_seconds"])
         self.stop_signalled = stop_signalled
         self.started = time.time()
@@ -411,7 +402,6 @@ class JobDaemon:
         return self.ending(Status.FAILED, reason, "Failed", exit_code)
 
     def _prepare_process(self) -> Launch:
-        """The one-instance path: input channels, CheckpointConfig's folder, the program's command."""
         for folder in ("model", "output/data", "input/data"):
             os.makedirs(self._ml(folder), exist_ok=True)
         run = Storage(self.spec.run_uri)
@@ -431,7 +421,6 @@ class JobDaemon:
         return "algo-1", training_command(self.spec), env, self._ml(), mirror
 
     def _prepare_hosts(self, request: dict[str, Any]) -> list[Launch]:
-        """Emulated SageMaker instances: each one's /opt/ml as SageMaker lays it out, and its namespaced command."""
         emulator = sagemaker_emulator
         names = emulator.host_names(request)
         hosts_path = emulator.hosts_file(self.job_dir, names)

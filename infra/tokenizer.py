@@ -1,10 +1,9 @@
 """The run's tokenizer: a sentencepiece BPE trained the LLaMA way with an identical Hugging Face export, or a pretrained
 one (tokenizer.pretrained) validated and copied in.
 
-`build_tokenizer` trains on a bounded sample of the prepared shards, exports HF files, reports on held-out text and
-uploads, report.json last. `build_pretrained_tokenizer` fetches, checks and uploads instead; its loader is passed in,
-since this layer imports no training code. Contract: both tokenizers give the same ids and round-trip any text without
-U+2581 (docs/stages.md).
+Both paths upload report.json last, the mark of a complete tokenizer. The pretrained loader is passed in, since this
+layer imports no training code. Both tokenizers give the same ids and round-trip any text without U+2581
+(docs/stages.md).
 """
 
 from __future__ import annotations
@@ -102,7 +101,7 @@ def training_lines(documents: Iterable[str], sample_bytes: int, max_sentence_len
 
 
 def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
-    """The sentencepiece trainer options of the LLaMA recipe (recorded in the stage report)."""
+    """The sentencepiece trainer options of the LLaMA recipe, recorded in the report."""
     return {
         "model_type": "bpe",
         "vocab_size": vocab_size,
@@ -138,7 +137,7 @@ def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
 
 
 def _trainer_error(exc: RuntimeError, vocab_size: int, cfg: TokenizerConfig) -> Exception:
-    """A ValueError naming the config field to change, for the trainer failures users cause."""
+    """A ValueError naming the config field to change, for trainer failures users cause."""
     text = str(exc)
     too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
     if too_high:
@@ -271,7 +270,7 @@ def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[
 
 
 def _within_budget(text: str, budget: int) -> tuple[str, int]:
-    """`text` cut to at most `budget` UTF-8 bytes on a character boundary, and its size in bytes."""
+    """`text` cut to at most `budget` UTF-8 bytes on a character boundary, and its byte size."""
     data = text.encode("utf-8")
     if len(data) <= budget:
         return text, len(data)
@@ -346,8 +345,6 @@ def _remove_other_tokenizer_files(out: Storage, keep: Iterable[str]) -> None:
 
 
 class _CountingSentences:
-    """Passes sentences through, counting them and their bytes."""
-
     def __init__(self, lines: Iterator[str]) -> None:
         self.lines, self.count, self.bytes = lines, 0, 0
 
@@ -448,7 +445,7 @@ class LoadedTokenizer(Protocol):
 
 
 def _copy_tokenizer_files(folder: Storage, dest: str) -> list[str]:
-    """Copy the Hugging Face tokenizer files (TOKENIZER_FILES) `folder` holds into `dest`; their names."""
+    """Copy the HF tokenizer files `folder` holds into `dest`; return their names."""
     names = [name for name in folder.list() if name in TOKENIZER_FILES]
     os.makedirs(dest, exist_ok=True)
     for name in names:
@@ -466,7 +463,7 @@ def _hub_cache_dir() -> str | None:
 
 
 def _hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub reads it (https://huggingface.co/docs/huggingface_hub/package_reference/environment_variables)."""
+    """HF_HUB_OFFLINE as huggingface_hub reads it."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
@@ -503,7 +500,6 @@ def hub_snapshot(source: str, allow_patterns: list[str], field: str, fix: str) -
 
 
 def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
-    """`org/name[@revision]` from the Hugging Face hub (only its tokenizer files, `hub_snapshot`)."""
     snapshot = hub_snapshot(source, list(TOKENIZER_FILES), "tokenizer.pretrained", PRETRAINED_FIX)
     names = _copy_tokenizer_files(Storage(snapshot), dest)
     # The cache keeps each snapshot under its commit: the revision the run actually got.
@@ -536,7 +532,7 @@ def fetch_pretrained(source: str, dest: str) -> dict[str, Any]:
 
 
 def pretrained_fingerprint(source: str) -> dict[str, Any]:
-    """What a pretrained tokenizer's output depends on: its source and the sha256 of its files, fetched now."""
+    """A pretrained tokenizer's fingerprint: its source and its files' sha256, fetched now."""
     with tempfile.TemporaryDirectory(prefix="hlat-pretrained-") as tmp:
         info = fetch_pretrained(source, tmp)
         contents = {}
@@ -561,7 +557,7 @@ def vocabulary_note(config: HlatConfig) -> str | None:
 
 
 def _report_texts(validation_texts: Iterable[str], budget: int) -> Iterator[tuple[str, int]]:
-    """The validation texts a report encodes, with their UTF-8 sizes, until `budget` bytes."""
+    """Validation texts with their UTF-8 sizes, up to `budget` bytes."""
     for full_text in validation_texts:
         if budget <= 0:
             return
