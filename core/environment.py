@@ -1,8 +1,7 @@
 """The environment a job runs in on Trainium or XLA:CPU, and whether the Neuron packages are there.
 
-Import the Neuron packages only after `neuron_available()`, so all else runs on CPU and CUDA. Job contract: the control
-plane sets this environment (`infra/stage_jobs.py`), the job reads it. No torch here. docs/trn1.md has the sources for
-each setting.
+Import Neuron packages only after `neuron_available()`, so all else runs on CPU and CUDA. The control plane sets this
+environment (`infra/stage_jobs.py`); the job reads it. No torch here. docs/trn1.md gives each setting's source.
 """
 
 from __future__ import annotations
@@ -15,12 +14,12 @@ from hlat.core.config import DEFAULT_NEURON_SDK, HlatConfig
 
 @dataclass(frozen=True)
 class NeuronSdk:
-    """A Neuron SDK release a trn1 job can run on: its training image and how a job is set up on it."""
+    """A Neuron SDK release a trn1 job can run on: its training image and job set-up."""
 
     version: str
     pytorch: str
     torch_xla: str
-    """torch-xla's major.minor in the image; torch-neuronx requires that release."""
+    """torch-xla's major.minor in the image."""
     python: str
     ubuntu: str
     torch_neuronx: str
@@ -38,7 +37,6 @@ class NeuronSdk:
 
     @property
     def local_python(self) -> str:
-        """The local rehearsal's Python, relative to the project root."""
         return f".venv-{self.install_target}/bin/python"
 
     @property
@@ -114,7 +112,7 @@ def torch_xla_release() -> str | None:
 
 
 def environment_sdk() -> NeuronSdk | None:
-    """The Neuron SDK release whose torch-xla this environment has (None: no torch-xla, or another release)."""
+    """The Neuron SDK release of this environment's torch-xla (None: none, or unknown)."""
     release = torch_xla_release()
     return next((sdk for sdk in NEURON_SDKS.values() if sdk.torch_xla == release), None)
 
@@ -125,7 +123,6 @@ def rehearsal_sdk() -> NeuronSdk:
 
 
 def neuron_sdk(config: HlatConfig) -> NeuronSdk:
-    """The Neuron SDK release of the config's trn1 jobs (neuron.sdk)."""
     return NEURON_SDKS[config.neuron.sdk]
 
 
@@ -194,7 +191,7 @@ def compiler_flags(config: HlatConfig) -> str:
 
 
 def on_trainium(config: HlatConfig) -> bool:
-    """The jobs run on Trainium (trn1); `infra.stage_jobs.on_neuron` makes the same test."""
+    """The jobs run on Trainium (trn1), as `infra.stage_jobs.on_neuron` also tests."""
     return "trn" in config.job.instance_type
 
 
@@ -235,7 +232,7 @@ def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> 
 
 
 NO_INDUCTOR_POOL = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
-"""Inductor compiles in the process that asks, with no pool of compile-worker processes."""
+"""Inductor compiles in-process, with no compile-worker pool."""
 
 
 def xla_cpu_environment(config: HlatConfig) -> dict[str, str]:

@@ -1,9 +1,7 @@
 """Instance catalog: node prices, peak throughput and topology, for costs, budgets, estimates and the planner.
 
-Prices are SageMaker training on-demand dollars per node-hour, what a job is billed. Each lives in infra/prices.json
-with its provenance (`PriceSource`), which the dry run and `hlat prices` print. `job.price_per_hour_usd` and
-`planner.prices_usd_per_hour` override them. Time to train comes from `infra.planner` or a GPU's MFU
-(`Topology.comparison`), never from here. docs/planning.md explains the figures.
+Prices are SageMaker training on-demand dollars per node-hour, from infra/prices.json with their provenance. Config
+fields override them. Time to train comes from `infra.planner` or a GPU's MFU, not from here (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -15,7 +13,7 @@ from typing import Any, Literal
 
 GIB = 1024**3
 PRICES = Path(__file__).with_name("prices.json")
-"""Each catalog instance type's price and where it comes from (`PriceSource`); `hlat prices --record` rewrites it."""
+"""Each instance type's price and its provenance; `hlat prices --record` rewrites it."""
 MEASURED = Path(__file__).with_name("measured.json")
 """Throughput measured by benchmarks/ (with machine, date and command), used by the estimates."""
 
@@ -32,7 +30,6 @@ class Topology:
 
     kind: Literal["neuron", "gpu"]
     devices_per_node: int
-    """Trainium chips or GPUs."""
     cores_per_device: int
     """Ranks per device: 2 NeuronCores per Trainium chip, 1 per GPU."""
     memory_per_device_gib: float
@@ -140,7 +137,7 @@ PriceBasis = Literal["price-list", "derived", "recalled"]
 
 @dataclass(frozen=True)
 class PriceSource:
-    """One instance type's price and its provenance, as infra/prices.json records it."""
+    """One instance type's price and provenance."""
 
     usd_per_hour: float
     region: str
@@ -154,7 +151,6 @@ class PriceSource:
     """When the Price List API was asked, UTC (price-list only)."""
 
     def describe(self) -> str:
-        """One line: the figure, its region and where it comes from."""
         if self.basis == "price-list":
             return (
                 f"${self.usd_per_hour:,.3f}/h in {self.region}: the AWS Price List API's SageMaker training on-demand "
@@ -167,7 +163,6 @@ class PriceSource:
 
 
 def load_prices(path: Path = PRICES) -> dict[str, PriceSource]:
-    """infra/prices.json: instance type -> its price and provenance."""
     entries = json.loads(path.read_text())["prices"]
     return {name: PriceSource(**entry) for name, entry in entries.items()}
 
@@ -187,7 +182,6 @@ class Instance:
 
 
 def _instance(name: str, accelerators: int, peak_bf16_flops: float, topology: Topology | None = None) -> Instance:
-    """A catalog entry priced from infra/prices.json."""
     price = _PRICES[name]
     return Instance(name, price.usd_per_hour, accelerators, peak_bf16_flops, topology, price)
 

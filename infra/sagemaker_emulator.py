@@ -1,10 +1,9 @@
 """A multi-host SageMaker training job on this machine: the local backend's emulator of SageMaker's side.
 
-With `job.instance_count` > 1 the local backend runs the sagemaker backend's own CreateTrainingJob request
-(`sagemaker_jobs.build_request`). Each instance `algo-N` gets its own namespaces, /opt/ml, /tmp, home and hostname; the
-SDK's own drivers launch torchrun over the loopback. Containers get their job role's credentials, never the caller's. A
-local run's folders appear under the bucket `hlat-local`. Needs Linux namespaces and an /opt/ml mount point; one
-multi-host job at a time (the SDK fixes the master port). docs/multi-host.md describes it in full.
+It runs the sagemaker backend's own CreateTrainingJob request (`sagemaker_jobs.build_request`). Each instance `algo-N`
+gets its own namespaces, /opt/ml, /tmp and home; the SDK's drivers launch torchrun over the loopback. Containers get
+their job role's credentials, never the caller's. Needs Linux namespaces; one multi-host job at a time (the SDK fixes
+the master port). docs/multi-host.md describes it.
 """
 
 from __future__ import annotations
@@ -38,7 +37,7 @@ NETWORK_INTERFACE = "lo"
 GROUP_NAME = "homogeneousCluster"
 HOST_SETUP = Path(__file__).with_name("emulated_host.py")
 PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
-"""The project's source tree (the folder holding infra/), from which the job's Python imports hlat."""
+"""The project's source tree, from which the job's Python imports hlat."""
 HOST_ENV = "HLAT_LOCAL_HOST"
 """Every process of an emulated instance carries its host name here; tests kill one host's processes by it."""
 
@@ -51,7 +50,6 @@ def request_uri(run_uri: str) -> str:
 
 
 def storage_of(uri: str) -> Storage:
-    """The storage an S3 URI of an emulated request stands for."""
     prefix = f"s3://{LOCAL_BUCKET}/"
     if uri.startswith(prefix):
         return Storage("/" + uri[len(prefix) :].rstrip("/"))
@@ -59,9 +57,7 @@ def storage_of(uri: str) -> Storage:
 
 
 def _store_all(uploads: dict[str, bytes]) -> None:
-    """The SDK's uploads (~150 small files) written where the request names them.
-
-    On S3 they go as one batch of concurrent PUTs, since one by one the latency adds up."""
+    """The SDK's uploads (~150 small files), stored where the request names them, in one concurrent batch on S3."""
     local = {uri: data for uri, data in uploads.items() if storage_of(uri).is_local}
     for uri, data in local.items():
         folder, _, name = uri.rpartition("/")
@@ -133,8 +129,6 @@ def host_names(request: Mapping[str, Any]) -> list[str]:
 
 @dataclass
 class HostTree:
-    """One emulated instance's folders: `<job dir>/hosts/<name>/opt/ml`."""
-
     name: str
     root: str
 
@@ -147,7 +141,6 @@ class HostTree:
 
     @property
     def private(self) -> str:
-        """Its own /tmp (tmp/) and home (home/): see infra.emulated_host."""
         return os.path.join(self.root, "private")
 
 
@@ -252,7 +245,7 @@ ROLE_SESSION_S = 43_200
 
 
 def run_on_s3(request: Mapping[str, Any]) -> bool:
-    """Whether the request's input channels are on S3 (not a local run's folders under LOCAL_BUCKET)."""
+    """Whether the request's input channels are on S3, not a local run's folders."""
     uris = [c["DataSource"]["S3DataSource"]["S3Uri"] for c in request.get("InputDataConfig") or []]
     return any(not uri.startswith(f"s3://{LOCAL_BUCKET}/") for uri in uris)
 
@@ -299,10 +292,7 @@ def container_environment(
     processes: int,
     credentials: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The container's environment: PASSED_ON, the role's `credentials`, the request's Environment and SageMaker's
-    own.
-
-    HOME is the host's /root; no TMPDIR, since /tmp is the host's own."""
+    """The container's environment: PASSED_ON, the role's credentials, the request's Environment and SageMaker's own."""
     name = str(request["TrainingJobName"])
     plain = {"PATH", "LANG", "USER", "TZ"}
     env = {k: v for k, v in base.items() if (k in plain or k.startswith(PASSED_ON)) and k not in CREDENTIALS}
@@ -325,10 +315,7 @@ def container_environment(
 
 
 def host_command(host: HostTree, hosts_path: str, command: list[str], keep: list[str] | None = None) -> list[str]:
-    """The command that starts an emulated instance: new namespaces and private folders, then the container's
-    command.
-
-    `keep` (`reachable`) stays at its paths."""
+    """The command that starts an emulated instance: new namespaces and private folders, keeping `keep`."""
     private = ["--private", host.private, *(a for path in keep or [] for a in ("--keep", path))]
     return [*_unshare(), sys.executable, str(HOST_SETUP), *private, host.ml, hosts_path, host.name, "--", *command]
 

@@ -1,10 +1,8 @@
 """Alerts: the Prefect events a run's training and evaluation emit, and the automations that notify a person.
 
-The train and evaluate tasks emit events whose resource is the run (`hlat.run.<run_id>`) and whose related resource is
-the emitting flow run. Each carries a one-line message and how to look (`hlat status <run>`). What a run already
-announced lives in its `alerts/sent.json`, so a restarted stage does not repeat it. Emitting never stops a stage. `hlat
-deploy` creates one automation per kind (`sync_automations`); Prefect judges failed runs and stalls itself
-(https://docs.prefect.io/v3/concepts/event-triggers). docs/deployments.md lists the alerts.
+Events have the run (`hlat.run.<run_id>`) as resource and carry a one-line message. `alerts/sent.json` keeps what a run
+announced, so a restarted stage does not repeat it. Emitting never stops a stage. `hlat deploy` creates the automations
+(`sync_automations`); docs/deployments.md lists them.
 """
 
 from __future__ import annotations
@@ -77,7 +75,6 @@ def flow_run_related() -> list[dict[str, str]]:
 
 
 def look_command(uri: str) -> str:
-    """What a person runs to see where the run stands."""
     return f"hlat status {uri}"
 
 
@@ -92,7 +89,7 @@ class RunEvents:
         self.resource = run_resource(run_id, uri)
         self.related = flow_run_related()
         self.last: Any = None
-        """The last event emitted (a prefect.events.Event), which the next one follows."""
+        """The last event emitted, which the next one follows."""
 
     def emit(self, event: str, payload: dict[str, Any] | None = None, message: str | None = None) -> None:
         from prefect.events import emit_event
@@ -240,10 +237,7 @@ class TrainAlerts(RunEvents):
 
 @dataclass(frozen=True)
 class Shortfall:
-    """An evaluation metric below its floor."""
-
     name: str
-    """The floor's key in alerts.eval_floors."""
     metric: str
     """What was compared: '<task> <metric>' or a perplexity figure."""
     value: float
@@ -376,7 +370,6 @@ def _trigger(kind: str, stalled: timedelta) -> Any:
 
 
 def automations(block_document_id: UUID, stalled_minutes: float) -> list[AutomationCore]:
-    """The automations of `ALERTS`, each notifying through the block."""
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import AutomationCore
 
