@@ -1,8 +1,7 @@
 """How many tokens a run draws from each source of its mixture, and whether that repeats a source too often.
 
-Shared by the dry run, `hlat plan` and the train stage. Step s draws `tokens_per_step` times the source's weight at s
-(`DataConfig.weights_at`). Epochs are those tokens over the source's training tokens: declared before preparation,
-measured after.
+Step s draws `tokens_per_step` times the source's weight at s (`DataConfig.weights_at`). Epochs divide those tokens by
+the source's size: declared before preparation, measured after.
 """
 
 from __future__ import annotations
@@ -15,15 +14,12 @@ from hlat.core.config import ConfigError, HlatConfig
 
 @dataclass(frozen=True)
 class SourceDraw:
-    """One source's share of a run."""
-
     name: str
     share: float
     """Its share of the run's training tokens, averaged over the steps."""
     tokens: int
-    """Training tokens the run draws from it."""
     available: int | None
-    """Its training tokens (declared or measured); None: not known yet."""
+    """Its training tokens, declared or measured; None: unknown yet."""
     max_epochs: float | None
 
     @property
@@ -32,15 +28,12 @@ class SourceDraw:
 
     @property
     def over(self) -> bool:
-        """Whether the run would pass the source's maximum repetition."""
         epochs = self.epochs
         return epochs is not None and self.max_epochs is not None and epochs > self.max_epochs + 1e-9
 
 
 def source_draws(cfg: HlatConfig, measured: dict[str, int] | None = None) -> list[SourceDraw]:
-    """Per source: share, tokens drawn, size and epochs, for steps 0 to max_steps - 1.
-
-    The size is `measured[name]` if given, else the declared `tokens`."""
+    """Per source: share, tokens drawn, size (`measured[name]`, else declared) and epochs."""
     data, steps = cfg.data, cfg.training.max_steps
     names = [s.resolved_name for s in data.mixture]
     bounds = [*sorted({0, *(e.step for e in data.schedule if e.step < steps)}), steps]
@@ -82,7 +75,6 @@ def check_repetition(cfg: HlatConfig, measured: dict[str, int] | None = None) ->
 
 
 def draws_table(draws: list[SourceDraw]) -> list[str]:
-    """The draws as text lines: name, share, tokens, size, epochs (of max)."""
     rows = [("source", "share", "tokens drawn", "source tokens", "epochs")]
     for d in draws:
         size = f"{d.available:,}" if d.available else "unknown"

@@ -1,10 +1,8 @@
 """`hlat preflight`: a run's live preflight (infra/preflight.py), one line per check, before anything is paid for.
 
-It also holds the checks the CLI makes before it starts a Prefect server.
-
     hlat preflight --preset hlat-7b --storage s3://my-bucket/hlat --set job.role_arn=arn:aws:iam::...:role/...
 
-Exit status 0 when every check passed or could not be verified (`??` lines), 1 when any failed.
+Exit status 0 when no check failed (`??`: not verifiable here), else 1. Also the CLI's checks before a server starts.
 """
 
 from __future__ import annotations
@@ -18,17 +16,14 @@ from hlat.infra.preflight import Finding, PreflightResult, require_aws, require_
 
 
 def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `hlat preflight`, as `hlat pretrain` takes them; the probe goes under the run id."""
+    """The options of `hlat preflight`, as `hlat pretrain` takes them."""
     from hlat.cli import _add_run_options
 
     _add_run_options(p)
 
 
 def preflight_result(config: HlatConfig) -> PreflightResult:
-    """Every check of a run before it starts, as findings.
-
-    The config against config.json, SageMaker's limits and the budget, the data source, and a SageMaker run's AWS
-    checks (with its credentials block and role secret applied)."""
+    """Every check of a run before it starts, as findings; a SageMaker run's AWS checks use its blocks."""
     from hlat.flows.stage import source_shape
     from hlat.infra.runs import check_run, continued
     from hlat.infra.stage_jobs import preflight as check_requests
@@ -61,7 +56,6 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
 
 
 def preflight_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    """`hlat preflight`: one line per check; 0 when none failed, 1 otherwise."""
     from hlat.flows.params import build_config
 
     config = build_config(args.preset, overrides, args.run_id, args.storage)
@@ -69,7 +63,7 @@ def preflight_command(args: argparse.Namespace, overrides: dict[str, Any]) -> in
 
 
 def print_preflight(config: HlatConfig) -> int:
-    """Run the preflight of `config` and print its lines, then a count of failures; 0 when none failed, else 1."""
+    """Run the preflight of `config`, print its lines and a failure count; 0 when none failed, else 1."""
     result = preflight_result(config)
     for line in result.lines():
         print(line)
@@ -81,11 +75,9 @@ def print_preflight(config: HlatConfig) -> int:
 
 
 def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
-    """What the CLI checks before starting a Prefect server, to fail in seconds rather than after its start-up.
+    """What the CLI checks before starting a Prefect server, so it fails in seconds; raises ConfigError.
 
-    The config against config.json, the data source when the command reads it, and a SageMaker run's AWS checks
-    when no Prefect block is named (the flow checks those). Raises ConfigError (PreflightFailed). The flow then
-    reuses what passed (infra/preflight.py: PASSED_TTL_S)."""
+    AWS checks run here only when no Prefect block is named. The flow reuses what passed (PASSED_TTL_S)."""
     from hlat.infra.runs import check_run, continued
 
     try:

@@ -1,11 +1,9 @@
 """PID 1 of a training container: run the container's command and pass a stop's SIGTERM on to the job's ranks.
 
-SageMaker stops a job with SIGTERM to each container's PID 1, then SIGKILL 120 s later
+SageMaker stops a job with SIGTERM to PID 1, then SIGKILL 120 s later
 (https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). The SDK's shell
-command has no handler, and the kernel drops such signals to a namespace's init (pid_namespaces(7)). So the request puts
-this program in front of the SDK's command. On SIGTERM it signals the ranks only: their children may be compiling, and
-torchrun would SIGKILL them after 30 s. A stop before any rank exists goes to every process. It reaps orphans and exits
-with the command's code. Standard library only: nothing of the project is importable yet (docs/multi-host.md).
+ignores it, so this init runs in front of it. It signals ranks only: children may be compiling, and torchrun would
+SIGKILL after 30 s. Before any rank exists, it signals every process. Standard library only (docs/multi-host.md).
 """
 
 from __future__ import annotations
@@ -19,13 +17,11 @@ import time
 RANK_VARIABLE = "LOCAL_RANK"
 POLL_S = 0.5
 RESCAN_FOR_S = 30.0
-"""Seconds after a stop during which ranks that appear later (torchrun was starting them) are signalled too."""
+"""Seconds after a stop during which late-starting ranks are signalled too."""
 
 
 def processes_with(variable: str, value: str | None = None) -> list[int]:
-    """Pids of other processes whose environment sets `variable` (to `value`, when given).
-
-    This finds processes that their own session or a dead parent hides from the process tree."""
+    """Pids of other processes whose environment sets `variable` (to `value`, if given), even in other sessions."""
     wanted = f"{variable}={value}".encode() if value is not None else f"{variable}=".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -60,10 +56,9 @@ def _has(pid: int, variable: str) -> bool:
 
 
 def is_rank(pid: int) -> bool:
-    """Whether a process with LOCAL_RANK is a rank torchrun started, not a descendant that inherited it.
+    """Whether a LOCAL_RANK process is a rank torchrun started: its parent lacks LOCAL_RANK.
 
-    Its parent lacks LOCAL_RANK. An orphan counts only if it leads its own session, as torchrun starts every rank
-    (subprocess_handler: Popen(start_new_session=True))."""
+    An orphan counts only if it leads its own session, as torchrun starts ranks (Popen(start_new_session=True))."""
     stat = _stat(pid)
     if stat is None:
         return False
@@ -74,7 +69,7 @@ def is_rank(pid: int) -> bool:
 
 
 def rank_processes(candidates: list[int] | None = None) -> list[int]:
-    """Pids of the job's ranks in this container, not their children; `candidates` limits the search."""
+    """Pids of the job's ranks here, not their children; `candidates` limits the search."""
     pids = processes_with(RANK_VARIABLE) if candidates is None else [p for p in candidates if _has(p, RANK_VARIABLE)]
     return [pid for pid in pids if is_rank(pid)]
 

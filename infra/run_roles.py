@@ -1,10 +1,9 @@
 """A role per run: each SageMaker job gets an IAM role that reaches its own run's prefix and no other run's.
 
-So code inside one job cannot touch another run's checkpoints, data or code. The account stack turns it on through the
-pool's fixed environment (`HLAT_RUN_ROLE_BOUNDARY`, `HLAT_RUN_ROLE_PATH`). Access `run` may change its run and read
-shared sources, imports and the config's `reads`; `data` (prepare-data) may also write the sources. Other rights are the
-stack's `<stack>-job-*` policies, capped by the boundary. Roles are idempotent per run and stay after it
-(docs/deployments.md). https://docs.aws.amazon.com/IAM/latest/UserGuide/access_policies_boundaries.html
+So code in one job cannot touch another run's files. The account stack enables it through the pool's fixed environment.
+Other rights are the stack's `<stack>-job-*` policies, capped by a permissions boundary
+(https://docs.aws.amazon.com/IAM/latest/UserGuide/access_policies_boundaries.html). Roles stay after the run
+(docs/deployments.md).
 """
 
 from __future__ import annotations
@@ -25,7 +24,6 @@ PATH_ENV = "HLAT_RUN_ROLE_PATH"
 POLICY_NAME = "run-storage"
 DATA_STAGE = "prepare-data"
 JOB_POLICY_INFIX = "-job-"
-"""The stack's managed policies a run role may carry: `<stack>-job-*`."""
 
 
 class RunRoleError(RuntimeError):
@@ -34,14 +32,14 @@ class RunRoleError(RuntimeError):
 
 @dataclass(frozen=True)
 class RunRoles:
-    """Where run roles are made: the boundary every one carries and the IAM path they live under."""
+    """Where run roles are made: the boundary each carries and their IAM path."""
 
     boundary_arn: str
     path: str
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None) -> RunRoles | None:
-        """The settings the pool's environment holds; None when run roles are off (no boundary set)."""
+        """The pool environment's settings; None when run roles are off."""
         env = os.environ if environ is None else environ
         boundary = env.get(BOUNDARY_ENV, "").strip()
         if not boundary:
@@ -53,20 +51,18 @@ class RunRoles:
 
 
 def access_of(stage: str) -> str:
-    """'data' for the prepare-data job (it writes the shared sources), 'run' for every other stage's."""
+    """'data' for prepare-data, which writes the shared sources; 'run' for every other stage."""
     return "data" if stage == DATA_STAGE else "run"
 
 
 def role_name(run_uri: str, access: str) -> str:
-    """The run's role for `access`: `hlat-run-<digest of storage and id>-<access>`, at most 64 characters.
-
-    Role names are global to the account, hence the digest."""
+    """`hlat-run-<digest of storage and id>-<access>`: role names are account-global and at most 64 characters."""
     digest = hashlib.sha256(run_uri.rstrip("/").encode()).hexdigest()[:24]
     return f"hlat-run-{digest}-{access}"
 
 
 def run_role_arn(roles: RunRoles, base_role_arn: str, run_uri: str, stage: str) -> str:
-    """The ARN `ensure_run_role` gives the run's role for `stage`, as a dry run shows it."""
+    """The ARN `ensure_run_role` gives the run's role for `stage`."""
     parts = base_role_arn.split(":")
     return f"arn:{parts[1]}:iam::{parts[4]}:role{roles.path}{role_name(run_uri, access_of(stage))}"
 
@@ -77,9 +73,7 @@ def _split(uri: str) -> tuple[str, str]:
 
 
 def storage_policy(run_uri: str, access: str, reads: Iterable[str] = (), partition: str = "aws") -> dict[str, Any]:
-    """The run role's S3 policy; nothing else of the bucket.
-
-    Its own prefix; shared sources (read, and write for `data`); imports and `reads` (read)."""
+    """The run role's S3 policy: its run's prefix, the shared sources (write for `data`), imports and `reads`."""
     bucket, run_key = _split(run_uri)
     root = run_key.rpartition("/")[0]
     under = f"{root}/" if root else ""
@@ -132,7 +126,6 @@ def trust_policy(account: str, partition: str = "aws") -> dict[str, Any]:
 
 
 def _stack_policies(iam: Any, base_role_arn: str) -> list[str]:
-    """The execution role's managed `<stack>-job-*` policies, which a run role carries too."""
     base = base_role_arn.rsplit("/", 1)[-1]
     arns: list[str] = []
     for page in iam.get_paginator("list_attached_role_policies").paginate(RoleName=base):
@@ -143,9 +136,7 @@ def _stack_policies(iam: Any, base_role_arn: str) -> list[str]:
 def ensure_run_role(
     session: Any, roles: RunRoles, run_uri: str, stage: str, base_role_arn: str, reads: Iterable[str] = ()
 ) -> tuple[str, bool]:
-    """Make or update the run's role for `stage`'s access; return its ARN and whether it was just created.
-
-    IAM shows SageMaker a new role only after some seconds."""
+    """Make or update the run's role for `stage`; return its ARN and whether it was just created."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     iam = session.client("iam")
@@ -187,12 +178,12 @@ ROLE_VISIBLE_SECONDS = 60.0
 
 
 def not_yet_assumable(code: str, message: str) -> bool:
-    """Whether CreateTrainingJob's refusal is SageMaker not seeing a role made a moment ago."""
+    """Whether CreateTrainingJob refused because SageMaker cannot see a just-made role yet."""
     return code == "ValidationException" and "assume" in message.lower() and "role" in message.lower()
 
 
 def retry_while_new(create: Any, just_created: bool, sleep: Any = time.sleep) -> None:
-    """Call `create()`, retrying every 5 s for `ROLE_VISIBLE_SECONDS` while a new role is not yet assumable."""
+    """Call `create()`, retrying every 5 s for `ROLE_VISIBLE_SECONDS` while a new role is not assumable."""
     from hlat.infra.jobs import SubmitError
 
     deadline = time.monotonic() + ROLE_VISIBLE_SECONDS

@@ -1,9 +1,7 @@
 """The Prefect side of a run's AWS access: load the blocks named in job.* and hand them to infra/aws.py.
 
-- `activate(job)` exports the `AwsCredentials` block `job.aws_credentials_block` into this process's environment. Every
-  AWS client of the flow run, and every local job it starts, then uses it. Without a block, boto3's chain applies.
-- `with_role(config)` fills `job.role_arn` from the `Secret` block `job.role_arn_secret`. It runs per flow run, so a
-  rotated secret applies to the next one.
+`activate` exports the credentials block into this process, so every client and local job uses it. `with_role` reads the
+role secret per flow run, so a rotated secret applies to the next one.
 """
 
 from __future__ import annotations
@@ -20,7 +18,7 @@ log = logging.getLogger("hlat.aws")
 
 
 def activate(job: JobConfig) -> None:
-    """Make the AwsCredentials block `job.aws_credentials_block` this process's AWS credentials; nothing when None."""
+    """Make the block `job.aws_credentials_block` this process's AWS credentials; nothing when None."""
     name = job.aws_credentials_block
     if name is None:
         return
@@ -50,7 +48,6 @@ def role_arn(job: JobConfig) -> str | None:
 
 
 def with_role(config: HlatConfig) -> HlatConfig:
-    """`config` with job.role_arn taken from its Secret block (unchanged without one)."""
     if config.job.role_arn or not config.job.role_arn_secret:
         return config
     job = config.job.model_copy(update={"role_arn": role_arn(config.job), "role_arn_secret": None})

@@ -1,8 +1,6 @@
-"""plan-parallelism: rank the layouts of the run's model on its nodes before training (infra/planner.py).
+"""plan-parallelism: rank the run's layouts before training (infra/planner.py), publish them, warn if slow.
 
-It publishes the table as a Prefect artifact and warns when the configured layout is predicted far slower. Advice only:
-it never fails the train stage. Runs it cannot judge (local, CPU, unknown instance) get a note. A planner error becomes
-a logged warning.
+Advice only: it never fails the train stage. Runs it cannot judge get a note; a planner error becomes a warning.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from hlat.tasks.caching import artifact_key
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)
 
 TOP_ROWS = 20
-"""Layouts shown in the artifact."""
 
 
 def not_applicable(config: HlatConfig) -> str | None:
@@ -38,7 +35,6 @@ def not_applicable(config: HlatConfig) -> str | None:
 
 @task(name="plan-parallelism")
 def plan_parallelism(run: Run) -> dict[str, Any]:
-    """Rank the layouts of the run's model on its nodes; publish the table; warn if the configured one is slow."""
     config = run.config
     reason = not_applicable(config)
     if reason:
