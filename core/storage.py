@@ -1,8 +1,7 @@
 """Run storage: one small interface over local folders and s3:// (fsspec), with one-line errors.
 
-`Storage(url)` is rooted at a folder or prefix; paths are relative to it. Whole-object writes and `atomic_writer` are
-atomic, so readers never see half a file. S3 faults users cause become `StorageError` saying what to fix. S3 clients
-retry with back-off and time out stalled connections (`S3_CLIENT_CONFIG`).
+`Storage(url)` is rooted at a folder or prefix; paths are relative to it. Whole-object writes are atomic. S3 faults
+users cause become `StorageError`. S3 clients retry and time out (`S3_CLIENT_CONFIG`).
 """
 
 from __future__ import annotations
@@ -491,10 +490,9 @@ class Storage:
 
 
 class StorageClock:
-    """Time as run storage keeps it: one clock for a job's hosts and its supervisor.
+    """One clock for a job's hosts and its supervisor: the store's.
 
-    `now()` writes and reads back a tiny probe. Only differences of store times mean anything. Tests substitute a
-    virtual clock."""
+    `now()` writes and reads back a tiny probe. Only differences of store times mean anything."""
 
     def __init__(self, storage: Storage, probe: str = ".hlat-clock-probe") -> None:
         self.storage, self.probe = storage, probe

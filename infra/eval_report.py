@@ -1,9 +1,7 @@
-"""Human-readable evaluation output: a markdown report and charts beside results.json, and a two-run comparison.
+"""Evaluation output for people: a markdown report and charts beside results.json, and a two-run comparison.
 
-`write_report` adds `eval/report.md` (perplexity, lm-eval scores against cited baselines) and loss and grad-norm charts
-from metrics.jsonl. `compare_runs` charts two runs and finds where their losses part; it checks a resumed run or a
-changed kernel against a reference. Charts use a bare Agg `Figure`, never pyplot, so no global backend changes;
-matplotlib is imported only to draw.
+`compare_runs` finds where two runs' losses part, to check a resumed run or new kernel. Charts use a bare Agg `Figure`,
+never pyplot, so no global backend changes.
 """
 
 from __future__ import annotations
@@ -423,10 +421,7 @@ _IMAGE_LINK = re.compile(r"!\[(?P<caption>[^\]]*)\]\((?P<target>[^)\s]+\.png)\)"
 
 
 def embed_images(markdown: str, folder: Storage, width: int = UI_IMAGE_WIDTH) -> str:
-    """`markdown` with each image link relative to `folder` inlined as a data: URI scaled to `width` pixels.
-
-    The Prefect UI shows an artifact on its own page, where relative links point nowhere. A missing file's link is
-    kept, with a warning."""
+    """`markdown` with relative image links inlined as data: URIs `width` pixels wide, for the Prefect UI."""
     import base64
 
     def inline(match: re.Match[str]) -> str:
@@ -656,10 +651,10 @@ def compare_runs(
     *,
     rtol: float = 1e-3,
 ) -> dict[str, Any]:
-    """Compare two runs' loss and grad norm step by step over their common steps.
+    """Compare two runs' loss and grad norm over their common steps.
 
-    Differences are b − a; relative ones |a − b| / max(|a|, |b|). The first divergence is the first step past
-    `rtol`, or where only one value is finite. With `out`, also writes the two charts and compare.md there."""
+    Relative difference: |a − b| / max(|a|, |b|). The first divergence is the first step past `rtol`, or where
+    one value alone is finite. With `out`, writes the charts and compare.md there."""
     if labels[0] == labels[1]:
         raise ValueError(f"labels must differ to tell the runs apart in charts, got {labels!r}")
     records_a, records_b = read_metrics(a), read_metrics(b)

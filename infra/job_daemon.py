@@ -1,9 +1,8 @@
 """The local job daemon: one job's platform, SageMaker's part played on this machine.
 
-`LocalBackend.submit` starts it in its own session, so it outlives the submitter. One instance runs as local processes;
-several run on emulated hosts (`infra.sagemaker_emulator`). It enforces stops and max runtime, sets the final status and
-FailureReason, and writes status.json last. HLAT_LOCAL_JOB_DIR in every job process's environment finds them across
-sessions and pid reuse.
+`LocalBackend.submit` starts it in its own session. It runs one instance as local processes, several on emulated hosts.
+It enforces stops and max runtime and writes status.json last. HLAT_LOCAL_JOB_DIR in every job process's environment
+finds them all.
 """
 
 from __future__ import annotations
@@ -454,9 +453,7 @@ class JobDaemon:
         return launches
 
     def _supervise(self, instances: list[ContainerProcess]) -> ContainerProcess | None:
-        """Wait for every container to exit; return the instance that failed first, if any.
-
-        Stops them on request or at max runtime (SIGTERM to PID 1, then SIGKILL). One failure ends the job."""
+        """Wait for every container to exit, stopping them on request or at max runtime; return the first failed."""
         term_sent: float | None = None
         killed = False
         failed: ContainerProcess | None = None
@@ -501,8 +498,7 @@ class JobDaemon:
     def _signal_instances(self, instances: list[ContainerProcess], sig: signal.Signals) -> None:
         """Send `sig` as SageMaker does: to each container's PID 1.
 
-        On the one-instance path SIGTERM goes to the ranks, as infra/job_init.py does, not their children: a
-        compile they await must finish. SIGKILL takes every process."""
+        On the one-instance path SIGTERM goes to the ranks only, as infra/job_init.py does."""
         if sig == signal.SIGKILL:
             signal_job(self.job_dir, sig)
         elif not instances[0].emulated:

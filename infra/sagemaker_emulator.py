@@ -1,9 +1,7 @@
 """A multi-host SageMaker training job on this machine: the local backend's emulator of SageMaker's side.
 
-It runs the sagemaker backend's own CreateTrainingJob request (`sagemaker_jobs.build_request`). Each instance `algo-N`
-gets its own namespaces, /opt/ml, /tmp and home; the SDK's drivers launch torchrun over the loopback. Containers get
-their job role's credentials, never the caller's. Needs Linux namespaces; one multi-host job at a time (the SDK fixes
-the master port). docs/multi-host.md describes it.
+It runs the sagemaker backend's own request. Each instance gets its own namespaces, /opt/ml, /tmp and home. Containers
+get their job role's credentials, never the caller's. Needs Linux namespaces; one job at a time (docs/multi-host.md).
 """
 
 from __future__ import annotations
@@ -73,8 +71,7 @@ def _store_all(uploads: dict[str, bytes]) -> None:
 def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[str, Any]:
     """The CreateTrainingJob request the emulator runs for `spec`, from the sagemaker backend's own builder.
 
-    This machine is the image, with nothing to install; the request is checked whole as SageMaker would. The SDK's
-    uploads land in the run's storage unless `upload` is off (a dry run)."""
+    It is checked whole as SageMaker would. The SDK's uploads go to run storage unless `upload` is off."""
     from hlat.infra.sagemaker_jobs import OfflineAWS, build_request, validate_request
 
     emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
@@ -253,9 +250,8 @@ def run_on_s3(request: Mapping[str, Any]) -> bool:
 def role_credentials(request: Mapping[str, Any], base: Mapping[str, str]) -> tuple[dict[str, str], str]:
     """The AWS credentials an emulated container gets, and where they come from.
 
-    SageMaker gives containers the request's RoleArn, never the caller's keys
-    (https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html). A local run gets none. A run on S3
-    assumes RoleArn through STS (AWS_ENDPOINT_URL or AWS's); if the caller may not, the job does not start."""
+    As on SageMaker, the request's role, never the caller's keys. A local run gets none; an S3 run assumes the
+    role through STS, and fails to start if it cannot."""
     if not run_on_s3(request):
         return {}, "none (a local run)"
     import boto3

@@ -1,9 +1,7 @@
-"""The run's tokenizer: a sentencepiece BPE trained the LLaMA way with an identical Hugging Face export, or a pretrained
-one (tokenizer.pretrained) validated and copied in.
+"""The run's tokenizer: a sentencepiece BPE trained the LLaMA way plus its Hugging Face export, or a pretrained one.
 
-Both paths upload report.json last, the mark of a complete tokenizer. The pretrained loader is passed in, since this
-layer imports no training code. Both tokenizers give the same ids and round-trip any text without U+2581
-(docs/stages.md).
+report.json is uploaded last, marking a complete tokenizer. Both tokenizers give the same ids and round-trip text
+without U+2581 (docs/stages.md). No training imports: the pretrained loader is passed in.
 """
 
 from __future__ import annotations
@@ -160,8 +158,7 @@ def _trainer_error(exc: RuntimeError, vocab_size: int, cfg: TokenizerConfig) -> 
 def train_sentencepiece(lines: Iterator[str], vocab_size: int, cfg: TokenizerConfig, out_dir: str) -> str:
     """Train a sentencepiece BPE model of exactly `vocab_size` pieces; return the path of `tokenizer.model`.
 
-    Same lines and options give the same bytes. With `cfg.threads` None the recorded thread count varies by
-    machine; pieces and scores do not."""
+    Deterministic, except that `cfg.threads` None records the machine's thread count."""
     first = next(lines, None)
     if first is None:
         raise ValueError("no training text: the train split has no non-empty lines to train the tokenizer on")
@@ -285,11 +282,10 @@ def tokenizer_report(
     n_samples: int = 3,
     hf_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Quality figures of a tokenizer on at most `report_sample_bytes` of held-out text, as JSON data.
+    """Quality figures of a tokenizer on held-out text, as JSON data.
 
-    bytes_per_token: UTF-8 bytes per token. byte_fallback_rate: share of byte pieces (<0x..>).
-    round_trip_failures: texts that decode differently. With `hf_dir`, hf_id_mismatches counts texts where the HF
-    ids differ."""
+    bytes_per_token, byte_fallback_rate (share of <0x..> pieces), round_trip_failures, and with `hf_dir`
+    hf_id_mismatches."""
     processor = spm.SentencePieceProcessor(model_file=model_path)
     byte_ids = {i for i in range(processor.get_piece_size()) if processor.is_byte(i)}
     unk_id = processor.unk_id()
@@ -363,8 +359,7 @@ def build_tokenizer(
 ) -> dict[str, Any]:
     """The train-tokenizer stage: prepared shards in `data` -> tokenizer files and report.json in `out`.
 
-    Trains on the train split, reports on validation (else train, as the report says). report.json is uploaded last:
-    later stages take it as the mark of a complete tokenizer. Returns the report."""
+    Trains on the train split and reports on validation (else train). Returns the report."""
     mixture, sources = read_mixture(data)
     if mixture_rows(sources, "train") == 0:
         raise ValueError(f"{data.uri()} has no training documents: re-run prepare-data on a non-empty source")
@@ -472,10 +467,9 @@ class HubUnreachable(ValueError):
 
 
 def hub_snapshot(source: str, allow_patterns: list[str], field: str, fix: str) -> str:
-    """The local folder of `org/name[@revision]` (files matching `allow_patterns`) through huggingface_hub's cache.
+    """The local folder of `org/name[@revision]` through huggingface_hub's cache (cache only under HF_HUB_OFFLINE).
 
-    Cache only under HF_HUB_OFFLINE. The folder's name is the commit got. No answer raises HubUnreachable; an
-    unknown or gated name raises ValueError. Both are one line naming `field` and ending with `fix`."""
+    Its name is the commit got. HubUnreachable or ValueError otherwise, one line naming `field` and `fix`."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -507,11 +501,9 @@ def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
 
 
 def fetch_pretrained(source: str, dest: str) -> dict[str, Any]:
-    """Copy the tokenizer files of `source` into the local folder `dest`, and say where they came from.
+    """Copy the tokenizer files of `source` (s3://, local path, or hub name) into `dest`; say where they came from.
 
-    Returns {"source", "from": "local" | "s3" | "hub", "revision", "names"}. `source` is an s3:// prefix, a local
-    path, or else a hub name `org/name[@revision]`. A source without tokenizer.json or tokenizer.model raises a
-    one-line ValueError."""
+    Returns {"source", "from", "revision", "names"}. No tokenizer.json or tokenizer.model: one-line ValueError."""
     if source.startswith("s3://"):
         names = _copy_tokenizer_files(Storage(source), dest)
         info: dict[str, Any] = {"source": source, "from": "s3", "revision": None, "names": names}
@@ -607,9 +599,9 @@ def build_pretrained_tokenizer(
     cfg: TokenizerConfig,
     load: Callable[[str], LoadedTokenizer],
 ) -> dict[str, Any]:
-    """The train-tokenizer stage with tokenizer.pretrained=`source`: fetch, load, check, upload into `out`.
+    """The train-tokenizer stage for tokenizer.pretrained=`source`: fetch, load, check, upload; returns the report.
 
-    The check: it encodes and decodes the held-out split and has an EOS. report.json goes last. Returns the report."""
+    The check: it round-trips the held-out split and has an EOS."""
     mixture, sources = read_mixture(data)
     weights = mixture.weights_at(0)
     with tempfile.TemporaryDirectory(prefix="hlat-pretrained-") as tmp:

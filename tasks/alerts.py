@@ -1,8 +1,7 @@
 """Alerts: the Prefect events a run's training and evaluation emit, and the automations that notify a person.
 
-Events have the run (`hlat.run.<run_id>`) as resource and carry a one-line message. `alerts/sent.json` keeps what a run
-announced, so a restarted stage does not repeat it. Emitting never stops a stage. `hlat deploy` creates the automations
-(`sync_automations`); docs/deployments.md lists them.
+Events carry the run (`hlat.run.<run_id>`) and a one-line message. `alerts/sent.json` keeps what was announced, so
+restarts do not repeat it. Emitting never stops a stage. docs/deployments.md lists the automations.
 """
 
 from __future__ import annotations
@@ -443,10 +442,10 @@ def sync_automations(block: str, stalled_minutes: float) -> list[str]:
 
 
 def alerts_settings(configs: dict[str, AlertsConfig], block: str | None) -> tuple[str, float] | None:
-    """The automations' block and stall window from the deployments' alerts configs (by deployment name).
+    """The automations' block and stall window from the deployments' alerts configs; None without a block.
 
-    `block` (a flag or HLAT_ALERTS_BLOCK) wins, else the one block they name; None if none does. The automations
-    watch every hlat run, so differing blocks or windows are refused."""
+    `block` (a flag or HLAT_ALERTS_BLOCK) wins. The automations watch every hlat run, so differing settings are
+    refused."""
     naming = {name: c for name, c in configs.items() if c.block}
     blocks = {c.block for c in naming.values()}
     if block is None and len(blocks) > 1:
