@@ -58,11 +58,8 @@ class NeuronSdk:
 NEURON_SDKS = {
     sdk.version: sdk
     for sdk in (
-        # The last release that honours XLA_USE_BF16 / XLA_DOWNCAST_BF16 (Neuron's "end of support for
-        # XLA_USE_BF16 and XLA_DOWNCAST_BF16" announcement): the closest selectable to HLAT's flag-based precision.
-        # Not HLAT's own release: HLAT ran Neuron 2.20.0 (torch-neuronx 1.13.1, neuronx-cc 2.15, NxD 0.9, with its own
-        # patches; awslabs/HLAT, common/install_2_20_0.sh), which has no PyTorch 2 image. Image tag and pins from
-        # aws-neuron/deep-learning-containers at 2.24.1.
+        # The last release that honours XLA_USE_BF16 / XLA_DOWNCAST_BF16: the closest to HLAT's flag-based precision
+        # (docs/trn1.md). Image tag and pins from aws-neuron/deep-learning-containers at 2.24.1.
         NeuronSdk(
             version="2.24.1",
             pytorch="2.7.0",
@@ -77,8 +74,7 @@ NEURON_SDKS = {
             cpu_cache_loads=True,
             install_target="xla",
         ),
-        # The default (config.DEFAULT_NEURON_SDK): the last release that trains with PyTorch/XLA and NxD (later ones
-        # train through TorchNeuron, on trn2/trn3 only), and the one Neuron advises XLA-training users to stay on.
+        # The default: the last release that trains with PyTorch/XLA and NxD, as Neuron advises (docs/trn1.md).
         # aws-neuron/deep-learning-containers at 2.28.0, pytorch/training/2.9.0/Dockerfile.neuronx.
         NeuronSdk(
             version="2.28.0",
@@ -207,9 +203,8 @@ def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> 
     env = xla_precision_environment(config.precision.mode, neuron_sdk(config).precision_flags)
     env["NEURON_CC_FLAGS"] = compiler_flags(config)
     if config.parallelism.zero1:
-        # Functionalization on for ZeRO-1 (torch-xla's default, set explicitly against an image that turns it off):
-        # NxD's 70B tp_pp launch scripts and NxDT's train_setup.sh set it, "needed to close 3% convergence gap
-        # compared to PT1.13 for ZeRO1".
+        # Functionalization on for ZeRO-1, set explicitly as NxD's 70B scripts do: "needed to close 3% convergence
+        # gap compared to PT1.13 for ZeRO1".
         env["XLA_DISABLE_FUNCTIONALIZATION"] = "0"
     if n.fuse_softmax:
         env["NEURON_FUSE_SOFTMAX"] = "1"

@@ -61,14 +61,10 @@ def is_transient(exc: BaseException | None) -> bool:
 _TRANSIENT_API_CODES = _TRANSIENT_CODES | {"ServiceUnavailable", "InternalFailure", "RequestLimitExceeded"}
 
 
-# botocore's client config for every S3 Storage (s3fs's config_kwargs), unless the caller passes its own.
-# https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html: "adaptive" is "standard" (exponential
-# back-off with jitter on throttling, 5xx and connection errors) plus a client-side rate limiter that slows the
-# client down once S3 answers SlowDown (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html
-# asks clients to back off and retry on 503 SlowDown). 10 attempts: about a minute of back-off, enough for S3 to scale
-# a prefix. Timeouts: a part upload of 512 MiB at a modest 50 MB/s takes ~11 s, so a read (response) timeout of 120 s
-# means a connection that is stuck, not a slow one; it then fails and is retried instead of hanging the save.
-# Connections: see S3_MAX_POOL_CONNECTIONS.
+# botocore's config for every S3 Storage unless the caller passes its own. "adaptive" retries back off on throttling,
+# 5xx and connection errors, and rate-limit the client after SlowDown
+# (https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html). 10 attempts give S3 about a minute to
+# scale a prefix. A 512 MiB part takes ~11 s at 50 MB/s, so a 120 s read timeout means a stuck connection.
 S3_MAX_POOL_CONNECTIONS = 64
 """Connections one S3 client keeps, and reads a caller sends together (`Storage.parallel_reads`).
 
@@ -105,9 +101,7 @@ def translate_error(exc: BaseException, uri: str) -> BaseException:
 
     text = f"{type(exc).__name__}: {exc}"
     bucket = uri.split("/")[2] if _is_s3(uri) else ""
-    # Look for error codes in the message with the path taken out: a path such as '.../shard-00503.parquet'
-    # or a run id containing '503' must not make, say, an IsADirectoryError look transient (and be retried).
-    # fsspec messages name the path without the 's3://' scheme, so both spellings are removed.
+    # Match error codes with the path removed (with and without 's3://'): '.../shard-00503.parquet' is no 503.
     bare = uri.split("://", 1)[-1]
     text = text.replace(uri, "<path>").replace(bare, "<path>") if bare else text
     if (
@@ -362,8 +356,7 @@ class Storage:
                         os.fsync(fh.fileno())
                     os.replace(tmp, target)
                 except BaseException:
-                    # A failed write (disk full, bad data, interrupt) must not leave a stray .tmp file that
-                    # list() and walk_files() would then report next to the real ones.
+                    # A failed write must leave no stray .tmp file for list() and walk_files() to report.
                     with contextlib.suppress(OSError):
                         os.remove(tmp)
                     raise
@@ -403,8 +396,8 @@ class Storage:
                     yield cast(IO[bytes], _PartWriter(upload))
                     upload.close()  # completes the upload: the object appears now, whole
             except BaseException:
-                # Not close(): it would complete the upload and publish the partial object. discard() aborts the
-                # multipart upload; marking the file closed keeps its __del__ from closing (publishing) it later.
+                # Not close(), which would publish the partial object: discard() aborts the upload, and marking the
+                # file closed keeps __del__ from publishing it later.
                 with contextlib.suppress(Exception):
                     upload.discard()
                 upload.closed = True

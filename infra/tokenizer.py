@@ -111,11 +111,8 @@ def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
         # No NFKC and no whitespace folding: text must come back byte for byte.
         "normalization_rule_name": "identity",
         "remove_extra_whitespaces": False,
-        # LLaMA prepends a dummy "▁" to every input. The v5 Hugging Face LlamaTokenizer cannot reproduce that
-        # for text that already starts with a space (its Metaspace pre-tokenizer skips the prefix there, so
-        # " x" would get different ids), and decoding would strip the first space of any token slice. Without
-        # the dummy prefix both tokenizers map " " to "▁" and back with nothing added or removed; the cost is
-        # that a document's first word is split like a word at a line start rather than after a space.
+        # No dummy "▁" prefix (LLaMA adds one): transformers 5's LlamaTokenizer cannot match it for text starting
+        # with a space (docs/stages.md). A document's first word is then split as at a line start.
         "add_dummy_prefix": False,
         "allow_whitespace_only_pieces": True,
         "unk_id": UNK_ID,
@@ -235,9 +232,8 @@ def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[
     }
     tokenizer: PreTrainedTokenizerFast
     if any(processor.is_byte(i) for i in range(processor.get_piece_size())):
-        # In transformers 5 LlamaTokenizer is the tokenizers-backed (fast) class. It rebuilds its
-        # pre-tokenizer (Metaspace) and decoder from these arguments on every load, keeping only the
-        # vocabulary and merges of tokenizer.json, so the arguments are what makes it match sentencepiece.
+        # transformers 5's LlamaTokenizer rebuilds its pre-tokenizer and decoder from these arguments on every
+        # load, keeping only tokenizer.json's vocabulary and merges: the arguments make it match sentencepiece.
         tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=False, legacy=False, **common)
     else:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
