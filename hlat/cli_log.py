@@ -121,9 +121,7 @@ class CommandLog:
 
     def attach(self, verbose: bool) -> None:
         """Send every log record to the file; unless `verbose`, strip tracebacks from the terminal's records."""
-        # Prefect reads its settings once, when first imported: the flows' environment defaults (the ephemeral
-        # server's start-up timeout, no telemetry) must be set before (seen: a fresh clone's first `hlat pretrain`
-        # timed out after Prefect's default 20 s).
+        # Prefect reads its settings once, at first import, so the flows' environment defaults are set before it.
         importlib.import_module("hlat.flows")
         from prefect.logging.configuration import ensure_logging_setup
         from prefect.logging.handlers import PrefectConsoleHandler

@@ -294,10 +294,8 @@ def _benchmark_section(results: Mapping[str, Any], baselines: Mapping[str, Any])
 
     model_scores = [{_task_key(t): s for t, s in (m.get("scores") or {}).items()} for m in models]
     ours = {_task_key(t) for t in tasks}
-    # Two narrow tables rather than one wide one (a report is read in the Prefect UI, whose artifact pane clips
-    # wide tables): this run's scores, then the published scores of the tasks run here, baseline models as short
-    # column labels (A, B...) named in a legend. Tasks only the baselines report are named on one line, not given
-    # a row each: a tiny run's offline tasks would otherwise sit above eleven "not run" rows of a 7B suite.
+    # Two narrow tables, since the Prefect UI clips wide ones: this run's scores, then the baselines' with short
+    # column labels and a legend. Tasks only the baselines report share one line rather than a row each.
     footnotes: dict[str, int] = {}
     for m in models:
         footnotes.setdefault(str(m.get("source") or ""), len(footnotes) + 1)

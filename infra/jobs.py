@@ -351,10 +351,8 @@ FAILURE_RULES: list[FailureRule] = [
         r"[Ss]ocket [Tt]imeout",
     ),
     # -- SageMaker's own status fields and error codes (no record: nothing of the job wrote one) -------------------
-    # ResourceLimitExceeded at CreateTrainingJob: "too many training jobs", or instances over the account's quota
-    # while an earlier job still holds them (one stopping, a warm pool): it clears as they are released, so it backs
-    # off, bounded like every class by job.max_attempts_without_progress (a quota that never grows stops the stage
-    # after that many refusals, its message naming the quota).
+    # ResourceLimitExceeded: too many jobs, or instances over quota while an earlier job holds them. It clears as they
+    # are released, so it backs off; job.max_attempts_without_progress bounds a quota that never grows.
     # https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateTrainingJob.html#API_CreateTrainingJob_Errors
     FailureRule(
         r"ResourceLimitExceeded",
@@ -363,9 +361,8 @@ FAILURE_RULES: list[FailureRule] = [
         "ResourceLimitExceeded: The account-level service limit 'ml.trn1.32xlarge for training job usage' is 16",
         S,
     ),
-    # ResourceInUse ("Resource being accessed is in use"): a name or resource the request needs is held by something
-    # this run does not supervise (its job names are deterministic and the stage's lease admits one supervisor, so
-    # not a job of its own). Waiting does not release it: fatal, for the user to look at.
+    # ResourceInUse: something this run does not supervise holds a name or resource it needs. Waiting does not
+    # release it: fatal, for the user to look at.
     FailureRule(r"ResourceInUse", F.FATAL, "in-use", "ResourceInUse: Resource being accessed is in use", S),
     FailureRule(
         r"AccessDenied|UnauthorizedOperation|ExpiredToken|InvalidClientTokenId|UnrecognizedClient",

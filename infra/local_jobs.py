@@ -163,9 +163,8 @@ class LocalBackend:
         final = read_json(os.path.join(self.job_dir(name), "status.json"))
         if final is None:
             return None
-        # Billed from the launch, the start `describe` bills a running job from, up to when status.json was written
-        # (its mtime; the daemon reads its clock for "ended" a little before): a describe that saw the job running
-        # read its clock before the file existed, so the bill never shrinks at the end.
+        # Billed from the launch to status.json's mtime: an earlier describe read its clock before the file existed,
+        # so the bill never shrinks at the end.
         path = os.path.join(self.job_dir(name), "status.json")
         supervisor = read_json(os.path.join(self.job_dir(name), "supervisor.json")) or {}
         started = min(final["started"], supervisor.get("started", final["started"]))
