@@ -1,7 +1,7 @@
 """The environment a job runs in on Trainium or XLA:CPU, and whether the Neuron packages are there.
 
-Import Neuron packages only after `neuron_available()`, so all else runs on CPU and CUDA. The control plane sets this
-environment (`infra/stage_jobs.py`); the job reads it. No torch here. docs/trn1.md gives each setting's source.
+Import Neuron packages only after `neuron_available()`. The control plane sets this environment; the job reads it. No
+torch here. docs/trn1.md gives each setting's source.
 """
 
 from __future__ import annotations
@@ -29,9 +29,7 @@ class NeuronSdk:
     precision_flags: bool
     """Whether the release honours XLA_USE_BF16 / XLA_DOWNCAST_BF16 (2.24 is the last; docs/trn1.md)."""
     cpu_cache_loads: bool
-    """Whether torch-xla loads graphs back from its persistent cache on XLA:CPU: 2.7 does, 2.9 cannot.
-
-    On trn1 the Neuron compile cache serves the graphs either way."""
+    """Whether torch-xla reloads graphs from its persistent cache on XLA:CPU (2.7 does, 2.9 cannot)."""
     install_target: str
     """The `scripts/install.sh` target ("xla", "xla-2.28") whose `.venv-<target>` runs local jobs on XLA:CPU."""
 
@@ -95,9 +93,7 @@ NEURON_SDKS = {
 
 
 def torch_xla_release() -> str | None:
-    """The installed torch-xla's major.minor ("2.7"), or None.
-
-    Read from package metadata without importing, since precision flags must be set before torch_xla loads."""
+    """The installed torch-xla's major.minor ("2.7"), or None, read without importing it."""
     from importlib.metadata import PackageNotFoundError, version
 
     try:
@@ -123,16 +119,12 @@ def neuron_sdk(config: HlatConfig) -> NeuronSdk:
 
 
 def precision_by_flags(config: HlatConfig, on_xla: bool) -> bool:
-    """Whether torch-xla's flags (XLA_USE_BF16, XLA_DOWNCAST_BF16) apply precision.mode, not the trainer.
-
-    True on an XLA device whose SDK honours them. Otherwise the trainer casts (bf16-sr) or autocasts (bf16-mixed)."""
+    """Whether torch-xla's flags apply precision.mode: on XLA under an SDK that honours them. Else the trainer casts."""
     return on_xla and neuron_sdk(config).precision_flags
 
 
 def neuron_available() -> bool:
-    """True inside a Neuron container (torch-neuronx and torch-xla installed).
-
-    A stand-in module without a spec (the NxD tests' stubs) does not count."""
+    """True inside a Neuron container; stand-in modules without a spec (test stubs) do not count."""
 
     def installed(name: str) -> bool:
         try:
@@ -144,9 +136,8 @@ def neuron_available() -> bool:
 
 
 def xla_precision_environment(precision: str, flags: bool = True) -> dict[str, str]:
-    """What torch-xla and the Neuron runtime read for a precision mode, set before torch_xla is imported.
-
-    With `flags` off (after 2.24) only stochastic rounding remains. docs/trn1.md gives each mode's settings."""
+    """What torch-xla and the Neuron runtime read for a precision mode (docs/trn1.md); set before importing
+    torch_xla."""
     use_bf16, downcast, sr = tuple({"bf16-sr": "101", "bf16-mixed": "010", "fp32": "000"}[precision])
     if not flags:
         return {"NEURON_RT_STOCHASTIC_ROUNDING_EN": sr}
@@ -160,9 +151,8 @@ NO_AUTO_CAST = "--auto-cast=none"
 
 
 def precision_compiler_flags(precision: str, sdk: NeuronSdk) -> list[str]:
-    """The neuronx-cc options a precision mode needs on an SDK, as Neuron's and NxDT's recipes set them.
-
-    docs/trn1.md tabulates them with their sources (Neuron's migration guide, NxDT's training_orchestrator.py)."""
+    """The neuronx-cc options a precision mode needs on an SDK, as Neuron's and NxDT's recipes set them
+    (docs/trn1.md)."""
     if precision == "fp32":
         return [NO_AUTO_CAST]
     if sdk.precision_flags:
@@ -196,9 +186,7 @@ GLOO_LAZY_INIT = "TORCH_GLOO_LAZY_INIT"
 
 
 def neuron_environment(config: HlatConfig, compile_cache: str | None = None) -> dict[str, str]:
-    """The environment of a trn1 job, set before torch_xla is imported, as HLAT's launch scripts set it.
-
-    Order: precision flags, the `neuron` section, neuron.env (which overrides), then the compile cache URL."""
+    """The environment of a trn1 job, as HLAT's launch scripts set it; neuron.env overrides the rest."""
     n = config.neuron
     env = xla_precision_environment(config.precision.mode, neuron_sdk(config).precision_flags)
     env["NEURON_CC_FLAGS"] = compiler_flags(config)
@@ -231,9 +219,7 @@ NO_INDUCTOR_POOL = {"TORCHINDUCTOR_COMPILE_THREADS": "1"}
 
 
 def xla_cpu_environment(config: HlatConfig) -> dict[str, str]:
-    """The environment of a job on XLA:CPU: trn1's precision flags for the SDK, no Neuron runtime settings.
-
-    It also turns off the Inductor worker pool that torch_xla starts at import (docs/testing.md)."""
+    """The environment of a job on XLA:CPU: trn1's precision flags, no Neuron runtime, no Inductor worker pool."""
     flags = neuron_sdk(config).precision_flags
     return {**xla_precision_environment(config.precision.mode, flags), "PJRT_DEVICE": "CPU", **NO_INDUCTOR_POOL}
 
@@ -252,8 +238,7 @@ _RUNTIME_ONLY = frozenset(
 
 
 def shapes_graphs(name: str) -> bool:
-    """Whether an XLA job's environment variable can change the graphs it compiles.
+    """Whether an XLA job's environment variable can change its compiled graphs (and so keys the cache).
 
-    Runtime (NEURON_RT_*), libfabric, malloc, barrier and cache-location settings cannot. Precision flags,
-    NEURON_CC_FLAGS, NEURON_FUSE_SOFTMAX, compress-RG and any neuron.env addition are taken to (they key the cache)."""
+    Runtime, libfabric, malloc, barrier and cache-location settings cannot; anything else is taken to."""
     return name not in _RUNTIME_ONLY and not name.startswith(_RUNTIME_ONLY_PREFIXES)

@@ -43,16 +43,13 @@ class Topology:
     efa_gbit_per_s: float
     """Network bandwidth of the node to the others, Gbit/s (EFA)."""
     comparison_mfu: float = 0.0
-    """MFU assumed for an instance the planner does not model (GPUs) when none was measured; 0: modelled.
-
-    A published figure for a comparable dense model."""
+    """MFU assumed for an instance the planner does not model (GPUs), from a published comparable run; 0: modelled."""
     device_name: str = ""
-    """The device's name as torch reports it; a measured MFU under this name in infra/measured.json replaces
+    """The device's name as torch reports it; an MFU measured under it (infra/measured.json) replaces
     `comparison_mfu`."""
 
     def comparison(self) -> tuple[float, str]:
-        """(MFU, its source) for the planner's comparison: measured on this device, else the assumed
-        `comparison_mfu`."""
+        """(MFU, its source): measured on this device, else `comparison_mfu`."""
         figure = measured("train_step").get(self.device_name) if self.device_name else None
         if figure:
             return float(figure["mfu"]), (
@@ -226,9 +223,7 @@ def tokens_per_s_at(instance: Instance, nodes: int, mfu: float, flops_per_token:
 
 @dataclass(frozen=True)
 class InstanceCost:
-    """Time and cost to train a token budget on `nodes` nodes of one instance type.
-
-    The one cost arithmetic for the dry run and `hlat plan` (`infra.planner.run_cost`, `compare_instances`)."""
+    """Time and cost to train a token budget on `nodes` nodes of one instance type: the one cost arithmetic."""
 
     instance_type: str
     nodes: int
