@@ -1,7 +1,7 @@
-"""Loading a process's hook object: the no-op defaults, or the ones a module named by an environment variable gives.
+"""Loading a process's hook object: the no-op defaults, or those of a module an environment variable names.
 
-Used by the training job's hook points (training/hooks.py, HLAT_JOB_HOOKS) and the local backend's (infra/job_daemon.py,
-HLAT_BACKEND_HOOKS); tests name their fault modules there, production names none.
+The training job reads HLAT_JOB_HOOKS (training/hooks.py), the local backend HLAT_BACKEND_HOOKS (infra/job_daemon.py).
+Tests name their fault modules there; production names none.
 """
 
 from __future__ import annotations
@@ -14,8 +14,8 @@ H = TypeVar("H")
 
 
 def load_hooks(variable: str, base: type[H]) -> H:
-    """`base()` when `variable` is unset, else the `hooks()` of the module it names, which must return a `base`;
-    a RuntimeError in one line otherwise."""
+    """`base()` when `variable` is unset, else the named module's `hooks()`, which must return a `base`.
+    Anything else raises a one-line RuntimeError."""
     name = os.environ.get(variable, "").strip()
     if not name:
         return base()

@@ -1,9 +1,7 @@
 """How many tokens a run draws from each source of its mixture, and whether that repeats a source too often.
 
-The arithmetic the dry run, `hlat plan` and the train stage share. A run of `max_steps` optimizer steps of
-`tokens_per_step` tokens draws from source i the tokens of every step times that step's weight of i
-(`DataConfig.weights_at`: the sources' weights, then the schedule's entries by step). Its epochs are those tokens over
-the source's training tokens: declared (`SourceConfig.tokens`) before the source is prepared, measured after.
+Step s draws `tokens_per_step` times the source's weight at s (`DataConfig.weights_at`). Epochs divide those tokens by
+the source's size: declared before preparation, measured after.
 """
 
 from __future__ import annotations
@@ -16,15 +14,12 @@ from hlat.core.config import ConfigError, HlatConfig
 
 @dataclass(frozen=True)
 class SourceDraw:
-    """One source's share of a run."""
-
     name: str
     share: float
-    """Its share of all the run's training tokens (the schedule averaged over the steps)."""
+    """Its share of the run's training tokens, averaged over the steps."""
     tokens: int
-    """Training tokens the run draws from it."""
     available: int | None
-    """Its training tokens (declared or measured); None: not known yet."""
+    """Its training tokens, declared or measured; None: unknown yet."""
     max_epochs: float | None
 
     @property
@@ -33,14 +28,12 @@ class SourceDraw:
 
     @property
     def over(self) -> bool:
-        """Whether the run would pass the source's maximum repetition."""
         epochs = self.epochs
         return epochs is not None and self.max_epochs is not None and epochs > self.max_epochs + 1e-9
 
 
 def source_draws(cfg: HlatConfig, measured: dict[str, int] | None = None) -> list[SourceDraw]:
-    """Per source: its share, the tokens the run draws, its size (`measured` by name first, then its declared
-    `tokens`) and its epochs. Steps are counted from 0 to training.max_steps - 1."""
+    """Per source: share, tokens drawn, size (`measured[name]`, else declared) and epochs."""
     data, steps = cfg.data, cfg.training.max_steps
     names = [s.resolved_name for s in data.mixture]
     bounds = [*sorted({0, *(e.step for e in data.schedule if e.step < steps)}), steps]
@@ -66,8 +59,7 @@ def source_draws(cfg: HlatConfig, measured: dict[str, int] | None = None) -> lis
 
 
 def check_repetition(cfg: HlatConfig, measured: dict[str, int] | None = None) -> list[SourceDraw]:
-    """The draws, or ConfigError naming every source the run would repeat more often than its max_epochs allows,
-    with the numbers and the fixes."""
+    """The draws, or a ConfigError naming each source repeated past its max_epochs, with numbers and fixes."""
     draws = source_draws(cfg, measured)
     over = [d for d in draws if d.over]
     if over:
@@ -83,7 +75,6 @@ def check_repetition(cfg: HlatConfig, measured: dict[str, int] | None = None) ->
 
 
 def draws_table(draws: list[SourceDraw]) -> list[str]:
-    """The draws as text lines: name, share, tokens, size, epochs (of max)."""
     rows = [("source", "share", "tokens drawn", "source tokens", "epochs")]
     for d in draws:
         size = f"{d.available:,}" if d.available else "unknown"

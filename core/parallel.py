@@ -1,12 +1,8 @@
-"""One training job's parallel layout: its degrees under one name each, and their rules stated once.
+"""One training job's parallel layout: its degrees, one name each, and their rules stated once.
 
-A job of `world` ranks splits them as tensor x pipeline x data (Megatron's and neuronx-distributed's order: the
-tensor-parallel peers are adjacent ranks, so a TP group stays inside a trn1 node on NeuronLink). `ParallelDims` is
-built from the config's `parallelism` section and the job's world size (`HlatConfig.parallel_dims`), and read by
-the config's validation, the planner (`infra/planner.py`), the NxD settings (`training/parallel/neuron.py`) and
-each rank's `World` (`training/parallel/distributed.py`), in the spirit of torchtitan's `ParallelDims`
-(https://github.com/pytorch/torchtitan, torchtitan/distributed/parallel_dims.py). What neuronx-distributed reports
-back once its groups are formed is checked against it (`ParallelDims.check`), never read as a second source.
+Ranks split as tensor x pipeline x data (Megatron's and NxD's order), so a TP group stays inside a node. Config checks,
+the planner, NxD and each rank's `World` read `ParallelDims`, after torchtitan's. What NxD forms is checked against it
+(`check`), never read as a second source.
 """
 
 from __future__ import annotations
@@ -19,10 +15,9 @@ class LayoutError(ValueError):
 
 
 def heads_problem(n_heads: int, kv_heads: int, tensor: int) -> str | None:
-    """Why `tensor` ranks cannot split the attention heads (None: they can). Each TP rank holds n_heads / tensor
-    query heads, so `tensor` divides the heads; the KV heads are split the same way, or, past their count, each
-    is replicated over tensor / kv_heads ranks (NxD's GQA layer, `kv_size_multiplier`), so `tensor` divides or is a
-    multiple of the KV heads."""
+    """Why `tensor` ranks cannot split the attention heads (None: they can).
+
+    `tensor` divides the query heads, and divides or is a multiple of the KV heads (NxD replicates KV heads)."""
     if n_heads % tensor or (kv_heads % tensor and tensor % kv_heads):
         return f"TP {tensor} must divide the {n_heads} heads and divide or be a multiple of the {kv_heads} KV heads"
     return None
@@ -42,8 +37,7 @@ def kv_replicas(kv_heads: int, tensor: int) -> int:
 
 @dataclass(frozen=True)
 class ParallelDims:
-    """The degrees of a layout: `tensor` x `pipeline` x `data` ranks, with sequence parallelism along the
-    tensor-parallel group."""
+    """The degrees of a layout; sequence parallelism runs along the TP group."""
 
     tensor: int = 1
     pipeline: int = 1
@@ -59,8 +53,7 @@ class ParallelDims:
 
     @classmethod
     def of_world(cls, tensor: int, pipeline: int, world_size: int, sequence_parallel: bool = False) -> ParallelDims:
-        """The layout of `world_size` ranks whose model is split `tensor` x `pipeline` ways: data parallelism takes
-        the rest. LayoutError when tensor x pipeline does not divide the world."""
+        """`world_size` ranks with the model split `tensor` x `pipeline` ways, data the rest; else LayoutError."""
         split = tensor * pipeline
         if split < 1 or world_size % split:
             raise LayoutError(f"TP {tensor} x PP {pipeline} = {split} does not divide the {world_size} ranks")
@@ -72,15 +65,15 @@ class ParallelDims:
 
     @property
     def splits_model(self) -> bool:
-        """Whether more than one rank holds each copy of the model (tensor or pipeline parallelism)."""
+        """Whether tensor or pipeline parallelism splits each model copy."""
         return self.tensor * self.pipeline > 1
 
     def problem(self, n_heads: int, kv_heads: int, n_layers: int) -> str | None:
-        """Why this layout cannot hold the model (None: it can): the heads rule, and whole layers per stage."""
+        """Why this layout cannot hold the model (None: it can): the heads rule, then whole layers per stage."""
         return heads_problem(n_heads, kv_heads, self.tensor) or layers_problem(n_layers, self.pipeline)
 
     def batch_problem(self, global_batch: int, micro_batch: int) -> str | None:
-        """Why a global batch cannot be split over the data-parallel ranks in micro-batches (None: it can)."""
+        """Why a global batch cannot be split into micro-batches over the data-parallel ranks (None: it can)."""
         if global_batch % (self.data * micro_batch):
             return f"global batch {global_batch} is not a multiple of DP {self.data} x micro-batch {micro_batch}"
         return None
@@ -90,7 +83,7 @@ class ParallelDims:
         return global_batch // (self.data * micro_batch)
 
     def check(self, reported: ParallelDims, by: str) -> None:
-        """Assert that a library's groups (`by`, e.g. neuronx-distributed) formed exactly this layout."""
+        """Assert that a library's groups (`by`, e.g. NxD) formed exactly this layout."""
         if (reported.tensor, reported.pipeline, reported.data) != (self.tensor, self.pipeline, self.data):
             raise LayoutError(
                 f"{by} formed TP {reported.tensor} x PP {reported.pipeline} x DP {reported.data}, but the config "

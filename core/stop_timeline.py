@@ -1,21 +1,8 @@
-"""The stop's timeline: from SIGTERM to the committed checkpoint, phase by phase, against the grace SageMaker gives.
+"""The stop's timeline: SIGTERM to the committed checkpoint, phase by phase, against SageMaker's grace.
 
-SageMaker stops a job (StopTrainingJob, MaxRuntimeInSeconds, the budget's stop) with SIGTERM and ends it 120 s
-later (`SAGEMAKER_GRACE_S`). In those seconds every rank reaches the stop vote, deals with an async save still in
-flight, copies its state to the host, writes its files (paced), and rank 0 commits: it lists the step's folder,
-reads every other rank's manifest, writes meta.json and COMMITTED. `stop_timeline` adds those phases up from the
-config (what each rank's files hold, by the rules the checkpoint code follows) and from what the job measured when
-it has it (its step time, its last save, how much of an async save is left). The dry run prints it
-(`infra.stage_jobs.stop_fit`), the job logs it at a stop (`training/loop.py`), and the scale tests time each
-simulated stop with it. Pure arithmetic: no torch, no Prefect, no I/O.
-
-`StopPlan` is how the job goes about the stop: `PLAN` is what the code does now, `OLD_PLAN` what it did before
-issue 50 (manifests read through s3fs's default pool of 10 connections, the in-flight save waited for, pacing in
-global rank order), kept so the tests show the change: at hlat-70b's 256 hosts the old plan takes longer than the
-grace in the worst case, the new one fits.
-
-Every constant below says where it comes from; the ones marked as assumptions are not measurements on trn1, and a
-job's log replaces them with what it measured.
+`stop_timeline` adds the phases up from the config and the job's measurements. The dry run prints it, the job logs it at
+a stop, scale tests time stops with it. `OLD_PLAN` is the stop before issue 50, kept for comparison. Pure arithmetic.
+Constants cite a source or say they are assumed; docs/multi-host.md has the figures.
 """
 
 from __future__ import annotations
@@ -30,59 +17,53 @@ from hlat.core.storage import S3_MAX_POOL_CONNECTIONS
 # -- constants, each with its source ----------------------------------------------------------------------
 
 SAGEMAKER_GRACE_S = 120.0
-"""StopTrainingJob: "SageMaker sends the algorithm the SIGTERM signal, which delays job termination for 120
-seconds" (https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_StopTrainingJob.html); MaxRuntimeInSeconds
-stops a job the same way."""
+"""Seconds from SIGTERM to the kill: "delays job termination for 120 seconds"
+(https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_StopTrainingJob.html); MaxRuntimeInSeconds alike."""
 
 WRITE_MB_S_PER_RANK = 200.0
-"""Assumed S3 write rate of one rank streaming a checkpoint file (one s3fs multipart upload, parts sent one after
-another): an assumption, not a measurement on trn1; the job logs the save time it measures."""
+"""Assumed S3 write rate of one rank streaming a file (one multipart upload); not measured on trn1."""
 
 WRITE_GB_S_PER_HOST = 5.0
-"""Assumed ceiling of one trn1.32xlarge host's S3 writes: its 800 Gbps EFA is not S3's path; S3 serves a large
-instance about 100 Gb/s (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html), of
-which this takes less than half for one job's many streams."""
+"""Assumed ceiling of one trn1.32xlarge host's S3 writes: under half of the ~100 Gb/s S3 serves a large instance
+(https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html)."""
 
 STAGING_GB_S_PER_RANK = 1.0
-"""Assumed rate of one rank's copy of its state from the device to host memory (what `save` blocks on before a
-synchronous write): an assumption, not a measurement on trn1 (the job's measured save time includes it)."""
+"""Assumed rate of one rank's device-to-host copy of its state; not measured on trn1."""
 
 PART_BYTES = 512 << 20
-"""The multipart part size of checkpoint files (training.checkpoint.serialization.CHECKPOINT_PART_SIZE; a test
-checks they agree): a part is the unit an upload can be cut at, so superseding a save waits for at most one."""
+"""Multipart part size of checkpoint files (a test checks it equals serialization.CHECKPOINT_PART_SIZE).
+
+An upload can be cut only between parts, so superseding a save waits for at most one."""
 
 RANK_FILE_BYTES = 64 << 10
-"""A rank file without optimizer states: its RNG states and the data loader's position (tens of KiB)."""
+"""A rank file without optimizer states: RNG states and the loader's position (tens of KiB)."""
 
 S3_SMALL_REQUEST_S = 0.03
 S3_SLOW_SHARE = 0.01
 S3_SLOW_REQUEST_S = 2.0
-"""A small S3 request (under 512 KB: a manifest, meta.json, the marker): "median latencies are often in the tens of
-milliseconds range", and the slowest 1% are worth retrying after 2 s (AWS, "Timeouts and Retries for
-Latency-Sensitive Applications",
-https://docs.aws.amazon.com/whitepapers/latest/s3-optimizing-performance-best-practices/timeouts-and-retries-for-latency-sensitive-applications.html).
-Taken as 30 ms each, plus 1% of them at 2 s: 50 ms a request on average over thousands."""
+"""Average seconds of a small S3 request: 30 ms, plus 1% retried after 2 s.
+
+AWS: "median latencies are often in the tens of milliseconds range"
+(https://docs.aws.amazon.com/whitepapers/latest/s3-optimizing-performance-best-practices/timeouts-and-retries-for-latency-sensitive-applications.html).
+"""
 
 S3_LIST_PAGE_KEYS = 1000
 """ListObjectsV2 returns at most 1,000 keys a request
-(https://docs.aws.amazon.com/AmazonS3/latest/API/API_ListObjectsV2.html), so listing a step's folder takes one
-request per thousand files, one after another."""
+(https://docs.aws.amazon.com/AmazonS3/latest/API/API_ListObjectsV2.html)."""
 
 S3_LIST_PAGE_S = 0.1
-"""Assumed time of one ListObjectsV2 page of 1,000 keys (a response of ~250 KB of XML): an assumption, twice a small
-request."""
+"""Assumed time of one 1,000-key listing page: twice a small request."""
 
 COMMIT_POLL_S = 0.5
-"""Rank 0's longest wait between two listings while it waits for every rank's files
-(training.checkpoint.manager, `_wait_for_files`)."""
+"""Rank 0's longest wait between listings while it waits for every rank's files (`_wait_for_files`)."""
 
 S3FS_DEFAULT_POOL = 10
-"""Connections of one S3 client unless configured: botocore's max_pool_connections defaults to 10
-(https://docs.aws.amazon.com/botocore/latest/reference/config.html), and aiobotocore, under s3fs, uses it as its
-aiohttp connector's limit: how many of rank 0's manifest reads were in flight at once before issue 50."""
+"""botocore's default max_pool_connections (https://docs.aws.amazon.com/botocore/latest/reference/config.html).
+
+s3fs's client uses it, so it bounded rank 0's manifest reads before issue 50."""
 
 WRITE_REQUESTS_PER_RANK = 2
-"""The paced requests of each rank: its rank file and its manifest (the pacing's unit)."""
+"""Paced requests per rank: its rank file and its manifest."""
 
 
 # -- what each rank writes ------------------------------------------------------------------------------------
@@ -90,33 +71,22 @@ WRITE_REQUESTS_PER_RANK = 2
 
 @dataclass(frozen=True)
 class StateBytes:
-    """Bytes per model parameter as a checkpoint holds them: in torch's dtypes (what `torch.save` writes), which
-    under torch-xla's precision flags are not the device's."""
+    """Bytes per parameter a checkpoint holds, in torch's dtypes; under torch-xla's flags these differ from the
+    device's."""
 
     weights: int
-    """The model's weights."""
     optimizer: int
-    """The optimizer's state: AdamW's two moments, and master weights where they are saved."""
+    """The optimizer's state: AdamW's two moments, plus master weights where saved."""
     optimizer_in_rank_files: bool
-    """ZeRO-1: the optimizer state is split over the data-parallel ranks, each rank's part in its rank file;
-    otherwise it goes with the weights (the shard or shared file)."""
+    """ZeRO-1: each data-parallel rank's part of the optimizer state is in its rank file, not with the weights."""
 
 
 def state_bytes(config: HlatConfig) -> StateBytes:
-    """Bytes per parameter of a checkpoint of `config`, by the rules the training code follows:
+    """Bytes per parameter of a checkpoint of `config`, by the training code's rules.
 
-    - the weights: BF16 (2) only for bf16-sr's cast model (`training.optim`: `model.to(torch.bfloat16)`); FP32 (4)
-      otherwise, including under torch-xla's precision flags (Neuron 2.24: XLA_USE_BF16 / XLA_DOWNCAST_BF16 keep
-      FP32-typed tensors in torch whatever the device holds; `core.environment.precision_by_flags`);
-    - without ZeRO-1, AdamW's moments are like the weights (`torch.optim.AdamW`, `AdamWStochasticRounding`: BF16
-      under bf16-sr, 2 x 2), except bf16-mixed under the flags, where `MasterWeightAdamW` keeps FP64-typed masters and
-      moments (3 x 8);
-    - under ZeRO-1 (NxD's optimizer), the moments and master weights are in the optimizer's dtype: FP64 for
-      bf16-mixed under XLA_DOWNCAST_BF16 (neuronx-distributed, trainer/trainer.py: `optimizer_dtype=torch.double`),
-      else FP32 (torch-xla's ZeroRedundancyOptimizer's default); the masters are saved only where they hold more
-      than the parameters (`training.parallel.neuron.zero1_masters_outrank_parameters`, the same rule, checked
-      against it by a test).
-    """
+    Weights are BF16 for bf16-sr's cast model, else FP32. Moments match the weights, except FP64 masters and
+    moments for bf16-mixed under XLA_DOWNCAST_BF16 (NxD trainer/trainer.py). ZeRO-1 masters are saved only where
+    `zero1_masters_outrank_parameters` says; a test checks the rules agree."""
     mode = config.precision.mode
     flags = precision_by_flags(config, on_trainium(config) or config.training.device == "xla")
     weights = 2 if mode == "bf16-sr" and not flags else 4
@@ -136,14 +106,11 @@ class CheckpointShape:
     world: int
     ranks_per_host: int
     writers: tuple[int, ...]
-    """The global ranks that write a shard or shared file (one per shard, in the manager's shard order), each
-    besides its rank file."""
+    """Global ranks that write a shard or shared file, in the manager's shard order; each also writes a rank file."""
     shard_bytes: int
-    """Bytes of one shard (or the shared) file."""
     rank_bytes: int
-    """Bytes of one rank file."""
     distributed: bool = False
-    """FSDP2: every rank writes its own part of the model and optimizer (DCP), in `rank_bytes`."""
+    """FSDP2: every rank writes its own part of model and optimizer (DCP) in `rank_bytes`."""
 
     @property
     def files(self) -> int:
@@ -155,11 +122,10 @@ class CheckpointShape:
 
 
 def checkpoint_shape(config: HlatConfig) -> CheckpointShape:
-    """The files one checkpoint of `config` writes (training.checkpoint.formats): under NxD (tensor or pipeline
-    parallelism, ZeRO-1) one shard file per (tensor, pipeline) position, written by its first data-parallel replica
-    (neuronx-distributed's rank order: pipeline outermost, then data, then tensor, so the writer of (t, p) is rank
-    p x data x tensor + t), with ZeRO-1's optimizer states in every rank's file; under FSDP2 every rank an equal
-    part; otherwise one shared file written by rank 0."""
+    """The files one checkpoint of `config` writes (training.checkpoint.formats).
+
+    NxD: a shard file per (tensor, pipeline) position, written by rank p x data x tensor + t. FSDP2: an equal part
+    per rank. Otherwise rank 0 writes one shared file."""
     dims = config.parallel_dims
     world = dims.world_size
     params = config.model.num_params()
@@ -188,22 +154,18 @@ def checkpoint_shape(config: HlatConfig) -> CheckpointShape:
 
 @dataclass(frozen=True)
 class StopPlan:
-    """The choices that decide a stop's length."""
-
     name: str
     manifest_connections: int
-    """Rank 0's manifest reads in flight at once (its S3 client's connection pool and reader threads)."""
+    """Rank 0's manifest reads in flight at once."""
     supersede_in_flight: bool
-    """An async save still running at the stop is cut at its next part and left uncommitted, instead of waited
-    for (`CheckpointManager.supersede`)."""
+    """An async save running at the stop is cut at its next part and left uncommitted, not waited for."""
     writers_first: bool
-    """Pacing puts the shard writers first (`write_start_seconds`), instead of every rank in global rank order."""
+    """Pacing puts shard writers first (`write_start_seconds`), not every rank in rank order."""
     steps_to_stop: int = 2
-    """Steps from SIGTERM to the boundary every rank stops at, in the worst case. A vote at every step boundary
-    stops after the step in progress (1); the stop step agreed once through the job's store
-    (training/stop_vote.py) stops after it, or after the next when a rank went past its boundary before it heard (2)."""
+    """Worst-case steps from SIGTERM to the stop boundary: 1 for a per-step vote, 2 for a stop step agreed via the
+    store."""
     write_rate: float = 2000.0
-    """Requests a second all ranks together start at (the manager's write_rate)."""
+    """Requests a second that all ranks together start (the manager's write_rate)."""
 
 
 OLD_PLAN = StopPlan(
@@ -215,12 +177,10 @@ PLAN = StopPlan("now", S3_MAX_POOL_CONNECTIONS, supersede_in_flight=True, writer
 def write_start_seconds(
     rank: int, world_size: int, rate: float | None, writer_index: int | None = None, writers: int = 0
 ) -> float:
-    """Seconds after a save begins that `rank` sends its first write, so that `world_size` ranks, two paced
-    requests each, start at about `rate` a second together (S3 takes 3,500 PUTs a second per prefix,
-    https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html). The `writers` ranks that
-    write a shard (`writer_index`: this rank's place among them, None for the others) go first: they have the most
-    to write, so a shard writer of the last pipeline stage does not wait behind thousands of small rank files; the
-    others follow in rank order. 0 with no rate or one rank."""
+    """Seconds after a save begins that `rank` first writes, pacing all ranks to about `rate` requests a second.
+
+    S3 takes 3,500 PUTs a second per prefix (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html).
+    Shard writers (`writer_index`) go first, as they have most to write."""
     if not rate or world_size <= 1:
         return 0.0
     position = writer_index if writer_index is not None else writers + rank
@@ -269,13 +229,12 @@ class StopTimeline:
 
 
 def grace_seconds(config: HlatConfig) -> float:
-    """The time between SIGTERM and SIGKILL: SageMaker's fixed 120 s, or the local backend's job.stop_grace_seconds."""
+    """Seconds from SIGTERM to SIGKILL: SageMaker's 120, or the local backend's job.stop_grace_seconds."""
     return config.job.stop_grace_seconds if config.job.backend == "local" else SAGEMAKER_GRACE_S
 
 
 def _writes(shape: CheckpointShape, plan: StopPlan) -> tuple[float, str]:
-    """When the last rank's files are written: each rank starts at its paced time and writes at the per-rank rate,
-    or slower when its host's writes together pass the host's ceiling."""
+    """When the last rank's files are written: paced starts at the per-rank rate, capped by the host's ceiling."""
     rank_s = WRITE_MB_S_PER_RANK * 1e6
     host_s = WRITE_GB_S_PER_HOST * 1e9
     writer_of = {rank: i for i, rank in enumerate(shape.writers)}
@@ -306,9 +265,7 @@ def _writes(shape: CheckpointShape, plan: StopPlan) -> tuple[float, str]:
 
 
 def _commit(shape: CheckpointShape, plan: StopPlan) -> tuple[float, str]:
-    """Rank 0's commit once the last file is written: the listing it was polling misses that file, so a poll's
-    wait and one more full listing; every other rank's manifest read through its connections; meta.json and
-    COMMITTED."""
+    """Rank 0's commit after the last file: a poll wait, a full listing, every manifest, meta.json, COMMITTED."""
     pages = math.ceil(shape.files / S3_LIST_PAGE_KEYS)
     listing = COMMIT_POLL_S + 2 * pages * S3_LIST_PAGE_S
     request = S3_SMALL_REQUEST_S + S3_SLOW_SHARE * S3_SLOW_REQUEST_S
@@ -328,8 +285,7 @@ def _staging(shape: CheckpointShape) -> float:
 
 
 def _cut(shape: CheckpointShape) -> float:
-    """How long superseding an in-flight save takes at most: the part each writer has in flight finishes (an upload
-    is cut between parts), on a host whose writers all have one in flight."""
+    """Worst-case time to supersede an in-flight save: each writer on the busiest host finishes its current part."""
     part = min(PART_BYTES, shape.shard_bytes + shape.rank_bytes)
     writers_per_host = max(
         sum(1 for r in shape.writers if r // shape.ranks_per_host == h)
@@ -351,13 +307,8 @@ def stop_timeline(
 ) -> StopTimeline:
     """The stop's worst case from SIGTERM for `config` under `plan`.
 
-    `step_seconds`: the step time (measured by the job, or the plan's estimate; None: left out, the line says so);
-    `plan.steps_to_stop` steps come before the stop's boundary in the worst case (`since_sigterm`: the seconds that
-    actually passed, where the job measured them); `save_seconds`: a measured save
-    (staging, pacing, writes and commit in one figure) in place of the modelled phases; `in_flight`: whether an
-    async save is running at the stop (None: the worst case, whenever training.async_checkpoint is on);
-    `in_flight_left_s`: how long it has left, when the job knows (else all of a save); `grace`: default
-    `grace_seconds(config)`."""
+    Given figures replace modelled ones: `step_seconds` (None: left out), `since_sigterm`, `save_seconds` and
+    `in_flight_left_s`. `in_flight` None assumes the worst case when async checkpoints are on."""
     shape = checkpoint_shape(config)
     measured: list[str] = []
     phases: list[Phase] = []

@@ -1,15 +1,7 @@
 """Run storage: one small interface over local folders and s3:// (fsspec), with one-line errors.
 
-`Storage(url)` is rooted at a folder or prefix; every method takes a path relative to it. Writes of whole
-objects are atomic (local: write a temporary file then rename; S3: a PUT is atomic by itself), so a reader
-never sees half a file; so are objects streamed through `atomic_writer` (S3: a multipart upload, which becomes
-visible only when completed). S3 errors that users cause (no credentials, missing bucket, access denied) become
-`StorageError` with a one-line message saying what to fix.
-
-S3 clients retry throttling (503 SlowDown) and 5xx answers with back-off in botocore's "adaptive" retry mode (which
-also slows the client's own request rate once S3 throttles it), and give up on a stalled connection after bounded
-connect and read timeouts instead of hanging: `S3_CLIENT_CONFIG`. Killed uploads leave incomplete multipart uploads
-that listings do not show and S3 bills; `abort_incomplete_uploads` aborts them.
+`Storage(url)` is rooted at a folder or prefix; paths are relative to it. Whole-object writes are atomic. S3 faults
+users cause become `StorageError`. S3 clients retry and time out (`S3_CLIENT_CONFIG`).
 """
 
 from __future__ import annotations
@@ -44,8 +36,7 @@ _TRANSIENT_CODES = {"SlowDown", "Throttling", "ThrottlingException", "RequestTim
 
 
 def is_transient(exc: BaseException | None) -> bool:
-    """Faults worth another attempt, anywhere in the exception's chain: throttling, timeouts, dropped
-    connections, AWS 5xx-style error codes."""
+    """Whether a fault anywhere in the exception's chain is worth retrying (throttling, timeouts, resets, 5xx codes)."""
     from botocore import exceptions as bexc
 
     transient: tuple[type[BaseException], ...] = (
@@ -70,22 +61,14 @@ def is_transient(exc: BaseException | None) -> bool:
 _TRANSIENT_API_CODES = _TRANSIENT_CODES | {"ServiceUnavailable", "InternalFailure", "RequestLimitExceeded"}
 
 
-# botocore's client config for every S3 Storage (s3fs's config_kwargs), unless the caller passes its own.
-# https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html: "adaptive" is "standard" (exponential
-# back-off with jitter on throttling, 5xx and connection errors) plus a client-side rate limiter that slows the
-# client down once S3 answers SlowDown (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html
-# asks clients to back off and retry on 503 SlowDown). 10 attempts: about a minute of back-off, enough for S3 to scale
-# a prefix. Timeouts: a part upload of 512 MiB at a modest 50 MB/s takes ~11 s, so a read (response) timeout of 120 s
-# means a connection that is stuck, not a slow one; it then fails and is retried instead of hanging the save.
-# Connections: see S3_MAX_POOL_CONNECTIONS.
+# botocore's config for every S3 Storage unless the caller passes its own. "adaptive" retries back off on throttling,
+# 5xx and connection errors, and rate-limit the client after SlowDown
+# (https://boto3.amazonaws.com/v1/documentation/api/latest/guide/retries.html). 10 attempts give S3 about a minute to
+# scale a prefix. A 512 MiB part takes ~11 s at 50 MB/s, so a 120 s read timeout means a stuck connection.
 S3_MAX_POOL_CONNECTIONS = 64
-"""Connections one S3 client keeps in flight at once (botocore's max_pool_connections, default 10,
-https://docs.aws.amazon.com/botocore/latest/reference/config.html; aiobotocore under s3fs makes it its aiohttp
-connector's limit): also how many reads a caller sends together (`Storage.parallel_reads`). Rank 0 reads every
-other rank's manifest at each commit, 8,191 of them at 256 hosts: at 10 in flight and ~50 ms each that is 41 s of
-SageMaker's 120 s stop grace, at 64 about 6 s (core/stop_timeline.py). 64 in flight stay under S3's 5,500 GET/s
-per prefix (https://docs.aws.amazon.com/AmazonS3/latest/userguide/optimizing-performance.html) for requests of 12 ms
-or more."""
+"""Connections one S3 client keeps, and reads a caller sends together (`Storage.parallel_reads`).
+
+botocore's default is 10; 64 lets rank 0 read 8,191 manifests within the stop grace (docs/multi-host.md)."""
 S3_CLIENT_CONFIG: dict[str, Any] = {
     "retries": {"mode": "adaptive", "total_max_attempts": 10},
     "connect_timeout": 10,
@@ -100,7 +83,7 @@ def _is_s3(url: str) -> bool:
 
 @contextlib.contextmanager
 def storage_errors(uri: str) -> Iterator[None]:
-    """Turn fsspec/botocore exceptions raised while touching `uri` into StorageError subclasses."""
+    """Turn fsspec/botocore exceptions raised while touching `uri` into StorageErrors."""
     try:
         yield
     except StorageError:
@@ -113,14 +96,12 @@ def storage_errors(uri: str) -> Iterator[None]:
 
 
 def translate_error(exc: BaseException, uri: str) -> BaseException:
-    """The StorageError that explains `exc`, or `exc` itself when it is not a storage fault we know."""
+    """The StorageError explaining `exc`, or `exc` itself when it is not a known storage fault."""
     from botocore import exceptions as bexc
 
     text = f"{type(exc).__name__}: {exc}"
     bucket = uri.split("/")[2] if _is_s3(uri) else ""
-    # Look for error codes in the message with the path taken out: a path such as '.../shard-00503.parquet'
-    # or a run id containing '503' must not make, say, an IsADirectoryError look transient (and be retried).
-    # fsspec messages name the path without the 's3://' scheme, so both spellings are removed.
+    # Match error codes with the path removed (with and without 's3://'): '.../shard-00503.parquet' is no 503.
     bare = uri.split("://", 1)[-1]
     text = text.replace(uri, "<path>").replace(bare, "<path>") if bare else text
     if (
@@ -151,8 +132,7 @@ def translate_error(exc: BaseException, uri: str) -> BaseException:
 
 
 class _PartWriter:
-    """Feeds an s3fs upload at most one part per write. s3fs copies each write whole into its buffer before
-    cutting parts from it: a 2 GB tensor written at once would be held twice in memory."""
+    """Feeds an s3fs upload at most one part per write; s3fs buffers each write whole, doubling memory."""
 
     def __init__(self, upload: Any) -> None:
         self._upload = upload
@@ -171,8 +151,7 @@ class _PartWriter:
 
 
 def _sync_file_range() -> Any:
-    """Linux's sync_file_range(2) through libc (None elsewhere): starts the writeback of a file's range to disk
-    without waiting for it."""
+    """Linux's sync_file_range(2) through libc, or None: start writing a file range back without waiting."""
     import ctypes
     import ctypes.util
     import sys
@@ -195,10 +174,8 @@ _WRITEBACK_EVERY = 64 << 20
 
 
 class _WritebackFile:
-    """A local file being written whole (a checkpoint): every 64 MiB written, the disk is asked to start writing
-    them back (sync_file_range), so the disk works while the writer is still producing bytes instead of all at
-    the final fsync. Without it a large file sits in the page cache (up to the kernel's dirty limits) until fsync,
-    and its save takes the serialisation's time plus the disk's, not the longer of the two."""
+    """A local file written whole that starts the disk's writeback every 64 MiB, not all at fsync
+    (docs/benchmarks.md)."""
 
     def __init__(self, fh: IO[bytes]) -> None:
         self._fh = fh
@@ -220,7 +197,7 @@ class _WritebackFile:
 
 
 class Storage:
-    """A folder (local path or s3:// prefix) that run stages read and write through relative paths."""
+    """A folder (local path or s3:// prefix) that stages read and write through relative paths."""
 
     def __init__(self, url: str, **storage_options: Any) -> None:
         url = str(url)
@@ -245,8 +222,7 @@ class Storage:
 
     @property
     def parallel_reads(self) -> int:
-        """How many reads a caller should have in flight at once (its threads): an S3 storage's connection pool
-        (max_pool_connections: more threads would only queue for a connection), 16 on other file systems."""
+        """Reads a caller should have in flight: an S3 storage's connection pool, else 16."""
         if not _is_s3(self.url):
             return 16
         config = {**S3_CLIENT_CONFIG, **self._options.get("config_kwargs", {})}
@@ -254,24 +230,22 @@ class Storage:
 
     @property
     def block_size(self) -> int | None:
-        """The S3 part size this storage's options ask for (default_block_size), None when they do not."""
+        """The S3 part size this storage's options ask for (default_block_size), or None."""
         value = self._options.get("default_block_size")
         return int(value) if value else None
 
     def child(self, *parts: str) -> Storage:
-        """The storage rooted at a sub-folder."""
         return Storage(self.uri(*parts), **self._options)
 
     def parent(self) -> Storage:
-        """The storage rooted at the folder holding this one."""
         return Storage(self.url.rpartition("/")[0] or "/", **self._options)
 
     def path(self, *parts: str) -> str:
-        """Filesystem path (as fsspec sees it) of a relative path."""
+        """Filesystem path of a relative path, as fsspec sees it."""
         return posixpath.join(self.root, *parts) if parts else self.root
 
     def uri(self, *parts: str) -> str:
-        """Full URL of a relative path (what users see in messages and reports)."""
+        """Full URL of a relative path, as messages show it."""
         return "/".join([self.url, *[p.strip("/") for p in parts if p]])
 
     # -- reading -----------------------------------------------------------------------------------------
@@ -280,7 +254,7 @@ class Storage:
             return bool(self.fs.exists(self.path(rel)))
 
     def require(self, rel: str = "", what: str = "") -> None:
-        """Raise StorageNotFound unless the path exists, saying whether the whole bucket is missing."""
+        """Raise StorageNotFound unless the path exists, saying if the whole bucket is missing."""
         if self.exists(rel):
             return
         uri = self.uri(rel)
@@ -296,9 +270,9 @@ class Storage:
         raise StorageNotFound(f"{prefix}{uri} does not exist")
 
     def read_bytes(self, rel: str, part_size: int | None = None, one_request: bool = False) -> bytes:
-        """A whole object. S3: s3fs asks its size (HEAD), then GETs it whole, or in concurrent ranged GETs of
-        `part_size` bytes (default: the storage's block size, 50 MiB) when it is bigger; `one_request`: a single GET
-        and no HEAD, for objects known to be small (a checkpoint's meta.json, marker, manifests)."""
+        """A whole object; `one_request` skips S3's HEAD for objects known to be small.
+
+        Large S3 objects are read in concurrent ranged GETs of `part_size` (default: the block size)."""
         with storage_errors(self.uri(rel)):
             options: dict[str, Any] = {}
             if _is_s3(self.url):
@@ -307,8 +281,7 @@ class Storage:
             return data
 
     def read_range(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of an object: one ranged GET on S3 (no HEAD), a seek and read on a file system. A
-        safetensors reader takes one tensor at a time this way, never the whole file."""
+        """Bytes [start, end) of an object, in one ranged GET on S3."""
         with storage_errors(self.uri(rel)):
             data: bytes = self.fs.cat_file(self.path(rel), start=start, end=end)
             return data
@@ -324,9 +297,7 @@ class Storage:
             return int(self.fs.size(self.path(rel)))
 
     def modified(self, rel: str) -> float:
-        """When the object was last written, by the store's own clock (epoch seconds): a local file's mtime, set by
-        the kernel of the machine that wrote it (a shared file system's server); S3's LastModified, set by S3 when
-        the PUT completed (second resolution), read with a HEAD through fsspec's info()."""
+        """When the object was last written, in epoch seconds by the store's clock: mtime, or S3's LastModified."""
         with storage_errors(self.uri(rel)):
             if self.is_local:
                 return os.stat(self.path(rel)).st_mtime
@@ -344,7 +315,7 @@ class Storage:
         raise StorageError(f"{self.uri(rel)}: the store reports no modification time ({sorted(info)})")
 
     def list(self, rel: str = "") -> list[str]:
-        """Names (not paths) directly under a folder, sorted; empty when the folder does not exist."""
+        """Names directly under a folder, sorted; empty when it does not exist."""
         with storage_errors(self.uri(rel)):
             if not self.fs.exists(self.path(rel)):
                 return []
@@ -353,7 +324,6 @@ class Storage:
 
     # `builtins.list`: inside this class body `list` names the method above (mypy: "not valid as a type").
     def walk_files(self, rel: str = "") -> builtins.list[str]:
-        """Relative paths of every file under a folder, sorted."""
         base = self.path(rel)
         with storage_errors(self.uri(rel)):
             if not self.fs.exists(base):
@@ -364,7 +334,7 @@ class Storage:
 
     @contextlib.contextmanager
     def open(self, rel: str, mode: str = "rb") -> Iterator[IO[Any]]:
-        """Stream a file. Writing through open() is not atomic: prefer write_bytes or atomic_writer."""
+        """Stream a file. Writes through open() are not atomic: prefer write_bytes or atomic_writer."""
         with storage_errors(self.uri(rel)):
             if "w" in mode and self.is_local:
                 os.makedirs(os.path.dirname(self.path(rel)), exist_ok=True)
@@ -386,8 +356,7 @@ class Storage:
                         os.fsync(fh.fileno())
                     os.replace(tmp, target)
                 except BaseException:
-                    # A failed write (disk full, bad data, interrupt) must not leave a stray .tmp file that
-                    # list() and walk_files() would then report next to the real ones.
+                    # A failed write must leave no stray .tmp file for list() and walk_files() to report.
                     with contextlib.suppress(OSError):
                         os.remove(tmp)
                     raise
@@ -396,15 +365,10 @@ class Storage:
 
     @contextlib.contextmanager
     def atomic_writer(self, rel: str, part_size: int | None = None) -> Iterator[IO[bytes]]:
-        """A binary file to stream one object into: it appears whole when the block ends, and not at all when the
-        block raises. What is too big to hold in memory twice (checkpoints) goes through here.
+        """A binary file to stream one object into: whole when the block ends, absent when it raises.
 
-        Local: a temporary file in the same folder, its writeback to disk started as it grows, fsynced, then renamed
-        over the target. S3: s3fs's writable file, a multipart upload (a part or two in memory at a time) that S3
-        shows only once completed on close, aborted on error; an object smaller than one part goes up in a single
-        PUT. `part_size` (S3 only): the bytes of each part (default: the storage's, s3fs's 50 MiB unless
-        default_block_size says otherwise). Other filesystems: gathered in memory, then written like write_bytes.
-        """
+        For objects too big to hold twice. Local: a temporary file, fsynced and renamed. S3: a multipart upload of
+        `part_size` parts, visible on close, aborted on error."""
         uri, target = self.uri(rel), self.path(rel)
         if self.is_local:
             with storage_errors(uri):
@@ -432,8 +396,8 @@ class Storage:
                     yield cast(IO[bytes], _PartWriter(upload))
                     upload.close()  # completes the upload: the object appears now, whole
             except BaseException:
-                # Not close(): it would complete the upload and publish the partial object. discard() aborts the
-                # multipart upload; marking the file closed keeps its __del__ from closing (publishing) it later.
+                # Not close(), which would publish the partial object: discard() aborts the upload, and marking the
+                # file closed keeps __del__ from publishing it later.
                 with contextlib.suppress(Exception):
                     upload.discard()
                 upload.closed = True
@@ -450,7 +414,7 @@ class Storage:
         self.write_text(rel, json.dumps(obj, indent=2, sort_keys=True, default=str) + "\n")
 
     def put_file(self, local_path: str, rel: str) -> None:
-        """Upload (or copy) a local file to a relative path, atomically for local targets."""
+        """Upload or copy a local file to a relative path, atomically for local targets."""
         with storage_errors(self.uri(rel)):
             if self.is_local:
                 with open(local_path, "rb") as fh:
@@ -459,7 +423,6 @@ class Storage:
                 self.fs.put_file(local_path, self.path(rel))
 
     def get_file(self, rel: str, local_path: str) -> None:
-        """Download a file to a local path."""
         with storage_errors(self.uri(rel)):
             os.makedirs(os.path.dirname(os.path.abspath(local_path)), exist_ok=True)
             self.fs.get_file(self.path(rel), local_path)
@@ -471,12 +434,11 @@ class Storage:
                 self.fs.rm(self.path(rel), recursive=recursive)
 
     def abort_incomplete_uploads(self, rel: str = "") -> int:
-        """Abort what killed writers left under a folder; return how many. S3: every multipart upload begun under
-        the prefix and never completed (ListMultipartUploads with its Prefix, then AbortMultipartUpload each):
-        listings do not show them, yet S3 stores and bills their parts until they are aborted
+        """Abort what killed writers left under a folder; return how many.
+
+        S3: incomplete multipart uploads, hidden from listings but billed
         (https://docs.aws.amazon.com/AmazonS3/latest/userguide/mpu-abort-incomplete-mpu-lifecycle-config.html).
-        Local: the stray `.tmp-*` files of interrupted atomic writes. Only call it when no writer is at work
-        there: an upload in progress would be aborted too."""
+        Local: stray `.tmp-*` files. Call it only when no writer is at work there."""
         uri = self.uri(rel)
         if self.is_local:
             removed = 0
@@ -514,20 +476,16 @@ class Storage:
             markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
     def check_writable(self) -> None:
-        """Fail early, with a one-line message, when the root cannot be written (bucket, credentials,
-        policy)."""
+        """Fail early, in one line, when the root cannot be written."""
         probe = f".hlat-write-probe-{uuid.uuid4().hex[:8]}"
         self.write_bytes(probe, b"ok")
         self.remove(probe)
 
 
 class StorageClock:
-    """Time as run storage keeps it: one clock that a job's hosts and its supervisor (on other machines, whose own
-    clocks may disagree by minutes) both read. `modified(rel)`: when an object was last written; `now()`: the
-    store's present, as the time of a tiny probe object written and read back (one PUT and one HEAD on S3). Only
-    differences of store times are meaningful to a reader (`now() - modified(rel)`: how long ago a heartbeat was
-    written); the reader's own clock then only measures intervals. A test or a simulation replaces both methods
-    (a subclass on its virtual clock)."""
+    """One clock for a job's hosts and its supervisor: the store's.
+
+    `now()` writes and reads back a tiny probe. Only differences of store times mean anything."""
 
     def __init__(self, storage: Storage, probe: str = ".hlat-clock-probe") -> None:
         self.storage, self.probe = storage, probe
@@ -540,7 +498,7 @@ class StorageClock:
             return None
 
     def now(self) -> float:
-        """The store's time now: the probe's modification time right after writing it."""
+        """The probe's modification time right after writing it."""
         self.storage.write_bytes(self.probe, b"")
         return self.storage.modified(self.probe)
 

@@ -1,16 +1,9 @@
 """Where the CLI's logs go: a quiet terminal, and the whole story in a log file.
 
-The terminal shows Prefect's one-line records (run starts, stage headers, progress, states) but not the
-tracebacks that Prefect attaches to a failed task or flow run: a failure inside a nested stage would otherwise
-print one traceback per level (88 to 320 lines for one cause). Every record, tracebacks included, also goes to a
-log file, `$HLAT_LOG_DIR` (default `~/.cache/hlat/logs`), one file per command; the CLI names it when a command
-fails. `--verbose` keeps the tracebacks on the terminal as well.
-
-Ctrl-C is no crash: Prefect marks each run it interrupts `Crashed` and logs "Crash detected!" at ERROR (one line
-per level: task, stage flow, parent flow). Nor is a job stopped by `hlat stop` a failure (the stage raises
-`StoppedByUser`, which Prefect logs at ERROR and marks `Failed`). `Interruptions` holds those records back (from the
-terminal, the file and the API alike) and notes the runs, and `cancel()` then sets them `Cancelled` through the API,
-quietly.
+The terminal shows Prefect's one-line records without tracebacks, since a nested failure would print one per level.
+Every record also goes to one file per command under `$HLAT_LOG_DIR`; `--verbose` keeps tracebacks on the terminal.
+Ctrl-C and `hlat stop` are no failure: `Interruptions` holds back Prefect's crash and failure records for them, and
+`cancel()` marks those runs `Cancelled`.
 """
 
 from __future__ import annotations
@@ -32,9 +25,9 @@ USER_STOP_MESSAGE = "Stopped by hlat stop at a checkpoint; run the same command 
 
 
 class Interruptions(logging.Filter):
-    """On Prefect's run loggers: drops the records of a run crashed by Ctrl-C ("Crash detected! Execution was
-    aborted by an interrupt signal.", "Finished in state Crashed(...)") or failed by `hlat stop` (StoppedByUser), and
-    keeps the run's id, for `cancel`."""
+    """On Prefect's run loggers: drops the records of a run crashed by Ctrl-C or failed by `hlat stop`.
+
+    It keeps each such run's id for `cancel`."""
 
     LOGGERS = ("prefect.flow_runs", "prefect.task_runs")
 
@@ -65,7 +58,7 @@ class Interruptions(logging.Filter):
         return False
 
     def cancel(self) -> None:
-        """Set the interrupted runs Cancelled (they were marked Crashed); failing to is a line in the log file."""
+        """Set the interrupted runs Cancelled (Prefect marked them Crashed); a failure is a line in the log file."""
         if not (self.flow_runs or self.task_runs):
             return
         from uuid import UUID
@@ -92,7 +85,7 @@ def log_dir() -> Path:
 
 
 class _WithoutTraceback(logging.Formatter):
-    """Formats a record as `inner` does, less its traceback and stack (the record itself is left untouched)."""
+    """Formats a record as `inner` does, less its traceback and stack; the record is left untouched."""
 
     def __init__(self, inner: logging.Formatter) -> None:
         super().__init__()
@@ -128,9 +121,7 @@ class CommandLog:
 
     def attach(self, verbose: bool) -> None:
         """Send every log record to the file; unless `verbose`, strip tracebacks from the terminal's records."""
-        # Prefect reads its settings once, when first imported: the flows' environment defaults (the ephemeral
-        # server's start-up timeout, no telemetry) must be set before (seen: a fresh clone's first `hlat pretrain`
-        # timed out after Prefect's default 20 s).
+        # Prefect reads its settings once, at first import, so the flows' environment defaults are set before it.
         importlib.import_module("hlat.flows")
         from prefect.logging.configuration import ensure_logging_setup
         from prefect.logging.handlers import PrefectConsoleHandler

@@ -1,32 +1,8 @@
 """`hlat deploy` and `hlat worker`: register deployments/prefect.yaml and serve its work pool.
 
-`hlat deploy` is `prefect deploy` on the project's file, from the project root, with these things added: the
-work pool is created when missing (so the deployments are runnable at once) and an existing pool of another
-type than --type is an error (not silently kept); the `{{ $VAR }}` placeholders of the deployments being
-registered are checked against the environment first (a missing one is named with what it is for, instead of a
-literal '{{ $HLAT_S3_ROOT }}' landing in a deployment's parameters); HLAT_PROJECT_DIR defaults to this checkout and
-HLAT_CODE_DIR, where the AWS deployments find the code, to the worker image's copy (/opt/hlat) on an ecs or
-kubernetes pool and to this checkout on a process pool; and with --type ecs or kubernetes and no --name, the
-deployments that run from this checkout, which such a worker cannot reach, are left out.
-Last, the registered deployments' parameter forms are made submittable as they open: an optional parameter
-(`run_id`, `storage`, `step`) is drawn as its type alone, and its `"default": null` is taken out of the stored
-schema, since the UI would fill the field with that null and then refuse it as not a string (or integer).
-
-The AWS account as code: deployments/account.yaml is a CloudFormation stack (bucket, roles, ECR repository, ECS
-cluster); `push_worker_image` builds deployments/worker.Dockerfile from this checkout and pushes it to the stack's
-repository, tagged with the checkout's commit (the image is the code the flow runs run); `deploy(..., stack=...)`
-reads the stack's outputs and sets everything a user would otherwise hand-edit: HLAT_S3_ROOT, the Prefect Secret
-block holding the SageMaker role, and the ECS pool's base job template (image, cluster, task and execution roles,
-VPC, subnets, logs, size), refusing a worker image that was not pushed for this commit.
-
-With a notification block named (a deployment's alerts.block, or HLAT_ALERTS_BLOCK), `hlat deploy` also creates or
-updates the alert automations through it (tasks/alerts.py): failed or crashed flow runs, stalled trainings,
-relaunches, budget crossings, skipped loss spikes, evaluations below their floor.
-
-`hlat worker` creates the pool when missing (or refuses one of another type) and then becomes `prefect worker
-start` (same process id, so a supervisor or a test stops it with one signal: SIGINT or SIGTERM, which Prefect
-turns into SIGINT; SIGINT is reset to its default first, since a worker started in the background by a
-non-interactive shell inherits it ignored and would then ignore SIGTERM as well).
+`hlat deploy` is `prefect deploy` plus checks and defaults: the pool exists with the asked type, placeholders are set,
+AWS work sits behind a guarded API, and parameter forms are submittable. With a stack it also fills what a user would
+hand-edit, and creates the alert automations. docs/deployments.md is the user's guide.
 """
 
 from __future__ import annotations
@@ -56,13 +32,12 @@ DEFAULT_POOL = "hlat"
 POOL_TYPES = ("process", "ecs", "kubernetes")
 
 IMAGE_CODE_DIR = "/opt/hlat"
-"""Where deployments/worker.Dockerfile puts the project (its WORKDIR): the AWS deployments' code on ecs and
-kubernetes pools."""
+"""The worker image's WORKDIR, where container pools find the AWS deployments' code."""
 WORKER_DOCKERFILE = PROJECT_ROOT / "deployments" / "worker.Dockerfile"
 ROLE_SECRET = "hlat-sagemaker-role"
 """The Prefect Secret block the AWS deployments name in job.role_arn_secret (deployments/prefect.yaml)."""
 FLOW_RUN_CPU, FLOW_RUN_MEMORY = 4096, 16384
-"""The ECS flow-run task's size: the AWS presets' tokenizer sample is trained in the flow run itself."""
+"""The ECS flow-run task's size; AWS presets train their tokenizer sample in the flow run."""
 
 ENV_HELP = {
     "HLAT_PROJECT_DIR": "the checkout local workers run the flows from",
@@ -72,7 +47,7 @@ ENV_HELP = {
 
 
 def _prefect() -> str:
-    """The `prefect` executable of this environment (next to this Python), else the one on PATH."""
+    """This environment's `prefect` executable, else the one on PATH."""
     beside = Path(sys.executable).with_name("prefect")
     return str(beside) if beside.exists() else (shutil.which("prefect") or "prefect")
 
@@ -86,8 +61,7 @@ def _git(*args: str) -> str | None:
 
 
 def deploy_env(environ: dict[str, str] | None = None, pool_type: str = "process") -> dict[str, str]:
-    """The environment `prefect deploy` runs in: the caller's, with this checkout's defaults filled in, and the AWS
-    deployments' code where a worker of `pool_type` finds it (the image's copy in a container, else this checkout)."""
+    """The caller's environment plus this checkout's defaults; HLAT_CODE_DIR suits the pool type."""
     env = dict(os.environ if environ is None else environ)
     env.setdefault("HLAT_PROJECT_DIR", str(PROJECT_ROOT))
     env.setdefault("HLAT_CODE_DIR", str(PROJECT_ROOT) if pool_type == "process" else IMAGE_CODE_DIR)
@@ -95,13 +69,13 @@ def deploy_env(environ: dict[str, str] | None = None, pool_type: str = "process"
 
 
 def load_deployments(path: Path = PREFECT_FILE) -> tuple[list[dict[str, Any]], list[Any]]:
-    """The deployments of a prefect.yaml (YAML anchors and merge keys resolved) and its default pull steps."""
+    """A prefect.yaml's deployments (anchors and merge keys resolved) and its default pull steps."""
     doc = yaml.safe_load(path.read_text())
     return list(doc.get("deployments") or []), list(doc.get("pull") or [])
 
 
 def select(deployments: list[dict[str, Any]], patterns: Sequence[str]) -> list[dict[str, Any]]:
-    """Deployments whose name matches any glob pattern, e.g. '*-tiny' or 'hlat/pretrain-*' (all when none)."""
+    """Deployments whose name matches any glob (all when none), e.g. '*-tiny'."""
     if not patterns:
         return deployments
     names = [p.rsplit("/", 1)[-1] for p in patterns]  # 'flow/deployment' or 'deployment'
@@ -118,9 +92,7 @@ _IMAGE_DIRS = ("{{ $HLAT_CODE_DIR }}", IMAGE_CODE_DIR)
 
 
 def code_source(deployment: dict[str, Any], default_pull: list[Any]) -> str:
-    """Where a deployment's flow code comes from, by its pull steps (its own, else the file's): 'remote' (fetched:
-    git, S3, a block), 'image' (a working directory in the worker image, `HLAT_CODE_DIR`) or 'checkout' (a folder
-    on the worker's own machine, this checkout)."""
+    """Where a deployment's flow code comes from, by its pull steps: 'remote', 'image' or 'checkout'."""
     steps = [step for step in deployment.get("pull", default_pull) or [] if isinstance(step, dict)]
     names = [str(name).rsplit(".", 1)[-1] for step in steps for name in step]
     if any(n.startswith(_FETCHING_STEPS) for n in names):
@@ -136,18 +108,15 @@ def code_source(deployment: dict[str, Any], default_pull: list[Any]) -> str:
 
 
 def runs_from_checkout(deployment: dict[str, Any], default_pull: list[Any]) -> bool:
-    """Whether a deployment's pull steps only point at a local folder of the machine it was deployed from."""
     return code_source(deployment, default_pull) == "checkout"
 
 
 def default_selection(
     deployments: list[dict[str, Any]], default_pull: list[Any], pool_type: str
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
-    """What `hlat deploy` without --name registers on a pool of `pool_type`, and what it leaves out.
+    """What `hlat deploy` without --name registers on a `pool_type` pool, and what it leaves out.
 
-    A process pool gets every deployment. An ecs or kubernetes pool runs each flow run in a fresh container,
-    where a local checkout's path means nothing: the deployments that run from it are left out.
-    """
+    Container pools leave out deployments that run from this checkout, whose path means nothing there."""
     if pool_type == "process":
         return deployments, []
     local = [d for d in deployments if runs_from_checkout(d, default_pull)]
@@ -155,7 +124,7 @@ def default_selection(
 
 
 def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], env: dict[str, str]) -> list[str]:
-    """Environment variables that the deployments' `{{ $VAR }}` placeholders name and `env` lacks."""
+    """Variables named by the deployments' `{{ $VAR }}` placeholders that `env` lacks."""
     from prefect.utilities.templating import PlaceholderType, find_placeholders
 
     needed = {
@@ -168,12 +137,11 @@ def missing_env(deployments: Iterable[dict[str, Any]], default_pull: list[Any], 
 
 
 class DeployError(RuntimeError):
-    """A work pool could not be created, or is of another type (the message says why); the CLI prints it as one
-    line."""
+    """A work pool could not be created, or has another type; one line."""
 
 
 def api_url() -> str:
-    """The Prefect API this process talks to; deploying to an ephemeral one would register nothing lasting."""
+    """The Prefect API this process talks to; an ephemeral one would register nothing lasting."""
     from prefect.settings import PREFECT_API_URL
 
     url = PREFECT_API_URL.value()
@@ -189,8 +157,7 @@ API_WAIT_SECONDS = 90.0
 
 
 def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
-    """Wait until the Prefect API at `url` answers its health check: a server started a moment ago with
-    `prefect server start --background` takes some 20 s to answer on 2 cores."""
+    """Wait until the API at `url` passes its health check (a fresh background server takes ~20 s)."""
     import time
     import urllib.request
 
@@ -214,9 +181,7 @@ def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
 
 
 def api_guarded(url: str) -> bool:
-    """Whether the Prefect API at `url` refuses a request that carries no credentials (401 or 403), as a server
-    with `PREFECT_SERVER_API_AUTH_STRING` and Prefect Cloud do; False when it answers one. The health check is
-    exempt from a server's authentication, so a listing is asked for."""
+    """Whether the API at `url` refuses an unauthenticated listing (401 or 403); the health check is always open."""
     opener = httpx.Client(trust_env=False, timeout=10)
     try:
         with opener:
@@ -231,7 +196,7 @@ def api_guarded(url: str) -> bool:
 
 
 def loopback(url: str) -> bool:
-    """Whether `url`'s host is this machine's loopback (127.0.0.0/8, ::1, localhost): no other machine reaches it."""
+    """Whether `url`'s host is this machine's loopback."""
     import ipaddress
 
     host = httpx.URL(url).host
@@ -244,16 +209,14 @@ def loopback(url: str) -> bool:
 
 
 def aws_deployments(deployments: Iterable[dict[str, Any]]) -> list[str]:
-    """The names of the deployments whose runs go to AWS (their storage is HLAT_S3_ROOT, an s3:// root)."""
+    """The deployments whose storage is an s3:// root (HLAT_S3_ROOT)."""
     return [d["name"] for d in deployments if "HLAT_S3_ROOT" in str((d.get("parameters") or {}).get("storage", ""))]
 
 
 def check_api_guarded(url: str, exposed: str | None, pool_type: str, allow_open: bool) -> None:
-    """Refuse to put AWS work behind a Prefect API that anyone who reaches it may use (`exposed` says what: AWS
-    deployments, an ECS pool; None: nothing of AWS): a run starts SageMaker jobs as the flow-run role, so an open API
-    is a door to the account. An API on this machine's loopback serving a process pool is exempt (only this
-    machine's users reach it, and a process worker runs on it); an ECS or Kubernetes pool's flow runs reach the API
-    over the network, so it must be guarded there. `allow_open` (`--allow-open-server`) says the user knows."""
+    """Refuse to put AWS work (`exposed`) behind a Prefect API anyone reaching it may use.
+
+    An open API is a door to the account. A loopback API serving a process pool is exempt. `allow_open` overrides."""
     if exposed is None or allow_open or (pool_type == "process" and loopback(url)):
         return
     if api_guarded(url):
@@ -267,7 +230,7 @@ def check_api_guarded(url: str, exposed: str | None, pool_type: str, allow_open:
 
 
 def exposed_deployments(deployments: Iterable[dict[str, Any]]) -> str | None:
-    """What of AWS registering `deployments` exposes: 'N AWS deployment(s) (names)', or None."""
+    """'N AWS deployment(s) (names)' that registering `deployments` exposes, or None."""
     names = aws_deployments(deployments)
     if not names:
         return None
@@ -275,7 +238,6 @@ def exposed_deployments(deployments: Iterable[dict[str, Any]]) -> str | None:
 
 
 def existing_pool_type(name: str) -> str | None:
-    """The type of the work pool `name`, or None when there is no such pool."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -292,8 +254,7 @@ def existing_pool_type(name: str) -> str | None:
 
 
 def _existing_type(pools: Iterable[str]) -> str | None:
-    """The type of the first of `pools` that exists; None if none does or the API is not reached (the checks that
-    follow say what is wrong more usefully)."""
+    """The type of the first existing pool of `pools`; None if none, or if the API is unreachable."""
     try:
         return next((t for p in sorted(pools) if (t := existing_pool_type(p))), None)
     except DeployError:
@@ -303,13 +264,10 @@ def _existing_type(pools: Iterable[str]) -> str | None:
 def ensure_pool(
     name: str, pool_type: str | None, env: dict[str, str], base_job_template: dict[str, Any] | None = None
 ) -> str:
-    """Create the work pool `name` of `pool_type` (None: process) unless it exists; returns what was done.
+    """Create the work pool `name` of `pool_type` (None: process) unless it exists; return what was done.
 
-    An existing pool of another type than the one asked for is an error: its worker would run the flows elsewhere
-    than asked (a process pool asked for as ecs runs them on the worker's host, from paths a container would not
-    have). With no type asked for, an existing pool is taken as it is. `base_job_template` (the ECS template made
-    from the account stack) replaces the pool's own, whether the pool is created or already there.
-    """
+    An existing pool of another type is an error: its worker would run flows elsewhere. `base_job_template`
+    replaces the pool's own either way."""
     found = existing_pool_type(name)
     if found is not None and pool_type is not None and found != pool_type:
         raise DeployError(
@@ -336,7 +294,6 @@ def ensure_pool(
 
 
 def _set_pool_template(name: str, pool_type: str, template: dict[str, Any], create: bool) -> str:
-    """Create the pool with `template` as its base job template, or give the existing pool that template."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import WorkPoolCreate, WorkPoolUpdate
     from prefect.exceptions import PrefectHTTPStatusError
@@ -364,19 +321,11 @@ def deploy(
     alerts_block: str | None = None,
     allow_open_server: bool = False,
 ) -> int:
-    """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`. `pool_type`
-    None: the existing pool's type, or process for a new pool (ecs with a `stack`).
+    """Check, create the pool, then `prefect deploy` the selected deployments of `prefect_file`.
 
-    Alerts: when the deployments' configs name a notification block (alerts.block), or `alerts_block` (else
-    HLAT_ALERTS_BLOCK) does, the alert automations are created or updated through it (`deployment_alerts`).
-
-    With `stack` (the CloudFormation stack of deployments/account.yaml, in `region` or boto3's default): its
-    RunsRoot is HLAT_S3_ROOT unless that is set, its execution role is saved in the Secret block the AWS
-    deployments read, and an ECS pool gets the base job template made from its outputs, with this checkout's
-    worker image, which must have been pushed (`push_worker_image`).
-
-    AWS deployments are registered only on a Prefect API that refuses unauthenticated requests
-    (`check_api_guarded`), unless `allow_open_server`."""
+    `pool_type` None: the existing pool's type, else process (ecs with a `stack`). With `stack`, the stack's outputs
+    fill HLAT_S3_ROOT, the role secret and the ECS template; its worker image must be pushed. A notification block
+    gets the alert automations."""
     api = api_url()
     deployments, default_pull = load_deployments(prefect_file)
     pools = {(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in deployments}
@@ -447,9 +396,7 @@ def deploy(
 
 
 def deployment_alerts(deployments: Iterable[dict[str, Any]], block: str | None) -> tuple[str, float] | None:
-    """The notification block and stalled-training window of the alert automations (`tasks.alerts.alerts_settings`)
-    from the deployments' configs (their preset and overrides, as their flow runs build them) and `block`; None: no
-    alerts. A deployment whose config does not build is named in the error."""
+    """The alert automations' block and stall window from the deployments' configs and `block`; None: no alerts."""
     from hlat.core.presets import load_config
     from hlat.flows.params import overrides_dict
     from hlat.tasks.alerts import alerts_settings
@@ -466,7 +413,7 @@ def deployment_alerts(deployments: Iterable[dict[str, Any]], block: str | None) 
 
 
 def run_prefect_deploy(cmd: list[str], env: dict[str, str]) -> int:
-    """Run `prefect deploy`, its output shown as it comes less the repeated worker advice; its exit code."""
+    """Run `prefect deploy` less its repeated worker advice; return its exit code."""
     with subprocess.Popen(cmd, cwd=PROJECT_ROOT, env=env, stdout=subprocess.PIPE, text=True) as proc:
         assert proc.stdout is not None
         for line in without_worker_hints(proc.stdout):
@@ -475,8 +422,7 @@ def run_prefect_deploy(cmd: list[str], env: dict[str, str]) -> int:
 
 
 def without_worker_hints(lines: Iterable[str]) -> Iterator[str]:
-    """`prefect deploy`'s output less its advice to start a worker, which it repeats after every deployment (with
-    Prefect's command, where `hlat worker` is the one to use here): said once, by `deploy`, at the end."""
+    """`prefect deploy`'s output less its advice to start a worker; `deploy` says it once."""
     skipping = False
     for line in lines:
         if line.lstrip().startswith("To execute flow runs from th"):
@@ -488,8 +434,7 @@ def without_worker_hints(lines: Iterable[str]) -> Iterator[str]:
 
 
 def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
-    """A deployment's parameter schema without the `"default": null` of its optional typed parameters (see the
-    module's docstring); what a field left empty means is said in its description."""
+    """A parameter schema without its optional parameters' `"default": null`, which the UI would fill then refuse."""
     properties = {
         name: {k: v for k, v in prop.items() if not (k == "default" and v is None and "type" in prop)}
         for name, prop in schema.get("properties", {}).items()
@@ -498,7 +443,7 @@ def form_schema(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def submittable_forms(names: Sequence[str]) -> None:
-    """Store `form_schema` of each named deployment's parameter schema (as `prefect deploy` registered it)."""
+    """Store `form_schema` of each named deployment's registered parameter schema."""
     from prefect.client.orchestration import get_client
     from prefect.client.schemas.actions import DeploymentUpdate
     from prefect.client.schemas.filters import DeploymentFilter, DeploymentFilterName
@@ -525,7 +470,6 @@ STACK_OUTPUTS = (
     "SubnetIds",
     "AssignPublicIp",
 )
-"""The outputs of deployments/account.yaml that the deployments and the ECS pool are made from."""
 CREATE_STACK = (
     "aws cloudformation deploy --stack-name {stack} --template-file deployments/account.yaml "
     "--capabilities CAPABILITY_NAMED_IAM --parameter-overrides BucketName=<a new bucket name>"
@@ -537,8 +481,6 @@ _USABLE_STACK_STATUSES = ("CREATE_COMPLETE", "UPDATE_COMPLETE", "UPDATE_ROLLBACK
 
 @dataclass(frozen=True)
 class Stack:
-    """The account stack of deployments/account.yaml: its name, region and outputs."""
-
     name: str
     region: str
     outputs: dict[str, str]
@@ -553,8 +495,7 @@ def _aws_error(exc: Exception) -> str:
 
 
 def read_stack(name: str, region: str | None = None, session: Any = None) -> Stack:
-    """The outputs of the CloudFormation stack `name`; one-line errors for a stack that is missing, not made from
-    deployments/account.yaml, still being made or failed, or unreadable for lack of credentials."""
+    """The outputs of the CloudFormation stack `name`, or a one-line error saying why not."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -586,9 +527,7 @@ def read_stack(name: str, region: str | None = None, session: Any = None) -> Sta
 
 
 def image_tag() -> str:
-    """The worker image's tag for this checkout's code: HLAT_WORKER_TAG if set, else its commit (12 hex digits),
-    with `-dirty-<digest of the changes>` when tracked files differ from it (such an image is not reproducible from
-    the commit alone; the repository's tags are immutable, so other changes get another tag)."""
+    """The worker image's tag: HLAT_WORKER_TAG, else the commit, plus `-dirty-<digest>` with tracked changes."""
     if tag := os.environ.get("HLAT_WORKER_TAG"):
         return tag
     commit = _git("rev-parse", "--short=12", "HEAD")
@@ -603,18 +542,16 @@ def image_tag() -> str:
 
 
 def worker_image(stack: Stack, tag: str | None = None) -> str:
-    """The worker image of this checkout in the stack's ECR repository."""
     return f"{stack.outputs['WorkerRepositoryUri']}:{tag or image_tag()}"
 
 
 def pinned(image: str, digest: str) -> str:
-    """`repository:tag` as `repository@digest`: what the pool pulls, so that it runs the image that was checked."""
+    """`repository:tag` as `repository@digest`, so the pool runs exactly the image checked."""
     return f"{image.rsplit(':', 1)[0]}@{digest}"
 
 
 def check_pushed(stack: Stack, image: str, session: Any = None) -> str:
-    """Refuse to point a pool at a worker image that is not in ECR (its flow runs would fail to start); returns its
-    digest."""
+    """Refuse a worker image not in ECR; return its digest."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -640,24 +577,19 @@ FIXED_ECS_VARIABLES = (
     "container_name", "configure_cloudwatch_logs", "cloudwatch_logs_options", "cloudwatch_logs_prefix",
     "prefect_api_key_secret_arn", "prefect_api_auth_string_secret_arn", "auto_deregister_task_definition",
 )  # fmt: skip
-"""What the ECS pool's template fixes, so that no run can change it through job variables: what runs (image,
-command, a task definition), as whom (the task and execution roles, AWS credentials), in which environment (env:
-the account's spend ceiling is there) and network, and where its logs go. Left to a run: cpu, memory, labels, name
-and the task-definition housekeeping switches."""
+"""What the ECS pool's template fixes, so no run's job variables can change it.
+
+A run may set only cpu, memory, labels, name and task-definition housekeeping."""
 FLOW_RUN_COMMAND = "prefect flow-run execute"
-"""What an ECS flow-run task runs (Prefect's own command for a flow run)."""
 
 
 SECRET_ENV_PREFIX = "env/"
-"""Secrets Manager secrets named `<stack>/env/<NAME>` become the flow runs' variable NAME (HF_TOKEN,
-WANDB_API_KEY, MLFLOW_TRACKING_USERNAME, MLFLOW_TRACKING_PASSWORD, ...): ECS resolves them as each task starts."""
+"""A secret `<stack>/env/<NAME>` becomes the flow runs' variable NAME (HF_TOKEN, WANDB_API_KEY, ...)."""
 _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def flow_run_secrets(stack: Stack, session: Any = None) -> list[dict[str, str]]:
-    """The ECS container's `secrets` of the flow runs: one `{"name": NAME, "valueFrom": ARN}` per Secrets Manager
-    secret `<stack>/env/<NAME>` (listed now; add one and run `hlat deploy --stack` again). The task definition holds
-    the ARNs only; ECS reads the values with the stack's task execution role as a task starts."""
+    """The flow runs' ECS `secrets`, one ARN per secret `<stack>/env/<NAME>`, listed at deploy time."""
     import boto3
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -678,14 +610,10 @@ def flow_run_secrets(stack: Stack, session: Any = None) -> list[dict[str, str]]:
 
 
 def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]] = ()) -> dict[str, Any]:
-    """The ECS pool's base job template: prefect-aws's own, with every variable a user would otherwise hand-edit set
-    from the stack (image, cluster, task and execution roles, VPC and subnets, logs, size), and those of
-    `FIXED_ECS_VARIABLES` written into the template itself and taken out of its variables: a run's job variables
-    name only what remains, and Prefect's server refuses any other (additionalProperties false).
+    """The ECS pool's base job template: prefect-aws's own, filled from the stack.
 
-    Secrets reach a flow run through ECS, as ARNs in the task definition: the Prefect API's credential (the stack's
-    PrefectApiSecretArn, as prefect-aws's auth-string or API-key secret: prefect-aws then drops the worker's own
-    copy from the task's environment) and `secrets` (`flow_run_secrets`)."""
+    `FIXED_ECS_VARIABLES` are written in and removed from its variables, so no run can set them. Secrets travel as
+    ARNs."""
     from prefect_aws.workers.ecs_worker import ECSWorker
 
     out = stack.outputs
@@ -750,7 +678,7 @@ _UNSET = object()
 
 
 def _fill(node: Any, fixed: dict[str, Any]) -> Any:
-    """`node` with every `{{ key }}` of `fixed` replaced by its value; a key whose value is None is left out."""
+    """`node` with each `{{ key }}` of `fixed` filled in; keys whose value is None are dropped."""
     if isinstance(node, dict):
         filled = {k: _fill(v, fixed) for k, v in node.items()}
         return {k: v for k, v in filled.items() if v is not _UNSET}
@@ -765,7 +693,7 @@ def _fill(node: Any, fixed: dict[str, Any]) -> Any:
 
 
 def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:
-    """Save the SageMaker execution role's ARN in the Prefect Secret block the AWS deployments read; what was done."""
+    """Save the execution role's ARN in the AWS deployments' Secret block; return what was done."""
     from prefect.blocks.system import Secret
 
     try:
@@ -779,12 +707,11 @@ def save_role_secret(role_arn: str, name: str = ROLE_SECRET) -> str:
 
 
 WORKER_BASE = "python:3.11-slim"
-"""The worker image's base, which the build pins by digest (`base_digest`; HLAT_WORKER_BASE=name@sha256:... pins it
-to a given one)."""
+"""The worker image's base, pinned by digest at build; HLAT_WORKER_BASE=name@sha256:... overrides it."""
 
 
 def base_digest(docker: str, pull: list[str]) -> str:
-    """Pull the base and return it as `name@sha256:...`, the exact image the worker image is then built on."""
+    """Pull the base and return it as `name@sha256:...`."""
     name = pull[-1]
     try:
         pulled = subprocess.run(pull, capture_output=True, text=True, check=False)
@@ -807,9 +734,9 @@ def base_digest(docker: str, pull: list[str]) -> str:
 def push_worker_image(
     stack: Stack, tag: str | None = None, dry_run: bool = False, docker: str = "docker", session: Any = None
 ) -> str:
-    """Build deployments/worker.Dockerfile from this checkout for Fargate (linux/amd64), tagged with the checkout's
-    commit, log in to the stack's ECR registry and push it; returns the image. `dry_run` prints the commands
-    instead (the registry password is never printed nor put on a command line)."""
+    """Build the worker image for Fargate, tag it with the commit and push it to the stack's ECR; return it.
+
+    `dry_run` prints the commands. The registry password never appears in output or on a command line."""
     import boto3
 
     image = worker_image(stack, tag)
@@ -885,13 +812,10 @@ def worker(
     region: str | None = None,
     allow_open_server: bool = False,
 ) -> NoReturn:
-    """Create the pool if missing, then replace this process with `prefect worker start` on it.
+    """Create the pool if missing, then exec `prefect worker start` on it.
 
-    SIGINT is reset to its default before the exec (a handled signal would be reset by the exec anyway; an
-    ignored one would stay ignored): Prefect's worker stops on SIGTERM by sending itself SIGINT, so an inherited
-    SIG_IGN, as `hlat worker &` in a script or a supervisor's shell gives, would make it ignore SIGTERM too.
-    With `stack`, the pool (ecs unless `pool_type` says otherwise) gets its base job template as `deploy` sets it.
-    """
+    SIGINT is reset first: the worker stops on SIGTERM by sending itself SIGINT, so an inherited SIG_IGN would
+    make it ignore SIGTERM. With `stack`, the pool gets `deploy`'s template."""
     template = None
     if stack:  # as `deploy` does: the ECS pool's template from the account stack
         account = read_stack(stack, region)

@@ -1,9 +1,8 @@
-"""`hlat preflight`: the live preflight of a run (infra/preflight.py) on the terminal, one line per check, before
-anything is started, written or paid for; and the checks the CLI makes before it starts a Prefect server.
+"""`hlat preflight`: a run's live preflight (infra/preflight.py), one line per check, before anything is paid for.
 
     hlat preflight --preset hlat-7b --storage s3://my-bucket/hlat --set job.role_arn=arn:aws:iam::...:role/...
 
-Exit status 0 when every check passed (or could not be verified from here: `??` lines), 1 when any failed.
+Exit status 0 when no check failed (`??`: not verifiable here), else 1. Also the CLI's checks before a server starts.
 """
 
 from __future__ import annotations
@@ -17,17 +16,14 @@ from hlat.infra.preflight import Finding, PreflightResult, require_aws, require_
 
 
 def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `hlat preflight`: the run's preset, overrides, run id and storage, as `hlat pretrain` takes
-    them (the probe goes under the run id)."""
+    """The options of `hlat preflight`, as `hlat pretrain` takes them."""
     from hlat.cli import _add_run_options
 
     _add_run_options(p)
 
 
 def preflight_result(config: HlatConfig) -> PreflightResult:
-    """Every check of a run before it starts, as findings: the config against the run's config.json, what SageMaker
-    would refuse and the budget (stage_jobs.preflight), the data source, and for a SageMaker run the AWS checks
-    (with the run's AWS credentials block activated and its role read from its Secret block)."""
+    """Every check of a run before it starts, as findings; a SageMaker run's AWS checks use its blocks."""
     from hlat.flows.stage import source_shape
     from hlat.infra.runs import check_run, continued
     from hlat.infra.stage_jobs import preflight as check_requests
@@ -60,7 +56,6 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
 
 
 def preflight_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    """`hlat preflight`: one line per check; 0 when none failed, 1 otherwise."""
     from hlat.flows.params import build_config
 
     config = build_config(args.preset, overrides, args.run_id, args.storage)
@@ -68,8 +63,7 @@ def preflight_command(args: argparse.Namespace, overrides: dict[str, Any]) -> in
 
 
 def print_preflight(config: HlatConfig) -> int:
-    """Run the preflight of `config` and print its lines (what `hlat pretrain --dry-run` prints after its own):
-    0 when no check failed, 1 otherwise, with a last line counting the failures."""
+    """Run the preflight of `config`, print its lines and a failure count; 0 when none failed, else 1."""
     result = preflight_result(config)
     for line in result.lines():
         print(line)
@@ -81,12 +75,9 @@ def print_preflight(config: HlatConfig) -> int:
 
 
 def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
-    """What the CLI checks before it starts a Prefect server (seconds, where the flow would fail after its server's
-    ~10 s and with Prefect's ERROR lines): the config against the run's config.json (`check_run`), the data source
-    when the command reads it (`reads_source`: pretrain, run prepare-data), and a SageMaker run's AWS checks when
-    no Prefect block is named (a block is read from the server: the flow checks those runs, before writing
-    anything). Raises ConfigError (PreflightFailed: one line per failure). The flow's own checks then reuse what
-    passed here (infra/preflight.py: PASSED_TTL_S)."""
+    """What the CLI checks before starting a Prefect server, so it fails in seconds; raises ConfigError.
+
+    AWS checks run here only when no Prefect block is named. The flow reuses what passed (PASSED_TTL_S)."""
     from hlat.infra.runs import check_run, continued
 
     try:

@@ -1,29 +1,10 @@
-"""A run's AWS credentials as boto3's default chain reads them, and the SageMaker role's check. No Prefect here:
-tasks/aws.py loads the blocks (AwsCredentials, Secret) and hands them to these functions.
+"""A run's AWS credentials as boto3's default chain reads them, and the SageMaker role's check. No Prefect here.
 
-`credential_environment(block)` turns a prefect-aws `AwsCredentials` block into environment variables, which
-`apply_environment` exports into this process, where boto3's default chain reads them: every client the run makes
-(boto3, s3fs, datasets, the SageMaker SDK) and every local job process it starts (they inherit the environment)
-then uses the block's credentials, without passing a session around. Without a block nothing changes: boto3's
-default chain (environment variables, profile, container or instance role) applies as before.
-
-Precedence, when a block is set: what the block defines wins over the environment, and variables that would
-otherwise override or spoil it are removed:
-- access keys: AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY and AWS_SESSION_TOKEN (removed when the block has none: a
-  stale token would be sent with the block's keys); AWS_PROFILE is set to the block's profile_name when it has
-  one (boto3 then takes its region and settings; the keys still win) and removed otherwise (a stale profile name
-  that does not exist fails every client);
-- a profile only: AWS_PROFILE; environment keys are removed, since botocore reads them before any profile;
-- neither keys nor profile: the credentials stay with the default chain; only the region and endpoint apply;
-- region_name: AWS_DEFAULT_REGION and AWS_REGION. SageMaker and CloudWatch clients still use job.region;
-- aws_client_parameters.endpoint_url: AWS_ENDPOINT_URL, for every service (as the block's own clients would),
-  with the service-specific AWS_ENDPOINT_URL_<SERVICE> variables removed; verify_cert_path: AWS_CA_BUNDLE.
-With keys or a profile, AWS_DEFAULT_PROFILE is removed too: botocore reads it before AWS_PROFILE. A block's
-assume_role_arn is refused (temporary credentials exported once would expire during a long run: use a profile
-that assumes the role); its other client parameters have no environment variable and are ignored with a warning.
-
-`check_role_arn` accepts only an IAM role ARN from a Secret block. SageMaker jobs get the role, never the
-credentials: nothing here reaches a job's Environment. Secret values are never logged nor put in messages.
+`credential_environment` turns a prefect-aws `AwsCredentials` block into environment variables, and `apply_environment`
+exports them. Every client the run makes, and every local job it starts, then uses the block. Without a block boto3's
+default chain applies. A block's values win; variables that would override or spoil them are removed
+(docs/deployments.md). `check_role_arn` accepts only an IAM role ARN. Jobs get the role, never credentials; secret
+values are never logged.
 """
 
 from __future__ import annotations
@@ -39,7 +20,7 @@ from hlat.core.config import ConfigError
 log = logging.getLogger("hlat.aws")
 
 CREDENTIAL_VARIABLES = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN")
-"""The environment's access keys (AWS_SECURITY_TOKEN: botocore's older name of the session token)."""
+"""The environment's access keys (AWS_SECURITY_TOKEN is botocore's older name for the session token)."""
 PROFILE_VARIABLES = ("AWS_PROFILE", "AWS_DEFAULT_PROFILE")
 SETTING_VARIABLES = ("AWS_DEFAULT_REGION", "AWS_REGION", "AWS_ENDPOINT_URL", "AWS_CA_BUNDLE")
 _SERVICE_ENDPOINT = re.compile(r"AWS_ENDPOINT_URL_[A-Z0-9_]+")
@@ -51,7 +32,7 @@ class AwsBlockError(ConfigError):
 
 
 def managed_variables(environ: Mapping[str, str] | None = None) -> list[str]:
-    """Every environment variable `activate` may set or remove (for tests that must restore them)."""
+    """Every variable `activate` may set or remove, for tests that must restore them."""
     env = os.environ if environ is None else environ
     service = sorted(name for name in env if _SERVICE_ENDPOINT.fullmatch(name))
     return [*CREDENTIAL_VARIABLES, *PROFILE_VARIABLES, *SETTING_VARIABLES, *service]
@@ -67,8 +48,9 @@ def apply_environment(env: Mapping[str, str | None]) -> None:
 
 
 def credential_environment(block: Any, name: str) -> dict[str, str | None]:
-    """The environment variables that make boto3's default chain use `block` (an AwsCredentials): a value to
-    set, or None to remove. `name` is the block's, for messages."""
+    """The variables that make boto3's default chain use `block`: a value to set, or None to remove.
+
+    `name` is the block's, for messages. assume_role_arn is refused; other client parameters warn."""
     if block.assume_role_arn:
         raise AwsBlockError(
             f"job.aws_credentials_block={name!r}: the block sets assume_role_arn, which hlat cannot hand to the "
@@ -125,8 +107,9 @@ def credential_environment(block: Any, name: str) -> dict[str, str | None]:
 
 
 def check_role_arn(value: object, secret_name: str) -> str:
-    """The IAM role ARN a Secret block named `secret_name` held; anything else (a password saved there by mistake)
-    is refused without being repeated."""
+    """The IAM role ARN a Secret block named `secret_name` held.
+
+    Anything else, such as a password saved by mistake, is refused without being repeated."""
     if not isinstance(value, str) or not _ROLE_ARN.fullmatch(value.strip()):
         raise AwsBlockError(
             f"job.role_arn_secret={secret_name!r}: the Secret block's value is not an IAM role ARN; save one like "

@@ -1,16 +1,7 @@
-"""Instance catalog: node prices, peak throughput and topology, for cost accounting, budgets, dry-run estimates and
-the parallelism planner.
+"""Instance catalog: node prices, peak throughput and topology, for costs, budgets, estimates and the planner.
 
-Prices are SageMaker *training* on-demand dollars per node-hour, which is what a training job is billed (`ml.`
-instances cost more than the same EC2 instance). Each figure lives in infra/prices.json with where it comes from
-(`PriceSource`): what the AWS Price List API said, with the term's effective date, its SKU and when it was read
-(`hlat prices --record` writes these), or, until then, a figure derived from EC2's rate or recalled, labelled so.
-The dry run and `hlat prices` print that provenance beside the figure. A run's `job.price_per_hour_usd` overrides
-the price of its own instance type and `planner.prices_usd_per_hour` those the planner compares (reserved or
-negotiated rates, other regions, other instance types).
-Time to train is not assumed here: the dry run and `hlat plan` take it from `infra.planner` (Trainium layouts, by
-its model fitted on published trn1 runs) or from a GPU's measured or assumed MFU (`Topology.comparison`).
-`topology` is what `infra.planner` needs to know about one node: devices, memory, peak FLOP/s and links.
+Prices are SageMaker training on-demand dollars per node-hour, from infra/prices.json with their provenance. Config
+fields override them. Time to train comes from `infra.planner` or a GPU's MFU, not from here (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -22,13 +13,13 @@ from typing import Any, Literal
 
 GIB = 1024**3
 PRICES = Path(__file__).with_name("prices.json")
-"""Each catalog instance type's price and where it comes from (`PriceSource`); `hlat prices --record` rewrites it."""
+"""Each instance type's price and its provenance; `hlat prices --record` rewrites it."""
 MEASURED = Path(__file__).with_name("measured.json")
-"""Throughput figures measured by benchmarks/ (with the machine, date and command), which the estimates use."""
+"""Throughput measured by benchmarks/ (with machine, date and command), used by the estimates."""
 
 
 def measured(section: str) -> dict[str, Any]:
-    """One section of infra/measured.json ('prepare_data', 'train_step'), {} when it has none."""
+    """One section of infra/measured.json ('prepare_data', 'train_step'); {} when absent."""
     data: dict[str, Any] = json.loads(MEASURED.read_text()).get(section, {})
     return data
 
@@ -39,7 +30,6 @@ class Topology:
 
     kind: Literal["neuron", "gpu"]
     devices_per_node: int
-    """Trainium chips or GPUs."""
     cores_per_device: int
     """Ranks per device: 2 NeuronCores per Trainium chip, 1 per GPU."""
     memory_per_device_gib: float
@@ -47,22 +37,19 @@ class Topology:
     peak_bf16_flops_per_device: float
     """Dense BF16 FLOP/s of one device."""
     peak_fp32_flops_per_device: float
-    """Dense FP32 FLOP/s of one device (what `precision.mode = 'fp32'` computes at)."""
+    """Dense FP32 FLOP/s of one device (`precision.mode = 'fp32'`)."""
     device_link_gib_per_s: float
     """Device-to-device bandwidth inside a node, GiB/s per device (NeuronLink-v2, NVLink)."""
     efa_gbit_per_s: float
     """Network bandwidth of the node to the others, Gbit/s (EFA)."""
     comparison_mfu: float = 0.0
-    """MFU the planner assumes when it compares time and cost across instance types without modelling this one
-    (GPUs) and nothing of ours was measured on its device: a published figure for a comparable dense model.
-    0: modelled instead."""
+    """MFU assumed for an instance the planner does not model (GPUs), from a published comparable run; 0: modelled."""
     device_name: str = ""
-    """The device's name as torch reports it (`torch.cuda.get_device_name()`): where benchmarks/bench_train's MFU
-    on it is recorded in infra/measured.json ('train_step'), which then replaces `comparison_mfu`."""
+    """The device's name as torch reports it; an MFU measured under it (infra/measured.json) replaces
+    `comparison_mfu`."""
 
     def comparison(self) -> tuple[float, str]:
-        """(MFU, where it comes from) for the planner's comparison: measured on this device when a figure was
-        recorded, else the assumed `comparison_mfu`."""
+        """(MFU, its source): measured on this device, else `comparison_mfu`."""
         figure = measured("train_step").get(self.device_name) if self.device_name else None
         if figure:
             return float(figure["mfu"]), (
@@ -147,21 +134,20 @@ PriceBasis = Literal["price-list", "derived", "recalled"]
 
 @dataclass(frozen=True)
 class PriceSource:
-    """One instance type's price and its provenance, as infra/prices.json records it."""
+    """One instance type's price and provenance."""
 
     usd_per_hour: float
     region: str
     basis: PriceBasis
-    """'price-list': read from the AWS Price List API; 'derived' (from EC2's rate) and 'recalled': not read from AWS."""
+    """'price-list': read from the AWS Price List API; 'derived' (from EC2's rate) or 'recalled': not read."""
     note: str = ""
     effective: str = ""
-    """The on-demand term's effectiveDate, as the Price List gives it (price-list only)."""
+    """The on-demand term's effectiveDate (price-list only)."""
     sku: str = ""
     read_at: str = ""
     """When the Price List API was asked, UTC (price-list only)."""
 
     def describe(self) -> str:
-        """One line: the figure, its region and where it comes from."""
         if self.basis == "price-list":
             return (
                 f"${self.usd_per_hour:,.3f}/h in {self.region}: the AWS Price List API's SageMaker training on-demand "
@@ -174,7 +160,6 @@ class PriceSource:
 
 
 def load_prices(path: Path = PRICES) -> dict[str, PriceSource]:
-    """infra/prices.json: instance type -> its price and provenance."""
     entries = json.loads(path.read_text())["prices"]
     return {name: PriceSource(**entry) for name, entry in entries.items()}
 
@@ -184,7 +169,7 @@ class Instance:
     name: str
     price_per_hour_usd: float
     accelerators: int
-    """Devices per node: Trainium chips or GPUs (NeuronCores are 2 per chip)."""
+    """Devices per node: Trainium chips or GPUs (2 NeuronCores per chip)."""
     peak_bf16_flops: float
     """Peak dense BF16 FLOP/s of one node."""
     topology: Topology | None = None
@@ -194,7 +179,6 @@ class Instance:
 
 
 def _instance(name: str, accelerators: int, peak_bf16_flops: float, topology: Topology | None = None) -> Instance:
-    """A catalog entry priced from infra/prices.json."""
     price = _PRICES[name]
     return Instance(name, price.usd_per_hour, accelerators, peak_bf16_flops, topology, price)
 
@@ -218,8 +202,9 @@ CATALOG: dict[str, Instance] = {
 
 
 def price_per_hour(instance_type: str, override: float | None = None) -> float:
-    """Dollars per node-hour: the override when given, else the catalog; an unknown type without an override
-    costs 0 (budgets then cannot be enforced, and the stage says so)."""
+    """Dollars per node-hour: the override, else the catalog.
+
+    An unknown type without an override costs 0; budgets then cannot be enforced, and the stage says so."""
     if override is not None:
         return override
     known = CATALOG.get(instance_type)
@@ -232,15 +217,13 @@ def job_cost(billable_seconds: float, instance_count: int, price: float) -> floa
 
 
 def tokens_per_s_at(instance: Instance, nodes: int, mfu: float, flops_per_token: float) -> float:
-    """Training throughput of `nodes` nodes of `instance` running at model-FLOPs utilisation `mfu`."""
+    """Training tokens/s of `nodes` nodes of `instance` at model-FLOPs utilisation `mfu`."""
     return nodes * instance.peak_bf16_flops * mfu / flops_per_token
 
 
 @dataclass(frozen=True)
 class InstanceCost:
-    """Time and cost to train a token budget on `nodes` nodes of one instance type: the one cost arithmetic, used by
-    the dry run and `hlat plan` (`infra.planner.run_cost`, `compare_instances`: a Trainium layout's throughput by the
-    planner's model, or a GPU's measured or assumed MFU)."""
+    """Time and cost to train a token budget on `nodes` nodes of one instance type: the one cost arithmetic."""
 
     instance_type: str
     nodes: int
@@ -248,9 +231,9 @@ class InstanceCost:
     usd_per_node_hour: float
     tokens: float
     basis: str
-    """How tokens_per_s was obtained: the planner's best layout, or a measured or assumed MFU."""
+    """How tokens_per_s was got: the planner's best layout, or a measured or assumed MFU."""
     data_parallel: str = ""
-    """GPU rows: 'ddp' when a whole replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
+    """GPU rows: 'ddp' when a replica's weights, gradients and AdamW states fit one GPU, else 'fsdp'."""
     layout: Any = None
     """Trainium rows: the planner's Layout the throughput is for."""
 

@@ -1,20 +1,11 @@
-"""Turn a fresh set of Linux namespaces into one emulated SageMaker instance, then become its container command.
+"""Turn fresh Linux namespaces into one emulated SageMaker instance, then exec its container command as PID 1.
 
-Run by path, by `infra.sagemaker_emulator`, as the first process of new mount, UTS and PID namespaces
-(`unshare --mount --uts --pid --fork --mount-proc`): it binds the host's own tree over `/opt/ml` and a hosts file
-naming every `algo-N` over `/etc/hosts`, sets the hostname, gives the instance a /tmp, a /dev/shm and a home (/root)
-of its own, then execs the container's command, which so becomes PID 1 of the instance, as in a SageMaker container.
-Standard library only: it runs before anything else.
+`infra.sagemaker_emulator` runs it by path under `unshare --mount --uts --pid --fork --mount-proc`. It binds the host's
+tree over /opt/ml and a hosts file over /etc/hosts, and sets the hostname. With --private, /tmp, /dev/shm and /root
+become the host's own, since SageMaker hosts share nothing but the network; --keep paths are bound back. Mounts stay in
+this namespace. Standard library only.
 
-SageMaker's instances share nothing but the network: a file one host leaves in /tmp, /dev/shm or ~/.cache (a
-compile cache, a data-loader's shared memory, a downloaded tokenizer) is not there on another. So, with --private,
-/tmp and /root become folders of this host's own (<private>/tmp, <private>/home) and /dev/shm an empty tmpfs. What
-the container must still reach under them (--keep: the job's Python, the project's code, a local run's folder that
-stands in for S3) is bound back at its own path; the mounts stay inside this mount namespace (unshare(1) makes its
-propagation private).
-
-    python emulated_host.py [--private DIR] [--keep PATH]... <host's opt/ml folder> <hosts file> <hostname> \
-        -- <command> [args...]
+    python emulated_host.py [--private DIR] [--keep PATH]... <opt/ml folder> <hosts file> <hostname> -- <command>...
 """
 
 from __future__ import annotations
@@ -47,13 +38,12 @@ def _within(path: str, folder: str) -> bool:
 
 
 def _handle(path: str) -> str:
-    """A path that names `path`'s file even once a mount covers it: /proc/self/fd of an O_PATH descriptor (it is
-    closed on exec, PEP 446)."""
+    """A path naming `path`'s file even under a later mount: /proc/self/fd of an O_PATH descriptor (closed on exec)."""
     return f"/proc/self/fd/{os.open(path, os.O_PATH)}"
 
 
 def isolate(private: str, keep: list[str]) -> None:
-    """Cover /tmp, /dev/shm and /root with this host's own (see the module docstring), binding `keep` back."""
+    """Cover /tmp, /dev/shm and /root with this host's own, binding `keep` back."""
     for folder in ("tmp", "home"):
         os.makedirs(os.path.join(private, folder), exist_ok=True)
     os.chmod(os.path.join(private, "tmp"), 0o1777)

@@ -1,13 +1,7 @@
-"""Human-readable evaluation output: a markdown report and loss/grad-norm charts next to a run's results.json,
-and a step-by-step comparison of two runs' training curves.
+"""Evaluation output for people: a markdown report and charts beside results.json, and a two-run comparison.
 
-The evaluation stage writes `<run>/eval/results.json`; `write_report` adds `eval/report.md` (perplexity, lm-eval
-scores beside published baselines with their citations) and `eval/loss.png`, `eval/grad_norm.png` drawn from
-`<run>/metrics.jsonl`. `compare_runs` puts two runs on the same charts and measures where their losses part,
-which is how a resumed run, a new backend or a changed kernel is checked against a reference run.
-
-Charts are drawn with matplotlib's Agg canvas on a bare `Figure` (never pyplot), so importing this module
-changes no global backend; matplotlib itself is imported only when a chart is drawn.
+`compare_runs` finds where two runs' losses part, to check a resumed run or new kernel. Charts use a bare Agg `Figure`,
+never pyplot, so no global backend changes.
 """
 
 from __future__ import annotations
@@ -44,11 +38,9 @@ _COMPARE_TABLE_ROWS = 20
 
 
 def read_metrics(run: Storage) -> list[dict[str, Any]]:
-    """The run's metrics records, one per step sorted by step; for a repeated step, the later line wins per key.
+    """The run's metrics records, one per step sorted by step; for a repeated step the later line wins per key.
 
-    Training and evaluation lines of the same step merge into one record. A last line that is not JSON (a writer
-    killed mid-line) is skipped with a warning; any other malformed line is a ValueError naming the file.
-    """
+    A non-JSON last line (a killed writer) is skipped with a warning; any other bad line is a ValueError."""
     uri = run.uri(METRICS_FILE)
     if not run.exists(METRICS_FILE):
         raise ValueError(f"{uri} does not exist: the run has recorded no step yet (or was trained with metrics off)")
@@ -73,7 +65,7 @@ def read_metrics(run: Storage) -> list[dict[str, Any]]:
 
 
 def _number(value: Any) -> float | None:
-    """A finite float, or None for missing, null (a non-finite value when recorded) and non-numeric values."""
+    """A finite float, or None for missing, null (non-finite when recorded) and non-numeric values."""
     if isinstance(value, bool) or not isinstance(value, int | float):
         return None
     return float(value) if math.isfinite(value) else None
@@ -103,11 +95,10 @@ def plot_curves(
     log_y: bool = False,
     mark_step: int | None = None,
 ) -> bytes:
-    """Draw `key` against step, one line per labelled run, and return the PNG bytes (also written to `out_png`).
+    """Draw `key` against step, one line per labelled run; return the PNG bytes, also written to `out_png`.
 
-    `extra_keys` (e.g. "val_loss") are drawn dashed in the run's colour; `log_y` puts the y axis on a log scale
-    when every value is positive; `mark_step` draws a dotted vertical line (the evaluated checkpoint).
-    """
+    `extra_keys` (e.g. "val_loss") are dashed in the run's colour. `log_y` applies when all values are positive.
+    `mark_step` draws a dotted vertical line at the evaluated checkpoint."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
     from matplotlib.ticker import LogFormatter
@@ -172,7 +163,7 @@ def plot_curves(
 
 
 def load_baselines(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Published baseline scores (`infra/baselines.json` by default); an empty table when the file is absent."""
+    """Published baseline scores (`infra/baselines.json` by default); empty when the file is absent."""
     source = Path(path) if path is not None else BASELINES_FILE
     if not source.exists():
         if path is not None:
@@ -232,7 +223,7 @@ def choose_metric(metrics: Mapping[str, Any]) -> str | None:
 
 
 def _our_score(metrics: Mapping[str, Any], name: str) -> str:
-    """This run's value (×100 for fraction metrics) with its standard error when lm-eval gave one."""
+    """This run's value (×100 for fraction metrics), with lm-eval's standard error when given."""
     base, filter_name = _split_metric(name)
     value = _number(metrics[name])
     stderr = _number(metrics.get(f"{base}_stderr" + (f",{filter_name}" if filter_name else "")))
@@ -244,7 +235,7 @@ def _our_score(metrics: Mapping[str, Any], name: str) -> str:
 
 
 def _baseline_cell(score: Any, our_metric: str, our_shots: Any) -> str:
-    """A published value (already a percentage), with its metric and shots when they differ from ours."""
+    """A published value (a percentage), with its metric and shots where they differ from ours."""
     if isinstance(score, Mapping):
         value, metric, shots = score.get("value"), score.get("metric"), score.get("shots")
     else:
@@ -303,10 +294,8 @@ def _benchmark_section(results: Mapping[str, Any], baselines: Mapping[str, Any])
 
     model_scores = [{_task_key(t): s for t, s in (m.get("scores") or {}).items()} for m in models]
     ours = {_task_key(t) for t in tasks}
-    # Two narrow tables rather than one wide one (a report is read in the Prefect UI, whose artifact pane clips
-    # wide tables): this run's scores, then the published scores of the tasks run here, baseline models as short
-    # column labels (A, B...) named in a legend. Tasks only the baselines report are named on one line, not given
-    # a row each: a tiny run's offline tasks would otherwise sit above eleven "not run" rows of a 7B suite.
+    # Two narrow tables, since the Prefect UI clips wide ones: this run's scores, then the baselines' with short
+    # column labels and a legend. Tasks only the baselines report share one line rather than a row each.
     footnotes: dict[str, int] = {}
     for m in models:
         footnotes.setdefault(str(m.get("source") or ""), len(footnotes) + 1)
@@ -376,9 +365,7 @@ def render_report(
 ) -> str:
     """The markdown report of one evaluation: header, perplexity, lm-eval against baselines, then the charts.
 
-    `plots` maps a caption to an image path relative to the report; `notes` go in the charts section (why a
-    chart is missing, for instance).
-    """
+    `plots` maps a caption to an image path relative to the report; `notes` go in the charts section."""
     run_id = results.get("run_id", "?")
     lines = [f"# Evaluation report: {run_id}", ""]
     model = results.get("model") if isinstance(results.get("model"), Mapping) else {}
@@ -427,14 +414,12 @@ def render_report(
 
 
 UI_IMAGE_WIDTH = 640
-"""Width in pixels of the charts embedded in the Prefect artifact (report.md keeps the full-size files)."""
+"""Pixel width of the charts embedded in the Prefect artifact; report.md keeps the full-size files."""
 _IMAGE_LINK = re.compile(r"!\[(?P<caption>[^\]]*)\]\((?P<target>[^)\s]+\.png)\)")
 
 
 def embed_images(markdown: str, folder: Storage, width: int = UI_IMAGE_WIDTH) -> str:
-    """`markdown` with each image link relative to `folder` replaced by a data: URI of that PNG, scaled down to
-    `width` pixels: the Prefect UI shows an artifact on its own page, where a relative path (and a run's s3://
-    URI) points nowhere. A link whose file is missing is left as it is, with a warning."""
+    """`markdown` with relative image links inlined as data: URIs `width` pixels wide, for the Prefect UI."""
     import base64
 
     def inline(match: re.Match[str]) -> str:
@@ -450,8 +435,7 @@ def embed_images(markdown: str, folder: Storage, width: int = UI_IMAGE_WIDTH) ->
 
 
 def _shrink_png(png: bytes, width: int) -> bytes:
-    """The PNG scaled to at most `width` pixels wide (Pillow, which matplotlib depends on), as an 8-bit palette
-    image: a chart of a few lines loses nothing visible, and its data URI shrinks several times."""
+    """The PNG scaled to at most `width` pixels as an 8-bit palette image; its data URI shrinks several times."""
     from PIL import Image
 
     with Image.open(io.BytesIO(png)) as opened:
@@ -469,8 +453,7 @@ def _has_values(records: Sequence[Mapping[str, Any]], *keys: str) -> bool:
 
 
 def evaluation_history(run: Storage) -> list[dict[str, Any]]:
-    """One row per evaluated checkpoint (eval/step-*/results.json), oldest first: step, perplexity, bits per byte
-    and each task's main metric (`choose_metric`)."""
+    """One row per evaluated checkpoint, oldest first: step, perplexity, bits per byte and each task's main metric."""
     rows = []
     for name in sorted(run.list(EVAL_DIR)) if run.exists(EVAL_DIR) else []:
         rel = f"{EVAL_DIR}/{name}/{RESULTS_FILE}"
@@ -504,11 +487,9 @@ def _history_section(history: Sequence[Mapping[str, Any]]) -> list[str]:
 def write_report(
     run: Storage, results: Mapping[str, Any], baselines: Mapping[str, Any] | None = None
 ) -> dict[str, str]:
-    """Write `eval/report.md`, `eval/loss.png` and `eval/grad_norm.png` into the run; return {file name: URI}.
+    """Write report.md and the two charts into the run's eval/; return {file name: URI}.
 
-    results.json itself is the caller's. Without metrics.jsonl the report says so and has no charts; charts
-    left from an earlier report are then removed so the folder matches the report.
-    """
+    results.json is the caller's. Without metrics.jsonl the report says so, and old charts are removed."""
     baselines = load_baselines() if baselines is None else baselines
     label = str(results.get("run_id") or "run")
     step = results.get("step") if isinstance(results.get("step"), int) else None
@@ -651,8 +632,7 @@ def _compare_markdown(
 
 
 def compare_line(key: str, d: Mapping[str, Any]) -> str:
-    """One compared series as `hlat compare` prints it: `loss: final 5.7768 vs 5.9185, max |diff| 0.1417, max rel
-    diff 2.4%, first divergence (>1e-3 rel) at step 3` (rounded to what the figures mean)."""
+    """One compared series as `hlat compare` prints it, e.g. `loss: final 5.7768 vs 5.9185, max |diff| 0.1417, ...`."""
     first = d.get("first_divergence_step")
     return (
         f"{key}: final {_fmt(d.get('final_a'), '.4f')} vs {_fmt(d.get('final_b'), '.4f')}, max |diff| "
@@ -669,12 +649,10 @@ def compare_runs(
     *,
     rtol: float = 1e-3,
 ) -> dict[str, Any]:
-    """Compare two runs' loss and grad norm step by step over the steps both recorded.
+    """Compare two runs' loss and grad norm over their common steps.
 
-    Differences are b − a; a relative difference is |a − b| / max(|a|, |b|). The first divergence is the first
-    common step whose relative difference exceeds `rtol`, or where one run has a finite value and the other
-    not. With `out`, also writes compare-loss.png, compare-grad_norm.png and compare.md there.
-    """
+    Relative difference: |a − b| / max(|a|, |b|). The first divergence is the first step past `rtol`, or where
+    one value alone is finite. With `out`, writes the charts and compare.md there."""
     if labels[0] == labels[1]:
         raise ValueError(f"labels must differ to tell the runs apart in charts, got {labels!r}")
     records_a, records_b = read_metrics(a), read_metrics(b)

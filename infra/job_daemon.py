@@ -1,24 +1,8 @@
 """The local job daemon: one job's platform, SageMaker's part played on this machine.
 
-`python -m hlat.infra.job_daemon <job dir>`, started by `infra.local_jobs.LocalBackend.submit` in a session of its own
-(so it outlives whoever submitted it), is the job's `JobDaemon`. A one-instance job runs as processes of this
-machine under the container contract: the input channels are a symlink to the run's data/ and tokenizer/ when the
-run is local (a download when it is on S3), the job's program runs directly (under torchrun --standalone for
-several processes) with the SM_* variables. A job of several instances runs on emulated SageMaker hosts
-(`infra.sagemaker_emulator`): its CreateTrainingJob request, one set of namespaces per instance, the SDK's own
-container scripts. Either way the daemon mirrors CheckpointConfig's folder (per instance) when the job has one,
-enforces stop requests and max runtime (SIGTERM, then SIGKILL after the grace period; max runtime counts from the
-daemon's start, downloads included), turns the exit into SageMaker's final status and FailureReason, and writes
-status.json last.
-
-Every process of the job carries HLAT_LOCAL_JOB_DIR=<job dir> in its environment: torchrun starts each rank in a
-session of its own, so neither the process group nor the parent chain finds them all, and the environment also
-survives pid reuse and the death of the launcher (`job_processes`, `kill_job`). The folder's files are described in
-`infra.local_jobs`, the backend that reads them.
-
-Tests change what a job does (it fails before launch, is killed at a step...) through `BackendHooks`, the local
-backend's hook points, installed by HLAT_BACKEND_HOOKS (infra/local_faults.py is the tests' module); unset, every
-point is a no-op.
+`LocalBackend.submit` starts it in its own session. It runs one instance as local processes, several on emulated hosts.
+It enforces stops and max runtime and writes status.json last. HLAT_LOCAL_JOB_DIR in every job process's environment
+finds them all.
 """
 
 from __future__ import annotations
@@ -54,7 +38,7 @@ HOOKS_ENV = "HLAT_BACKEND_HOOKS"
 """The module whose `hooks()` the local backend's processes use (unset: the no-op `BackendHooks`)."""
 JOB_DIR_ENV = "HLAT_LOCAL_JOB_DIR"
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
-"""The folder holding training/: the training processes' working directory."""
+"""The training processes' working directory."""
 
 POLL_S = 0.25
 SYNC_EVERY_S = 1.0
@@ -64,7 +48,7 @@ _SIGNALS = {int(sig) for sig in signal.Signals}
 
 
 def write_json(path: str, obj: Any) -> None:
-    """Replace a file atomically, so a describe() in another process never reads half of it."""
+    """Replace a file atomically, so a describe() elsewhere never reads half of it."""
     tmp = f"{path}.tmp-{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(obj, fh, indent=2, sort_keys=True)
@@ -85,7 +69,6 @@ def _tensorboard_dir(spec: JobSpec, ml: str) -> str:
 
 
 def single_host_environment(spec: JobSpec, job_dir: str) -> dict[str, str]:
-    """What the processes of a one-instance job get on top of the daemon's environment: the container contract."""
     ml = os.path.join(job_dir, "opt", "ml")
     env = {
         **spec.environment,
@@ -123,13 +106,12 @@ def training_command(spec: JobSpec) -> list[str]:
 
 
 def job_processes(job_dir: str) -> list[int]:
-    """Pids of the job's live training processes (all ranks, orphaned or not), found by their environment."""
+    """Pids of the job's live training processes, orphaned or not, found by their environment."""
     return processes_with(JOB_DIR_ENV, job_dir)
 
 
 def signal_job(job_dir: str, sig: signal.Signals) -> list[int]:
-    """Signal every training process of the job; scan again until no new one appears (a launcher may be
-    starting ranks while we signal)."""
+    """Signal every training process of the job, rescanning until no new one appears."""
     done: set[int] = set()
     while new := [pid for pid in job_processes(job_dir) if pid not in done]:
         for pid in new:
@@ -140,7 +122,7 @@ def signal_job(job_dir: str, sig: signal.Signals) -> list[int]:
 
 
 def kill_job(job_dir: str, timeout: float = 10.0) -> list[int]:
-    """SIGKILL every training process of the job and wait until they are gone (the kill is asynchronous)."""
+    """SIGKILL every training process of the job and wait until they are gone."""
     killed = signal_job(job_dir, signal.SIGKILL)
     deadline = time.monotonic() + timeout
     while killed and job_processes(job_dir) and time.monotonic() < deadline:
@@ -149,8 +131,9 @@ def kill_job(job_dir: str, timeout: float = 10.0) -> list[int]:
 
 
 def process_start(pid: int) -> int | None:
-    """When a live (not zombie) process started, in clock ticks since boot: with the pid, an identity that a
-    reused pid does not share. (Its command line is no such proof: it reads empty while the process execs.)"""
+    """When a live process started, in clock ticks since boot: with the pid, an identity a reused pid lacks.
+
+    Its command line is no such proof: it reads empty while the process execs."""
     try:
         with open(f"/proc/{pid}/stat", encoding="utf-8", errors="replace") as fh:
             fields = fh.read().rsplit(")", 1)[1].split()  # after "pid (comm)": field 3 (state) onwards
@@ -160,8 +143,9 @@ def process_start(pid: int) -> int | None:
 
 
 def failure_reason(exit_code: int, failure_file_text: str | None, last_lines: list[str]) -> str:
-    """SageMaker's FailureReason for a failed training exit. The failure file comes first: torchrun exits 1
-    whatever code a rank exited with, so the file is what keeps, say, a NaN loss recognisable."""
+    """SageMaker's FailureReason for a failed training exit, from the failure file first.
+
+    torchrun exits 1 whatever a rank exited with, so only the file keeps, say, a NaN loss recognisable."""
     signum = -exit_code if exit_code < 0 else exit_code - 128  # killed: -signal from Popen, 128+signal from a shell
     if failure_file_text and failure_file_text.strip():
         reason = f"AlgorithmError: {failure_file_text.strip()}"
@@ -181,15 +165,15 @@ def failure_reason(exit_code: int, failure_file_text: str | None, last_lines: li
 
 
 class CheckpointMirror:
-    """SageMaker's CheckpointConfig: the local checkpoint folder starts as a copy of the URI and is mirrored back
-    to it. Within a pass commit markers are uploaded last and deleted first, and a folder about to receive new
-    files loses its remote marker first, so a reader of the URI never takes a half-synced checkpoint as whole."""
+    """SageMaker's CheckpointConfig: the local folder starts as a copy of the URI and is mirrored back.
+
+    Commit markers go up last and are deleted first, so a reader of the URI never takes a half-synced checkpoint."""
 
     def __init__(self, local_dir: str, remote: Storage) -> None:
         self.local_dir = local_dir
         self.remote = remote
         self.synced: dict[str, tuple[int, int]] = {}
-        """(size, mtime_ns) of each local file when last copied to or from the URI, by relative path."""
+        """(size, mtime_ns) of each local file when last synced with the URI, by relative path."""
 
     def download(self) -> int:
         os.makedirs(self.local_dir, exist_ok=True)
@@ -247,12 +231,11 @@ class CheckpointMirror:
 
 @dataclass
 class ContainerProcess:
-    """One running container of the job: the whole job on the one-instance path, one emulated host otherwise."""
+    """One running container: the whole job on the one-instance path, else one emulated host."""
 
     name: str
     proc: subprocess.Popen[bytes]
     ml: str
-    """Its /opt/ml on this machine."""
     mirror: CheckpointMirror | None
     emulated: bool
     last_lines: deque[str] = field(default_factory=lambda: deque(maxlen=5))
@@ -275,20 +258,19 @@ class ContainerProcess:
 
 
 Launch = tuple[str, list[str], dict[str, str], str, CheckpointMirror | None]
-"""An instance about to start: its name, command, environment, /opt/ml folder and checkpoint mirror."""
+"""An instance about to start: name, command, environment, /opt/ml and checkpoint mirror."""
 
 HOST_FAILURE_WAIT_S = 5.0
-"""After one instance's container fails, how long the others get to end by themselves (their ranks write their own
-failure records) before they are killed: SageMaker ends a job one of whose hosts failed."""
+"""Seconds the other instances get to end by themselves after one fails, before they are killed."""
 
 
 class BackendHooks:
-    """The local backend's hook points, where a test may change what a job does: each a no-op, a subclass overrides
-    the ones it needs. Named for what they change, not for any fault."""
+    """The local backend's hook points, each a no-op; a test's subclass overrides what it needs.
+
+    Named for what they change, not for any fault."""
 
     def job_record(self, attempt: int) -> dict[str, Any]:
-        """At submit, in the submitting process: what the job of this attempt carries to its daemon (job.json's
-        "hooks", the daemon's `hook_record`)."""
+        """At submit, in the submitter: what this attempt's job carries to its daemon (job.json's "hooks")."""
         return {}
 
     def emulated_request(self, request: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
@@ -296,12 +278,10 @@ class BackendHooks:
         return request
 
     def container_environment(self, env: dict[str, str]) -> dict[str, str]:
-        """The environment the job's containers start from (the daemon's own)."""
         return env
 
     def before_launch(self, daemon: JobDaemon) -> dict[str, Any] | None:
-        """In the daemon, before anything is launched: the job's ending (`JobDaemon.ending`) instead of its launch, or
-        None to launch it."""
+        """In the daemon before launch: the job's ending (`JobDaemon.ending`) instead of launching it, or None."""
         return None
 
     def step_logged(self, daemon: JobDaemon, step: int) -> None:
@@ -310,22 +290,18 @@ class BackendHooks:
 
 @functools.cache
 def backend_hooks() -> BackendHooks:
-    """This process's backend hooks: the no-op defaults, or those of the module HLAT_BACKEND_HOOKS names (read
-    once)."""
+    """This process's backend hooks: the no-op defaults, or those HLAT_BACKEND_HOOKS names (read once)."""
     return load_hooks(HOOKS_ENV, BackendHooks)
 
 
 class JobDaemon:
-    """The platform side of one job, run in its own process: see the module docstring."""
-
     def __init__(self, job_dir: str, stop_signalled: threading.Event) -> None:
         self.job_dir = job_dir
         record = read_json(os.path.join(job_dir, "job.json"))
         self.spec = JobSpec(**record["spec"])
         self.request: dict[str, Any] | None = record.get("request")
-        """The CreateTrainingJob request of an emulated multi-host job (None: the one-instance path)."""
+        """An emulated multi-host job's request (None: the one-instance path)."""
         self.hook_record: dict[str, Any] = record.get("hooks") or {}
-        """What the backend's hooks recorded for this job at submit (`BackendHooks.job_record`)."""
         self.grace = float(record["stop_grace_seconds"])
         self.stop_signalled = stop_signalled
         self.started = time.time()
@@ -348,7 +324,7 @@ class JobDaemon:
         write_json(os.path.join(self.job_dir, "phase.json"), {"secondary_status": secondary_status})
 
     def stop_requested(self) -> bool:
-        """Whether the job is to stop (requested, or past its max runtime); `stop_reason` says which."""
+        """Whether the job is to stop (requested or past max runtime); `stop_reason` says which."""
         if self.stop_reason is None:
             if self.stop_signalled.is_set() or os.path.exists(os.path.join(self.job_dir, "stop")):
                 self.stop_reason = "Stopped"
@@ -425,7 +401,6 @@ class JobDaemon:
         return self.ending(Status.FAILED, reason, "Failed", exit_code)
 
     def _prepare_process(self) -> Launch:
-        """The one-instance path: input channels, CheckpointConfig's folder, the program's command."""
         for folder in ("model", "output/data", "input/data"):
             os.makedirs(self._ml(folder), exist_ok=True)
         run = Storage(self.spec.run_uri)
@@ -445,7 +420,6 @@ class JobDaemon:
         return "algo-1", training_command(self.spec), env, self._ml(), mirror
 
     def _prepare_hosts(self, request: dict[str, Any]) -> list[Launch]:
-        """Emulated SageMaker instances: each one's /opt/ml as SageMaker lays it out, and its namespaced command."""
         emulator = sagemaker_emulator
         names = emulator.host_names(request)
         hosts_path = emulator.hosts_file(self.job_dir, names)
@@ -479,8 +453,7 @@ class JobDaemon:
         return launches
 
     def _supervise(self, instances: list[ContainerProcess]) -> ContainerProcess | None:
-        """Wait for every container to exit, stopping them on request or at max runtime (SIGTERM to each one's PID
-        1, then SIGKILL), and ending the job when one of them fails; the instance that failed first, if any."""
+        """Wait for every container to exit, stopping them on request or at max runtime; return the first failed."""
         term_sent: float | None = None
         killed = False
         failed: ContainerProcess | None = None
@@ -523,10 +496,9 @@ class JobDaemon:
         return failed
 
     def _signal_instances(self, instances: list[ContainerProcess], sig: signal.Signals) -> None:
-        """What SageMaker does: the signal goes to each container's PID 1. On the one-instance path, where no init
-        stands in for the container, a SIGTERM goes where infra/job_init.py sends it: to the ranks (not their
-        children: a compile they are waiting for must finish), or to the program when no torchrun runs it.
-        SIGKILL takes every process."""
+        """Send `sig` as SageMaker does: to each container's PID 1.
+
+        On the one-instance path SIGTERM goes to the ranks only, as infra/job_init.py does."""
         if sig == signal.SIGKILL:
             signal_job(self.job_dir, sig)
         elif not instances[0].emulated:
@@ -539,9 +511,9 @@ class JobDaemon:
                     os.kill(pid, sig)
 
     def _stop_ranks(self, instance: ContainerProcess, sig: signal.Signals) -> None:
-        """The one-instance path's stop: `sig` to each rank not yet signalled (called again while the job stops,
-        for ranks torchrun was still starting); before any rank exists, to every process of the job (nothing
-        trains yet); to the program itself when it runs without torchrun."""
+        """The one-instance path's stop: `sig` to each rank not yet signalled.
+
+        Before any rank exists it goes to every job process; without torchrun, to the program itself."""
         if self.spec.processes_per_node == 1:
             targets = [] if instance.pid_signalled else [instance.proc.pid]
         else:
@@ -558,8 +530,9 @@ class JobDaemon:
         instance.pid_signalled = instance.pid_signalled or instance.proc.pid in targets
 
     def _pump(self, instance: ContainerProcess) -> None:
-        """Copy a container's output to output.log line by line (prefixed with its host when there are several),
-        telling the backend's hooks of each step logged."""
+        """Copy a container's output to output.log line by line, host-prefixed when there are several.
+
+        Each logged step is reported to the backend's hooks."""
         assert instance.proc.stdout is not None
         prefix = f"[{instance.name}] ".encode() if instance.emulated else b""
         for line in instance.proc.stdout:

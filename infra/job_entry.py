@@ -1,11 +1,8 @@
-"""The entry script of every SageMaker job, uploaded as `hlat_job.py` at the top of the job's source code
-(`infra.sagemaker_jobs.stage_source`).
+"""The entry script of every SageMaker job, uploaded as `hlat_job.py` (`infra.sagemaker_jobs.stage_source`).
 
-SageMaker's drivers run a script by path (`torchrun ... hlat_job.py --config <uri>` for the Torchrun driver). This one
-runs the job's program, the module `HLAT_JOB_MODULE` names (`hlat.training.train`, ...), as `python -m` would, with
-the job's arguments. Python puts the script's folder, the uploaded source, first on sys.path, and the `hlat` package
-lies there, so the program imports the uploaded code with no path set-up of its own. Standard library only (the
-Neuron images' Python is 3.10).
+SageMaker's drivers run a script by path. This one runs the module `HLAT_JOB_MODULE` names, as `python -m` would. The
+script's folder, holding the `hlat` package, comes first on sys.path, so no path set-up is needed. Standard library
+only: the Neuron images run Python 3.10.
 """
 
 import os

@@ -1,29 +1,9 @@
-"""PID 1 of a training container: run the container's command, pass a stop's SIGTERM on to the job's ranks.
+"""PID 1 of a training container: run the container's command and pass a stop's SIGTERM on to the job's ranks.
 
-SageMaker stops a training job (StopTrainingJob, MaxRuntimeInSeconds) by sending SIGTERM to PID 1 of every
-instance's container, then SIGKILL 120 s later
-(https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). The
-SageMaker SDK's container command is a shell, `/bin/bash -c "... sm_train.sh"`, that runs the SDK's torchrun driver,
-which starts torchrun with `subprocess.Popen` (sagemaker/train/container_drivers/common/utils.py,
-`execute_commands`); none of them handles SIGTERM, and the kernel drops any signal sent to a PID namespace's init
-that has no handler for it (pid_namespaces(7)). So the trainer never hears the stop: SIGKILL ends it 120 s later
-and every step since the last checkpoint is lost.
-
-The job request therefore puts this program in front of the SDK's command (`infra.sagemaker_jobs`:
-ContainerEntrypoint `python3 /opt/ml/input/data/code/job_init.py /bin/bash`, the SDK's ContainerArguments
-unchanged), and the SDK's scripts run as they are. On SIGTERM it signals the job's ranks (the processes torchrun
-started: LOCAL_RANK in their environment, and a parent without it), which checkpoint the step they are in and exit
-0, so torchrun, the driver and the shell end as after a normal finish. A rank's own children (neuronx-cc compiling a
-graph, data-loader workers) inherit LOCAL_RANK but are not signalled: a compile killed by SIGTERM fails the rank,
-while the rank itself finishes the compile and stops at its next step boundary, ending its children as it exits.
-torchrun itself is not signalled: on SIGTERM it stops its workers and SIGKILLs them 30 s later
-(torch.distributed.elastic's shutdown timeout), which a large checkpoint outlives. A stop that comes before any rank
-exists (installing requirements, starting up) is passed to every process, so the container ends at once. As PID 1
-it also reaps orphaned processes; it exits with the command's code.
-
-Runs by path with the image's python3 (Python 3.10 on the Neuron images) and the standard library only: nothing
-of the project is importable yet. `infra.sagemaker_jobs.stage_source` ships it at the top of the job's source code,
-beside the entry script (infra/job_entry.py); the local backend's job daemon uses its process finders.
+SageMaker stops a job with SIGTERM to PID 1, then SIGKILL 120 s later
+(https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). The SDK's shell
+ignores it, so this init runs in front of it. It signals ranks only: children may be compiling, and torchrun would
+SIGKILL after 30 s. Before any rank exists, it signals every process. Standard library only (docs/multi-host.md).
 """
 
 from __future__ import annotations
@@ -37,12 +17,11 @@ import time
 RANK_VARIABLE = "LOCAL_RANK"
 POLL_S = 0.5
 RESCAN_FOR_S = 30.0
-"""After a stop, ranks that appear later (torchrun was starting them) are signalled too, for this long."""
+"""Seconds after a stop during which late-starting ranks are signalled too."""
 
 
 def processes_with(variable: str, value: str | None = None) -> list[int]:
-    """Pids of the processes (but this one) whose environment sets `variable` (to `value`, when given): how a
-    launcher finds processes that a session of their own or a dead parent hides from the process tree."""
+    """Pids of other processes whose environment sets `variable` (to `value`, if given), even in other sessions."""
     wanted = f"{variable}={value}".encode() if value is not None else f"{variable}=".encode()
     found = []
     for entry in os.listdir("/proc"):
@@ -77,11 +56,9 @@ def _has(pid: int, variable: str) -> bool:
 
 
 def is_rank(pid: int) -> bool:
-    """Whether a process that has LOCAL_RANK is a rank torchrun started rather than one of a rank's descendants
-    (which inherit the variable): its parent lacks LOCAL_RANK. An orphan (its parent dead, re-parented to an init)
-    counts only if it leads a session of its own, as torchrun starts every rank
-    (torch/distributed/elastic/multiprocessing/subprocess_handler: Popen(start_new_session=True)); a dead rank's
-    leftover child is in its rank's session."""
+    """Whether a LOCAL_RANK process is a rank torchrun started: its parent lacks LOCAL_RANK.
+
+    An orphan counts only if it leads its own session, as torchrun starts ranks (Popen(start_new_session=True))."""
     stat = _stat(pid)
     if stat is None:
         return False
@@ -92,8 +69,7 @@ def is_rank(pid: int) -> bool:
 
 
 def rank_processes(candidates: list[int] | None = None) -> list[int]:
-    """Pids of the job's ranks in this container (torchrun sets LOCAL_RANK in each worker's environment), not
-    their children; `candidates`: only among these pids (default: every process with LOCAL_RANK)."""
+    """Pids of the job's ranks here, not their children; `candidates` limits the search."""
     pids = processes_with(RANK_VARIABLE) if candidates is None else [p for p in candidates if _has(p, RANK_VARIABLE)]
     return [pid for pid in pids if is_rank(pid)]
 

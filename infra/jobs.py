@@ -1,10 +1,7 @@
-"""Training jobs: the one protocol both job backends implement, job naming, and failure classification.
+"""Training jobs: the protocol both job backends implement, job naming, and failure classification.
 
-A backend runs a job described by a `JobSpec` and reports its state in SageMaker's vocabulary (InProgress,
-Completed, Failed with a FailureReason, Stopping, Stopped), whether the job is a SageMaker training job
-(`infra.sagemaker_jobs`) or a process group on this machine (`infra.local_jobs`). The train stage above them
-(`infra.supervisor`) submits, polls, classifies each ending with `classify` and relaunches from the newest
-checkpoint.
+Backends (`infra.sagemaker_jobs`, `infra.local_jobs`) report state in SageMaker's vocabulary. The train stage classifies
+each ending with `classify` and relaunches from the newest checkpoint. docs/jobs.md has the rule table.
 """
 
 from __future__ import annotations
@@ -43,49 +40,39 @@ TERMINAL = frozenset({Status.COMPLETED, Status.FAILED, Status.STOPPED})
 
 @dataclass(frozen=True)
 class JobSpec:
-    """Everything a backend needs to launch one attempt of a run's training (or precompile) job."""
+    """What a backend needs to launch one attempt of a run's job."""
 
     name: str
-    """Deterministic job name (`job_name(run_id, attempt)`): a restarted flow finds the job it launched."""
+    """Deterministic, so a restarted flow finds its job (`job_name`)."""
     run_id: str
     attempt: int
     run_uri: str
-    """The run's storage root (local folder or s3:// prefix); the job reads data/ and tokenizer/ from it."""
     config_uri: str
-    """The run's config.json, passed to the entrypoint as `--config` (not as hyperparameters)."""
     instance_type: str
     instance_count: int
     processes_per_node: int
     max_runtime_s: int
     environment: dict[str, str] = field(default_factory=dict)
-    """Extra environment for the job's processes (never secrets: it is visible in the job description)."""
+    """Extra environment for the job's processes; never secrets, which the job description would show."""
     stage: str = "train"
-    """What the job does (tagged on the job): 'train', 'precompile', 'burn-in'."""
     checkpoint_prefix: str | None = None
-    """A folder of the run that SageMaker keeps the job's node-local /opt/ml/checkpoints in sync with
-    (CheckpointConfig); None (every stage's job): no CheckpointConfig. Training writes its checkpoints to the run's
-    checkpoints/ itself: /opt/ml/checkpoints is local to each instance, so rank 0 could not commit a checkpoint
-    whose files other hosts wrote, and SageMaker would copy the whole prefix onto every host at each start."""
+    """A run folder SageMaker syncs with /opt/ml/checkpoints; None for every stage, as training writes checkpoints/
+    itself."""
     image_uri: str | None = None
-    """Container image (SageMaker); None: the backend's default for the instance type."""
+    """Container image (SageMaker); None: the default for the instance type."""
     neuron_sdk: str = DEFAULT_NEURON_SDK
-    """The Neuron SDK release of a training, precompile or burn-in job (neuron.sdk): SageMaker's default image and
-    the requirements installed on it (`core.environment.NEURON_SDKS`)."""
+    """neuron.sdk: it picks SageMaker's default image and the requirements."""
     entry: str = "hlat.training.train"
-    """The program's module; it takes `--config <config_uri>` and `--<key> <value>` for each of `args`."""
+    """The program's module; it takes `--config <config_uri>` and `--<key> <value>` per `args` entry."""
     args: dict[str, str] = field(default_factory=dict)
     python: str | None = None
-    """Local backend: the Python interpreter that runs the program (None: the backend's own); SageMaker ignores it
-    (the image decides)."""
+    """Local backend: the program's Python (None: the backend's own). SageMaker ignores it."""
     reads: tuple[str, ...] = ()
-    """s3:// prefixes beyond the run and the shared sources that the job reads (`model.init_from`,
-    `tokenizer.pretrained`, `data.sources`): what a run role (infra/run_roles.py) may read besides its own."""
+    """Other s3:// prefixes the job reads; its run role may read them too."""
     channels: tuple[str, ...] = ("data", "tokenizer")
-    """The run's folders the job gets as input channels (SageMaker InputDataConfig; local: links): none for
-    prepare-data, which writes data/."""
+    """The run's folders given as input channels."""
 
     def arguments(self) -> list[str]:
-        """The program's command-line arguments."""
         out = ["--config", self.config_uri]
         for key, value in self.args.items():
             out += [f"--{key}", value]
@@ -94,19 +81,16 @@ class JobSpec:
 
 @dataclass(frozen=True)
 class JobState:
-    """A job's state as the backend last saw it."""
-
     name: str
     status: Status
     failure_reason: str | None = None
     secondary_status: str | None = None
-    """SageMaker's finer status (Starting, Downloading, Training, MaxRuntimeExceeded, Interrupted...)."""
+    """SageMaker's finer status (Starting, Training, MaxRuntimeExceeded, ...)."""
     billable_seconds: float = 0.0
-    """Wall-clock seconds billed per instance so far (SageMaker's BillableTimeInSeconds, or elapsed while running)."""
+    """Billed seconds per instance so far (BillableTimeInSeconds)."""
     instance_count: int = 1
     ended_at: float | None = None
-    """When the job ended, as the backend recorded it (epoch seconds; SageMaker's TrainingEndTime, the local job's
-    status.json): a ledger written after the fact records this, not the time its writer saw the end."""
+    """Epoch seconds the job ended, as the backend recorded it; ledgers record this, not when they saw it."""
 
     @property
     def terminal(self) -> bool:
@@ -114,8 +98,9 @@ class JobState:
 
 
 class JobBackend(Protocol):
-    """Submit, describe, stop and read the logs of training jobs. Implementations raise `SubmitError` when a
-    submission is refused, and return None from `describe` for a job that does not exist."""
+    """Submit, describe, stop and read the logs of training jobs.
+
+    Raise `SubmitError` for a refused submission; `describe` returns None for an unknown job."""
 
     kind: str
 
@@ -126,7 +111,7 @@ class JobBackend(Protocol):
     def stop(self, name: str) -> None: ...
 
     def logs(self, name: str, cursor: Any = None) -> tuple[list[str], Any]:
-        """New log lines since `cursor` (None: from the start), and the cursor to pass next time."""
+        """New log lines since `cursor` (None: from the start), and the next cursor."""
         ...
 
     def dry_run(self, spec: JobSpec) -> list[dict[str, Any]]:
@@ -135,8 +120,7 @@ class JobBackend(Protocol):
 
 
 class SubmitError(RuntimeError):
-    """A submission was refused: `code` is the service's error code (ValidationException, ResourceLimitExceeded,
-    ThrottlingException...), classified like a failure reason."""
+    """A refused submission; `code` is the service's error code, classified like a failure reason."""
 
     def __init__(self, code: str, message: str) -> None:
         self.code = code
@@ -147,9 +131,7 @@ MAX_JOB_NAME = 63  # SageMaker: ^[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}
 
 
 JOB_NAME_PREFIX = "hlat-"
-"""Every job hlat names starts with it, so that the account's policies can scope hlat's jobs and their log streams
-by name (deployments/account.yaml: `training-job/hlat-*`, log streams `hlat-*`). A re-attached attempt keeps the
-name its ledger recorded, whatever scheme named it."""
+"""Prefix of every hlat job name; the account's policies scope jobs and log streams by it."""
 
 
 def job_name(run_id: str, attempt: int, stage: str = "train") -> str:
@@ -169,62 +151,50 @@ def job_name(run_id: str, attempt: int, stage: str = "train") -> str:
 class Action(StrEnum):
     DONE = "done"
     RESUME = "resume"
-    """Relaunch at once from the newest complete checkpoint."""
     BACKOFF = "backoff"
-    """Relaunch from the newest checkpoint after a growing delay (capacity, throttling, a platform fault that
-    repeats)."""
     FATAL = "fatal"
-    """Stop the stage with the reason: relaunching would fail the same way."""
 
 
 class FailureClass(StrEnum):
-    """Whose fault an ending was, which decides what a repeat of it means (docs/jobs.md: "When a job fails")."""
+    """Whose fault an ending was; it decides what a repeat means (docs/jobs.md: "When a job fails")."""
 
     FATAL = "fatal"
-    """A mistake of the run's settings, data or account: relaunching fails the same way, so the stage stops at once."""
+    """The run's settings, data or account: the stage stops at once."""
     JOB = "job"
-    """The job's own failure (its code, its numbers, its exit): relaunched from the newest checkpoint; the same cause
-    ending job.max_repeats attempts in a row with no newer checkpoint committed stops the stage (it repeats
-    deterministically)."""
+    """The job's own failure: relaunched; job.max_repeats same causes in a row without a new checkpoint stop the
+    stage."""
     PLATFORM = "platform"
-    """The platform's fault (a dead host or daemon, an internal error, hardware, an interruption, a hang): relaunched
-    at once, and after a growing delay when it repeats with no checkpoint gained; job.max_attempts_without_progress
-    attempts in a row gaining none stop the stage (as for every class)."""
+    """The platform's fault (dead host, hardware, interruption, hang): relaunched, with back-off when it repeats."""
     CAPACITY = "capacity"
-    """No capacity, throttled, a transient quota refusal: relaunched after a growing delay, until
-    job.max_attempts_without_progress attempts in a row gained nothing, job.max_restarts or the budget."""
+    """No capacity, throttling, transient quota: relaunched after a growing delay."""
 
 
 @dataclass(frozen=True)
 class Decision:
     action: Action
     category: str
-    """Short name of the failure class (e.g. 'capacity', 'hardware', 'nan', 'validation')."""
+    """Short name of the failure class (e.g. 'capacity', 'nan')."""
     reason: str
     failure_class: FailureClass = FailureClass.JOB
     record: FailureRecord | None = None
-    """The job's own failure record, when the ending was judged from one."""
 
     @property
     def cause(self) -> str:
-        """What makes two endings the same failure: the category, and the record's type and step when there is one
-        (a NaN at step 41 on every resume is one cause; at 41 then at 57 it is two)."""
+        """What makes two endings one failure: category, record type and step.
+
+        A NaN at step 41 on every resume is one cause; at 41 then 57 it is two."""
         return f"{self.category}: {self.record.cause}" if self.record else self.category
 
 
 class Source(StrEnum):
-    """What a failure rule is judged from (the table in docs/jobs.md names it for each row)."""
+    """What a failure rule is judged from."""
 
     RECORD = "record"
-    """The job's failure record (core/contract.py `FailureRecord`): its exception type (`pattern`, matched whole
-    against the type or module.type) and, where the type alone does not decide, its message (`message`)."""
+    """The job's failure record (`core.contract.FailureRecord`): its type, and its message where needed."""
     STATUS = "status"
-    """SageMaker's own fields, for endings no program of the job wrote down: the start of its FailureReason
-    (CapacityError, InternalServerError, ClientError), its SecondaryStatus (MaxRuntimeExceeded, Interrupted,
-    Stopped) and the error code of a refused request (ThrottlingException, ResourceLimitExceeded...)."""
+    """SageMaker's own fields, for endings no program recorded."""
     TEXT = "text"
-    """Words in the FailureReason or the job's log, for endings with neither: a rank killed by a signal (torchrun's
-    own account, `Signal 9 (SIGKILL) received by PID`; the local backend's), and reasons written before records."""
+    """Words in the FailureReason or log, for endings with neither (e.g. torchrun's `Signal 9 (SIGKILL)`)."""
 
 
 @dataclass(frozen=True)
@@ -233,12 +203,10 @@ class FailureRule:
     failure_class: FailureClass
     category: str
     example: str
-    """A failure reason this rule takes (with its record, for a record rule): the table in docs/jobs.md shows it, the
-    tests classify it."""
+    """A failure reason this rule takes; docs/jobs.md shows it and the tests classify it."""
     source: Source = Source.TEXT
     message: str | None = None
-    """A record rule's pattern for the record's message too (searched): for types that say little by themselves
-    (RuntimeError carries a Neuron runtime error, an out-of-memory and a code bug alike)."""
+    """A pattern searched in the record's message, for types such as RuntimeError."""
 
     @property
     def action(self) -> Action:
@@ -271,7 +239,7 @@ def _record_example(type_name: str, message: str, module: str | None = None, ste
 # status and text rules only judge endings that carry no record).
 F, R, S, T = FailureClass, Source.RECORD, Source.STATUS, Source.TEXT
 _RUNTIME = r"(torch\.)?\w*Error"
-"""A record's type that says little by itself: its message decides (RuntimeError, torch.AcceleratorError...)."""
+"""Record types that say little by themselves; their message decides."""
 FAILURE_RULES: list[FailureRule] = [
     # -- the job's failure record ---------------------------------------------------------------------------------
     FailureRule(r"BurnInFailed", F.FATAL, "burn-in", _record_example("BurnInFailed", "rank 3 matmul error"), R),
@@ -383,10 +351,8 @@ FAILURE_RULES: list[FailureRule] = [
         r"[Ss]ocket [Tt]imeout",
     ),
     # -- SageMaker's own status fields and error codes (no record: nothing of the job wrote one) -------------------
-    # ResourceLimitExceeded at CreateTrainingJob: "too many training jobs", or instances over the account's quota
-    # while an earlier job still holds them (one stopping, a warm pool): it clears as they are released, so it backs
-    # off, bounded like every class by job.max_attempts_without_progress (a quota that never grows stops the stage
-    # after that many refusals, its message naming the quota).
+    # ResourceLimitExceeded: too many jobs, or instances over quota while an earlier job holds them. It clears as they
+    # are released, so it backs off; job.max_attempts_without_progress bounds a quota that never grows.
     # https://docs.aws.amazon.com/sagemaker/latest/APIReference/API_CreateTrainingJob.html#API_CreateTrainingJob_Errors
     FailureRule(
         r"ResourceLimitExceeded",
@@ -395,9 +361,8 @@ FAILURE_RULES: list[FailureRule] = [
         "ResourceLimitExceeded: The account-level service limit 'ml.trn1.32xlarge for training job usage' is 16",
         S,
     ),
-    # ResourceInUse ("Resource being accessed is in use"): a name or resource the request needs is held by something
-    # this run does not supervise (its job names are deterministic and the stage's lease admits one supervisor, so
-    # not a job of its own). Waiting does not release it: fatal, for the user to look at.
+    # ResourceInUse: something this run does not supervise holds a name or resource it needs. Waiting does not
+    # release it: fatal, for the user to look at.
     FailureRule(r"ResourceInUse", F.FATAL, "in-use", "ResourceInUse: Resource being accessed is in use", S),
     FailureRule(
         r"AccessDenied|UnauthorizedOperation|ExpiredToken|InvalidClientTokenId|UnrecognizedClient",
@@ -471,17 +436,14 @@ FAILURE_RULES: list[FailureRule] = [
 ]
 del F, R, S, T
 UNKNOWN = FailureRule(r"", FailureClass.JOB, "unknown", "AlgorithmError: ExecuteUserScriptError: exit code 1")
-"""Anything no rule takes: the job's own (a record of a type no rule names, e.g. a RuntimeError of our code; an
-AlgorithmError with no better clue)."""
+"""What no rule takes: the job's own fault (e.g. a RuntimeError of our code)."""
 
 
 def classify_reason(reason: str, log_tail: str = "", first_record: FailureRecord | None = None) -> Decision:
-    """Classify a failure reason (or a refused submission's error) and the end of the job's log. By the job's failure
-    record when the reason holds one (or an earlier record the supervisor saw in the job's log, `first_record`:
-    see `first_failure`); else by SageMaker's own words at the start of the reason (CapacityError,
-    InternalServerError...: the platform's judgement comes before whatever a rank logged as a consequence); else by
-    the record of the rank that failed first in the log (another host's failure file may be the one reported);
-    else by words in the reason or the log."""
+    """Classify a failure reason (or refused submission's code) and the end of the job's log.
+
+    Order: the failure record; SageMaker's own words, which outrank what ranks logged; the first failed rank's
+    record in the log; words in the reason or log."""
     record = parse_failure_record(reason)
     if record is None:
         status = next((r for r in FAILURE_RULES if r.source == Source.STATUS and r.takes(None, reason)), None)
@@ -498,17 +460,14 @@ def _rule_of(record: FailureRecord) -> FailureRule:
 
 
 def is_lost_peer(record: FailureRecord) -> bool:
-    """A record of a rank that saw a peer go ('connection closed by peer', a store or collective error): a
-    consequence of another rank's end, never its cause."""
+    """A record of a rank that saw a peer go: a consequence of another rank's end, never its cause."""
     return _rule_of(record).category == "lost-peer"
 
 
 def first_failure(records: list[FailureRecord]) -> FailureRecord | None:
-    """The record of the rank that failed first, of several (the FailureReason's, the ones in the job's log): the
-    earliest by its time, a record of a lost peer only when there is no other (every rank of a job whose rank 17 hit
-    a bug sees its peers close their connections, and any of their records may be the one SageMaker reports; a host
-    lost to the platform writes nothing, so its peers' lost-peer records are all there is). Records without a time
-    (written before records had one) keep their order: the first of them, after any timed one."""
+    """The record of the rank that failed first: the earliest by time.
+
+    Lost-peer records count only if there is no other. Untimed records keep their order, after timed ones."""
     if not records:
         return None
     causes = [r for r in records if not is_lost_peer(r)] or records
@@ -525,13 +484,13 @@ SELF_STOPS = {
     STOP_DEADLINE: (Action.FATAL, FailureClass.FATAL),
     STOP_UNSUPERVISED: (Action.RESUME, FailureClass.PLATFORM),
 }
-"""A job that stopped itself at a checkpoint and exited 0 (training/stop_rule.py), by its stop record's reason: the
-run's budget or deadline ends the stage (relaunching would stop again at once; the record names the setting to
-raise); 'no supervisor heartbeat' is relaunched when a supervisor is there to read it (it is alive after all)."""
+"""A self-stopped job's decision, by stop reason (training/stop_rule.py).
+
+A budget or deadline ends the stage. 'no supervisor heartbeat' is relaunched when a supervisor reads it."""
 
 
 def self_stop(log_tail: str) -> Decision | None:
-    """The decision on a job that stopped itself, from the stop record in its log (None: it wrote none)."""
+    """The decision on a self-stopped job, from the stop record in its log (None: none)."""
     record = parse_stop_record(log_tail)
     if record is None or record.why not in SELF_STOPS:
         return None
@@ -540,8 +499,7 @@ def self_stop(log_tail: str) -> Decision | None:
 
 
 def stored_self_stop(run: Storage, job: str, stage: str = "train") -> Decision | None:
-    """The decision on job `job` from the stop record it left in run storage (`core.contract.stop_record_path`),
-    for a supervisor that did not see the job's log (one re-attaching after the job ended); None: it left none."""
+    """The decision from the stop record job `job` left in storage, for a supervisor that missed its log."""
     try:
         kept = run.read_json(stop_record_path(stage)) if run.exists(stop_record_path(stage)) else None
     except Exception:  # unreadable: judged as if absent
@@ -555,10 +513,10 @@ def stored_self_stop(run: Storage, job: str, stage: str = "train") -> Decision |
 def classify(
     state: JobState, stop_requested: bool = False, log_tail: str = "", first_record: FailureRecord | None = None
 ) -> Decision:
-    """What to do after a job ended. `stop_requested`: we stopped it (cancel, budget), so it is not a failure;
-    `log_tail`: the last lines of the job's log (a record another host wrote, torchrun's account of a signal, the
-    stop record of a job that stopped itself); `first_record`: the earliest failure record the supervisor saw in
-    the whole of the job's log (at 8,192 ranks the tail holds only the last of them)."""
+    """What to do after a job ended.
+
+    `stop_requested`: we stopped it, no failure. `first_record`: the earliest failure record in the whole log,
+    since at 8,192 ranks the tail holds only the last."""
     reason = state.failure_reason or state.secondary_status or state.status.value
     if state.status == Status.COMPLETED:
         return self_stop(log_tail) or Decision(Action.DONE, "completed", reason)

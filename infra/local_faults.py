@@ -1,17 +1,13 @@
-"""Fault injection for the local backend's tests: the `BackendHooks` the tests install
-(HLAT_BACKEND_HOOKS=hlat.infra.local_faults, see infra/job_daemon.py). No production module imports this one
-(tests/unit/test_layers.py).
+"""Fault injection for the local backend's tests: the `BackendHooks` HLAT_BACKEND_HOOKS=hlat.infra.local_faults
+installs. No production module imports it (tests/unit/test_layers.py).
 
-HLAT_LOCAL_FAULTS in the *submitting* process is a JSON object keyed by attempt number, read at submit and kept in
-job.json, e.g. `{"1": {"kill_at_step": 8}, "2": {"fail": "CapacityError: ...", "after_s": 1}}`:
-- `{"kill_at_step": N}`: SIGKILL the training processes once a `step <n> loss` line with n >= N is logged.
-- `{"hang_at_step": N}`: SIGSTOP them instead: the job stops logging and stays InProgress until stopped.
-- `{"fail": "<reason>", "after_s": S}`: launch nothing, wait S seconds, end Failed with exactly that reason.
-- `{"complete": true, "after_s": S}`: launch nothing, wait S seconds, end Completed: a job that reports success
-  without having written its outputs (no checkpoint, no report), as a broken image or entrypoint can.
-- `{"sdk_entrypoint": true}` (emulated hosts): run the SageMaker SDK's container command without our init in front
-  of it (infra/job_init.py), as a job request would be without it.
-The variable is kept out of the job's environment.
+HLAT_LOCAL_FAULTS in the submitting process maps attempt numbers to faults, e.g. `{"1": {"kill_at_step": 8}}`. It is
+read at submit, kept in job.json, and kept out of the job's environment:
+- `{"kill_at_step": N}`: SIGKILL the training processes once step N or later is logged.
+- `{"hang_at_step": N}`: SIGSTOP them instead; the job stays InProgress until stopped.
+- `{"fail": "<reason>", "after_s": S}`: launch nothing; after S seconds end Failed with that reason.
+- `{"complete": true, "after_s": S}`: launch nothing; end Completed without outputs, like a broken image.
+- `{"sdk_entrypoint": true}` (emulated hosts): run the SDK's command without our init (infra/job_init.py).
 """
 
 from __future__ import annotations
@@ -30,7 +26,7 @@ FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s", "sd
 
 
 def faults_for_attempt(attempt: int) -> dict[str, Any]:
-    """This attempt's entry of HLAT_LOCAL_FAULTS ({} when none); a malformed variable is a test-setup mistake."""
+    """This attempt's entry of HLAT_LOCAL_FAULTS ({} if none); a malformed variable is a test-setup mistake."""
     raw = os.environ.get(FAULTS_ENV, "").strip()
     if not raw:
         return {}
@@ -48,7 +44,7 @@ def faults_for_attempt(attempt: int) -> dict[str, Any]:
 
 
 class LocalFaults(BackendHooks):
-    """The local backend's hook points, with the faults of HLAT_LOCAL_FAULTS (see the module docstring)."""
+    """The local backend's hook points, with the faults of HLAT_LOCAL_FAULTS."""
 
     def __init__(self) -> None:
         self.fired: set[str] = set()

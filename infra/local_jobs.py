@@ -1,34 +1,17 @@
 """The local job backend: a training job as detached processes on this machine, under SageMaker's contract.
 
-The train stage's submit / poll / classify / relaunch logic (`infra.supervisor`) runs against this backend for
-real: jobs are killed, time out, fail to get capacity or lose their host, and a restarted flow re-attaches to a
-running job through `describe(name)`, all without AWS. Each job lives in `<jobs_dir>/<job name>/`:
+The train stage's supervision runs against it for real, without AWS: kills, timeouts, capacity, lost hosts,
+re-attaching. This module is the client: submit, describe, stop, logs. Each job's daemon (`infra.job_daemon`) plays
+SageMaker's side. A job ended once status.json exists and its daemon has exited; a daemon gone without it is a crashed
+host (Failed, InternalServerError). Each job lives in `<jobs_dir>/<job name>/`:
 
-    job.json          the spec, what the backend's hooks record for it, stop_grace_seconds, created (by submit)
-    supervisor.json   the supervisor's pid, its /proc start time (pid reuse) and wall-clock start (billing)
-    phase.json        the running job's secondary status: Starting, Downloading, Training, Stopping...
-    stop              a stop request (also delivered as SIGTERM to the supervisor)
-    status.json       the final state: status, failure_reason, secondary_status, exit_code, started, ended
-    output.log        the supervisor's messages and the training processes' output, one line at a time
-    opt/ml/...        /opt/ml of the training container: model/, output/data/, output/failure,
-                      output/tensorboard/, checkpoints/, input/data/{data,tokenizer}
-
-The daemon (`python -m hlat.infra.job_daemon <job dir>`, `infra.job_daemon.JobDaemon`, a session of its own so it
-outlives whoever submitted it; `supervisor.json` names its process) plays the SageMaker platform for the job: input
-channels, the checkpoint mirror, the program's launch, stop requests and max runtime, the final status. This module
-is the client side, the backend the stages call: it submits (writes job.json, starts the daemon), describes, stops
-and reads logs. `describe` reports a job ended once status.json exists *and* its daemon has exited (nothing of the
-job is left running then); a daemon gone without status.json is a crashed host: the job is Failed with
-InternalServerError, and its orphaned processes are killed.
-
-Tests change what a job does through the backend's hook points (`infra.job_daemon.BackendHooks`, installed by
-HLAT_BACKEND_HOOKS): at submit, `job_record` says what the job carries to its daemon and `emulated_request` may change
-an emulated job's request; infra/local_faults.py, the tests' module, injects faults through them.
-
-A job of several instances (`instance_count` > 1) runs on emulated SageMaker hosts (`infra.sagemaker_emulator`):
-job.json then also holds its CreateTrainingJob request, built at submit by the sagemaker backend's own code, and
-each host has its own `hosts/algo-N/opt/ml`; hosts.json records the bytes each host received before its container
-started (input channels, CheckpointConfig).
+    job.json          spec, hook record, stop grace, created; an emulated job's CreateTrainingJob request
+    supervisor.json   the daemon's pid, /proc start time and wall-clock start
+    phase.json        the running job's secondary status
+    stop              a stop request (also sent as SIGTERM to the daemon)
+    status.json       the final state, written last
+    output.log        the daemon's messages and the job's output
+    opt/ml/...        the container's /opt/ml; an emulated host's is hosts/algo-N/opt/ml (hosts.json: bytes received)
 """
 
 from __future__ import annotations
@@ -62,13 +45,14 @@ _LOG_CHUNK = 4 << 20  # bytes read by one logs() call
 START_TIMEOUT_S = 60.0
 """A job folder with no daemon this long after submit is a submitter that died mid-submit."""
 SUPERVISOR_DIED = "InternalServerError: the job's supervisor process died"
-"""A crashed host's failure reason: it is billed up to its last sign of life, the last line it logged."""
+"""A crashed host's failure reason; it is billed up to its last logged line."""
 
 _JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
 _STOPPING = ("Stopping", "MaxRuntimeExceeded")  # the secondary statuses of a job being stopped
 _CHILDREN: dict[str, subprocess.Popen[bytes]] = {}
-"""Daemons started by this process, by job folder, until a describe() reaps them. Module-wide: a backend object
-may be dropped while its job runs, and a Popen collected while its process runs warns and is reaped late."""
+"""Daemons started by this process, by job folder, until a describe() reaps them.
+
+Module-wide, since a backend may be dropped while its job runs, and a collected Popen warns."""
 
 
 def _alive(supervisor: dict[str, Any]) -> bool:
@@ -76,7 +60,7 @@ def _alive(supervisor: dict[str, Any]) -> bool:
 
 
 class LocalBackend:
-    """Jobs as detached supervisor processes, one folder each under `jobs_dir` (see the module docstring)."""
+    """Jobs as detached daemon processes, one folder each under `jobs_dir`."""
 
     kind = "local"
 
@@ -84,7 +68,7 @@ class LocalBackend:
         self.jobs_dir = os.path.abspath(os.path.expanduser(jobs_dir))
         self.stop_grace_seconds = stop_grace_seconds
         self.job = job or JobConfig()
-        """The run's job settings: what an emulated multi-host job's CreateTrainingJob request is built from."""
+        """The run's job settings, from which an emulated job's CreateTrainingJob request is built."""
 
     def job_dir(self, name: str) -> str:
         return os.path.join(self.jobs_dir, name)
@@ -179,9 +163,8 @@ class LocalBackend:
         final = read_json(os.path.join(self.job_dir(name), "status.json"))
         if final is None:
             return None
-        # Billed from the launch, the start `describe` bills a running job from, up to when status.json was written
-        # (its mtime; the daemon reads its clock for "ended" a little before): a describe that saw the job running
-        # read its clock before the file existed, so the bill never shrinks at the end.
+        # Billed from the launch to status.json's mtime: an earlier describe read its clock before the file existed,
+        # so the bill never shrinks at the end.
         path = os.path.join(self.job_dir(name), "status.json")
         supervisor = read_json(os.path.join(self.job_dir(name), "supervisor.json")) or {}
         started = min(final["started"], supervisor.get("started", final["started"]))

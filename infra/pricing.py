@@ -1,14 +1,10 @@
-"""Today's SageMaker training prices, read from the AWS Price List Query API (`hlat prices`).
+"""Today's SageMaker training prices from the AWS Price List Query API (`hlat prices`).
 
-The catalog's prices (`infra.catalog`) are on-demand figures of one date and region; a bill is whatever AWS charges
-now, where the job runs. `training_prices` asks the Price List API (`pricing:GetProducts`, service code
-`AmazonSageMaker`) for the on-demand hourly price of each `ml.` instance type as a SageMaker *training* instance in
-a region: products of the family "ML Instance" whose `component` is "Training"
-(https://docs.aws.amazon.com/aws-cost-management/latest/APIReference/API_pricing_GetProducts.html; the price list
-format: https://docs.aws.amazon.com/awsaccountbilling/latest/aboutv2/price-changes.html). The API is served from a
-few regions only (us-east-1 among them) whatever the region priced. It needs AWS credentials with
-`pricing:GetProducts`; nothing else in a run calls it. `record_prices` writes what it said, and when, into the
-catalog's price file (infra/prices.json, `hlat prices --record`), replacing a derived or recalled figure.
+The catalog's prices (`infra.catalog`) are of one date and region; this asks AWS for now. `training_prices` reads the
+on-demand hourly price of each `ml.` type as a training instance ("ML Instance", `component` "Training";
+https://docs.aws.amazon.com/aws-cost-management/latest/APIReference/API_pricing_GetProducts.html). The API answers in a
+few regions only. It needs `pricing:GetProducts`; nothing else in a run calls it. `record_prices` writes the answers
+into infra/prices.json (`hlat prices --record`).
 """
 
 from __future__ import annotations
@@ -26,7 +22,7 @@ from hlat.infra.catalog import PRICES, PriceSource
 
 SERVICE_CODE = "AmazonSageMaker"
 API_REGION = "us-east-1"
-"""Where the Price List Query API answers (it also runs in ap-south-1 and eu-central-1)."""
+"""A region where the Price List Query API answers (ap-south-1 and eu-central-1 also do)."""
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,7 @@ class ListedPrice:
     region: str
     usd_per_hour: float
     effective: str
-    """The date AWS gives the on-demand term (its `effectiveDate`)."""
+    """The on-demand term's `effectiveDate`."""
     sku: str
 
 
@@ -47,7 +43,7 @@ def price_filters(instance_type: str, region: str) -> list[dict[str, str]]:
 
 
 def on_demand_hourly(entry: dict[str, Any]) -> list[tuple[float, str, str]]:
-    """The hourly USD prices of one Price List product: (price, effective date, sku) per on-demand dimension."""
+    """(price, effective date, sku) per on-demand dimension of one Price List product, in USD per hour."""
     sku = entry.get("product", {}).get("sku", "")
     found = []
     for term in entry.get("terms", {}).get("OnDemand", {}).values():
@@ -60,9 +56,9 @@ def on_demand_hourly(entry: dict[str, Any]) -> list[tuple[float, str, str]]:
 
 
 def training_prices(instance_types: Iterable[str], region: str, client: Any = None) -> dict[str, ListedPrice | None]:
-    """On-demand SageMaker training price of each instance type in `region`; None where the list has none (the type
-    is not offered there). `client` is a boto3 `pricing` client (default: one in us-east-1 from the environment's
-    credentials). Raises ValueError when one type lists several different hourly prices."""
+    """On-demand SageMaker training price of each type in `region`; None where the type is not offered.
+
+    `client` defaults to a us-east-1 `pricing` client. ValueError when one type lists several hourly prices."""
     if client is None:
         import boto3
 
@@ -91,9 +87,10 @@ def training_prices(instance_types: Iterable[str], region: str, client: Any = No
 
 
 def record_prices(listed: dict[str, ListedPrice | None], read_at: datetime, path: Path = PRICES) -> list[str]:
-    """Write the Price List's answers into the price file at `path`: each listed type's figure with its region, SKU,
-    effective date and `read_at` (UTC); types the list did not price keep their entry. The file is replaced whole
-    (written beside it, then renamed), so a failed write leaves the old one. Returns the types recorded."""
+    """Write the Price List's answers into the price file at `path`; return the types recorded.
+
+    Each figure gets its region, SKU, effective date and `read_at` (UTC); unpriced types keep their entry. The file
+    is replaced atomically."""
     document = json.loads(path.read_text())
     when = read_at.astimezone(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     recorded = []

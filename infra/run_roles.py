@@ -1,28 +1,9 @@
-"""A role per run: each SageMaker job of a run gets an IAM role that reaches that run's own prefix and nothing of
-another run's, so code inside one job (a compromised package installed at its start, say) cannot read, overwrite or
-delete another run's checkpoints, data or job code.
+"""A role per run: each SageMaker job gets an IAM role that reaches its own run's prefix and no other run's.
 
-The account stack (deployments/account.yaml) turns this on: its ECS pool's environment holds `HLAT_RUN_ROLE_BOUNDARY`
-(the permissions boundary every run role must carry, `<stack>-run-role-boundary`) and `HLAT_RUN_ROLE_PATH` (the IAM
-path the flow-run role may create roles under, `/hlat-runs/<stack>/`); a run cannot change either (the pool fixes its
-environment). With them set, the SageMaker backend makes, before each job, the role of the run and the job's access:
-
-- `run` (every stage but prepare-data): read, write and delete under `<root>/<run_id>/`; read `<root>/sources/` (the
-  prepared sources the run's data manifest names), `<root>/imports/` (imported checkpoints) and whatever other
-  prefix of the bucket the run's config names for reading (`model.init_from`, `tokenizer.pretrained`,
-  `data.sources`);
-- `data` (prepare-data, which writes the shared sources): the same, plus write and delete under `<root>/sources/`.
-
-Its other rights are the managed policies of the stack's execution role (`job.role_arn`) whose names start with
-`<stack>-job-` (ECR pulls, logs, metrics; the bucket's KMS key, the corpus bucket and the VPC's interfaces where the
-stack has them): IAM itself refuses any other (the flow-run policy's AttachRolePolicy condition), and the boundary
-caps whatever is attached. Making or updating a role is idempotent: the same run gets the same role each attempt.
-
-IAM does not show SageMaker a new role at once: a job created in the seconds after its role was gets "could not assume
-role" (`just_created` tells the backend to retry). Role names are global to the account (64 characters): the name
-is a digest of the run's storage and id. The roles stay after the run (IAM's default quota is 1,000 roles per
-account): `aws iam list-roles --path-prefix /hlat-runs/` lists them.
-https://docs.aws.amazon.com/IAM/latest/UserGuide/access_policies_boundaries.html
+So code in one job cannot touch another run's files. The account stack enables it through the pool's fixed environment.
+Other rights are the stack's `<stack>-job-*` policies, capped by a permissions boundary
+(https://docs.aws.amazon.com/IAM/latest/UserGuide/access_policies_boundaries.html). Roles stay after the run
+(docs/deployments.md).
 """
 
 from __future__ import annotations
@@ -43,23 +24,22 @@ PATH_ENV = "HLAT_RUN_ROLE_PATH"
 POLICY_NAME = "run-storage"
 DATA_STAGE = "prepare-data"
 JOB_POLICY_INFIX = "-job-"
-"""The stack's managed policies a run role may carry: `<stack>-job-*`."""
 
 
 class RunRoleError(RuntimeError):
-    """A run role could not be made (the message names the IAM call and the fix)."""
+    """A run role could not be made; the message names the IAM call and the fix."""
 
 
 @dataclass(frozen=True)
 class RunRoles:
-    """Where run roles are made: the boundary every one carries and the IAM path they live under."""
+    """Where run roles are made: the boundary each carries and their IAM path."""
 
     boundary_arn: str
     path: str
 
     @classmethod
     def from_environment(cls, environ: dict[str, str] | None = None) -> RunRoles | None:
-        """The settings the pool's environment holds; None when run roles are off (no boundary set)."""
+        """The pool environment's settings; None when run roles are off."""
         env = os.environ if environ is None else environ
         boundary = env.get(BOUNDARY_ENV, "").strip()
         if not boundary:
@@ -71,18 +51,18 @@ class RunRoles:
 
 
 def access_of(stage: str) -> str:
-    """'data' for the prepare-data job (it writes the shared sources), 'run' for every other stage's."""
+    """'data' for prepare-data, which writes the shared sources; 'run' for every other stage."""
     return "data" if stage == DATA_STAGE else "run"
 
 
 def role_name(run_uri: str, access: str) -> str:
-    """The run's role for `access`: `hlat-run-<digest of the run's storage and id>-<access>`, at most 64 characters."""
+    """`hlat-run-<digest of storage and id>-<access>`: role names are account-global and at most 64 characters."""
     digest = hashlib.sha256(run_uri.rstrip("/").encode()).hexdigest()[:24]
     return f"hlat-run-{digest}-{access}"
 
 
 def run_role_arn(roles: RunRoles, base_role_arn: str, run_uri: str, stage: str) -> str:
-    """The ARN `ensure_run_role` gives the run's role for `stage` (what a dry run shows)."""
+    """The ARN `ensure_run_role` gives the run's role for `stage`."""
     parts = base_role_arn.split(":")
     return f"arn:{parts[1]}:iam::{parts[4]}:role{roles.path}{role_name(run_uri, access_of(stage))}"
 
@@ -93,8 +73,7 @@ def _split(uri: str) -> tuple[str, str]:
 
 
 def storage_policy(run_uri: str, access: str, reads: Iterable[str] = (), partition: str = "aws") -> dict[str, Any]:
-    """The run role's S3 policy: the run's own prefix, the shared sources (read; write too for `data`), the imports
-    (read) and `reads` (s3:// prefixes of the same bucket the config reads: read); nothing else of the bucket."""
+    """The run role's S3 policy: its run's prefix, the shared sources (write for `data`), imports and `reads`."""
     bucket, run_key = _split(run_uri)
     root = run_key.rpartition("/")[0]
     under = f"{root}/" if root else ""
@@ -129,7 +108,7 @@ def storage_policy(run_uri: str, access: str, reads: Iterable[str] = (), partiti
 
 
 def trust_policy(account: str, partition: str = "aws") -> dict[str, Any]:
-    """SageMaker's training jobs of this account, and no one else, may assume a run role."""
+    """Only this account's SageMaker training jobs may assume a run role."""
     return {
         "Version": "2012-10-17",
         "Statement": [
@@ -147,7 +126,6 @@ def trust_policy(account: str, partition: str = "aws") -> dict[str, Any]:
 
 
 def _stack_policies(iam: Any, base_role_arn: str) -> list[str]:
-    """The execution role's managed policies a run role carries too: the stack's `<stack>-job-*` ones."""
     base = base_role_arn.rsplit("/", 1)[-1]
     arns: list[str] = []
     for page in iam.get_paginator("list_attached_role_policies").paginate(RoleName=base):
@@ -158,8 +136,7 @@ def _stack_policies(iam: Any, base_role_arn: str) -> list[str]:
 def ensure_run_role(
     session: Any, roles: RunRoles, run_uri: str, stage: str, base_role_arn: str, reads: Iterable[str] = ()
 ) -> tuple[str, bool]:
-    """Make (or bring up to date) the role of the run at `run_uri` for `stage`'s access; returns its ARN and whether
-    it was created just now (SageMaker may not see it for some seconds)."""
+    """Make or update the run's role for `stage`; return its ARN and whether it was just created."""
     from botocore.exceptions import BotoCoreError, ClientError
 
     iam = session.client("iam")
@@ -197,17 +174,16 @@ def ensure_run_role(
 
 
 ROLE_VISIBLE_SECONDS = 60.0
-"""How long a job of a just-made role is retried while SageMaker cannot assume it yet."""
+"""Seconds a job of a just-made role is retried while SageMaker cannot assume it yet."""
 
 
 def not_yet_assumable(code: str, message: str) -> bool:
-    """Whether CreateTrainingJob's refusal is SageMaker not seeing a role made a moment ago."""
+    """Whether CreateTrainingJob refused because SageMaker cannot see a just-made role yet."""
     return code == "ValidationException" and "assume" in message.lower() and "role" in message.lower()
 
 
 def retry_while_new(create: Any, just_created: bool, sleep: Any = time.sleep) -> None:
-    """Call `create()`; while the role is new (`just_created`) and SageMaker cannot assume it yet, retry every 5 s
-    for `ROLE_VISIBLE_SECONDS`."""
+    """Call `create()`, retrying every 5 s for `ROLE_VISIBLE_SECONDS` while a new role is not assumable."""
     from hlat.infra.jobs import SubmitError
 
     deadline = time.monotonic() + ROLE_VISIBLE_SECONDS

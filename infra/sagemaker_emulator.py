@@ -1,36 +1,7 @@
-"""A multi-host SageMaker training job on this machine: the local backend's emulator of SageMaker's side of a job.
+"""A multi-host SageMaker training job on this machine: the local backend's emulator of SageMaker's side.
 
-With `job.instance_count` > 1 the local backend runs a job the way SageMaker runs it, from the same
-CreateTrainingJob request the `sagemaker` backend sends (built by the same code, `sagemaker_jobs.build_request`):
-
-- N instances, `algo-1` ... `algo-N`, each a set of Linux namespaces (mount, UTS, PID) of its own: its own
-  `/opt/ml` (input/config/resourceconfig.json, hyperparameters.json, inputdataconfig.json, input/data/<channel>,
-  model/, output/ with the failure file, checkpoints/), its hostname, an /etc/hosts that resolves every algo-N to
-  the loopback, and the container's command (the request's ContainerEntrypoint + ContainerArguments) as PID 1. The
-  SDK's own scripts (sm_train.sh, environment.py, the torchrun driver) run unmodified from the sm_drivers channel
-  and launch torchrun with its --nnodes, --node_rank and master algo-1:7777, over the loopback.
-- Input channels as SageMaker provides them: File mode copied into every instance, FastFile mounted (a link to a
-  local run's folder; downloaded from S3).
-- CheckpointConfig, when a request has one, per instance: the S3 prefix copied into that instance's local folder at
-  start, and what the instance writes, changes or deletes there mirrored back (`job_daemon.CheckpointMirror`).
-  Another instance's files never appear in it.
-- Stopping (StopTrainingJob, max runtime): SIGTERM to each instance's PID 1, SIGKILL after the grace period. A host
-  whose container fails ends the job, whichever host it is: the others are killed within seconds
-  (`job_daemon.HOST_FAILURE_WAIT_S`).
-- Hosts that share nothing but the network, as SageMaker's: each has its own /tmp, /dev/shm and home (/root)
-  (`infra.emulated_host`), and the containers get their job's role's credentials (`role_credentials`: STS
-  AssumeRole at a test endpoint), never the caller's; a local run's containers get no AWS credentials at all.
-- Any number of hosts: `algo-10` is one like the others; the SDK's environment.py numbers nodes in its sorted host
-  list, as text (algo-1, algo-10, algo-2...), and so does the checkpoint manager's host_of.
-
-Where the request names S3, the emulator reads the run's storage: s3:// URIs as they are (a moto server in tests),
-and a local run under the bucket `hlat-local`, whose keys are absolute paths of this machine
-(`s3://hlat-local/home/me/runs/tiny` is /home/me/runs/tiny). The SDK's uploads of the source code and its drivers
-go where the request says they are. The local image is the job's Python environment (job.python, or the flow's),
-with what jobs need already installed: the request carries no requirements file.
-
-Needs Linux namespaces (root, or unprivileged user namespaces) and an /opt/ml mount point. Only one multi-host job
-runs at a time on a machine: the SDK fixes the master port (7777).
+It runs the sagemaker backend's own request. Each instance gets its own namespaces, /opt/ml, /tmp and home. Containers
+get their job role's credentials, never the caller's. Needs Linux namespaces; one job at a time (docs/multi-host.md).
 """
 
 from __future__ import annotations
@@ -53,20 +24,20 @@ from hlat.core.storage import Storage, storage_errors
 from hlat.infra.jobs import JobSpec
 
 LOCAL_BUCKET = "hlat-local"
-"""The bucket a local run's folders appear under in an emulated request: its keys are absolute paths."""
+"""The bucket a local run's folders appear under in an emulated request; its keys are absolute paths."""
 MASTER_PORT = 7777
-"""SageMaker's master port: the SDK's drivers fix it (container_drivers/scripts/environment.py, SM_MASTER_PORT)."""
+"""SageMaker's master port, fixed by the SDK's drivers (container_drivers/scripts/environment.py, SM_MASTER_PORT)."""
 LOCAL_ROLE = "arn:aws:iam::000000000000:role/hlat-local-emulator"
 LOCAL_IMAGE = "hlat-local/job-python:latest"
 VALIDATED_AS = "ml.m5.xlarge"
-"""The SageMaker instance type the 'local' one stands for when a request is checked against the service model."""
+"""The SageMaker instance type 'local' stands for when a request is checked against the service model."""
 NETWORK_INTERFACE = "lo"
 GROUP_NAME = "homogeneousCluster"
 HOST_SETUP = Path(__file__).with_name("emulated_host.py")
 PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
-"""The project's source tree (the folder holding infra/): the job's Python imports hlat from it."""
+"""The project's source tree, from which the job's Python imports hlat."""
 HOST_ENV = "HLAT_LOCAL_HOST"
-"""Every process of an emulated instance carries its host name here (tests kill one host's processes by it)."""
+"""Every process of an emulated instance carries its host name here; tests kill one host's processes by it."""
 
 
 def request_uri(run_uri: str) -> str:
@@ -77,7 +48,6 @@ def request_uri(run_uri: str) -> str:
 
 
 def storage_of(uri: str) -> Storage:
-    """The storage an S3 URI of an emulated request stands for."""
     prefix = f"s3://{LOCAL_BUCKET}/"
     if uri.startswith(prefix):
         return Storage("/" + uri[len(prefix) :].rstrip("/"))
@@ -85,8 +55,7 @@ def storage_of(uri: str) -> Storage:
 
 
 def _store_all(uploads: dict[str, bytes]) -> None:
-    """The SDK's uploads (source code, drivers: about 150 small files), written where the request names them; to
-    S3 in one batch of concurrent PUTs (fsspec's pipe): one by one, an object store's latency adds up."""
+    """The SDK's uploads (~150 small files), stored where the request names them, in one concurrent batch on S3."""
     local = {uri: data for uri, data in uploads.items() if storage_of(uri).is_local}
     for uri, data in local.items():
         folder, _, name = uri.rpartition("/")
@@ -100,10 +69,9 @@ def _store_all(uploads: dict[str, bytes]) -> None:
 
 
 def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[str, Any]:
-    """The CreateTrainingJob request the emulator runs for `spec`, made by the sagemaker backend's own builder
-    (`sagemaker_jobs.build_request`), with this machine as the image and no requirements to install on it, and
-    checked whole as SageMaker would check it; the SDK's uploads land in the run's storage (see the module
-    docstring), unless `upload` is off (a dry run)."""
+    """The CreateTrainingJob request the emulator runs for `spec`, from the sagemaker backend's own builder.
+
+    It is checked whole as SageMaker would. The SDK's uploads go to run storage unless `upload` is off."""
     from hlat.infra.sagemaker_jobs import OfflineAWS, build_request, validate_request
 
     emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
@@ -158,8 +126,6 @@ def host_names(request: Mapping[str, Any]) -> list[str]:
 
 @dataclass
 class HostTree:
-    """One emulated instance's folders: `<job dir>/hosts/<name>/opt/ml`."""
-
     name: str
     root: str
 
@@ -172,7 +138,6 @@ class HostTree:
 
     @property
     def private(self) -> str:
-        """Its own /tmp (tmp/) and home (home/): see infra.emulated_host."""
         return os.path.join(self.root, "private")
 
 
@@ -223,8 +188,9 @@ def prepare_host(request: Mapping[str, Any], host: HostTree, hosts: list[str]) -
 
 
 def copy_tree(source: Storage, target: str) -> int:
-    """Copy every file under `source` into the local folder `target` (from S3 in one batch of concurrent GETs);
-    the bytes copied."""
+    """Copy every file under `source` into the local folder `target`; return the bytes copied.
+
+    From S3 it is one batch of concurrent GETs."""
     os.makedirs(target, exist_ok=True)
     files = source.walk_files()
     paths = [os.path.join(target, rel) for rel in files]
@@ -257,37 +223,35 @@ def container_command(request: Mapping[str, Any]) -> list[str]:
 
 
 PASSED_ON = ("AWS_", "HLAT_", "HF_", "OMP_", "MKL_", "TORCH", "GLOO_", "NCCL_", "PJRT_", "XLA_", "NEURON_", "LC_")
-"""Of this machine's environment, what an emulated container gets (besides PATH, LANG, USER, TZ): endpoints and
-settings of AWS (not its credentials: `CREDENTIALS`), the project's own switches, thread and device settings.
-Nothing else: the SDK's environment.py logs every variable, masking only names with KEY, TOKEN, SECRET,
-PASSWORD..., and a job's log reaches the flow's."""
+"""What of this machine's environment a container gets: AWS endpoints and settings, project switches, threads,
+devices.
+
+Nothing else and no credentials: the SDK's environment.py logs every variable, and the job's log reaches the flow's."""
 CREDENTIALS = (
     "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_SECURITY_TOKEN", "AWS_PROFILE",
     "AWS_DEFAULT_PROFILE", "AWS_SHARED_CREDENTIALS_FILE", "AWS_CONFIG_FILE", "AWS_ROLE_ARN", "AWS_ROLE_SESSION_NAME",
     "AWS_WEB_IDENTITY_TOKEN_FILE", "AWS_CONTAINER_CREDENTIALS_RELATIVE_URI", "AWS_CONTAINER_CREDENTIALS_FULL_URI",
     "AWS_CONTAINER_AUTHORIZATION_TOKEN", "AWS_CONTAINER_AUTHORIZATION_TOKEN_FILE",
 )  # fmt: skip
-"""Where botocore finds credentials in an environment
-(https://docs.aws.amazon.com/sdkref/latest/guide/settings-reference.html): the caller's never reach a container,
-which gets its job's role instead (`role_credentials`)."""
+"""Where botocore finds credentials (https://docs.aws.amazon.com/sdkref/latest/guide/settings-reference.html).
+
+The caller's never reach a container, which gets its job's role instead."""
 ROLE_SESSION_S = 43_200
-"""The longest session STS AssumeRole grants (DurationSeconds,
-https://docs.aws.amazon.com/STS/latest/APIReference/API_AssumeRole.html)."""
+"""The longest session STS AssumeRole grants
+(https://docs.aws.amazon.com/STS/latest/APIReference/API_AssumeRole.html)."""
 
 
 def run_on_s3(request: Mapping[str, Any]) -> bool:
-    """Whether the request's input channels are on S3 (not a local run's folders under LOCAL_BUCKET)."""
+    """Whether the request's input channels are on S3, not a local run's folders."""
     uris = [c["DataSource"]["S3DataSource"]["S3Uri"] for c in request.get("InputDataConfig") or []]
     return any(not uri.startswith(f"s3://{LOCAL_BUCKET}/") for uri in uris)
 
 
 def role_credentials(request: Mapping[str, Any], base: Mapping[str, str]) -> tuple[dict[str, str], str]:
-    """The AWS credentials an emulated container gets, and where they come from. SageMaker gives a job's
-    containers temporary credentials of the request's RoleArn, never the caller's
-    (https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html). A local run: none (its storage is this
-    machine's). A run on S3: STS AssumeRole of RoleArn, with the caller's credentials, at this machine's endpoint
-    (AWS_ENDPOINT_URL, a moto server in tests) or AWS's own STS. Never the caller's own keys: where the caller may
-    not assume the role, the job does not start, and the error says what to change."""
+    """The AWS credentials an emulated container gets, and where they come from.
+
+    As on SageMaker, the request's role, never the caller's keys. A local run gets none; an S3 run assumes the
+    role through STS, and fails to start if it cannot."""
     if not run_on_s3(request):
         return {}, "none (a local run)"
     import boto3
@@ -324,9 +288,7 @@ def container_environment(
     processes: int,
     credentials: Mapping[str, str] | None = None,
 ) -> dict[str, str]:
-    """The container's environment: the machine's settings (PASSED_ON) without its credentials, the role's
-    `credentials` (`role_credentials`), the request's Environment, what SageMaker sets in every training container,
-    and the local image's PATH. HOME is /root, the host's own (infra.emulated_host); no TMPDIR: /tmp is its own."""
+    """The container's environment: PASSED_ON, the role's credentials, the request's Environment and SageMaker's own."""
     name = str(request["TrainingJobName"])
     plain = {"PATH", "LANG", "USER", "TZ"}
     env = {k: v for k, v in base.items() if (k in plain or k.startswith(PASSED_ON)) and k not in CREDENTIALS}
@@ -349,17 +311,16 @@ def container_environment(
 
 
 def host_command(host: HostTree, hosts_path: str, command: list[str], keep: list[str] | None = None) -> list[str]:
-    """The command that starts an emulated instance: new namespaces, the host's own /opt/ml, /tmp, /dev/shm and home
-    (`infra.emulated_host`), with `keep` (`reachable`) still at their paths, then the container's command."""
+    """The command that starts an emulated instance: new namespaces and private folders, keeping `keep`."""
     private = ["--private", host.private, *(a for path in keep or [] for a in ("--keep", path))]
     return [*_unshare(), sys.executable, str(HOST_SETUP), *private, host.ml, hosts_path, host.name, "--", *command]
 
 
 def reachable(request: Mapping[str, Any], python: str) -> list[str]:
-    """What an emulated container must reach even where its /tmp or home covers it: the job's Python environment
-    (the image), the project's code (installed in it as a link to the source), the emulator's own interpreter, and
-    the local folders the request names under LOCAL_BUCKET (a local run's storage, S3's stand-in), and the prepared
-    sources beside such a run (`<storage root>/sources/`, core.layout.SOURCES_DIR), which its data manifest names."""
+    """What a container must still reach under its private /tmp and home.
+
+    The job's Python and the project's code, the emulator's interpreter, the local folders the request names under
+    LOCAL_BUCKET, and the prepared sources beside such a run (core.layout.SOURCES_DIR)."""
     paths = {PROJECT_ROOT, sys.prefix, sys.base_prefix, os.path.dirname(os.path.dirname(sys.executable))}
     for interpreter in (python, os.path.realpath(python)):
         paths.add(os.path.dirname(os.path.dirname(os.path.abspath(interpreter))))

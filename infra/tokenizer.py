@@ -1,20 +1,7 @@
-"""The run's tokenizer: sentencepiece BPE trained the LLaMA way, plus an identical Hugging Face export; or an existing
-Hugging Face tokenizer (tokenizer.pretrained), validated and copied in.
+"""The run's tokenizer: a sentencepiece BPE trained the LLaMA way plus its Hugging Face export, or a pretrained one.
 
-The train-tokenizer stage streams a bounded sample of text from the prepared shards into the sentencepiece
-trainer (`training_lines`, `train_sentencepiece`), writes Hugging Face tokenizer files that load offline with
-`AutoTokenizer.from_pretrained` as a fast `LlamaTokenizer` (`export_hf_tokenizer`), measures the result on
-held-out text (`tokenizer_report`) and uploads everything to run storage with `report.json` last
-(`build_tokenizer`).
-
-With tokenizer.pretrained it trains nothing (`build_pretrained_tokenizer`): the tokenizer's files are fetched from a
-local folder, an s3:// prefix or the Hugging Face hub (`fetch_pretrained`), loaded by the caller's loader (the
-training layer's `Tokenizer.load`, passed in: this layer imports no training code), measured on the same held-out
-text, and uploaded the same way with report.json last.
-
-Contract: for any text without U+2581, both tokenizers give the same ids and decode them back to exactly
-the input. U+2581 ("▁") is sentencepiece's own whitespace symbol, so a literal one decodes as a space (the
-ids still agree; `tokenizer_report` counts such documents as round-trip failures).
+report.json is uploaded last, marking a complete tokenizer. Both tokenizers give the same ids and round-trip text
+without U+2581 (docs/stages.md). No training imports: the pretrained loader is passed in.
 """
 
 from __future__ import annotations
@@ -61,10 +48,7 @@ def _char_start(data: bytes, pos: int) -> int:
 
 
 def _runs_of_lines(document: str, max_bytes: int) -> Iterator[str]:
-    """The document as runs of whole lines (newlines kept between them) of at most `max_bytes` UTF-8 bytes.
-
-    A line longer than `max_bytes` is cut on character boundaries into runs of its own.
-    """
+    """The document as runs of whole lines of at most `max_bytes` UTF-8 bytes; longer lines are cut on characters."""
     run: list[str] = []
     size = 0
     # Only "\n" splits: str.splitlines() would also cut at \r, \x0b, \x1c-\x1e, \x85, \u2028, \u2029, and
@@ -89,18 +73,11 @@ def _runs_of_lines(document: str, max_bytes: int) -> Iterator[str]:
 
 
 def training_lines(documents: Iterable[str], sample_bytes: int, max_sentence_length: int) -> Iterator[str]:
-    r"""Trainer input from `documents`: their lines, in sentences of at most `max_sentence_length` bytes and
-    `sample_bytes` in all.
+    r"""Trainer input from `documents`: sentences of at most `max_sentence_length` bytes, `sample_bytes` in all.
 
-    sentencepiece takes each input as one sentence, silently skips sentences over max_sentence_length bytes
-    and strips a sentence's trailing "\r"/"\n", so a newline only reaches the trainer between lines of the
-    same input. Consecutive lines of a document are therefore packed into one sentence of up to
-    max_sentence_length bytes (never across documents): that lets "\n" and pieces such as ":\n" or "\n\n"
-    into the vocabulary instead of leaving every newline to byte fallback. Longer lines are cut on character
-    boundaries, runs of nothing but newlines are skipped, and the last sentence is cut so that the total
-    stays within sample_bytes.
-    Documents are consumed lazily: one document is in memory at a time.
-    """
+    sentencepiece strips each sentence's trailing newline and skips long ones. Packing a document's consecutive
+    lines into one sentence lets "\n" pieces into the vocabulary. Newline-only runs are skipped. Documents are read
+    lazily, one at a time."""
     if sample_bytes < 1:
         raise ValueError(f"sample_bytes must be positive, got {sample_bytes}")
     if max_sentence_length < 4:
@@ -122,7 +99,7 @@ def training_lines(documents: Iterable[str], sample_bytes: int, max_sentence_len
 
 
 def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
-    """The sentencepiece trainer options of the LLaMA recipe (recorded in the stage report)."""
+    """The sentencepiece trainer options of the LLaMA recipe, recorded in the report."""
     return {
         "model_type": "bpe",
         "vocab_size": vocab_size,
@@ -134,11 +111,8 @@ def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
         # No NFKC and no whitespace folding: text must come back byte for byte.
         "normalization_rule_name": "identity",
         "remove_extra_whitespaces": False,
-        # LLaMA prepends a dummy "▁" to every input. The v5 Hugging Face LlamaTokenizer cannot reproduce that
-        # for text that already starts with a space (its Metaspace pre-tokenizer skips the prefix there, so
-        # " x" would get different ids), and decoding would strip the first space of any token slice. Without
-        # the dummy prefix both tokenizers map " " to "▁" and back with nothing added or removed; the cost is
-        # that a document's first word is split like a word at a line start rather than after a space.
+        # No dummy "▁" prefix (LLaMA adds one): transformers 5's LlamaTokenizer cannot match it for text starting
+        # with a space (docs/stages.md). A document's first word is then split as at a line start.
         "add_dummy_prefix": False,
         "allow_whitespace_only_pieces": True,
         "unk_id": UNK_ID,
@@ -158,7 +132,7 @@ def trainer_options(vocab_size: int, cfg: TokenizerConfig) -> dict[str, Any]:
 
 
 def _trainer_error(exc: RuntimeError, vocab_size: int, cfg: TokenizerConfig) -> Exception:
-    """A ValueError naming the config field to change, for the trainer failures users cause."""
+    """A ValueError naming the config field to change, for trainer failures users cause."""
     text = str(exc)
     too_high = re.search(r"Vocabulary size too high \((\d+)\)\. Please set it to a value <= (\d+)", text)
     if too_high:
@@ -181,10 +155,7 @@ def _trainer_error(exc: RuntimeError, vocab_size: int, cfg: TokenizerConfig) -> 
 def train_sentencepiece(lines: Iterator[str], vocab_size: int, cfg: TokenizerConfig, out_dir: str) -> str:
     """Train a sentencepiece BPE model of exactly `vocab_size` pieces; return the path of `tokenizer.model`.
 
-    The same lines and options give the same model bytes. The model records the trainer options, thread count
-    included, so bytes differ across machines with different core counts when `cfg.threads` is None; the
-    pieces and scores do not depend on it.
-    """
+    Deterministic, except that `cfg.threads` None records the machine's thread count."""
     first = next(lines, None)
     if first is None:
         raise ValueError("no training text: the train split has no non-empty lines to train the tokenizer on")
@@ -214,11 +185,8 @@ def train_sentencepiece(lines: Iterator[str], vocab_size: int, cfg: TokenizerCon
 def _bpe_vocab_and_merges(sp: spm.SentencePieceProcessor) -> tuple[dict[str, int], list[tuple[str, str]]]:
     """The sentencepiece vocabulary and the merge list under which Hugging Face BPE encodes identically.
 
-    sentencepiece BPE repeatedly joins the adjacent pair whose concatenation is the best-scoring normal piece;
-    Hugging Face BPE joins the pair of lowest merge rank. Ranking every split of every normal piece by that
-    piece's score therefore gives the same merges in the same order. Control, unknown and byte pieces are left
-    out: sentencepiece never produces them from text, so "<s>" or "<0x41>" in a document stays plain text.
-    """
+    Ranking every split of each normal piece by that piece's score reproduces sentencepiece's merge order.
+    Control, unknown and byte pieces are left out, so "<s>" in a document stays plain text."""
     size = sp.get_piece_size()
     vocab = {sp.id_to_piece(i): i for i in range(size)}
     normal = {
@@ -241,12 +209,8 @@ def _bpe_vocab_and_merges(sp: spm.SentencePieceProcessor) -> tuple[dict[str, int
 def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[str]:
     """Write Hugging Face tokenizer files for the sentencepiece model into `out_dir`; return their names.
 
-    The files load offline with `AutoTokenizer.from_pretrained(out_dir)` as a fast `LlamaTokenizer` that adds
-    `<s>` in front, knows `</s>`, and gives the same ids as the sentencepiece model (`tokenizer.model`, copied
-    beside), given the sentencepiece options of `trainer_options`. A model trained without byte fallback is
-    exported as a generic fast tokenizer instead (see below); its ids still match, but text outside its
-    vocabulary becomes <unk> and cannot round-trip.
-    """
+    They load offline as a fast `LlamaTokenizer` that adds `<s>` and gives sentencepiece's ids. Without byte
+    fallback the export is a generic fast tokenizer: ids match, but unknown text becomes <unk>."""
     from transformers import LlamaTokenizer, PreTrainedTokenizerFast
 
     processor = spm.SentencePieceProcessor(model_file=model_path)
@@ -268,9 +232,8 @@ def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[
     }
     tokenizer: PreTrainedTokenizerFast
     if any(processor.is_byte(i) for i in range(processor.get_piece_size())):
-        # In transformers 5 LlamaTokenizer is the tokenizers-backed (fast) class. It rebuilds its
-        # pre-tokenizer (Metaspace) and decoder from these arguments on every load, keeping only the
-        # vocabulary and merges of tokenizer.json, so the arguments are what makes it match sentencepiece.
+        # transformers 5's LlamaTokenizer rebuilds its pre-tokenizer and decoder from these arguments on every
+        # load, keeping only tokenizer.json's vocabulary and merges: the arguments make it match sentencepiece.
         tokenizer = LlamaTokenizer(vocab=vocab, merges=merges, add_prefix_space=False, legacy=False, **common)
     else:
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -300,7 +263,7 @@ def export_hf_tokenizer(model_path: str, out_dir: str, max_length: int) -> list[
 
 
 def _within_budget(text: str, budget: int) -> tuple[str, int]:
-    """`text` cut to at most `budget` UTF-8 bytes on a character boundary, and its size in bytes."""
+    """`text` cut to at most `budget` UTF-8 bytes on a character boundary, and its byte size."""
     data = text.encode("utf-8")
     if len(data) <= budget:
         return text, len(data)
@@ -315,13 +278,10 @@ def tokenizer_report(
     n_samples: int = 3,
     hf_dir: str | None = None,
 ) -> dict[str, Any]:
-    """Quality figures of a tokenizer on held-out text (at most `report_sample_bytes` of it), as JSON data.
+    """Quality figures of a tokenizer on held-out text, as JSON data.
 
-    bytes_per_token is UTF-8 bytes per token; byte_fallback_rate is the fraction of tokens that are byte
-    pieces (<0x..>), i.e. characters the vocabulary lacks; round_trip_failures counts texts whose decoding
-    differs from the text. With `hf_dir`, the Hugging Face tokenizer there is run on the same texts and
-    hf_id_mismatches counts texts where its ids differ from sentencepiece's.
-    """
+    bytes_per_token, byte_fallback_rate (share of <0x..> pieces), round_trip_failures, and with `hf_dir`
+    hf_id_mismatches."""
     processor = spm.SentencePieceProcessor(model_file=model_path)
     byte_ids = {i for i in range(processor.get_piece_size()) if processor.is_byte(i)}
     unk_id = processor.unk_id()
@@ -369,8 +329,7 @@ def tokenizer_report(
 
 
 def _remove_other_tokenizer_files(out: Storage, keep: Iterable[str]) -> None:
-    """Delete the tokenizer files in `out` that the tokenizer being uploaded does not have: an earlier tokenizer's
-    (a trained one's tokenizer.model beside a pretrained tokenizer.json) would be taken for part of it."""
+    """Delete tokenizer files in `out` that the uploaded tokenizer lacks, lest an earlier one's pass for its own."""
     kept = set(keep)
     for name in out.list():
         if name in TOKENIZER_FILES and name not in kept:
@@ -378,8 +337,6 @@ def _remove_other_tokenizer_files(out: Storage, keep: Iterable[str]) -> None:
 
 
 class _CountingSentences:
-    """Passes sentences through while counting them and their bytes (the sample actually trained on)."""
-
     def __init__(self, lines: Iterator[str]) -> None:
         self.lines, self.count, self.bytes = lines, 0, 0
 
@@ -398,10 +355,7 @@ def build_tokenizer(
 ) -> dict[str, Any]:
     """The train-tokenizer stage: prepared shards in `data` -> tokenizer files and report.json in `out`.
 
-    Trains on a bounded sample of the train split, reports on the validation split (the train split when
-    there is none, said in the report), and uploads tokenizer.model, the Hugging Face files, then report.json:
-    later stages take report.json as the mark of a complete tokenizer. Returns the report.
-    """
+    Trains on the train split and reports on validation (else train). Returns the report."""
     mixture, sources = read_mixture(data)
     if mixture_rows(sources, "train") == 0:
         raise ValueError(f"{data.uri()} has no training documents: re-run prepare-data on a non-empty source")
@@ -482,7 +436,7 @@ class LoadedTokenizer(Protocol):
 
 
 def _copy_tokenizer_files(folder: Storage, dest: str) -> list[str]:
-    """Copy the Hugging Face tokenizer files (TOKENIZER_FILES) `folder` holds into `dest`; their names."""
+    """Copy the HF tokenizer files `folder` holds into `dest`; return their names."""
     names = [name for name in folder.list() if name in TOKENIZER_FILES]
     os.makedirs(dest, exist_ok=True)
     for name in names:
@@ -491,28 +445,27 @@ def _copy_tokenizer_files(folder: Storage, dest: str) -> list[str]:
 
 
 def _hub_cache_dir() -> str | None:
-    """The hub cache the environment names now (HF_HUB_CACHE, else HF_HOME/hub): huggingface_hub reads both only
-    when it is imported, so a value set later (a job's environment, a test) is passed explicitly."""
+    """The hub cache the environment names now (HF_HUB_CACHE, else HF_HOME/hub).
+
+    huggingface_hub reads both only at import, so a later value is passed explicitly."""
     if os.environ.get("HF_HUB_CACHE"):
         return os.environ["HF_HUB_CACHE"]
     return os.path.join(os.environ["HF_HOME"], "hub") if os.environ.get("HF_HOME") else None
 
 
 def _hub_offline() -> bool:
-    """HF_HUB_OFFLINE as huggingface_hub reads it (https://huggingface.co/docs/huggingface_hub/package_reference/environment_variables)."""
+    """HF_HUB_OFFLINE as huggingface_hub reads it."""
     return os.environ.get("HF_HUB_OFFLINE", "").strip().upper() in {"1", "ON", "YES", "TRUE"}
 
 
 class HubUnreachable(ValueError):
-    """The hub did not answer (no network, a proxy) and its cache has no copy: not a wrong name (preflight: a job
-    that reaches the hub from elsewhere may still get it)."""
+    """The hub did not answer and its cache has no copy; not a wrong name, since a job elsewhere may reach it."""
 
 
 def hub_snapshot(source: str, allow_patterns: list[str], field: str, fix: str) -> str:
-    """The local folder of `org/name[@revision]` from the Hugging Face hub (only the files `allow_patterns` match),
-    through huggingface_hub's cache: from the cache alone when HF_HUB_OFFLINE is set. The folder's name is the
-    commit the run actually got. A hub that does not answer raises HubUnreachable; a name it does not have (or a gated
-    model without access) ValueError, both in one line naming `field` and ending with `fix`."""
+    """The local folder of `org/name[@revision]` through huggingface_hub's cache (cache only under HF_HUB_OFFLINE).
+
+    Its name is the commit got. HubUnreachable or ValueError otherwise, one line naming `field` and `fix`."""
     from huggingface_hub import snapshot_download
     from huggingface_hub.errors import LocalEntryNotFoundError
 
@@ -537,7 +490,6 @@ def hub_snapshot(source: str, allow_patterns: list[str], field: str, fix: str) -
 
 
 def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
-    """`org/name[@revision]` from the Hugging Face hub (only its tokenizer files, `hub_snapshot`)."""
     snapshot = hub_snapshot(source, list(TOKENIZER_FILES), "tokenizer.pretrained", PRETRAINED_FIX)
     names = _copy_tokenizer_files(Storage(snapshot), dest)
     # The cache keeps each snapshot under its commit: the revision the run actually got.
@@ -545,11 +497,9 @@ def _fetch_from_hub(source: str, dest: str) -> dict[str, Any]:
 
 
 def fetch_pretrained(source: str, dest: str) -> dict[str, Any]:
-    """Copy the tokenizer files of `source` (tokenizer.pretrained) into the local folder `dest`, and say where they came
-    from: {"source", "from": "local" | "s3" | "hub", "revision" (hub: the commit), "names"}. `source` is an s3://
-    prefix, an existing local folder (or a path: "/", "./", "../", "~"), or else a hub name `org/name[@revision]`.
-    ValueError in one line, naming tokenizer.pretrained and the fix, when it holds no tokenizer.json or
-    tokenizer.model."""
+    """Copy the tokenizer files of `source` (s3://, local path, or hub name) into `dest`; say where they came from.
+
+    Returns {"source", "from", "revision", "names"}. No tokenizer.json or tokenizer.model: one-line ValueError."""
     if source.startswith("s3://"):
         names = _copy_tokenizer_files(Storage(source), dest)
         info: dict[str, Any] = {"source": source, "from": "s3", "revision": None, "names": names}
@@ -570,8 +520,7 @@ def fetch_pretrained(source: str, dest: str) -> dict[str, Any]:
 
 
 def pretrained_fingerprint(source: str) -> dict[str, Any]:
-    """What a pretrained tokenizer's stage output depends on: its source, and the sha256 of its defining files
-    (fetched now, so a folder or prefix whose files changed, or a hub branch that moved, gives another)."""
+    """A pretrained tokenizer's fingerprint: its source and its files' sha256, fetched now."""
     with tempfile.TemporaryDirectory(prefix="hlat-pretrained-") as tmp:
         info = fetch_pretrained(source, tmp)
         contents = {}
@@ -582,9 +531,9 @@ def pretrained_fingerprint(source: str) -> dict[str, Any]:
 
 
 def vocabulary_note(config: HlatConfig) -> str | None:
-    """For the dry run and the plan, which price the model before the tokenizer stage has run: with
-    tokenizer.pretrained, the line saying that the jobs take model.vocab_size from that tokenizer and which size the
-    figures shown assume; None for a trained tokenizer (it has model.vocab_size pieces)."""
+    """The dry run's line on vocabulary size under tokenizer.pretrained; None for a trained tokenizer.
+
+    The jobs take model.vocab_size from that tokenizer; the line says which size the figures assume."""
     pretrained, m = config.tokenizer.pretrained, config.model
     if pretrained is None:
         return None
@@ -596,8 +545,7 @@ def vocabulary_note(config: HlatConfig) -> str | None:
 
 
 def _report_texts(validation_texts: Iterable[str], budget: int) -> Iterator[tuple[str, int]]:
-    """The validation texts a tokenizer report encodes, each with its UTF-8 size, until `budget` bytes (the last one
-    cut to fit, `_within_budget`)."""
+    """Validation texts with their UTF-8 sizes, up to `budget` bytes."""
     for full_text in validation_texts:
         if budget <= 0:
             return
@@ -611,8 +559,9 @@ def _report_texts(validation_texts: Iterable[str], budget: int) -> Iterator[tupl
 def pretrained_report(
     tokenizer: LoadedTokenizer, validation_texts: Iterable[str], report_sample_bytes: int, n_samples: int = 3
 ) -> dict[str, Any]:
-    """The figures `tokenizer_report` gives a trained tokenizer, for any loaded one: bytes per token, byte-fallback rate
-    (0 for a byte-level BPE such as GPT-NeoX's, which has no byte pieces), round-trip failures, sample encodings."""
+    """`tokenizer_report`'s figures for any loaded tokenizer.
+
+    A byte-level BPE (e.g. GPT-NeoX's) has no byte pieces, so its fallback rate is 0."""
     texts = total_bytes = tokens = byte_tokens = round_trip_failures = 0
     samples: list[dict[str, Any]] = []
     for text, size in _report_texts(validation_texts, report_sample_bytes):
@@ -646,9 +595,9 @@ def build_pretrained_tokenizer(
     cfg: TokenizerConfig,
     load: Callable[[str], LoadedTokenizer],
 ) -> dict[str, Any]:
-    """The train-tokenizer stage with tokenizer.pretrained=`source`: fetch it, load it with `load` (a folder -> its
-    tokenizer), check that it encodes and decodes the held-out split and has an EOS, and upload its files and the
-    report (report.json last, as `build_tokenizer` does) into `out`. Trains nothing; returns the report."""
+    """The train-tokenizer stage for tokenizer.pretrained=`source`: fetch, load, check, upload; returns the report.
+
+    The check: it round-trips the held-out split and has an EOS."""
     mixture, sources = read_mixture(data)
     weights = mixture.weights_at(0)
     with tempfile.TemporaryDirectory(prefix="hlat-pretrained-") as tmp:

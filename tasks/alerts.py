@@ -1,22 +1,7 @@
-"""Alerts: the Prefect events a run's training and evaluation emit, and the automations that notify a person of them.
+"""Alerts: the Prefect events a run's training and evaluation emit, and the automations that notify a person.
 
-The train and evaluate tasks emit custom events (`prefect.events.emit_event`) whose resource is the run
-(`hlat.run.<run_id>`, labelled with the run id and its storage URI) and whose related resource is the flow run that
-emitted them: the training's start, progress (each new step the supervisor sees), relaunches, end, the spend
-crossing each of `alerts.budget_fractions` of the budget (once per fraction per run), loss spikes skipped (the
-`spikes_skipped` count the training loop records in metrics.jsonl at its sync points) and evaluation metrics below
-`alerts.eval_floors`. Each alert event carries its own one-line message (what happened, with the numbers) and how
-to look (`hlat status <run>`). What was already announced for a run (fractions, spikes counted, the newest
-relaunch) is kept in its storage (`alerts/sent.json`), so a restarted train stage does not announce it again.
-Emitting never stops a stage: a failure to emit is a warning.
-
-`hlat deploy` creates the automations (`sync_automations`): one per kind (`ALERTS`), named "hlat: <kind>",
-updated in place when they differ, each a SendNotification through the notification block `alerts.block` names. A
-flow run of an hlat flow that ends Failed, Crashed or TimedOut, and no progress for `alerts.stalled_minutes` while a
-training runs (a proactive trigger: https://docs.prefect.io/v3/concepts/event-triggers), are judged by Prefect
-itself; the rest fire on the events above. The notification's text is templated by Prefect from the event and its
-flow run (https://docs.prefect.io/v3/concepts/automations): it names the run, the command to look at it, and the
-flow run's page.
+Events carry the run (`hlat.run.<run_id>`) and a one-line message. `alerts/sent.json` keeps what was announced, so
+restarts do not repeat it. Emitting never stops a stage. docs/deployments.md lists the automations.
 """
 
 from __future__ import annotations
@@ -58,11 +43,11 @@ STATE_FILE = "alerts/sent.json"
 """What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
 
 FLOW_NAMES = ("hlat", *(stage.name for stage in STAGES))
-"""The hlat flows (the parent DAG and one flow per stage): a failed or crashed run of any of them is an alert."""
+"""The hlat flows (the DAG and each stage's flow): a failed or crashed run of any is an alert."""
 
 
 def run_resource(run_id: str, uri: str) -> dict[str, str]:
-    """The run as an event's resource: `hlat.run.<run_id>`, named by its id, labelled with its id and storage."""
+    """The run as an event's resource: `hlat.run.<run_id>`, labelled with its id and storage."""
     return {
         "prefect.resource.id": f"hlat.run.{run_id}",
         "prefect.resource.name": run_id,
@@ -72,8 +57,9 @@ def run_resource(run_id: str, uri: str) -> dict[str, str]:
 
 
 def flow_run_related() -> list[dict[str, str]]:
-    """The flow run of the calling context as an event's related resource (empty outside one). Given explicitly:
-    an event emitted from another thread (the intermediate evaluations') has no run context for Prefect to read."""
+    """The calling flow run as an event's related resource (empty outside one).
+
+    Passed explicitly, since events from other threads have no run context for Prefect to read."""
     from prefect.context import FlowRunContext, TaskRunContext
 
     flow_ctx, task_ctx = FlowRunContext.get(), TaskRunContext.get()
@@ -88,22 +74,21 @@ def flow_run_related() -> list[dict[str, str]]:
 
 
 def look_command(uri: str) -> str:
-    """What a person runs to see where the run stands."""
     return f"hlat status {uri}"
 
 
 class RunEvents:
-    """Emits a run's events: its resource and its flow run (captured when made) on each, the message and the way to
-    look in the payload. Each event `follows` the one emitted before it, so that Prefect's triggers take them in
-    that order (a training's end arriving before its last step would leave the stalled-training window open).
-    `emit` never raises."""
+    """Emits a run's events, each carrying the run, its flow run, the message and how to look.
+
+    Each event `follows` the previous one so triggers see them in order; an end before the last step would leave
+    the stall window open. `emit` never raises."""
 
     def __init__(self, run_id: str, uri: str) -> None:
         self.run_id, self.uri = run_id, uri
         self.resource = run_resource(run_id, uri)
         self.related = flow_run_related()
         self.last: Any = None
-        """The last event emitted (a prefect.events.Event), which the next one follows."""
+        """The last event emitted, which the next one follows."""
 
     def emit(self, event: str, payload: dict[str, Any] | None = None, message: str | None = None) -> None:
         from prefect.events import emit_event
@@ -124,7 +109,7 @@ class RunEvents:
 def crossed_fractions(
     spent: float, budget: float | None, fractions: Iterable[float], done: Iterable[float]
 ) -> list[float]:
-    """The fractions of `budget` that `spent` has reached and that were not announced yet (`done`), lowest first."""
+    """The fractions of `budget` that `spent` has reached and `done` lacks, lowest first."""
     if not budget or budget <= 0:
         return []
     announced = set(done)
@@ -132,8 +117,9 @@ def crossed_fractions(
 
 
 def latest_spikes(run: Storage, tail_bytes: int = 1 << 16) -> tuple[int, int | None] | None:
-    """(spikes_skipped, step) of the newest metrics record that counts skipped loss spikes, from the last
-    `tail_bytes` of metrics.jsonl; None when none does (spike skipping off, or no sync point yet)."""
+    """(spikes_skipped, step) of the newest metrics record counting skipped spikes, from the tail of metrics.jsonl.
+
+    None when no record counts them (spike skipping off, or no sync point yet)."""
     if not run.exists(METRICS_FILE):
         return None
     size = run.size(METRICS_FILE)
@@ -152,9 +138,9 @@ def latest_spikes(run: Storage, tail_bytes: int = 1 << 16) -> tuple[int, int | N
 
 
 class TrainAlerts(RunEvents):
-    """The train stage's events, fed by the supervisor's callbacks (`progress`, `attempts`) between `started` and
-    `ended`. Fractions of the budget and skipped spikes are announced once per run, relaunches once per attempt
-    (alerts/sent.json)."""
+    """The train stage's events, fed by the supervisor's callbacks between `started` and `ended`.
+
+    Budget fractions and skipped spikes are announced once per run, relaunches once per attempt."""
 
     def __init__(self, run: Run, budget_usd: float | None) -> None:
         super().__init__(run.run_id, run.uri)
@@ -181,11 +167,11 @@ class TrainAlerts(RunEvents):
         self.emit(STARTED, {"step": step, "target_step": target_step})
 
     def ended(self, outcome: str) -> None:
-        """The stage stopped watching (`outcome`: 'done', or the exception's class): no stall alert after this."""
+        """The stage stopped watching (`outcome`: 'done' or the exception's class); no stall alert after this."""
         self.emit(ENDED, {"step": self.step, "outcome": outcome})
 
     def progress(self, p: Progress) -> None:
-        """Each poll: a progress event when a new step was seen (then the metrics' spike count), and the budget."""
+        """Each poll: a progress event on a new step (then the spike count), and the budget."""
         if p.step is not None and p.step != self.step:
             self.step = p.step
             payload = {"step": p.step, "target_step": p.target_step, "attempt": p.attempt, "loss": p.loss}
@@ -194,7 +180,7 @@ class TrainAlerts(RunEvents):
         self._check_budget(p.cost_usd)
 
     def attempts(self, attempts: list[Attempt]) -> None:
-        """Each save of the ledger: a relaunch is a new attempt after the first; and the spend so far."""
+        """Each ledger save: a relaunch is any attempt after the first; and the spend so far."""
         if attempts and attempts[-1].attempt > int(self.sent["relaunch"]):
             new = attempts[-1]
             before = next((a for a in attempts if a.attempt == new.attempt - 1), None)
@@ -250,10 +236,7 @@ class TrainAlerts(RunEvents):
 
 @dataclass(frozen=True)
 class Shortfall:
-    """An evaluation metric below its floor."""
-
     name: str
-    """The floor's key in alerts.eval_floors."""
     metric: str
     """What was compared: '<task> <metric>' or a perplexity figure."""
     value: float
@@ -261,9 +244,9 @@ class Shortfall:
 
 
 def below_floors(results: dict[str, Any], floors: dict[str, float]) -> tuple[list[Shortfall], list[str]]:
-    """The metrics of an evaluation's results.json below their floor, and the floors no result names. A floor's key
-    is an lm-eval task (its main metric, as the report chooses it), '<task>/<metric>', or a field of the perplexity
-    section."""
+    """The metrics of an evaluation's results.json below their floor, and the floors no result names.
+
+    A floor's key is an lm-eval task (its main metric), '<task>/<metric>', or a perplexity field."""
     from hlat.infra.eval_report import choose_metric
 
     tasks = (results.get("lm_eval") or {}).get("tasks") or {}
@@ -287,8 +270,9 @@ def below_floors(results: dict[str, Any], floors: dict[str, float]) -> tuple[lis
 
 
 def alert_eval_floors(run: Run, step: int | None, results: dict[str, Any], events: RunEvents | None = None) -> None:
-    """Emit one evaluation-below-floor event per metric of `results` under its alerts.eval_floors floor; a floor
-    that no result names is a warning (a misspelt task would otherwise never alert)."""
+    """Emit one event per metric of `results` below its alerts.eval_floors floor.
+
+    A floor no result names is a warning, since a misspelt task would otherwise never alert."""
     floors = run.config.alerts.eval_floors
     if not floors:
         return
@@ -385,7 +369,6 @@ def _trigger(kind: str, stalled: timedelta) -> Any:
 
 
 def automations(block_document_id: UUID, stalled_minutes: float) -> list[AutomationCore]:
-    """The automations of `ALERTS`, each notifying through the block."""
     from prefect.events.actions import SendNotification
     from prefect.events.schemas.automations import AutomationCore
 
@@ -414,7 +397,7 @@ def parse_block(ref: str) -> tuple[str, str]:
 
 
 def block_document_id(ref: str) -> UUID:
-    """The id of the notification block 'TYPE/NAME' on the Prefect API; ConfigError naming how to create it."""
+    """The id of the notification block 'TYPE/NAME' on the Prefect API; a ConfigError says how to create it."""
     from prefect.client.orchestration import get_client
     from prefect.exceptions import ObjectNotFound
 
@@ -434,9 +417,9 @@ def block_document_id(ref: str) -> UUID:
 
 
 def sync_automations(block: str, stalled_minutes: float) -> list[str]:
-    """Create the automations, or update those of the same name in place (one of each: extra copies are deleted),
-    leaving alone one that is already as wanted (an update would reset the windows its trigger has open, e.g. a
-    training's stalled window); one line per automation saying what was done."""
+    """Create the automations, or update same-named ones in place (extra copies are deleted); one line each.
+
+    One already as wanted is left alone: an update would reset its trigger's open windows."""
     from prefect.client.orchestration import get_client
     from prefect.events.schemas.automations import AutomationCore
 
@@ -459,9 +442,10 @@ def sync_automations(block: str, stalled_minutes: float) -> list[str]:
 
 
 def alerts_settings(configs: dict[str, AlertsConfig], block: str | None) -> tuple[str, float] | None:
-    """The block and stalled window of the automations from the deployments' alerts configs (by deployment name):
-    `block` (a flag or HLAT_ALERTS_BLOCK) else the one block they name; None when none names one. The automations
-    watch every hlat run of the server, so deployments that name different blocks or windows are refused."""
+    """The automations' block and stall window from the deployments' alerts configs; None without a block.
+
+    `block` (a flag or HLAT_ALERTS_BLOCK) wins. The automations watch every hlat run, so differing settings are
+    refused."""
     naming = {name: c for name, c in configs.items() if c.block}
     blocks = {c.block for c in naming.values()}
     if block is None and len(blocks) > 1:

@@ -1,10 +1,7 @@
-"""The Prefect side of a run's AWS access: the blocks named in job.* are loaded here and handed to infra/aws.py.
+"""The Prefect side of a run's AWS access: load the blocks named in job.* and hand them to infra/aws.py.
 
-- `activate(job)`: the prefect-aws `AwsCredentials` block `job.aws_credentials_block`, if any, exported into this
-  process's environment (precedence in infra/aws.py), so every AWS client of the flow run and every local job
-  process it starts uses it; without a block, boto3's default chain applies unchanged.
-- `with_role(config)`: the config with `job.role_arn` read from the Prefect `Secret` block `job.role_arn_secret`
-  (at the start of every flow run, so a rotated secret applies to the next one); the backends see only role_arn.
+`activate` exports the credentials block into this process, so every client and local job uses it. `with_role` reads the
+role secret per flow run, so a rotated secret applies to the next one.
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ log = logging.getLogger("hlat.aws")
 
 
 def activate(job: JobConfig) -> None:
-    """Make the AwsCredentials block `job.aws_credentials_block` this process's AWS credentials; nothing when None."""
+    """Make the block `job.aws_credentials_block` this process's AWS credentials; nothing when None."""
     name = job.aws_credentials_block
     if name is None:
         return
@@ -40,8 +37,7 @@ def activate(job: JobConfig) -> None:
 
 
 def role_arn(job: JobConfig) -> str | None:
-    """The IAM role SageMaker jobs assume: job.role_arn, else the Secret block job.role_arn_secret (read now),
-    else None."""
+    """The IAM role SageMaker jobs assume: job.role_arn, else the Secret block job.role_arn_secret, else None."""
     if job.role_arn or not job.role_arn_secret:
         return job.role_arn or None
     from prefect.blocks.system import Secret
@@ -52,7 +48,6 @@ def role_arn(job: JobConfig) -> str | None:
 
 
 def with_role(config: HlatConfig) -> HlatConfig:
-    """`config` with job.role_arn taken from its Secret block (unchanged without one)."""
     if config.job.role_arn or not config.job.role_arn_secret:
         return config
     job = config.job.model_copy(update={"role_arn": role_arn(config.job), "role_arn_secret": None})
@@ -60,8 +55,9 @@ def with_role(config: HlatConfig) -> HlatConfig:
 
 
 def _load(block_type: Any, name: str, field: str, example: str) -> Any:
-    """`block_type.load(name)`, synchronously even inside an async flow; a missing block raises AwsBlockError
-    saying how to create it."""
+    """`block_type.load(name)`, synchronous even inside an async flow.
+
+    A missing block raises AwsBlockError saying how to create it."""
     try:
         return block_type.load(name, _sync=True)
     except ValueError as exc:

@@ -9,9 +9,10 @@ from hlat.infra.supervisor import Attempt, JobFailed, Ledger
 
 
 def job_ended_badly(run: Run, stage: str, record: Attempt, output: str) -> JobFailed:
-    """The stage's error for a job without its output. A job that failed says why; one that reported success
-    without writing the file is named as such, with the file's full path, and its attempt is marked fatal in the
-    stage's ledger (a 'done' there would be untrue)."""
+    """The stage's error for a job that ended without its output.
+
+    A failed job says why. A job that reported success without the file names the file's full path. Its attempt
+    is then marked fatal in the stage's ledger, since 'done' there would be untrue."""
     hint = log_hint(run, record)
     if record.status != "Completed":
         return JobFailed(f"{stage}: job {record.job_name} ended {record.ending} ({hint})", [record])

@@ -1,8 +1,6 @@
-"""plan-parallelism: before training, rank the layouts of the run's model on its nodes (infra/planner.py), publish the
-table as a Prefect artifact, and warn when the configured parallelism is predicted far slower than the best.
+"""plan-parallelism: rank the run's layouts before training (infra/planner.py), publish them, warn if slow.
 
-Advice only: the task never fails the train stage. Local and CPU runs, and instance types the planner has no
-topology for, get a "not applicable" note; a planner error becomes a logged warning.
+Advice only: it never fails the train stage. Runs it cannot judge get a note; a planner error becomes a warning.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from hlat.tasks.caching import artifact_key
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)
 
 TOP_ROWS = 20
-"""Layouts shown in the artifact."""
 
 
 def not_applicable(config: HlatConfig) -> str | None:
@@ -38,7 +35,6 @@ def not_applicable(config: HlatConfig) -> str | None:
 
 @task(name="plan-parallelism")
 def plan_parallelism(run: Run) -> dict[str, Any]:
-    """Rank the layouts of the run's model on its nodes; publish the table; warn if the configured one is slow."""
     config = run.config
     reason = not_applicable(config)
     if reason:
@@ -62,7 +58,7 @@ def plan_parallelism(run: Run) -> dict[str, Any]:
 
 
 def configured_warning(the_plan: planner.Plan, threshold: float) -> str | None:
-    """The warning for a configured layout that does not run, or runs more than `threshold` slower than the best."""
+    """The warning for a configured layout that cannot run, or runs over `threshold` slower than the best."""
     configured = the_plan.configured
     if not the_plan.ranked:
         return f"no layout fits {the_plan.preset} on {the_plan.nodes} x {the_plan.instance_type}"
