@@ -12,7 +12,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 from pydantic import BaseModel
 
-from hlat.core.stages import STAGES, Stage
+from hlat.core.stages import Stage, stages
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from hlat.flows.stage import merged_overrides, run_name, stages_of, start_run, stop_jobs_on_cancel
 from hlat.tasks.caching import artifact_key
@@ -34,15 +34,15 @@ class _Progress:
 
     def stage(self, done: int, name: str | None = None) -> None:
         if name is not None:
-            get_run_logger().info("stage %d of %d: %s", done + 1, len(STAGES), name)
-        what = f"{done} of {len(STAGES)} stages done" + (f"; running {name}" if name else "")
+            get_run_logger().info("stage %d of %d: %s", done + 1, len(stages()), name)
+        what = f"{done} of {len(stages())} stages done" + (f"; running {name}" if name else "")
         try:
             if self.artifact is None:
                 key = artifact_key("pretrain-progress", self.run_id)
-                made = create_progress_artifact(100 * done / len(STAGES), key=key, description=what)
+                made = create_progress_artifact(100 * done / len(stages()), key=key, description=what)
                 self.artifact = cast(UUID, made)  # sync_compatible: a UUID when called from sync code
             else:
-                update_progress_artifact(self.artifact, 100 * done / len(STAGES), description=what)
+                update_progress_artifact(self.artifact, 100 * done / len(stages()), description=what)
         except Exception as exc:
             logging.getLogger("hlat.pretrain").warning("could not update the progress artifact: %s", exc)
 
@@ -77,7 +77,7 @@ def hlat(
     results: dict[str, Any] = {"run_id": run.run_id, "run_uri": run.uri}
     previous: Any = None
     with stages_of(run):
-        for done, stage in enumerate(STAGES):
+        for done, stage in enumerate(stages()):
             progress.stage(done, stage.name)
             # The previous stage's result as this one's `wait_for`: the stages read their inputs from the run's
             # storage, not from each other's return values; Prefect finds the subflow run that returned `previous`
@@ -85,7 +85,7 @@ def hlat(
             wait_for = [previous] if previous is not None else None
             previous = stage_flow_of(stage)(**params, wait_for=wait_for)
             results[stage.name] = _plain(previous)
-    progress.stage(len(STAGES))
+    progress.stage(len(stages()))
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return results
 

@@ -31,7 +31,7 @@ from uuid import UUID
 
 from hlat.core.config import AlertsConfig, ConfigError
 from hlat.core.layout import METRICS_FILE
-from hlat.core.stages import STAGES
+from hlat.core.stages import stage_names
 from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -57,7 +57,12 @@ STORAGE_LABEL = "hlat.storage"
 STATE_FILE = "alerts/sent.json"
 """What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
 
-FLOW_NAMES = ("hlat", *(stage.name for stage in STAGES))
+
+def flow_names() -> list[str]:
+    """The parent flow's name and each stage's."""
+    return ["hlat", *stage_names()]
+
+
 """The hlat flows (the parent DAG and one flow per stage): a failed or crashed run of any of them is an alert."""
 
 
@@ -365,7 +370,7 @@ def _trigger(kind: str, stalled: timedelta) -> Any:
         return EventTrigger(
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOW_NAMES)},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": flow_names()},
             for_each=each, posture=Posture.Reactive, threshold=1, within=timedelta(0),
         )  # fmt: skip
     if kind == "training stalled":
