@@ -24,6 +24,11 @@ def stage_flow_of(stage: Stage) -> Flow[..., Any]:
     return flow_fn
 
 
+def chain() -> list[tuple[Stage, Flow[..., Any]]]:
+    """The parent's DAG: each row of the table (core/stages.py) with its flow, in order."""
+    return [(row, stage_flow_of(row)) for row in stages()]
+
+
 class _Progress:
     """The DAG's place for the terminal ("stage k of 6: <name>") and for the parent run's page (one progress
     artifact, updated in place). Failing to publish never stops the run."""
@@ -77,13 +82,13 @@ def hlat(
     results: dict[str, Any] = {"run_id": run.run_id, "run_uri": run.uri}
     previous: Any = None
     with stages_of(run):
-        for done, stage in enumerate(stages()):
+        for done, (stage, stage_flow) in enumerate(chain()):
             progress.stage(done, stage.name)
             # The previous stage's result as this one's `wait_for`: the stages read their inputs from the run's
             # storage, not from each other's return values; Prefect finds the subflow run that returned `previous`
             # and records the edge, so the parent run's graph draws the chain prepare-data -> ... -> evaluate.
             wait_for = [previous] if previous is not None else None
-            previous = stage_flow_of(stage)(**params, wait_for=wait_for)
+            previous = stage_flow(**params, wait_for=wait_for)
             results[stage.name] = _plain(previous)
     progress.stage(len(stages()))
     print(f"hlat: run {run.run_id} done -> {run.uri}")
