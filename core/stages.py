@@ -39,9 +39,10 @@ def setting(config: HlatConfig, dotted: str) -> Any:
     return functools.reduce(getattr, dotted.split("."), config)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class Instances:
-    """Where a stage's jobs run: the settings that give their instances, image, runtime and price."""
+    """Where a stage's jobs run: the settings that give their instances, image, runtime and price. Each is one
+    value (TRAINING, DATA, EVALUATION), compared and hashed by identity."""
 
     name: str
     instance_type: Callable[[HlatConfig], str]

@@ -192,7 +192,7 @@ def job_spec(
         terms = stop_terms(config, spent_usd, submitted_at)
         environment.update(terms.environment())
         max_runtime_s = runtime_cap(config, terms, max_runtime_s)
-    return JobSpec(
+    spec = JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
         attempt=attempt,
@@ -211,9 +211,9 @@ def job_spec(
         args={**({"step": str(step)} if step is not None else {}), **(args or {})},
         python=job_python(config, stage),
         reads=config_reads(config),
-        # The stage that prepares the sources has no run folder to read yet: no input channel.
-        **({"channels": ()} if row.prepares_sources else {}),
     )
+    # The stage that prepares the sources has no run folder to read yet: no input channel.
+    return dataclasses.replace(spec, channels=()) if row.prepares_sources else spec
 
 
 def config_reads(config: HlatConfig) -> tuple[str, ...]:

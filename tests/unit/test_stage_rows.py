@@ -178,7 +178,7 @@ def test_the_recipe_is_in_the_docs() -> None:
 def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
     from hlat.cli import build_parser, flow_call
     from hlat.flows.pretrain import chain
-    from hlat.infra.preflight import instance_needs, own_job_names
+    from hlat.infra.preflight import instance_needs, own_job_names, stage_images
     from hlat.infra.sagemaker_jobs import _config_field, requirements_of
     from hlat.infra.stage_jobs import job_spec
     from hlat.infra.status import stage_price
@@ -204,6 +204,12 @@ def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
     needs = instance_needs(config)[config.job.instance_type]
     assert needs[1] == ["precompile", "burn-in", "rehearse", "train"]
     assert own_job_names("r1")(spec.name)
+    images = {"job.image_uri": "i-train", "data.image_uri": "i-data", "evaluation.image_uri": "i-eval"}
+    assert stage_images(load_config("hlat-7b", images)) == {  # by instances: the rehearsal runs the training's
+        "i-data": ["prepare-data"],
+        "i-train": ["train"],
+        "i-eval": ["evaluate"],
+    }
     with pytest.raises(Exception, match="review stage runs in the flow's own process"):
         job_spec(Run.at("s3://bucket/hlat/r1", config), 1, "review")
 
