@@ -260,10 +260,10 @@ def _one_line(run: Storage, name: str) -> str:
     config = load_stored_config(run)
     newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
     parts = [name, f"step {newest or 0:,} of {config.training.max_steps:,}"]
-    for name in job_stages():
-        attempts = Ledger(run, name).load()
+    for job_stage in job_stages():
+        attempts = Ledger(run, job_stage).load()
         if attempts and not attempts[-1].ended:
-            parts.append(f"{name} job {attempts[-1].job_name} unfinished")
+            parts.append(f"{job_stage} job {attempts[-1].job_name} unfinished")
     last = stages()[-1]
     if last.done(run, config):
         parts.append(f"{last.name} done")
