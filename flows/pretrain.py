@@ -12,7 +12,7 @@ from prefect.artifacts import create_progress_artifact, update_progress_artifact
 from prefect.logging import get_run_logger
 from pydantic import BaseModel
 
-from hlat.core.stages import STAGES, Stage
+from hlat.core.stages import Stage, stages
 from hlat.flows.params import OVERRIDES, PRESET, RUN_ID, STORAGE, OptionalText, Overrides, PresetName
 from hlat.flows.stage import merged_overrides, run_name, stages_of, start_run, stop_jobs_on_cancel
 from hlat.tasks.caching import artifact_key
@@ -22,6 +22,11 @@ def stage_flow_of(stage: Stage) -> Flow[..., Any]:
     """The Prefect flow of a stage: `flows/<module>.py`'s function of the same name."""
     flow_fn: Flow[..., Any] = getattr(importlib.import_module(f"hlat.flows.{stage.module}"), stage.module)
     return flow_fn
+
+
+def chain() -> list[tuple[Stage, Flow[..., Any]]]:
+    """The parent's DAG: each row of the table (core/stages.py) with its flow, in order."""
+    return [(row, stage_flow_of(row)) for row in stages()]
 
 
 class _Progress:
@@ -34,15 +39,15 @@ class _Progress:
 
     def stage(self, done: int, name: str | None = None) -> None:
         if name is not None:
-            get_run_logger().info("stage %d of %d: %s", done + 1, len(STAGES), name)
-        what = f"{done} of {len(STAGES)} stages done" + (f"; running {name}" if name else "")
+            get_run_logger().info("stage %d of %d: %s", done + 1, len(stages()), name)
+        what = f"{done} of {len(stages())} stages done" + (f"; running {name}" if name else "")
         try:
             if self.artifact is None:
                 key = artifact_key("pretrain-progress", self.run_id)
-                made = create_progress_artifact(100 * done / len(STAGES), key=key, description=what)
+                made = create_progress_artifact(100 * done / len(stages()), key=key, description=what)
                 self.artifact = cast(UUID, made)  # sync_compatible: a UUID when called from sync code
             else:
-                update_progress_artifact(self.artifact, 100 * done / len(STAGES), description=what)
+                update_progress_artifact(self.artifact, 100 * done / len(stages()), description=what)
         except Exception as exc:
             logging.getLogger("hlat.pretrain").warning("could not update the progress artifact: %s", exc)
 
@@ -77,15 +82,15 @@ def hlat(
     results: dict[str, Any] = {"run_id": run.run_id, "run_uri": run.uri}
     previous: Any = None
     with stages_of(run):
-        for done, stage in enumerate(STAGES):
+        for done, (stage, stage_flow) in enumerate(chain()):
             progress.stage(done, stage.name)
             # The previous stage's result as this one's `wait_for`: the stages read their inputs from the run's
             # storage, not from each other's return values; Prefect finds the subflow run that returned `previous`
             # and records the edge, so the parent run's graph draws the chain prepare-data -> ... -> evaluate.
             wait_for = [previous] if previous is not None else None
-            previous = stage_flow_of(stage)(**params, wait_for=wait_for)
+            previous = stage_flow(**params, wait_for=wait_for)
             results[stage.name] = _plain(previous)
-    progress.stage(len(STAGES))
+    progress.stage(len(stages()))
     print(f"hlat: run {run.run_id} done -> {run.uri}")
     return results
 

@@ -189,8 +189,8 @@ def stage_flow(name: str, *, stops_jobs: bool = True) -> Callable[[Callable[...,
     the run's log, and when `stops_jobs`, a cancelled run stops the stage's jobs. The flow's version is the hash of
     the body's file, as Prefect gives a flow written by hand."""
 
-    stage(name)  # a stage the table does not know fails at import
-    reads_source = name == "prepare-data"  # the one stage that reads data.source: it is checked first
+    # A stage the table does not know fails at import; the stage that reads data.source checks it first.
+    reads_source = stage(name).prepares_sources
 
     def make(body: Callable[..., R]) -> Flow[..., R]:
         declared = inspect.signature(body, eval_str=True)

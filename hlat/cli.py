@@ -40,7 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from hlat.core.config import ConfigError, apply_overrides, closest_match, flatten_config, parse_override
 from hlat.core.presets import PRESETS, load_config
-from hlat.core.stages import STAGE_NAMES, stage
+from hlat.core.stages import stage, stage_names, stages, training_stage
 from hlat.deploy import DEFAULT_POOL, POOL_TYPES
 from hlat.flows.params import build_config, handing_over
 
@@ -117,7 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_run_options(p)
     _add_dry_run(p)
     p = add("run", help="run one stage flow alone")
-    p.add_argument("stage", choices=STAGE_NAMES)
+    p.add_argument("stage", choices=stage_names())
     _add_run_options(p)
     _add_dry_run(p)
     p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
@@ -637,7 +637,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
             config = with_role(config)
         except AwsBlockError as exc:  # shown with the placeholder role, as when none is set
             print(f"hlat: note: {exc}", file=sys.stderr)
-        print(dry_run(config, stage=args.stage if args.command == "run" else "train"))
+        print(dry_run(config, stage=args.stage if args.command == "run" else training_stage().name))
         from hlat.preflight_cli import print_preflight
 
         print()
@@ -647,7 +647,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
 
     # A run its storage refuses, a source that cannot be read, and (AWS) an account not ready fail here, in a line
     # each, before a server starts or a run opens.
-    check_before_start(config, reads_source=args.command == "pretrain" or args.stage == "prepare-data")
+    check_before_start(config, reads_source=args.command == "pretrain" or stage(args.stage).prepares_sources)
     flow_fn, params = flow_call(args, overrides)
     _identify_supervisor("hlat pretrain" if args.command == "pretrain" else f"hlat run {args.stage}")
     from hlat.temporary_server import start_temporary_server
@@ -701,10 +701,12 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
         from hlat.flows.pretrain import stage_flow_of
 
         flow_fn = stage_flow_of(stage(args.stage))
-    if args.command == "run" and args.stage != "evaluate" and (args.step is not None or args.averaged):
-        raise ConfigError(f"--step and --averaged apply to 'hlat run evaluate' only, not {args.stage}")
+    picks = args.command == "run" and stage(args.stage).takes_checkpoint
+    if args.command == "run" and not picks and (args.step is not None or args.averaged):
+        which = " or ".join(f"'hlat run {s.name}'" for s in stages() if s.takes_checkpoint)
+        raise ConfigError(f"--step and --averaged apply to {which} only, not {args.stage}")
     params = {"preset": args.preset, "overrides": overrides, "run_id": args.run_id, "storage": args.storage}
-    if args.command == "run" and args.stage == "evaluate":
+    if picks:
         params["step"] = args.step
         if args.averaged:
             params["averaged"] = True

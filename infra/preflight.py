@@ -36,6 +36,8 @@ from typing import Any
 from urllib.parse import unquote
 
 from hlat.core.config import ConfigError, DataConfig, HlatConfig
+from hlat.core.stages import job_stages, setting, training_stage
+from hlat.core.stages import stages as stage_rows
 
 SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 PROBE_NAME = ".hlat-preflight-"
@@ -862,8 +864,9 @@ def _remove_quietly(s3: Any, bucket: str, key: str) -> bool:
 
 # -- images -----------------------------------------------------------------------------------------------------
 def stage_images(config: HlatConfig) -> dict[str, list[str]]:
-    """The image each SageMaker stage job runs, as the backend resolves it: {image URI: [stages]}."""
-    from hlat.infra.stage_jobs import data_image, evaluation_image
+    """The image each SageMaker stage job runs, as the backend resolves it: {image URI: [what runs it]}, each of
+    the rows' instances (`runs_on`) named by its `named_for` stage."""
+    from hlat.infra.stage_jobs import job_image
 
     job = config.job
     train = job.image_uri
@@ -877,12 +880,9 @@ def stage_images(config: HlatConfig) -> dict[str, list[str]]:
                 "to a training image in that region"
             )
     images: dict[str, list[str]] = {}
-    for stage, image in (
-        ("prepare-data", data_image(config)),
-        ("train", train),
-        ("evaluate", evaluation_image(config) or train),
-    ):
-        images.setdefault(image or train, []).append(stage)
+    places = list(dict.fromkeys(row.runs_on for row in stage_rows() if row.runs_on is not None))
+    for where in places:
+        images.setdefault(job_image(config, where) or train, []).append(where.named_for)
     return images
 
 
@@ -949,21 +949,17 @@ def _images(client: ClientFactory, config: HlatConfig, account: str) -> list[Fin
 # -- quotas -----------------------------------------------------------------------------------------------------
 def instance_needs(config: HlatConfig) -> dict[str, tuple[int, list[str]]]:
     """The most instances of each type the run's SageMaker jobs hold at once, and the stages that need them: the
-    stages run one after another, except evaluation every N steps, which runs beside training."""
-    from hlat.infra.stage_jobs import data_instances
-
-    job, e = config.job, config.evaluation
-    uses: list[tuple[str, int, str]] = [(config.data.instance_type, data_instances(config), "prepare-data")]
-    if config.precompile.enabled:
-        uses.append((job.instance_type, job.instance_count, "precompile"))
-    if config.burn_in.enabled:
-        uses.append((job.instance_type, job.instance_count, "burn-in"))
-    uses.append((job.instance_type, job.instance_count, "train"))
-    eval_type = e.instance_type or job.instance_type
-    beside = e.every_steps is not None and eval_type == job.instance_type
-    uses.append(
-        (eval_type, 1 + (job.instance_count if beside else 0), "evaluate" + (" beside train" if beside else ""))
-    )
+    stages run one after another, except a stage whose `beside` setting is set, which also runs beside training."""
+    job, trainer = config.job, training_stage()
+    uses: list[tuple[str, int, str]] = []
+    for row in stage_rows():
+        if row.runs_on is None or not row.enabled(config):
+            continue
+        where = row.runs_on
+        instance_type, count, what = where.instance_type(config), where.instance_count(config), row.name
+        if row.beside is not None and setting(config, row.beside) is not None and instance_type == job.instance_type:
+            count, what = count + job.instance_count, f"{row.name} beside {trainer.name}"
+        uses.append((instance_type, count, what))
     needs: dict[str, tuple[int, list[str]]] = {}
     for instance_type, count, stage in uses:
         most, stages = needs.get(instance_type, (0, []))
@@ -1071,12 +1067,11 @@ def _held_by(held: list[tuple[str, int]]) -> str:
 def own_job_names(run_id: str) -> Callable[[str], bool]:
     """Whether a training job is one of run `run_id`'s own (`job_name(run_id, attempt, stage)` of a job stage): the
     run's jobs are counted by instance_needs (evaluation beside training included), not as other usage."""
-    from hlat.core.stages import JOB_STAGES
     from hlat.infra.jobs import job_name
 
     def own(name: str) -> bool:
         match = re.fullmatch(r".+-(\d+)", name)
-        return match is not None and any(name == job_name(run_id, int(match[1]), s) for s in JOB_STAGES)
+        return match is not None and any(name == job_name(run_id, int(match[1]), s) for s in job_stages())
 
     return own
 

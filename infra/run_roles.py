@@ -17,12 +17,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hlat.core.layout import SOURCES_DIR
+from hlat.core.stages import stage
 from hlat.infra.init_from import IMPORTS_DIR
 
 BOUNDARY_ENV = "HLAT_RUN_ROLE_BOUNDARY"
 PATH_ENV = "HLAT_RUN_ROLE_PATH"
 POLICY_NAME = "run-storage"
-DATA_STAGE = "prepare-data"
 JOB_POLICY_INFIX = "-job-"
 
 
@@ -50,9 +50,9 @@ class RunRoles:
         return cls(boundary, path)
 
 
-def access_of(stage: str) -> str:
-    """'data' for prepare-data, which writes the shared sources; 'run' for every other stage."""
-    return "data" if stage == DATA_STAGE else "run"
+def access_of(name: str) -> str:
+    """'data' for the job of the stage that prepares the shared sources (it writes them), 'run' for the others'."""
+    return "data" if stage(name).prepares_sources else "run"
 
 
 def role_name(run_uri: str, access: str) -> str:

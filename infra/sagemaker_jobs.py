@@ -36,6 +36,7 @@ from botocore.exceptions import ClientError, ParamValidationError
 from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, TrackingConfig, closest_match
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
 from hlat.core.environment import NEURON_SDKS
+from hlat.core.stages import TRAINING, Instances, stage
 from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
 from hlat.infra.run_roles import RunRoleError, RunRoles, ensure_run_role, retry_while_new, run_role_arn
 
@@ -47,11 +48,6 @@ NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 """The project's checkout: deployments/ holds the requirements files the jobs install."""
-EVAL_REQUIREMENTS = "deployments/eval-requirements.lock.txt"
-"""What the evaluation job installs on the PyTorch GPU image (lm-eval, transformers...): training jobs skip it.
-Every file a job installs is a lock with hashes (scripts/job_locks.py), made from the requirements file beside it."""
-DATA_REQUIREMENTS = "deployments/data-requirements.lock.txt"
-"""What the prepare-data job installs on the PyTorch CPU image (great-expectations, datasets...)."""
 GPU_DLC_VERSION = "2.10.0"
 """PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
 
@@ -218,11 +214,17 @@ def endpoints_only() -> bool:
 
 
 def requirements_of(spec: JobSpec) -> str:
-    """What the job's instances pip-install before its program runs: a training, precompile or burn-in job the lock
-    of its Neuron SDK's image (deployments/job-requirements-<release>.lock.txt: every release pinned, with the sha256
-    of its files, which pip checks)."""
-    training = f"deployments/{NEURON_SDKS[spec.neuron_sdk].job_requirements.removesuffix('.txt')}.lock.txt"
-    return {"evaluate": EVAL_REQUIREMENTS, "prepare-data": DATA_REQUIREMENTS}.get(spec.stage, training)
+    """What the job's instances pip-install before its program runs: its instances' own lock (`Instances.requirements`:
+    the evaluation's lm-eval and transformers, the data job's great-expectations and datasets), else the lock of
+    its Neuron SDK's image (deployments/job-requirements-<release>.lock.txt). Every file a job installs is a lock
+    with hashes (scripts/job_locks.py), made from the requirements file beside it."""
+    own = instances_of(spec).requirements
+    return own or f"deployments/{NEURON_SDKS[spec.neuron_sdk].job_requirements.removesuffix('.txt')}.lock.txt"
+
+
+def instances_of(spec: JobSpec) -> Instances:
+    """Where the job's stage runs (its row's `runs_on`)."""
+    return stage(spec.stage).runs_on or TRAINING
 
 
 def split_s3_uri(uri: str) -> tuple[str, str]:
@@ -339,34 +341,29 @@ def _short(value: str) -> str:
     return repr(value) if len(value) <= 120 else repr(value[:60] + "..." + value[-40:])
 
 
-def _config_field(path: str, stage: str) -> str:
+def _config_field(path: str, name: str) -> str:
     """The config setting a request member comes from, so that a problem names what to change."""
     if path.endswith(("S3Uri", "S3OutputPath")) or path.startswith(("HyperParameters", "Environment['NEURON_COMP")):
         return "storage.root (the run's URI is <storage.root>/<run id>)"
     if path.startswith("Environment"):
         return "neuron.env (or the Neuron settings the job's environment is made of)"
+    where = stage(name).runs_on or TRAINING
+    settings = {**TRAINING.settings, **where.settings}
     fields = {
-        "ResourceConfig.InstanceType": "evaluation.instance_type" if stage == "evaluate" else "job.instance_type",
-        "ResourceConfig.InstanceCount": "job.instance_count",
+        "ResourceConfig.InstanceType": settings["instance_type"],
+        "ResourceConfig.InstanceCount": settings["instance_count"],
         "ResourceConfig.VolumeSizeInGB": "job.volume_size_gb",
         "ResourceConfig.VolumeKmsKeyId": "job.kms_key_id",
         "OutputDataConfig.KmsKeyId": "job.kms_key_id",
         "RoleArn": "job.role_arn",
         "TrainingJobName": "run_id",
         # A training job's is also capped by what is left of the budget and before job.deadline (stage_jobs).
-        "StoppingCondition.MaxRuntimeInSeconds": "job.max_runtime_hours",
-        "AlgorithmSpecification.TrainingImage": "evaluation.image_uri" if stage == "evaluate" else "job.image_uri",
+        "StoppingCondition.MaxRuntimeInSeconds": settings["max_runtime_hours"],
+        "AlgorithmSpecification.TrainingImage": settings["image_uri"],
         "VpcConfig.Subnets": "job.subnets",
         "VpcConfig.SecurityGroupIds": "job.security_group_ids",
         "Tags": "run_id",
     }
-    if stage == "prepare-data":
-        fields.update({
-            "ResourceConfig.InstanceType": "data.instance_type",
-            "ResourceConfig.InstanceCount": "data.workers (with data.workers_per_instance)",
-            "StoppingCondition.MaxRuntimeInSeconds": "data.max_runtime_hours",
-            "AlgorithmSpecification.TrainingImage": "data.image_uri",
-        })  # fmt: skip
     for prefix, field in fields.items():
         if path.startswith(prefix):
             return field
@@ -578,7 +575,7 @@ def check_spec(
     if job.subnets and not job.security_group_ids:
         raise ValueError("job.subnets need job.security_group_ids: SageMaker requires both for a VPC")
     if endpoints_only() and (spec.image_uri is None or f"{DLC_ACCOUNT}.dkr.ecr." in spec.image_uri):
-        field = {"evaluate": "evaluation.image_uri", "prepare-data": "data.image_uri"}.get(spec.stage, "job.image_uri")
+        field = instances_of(spec).settings["image_uri"]
         raise ValueError(
             f"{field}: the account's jobs reach AWS's endpoints only ({EGRESS_ENV}=aws-endpoints), so they cannot "
             f"pip-install {requirements_of(spec)} at start: build an image of your own on "

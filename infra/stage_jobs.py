@@ -20,7 +20,7 @@ from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import STOP_DEADLINE, TRACKED_BY_STAGE_ENV, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.mixture import draws_table, source_draws
-from hlat.core.stages import DATA, EVALUATION, JOB_STAGES, Stage, stage
+from hlat.core.stages import DATA, TRAINING, Instances, Stage, job_stages, stage
 from hlat.core.stop_timeline import stop_timeline
 from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
@@ -88,21 +88,21 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
     the run's Neuron compile cache; with training.device=xla elsewhere, XLA:CPU's (precision flags, PJRT_DEVICE).
     The evaluation job runs Hugging Face transformers on its own instance: none of it. A training job with
     tracking.mlflow_tracking_server_arn also gets MLflow's variables (`sagemaker_jobs.tracking_environment`)."""
-    config, env = run.config, {"HLAT_RUN_ID": run.run_id}
-    if stage == "train":  # SageMaker's managed MLflow: the request's MlflowConfig is made from these
+    config, env, row = run.config, {"HLAT_RUN_ID": run.run_id}, _stage(stage)
+    if row.trains:  # SageMaker's managed MLflow: the request's MlflowConfig is made from these
         from hlat.infra.sagemaker_jobs import tracking_environment
 
         env.update(tracking_environment(config.tracking))
         if stage_tracks_metrics(config):
             env[TRACKED_BY_STAGE_ENV] = "1"
-    if not _stage(stage).on_training_instances:
+    if not row.on_training_instances:
         return env
     if on_neuron(config) or config.training.device == "xla":
         from hlat.core.environment import xla_job_environment
 
         # The compile cache's key is computed from the same function (training.compile_cache.cache_key).
         env.update(xla_job_environment(config, compile_cache=f"{run.uri}/{NEURON_CACHE}"))
-    if on_neuron(config) and stage == "precompile":
+    if on_neuron(config) and row.compiles:
         # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
         # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
         env["RUN_NEURON_PARALLEL_COMPILE"] = "1"
@@ -134,34 +134,20 @@ def job_python(config: HlatConfig, stage: str) -> str | None:
     return str(path)
 
 
-def evaluation_image(config: HlatConfig) -> str | None:
-    """The evaluation job's image: evaluation.image_uri, else AWS's PyTorch GPU image on a GPU instance, else
-    the training's (None: the backend's default)."""
-    e, job = config.evaluation, config.job
-    instance = e.instance_type or job.instance_type
-    if e.image_uri or job.backend != "sagemaker":
-        return e.image_uri
-    if instance.startswith(("ml.p", "ml.g")):
+def job_image(config: HlatConfig, where: Instances) -> str | None:
+    """The image of the jobs on `where` (a row's `runs_on`): its image setting; else on SageMaker AWS's PyTorch
+    training image where `where.pytorch_image` says so (the GPU build on a GPU instance, the CPU build on a CPU
+    one), else the training's image (None: the backend's default)."""
+    own, job = where.image_setting(config), config.job
+    if own or job.backend != "sagemaker":
+        return own
+    instance = where.instance_type(config)
+    gpu = instance.startswith(("ml.p", "ml.g"))
+    if where.pytorch_image == "always" or (where.pytorch_image == "on-gpu" and gpu):
         from hlat.infra.sagemaker_jobs import pytorch_training_image
 
         return pytorch_training_image(job.region, instance)
     return job.image_uri
-
-
-def data_image(config: HlatConfig) -> str | None:
-    """The prepare-data job's image: data.image_uri, else (SageMaker) AWS's PyTorch CPU training image."""
-    if config.data.image_uri or config.job.backend != "sagemaker":
-        return config.data.image_uri
-    from hlat.infra.sagemaker_jobs import pytorch_training_image
-
-    return pytorch_training_image(config.job.region, config.data.instance_type)
-
-
-def data_instances(config: HlatConfig) -> int:
-    """Instances of the prepare-data job: one locally (its workers are processes), else data.workers spread
-    data.workers_per_instance to an instance."""
-    d = config.data
-    return 1 if config.job.backend == "local" else -(-d.workers // d.workers_per_instance)
 
 
 def _stage(name: str) -> Stage:
@@ -189,39 +175,36 @@ def job_spec(
     spent_usd: float = 0.0,
     submitted_at: float | None = None,
 ) -> JobSpec:
-    """The job of `stage`'s `attempt`. Evaluation (of checkpoint `step`, None: the newest) runs one process on
-    one evaluation.instance_type; prepare-data on its own CPU instances (`data_spec`); every other stage on the
-    training's instances. A training job also carries the run's stop terms (`stop_terms`: `spent_usd` is what the
-    run's earlier jobs were billed, `submitted_at` when this one is submitted), and its max runtime ends shortly
-    after the budget or deadline would stop it (`runtime_cap`): a backstop if its own stop rule fails."""
+    """The job of `stage`'s `attempt`, on its row's instances (`runs_on`: their type, count, ranks, image and
+    runtime). An evaluation job scores checkpoint `step` (None: the newest). A training job (`trains`) also carries
+    the run's stop terms (`stop_terms`: `spent_usd` is what the run's earlier jobs were billed, `submitted_at` when
+    this one is submitted), and its max runtime ends shortly after the budget or deadline would stop it
+    (`runtime_cap`): a backstop if its own stop rule fails. The prepare-data job has no input channel."""
     row, program = _job_stage(stage)
-    if row.runs_on == DATA:
-        return data_spec(run, attempt, args or {})
+    where = row.runs_on or TRAINING
     config, run_id, run_uri = run.config, run.run_id, run.uri
-    job, e = config.job, config.evaluation
-    evaluating = row.runs_on == EVALUATION
-    hours = e.max_runtime_hours if evaluating else job.max_runtime_hours
+    hours = where.max_runtime_hours(config)
     if row.cap_hours is not None:
         hours = min(hours, row.cap_hours)
     max_runtime_s = int(hours * 3600)
     environment = job_environment(run, stage)
-    if stage == "train":
+    if row.trains:
         terms = stop_terms(config, spent_usd, submitted_at)
         environment.update(terms.environment())
         max_runtime_s = runtime_cap(config, terms, max_runtime_s)
-    return JobSpec(
+    spec = JobSpec(
         name=job_name(run_id, attempt, stage),
         run_id=run_id,
         attempt=attempt,
         run_uri=run_uri,
         config_uri=f"{run_uri}/config.json",
-        instance_type=(e.instance_type or job.instance_type) if evaluating else job.instance_type,
-        instance_count=1 if evaluating else job.instance_count,
-        processes_per_node=1 if evaluating else job.processes_per_node,
+        instance_type=where.instance_type(config),
+        instance_count=where.instance_count(config),
+        processes_per_node=where.processes_per_node(config),
         max_runtime_s=max_runtime_s,
         environment=environment,
         stage=stage,
-        image_uri=evaluation_image(config) if evaluating else job.image_uri,
+        image_uri=job_image(config, where),
         neuron_sdk=config.neuron.sdk,
         entry=program,
         # The checkpoint an evaluation job scores: its step, and `args` (e.g. {"from": "averaged"}: `hlat average`'s).
@@ -229,6 +212,8 @@ def job_spec(
         python=job_python(config, stage),
         reads=config_reads(config),
     )
+    # The stage that prepares the sources has no run folder to read yet: no input channel.
+    return dataclasses.replace(spec, channels=()) if row.prepares_sources else spec
 
 
 def config_reads(config: HlatConfig) -> tuple[str, ...]:
@@ -304,32 +289,6 @@ def billed_usd(run: Storage, stage: str = "train") -> float:
     return sum(a.cost_usd for a in Ledger(run, stage).load() if a.ended)
 
 
-def data_spec(run: Run, attempt: int, args: dict[str, str]) -> JobSpec:
-    """The prepare-data job: `training.prepare_data` once per instance (it starts the workers), no input channel."""
-    (row, program), config, run_id, run_uri = _job_stage("prepare-data"), run.config, run.run_id, run.uri
-    d = config.data
-    cap = d.max_runtime_hours if row.cap_hours is None else min(d.max_runtime_hours, row.cap_hours)
-    return JobSpec(
-        name=job_name(run_id, attempt, "prepare-data"),
-        run_id=run_id,
-        attempt=attempt,
-        run_uri=run_uri,
-        config_uri=f"{run_uri}/config.json",
-        instance_type=d.instance_type if config.job.backend == "sagemaker" else config.job.instance_type,
-        instance_count=data_instances(config),
-        processes_per_node=1,
-        max_runtime_s=int(cap * 3600),
-        environment=job_environment(run, "prepare-data"),
-        stage="prepare-data",
-        image_uri=data_image(config),
-        entry=program,
-        args=args,
-        python=job_python(config, "prepare-data"),
-        reads=config_reads(config),
-        channels=(),
-    )
-
-
 def run_stage_job(
     run: Run, stage: str, step: int | None = None, args: dict[str, str] | None = None
 ) -> tuple[Attempt, JobState | None]:
@@ -350,7 +309,7 @@ def stop_live_jobs(config: HlatConfig) -> list[str]:
     """Stop every unfinished job of the run's stages (a flow run was cancelled); returns their names."""
     run = run_for(config)
     backend = backend_for(run)
-    stopped = [stop_live_job(backend, run.storage, name) for name in JOB_STAGES]
+    stopped = [stop_live_job(backend, run.storage, name) for name in job_stages()]
     return [name for name in stopped if name]
 
 
@@ -584,7 +543,7 @@ def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstima
     return DataEstimate(
         bytes=tokens * BYTES_PER_TOKEN,
         workers=d.workers,
-        instances=data_instances(config),
+        instances=DATA.instance_count(config),
         instance_type=instance_type,
         mb_per_s_per_worker=float(figures["mb_per_s_per_worker"]),
         usd_per_node_hour=hourly,
@@ -711,10 +670,11 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         if not config.job.role_arn:  # job.role_arn_secret is read by the caller (tasks/aws.py: with_role)
             notes.append(f"job.role_arn is not set; shown with {PLACEHOLDER_ROLE}")
             config = config.model_copy(update={"job": config.job.model_copy(update={"role_arn": PLACEHOLDER_ROLE})})
-    run = Run.at(f"{root}/{run_id}", config, run_id)
-    # prepare-data's key hashes the source's listing, read only when the stage runs.
-    args = {"key": "<the stage's cache key>"} if stage == "prepare-data" else None
+    run, row = Run.at(f"{root}/{run_id}", config, run_id), _stage(stage)
+    # The key of the stage that prepares the sources hashes their listing, read only when the stage runs.
+    args = {"key": "<the stage's cache key>"} if row.prepares_sources else None
     spec = job_spec(run, attempt=1, stage=stage, args=args)
+    where = row.runs_on or TRAINING
     requests = backend_for(run).dry_run(spec)
     est = estimate(config)
     job = config.job
@@ -724,20 +684,17 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     from hlat.infra.init_from import model_notes
 
     lines += model_notes(config)
-    if stage in ("train", "prepare-data"):
+    if row.trains or row.prepares_sources:
         lines += source_lines(config)
     lines.append("")
     lines.append(f"requests of attempt 1 (job {spec.name}):")
     lines += _describe_requests(requests)
     lines.append("")
-    # The job's own instances: the evaluation and prepare-data jobs do not run on the training's.
-    own_price = job.price_per_hour_usd if spec.instance_type == job.instance_type else None
-    if stage == "prepare-data":
-        own_price = config.data.price_per_hour_usd
+    # The job's own instances (its row's `runs_on`), priced by their own setting where they have one.
+    own_price, price_setting = where.own_price(config), where.price_setting(config)
     if own_price is None and spec.instance_type not in CATALOG:
         # An instance type the catalog does not price: saying $0.00 would be a wrong figure, not an unknown one.
-        field = "job.price_per_hour_usd" if spec.instance_type == job.instance_type else "a catalog entry"
-        field = "data.price_per_hour_usd" if stage == "prepare-data" else field
+        field = price_setting or where.settings.get("price_per_hour_usd") or "a catalog entry"
         lines.append(
             f"cost: {spec.instance_count} x {spec.instance_type}: no price in the instance catalog (infra/catalog.py); "
             f"set {field} to see costs and enforce job.budget_usd"
@@ -749,17 +706,16 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         lines.append(
             f"cost: {spec.instance_count} x {spec.instance_type} at ${node_price:,.3f}/node-hour = ${hourly:,.2f}/hour"
         )
-        setting = "data.price_per_hour_usd" if stage == "prepare-data" else "job.price_per_hour_usd"
         known = CATALOG.get(spec.instance_type)
         if own_price is not None:
-            lines.append(f"price: {setting}")
+            lines.append(f"price: {price_setting}")
         elif known is not None and known.price is not None:
             lines.append(f"price: {known.price.describe()}")
-    if stage != "train":
+    if not row.trains:
         hours = spec.max_runtime_s / 3600
         bound = f": at most ${hours * hourly:,.2f}" if hourly is not None else ""
         lines.append(f"bound: the {stage} job stops by its max runtime of {hours:g} h{bound}")
-        if stage == "prepare-data":
+        if row.prepares_sources:
             lines.append("estimate: " + data_estimate(config).line() + " for the text of the run's training tokens")
     elif est["hours"] is not None:
         lines.append(
@@ -773,7 +729,7 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         lines.append(data_estimate(config).line())
     else:
         lines.append(f"estimate: no throughput figure for {job.instance_type!r} in the instance catalog")
-    if stage == "train":
+    if row.trains:
         lines.append(stop_fit(config, est["tokens_per_s"]))
         try:
             lines.append(f"budget: {budget(config).basis}")

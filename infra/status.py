@@ -19,18 +19,13 @@ from typing import Any
 
 from hlat.core.config import HlatConfig
 from hlat.core.layout import (
-    BURN_IN_REPORT,
     CHECKPOINTS_DIR,
-    COMPILE_LATEST,
     CONFIG_FILE,
-    EVAL_DIR,
-    EVAL_RESULTS_FILE,
     METRICS_FILE,
-    TOKENIZER_DIR,
     CheckpointIndex,
-    tokenizer_defining_files,
 )
-from hlat.core.stages import JOB_STAGES, STAGE_NAMES
+from hlat.core.stages import TRAINING, job_stages, stages
+from hlat.core.stages import stage as row_of
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.catalog import job_cost, price_per_hour
 from hlat.infra.jobs import Action, FailureClass, JobBackend, JobState
@@ -81,15 +76,10 @@ def backend_of(config: HlatConfig, run: Storage) -> JobBackend:
     return backend_for(Run.at(run.url, config))
 
 
-def stage_price(config: HlatConfig, stage: str) -> float:
-    """The node-hour price of the stage's instances (the job_spec's instance type)."""
-    job = config.job
-    instance = job.instance_type
-    if stage == "evaluate":
-        instance = config.evaluation.instance_type or job.instance_type
-    elif stage == "prepare-data" and job.backend == "sagemaker":
-        instance = config.data.instance_type
-    return price_per_hour(instance, job.price_per_hour_usd if instance == job.instance_type else None)
+def stage_price(config: HlatConfig, name: str) -> float:
+    """The node-hour price of the stage's instances (its row's `runs_on`, as in its job spec)."""
+    where = row_of(name).runs_on or TRAINING
+    return price_per_hour(where.instance_type(config), where.own_price(config))
 
 
 def attempt_cost(config: HlatConfig, stage: str, attempt: Attempt, state: JobState | None = None) -> float:
@@ -141,20 +131,6 @@ def _last_metrics(run: Storage) -> dict[str, Any] | None:
     return None
 
 
-def _done(run: Storage, config: HlatConfig, stage: str, newest: int | None) -> bool:
-    if stage == "prepare-data":
-        return run.exists("data/manifest.json")
-    if stage == "train-tokenizer":
-        return bool(tokenizer_defining_files(run.child(TOKENIZER_DIR).list()))  # tokenizer.model or tokenizer.json
-    if stage == "precompile":
-        return run.exists(COMPILE_LATEST)
-    if stage == "burn-in":
-        return run.exists(BURN_IN_REPORT)
-    if stage == "train":
-        return newest is not None and newest >= config.training.max_steps
-    return run.exists(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}")
-
-
 def _ended(attempt: Attempt) -> str:
     """What an ended attempt's stage stands at: stopped (by whom) or failed (why)."""
     if attempt.stop_requested == USER_STOP:
@@ -187,11 +163,12 @@ def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatu
     if metrics is not None:
         status.step, status.loss = int(metrics["step"]), float(metrics["loss"])
     backend: JobBackend | None = None
-    for stage in STAGE_NAMES:
-        attempts = Ledger(run, stage).load() if stage in JOB_STAGES else []
+    for row in stages():
+        stage, runs_jobs = row.name, row.runs_on is not None
+        attempts = Ledger(run, stage).load() if runs_jobs else []
         status.spent_usd += sum(attempt_cost(config, stage, a) for a in attempts if a.ended)
         live = attempts[-1] if attempts and not attempts[-1].ended else None
-        lease = read_lease(run, stage) if stage in JOB_STAGES else None
+        lease = read_lease(run, stage) if runs_jobs else None
         held = lease is not None and lease_live(lease, store_now(run, clock))
         if held and lease is not None:
             status.leases.append((stage, lease))
@@ -207,13 +184,13 @@ def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatu
                 stood = "running" if not state.terminal else f"ended {state.status.value} (unrecorded)"
         elif held:
             stood = "between attempts (its supervisor is backing off or about to submit)"
-        elif _done(run, config, stage, newest):
+        elif row.done(run, config):
             stood = "done"
         elif attempts:
             stood = _ended(attempts[-1])
         else:
             stood = "not started"
-        if stage == "train" and stood != "done" and newest is not None:
+        if row.trains and stood != "done" and newest is not None:
             stood += f", checkpoint step {newest:,} of {config.training.max_steps:,}"
         status.stages.append((stage, stood))
     return status
@@ -240,7 +217,7 @@ def render(status: RunStatus) -> str:
     for live in status.live:
         what = live.state.secondary_status or live.state.status.value if live.state else "not created yet"
         job = f"job {live.attempt.job_name} (attempt {live.attempt.attempt}): {what}"
-        if live.stage == "train" and status.step is not None:
+        if row_of(live.stage).trains and status.step is not None:
             job += f", step {status.step:,} of {c.training.max_steps:,}"
             if status.loss is not None:
                 job += f", loss {status.loss:.4f}"
@@ -283,12 +260,13 @@ def _one_line(run: Storage, name: str) -> str:
     config = load_stored_config(run)
     newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
     parts = [name, f"step {newest or 0:,} of {config.training.max_steps:,}"]
-    for stage in JOB_STAGES:
-        attempts = Ledger(run, stage).load()
+    for job_stage in job_stages():
+        attempts = Ledger(run, job_stage).load()
         if attempts and not attempts[-1].ended:
-            parts.append(f"{stage} job {attempts[-1].job_name} unfinished")
-    if _done(run, config, "evaluate", newest):
-        parts.append("evaluated")
+            parts.append(f"{job_stage} job {attempts[-1].job_name} unfinished")
+    last = stages()[-1]
+    if last.done(run, config):
+        parts.append(f"{last.name} done")
     return ", ".join(parts)
 
 
@@ -321,7 +299,7 @@ def stop_run(
     asked: list[tuple[str, Attempt]] = []
     pending: list[Stopped] = []
     now = store_now(run, clock)
-    for stage in JOB_STAGES:
+    for stage in job_stages():
         ledger = Ledger(run, stage)
         attempts = ledger.load()
         lease = read_lease(run, stage)
@@ -388,7 +366,7 @@ def _record_stop(run: Storage, config: HlatConfig, stage: str, record: Attempt, 
     mine.ended_at = end_time(final, now)
     mine.billable_seconds, mine.instance_count = final.billable_seconds, final.instance_count
     mine.cost_usd = attempt_cost(config, stage, mine, final)
-    if stage == "train":
+    if row_of(stage).trains:
         mine.end_step = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step() or mine.start_step
     if mine.stop_requested == USER_STOP and final.status.value != "Completed":
         mine.reason = "stopped by hlat stop"

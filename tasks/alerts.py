@@ -16,7 +16,7 @@ from uuid import UUID
 
 from hlat.core.config import AlertsConfig, ConfigError
 from hlat.core.layout import METRICS_FILE
-from hlat.core.stages import STAGES
+from hlat.core.stages import stage_names
 from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -42,8 +42,10 @@ STORAGE_LABEL = "hlat.storage"
 STATE_FILE = "alerts/sent.json"
 """What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
 
-FLOW_NAMES = ("hlat", *(stage.name for stage in STAGES))
-"""The hlat flows (the DAG and each stage's flow): a failed or crashed run of any is an alert."""
+
+def flow_names() -> list[str]:
+    """The hlat flows (the parent DAG and each stage's): a failed or crashed run of any is an alert."""
+    return ["hlat", *stage_names()]
 
 
 def run_resource(run_id: str, uri: str) -> dict[str, str]:
@@ -349,7 +351,7 @@ def _trigger(kind: str, stalled: timedelta) -> Any:
         return EventTrigger(
             expect={"prefect.flow-run.Failed", "prefect.flow-run.Crashed", "prefect.flow-run.TimedOut"},
             match={"prefect.resource.id": "prefect.flow-run.*"},
-            match_related={"prefect.resource.role": "flow", "prefect.resource.name": list(FLOW_NAMES)},
+            match_related={"prefect.resource.role": "flow", "prefect.resource.name": flow_names()},
             for_each=each, posture=Posture.Reactive, threshold=1, within=timedelta(0),
         )  # fmt: skip
     if kind == "training stalled":

@@ -9,6 +9,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.layout import BURN_IN_REPORT
+from hlat.core.stages import stage
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_shape, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
@@ -28,7 +29,8 @@ def burn_in_cache_key(run: Run) -> str:
 
 
 def burn_in_present(run: Run, report: dict[str, Any]) -> bool:
-    return run.storage.exists(BURN_IN_REPORT)
+    """A cached verdict counts while the stage is done (core/stages.py)."""
+    return stage("burn-in").done(run.storage, run.config)
 
 
 @task(name="burn-in-cluster", **CACHED_STAGE)

@@ -9,7 +9,9 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig, stable_hash
+from hlat.core.layout import DATA_DIR
 from hlat.core.shards import MANIFEST_FILE, read_mixture
+from hlat.core.stages import stage
 from hlat.core.storage import StorageError
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
@@ -61,8 +63,10 @@ def build_shards(run: Run, cache_key: str, sources: dict[str, str]) -> DataRepor
 def shards_present(run: Run, report: DataReport) -> bool:
     """A cached report counts only while the manifest it wrote is still the run's manifest, and every source it
     names is still where it was prepared."""
-    data = run.stage("data")
-    if not data.exists(MANIFEST_FILE) or data.read_json(MANIFEST_FILE).get("fingerprint") != report.fingerprint:
+    data = run.stage(DATA_DIR)
+    if not stage("prepare-data").done(run.storage, run.config):
+        return False
+    if data.read_json(MANIFEST_FILE).get("fingerprint") != report.fingerprint:
         return False
     try:
         read_mixture(data)

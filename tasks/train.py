@@ -17,6 +17,7 @@ from hlat.core.init_from import IMPORT_RECORD, check_embedding_rows, model_follo
 from hlat.core.layout import CHECKPOINTS_DIR, DATA_DIR, METRICS_FILE, TOKENIZER_DIR, CheckpointIndex
 from hlat.core.mixture import SourceDraw, check_repetition
 from hlat.core.shards import MANIFEST_FILE, read_mixture
+from hlat.core.stages import stage
 from hlat.core.storage import Storage
 from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import budget, supervisor_for
@@ -42,8 +43,8 @@ def train_cache_key(run: Run) -> str:
 
 
 def training_present(run: Run) -> bool:
-    """A cached training counts while the run's newest committed checkpoint is its last step."""
-    return latest_checkpoint(run.storage) == run.config.training.max_steps
+    """A cached training counts while the stage is done: the newest checkpoint reached training.max_steps."""
+    return stage("train").done(run.storage, run.config)
 
 
 def measured_source_tokens(data: Storage, tokenizer: Storage) -> dict[str, int]:

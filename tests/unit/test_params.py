@@ -14,10 +14,12 @@ from pydantic import ValidationError
 from hlat.cli import build_parser, command_overrides, flow_call
 from hlat.core.config import ConfigError, HlatConfig, SourceConfig, parse_override
 from hlat.core.presets import PRESETS, load_config
-from hlat.core.stages import STAGE_NAMES, stage
+from hlat.core.stages import stage, stage_names
 from hlat.flows.params import FORM_FIELDS, Overrides, PresetName, build_config, overrides_dict
 from hlat.flows.pretrain import hlat, stage_flow_of
 from hlat.flows.stage import resolve
+
+STAGE_NAMES = stage_names()
 
 
 def test_the_preset_choice_lists_every_preset() -> None:
