@@ -1,59 +1,16 @@
-"""The HLAT / LLaMA and GPT-NeoX decoder-only transformers: architecture only (no distributed or device code).
+"""The decoder-only transformer every family shares: architecture only, no distributed or device code.
 
-`Transformer(cfg)` builds the modules; `init_weights()` initialises them (construction alone does not, so a
-model built on the meta device can be materialised with `to_empty()` and then initialised or loaded).
+`Transformer(cfg)` builds the modules; `init_weights()` initialises them. Construction alone does not, so a model
+built on the meta device can be materialised with `to_empty()` and then initialised or loaded.
+What differs by family (norm, MLP, biases, residual wiring, RoPE angles) comes from `training.models`.
+docs/models.md describes each family's blocks and RoPE pairing.
 
-Architecture, matching Hugging Face `LlamaForCausalLM` so that `training.checkpoint.hf_export` is a pure renaming:
+Positions are absolute within the packed sequence, also under document masking. RoPE scores depend only on the
+distance between query and key, so a document attends within itself exactly as it would alone.
 
-- token embedding → `n_layers` pre-norm blocks → final RMSNorm → output projection (untied unless
-  `cfg.tie_embeddings`);
-- block: `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`;
-- RMSNorm computed in float32 and cast back before the weight multiply (as HF does);
-- attention: grouped-query (`n_kv_heads` key/value heads, query head `h` reads key/value head
-  `h // (n_heads // n_kv_heads)`, HF's `repeat_kv` grouping), no biases, scale `1/sqrt(head_dim)`, causal;
-- SwiGLU MLP: `w2(silu(w1(x)) * w3(x))` (w1 = gate, w3 = up, w2 = down).
-
-Rotary embeddings use the HF Llama ("rotate_half", GPT-NeoX) pairing: within each head, dim `i` is rotated
-together with dim `i + head_dim/2`, pair `i` at angle `pos * inv_freq[i]`, for `i < head_dim/2`.
-Partial rotary (`rotary_fraction < 1`, `r = head_dim * rotary_fraction` rotated dims) is done the
-Trainium-friendly way: the whole head goes through the same rotation, and the pairs that are not meant to
-rotate get frequency zero (cos = 1, sin = 0), so there is no slicing or concatenation of the head. The
-rotated pairs are the first `r/2` ones, with `inv_freq[i] = theta^(-2i/r)` for `i < r/2` and 0 beyond, so
-the rotated dims are `[0, r/2)` and `[head_dim/2, head_dim/2 + r/2)`. That is GPT-NeoX partial rotary (which
-rotates dims `[0, r)` with pairs `(i, i + r/2)` and the same frequencies) up to a fixed permutation of the
-head dims, i.e. the same family of functions; with `rotary_fraction = 1` it is exactly HF Llama.
-
-GPT-NeoX (`cfg.arch == "gpt_neox"`, matching Hugging Face `GPTNeoXForCausalLM` with `use_parallel_residual`):
-
-- token embedding → `n_layers` blocks → final LayerNorm (with bias) → output projection (untied, no bias);
-- block (parallel residual): `x + attn(attn_norm(x)) + mlp(mlp_norm(x))`, both branches on the same input;
-- LayerNorm with weight and bias (eps `cfg.norm_eps`); multi-head attention with biased Q, K, V and O;
-- GeLU MLP: `fc_out(gelu(fc_in(x)))`, both with biases (exact, erf GeLU: HF's "gelu").
-
-Its partial rotary is applied as the AWS post on GPT-NeoX and Pythia on trn1 does it ("Frugality meets Accuracy:
-Cost-efficient training of GPT NeoX and Pythia models with AWS Trainium",
-https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/):
-full-width cos/sin tables whose unrotated dims have frequency zero (cos = 1, sin = 0), so every dim goes through
-the same `x * cos + rotate(x) * sin` with no slice of the head. To equal HF's GPT-NeoX exactly (HF rotates only
-the first `r` dims, pairing dim `i` with `i + r/2` by a rotate_half over that slice), the turn is taken over each
-run of `r` dims of the head (`r` divides the head: `ModelConfig` checks it): the first run is HF's rotated slice
-with HF's pairing and frequencies `theta^(-2i/r)`, and the other runs are turned with sin = 0, i.e. left exactly
-as they are (x * 1 + y * 0 = x), which is HF's pass-through part. The LLaMA path keeps its pairing above.
-
-Positions are absolute within the (packed) sequence also under document masking: RoPE scores depend only
-on the distance between query and key, so a document attends within itself exactly as it would alone.
-
-Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory.
-`DenseLayers` (the default) gives nn.Linear and nn.Embedding; `training.parallel.neuron.NxdLayers` gives
-neuronx-distributed's tensor-parallel layers, and each rank then holds its heads and slices (attention computes
-with the local head counts). Either way `init_weights(seed)` draws every parameter's dense tensor the same way
-(`training.parallel.tensor_slices`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the
-dense one.
-The vocabulary may be padded (`cfg.vocab_multiple`): the embedding and the output projection have
-`cfg.padded_vocab_size` rows, and the logits of the padded rows are set to -inf (`Transformer._mask_padding`), so
-they take no probability in the loss (and get no gradient) while every tensor-parallel rank keeps an equal slice of
-the vocabulary, as vocabulary-parallel cross-entropy needs (slicing them off would not). Exports drop those rows.
-This file imports no distributed code.
+Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory. Either way
+`init_weights(seed)` draws each parameter's dense tensor and keeps this rank's slice (`tensor_slices`). The padded
+vocabulary rows (`cfg.vocab_multiple`) get -inf logits, so every TP rank keeps an equal slice of the vocabulary.
 """
 
 from __future__ import annotations
@@ -78,7 +35,7 @@ def rope_tables(
     """cos and sin tables, each (seq_len, head_dim) float32, for positions 0..seq_len-1 (default max_seq_len).
 
     Computed in float64 so long positions keep their accuracy, then cast; pairs beyond the rotary fraction
-    have frequency zero (cos = 1, sin = 0), see the module docstring for the pairing.
+    have frequency zero (cos = 1, sin = 0); the family gives the angles (docs/models.md has the pairing).
     """
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     rotary_dims = rotary_block(cfg)
@@ -104,7 +61,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, block: int | None = None) 
     """Rotate x (..., T, head_dim) by the tables cos, sin (T, head_dim) (cast to x's dtype, as HF does).
 
     `block` (gpt_neox): take rotate_half over each run of `block` dims of the head (pairs (i, i + block/2) within
-    a run) instead of over the whole head; see the module docstring."""
+    a run) instead of over the whole head; see docs/models.md."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if block is None or block == x.shape[-1]:
         return x * cos + rotate_half(x) * sin

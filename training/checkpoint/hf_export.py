@@ -100,10 +100,9 @@ def from_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig | None
     `cfg` (needed for GPT-NeoX, whose fused QKV is split by heads) the vocabulary is padded with zero rows up to
     `cfg.padded_vocab_size` (rows no token reaches and the loss masks)."""
     family = hf_state_family(state_dict)
-    if cfg is not None and modules_of(cfg) is not family:
-        raise ValueError(
-            f"from_hf_state_dict: the tensors are HF {family.name}'s, the config says model.arch={modules_of(cfg).name}"
-        )
+    configured = modules_of(cfg) if cfg is not None else family
+    if configured is not family:
+        raise ValueError(f"from_hf_state_dict: the tensors are HF {family.name}'s, the config is {configured.name}'s")
     out = family.from_hf({_rename(name, family, "from_hf_state_dict"): t for name, t in state_dict.items()}, cfg)
     if "output.weight" not in out and "embed.weight" in out:
         out["output.weight"] = out["embed.weight"]
