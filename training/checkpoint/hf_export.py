@@ -8,6 +8,7 @@ BOS and EOS ids come from the tokenizer's own files (`special_token_ids`). docs/
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -47,15 +48,19 @@ TOKENIZER_FILES = (
 )
 
 
-def _compile(src: str, dst: str) -> tuple[re.Pattern[str], str]:
-    return re.compile(re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst
+@functools.cache
+def _patterns(family: FamilyModules, direction: str) -> list[tuple[re.Pattern[str], str]]:
+    """The family's (source pattern, target name) pairs for `direction`; `{i}` in a name is a layer index."""
+    if direction == "to_hf_state_dict":
+        pairs = family.hf_names
+    else:
+        pairs = tuple((hf, ours) for ours, hf in (*family.hf_names, *family.hf_aliases))
+    return [(re.compile(re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst) for src, dst in pairs]
 
 
 def _rename(name: str, family: FamilyModules, direction: str) -> str:
     """`name` under the other side's name (`to_hf_state_dict`: ours to HF; `from_hf_state_dict`: HF to ours)."""
-    pairs = family.hf_names if direction == "to_hf_state_dict" else (*family.hf_names, *family.hf_aliases)
-    for src, dst in pairs:
-        pattern, target = _compile(src, dst) if direction == "to_hf_state_dict" else _compile(dst, src)
+    for pattern, target in _patterns(family, direction):
         m = pattern.match(name)
         if m:
             return target.format(i=m.group(1)) if m.groups() else target

@@ -7,7 +7,6 @@ docs/models.md lists every piece of a family and where it lives.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -89,11 +88,6 @@ class DenseLayers:
 
     def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
         return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
-
-
-def compile_names(pairs: tuple[tuple[str, str], ...]) -> list[tuple[re.Pattern[str], str]]:
-    """(source pattern, target) pairs; `{i}` in a source matches a layer index."""
-    return [(re.compile(re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst) for src, dst in pairs]
 
 
 class FamilyModules:
