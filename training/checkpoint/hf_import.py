@@ -69,12 +69,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 """The safetensors dtypes a weight may have (https://huggingface.co/docs/safetensors, "Format")."""
 MAX_HEADER = 100_000_000
 """The format's limit on a header's size (safetensors refuses larger ones): anything above is a corrupt file."""
-NON_PARAMETERS = (
-    re.compile(r"(model|gpt_neox)\.(layers\.\d+\.(self_attn|attention)\.)?rotary_emb\.inv_freq"),
-    # Older GPT-NeoX files (Pythia, NeoX-20B) hold each layer's causal mask and its fill value as buffers.
-    re.compile(r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)"),
-)
-"""Checkpoint tensors that are buffers of transformers' modules, not weights: the model does not take them."""
 
 
 def _refuse(source: str, what: str) -> InitFromError:
@@ -372,7 +366,7 @@ def _local_targets(model: Transformer, params: Mapping[str, nn.Parameter]) -> It
 
 def check_names(reader: SafetensorsReader, cfg: ModelConfig) -> None:
     """Every tensor the model needs is in the checkpoint, and every tensor there is one the model takes or a known
-    non-parameter (`NON_PARAMETERS`; a tied LLaMA's `lm_head`): one line listing what is wrong."""
+    non-parameter (the family's `hf_non_parameters`; a tied LLaMA's `lm_head`): one line listing what is wrong."""
     available, family = reader.names(), modules_of(cfg).name
     needed: set[str] = set()
     lacking: list[str] = []
@@ -389,7 +383,8 @@ def check_names(reader: SafetensorsReader, cfg: ModelConfig) -> None:
             f"{', '.join(lacking[:8])}{' ...' if len(lacking) > 8 else ''}"
         )  # fmt: skip
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    unknown = sorted(n for n in available - needed - ignored if not any(p.fullmatch(n) for p in NON_PARAMETERS))
+    buffers = [re.compile(pattern) for pattern in modules_of(cfg).hf_non_parameters]
+    unknown = sorted(n for n in available - needed - ignored if not any(p.fullmatch(n) for p in buffers))
     if unknown:
         raise _refuse(
             reader.source, f"the checkpoint holds {len(unknown)} tensor(s) the {family} model does not take: "

@@ -110,6 +110,8 @@ class FamilyModules:
     """(our name, HF name) pairs read but never written."""
     hf_prefix: str = ""
     """The prefix of the family's HF tensor names, which tells its state dicts apart."""
+    hf_non_parameters: tuple[str, ...] = ()
+    """Regular expressions of checkpoint tensors that are transformers' buffers, not weights (skipped on import)."""
 
     @property
     def name(self) -> str:

@@ -130,6 +130,11 @@ class GptNeoxModules(FamilyModules):
     hf_names = NAMES
     hf_aliases = ALIASES
     hf_prefix = "gpt_neox."
+    hf_non_parameters = (
+        r"gpt_neox\.(layers\.\d+\.(self_attn|attention)\.)?rotary_emb\.inv_freq",
+        # Older GPT-NeoX files (Pythia, NeoX-20B) hold each layer's causal mask and its fill value as buffers.
+        r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)",
+    )
 
     def norm(self, cfg: ModelConfig, parallel: Layers) -> nn.Module:
         norm = LayerNorm(cfg.d_model, cfg.norm_eps)

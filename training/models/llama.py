@@ -79,6 +79,7 @@ class LlamaModules(FamilyModules):
     norm_class = RMSNorm
     hf_names = NAMES
     hf_prefix = "model."
+    hf_non_parameters = (r"model\.(layers\.\d+\.(self_attn|attention)\.)?rotary_emb\.inv_freq",)
 
     def norm(self, cfg: ModelConfig, parallel: Layers) -> nn.Module:
         norm = RMSNorm(cfg.d_model, cfg.norm_eps)
