@@ -16,6 +16,7 @@ from hlat.core import models as core_models
 from hlat.core.config import ConfigError, ModelConfig, validate_config
 from hlat.core.init_from import InitFromError, model_fields
 from hlat.core.models.base import HfConfigRefused, ModelFamily, ModelShape, require
+from hlat.core.models.job import job_model
 from hlat.training import models as training_models
 from hlat.training.checkpoint.hf_export import from_hf_state_dict, to_hf_state_dict
 from hlat.training.model import Transformer
@@ -216,6 +217,32 @@ def test_the_toy_hf_config_and_weights_round_trip_through_the_registries(toy: To
     assert {n: tuple(t.shape) for n, t in exported.items()} == toy.hf_shapes(cfg)
     back = from_hf_state_dict(exported, cfg)
     assert all(torch.equal(back[name], t) for name, t in model.state_dict().items())
+
+
+# -- which model a job builds -------------------------------------------------------------------------------------
+
+NEOX_JSON = {"architectures": ["GPTNeoXForCausalLM"], "hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 500}
+NEOX_JSON |= {"num_attention_heads": 4, "intermediate_size": 256, "max_position_embeddings": 128, "rotary_pct": 0.25}
+
+
+def test_the_job_model_follows_the_checkpoint_then_the_tokenizer_and_checks_the_embedding() -> None:
+    cfg = validate_config(
+        {"model": {"init_from": "org/x", "vocab_multiple": 64}, "tokenizer": {"pretrained": "org/x"}}
+        | {"training": {"seq_len": 128}}
+    )
+    built, lines = job_model(cfg, NEOX_JSON, 480)
+    m = built.model
+    assert (m.arch, m.n_layers, m.d_model, m.rotary_fraction, m.vocab_size, m.padded_vocab_size) == (
+        "gpt_neox", 3, 64, 0.25, 480, 512,
+    )  # fmt: skip
+    assert len(lines) == 2 and lines[0].startswith("model: arch llama -> gpt_neox, n_layers 2 -> 3")
+    assert lines[1].startswith("model.vocab_size 4096 -> 480") and lines[1].endswith("(tokenizer.pretrained=org/x)")
+    # Before the tokenizer is known (the flow ahead of its stage): the checkpoint's part only.
+    assert job_model(cfg, NEOX_JSON, None)[1] == lines[:1]
+    # Nothing imported yet: the config as written.
+    assert job_model(cfg, None, None) == (cfg, [])
+    with pytest.raises(InitFromError, match="its embedding has 600 rows, more than the 512"):
+        job_model(cfg, NEOX_JSON | {"vocab_size": 600}, 480)
 
 
 # -- where `arch` is dispatched ----------------------------------------------------------------------------------
