@@ -41,8 +41,8 @@ import torch
 from benchmarks.measure import table
 from hlat.core.config import ModelConfig
 from hlat.core.storage import Storage
-from hlat.training.checkpoint.hf_export import hf_llama_config
 from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, hf_names
+from hlat.training.models.llama import hf_llama_config
 from hlat.training.parallel.tensor_slices import DenseParameter, dense_parameters, local_name, shard
 
 MB = 1e6

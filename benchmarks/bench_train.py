@@ -32,9 +32,10 @@ import torch.nn.functional as F
 
 from benchmarks.measure import best_of, table
 from hlat.core.config import ModelConfig
-from hlat.training.checkpoint.hf_export import hf_llama_config, to_hf_state_dict
+from hlat.training.checkpoint.hf_export import to_hf_state_dict
 from hlat.training.devices import peak_flops
 from hlat.training.model import Transformer
+from hlat.training.models.llama import hf_llama_config
 from hlat.training.parallel.parallelize import compile_blocks
 
 SIZES = {

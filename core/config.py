@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from hlat.core.models import family, family_of
 from hlat.core.parallel import LayoutError, ParallelDims
 
 
@@ -78,9 +79,10 @@ class ModelConfig(Section):
     """Key/value heads for grouped-query attention; None means n_heads (multi-head attention)."""
     ffn_hidden: int = Field(344, ge=8)
     """MLP inner width: SwiGLU's (11008 for LLaMA 7B, 28672 for 70B), or GPT-NeoX's GeLU MLP (4 x d_model)."""
-    arch: Literal["llama", "gpt_neox"] = "llama"
-    """Model family: llama (pre-norm RMSNorm, SwiGLU, RoPE, no biases) or gpt_neox (GPT-NeoX / Pythia: parallel
-    attention and MLP on the same input, LayerNorm with bias, GeLU MLP, biased projections, partial rotary)."""
+    arch: str = "llama"
+    """Model family (`core.models.FAMILIES`, docs/models.md): llama (pre-norm RMSNorm, SwiGLU, RoPE, no biases) or
+    gpt_neox (GPT-NeoX / Pythia: parallel attention and MLP on the same input, LayerNorm with bias, GeLU MLP, biased
+    projections, partial rotary)."""
     vocab_size: int = Field(4096, ge=260)
     """The tokenizer's vocabulary: the tokenizer stage trains exactly this many pieces (>= 260: 256 byte pieces plus
     specials); with tokenizer.pretrained it is that tokenizer's size. The model's embedding is padded_vocab_size."""
@@ -109,6 +111,12 @@ class ModelConfig(Section):
     this section says otherwise, the checkpoint wins, with one line saying what changed); the optimizer starts
     fresh with this run's schedule. Needs tokenizer.pretrained (the tokenizer the weights were trained with)."""
 
+    @field_validator("arch")
+    @classmethod
+    def _known_family(cls, value: str) -> str:
+        family(value)  # ValueError naming the families
+        return value
+
     @model_validator(mode="after")
     def _check_heads(self) -> ModelConfig:
         if self.d_model % self.n_heads:
@@ -123,25 +131,8 @@ class ModelConfig(Section):
                 f"rotary_fraction={self.rotary_fraction} rotates {rotated} of {head_dim} head dims; "
                 "it must rotate an even whole number of dims"
             )
-        if self.arch == "gpt_neox":
-            self._check_gpt_neox(head_dim, int(rotated))
+        family_of(self).check(self)
         return self
-
-    def _check_gpt_neox(self, head_dim: int, rotated: int) -> None:
-        """What the GPT-NeoX block supports: multi-head attention, untied embeddings, and a rotated width that
-        divides the head (training/model.py rotates each run of that many dims, the first with the frequencies)."""
-        if self.kv_heads != self.n_heads:
-            raise ValueError(
-                f"n_kv_heads={self.n_kv_heads}: arch=gpt_neox has no grouped-query attention; "
-                f"set n_kv_heads to None or {self.n_heads}"
-            )
-        if self.tie_embeddings:
-            raise ValueError("tie_embeddings=True: arch=gpt_neox has untied embeddings; set tie_embeddings to false")
-        if head_dim % rotated:
-            raise ValueError(
-                f"rotary_fraction={self.rotary_fraction} rotates {rotated} of {head_dim} head dims; with "
-                "arch=gpt_neox the rotated dims must divide the head (e.g. rotary_fraction 0.25, 0.5 or 1)"
-            )
 
     @property
     def kv_heads(self) -> int:
@@ -159,19 +150,12 @@ class ModelConfig(Section):
     # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
     # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/planner.py) use these.
     def block_params(self) -> int:
-        """Parameters of one transformer block.
-
-        llama: attention with GQA (Q and O d x d, K and V d x kv_dim), the SwiGLU MLP (three d x ffn_hidden), two
-        RMSNorm weights. gpt_neox: Q, K, V and O d x d with their biases (4d), the GeLU MLP (d x ffn_hidden and
-        ffn_hidden x d, biases ffn_hidden + d), two LayerNorms (weight and bias: 4d)."""
-        d, f, kv_dim = self.d_model, self.ffn_hidden, self.kv_heads * self.head_dim
-        if self.arch == "gpt_neox":
-            return 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
-        return 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
+        """Parameters of one transformer block (the family's count)."""
+        return family_of(self).block_params(self)
 
     def final_norm_params(self) -> int:
-        """The final norm's parameters: RMSNorm's weight (llama), LayerNorm's weight and bias (gpt_neox)."""
-        return 2 * self.d_model if self.arch == "gpt_neox" else self.d_model
+        """The final norm's parameters (the family's count)."""
+        return family_of(self).final_norm_params(self)
 
     def num_params(self) -> int:
         """Parameter count (embeddings of padded_vocab_size rows included; a tied embedding counts once)."""

@@ -7,11 +7,9 @@ them, so that the run records exactly which weights it started from. Jobs read t
 the model the checkpoint's config describes (`model_follows_checkpoint`) and read the weights tensor by tensor from
 `location` (training/checkpoint/hf_import.py).
 
-The config mapping follows transformers' `LlamaConfig` and `GPTNeoXConfig` (https://huggingface.co/docs/transformers/
-model_doc/llama, .../gpt_neox), in both the names transformers 4 writes (`rope_theta`, `rope_scaling`, `rotary_pct`,
-`rotary_emb_base`) and those of transformers 5 (`rope_parameters`). What hlat's two families cannot represent (a RoPE
-scaling, biases on a LLaMA, GPT-NeoX's sequential residual, another activation) is refused in one line that names
-the key, before anything is trained.
+The shared config.json keys are read here, under both transformers 4 and 5 names (`rope_theta`, `rotary_pct`,
+`rope_parameters`). Each family maps its own keys (`core.models`). What no family can represent (a RoPE scaling,
+biases on a LLaMA, another activation) is refused in one line that names the key, before anything is trained.
 """
 
 from __future__ import annotations
@@ -20,14 +18,12 @@ from collections.abc import Mapping
 from typing import Any
 
 from hlat.core.config import HlatConfig, validate_config
+from hlat.core.models import HfConfigRefused, hf_family
 from hlat.core.storage import Storage, StorageNotFound
 
 IMPORT_DIR = "init"
 IMPORT_RECORD = f"{IMPORT_DIR}/import.json"
 """The run's record of the weights it started from (the module docstring)."""
-
-ARCHITECTURES = {"LlamaForCausalLM": "llama", "GPTNeoXForCausalLM": "gpt_neox"}
-MODEL_TYPES = {"llama": "llama", "gpt_neox": "gpt_neox"}
 
 # The ModelConfig fields a checkpoint decides, in the order the change line lists them.
 DECIDED = (
@@ -53,19 +49,6 @@ def _refuse(source: str, what: str) -> InitFromError:
     return InitFromError(f"model.init_from={source!r}: {what}")
 
 
-def hf_arch(hf: Mapping[str, Any], source: str = "") -> str:
-    """hlat's family of a transformers config.json: llama or gpt_neox (from `architectures`, else `model_type`)."""
-    for name in hf.get("architectures") or []:
-        if name in ARCHITECTURES:
-            return ARCHITECTURES[name]
-    if hf.get("model_type") in MODEL_TYPES:
-        return MODEL_TYPES[hf["model_type"]]
-    found = hf.get("architectures") or hf.get("model_type")
-    raise _refuse(
-        source, f"config.json describes {found!r}; hlat imports LlamaForCausalLM and GPTNeoXForCausalLM checkpoints"
-    )
-
-
 def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
     """The RoPE settings under either transformers' names: {"rope_type", "rope_theta", "partial_rotary_factor"}."""
     params = dict(hf.get("rope_parameters") or {})
@@ -77,16 +60,23 @@ def _rope(hf: Mapping[str, Any]) -> dict[str, Any]:
 
 
 def model_fields(hf: Mapping[str, Any], source: str = "") -> dict[str, Any]:
-    """The ModelConfig fields (`DECIDED`) a transformers LLaMA or GPT-NeoX config.json gives, and `vocab_size` (the
-    checkpoint's embedding rows); InitFromError for what hlat's model cannot represent."""
-    arch = hf_arch(hf, source)
+    """The ModelConfig fields (`DECIDED`) a transformers config.json of a registered family gives (`core.models`),
+    and `vocab_size` (the checkpoint's embedding rows); InitFromError for what hlat's model cannot represent."""
+    try:
+        return _model_fields(hf)
+    except HfConfigRefused as exc:
+        raise _refuse(source, str(exc)) from None
+
+
+def _model_fields(hf: Mapping[str, Any]) -> dict[str, Any]:
+    found = hf_family(hf)
     rope = _rope(hf)
     if rope["rope_type"] != "default":
-        raise _refuse(source, f"RoPE scaling {rope['rope_type']!r} (config.json rope_scaling / rope_parameters): "
-                      "hlat's models use the default RoPE; start from a checkpoint without it")  # fmt: skip
+        raise HfConfigRefused(f"RoPE scaling {rope['rope_type']!r} (config.json rope_scaling / rope_parameters): "
+                              "hlat's models use the default RoPE; start from a checkpoint without it")  # fmt: skip
     d_model, heads = int(hf["hidden_size"]), int(hf["num_attention_heads"])
     fields: dict[str, Any] = {
-        "arch": arch,
+        "arch": found.name,
         "n_layers": int(hf["num_hidden_layers"]),
         "d_model": d_model,
         "n_heads": heads,
@@ -97,35 +87,8 @@ def model_fields(hf: Mapping[str, Any], source: str = "") -> dict[str, Any]:
     }
     head_dim = hf.get("head_dim")
     if head_dim is not None and int(head_dim) != d_model // heads:
-        raise _refuse(source, f"head_dim={head_dim} is not hidden_size / num_attention_heads ({d_model // heads})")
-    if arch == "llama":
-        _require(hf, source, hidden_act="silu", attention_bias=False, mlp_bias=False)
-        kv = hf.get("num_key_value_heads")
-        fields.update(
-            n_kv_heads=None if kv in (None, heads) else int(kv),
-            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rotary_fraction=1.0,
-            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        )
-    else:
-        _require(hf, source, hidden_act="gelu", use_parallel_residual=True, attention_bias=True)
-        if hf.get("tie_word_embeddings", False):
-            raise _refuse(source, "tie_word_embeddings=true: hlat's GPT-NeoX has untied embeddings (as GPT-NeoX has)")
-        fields.update(
-            n_kv_heads=None,
-            norm_eps=float(hf.get("layer_norm_eps", 1e-5)),
-            rotary_fraction=rope["partial_rotary_factor"],
-            tie_embeddings=False,
-        )
-    return fields
-
-
-def _require(hf: Mapping[str, Any], source: str, **expected: Any) -> None:
-    """Keys whose value must be `expected` where present (absent: transformers' default, which is the expected one)."""
-    for key, want in expected.items():
-        if key in hf and hf[key] != want:
-            raise _refuse(source, f"config.json {key}={hf[key]!r}: hlat's model has {key}={want!r}; it cannot hold "
-                          "these weights")  # fmt: skip
+        raise HfConfigRefused(f"head_dim={head_dim} is not hidden_size / num_attention_heads ({d_model // heads})")
+    return fields | found.fields_from_hf(hf, rope)
 
 
 def model_follows_checkpoint(cfg: HlatConfig, hf: Mapping[str, Any]) -> tuple[HlatConfig, str | None]:

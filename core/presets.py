@@ -2,7 +2,7 @@
 wrong field name or value fails when this module is imported, and mypy checks every field.
 
 Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
-(partial rotary 25%, sequence 2048). Pythia and NeoX are GPT-NeoX blocks (`model.arch=gpt_neox`: parallel residual,
+(partial rotary 25%, sequence 2048). Pythia and NeoX are GPT-NeoX blocks (the `gpt_neox` family: parallel residual,
 LayerNorm, a 4x GeLU MLP, biases, 25% of each head rotated) with their published depth, width, heads and vocabulary.
 `tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
 

@@ -25,6 +25,7 @@ from typing import Any
 from hlat.core.config import HlatConfig
 from hlat.core.init_from import IMPORT_RECORD, model_fields
 from hlat.core.layout import CONFIG_FILE  # a run's config.json; a HF checkpoint's has the same name
+from hlat.core.models import family_of
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import hub_snapshot
 
@@ -153,9 +154,10 @@ def model_notes(config: HlatConfig) -> list[str]:
     notes = []
     if (source := config.model.init_from) is not None:
         m = config.model
+        family = family_of(m).name
         notes.append(
             f"weights: from model.init_from={source}; its config.json decides the model's family and shape once the "
-            f"import has run (the train stage says what changed); these figures assume the config's {m.arch} "
+            f"import has run (the train stage says what changed); these figures assume the config's {family} "
             f"({m.n_layers} layers, d_model {m.d_model}): set them to the checkpoint's for exact ones"
         )
     if (vocabulary := vocabulary_note(config)) is not None:

@@ -79,7 +79,7 @@ STATE_BYTES: dict[str, StateBytes] = {
 # section 4: activation bytes per layer for 16-bit activations are s·b·h·(34 + 5·a·s/h); tensor parallelism shards
 # 24 of the 34 (10 + 24/t), sequence parallelism the other 10 (34/t); the 5·a·s/h attention scores, softmax and its
 # dropout are what selective recomputation drops. The formula is GPT's (GeLU MLP of 4h, dropout): GPT-NeoX blocks
-# (model.arch=gpt_neox, without dropout) are that; for LLaMA blocks (SwiGLU, no dropout) it is used as is: an
+# (the gpt_neox family, without dropout) are that; for LLaMA blocks (SwiGLU, no dropout) it is used as is: an
 # approximation, not re-derived.
 KORTHIKANTI_SHARDED = 24
 KORTHIKANTI_REPLICATED = 10
@@ -103,7 +103,7 @@ TP_RECOMPUTE_COLLECTIVES = 4
 # nemo/examples/nlp/language_modeling/pythia_6.9B_slurm.sh and neox_20b.sh), which train in BF16 with stochastic
 # rounding, sequence parallelism, full activation checkpointing ('uniform', 1 layer), no ZeRO, micro-batch 2 (Pythia)
 # and 1 (NeoX); `published_config` lays the presets out that way, with the post's global batches. The presets are
-# GPT-NeoX blocks with the published shapes (model.arch=gpt_neox), so the FLOPs per token are the runs'.
+# GPT-NeoX blocks with the published shapes (the gpt_neox family), so the FLOPs per token are the runs'.
 PUBLISHED_PRICE_PER_NODE_HOUR = 7.59
 
 

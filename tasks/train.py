@@ -12,10 +12,10 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from hlat.core.contract import model_follows_tokenizer
-from hlat.core.init_from import IMPORT_RECORD, check_embedding_rows, model_follows_checkpoint
+from hlat.core.init_from import IMPORT_RECORD
 from hlat.core.layout import CHECKPOINTS_DIR, DATA_DIR, METRICS_FILE, TOKENIZER_DIR, CheckpointIndex
 from hlat.core.mixture import SourceDraw, check_repetition
+from hlat.core.models.job import job_model
 from hlat.core.shards import MANIFEST_FILE, read_mixture
 from hlat.core.stages import stage
 from hlat.core.storage import Storage
@@ -61,24 +61,14 @@ def measured_source_tokens(data: Storage, tokenizer: Storage) -> dict[str, int]:
 
 
 def model_changes(run: Run) -> list[str]:
-    """What the training jobs' model becomes, in the lines each job logs too (the stored config keeps what the user
-    wrote): with model.init_from, the imported checkpoint's family and shape (`model_follows_checkpoint`); with
-    tokenizer.pretrained, model.vocab_size is the tokenizer's (its report's vocab_size), padded to
-    model.vocab_multiple (`model_follows_tokenizer`). ConfigError when the padded size does not divide over the
-    tensor ranks or the imported embedding does not fit the tokenizer."""
-    config, lines = run.config, []
+    """What the training jobs' model becomes (`job_model`), in the lines each job logs too: the imported checkpoint's
+    family and shape, then the pretrained tokenizer's vocabulary. ConfigError when the padded size does not divide
+    over the tensor ranks or the imported embedding does not fit the tokenizer."""
     tokenizer = run.stage(TOKENIZER_DIR)
     record = run.storage.read_json(IMPORT_RECORD) if run.storage.exists(IMPORT_RECORD) else None
-    if config.model.init_from is not None and record is not None:
-        config, change = model_follows_checkpoint(config, record["config"])
-        lines += [change] if change else []
-    if config.tokenizer.pretrained is None or not tokenizer.exists(REPORT_FILE):
-        return lines
-    config, change = model_follows_tokenizer(config, int(tokenizer.read_json(REPORT_FILE)["vocab_size"]))
-    if change:
-        lines.append(f"{change} (tokenizer.pretrained={config.tokenizer.pretrained})")
-    if config.model.init_from is not None and record is not None:
-        check_embedding_rows(config, int(record["config"]["vocab_size"]))
+    pretrained = run.config.tokenizer.pretrained is not None and tokenizer.exists(REPORT_FILE)
+    vocab = int(tokenizer.read_json(REPORT_FILE)["vocab_size"]) if pretrained else None
+    _, lines = job_model(run.config, record["config"] if record is not None else None, vocab)
     return lines
 
 

@@ -185,11 +185,11 @@ def write_checkpoint(arch: str, folder: Path, seed: int = 0, shard_bytes: int = 
 
     from hlat.core.config import ModelConfig
     from hlat.core.init_from import model_fields
-    from hlat.training.checkpoint.hf_export import _gpt_neox_shapes, _llama_shapes
+    from hlat.training.models import modules_of
 
     config = HF_CONFIG[arch]
     cfg = ModelConfig(**model_fields(config))
-    shapes = _gpt_neox_shapes(cfg) if arch == "gpt_neox" else _llama_shapes(cfg)
+    shapes = modules_of(cfg).hf_shapes(cfg)
     generator = torch.Generator().manual_seed(seed)
     tensors = {name: torch.randn(shape, generator=generator) * 0.2 for name, shape in sorted(shapes.items())}
     shards: list[dict[str, torch.Tensor]] = [{}]

@@ -30,11 +30,11 @@ from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import (
     export_hf,
     fetch_tokenizer_files,
-    hf_config,
     load_checkpoint_model,
     locate_checkpoint,
 )
 from hlat.training.evaluation.perplexity import held_out_perplexity
+from hlat.training.models import hf_config
 
 log = logging.getLogger("hlat.evaluate")
 

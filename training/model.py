@@ -1,65 +1,22 @@
-"""The HLAT / LLaMA and GPT-NeoX decoder-only transformers: architecture only (no distributed or device code).
+"""The decoder-only transformer every family shares: architecture only, no distributed or device code.
 
-`Transformer(cfg)` builds the modules; `init_weights()` initialises them (construction alone does not, so a
-model built on the meta device can be materialised with `to_empty()` and then initialised or loaded).
+`Transformer(cfg)` builds the modules; `init_weights()` initialises them. Construction alone does not, so a model
+built on the meta device can be materialised with `to_empty()` and then initialised or loaded.
+What differs by family (norm, MLP, biases, residual wiring, RoPE angles) comes from `training.models`.
+docs/models.md describes each family's blocks and RoPE pairing.
 
-Architecture, matching Hugging Face `LlamaForCausalLM` so that `training.checkpoint.hf_export` is a pure renaming:
+Positions are absolute within the packed sequence, also under document masking. RoPE scores depend only on the
+distance between query and key, so a document attends within itself exactly as it would alone.
 
-- token embedding → `n_layers` pre-norm blocks → final RMSNorm → output projection (untied unless
-  `cfg.tie_embeddings`);
-- block: `x + attn(attn_norm(x))`, then `x + mlp(mlp_norm(x))`;
-- RMSNorm computed in float32 and cast back before the weight multiply (as HF does);
-- attention: grouped-query (`n_kv_heads` key/value heads, query head `h` reads key/value head
-  `h // (n_heads // n_kv_heads)`, HF's `repeat_kv` grouping), no biases, scale `1/sqrt(head_dim)`, causal;
-- SwiGLU MLP: `w2(silu(w1(x)) * w3(x))` (w1 = gate, w3 = up, w2 = down).
-
-Rotary embeddings use the HF Llama ("rotate_half", GPT-NeoX) pairing: within each head, dim `i` is rotated
-together with dim `i + head_dim/2`, pair `i` at angle `pos * inv_freq[i]`, for `i < head_dim/2`.
-Partial rotary (`rotary_fraction < 1`, `r = head_dim * rotary_fraction` rotated dims) is done the
-Trainium-friendly way: the whole head goes through the same rotation, and the pairs that are not meant to
-rotate get frequency zero (cos = 1, sin = 0), so there is no slicing or concatenation of the head. The
-rotated pairs are the first `r/2` ones, with `inv_freq[i] = theta^(-2i/r)` for `i < r/2` and 0 beyond, so
-the rotated dims are `[0, r/2)` and `[head_dim/2, head_dim/2 + r/2)`. That is GPT-NeoX partial rotary (which
-rotates dims `[0, r)` with pairs `(i, i + r/2)` and the same frequencies) up to a fixed permutation of the
-head dims, i.e. the same family of functions; with `rotary_fraction = 1` it is exactly HF Llama.
-
-GPT-NeoX (`cfg.arch == "gpt_neox"`, matching Hugging Face `GPTNeoXForCausalLM` with `use_parallel_residual`):
-
-- token embedding → `n_layers` blocks → final LayerNorm (with bias) → output projection (untied, no bias);
-- block (parallel residual): `x + attn(attn_norm(x)) + mlp(mlp_norm(x))`, both branches on the same input;
-- LayerNorm with weight and bias (eps `cfg.norm_eps`); multi-head attention with biased Q, K, V and O;
-- GeLU MLP: `fc_out(gelu(fc_in(x)))`, both with biases (exact, erf GeLU: HF's "gelu").
-
-Its partial rotary is applied as the AWS post on GPT-NeoX and Pythia on trn1 does it ("Frugality meets Accuracy:
-Cost-efficient training of GPT NeoX and Pythia models with AWS Trainium",
-https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/):
-full-width cos/sin tables whose unrotated dims have frequency zero (cos = 1, sin = 0), so every dim goes through
-the same `x * cos + rotate(x) * sin` with no slice of the head. To equal HF's GPT-NeoX exactly (HF rotates only
-the first `r` dims, pairing dim `i` with `i + r/2` by a rotate_half over that slice), the turn is taken over each
-run of `r` dims of the head (`r` divides the head: `ModelConfig` checks it): the first run is HF's rotated slice
-with HF's pairing and frequencies `theta^(-2i/r)`, and the other runs are turned with sin = 0, i.e. left exactly
-as they are (x * 1 + y * 0 = x), which is HF's pass-through part. The LLaMA path keeps its pairing above.
-
-Positions are absolute within the (packed) sequence also under document masking: RoPE scores depend only
-on the distance between query and key, so a document attends within itself exactly as it would alone.
-
-Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory.
-`DenseLayers` (the default) gives nn.Linear and nn.Embedding; `training.parallel.neuron.NxdLayers` gives
-neuronx-distributed's tensor-parallel layers, and each rank then holds its heads and slices (attention computes
-with the local head counts). Either way `init_weights(seed)` draws every parameter's dense tensor the same way
-(`training.parallel.tensor_slices`) and keeps this rank's slice, so a tensor-parallel model starts from exactly the
-dense one.
-The vocabulary may be padded (`cfg.vocab_multiple`): the embedding and the output projection have
-`cfg.padded_vocab_size` rows, and the logits of the padded rows are set to -inf (`Transformer._mask_padding`), so
-they take no probability in the loss (and get no gradient) while every tensor-parallel rank keeps an equal slice of
-the vocabulary, as vocabulary-parallel cross-entropy needs (slicing them off would not). Exports drop those rows.
-This file imports no distributed code.
+Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory. Either way
+`init_weights(seed)` draws each parameter's dense tensor and keeps this rank's slice (`tensor_slices`). The padded
+vocabulary rows (`cfg.vocab_multiple`) get -inf logits, so every TP rank keeps an equal slice of the vocabulary.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -67,6 +24,8 @@ from torch import Tensor, nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from hlat.core.config import ModelConfig
+from hlat.training.models import modules_of
+from hlat.training.models.base import DenseLayers, Layers
 from hlat.training.parallel.tensor_slices import DenseParameter, dense_init, dense_parameters
 
 
@@ -76,31 +35,19 @@ def rope_tables(
     """cos and sin tables, each (seq_len, head_dim) float32, for positions 0..seq_len-1 (default max_seq_len).
 
     Computed in float64 so long positions keep their accuracy, then cast; pairs beyond the rotary fraction
-    have frequency zero (cos = 1, sin = 0), see the module docstring for the pairing.
+    have frequency zero (cos = 1, sin = 0); the family gives the angles (docs/models.md has the pairing).
     """
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
-    head_dim = cfg.head_dim
     rotary_dims = rotary_block(cfg)
     # On the CPU whatever the default device (also inside `with torch.device("meta")`), then moved.
     exponents = torch.arange(0, rotary_dims, 2, dtype=torch.float64, device="cpu") / rotary_dims
     positions = torch.arange(seq_len, dtype=torch.float64, device="cpu")
-    if cfg.arch == "gpt_neox":
-        # The first run of rotary_dims dims turns (its pairs (i, i + r/2) at theta^(-2i/r)); the rest of the head
-        # has frequency zero: cos = 1, sin = 0 (the module docstring).
-        angles = torch.outer(positions, torch.pow(cfg.rope_theta, -exponents))  # (T, r/2)
-        angles = torch.cat([angles, angles, angles.new_zeros(seq_len, head_dim - rotary_dims)], dim=-1)
-    else:
-        inv_freq = torch.zeros(head_dim // 2, dtype=torch.float64, device="cpu")  # (head_dim/2,)
-        inv_freq[: rotary_dims // 2] = torch.pow(cfg.rope_theta, -exponents)
-        angles = torch.outer(positions, inv_freq)  # (T, head_dim/2)
-        # Both halves of the head share a pair's angle (rotate_half pairing).
-        angles = torch.cat([angles, angles], dim=-1)  # (T, head_dim)
+    angles = modules_of(cfg).rope_angles(cfg, positions, exponents)  # (T, head_dim)
     return angles.cos().to(device=device, dtype=torch.float32), angles.sin().to(device=device, dtype=torch.float32)
 
 
 def rotary_block(cfg: ModelConfig) -> int:
-    """The rotated dims of a head, `head_dim * rotary_fraction`: for gpt_neox also the width of the runs of dims
-    the rotation turns (`apply_rotary`'s `block`)."""
+    """The rotated dims of a head, `head_dim * rotary_fraction`."""
     return round(cfg.head_dim * cfg.rotary_fraction)
 
 
@@ -114,117 +61,12 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, block: int | None = None) 
     """Rotate x (..., T, head_dim) by the tables cos, sin (T, head_dim) (cast to x's dtype, as HF does).
 
     `block` (gpt_neox): take rotate_half over each run of `block` dims of the head (pairs (i, i + block/2) within
-    a run) instead of over the whole head; see the module docstring."""
+    a run) instead of over the whole head; see docs/models.md."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if block is None or block == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
     turned = rotate_half(x.unflatten(-1, (x.shape[-1] // block, block))).flatten(-2)
     return x * cos + turned * sin
-
-
-class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale; statistics in float32 whatever the input dtype."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-
-    def forward(self, x: Tensor) -> Tensor:
-        # Same order of operations and casts as HF's LlamaRMSNorm, so bf16 outputs match bit for bit.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(x.dtype)
-
-
-class LayerNorm(nn.Module):
-    """LayerNorm with a learned scale and bias (GPT-NeoX's), as torch's nn.LayerNorm computes it."""
-
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.bias = nn.Parameter(torch.zeros(dim))
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
-        nn.init.zeros_(self.bias)
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.layer_norm(x, (x.shape[-1],), self.weight, self.bias, self.eps)
-
-
-def make_norm(cfg: ModelConfig, parallel: Layers) -> RMSNorm | LayerNorm:
-    """The architecture's norm (RMSNorm for llama, LayerNorm for gpt_neox), its parameters marked for `parallel`."""
-    norm: RMSNorm | LayerNorm
-    if cfg.arch == "gpt_neox":
-        norm = LayerNorm(cfg.d_model, cfg.norm_eps)
-        parallel.norm(norm.bias)
-    else:
-        norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-    parallel.norm(norm.weight)
-    return norm
-
-
-class Layers(Protocol):
-    """Where the model's linear and embedding layers come from, and how its parameters are split (see
-    `DenseLayers`; `training.parallel.neuron.NxdLayers` for tensor parallelism)."""
-
-    tensor: int
-    """The tensor-parallel degree: how many ranks share each layer."""
-
-    def linear(self, kind: LinearKind, in_features: int, out_features: int, bias: bool = False) -> nn.Module: ...
-
-    def embedding(self, num_embeddings: int, dim: int) -> nn.Module: ...
-
-    def grouped_qkv(self, cfg: ModelConfig) -> nn.Module | None: ...
-
-    def norm(self, weight: nn.Parameter) -> None: ...
-
-    def local_name(self, name: str) -> str: ...
-
-    def shard(self, param: DenseParameter, full: Tensor) -> Tensor: ...
-
-    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy, in FP32, of the output layer's logits (B, T, V; this rank's slice of the vocabulary
-        when the layers split it) against targets (B, T)."""
-        ...
-
-
-LinearKind = Literal["column", "row", "output"]
-
-
-class DenseLayers:
-    """The whole model on one device: nn.Linear (biased only where asked) and nn.Embedding, parameters unsplit."""
-
-    tensor = 1
-
-    def linear(self, kind: LinearKind, in_features: int, out_features: int, bias: bool = False) -> nn.Module:
-        return nn.Linear(in_features, out_features, bias=bias)
-
-    def embedding(self, num_embeddings: int, dim: int) -> nn.Module:
-        return nn.Embedding(num_embeddings, dim)
-
-    def grouped_qkv(self, cfg: ModelConfig) -> nn.Module | None:
-        """A fused query/key/value layer, or None for separate q_proj, k_proj, v_proj."""
-        return None
-
-    def norm(self, weight: nn.Parameter) -> None:
-        """Mark a norm's scale (sequence parallelism reduces their gradients over the TP group)."""
-
-    def local_name(self, name: str) -> str:
-        """The name of this model's parameter that holds (a slice of) dense parameter `name`."""
-        return name
-
-    def shard(self, param: DenseParameter, full: Tensor) -> Tensor:
-        """This rank's slice of `param`'s dense tensor."""
-        return full
-
-    def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
 class Attention(nn.Module):
@@ -241,9 +83,10 @@ class Attention(nn.Module):
         # them: training/parallel/tensor_slices.py).
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads // tp, max(1, cfg.kv_heads // tp), cfg.head_dim
         d, q_dim, kv_dim = cfg.d_model, cfg.n_heads * cfg.head_dim, cfg.kv_heads * cfg.head_dim
-        bias = cfg.arch == "gpt_neox"
+        family = modules_of(cfg)
+        bias = family.attention_bias
         # None: rotate_half over the whole head (llama); gpt_neox turns each run of its rotated width.
-        self.rotary_block = rotary_block(cfg) if bias else None
+        self.rotary_block = family.rotary_block(cfg)
         self.qkv = parallel.grouped_qkv(cfg)
         if self.qkv is None:
             self.q_proj = parallel.linear("column", d, q_dim, bias=bias)
@@ -289,60 +132,18 @@ class CoreAttention(nn.Module):
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=gqa)
 
 
-class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up and w2 the down projection."""
-
-    def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
-        super().__init__()
-        self.w1 = parallel.linear("column", cfg.d_model, cfg.ffn_hidden)
-        self.w3 = parallel.linear("column", cfg.d_model, cfg.ffn_hidden)
-        self.w2 = parallel.linear("row", cfg.ffn_hidden, cfg.d_model)
-        self.act = GatedSiLU()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.w2(self.act(self.w1(x), self.w3(x)))  # (B, T, d_model)
-
-
-class GatedSiLU(nn.Module):
-    """silu(gate) * up: SwiGLU's elementwise part, the other thing 'selective' activation checkpointing
-    recomputes (HLAT's 7B and 70B scripts checkpoint it beside the core attention)."""
-
-    def forward(self, gate: Tensor, up: Tensor) -> Tensor:
-        return F.silu(gate) * up
-
-
-class GeLUMLP(nn.Module):
-    """GPT-NeoX's MLP: fc_out(gelu(fc_in x)), both biased (HF's dense_h_to_4h and dense_4h_to_h)."""
-
-    def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
-        super().__init__()
-        self.fc_in = parallel.linear("column", cfg.d_model, cfg.ffn_hidden, bias=True)
-        self.fc_out = parallel.linear("row", cfg.ffn_hidden, cfg.d_model, bias=True)
-        self.act = GeLU()
-
-    def forward(self, x: Tensor) -> Tensor:
-        return self.fc_out(self.act(self.fc_in(x)))  # (B, T, d_model)
-
-
-class GeLU(nn.Module):
-    """The exact (erf) GeLU, the GeLU MLP's elementwise part: what 'selective' activation checkpointing recomputes
-    in a gpt_neox block, as it does GatedSiLU in a llama one."""
-
-    def forward(self, x: Tensor) -> Tensor:
-        return F.gelu(x)
-
-
 class Block(nn.Module):
     """Pre-norm transformer block. llama: attention then SwiGLU, each added to the residual stream; gpt_neox
     (parallel residual): attention and the GeLU MLP on the same input, both added to it."""
 
     def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
-        self.parallel_residual = cfg.arch == "gpt_neox"
-        self.attn_norm = make_norm(cfg, parallel)
+        family = modules_of(cfg)
+        self.parallel_residual = family.parallel_residual
+        self.attn_norm = family.norm(cfg, parallel)
         self.attn = Attention(cfg, parallel)
-        self.mlp_norm = make_norm(cfg, parallel)
-        self.mlp = GeLUMLP(cfg, parallel) if self.parallel_residual else SwiGLU(cfg, parallel)
+        self.mlp_norm = family.norm(cfg, parallel)
+        self.mlp = family.mlp(cfg, parallel)
 
     def forward(self, x: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
         if self.parallel_residual:
@@ -385,7 +186,7 @@ def document_block_mask(doc_ids: Tensor) -> BlockMask:
 
 
 class Transformer(nn.Module):
-    """LLaMA or GPT-NeoX decoder (`cfg.arch`). The weights are uninitialised memory until `init_weights()` or
+    """A decoder of `cfg`'s family (training/models/). The weights are uninitialised memory until `init_weights()` or
     `load_state_dict`.
 
     `device` (default: torch's default device) is where the parameters live. With `device="meta"` nothing
@@ -414,7 +215,7 @@ class Transformer(nn.Module):
         with torch.device("meta"):
             self.embed = self.parallel.embedding(cfg.padded_vocab_size, cfg.d_model)
             self.layers = nn.ModuleList(Block(cfg, self.parallel) for _ in range(cfg.n_layers))
-            self.norm = make_norm(cfg, self.parallel)
+            self.norm = modules_of(cfg).norm(cfg, self.parallel)
             self.output = self.parallel.linear("output", cfg.d_model, cfg.padded_vocab_size)
             cos, sin = rope_tables(cfg, seq_len=cfg.max_seq_len, device="meta")
         self._real_columns = self._real_vocab_columns()

@@ -38,8 +38,8 @@ from hlat.training.compile_cache import (
     write_xla_cache,
     xla_cache_dir,
 )
-from hlat.training.data.tokenizer import job_config
 from hlat.training.loop import Trainer
+from hlat.training.models.job import job_config
 from hlat.training.parallel.distributed import World, close_world, init_world, resolve_device_kind
 
 NOTHING_TO_COMPILE = "training.compile is false: eager PyTorch on CPU/CUDA has no graphs to build"

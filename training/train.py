@@ -42,9 +42,9 @@ from hlat.training.compile_cache import (
     load_torch_cache,
     use_node_local_neuron_cache,
 )
-from hlat.training.data.tokenizer import job_config
 from hlat.training.hooks import hooks
 from hlat.training.loop import Trainer, extracting_graphs
+from hlat.training.models.job import job_config
 from hlat.training.parallel.distributed import close_world, init_world, resolve_device_kind
 from hlat.training.stop_rule import stop_rule
 from hlat.training.tracking import open_tracker

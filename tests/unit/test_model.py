@@ -12,14 +12,10 @@ import pytest
 import torch
 
 from hlat.core.config import ModelConfig
-from hlat.training.checkpoint.hf_export import (
-    UNROTATED,
-    export_hf,
-    from_hf_state_dict,
-    hf_llama_config,
-    to_hf_state_dict,
-)
+from hlat.core.models.llama import UNROTATED
+from hlat.training.checkpoint.hf_export import export_hf, from_hf_state_dict, to_hf_state_dict
 from hlat.training.model import Transformer, apply_rotary, rope_tables, rotate_half
+from hlat.training.models.llama import hf_llama_config
 
 os.environ["HF_HUB_OFFLINE"] = "1"
 
@@ -200,6 +196,7 @@ def test_activation_checkpointing_recomputes_what_hlat_recomputes(mode: str, mon
     projection (under TP and SP: no collective) runs twice; 'full' re-runs every block. Gradients are unchanged."""
     from hlat.core.presets import load_config
     from hlat.training import model as model_module
+    from hlat.training.models import llama as llama_module
     from hlat.training.parallel.distributed import World
     from hlat.training.parallel.parallelize import parallelize
 
@@ -213,7 +210,7 @@ def test_activation_checkpointing_recomputes_what_hlat_recomputes(mode: str, mon
         return counted
 
     # Counted in the classes (recomputation calls a module's forward itself, which no forward hook sees).
-    for cls, name in ((model_module.CoreAttention, "core"), (model_module.GatedSiLU, "act")):
+    for cls, name in ((model_module.CoreAttention, "core"), (llama_module.GatedSiLU, "act")):
         monkeypatch.setattr(cls, "forward", counting(name, cls.forward))
     overrides = {f"model.{k}": v for k, v in SMALL.items()} | {"training.seq_len": 32}
     cfg = load_config("tiny", overrides | {"parallelism.activation_checkpointing": mode})

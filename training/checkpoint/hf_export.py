@@ -1,33 +1,14 @@
-"""Export a trained `training.model.Transformer` as a Hugging Face `LlamaForCausalLM` or `GPTNeoXForCausalLM`
-checkpoint (and back).
+"""Export a trained `training.model.Transformer` as a Hugging Face checkpoint of its family, and read one back.
 
-`training.model`'s llama follows HF Llama's conventions (rotate_half RoPE pairing, `repeat_kv` head grouping,
-float32 RMSNorm statistics, SwiGLU gate/up/down), so the conversion is a renaming of tensors, with no
-permutation. The exported folder (config.json, generation_config.json, model.safetensors, and the tokenizer
-files when given) loads with `LlamaForCausalLM.from_pretrained(out_dir)` offline, e.g. for lm-eval-harness.
-
-Partial rotary (`rotary_fraction < 1`, the Pythia and NeoX presets) is exported exactly, as a RoPE variant
-transformers' Llama has: `rope_type: longrope` with one frequency divisor per rotary pair (`short_factor` =
-`long_factor`, `factor` and `attention_factor` 1, so neither the context length nor a scale changes anything).
-Llama's pair i turns at `1 / (f_i * theta^(2i/d))`; `training.model` turns its first r/2 pairs at `theta^(-2i/r)`
-and the others not at all, which is `f_i = theta^(2i/r - 2i/d)` for i < r/2 and `f_i = UNROTATED` beyond: 1e30, a
-finite stand-in for infinity (JSON has no Infinity, and config.json must stay standard JSON), whose frequency
-(below 1e-30 radians a position) leaves cos exactly 1 and sin under 1e-26 over any context in float32.
-The pairing is Llama's in both, so the weights need no permutation. (Llama's `partial_rotary_factor` would not do:
-the default RoPE rotates every dim whatever it says.)
-
-`arch=gpt_neox` exports as `GPTNeoXForCausalLM` (parallel residual, `rotary_pct`, biased attention): the same
-renaming, except that GPT-NeoX fuses Q, K and V into one `query_key_value` layer whose output rows are laid out per
-head, `(n_heads, 3, head_dim)` (head h's query, key, value rows in turn), which is taken apart and put back here
-(`fuse_qkv`, `split_qkv`). `training.model` applies GPT-NeoX's partial rotary exactly (its module docstring), so the
-weights need no other change.
-
-The vocabulary's padded rows (`model.vocab_multiple`) are dropped on export: the HF model has the tokenizer's
-`vocab_size` rows. BOS and EOS ids come from the tokenizer's own files (`special_token_ids`).
+Each family's HF tensor names and layout live in its module (training/models/); this module applies them.
+The exported folder (config.json, generation_config.json, model.safetensors, tokenizer files when given) loads
+offline with the family's `from_pretrained`, e.g. for lm-eval-harness. The padded vocabulary rows are dropped.
+BOS and EOS ids come from the tokenizer's own files (`special_token_ids`). docs/models.md has the mappings' details.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
@@ -35,20 +16,20 @@ import shutil
 import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from hlat.core.config import HlatConfig, ModelConfig, validate_config
 from hlat.core.layout import TOKENIZER_MODEL, CheckpointError, CheckpointRef, locate_checkpoint
+from hlat.core.models import DEFAULT
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import CheckpointManager
 from hlat.training.model import Transformer
+from hlat.training.models import FAMILIES, hf_config, hf_state_family, modules_of
+from hlat.training.models.base import FamilyModules, build_hf_config
 from hlat.training.parallel.tensor_slices import consolidate
-
-if TYPE_CHECKING:
-    from transformers import GPTNeoXConfig, LlamaConfig
 
 BOS_ID, EOS_ID = 1, 2  # the sentencepiece ids of <s> and </s> (infra/tokenizer.py): the run's own tokenizer
 
@@ -66,162 +47,31 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
 )
 
-# (our name, HF name) patterns; {i} is the layer index.
-_LLAMA_NAMES = (
-    ("embed.weight", "model.embed_tokens.weight"),
-    ("layers.{i}.attn_norm.weight", "model.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.attn.q_proj.weight", "model.layers.{i}.self_attn.q_proj.weight"),
-    ("layers.{i}.attn.k_proj.weight", "model.layers.{i}.self_attn.k_proj.weight"),
-    ("layers.{i}.attn.v_proj.weight", "model.layers.{i}.self_attn.v_proj.weight"),
-    ("layers.{i}.attn.o_proj.weight", "model.layers.{i}.self_attn.o_proj.weight"),
-    ("layers.{i}.mlp_norm.weight", "model.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.mlp.w1.weight", "model.layers.{i}.mlp.gate_proj.weight"),
-    ("layers.{i}.mlp.w3.weight", "model.layers.{i}.mlp.up_proj.weight"),
-    ("layers.{i}.mlp.w2.weight", "model.layers.{i}.mlp.down_proj.weight"),
-    ("norm.weight", "model.norm.weight"),
-    ("output.weight", "lm_head.weight"),
-)
+
+@functools.cache
+def _patterns(family: FamilyModules, direction: str) -> list[tuple[re.Pattern[str], str]]:
+    """The family's (source pattern, target name) pairs for `direction`; `{i}` in a name is a layer index."""
+    if direction == "to_hf_state_dict":
+        pairs = family.hf_names
+    else:
+        pairs = tuple((hf, ours) for ours, hf in (*family.hf_names, *family.hf_aliases))
+    return [(re.compile(re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst) for src, dst in pairs]
 
 
-# GPT-NeoX (HF GPTNeoXForCausalLM); our q_proj, k_proj and v_proj are its one query_key_value (`fuse_qkv`).
-_GPT_NEOX_NAMES = (
-    ("embed.weight", "gpt_neox.embed_in.weight"),
-    ("layers.{i}.attn_norm.weight", "gpt_neox.layers.{i}.input_layernorm.weight"),
-    ("layers.{i}.attn_norm.bias", "gpt_neox.layers.{i}.input_layernorm.bias"),
-    ("layers.{i}.attn.qkv.weight", "gpt_neox.layers.{i}.attention.query_key_value.weight"),
-    ("layers.{i}.attn.qkv.bias", "gpt_neox.layers.{i}.attention.query_key_value.bias"),
-    ("layers.{i}.attn.o_proj.weight", "gpt_neox.layers.{i}.attention.dense.weight"),
-    ("layers.{i}.attn.o_proj.bias", "gpt_neox.layers.{i}.attention.dense.bias"),
-    ("layers.{i}.mlp_norm.weight", "gpt_neox.layers.{i}.post_attention_layernorm.weight"),
-    ("layers.{i}.mlp_norm.bias", "gpt_neox.layers.{i}.post_attention_layernorm.bias"),
-    ("layers.{i}.mlp.fc_in.weight", "gpt_neox.layers.{i}.mlp.dense_h_to_4h.weight"),
-    ("layers.{i}.mlp.fc_in.bias", "gpt_neox.layers.{i}.mlp.dense_h_to_4h.bias"),
-    ("layers.{i}.mlp.fc_out.weight", "gpt_neox.layers.{i}.mlp.dense_4h_to_h.weight"),
-    ("layers.{i}.mlp.fc_out.bias", "gpt_neox.layers.{i}.mlp.dense_4h_to_h.bias"),
-    ("norm.weight", "gpt_neox.final_layer_norm.weight"),
-    ("norm.bias", "gpt_neox.final_layer_norm.bias"),
-    # The name in GPT-NeoX's and Pythia's published files, which transformers 4 reads and 5 renames to lm_head.
-    ("output.weight", "embed_out.weight"),
-)
-_NAMES = {"llama": _LLAMA_NAMES, "gpt_neox": _GPT_NEOX_NAMES}
-# Names read but never written: transformers 5's GPTNeoXForCausalLM holds the output projection as lm_head.
-_HF_ALIASES = {"llama": (), "gpt_neox": (("output.weight", "lm_head.weight"),)}
-
-
-def _compile(src: str, dst: str) -> tuple[re.Pattern[str], str]:
-    return re.compile(re.escape(src).replace(r"\{i\}", r"(\d+)") + "$"), dst
-
-
-_TO_HF = {arch: [_compile(ours, hf) for ours, hf in names] for arch, names in _NAMES.items()}
-_FROM_HF = {arch: [_compile(hf, ours) for ours, hf in (*names, *_HF_ALIASES[arch])] for arch, names in _NAMES.items()}
-
-
-def _rename(name: str, arch: str, direction: str) -> str:
-    table = (_TO_HF if direction == "to_hf_state_dict" else _FROM_HF)[arch]
-    for pattern, target in table:
+def _rename(name: str, family: FamilyModules, direction: str) -> str:
+    """`name` under the other side's name (`to_hf_state_dict`: ours to HF; `from_hf_state_dict`: HF to ours)."""
+    for pattern, target in _patterns(family, direction):
         m = pattern.match(name)
         if m:
             return target.format(i=m.group(1)) if m.groups() else target
-    known = ", ".join(pair[0 if direction == "to_hf_state_dict" else 1] for pair in _NAMES[arch])
-    raise ValueError(f"{direction}: unexpected tensor {name!r} for arch={arch} (known: {known})")
+    known = ", ".join(pair[0 if direction == "to_hf_state_dict" else 1] for pair in family.hf_names)
+    raise ValueError(f"{direction}: unexpected tensor {name!r} for arch={family.name} (known: {known})")
 
 
-def hf_config(cfg: ModelConfig) -> LlamaConfig | GPTNeoXConfig:
-    """The transformers config describing the same network as `cfg`: `hf_llama_config` or `hf_gpt_neox_config`."""
-    return hf_gpt_neox_config(cfg) if cfg.arch == "gpt_neox" else hf_llama_config(cfg)
-
-
-def hf_gpt_neox_config(cfg: ModelConfig, bos_id: int | None = 0, eos_id: int | None = 0) -> GPTNeoXConfig:
-    """The `transformers.GPTNeoXConfig` of an arch=gpt_neox `cfg` (float32 weights, the tokenizer's vocab_size rows;
-    BOS/EOS default to GPT-NeoX's tokenizer's <|endoftext|>, 0). `rotary_pct` and `rotary_emb_base` are also written
-    under those names, which transformers before 5 read (5 reads `rope_parameters`)."""
-    from transformers import GPTNeoXConfig
-
-    if cfg.arch != "gpt_neox":
-        raise ValueError(f"hf_gpt_neox_config: model.arch={cfg.arch}; use hf_config")
-    config = GPTNeoXConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        intermediate_size=cfg.ffn_hidden,
-        hidden_act="gelu",
-        rope_parameters={
-            "rope_type": "default",
-            "rope_theta": cfg.rope_theta,
-            "partial_rotary_factor": cfg.rotary_fraction,
-        },
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        layer_norm_eps=cfg.norm_eps,
-        use_parallel_residual=True,
-        attention_bias=True,
-        tie_word_embeddings=False,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=None,
-        dtype="float32",
-        architectures=["GPTNeoXForCausalLM"],
-    )
-    config.rotary_pct = cfg.rotary_fraction
-    config.rotary_emb_base = cfg.rope_theta
-    return config
-
-
-def hf_llama_config(cfg: ModelConfig, bos_id: int | None = BOS_ID, eos_id: int | None = EOS_ID) -> LlamaConfig:
-    """The `transformers.LlamaConfig` describing the same network as `cfg` (float32 weights, the tokenizer's
-    vocab_size rows); partial rotary as `rope_parameters` of type longrope (`rope_parameters`). An arch=gpt_neox
-    config is refused (`hf_config` gives its GPTNeoXConfig)."""
-    if cfg.arch != "llama":
-        raise ValueError(f"model.arch={cfg.arch} does not export as LlamaForCausalLM (hf_config gives its config)")
-    # Imported here: transformers takes seconds to import and training jobs do not need it.
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.d_model,
-        intermediate_size=cfg.ffn_hidden,
-        num_hidden_layers=cfg.n_layers,
-        num_attention_heads=cfg.n_heads,
-        num_key_value_heads=cfg.kv_heads,
-        head_dim=cfg.head_dim,
-        hidden_act="silu",
-        max_position_embeddings=cfg.max_seq_len,
-        initializer_range=cfg.init_std,
-        rms_norm_eps=cfg.norm_eps,
-        rope_parameters=rope_parameters(cfg),
-        tie_word_embeddings=cfg.tie_embeddings,
-        attention_bias=False,
-        mlp_bias=False,
-        bos_token_id=bos_id,
-        eos_token_id=eos_id,
-        pad_token_id=None,
-        dtype="float32",
-        architectures=["LlamaForCausalLM"],
-    )
-
-
-UNROTATED = 1e30
-"""The longrope divisor of a pair that does not rotate (the module's docstring): finite, so config.json is JSON."""
-
-
-def rope_parameters(cfg: ModelConfig) -> dict[str, Any]:
-    """HF Llama's `rope_parameters` for `cfg`'s rotary embedding: the default RoPE, or for partial rotary a longrope
-    whose per-pair divisors give `training.model.rope_tables`'s frequencies (the module's docstring)."""
-    if cfg.rotary_fraction == 1.0:
-        return {"rope_type": "default", "rope_theta": cfg.rope_theta}
-    d = cfg.head_dim
-    r = round(d * cfg.rotary_fraction)
-    divisors = [cfg.rope_theta ** (2 * i / r - 2 * i / d) if i < r // 2 else UNROTATED for i in range(d // 2)]
-    return {
-        "rope_type": "longrope",
-        "rope_theta": cfg.rope_theta,
-        "short_factor": divisors,
-        "long_factor": divisors,
-        "factor": 1.0,
-        "attention_factor": 1.0,
-        "original_max_position_embeddings": cfg.max_seq_len,
-    }
+def hf_names(ours: str, family: FamilyModules) -> tuple[str, ...]:
+    """Every HF name tensor `ours` may have: the one written, then those only read."""
+    aliases = tuple(hf for name, hf in family.hf_aliases if name == ours)
+    return (_rename(ours, family, "to_hf_state_dict"), *aliases)
 
 
 def to_hf_state_dict(model: nn.Module | Mapping[str, Tensor], cfg: ModelConfig | None = None) -> dict[str, Tensor]:
@@ -236,17 +86,16 @@ def to_hf_state_dict(model: nn.Module | Mapping[str, Tensor], cfg: ModelConfig |
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
     embed, output = state.get("embed.weight"), state.get("output.weight")
     tied = embed is not None and output is not None and (output is embed or _same_storage(output, embed))
-    arch = cfg.arch if cfg is not None else "llama"
-    if arch == "gpt_neox":
-        assert cfg is not None
-        state = fuse_qkv(state, cfg)
+    family = modules_of(cfg) if cfg is not None else FAMILIES[DEFAULT]
+    if cfg is not None:
+        state = family.to_hf(state, cfg)
     out = {}
     for name, t in state.items():
         if tied and name == "output.weight":
             continue
         if cfg is not None and name in ("embed.weight", "output.weight"):
             t = t[: cfg.vocab_size]  # the padded rows are not the tokenizer's: dropped
-        out[_rename(name, arch, "to_hf_state_dict")] = t.detach()
+        out[_rename(name, family, "to_hf_state_dict")] = t.detach()
     return out
 
 
@@ -255,15 +104,11 @@ def from_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig | None
     `to_hf_state_dict`). Without `lm_head.weight` (tied embeddings) the output projection is the embedding. With
     `cfg` (needed for GPT-NeoX, whose fused QKV is split by heads) the vocabulary is padded with zero rows up to
     `cfg.padded_vocab_size` (rows no token reaches and the loss masks)."""
-    arch = "gpt_neox" if any(name.startswith("gpt_neox.") for name in state_dict) else "llama"
-    if cfg is not None and cfg.arch != arch:
-        raise ValueError(f"from_hf_state_dict: the tensors are HF {arch}'s, the config says model.arch={cfg.arch}")
-    if arch == "gpt_neox" and cfg is None:
-        raise ValueError("from_hf_state_dict: GPT-NeoX tensors need the ModelConfig (heads of the fused QKV)")
-    out = {_rename(name, arch, "from_hf_state_dict"): t for name, t in state_dict.items()}
-    if arch == "gpt_neox":
-        assert cfg is not None
-        out = split_qkv(out, cfg)
+    family = hf_state_family(state_dict)
+    configured = modules_of(cfg) if cfg is not None else family
+    if configured is not family:
+        raise ValueError(f"from_hf_state_dict: the tensors are HF {family.name}'s, the config is {configured.name}'s")
+    out = family.from_hf({_rename(name, family, "from_hf_state_dict"): t for name, t in state_dict.items()}, cfg)
     if "output.weight" not in out and "embed.weight" in out:
         out["output.weight"] = out["embed.weight"]
     if cfg is not None:
@@ -280,39 +125,6 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
     return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
-_QKV = ("q_proj", "k_proj", "v_proj")
-
-
-def fuse_qkv(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our per-layer q_proj, k_proj, v_proj weights and biases as GPT-NeoX's fused `attn.qkv.*`: output rows per
-    head, (n_heads, 3, head_dim), i.e. head h's query, key and value rows in turn (HF GPTNeoXAttention views the
-    output as (..., n_heads, 3 * head_dim) and chunks the last dim in three)."""
-    out: dict[str, Tensor] = {}
-    for name, t in state.items():
-        prefix, _, rest = name.partition(".attn.q_proj.")
-        if rest:  # the query part of a layer: fuse its three
-            parts = [state[f"{prefix}.attn.{proj}.{rest}"] for proj in _QKV]
-            heads = [p.reshape(cfg.n_heads, cfg.head_dim, *p.shape[1:]) for p in parts]
-            out[f"{prefix}.attn.qkv.{rest}"] = torch.stack(heads, dim=1).reshape(3 * cfg.d_model, *t.shape[1:])
-        elif ".attn.k_proj." not in name and ".attn.v_proj." not in name:
-            out[name] = t
-    return out
-
-
-def split_qkv(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """The inverse of `fuse_qkv`: each `attn.qkv.*` taken apart into q_proj, k_proj and v_proj."""
-    out: dict[str, Tensor] = {}
-    for name, t in state.items():
-        prefix, _, rest = name.partition(".attn.qkv.")
-        if not rest:
-            out[name] = t
-            continue
-        heads = t.reshape(cfg.n_heads, 3, cfg.head_dim, *t.shape[1:])
-        for j, proj in enumerate(_QKV):
-            out[f"{prefix}.attn.{proj}.{rest}"] = heads[:, j].reshape(cfg.d_model, *t.shape[1:])
-    return out
-
-
 def export_hf(
     model: Transformer | Mapping[str, Tensor], cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | None = None
 ) -> Path:
@@ -326,14 +138,12 @@ def export_hf(
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
-    bos_id: int | None = BOS_ID
-    eos_id: int | None = EOS_ID
+    family = modules_of(cfg)
+    bos_id, eos_id = family.core.special_ids  # the family's tokenizer's, without tokenizer files
     if tokenizer_dir is not None:
         bos_id, eos_id = special_token_ids(tokenizer_dir)
-    elif cfg.arch == "gpt_neox":
-        bos_id, eos_id = 0, 0  # GPT-NeoX's tokenizer's <|endoftext|>
     # Refuses unexportable configs before anything is written.
-    config = hf_gpt_neox_config(cfg, bos_id, eos_id) if cfg.arch == "gpt_neox" else hf_llama_config(cfg, bos_id, eos_id)
+    config = build_hf_config(family, cfg, bos_id, eos_id)
     if isinstance(model, Transformer) and model.cfg != cfg:
         raise ValueError("export_hf: the model was built from a different ModelConfig than the one given")
     tensors = {name: t.to("cpu", torch.float32).contiguous() for name, t in to_hf_state_dict(model, cfg).items()}
@@ -359,7 +169,7 @@ def export_hf(
 
 def _check_shapes(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> None:
     """Every tensor HF expects is there with its shape, so a mismatched config fails here, not on load."""
-    expected = _gpt_neox_shapes(cfg) if cfg.arch == "gpt_neox" else _llama_shapes(cfg)
+    expected = modules_of(cfg).hf_shapes(cfg)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     if got != expected:
         missing = sorted(set(expected) - set(got))
@@ -369,54 +179,6 @@ def _check_shapes(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> None:
             f"export_hf: tensors do not match the config (missing {missing[:5]}, unexpected {extra[:5]}, "
             f"wrong shape {[(n, got[n], expected[n]) for n in wrong[:5]]})"
         )
-
-
-def _llama_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, kv_dim, f, v = cfg.d_model, cfg.kv_heads * cfg.head_dim, cfg.ffn_hidden, cfg.vocab_size
-    expected: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (v, d), "model.norm.weight": (d,)}
-    if not cfg.tie_embeddings:
-        expected["lm_head.weight"] = (v, d)
-    for i in range(cfg.n_layers):
-        p = f"model.layers.{i}."
-        expected |= {
-            p + "input_layernorm.weight": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "self_attn.q_proj.weight": (d, d),
-            p + "self_attn.k_proj.weight": (kv_dim, d),
-            p + "self_attn.v_proj.weight": (kv_dim, d),
-            p + "self_attn.o_proj.weight": (d, d),
-            p + "mlp.gate_proj.weight": (f, d),
-            p + "mlp.up_proj.weight": (f, d),
-            p + "mlp.down_proj.weight": (d, f),
-        }
-    return expected
-
-
-def _gpt_neox_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    d, f, v = cfg.d_model, cfg.ffn_hidden, cfg.vocab_size
-    expected: dict[str, tuple[int, ...]] = {
-        "gpt_neox.embed_in.weight": (v, d),
-        "gpt_neox.final_layer_norm.weight": (d,),
-        "gpt_neox.final_layer_norm.bias": (d,),
-        "embed_out.weight": (v, d),
-    }
-    for i in range(cfg.n_layers):
-        p = f"gpt_neox.layers.{i}."
-        expected |= {
-            p + "input_layernorm.weight": (d,),
-            p + "input_layernorm.bias": (d,),
-            p + "post_attention_layernorm.weight": (d,),
-            p + "post_attention_layernorm.bias": (d,),
-            p + "attention.query_key_value.weight": (3 * d, d),
-            p + "attention.query_key_value.bias": (3 * d,),
-            p + "attention.dense.weight": (d, d),
-            p + "attention.dense.bias": (d,),
-            p + "mlp.dense_h_to_4h.weight": (f, d),
-            p + "mlp.dense_h_to_4h.bias": (f,),
-            p + "mlp.dense_4h_to_h.weight": (d, f),
-            p + "mlp.dense_4h_to_h.bias": (d,),
-        }
-    return expected
 
 
 def special_token_ids(tokenizer_dir: str | Path) -> tuple[int | None, int | None]:

@@ -19,7 +19,7 @@ names of `hf_export`, in reverse), padding the vocabulary rows with zeros up to 
   their original names), each sliced as above;
 - FSDP2: the rank's shard of each DTensor parameter (`distribute_tensor(..., src_data_rank=None)`: every rank cuts
   its own shard from the tensor it read, no collective).
-GPT-NeoX's fused `query_key_value` is read once and split into our q, k, v projections (`hf_export.split_qkv`); it is
+GPT-NeoX's fused `query_key_value` is read once and split into our q, k, v projections (its family's `split_hf`); it is
 held until its three parts are filled, then dropped. So a rank holds its own parameters plus one checkpoint tensor
 (a padded embedding: its copy too; under TP: its slice too) at a time. Values are copied into the parameters' dtype
 (a bf16-sr model is BF16). On XLA the copy into a device parameter is a host-to-device transfer, as loading a
@@ -56,8 +56,10 @@ from hlat.core.config import ModelConfig
 from hlat.core.contract import in_sagemaker
 from hlat.core.init_from import InitFromError, import_record
 from hlat.core.storage import Storage, StorageNotFound
-from hlat.training.checkpoint.hf_export import SAFETENSORS_FILE, _pad_rows, _rename, split_qkv
+from hlat.training.checkpoint.hf_export import SAFETENSORS_FILE, _pad_rows
+from hlat.training.checkpoint.hf_export import hf_names as export_names
 from hlat.training.model import Transformer
+from hlat.training.models import modules_of
 from hlat.training.parallel.tensor_slices import DenseParameter, dense_parameters
 
 log = logging.getLogger("hlat.train")
@@ -67,12 +69,6 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
 """The safetensors dtypes a weight may have (https://huggingface.co/docs/safetensors, "Format")."""
 MAX_HEADER = 100_000_000
 """The format's limit on a header's size (safetensors refuses larger ones): anything above is a corrupt file."""
-NON_PARAMETERS = (
-    re.compile(r"(model|gpt_neox)\.(layers\.\d+\.(self_attn|attention)\.)?rotary_emb\.inv_freq"),
-    # Older GPT-NeoX files (Pythia, NeoX-20B) hold each layer's causal mask and its fill value as buffers.
-    re.compile(r"gpt_neox\.layers\.\d+\.attention\.(bias|masked_bias)"),
-)
-"""Checkpoint tensors that are buffers of transformers' modules, not weights: the model does not take them."""
 
 
 def _refuse(source: str, what: str) -> InitFromError:
@@ -294,27 +290,15 @@ class SafetensorsReader:
 
 
 # -- the tensors of the dense model ---------------------------------------------------------------------------
-_QKV_PART = re.compile(r"(layers\.\d+)\.attn\.(q_proj|k_proj|v_proj)\.(weight|bias)$")
 _VOCAB = ("embed.weight", "output.weight")
 
 
 def hf_names(name: str, cfg: ModelConfig) -> tuple[str, ...]:
-    """The checkpoint tensor(s) that dense parameter `name` comes from, any one of which may hold it (GPT-NeoX's
-    output projection is `embed_out` in its files, `lm_head` in transformers 5's)."""
-    if cfg.arch == "gpt_neox":
-        m = _QKV_PART.match(name)
-        if m:
-            name = f"{m.group(1)}.attn.qkv.{m.group(3)}"
-        if name == "output.weight":
-            return ("embed_out.weight", "lm_head.weight")
-    return (_rename(name, cfg.arch, "to_hf_state_dict"),)
-
-
-def _hf_shape(param: DenseParameter, cfg: ModelConfig) -> tuple[int, ...]:
-    """The shape the checkpoint's tensor of `param` must have (the rows of the vocabulary aside)."""
-    if cfg.arch == "gpt_neox" and _QKV_PART.match(param.name):
-        return (3 * param.shape[0], *param.shape[1:])
-    return param.shape
+    """The checkpoint tensor(s) that dense parameter `name` comes from, any one of which may hold it (the family's
+    names, then its aliases: GPT-NeoX's output projection is `embed_out` in its files, `lm_head` in transformers
+    5's)."""
+    family = modules_of(cfg)
+    return tuple(hf for ours in family.hf_sources(name) for hf in export_names(ours, family))
 
 
 class _DenseTensors:
@@ -341,7 +325,8 @@ class _DenseTensors:
     def _convert(self, hf: str, param: DenseParameter) -> dict[str, Tensor]:
         cfg, source = self.cfg, self.reader.source
         t = self.reader.read(hf)
-        want = _hf_shape(param, cfg)
+        family = modules_of(cfg)
+        want = family.hf_shape(param)
         vocab = param.name in _VOCAB
         if (tuple(t.shape[1:]) if vocab else tuple(t.shape)) != (want[1:] if vocab else want):
             raise _refuse(source, f"{hf} has shape {list(t.shape)}; this run's model needs {list(want)}")
@@ -351,11 +336,7 @@ class _DenseTensors:
             if t.shape[0] < cfg.padded_vocab_size:
                 t = _pad_rows(t, cfg.padded_vocab_size)  # rows no token reaches, masked like any padding
             return {"embed.weight": t, "output.weight": t}  # a tied output projection is the embedding
-        m = _QKV_PART.match(param.name) if cfg.arch == "gpt_neox" else None
-        if m:
-            fused = f"{m.group(1)}.attn.qkv.{m.group(3)}"
-            return split_qkv({fused: t}, cfg)
-        return {param.name: t}
+        return family.split_hf(param, family.hf_sources(param.name)[0], t, cfg)
 
 
 def rank_parameters(trainer: Any) -> dict[str, nn.Parameter]:
@@ -376,7 +357,8 @@ def _local_targets(model: Transformer, params: Mapping[str, nn.Parameter]) -> It
         local.setdefault("output.weight", next(p for p in dense if p.name == "embed.weight"))
     strangers = sorted(set(params) - set(local))
     if strangers:
-        raise ValueError(f"import: parameters {strangers[:5]} are not the model's ({cfg.arch}) dense parameters")
+        family = modules_of(cfg).name
+        raise ValueError(f"import: parameters {strangers[:5]} are not the model's ({family}) dense parameters")
     for name, param in local.items():
         if name in params:
             yield param, name
@@ -384,8 +366,8 @@ def _local_targets(model: Transformer, params: Mapping[str, nn.Parameter]) -> It
 
 def check_names(reader: SafetensorsReader, cfg: ModelConfig) -> None:
     """Every tensor the model needs is in the checkpoint, and every tensor there is one the model takes or a known
-    non-parameter (`NON_PARAMETERS`; a tied LLaMA's `lm_head`): one line listing what is wrong."""
-    available = reader.names()
+    non-parameter (the family's `hf_non_parameters`; a tied LLaMA's `lm_head`): one line listing what is wrong."""
+    available, family = reader.names(), modules_of(cfg).name
     needed: set[str] = set()
     lacking: list[str] = []
     for param in dense_parameters(cfg):
@@ -397,14 +379,15 @@ def check_names(reader: SafetensorsReader, cfg: ModelConfig) -> None:
     lacking = sorted(set(lacking))
     if lacking:
         raise _refuse(
-            reader.source, f"the checkpoint lacks {len(lacking)} tensor(s) the {cfg.arch} model needs: "
+            reader.source, f"the checkpoint lacks {len(lacking)} tensor(s) the {family} model needs: "
             f"{', '.join(lacking[:8])}{' ...' if len(lacking) > 8 else ''}"
         )  # fmt: skip
     ignored = {"lm_head.weight"} if cfg.tie_embeddings else set()
-    unknown = sorted(n for n in available - needed - ignored if not any(p.fullmatch(n) for p in NON_PARAMETERS))
+    buffers = [re.compile(pattern) for pattern in modules_of(cfg).hf_non_parameters]
+    unknown = sorted(n for n in available - needed - ignored if not any(p.fullmatch(n) for p in buffers))
     if unknown:
         raise _refuse(
-            reader.source, f"the checkpoint holds {len(unknown)} tensor(s) the {cfg.arch} model does not take: "
+            reader.source, f"the checkpoint holds {len(unknown)} tensor(s) the {family} model does not take: "
             f"{', '.join(unknown[:8])}{' ...' if len(unknown) > 8 else ''}"
         )  # fmt: skip
 

@@ -20,10 +20,8 @@ tokenizer it is its tokenizer.model's sha256, as loader states have always recor
 from __future__ import annotations
 
 import json
-import logging
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -31,13 +29,7 @@ from typing import Any, Literal
 import numpy as np
 import sentencepiece as spm
 
-from hlat.core.config import HlatConfig
-from hlat.core.contract import fetch_tokenizer, model_follows_tokenizer
-from hlat.core.init_from import check_embedding_rows, import_record, model_follows_checkpoint
 from hlat.core.layout import TOKENIZER_MODEL, TOKENIZER_SPECIALS, tokenizer_defining_files, tokenizer_sha256
-from hlat.core.storage import Storage
-
-log = logging.getLogger("hlat.tokenizer")
 
 Kind = Literal["sentencepiece", "tokenizers"]
 _BYTE_PIECE = re.compile(r"<0x[0-9A-Fa-f]{2}>")
@@ -191,28 +183,3 @@ def _tokenizers(path: str, contents: dict[str, bytes], sha256: str, files: tuple
         files=files,
         _backend=backend,
     )
-
-
-def job_config(run: Storage, cfg: HlatConfig) -> HlatConfig:
-    """The config a job builds its model from, each change logged once by rank 0: with model.init_from, the family
-    and shape of the imported checkpoint (its config.json in the run's import record, `model_follows_checkpoint`);
-    with tokenizer.pretrained, model.vocab_size is the run's tokenizer's (read from the job's tokenizer channel, or
-    the run; `model_follows_tokenizer`), and an imported embedding must fit it (`check_embedding_rows`). Training,
-    precompile and their checkpoints all use it, so they agree on the model's shape and on the compile cache's key.
-    A trained tokenizer's run (no tokenizer.pretrained) reads nothing and keeps its config."""
-    if cfg.tokenizer.pretrained is None:
-        return cfg
-    main = os.environ.get("RANK", "0") == "0"
-    record = import_record(run) if cfg.model.init_from is not None else None
-    if record is not None:
-        cfg, change = model_follows_checkpoint(cfg, record["config"])
-        if change and main:
-            log.info("%s", change)
-    with tempfile.TemporaryDirectory(prefix="hlat-tokenizer-") as tmp:
-        tokenizer = Tokenizer.load(fetch_tokenizer(run, tmp))
-    followed, change = model_follows_tokenizer(cfg, tokenizer.vocab_size)
-    if change and main:
-        log.info("%s (tokenizer.pretrained=%s)", change, cfg.tokenizer.pretrained)
-    if record is not None:
-        check_embedding_rows(followed, int(record["config"]["vocab_size"]))
-    return followed

@@ -21,7 +21,8 @@ from torch import nn
 from hlat.core.config import ConfigError, HlatConfig, ModelConfig
 from hlat.core.environment import neuron_available, neuron_sdk
 from hlat.core.parallel import ParallelDims, heads_problem, kv_replicas
-from hlat.training.model import LinearKind
+from hlat.training.models import norm_classes
+from hlat.training.models.base import LinearKind
 from hlat.training.parallel.tensor_slices import DenseParameter, local_name, shard
 
 
@@ -260,7 +261,7 @@ def pipeline_model(
     The loss stays on the device on every rank. A meta-device model is materialised stage by stage.
     """
     require_nxd()
-    from hlat.training.model import Block, LayerNorm, RMSNorm
+    from hlat.training.model import Block
 
     inputs = ["tokens", "doc_ids", "targets"] if cfg.training.document_masking else ["tokens", "targets"]
     return _device_loss_pipeline()(
@@ -270,9 +271,9 @@ def pipeline_model(
         output_loss_value_spec=True,
         input_names=inputs,
         tracer_cls="torch",
-        # The final norm (either arch's) uses its own parameters outside the blocks: a leaf, or its weight has no
+        # The final norm (every family's) uses its own parameters outside the blocks: a leaf, or its weight has no
         # stage.
-        leaf_module_cls=[RMSNorm.__name__, LayerNorm.__name__],
+        leaf_module_cls=[cls.__name__ for cls in norm_classes()],
         auto_partition=True,
         use_optimizer_wrapper=True,
         # The loss stays on the device: NxD's own averaging and broadcast (broadcast_and_average_loss) ends in an

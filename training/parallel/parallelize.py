@@ -20,7 +20,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from hlat.core.config import HlatConfig
-from hlat.training.model import DenseLayers, Layers
+from hlat.training.models.base import DenseLayers, Layers
 from hlat.training.parallel.distributed import World
 
 log = logging.getLogger("hlat.train")

@@ -8,7 +8,8 @@ slice, so a TP run starts from exactly the dense model's weights, whatever the d
 one neuronx-distributed's parallel layers compute with (`training/parallel/neuron.py`), so no import of NxD is needed to
 shard or consolidate a checkpoint.
 
-Kinds (Megatron's split of a LLaMA block, one all-reduce per sub-layer):
+Each family lists its block's parameters and their kinds (training/models/). Kinds (Megatron's split of a LLaMA
+block, one all-reduce per sub-layer):
 - `column`: the output features are split (w1, w3; the output projection over the vocabulary);
 - `row`: the input features are split (w2);
 - `vocab`: the embedding table's rows (the vocabulary) are split;
@@ -29,27 +30,14 @@ from __future__ import annotations
 
 import hashlib
 import math
-from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
 from hlat.core.config import ModelConfig
-
-Kind = Literal["column", "row", "vocab", "replicated", "q", "o", "kv"]
-Init = Literal["normal", "output", "ones", "zeros"]
-
-
-@dataclass(frozen=True)
-class DenseParameter:
-    """One parameter of the single-device model."""
-
-    name: str
-    shape: tuple[int, ...]
-    init: Init
-    """'normal': N(0, init_std); 'output': N(0, init_std / sqrt(2 * n_layers)) with scale_output_init, else as
-    'normal'; 'ones'; 'zeros' (biases)."""
-    kind: Kind
+from hlat.training.models import modules_of
+from hlat.training.models.base import DenseParameter as DenseParameter
+from hlat.training.models.base import Init as Init
+from hlat.training.models.base import Kind as Kind
 
 
 def dense_parameters(cfg: ModelConfig) -> list[DenseParameter]:
@@ -57,60 +45,13 @@ def dense_parameters(cfg: ModelConfig) -> list[DenseParameter]:
     output projection have `cfg.padded_vocab_size` rows."""
     d, v = cfg.d_model, cfg.padded_vocab_size
     out: list[DenseParameter] = [DenseParameter("embed.weight", (v, d), "normal", "vocab")]
-    block = _gpt_neox_block if cfg.arch == "gpt_neox" else _llama_block
+    family = modules_of(cfg)
     for i in range(cfg.n_layers):
-        out += block(cfg, f"layers.{i}")
-    out += _norm(cfg, "norm")
+        out += family.block_parameters(cfg, f"layers.{i}")
+    out += family.norm_parameters(cfg, "norm")
     if not cfg.tie_embeddings:
         out.append(DenseParameter("output.weight", (v, d), "normal", "column"))
     return out
-
-
-def _norm(cfg: ModelConfig, name: str) -> list[DenseParameter]:
-    """A norm's parameters: RMSNorm's scale (llama), LayerNorm's scale and bias (gpt_neox); replicated."""
-    weight = [DenseParameter(f"{name}.weight", (cfg.d_model,), "ones", "replicated")]
-    if cfg.arch == "gpt_neox":
-        return [*weight, DenseParameter(f"{name}.bias", (cfg.d_model,), "zeros", "replicated")]
-    return weight
-
-
-def _llama_block(cfg: ModelConfig, p: str) -> list[DenseParameter]:
-    d, hd = cfg.d_model, cfg.head_dim
-    q_dim, kv_dim = cfg.n_heads * hd, cfg.kv_heads * hd
-    return [
-        *_norm(cfg, f"{p}.attn_norm"),
-        DenseParameter(f"{p}.attn.q_proj.weight", (q_dim, d), "normal", "q"),
-        DenseParameter(f"{p}.attn.k_proj.weight", (kv_dim, d), "normal", "kv"),
-        DenseParameter(f"{p}.attn.v_proj.weight", (kv_dim, d), "normal", "kv"),
-        DenseParameter(f"{p}.attn.o_proj.weight", (d, q_dim), "output", "o"),
-        *_norm(cfg, f"{p}.mlp_norm"),
-        DenseParameter(f"{p}.mlp.w1.weight", (cfg.ffn_hidden, d), "normal", "column"),
-        DenseParameter(f"{p}.mlp.w3.weight", (cfg.ffn_hidden, d), "normal", "column"),
-        DenseParameter(f"{p}.mlp.w2.weight", (d, cfg.ffn_hidden), "output", "row"),
-    ]
-
-
-def _gpt_neox_block(cfg: ModelConfig, p: str) -> list[DenseParameter]:
-    """GPT-NeoX's block: biased Q, K, V, O and a biased two-matrix GeLU MLP. A column-parallel layer's bias is split
-    with its output features (Q, K, V heads; the MLP's fc_in); a row-parallel layer's bias is replicated (added once,
-    after the reduction over the ranks)."""
-    d, f = cfg.d_model, cfg.ffn_hidden
-    return [
-        *_norm(cfg, f"{p}.attn_norm"),
-        DenseParameter(f"{p}.attn.q_proj.weight", (d, d), "normal", "q"),
-        DenseParameter(f"{p}.attn.q_proj.bias", (d,), "zeros", "q"),
-        DenseParameter(f"{p}.attn.k_proj.weight", (d, d), "normal", "kv"),
-        DenseParameter(f"{p}.attn.k_proj.bias", (d,), "zeros", "kv"),
-        DenseParameter(f"{p}.attn.v_proj.weight", (d, d), "normal", "kv"),
-        DenseParameter(f"{p}.attn.v_proj.bias", (d,), "zeros", "kv"),
-        DenseParameter(f"{p}.attn.o_proj.weight", (d, d), "output", "o"),
-        DenseParameter(f"{p}.attn.o_proj.bias", (d,), "zeros", "replicated"),
-        *_norm(cfg, f"{p}.mlp_norm"),
-        DenseParameter(f"{p}.mlp.fc_in.weight", (f, d), "normal", "column"),
-        DenseParameter(f"{p}.mlp.fc_in.bias", (f,), "zeros", "column"),
-        DenseParameter(f"{p}.mlp.fc_out.weight", (d, f), "output", "row"),
-        DenseParameter(f"{p}.mlp.fc_out.bias", (d,), "zeros", "replicated"),
-    ]
 
 
 def q_head_order(cfg: ModelConfig, tp: int) -> list[int]:

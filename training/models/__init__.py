@@ -1,0 +1,47 @@
+"""The model families' torch code, by `model.arch`: the one place training asks which family a model is.
+
+Each family is one module here and one in core/models/ (its torch-free rules); docs/models.md says how to add one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from hlat.core.config import ModelConfig
+from hlat.core.models import DEFAULT, family
+from hlat.training.models.base import FamilyModules, build_hf_config
+from hlat.training.models.gpt_neox import GPT_NEOX
+from hlat.training.models.llama import LLAMA
+
+FAMILIES: dict[str, FamilyModules] = {modules.name: modules for modules in (LLAMA, GPT_NEOX)}
+"""Every family's torch code by its `model.arch` name. A new family adds its entry here."""
+
+__all__ = ["FAMILIES", "FamilyModules", "hf_config", "hf_state_family", "modules_of", "norm_classes"]
+
+
+def modules_of(cfg: ModelConfig) -> FamilyModules:
+    """The torch code of `cfg`'s family."""
+    family(cfg.arch)  # ValueError naming the families
+    return FAMILIES[cfg.arch]
+
+
+def hf_state_family(names: Iterable[str]) -> FamilyModules:
+    """The family whose HF tensor names these are (by `hf_prefix`); the default family when none matches."""
+    names = list(names)
+    for modules in FAMILIES.values():
+        if modules.name != DEFAULT and any(name.startswith(modules.hf_prefix) for name in names):
+            return modules
+    return FAMILIES[DEFAULT]
+
+
+def norm_classes() -> list[type]:
+    """Every family's norm class (NxD's pipeline keeps them whole)."""
+    return [modules.norm_class for modules in FAMILIES.values()]
+
+
+def hf_config(cfg: ModelConfig) -> Any:
+    """The transformers config describing the same network as `cfg` (its family's config class), with the
+    family's BOS and EOS ids (`ModelFamily.special_ids`)."""
+    modules = modules_of(cfg)
+    return build_hf_config(modules, cfg, *modules.core.special_ids)
