@@ -66,7 +66,14 @@ from typing import Any
 import torch
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.contract import EXIT_LOSS_SPIKES, EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
+from hlat.core.contract import (
+    EXIT_LOSS_SPIKES,
+    EXIT_NAN,
+    EXIT_UNHEALTHY,
+    format_step_line,
+    note_step,
+    write_failure,
+)
 from hlat.core.environment import neuron_available, precision_by_flags
 from hlat.core.layout import CHECKPOINT_META
 from hlat.core.stop_timeline import grace_seconds, stop_timeline
@@ -785,10 +792,8 @@ class Trainer:
         if self.world.is_main and self.extracting_graphs:
             log.info("step %d traced (extracting graphs: its values are invalid)", self.step)
         elif self.world.is_main:
-            log.info(
-                "step %d loss %.4f grad_norm %.3f lr %.2e %.0f tok/s",
-                self.step, stats["loss"], stats["grad_norm"], values["lr"], tokens_per_s,
-            )  # fmt: skip
+            # The step-line contract: the supervisor reads progress, ETA and throughput from it.
+            log.info("%s", format_step_line(self.step, stats["loss"], stats["grad_norm"], values["lr"], tokens_per_s))
 
     def _source_tokens(self) -> dict[str, int]:
         """`tokens/<source>`: each source's training tokens so far on this rank, and `data_degree`. Host integers
