@@ -1,52 +1,23 @@
-"""The training loop: a short step function with side effects (checkpoints, evaluation, metrics) as hooks.
+"""The training loop: the step, gradient accumulation, the checkpoint cadence and resume.
 
-Fault tolerance follows HLAT: state is checkpointed every `training.checkpoint_every` steps (model,
-optimizer, scheduler, step, each rank's data-loader and RNG state); a job resumes from the newest complete
-checkpoint; a NaN/inf loss exits non-zero (or skips the step) so the job restarts from the last checkpoint;
-SIGTERM (sent by SageMaker before it stops a job) checkpoints and exits 0.
+The Trainer is given its model and optimizer (`training/assembly.py`). Its side concerns are callbacks, called
+in a stated order at named hook points (`training/callbacks.py`): the NaN and spike policies, first-step
+metrics, metrics logging, and the stop protocol (`training/stop_protocol.py`). A logged step writes the step
+line of `core/contract.py`, which the supervisor reads.
 
-The stop must fit SageMaker's grace: SIGTERM, then SIGKILL 120 s later
-(https://docs.aws.amazon.com/sagemaker/latest/dg/your-algorithms-training-algo-running-container.html). So the ranks
-agree on the step to stop after as soon as one asks, whatever `training.log_every` is, with no collective at the step
-boundaries (`training/stop_vote.py`: the stop step is agreed once through the job's store, by a thread; at a boundary
-the loop only compares numbers), so it adds no device op, graph, transfer or per-step network round trip. On a stop
-every rank finishes its step, reads
-the device once (the NaN check, as at any sync point), finishes an async save still in flight, writes the
-checkpoint of that step synchronously (committed before it exits) and exits 0; rank 0 first logs whether the
-write is expected to fit `job.stop_grace_seconds`, from the step and save times it measured. The job's stop rule
-(`training/stop_rule.py`: the run's budget, its deadline, a silent supervisor) asks for the same stop from a thread
-(`request_stop`): the same request, no other cost to the loop. After every step the
-loop also asks the checkpoint manager, without I/O, whether a background save failed (`CheckpointManager.check`),
-so a rank's failed upload fails the job within a step, not one checkpoint interval later.
+Rules:
+- No host round trip inside a step, on any device. The loss, norm and non-finite tally stay on the device
+  (`StepTally`); batches arrive there from a background thread; on XLA the step is cut where
+  `training.xla_graph_cuts` says, so every step runs the same compiled graphs.
+- The host reads the device at sync points only, in one transfer: logged steps, steps with a hook (checkpoint,
+  evaluation, health check), the job's first and last step, and a step whose stop vote passed.
+- Callbacks judge what a sync point read before any hook runs, so no checkpoint saves a NaN or a spike's weights.
+- Fault tolerance follows HLAT: a checkpoint every `training.checkpoint_every` steps, and a job resumes from the
+  newest complete one. After every step the loop asks, without I/O, whether a background save failed.
+- Under graph extraction (neuron_parallel_compile's trial run, `extracting_graphs`) every step, hook and host
+  read happens as in a job, so every graph is traced; no value is acted on and nothing is written.
 
-No host round trip inside a step, on any device. A step is traced (XLA) or queued (CUDA) without reading a device
-tensor: its loss, gradient norm and non-finite check stay on the device (`StepTally`), batches arrive on the
-device from a background thread, and on XLA the step is cut where `training.xla_graph_cuts` says (after each
-micro-batch's backward, HLAT's placement, or once at its end), so every step runs the same compiled graphs. The
-host reads them at sync points only: steps that log (`training.log_every`), steps with a hook (checkpoint,
-evaluation, health check), the job's first and last step. There, in one transfer, it learns the loss and whether
-any step since the last sync was non-finite; under nan_policy=exit it then exits, and a checkpoint is only ever
-saved after that check, so no checkpoint holds the NaN weights of the steps between. Under nan_policy=skip the
-decision is made on the device (`masked_step`). A step whose stop vote passes becomes a sync point.
-
-Loss spikes (training.spike_skip; `training/spikes.py`, after OLMo-core's skip-step optimizer): once the trailing
-training.spike_window steps are known, a step whose loss or gradient norm is more than training.spike_zscore standard
-deviations above their mean is not applied, decided on the device like nan_policy=skip (`masked_step`: the same graph
-for a spiking step and a normal one, no host read), and its values stay out of the window. Under NxD, whose optimizer
-clips inside step(), the norm exists only after the update: the loss alone decides there. The skipped steps are
-counted on the device and read at the next sync point, which logs the newest ("step 1234: loss spike skipped (loss 9.1
-vs window mean 3.2 +/- 0.1); 3 skipped so far") and records `spikes_skipped` in metrics.jsonl. As many spikes in a
-row as training.spike_max_consecutive end the job at that sync point, before any hook saves a checkpoint: exit
-EXIT_LOSS_SPIKES with a `LossSpikes: ...` failure record naming the steps, which the supervisor does not relaunch. The
-window and counters go into every checkpoint's shared state, so a resumed run skips exactly the steps an
-uninterrupted one does.
-
-Under graph extraction (`extracting_graphs`: neuron_parallel_compile's trial run, where "no real execution is performed
-and the outputs are invalid") the loop does every step, hook, collective and host read as a job would, so that every
-graph a job runs is traced, and acts on none of the values and writes nothing: no health verdict, no NaN exit, no
-checkpoint files (the state still reaches the host, as a save would fetch it), no metrics, TensorBoard or failure
-files, and a stop ends the rehearsal without a checkpoint. HLAT's trn1 scripts skip their checkpoint writes and value
-checks the same way (awslabs/HLAT, 70b/tp_zero1_llama2_70b_hf_pretrain.py: NEURON_EXTRACT_GRAPHS_ONLY).
+docs/stages.md ("The training loop") gives the order, the stop's timeline and the sources.
 """
 
 from __future__ import annotations
