@@ -183,7 +183,7 @@ class MetricsLogging(Callback):
         cfg: HlatConfig,
         world: World,
         metrics: MetricsLog,
-        lr: Callable[[], float],
+        lr: Callable[[], float | torch.Tensor],
         source_tokens: Callable[[], dict[str, int]],
         extracting_graphs: bool,
     ) -> None:
