@@ -459,17 +459,7 @@ class Trainer:
             self.loader.close()
             return 0
         previous = signal.signal(signal.SIGTERM, self.stopping.on_sigterm)  # the stop protocol's, while fit runs
-        log.info(
-            "training %s: %d params, precision %s, %d rank(s) x %d micro-batch x %d accumulation, seq %d on %s",
-            self.cfg.preset, self.model.num_params(), self.cfg.precision.mode, self.world.world_size,
-            t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len, self.world.device.type,
-        )  # fmt: skip
-        if self.world.on_xla and self.cfg.precision.mode == "bf16-sr" and not neuron_available():
-            how = "XLA_USE_BF16" if self.precision_flags else "the BF16 model"
-            log.info(
-                "bf16-sr on XLA:CPU: %s gives the graph of HLAT's precision, but this device rounds to nearest "
-                "(stochastic rounding is the NeuronCore's: NEURON_RT_STOCHASTIC_ROUNDING_EN)", how
-            )  # fmt: skip
+        self._announce()
         # After the compile cache is loaded (train.py): the throwaway step compiles what the first step would.
         self._settle_gradient_buckets()
         batches = self.device_batches(self.loader, self.cfg.gradient_accumulation)
@@ -510,13 +500,7 @@ class Trainer:
                 if code is not None:
                     return code
                 since, since_step = time.perf_counter(), self.step  # hooks do not count as step time
-            if self.step > first_step and (not t.eval_every or self.step % t.eval_every):
-                self.progress.beat(self.step, "evaluate")
-                self.evaluate(self.step)
-            # Decided from local state, not by listing storage: every rank must make the same choice.
-            if self.saved_step != self.step:
-                self.progress.beat(self.step, "save_checkpoint")
-                self.save_checkpoint(self.step)
+            self._finish(first_step)
             return 0
         finally:
             for callback in self.callbacks:
@@ -525,6 +509,32 @@ class Trainer:
             self.metrics.close()
             self.loader.close()
             signal.signal(signal.SIGTERM, previous)
+
+    def _announce(self) -> None:
+        """The job's shape, once, as fit starts."""
+        t = self.cfg.training
+        log.info(
+            "training %s: %d params, precision %s, %d rank(s) x %d micro-batch x %d accumulation, seq %d on %s",
+            self.cfg.preset, self.model.num_params(), self.cfg.precision.mode, self.world.world_size,
+            t.micro_batch_size, self.cfg.gradient_accumulation, t.seq_len, self.world.device.type,
+        )  # fmt: skip
+        if self.world.on_xla and self.cfg.precision.mode == "bf16-sr" and not neuron_available():
+            how = "XLA_USE_BF16" if self.precision_flags else "the BF16 model"
+            log.info(
+                "bf16-sr on XLA:CPU: %s gives the graph of HLAT's precision, but this device rounds to nearest "
+                "(stochastic rounding is the NeuronCore's: NEURON_RT_STOCHASTIC_ROUNDING_EN)", how
+            )  # fmt: skip
+
+    def _finish(self, first_step: int) -> None:
+        """After the last step: an evaluation unless one just ran, and its checkpoint unless one was just saved."""
+        t = self.cfg.training
+        if self.step > first_step and (not t.eval_every or self.step % t.eval_every):
+            self.progress.beat(self.step, "evaluate")
+            self.evaluate(self.step)
+        # Decided from local state, not by listing storage: every rank must make the same choice.
+        if self.saved_step != self.step:
+            self.progress.beat(self.step, "save_checkpoint")
+            self.save_checkpoint(self.step)
 
     def _read_sync_point(self, stats: dict[str, Any], first_step: int, seconds: float) -> SyncPoint:
         """The sync point: everything the host needs of the steps since the last one, in one transfer."""
