@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import os
 import re
 import socket
@@ -470,3 +471,58 @@ def parse_stop_record(text: str | None) -> StopRecord | None:
         step = fields.get("step")
         return StopRecord(fields["why"], step if isinstance(step, int) else 0, message if sep else head)
     return None
+
+
+STEP_LINE = re.compile(
+    r"\bstep (?P<step>\d+) loss (?P<loss>\S+) grad_norm (?P<grad_norm>\S+) lr (?P<lr>\S+) (?P<tps>[\d.]+) tok/s"
+)
+"""The trainer's progress line, as the supervisor reads it from the job's log (`parse_step_line`)."""
+
+STEP_LINE_METRICS = {
+    "loss": r"step \d+ loss (\S+) grad_norm",
+    "grad_norm": r"grad_norm (\S+) lr",
+    "tokens_per_s": r"lr \S+ ([0-9.]+) tok/s",
+}
+"""SageMaker's metric definitions: each value's regex in the progress line (CloudWatch metrics)."""
+
+
+@dataclass(frozen=True)
+class StepLine:
+    """One logged step of a training job: the supervisor's progress, ETA, hang timeout and throughput come from it.
+
+    The loop writes it at each logged step (`format_step_line`). The supervisor parses it (`parse_step_line`).
+    A value that is not a finite number parses as None.
+    """
+
+    step: int
+    loss: float | None
+    grad_norm: float | None
+    lr: float | None
+    tokens_per_s: float | None
+
+
+def format_step_line(step: int, loss: float, grad_norm: float, lr: float, tokens_per_s: float) -> str:
+    """The progress line of `step`: "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s"."""
+    return f"step {step} loss {loss:.4f} grad_norm {grad_norm:.3f} lr {lr:.2e} {tokens_per_s:.0f} tok/s"
+
+
+def parse_step_line(line: str) -> StepLine | None:
+    """The progress line found in `line` (a log line may carry a prefix); None when it holds none."""
+    match = STEP_LINE.search(line)
+    if match is None:
+        return None
+    return StepLine(
+        step=int(match["step"]),
+        loss=_finite(match["loss"]),
+        grad_norm=_finite(match["grad_norm"]),
+        lr=_finite(match["lr"]),
+        tokens_per_s=_finite(match["tps"]),
+    )
+
+
+def _finite(text: str) -> float | None:
+    try:
+        value = float(text)
+    except ValueError:
+        return None
+    return value if math.isfinite(value) else None

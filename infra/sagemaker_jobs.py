@@ -34,7 +34,7 @@ from botocore.config import Config
 from botocore.exceptions import ClientError, ParamValidationError
 
 from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, TrackingConfig, closest_match
-from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR
+from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR, STEP_LINE_METRICS
 from hlat.core.environment import NEURON_SDKS
 from hlat.core.stages import TRAINING, Instances, stage
 from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
@@ -96,12 +96,8 @@ shipped independently, so an event can arrive after a newer one from another nod
 LOG_MAX_PAGES = 20
 """FilterLogEvents pages (up to 10,000 events each) read per `logs` call; the rest is read on the next call."""
 
-# The trainer's progress line (training/loop.py): "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s".
-METRIC_DEFINITIONS = {
-    "loss": r"step \d+ loss (\S+) grad_norm",
-    "grad_norm": r"grad_norm (\S+) lr",
-    "tokens_per_s": r"lr \S+ ([0-9.]+) tok/s",
-}
+METRIC_DEFINITIONS = STEP_LINE_METRICS
+"""The trainer's progress line (`core.contract.format_step_line`) as SageMaker metrics."""
 
 # SageMaker rejects a VolumeKmsKeyId for instance types whose storage is local NVMe (encrypted by the
 # hardware instead), and ignores VolumeSizeInGB for them.

@@ -39,7 +39,6 @@ before every submission and stop.
 from __future__ import annotations
 
 import logging
-import math
 import os
 import re
 import socket
@@ -52,7 +51,7 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record
+from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record, parse_step_line
 from hlat.core.storage import Storage, StorageClock, is_transient
 from hlat.infra.catalog import job_cost
 from hlat.infra.jobs import (
@@ -74,12 +73,8 @@ from hlat.infra.jobs import (
 log = logging.getLogger("hlat.supervisor")
 job_log = logging.getLogger("hlat.job")
 
-# The trainer's progress line: "step 120 loss 5.4321 grad_norm 0.812 lr 1.99e-03 45000 tok/s".
 LOG_TAIL_LINES = 400
 """Lines of a job's log kept for classifying its ending: torchrun's failure summary and the ranks' last words."""
-PROGRESS_LINE = re.compile(
-    r"\bstep (?P<step>\d+) loss (?P<loss>\S+) grad_norm (?P<grad_norm>\S+) lr (?P<lr>\S+) (?P<tps>[\d.]+) tok/s"
-)
 
 
 class SupervisorError(RuntimeError):
@@ -1075,7 +1070,7 @@ class Supervisor:
             """A re-attached job's output from before: its records, and whether it had begun its steps."""
             nonlocal stepped
             self._scan_records(lines)
-            stepped = stepped or any(PROGRESS_LINE.search(line) for line in lines)
+            stepped = stepped or any(parse_step_line(line) for line in lines)
 
         def hung(now: float) -> str | None:
             if phases and training_since is None:
@@ -1156,16 +1151,15 @@ class Supervisor:
         metrics.jsonl), and a job logging every step would otherwise fill the terminal."""
         advanced, reading = False, None
         for line in lines:
-            match = PROGRESS_LINE.search(line)
-            if not match:
+            parsed = parse_step_line(line)
+            if parsed is None:
                 job_log.info("%s", line)
                 continue
             job_log.debug("%s", line)
-            step = int(match["step"])
-            advanced = advanced or step != progress.step
-            progress.step = step
-            progress.loss = _float(match["loss"])
-            reading = _float(match["tps"])
+            advanced = advanced or parsed.step != progress.step
+            progress.step = parsed.step
+            progress.loss = parsed.loss
+            reading = parsed.tokens_per_s
         if advanced and progress.step is not None:
             meter.observe(now, progress.step, reading)
             progress.tokens_per_s = meter.rate()
@@ -1516,14 +1510,6 @@ def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> st
     Ledger(run, stage).save(attempts)
     backend.stop(record.job_name)
     return record.job_name
-
-
-def _float(text: str) -> float | None:
-    try:
-        value = float(text)
-    except ValueError:
-        return None
-    return value if math.isfinite(value) else None
 
 
 def _duration(seconds: float) -> str:

@@ -26,6 +26,7 @@ from hlat.core.config import HlatConfig
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from hlat.core.environment import neuron_available
 from hlat.core.storage import Storage
+from hlat.training.assembly import build_model
 from hlat.training.compile_cache import (
     CACHE_DIR,
     cache_key,
@@ -155,6 +156,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
         tokenizer = fetch_tokenizer(run, tmp)
         trainer = Trainer(
             cfg=cfg,
+            built=build_model(cfg, world),
             run=Storage(tmp).child("run"),
             checkpoints=checkpoints,
             world=world,

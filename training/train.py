@@ -36,6 +36,7 @@ from hlat.core.contract import (
 from hlat.core.environment import neuron_available
 from hlat.core.storage import Storage
 from hlat.training import xla
+from hlat.training.assembly import build_model
 from hlat.training.compile_cache import (
     NeuronGraphSharing,
     fetch_xla_cache,
@@ -97,6 +98,7 @@ def _train_watched(run: Storage, cfg: HlatConfig, device: str | None, progress: 
                 tokenizer = fetch_tokenizer(run, tmp)
                 trainer = Trainer(
                     cfg=cfg,
+                    built=build_model(cfg, world),
                     run=run,
                     checkpoints=hooks().checkpoint_storage(checkpoint_location(run)),
                     world=world,

@@ -167,10 +167,10 @@ def test_the_stop_line_warns_when_the_checkpoint_cannot_fit_the_grace(
     trainer.loader.close()
     trainer.step = 40
     caplog.set_level("INFO", logger="hlat")
-    trainer._last_save, trainer._async_save = (30, 45.0), (40, time.perf_counter())  # step 40's save just began
-    trainer._log_stop_budget(120, step_seconds=37.0)
-    trainer._last_save = (30, 90.0)
-    trainer._log_stop_budget(120, step_seconds=37.0)
+    trainer.saves.last, trainer.saves.in_flight = (30, 45.0), (40, time.perf_counter())  # step 40's save just began
+    trainer.stopping.log_stop_budget(trainer.step, 120, step_seconds=37.0)
+    trainer.saves.last = (30, 90.0)
+    trainer.stopping.log_stop_budget(trainer.step, 120, step_seconds=37.0)
     fits, too_long = (r for r in caplog.records if r.message.startswith("stop at step 40: "))
     assert fits.levelname == "INFO", fits.message
     expected = (

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
 
-from hlat.core.contract import RECORD_TAG, FailureRecord, StopTerms
+from hlat.core.contract import RECORD_TAG, FailureRecord, StopTerms, format_step_line
 from hlat.core.layout import CHECKPOINT_MARKER, CHECKPOINT_META, CHECKPOINTS_DIR, CheckpointIndex, step_dir
 from hlat.core.storage import Storage
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
@@ -353,7 +353,7 @@ class SimSageMaker:
 
     # -- the job's course -----------------------------------------------------------------------------------
     def _log_steps(self, job: SimJob, until: float) -> None:
-        """The trainer's progress lines (infra/supervisor.py PROGRESS_LINE) for the steps done by `until`, one per
+        """The trainer's progress lines (`core.contract.format_step_line`) for the steps done by `until`, one per
         training.log_every."""
         newest = job.step_at(until)
         if newest is None:
@@ -362,7 +362,7 @@ class SimSageMaker:
         tps = self.scale.config.tokens_per_step / job.step_s
         first = max(job.logged_step + 1, (job.start_step or 0) + 1)
         for step in range(first + (-first) % every, newest + 1, every):
-            job.lines.append(f"step {step} loss 2.1000 grad_norm 0.300 lr 1.50e-04 {tps:.0f} tok/s")
+            job.lines.append(format_step_line(step, 2.1, 0.3, 1.5e-4, tps))
         job.logged_step = max(job.logged_step, newest)
 
     def _later(self, job: SimJob, when: float, action: Callable[[], None]) -> None:

@@ -390,7 +390,7 @@ def test_the_thread_requests_the_stop_and_a_stop_short_of_the_end_is_recorded(
     trainer = FakeTrainer()
     with stop_rule(trainer, run, StopTerms(deadline=time.time() - 1)) as made:
         assert made is not None and trainer.stop_requested.wait(10) and trainer.stop_why == STOP_DEADLINE
-        trainer.stopped_at = stopped_at  # what Trainer._stop does
+        trainer.stopped_at = stopped_at  # what the Trainer's stop does (StopProtocol.stop)
     assert (tmp_path / stop_record_path("train")).exists() == recorded
     # No terms, or not the main rank: no thread.
     with stop_rule(FakeTrainer(), run, StopTerms()) as none, stop_rule(FakeTrainer(False), run, made.terms) as other:
