@@ -64,10 +64,21 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 EVAL_RESULTS_FILE = "results.json"
 JOBS_DIR = "jobs"
+COMPARE_DIR = "compare"
+"""`hlat compare`'s output beside run A: compare/<label B>/."""
+JOB_LOG_FILE = "output.log"
+"""In a local job's folder: the supervisor's messages and the processes' output."""
 SOURCES_DIR = "sources"
 """Beside the runs, under the storage root: `sources/<name>-<key>/`, each prepared source (its manifest, shards and
 report), keyed by its reader, validation, curation and shard settings and its content: shared by every run that
 prepares the same source the same way, so adding a source or changing weights prepares nothing twice."""
+MANIFEST_FILE = "manifest.json"
+"""A data folder's manifest (the run's data/ mixture, a prepared source's shards), written last."""
+IMPORT_DIR = "init"
+IMPORT_RECORD = f"{IMPORT_DIR}/import.json"
+"""The run's record of the weights it started from (model.init_from)."""
+IMPORTS_DIR = "imports"
+"""Beside the runs, under the storage root: `imports/<sha256>/`, local init_from weights uploaded for S3 runs."""
 STAGE_DIRS = (DATA_DIR, TOKENIZER_DIR, COMPILE_CACHE_DIR, BURN_IN_DIR, CHECKPOINTS_DIR, EVAL_DIR)
 """The folders each stage writes, in the DAG's order."""
 
@@ -94,10 +105,53 @@ def tokenizer_sha256(contents: Mapping[str, bytes]) -> str:
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
 
-def source_folder(run: Storage, name: str, key: str) -> Storage:
-    """Where the source `name` prepared under cache key `key` lives: `<storage root>/sources/<name>-<key>/`, the
-    root being the folder that holds the run."""
-    return run.parent().child(SOURCES_DIR, f"{name}-{key.rpartition('-')[2][:16]}")
+def source_folder(root: Storage, name: str, key: str) -> Storage:
+    """Where the source `name` prepared under cache key `key` lives: `<storage root>/sources/<name>-<key>/`
+    (`root`: the storage root, `Run.root`)."""
+    return root.child(SOURCES_DIR, f"{name}-{key.rpartition('-')[2][:16]}")
+
+
+def import_folder(root: Storage, sha256: str) -> Storage:
+    """Where local init_from weights are uploaded for a run on S3: `<storage root>/imports/<sha256>/`."""
+    return root.child(IMPORTS_DIR, sha256[:32])
+
+
+# -- jobs/: each stage's ledger, supervisor heartbeat, lease, stop request and stop record -------------------------
+def ledger_path(stage: str) -> str:
+    """The stage's attempts ledger, relative to the run."""
+    return f"{JOBS_DIR}/{stage}-attempts.json"
+
+
+def heartbeat_path(stage: str = "train") -> str:
+    """The heartbeat the stage's supervisor writes each poll and its job reads, relative to the run:
+    {"beat_at": epoch seconds, "pid", "host", "flow_run_id", "command"}."""
+    return f"{JOBS_DIR}/{stage}-supervisor.json"
+
+
+def lease_path(stage: str) -> str:
+    """The lease that makes one supervisor the stage's only one, relative to the run."""
+    return f"{JOBS_DIR}/{stage}-lease.json"
+
+
+def stop_request_path(stage: str) -> str:
+    """`hlat stop`'s request that the stage relaunch nothing, relative to the run."""
+    return f"{JOBS_DIR}/{stage}-stop-request.json"
+
+
+def stop_record_path(stage: str = "train") -> str:
+    """Where a job that stopped itself leaves its `StopRecord` (the newest one), relative to the run."""
+    return f"{JOBS_DIR}/{stage}-stop.json"
+
+
+def clock_probe_path(stage: str | None = None, side: str = "supervisor") -> str:
+    """The object written to read run storage's clock: `hlat status`'s (no stage), or a stage's supervisor's or
+    job's."""
+    return f"{JOBS_DIR}/status-clock" if stage is None else f"{JOBS_DIR}/{stage}-clock-{side}"
+
+
+def job_log_path(job_name: str) -> str:
+    """The local backend's log of one job (its folder's JOB_LOG_FILE), relative to the run."""
+    return f"{JOBS_DIR}/{job_name}/{JOB_LOG_FILE}"
 
 
 CHECKPOINT_MARKER = "COMMITTED"

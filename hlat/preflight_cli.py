@@ -28,8 +28,8 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
     """Every check of a run before it starts, as findings: the config against the run's config.json, what SageMaker
     would refuse and the budget (stage_jobs.preflight), the data source, and for a SageMaker run the AWS checks
     (with the run's AWS credentials block activated and its role read from its Secret block)."""
+    from hlat.core.run import check_run, continued
     from hlat.flows.stage import source_shape
-    from hlat.infra.runs import check_run, continued
     from hlat.infra.stage_jobs import preflight as check_requests
 
     findings: list[Finding] = []
@@ -87,7 +87,7 @@ def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
     no Prefect block is named (a block is read from the server: the flow checks those runs, before writing
     anything). Raises ConfigError (PreflightFailed: one line per failure). The flow's own checks then reuse what
     passed here (infra/preflight.py: PASSED_TTL_S)."""
-    from hlat.infra.runs import check_run, continued
+    from hlat.core.run import check_run, continued
 
     try:
         config = continued(config)

@@ -35,8 +35,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hlat.core.layout import SOURCES_DIR
-from hlat.infra.init_from import IMPORTS_DIR
+from hlat.core.layout import IMPORTS_DIR, SOURCES_DIR
 
 BOUNDARY_ENV = "HLAT_RUN_ROLE_BOUNDARY"
 PATH_ENV = "HLAT_RUN_ROLE_PATH"

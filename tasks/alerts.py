@@ -32,12 +32,11 @@ from uuid import UUID
 from hlat.core.config import AlertsConfig, ConfigError
 from hlat.core.layout import METRICS_FILE
 from hlat.core.stages import STAGES
-from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
     from prefect.events.schemas.automations import AutomationCore
 
-    from hlat.infra.runs import Run
+    from hlat.core.run import Run
     from hlat.infra.supervisor import Attempt, Progress
 
 log = logging.getLogger("hlat.alerts")
@@ -131,13 +130,13 @@ def crossed_fractions(
     return sorted(f for f in set(fractions) if f not in announced and spent >= f * budget)
 
 
-def latest_spikes(run: Storage, tail_bytes: int = 1 << 16) -> tuple[int, int | None] | None:
+def latest_spikes(run: Run, tail_bytes: int = 1 << 16) -> tuple[int, int | None] | None:
     """(spikes_skipped, step) of the newest metrics record that counts skipped loss spikes, from the last
     `tail_bytes` of metrics.jsonl; None when none does (spike skipping off, or no sync point yet)."""
-    if not run.exists(METRICS_FILE):
+    if not run.storage.exists(METRICS_FILE):
         return None
-    size = run.size(METRICS_FILE)
-    with run.open(METRICS_FILE, "rb") as fh:
+    size = run.storage.size(METRICS_FILE)
+    with run.storage.open(METRICS_FILE, "rb") as fh:
         fh.seek(max(0, size - tail_bytes))
         lines = fh.read().decode("utf-8", errors="replace").splitlines()
     for line in reversed(lines[1:] if size > tail_bytes else lines):  # the first line may be cut
@@ -158,7 +157,7 @@ class TrainAlerts(RunEvents):
 
     def __init__(self, run: Run, budget_usd: float | None) -> None:
         super().__init__(run.run_id, run.uri)
-        self.storage, self.config = run.storage, run.config.alerts
+        self.run, self.storage, self.config = run, run.storage, run.config.alerts
         self.budget_usd = budget_usd
         self.step: int | None = None
         self.sent = self._load_sent()
@@ -230,7 +229,7 @@ class TrainAlerts(RunEvents):
 
     def _check_spikes(self) -> None:
         try:
-            found = latest_spikes(self.storage)
+            found = latest_spikes(self.run)
         except Exception as exc:  # a metrics file being rewritten: the next step reads it again
             log.debug("could not read the spike count: %s", exc)
             return

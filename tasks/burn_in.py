@@ -9,7 +9,7 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.layout import BURN_IN_REPORT
-from hlat.infra.runs import Run
+from hlat.core.run import Run
 from hlat.infra.stage_jobs import job_shape, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.job_failures import job_ended_badly

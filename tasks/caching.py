@@ -12,10 +12,10 @@ from prefect.client.schemas.objects import State, TaskRun
 
 from hlat.core.config import stable_hash
 from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, TOKENIZER_MODEL, tokenizer_defining_files, tokenizer_sha256
+from hlat.core.run import Run
 from hlat.core.shards import data_checksum_of
 from hlat.core.stages import stage
-from hlat.core.storage import Storage, is_transient
-from hlat.infra.runs import Run
+from hlat.core.storage import is_transient
 
 # Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
 RETRIES = 3
@@ -39,23 +39,23 @@ TRANSIENT_RETRIES: dict[str, Any] = {
 """Task options: retry transient faults only, with backoff."""
 
 
-def data_checksum(run: Storage) -> str:
+def data_checksum(run: Run) -> str:
     """Checksum of the prepared shards (prepare-data's output, from its manifest)."""
-    return data_checksum_of(run.child(DATA_DIR))
+    return data_checksum_of(run.storage.child(DATA_DIR))
 
 
-def tokenizer_checksum(run: Storage) -> str:
+def tokenizer_checksum(run: Run) -> str:
     """The identity of the run's tokenizer (train-tokenizer's output), as the loader records it: its tokenizer.model's
     sha256, or for a pretrained tokenizer.json-only one the hash of tokenizer.json and its special-token files
     (`hlat.core.layout.tokenizer_sha256`)."""
-    tokenizer = run.child(TOKENIZER_DIR)
+    tokenizer = run.storage.child(TOKENIZER_DIR)
     names = tokenizer_defining_files(tokenizer.list())
     if not names:
         tokenizer.require(TOKENIZER_MODEL, what="tokenizer")  # StorageNotFound naming the missing tokenizer
     return tokenizer_sha256({name: tokenizer.read_bytes(name) for name in names})
 
 
-OUTPUT_CHECKSUMS: dict[str, Callable[[Storage], str]] = {
+OUTPUT_CHECKSUMS: dict[str, Callable[[Run], str]] = {
     "prepare-data": data_checksum,
     "train-tokenizer": tokenizer_checksum,
 }
@@ -65,7 +65,7 @@ OUTPUT_CHECKSUMS: dict[str, Callable[[Storage], str]] = {
 @task(name="read-output-checksum", **TRANSIENT_RETRIES)
 def output_checksum(run: Run, upstream: str) -> str:
     """The checksum of what stage `upstream` wrote into the run."""
-    return OUTPUT_CHECKSUMS[upstream](run.storage)
+    return OUTPUT_CHECKSUMS[upstream](run)
 
 
 def stage_cache_key(run: Run, name: str, *inputs: Any) -> str:

@@ -10,7 +10,7 @@ from prefect import task
 
 from hlat.core.config import HlatConfig
 from hlat.core.layout import COMPILE_LATEST
-from hlat.infra.runs import Run
+from hlat.core.run import Run
 from hlat.infra.stage_jobs import job_shape, on_neuron, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, stage_cache_key
 from hlat.tasks.init_from import imported_identity

@@ -9,9 +9,10 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig, stable_hash
-from hlat.core.shards import MANIFEST_FILE, read_mixture
+from hlat.core.layout import MANIFEST_FILE
+from hlat.core.run import Run
+from hlat.core.shards import read_mixture
 from hlat.core.storage import StorageError
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 from hlat.tasks.job_failures import job_ended_badly

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from hlat.core.config import HlatConfig
-from hlat.core.init_from import IMPORT_RECORD, model_follows_checkpoint
+from hlat.core.init_from import model_follows_checkpoint
+from hlat.core.layout import IMPORT_RECORD
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
 

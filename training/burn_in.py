@@ -31,6 +31,7 @@ from hlat.core.contract import (
     write_failure,
 )
 from hlat.core.layout import BURN_IN_REPORT as REPORT
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.health import (
     allreduce_check,
@@ -60,7 +61,7 @@ def _guarded(check: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"exception": f"{type(exc).__name__}: {exc}"}
 
 
-def run_checks(cfg: HlatConfig, run: Storage, world: World) -> dict[str, Any]:
+def run_checks(cfg: HlatConfig, run: Run, world: World) -> dict[str, Any]:
     """This rank's results. Barriers between the checks keep them from timing each other: every rank's matmul
     runs at once (as in training), then the all-reduce, then the writes (one per node, all nodes at once, as when
     a checkpoint is saved)."""
@@ -173,8 +174,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _burn_in(config_uri: str, report_uri: str | None, device: str | None) -> int:
-    run, cfg = read_job_config(config_uri)
-    report_uri = report_uri or run.uri(REPORT)
+    run = read_job_config(config_uri)
+    cfg = run.config
+    report_uri = report_uri or run.storage.uri(REPORT)
     world = init_world(device or cfg.training.device, cfg)
     try:
         row = run_checks(cfg, run, world)

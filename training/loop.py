@@ -69,6 +69,7 @@ from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import EXIT_LOSS_SPIKES, EXIT_NAN, EXIT_UNHEALTHY, note_step, write_failure
 from hlat.core.environment import neuron_available, precision_by_flags
 from hlat.core.layout import CHECKPOINT_META
+from hlat.core.run import Run
 from hlat.core.stop_timeline import grace_seconds, stop_timeline
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import (
@@ -165,7 +166,7 @@ class StepTally:
 @dataclass
 class Trainer:
     cfg: HlatConfig
-    run: Storage
+    run: Run
     checkpoints: Storage
     world: World
     tokenizer_model: str
@@ -315,7 +316,7 @@ class Trainer:
     def _loader(self, split: str) -> PackedLoader:
         t = self.cfg.training
         return PackedLoader(
-            self.data or self.run.child("data"),
+            self.data or self.run.storage.child("data"),
             self.tokenizer_model,
             seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size,

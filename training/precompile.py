@@ -44,6 +44,7 @@ import torch
 from hlat.core.config import HlatConfig
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from hlat.core.environment import neuron_available
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.compile_cache import (
     CACHE_DIR,
@@ -70,9 +71,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _precompile(config_uri: str, device: str | None) -> int:
-    run, cfg = read_job_config(config_uri)
+    run = read_job_config(config_uri)
+    cfg = run.config
     cfg = job_config(run, cfg)  # model.vocab_size follows a pretrained tokenizer, as in the training job
-    cache = run.child(CACHE_DIR)
+    cache = run.storage.child(CACHE_DIR)
     kind = resolve_device_kind(device or cfg.training.device)
     if kind == "xla":
         return _precompile_xla(run, cfg, cache)
@@ -137,7 +139,7 @@ def rehearsal_config(cfg: HlatConfig) -> HlatConfig:
     return cfg.model_copy(update={"training": training, "burn_in": burn_in})
 
 
-def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
+def rehearse(run: Run, cfg: HlatConfig, world: World) -> float:
     """Run the training loop itself (`Trainer.fit`) on `rehearsal_config(cfg)`, over the run's data, writing its
     metrics and checkpoints to a throwaway folder; return the seconds it took."""
     with throwaway_trainer(run, rehearsal_config(cfg), world) as trainer:
@@ -161,10 +163,10 @@ and rank 0 can commit them (a folder of each process's own would never see the o
 
 
 @contextmanager
-def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
+def throwaway_trainer(run: Run, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
     """The Trainer training would build, reading the run's data and tokenizer, writing metrics to a temporary
     folder and checkpoints to REHEARSAL_CHECKPOINTS, both deleted afterwards."""
-    checkpoints = run.child(REHEARSAL_CHECKPOINTS)
+    checkpoints = run.storage.child(REHEARSAL_CHECKPOINTS)
     if world.is_main:
         checkpoints.remove("", recursive=True)  # an earlier precompile's, cut short
     world.barrier("hlat-rehearsal-start")
@@ -172,7 +174,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
         tokenizer = fetch_tokenizer(run, tmp)
         trainer = Trainer(
             cfg=cfg,
-            run=Storage(tmp).child("run"),
+            run=Run.of(Storage(tmp).child("run"), cfg),
             checkpoints=checkpoints,
             world=world,
             tokenizer_model=tokenizer,
@@ -190,7 +192,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
                 checkpoints.remove("", recursive=True)
 
 
-def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
+def _precompile_xla(run: Run, cfg: HlatConfig, cache: Storage) -> int:
     """The XLA device: the rehearsal's graphs, every one a job runs.
 
     - trn1, under neuron_parallel_compile: the graphs are extracted rather than executed and compiled into

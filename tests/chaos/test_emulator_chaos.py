@@ -25,11 +25,11 @@ import pytest
 import torch
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run, open_run
 from hlat.core.storage import Storage
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import TERMINAL, Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import Run, open_run
 from hlat.infra.sagemaker_emulator import HOST_ENV
 from hlat.infra.stage_jobs import job_spec
 from hlat.infra.supervisor import Ledger

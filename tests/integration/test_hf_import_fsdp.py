@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
@@ -57,7 +58,7 @@ def fsdp_rank(
     try:
         trainer = Trainer(
             cfg,
-            Storage(run),
+            Run.at(run),
             Storage(f"{run}/checkpoints"),
             world,
             f"{prepared}/tokenizer/tokenizer.model",

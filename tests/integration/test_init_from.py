@@ -13,16 +13,12 @@ from typing import Any
 import pytest
 
 from hlat.core.config import HlatConfig
-from hlat.core.init_from import (
-    IMPORT_RECORD,
-    InitFromError,
-    check_embedding_rows,
-    model_fields,
-    model_follows_checkpoint,
-)
+from hlat.core.init_from import InitFromError, check_embedding_rows, model_fields, model_follows_checkpoint
+from hlat.core.layout import IMPORT_RECORD, IMPORTS_DIR
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.init_from import IMPORTS_DIR, import_checkpoint
+from hlat.infra.init_from import import_checkpoint
 from tests.pretrained_tokenizers import HUB_COMMIT, hub_cache
 
 
@@ -74,11 +70,11 @@ def test_a_hub_name_comes_from_the_hub_cache_offline_with_its_commit(
     cache = hub_cache(tmp_path / "hub", "org/tiny-llama", _llama(tmp_path / "llama"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    record = import_checkpoint(_config(init_from="org/tiny-llama"), Storage(str(tmp_path / "run")))
+    record = import_checkpoint(_config(init_from="org/tiny-llama"), Run.at(str(tmp_path / "run")))
     assert record["from"] == "hub" and record["revision"] == HUB_COMMIT
     assert Path(record["location"]).name == HUB_COMMIT
     with pytest.raises(ValueError, match=r"model.init_from='org/absent'.*HF_HUB_OFFLINE is set"):
-        import_checkpoint(_config(init_from="org/absent"), Storage(str(tmp_path / "run2")))
+        import_checkpoint(_config(init_from="org/absent"), Run.at(str(tmp_path / "run2")))
 
 
 def test_an_s3_prefix_is_read_in_place_and_a_local_folder_is_uploaded_once_for_a_run_on_s3(
@@ -93,11 +89,11 @@ def test_an_s3_prefix_is_read_in_place_and_a_local_folder_is_uploaded_once_for_a
     assert record["location"] == prefix.url and record["from"] == "s3"
     assert all(f["etag"] for f in record["files"])
     # A local folder with a run on S3: the jobs cannot read this disk, so it is uploaded under the storage root.
-    first = import_checkpoint(_config(init_from=str(folder)), Storage(f"{s3_env.url}/runs/r2"))
+    first = import_checkpoint(_config(init_from=str(folder)), Run.at(f"{s3_env.url}/runs/r2"))
     assert first["location"].startswith(f"{s3_env.url}/runs/{IMPORTS_DIR}/")
     uploaded = Storage(first["location"])
     assert sorted(uploaded.list()) == ["COMPLETE", "config.json", "model.safetensors"]  # what the import reads
-    second = import_checkpoint(_config(init_from=str(folder)), Storage(f"{s3_env.url}/runs/r3"))
+    second = import_checkpoint(_config(init_from=str(folder)), Run.at(f"{s3_env.url}/runs/r3"))
     assert second["location"] == first["location"] and second["sha256"] == first["sha256"]
 
 
@@ -127,7 +123,7 @@ def test_an_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
     shard = sorted(folder.glob("model-*.safetensors"))[-1]
     shard.unlink()
     with pytest.raises(ValueError, match=rf"names 1 shard file\(s\) the folder lacks \({shard.name}\)"):
-        import_checkpoint(_config(init_from=str(folder)), Storage(str(tmp_path / "run")))
+        import_checkpoint(_config(init_from=str(folder)), Run.at(str(tmp_path / "run")))
 
 
 def _hf(kind: str, **overrides: Any) -> dict[str, Any]:
@@ -244,10 +240,10 @@ def test_the_train_stage_imports_published_weights_and_trains_and_exports_from_t
     import torch
     from transformers import LlamaForCausalLM
 
+    from hlat.core.run import open_run
     from hlat.core.shards import iter_documents, read_manifest
     from hlat.flows.train import train
     from hlat.flows.train_tokenizer import train_tokenizer
-    from hlat.infra.runs import open_run
     from hlat.training.checkpoint.hf_export import export_checkpoint
     from tests.conftest import SMALL_RUN
     from tests.jobs import source_data

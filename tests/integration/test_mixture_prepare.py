@@ -12,8 +12,8 @@ import pytest
 
 from hlat.core.layout import SOURCES_DIR
 from hlat.core.presets import load_config
+from hlat.core.run import open_run
 from hlat.core.shards import MixtureManifest, read_mixture
-from hlat.infra.runs import open_run
 from hlat.training.data.units import REPORT_FILE, DataReport
 from tests.jobs import prepare_job
 

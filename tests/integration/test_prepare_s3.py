@@ -44,7 +44,7 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
 ) -> None:
     """The prepare-data job on the local backend, its 2 workers reading their own objects of an s3:// source and
     writing an s3:// run; a duplicate planted in every object is found across workers."""
-    from hlat.infra.runs import open_run
+    from hlat.core.run import open_run
     from hlat.training.data.units import REPORT_FILE, DataReport
     from tests.jobs import prepare_job, source_data
 

@@ -136,7 +136,7 @@ def zero1_main(out: Path, args: dict[str, Any]) -> None:
     from hlat.training.parallel.neuron import parallel_optimizer
     from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
 
-    cfg = read_job_config(f"{args['run']}/config.json")[1]
+    cfg = read_job_config(f"{args['run']}/config.json").config
     dist.init_process_group("gloo")  # NxD forms its groups (each of one rank) inside torch.distributed's
     world = init_world("cpu", cfg)
     try:
@@ -177,7 +177,7 @@ def rank_main(out: Path, args: dict[str, Any]) -> None:
     from hlat.training.parallel.distributed import close_world, init_world
     from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
 
-    cfg = read_job_config(f"{args['run']}/config.json")[1]
+    cfg = read_job_config(f"{args['run']}/config.json").config
     world = init_world("cpu", cfg)
     try:
         trainer = worker.trainer_for(cfg, world, args["run"])

@@ -30,9 +30,9 @@ from typing import Any
 
 from hlat.core.contract import RECORD_TAG, FailureRecord, StopTerms
 from hlat.core.layout import CHECKPOINT_MARKER, CHECKPOINT_META, CHECKPOINTS_DIR, CheckpointIndex, step_dir
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
-from hlat.infra.runs import Run
 from hlat.training.stop_rule import StopRule
 from tests.scale import model
 from tests.scale.model import Scale

@@ -14,8 +14,7 @@ from pydantic import ValidationError
 
 from hlat.core.config import AlertsConfig, ConfigError
 from hlat.core.presets import load_config
-from hlat.core.storage import Storage
-from hlat.infra.runs import Run
+from hlat.core.run import Run
 from hlat.infra.supervisor import Attempt, Progress
 from hlat.tasks import alerts
 from hlat.tasks.alerts import (
@@ -67,7 +66,7 @@ def test_budget_fractions_are_crossed_once_each_lowest_first() -> None:
 
 
 def test_the_newest_spike_count_is_read_from_the_metrics_tail(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     assert latest_spikes(run) is None
     records = [{"step": 1, "loss": 5.0}, {"step": 2, "spikes_skipped": 1}, {"step": 3, "loss": 4.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))

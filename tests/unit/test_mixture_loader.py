@@ -20,7 +20,9 @@ import sentencepiece as spm
 import torch
 
 from hlat.core.config import TokenizerConfig
-from hlat.core.shards import MANIFEST_FILE, DataManifest, MixtureManifest, MixtureSource, write_shard
+from hlat.core.layout import MANIFEST_FILE
+from hlat.core.run import Run
+from hlat.core.shards import DataManifest, MixtureManifest, MixtureSource, write_shard
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
 from hlat.training.data.loader import SEED_STRIDE, Batch, PackedLoader, pick_source, source_seed
@@ -371,7 +373,7 @@ def test_the_training_report_and_progress_show_each_sources_tokens_and_share(tmp
     assert latest_source_tokens(run) == {"web": 1210, "code": 590, "books": 200}
     assert latest_source_tokens(run, tail_bytes=150) == {"web": 1210, "code": 590, "books": 200}  # a cut first line
     assert mixture_line({"web": 1210, "code": 590, "books": 200}) == "web 60.5%, code 29.5%, books 10.0%"
-    assert latest_source_tokens(Storage(str(tmp_path / "none"))) == {}
+    assert latest_source_tokens(Run.at(str(tmp_path / "none"))) == {}
 
 
 def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
@@ -390,7 +392,6 @@ def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
     for name in ("web", "code", "books"):
         assert measured[name] == round(corpus["sources"][name][1].bytes("train") / 2.5)
     # The stage's check: the run's draws against these estimates, refused naming the source and the numbers.
-    from hlat.infra.runs import Run
     from hlat.tasks.train import check_training_repetition
 
     sources = [{"name": "web", "source": "web.jsonl", "weight": 0.6}, {"name": "code", "source": "code.jsonl"}]

@@ -9,8 +9,8 @@ import pytest
 
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
+from hlat.core.run import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
 from hlat.core.storage import Storage, StorageNotFound
-from hlat.infra.runs import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
 
 
 def test_open_run_writes_config_once_with_run_id(tmp_path: Path) -> None:
@@ -162,7 +162,7 @@ def test_load_config_of_a_run_never_opened(tmp_path: Path) -> None:
 
 def test_settings_outside_the_fingerprint_follow_the_latest_flow_run(tmp_path: Path) -> None:
     from hlat.core.presets import load_config
-    from hlat.infra.runs import open_run
+    from hlat.core.run import open_run
 
     first = open_run(load_config("tiny", storage=str(tmp_path)))
     later = load_config(

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from hlat.core.contract import checkpoint_location, in_sagemaker, tensorboard_location
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 
 
@@ -17,7 +18,7 @@ def test_outside_sagemaker_everything_is_in_run_storage(tmp_path: Path, monkeypa
     assert not in_sagemaker()
     assert checkpoint_location(run).url == str(tmp_path / "run" / "checkpoints")
     assert tensorboard_location(run) == str(tmp_path / "run" / "tensorboard")
-    assert tensorboard_location(Storage("s3://bucket/run")) is None
+    assert tensorboard_location(Run.at("s3://bucket/run")) is None
 
 
 def test_inside_sagemaker_checkpoints_go_to_run_storage(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

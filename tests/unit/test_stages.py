@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.stages import JOB_STAGES, STAGE_NAMES, STAGES, TRAINING, stage
-from hlat.infra.runs import Run
 
 ROOT = Path(__file__).resolve().parents[2]
 

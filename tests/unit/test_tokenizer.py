@@ -26,7 +26,8 @@ import pytest
 import sentencepiece as spm
 
 from hlat.core.config import TokenizerConfig
-from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.layout import MANIFEST_FILE
+from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage, StorageNotFound
 from hlat.infra.tokenizer import (
     MODEL_FILE,

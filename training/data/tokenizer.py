@@ -35,7 +35,7 @@ from hlat.core.config import HlatConfig
 from hlat.core.contract import fetch_tokenizer, model_follows_tokenizer
 from hlat.core.init_from import check_embedding_rows, import_record, model_follows_checkpoint
 from hlat.core.layout import TOKENIZER_MODEL, TOKENIZER_SPECIALS, tokenizer_defining_files, tokenizer_sha256
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 
 log = logging.getLogger("hlat.tokenizer")
 
@@ -193,7 +193,7 @@ def _tokenizers(path: str, contents: dict[str, bytes], sha256: str, files: tuple
     )
 
 
-def job_config(run: Storage, cfg: HlatConfig) -> HlatConfig:
+def job_config(run: Run, cfg: HlatConfig) -> HlatConfig:
     """The config a job builds its model from, each change logged once by rank 0: with model.init_from, the family
     and shape of the imported checkpoint (its config.json in the run's import record, `model_follows_checkpoint`);
     with tokenizer.pretrained, model.vocab_size is the run's tokenizer's (read from the job's tokenizer channel, or

@@ -42,8 +42,8 @@ import pandas as pd
 from pydantic import BaseModel, Field
 
 from hlat.core.config import DataConfig, SourceConfig
+from hlat.core.layout import MANIFEST_FILE
 from hlat.core.shards import (
-    MANIFEST_FILE,
     DataManifest,
     MixtureManifest,
     MixtureSource,
