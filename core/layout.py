@@ -74,6 +74,16 @@ report), keyed by its reader, validation, curation and shard settings and its co
 prepares the same source the same way, so adding a source or changing weights prepares nothing twice."""
 MANIFEST_FILE = "manifest.json"
 """A data folder's manifest (the run's data/ mixture, a prepared source's shards), written last."""
+REPORT_FILE = "report.json"
+"""A stage folder's report (data/, tokenizer/, a prepared source's)."""
+DATA_MANIFEST = f"{DATA_DIR}/{MANIFEST_FILE}"
+DATA_REPORT = f"{DATA_DIR}/{REPORT_FILE}"
+EVAL_RESULTS = f"{EVAL_DIR}/{EVAL_RESULTS_FILE}"
+"""The evaluation the report describes (written last)."""
+EVAL_REPORT_FILE = "report.md"
+EVAL_REPORT = f"{EVAL_DIR}/{EVAL_REPORT_FILE}"
+TRACKING_RECORD = f"{TRACKING_DIR}/tracking.json"
+"""Which tracked run the hlat run logs into: {"backend", "run_id" (MLflow) or "id" (W&B), ...}."""
 IMPORT_DIR = "init"
 IMPORT_RECORD = f"{IMPORT_DIR}/import.json"
 """The run's record of the weights it started from (model.init_from)."""
@@ -171,6 +181,16 @@ def step_dir(step: int) -> str:
 def shard_file(shard: str) -> str:
     """A sharded checkpoint's file of one model-parallel shard (e.g. "tp01-pp00")."""
     return f"model-{shard}.pt"
+
+
+def eval_path(*parts: str) -> str:
+    """A file or folder under the run's eval/ (`eval_path("step-000000600", "results.json")`)."""
+    return "/".join((EVAL_DIR, *parts))
+
+
+def compare_path(label: str) -> str:
+    """`hlat compare`'s output folder for run B's `label`, under run A."""
+    return f"{COMPARE_DIR}/{label}"
 
 
 def eval_results_path(step: int, averaged: bool = False) -> str:

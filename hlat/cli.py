@@ -774,14 +774,14 @@ def _average(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
-    from hlat.core.layout import COMPARE_DIR
+    from hlat.core.layout import compare_path
     from hlat.core.run import Run
     from hlat.core.storage import Storage
     from hlat.infra.eval_report import compare_line, compare_runs
 
     a, b = Run.at(args.run_a.rstrip("/")), Run.at(args.run_b.rstrip("/"))
     labels = tuple(args.labels) if args.labels else (a.run_id, b.run_id)
-    out = Storage(args.out) if args.out else a.storage.child(COMPARE_DIR, labels[1])
+    out = Storage(args.out) if args.out else a.storage.child(compare_path(labels[1]))
     summary = compare_runs(a, b, out, labels=labels)
     print(f"hlat: compared {labels[0]} and {labels[1]} over {summary['common_steps']} common steps")
     for key in ("loss", "grad_norm"):

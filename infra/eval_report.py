@@ -22,7 +22,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hlat.core.layout import EVAL_DIR, METRICS_FILE
+from hlat.core.layout import EVAL_DIR, EVAL_REPORT, METRICS_FILE, eval_path
+from hlat.core.layout import EVAL_REPORT_FILE as REPORT_FILE
 from hlat.core.layout import EVAL_RESULTS_FILE as RESULTS_FILE
 from hlat.core.run import Run
 from hlat.core.storage import Storage
@@ -30,7 +31,6 @@ from hlat.core.storage import Storage
 log = logging.getLogger("hlat.eval_report")
 
 BASELINES_FILE = Path(__file__).with_name("baselines.json")
-REPORT_FILE = "report.md"
 COMPARE_FILE = "compare.md"
 MISSING = "—"
 
@@ -474,7 +474,7 @@ def evaluation_history(run: Run) -> list[dict[str, Any]]:
     and each task's main metric (`choose_metric`)."""
     rows = []
     for name in sorted(run.storage.list(EVAL_DIR)) if run.storage.exists(EVAL_DIR) else []:
-        rel = f"{EVAL_DIR}/{name}/{RESULTS_FILE}"
+        rel = eval_path(name, RESULTS_FILE)
         if not name.startswith("step-") or not run.storage.exists(rel):
             continue
         results = run.storage.read_json(rel)
@@ -524,7 +524,7 @@ def write_report(run: Run, results: Mapping[str, Any], baselines: Mapping[str, A
     files: dict[str, str] = {}
     plots: dict[str, str] = {}
     for name, (key, extra, log_y, caption) in charts.items():
-        rel = f"{EVAL_DIR}/{name}"
+        rel = eval_path(name)
         if not _has_values(records, key, *extra):
             run.storage.remove(rel)
             continue
@@ -539,8 +539,8 @@ def write_report(run: Run, results: Mapping[str, Any], baselines: Mapping[str, A
     history = evaluation_history(run)
     if len(history) > 1:  # intermediate checkpoints were evaluated too: show the trajectory
         report += "\n" + "\n".join(_history_section(history))
-    run.storage.write_text(f"{EVAL_DIR}/{REPORT_FILE}", report)
-    files[REPORT_FILE] = run.storage.uri(EVAL_DIR, REPORT_FILE)
+    run.storage.write_text(EVAL_REPORT, report)
+    files[REPORT_FILE] = run.storage.uri(EVAL_REPORT)
     return files
 
 

@@ -100,7 +100,7 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
         from hlat.core.environment import xla_job_environment
 
         # The compile cache's key is computed from the same function (training.compile_cache.cache_key).
-        env.update(xla_job_environment(config, compile_cache=f"{run.uri}/{NEURON_CACHE}"))
+        env.update(xla_job_environment(config, compile_cache=run.storage.uri(NEURON_CACHE)))
     if on_neuron(config) and stage == "precompile":
         # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
         # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.

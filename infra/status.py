@@ -23,8 +23,8 @@ from hlat.core.layout import (
     CHECKPOINTS_DIR,
     COMPILE_LATEST,
     CONFIG_FILE,
-    EVAL_DIR,
-    EVAL_RESULTS_FILE,
+    DATA_MANIFEST,
+    EVAL_RESULTS,
     METRICS_FILE,
     TOKENIZER_DIR,
     CheckpointIndex,
@@ -144,7 +144,7 @@ def _last_metrics(run: Run) -> dict[str, Any] | None:
 
 def _done(run: Run, config: HlatConfig, stage: str, newest: int | None) -> bool:
     if stage == "prepare-data":
-        return run.storage.exists("data/manifest.json")
+        return run.storage.exists(DATA_MANIFEST)
     if stage == "train-tokenizer":
         return bool(
             tokenizer_defining_files(run.storage.child(TOKENIZER_DIR).list())
@@ -155,7 +155,7 @@ def _done(run: Run, config: HlatConfig, stage: str, newest: int | None) -> bool:
         return run.storage.exists(BURN_IN_REPORT)
     if stage == "train":
         return newest is not None and newest >= config.training.max_steps
-    return run.storage.exists(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}")
+    return run.storage.exists(EVAL_RESULTS)
 
 
 def _ended(attempt: Attempt) -> str:

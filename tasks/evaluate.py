@@ -22,6 +22,8 @@ from hlat.core.layout import (
     CHECKPOINT_MARKER,
     CHECKPOINTS_DIR,
     EVAL_DIR,
+    EVAL_REPORT,
+    EVAL_RESULTS,
     EVAL_RESULTS_FILE,
     CheckpointIndex,
     eval_results_path,
@@ -29,7 +31,6 @@ from hlat.core.layout import (
 )
 from hlat.core.run import Run
 from hlat.infra.eval_report import (
-    REPORT_FILE,
     choose_metric,
     embed_images,
     evaluation_history,
@@ -99,8 +100,8 @@ def write_eval_report(results: dict[str, Any], run: Run) -> dict[str, str]:
     out = run.storage
     files = write_report(run, results, load_baselines())
     # Written last: eval/results.json present means the report beside it is this evaluation's.
-    out.write_json(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}", results)
-    files[EVAL_RESULTS_FILE] = out.uri(EVAL_DIR, EVAL_RESULTS_FILE)
+    out.write_json(EVAL_RESULTS, results)
+    files[EVAL_RESULTS_FILE] = out.uri(EVAL_RESULTS)
     publish_eval_report(run, results, run.run_id)
     alert_eval_floors(run, results.get("step"), results)
     return files
@@ -109,7 +110,7 @@ def write_eval_report(results: dict[str, Any], run: Run) -> dict[str, str]:
 def publish_eval_report(run: Run, results: dict[str, Any], run_id: str) -> None:
     try:
         # The UI shows the artifact on its own page: the charts travel inside it (report.md links the files).
-        report = embed_images(run.storage.read_text(f"{EVAL_DIR}/{REPORT_FILE}"), run.storage.child(EVAL_DIR))
+        report = embed_images(run.storage.read_text(EVAL_REPORT), run.storage.child(EVAL_DIR))
         note = f"\n\nFull-size charts and files: `{run.storage.uri(EVAL_DIR)}/`"
         create_markdown_artifact(report + note, key=artifact_key("eval-report", run_id))
         rows = [{"metric": k, "value": _rounded(v)} for k, v in (results.get("perplexity") or {}).items()]

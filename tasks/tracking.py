@@ -17,14 +17,12 @@ from typing import Any
 from prefect import task
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.layout import EVAL_DIR, METRICS_FILE
+from hlat.core.layout import EVAL_REPORT, METRICS_FILE
 from hlat.core.run import Run
 from hlat.infra.stage_jobs import job_python, stage_tracks_metrics
 from hlat.training.tracking import Tracker, check_tracking, open_tracker
 
 log = logging.getLogger("hlat.tracking")
-
-EVAL_REPORT = f"{EVAL_DIR}/report.md"
 
 
 def _with_tracker(run: Run, work: Callable[[Tracker], None]) -> None:

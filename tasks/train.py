@@ -20,6 +20,7 @@ from hlat.core.layout import (
     IMPORT_RECORD,
     MANIFEST_FILE,
     METRICS_FILE,
+    REPORT_FILE,
     TOKENIZER_DIR,
     CheckpointIndex,
 )
@@ -29,7 +30,6 @@ from hlat.core.shards import read_mixture
 from hlat.core.storage import Storage
 from hlat.infra.stage_jobs import budget, supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
-from hlat.infra.tokenizer import REPORT_FILE
 from hlat.tasks.alerts import TrainAlerts
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.init_from import imported_identity

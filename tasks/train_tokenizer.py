@@ -8,9 +8,9 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from hlat.core.layout import DATA_DIR, TOKENIZER_DIR, tokenizer_defining_files
+from hlat.core.layout import DATA_DIR, REPORT_FILE, TOKENIZER_DIR, tokenizer_defining_files
 from hlat.core.run import Run
-from hlat.infra.tokenizer import REPORT_FILE, build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
+from hlat.infra.tokenizer import build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.training.data.tokenizer import Tokenizer
 

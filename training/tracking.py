@@ -35,13 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.layout import TRACKING_DIR
+from hlat.core.layout import TRACKING_DIR, TRACKING_RECORD
 from hlat.core.run import Run
 
 log = logging.getLogger("hlat.tracking")
 
-TRACKING_RECORD = f"{TRACKING_DIR}/tracking.json"
-"""Which tracked run the hlat run logs into: {"backend", "run_id" (MLflow) or "id" (W&B), ...}."""
 RUN_TAG = "hlat.run_id"
 """MLflow tag naming the hlat run a tracked run belongs to (how a run without its record is found)."""
 LOGGED_TAG = "hlat.logged_step"

@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 
 from hlat.core.config import HlatConfig
+from hlat.core.layout import REPORT_FILE
 from hlat.core.presets import load_config
 from hlat.core.run import Run, open_run
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
 from hlat.infra.jobs import job_name
 from hlat.infra.supervisor import Ledger
-from hlat.training.data.units import REPORT_FILE, DataReport, UnitResult
+from hlat.training.data.units import DataReport, UnitResult
 from tests.jobs import prepare_job, source_data
 
 pytestmark = pytest.mark.slow  # each test runs prepare-data jobs of 2 workers (5-11 s)

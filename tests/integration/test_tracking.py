@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 from hlat.core.config import ConfigError
+from hlat.core.layout import TRACKING_RECORD
 from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.tracking import (
     LOGGED_TAG,
     RUN_TAG,
-    TRACKING_RECORD,
     check_tracking,
     wandb_key,
     wandb_offline_history,

@@ -20,7 +20,7 @@ import sentencepiece as spm
 import torch
 
 from hlat.core.config import TokenizerConfig
-from hlat.core.layout import MANIFEST_FILE
+from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
 from hlat.core.run import Run
 from hlat.core.shards import DataManifest, MixtureManifest, MixtureSource, write_shard
 from hlat.core.storage import Storage
@@ -381,7 +381,6 @@ def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
 ) -> None:
     from hlat.core.config import ConfigError
     from hlat.core.presets import load_config
-    from hlat.infra.tokenizer import REPORT_FILE
     from hlat.tasks.train import measured_source_tokens
 
     data = run_data(corpus, "measured", {"web": 0.6, "code": 0.3, "books": 0.1})

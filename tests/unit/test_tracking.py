@@ -13,6 +13,7 @@ import pytest
 from botocore.validate import validate_parameters
 
 from hlat.core.config import ConfigError, HlatConfig, TrackingConfig
+from hlat.core.layout import TRACKING_RECORD
 from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.infra.sagemaker_jobs import (
@@ -25,7 +26,6 @@ from hlat.infra.sagemaker_jobs import (
 from hlat.training.metrics import MetricsLog
 from hlat.training.tracking import (
     LOGGED_TAG,
-    TRACKING_RECORD,
     MlflowTracker,
     _whole_steps,
     flat_config,
