@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 
@@ -91,11 +92,18 @@ class Run:
 def load_stored_config(folder: Storage) -> HlatConfig:
     """A run folder's config.json, validated; StorageNotFound naming the fix when the run was never started."""
     try:
-        return validate_config(folder.read_json(CONFIG_FILE))
+        text = folder.read_text(CONFIG_FILE)
     except StorageNotFound:
         raise StorageNotFound(
             f"{folder.uri(CONFIG_FILE)} does not exist: run 'hlat pretrain' or a stage first"
         ) from None
+    return _validated(text).model_copy(deep=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _validated(text: str) -> HlatConfig:
+    """config.json's text, validated once per process (a changed file is new text). Callers get a deep copy."""
+    return validate_config(json.loads(text))
 
 
 def run_for(config: HlatConfig) -> Run:
@@ -149,7 +157,7 @@ def open_run(config: HlatConfig) -> Run:
 def _stored(run: Run) -> HlatConfig | None:
     if not run.storage.exists(CONFIG_FILE):
         return None
-    return validate_config(run.storage.read_json(CONFIG_FILE))
+    return load_stored_config(run.storage)
 
 
 def _extended_in_place(existing: HlatConfig, resolved: HlatConfig) -> bool:

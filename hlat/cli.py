@@ -711,14 +711,14 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
     return flow_fn, params
 
 
-def _run_storage(args: argparse.Namespace) -> Any:
-    """The run `hlat status RUN` / `hlat stop RUN` names, with the AWS credentials block its config names (if any)
-    made this process's credentials."""
-    from hlat.core.run import load_stored_config
+def _located_run(args: argparse.Namespace) -> Any:
+    """The run `hlat status RUN` / `hlat stop RUN` names (its config.json read and validated here, once), with the
+    AWS credentials block its config names (if any) made this process's credentials."""
+    from hlat.core.run import Run
     from hlat.infra import status
 
-    run = status.locate(args.run, args.storage)
-    job = load_stored_config(run).job
+    run = Run.of(status.locate(args.run, args.storage))
+    job = run.config.job
     if job.aws_credentials_block:
         from hlat.tasks.aws import activate
 
@@ -733,14 +733,14 @@ def _status(args: argparse.Namespace) -> int:
     if args.run is None:
         print(status.list_runs(Storage(args.storage or "./runs")))
         return 0
-    print(status.render(status.run_status(_run_storage(args))))
+    print(status.render(status.run_status(_located_run(args))))
     return 0
 
 
 def _stop(args: argparse.Namespace) -> int:
     from hlat.infra import status
 
-    run = _run_storage(args)
+    run = _located_run(args)
     results = status.stop_run(run, wait_s=args.wait, say=lambda text: print(f"hlat: {text}", flush=True))
     print(status.stop_summary(results, args.run))
     return 0

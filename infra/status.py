@@ -79,7 +79,7 @@ def backend_of(config: HlatConfig, run: Run) -> JobBackend:
     """The backend the run's jobs run on (config.json's job.backend), as its stages made it."""
     from hlat.infra.stage_jobs import backend_for
 
-    return backend_for(Run.at(run.storage.url, config))
+    return backend_for(run.with_config(config))
 
 
 def stage_price(config: HlatConfig, stage: str) -> float:
