@@ -1,20 +1,9 @@
-"""The run layout: every file and folder of a run, named once, and how to find a run's committed checkpoints.
+"""The run layout: every file and folder of a run named once, and how to find its committed checkpoints.
 
-A run is one folder (local path or s3:// prefix), `<storage>/<run_id>/`:
-
-    config.json                  the validated config (CONFIG_FILE)
-    data/                        shards, manifest and report of prepare-data (DATA_DIR)
-    tokenizer/                   tokenizer.model and/or tokenizer.json, the HF files, report.json (TOKENIZER_DIR)
-    compile-cache/               latest.json, torch/<key>/, xla/<key>/, neuron/ (COMPILE_CACHE_DIR)
-    burn-in/report.json          the burn-in verdict (BURN_IN_REPORT)
-    checkpoints/step-NNNNNNNNN/  one checkpoint, complete once its COMMITTED marker exists (CHECKPOINTS_DIR)
-    checkpoints/pins/step-NNNNNNNNN   a checkpoint retention must keep for now (queued for evaluation) (PINS_DIR)
-    metrics.jsonl                training's metrics, one JSON object per line (METRICS_FILE)
-    eval/                        results.json, report.md, plots; eval/step-NNNNNNNNN/results.json per checkpoint
-    jobs/                        each stage's job ledger (JOBS_DIR)
-
-Finding checkpoints needs no torch: `CheckpointIndex` lists and validates them (the marker against meta.json and
-every listed file's size); `training.checkpoint.CheckpointManager` adds saving, loading and pruning.
+docs/stages.md ("What a run writes") draws the tree. Every path built from a run is built here: names, and
+small functions for the paths that take a stage, step or job. tests/unit/test_layers.py finds none elsewhere.
+Finding checkpoints needs no torch: `CheckpointIndex` lists and validates them (marker, meta.json, sizes).
+`training.checkpoint.CheckpointManager` adds saving, loading and pruning.
 """
 
 from __future__ import annotations
@@ -82,6 +71,9 @@ EVAL_RESULTS = f"{EVAL_DIR}/{EVAL_RESULTS_FILE}"
 """The evaluation the report describes (written last)."""
 EVAL_REPORT_FILE = "report.md"
 EVAL_REPORT = f"{EVAL_DIR}/{EVAL_REPORT_FILE}"
+ALERTS_DIR = "alerts"
+ALERTS_SENT = f"{ALERTS_DIR}/sent.json"
+"""What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
 TRACKING_RECORD = f"{TRACKING_DIR}/tracking.json"
 """Which tracked run the hlat run logs into: {"backend", "run_id" (MLflow) or "id" (W&B), ...}."""
 IMPORT_DIR = "init"

@@ -1,12 +1,8 @@
-"""The run layout: one prefix per run id under the storage root, and the config written there once.
+"""The run: `Run` (its id, storage and config) and opening a run with its config.json.
 
-```
-<storage_root>/<run_id>/
-  config.json      the resolved config, written once
-  data/            shards, manifest.json, report.json, quarantine/
-  tokenizer/       tokenizer.model and/or tokenizer.json, the HF tokenizer files, report.json
-  compile-cache/  burn-in/  checkpoints/  eval/
-```
+A run is one folder under the storage root; docs/stages.md draws its tree, core/layout.py names its files.
+Flows, tasks and jobs all take a `Run`. config.json is validated once per process (per content).
+A different config under the same run id is refused; a longer schedule-preserving run is extended.
 """
 
 from __future__ import annotations

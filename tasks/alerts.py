@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from hlat.core.config import AlertsConfig, ConfigError
-from hlat.core.layout import METRICS_FILE
+from hlat.core.layout import ALERTS_SENT, METRICS_FILE
 from hlat.core.stages import STAGES
 
 if TYPE_CHECKING:
@@ -53,8 +53,6 @@ EVAL_BELOW_FLOOR = "hlat.eval.below-floor"
 
 RUN_ID_LABEL = "hlat.run-id"
 STORAGE_LABEL = "hlat.storage"
-STATE_FILE = "alerts/sent.json"
-"""What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
 
 FLOW_NAMES = ("hlat", *(stage.name for stage in STAGES))
 """The hlat flows (the parent DAG and one flow per stage): a failed or crashed run of any of them is an alert."""
@@ -164,17 +162,17 @@ class TrainAlerts(RunEvents):
 
     def _load_sent(self) -> dict[str, Any]:
         try:
-            sent = self.storage.read_json(STATE_FILE) if self.storage.exists(STATE_FILE) else {}
+            sent = self.storage.read_json(ALERTS_SENT) if self.storage.exists(ALERTS_SENT) else {}
         except Exception as exc:
-            log.warning("could not read %s: %s", self.storage.uri(STATE_FILE), exc)
+            log.warning("could not read %s: %s", self.storage.uri(ALERTS_SENT), exc)
             sent = {}
         return {"budget_fractions": [], "spikes_skipped": 0, "relaunch": 1, **(sent if isinstance(sent, dict) else {})}
 
     def _save_sent(self) -> None:
         try:
-            self.storage.write_json(STATE_FILE, self.sent)
+            self.storage.write_json(ALERTS_SENT, self.sent)
         except Exception as exc:  # at worst the same alert is sent again by a later stage
-            log.warning("could not write %s: %s", self.storage.uri(STATE_FILE), exc)
+            log.warning("could not write %s: %s", self.storage.uri(ALERTS_SENT), exc)
 
     def started(self, step: int | None, target_step: int) -> None:
         self.emit(STARTED, {"step": step, "target_step": target_step})

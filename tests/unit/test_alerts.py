@@ -13,6 +13,7 @@ import pytest
 from pydantic import ValidationError
 
 from hlat.core.config import AlertsConfig, ConfigError
+from hlat.core.layout import ALERTS_SENT
 from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.infra.supervisor import Attempt, Progress
@@ -24,7 +25,6 @@ from hlat.tasks.alerts import (
     RELAUNCHED,
     RELAUNCHES_EXCEEDED,
     SPIKE_SKIPPED,
-    STATE_FILE,
     TrainAlerts,
     alert_eval_floors,
     alerts_settings,
@@ -103,7 +103,7 @@ def test_relaunches_are_announced_once_and_beyond_the_limit_alerted(
     again.attempts([first, second, Attempt(3, "r1-train-3")])
     assert names(emitted) == [RELAUNCHED, RELAUNCHES_EXCEEDED]
     assert "more than alerts.max_relaunches=1" in emitted[1]["payload"]["message"]
-    assert json.loads((Path(run.uri) / STATE_FILE).read_text())["relaunch"] == 3
+    assert json.loads((Path(run.uri) / ALERTS_SENT).read_text())["relaunch"] == 3
 
 
 def test_progress_budget_and_spikes(tmp_path: Path, emitted: list[dict[str, Any]]) -> None:
