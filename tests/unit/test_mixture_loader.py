@@ -357,13 +357,13 @@ def test_the_training_report_and_progress_show_each_sources_tokens_and_share(tmp
     from hlat.core.layout import METRICS_FILE
     from hlat.tasks.train import latest_source_tokens, mixture_line, summary_rows, training_summary
 
-    run = Storage(str(tmp_path / "run"))
+    run = Run.at(str(tmp_path / "run"))
     records = [
         {"step": 10, "loss": 5.0, "tokens/web": 600, "tokens/code": 300, "tokens/books": 100, "data_degree": 2},
         {"step": 15, "val_loss": 4.9},
         {"step": 20, "loss": 4.0, "tokens/web": 1210, "tokens/code": 590, "tokens/books": 200, "data_degree": 2},
     ]
-    run.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records))
+    run.storage.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records))
     summary = training_summary(run)
     assert summary["tokens/web"] == 1210 and summary["data_degree"] == 2 and summary["loss"] == 4.0
     rows = {r["metric"]: r["value"] for r in summary_rows(summary)}
