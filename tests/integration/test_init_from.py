@@ -50,7 +50,7 @@ def _config(**model: Any) -> HlatConfig:
 
 def test_a_local_folder_is_recorded_with_each_file_s_sha256_and_read_in_place(tmp_path: Path) -> None:
     folder = _llama(tmp_path / "llama", shard_bytes="40KB")
-    run = Storage(str(tmp_path / "run"))
+    run = Run.at(str(tmp_path / "run"))
     record = import_checkpoint(_config(init_from=str(folder)), run)
     names = [f["name"] for f in record["files"]]
     assert names[:2] == ["config.json", "model.safetensors.index.json"] and len(names) > 3  # sharded
@@ -58,7 +58,7 @@ def test_a_local_folder_is_recorded_with_each_file_s_sha256_and_read_in_place(tm
         assert entry["sha256"] == hashlib.sha256((folder / entry["name"]).read_bytes()).hexdigest()
     assert record["location"] == str(folder) and record["from"] == "local"
     assert record["config"]["hidden_size"] == 64 and record["bytes"] == sum(f["bytes"] for f in record["files"])
-    assert run.read_json(IMPORT_RECORD) == json.loads(json.dumps(record))
+    assert run.storage.read_json(IMPORT_RECORD) == json.loads(json.dumps(record))
     # A second resolution keeps the record (the run started from those weights).
     (folder / "config.json").write_text((folder / "config.json").read_text().replace("64", "64 "))
     assert import_checkpoint(_config(init_from=str(folder)), run)["sha256"] == record["sha256"]
@@ -84,7 +84,7 @@ def test_an_s3_prefix_is_read_in_place_and_a_local_folder_is_uploaded_once_for_a
     prefix = Storage(f"{s3_env.url}/weights")
     for path in folder.iterdir():
         prefix.put_file(str(path), path.name)
-    run = Storage(f"{s3_env.url}/runs/r1")
+    run = Run.at(f"{s3_env.url}/runs/r1")
     record = import_checkpoint(_config(init_from=prefix.url), run)
     assert record["location"] == prefix.url and record["from"] == "s3"
     assert all(f["etag"] for f in record["files"])
@@ -112,10 +112,10 @@ def test_a_folder_without_a_usable_checkpoint_is_refused_naming_the_field(
     (folder / remove).unlink()
     if write:
         (folder / write).write_bytes(b"pickle")
-    run = Storage(str(tmp_path / "run"))
+    run = Run.at(str(tmp_path / "run"))
     with pytest.raises(ValueError, match=rf"model.init_from='.*llama': .*{message}"):
         import_checkpoint(_config(init_from=str(folder)), run)
-    assert not run.exists(IMPORT_RECORD)
+    assert not run.storage.exists(IMPORT_RECORD)
 
 
 def test_an_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
