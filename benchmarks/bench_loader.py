@@ -23,7 +23,8 @@ import sentencepiece as spm
 
 from benchmarks.measure import best_of, table
 from hlat.core.config import TokenizerConfig
-from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.layout import MANIFEST_FILE
+from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import train_sentencepiece, training_lines
 from hlat.training.data.loader import PackedLoader

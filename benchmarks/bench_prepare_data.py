@@ -121,7 +121,7 @@ def job_seconds(corpus: Path, tmp: Path, workers: int, unit_mb: int) -> tuple[fl
     import time
 
     from hlat.core.presets import load_config
-    from hlat.infra.runs import open_run
+    from hlat.core.run import open_run
 
     overrides = {"data.source": str(corpus), "data.max_documents": None, "data.workers": workers,
                  "data.unit_mb": unit_mb, "data.validation_fraction": 0.01, "data.shard_rows": 50_000,

@@ -25,8 +25,9 @@ os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 from benchmarks.measure import table
 from hlat.core.environment import rehearsal_sdk
+from hlat.core.layout import CHECKPOINTS_DIR, MANIFEST_FILE
 from hlat.core.presets import load_config
-from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter, iter_documents
+from hlat.core.shards import DataManifest, ShardWriter, iter_documents
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import train_sentencepiece, training_lines
 
@@ -82,16 +83,17 @@ def make_run(prepared: Path, root: Path, run_id: str, device: str = "xla", **ove
 
 def measure(run: Path, sync_steps: set[int]) -> dict[str, Any]:
     """Train the run's steps with `Trainer.fit`; per step, the time and (XLA) counters once its work is done."""
-    from hlat.core.config import validate_config
+    from hlat.core.run import Run
     from hlat.training.loop import Trainer
     from hlat.training.parallel.distributed import init_world
 
-    cfg = validate_config(Storage(str(run)).read_json("config.json"))
+    job_run = Run.at(str(run))
+    cfg = job_run.config
     world = init_world(cfg.training.device, cfg)
     trainer = Trainer(
         cfg=cfg,
-        run=Storage(str(run)),
-        checkpoints=Storage(str(run / "checkpoints")),
+        run=job_run,
+        checkpoints=job_run.storage.child(CHECKPOINTS_DIR),
         world=world,
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),
     )

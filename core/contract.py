@@ -30,7 +30,8 @@ from dataclasses import dataclass
 from datetime import datetime, timezone
 
 from hlat.core.config import HlatConfig, validate_config
-from hlat.core.layout import CHECKPOINTS_DIR, JOBS_DIR, TOKENIZER_DIR, TOKENIZER_FILES, tokenizer_defining_files
+from hlat.core.layout import CHECKPOINTS_DIR, TOKENIZER_DIR, TOKENIZER_FILES, tokenizer_defining_files
+from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageNotFound
 
 EXIT_NAN = 3
@@ -73,24 +74,24 @@ def in_sagemaker() -> bool:
     return "SM_TRAINING_ENV" in os.environ or "SM_CURRENT_HOST" in os.environ
 
 
-def checkpoint_location(run: Storage) -> Storage:
+def checkpoint_location(run: Run) -> Storage:
     """Where the job's checkpoints go: the run's checkpoints/, whichever host a rank is on (HLAT_CHECKPOINT_DIR
     overrides it, e.g. a shared FSx path)."""
     if "HLAT_CHECKPOINT_DIR" in os.environ:
         return Storage(os.environ["HLAT_CHECKPOINT_DIR"])
-    return run.child(CHECKPOINTS_DIR)
+    return run.storage.child(CHECKPOINTS_DIR)
 
 
-def channel_location(run: Storage, channel: str) -> Storage:
+def channel_location(run: Run, channel: str) -> Storage:
     """The run's `channel`/ folder, or the job's local copy of it when the job has that input channel."""
     local = os.environ.get(f"SM_CHANNEL_{channel.upper()}")
-    return Storage(local) if local else run.child(channel)
+    return Storage(local) if local else run.storage.child(channel)
 
 
-def tensorboard_location(run: Storage) -> str | None:
+def tensorboard_location(run: Run) -> str | None:
     if in_sagemaker():
         return os.environ.get("SM_TENSORBOARD_DIR", SAGEMAKER_TENSORBOARD_DIR)
-    return run.path("tensorboard") if run.is_local else None
+    return run.storage.path("tensorboard") if run.storage.is_local else None
 
 
 def failure_file() -> str | None:
@@ -270,14 +271,15 @@ def job_arguments(
     return args
 
 
-def read_job_config(config_uri: str) -> tuple[Storage, HlatConfig]:
-    """The run (the config's folder: data/, tokenizer/, checkpoints/ are its children) and its validated config."""
+def read_job_config(config_uri: str) -> Run:
+    """The run whose config.json `config_uri` names (data/, tokenizer/, checkpoints/ are its folder's children),
+    its config validated once here."""
     folder, _, name = config_uri.rstrip("/").rpartition("/")
-    run = Storage(folder or ".")
-    return run, validate_config(run.read_json(name))
+    storage = Storage(folder or ".")
+    return Run.at(storage.url, validate_config(storage.read_json(name)))
 
 
-def fetch_tokenizer(run: Storage, folder: str) -> str:
+def fetch_tokenizer(run: Run, folder: str) -> str:
     """Copy the tokenizer's files (from the job's tokenizer channel, or the run) into `folder`; the path of the file
     that defines it (tokenizer.model where there is one, else tokenizer.json: what `Tokenizer.load` reads)."""
     source = channel_location(run, TOKENIZER_DIR)
@@ -356,17 +358,6 @@ never."""
 
 STOP_BUDGET, STOP_DEADLINE, STOP_UNSUPERVISED = "budget", "deadline", "unsupervised"
 """Why a job stopped itself (`StopRecord.why`)."""
-
-
-def supervisor_heartbeat(stage: str = "train") -> str:
-    """The heartbeat its supervisor writes each poll, relative to the run: {"beat_at": epoch seconds, "pid", "host",
-    "flow_run_id", "command"}."""
-    return f"{JOBS_DIR}/{stage}-supervisor.json"
-
-
-def stop_record_path(stage: str = "train") -> str:
-    """Where a job that stopped itself leaves its `StopRecord` (the newest one), relative to the run."""
-    return f"{JOBS_DIR}/{stage}-stop.json"
 
 
 def _number(env: Mapping[str, str], name: str) -> float | None:

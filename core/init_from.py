@@ -18,12 +18,10 @@ from collections.abc import Mapping
 from typing import Any
 
 from hlat.core.config import HlatConfig, validate_config
+from hlat.core.layout import IMPORT_RECORD
 from hlat.core.models import HfConfigRefused, hf_family
-from hlat.core.storage import Storage, StorageNotFound
-
-IMPORT_DIR = "init"
-IMPORT_RECORD = f"{IMPORT_DIR}/import.json"
-"""The run's record of the weights it started from (the module docstring)."""
+from hlat.core.run import Run
+from hlat.core.storage import StorageNotFound
 
 # The ModelConfig fields a checkpoint decides, in the order the change line lists them.
 DECIDED = (
@@ -143,13 +141,13 @@ def _multiple_for(vocab: int, rows: int) -> int:
     return multiple
 
 
-def import_record(run: Storage) -> dict[str, Any]:
+def import_record(run: Run) -> dict[str, Any]:
     """The run's record of its imported weights (`IMPORT_RECORD`); StorageNotFound naming the stage that writes
     it."""
-    if not run.exists(IMPORT_RECORD):
+    if not run.storage.exists(IMPORT_RECORD):
         raise StorageNotFound(
-            f"{run.uri(IMPORT_RECORD)} is missing: model.init_from is set but its weights were not imported; run the "
-            "train stage (it imports them before the first job)"
+            f"{run.storage.uri(IMPORT_RECORD)} is missing: model.init_from is set but its weights were not imported; "
+            "run the train stage (it imports them before the first job)"
         )
-    record: dict[str, Any] = run.read_json(IMPORT_RECORD)
+    record: dict[str, Any] = run.storage.read_json(IMPORT_RECORD)
     return record

@@ -1,20 +1,9 @@
-"""The run layout: every file and folder of a run, named once, and how to find a run's committed checkpoints.
+"""The run layout: every file and folder of a run named once, and how to find its committed checkpoints.
 
-A run is one folder (local path or s3:// prefix), `<storage>/<run_id>/`:
-
-    config.json                  the validated config (CONFIG_FILE)
-    data/                        shards, manifest and report of prepare-data (DATA_DIR)
-    tokenizer/                   tokenizer.model and/or tokenizer.json, the HF files, report.json (TOKENIZER_DIR)
-    compile-cache/               latest.json, torch/<key>/, xla/<key>/, neuron/ (COMPILE_CACHE_DIR)
-    burn-in/report.json          the burn-in verdict (BURN_IN_REPORT)
-    checkpoints/step-NNNNNNNNN/  one checkpoint, complete once its COMMITTED marker exists (CHECKPOINTS_DIR)
-    checkpoints/pins/step-NNNNNNNNN   a checkpoint retention must keep for now (queued for evaluation) (PINS_DIR)
-    metrics.jsonl                training's metrics, one JSON object per line (METRICS_FILE)
-    eval/                        results.json, report.md, plots; eval/step-NNNNNNNNN/results.json per checkpoint
-    jobs/                        each stage's job ledger (JOBS_DIR)
-
-Finding checkpoints needs no torch: `CheckpointIndex` lists and validates them (the marker against meta.json and
-every listed file's size); `training.checkpoint.CheckpointManager` adds saving, loading and pruning.
+docs/stages.md ("What a run writes") draws the tree. Every path built from a run is built here: names, and
+small functions for the paths that take a stage, step or job. tests/unit/test_layers.py finds none elsewhere.
+Finding checkpoints needs no torch: `CheckpointIndex` lists and validates them (marker, meta.json, sizes).
+`training.checkpoint.CheckpointManager` adds saving, loading and pruning.
 """
 
 from __future__ import annotations
@@ -64,10 +53,34 @@ METRICS_FILE = "metrics.jsonl"
 EVAL_DIR = "eval"
 EVAL_RESULTS_FILE = "results.json"
 JOBS_DIR = "jobs"
+COMPARE_DIR = "compare"
+"""`hlat compare`'s output beside run A: compare/<label B>/."""
+JOB_LOG_FILE = "output.log"
+"""In a local job's folder: the supervisor's messages and the processes' output."""
 SOURCES_DIR = "sources"
 """Beside the runs, under the storage root: `sources/<name>-<key>/`, each prepared source (its manifest, shards and
 report), keyed by its reader, validation, curation and shard settings and its content: shared by every run that
 prepares the same source the same way, so adding a source or changing weights prepares nothing twice."""
+MANIFEST_FILE = "manifest.json"
+"""A data folder's manifest (the run's data/ mixture, a prepared source's shards), written last."""
+REPORT_FILE = "report.json"
+"""A stage folder's report (data/, tokenizer/, a prepared source's)."""
+DATA_MANIFEST = f"{DATA_DIR}/{MANIFEST_FILE}"
+DATA_REPORT = f"{DATA_DIR}/{REPORT_FILE}"
+EVAL_RESULTS = f"{EVAL_DIR}/{EVAL_RESULTS_FILE}"
+"""The evaluation the report describes (written last)."""
+EVAL_REPORT_FILE = "report.md"
+EVAL_REPORT = f"{EVAL_DIR}/{EVAL_REPORT_FILE}"
+ALERTS_DIR = "alerts"
+ALERTS_SENT = f"{ALERTS_DIR}/sent.json"
+"""What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
+TRACKING_RECORD = f"{TRACKING_DIR}/tracking.json"
+"""Which tracked run the hlat run logs into: {"backend", "run_id" (MLflow) or "id" (W&B), ...}."""
+IMPORT_DIR = "init"
+IMPORT_RECORD = f"{IMPORT_DIR}/import.json"
+"""The run's record of the weights it started from (model.init_from)."""
+IMPORTS_DIR = "imports"
+"""Beside the runs, under the storage root: `imports/<sha256>/`, local init_from weights uploaded for S3 runs."""
 STAGE_DIRS = (DATA_DIR, TOKENIZER_DIR, COMPILE_CACHE_DIR, BURN_IN_DIR, CHECKPOINTS_DIR, EVAL_DIR)
 """The folders each stage writes, in the DAG's order."""
 
@@ -94,10 +107,53 @@ def tokenizer_sha256(contents: Mapping[str, bytes]) -> str:
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
 
-def source_folder(run: Storage, name: str, key: str) -> Storage:
-    """Where the source `name` prepared under cache key `key` lives: `<storage root>/sources/<name>-<key>/`, the
-    root being the folder that holds the run."""
-    return run.parent().child(SOURCES_DIR, f"{name}-{key.rpartition('-')[2][:16]}")
+def source_folder(root: Storage, name: str, key: str) -> Storage:
+    """Where the source `name` prepared under cache key `key` lives: `<storage root>/sources/<name>-<key>/`
+    (`root`: the storage root, `Run.root`)."""
+    return root.child(SOURCES_DIR, f"{name}-{key.rpartition('-')[2][:16]}")
+
+
+def import_folder(root: Storage, sha256: str) -> Storage:
+    """Where local init_from weights are uploaded for a run on S3: `<storage root>/imports/<sha256>/`."""
+    return root.child(IMPORTS_DIR, sha256[:32])
+
+
+# -- jobs/: each stage's ledger, supervisor heartbeat, lease, stop request and stop record -------------------------
+def ledger_path(stage: str) -> str:
+    """The stage's attempts ledger, relative to the run."""
+    return f"{JOBS_DIR}/{stage}-attempts.json"
+
+
+def heartbeat_path(stage: str = "train") -> str:
+    """The heartbeat the stage's supervisor writes each poll and its job reads, relative to the run:
+    {"beat_at": epoch seconds, "pid", "host", "flow_run_id", "command"}."""
+    return f"{JOBS_DIR}/{stage}-supervisor.json"
+
+
+def lease_path(stage: str) -> str:
+    """The lease that makes one supervisor the stage's only one, relative to the run."""
+    return f"{JOBS_DIR}/{stage}-lease.json"
+
+
+def stop_request_path(stage: str) -> str:
+    """`hlat stop`'s request that the stage relaunch nothing, relative to the run."""
+    return f"{JOBS_DIR}/{stage}-stop-request.json"
+
+
+def stop_record_path(stage: str = "train") -> str:
+    """Where a job that stopped itself leaves its `StopRecord` (the newest one), relative to the run."""
+    return f"{JOBS_DIR}/{stage}-stop.json"
+
+
+def clock_probe_path(stage: str | None = None, side: str = "supervisor") -> str:
+    """The object written to read run storage's clock: `hlat status`'s (no stage), or a stage's supervisor's or
+    job's."""
+    return f"{JOBS_DIR}/status-clock" if stage is None else f"{JOBS_DIR}/{stage}-clock-{side}"
+
+
+def job_log_path(job_name: str) -> str:
+    """The local backend's log of one job (its folder's JOB_LOG_FILE), relative to the run."""
+    return f"{JOBS_DIR}/{job_name}/{JOB_LOG_FILE}"
 
 
 CHECKPOINT_MARKER = "COMMITTED"
@@ -117,6 +173,16 @@ def step_dir(step: int) -> str:
 def shard_file(shard: str) -> str:
     """A sharded checkpoint's file of one model-parallel shard (e.g. "tp01-pp00")."""
     return f"model-{shard}.pt"
+
+
+def eval_path(*parts: str) -> str:
+    """A file or folder under the run's eval/ (`eval_path("step-000000600", "results.json")`)."""
+    return "/".join((EVAL_DIR, *parts))
+
+
+def compare_path(label: str) -> str:
+    """`hlat compare`'s output folder for run B's `label`, under run A."""
+    return f"{COMPARE_DIR}/{label}"
 
 
 def eval_results_path(step: int, averaged: bool = False) -> str:

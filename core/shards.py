@@ -18,9 +18,9 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from pydantic import BaseModel
 
+from hlat.core.layout import MANIFEST_FILE
 from hlat.core.storage import Storage
 
-MANIFEST_FILE = "manifest.json"
 Split = Literal["train", "validation"]
 
 

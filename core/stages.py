@@ -22,7 +22,7 @@ from hlat.core.layout import (
     COMPILE_LATEST,
     DATA_DIR,
     EVAL_DIR,
-    EVAL_RESULTS_FILE,
+    EVAL_RESULTS,
     METRICS_FILE,
     TOKENIZER_DIR,
     TOKENIZER_MODEL,
@@ -30,8 +30,8 @@ from hlat.core.layout import (
     tokenizer_defining_files,
     tokenizer_sha256,
 )
+from hlat.core.run import Run
 from hlat.core.shards import MANIFEST_FILE, data_checksum_of
-from hlat.core.storage import Storage
 
 
 def setting(config: HlatConfig, dotted: str) -> Any:
@@ -138,44 +138,44 @@ EVALUATION = Instances(
 
 
 # -- what each stage's outputs are: its done check, and its checksum where a later stage keys on it -------------
-def _data_done(run: Storage, config: HlatConfig) -> bool:
-    return run.child(DATA_DIR).exists(MANIFEST_FILE)
+def _data_done(run: Run, config: HlatConfig) -> bool:
+    return run.storage.child(DATA_DIR).exists(MANIFEST_FILE)
 
 
-def _data_checksum(run: Storage) -> str:
+def _data_checksum(run: Run) -> str:
     """The prepared shards' checksum (from the mixture's manifest)."""
-    return data_checksum_of(run.child(DATA_DIR))
+    return data_checksum_of(run.storage.child(DATA_DIR))
 
 
-def _tokenizer_done(run: Storage, config: HlatConfig) -> bool:
-    return bool(tokenizer_defining_files(run.child(TOKENIZER_DIR).list()))  # tokenizer.model or tokenizer.json
+def _tokenizer_done(run: Run, config: HlatConfig) -> bool:
+    return bool(tokenizer_defining_files(run.storage.child(TOKENIZER_DIR).list()))  # tokenizer.model or tokenizer.json
 
 
-def _tokenizer_checksum(run: Storage) -> str:
+def _tokenizer_checksum(run: Run) -> str:
     """The tokenizer's identity as the loader records it (`tokenizer_sha256`: its tokenizer.model's sha256, or
     the hash of a tokenizer.json-only one's files)."""
-    tokenizer = run.child(TOKENIZER_DIR)
+    tokenizer = run.storage.child(TOKENIZER_DIR)
     names = tokenizer_defining_files(tokenizer.list())
     if not names:
         tokenizer.require(TOKENIZER_MODEL, what="tokenizer")  # StorageNotFound naming the missing tokenizer
     return tokenizer_sha256({name: tokenizer.read_bytes(name) for name in names})
 
 
-def _precompile_done(run: Storage, config: HlatConfig) -> bool:
-    return run.exists(COMPILE_LATEST)
+def _precompile_done(run: Run, config: HlatConfig) -> bool:
+    return run.storage.exists(COMPILE_LATEST)
 
 
-def _burn_in_done(run: Storage, config: HlatConfig) -> bool:
-    return run.exists(BURN_IN_REPORT)
+def _burn_in_done(run: Run, config: HlatConfig) -> bool:
+    return run.storage.exists(BURN_IN_REPORT)
 
 
-def _train_done(run: Storage, config: HlatConfig) -> bool:
-    newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
+def _train_done(run: Run, config: HlatConfig) -> bool:
+    newest = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step()
     return newest is not None and newest >= config.training.max_steps
 
 
-def _evaluate_done(run: Storage, config: HlatConfig) -> bool:
-    return run.exists(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}")
+def _evaluate_done(run: Run, config: HlatConfig) -> bool:
+    return run.storage.exists(EVAL_RESULTS)
 
 
 @dataclass(frozen=True)
@@ -188,7 +188,7 @@ class Stage:
     """What it does, in a line."""
     writes: tuple[str, ...]
     """What it writes into the run (core/layout.py); a stage with a job also writes its ledger under jobs/."""
-    done: Callable[[Storage, HlatConfig], bool]
+    done: Callable[[Run, HlatConfig], bool]
     """Whether its outputs are in the run: `hlat status` shows it done, and its tasks trust a cached result."""
     runs_on: Instances | None = None
     """Where its job runs: TRAINING, DATA or EVALUATION; None: in the flow's own process (no job)."""
@@ -196,7 +196,7 @@ class Stage:
     """A cap on its job's runtime below its instances' setting; None: the setting's alone."""
     inputs: tuple[str, ...] = ()
     """The upstream stages whose outputs (their checksums) enter its cache key."""
-    checksum: Callable[[Storage], str] | None = None
+    checksum: Callable[[Run], str] | None = None
     """The identity of its output, for the cache keys of the stages that name it in `inputs`."""
     switch: str | None = None
     """A boolean setting that turns the stage on (None: always on); its jobs count towards quotas only when on."""
@@ -231,7 +231,7 @@ class Stage:
         """Whether the config runs it (its `switch`)."""
         return self.switch is None or bool(setting(config, self.switch))
 
-    def output_checksum(self, run: Storage) -> str:
+    def output_checksum(self, run: Run) -> str:
         """The checksum of what it wrote into `run`; ValueError for a stage whose output nothing keys on."""
         if self.checksum is None:
             raise ValueError(f"the {self.name} stage's output has no checksum: no stage may name it in its inputs")

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hlat.core.run import Run
 from hlat.flows.stage import not_a_command, stage_flow
-from hlat.infra.runs import Run
 from hlat.tasks.burn_in import burn_in_cache_key, burn_in_cluster, burn_in_present
 from hlat.tasks.caching import run_cached
 

@@ -9,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 from hlat.core.layout import AVERAGED_DIR, CHECKPOINTS_DIR, CheckpointError, locate_checkpoint
+from hlat.core.run import Run
 from hlat.flows.params import AVERAGED, STEP, OptionalStep
 from hlat.flows.stage import not_a_command, stage_flow
-from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.evaluate import (
     check_task_names,

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from hlat.core.run import Run
 from hlat.flows.stage import not_a_command, stage_flow
-from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.prepare_data import (
     build_shards,

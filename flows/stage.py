@@ -3,7 +3,6 @@ with: its run (id, storage and config, built once)."""
 
 from __future__ import annotations
 
-import dataclasses
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -15,6 +14,7 @@ from prefect.runtime import flow_run
 from prefect.utilities.hashing import file_hash
 
 from hlat.core.config import DataConfig, HlatConfig
+from hlat.core.run import Run, check_run, continued, open_run
 from hlat.core.stages import stage
 from hlat.flows.params import (
     OVERRIDES,
@@ -28,7 +28,6 @@ from hlat.flows.params import (
     overrides_dict,
 )
 from hlat.infra.preflight import require_aws, require_sources
-from hlat.infra.runs import Run, check_run, continued, open_run
 from hlat.infra.stage_jobs import job_python
 from hlat.infra.supervisor import set_identity
 from hlat.tasks import aws
@@ -130,7 +129,7 @@ def start_run(
         require_sources(config, source_shape)
     require_aws(live)
     run = open_run_task(config)
-    return dataclasses.replace(run, config=live.model_copy(update={"run_id": run.run_id}))
+    return run.with_config(live)
 
 
 def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:

@@ -7,8 +7,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hlat.core.run import Run
 from hlat.flows.stage import not_a_command, stage_flow
-from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.init_from import import_weights
 from hlat.tasks.plan import plan_parallelism

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from hlat.core.run import Run
 from hlat.flows.stage import not_a_command, stage_flow
-from hlat.infra.runs import Run
 from hlat.tasks.caching import run_cached
 from hlat.tasks.tracking import track_tokenizer_report
 from hlat.tasks.train_tokenizer import fit_tokenizer, publish_tokenizer_report, tokenizer_cache_key, tokenizer_present

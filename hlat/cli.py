@@ -678,11 +678,11 @@ class Interrupted(KeyboardInterrupt):
 def where_interrupted(config: Any) -> str:
     """'the job stopped with its checkpoint at step N; run the same command to resume' (the flow stopped any
     running job on its way out: `infra.supervisor.follow`)."""
-    from hlat.infra.runs import run_for
+    from hlat.core.run import run_for
     from hlat.tasks.train import latest_checkpoint
 
     try:
-        step = latest_checkpoint(run_for(config).storage)
+        step = latest_checkpoint(run_for(config))
     except Exception:  # the message must not fail: it is what the user reads last
         step = None
     how = "run the same command to resume (finished stages are cached)"
@@ -713,14 +713,14 @@ def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any,
     return flow_fn, params
 
 
-def _run_storage(args: argparse.Namespace) -> Any:
-    """The run `hlat status RUN` / `hlat stop RUN` names, with the AWS credentials block its config names (if any)
-    made this process's credentials."""
+def _located_run(args: argparse.Namespace) -> Any:
+    """The run `hlat status RUN` / `hlat stop RUN` names (its config.json read and validated here, once), with the
+    AWS credentials block its config names (if any) made this process's credentials."""
+    from hlat.core.run import Run
     from hlat.infra import status
-    from hlat.infra.runs import load_stored_config
 
-    run = status.locate(args.run, args.storage)
-    job = load_stored_config(run).job
+    run = Run.of(status.locate(args.run, args.storage))
+    job = run.config.job
     if job.aws_credentials_block:
         from hlat.tasks.aws import activate
 
@@ -735,14 +735,14 @@ def _status(args: argparse.Namespace) -> int:
     if args.run is None:
         print(status.list_runs(Storage(args.storage or "./runs")))
         return 0
-    print(status.render(status.run_status(_run_storage(args))))
+    print(status.render(status.run_status(_located_run(args))))
     return 0
 
 
 def _stop(args: argparse.Namespace) -> int:
     from hlat.infra import status
 
-    run = _run_storage(args)
+    run = _located_run(args)
     results = status.stop_run(run, wait_s=args.wait, say=lambda text: print(f"hlat: {text}", flush=True))
     print(status.stop_summary(results, args.run))
     return 0
@@ -776,12 +776,14 @@ def _average(args: argparse.Namespace) -> int:
 
 
 def _compare(args: argparse.Namespace) -> int:
+    from hlat.core.layout import compare_path
+    from hlat.core.run import Run
     from hlat.core.storage import Storage
     from hlat.infra.eval_report import compare_line, compare_runs
 
-    a, b = Storage(args.run_a.rstrip("/")), Storage(args.run_b.rstrip("/"))
-    labels = tuple(args.labels) if args.labels else (a.uri().rsplit("/", 1)[-1], b.uri().rsplit("/", 1)[-1])
-    out = Storage(args.out) if args.out else a.child("compare", labels[1])
+    a, b = Run.at(args.run_a.rstrip("/")), Run.at(args.run_b.rstrip("/"))
+    labels = tuple(args.labels) if args.labels else (a.run_id, b.run_id)
+    out = Storage(args.out) if args.out else a.storage.child(compare_path(labels[1]))
     summary = compare_runs(a, b, out, labels=labels)
     print(f"hlat: compared {labels[0]} and {labels[1]} over {summary['common_steps']} common steps")
     for key in ("loss", "grad_norm"):

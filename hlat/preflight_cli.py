@@ -24,8 +24,8 @@ def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
 
 def preflight_result(config: HlatConfig) -> PreflightResult:
     """Every check of a run before it starts, as findings; a SageMaker run's AWS checks use its blocks."""
+    from hlat.core.run import check_run, continued
     from hlat.flows.stage import source_shape
-    from hlat.infra.runs import check_run, continued
     from hlat.infra.stage_jobs import preflight as check_requests
 
     findings: list[Finding] = []
@@ -78,7 +78,7 @@ def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
     """What the CLI checks before starting a Prefect server, so it fails in seconds; raises ConfigError.
 
     AWS checks run here only when no Prefect block is named. The flow reuses what passed (PASSED_TTL_S)."""
-    from hlat.infra.runs import check_run, continued
+    from hlat.core.run import check_run, continued
 
     try:
         config = continued(config)

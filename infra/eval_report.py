@@ -16,14 +16,15 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from hlat.core.layout import EVAL_DIR, METRICS_FILE
+from hlat.core.layout import EVAL_DIR, EVAL_REPORT, METRICS_FILE, eval_path
+from hlat.core.layout import EVAL_REPORT_FILE as REPORT_FILE
 from hlat.core.layout import EVAL_RESULTS_FILE as RESULTS_FILE
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 
 log = logging.getLogger("hlat.eval_report")
 
 BASELINES_FILE = Path(__file__).with_name("baselines.json")
-REPORT_FILE = "report.md"
 COMPARE_FILE = "compare.md"
 MISSING = "—"
 
@@ -37,14 +38,14 @@ _COMPARE_TABLE_ROWS = 20
 # -- metrics.jsonl -------------------------------------------------------------------------------------------
 
 
-def read_metrics(run: Storage) -> list[dict[str, Any]]:
+def read_metrics(run: Run) -> list[dict[str, Any]]:
     """The run's metrics records, one per step sorted by step; for a repeated step the later line wins per key.
 
     A non-JSON last line (a killed writer) is skipped with a warning; any other bad line is a ValueError."""
-    uri = run.uri(METRICS_FILE)
-    if not run.exists(METRICS_FILE):
+    uri = run.storage.uri(METRICS_FILE)
+    if not run.storage.exists(METRICS_FILE):
         raise ValueError(f"{uri} does not exist: the run has recorded no step yet (or was trained with metrics off)")
-    lines = run.read_text(METRICS_FILE).splitlines()
+    lines = run.storage.read_text(METRICS_FILE).splitlines()
     by_step: dict[int, dict[str, Any]] = {}
     for number, line in enumerate(lines, start=1):
         if not line.strip():
@@ -452,14 +453,14 @@ def _has_values(records: Sequence[Mapping[str, Any]], *keys: str) -> bool:
     return any(_number(record.get(key)) is not None for record in records for key in keys)
 
 
-def evaluation_history(run: Storage) -> list[dict[str, Any]]:
+def evaluation_history(run: Run) -> list[dict[str, Any]]:
     """One row per evaluated checkpoint, oldest first: step, perplexity, bits per byte and each task's main metric."""
     rows = []
-    for name in sorted(run.list(EVAL_DIR)) if run.exists(EVAL_DIR) else []:
-        rel = f"{EVAL_DIR}/{name}/{RESULTS_FILE}"
-        if not name.startswith("step-") or not run.exists(rel):
+    for name in sorted(run.storage.list(EVAL_DIR)) if run.storage.exists(EVAL_DIR) else []:
+        rel = eval_path(name, RESULTS_FILE)
+        if not name.startswith("step-") or not run.storage.exists(rel):
             continue
-        results = run.read_json(rel)
+        results = run.storage.read_json(rel)
         ppl = results.get("perplexity") or {}
         row: dict[str, Any] = {
             "step": results.get("step"),
@@ -484,9 +485,7 @@ def _history_section(history: Sequence[Mapping[str, Any]]) -> list[str]:
     return ["## Checkpoints evaluated", "", *_table(columns, ["--:"] * len(columns), rows), ""]
 
 
-def write_report(
-    run: Storage, results: Mapping[str, Any], baselines: Mapping[str, Any] | None = None
-) -> dict[str, str]:
+def write_report(run: Run, results: Mapping[str, Any], baselines: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Write report.md and the two charts into the run's eval/; return {file name: URI}.
 
     results.json is the caller's. Without metrics.jsonl the report says so, and old charts are removed."""
@@ -506,23 +505,23 @@ def write_report(
     files: dict[str, str] = {}
     plots: dict[str, str] = {}
     for name, (key, extra, log_y, caption) in charts.items():
-        rel = f"{EVAL_DIR}/{name}"
+        rel = eval_path(name)
         if not _has_values(records, key, *extra):
-            run.remove(rel)
+            run.storage.remove(rel)
             continue
         title = f"{label}: {caption}" + (f", evaluated at step {step}" if step is not None else "")
         png = plot_curves({label: records}, key, None, title, extra_keys=extra, log_y=log_y, mark_step=step)
-        run.write_bytes(rel, png)
-        files[name] = run.uri(rel)
+        run.storage.write_bytes(rel, png)
+        files[name] = run.storage.uri(rel)
         plots[caption] = name
     if records and not plots:
-        notes.append(f"No training curves: {run.uri(METRICS_FILE)} holds no loss or grad_norm values.")
+        notes.append(f"No training curves: {run.storage.uri(METRICS_FILE)} holds no loss or grad_norm values.")
     report = render_report(results, baselines, plots, notes=notes)
     history = evaluation_history(run)
     if len(history) > 1:  # intermediate checkpoints were evaluated too: show the trajectory
         report += "\n" + "\n".join(_history_section(history))
-    run.write_text(f"{EVAL_DIR}/{REPORT_FILE}", report)
-    files[REPORT_FILE] = run.uri(EVAL_DIR, REPORT_FILE)
+    run.storage.write_text(EVAL_REPORT, report)
+    files[REPORT_FILE] = run.storage.uri(EVAL_REPORT)
     return files
 
 
@@ -642,8 +641,8 @@ def compare_line(key: str, d: Mapping[str, Any]) -> str:
 
 
 def compare_runs(
-    a: Storage,
-    b: Storage,
+    a: Run,
+    b: Run,
     out: Storage | None = None,
     labels: tuple[str, str] = ("A", "B"),
     *,
@@ -661,8 +660,9 @@ def compare_runs(
     common = sorted(by_step_a.keys() & by_step_b.keys())
     if not common:
         raise ValueError(
-            f"{a.uri(METRICS_FILE)} (steps {min(by_step_a)}..{max(by_step_a)}) and {b.uri(METRICS_FILE)} "
-            f"(steps {min(by_step_b)}..{max(by_step_b)}) share no step: nothing to compare"
+            f"{a.storage.uri(METRICS_FILE)} (steps {min(by_step_a)}..{max(by_step_a)}) and "
+            f"{b.storage.uri(METRICS_FILE)} (steps {min(by_step_b)}..{max(by_step_b)}) share no step: "
+            "nothing to compare"
         )
     summary: dict[str, Any] = {
         "common_steps": len(common),
@@ -692,7 +692,7 @@ def compare_runs(
             out.write_bytes(name, plot_curves(series, key, None, title, extra_keys=extra, log_y=key == "loss"))
             files[name] = out.uri(name)
             plots[key] = name
-        out.write_text(COMPARE_FILE, _compare_markdown(a, b, labels, summary, plots, rtol))
+        out.write_text(COMPARE_FILE, _compare_markdown(a.storage, b.storage, labels, summary, plots, rtol))
         files[COMPARE_FILE] = out.uri(COMPARE_FILE)
     summary["files"] = files
     return summary

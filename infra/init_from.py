@@ -23,15 +23,19 @@ import re
 from typing import Any
 
 from hlat.core.config import HlatConfig
-from hlat.core.init_from import IMPORT_RECORD, model_fields
-from hlat.core.layout import CONFIG_FILE  # a run's config.json; a HF checkpoint's has the same name
+from hlat.core.init_from import model_fields
+from hlat.core.layout import (
+    CONFIG_FILE,  # a run's config.json; a HF checkpoint's has the same name
+    IMPORT_RECORD,
+    import_folder,
+)
 from hlat.core.models import family_of
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import hub_snapshot
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-IMPORTS_DIR = "imports"
 COMPLETE = "COMPLETE"
 HUB_PATTERNS = [CONFIG_FILE, "*.safetensors", INDEX_FILE]
 FIX = (
@@ -102,13 +106,13 @@ def files_sha256(files: list[dict[str, Any]]) -> str:
     return hashlib.sha256(lines.encode("utf-8")).hexdigest()
 
 
-def readable_location(folder: Storage, names: list[str], run: Storage, sha256: str) -> str:
+def readable_location(folder: Storage, names: list[str], run: Run, sha256: str) -> str:
     """Where the jobs read the weights: the folder itself, unless the run is on S3 and the folder on this machine's
     disk; then the copy under `<storage root>/imports/<sha256>/` (uploaded once, COMPLETE written last, so a copy
     that an earlier attempt left half-done is written again)."""
-    if run.is_local or not folder.is_local:
+    if run.storage.is_local or not folder.is_local:
         return folder.url
-    target = run.parent().child(IMPORTS_DIR, sha256[:32])
+    target = import_folder(run.root, sha256)
     if not target.exists(COMPLETE):
         for name in names:
             target.put_file(folder.path(name), name)
@@ -116,15 +120,15 @@ def readable_location(folder: Storage, names: list[str], run: Storage, sha256: s
     return target.url
 
 
-def import_checkpoint(config: HlatConfig, run: Storage) -> dict[str, Any]:
+def import_checkpoint(config: HlatConfig, run: Run) -> dict[str, Any]:
     """Resolve config.model.init_from, check that hlat's model can hold it (its config.json, `model_fields`), and
     write the run's record (`IMPORT_RECORD`); returns the record. A record for the same source already in the run
     is kept (a re-run of the stage, a relaunch): the run started from those weights."""
     source = config.model.init_from
     if source is None:
         raise ValueError("import_checkpoint: model.init_from is not set")
-    if run.exists(IMPORT_RECORD):
-        record: dict[str, Any] = run.read_json(IMPORT_RECORD)
+    if run.storage.exists(IMPORT_RECORD):
+        record: dict[str, Any] = run.storage.read_json(IMPORT_RECORD)
         if record.get("source") == source:
             return record
     folder, origin = locate(source)
@@ -142,7 +146,7 @@ def import_checkpoint(config: HlatConfig, run: Storage) -> dict[str, Any]:
         "bytes": sum(f["bytes"] for f in files),
         "sha256": sha256,
     }
-    run.write_json(IMPORT_RECORD, record)
+    run.storage.write_json(IMPORT_RECORD, record)
     return record
 
 

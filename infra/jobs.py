@@ -22,9 +22,9 @@ from hlat.core.contract import (
     failure_records,
     parse_failure_record,
     parse_stop_record,
-    stop_record_path,
 )
-from hlat.core.storage import Storage
+from hlat.core.layout import stop_record_path
+from hlat.core.run import Run
 
 
 class Status(StrEnum):
@@ -498,10 +498,10 @@ def self_stop(log_tail: str) -> Decision | None:
     return Decision(action, record.why, record.message, failure_class)
 
 
-def stored_self_stop(run: Storage, job: str, stage: str = "train") -> Decision | None:
+def stored_self_stop(run: Run, job: str, stage: str = "train") -> Decision | None:
     """The decision from the stop record job `job` left in storage, for a supervisor that missed its log."""
     try:
-        kept = run.read_json(stop_record_path(stage)) if run.exists(stop_record_path(stage)) else None
+        kept = run.storage.read_json(stop_record_path(stage)) if run.storage.exists(stop_record_path(stage)) else None
     except Exception:  # unreadable: judged as if absent
         return None
     if not isinstance(kept, dict) or kept.get("job") != job:

@@ -27,6 +27,7 @@ from dataclasses import asdict
 from typing import Any
 
 from hlat.core.config import JobConfig
+from hlat.core.layout import JOB_LOG_FILE
 from hlat.infra.job_daemon import (
     PROJECT_ROOT,
     backend_hooks,
@@ -93,7 +94,7 @@ class LocalBackend:
         }
         write_json(os.path.join(job_dir, "job.json"), record)
         started = time.time()
-        with open(os.path.join(job_dir, "output.log"), "ab") as log:
+        with open(os.path.join(job_dir, JOB_LOG_FILE), "ab") as log:
             proc = subprocess.Popen(
                 [sys.executable, "-m", "hlat.infra.job_daemon", job_dir],
                 cwd=PROJECT_ROOT,
@@ -155,7 +156,7 @@ class LocalBackend:
         kill_job(job_dir)
         # The host "crashed": bill up to its last sign of life, the last line it logged.
         with contextlib.suppress(OSError):
-            billed = max(0.0, os.path.getmtime(os.path.join(job_dir, "output.log")) - supervisor["started"])
+            billed = max(0.0, os.path.getmtime(os.path.join(job_dir, JOB_LOG_FILE)) - supervisor["started"])
         reason = SUPERVISOR_DIED
         return JobState(name, Status.FAILED, reason, "Failed", billed, count)
 
@@ -197,7 +198,7 @@ class LocalBackend:
         """Complete lines of output.log after byte offset `cursor`; a line still being written waits."""
         offset = int(cursor or 0)
         try:
-            with open(os.path.join(self.job_dir(name), "output.log"), "rb") as fh:
+            with open(os.path.join(self.job_dir(name), JOB_LOG_FILE), "rb") as fh:
                 fh.seek(offset)
                 data = fh.read(_LOG_CHUNK)
         except FileNotFoundError:

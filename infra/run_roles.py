@@ -16,9 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from hlat.core.layout import SOURCES_DIR
+from hlat.core.layout import IMPORTS_DIR, SOURCES_DIR
 from hlat.core.stages import stage
-from hlat.infra.init_from import IMPORTS_DIR
 
 BOUNDARY_ENV = "HLAT_RUN_ROLE_BOUNDARY"
 PATH_ENV = "HLAT_RUN_ROLE_PATH"

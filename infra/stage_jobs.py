@@ -20,12 +20,11 @@ from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.contract import STOP_DEADLINE, TRACKED_BY_STAGE_ENV, StopTerms
 from hlat.core.layout import JOBS_DIR, NEURON_CACHE
 from hlat.core.mixture import draws_table, source_draws
+from hlat.core.run import Run, run_for
 from hlat.core.stages import DATA, TRAINING, Instances, Stage, job_stages, stage
 from hlat.core.stop_timeline import stop_timeline
-from hlat.core.storage import Storage
 from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
 from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
-from hlat.infra.runs import Run, run_for
 from hlat.infra.supervisor import (
     STARTUP_FLOOR_S,
     Attempt,
@@ -101,7 +100,7 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
         from hlat.core.environment import xla_job_environment
 
         # The compile cache's key is computed from the same function (training.compile_cache.cache_key).
-        env.update(xla_job_environment(config, compile_cache=f"{run.uri}/{NEURON_CACHE}"))
+        env.update(xla_job_environment(config, compile_cache=run.storage.uri(NEURON_CACHE)))
     if on_neuron(config) and row.compiles:
         # SageMaker's Torchrun driver then wraps torchrun in neuron_parallel_compile: graphs are extracted
         # from a few steps and compiled in parallel into NEURON_COMPILE_CACHE_URL.
@@ -284,7 +283,7 @@ def stop_rule_line(config: HlatConfig, spec: JobSpec) -> str:
     )
 
 
-def billed_usd(run: Storage, stage: str = "train") -> float:
+def billed_usd(run: Run, stage: str = "train") -> float:
     """What the stage's ended jobs were billed, from its ledger (jobs/<stage>-attempts.json)."""
     return sum(a.cost_usd for a in Ledger(run, stage).load() if a.ended)
 
@@ -296,7 +295,7 @@ def run_stage_job(
     job = run.config.job
     return run_job(
         backend_for(run),
-        run.storage,
+        run,
         run.run_id,
         stage,
         make_spec=lambda attempt, name: job_spec(run, attempt, stage, step, args),
@@ -309,7 +308,7 @@ def stop_live_jobs(config: HlatConfig) -> list[str]:
     """Stop every unfinished job of the run's stages (a flow run was cancelled); returns their names."""
     run = run_for(config)
     backend = backend_for(run)
-    stopped = [stop_live_job(backend, run.storage, name) for name in job_stages()]
+    stopped = [stop_live_job(backend, run, name) for name in job_stages()]
     return [name for name in stopped if name]
 
 
@@ -328,12 +327,10 @@ def supervisor_for(
     planned_tps = estimate(config)["tokens_per_s"] if job.backend == "sagemaker" else None
     return Supervisor(
         backend=backend_for(run),
-        run=run.storage,
+        run=run,
         run_id=run.run_id,
         # Read at each submission: what the run's earlier jobs cost is part of the new job's stop terms.
-        make_spec=lambda attempt, name: job_spec(
-            run, attempt, spent_usd=billed_usd(run.storage), submitted_at=time.time()
-        ),
+        make_spec=lambda attempt, name: job_spec(run, attempt, spent_usd=billed_usd(run), submitted_at=time.time()),
         current_step=current_step,
         target_step=config.training.max_steps,
         tokens_per_step=config.tokens_per_step,

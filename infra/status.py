@@ -23,13 +23,14 @@ from hlat.core.layout import (
     CONFIG_FILE,
     METRICS_FILE,
     CheckpointIndex,
+    clock_probe_path,
 )
+from hlat.core.run import Run
 from hlat.core.stages import TRAINING, job_stages, stages
 from hlat.core.stages import stage as row_of
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.catalog import job_cost, price_per_hour
 from hlat.infra.jobs import Action, FailureClass, JobBackend, JobState
-from hlat.infra.runs import Run, load_stored_config
 from hlat.infra.supervisor import (
     USER_STOP,
     Attempt,
@@ -69,11 +70,11 @@ def locate(run: str, storage: str | None = None) -> Storage:
     raise StatusError(f"no run at {where}: name a run id under --storage (default ./runs) or a run folder")
 
 
-def backend_of(config: HlatConfig, run: Storage) -> JobBackend:
+def backend_of(config: HlatConfig, run: Run) -> JobBackend:
     """The backend the run's jobs run on (config.json's job.backend), as its stages made it."""
     from hlat.infra.stage_jobs import backend_for
 
-    return backend_for(Run.at(run.url, config))
+    return backend_for(run.with_config(config))
 
 
 def stage_price(config: HlatConfig, name: str) -> float:
@@ -117,11 +118,11 @@ class RunStatus:
     loss: float | None = None
 
 
-def _last_metrics(run: Storage) -> dict[str, Any] | None:
+def _last_metrics(run: Run) -> dict[str, Any] | None:
     """The newest training record of metrics.jsonl (None: none yet)."""
-    if not run.exists(METRICS_FILE):
+    if not run.storage.exists(METRICS_FILE):
         return None
-    for line in reversed(run.read_text(METRICS_FILE).splitlines()):
+    for line in reversed(run.storage.read_text(METRICS_FILE).splitlines()):
         try:
             record = json.loads(line)
         except json.JSONDecodeError:  # a line being appended
@@ -145,20 +146,20 @@ def _ended(attempt: Attempt) -> str:
     return attempt.status.lower()
 
 
-def store_now(run: Storage, clock: Callable[[], float] = time.time) -> float:
+def store_now(run: Run, clock: Callable[[], float] = time.time) -> float:
     """Run storage's time now (what leases are stamped with); this machine's clock where the store cannot be
     written (a read-only view of the run)."""
     try:
-        return StorageClock(run, probe="jobs/status-clock").now()
+        return StorageClock(run.storage, probe=clock_probe_path()).now()
     except Exception:
         return clock()
 
 
-def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatus:
-    config = load_stored_config(run)
-    run_id = run.url.rstrip("/").rsplit("/", 1)[-1]
-    status = RunStatus(run_id=run_id, uri=run.url, config=config)
-    newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
+def run_status(run: Run, clock: Callable[[], float] = time.time) -> RunStatus:
+    config = run.config
+    run_id = run.storage.url.rstrip("/").rsplit("/", 1)[-1]
+    status = RunStatus(run_id=run_id, uri=run.storage.url, config=config)
+    newest = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step()
     metrics = _last_metrics(run)
     if metrics is not None:
         status.step, status.loss = int(metrics["step"]), float(metrics["loss"])
@@ -196,9 +197,7 @@ def run_status(run: Storage, clock: Callable[[], float] = time.time) -> RunStatu
     return status
 
 
-def _live(
-    run: Storage, config: HlatConfig, stage: str, attempt: Attempt, state: JobState | None, now: float
-) -> LiveJob:
+def _live(run: Run, config: HlatConfig, stage: str, attempt: Attempt, state: JobState | None, now: float) -> LiveJob:
     beat = read_heartbeat(run, stage)
     age = None if beat is None else max(0.0, now - float(beat["beat_at"]))
     stale_after = max(STALE_POLLS * config.job.poll_seconds, STALE_MIN_S)
@@ -246,8 +245,8 @@ def list_runs(root: Storage) -> str:
     """One line per run under the storage root: its id, where training stands, what runs now."""
     lines = []
     for name in sorted(root.list()):
-        run = root.child(name)
-        if not run.exists(CONFIG_FILE):
+        run = Run.of(root.child(name))
+        if not run.storage.exists(CONFIG_FILE):
             continue
         try:
             lines.append(_one_line(run, name))
@@ -256,9 +255,9 @@ def list_runs(root: Storage) -> str:
     return "\n".join(lines) if lines else f"no runs under {root.url}"
 
 
-def _one_line(run: Storage, name: str) -> str:
-    config = load_stored_config(run)
-    newest = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
+def _one_line(run: Run, name: str) -> str:
+    config = run.config
+    newest = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step()
     parts = [name, f"step {newest or 0:,} of {config.training.max_steps:,}"]
     for job_stage in job_stages():
         attempts = Ledger(run, job_stage).load()
@@ -284,7 +283,7 @@ class Stopped:
 
 
 def stop_run(
-    run: Storage,
+    run: Run,
     wait_s: float = STOP_WAIT_S,
     poll_s: float = 1.0,
     clock: Callable[[], float] = time.time,
@@ -294,7 +293,7 @@ def stop_run(
     watching then ends its stage instead of relaunching), the backend's stop (SIGTERM; SageMaker StopTrainingJob),
     then wait up to `wait_s` for each to end (a KeyboardInterrupt stops waiting, the jobs go on stopping) and record
     its end in the ledger when no supervisor did."""
-    config = load_stored_config(run)
+    config = run.config
     backend = backend_of(config, run)
     asked: list[tuple[str, Attempt]] = []
     pending: list[Stopped] = []
@@ -349,13 +348,13 @@ def stop_run(
             _record_stop(run, config, stage, record, final, clock())
         results.append(Stopped(stage, record.job_name, final if final and final.terminal else None, None))
     results += pending
-    step = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
+    step = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step()
     for r in results:
         r.step = step
     return results
 
 
-def _record_stop(run: Storage, config: HlatConfig, stage: str, record: Attempt, final: JobState, now: float) -> None:
+def _record_stop(run: Run, config: HlatConfig, stage: str, record: Attempt, final: JobState, now: float) -> None:
     """The stopped job's end in its ledger, unless its supervisor recorded it already (it was watching)."""
     ledger = Ledger(run, stage)
     attempts = ledger.load()
@@ -367,7 +366,7 @@ def _record_stop(run: Storage, config: HlatConfig, stage: str, record: Attempt, 
     mine.billable_seconds, mine.instance_count = final.billable_seconds, final.instance_count
     mine.cost_usd = attempt_cost(config, stage, mine, final)
     if row_of(stage).trains:
-        mine.end_step = CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step() or mine.start_step
+        mine.end_step = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step() or mine.start_step
     if mine.stop_requested == USER_STOP and final.status.value != "Completed":
         mine.reason = "stopped by hlat stop"
         mine.action, mine.category, mine.cause = Action.RESUME.value, "user-stop", "user-stop"

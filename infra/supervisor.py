@@ -52,7 +52,9 @@ from datetime import UTC, datetime
 from typing import Any
 
 from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record, parse_step_line
-from hlat.core.storage import Storage, StorageClock, is_transient
+from hlat.core.layout import clock_probe_path, heartbeat_path, lease_path, ledger_path, stop_request_path
+from hlat.core.run import Run
+from hlat.core.storage import StorageClock, is_transient
 from hlat.infra.catalog import job_cost
 from hlat.infra.jobs import (
     Action,
@@ -323,8 +325,8 @@ class Ledger:
     """The attempts of one stage of a run, in run storage; rewritten whole (atomically) on each change.
     Timestamps are ISO 8601 UTC strings there (older ledgers' epoch seconds still read)."""
 
-    def __init__(self, run: Storage, stage: str) -> None:
-        self.storage, self.rel = run, f"jobs/{stage}-attempts.json"
+    def __init__(self, run: Run, stage: str) -> None:
+        self.storage, self.rel = run.storage, ledger_path(stage)
 
     def load(self) -> list[Attempt]:
         if not self.storage.exists(self.rel):
@@ -343,11 +345,6 @@ class Ledger:
         """Replace one attempt (by number) with `record`: a stage that judged the job's outputs afterwards."""
         attempts = [record if a.attempt == record.attempt else a for a in self.load()]
         self.save(attempts)
-
-
-def heartbeat_path(stage: str) -> str:
-    """The supervisor heartbeat of a stage, relative to the run."""
-    return f"jobs/{stage}-supervisor.json"
 
 
 def _no_identity() -> tuple[str | None, str | None]:
@@ -387,7 +384,7 @@ class Heartbeat:
 
     def __init__(
         self,
-        run: Storage,
+        run: Run,
         stage: str,
         clock: Callable[[], float] = time.time,
         before: Callable[[], None] | None = None,
@@ -407,19 +404,19 @@ class Heartbeat:
             "command": command,
         }
         try:
-            self.run.write_json(self.rel, body)
+            self.run.storage.write_json(self.rel, body)
         except Exception as exc:
             if not self.failing:
-                log.warning("could not write the supervisor heartbeat %s: %s", self.run.uri(self.rel), exc)
+                log.warning("could not write the supervisor heartbeat %s: %s", self.run.storage.uri(self.rel), exc)
             self.failing = True
         else:
             self.failing = False
 
 
-def read_heartbeat(run: Storage, stage: str) -> dict[str, Any] | None:
+def read_heartbeat(run: Run, stage: str) -> dict[str, Any] | None:
     """The stage's last heartbeat (None: none, or unreadable)."""
     try:
-        beat = run.read_json(heartbeat_path(stage))
+        beat = run.storage.read_json(heartbeat_path(stage))
     except Exception:
         return None
     return beat if isinstance(beat, dict) and isinstance(beat.get("beat_at"), int | float) else None
@@ -453,15 +450,10 @@ it."""
 LEASE_MIN_S = 300.0
 
 
-def lease_path(stage: str) -> str:
-    """The stage's supervisor lease, relative to the run."""
-    return f"jobs/{stage}-lease.json"
-
-
-def read_lease(run: Storage, stage: str) -> dict[str, Any] | None:
+def read_lease(run: Run, stage: str) -> dict[str, Any] | None:
     """The stage's lease as stored (None: none, or unreadable)."""
     try:
-        lease = run.read_json(lease_path(stage)) if run.exists(lease_path(stage)) else None
+        lease = run.storage.read_json(lease_path(stage)) if run.storage.exists(lease_path(stage)) else None
     except Exception:
         return None
     return lease if isinstance(lease, dict) and isinstance(lease.get("token"), int) else None
@@ -496,7 +488,7 @@ class SupervisorLease:
     compare-and-swap here: two supervisors starting in the same instant both write, and the one whose write is read
     back keeps it (the other is refused on reading back), so the window is one write-and-read."""
 
-    def __init__(self, run: Storage, stage: str, now: Callable[[], float], ttl_s: float) -> None:
+    def __init__(self, run: Run, stage: str, now: Callable[[], float], ttl_s: float) -> None:
         self.run, self.stage, self.now, self.ttl_s = run, stage, now, ttl_s
         self.rel = lease_path(stage)
         self.mine: dict[str, Any] | None = None
@@ -519,7 +511,7 @@ class SupervisorLease:
             "host": socket.gethostname(), "flow_run_id": flow_run_id, "command": command, "since": now,
             "renewed_at": now, "expires_at": now + self.ttl_s, "released": False,
         }  # fmt: skip
-        self.run.write_json(self.rel, mine)
+        self.run.storage.write_json(self.rel, mine)
         back = read_lease(self.run, self.stage)
         if back is None or back.get("nonce") != mine["nonce"]:  # another supervisor wrote in the same instant
             raise SupervisorBusy(self._busy(back or mine, now), attempts or [])
@@ -542,9 +534,9 @@ class SupervisorLease:
         if self.mine is None:
             return
         try:
-            held = self.run.read_json(self.rel) if self.run.exists(self.rel) else None
+            held = self.run.storage.read_json(self.rel) if self.run.storage.exists(self.rel) else None
         except Exception as exc:  # storage away for a moment: only a lease read as another's is lost
-            log.warning("could not read %s: %s", self.run.uri(self.rel), exc)
+            log.warning("could not read %s: %s", self.run.storage.uri(self.rel), exc)
             return
         if not isinstance(held, dict) or held.get("nonce") == self.mine["nonce"]:
             return  # ours (or removed by hand: nobody else holds it)
@@ -561,7 +553,7 @@ class SupervisorLease:
         self.check(attempts)
         now = self.now()
         self.mine = {**self.mine, "renewed_at": now, "expires_at": now + self.ttl_s}
-        self.run.write_json(self.rel, self.mine)
+        self.run.storage.write_json(self.rel, self.mine)
 
     def release(self) -> None:
         """Give the lease up (the stage ended, or this supervisor stops): the next supervisor takes it at once."""
@@ -570,42 +562,37 @@ class SupervisorLease:
         try:
             held = read_lease(self.run, self.stage)
             if held is not None and held.get("nonce") == self.mine["nonce"]:
-                self.run.write_json(self.rel, {**self.mine, "released": True, "expires_at": self.now()})
+                self.run.storage.write_json(self.rel, {**self.mine, "released": True, "expires_at": self.now()})
         except Exception as exc:  # it expires by itself
-            log.warning("could not release %s: %s", self.run.uri(self.rel), exc)
+            log.warning("could not release %s: %s", self.run.storage.uri(self.rel), exc)
         self.mine = None
 
 
 # -- hlat stop at any moment: a stop request in run storage -----------------------------------------------------------
-def stop_request_path(stage: str) -> str:
-    """The stage's stop request (`hlat stop`), relative to the run."""
-    return f"jobs/{stage}-stop-request.json"
-
-
-def request_stop(run: Storage, stage: str, requested_at: float | None = None) -> None:
+def request_stop(run: Run, stage: str, requested_at: float | None = None) -> None:
     """Record that the stage must not relaunch (`hlat stop`): its supervisor checks it before every submission,
     through every back-off and at every poll, and ends the stage (StoppedByUser). Running the stage's command again
     clears it."""
     _, command = supervisor_identity()
-    run.write_json(
+    run.storage.write_json(
         stop_request_path(stage),
         {"requested_at": time.time() if requested_at is None else requested_at, "pid": os.getpid(),
          "host": socket.gethostname(), "command": command},
     )  # fmt: skip
 
 
-def stop_requested(run: Storage, stage: str) -> bool:
+def stop_requested(run: Run, stage: str) -> bool:
     """Whether a stop request stands for the stage (a read that fails counts as none: the next poll reads again)."""
     try:
-        return run.exists(stop_request_path(stage))
+        return run.storage.exists(stop_request_path(stage))
     except Exception as exc:
-        log.warning("could not read %s: %s", run.uri(stop_request_path(stage)), exc)
+        log.warning("could not read %s: %s", run.storage.uri(stop_request_path(stage)), exc)
         return False
 
 
-def clear_stop_request(run: Storage, stage: str) -> None:
-    if run.exists(stop_request_path(stage)):
-        run.remove(stop_request_path(stage))
+def clear_stop_request(run: Run, stage: str) -> None:
+    if run.storage.exists(stop_request_path(stage)):
+        run.storage.remove(stop_request_path(stage))
 
 
 def ending_reason(state: JobState) -> str | None:
@@ -621,7 +608,7 @@ def ending_reason(state: JobState) -> str | None:
 @dataclass
 class Supervisor:
     backend: JobBackend
-    run: Storage
+    run: Run
     run_id: str
     make_spec: Callable[[int, str], JobSpec]
     """(attempt, job name) -> the job to submit."""
@@ -673,7 +660,7 @@ class Supervisor:
     def __post_init__(self) -> None:
         self.ledger = Ledger(self.run, self.stage)
         if self.storage_clock is None:
-            self.storage_clock = StorageClock(self.run, probe=f"jobs/{self.stage}-clock-supervisor")
+            self.storage_clock = StorageClock(self.run.storage, probe=clock_probe_path(self.stage))
         ttl = max(LEASE_POLLS * self.poll_seconds, LEASE_MIN_S)
         self.lease = SupervisorLease(self.run, self.stage, self.storage_clock.now, ttl)
         self._renewed_at: float | None = None
@@ -787,7 +774,7 @@ class Supervisor:
             except LeaseLost:
                 raise
             except Exception as exc:  # storage away: the next poll renews (the lease outlives five polls)
-                log.warning("could not renew %s: %s", self.run.uri(self.lease.rel), exc)
+                log.warning("could not renew %s: %s", self.run.storage.uri(self.lease.rel), exc)
                 return
             self._renewed_at = now
 
@@ -1443,7 +1430,7 @@ def announce_resumed(record: Attempt, state: JobState | None) -> None:
 
 def run_job(
     backend: JobBackend,
-    run: Storage,
+    run: Run,
     run_id: str,
     stage: str,
     make_spec: Callable[[int, str], JobSpec],
@@ -1487,14 +1474,14 @@ def stored_stop(ledger: Ledger, attempt: int) -> str | None:
         return None
 
 
-def stop_live_job(backend: JobBackend, run: Storage, stage: str = "train") -> str | None:
+def stop_live_job(backend: JobBackend, run: Run, stage: str = "train") -> str | None:
     """Stop the stage's unfinished job, if any (the flow's cancellation hook); returns its name."""
     attempts = Ledger(run, stage).load()
     if not attempts or attempts[-1].ended:
         return None
     lease = read_lease(run, stage)
     try:
-        now = StorageClock(run, probe=f"jobs/{stage}-clock-supervisor").now()
+        now = StorageClock(run.storage, probe=clock_probe_path(stage)).now()
     except Exception:  # a store that cannot be written: judged by this machine's clock
         now = time.time()
     holder = None if lease is None else (lease.get("pid"), lease.get("host"))

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import sentencepiece as spm
 
-from hlat.core.layout import TOKENIZER_FILES, tokenizer_defining_files, tokenizer_sha256
+from hlat.core.layout import REPORT_FILE, TOKENIZER_FILES, tokenizer_defining_files, tokenizer_sha256
 from hlat.core.layout import TOKENIZER_MODEL as MODEL_FILE
 from hlat.core.shards import Split, data_checksum_of, mixture_documents, mixture_rows, read_mixture
 from hlat.core.storage import Storage
@@ -27,7 +27,6 @@ from hlat.core.storage import Storage
 if TYPE_CHECKING:
     from hlat.core.config import HlatConfig, TokenizerConfig
 
-REPORT_FILE = "report.json"
 UNK, BOS, EOS = "<unk>", "<s>", "</s>"
 UNK_ID, BOS_ID, EOS_ID = 0, 1, 2
 

@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any
 from uuid import UUID
 
 from hlat.core.config import AlertsConfig, ConfigError
-from hlat.core.layout import METRICS_FILE
+from hlat.core.layout import ALERTS_SENT, METRICS_FILE
+from hlat.core.run import Run
 from hlat.core.stages import stage_names
-from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
     from prefect.events.schemas.automations import AutomationCore
 
-    from hlat.infra.runs import Run
+    from hlat.core.run import Run
     from hlat.infra.supervisor import Attempt, Progress
 
 log = logging.getLogger("hlat.alerts")
@@ -39,8 +39,6 @@ EVAL_BELOW_FLOOR = "hlat.eval.below-floor"
 
 RUN_ID_LABEL = "hlat.run-id"
 STORAGE_LABEL = "hlat.storage"
-STATE_FILE = "alerts/sent.json"
-"""What a run's alerts already announced: {"budget_fractions": [...], "spikes_skipped": n, "relaunch": attempt}."""
 
 
 def flow_names() -> list[str]:
@@ -118,14 +116,14 @@ def crossed_fractions(
     return sorted(f for f in set(fractions) if f not in announced and spent >= f * budget)
 
 
-def latest_spikes(run: Storage, tail_bytes: int = 1 << 16) -> tuple[int, int | None] | None:
+def latest_spikes(run: Run, tail_bytes: int = 1 << 16) -> tuple[int, int | None] | None:
     """(spikes_skipped, step) of the newest metrics record counting skipped spikes, from the tail of metrics.jsonl.
 
     None when no record counts them (spike skipping off, or no sync point yet)."""
-    if not run.exists(METRICS_FILE):
+    if not run.storage.exists(METRICS_FILE):
         return None
-    size = run.size(METRICS_FILE)
-    with run.open(METRICS_FILE, "rb") as fh:
+    size = run.storage.size(METRICS_FILE)
+    with run.storage.open(METRICS_FILE, "rb") as fh:
         fh.seek(max(0, size - tail_bytes))
         lines = fh.read().decode("utf-8", errors="replace").splitlines()
     for line in reversed(lines[1:] if size > tail_bytes else lines):  # the first line may be cut
@@ -146,24 +144,24 @@ class TrainAlerts(RunEvents):
 
     def __init__(self, run: Run, budget_usd: float | None) -> None:
         super().__init__(run.run_id, run.uri)
-        self.storage, self.config = run.storage, run.config.alerts
+        self.run, self.storage, self.config = run, run.storage, run.config.alerts
         self.budget_usd = budget_usd
         self.step: int | None = None
         self.sent = self._load_sent()
 
     def _load_sent(self) -> dict[str, Any]:
         try:
-            sent = self.storage.read_json(STATE_FILE) if self.storage.exists(STATE_FILE) else {}
+            sent = self.storage.read_json(ALERTS_SENT) if self.storage.exists(ALERTS_SENT) else {}
         except Exception as exc:
-            log.warning("could not read %s: %s", self.storage.uri(STATE_FILE), exc)
+            log.warning("could not read %s: %s", self.storage.uri(ALERTS_SENT), exc)
             sent = {}
         return {"budget_fractions": [], "spikes_skipped": 0, "relaunch": 1, **(sent if isinstance(sent, dict) else {})}
 
     def _save_sent(self) -> None:
         try:
-            self.storage.write_json(STATE_FILE, self.sent)
+            self.storage.write_json(ALERTS_SENT, self.sent)
         except Exception as exc:  # at worst the same alert is sent again by a later stage
-            log.warning("could not write %s: %s", self.storage.uri(STATE_FILE), exc)
+            log.warning("could not write %s: %s", self.storage.uri(ALERTS_SENT), exc)
 
     def started(self, step: int | None, target_step: int) -> None:
         self.emit(STARTED, {"step": step, "target_step": target_step})
@@ -218,7 +216,7 @@ class TrainAlerts(RunEvents):
 
     def _check_spikes(self) -> None:
         try:
-            found = latest_spikes(self.storage)
+            found = latest_spikes(self.run)
         except Exception as exc:  # a metrics file being rewritten: the next step reads it again
             log.debug("could not read the spike count: %s", exc)
             return

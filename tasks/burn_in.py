@@ -9,8 +9,8 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.layout import BURN_IN_REPORT
+from hlat.core.run import Run
 from hlat.core.stages import stage
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_shape, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.job_failures import job_ended_badly
@@ -30,7 +30,7 @@ def burn_in_cache_key(run: Run) -> str:
 
 def burn_in_present(run: Run, report: dict[str, Any]) -> bool:
     """A cached verdict counts while the stage is done (core/stages.py)."""
-    return stage("burn-in").done(run.storage, run.config)
+    return stage("burn-in").done(run, run.config)
 
 
 @task(name="burn-in-cluster", **CACHED_STAGE)

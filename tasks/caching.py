@@ -10,9 +10,9 @@ from prefect import Task, task
 from prefect.client.schemas.objects import State, TaskRun
 
 from hlat.core.config import stable_hash
+from hlat.core.run import Run
 from hlat.core.stages import stage
 from hlat.core.storage import is_transient
-from hlat.infra.runs import Run
 
 # Transient faults are retried with backoff; bad data and bad config never are (they would fail again).
 RETRIES = 3
@@ -39,7 +39,7 @@ TRANSIENT_RETRIES: dict[str, Any] = {
 @task(name="read-output-checksum", **TRANSIENT_RETRIES)
 def output_checksum(run: Run, upstream: str) -> str:
     """The checksum of what stage `upstream` wrote into the run (its row's `checksum`)."""
-    return stage(upstream).output_checksum(run.storage)
+    return stage(upstream).output_checksum(run)
 
 
 def stage_cache_key(run: Run, name: str, *inputs: Any) -> str:

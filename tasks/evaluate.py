@@ -22,21 +22,21 @@ from hlat.core.layout import (
     CHECKPOINT_MARKER,
     CHECKPOINTS_DIR,
     EVAL_DIR,
+    EVAL_REPORT,
+    EVAL_RESULTS,
     EVAL_RESULTS_FILE,
     CheckpointIndex,
     eval_results_path,
     step_dir,
 )
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.infra.eval_report import (
-    REPORT_FILE,
     choose_metric,
     embed_images,
     evaluation_history,
     load_baselines,
     write_report,
 )
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.infra.supervisor import JobFailed
 from hlat.tasks.alerts import RunEvents, alert_eval_floors
@@ -98,20 +98,20 @@ def evaluation_of(run: Run, step: int, cache_key: str, averaged: bool = False) -
 def write_eval_report(results: dict[str, Any], run: Run) -> dict[str, str]:
     """eval/results.json (this evaluation), eval/report.md and its plots; the report as a Prefect artifact."""
     out = run.storage
-    files = write_report(out, results, load_baselines())
+    files = write_report(run, results, load_baselines())
     # Written last: eval/results.json present means the report beside it is this evaluation's.
-    out.write_json(f"{EVAL_DIR}/{EVAL_RESULTS_FILE}", results)
-    files[EVAL_RESULTS_FILE] = out.uri(EVAL_DIR, EVAL_RESULTS_FILE)
-    publish_eval_report(out, results, run.run_id)
+    out.write_json(EVAL_RESULTS, results)
+    files[EVAL_RESULTS_FILE] = out.uri(EVAL_RESULTS)
+    publish_eval_report(run, results, run.run_id)
     alert_eval_floors(run, results.get("step"), results)
     return files
 
 
-def publish_eval_report(run: Storage, results: dict[str, Any], run_id: str) -> None:
+def publish_eval_report(run: Run, results: dict[str, Any], run_id: str) -> None:
     try:
         # The UI shows the artifact on its own page: the charts travel inside it (report.md links the files).
-        report = embed_images(run.read_text(f"{EVAL_DIR}/{REPORT_FILE}"), run.child(EVAL_DIR))
-        note = f"\n\nFull-size charts and files: `{run.uri(EVAL_DIR)}/`"
+        report = embed_images(run.storage.read_text(EVAL_REPORT), run.storage.child(EVAL_DIR))
+        note = f"\n\nFull-size charts and files: `{run.storage.uri(EVAL_DIR)}/`"
         create_markdown_artifact(report + note, key=artifact_key("eval-report", run_id))
         rows = [{"metric": k, "value": _rounded(v)} for k, v in (results.get("perplexity") or {}).items()]
         for name, result in ((results.get("lm_eval") or {}).get("tasks") or {}).items():
@@ -135,7 +135,7 @@ class CheckpointEvaluator:
         self.run = run
         self.every = run.config.evaluation.every_steps
         self._checkpoints = CheckpointIndex(run.stage(CHECKPOINTS_DIR))
-        self._seen = {int(row["step"]) for row in evaluation_history(run.storage) if row.get("step") is not None}
+        self._seen = {int(row["step"]) for row in evaluation_history(run) if row.get("step") is not None}
         # Pins left by an earlier train stage's evaluator that died before evaluating them: this one re-queues
         # (and re-pins) what it still has to evaluate, so the stale pins would only keep checkpoints forever.
         try:

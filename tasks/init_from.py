@@ -8,9 +8,9 @@ from typing import Any
 
 from prefect import task
 
-from hlat.core.init_from import IMPORT_RECORD
+from hlat.core.layout import IMPORT_RECORD
+from hlat.core.run import Run
 from hlat.infra.init_from import import_checkpoint
-from hlat.infra.runs import Run
 from hlat.tasks.caching import TRANSIENT_RETRIES
 
 log = logging.getLogger("hlat.init_from")
@@ -20,7 +20,7 @@ log = logging.getLogger("hlat.init_from")
 def import_weights(run: Run) -> dict[str, Any]:
     """Resolve model.init_from into the run's record (infra/init_from.py): its files, their hash, the folder the
     jobs read; one line saying what the run starts from."""
-    record = import_checkpoint(run.config, run.storage)
+    record = import_checkpoint(run.config, run)
     revision = f" at {record['revision'][:12]}" if record.get("revision") else ""
     copied = "" if record["location"] == record["source"] else f"; the jobs read it from {record['location']}"
     log.info(

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from hlat.core.layout import JOBS_DIR
+from hlat.core.layout import job_log_path
+from hlat.core.run import Run
 from hlat.infra.jobs import Action
-from hlat.infra.runs import Run
 from hlat.infra.supervisor import Attempt, JobFailed, Ledger
 
 
@@ -18,7 +18,7 @@ def job_ended_badly(run: Run, stage: str, record: Attempt, output: str) -> JobFa
         return JobFailed(f"{stage}: job {record.job_name} ended {record.ending} ({hint})", [record])
     record.reason = f"completed without writing {output}"
     record.action = Action.FATAL.value
-    Ledger(run.storage, stage).update(record)
+    Ledger(run, stage).update(record)
     return JobFailed(
         f"{stage}: job {record.job_name} ended Completed but wrote no {run.storage.uri(output)}: the job's program "
         f"exited successfully without its output ({hint})",
@@ -29,5 +29,5 @@ def job_ended_badly(run: Run, stage: str, record: Attempt, output: str) -> JobFa
 def log_hint(run: Run, record: Attempt) -> str:
     """Where the job's own output can be read."""
     if run.config.job.backend == "local":
-        return f"its log: {run.storage.uri(JOBS_DIR, record.job_name, 'output.log')}"
+        return f"its log: {run.storage.uri(job_log_path(record.job_name))}"
     return f"its log: CloudWatch /aws/sagemaker/TrainingJobs, streams {record.job_name}/*"

@@ -12,8 +12,8 @@ from prefect import task
 from prefect.artifacts import create_table_artifact
 
 from hlat.core.config import HlatConfig
+from hlat.core.run import Run
 from hlat.infra import planner
-from hlat.infra.runs import Run
 from hlat.tasks.caching import artifact_key
 
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)

@@ -10,8 +10,8 @@ from prefect import task
 
 from hlat.core.config import HlatConfig
 from hlat.core.layout import COMPILE_LATEST
+from hlat.core.run import Run
 from hlat.core.stages import stage
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_shape, on_neuron, run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, stage_cache_key
 from hlat.tasks.init_from import imported_identity
@@ -48,7 +48,7 @@ def precompile_cache_key(run: Run) -> str:
 
 def precompile_present(run: Run, result: dict[str, Any]) -> bool:
     """A cached precompile counts while its cache's latest.json is there (or it had nothing to build)."""
-    return result.get("status") == "skipped" or stage("precompile").done(run.storage, run.config)
+    return result.get("status") == "skipped" or stage("precompile").done(run, run.config)
 
 
 @task(name="precompile-graphs", **CACHED_STAGE)

@@ -9,16 +9,16 @@ from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
 from hlat.core.config import OPERATIONAL_DATA_FIELDS, DataConfig, stable_hash
-from hlat.core.layout import DATA_DIR
-from hlat.core.shards import MANIFEST_FILE, read_mixture
+from hlat.core.layout import DATA_DIR, DATA_REPORT, MANIFEST_FILE
+from hlat.core.run import Run
+from hlat.core.shards import read_mixture
 from hlat.core.stages import stage
 from hlat.core.storage import StorageError
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import run_stage_job
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 from hlat.tasks.job_failures import job_ended_badly
 from hlat.training.data.sources import source_fingerprint
-from hlat.training.data.units import REPORT_FILE, DataReport
+from hlat.training.data.units import DataReport
 
 
 @task(name="fingerprint-sources", **TRANSIENT_RETRIES)
@@ -52,7 +52,7 @@ def build_shards(run: Run, cache_key: str, sources: dict[str, str]) -> DataRepor
     their folders beside the runs, then the run's mixture manifest and report in <run>/data/; cached on the sources'
     keys, the mixture and the run."""
     record, _ = run_stage_job(run, "prepare-data", args={"key": cache_key, "sources": json.dumps(sources)})
-    report = f"data/{REPORT_FILE}"
+    report = DATA_REPORT
     if run.storage.exists(report):
         found = DataReport.model_validate(run.storage.read_json(report))
         if found.fingerprint == cache_key:  # not the report of an earlier key
@@ -64,7 +64,7 @@ def shards_present(run: Run, report: DataReport) -> bool:
     """A cached report counts only while the manifest it wrote is still the run's manifest, and every source it
     names is still where it was prepared."""
     data = run.stage(DATA_DIR)
-    if not stage("prepare-data").done(run.storage, run.config):
+    if not stage("prepare-data").done(run, run.config):
         return False
     if data.read_json(MANIFEST_FILE).get("fingerprint") != report.fingerprint:
         return False

@@ -17,18 +17,16 @@ from typing import Any
 from prefect import task
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.layout import EVAL_DIR, METRICS_FILE
-from hlat.infra.runs import Run
+from hlat.core.layout import EVAL_REPORT, METRICS_FILE
+from hlat.core.run import Run
 from hlat.infra.stage_jobs import job_python, stage_tracks_metrics
 from hlat.training.tracking import Tracker, check_tracking, open_tracker
 
 log = logging.getLogger("hlat.tracking")
 
-EVAL_REPORT = f"{EVAL_DIR}/report.md"
-
 
 def _with_tracker(run: Run, work: Callable[[Tracker], None]) -> None:
-    tracker = open_tracker(run.config, run.storage)
+    tracker = open_tracker(run.config, run)
     if tracker is None:
         return
     try:
@@ -78,7 +76,7 @@ def start_tracking(run: Run) -> None:
     created, recorded in <run>/tracking/tracking.json) with its config and storage URI. Nothing with backend none."""
     if run.config.tracking.backend == "none":
         return
-    check_tracking(run.config, run.storage)
+    check_tracking(run.config, run)
     check_job_tracking(run.config)
     _with_tracker(run, lambda t: t.log_config(run.config))
 
@@ -135,7 +133,7 @@ class MetricsMirror:
     def __init__(self, run: Run) -> None:
         self.run = run
         mirrors = stage_tracks_metrics(run.config)
-        self.tracker: Tracker | None = open_tracker(run.config, run.storage) if mirrors else None
+        self.tracker: Tracker | None = open_tracker(run.config, run) if mirrors else None
         self.offset = 0
         self._warned = False
 

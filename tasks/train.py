@@ -12,17 +12,24 @@ from prefect.artifacts import create_progress_artifact, create_table_artifact, u
 from prefect.client.orchestration import get_client
 from prefect.client.schemas.actions import ArtifactUpdate
 
-from hlat.core.init_from import IMPORT_RECORD
-from hlat.core.layout import CHECKPOINTS_DIR, DATA_DIR, METRICS_FILE, TOKENIZER_DIR, CheckpointIndex
+from hlat.core.layout import (
+    CHECKPOINTS_DIR,
+    DATA_DIR,
+    IMPORT_RECORD,
+    MANIFEST_FILE,
+    METRICS_FILE,
+    REPORT_FILE,
+    TOKENIZER_DIR,
+    CheckpointIndex,
+)
 from hlat.core.mixture import SourceDraw, check_repetition
 from hlat.core.models.job import job_model
-from hlat.core.shards import MANIFEST_FILE, read_mixture
+from hlat.core.run import Run
+from hlat.core.shards import read_mixture
 from hlat.core.stages import stage
 from hlat.core.storage import Storage
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import budget, supervisor_for
 from hlat.infra.supervisor import Attempt, Progress
-from hlat.infra.tokenizer import REPORT_FILE
 from hlat.tasks.alerts import TrainAlerts
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.init_from import imported_identity
@@ -31,9 +38,9 @@ from hlat.tasks.tracking import MetricsMirror
 log = logging.getLogger("hlat.train")
 
 
-def latest_checkpoint(run: Storage) -> int | None:
+def latest_checkpoint(run: Run) -> int | None:
     """The step of the run's newest committed checkpoint (None: none yet)."""
-    return CheckpointIndex(run.child(CHECKPOINTS_DIR)).latest_step()
+    return CheckpointIndex(run.storage.child(CHECKPOINTS_DIR)).latest_step()
 
 
 def train_cache_key(run: Run) -> str:
@@ -44,7 +51,7 @@ def train_cache_key(run: Run) -> str:
 
 def training_present(run: Run) -> bool:
     """A cached training counts while the stage is done: the newest checkpoint reached training.max_steps."""
-    return stage("train").done(run.storage, run.config)
+    return stage("train").done(run, run.config)
 
 
 def measured_source_tokens(data: Storage, tokenizer: Storage) -> dict[str, int]:
@@ -90,13 +97,13 @@ def mixture_line(counts: dict[str, int]) -> str:
     return ", ".join(f"{name} {n / total:.1%}" for name, n in counts.items()) if total else ""
 
 
-def latest_source_tokens(run: Storage, tail_bytes: int = 1 << 16) -> dict[str, int]:
+def latest_source_tokens(run: Run, tail_bytes: int = 1 << 16) -> dict[str, int]:
     """The per-source counts of the newest metrics record that has them, from the last `tail_bytes` of
     metrics.jsonl only (the file grows with the run; the progress artifact reads it at every new step)."""
-    if not run.exists(METRICS_FILE):
+    if not run.storage.exists(METRICS_FILE):
         return {}
-    size = run.size(METRICS_FILE)
-    with run.open(METRICS_FILE, "rb") as fh:
+    size = run.storage.size(METRICS_FILE)
+    with run.storage.open(METRICS_FILE, "rb") as fh:
         fh.seek(max(0, size - tail_bytes))
         tail = fh.read().decode("utf-8", errors="replace").splitlines()
     for line in reversed(tail[1:] if size > tail_bytes else tail):  # the first line may be cut
@@ -114,7 +121,7 @@ class _Artifacts:
     so far, as its description) and the attempts table, each created once and then updated in place: one card per
     artifact in the flow run, not a new keyed version on every change. Failing to publish never stops training."""
 
-    def __init__(self, run_id: str, run: Storage | None = None) -> None:
+    def __init__(self, run_id: str, run: Run | None = None) -> None:
         self.run_id, self.run = run_id, run
         self.progress_id: UUID | None = None
         self.attempts_id: UUID | None = None
@@ -171,7 +178,7 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     check_training_repetition(run)
     for change in model_changes(run):
         log.info("train: %s", change)
-    artifacts = _Artifacts(run.run_id, run.storage)
+    artifacts = _Artifacts(run.run_id, run)
     evaluator = CheckpointEvaluator(run)
     alerts = TrainAlerts(run, budget(run.config).usd)
     mirror = MetricsMirror(run)  # a SageMaker job's metrics into the tracked run (its job tracks nothing itself)
@@ -188,11 +195,11 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
 
     supervisor = supervisor_for(
         run,
-        current_step=lambda: latest_checkpoint(run.storage),
+        current_step=lambda: latest_checkpoint(run),
         on_progress=on_progress,
         on_attempts=on_attempts,
     )
-    alerts.started(latest_checkpoint(run.storage), run.config.training.max_steps)
+    alerts.started(latest_checkpoint(run), run.config.training.max_steps)
     try:
         attempts = supervisor.run_to_completion()
     except BaseException as exc:  # the stage stops watching: a stalled-training alert would say nothing new
@@ -204,7 +211,7 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     # Only on success: a failed or interrupted stage must not wait for evaluations (a cancelled flow's hook stops
     # the evaluation job with the others).
     evaluator.close()
-    summary = training_summary(run.storage)
+    summary = training_summary(run)
     summary.update(jobs=len(attempts), cost_usd=round(supervisor.spent_usd(), 2))
     # The stage's throughput is the attempts' average, the final progress line's figure, not the trainer's reading
     # of its last logged step (143 against 412 tokens/s under load); the start-up before the first step apart.
@@ -216,15 +223,15 @@ def train_model(run: Run, cache_key: str) -> dict[str, Any]:
     return summary
 
 
-def training_summary(run: Storage) -> dict[str, Any]:
+def training_summary(run: Run) -> dict[str, Any]:
     """Final step, the last logged training loss, validation loss, gradient norm, learning rate, tokens/s and MFU
     (each the trainer's reading at its last logged step), and each source's tokens at the last record that counts
     them (`tokens/<source>`, data rank 0's, with `data_degree`), read back from metrics.jsonl. The stage replaces
     tokens/s with its attempts' average where it measured one."""
     summary: dict[str, Any] = {"final_step": latest_checkpoint(run)}
     sources: dict[str, Any] = {}
-    if run.exists(METRICS_FILE):
-        for line in run.read_text(METRICS_FILE).splitlines():
+    if run.storage.exists(METRICS_FILE):
+        for line in run.storage.read_text(METRICS_FILE).splitlines():
             record = json.loads(line)
             for key in ("loss", "val_loss", "tokens_per_s", "grad_norm", "lr", "mfu"):
                 if record.get(key) is not None:

@@ -8,10 +8,10 @@ from typing import Any
 from prefect import task
 from prefect.artifacts import create_markdown_artifact, create_table_artifact
 
-from hlat.core.layout import DATA_DIR, TOKENIZER_DIR
+from hlat.core.layout import DATA_DIR, REPORT_FILE, TOKENIZER_DIR
+from hlat.core.run import Run
 from hlat.core.stages import stage
-from hlat.infra.runs import Run
-from hlat.infra.tokenizer import REPORT_FILE, build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
+from hlat.infra.tokenizer import build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.training.data.tokenizer import Tokenizer
 
@@ -44,7 +44,7 @@ def tokenizer_present(run: Run, report: dict[str, Any]) -> bool:
     """A cached report counts only while the tokenizer it describes is still in run storage."""
     out = run.stage(TOKENIZER_DIR)
     return (
-        stage("train-tokenizer").done(run.storage, run.config)
+        stage("train-tokenizer").done(run, run.config)
         and out.exists(REPORT_FILE)
         and out.read_json(REPORT_FILE).get("data_checksum") == report.get("data_checksum")
     )

@@ -202,7 +202,7 @@ def prefect_server() -> Iterator[None]:
 def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder with prepared data and a trained tokenizer, shared by the training tests."""
     from hlat.core.presets import load_config
-    from hlat.infra.runs import open_run
+    from hlat.core.run import open_run
     from hlat.infra.tokenizer import build_tokenizer
     from hlat.training.data.units import prepare_dataset
 
@@ -256,7 +256,7 @@ def prepared_mixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     folder beside the runs, and a tokenizer trained on the mixture."""
     from hlat.core.layout import source_folder
     from hlat.core.presets import load_config
-    from hlat.infra.runs import open_run
+    from hlat.core.run import open_run
     from hlat.infra.tokenizer import build_tokenizer
     from hlat.training.data.units import prepare_dataset, write_mixture
 

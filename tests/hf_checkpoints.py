@@ -19,8 +19,10 @@ from typing import Any
 import torch
 
 from hlat.core.config import HlatConfig
-from hlat.core.init_from import IMPORT_RECORD, model_follows_checkpoint
+from hlat.core.init_from import model_follows_checkpoint
+from hlat.core.layout import IMPORT_RECORD
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 
 VOCAB = 320
@@ -112,10 +114,10 @@ def import_record(location: str | Path, source: str | None = None) -> dict[str, 
     }
 
 
-def write_import_record(run: Storage, location: str | Path, source: str | None = None) -> dict[str, Any]:
+def write_import_record(run: Run, location: str | Path, source: str | None = None) -> dict[str, Any]:
     """Write `import_record(location, source)` as the run's IMPORT_RECORD; return it."""
     record = import_record(location, source)
-    run.write_json(IMPORT_RECORD, record)
+    run.storage.write_json(IMPORT_RECORD, record)
     return record
 
 
@@ -152,7 +154,7 @@ def fake_trainer(cfg: HlatConfig, run: str | Path, model: torch.nn.Module | None
         model = Transformer(cfg.model)
         model.init_weights(0)
     world = SimpleNamespace(layout=SimpleNamespace(pipeline=1), is_main=True)
-    return SimpleNamespace(cfg=cfg, run=Storage(str(run)), world=world, model=model, wrapped=model, **extra)
+    return SimpleNamespace(cfg=cfg, run=Run.at(str(run)), world=world, model=model, wrapped=model, **extra)
 
 
 HF_CONFIG = {

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run, open_run
 from hlat.core.storage import Storage
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import Run, open_run
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.checkpoint import CheckpointManager
 from tests.sizes import SMALL_DATA

@@ -8,13 +8,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from hlat.core.run import Run
 from hlat.training.faults import FaultHooks
 from hlat.training.hooks import JobHooks
 
 if TYPE_CHECKING:
     import torch
 
-    from hlat.core.storage import Storage
 
 MODULE = "tests.spike_hooks"
 SPIKE_STEPS = "HLAT_TEST_SPIKE_STEPS"
@@ -26,7 +26,7 @@ def spike_steps() -> set[int]:
 
 
 class SpikeHooks(FaultHooks):
-    def loss_of_step(self, loss: torch.Tensor, run: Storage, step: int) -> torch.Tensor:
+    def loss_of_step(self, loss: torch.Tensor, run: Run, step: int) -> torch.Tensor:
         loss = super().loss_of_step(loss, run, step)
         return loss * SPIKE_FACTOR if step in spike_steps() else loss
 

@@ -27,6 +27,7 @@ from hlat.core.contract import (
     write_failure,
 )
 from hlat.core.layout import BURN_IN_REPORT as REPORT
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.health import (
     allreduce_check,
@@ -55,7 +56,7 @@ def _guarded(check: str, fn: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         return {"exception": f"{type(exc).__name__}: {exc}"}
 
 
-def run_checks(cfg: HlatConfig, run: Storage, world: World) -> dict[str, Any]:
+def run_checks(cfg: HlatConfig, run: Run, world: World) -> dict[str, Any]:
     """This rank's results; barriers keep the checks from timing each other.
 
     All matmuls run at once, then the all-reduce, then one write per node, as in training.
@@ -169,8 +170,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _burn_in(config_uri: str, report_uri: str | None, device: str | None) -> int:
-    run, cfg = read_job_config(config_uri)
-    report_uri = report_uri or run.uri(REPORT)
+    run = read_job_config(config_uri)
+    cfg = run.config
+    report_uri = report_uri or run.storage.uri(REPORT)
     world = init_world(device or cfg.training.device, cfg)
     try:
         row = run_checks(cfg, run, world)

@@ -36,14 +36,15 @@ from hlat.core.contract import in_sagemaker
 from hlat.core.environment import neuron_sdk, shapes_graphs, xla_job_environment
 from hlat.core.layout import COMPILE_CACHE_DIR as CACHE_DIR
 from hlat.core.layout import COMPILE_LATEST_FILE as LATEST_FILE
+from hlat.core.layout import MANIFEST_FILE
 from hlat.core.layout import NEURON_CACHE_DIR as NEURON_DIR
 from hlat.core.layout import TORCH_CACHE_DIR as TORCH_DIR
 from hlat.core.layout import XLA_CACHE_DIR as XLA_DIR
+from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageError, StorageNotFound, storage_errors
 
 log = logging.getLogger("hlat.train")
 
-MANIFEST_FILE = "manifest.json"
 ARTIFACTS_FILE = "artifacts.bin"
 KERNELS_FILE = "inductor.tar.gz"
 XLA_CACHE_FILE = "xla-cache.tar.gz"
@@ -221,10 +222,10 @@ def write_xla_cache(cache: Storage, key: dict[str, Any], local_dir: str, steps: 
     return manifest
 
 
-def fetch_xla_cache(run: Storage, cfg: HlatConfig, world_size: int, log_status: bool = True) -> CacheStatus:
+def fetch_xla_cache(run: Run, cfg: HlatConfig, world_size: int, log_status: bool = True) -> CacheStatus:
     """Extract the run's torch-xla cache for this key into a fresh folder; never raises for a bad cache."""
     start = time.perf_counter()
-    cache = run.child(CACHE_DIR)
+    cache = run.storage.child(CACHE_DIR)
     key = cache_key(cfg, world_size, "xla")
     folder = cache.child(xla_cache_dir(key_digest(key)))
     sdk = neuron_sdk(cfg)
@@ -341,14 +342,14 @@ def use_inductor_cache_dir(folder: str | None) -> None:
 
 
 def load_torch_cache(
-    run: Storage, cfg: HlatConfig, world_size: int, device_type: str, log_status: bool = True
+    run: Run, cfg: HlatConfig, world_size: int, device_type: str, log_status: bool = True
 ) -> CacheStatus:
     """Load the run's torch.compile artifacts and kernels for this key before the first compiled call.
 
     Returns the status; never raises for a bad cache. Each rank calls it; `log_status` lets one log.
     """
     start = time.perf_counter()
-    cache = run.child(CACHE_DIR)
+    cache = run.storage.child(CACHE_DIR)
     if not cfg.training.compile:
         result = CacheStatus("off", cache.url, "compile cache: off (training.compile is false: nothing is compiled)")
         return _report(result, log_status)

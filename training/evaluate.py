@@ -25,6 +25,7 @@ from hlat.core.config import OFFLINE_TASK_PREFIX, EvaluationConfig, HlatConfig, 
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from hlat.core.layout import AVERAGED_DIR, CHECKPOINTS_DIR
 from hlat.core.layout import eval_results_path as results_path
+from hlat.core.run import Run
 from hlat.core.shards import mixture_documents, read_mixture
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import (
@@ -70,7 +71,7 @@ def _held_out(data: Storage) -> Any:
 
 
 def evaluate_checkpoint(
-    run: Storage, cfg: HlatConfig, step: int | None, device: torch.device, averaged: bool = False
+    run: Run, cfg: HlatConfig, step: int | None, device: torch.device, averaged: bool = False
 ) -> dict[str, Any]:
     """Evaluate one checkpoint of `run` (or of `hlat average`'s with `averaged`); write and return its results.json."""
     from hlat.training.evaluation import lm_harness
@@ -81,7 +82,7 @@ def evaluate_checkpoint(
     standard = [t for t in e.tasks if not t.startswith(OFFLINE_TASK_PREFIX)]
     if standard:
         lm_harness.check_tasks(standard, None)  # a typo fails in seconds, not after the model is loaded
-    ref = locate_checkpoint(run.uri(AVERAGED_DIR if averaged else CHECKPOINTS_DIR), step)
+    ref = locate_checkpoint(run.storage.uri(AVERAGED_DIR if averaged else CHECKPOINTS_DIR), step)
     log.info("evaluating %s on %s", ref.uri, device)
     model, saved = load_checkpoint_model(ref, device)
     results: dict[str, Any] = {
@@ -113,13 +114,13 @@ def evaluate_checkpoint(
             work = os.path.join(tmp, "work")
             results["lm_eval"] = _run_tasks(run, e, saved.model, cfg.training.seed, model, data, work, device)
     results["duration_s"] = round(time.perf_counter() - started, 1)
-    run.write_json(results_path(ref.step, averaged), results)
-    log.info("wrote %s", run.uri(results_path(ref.step, averaged)))
+    run.storage.write_json(results_path(ref.step, averaged), results)
+    log.info("wrote %s", run.storage.uri(results_path(ref.step, averaged)))
     return results
 
 
 def _run_tasks(
-    run: Storage,
+    run: Run,
     e: EvaluationConfig,
     model_cfg: ModelConfig,
     seed: int,
@@ -212,7 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     quiet_progress_bars()
 
     def program() -> int:
-        run, cfg = read_job_config(args.config)
+        run = read_job_config(args.config)
+        cfg = run.config
         evaluate_checkpoint(run, cfg, args.step, _device(args.device), averaged=args.folder == AVERAGED_DIR)
         return 0
 

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from typing import IO, TYPE_CHECKING, Any
 
 from hlat.core.layout import CHECKPOINT_MARKER
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import rank_file, step_dir
 from hlat.training.hooks import JobHooks
@@ -117,13 +118,13 @@ def hang_at_step(step: int, rank: int) -> None:
         threading.Event().wait()
 
 
-def inject_nan(run: Storage, step: int) -> bool:
+def inject_nan(run: Run, step: int) -> bool:
     """True once per run at the step named by HLAT_FAULT_NAN_AT_STEP."""
     wanted = os.environ.get(NAN_AT_STEP)
     flag = f"faults/nan-{step}"
-    if not wanted or int(wanted) != step or run.exists(flag):
+    if not wanted or int(wanted) != step or run.storage.exists(flag):
         return False
-    run.write_text(flag, "injected\n")
+    run.storage.write_text(flag, "injected\n")
     return True
 
 
@@ -159,7 +160,7 @@ class FaultHooks(JobHooks):
     def after_step(self, step: int, rank: int) -> None:
         hang_at_step(step, rank)
 
-    def loss_of_step(self, loss: torch.Tensor, run: Storage, step: int) -> torch.Tensor:
+    def loss_of_step(self, loss: torch.Tensor, run: Run, step: int) -> torch.Tensor:
         return loss * float("nan") if inject_nan(run, step) else loss
 
     def collective_delay(self) -> float:

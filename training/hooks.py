@@ -16,6 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from hlat.core.hooks import load_hooks
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ class JobHooks:
         """Called on rank `rank` once optimizer step `step` (1-based) is launched, before its boundary: a hook may
         hold the rank there (nothing by default)."""
 
-    def loss_of_step(self, loss: torch.Tensor, run: Storage, step: int) -> torch.Tensor:
+    def loss_of_step(self, loss: torch.Tensor, run: Run, step: int) -> torch.Tensor:
         """The loss of optimizer step `step` (1-based) of `run`, on the main rank, before it is averaged and used."""
         return loss
 

@@ -42,6 +42,7 @@ from hlat.core.contract import (
     write_failure,
 )
 from hlat.core.environment import neuron_available
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.assembly import BuiltModel, build_model, check_world
 from hlat.training.callbacks import Callback, FirstStepMetrics, MetricsLogging, NanPolicy, SpikePolicy, SyncPoint
@@ -131,7 +132,7 @@ class StepTally:
 @dataclass
 class Trainer:
     cfg: HlatConfig
-    run: Storage
+    run: Run
     checkpoints: Storage
     world: World
     tokenizer_model: str
@@ -245,7 +246,7 @@ class Trainer:
     def _loader(self, split: str) -> PackedLoader:
         t = self.cfg.training
         return PackedLoader(
-            self.data or self.run.child("data"),
+            self.data or self.run.storage.child("data"),
             self.tokenizer_model,
             seq_len=t.seq_len,
             micro_batch_size=t.micro_batch_size,

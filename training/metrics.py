@@ -22,14 +22,14 @@ import math
 from typing import Any
 
 from hlat.core.layout import METRICS_FILE
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.training.tracking import Tracker
 
 log = logging.getLogger("hlat.train")
 
 
 class MetricsLog:
-    def __init__(self, run: Storage, enabled: bool, tensorboard_dir: str | None = None) -> None:
+    def __init__(self, run: Run, enabled: bool, tensorboard_dir: str | None = None) -> None:
         self.run, self.enabled = run, enabled
         self._lines: list[str] = []
         self._writer: Any = None
@@ -49,9 +49,13 @@ class MetricsLog:
         if not self.enabled:
             return
         kept: list[str] = []
-        if self.run.exists(METRICS_FILE):
-            kept = [line for line in self.run.read_text(METRICS_FILE).splitlines() if json.loads(line)["step"] <= step]
-        self.run.write_text(METRICS_FILE, "".join(f"{line}\n" for line in kept))
+        if self.run.storage.exists(METRICS_FILE):
+            kept = [
+                line
+                for line in self.run.storage.read_text(METRICS_FILE).splitlines()
+                if json.loads(line)["step"] <= step
+            ]
+        self.run.storage.write_text(METRICS_FILE, "".join(f"{line}\n" for line in kept))
         self._lines = kept
         self._pending = []
         if self.tracker is not None:
@@ -68,8 +72,8 @@ class MetricsLog:
         self._lines.append(line)
         if self.tracker is not None:
             self._pending.append((step, clean))
-        if self.run.is_local:
-            with self.run.open(METRICS_FILE, "a") as fh:
+        if self.run.storage.is_local:
+            with self.run.storage.open(METRICS_FILE, "a") as fh:
                 fh.write(line + "\n")
         if self._writer is not None:
             for key, value in values.items():
@@ -79,8 +83,8 @@ class MetricsLog:
     def flush(self) -> None:
         if not self.enabled:
             return
-        if not self.run.is_local:
-            self.run.write_text(METRICS_FILE, "".join(f"{line}\n" for line in self._lines))
+        if not self.run.storage.is_local:
+            self.run.storage.write_text(METRICS_FILE, "".join(f"{line}\n" for line in self._lines))
         if self._writer is not None:
             self._writer.flush()
         if self.tracker is not None and self._pending:

@@ -25,6 +25,7 @@ import torch
 from hlat.core.config import HlatConfig
 from hlat.core.contract import channel_location, fetch_tokenizer, job_arguments, read_job_config, reporting_failure
 from hlat.core.environment import neuron_available
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.assembly import build_model
 from hlat.training.compile_cache import (
@@ -52,9 +53,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _precompile(config_uri: str, device: str | None) -> int:
-    run, cfg = read_job_config(config_uri)
+    run = read_job_config(config_uri)
+    cfg = run.config
     cfg = job_config(run, cfg)  # model.vocab_size follows a pretrained tokenizer, as in the training job
-    cache = run.child(CACHE_DIR)
+    cache = run.storage.child(CACHE_DIR)
     kind = resolve_device_kind(device or cfg.training.device)
     if kind == "xla":
         return _precompile_xla(run, cfg, cache)
@@ -120,7 +122,7 @@ def rehearsal_config(cfg: HlatConfig) -> HlatConfig:
     return cfg.model_copy(update={"training": training, "burn_in": burn_in})
 
 
-def rehearse(run: Storage, cfg: HlatConfig, world: World) -> float:
+def rehearse(run: Run, cfg: HlatConfig, world: World) -> float:
     """Run `Trainer.fit` on `rehearsal_config(cfg)` over the run's data, writing to throwaway folders; return
     seconds.
     """
@@ -144,11 +146,11 @@ REHEARSAL_CHECKPOINTS = f"{CACHE_DIR}/rehearsal-checkpoints"
 
 
 @contextmanager
-def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
+def throwaway_trainer(run: Run, cfg: HlatConfig, world: World) -> Iterator[Trainer]:
     """The Trainer training would build, writing metrics to a temporary folder and checkpoints to
     REHEARSAL_CHECKPOINTS.
     """
-    checkpoints = run.child(REHEARSAL_CHECKPOINTS)
+    checkpoints = run.storage.child(REHEARSAL_CHECKPOINTS)
     if world.is_main:
         checkpoints.remove("", recursive=True)  # an earlier precompile's, cut short
     world.barrier("hlat-rehearsal-start")
@@ -157,7 +159,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
         trainer = Trainer(
             cfg=cfg,
             built=build_model(cfg, world),
-            run=Storage(tmp).child("run"),
+            run=Run.of(Storage(tmp).child("run"), cfg),
             checkpoints=checkpoints,
             world=world,
             tokenizer_model=tokenizer,
@@ -175,7 +177,7 @@ def throwaway_trainer(run: Storage, cfg: HlatConfig, world: World) -> Iterator[T
                 checkpoints.remove("", recursive=True)
 
 
-def _precompile_xla(run: Storage, cfg: HlatConfig, cache: Storage) -> int:
+def _precompile_xla(run: Run, cfg: HlatConfig, cache: Storage) -> int:
     """The XLA device: the rehearsal's graphs, every one a job runs.
 
     trn1: graphs are extracted, compiled after exit into NEURON_COMPILE_CACHE_URL; the key goes to neuron/.

@@ -26,7 +26,8 @@ from pathlib import Path
 import hlat
 from hlat.core.config import ConfigError, DataConfig, HlatConfig, SourceConfig
 from hlat.core.contract import EXIT_DATA_INVALID, read_job_config, write_failure
-from hlat.core.layout import source_folder
+from hlat.core.layout import DATA_DIR, source_folder
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.data.reader import Unit
 from hlat.training.data.sources import SourceError
@@ -94,13 +95,14 @@ def main(argv: list[str] | None = None) -> int:
     prefix = f"worker{args.worker} " if args.worker is not None else "prepare-data "
     logging.basicConfig(level=logging.INFO, format=prefix + "%(message)s", force=True)
     _quiet_great_expectations(worker=args.worker is not None)
-    run, cfg = read_job_config(args.config.rstrip("/"))
+    run = read_job_config(args.config.rstrip("/"))
+    cfg = run.config
     try:
         sources = job_sources(cfg, args.sources)
         if args.worker is not None:
             source, key = next((s, k) for s, k in sources if s.resolved_name == args.only)
             data_cfg = cfg.data.source_data_config(source)
-            return _worker(data_cfg, source_folder(run, source.resolved_name, key), work_dir(key), args.worker,
+            return _worker(data_cfg, source_folder(run.root, source.resolved_name, key), work_dir(key), args.worker,
                            args.life)  # fmt: skip
         return _all_sources(cfg, run, sources, args)
     except (DataValidationError, SourceError) as exc:
@@ -141,15 +143,13 @@ def _worker(cfg: DataConfig, data: Storage, work: str, worker: int, life: int) -
     return 0
 
 
-def _all_sources(
-    cfg: HlatConfig, run: Storage, sources: list[tuple[SourceConfig, str]], args: argparse.Namespace
-) -> int:
+def _all_sources(cfg: HlatConfig, run: Run, sources: list[tuple[SourceConfig, str]], args: argparse.Namespace) -> int:
     """Prepare each source not prepared yet, in order; then host 0 writes the run's mixture manifest and report."""
     host, count = hosts()
     folders = []
     for source, key in sources:
         name = source.resolved_name
-        folder = source_folder(run, name, key)
+        folder = source_folder(run.root, name, key)
         folders.append(folder)
         if prepared(folder, key):
             log.info("source %s: prepared before (%s)", name, folder.uri())
@@ -159,7 +159,7 @@ def _all_sources(
         return 0
     while not all(prepared(folder, key) for folder, (_, key) in zip(folders, sources, strict=True)):
         time.sleep(POLL_S * 4)  # the other hosts' share of the last source (host 0 merges it: never long)
-    report = write_mixture(cfg.data, run.child("data"), [(s, f) for (s, _), f in zip(sources, folders, strict=True)],
+    report = write_mixture(cfg.data, run.stage(DATA_DIR), [(s, f) for (s, _), f in zip(sources, folders, strict=True)],
                            args.key)  # fmt: skip
     log.info(
         "%d source(s): %d rows read = %d kept + %d removed %s", len(sources), report.rows_read, report.rows_kept,

@@ -20,17 +20,10 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 from typing import Any
 
-from hlat.core.contract import (
-    STOP_BUDGET,
-    STOP_DEADLINE,
-    STOP_UNSUPERVISED,
-    StopRecord,
-    StopTerms,
-    current_host,
-    stop_record_path,
-    supervisor_heartbeat,
-)
-from hlat.core.storage import Storage, StorageClock
+from hlat.core.contract import STOP_BUDGET, STOP_DEADLINE, STOP_UNSUPERVISED, StopRecord, StopTerms, current_host
+from hlat.core.layout import clock_probe_path, heartbeat_path, stop_record_path
+from hlat.core.run import Run
+from hlat.core.storage import StorageClock
 
 log = logging.getLogger("hlat.train")
 
@@ -56,21 +49,21 @@ class StopRule:
         terms: StopTerms,
         request_stop: Callable[[str], None],
         margin: Callable[[], float],
-        run: Storage | None = None,
+        run: Run | None = None,
         stage: str = "train",
         clock: Callable[[], float] = time.time,
         tick_s: float = TICK_S,
         storage_clock: StorageClock | None = None,
     ) -> None:
         self.terms, self.request_stop, self.margin, self.run = terms, request_stop, margin, run
-        self.heartbeat = supervisor_heartbeat(stage)
+        self.heartbeat = heartbeat_path(stage)
         self.stage, self.clock, self.tick_s = stage, clock, tick_s
         self.billed_from = terms.submitted_at if terms.submitted_at is not None else clock()
         """Where the bill is counted from."""
         self.storage_clock = storage_clock
         """How old the heartbeat is, by run storage's clock."""
         if storage_clock is None and run is not None:
-            self.storage_clock = StorageClock(run, probe=f"{self.heartbeat.rpartition('/')[0]}/{stage}-clock-job")
+            self.storage_clock = StorageClock(run.storage, probe=clock_probe_path(stage, "job"))
         self.last_beat = clock()
         """The supervisor's last beat on this host's clock; the job's start at first."""
         self.read_every: float | None = None
@@ -110,7 +103,7 @@ class StopRule:
         except Exception as exc:  # storage away, a half-written file: the last beat read stands
             if not self._read_failing:
                 log.warning("stop rule: cannot read %s (%s: %s); the last beat read stands",
-                            self.run.uri(self.heartbeat), type(exc).__name__, exc)  # fmt: skip
+                            self.run.storage.uri(self.heartbeat), type(exc).__name__, exc)  # fmt: skip
             self._read_failing = True
 
     def check(self, now: float | None = None) -> str | None:
@@ -173,7 +166,7 @@ class StopRule:
         log.warning("%s", record.line())
         if self.run is not None:
             try:
-                self.run.write_json(
+                self.run.storage.write_json(
                     stop_record_path(self.stage),
                     {
                         "why": record.why, "step": step, "message": record.message, "at": _when(self.clock()),
@@ -182,7 +175,7 @@ class StopRule:
                     },
                 )  # fmt: skip
             except Exception as exc:  # the log line is what the supervisor reads: never fail the stop for this
-                log.warning("stop rule: cannot write %s: %s", self.run.uri(stop_record_path(self.stage)), exc)
+                log.warning("stop rule: cannot write %s: %s", self.run.storage.uri(stop_record_path(self.stage)), exc)
         return record
 
     # -- the thread --------------------------------------------------------------------------------------------
@@ -207,7 +200,7 @@ class StopRule:
 
 
 @contextmanager
-def stop_rule(trainer: Any, run: Storage, terms: StopTerms | None = None) -> Iterator[StopRule | None]:
+def stop_rule(trainer: Any, run: Run, terms: StopTerms | None = None) -> Iterator[StopRule | None]:
     """Enforce the job's stop terms on rank 0 while the body trains; a stop short of max_steps leaves its record."""
     terms = StopTerms.from_environment() if terms is None else terms
     if not terms.any or not trainer.world.is_main or trainer.extracting_graphs:

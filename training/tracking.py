@@ -35,13 +35,11 @@ from pathlib import Path
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.core.layout import TRACKING_DIR
-from hlat.core.storage import Storage
+from hlat.core.layout import TRACKING_DIR, TRACKING_RECORD
+from hlat.core.run import Run
 
 log = logging.getLogger("hlat.tracking")
 
-TRACKING_RECORD = f"{TRACKING_DIR}/tracking.json"
-"""Which tracked run the hlat run logs into: {"backend", "run_id" (MLflow) or "id" (W&B), ...}."""
 RUN_TAG = "hlat.run_id"
 """MLflow tag naming the hlat run a tracked run belongs to (how a run without its record is found)."""
 LOGGED_TAG = "hlat.logged_step"
@@ -93,7 +91,7 @@ def wandb_run_id(hlat_run_id: str) -> str:
     return re.sub(r"[^A-Za-z0-9_-]", "-", hlat_run_id)[:128]
 
 
-def mlflow_tracking_uri(cfg: HlatConfig, run: Storage) -> str:
+def mlflow_tracking_uri(cfg: HlatConfig, run: Run) -> str:
     """The MLflow store of `run`: tracking.mlflow_tracking_uri, else the SageMaker tracking server's ARN (the
     sagemaker-mlflow plugin takes it as the URI), else a SQLite store in a local run's tracking/ folder."""
     t = cfg.tracking
@@ -101,23 +99,23 @@ def mlflow_tracking_uri(cfg: HlatConfig, run: Storage) -> str:
         return t.mlflow_tracking_uri
     if t.mlflow_tracking_server_arn:
         return t.mlflow_tracking_server_arn
-    if not run.is_local:
+    if not run.storage.is_local:
         raise ConfigError(
-            f"tracking.backend=mlflow for a run in {run.url}: the default store (SQLite in the run's tracking/ folder) "
+            f"tracking.backend=mlflow for a run in {run.uri}: the default store (SQLite in the run's tracking/ folder) "
             "needs a local run; set tracking.mlflow_tracking_uri (an MLflow server) or "
             "tracking.mlflow_tracking_server_arn (SageMaker's managed MLflow)"
         )
-    return f"sqlite:///{Path(run.path(TRACKING_DIR)).resolve() / MLFLOW_DB}"
+    return f"sqlite:///{Path(run.storage.path(TRACKING_DIR)).resolve() / MLFLOW_DB}"
 
 
-def check_tracking(cfg: HlatConfig, run: Storage) -> None:
+def check_tracking(cfg: HlatConfig, run: Run) -> None:
     """Refuse, naming the field and the fix, a tracking setting this run cannot use (before any stage runs)."""
     t = cfg.tracking
     if t.backend == "mlflow":
         mlflow_tracking_uri(cfg, run)
-    if t.backend == "wandb" and t.wandb_mode == "offline" and not run.is_local:
+    if t.backend == "wandb" and t.wandb_mode == "offline" and not run.storage.is_local:
         raise ConfigError(
-            f"tracking.wandb_mode=offline for a run in {run.url}: W&B's offline files go to the run's tracking/ "
+            f"tracking.wandb_mode=offline for a run in {run.uri}: W&B's offline files go to the run's tracking/ "
             "folder, which needs a local run; use tracking.wandb_mode=online (W&B's own servers keep the run)"
         )
 
@@ -129,7 +127,7 @@ class Tracker:
 
     backend = ""
 
-    def __init__(self, hlat_run_id: str, run: Storage) -> None:
+    def __init__(self, hlat_run_id: str, run: Run) -> None:
         self.hlat_run_id, self.run = hlat_run_id, run
         self.logged_step = -1
         self.broken = False
@@ -172,7 +170,7 @@ class Tracker:
 
     def log_config(self, cfg: HlatConfig) -> None:
         """The config as flat params, and the run's storage URI."""
-        self._safely("logging the config", self._log_params, {**flat_config(cfg), STORAGE_TAG: self.run.url})
+        self._safely("logging the config", self._log_params, {**flat_config(cfg), STORAGE_TAG: self.run.storage.url})
 
     def log_json(self, name: str, value: Any, folder: str = "reports") -> None:
         """`value` as the artifact `<folder>/<name>` (JSON)."""
@@ -202,7 +200,7 @@ class Tracker:
 class MlflowTracker(Tracker):
     backend = "mlflow"
 
-    def __init__(self, cfg: HlatConfig, run: Storage, hlat_run_id: str) -> None:
+    def __init__(self, cfg: HlatConfig, run: Run, hlat_run_id: str) -> None:
         super().__init__(hlat_run_id, run)
         # A store that does not answer must fail fast, not hold training through MLflow's default retries (minutes).
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
@@ -296,7 +294,7 @@ class MlflowTracker(Tracker):
 class WandbTracker(Tracker):
     backend = "wandb"
 
-    def __init__(self, cfg: HlatConfig, run: Storage, hlat_run_id: str) -> None:
+    def __init__(self, cfg: HlatConfig, run: Run, hlat_run_id: str) -> None:
         super().__init__(hlat_run_id, run)
         import wandb
 
@@ -304,8 +302,8 @@ class WandbTracker(Tracker):
         self.id = wandb_run_id(hlat_run_id)
         self.offline = t.wandb_mode == "offline"
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
-        if run.is_local:
-            folder = Path(run.path(TRACKING_DIR))
+        if run.storage.is_local:
+            folder = Path(run.storage.path(TRACKING_DIR))
             folder.mkdir(parents=True, exist_ok=True)
         else:  # online only (check_tracking): W&B's local copy is scratch
             self._tmp = tempfile.TemporaryDirectory(prefix="hlat-wandb-")
@@ -366,7 +364,7 @@ def _next_offline_second(folder: Path, run_id: str) -> None:
         time.sleep(1.0 - time.time() % 1.0 + 0.01)
 
 
-def open_tracker(cfg: HlatConfig, run: Storage) -> Tracker | None:
+def open_tracker(cfg: HlatConfig, run: Run) -> Tracker | None:
     """The run's tracker (None with tracking.backend=none, or when the store cannot be opened: warned once)."""
     backend = cfg.tracking.backend
     if backend == "none":
@@ -385,19 +383,19 @@ def open_tracker(cfg: HlatConfig, run: Storage) -> Tracker | None:
 
 
 # -- the record in the run's storage --------------------------------------------------------------------------
-def read_record(run: Storage) -> dict[str, Any]:
+def read_record(run: Run) -> dict[str, Any]:
     try:
-        if run.exists(TRACKING_RECORD):
-            record: dict[str, Any] = run.read_json(TRACKING_RECORD)
+        if run.storage.exists(TRACKING_RECORD):
+            record: dict[str, Any] = run.storage.read_json(TRACKING_RECORD)
             return record
     except Exception as exc:
-        log.warning("tracking: %s unreadable (%s): finding the run again", run.uri(TRACKING_RECORD), exc)
+        log.warning("tracking: %s unreadable (%s): finding the run again", run.storage.uri(TRACKING_RECORD), exc)
     return {}
 
 
-def write_record(run: Storage, record: Mapping[str, Any]) -> None:
+def write_record(run: Run, record: Mapping[str, Any]) -> None:
     if read_record(run) != dict(record):
-        run.write_text(TRACKING_RECORD, json.dumps(dict(record), indent=2, sort_keys=True) + "\n")
+        run.storage.write_text(TRACKING_RECORD, json.dumps(dict(record), indent=2, sort_keys=True) + "\n")
 
 
 def _whole_steps(records: list[tuple[int, dict[str, float]]], limit: int) -> Iterator[list[tuple[int, dict]]]:

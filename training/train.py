@@ -34,7 +34,7 @@ from hlat.core.contract import (
     write_failure,
 )
 from hlat.core.environment import neuron_available
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.training import xla
 from hlat.training.assembly import build_model
 from hlat.training.compile_cache import (
@@ -63,7 +63,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(config_uri: str, device: str | None) -> int:
-    run, cfg = read_job_config(config_uri)
+    run = read_job_config(config_uri)
+    cfg = run.config
     # From here: a start-up that hangs (a store, a group that never forms, a compile cache read) is bounded too.
     progress = Progress()
     watchdog = start_watchdog(progress, cfg.job.watchdog, extracting_graphs())
@@ -74,7 +75,7 @@ def _train(config_uri: str, device: str | None) -> int:
             watchdog.close()
 
 
-def _train_watched(run: Storage, cfg: HlatConfig, device: str | None, progress: Progress) -> int:
+def _train_watched(run: Run, cfg: HlatConfig, device: str | None, progress: Progress) -> int:
     cfg = job_config(run, cfg)  # model.vocab_size follows a pretrained tokenizer
     kind = resolve_device_kind(device or cfg.training.device)
     xla_cache = None

@@ -25,11 +25,10 @@ import pytest
 import torch
 
 from hlat.core.presets import load_config
-from hlat.core.storage import Storage
+from hlat.core.run import Run, open_run
 from hlat.infra.job_daemon import job_processes
 from hlat.infra.jobs import TERMINAL, Status
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import Run, open_run
 from hlat.infra.sagemaker_emulator import HOST_ENV
 from hlat.infra.stage_jobs import job_spec
 from hlat.infra.supervisor import Ledger
@@ -64,14 +63,14 @@ SETS: dict[str, Any] = {
 }
 
 
-def put_run(prepared: Path, root: str, run_id: str) -> Storage:
+def put_run(prepared: Path, root: str, run_id: str) -> Run:
     """A run on S3 over the prepared data and tokenizer."""
     run = open_run(load_config("tiny", SETS, run_id=run_id, storage=root))
     for stage in ("data", "tokenizer"):
         for path in sorted((prepared / stage).rglob("*")):
             if path.is_file():
                 run.storage.put_file(str(path), f"{stage}/{path.relative_to(prepared / stage).as_posix()}")
-    return run.storage
+    return run
 
 
 def start_flow(tmp_path: Path, root: str, run_id: str) -> subprocess.Popen[bytes]:
@@ -81,13 +80,13 @@ def start_flow(tmp_path: Path, root: str, run_id: str) -> subprocess.Popen[bytes
     return subprocess.Popen(command, cwd=ROOT, env=cli_env(), stdout=log, stderr=subprocess.STDOUT)
 
 
-def history(run: Storage) -> list[tuple[int, float, int]]:
-    rows = [json.loads(line) for line in run.read_bytes("metrics.jsonl").decode().splitlines()]
+def history(run: Run) -> list[tuple[int, float, int]]:
+    rows = [json.loads(line) for line in run.storage.read_bytes("metrics.jsonl").decode().splitlines()]
     return [(r["step"], r["loss"], r["samples_crc32"]) for r in rows if "samples_crc32" in r]
 
 
-def final_state(run: Storage) -> tuple[int, dict[str, Any]]:
-    manager = CheckpointManager(run.child("checkpoints"), keep_last=1)
+def final_state(run: Run) -> tuple[int, dict[str, Any]]:
+    manager = CheckpointManager(run.storage.child("checkpoints"), keep_last=1)
     step = manager.latest_step()
     assert step is not None
     return step, manager.load_shared(step)
@@ -138,7 +137,7 @@ def kill_rank(job_dir: str, rng: random.Random) -> int:
 
 
 class Chaos:
-    def __init__(self, tmp_path: Path, root: str, run: Storage, run_id: str, proxy: S3Faults) -> None:
+    def __init__(self, tmp_path: Path, root: str, run: Run, run_id: str, proxy: S3Faults) -> None:
         self.tmp_path, self.root, self.run, self.run_id = tmp_path, root, run, run_id
         self.proxy = proxy
         self.storms: list[Rule] = []
@@ -150,7 +149,7 @@ class Chaos:
         """Training steps each job had logged at the last event: the next event waits for a newer one."""
 
     def current_job(self) -> str | None:
-        attempts = Ledger(self.run, "train").load() if self.run.exists("jobs/train-attempts.json") else []
+        attempts = Ledger(self.run, "train").load() if self.run.storage.exists("jobs/train-attempts.json") else []
         return attempts[-1].job_name if attempts else None
 
     def alive_jobs(self) -> int:
@@ -234,7 +233,7 @@ def test_two_hosts_under_random_kills_stops_and_storage_faults_end_bitwise_equal
     reference = put_run(prepared, s3_env.url, "reference")
     config = load_config("tiny", SETS, run_id="reference", storage=s3_env.url)
     backend = LocalBackend(str(tmp_path / "jobs" / "reference"), job=config.job)
-    spec = job_spec(Run.at(reference.url, config, "reference"), 1)
+    spec = job_spec(reference.with_config(config), 1)
     backend.submit(spec)
     state = wait(backend, spec.name, timeout=900)
     assert state.status == Status.COMPLETED, log_text(backend, spec.name)[-3000:]

@@ -52,7 +52,7 @@ def kill_first_rank(job_dir: str, timeout: float = 180) -> float:
 def test_a_rank_killed_before_its_first_step_in_three_jobs_in_a_row_is_retried_each_time(
     prepared: Path, tmp_path: Path
 ) -> None:
-    from hlat.infra.runs import Run
+    from hlat.core.run import Run
     from hlat.infra.stage_jobs import jobs_dir, supervisor_for
 
     run_id = "killed-early"

@@ -88,7 +88,7 @@ def test_a_job_stopped_by_spikes_in_a_row_is_not_relaunched_by_the_train_stage(
     """Through the local job backend and the train stage's supervisor: the job exits EXIT_LOSS_SPIKES with its
     failure record, and the stage stops with one line naming the steps, after one job (job.max_repeats is 3)."""
     from hlat.core.presets import load_config
-    from hlat.infra.runs import Run
+    from hlat.core.run import Run
     from hlat.infra.stage_jobs import supervisor_for
     from hlat.infra.supervisor import JobFailed
     from tests.sizes import SMALL_DATA

@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 import torch
 
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.supervisor import Ledger
 from tests.conftest import SMALL_DATA
@@ -71,7 +71,7 @@ def test_job_killed_five_times_completes_bitwise_equal(
     summary = train(preset="tiny", overrides=overrides(), run_id="chaos", storage=str(tmp_path))
 
     assert summary["final_step"] == STEPS and summary["jobs"] == 6
-    attempts = Ledger(Storage(str(chaos)), "train").load()
+    attempts = Ledger(Run.at(str(chaos)), "train").load()
     assert [a.action for a in attempts] == ["resume"] * 5 + ["done"]
     assert all("SIGKILL" in (a.reason or "") for a in attempts[:5])
     assert history(chaos) == history(reference)  # same samples, same order, same losses
@@ -89,7 +89,7 @@ def test_flow_process_killed_and_restarted_reattaches_to_the_same_job(
     command = cli(tmp_path, "reattach", overrides(max_steps=150, log_every=1))
     flow = subprocess.Popen(command, cwd=ROOT, env=cli_env(), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     backend = LocalBackend(str(run / "jobs"))
-    ledger = Ledger(Storage(str(run)), "train")
+    ledger = Ledger(Run.at(str(run)), "train")
     try:
         wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 120, "the job to start")
         name = ledger.load()[0].job_name
@@ -118,7 +118,7 @@ def test_dollar_budget_stops_the_run_with_a_clear_message(prepared: Path, tmp_pa
     assert out.returncode == 1, out.stderr[-3000:]
     (error,) = [line for line in out.stderr.splitlines() if line.startswith("hlat: error:")]  # then the log's path
     assert error.startswith("hlat: error: train stopped") and "job.budget_usd" in error and "is spent" in error
-    (attempt,) = Ledger(Storage(str(run)), "train").load()
+    (attempt,) = Ledger(Run.at(str(run)), "train").load()
     # Whichever comes first: the supervisor stops the job once $6 is billed, or the job stops itself job.stop_grace
     # _seconds (20 s: more than the budget) before (training/stop_rule.py). Either way no relaunch.
     if attempt.stop_requested == "budget":
@@ -142,7 +142,7 @@ def test_sigint_to_the_flow_stops_its_job(prepared: Path, tmp_path: Path, prefec
         stderr=subprocess.STDOUT,
         preexec_fn=default_sigint,
     )
-    ledger = Ledger(Storage(str(run)), "train")
+    ledger = Ledger(Run.at(str(run)), "train")
     backend = LocalBackend(str(run / "jobs"))
     wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 120, "the job to start")
     name = ledger.load()[0].job_name
@@ -191,7 +191,7 @@ def started_train(prepared: Path, tmp_path: Path, run_id: str) -> tuple[subproce
         stderr=subprocess.STDOUT,
         preexec_fn=lambda: (default_sigint(), os.setpgrp()),  # type: ignore[func-returns-value]
     )
-    ledger = Ledger(Storage(str(run)), "train")
+    ledger = Ledger(Run.at(str(run)), "train")
     wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 180, "the job to start")
     name = ledger.load()[0].job_name
     backend = LocalBackend(str(run / "jobs"))
@@ -215,10 +215,9 @@ def test_ctrl_c_in_the_terminal_stops_the_job_at_a_checkpoint_and_exits_130_leav
     assert code == 130 and took < 10, (code, took, out[-3000:])
     state = LocalBackend(str(run / "jobs")).describe(name)
     assert state is not None and state.status == "Stopped"
-    from hlat.core.storage import Storage
     from hlat.tasks.train import latest_checkpoint
 
-    step = latest_checkpoint(Storage(str(run)))  # the checkpoint the stopped job wrote on its SIGTERM
+    step = latest_checkpoint(Run.at(str(run)))  # the checkpoint the stopped job wrote on its SIGTERM
     assert step is not None and step >= 5
     (line,) = [line for line in out.splitlines() if line.startswith("hlat: interrupted")]
     assert line == (

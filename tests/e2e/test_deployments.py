@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from hlat.core.run import Run
 from tests.conftest import SMALL_DATA
 from tests.e2e.conftest import ROOT, DeploymentsBlock, api, prefect, wait_until
 from tests.jobs import make_run, processes_mentioning
@@ -154,7 +155,6 @@ def test_the_blocks_dag_ran_every_stage_and_a_stage_rerun_alone_is_cached(
 def test_cancelling_a_train_run_stops_its_job(prefect_env: dict[str, str], prepared: Path, tmp_path: Path) -> None:
     """Cancel from the API (as from the UI) while the job trains on the block's worker: the job is stopped, no
     process is left."""
-    from hlat.core.storage import Storage
     from hlat.infra.local_jobs import LocalBackend
     from hlat.infra.supervisor import Ledger
 
@@ -168,7 +168,7 @@ def test_cancelling_a_train_run_stops_its_job(prefect_env: dict[str, str], prepa
     match = re.search(r"UUID: ([0-9a-f-]{36})", out.stdout)
     assert match, out.stdout
     flow_run_id = match[1]
-    ledger, backend = Ledger(Storage(str(run)), "train"), LocalBackend(str(run / "jobs"))
+    ledger, backend = Ledger(Run.at(str(run)), "train"), LocalBackend(str(run / "jobs"))
 
     def training_steps() -> bool:
         attempts = ledger.load()

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 
 from hlat.core.presets import load_config
-from hlat.infra.runs import Run
+from hlat.core.run import Run
 from hlat.infra.supervisor import Progress
 from hlat.tasks.alerts import ALERTS, AUTOMATION_PREFIX, TrainAlerts, alert_eval_floors, sync_automations
 from tests.integration.conftest import free_port

@@ -17,6 +17,7 @@ from hlat.cli import main as cli
 from hlat.core.config import validate_config
 from hlat.core.layout import CheckpointError, CheckpointIndex, locate_checkpoint
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import CheckpointManager
 from hlat.training.checkpoint.average import average_checkpoints
@@ -72,7 +73,7 @@ def exports_and_evaluates(run: Path, averaged: str, tmp_path: Path) -> tuple[dic
     (scored / "config.json").write_text(json.dumps(stored))
     average_checkpoints(str(run), 3, out=str(scored / "averaged"))
     cfg = validate_config(stored)
-    results = evaluate_checkpoint(Storage(str(scored)), cfg, ref.step, torch.device("cpu"), averaged=True)
+    results = evaluate_checkpoint(Run.at(str(scored)), cfg, ref.step, torch.device("cpu"), averaged=True)
     assert results["step"] == ref.step and results["averaged"] and results["perplexity"]["tokens"] > 0
     assert (scored / "eval" / f"averaged-step-{ref.step:09d}" / "results.json").is_file()
     assert 1 < results["perplexity"]["perplexity"] < config.model.vocab_size * 4

@@ -21,14 +21,8 @@ from typing import Any
 
 import pytest
 
-from hlat.training.compile_cache import (
-    ARTIFACTS_FILE,
-    CACHE_DIR,
-    KERNELS_FILE,
-    LATEST_FILE,
-    MANIFEST_FILE,
-    unpack_cache_folder,
-)
+from hlat.core.layout import MANIFEST_FILE
+from hlat.training.compile_cache import ARTIFACTS_FILE, CACHE_DIR, KERNELS_FILE, LATEST_FILE, unpack_cache_folder
 from tests.jobs import make_run, metrics, train
 
 pytestmark = pytest.mark.slow

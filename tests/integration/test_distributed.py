@@ -10,6 +10,8 @@ import torch
 import torch.multiprocessing as mp
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run
+from hlat.core.storage import Storage
 from tests.conftest import SMALL_DATA
 from tests.integration.conftest import free_port
 
@@ -35,7 +37,6 @@ def run_layout(
     saves the losses and the whole model (FSDP2's shards gathered first, on every rank)."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    from hlat.core.storage import Storage
     from hlat.training.loop import DeviceBatch, Trainer
     from hlat.training.parallel.distributed import close_world, init_world
 
@@ -53,7 +54,7 @@ def run_layout(
     try:
         trainer = Trainer(
             cfg,
-            Storage(run_dir),
+            Run.at(run_dir),
             Storage(f"{run_dir}/ckpt-{world_size}"),
             world,
             f"{run_dir}/tokenizer/tokenizer.model",

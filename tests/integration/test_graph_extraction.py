@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from hlat.core.config import validate_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training import precompile
 from hlat.training.loop import EXTRACT_GRAPHS_ONLY, Trainer
@@ -97,7 +98,7 @@ def test_extracting_graphs_the_rehearsal_traces_every_hook_acts_on_no_value_and_
     world = InvalidOutputs(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     before = files(run)
     monkeypatch.setenv(EXTRACT_GRAPHS_ONLY, "1")
-    seconds = precompile.rehearse(Storage(str(run)), cfg, world)  # no NaN exit, no UnhealthyCollective
+    seconds = precompile.rehearse(Run.at(str(run)), cfg, world)  # no NaN exit, no UnhealthyCollective
     assert seconds > 0
     assert [(name, step) for name, step, _, _ in seen] == [
         ("health_check", 2),
@@ -127,5 +128,5 @@ def test_the_same_garbage_without_graph_extraction_ends_the_rehearsal(
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
     world = InvalidOutputs(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     with pytest.raises(RuntimeError, match="exit code 3"):
-        precompile.rehearse(Storage(str(run)), cfg, world)
+        precompile.rehearse(Run.at(str(run)), cfg, world)
     assert seen == []

@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
@@ -57,7 +58,7 @@ def fsdp_rank(
     try:
         trainer = Trainer(
             cfg,
-            Storage(run),
+            Run.at(run),
             Storage(f"{run}/checkpoints"),
             world,
             f"{prepared}/tokenizer/tokenizer.model",
@@ -92,7 +93,7 @@ def test_an_fsdp2_import_on_two_gloo_ranks_is_the_dense_import_and_exports_bitwi
     folder = tmp_path / "hf"
     saved(arch, folder, seed=21, max_shard_size="40KB")
     run = tmp_path / "run"
-    write_import_record(Storage(str(run)), folder)
+    write_import_record(Run.at(str(run)), folder)
     out = tmp_path / "rank0.pt"
     args = (2, free_port(), str(prepared), str(run), str(folder), 128, str(out))
     mp.start_processes(fsdp_rank, args=args, nprocs=2, start_method="spawn")
@@ -132,10 +133,10 @@ def test_an_import_from_an_s3_prefix_reads_tensor_by_tensor_and_gives_transforme
     hf: Any = saved(arch, folder, seed=22, max_shard_size="40KB")
     prefix = f"{s3_env.url}/models/{arch}"
     upload(folder, prefix)
-    run = Storage(f"{s3_env.url}/run")
+    run = Run.at(f"{s3_env.url}/run")
     record = write_import_record(run, prefix, source=f"org/{arch}-tiny")
     cfg = run_config(folder, 64, **{"model.init_from": prefix, "tokenizer.pretrained": prefix})
-    trainer = fake_trainer(cfg, run.uri())
+    trainer = fake_trainer(cfg, run.uri)
     monkeypatch.setattr(CountingStorage, "ranges", [])
     monkeypatch.setattr("hlat.training.checkpoint.hf_import.Storage", CountingStorage)
     found = import_weights(trainer)

@@ -13,16 +13,12 @@ from typing import Any
 import pytest
 
 from hlat.core.config import HlatConfig
-from hlat.core.init_from import (
-    IMPORT_RECORD,
-    InitFromError,
-    check_embedding_rows,
-    model_fields,
-    model_follows_checkpoint,
-)
+from hlat.core.init_from import InitFromError, check_embedding_rows, model_fields, model_follows_checkpoint
+from hlat.core.layout import IMPORT_RECORD, IMPORTS_DIR
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.init_from import IMPORTS_DIR, import_checkpoint
+from hlat.infra.init_from import import_checkpoint
 from tests.pretrained_tokenizers import HUB_COMMIT, hub_cache
 
 
@@ -54,7 +50,7 @@ def _config(**model: Any) -> HlatConfig:
 
 def test_a_local_folder_is_recorded_with_each_file_s_sha256_and_read_in_place(tmp_path: Path) -> None:
     folder = _llama(tmp_path / "llama", shard_bytes="40KB")
-    run = Storage(str(tmp_path / "run"))
+    run = Run.at(str(tmp_path / "run"))
     record = import_checkpoint(_config(init_from=str(folder)), run)
     names = [f["name"] for f in record["files"]]
     assert names[:2] == ["config.json", "model.safetensors.index.json"] and len(names) > 3  # sharded
@@ -62,7 +58,7 @@ def test_a_local_folder_is_recorded_with_each_file_s_sha256_and_read_in_place(tm
         assert entry["sha256"] == hashlib.sha256((folder / entry["name"]).read_bytes()).hexdigest()
     assert record["location"] == str(folder) and record["from"] == "local"
     assert record["config"]["hidden_size"] == 64 and record["bytes"] == sum(f["bytes"] for f in record["files"])
-    assert run.read_json(IMPORT_RECORD) == json.loads(json.dumps(record))
+    assert run.storage.read_json(IMPORT_RECORD) == json.loads(json.dumps(record))
     # A second resolution keeps the record (the run started from those weights).
     (folder / "config.json").write_text((folder / "config.json").read_text().replace("64", "64 "))
     assert import_checkpoint(_config(init_from=str(folder)), run)["sha256"] == record["sha256"]
@@ -74,11 +70,11 @@ def test_a_hub_name_comes_from_the_hub_cache_offline_with_its_commit(
     cache = hub_cache(tmp_path / "hub", "org/tiny-llama", _llama(tmp_path / "llama"))
     monkeypatch.setenv("HF_HUB_CACHE", str(cache))
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    record = import_checkpoint(_config(init_from="org/tiny-llama"), Storage(str(tmp_path / "run")))
+    record = import_checkpoint(_config(init_from="org/tiny-llama"), Run.at(str(tmp_path / "run")))
     assert record["from"] == "hub" and record["revision"] == HUB_COMMIT
     assert Path(record["location"]).name == HUB_COMMIT
     with pytest.raises(ValueError, match=r"model.init_from='org/absent'.*HF_HUB_OFFLINE is set"):
-        import_checkpoint(_config(init_from="org/absent"), Storage(str(tmp_path / "run2")))
+        import_checkpoint(_config(init_from="org/absent"), Run.at(str(tmp_path / "run2")))
 
 
 def test_an_s3_prefix_is_read_in_place_and_a_local_folder_is_uploaded_once_for_a_run_on_s3(
@@ -88,16 +84,16 @@ def test_an_s3_prefix_is_read_in_place_and_a_local_folder_is_uploaded_once_for_a
     prefix = Storage(f"{s3_env.url}/weights")
     for path in folder.iterdir():
         prefix.put_file(str(path), path.name)
-    run = Storage(f"{s3_env.url}/runs/r1")
+    run = Run.at(f"{s3_env.url}/runs/r1")
     record = import_checkpoint(_config(init_from=prefix.url), run)
     assert record["location"] == prefix.url and record["from"] == "s3"
     assert all(f["etag"] for f in record["files"])
     # A local folder with a run on S3: the jobs cannot read this disk, so it is uploaded under the storage root.
-    first = import_checkpoint(_config(init_from=str(folder)), Storage(f"{s3_env.url}/runs/r2"))
+    first = import_checkpoint(_config(init_from=str(folder)), Run.at(f"{s3_env.url}/runs/r2"))
     assert first["location"].startswith(f"{s3_env.url}/runs/{IMPORTS_DIR}/")
     uploaded = Storage(first["location"])
     assert sorted(uploaded.list()) == ["COMPLETE", "config.json", "model.safetensors"]  # what the import reads
-    second = import_checkpoint(_config(init_from=str(folder)), Storage(f"{s3_env.url}/runs/r3"))
+    second = import_checkpoint(_config(init_from=str(folder)), Run.at(f"{s3_env.url}/runs/r3"))
     assert second["location"] == first["location"] and second["sha256"] == first["sha256"]
 
 
@@ -116,10 +112,10 @@ def test_a_folder_without_a_usable_checkpoint_is_refused_naming_the_field(
     (folder / remove).unlink()
     if write:
         (folder / write).write_bytes(b"pickle")
-    run = Storage(str(tmp_path / "run"))
+    run = Run.at(str(tmp_path / "run"))
     with pytest.raises(ValueError, match=rf"model.init_from='.*llama': .*{message}"):
         import_checkpoint(_config(init_from=str(folder)), run)
-    assert not run.exists(IMPORT_RECORD)
+    assert not run.storage.exists(IMPORT_RECORD)
 
 
 def test_an_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
@@ -127,7 +123,7 @@ def test_an_index_naming_a_missing_shard_is_refused(tmp_path: Path) -> None:
     shard = sorted(folder.glob("model-*.safetensors"))[-1]
     shard.unlink()
     with pytest.raises(ValueError, match=rf"names 1 shard file\(s\) the folder lacks \({shard.name}\)"):
-        import_checkpoint(_config(init_from=str(folder)), Storage(str(tmp_path / "run")))
+        import_checkpoint(_config(init_from=str(folder)), Run.at(str(tmp_path / "run")))
 
 
 def _hf(kind: str, **overrides: Any) -> dict[str, Any]:
@@ -244,10 +240,10 @@ def test_the_train_stage_imports_published_weights_and_trains_and_exports_from_t
     import torch
     from transformers import LlamaForCausalLM
 
+    from hlat.core.run import open_run
     from hlat.core.shards import iter_documents, read_manifest
     from hlat.flows.train import train
     from hlat.flows.train_tokenizer import train_tokenizer
-    from hlat.infra.runs import open_run
     from hlat.training.checkpoint.hf_export import export_checkpoint
     from tests.conftest import SMALL_RUN
     from tests.jobs import source_data

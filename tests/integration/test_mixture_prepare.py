@@ -10,11 +10,11 @@ from typing import Any
 
 import pytest
 
-from hlat.core.layout import SOURCES_DIR
+from hlat.core.layout import REPORT_FILE, SOURCES_DIR
 from hlat.core.presets import load_config
+from hlat.core.run import open_run
 from hlat.core.shards import MixtureManifest, read_mixture
-from hlat.infra.runs import open_run
-from hlat.training.data.units import REPORT_FILE, DataReport
+from hlat.training.data.units import DataReport
 from tests.jobs import prepare_job
 
 pytestmark = pytest.mark.slow  # three prepare-data jobs of one worker (3-5 s each)

@@ -16,13 +16,14 @@ from typing import Any
 import pytest
 
 from hlat.core.config import HlatConfig
+from hlat.core.layout import REPORT_FILE
 from hlat.core.presets import load_config
+from hlat.core.run import Run, open_run
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
 from hlat.infra.jobs import job_name
-from hlat.infra.runs import open_run
 from hlat.infra.supervisor import Ledger
-from hlat.training.data.units import REPORT_FILE, DataReport, UnitResult
+from hlat.training.data.units import DataReport, UnitResult
 from tests.jobs import prepare_job, source_data
 
 pytestmark = pytest.mark.slow  # each test runs prepare-data jobs of 2 workers (5-11 s)
@@ -164,7 +165,7 @@ def test_a_failed_job_is_relaunched_and_redoes_only_unfinished_units(
     monkeypatch.setenv("HLAT_PREPARE_FAULTS", json.dumps(fault))
     _report, (record, state, data) = prepare(config)
     assert state is not None and state.status.value == "Completed", record
-    attempts = Ledger(Storage(str(tmp_path / "clean")), "prepare-data").load()
+    attempts = Ledger(Run.at(str(tmp_path / "clean")), "prepare-data").load()
     assert [(a.attempt, a.status) for a in attempts] == [(1, "Failed"), (2, "Completed")]
     assert "worker 0 died 1 times (killed by SIGKILL)" in (attempts[0].reason or "")
     units = [UnitResult.model_validate(data.read_json(f"{p}/unit.json")) for p in _unit_dirs(data)]

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from hlat.core.layout import REPORT_FILE
 from hlat.core.presets import load_config
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage, StorageNotFound
@@ -44,8 +45,8 @@ def test_a_two_worker_job_reads_s3_objects_sharded_by_key_into_s3_run_storage(
 ) -> None:
     """The prepare-data job on the local backend, its 2 workers reading their own objects of an s3:// source and
     writing an s3:// run; a duplicate planted in every object is found across workers."""
-    from hlat.infra.runs import open_run
-    from hlat.training.data.units import REPORT_FILE, DataReport
+    from hlat.core.run import open_run
+    from hlat.training.data.units import DataReport
     from tests.jobs import prepare_job, source_data
 
     monkeypatch.setenv("HLAT_JOBS_DIR", str(tmp_path / "jobs"))  # the local backend's job folders of an S3 run

@@ -17,10 +17,11 @@ from typing import Any
 
 import pytest
 
-from hlat.core.storage import Storage
+from hlat.core.layout import heartbeat_path
+from hlat.core.run import Run
 from hlat.infra.local_jobs import LocalBackend
 from hlat.infra.sagemaker_emulator import namespaces_available
-from hlat.infra.supervisor import Ledger, heartbeat_path
+from hlat.infra.supervisor import Ledger
 from tests.conftest import SMALL_DATA
 from tests.jobs import as_from_a_terminal, make_run, processes_mentioning, wait_for
 
@@ -68,7 +69,7 @@ def start_train(
         start_new_session=True,  # setsid: its own session and process group, as a terminal's shell starts it
         preexec_fn=as_from_a_terminal,
     )
-    ledger = Ledger(Storage(str(run)), "train")
+    ledger = Ledger(Run.at(str(run)), "train")
     wait_for(lambda: any(a.status == "InProgress" for a in ledger.load()), 180, "the job to start")
     name = ledger.load()[0].job_name
     backend = LocalBackend(str(run / "jobs"))
@@ -115,11 +116,11 @@ def dead_cli_then_status_and_stop(tmp_path: Path, run: Path, run_id: str, sig: s
     assert state is not None and state.status == "Stopped"
     from hlat.tasks.train import latest_checkpoint
 
-    step = latest_checkpoint(Storage(str(run)))
+    step = latest_checkpoint(Run.at(str(run)))
     assert step is not None and step >= 5
     assert f"hlat: {name} (train) ended Stopped" in stop.stdout, stop.stdout
     assert f"the run's newest checkpoint is step {step:,}; run the same command to go on from it" in stop.stdout
-    (attempt,) = Ledger(Storage(str(run)), "train").load()
+    (attempt,) = Ledger(Run.at(str(run)), "train").load()
     assert attempt.stop_requested == "user" and attempt.status == "Stopped" and attempt.end_step == step
     assert attempt.ended_at is not None and sent - 1 <= attempt.ended_at <= time.time()
     assert attempt.billable_seconds > 0 and attempt.action == "resume"
@@ -158,7 +159,7 @@ def test_hlat_stop_ends_the_stage_of_a_live_supervisor_without_a_relaunch(prepar
     (line,) = [line for line in out.splitlines() if line.startswith("hlat: stopped:")]
     assert code == 0 and "train stopped by hlat stop at step " in line and "run the same command to go on" in line
     assert "ERROR" not in out, out[-3000:]  # a deliberate stop: its runs end Cancelled, not Failed
-    (attempt,) = Ledger(Storage(str(run)), "train").load()  # no second job
+    (attempt,) = Ledger(Run.at(str(run)), "train").load()  # no second job
     assert attempt.stop_requested == "user" and attempt.status == "Stopped" and attempt.ended_at is not None
     assert attempt.reason == "stopped by hlat stop" and attempt.action == "resume"
     assert processes_mentioning(str(run)) == []
@@ -183,7 +184,7 @@ def test_ctrl_c_records_the_end_and_cancels_the_flow_run_without_an_error_line(
     out = (tmp_path / "interrupted-c2.out").read_text()
     assert code == 130, out[-3000:]
     assert "ERROR" not in out and "Crash detected" not in out and "Crashed" not in out, out[-3000:]
-    (attempt,) = Ledger(Storage(str(run)), "train").load()
+    (attempt,) = Ledger(Run.at(str(run)), "train").load()
     assert attempt.status == "Stopped" and attempt.stop_requested == "cancelled" and attempt.action == "resume"
     assert attempt.ended_at is not None and attempt.ended_at <= ended and attempt.billable_seconds > 0
     assert attempt.end_step is not None and attempt.end_step >= 5
@@ -210,7 +211,7 @@ def test_hlat_stop_during_a_back_off_prevents_the_next_job(prepared: Path, tmp_p
          *sets(**TWO_HOSTS, **{"job.backoff_seconds": [600]})],
         cwd=ROOT, env=env, stdout=output, stderr=subprocess.STDOUT, start_new_session=True,
     )  # fmt: skip
-    ledger = Ledger(Storage(str(run)), "train")
+    ledger = Ledger(Run.at(str(run)), "train")
     wait_for(lambda: [a.action for a in ledger.load()] == ["backoff"], 180, "the first job's capacity failure")
     lease = json.loads((run / "jobs" / "train-lease.json").read_text())
     assert lease["pid"] == flow.pid and not lease["released"]

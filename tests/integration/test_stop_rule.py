@@ -20,14 +20,13 @@ from hlat.core.contract import (
     StopRecord,
     parse_stop_record,
     read_job_config,
-    stop_record_path,
-    supervisor_heartbeat,
 )
+from hlat.core.layout import heartbeat_path, stop_record_path
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.catalog import job_cost
 from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
 from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.runs import Run
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.faults import STEP_SECONDS
 from hlat.training.stop_rule import _when
@@ -44,7 +43,7 @@ PACE = "0.2"  # seconds per step: a few steps a second, so a stop lands mid-run
 def beat(run: Storage, at: float) -> None:
     """The supervisor's heartbeat, as infra/supervisor.py writes it."""
     heartbeat = {"beat_at": at, "pid": 4242, "host": "gone", "flow_run_id": None, "command": "hlat pretrain"}
-    run.write_json(supervisor_heartbeat("train"), heartbeat)
+    run.write_json(heartbeat_path("train"), heartbeat)
 
 
 def submit(jobs: LocalBackend, config: HlatConfig, run: Path, attempt: int, spent_usd: float = 0.0) -> str:
@@ -62,7 +61,7 @@ def stopped_itself(jobs: LocalBackend, name: str, run: Path, why: str) -> tuple[
     assert record is not None and record.why == why, text
     assert latest_checkpoint(run) == record.step and record.step >= 1
     assert Storage(str(run)).read_json(stop_record_path("train"))["why"] == why
-    stored = stored_self_stop(Storage(str(run)), name)  # what a supervisor that missed the log reads
+    stored = stored_self_stop(Run.at(str(run)), name)  # what a supervisor that missed the log reads
     assert stored is not None and stored.category == why
     return state, record
 
@@ -77,7 +76,7 @@ def test_a_job_past_its_budget_with_no_supervisor_stops_itself_and_a_relaunch_re
     15 s to start a job.)"""
     overrides = {"job.budget_usd": 30, "job.price_per_hour_usd": 3600, "job.stop_grace_seconds": 20}
     run = make_run(prepared, tmp_path, "budget", **LONG, **overrides)
-    _, config = read_job_config(str(run / "config.json"))
+    config = read_job_config(str(run / "config.json")).config
     monkeypatch.setenv(STEP_SECONDS, PACE)
     beat(Storage(str(run)), time.time())  # one heartbeat, never another
     first = submit(jobs, config, run, 1)
@@ -112,7 +111,7 @@ def test_a_job_whose_supervisor_went_silent_stops_itself(
     """A supervisor beats each second while the job trains, then dies: the job stops 6 s after the last beat
     (job.unsupervised_stop_minutes=0.1), and its record names that beat."""
     run = make_run(prepared, tmp_path, "orphan", **LONG, **{"job.unsupervised_stop_minutes": 0.1})
-    _, config = read_job_config(str(run / "config.json"))
+    config = read_job_config(str(run / "config.json")).config
     monkeypatch.setenv(STEP_SECONDS, PACE)
     storage = Storage(str(run))
     beat(storage, time.time() - 86_400)  # an earlier supervisor's, long dead: the submission is newer

@@ -16,6 +16,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.checkpoint import CheckpointManager, step_dir
 from tests.conftest import SMALL_DATA
@@ -48,7 +49,7 @@ def trainer_rank(
     try:
         trainer = Trainer(
             cfg,
-            Storage(run_dir),
+            Run.at(run_dir),
             checkpoint_storage(Storage(f"{run_dir}/checkpoints")),
             world,
             f"{prepared}/tokenizer/tokenizer.model",
@@ -158,7 +159,7 @@ def test_the_stop_line_warns_when_the_checkpoint_cannot_fit_the_grace(
     cfg = load_config("tiny", {**SMALL_DATA, "job.stop_grace_seconds": 120}, run_id="line")
     trainer = Trainer(
         cfg,
-        Storage(str(tmp_path)),
+        Run.at(str(tmp_path)),
         Storage(str(tmp_path / "checkpoints")),
         init_world("cpu", cfg),
         f"{prepared}/tokenizer/tokenizer.model",

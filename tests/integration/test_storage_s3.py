@@ -10,8 +10,8 @@ import pytest
 
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
+from hlat.core.run import CONFIG_FILE, open_run
 from hlat.core.storage import Storage, StorageError, StorageNotFound, TransientStorageError
-from hlat.infra.runs import CONFIG_FILE, open_run
 
 # Fixture types (tests/integration is not a package, so conftest's classes are not imported by name).
 S3Env = Any

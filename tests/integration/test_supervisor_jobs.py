@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.local_faults import FAULTS_ENV
 from hlat.infra.supervisor import JobFailed, Ledger
@@ -43,7 +44,6 @@ def test_a_job_logging_every_step_gives_a_few_progress_lines_and_its_average(
 ) -> None:
     """A real tiny job logging each of its 80 steps, polled four times a second: the old supervisor printed a line
     per poll; now the first, each change of status, a new step at most every 10 polls, and the final average."""
-    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import supervisor_for
 
     training = {"max_steps": 80, "checkpoint_every": 40, "eval_every": 0, "log_every": 1}
@@ -112,7 +112,7 @@ def test_a_train_job_completed_without_its_checkpoint_is_relaunched_and_one_tabl
     assert f"attempt 1 (hlat-early-train-1) ended Completed: {cause} -> resume" in caplog.text
     assert "re-attaching" not in caplog.text and "never created" not in caplog.text
 
-    attempts = Ledger(Storage(str(run)), "train").load()
+    attempts = Ledger(Run.at(str(run)), "train").load()
     assert [(a.status, a.action, a.reason) for a in attempts] == [
         ("Completed", "resume", cause),
         ("Completed", "done", None),
@@ -149,10 +149,10 @@ def test_burn_in_and_precompile_jobs_completed_without_their_outputs_name_the_mi
     message = str(info.value)
     assert f"burn-in: job hlat-hollow-burn-in-1 ended Completed but wrote no {report}" in message, message
     assert str(run / "jobs/hlat-hollow-burn-in-1/output.log") in message and "Completed: Completed" not in message
-    (attempt,) = Ledger(Storage(str(run)), "burn-in").load()
+    (attempt,) = Ledger(Run.at(str(run)), "burn-in").load()
     assert (attempt.action, attempt.reason) == ("fatal", "completed without writing burn-in/report.json")
 
     latest_json = run / "compile-cache/latest.json"
     with pytest.raises(JobFailed, match=re.escape(f"ended Completed but wrote no {latest_json}")):
         precompile(preset="tiny", overrides=sets, run_id="hollow", storage=str(tmp_path))
-    assert [a.action for a in Ledger(Storage(str(run)), "precompile").load()] == ["fatal"]
+    assert [a.action for a in Ledger(Run.at(str(run)), "precompile").load()] == ["fatal"]

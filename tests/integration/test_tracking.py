@@ -13,12 +13,13 @@ from typing import Any
 import pytest
 
 from hlat.core.config import ConfigError
+from hlat.core.layout import TRACKING_RECORD
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.tracking import (
     LOGGED_TAG,
     RUN_TAG,
-    TRACKING_RECORD,
     check_tracking,
     wandb_key,
     wandb_offline_history,
@@ -111,7 +112,7 @@ REPORTS = ("data.json", "tokenizer.json", "training.json", "evaluation.json", "r
 def track_stages(run: Path) -> None:
     """The stages' ends, from the flows' tasks: the data and tokenizer reports, the training summary with its cost,
     the evaluation's results and report.md."""
-    from hlat.infra.runs import Run, load_stored_config
+    from hlat.core.run import load_stored_config
     from hlat.tasks.tracking import track_data_report, track_evaluation, track_tokenizer_report, track_training
 
     stored = Run.at(str(run), load_stored_config(Storage(str(run))))
@@ -193,14 +194,14 @@ def test_a_store_that_does_not_answer_never_stops_training(prepared: Path, tmp_p
 def test_settings_a_run_cannot_use_are_refused_naming_the_fix() -> None:
     cfg = load_config("tiny", {"tracking.backend": "mlflow"}, run_id="r")
     with pytest.raises(ConfigError, match=r"tracking\.mlflow_tracking_uri"):
-        check_tracking(cfg, Storage("s3://bucket/runs/r"))
-    check_tracking(cfg, Storage(os.getcwd()))
+        check_tracking(cfg, Run.at("s3://bucket/runs/r"))
+    check_tracking(cfg, Run.at(os.getcwd()))
     arn = "arn:aws:sagemaker:us-west-2:123456789012:mlflow-tracking-server/team"
     check_tracking(cfg.model_copy(update={"tracking": cfg.tracking.model_copy(
-        update={"mlflow_tracking_server_arn": arn})}), Storage("s3://bucket/runs/r"))  # fmt: skip
+        update={"mlflow_tracking_server_arn": arn})}), Run.at("s3://bucket/runs/r"))  # fmt: skip
     offline = load_config("tiny", {"tracking.backend": "wandb", "tracking.wandb_mode": "offline"}, run_id="r")
     with pytest.raises(ConfigError, match=r"tracking\.wandb_mode=online"):
-        check_tracking(offline, Storage("s3://bucket/runs/r"))
+        check_tracking(offline, Run.at("s3://bucket/runs/r"))
 
 
 @pytest.mark.slow

@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import torch
 
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from tests.hf_checkpoints import (
     ARCHS,
     VOCAB,
@@ -78,7 +78,7 @@ def test_an_import_into_tp2_and_pp2_gives_the_dense_logits_and_its_checkpoint_ex
     write_checkpoint(arch, folder, seed=31)
     overrides = {**config_overrides(folder, VOCAB_MULTIPLE), **COMMON, **LAYOUTS[layout]}
     run = make_run(prepared, tmp_path, layout, **overrides)
-    write_import_record(Storage(str(run)), folder)
+    write_import_record(Run.at(str(run)), folder)
     ranks = run_import_ranks(2, tmp_path / "ranks", run)
 
     inputs, targets = tokens(ranks[0]["rows"])
@@ -109,7 +109,7 @@ def test_zero1_master_weights_are_the_imported_parameters(precision: str, prepar
     write_checkpoint("llama", folder, seed=33)
     config = {"parallelism.zero1": True, "precision.mode": precision, "training.grad_clip": 0.0}
     run = make_run(prepared, tmp_path, "zero1", **config_overrides(folder), **COMMON, **config)
-    write_import_record(Storage(str(run)), folder)
+    write_import_record(Run.at(str(run)), folder)
     env = xla_precision_environment(precision, SDK.precision_flags)  # set before torch_xla is imported
     (result,) = run_import_ranks(1, tmp_path / "ranks", run, scenario="zero1", env=env)
     assert result["masters_are_the_parameters"], result
@@ -136,7 +136,7 @@ def zero1_main(out: Path, args: dict[str, Any]) -> None:
     from hlat.training.parallel.neuron import parallel_optimizer
     from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
 
-    cfg = read_job_config(f"{args['run']}/config.json")[1]
+    cfg = read_job_config(f"{args['run']}/config.json").config
     dist.init_process_group("gloo")  # NxD forms its groups (each of one rank) inside torch.distributed's
     world = init_world("cpu", cfg)
     try:
@@ -150,7 +150,7 @@ def zero1_main(out: Path, args: dict[str, Any]) -> None:
         kind, arguments = optimizer_recipe(params, cfg.training, cfg.precision.mode, "xla", zero1=True, flags=flags)
         optimizer = parallel_optimizer(world.nxd, kind, params, **arguments)
         trainer = SimpleNamespace(
-            cfg=cfg, run=Storage(args["run"]), world=world, model=model, wrapped=model, optimizer=optimizer
+            cfg=cfg, run=Run.at(args["run"]), world=world, model=model, wrapped=model, optimizer=optimizer
         )
         import_weights(trainer)
         zero1 = optimizer.optimizer  # NxD's NxDOptimizer around its NeuronZero1Optimizer
@@ -177,7 +177,7 @@ def rank_main(out: Path, args: dict[str, Any]) -> None:
     from hlat.training.parallel.distributed import close_world, init_world
     from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
 
-    cfg = read_job_config(f"{args['run']}/config.json")[1]
+    cfg = read_job_config(f"{args['run']}/config.json").config
     world = init_world("cpu", cfg)
     try:
         trainer = worker.trainer_for(cfg, world, args["run"])

@@ -27,6 +27,8 @@ import torch.nn.functional as F  # noqa: E402
 from hlat.core.config import HlatConfig  # noqa: E402
 from hlat.core.contract import read_job_config  # noqa: E402
 from hlat.core.presets import load_config  # noqa: E402
+from hlat.core.run import Run  # noqa: E402
+from hlat.core.storage import Storage  # noqa: E402
 from hlat.training.model import Transformer  # noqa: E402
 from hlat.training.parallel.distributed import World, close_world, init_world  # noqa: E402
 from hlat.training.parallel.neuron import NxdLayers  # noqa: E402
@@ -103,12 +105,11 @@ def tp_equals_dense(cfg: HlatConfig, world: World, args: dict[str, Any]) -> dict
 
 
 def trainer_for(cfg: HlatConfig, world: World, run: str) -> Any:
-    from hlat.core.storage import Storage
     from hlat.training.loop import Trainer
 
     return Trainer(
         cfg=cfg,
-        run=Storage(run),
+        run=Run.at(run),
         checkpoints=Storage(f"{run}/checkpoints"),
         world=world,
         tokenizer_model=f"{run}/tokenizer/tokenizer.model",
@@ -253,7 +254,6 @@ def zero1_masters_round_trip(cfg: HlatConfig, world: World, args: dict[str, Any]
     state in the rank file), then a fresh model and optimizer loaded from it. Its master weights before the save and
     after the load, and what the rank file held."""
     from hlat.core.environment import precision_by_flags
-    from hlat.core.storage import Storage
     from hlat.training import xla
     from hlat.training.checkpoint import CheckpointManager, Zero1
     from hlat.training.optim import optimizer_recipe, trainable_parameters
@@ -318,7 +318,7 @@ def main() -> None:
     scenario, out, raw = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     args = json.loads(raw)
     processes = int(os.environ["WORLD_SIZE"])
-    cfg = read_job_config(f"{args['run']}/config.json")[1] if "run" in args else config(args, processes)
+    cfg = read_job_config(f"{args['run']}/config.json").config if "run" in args else config(args, processes)
     if processes == 1 and args.get("group_of_one"):
         dist.init_process_group("gloo")  # NxD forms its groups (here each of one rank) inside torch.distributed's
     world = init_world("cpu", cfg)

@@ -255,7 +255,7 @@ def scenario_6(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None
 
     first = w.sim.now + sc.starting_s + sc.downloading_s + sc.startup_s
     when = first + sc.checkpoint_every * sc.step_s + 1.0  # a second into the step after a checkpoint's
-    w.sim.at(when, lambda: w.sim.spawn("hlat stop", lambda: stop_run(w.storage, wait_s=0)))
+    w.sim.at(when, lambda: w.sim.spawn("hlat stop", lambda: stop_run(w.run, wait_s=0)))
     w.sim.run()
     lost = w.backend.steps_lost
     return _outcome(w, sup_actor.error, start, wasted=sc.usd(lost * sc.step_s), stop_s=stop_s,
@@ -280,7 +280,7 @@ def scenario_7(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None
     stop_at = w.sim.now + 1000  # the job failed at 300 s, seen at the 300 s poll; the back-off lasts to 2,100 s
 
     def stop() -> None:
-        said.append(stop_summary(stop_run(w.storage, wait_s=0), w.run.run_id))
+        said.append(stop_summary(stop_run(w.run, wait_s=0), w.run.run_id))
 
     w.sim.at(stop_at, lambda: w.sim.spawn("hlat stop", stop))
     error = _supervise(w)
@@ -354,8 +354,8 @@ def scenario_11a(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | No
     w = world(mp, tmp, preset, fixed=fixed, script=script, **overrides)
     start = _start(w)
     error = _supervise(w)
-    attempts = Ledger(w.storage, "train").load()
-    status = render(run_status(w.storage, clock=w.wall))
+    attempts = Ledger(w.run, "train").load()
+    status = render(run_status(w.run, clock=w.wall))
     del sc
     return _outcome(w, error, start, phantom=any(not a.ended for a in attempts), status=status)
 
@@ -378,7 +378,7 @@ def scenario_11b(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | No
     name = job_name(w.run.run_id, 1)
     done = Attempt(1, name, "Failed", "InternalServerError: We encountered an internal error.", "resume",
                    start, start, 3 * 3600.0, sc.hosts, earlier, w.sim.now - 4 * 3600, w.sim.now - 3600)  # fmt: skip
-    Ledger(w.storage, "train").save([done])
+    Ledger(w.run, "train").save([done])
     error = _supervise(w)
     runtimes = [j.spec.max_runtime_s for j in w.backend.jobs.values()]
     return _outcome(w, error, start, wasted=w.backend.billed_usd(), max_runtimes=runtimes)

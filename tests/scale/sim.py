@@ -30,9 +30,9 @@ from typing import Any
 
 from hlat.core.contract import RECORD_TAG, FailureRecord, StopTerms, format_step_line
 from hlat.core.layout import CHECKPOINT_MARKER, CHECKPOINT_META, CHECKPOINTS_DIR, CheckpointIndex, step_dir
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
-from hlat.infra.runs import Run
 from hlat.training.stop_rule import StopRule
 from tests.scale import model
 from tests.scale.model import Scale
@@ -283,7 +283,7 @@ class SimSageMaker:
         self,
         sim: Sim,
         scale: Scale,
-        run: Storage,
+        run: Run,
         script: Callable[[int], Script],
         clock: Any = None,
         legacy_secondary: bool = False,
@@ -297,7 +297,7 @@ class SimSageMaker:
         self.script = script
         self.jobs: dict[str, SimJob] = {}
         self.submissions = 0
-        self.checkpoints = CheckpointIndex(run.child(CHECKPOINTS_DIR))
+        self.checkpoints = CheckpointIndex(run.storage.child(CHECKPOINTS_DIR))
         self.stops_lost = 0
         """Stops that ended in SIGKILL before their checkpoint committed."""
         self.steps_lost = 0
@@ -438,7 +438,7 @@ class SimSageMaker:
     def _commit(self, step: int) -> None:
         """Rank 0's commit into the run's real checkpoints/ (meta.json, then COMMITTED with its sha256), and
         retention of training.keep_checkpoints."""
-        ckpt = self.run.child(CHECKPOINTS_DIR)
+        ckpt = self.run.storage.child(CHECKPOINTS_DIR)
         meta = (json.dumps({"step": step, "files": {}, "world_size": self.scale.ranks}) + "\n").encode()
         ckpt.write_bytes(f"{step_dir(step)}/{CHECKPOINT_META}", meta)
         marker = {"step": step, "meta_sha256": hashlib.sha256(meta).hexdigest()}
@@ -781,7 +781,7 @@ def world(
     run.storage.write_json(CONFIG_FILE, scale.config.model_dump(mode="json"))
     written = track_writes(run.storage, sim)
     clock = storage_clock(run.storage, sim, written, legacy=not fixed)
-    backend = SimSageMaker(sim, scale, run.storage, script, clock, legacy_secondary=not fixed)
+    backend = SimSageMaker(sim, scale, run, script, clock, legacy_secondary=not fixed)
     target = scale.config.training.max_steps
     backend._commit(start_step if start_step is not None else target - 2 * scale.checkpoint_every)
     w = World(sim, scale, run, backend, skew_s, None if fixed else legacy_control_plane(monkeypatch), clock)

@@ -13,9 +13,9 @@ import pytest
 from pydantic import ValidationError
 
 from hlat.core.config import AlertsConfig, ConfigError
+from hlat.core.layout import ALERTS_SENT
 from hlat.core.presets import load_config
-from hlat.core.storage import Storage
-from hlat.infra.runs import Run
+from hlat.core.run import Run
 from hlat.infra.supervisor import Attempt, Progress
 from hlat.tasks import alerts
 from hlat.tasks.alerts import (
@@ -25,7 +25,6 @@ from hlat.tasks.alerts import (
     RELAUNCHED,
     RELAUNCHES_EXCEEDED,
     SPIKE_SKIPPED,
-    STATE_FILE,
     TrainAlerts,
     alert_eval_floors,
     alerts_settings,
@@ -67,7 +66,7 @@ def test_budget_fractions_are_crossed_once_each_lowest_first() -> None:
 
 
 def test_the_newest_spike_count_is_read_from_the_metrics_tail(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     assert latest_spikes(run) is None
     records = [{"step": 1, "loss": 5.0}, {"step": 2, "spikes_skipped": 1}, {"step": 3, "loss": 4.0}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
@@ -104,7 +103,7 @@ def test_relaunches_are_announced_once_and_beyond_the_limit_alerted(
     again.attempts([first, second, Attempt(3, "r1-train-3")])
     assert names(emitted) == [RELAUNCHED, RELAUNCHES_EXCEEDED]
     assert "more than alerts.max_relaunches=1" in emitted[1]["payload"]["message"]
-    assert json.loads((Path(run.uri) / STATE_FILE).read_text())["relaunch"] == 3
+    assert json.loads((Path(run.uri) / ALERTS_SENT).read_text())["relaunch"] == 3
 
 
 def test_progress_budget_and_spikes(tmp_path: Path, emitted: list[dict[str, Any]]) -> None:

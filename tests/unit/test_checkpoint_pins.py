@@ -14,8 +14,8 @@ import torch
 
 from hlat.core.layout import CHECKPOINTS_DIR, PINS_DIR
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.runs import Run
 from hlat.tasks import evaluate
 from hlat.training.checkpoint import CheckpointManager, step_dir
 

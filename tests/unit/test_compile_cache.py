@@ -22,7 +22,9 @@ import pytest
 import torch
 
 from hlat.core.config import HlatConfig
+from hlat.core.layout import MANIFEST_FILE
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.compile_cache import (
     ARTIFACTS_FILE,
@@ -30,7 +32,6 @@ from hlat.training.compile_cache import (
     INDUCTOR_CACHE_ENV,
     KERNELS_FILE,
     LATEST_FILE,
-    MANIFEST_FILE,
     NeuronGraphSharing,
     NodeLocalCache,
     _put_if_absent,
@@ -78,10 +79,12 @@ def loaded(monkeypatch: pytest.MonkeyPatch) -> list[bytes]:
 
 
 def write(
-    run: Storage, cfg: HlatConfig, data: bytes | None = ARTIFACTS, inductor_dir: Path | None = None
+    run: Run, cfg: HlatConfig, data: bytes | None = ARTIFACTS, inductor_dir: Path | None = None
 ) -> dict[str, Any]:
     inductor = None if inductor_dir is None else str(inductor_dir)
-    return write_torch_cache(run.child(CACHE_DIR), key_of(cfg), data, steps=2, seconds=1.5, inductor_dir=inductor)
+    return write_torch_cache(
+        run.storage.child(CACHE_DIR), key_of(cfg), data, steps=2, seconds=1.5, inductor_dir=inductor
+    )
 
 
 KERNELS = {  # an Inductor disk cache as a CPU compile leaves it
@@ -217,8 +220,8 @@ def test_on_trn1_the_key_holds_the_neuron_environment_the_config_gives_the_job()
 def test_a_changed_neuron_setting_that_shapes_the_graphs_makes_the_cache_stale(
     tmp_path: Path, loaded: list[bytes], override: dict[str, Any], field: str
 ) -> None:
-    run = Storage(str(tmp_path))
-    write_torch_cache(run.child(CACHE_DIR), key_of(trn1(), device_type="xla"), ARTIFACTS, steps=2, seconds=1.0)
+    run = Run.at(str(tmp_path))
+    write_torch_cache(run.storage.child(CACHE_DIR), key_of(trn1(), device_type="xla"), ARTIFACTS, steps=2, seconds=1.0)
     status = load_torch_cache(run, trn1(**override), 1, "xla")
     assert status.status == "stale" and loaded == []
     assert field in [d.split(" ")[0] for d in status.differences]
@@ -258,7 +261,7 @@ def test_the_digest_ignores_what_does_not_change_the_graphs(override: dict[str, 
 
 
 def test_write_lays_out_artifacts_manifest_and_latest(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     manifest = write(run, config())
     digest = key_digest(key_of(config()))
     folder = tmp_path / CACHE_DIR / torch_cache_dir(digest)
@@ -277,7 +280,7 @@ def test_write_lays_out_artifacts_manifest_and_latest(tmp_path: Path) -> None:
 def test_a_matching_cache_is_a_hit_and_loaded(
     tmp_path: Path, loaded: list[bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     write(run, cfg)
     with caplog.at_level(logging.INFO, logger="hlat.train"):
         status = load_torch_cache(run, cfg, 1, "cpu")
@@ -289,7 +292,7 @@ def test_a_matching_cache_is_a_hit_and_loaded(
 def test_a_cache_built_for_another_config_is_stale_and_names_the_fields(
     tmp_path: Path, loaded: list[bytes], caplog: pytest.LogCaptureFixture
 ) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     write(run, config())
     with caplog.at_level(logging.INFO, logger="hlat.train"):
         status = load_torch_cache(run, config(**{"training.seq_len": 64, "model.n_layers": 3}), 1, "cpu")
@@ -301,7 +304,7 @@ def test_a_cache_built_for_another_config_is_stale_and_names_the_fields(
 
 
 def test_an_edited_manifest_key_is_stale(tmp_path: Path, loaded: list[bytes]) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     manifest = write(run, cfg)
     path = tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"]) / MANIFEST_FILE
     edited = {**manifest, "key": {**manifest["key"], "torch": "2.12.0"}}
@@ -312,7 +315,7 @@ def test_an_edited_manifest_key_is_stale(tmp_path: Path, loaded: list[bytes]) ->
 
 
 def test_a_nothing_to_compile_manifest_is_stale_once_compile_is_turned_on(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     write(run, config(**{"training.compile": False}), data=None)
     assert not list((tmp_path / CACHE_DIR).rglob(ARTIFACTS_FILE))
     status = load_torch_cache(run, config(), 1, "cpu")
@@ -320,7 +323,7 @@ def test_a_nothing_to_compile_manifest_is_stale_once_compile_is_turned_on(tmp_pa
 
 
 def test_bytes_that_do_not_match_their_manifest_are_corrupt(tmp_path: Path, loaded: list[bytes]) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     manifest = write(run, cfg)
     artifacts = tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"]) / ARTIFACTS_FILE
     artifacts.write_bytes(b"X" + ARTIFACTS[1:])
@@ -335,14 +338,14 @@ def test_bytes_that_do_not_match_their_manifest_are_corrupt(tmp_path: Path, load
 
 
 def test_bytes_torch_cannot_read_are_corrupt(tmp_path: Path) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     write(run, cfg, data=b"not torch.compile artifacts")  # the sha256 matches; torch's deserializer refuses them
     status = load_torch_cache(run, cfg, 1, "cpu")
     assert status.status == "corrupt" and "not loaded" in status.message
 
 
 def test_missing_and_off(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     with caplog.at_level(logging.INFO, logger="hlat.train"):
         assert load_torch_cache(run, config(), 1, "cpu").status == "missing"
         off = load_torch_cache(run, config(**{"training.compile": False}), 1, "cpu")
@@ -396,7 +399,7 @@ def test_unpacking_refuses_members_that_are_not_plain_files_below_the_folder(
 
 
 def test_write_packs_the_inductor_cache_next_to_the_artifacts(tmp_path: Path, inductor_dir: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     manifest = write(run, config(), inductor_dir=inductor_dir)
     tarball = (tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"]) / KERNELS_FILE).read_bytes()
     assert manifest["inductor_files"] == len(KERNELS)
@@ -406,7 +409,7 @@ def test_write_packs_the_inductor_cache_next_to_the_artifacts(tmp_path: Path, in
     )
     assert json.loads((tmp_path / CACHE_DIR / LATEST_FILE).read_text())["inductor_bytes"] == len(tarball)
     (tmp_path / "nothing").mkdir()
-    manifest = write(Storage(str(tmp_path / "other")), config(), inductor_dir=tmp_path / "nothing")
+    manifest = write(Run.at(str(tmp_path / "other")), config(), inductor_dir=tmp_path / "nothing")
     assert (manifest["inductor_files"], manifest["inductor_bytes"], manifest["inductor_sha256"]) == (0, 0, None)
     assert not (tmp_path / "other" / CACHE_DIR / torch_cache_dir(manifest["digest"]) / KERNELS_FILE).exists()
 
@@ -414,7 +417,7 @@ def test_write_packs_the_inductor_cache_next_to_the_artifacts(tmp_path: Path, in
 def test_a_hit_extracts_the_kernels_into_a_fresh_folder_before_loading_the_artifacts(
     tmp_path: Path, inductor_dir: Path, inductor_env: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     manifest = write(run, cfg, inductor_dir=inductor_dir)
     seen: list[str] = []
 
@@ -439,7 +442,7 @@ def test_a_hit_extracts_the_kernels_into_a_fresh_folder_before_loading_the_artif
 def test_a_cache_without_kernels_loads_the_artifacts_alone(
     tmp_path: Path, loaded: list[bytes], inductor_env: Path
 ) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     (tmp_path / "nothing").mkdir()
     write(run, cfg, inductor_dir=tmp_path / "nothing")
     status = load_torch_cache(run, cfg, 1, "cpu")
@@ -451,7 +454,7 @@ def test_a_cache_without_kernels_loads_the_artifacts_alone(
 def test_a_kernels_tarball_that_does_not_match_its_manifest_is_corrupt_and_nothing_is_loaded(
     tmp_path: Path, inductor_dir: Path, loaded: list[bytes], inductor_env: Path
 ) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     manifest = write(run, cfg, inductor_dir=inductor_dir)
     tarball = tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"]) / KERNELS_FILE
     data = bytearray(tarball.read_bytes())
@@ -471,7 +474,7 @@ def test_a_kernels_tarball_that_does_not_match_its_manifest_is_corrupt_and_nothi
 def test_an_unsafe_kernels_tarball_is_corrupt_even_when_its_sha256_matches(
     tmp_path: Path, loaded: list[bytes], inductor_env: Path
 ) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     manifest = write(run, cfg)
     folder = tmp_path / CACHE_DIR / torch_cache_dir(manifest["digest"])
     evil = tarball_of([(member("../outside.so"), b"evil")])  # extracted into <tmp>/hlat-inductor-*: <tmp>/outside.so
@@ -488,7 +491,7 @@ def test_an_unsafe_kernels_tarball_is_corrupt_even_when_its_sha256_matches(
 def test_artifacts_torch_cannot_read_leave_the_inductor_folder_as_it_was(
     tmp_path: Path, inductor_dir: Path, inductor_env: Path
 ) -> None:
-    run, cfg = Storage(str(tmp_path)), config()
+    run, cfg = Run.at(str(tmp_path)), config()
     write(run, cfg, data=b"not torch.compile artifacts", inductor_dir=inductor_dir)
     before = extracted_folders()
     status = load_torch_cache(run, cfg, 1, "cpu")
@@ -499,15 +502,15 @@ def test_artifacts_torch_cannot_read_leave_the_inductor_folder_as_it_was(
 XLA_GRAPHS = {"155613381744397654026836937588331290869": b"executable" * 300, "7925590052605381958": b"hlo" * 99}
 
 
-def xla_run(tmp_path: Path, graphs: dict[str, bytes] = XLA_GRAPHS) -> tuple[Storage, HlatConfig, dict[str, Any]]:
+def xla_run(tmp_path: Path, graphs: dict[str, bytes] = XLA_GRAPHS) -> tuple[Run, HlatConfig, dict[str, Any]]:
     """A run whose precompile job left torch-xla's persistent cache (`graphs`) for the tiny preset on XLA."""
     local = tmp_path / "persistent"
     local.mkdir()
     for name, data in graphs.items():
         (local / name).write_bytes(data)
     # 2.24.1: only its torch-xla (2.7) loads cached graphs on XLA:CPU (NeuronSdk.cpu_cache_loads)
-    run, cfg = Storage(str(tmp_path / "run")), load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.24.1"})
-    manifest = write_xla_cache(run.child(CACHE_DIR), cache_key(cfg, 1, "xla"), str(local), steps=4, seconds=3.0)
+    run, cfg = Run.at(str(tmp_path / "run")), load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.24.1"})
+    manifest = write_xla_cache(run.storage.child(CACHE_DIR), cache_key(cfg, 1, "xla"), str(local), steps=4, seconds=3.0)
     return run, cfg, manifest
 
 
@@ -517,7 +520,8 @@ def test_the_xla_persistent_cache_is_packed_under_its_key_and_extracted_whole_fo
     run, cfg, manifest = xla_run(tmp_path)
     assert manifest["kind"] == "xla" and manifest["graphs"] == 2 and manifest["steps"] == 4
     assert (
-        run.read_json(f"{CACHE_DIR}/{LATEST_FILE}")["manifest"] == f"{xla_cache_dir(manifest['digest'])}/manifest.json"
+        run.storage.read_json(f"{CACHE_DIR}/{LATEST_FILE}")["manifest"]
+        == f"{xla_cache_dir(manifest['digest'])}/manifest.json"
     )
     found = fetch_xla_cache(run, cfg, world_size=1)
     assert found.status == "hit" and found.kernels_dir is not None
@@ -535,7 +539,7 @@ def test_an_xla_cache_for_another_layout_is_stale_and_a_tampered_one_corrupt(tmp
     tarball.write_bytes(tarball.read_bytes()[:-10])
     corrupt = fetch_xla_cache(run, cfg, world_size=1)
     assert corrupt.status == "corrupt" and "sha256" in corrupt.message and corrupt.kernels_dir is None
-    assert fetch_xla_cache(Storage(str(tmp_path / "none")), cfg, world_size=1).status == "missing"
+    assert fetch_xla_cache(Run.at(str(tmp_path / "none")), cfg, world_size=1).status == "missing"
 
 
 def test_a_neuron_2_28_job_on_xla_cpu_does_not_load_the_cache_its_torch_xla_cannot_read(tmp_path: Path) -> None:

@@ -22,7 +22,8 @@ import sentencepiece as spm
 import torch
 
 from hlat.core.config import TokenizerConfig
-from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.layout import MANIFEST_FILE
+from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
 from hlat.training.data.loader import Batch, PackedLoader, epoch_plan

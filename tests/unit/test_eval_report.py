@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.eval_report import (
     MISSING,
@@ -114,10 +115,10 @@ def training_lines(steps: range, loss: Any = None, eval_every: int = 0) -> list[
     return lines
 
 
-def fake_run(root: Path, name: str, lines: list[dict[str, Any]] | None) -> Storage:
-    run = Storage(str(root / name))
+def fake_run(root: Path, name: str, lines: list[dict[str, Any]] | None) -> Run:
+    run = Run.at(str(root / name))
     if lines is not None:
-        run.write_text("metrics.jsonl", "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
+        run.storage.write_text("metrics.jsonl", "".join(json.dumps(line, sort_keys=True) + "\n" for line in lines))
     return run
 
 
@@ -155,14 +156,14 @@ def test_read_metrics_errors_name_the_file(tmp_path: Path) -> None:
         read_metrics(empty)
 
     broken = fake_run(tmp_path, "broken", [])
-    broken.write_text("metrics.jsonl", '{"step": 1, "loss": 3.0}\n{"step": 2, "lo\n{"step": 3, "loss": 2.0}\n')
+    broken.storage.write_text("metrics.jsonl", '{"step": 1, "loss": 3.0}\n{"step": 2, "lo\n{"step": 3, "loss": 2.0}\n')
     with pytest.raises(ValueError, match=r"metrics\.jsonl line 2 is not JSON"):
         read_metrics(broken)
 
 
 def test_read_metrics_skips_a_last_line_cut_short(tmp_path: Path) -> None:
     run = fake_run(tmp_path, "r", [])
-    run.write_text("metrics.jsonl", '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
+    run.storage.write_text("metrics.jsonl", '{"step": 1, "loss": 3.0}\n{"step": 2, "loss": 2.9}\n{"step": 3, "lo')
     assert [r["step"] for r in read_metrics(run)] == [1, 2]
 
 
@@ -292,12 +293,12 @@ def test_write_report_writes_report_and_charts_next_to_results(tmp_path: Path) -
 def test_write_report_without_metrics_says_so_and_draws_nothing(tmp_path: Path) -> None:
     run = fake_run(tmp_path, "tiny-abc", training_lines(range(1, 5)))
     write_report(run, results(), BASELINES)
-    run.remove("metrics.jsonl")
+    run.storage.remove("metrics.jsonl")
 
     files = write_report(run, results(), BASELINES)
     assert list(files) == ["report.md"]
     assert sorted(p.name for p in (tmp_path / "tiny-abc" / "eval").iterdir()) == ["report.md"]
-    report = run.read_text("eval/report.md")
+    report = run.storage.read_text("eval/report.md")
     assert "metrics.jsonl does not exist" in report
     assert ".png)" not in report
     assert table_row(report, "hlat_cloze")[4] == "12.0 ± 4.0"
@@ -398,17 +399,17 @@ def test_compare_runs_without_a_common_step_is_an_error(tmp_path: Path) -> None:
 def test_the_report_tabulates_every_evaluated_checkpoint(tmp_path: Path) -> None:
     run = fake_run(tmp_path, "run", [{"step": s, "loss": 5.0 - s / 10, "grad_norm": 1.0} for s in range(1, 7)])
     early = results(step=3, perplexity={"perplexity": 300.0, "bits_per_byte": 2.9})
-    run.write_json("eval/step-000000003/results.json", early)
-    run.write_json("eval/step-000000006/results.json", results())
+    run.storage.write_json("eval/step-000000003/results.json", early)
+    run.storage.write_json("eval/step-000000006/results.json", results())
     assert [(r["step"], r["perplexity"]) for r in evaluation_history(run)] == [(3, 300.0), (6, 221.4)]
     assert evaluation_history(run)[0]["hlat_cloze acc"] == 0.12
     write_report(run, results(), BASELINES)
-    report = run.read_text("eval/report.md")
+    report = run.storage.read_text("eval/report.md")
     assert "## Checkpoints evaluated" in report
     assert table_row(report, "3")[1] == "300" and table_row(report, "6")[1] == "221.4"
-    run.remove("eval/step-000000003", recursive=True)
+    run.storage.remove("eval/step-000000003", recursive=True)
     write_report(run, results(), BASELINES)
-    assert "Checkpoints evaluated" not in run.read_text("eval/report.md")  # one checkpoint: nothing to trace
+    assert "Checkpoints evaluated" not in run.storage.read_text("eval/report.md")  # one checkpoint: nothing to trace
 
 
 def test_the_evaluation_job_and_stage_log_rounded_scores() -> None:

@@ -17,6 +17,7 @@ import torch
 
 from hlat.core.config import HlatConfig
 from hlat.core.init_from import InitFromError
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.checkpoint.hf_import import SafetensorsReader, fill_parameters, import_weights
@@ -46,7 +47,7 @@ def imported(
 ) -> tuple[Transformer, dict[str, Any], HlatConfig]:
     """The dense model of the run starting from `folder`, after `import_weights`; what it returned; the config."""
     cfg = run_config(folder, vocab_multiple, **overrides)
-    write_import_record(Storage(str(run)), folder)
+    write_import_record(Run.at(str(run)), folder)
     trainer = fake_trainer(cfg, run)
     return trainer.model, import_weights(trainer), cfg
 
@@ -107,7 +108,7 @@ def test_a_tied_llama_without_lm_head_takes_its_embedding(tmp_path: Path) -> Non
 def test_a_bf16_model_takes_the_weights_in_bf16_and_a_bf16_checkpoint_imports_exactly(tmp_path: Path) -> None:
     saved("gpt_neox", tmp_path / "hf", seed=4)
     cfg = run_config(tmp_path / "hf", 1)
-    write_import_record(Storage(str(tmp_path / "run")), tmp_path / "hf")
+    write_import_record(Run.at(str(tmp_path / "run")), tmp_path / "hf")
     model = Transformer(cfg.model).to(torch.bfloat16)  # bf16-sr: the trainer's BF16 model
     import_weights(fake_trainer(cfg, tmp_path / "run", model))
     dense, _, _ = imported(tmp_path / "hf", tmp_path / "run-fp32")
@@ -226,7 +227,7 @@ def test_a_shape_that_differs_from_the_config_fails_in_one_line(tmp_path: Path) 
     saved("llama", tmp_path / "hf", seed=10)
     cfg = run_config(tmp_path / "hf", 1, **{"model.ffn_hidden": 128})  # the config wins over config.json here
     cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"ffn_hidden": 128})})
-    write_import_record(Storage(str(tmp_path / "run")), tmp_path / "hf")
+    write_import_record(Run.at(str(tmp_path / "run")), tmp_path / "hf")
     with pytest.raises(InitFromError, match=r"mlp\.gate_proj\.weight has shape \[96, 64\]; this run's model needs"):
         import_weights(fake_trainer(cfg, tmp_path / "run"))
 
@@ -268,7 +269,7 @@ def test_tensor_parallel_slices_put_back_together_are_the_dense_import(
 def test_zero1_master_weights_are_made_again_from_the_imported_parameters(tmp_path: Path) -> None:
     saved("llama", tmp_path / "hf", seed=12)
     cfg = run_config(tmp_path / "hf", 1, **{"parallelism.zero1": True})
-    write_import_record(Storage(str(tmp_path / "run")), tmp_path / "hf")
+    write_import_record(Run.at(str(tmp_path / "run")), tmp_path / "hf")
     calls: list[int] = []
     zero1 = SimpleNamespace(init_zero=lambda: calls.append(1))
     import_weights(fake_trainer(cfg, tmp_path / "run", optimizer=SimpleNamespace(optimizer=zero1)))

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra import job_daemon
 from hlat.infra.local_faults import FAULTS_ENV, LocalFaults
@@ -47,7 +48,7 @@ def test_the_default_hooks_change_nothing_even_with_faults_asked_for(
     hooks = job_hooks.hooks()
     assert type(hooks) is job_hooks.JobHooks
     assert hooks.checkpoint_storage(run, 0) is run
-    assert hooks.loss_of_step(loss, run, 1) is loss
+    assert hooks.loss_of_step(loss, Run.of(run), 1) is loss
     assert hooks.step_seconds() is None
     assert hooks.collective_delay() == 0.0
     assert not hooks.matmul_corrupted(0)
@@ -68,7 +69,7 @@ def test_the_named_modules_install_their_faults(fresh: None, monkeypatch: pytest
     monkeypatch.setenv(faults.BURN_IN_WRONG_RANK, "1")
     monkeypatch.setenv(faults.PREPARE_FAULTS, '{"worker": 2, "after_rows": 10}')
     monkeypatch.setenv(FAULTS_ENV, '{"2": {"kill_at_step": 4}}')
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     hooks = job_hooks.hooks()
     assert isinstance(hooks, faults.FaultHooks)
     assert job_hooks.hooks() is hooks  # read once per process

@@ -237,3 +237,106 @@ def test_a_job_program_starts_from_its_uploaded_source_as_sagemaker_starts_it(pr
     assert f"python -m hlat.training.{program}" in out.stdout
     folders = ast.literal_eval(out.stdout.rsplit("from: ", 1)[1].strip())
     assert folders and all(folder.startswith(str(source)) for folder in folders)
+
+
+def _run_names() -> dict[str, str]:
+    """core/layout.py's names of a run's top-level folders and of paths relative to the run: constant -> value."""
+    return {
+        key: value
+        for key, value in vars(hlat.core.layout).items()
+        if key.isupper() and isinstance(value, str) and (key.endswith("_DIR") or "/" in value)
+    }
+
+
+def _named(node: ast.expr, names: dict[str, str]) -> bool:
+    """`node` is one of the layout's names (CHECKPOINTS_DIR, or layout.CHECKPOINTS_DIR)."""
+    return (isinstance(node, ast.Name) and node.id in names) or (isinstance(node, ast.Attribute) and node.attr in names)
+
+
+def _docstrings(tree: ast.AST) -> set[int]:
+    return {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+
+
+def run_paths_built(tree: ast.AST, names: dict[str, str]) -> list[tuple[int, str]]:
+    """Where `tree` builds a path in a run from the layout's run-level names: an f-string that joins one to more
+    with a slash, a literal starting with one of the run's folders ("jobs/..."), `NAME + ...`, or a join
+    (`child`, `uri`, `path`, "/".join) of a name and something else. Paths inside a sub-folder (a checkpoint's
+    marker beside its step folder) are the sub-folder's own business."""
+    folders = tuple(f"{value}/" for key, value in names.items() if key.endswith("_DIR"))
+    skip = _docstrings(tree)
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.JoinedStr):
+            parts = node.values
+            for i, part in enumerate(parts):
+                if not (isinstance(part, ast.FormattedValue) and _named(part.value, names)):
+                    continue
+                before = parts[i - 1] if i else None
+                after = parts[i + 1] if i + 1 < len(parts) else None
+                slash_before = isinstance(before, ast.Constant) and str(before.value).endswith("/")
+                slash_after = isinstance(after, ast.Constant) and str(after.value).startswith("/")
+                alone = isinstance(after, ast.Constant) and after.value == "/" and i + 2 == len(parts)
+                if (slash_before or slash_after) and not alone:
+                    found.append((node.lineno, ast.unparse(node)))
+                    break
+            first = parts[0] if parts else None
+            if isinstance(first, ast.Constant) and str(first.value).startswith(folders):
+                found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in skip:
+            if node.value.startswith(folders):
+                found.append((node.lineno, repr(node.value)))
+        elif isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add) and _named(node.left, names):
+            found.append((node.lineno, ast.unparse(node)))
+        elif isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+            args = node.args[0].elts if node.func.attr == "join" and node.args and isinstance(
+                node.args[0], (ast.List, ast.Tuple)) else node.args  # fmt: skip
+            if node.func.attr in {"child", "uri", "path", "join"} and len(args) > 1 and _named(args[0], names):
+                found.append((node.lineno, ast.unparse(node)))
+    return found
+
+
+def test_no_run_path_is_built_outside_the_layout() -> None:
+    names = _run_names()
+    built = []
+    for module, path in project_modules().items():
+        if module == "hlat.core.layout":
+            continue
+        for line, text in run_paths_built(ast.parse(path.read_text()), names):
+            built.append(f"{path.relative_to(ROOT)}:{line}: {text}")
+    assert not built, "run paths built outside core/layout.py (name them there):\n" + "\n".join(built)
+
+
+def test_the_run_path_check_finds_what_it_looks_for() -> None:
+    names = {"JOBS_DIR": "jobs"}
+    sources = [
+        'p = f"{JOBS_DIR}/{stage}-supervisor.json"',
+        'p = f"jobs/{stage}-lease.json"',
+        'p = "jobs/status-clock"',
+        "p = run.uri(JOBS_DIR, name, 'output.log')",
+        'p = JOBS_DIR + "/x"',
+        'p = "/".join([JOBS_DIR, "x"])',
+    ]
+    for source in sources:
+        assert run_paths_built(ast.parse(source), names), source
+    for source in ["p = run.child(JOBS_DIR)", 'p = f"see {CONFIG_FILE}"', 'p = "jobsite/x"']:
+        assert not run_paths_built(ast.parse(source), names), source
+
+
+def test_no_parameter_named_run_is_a_storage() -> None:
+    """The job side and the control plane hand each other one shape, `core.run.Run`."""
+    storages = []
+    for path in project_modules().values():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+                args = node.args
+                for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
+                    if arg.arg == "run" and arg.annotation is not None and "Storage" in ast.unparse(arg.annotation):
+                        storages.append(f"{path.relative_to(ROOT)}:{node.lineno}: run: {ast.unparse(arg.annotation)}")
+    assert not storages, "parameters named run that are a Storage (take a Run):\n" + "\n".join(storages)

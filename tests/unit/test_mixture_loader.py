@@ -20,7 +20,9 @@ import sentencepiece as spm
 import torch
 
 from hlat.core.config import TokenizerConfig
-from hlat.core.shards import MANIFEST_FILE, DataManifest, MixtureManifest, MixtureSource, write_shard
+from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
+from hlat.core.run import Run
+from hlat.core.shards import DataManifest, MixtureManifest, MixtureSource, write_shard
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
 from hlat.training.data.loader import SEED_STRIDE, Batch, PackedLoader, pick_source, source_seed
@@ -355,13 +357,13 @@ def test_the_training_report_and_progress_show_each_sources_tokens_and_share(tmp
     from hlat.core.layout import METRICS_FILE
     from hlat.tasks.train import latest_source_tokens, mixture_line, summary_rows, training_summary
 
-    run = Storage(str(tmp_path / "run"))
+    run = Run.at(str(tmp_path / "run"))
     records = [
         {"step": 10, "loss": 5.0, "tokens/web": 600, "tokens/code": 300, "tokens/books": 100, "data_degree": 2},
         {"step": 15, "val_loss": 4.9},
         {"step": 20, "loss": 4.0, "tokens/web": 1210, "tokens/code": 590, "tokens/books": 200, "data_degree": 2},
     ]
-    run.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records))
+    run.storage.write_text(METRICS_FILE, "".join(json.dumps(r) + "\n" for r in records))
     summary = training_summary(run)
     assert summary["tokens/web"] == 1210 and summary["data_degree"] == 2 and summary["loss"] == 4.0
     rows = {r["metric"]: r["value"] for r in summary_rows(summary)}
@@ -371,7 +373,7 @@ def test_the_training_report_and_progress_show_each_sources_tokens_and_share(tmp
     assert latest_source_tokens(run) == {"web": 1210, "code": 590, "books": 200}
     assert latest_source_tokens(run, tail_bytes=150) == {"web": 1210, "code": 590, "books": 200}  # a cut first line
     assert mixture_line({"web": 1210, "code": 590, "books": 200}) == "web 60.5%, code 29.5%, books 10.0%"
-    assert latest_source_tokens(Storage(str(tmp_path / "none"))) == {}
+    assert latest_source_tokens(Run.at(str(tmp_path / "none"))) == {}
 
 
 def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
@@ -379,7 +381,6 @@ def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
 ) -> None:
     from hlat.core.config import ConfigError
     from hlat.core.presets import load_config
-    from hlat.infra.tokenizer import REPORT_FILE
     from hlat.tasks.train import measured_source_tokens
 
     data = run_data(corpus, "measured", {"web": 0.6, "code": 0.3, "books": 0.1})
@@ -390,7 +391,6 @@ def test_the_stage_estimates_each_sources_tokens_and_refuses_over_repetition(
     for name in ("web", "code", "books"):
         assert measured[name] == round(corpus["sources"][name][1].bytes("train") / 2.5)
     # The stage's check: the run's draws against these estimates, refused naming the source and the numbers.
-    from hlat.infra.runs import Run
     from hlat.tasks.train import check_training_repetition
 
     sources = [{"name": "web", "source": "web.jsonl", "weight": 0.6}, {"name": "code", "source": "code.jsonl"}]

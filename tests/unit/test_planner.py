@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from hlat.core.presets import load_config, preset_names
+from hlat.core.run import Run
 from hlat.infra import planner
 from hlat.infra.catalog import CATALOG, MEASURED, TRN1_TOPOLOGY, price_per_hour
 from hlat.infra.planner import Estimate, Layout, Rejected, plannable
-from hlat.infra.runs import Run
 
 GIB = 1024**3
 GQA_24_6 = {"model.n_heads": 24, "model.n_kv_heads": 6, "model.d_model": 3072, "parallelism.tensor": 2}

@@ -17,6 +17,7 @@ from botocore.stub import Stubber
 
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
+from hlat.core.run import check_run, continued, open_run
 from hlat.infra.preflight import (
     _trusts_sagemaker,
     instance_needs,
@@ -24,7 +25,6 @@ from hlat.infra.preflight import (
     own_job_names,
     passrole_decision,
 )
-from hlat.infra.runs import check_run, continued, open_run
 from hlat.preflight_cli import check_before_start
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-sagemaker"

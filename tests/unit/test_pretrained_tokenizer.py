@@ -21,11 +21,11 @@ import sentencepiece as spm
 
 from hlat.core.config import ConfigError, TokenizerConfig
 from hlat.core.contract import model_follows_tokenizer
+from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
 from hlat.core.presets import load_config
-from hlat.core.shards import MANIFEST_FILE, DataManifest, ShardWriter
+from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage
 from hlat.infra.tokenizer import (
-    REPORT_FILE,
     build_pretrained_tokenizer,
     build_tokenizer,
     fetch_pretrained,

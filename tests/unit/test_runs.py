@@ -7,10 +7,21 @@ from pathlib import Path
 
 import pytest
 
-from hlat.core.config import ConfigError
+import hlat.core.run
+from hlat.cli import main
+from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.presets import load_config
+from hlat.core.run import (
+    CONFIG_FILE,
+    STAGE_DIRS,
+    Run,
+    check_run,
+    continued,
+    describe_difference,
+    open_run,
+    run_for,
+)
 from hlat.core.storage import Storage, StorageNotFound
-from hlat.infra.runs import CONFIG_FILE, STAGE_DIRS, describe_difference, open_run, run_for
 
 
 def test_open_run_writes_config_once_with_run_id(tmp_path: Path) -> None:
@@ -162,7 +173,7 @@ def test_load_config_of_a_run_never_opened(tmp_path: Path) -> None:
 
 def test_settings_outside_the_fingerprint_follow_the_latest_flow_run(tmp_path: Path) -> None:
     from hlat.core.presets import load_config
-    from hlat.infra.runs import open_run
+    from hlat.core.run import open_run
 
     first = open_run(load_config("tiny", storage=str(tmp_path)))
     later = load_config(
@@ -197,3 +208,56 @@ def test_a_wsd_run_extends_in_place_until_its_decay_began_and_is_refused_before_
     )
     with pytest.raises(ConfigError, match=refused):
         open_run(load_config("tiny", {**wsd, "training.max_steps": 40}, run_id="wsd", storage=str(tmp_path)))
+
+
+# -- config.json validated once per process -------------------------------------------------------------------
+@pytest.fixture
+def validations(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The run ids of every config.json-shaped validation from now on (a fresh process: nothing validated yet)."""
+    seen: list[str] = []
+    original = HlatConfig.model_validate.__func__  # type: ignore[attr-defined]
+
+    def counting(cls: type[HlatConfig], data: object, *args: object, **kwargs: object) -> HlatConfig:
+        if isinstance(data, dict) and data.get("run_id"):  # a stored config: its run id is filled in
+            seen.append(str(data["run_id"]))
+        return original(cls, data, *args, **kwargs)
+
+    hlat.core.run._validated.cache_clear()
+    monkeypatch.setattr(HlatConfig, "model_validate", classmethod(counting))
+    return seen
+
+
+def test_hlat_status_and_hlat_stop_validate_config_json_once(
+    tmp_path: Path, validations: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    run = open_run(load_config("tiny", storage=str(tmp_path)))
+    validations.clear()
+    hlat.core.run._validated.cache_clear()
+    assert main(["status", run.uri]) == 0
+    assert validations == [run.run_id]
+    hlat.core.run._validated.cache_clear()
+    validations.clear()
+    assert main(["stop", run.uri]) == 0
+    assert validations == [run.run_id]
+    assert run.run_id in capsys.readouterr().out
+
+
+def test_resuming_a_run_validates_config_json_once(tmp_path: Path, validations: list[str]) -> None:
+    """What a re-run of `hlat pretrain` does to the run before its stages (the CLI's checks, the flow's start),
+    each reading config.json: one validation between them."""
+    open_run(load_config("tiny", storage=str(tmp_path)))
+    hlat.core.run._validated.cache_clear()
+    validations.clear()
+    config = continued(load_config("tiny", storage=str(tmp_path)))  # the CLI
+    check_run(config)
+    config = continued(config)  # the flow's start_run
+    check_run(config)
+    run = open_run(config)
+    assert run.config.training.max_steps == config.training.max_steps
+    assert Run.at(run.uri).config.run_id == run.run_id  # a job's, or hlat status's, read of the same file
+    assert validations == [run.run_id]
+    # A changed file is validated again.
+    path = tmp_path / run.run_id / CONFIG_FILE
+    path.write_text(path.read_text() + "\n")
+    assert Run.at(run.uri).config.run_id == run.run_id
+    assert validations == [run.run_id, run.run_id]

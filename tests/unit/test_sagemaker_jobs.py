@@ -22,6 +22,7 @@ from botocore.validate import validate_parameters
 from hlat.core.config import JobConfig
 from hlat.core.environment import neuron_environment
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
 from hlat.infra.sagemaker_jobs import (
     LOG_GROUP,
@@ -653,7 +654,6 @@ def test_supervisor_relaunches_through_capacity_and_internal_errors_to_completio
     """Three jobs through the real request and response shapes: CapacityError (back off), InternalServerError
     after progress (resume at once), Completed. Each job is looked up by name first, created under its
     deterministic name, then polled; its logs are read (none written yet)."""
-    from hlat.core.storage import Storage
     from hlat.infra.supervisor import Supervisor
 
     backend, _, stubber = offline_backend
@@ -701,7 +701,7 @@ def test_supervisor_relaunches_through_capacity_and_internal_errors_to_completio
     delays: list[float] = []
     supervisor = Supervisor(
         backend=backend,
-        run=Storage(str(tmp_path)),
+        run=Run.at(str(tmp_path)),
         run_id=RUN_ID,
         make_spec=lambda attempt, name: make_spec(name=name, attempt=attempt),
         current_step=current_step,

@@ -15,6 +15,7 @@ import torch
 
 from hlat.core.config import HlatConfig, validate_config
 from hlat.core.contract import EXIT_LOSS_SPIKES, parse_failure_record
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra import job_daemon
 from hlat.infra.jobs import Action, FailureClass, classify_reason
@@ -137,7 +138,7 @@ def build(run: Path) -> Trainer:
     cfg: HlatConfig = validate_config(Storage(str(run)).read_json("config.json"))
     return Trainer(
         cfg=cfg,
-        run=Storage(str(run)),
+        run=Run.at(str(run)),
         checkpoints=Storage(str(run / "checkpoints")),
         world=init_world("cpu", cfg),
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),

@@ -12,7 +12,7 @@ from hlat.core.config import ConfigError
 from hlat.core.contract import UNSUPERVISED_ENV
 from hlat.core.environment import neuron_environment, xla_precision_environment
 from hlat.core.presets import load_config
-from hlat.infra.runs import Run
+from hlat.core.run import Run
 from hlat.infra.stage_jobs import estimate, job_environment, job_spec, stop_terms
 
 RUN = "s3://bucket/hlat/r1"

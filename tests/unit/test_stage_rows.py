@@ -162,7 +162,7 @@ def throwaway(monkeypatch: pytest.MonkeyPatch) -> None:
         body = _body(row.name)
         body.__name__ = body.__qualname__ = row.module
         _module(monkeypatch, f"hlat.flows.{row.module}", **{row.module: stage_flow(row.name)(body)})
-        _module(monkeypatch, f"hlat.tasks.{row.module}", present=lambda run, r=row: r.done(run.storage, run.config))
+        _module(monkeypatch, f"hlat.tasks.{row.module}", present=lambda run, r=row: r.done(run, run.config))
     _module(monkeypatch, f"hlat.training.{REHEARSE.module}", main=lambda argv: 0)
 
 
@@ -238,7 +238,7 @@ def test_a_throwaway_stage_is_in_status_done_and_cache_keys(tmp_path: Path, monk
     after = (caching.stage_cache_key(run, "rehearse"), caching.stage_cache_key(run, "review"))
     assert before[0] != after[0] and before[1] != after[1]  # each keys on its input's checksum
     with pytest.raises(ValueError, match="review stage's output has no checksum"):
-        stage("review").output_checksum(run.storage)
+        stage("review").output_checksum(run)
 
 
 def test_an_unknown_stage_is_an_error_not_the_last_stage() -> None:

@@ -11,8 +11,8 @@ import pytest
 import yaml
 
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.stages import STAGES, TRAINING, job_stages, stage, stage_names
-from hlat.infra.runs import Run
 
 JOB_STAGES, STAGE_NAMES = job_stages(), stage_names()
 

@@ -28,13 +28,12 @@ from hlat.core.contract import (
     StopRecord,
     StopTerms,
     parse_stop_record,
-    stop_record_path,
-    supervisor_heartbeat,
 )
+from hlat.core.layout import heartbeat_path, stop_record_path
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
-from hlat.infra.runs import Run
 from hlat.infra.sagemaker_jobs import SageMakerBackend, request_problems, sagemaker_service_model
 from hlat.infra.stage_jobs import billed_usd, job_spec, runtime_cap, stop_terms, supervisor_for
 from hlat.infra.supervisor import Attempt, JobFailed, Ledger
@@ -53,7 +52,7 @@ class Clock:
         return self.now
 
 
-def rule(terms: StopTerms, run: Storage | None = None, margin: float = 10.0, clock: Clock | None = None) -> StopRule:
+def rule(terms: StopTerms, run: Run | None = None, margin: float = 10.0, clock: Clock | None = None) -> StopRule:
     requests: list[str] = []
     made = StopRule(terms, requests.append, lambda: margin, run, clock=clock or Clock())
     made.requests = requests  # type: ignore[attr-defined]
@@ -105,13 +104,13 @@ def test_without_a_submission_time_the_bill_counts_from_the_jobs_start() -> None
 
 
 # -- supervision ---------------------------------------------------------------------------------------------------
-def beat(run: Storage, at: float) -> None:
-    run.write_json(supervisor_heartbeat("train"), {"beat_at": at, "pid": 1, "host": "h", "flow_run_id": None,
+def beat(run: Run, at: float) -> None:
+    run.storage.write_json(heartbeat_path("train"), {"beat_at": at, "pid": 1, "host": "h", "flow_run_id": None,
                                                    "command": "hlat pretrain"})  # fmt: skip
 
 
 def test_a_job_with_no_heartbeat_counts_from_its_start(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     made = rule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), run)
     assert made.read_every == 60  # at most one read a minute
     assert made.check(T0 + 599) is None and made.check(T0 + 600) == STOP_UNSUPERVISED
@@ -122,8 +121,8 @@ class StoreClock(StorageClock):
     """Run storage's clock for a test on a fake clock: an object's time is the time its writer put in it (as a
     simulation's store would stamp it), the store's now the fake clock's."""
 
-    def __init__(self, run: Storage, clock: Clock, skew: float = 0.0) -> None:
-        super().__init__(run)
+    def __init__(self, storage: Storage, clock: Clock, skew: float = 0.0) -> None:
+        super().__init__(storage)
         self.clock, self.skew, self.failing = clock, skew, False
 
     def modified(self, rel: str) -> float | None:
@@ -135,15 +134,15 @@ class StoreClock(StorageClock):
         return self.clock.now + self.skew
 
 
-def supervised(run: Storage, clock: Clock, skew: float = 0.0) -> StopRule:
+def supervised(run: Run, clock: Clock, skew: float = 0.0) -> StopRule:
     """A rule of 10 minutes without a heartbeat, on `clock`; the store's clock is `skew` ahead of the job's."""
     made = StopRule(StopTerms(submitted_at=T0, unsupervised_stop_s=600), lambda why: None, lambda: 0.0, run,
-                    clock=clock, storage_clock=StoreClock(run, clock, skew))  # fmt: skip
+                    clock=clock, storage_clock=StoreClock(run.storage, clock, skew))  # fmt: skip
     return made
 
 
 def test_beats_keep_the_job_going_and_their_end_stops_it(tmp_path: Path) -> None:
-    run, clock = Storage(str(tmp_path)), Clock()
+    run, clock = Run.at(str(tmp_path)), Clock()
     made = supervised(run, clock)
     for t in range(0, 3000, 60):  # a supervisor beating each minute for 50 minutes
         beat(run, T0 + t)
@@ -160,7 +159,7 @@ def test_beats_keep_the_job_going_and_their_end_stops_it(tmp_path: Path) -> None
 
 def test_a_stale_heartbeat_at_start_is_older_than_the_jobs_start(tmp_path: Path) -> None:
     """A heartbeat left by an earlier supervisor does not stop a job just started: its start is a beat."""
-    run, clock = Storage(str(tmp_path)), Clock()
+    run, clock = Run.at(str(tmp_path)), Clock()
     beat(run, T0 - 86400)
     made = supervised(run, clock)
     clock.now = T0 + 1
@@ -174,7 +173,7 @@ def test_only_the_stores_clock_judges_a_heartbeat(tmp_path: Path, skew: float) -
     """The store's clock 45 minutes off the job's (the supervisor's clock behind or ahead of the hosts, as the store
     stamps the supervisor's writes): the heartbeat's age is what counts, so beats keep the job going and their end
     stops it 10 minutes later, as with one clock."""
-    run, clock = Storage(str(tmp_path)), Clock()
+    run, clock = Run.at(str(tmp_path)), Clock()
     made = supervised(run, clock, skew)
     for t in range(0, 600, 60):
         beat(run, T0 + t + skew)  # the store stamps the beat by its own clock
@@ -189,7 +188,7 @@ def test_only_the_stores_clock_judges_a_heartbeat(tmp_path: Path, skew: float) -
 def test_a_supervisor_clock_behind_the_hosts_does_not_stop_the_job(tmp_path: Path) -> None:
     """Real storage, real clocks: the supervisor's clock 45 minutes behind writes beat_at 45 minutes ago; the
     heartbeat object's own time (its mtime, a probe's for now) says it is fresh, and the job goes on."""
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     beat(run, time.time() - 2700)
     made = StopRule(StopTerms(unsupervised_stop_s=1800), lambda why: None, lambda: 0.0, run)
     assert made.check() is None and abs(made.last_beat - time.time()) < 30
@@ -199,7 +198,7 @@ def test_a_supervisor_clock_behind_the_hosts_does_not_stop_the_job(tmp_path: Pat
 def test_an_unreadable_heartbeat_warns_once_and_the_last_beat_stands(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    run, clock = Storage(str(tmp_path)), Clock()
+    run, clock = Run.at(str(tmp_path)), Clock()
     made = supervised(run, clock)
     beat(run, T0 + 100)
     clock.now = T0 + 120
@@ -220,7 +219,7 @@ def test_the_record_is_kept_in_run_storage_for_a_supervisor_that_missed_the_log(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     monkeypatch.setenv("TRAINING_JOB_NAME", "r-train-2")
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     made = rule(StopTerms(deadline=T0), run, margin=0.0)
     assert made.check(T0) == STOP_DEADLINE
     record = made.save_record(12)
@@ -271,7 +270,7 @@ def test_the_supervisor_does_not_relaunch_a_job_that_stopped_for_its_budget(tmp_
     with pytest.raises(JobFailed, match=r"raise job\.budget_usd to go on"):
         supervisor(tmp_path, backend, clock).run_to_completion()
     assert len(backend.submitted) == 1  # not relaunched
-    (only,) = Ledger(Storage(str(tmp_path)), "train").load()
+    (only,) = Ledger(Run.at(str(tmp_path)), "train").load()
     assert (only.action, only.category, only.end_step) == ("fatal", "budget", 40)
 
 
@@ -303,11 +302,11 @@ def test_the_training_job_carries_the_runs_terms_and_what_earlier_jobs_cost(tmp_
         storage=str(tmp_path),
     )  # fmt: skip
     run_uri = str(tmp_path / "r")
-    Ledger(Storage(run_uri), "train").save(
+    Ledger(Run.at(run_uri), "train").save(
         [Attempt(1, "r-train-1", cost_usd=12.5, ended_at=T0), Attempt(2, "r-train-2", cost_usd=7.5, ended_at=T0 + 9),
          Attempt(3, "r-train-3", cost_usd=99.0)]  # not ended: the one being submitted
     )  # fmt: skip
-    assert billed_usd(Storage(run_uri)) == 20.0
+    assert billed_usd(Run.at(run_uri)) == 20.0
     run = Run.at(run_uri, config)
     # The supervisor's make_spec: read at each submission.
     spec = supervisor_for(run, current_step=lambda: None).make_spec(3, "r-train-3")
@@ -386,7 +385,7 @@ def test_the_thread_requests_the_stop_and_a_stop_short_of_the_end_is_recorded(
     tmp_path: Path, stopped_at: int, recorded: bool
 ) -> None:
     """On the main rank the thread stops a job past its deadline; a stop at the last step is the training's end."""
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     trainer = FakeTrainer()
     with stop_rule(trainer, run, StopTerms(deadline=time.time() - 1)) as made:
         assert made is not None and trainer.stop_requested.wait(10) and trainer.stop_why == STOP_DEADLINE

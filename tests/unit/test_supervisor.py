@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from hlat.core.contract import FailureRecord
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.infra.jobs import (
     FAILURE_RULES,
     UNKNOWN,
@@ -109,7 +109,7 @@ def supervisor(tmp_path: Path, backend: ScriptedBackend, clock: list[float], **o
     }
     return Supervisor(
         backend=backend,
-        run=Storage(str(tmp_path)),
+        run=Run.at(str(tmp_path)),
         run_id=RUN_ID,
         make_spec=spec,
         current_step=lambda: backend.step or None,
@@ -129,7 +129,7 @@ def test_completes_in_one_job_and_records_it(tmp_path: Path) -> None:
     assert attempts[0].status == "Completed" and attempts[0].steps_gained == TARGET
     # 2 polls x 60 s billable x 2 nodes at $36/h = $2.40
     assert attempts[0].cost_usd == pytest.approx(2 * 60 * 2 * 36 / 3600)
-    assert Ledger(Storage(str(tmp_path)), "train").load()[0].action == "done"
+    assert Ledger(Run.at(str(tmp_path)), "train").load()[0].action == "done"
 
 
 def test_resumable_failures_relaunch_from_checkpoint_until_done(tmp_path: Path) -> None:
@@ -335,13 +335,13 @@ def test_a_job_still_running_after_the_last_checkpoint_is_stopped_and_recorded(t
     backend = ScriptedBackend([Play([("InProgress", None)])], clock)  # it would never end by itself
     spec = JobSpec(job_name(RUN_ID, 1), RUN_ID, 1, str(tmp_path), "c", "ml.trn1.32xlarge", 2, 32, 3600)
     backend.submit(spec)
-    Ledger(Storage(str(tmp_path)), "train").save([Attempt(1, spec.name, status="InProgress")])
+    Ledger(Run.at(str(tmp_path)), "train").save([Attempt(1, spec.name, status="InProgress")])
     backend.step = TARGET  # the checkpoint of the last step is committed
     (attempt,) = supervisor(tmp_path, backend, clock).run_to_completion()
     assert backend.stopped == [spec.name] and len(backend.submitted) == 1
     assert attempt.status == "Stopped" and attempt.stop_requested == "target-reached" and attempt.action == "done"
     assert attempt.ended and attempt.end_step == TARGET and attempt.cost_usd > 0
-    assert Ledger(Storage(str(tmp_path)), "train").load() == [attempt]
+    assert Ledger(Run.at(str(tmp_path)), "train").load() == [attempt]
 
 
 def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None:
@@ -353,7 +353,7 @@ def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None
     backend.submit(spec)
     from hlat.infra.supervisor import Attempt
 
-    Ledger(Storage(str(tmp_path)), "train").save([Attempt(1, spec.name)])
+    Ledger(Run.at(str(tmp_path)), "train").save([Attempt(1, spec.name)])
     attempts = supervisor(tmp_path, backend, clock).run_to_completion()
     assert len(backend.submitted) == 1 and attempts[0].status == "Completed"
 
@@ -611,7 +611,6 @@ def test_a_sagemaker_run_always_has_a_budget() -> None:
     """job.budget_usd unset on SageMaker: 1.25 x the plan's estimate, stated in the dry run; no estimate: refused."""
     from hlat.core.config import ConfigError
     from hlat.core.presets import load_config
-    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import BUDGET_MARGIN, budget, dry_run, estimate, supervisor_for
 
     role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
@@ -650,7 +649,7 @@ def short_job(tmp_path: Path, backend: ScriptedBackend, clock: list[float], max_
         return JobSpec(name, RUN_ID, attempt, str(tmp_path), f"{tmp_path}/config.json", "ml.trn1.32xlarge", 2, 32, 3600)
 
     return run_job(
-        backend, Storage(str(tmp_path)), RUN_ID, "burn-in", spec, poll_seconds=60.0, max_attempts=max_attempts,
+        backend, Run.at(str(tmp_path)), RUN_ID, "burn-in", spec, poll_seconds=60.0, max_attempts=max_attempts,
         backoff_seconds=[300.0], sleep=sleep, clock=lambda: clock[0],
     )  # fmt: skip
 
@@ -664,7 +663,7 @@ def test_a_short_job_is_relaunched_on_a_platform_fault_and_returns_its_last_job(
     record, state = short_job(tmp_path, backend, clock)
     assert [s.name for s in backend.submitted] == ["hlat-tiny-test-burn-in-1", "hlat-tiny-test-burn-in-2"]
     assert record.job_name == "hlat-tiny-test-burn-in-2" and state is not None and state.status == Status.COMPLETED
-    ledger = Ledger(Storage(str(tmp_path)), "burn-in").load()
+    ledger = Ledger(Run.at(str(tmp_path)), "burn-in").load()
     assert [(a.status, a.action) for a in ledger] == [("Failed", "resume"), ("Completed", "done")]
     assert all(a.end_step is None for a in ledger)
 

@@ -15,7 +15,9 @@ from typing import Any
 import pytest
 
 from hlat.core.contract import FailureRecord
+from hlat.core.layout import lease_path, stop_request_path
 from hlat.core.presets import load_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.jobs import JobState, Status, SubmitError, classify, first_failure
 from hlat.infra.status import render, run_status, stop_run, stop_summary
@@ -28,10 +30,8 @@ from hlat.infra.supervisor import (
     NoProgress,
     StoppedByUser,
     SupervisorBusy,
-    lease_path,
     read_lease,
     request_stop,
-    stop_request_path,
 )
 from tests.unit.test_supervisor import Play, ScriptedBackend, logged_steps, record_reason, supervisor
 
@@ -41,7 +41,7 @@ T = 1_800_000_000.0
 class VirtualStore(StorageClock):
     """Run storage's clock on the test's fake clock (the lease's times)."""
 
-    def __init__(self, run: Storage, clock: list[float]) -> None:
+    def __init__(self, run: Run, clock: list[float]) -> None:
         super().__init__(run)
         self.clock = clock
 
@@ -75,7 +75,7 @@ def test_every_class_stops_after_attempts_without_progress(tmp_path: Path) -> No
     assert "lost-peer: RuntimeError at step 31, hung: HangDetected at step 31, internal" in message
     assert "newest checkpoint step 30" in message and "job.max_attempts_without_progress=3" in message
     assert "\n" not in message
-    assert Ledger(Storage(str(tmp_path)), "train").load()[-1].action == "fatal"
+    assert Ledger(Run.at(str(tmp_path)), "train").load()[-1].action == "fatal"
 
 
 def test_a_transient_quota_refusal_backs_off_and_is_bounded(tmp_path: Path) -> None:
@@ -200,8 +200,8 @@ def test_a_start_up_that_overruns_its_bound_is_hung_and_says_so(tmp_path: Path) 
 # -- 5. hlat stop at any moment -------------------------------------------------------------------------------------
 def stored_run(tmp_path: Path) -> Storage:
     """A run folder `hlat stop` can read (its config.json: the local backend)."""
-    run = Storage(str(tmp_path))
-    run.write_json("config.json", load_config("tiny").model_dump(mode="json"))
+    run = Run.at(str(tmp_path))
+    run.storage.write_json("config.json", load_config("tiny").model_dump(mode="json"))
     return run
 
 
@@ -227,7 +227,9 @@ def test_hlat_stop_during_a_back_off_ends_the_stage_before_the_next_job(tmp_path
     assert "pid" in said[0] and socket.gethostname() in said[0]  # names the supervisor it told
     # The same command again clears the request and goes on.
     attempts = sup(tmp_path, backend, clock).run_to_completion()
-    assert [a.status for a in attempts] == ["Failed", "Completed"] and not run.exists(stop_request_path("train"))
+    assert [a.status for a in attempts] == ["Failed", "Completed"] and not run.storage.exists(
+        stop_request_path("train")
+    )
 
 
 def test_hlat_stop_while_the_job_is_being_created_stops_it_once_it_exists(tmp_path: Path) -> None:
@@ -266,7 +268,7 @@ def test_a_second_supervisor_is_refused_then_takes_over_an_expired_lease(tmp_pat
     clock[0] += first.lease.ttl_s + 1
     attempts = second.run_to_completion()
     assert attempts[0].status == "Completed"
-    assert (read_lease(Storage(str(tmp_path)), "train") or {}).get("token") == token + 1
+    assert (read_lease(Run.at(str(tmp_path)), "train") or {}).get("token") == token + 1
     with pytest.raises(LeaseLost, match="taken over by"):
         first.lease.check()
 
@@ -277,12 +279,12 @@ def test_a_supervisor_whose_lease_was_taken_neither_stops_nor_relaunches(tmp_pat
     clock = [T]
     backend = ScriptedBackend([Play([("InProgress", None)] * 20)], clock)
     made = sup(tmp_path, backend, clock)
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
 
     def taken_then_interrupted(progress: Any) -> None:
         lease = read_lease(run, "train")
         assert lease is not None
-        run.write_json(lease_path("train"), {**lease, "token": lease["token"] + 1, "nonce": "other", "pid": 1})
+        run.storage.write_json(lease_path("train"), {**lease, "token": lease["token"] + 1, "nonce": "other", "pid": 1})
         raise KeyboardInterrupt
 
     made.on_progress = taken_then_interrupted
@@ -320,7 +322,7 @@ def test_a_deadline_passed_between_attempts_records_no_phantom_attempt(tmp_path:
     backend = ScriptedBackend([Play([("InProgress", None), ("Failed", INTERNAL)], reaches=20), Play()], clock)
     with pytest.raises(DeadlinePassed, match=r"job\.deadline=.* has passed; set a later job\.deadline"):
         sup(tmp_path, backend, clock, deadline=T + 30).run_to_completion()
-    attempts = Ledger(Storage(str(tmp_path)), "train").load()
+    attempts = Ledger(Run.at(str(tmp_path)), "train").load()
     assert [a.status for a in attempts] == ["Failed"] and len(backend.submitted) == 1
 
 
@@ -339,7 +341,7 @@ def test_a_make_spec_refusal_records_nothing(tmp_path: Path) -> None:
     made.make_spec = refuse
     with pytest.raises(ConfigError):
         made.run_to_completion()
-    assert Ledger(Storage(str(tmp_path)), "train").load() == []
+    assert Ledger(Run.at(str(tmp_path)), "train").load() == []
 
 
 def test_a_budget_that_cannot_buy_a_checkpoint_submits_nothing(tmp_path: Path) -> None:
@@ -354,11 +356,11 @@ def test_a_budget_that_cannot_buy_a_checkpoint_submits_nothing(tmp_path: Path) -
     message = str(info.value)
     assert "job.budget_usd=$100.00 has $40.00 left" in message and "needs $48.00" in message, message
     assert "\n" not in message and len(backend.submitted) == 1
-    assert len(Ledger(Storage(str(tmp_path)), "train").load()) == 1
+    assert len(Ledger(Run.at(str(tmp_path)), "train").load()) == 1
 
 
 def test_the_stop_request_file_is_json_with_who_asked(tmp_path: Path) -> None:
-    run = Storage(str(tmp_path))
+    run = Run.at(str(tmp_path))
     request_stop(run, "train", 123.0)
     body = json.loads((tmp_path / stop_request_path("train")).read_text())
     assert body["requested_at"] == 123.0 and body["pid"] == os.getpid()

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.infra.jobs import JobSpec, JobState, Status, job_name
 from hlat.infra.supervisor import Attempt, JobFailed, Ledger, Progress, ProgressGate, Throughput, ending_reason
 from tests.unit.test_supervisor import RUN_ID, TARGET, Play, ScriptedBackend, supervisor
@@ -106,7 +106,7 @@ def test_completed_without_the_last_checkpoint_is_resumed_then_stopped_naming_th
     cause = f"completed without a checkpoint at step {TARGET} (newest: none; the job logged no training step)"
     assert cause in str(info.value) and "same failure repeated" in str(info.value)
     assert len(backend.submitted) == 2
-    attempts = Ledger(Storage(str(tmp_path)), "train").load()
+    attempts = Ledger(Run.at(str(tmp_path)), "train").load()
     assert [(a.status, a.action, a.category) for a in attempts] == [
         ("Completed", "resume", "completed-early"),
         ("Completed", "fatal", "completed-early"),
@@ -136,7 +136,7 @@ def test_re_attaching_is_said_only_of_a_job_that_exists(tmp_path: Path, caplog: 
 
     # A supervisor that stopped between recording attempt 1 and submitting it: the job was never created.
     other = tmp_path / "other"
-    Ledger(Storage(str(other)), "train").save([Attempt(1, job_name(RUN_ID, 1))])
+    Ledger(Run.at(str(other)), "train").save([Attempt(1, job_name(RUN_ID, 1))])
     backend = ScriptedBackend([Play()], clock)
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hlat"):
@@ -151,7 +151,7 @@ def test_re_attaching_is_said_only_of_a_job_that_exists(tmp_path: Path, caplog: 
     backend = ScriptedBackend([Play(logs=[earlier, ["after re-attaching"]])], clock)
     name = job_name(RUN_ID, 1)
     backend.submit(JobSpec(name, RUN_ID, 1, str(third), "c", "ml.trn1.32xlarge", 2, 32, 3600))
-    Ledger(Storage(str(third)), "train").save([Attempt(1, name, status="InProgress")])
+    Ledger(Run.at(str(third)), "train").save([Attempt(1, name, status="InProgress")])
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hlat"):
         supervisor(third, backend, clock).run_to_completion()
@@ -164,8 +164,8 @@ def test_re_attaching_is_said_only_of_a_job_that_exists(tmp_path: Path, caplog: 
 
 
 def test_the_ledger_writes_iso_timestamps_and_reads_old_epoch_seconds(tmp_path: Path) -> None:
-    storage = Storage(str(tmp_path))
-    ledger = Ledger(storage, "train")
+    run = Run.at(str(tmp_path))
+    ledger = Ledger(run, "train")
     ledger.save([Attempt(1, "j-1", submitted_at=1_795_000_000.25, ended_at=1_795_003_600.5)])
     raw = json.loads((tmp_path / "jobs/train-attempts.json").read_text())["attempts"][0]
     assert raw["submitted_at"] == "2026-11-18T11:06:40.250Z" and raw["ended_at"] == "2026-11-18T12:06:40.500Z"

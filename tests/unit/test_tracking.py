@@ -13,8 +13,9 @@ import pytest
 from botocore.validate import validate_parameters
 
 from hlat.core.config import ConfigError, HlatConfig, TrackingConfig
+from hlat.core.layout import TRACKING_RECORD
 from hlat.core.presets import load_config
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.infra.sagemaker_jobs import (
     SageMakerBackend,
     config_request,
@@ -25,7 +26,6 @@ from hlat.infra.sagemaker_jobs import (
 from hlat.training.metrics import MetricsLog
 from hlat.training.tracking import (
     LOGGED_TAG,
-    TRACKING_RECORD,
     MlflowTracker,
     _whole_steps,
     flat_config,
@@ -62,7 +62,7 @@ def test_chunks_never_split_a_step() -> None:
 def test_one_mlflow_run_found_again_and_each_step_logged_once(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    run = Storage(str(tmp_path / "r1"))
+    run = Run.at(str(tmp_path / "r1"))
     cfg = mlflow_cfg()
     first = open_tracker(cfg, run)  # type: ignore[arg-type]
     assert isinstance(first, MlflowTracker) and first.logged_step == -1
@@ -86,7 +86,7 @@ def test_one_mlflow_run_found_again_and_each_step_logged_once(tmp_path: Path) ->
 
 
 def test_a_failing_store_is_warned_about_once(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    tracker = open_tracker(mlflow_cfg(), Storage(str(tmp_path / "r1")))  # type: ignore[arg-type]
+    tracker = open_tracker(mlflow_cfg(), Run.at(str(tmp_path / "r1")))  # type: ignore[arg-type]
     assert tracker is not None
     (tmp_path / "r1" / "tracking" / "mlflow.db").write_bytes(b"not a database")  # the store breaks under it
     with caplog.at_level(logging.WARNING, "hlat.tracking"):
@@ -100,7 +100,7 @@ def test_a_failing_store_is_warned_about_once(tmp_path: Path, caplog: pytest.Log
 def test_metrics_log_hands_its_records_over_at_flushes_and_what_the_store_lacks_at_resume(tmp_path: Path) -> None:
     from mlflow.tracking import MlflowClient
 
-    run = Storage(str(tmp_path / "r1"))
+    run = Run.at(str(tmp_path / "r1"))
     cfg = mlflow_cfg()
     log = MetricsLog(run, enabled=True)
     tracker = open_tracker(cfg, run)  # type: ignore[arg-type]
@@ -115,7 +115,7 @@ def test_metrics_log_hands_its_records_over_at_flushes_and_what_the_store_lacks_
     tracker.close()
 
     # The store lost nothing of 1-3; a store that missed them (a W&B attempt killed before it wrote) gets them here.
-    other = Storage(str(tmp_path / "r2"))
+    other = Run.at(str(tmp_path / "r2"))
     (tmp_path / "r2").mkdir()
     (tmp_path / "r2" / "metrics.jsonl").write_text((tmp_path / "r1" / "metrics.jsonl").read_text())
     fresh = MetricsLog(other, enabled=True)
@@ -146,7 +146,6 @@ def test_sagemaker_request_carries_mlflow_config_valid_for_the_service_model(tmp
     assert params["Environment"]["MLFLOW_TRACKING_URI"] == ARN  # the sagemaker-mlflow plugin resolves the ARN
 
     # The train stage's job gets those variables from the run's config (the other stages' jobs do not).
-    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import job_environment
 
     settings = {"tracking.backend": "mlflow", "tracking.mlflow_tracking_server_arn": ARN}
@@ -174,7 +173,6 @@ def test_sagemaker_jobs_track_nothing_themselves_the_train_stage_logs_their_metr
     the job is told not to track (HLAT_TRACKED_BY_STAGE)."""
     from mlflow.tracking import MlflowClient
 
-    from hlat.infra.runs import Run
     from hlat.infra.stage_jobs import job_environment
     from hlat.tasks.tracking import MetricsMirror, check_job_tracking
 

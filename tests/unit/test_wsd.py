@@ -16,7 +16,7 @@ from torch import nn
 
 from hlat.core.config import ConfigError, HlatConfig, TrainingConfig
 from hlat.core.presets import load_config
-from hlat.infra.runs import CONFIG_FILE, open_run
+from hlat.core.run import CONFIG_FILE, open_run
 from hlat.training.optim import build_optimizer, build_scheduler, lr_at
 
 PEAK, FLOOR = 1e-3, 1e-4

@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hlat.core.config import validate_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training import xla
 from hlat.training.loop import Trainer
@@ -39,11 +40,11 @@ def test_an_import_on_the_xla_device_runs_no_graph_and_gives_the_dense_logits(
     write_checkpoint(arch, folder, seed=41)
     overrides = {**config_overrides(folder, 64), "training.async_checkpoint": False}
     run = make_run(prepared, tmp_path, arch, **overrides)
-    write_import_record(Storage(str(run)), folder)
+    write_import_record(Run.at(str(run)), folder)
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
     trainer = Trainer(
         cfg=cfg,
-        run=Storage(str(run)),
+        run=Run.at(str(run)),
         checkpoints=Storage(str(run / "checkpoints")),
         world=init_world(cfg.training.device, cfg),
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),

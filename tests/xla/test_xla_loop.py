@@ -23,6 +23,7 @@ import torch
 from hlat.core.config import HlatConfig, validate_config
 from hlat.core.contract import EXIT_NAN
 from hlat.core.environment import environment_sdk
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training import xla
 from hlat.training.checkpoint import CheckpointManager
@@ -44,7 +45,7 @@ def build(run: Path) -> Trainer:
     world = init_world(cfg.training.device, cfg)
     return Trainer(
         cfg=cfg,
-        run=Storage(str(run)),
+        run=Run.at(str(run)),
         checkpoints=Storage(str(run / "checkpoints")),
         world=world,
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),
@@ -307,7 +308,7 @@ def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoint
     cache = Storage(str(run / CACHE_DIR))
     monkeypatch.setattr(precompile, "neuron_available", lambda: True)
     with pytest.raises(RuntimeError, match="NEURON_COMPILE_CACHE_URL is not set"):
-        precompile._precompile_xla(Storage(str(run)), cfg, cache)
+        precompile._precompile_xla(Run.at(str(run)), cfg, cache)
 
     calls: list[tuple[str, int]] = []
     for hook in ("health_check", "save_checkpoint", "evaluate"):
@@ -322,7 +323,7 @@ def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoint
     monkeypatch.setenv(EXTRACT_GRAPHS_ONLY, "1")
     before_files = {p.relative_to(run) for p in run.rglob("*") if p.is_file()}
     before = xla.counters()
-    assert precompile._precompile_xla(Storage(str(run)), cfg, cache) == 0
+    assert precompile._precompile_xla(Run.at(str(run)), cfg, cache) == 0
     extracting = {k: v - before[k] for k, v in xla.counters().items()}
     assert calls == [
         ("health_check", 2),
@@ -342,7 +343,7 @@ def test_the_trn1_precompile_rehearses_the_loop_with_its_health_check_checkpoint
 
     monkeypatch.delenv(EXTRACT_GRAPHS_ONLY)
     before = xla.counters()
-    assert precompile._precompile_xla(Storage(str(run)), cfg, cache) == 0
+    assert precompile._precompile_xla(Run.at(str(run)), cfg, cache) == 0
     executing = {k: v - before[k] for k, v in xla.counters().items()}
     assert executing["compilations"] == 0, (extracting, executing)  # nothing the extraction missed
     for counter in ("executions", "transfers_to_host", "all_reduces"):  # the same device work, graph for graph

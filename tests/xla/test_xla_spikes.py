@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from hlat.core.config import validate_config
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training import hooks as job_hooks
 from hlat.training.loop import Trainer
@@ -44,7 +45,7 @@ def build(run: Path) -> Trainer:
     cfg = validate_config(Storage(str(run)).read_json("config.json"))
     return Trainer(
         cfg=cfg,
-        run=Storage(str(run)),
+        run=Run.at(str(run)),
         checkpoints=Storage(str(run / "checkpoints")),
         world=init_world(cfg.training.device, cfg),
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),

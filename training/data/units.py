@@ -24,8 +24,8 @@ import pandas as pd
 from pydantic import BaseModel, Field
 
 from hlat.core.config import DataConfig, SourceConfig
+from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
 from hlat.core.shards import (
-    MANIFEST_FILE,
     DataManifest,
     MixtureManifest,
     MixtureSource,
@@ -43,7 +43,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("hlat.data")
 
-REPORT_FILE = "report.json"
 PLAN_FILE = "plan.json"
 UNIT_FILE = "unit.json"
 QUARANTINE_TEXT_LIMIT = 65_536  # characters of a quarantined row kept for inspection

@@ -14,13 +14,13 @@ from hlat.core.config import HlatConfig
 from hlat.core.contract import fetch_tokenizer
 from hlat.core.init_from import import_record
 from hlat.core.models.job import job_model
-from hlat.core.storage import Storage
+from hlat.core.run import Run
 from hlat.training.data.tokenizer import Tokenizer
 
 log = logging.getLogger("hlat.models")
 
 
-def job_config(run: Storage, cfg: HlatConfig) -> HlatConfig:
+def job_config(run: Run, cfg: HlatConfig) -> HlatConfig:
     """The config a job builds its model from (`job_model`): the imported checkpoint's record in the run, and the
     tokenizer's size (the job's tokenizer channel, or the run). A trained tokenizer's run reads nothing."""
     if cfg.tokenizer.pretrained is None:

@@ -1,19 +1,15 @@
-"""The run layout: one prefix per run id under the storage root, and the config written there once.
+"""The run: `Run` (its id, storage and config) and opening a run with its config.json.
 
-```
-<storage_root>/<run_id>/
-  config.json      the resolved config, written once
-  data/            shards, manifest.json, report.json, quarantine/
-  tokenizer/       tokenizer.model and/or tokenizer.json, the HF tokenizer files, report.json
-  compile-cache/  burn-in/  checkpoints/  eval/
-```
+A run is one folder under the storage root; docs/stages.md draws its tree, core/layout.py names its files.
+Flows, tasks and jobs all take a `Run`. config.json is validated once per process (per content).
+A different config under the same run id is refused; a longer schedule-preserving run is extended.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
-from dataclasses import dataclass
 
 from hlat.core.config import ConfigError, HlatConfig, validate_config
 from hlat.core.layout import CHECKPOINTS_DIR, CONFIG_FILE, STAGE_DIRS, CheckpointIndex
@@ -22,24 +18,52 @@ from hlat.core.storage import Storage, StorageNotFound
 log = logging.getLogger("hlat.runs")
 
 
-@dataclass(frozen=True)
 class Run:
-    """One run: its id, where its outputs live, and its config (config.json's, with `run_id` filled in). The one
-    value a stage's tasks and jobs are given: each reads the config section it uses (`run.config.job`...)."""
+    """One run: its id, its storage and its config. The one value a stage's tasks and a job's code are given.
 
-    run_id: str
-    storage: Storage
-    config: HlatConfig
+    `config` is config.json's, read and validated on first use and kept (one validation per process).
+    Each reader takes the config section it uses (`run.config.job`...).
+    """
+
+    __slots__ = ("_config", "run_id", "storage")
+
+    def __init__(self, run_id: str, storage: Storage, config: HlatConfig | None = None) -> None:
+        self.run_id = run_id
+        self.storage = storage
+        self._config = config
 
     @classmethod
-    def at(cls, uri: str, config: HlatConfig, run_id: str | None = None) -> Run:
-        """The run stored at `uri` (a folder or s3:// prefix; its id, unless given, is the URI's last part)."""
-        run_id = run_id or uri.rstrip("/").rsplit("/", 1)[-1]
-        return cls(run_id=run_id, storage=Storage(uri), config=config.model_copy(update={"run_id": run_id}))
+    def at(cls, uri: str, config: HlatConfig | None = None, run_id: str | None = None) -> Run:
+        """The run stored at `uri` (a folder or s3:// prefix; its id, unless given, is the URI's last part).
+        Without `config`, config.json is read when first asked for."""
+        return cls.of(Storage(uri), config, run_id)
+
+    @classmethod
+    def of(cls, storage: Storage, config: HlatConfig | None = None, run_id: str | None = None) -> Run:
+        """The run stored in the folder `storage` (its id, unless given, is the folder's name)."""
+        run_id = run_id or storage.url.rstrip("/").rsplit("/", 1)[-1]
+        if config is not None:
+            config = config.model_copy(update={"run_id": run_id})
+        return cls(run_id=run_id, storage=storage, config=config)
+
+    @property
+    def config(self) -> HlatConfig:
+        if self._config is None:
+            self._config = load_stored_config(self.storage)
+        return self._config
+
+    def with_config(self, config: HlatConfig) -> Run:
+        """The same run holding `config` (its run_id filled in)."""
+        return Run(self.run_id, self.storage, config.model_copy(update={"run_id": self.run_id}))
 
     @property
     def uri(self) -> str:
         return self.storage.url
+
+    @property
+    def root(self) -> Storage:
+        """The storage root: the folder that holds this run, and the prepared sources beside it."""
+        return self.storage.parent()
 
     def stage(self, name: str) -> Storage:
         """Storage rooted at one stage's folder (e.g. 'data', 'tokenizer')."""
@@ -48,16 +72,34 @@ class Run:
         return self.storage.child(name)
 
     def load_config(self) -> HlatConfig:
-        """The config stored in config.json (as written by open_run)."""
+        """The config stored in config.json now, read again (as written by open_run)."""
         return load_stored_config(self.storage)
 
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Run) and (self.run_id, self.storage.url) == (other.run_id, other.storage.url)
 
-def load_stored_config(run: Storage) -> HlatConfig:
-    """A run's config.json, validated; StorageNotFound naming the fix when the run was never started."""
+    def __hash__(self) -> int:
+        return hash((self.run_id, self.storage.url))
+
+    def __repr__(self) -> str:
+        return f"Run({self.run_id!r}, {self.storage.url!r})"
+
+
+def load_stored_config(folder: Storage) -> HlatConfig:
+    """A run folder's config.json, validated; StorageNotFound naming the fix when the run was never started."""
     try:
-        return validate_config(run.read_json(CONFIG_FILE))
+        text = folder.read_text(CONFIG_FILE)
     except StorageNotFound:
-        raise StorageNotFound(f"{run.uri(CONFIG_FILE)} does not exist: run 'hlat pretrain' or a stage first") from None
+        raise StorageNotFound(
+            f"{folder.uri(CONFIG_FILE)} does not exist: run 'hlat pretrain' or a stage first"
+        ) from None
+    return _validated(text).model_copy(deep=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _validated(text: str) -> HlatConfig:
+    """config.json's text, validated once per process (a changed file is new text). Callers get a deep copy."""
+    return validate_config(json.loads(text))
 
 
 def run_for(config: HlatConfig) -> Run:
@@ -111,7 +153,7 @@ def open_run(config: HlatConfig) -> Run:
 def _stored(run: Run) -> HlatConfig | None:
     if not run.storage.exists(CONFIG_FILE):
         return None
-    return validate_config(run.storage.read_json(CONFIG_FILE))
+    return load_stored_config(run.storage)
 
 
 def _extended_in_place(existing: HlatConfig, resolved: HlatConfig) -> bool:
