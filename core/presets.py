@@ -1,21 +1,10 @@
-"""Named presets, typed: each is an `HlatConfig` built from its sections (what it does not set keeps the defaults), so a
-wrong field name or value fails when this module is imported, and mypy checks every field.
+"""Named presets, typed: each is an `HlatConfig` built from its sections, so a wrong field fails at import.
 
-Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
-(partial rotary 25%, sequence 2048). Pythia and NeoX are GPT-NeoX blocks (the `gpt_neox` family: parallel residual,
-LayerNorm, a 4x GeLU MLP, biases, 25% of each head rotated) with their published depth, width, heads and vocabulary.
-`tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
-
-Each trn1 preset's token budget (training.max_steps x global batch x sequence) follows one named source, recorded
-in TOKEN_BUDGETS: the steps and the batch come from the same training run, never a step count of one and a batch of
-another. The published trn1 throughput runs (AWS ML blog, "Frugality meets Accuracy: Cost-efficient training of GPT
-NeoX and Pythia models with AWS Trainium", infra/planner.py's CALIBRATION_RUNS) set only the layout (TP, PP, nodes);
-the planner lays its calibration runs out with their own batches.
-
-The Neuron compiler and runtime settings of the trn1 jobs (`neuron`) default to HLAT 7B's launch script; hlat-7b,
-pythia-6.9b and neox-20b keep them (like HLAT 7B they train in pure BF16 with stochastic rounding at TP 8);
-hlat-70b sets what HLAT 70B changed.
-"""
+Figures come from the HLAT paper (7B/70B) and the AWS Neuron runs of Pythia 6.9B and GPT-NeoX 20B. Pythia and NeoX use
+the `gpt_neox` family with their published shapes. `tiny` trains in minutes on 2 CPU cores. Each trn1 preset's token
+budget follows one named source (TOKEN_BUDGETS): steps and batch from the same run. The published trn1 throughput runs
+set only the layout (docs/planning.md, "Presets"). `neuron` defaults to HLAT 7B's launch script; hlat-70b sets what HLAT
+70B changed."""
 
 from __future__ import annotations
 
@@ -121,12 +110,10 @@ HLAT_EVAL_TASKS = [
 ]
 
 _GPT_NEOX_VOCABULARY: dict[str, Any] = {"vocab_size": 50277, "vocab_multiple": 256}
-"""GPT-NeoX's tokenizer has 50,277 tokens (https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/tokenizer.json);
-the published Pythia-6.9B and GPT-NeoX-20B models have 50,432 embedding rows
-(https://huggingface.co/EleutherAI/pythia-6.9b/blob/main/config.json,
-https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/config.json): the GPT-NeoX library pads the vocabulary to a
-multiple of make_vocab_size_divisible_by (128) x the model-parallel size (2 in both runs), i.e. of 256, and 50,277
-rounded up to a multiple of 256 is 50,432 (`ModelConfig.padded_vocab_size`; it also divides over TP 8)."""
+"""GPT-NeoX's tokenizer has 50,277 tokens; Pythia-6.9B and NeoX-20B pad to 50,432 rows, a multiple of 256
+(make_vocab_size_divisible_by 128 x model-parallel size 2). Sources: https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/tokenizer.json,
+https://huggingface.co/EleutherAI/pythia-6.9b/blob/main/config.json,
+https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/config.json."""
 
 TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
     "hlat-7b": (1.8e12, "HLAT paper (arXiv 2404.10630): 1.8T tokens = ~429k steps of 1024 x 4096 tokens"),
@@ -141,7 +128,7 @@ TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
         "1536 here) = ~472B tokens",
     ),
 }
-"""Per trn1 preset: the tokens it trains on and where that figure comes from (`tiny` is sized to run in minutes)."""
+"""Per trn1 preset: the tokens it trains on and the source of that figure."""
 
 PRESETS: dict[str, HlatConfig] = {
     "tiny": HlatConfig(
