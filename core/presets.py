@@ -30,11 +30,9 @@ from hlat.core.config import (
     validate_config,
 )
 
-# The published tokenizers these runs used. HLAT used LLaMA-2's (https://github.com/awslabs/HLAT, "Get Started" step
-# 2): a gated model, so a run needs HF_TOKEN with its licence accepted, or an s3:// copy, or
-# --set tokenizer.pretrained=null to train its own (a sentencepiece BPE of model.vocab_size pieces on the run's data).
+# The published tokenizers these runs used. HLAT used LLaMA-2's (https://github.com/awslabs/HLAT, "Get Started"
+# step 2): gated, so a run needs HF_TOKEN, an s3:// copy, or --set tokenizer.pretrained=null to train its own.
 # Pythia and GPT-NeoX-20B share GPT-NeoX's 50,277-token BPE (https://huggingface.co/EleutherAI/gpt-neox-20b).
-# sample_bytes is what a run that trains its own tokenizer samples.
 _LLAMA2_TOKENIZER = TokenizerConfig(pretrained="meta-llama/Llama-2-7b-hf", sample_bytes=2_000_000_000)
 _GPT_NEOX_TOKENIZER = TokenizerConfig(pretrained="EleutherAI/gpt-neox-20b", sample_bytes=2_000_000_000)
 
@@ -52,11 +50,8 @@ def _trn1_job(instance_count: int) -> JobConfig:
 # duplicates) and decontaminated against the evaluation tasks; the web-text quality rules stay off, since on code,
 # books and papers they drop good documents (docs/data.md).
 _PUBLIC_CORPUS_CURATION = CurationConfig(exact_dedup=True, minhash=True, decontaminate=True)
-# The tiny rehearsal runs every rule, so the whole curation path is exercised before money is spent. Its offline
-# corpus is Python source and docstrings, which the web-text rules at their defaults would mostly remove (Gopher's
-# alphabetic-word ratio alone drops 84% of it): their thresholds are loosened, and curation keeps two thirds of it
-# (920 of 1,376 documents, decontamination against its held-out text the largest cut), every rule still examining
-# every document.
+# The tiny rehearsal runs every rule, so the whole curation path runs before money is spent. Its offline corpus is
+# Python source, which the web-text rules at their defaults mostly remove: thresholds are loosened (docs/data.md).
 _EVERY_RULE = CurationConfig(
     exact_dedup=True,
     minhash=True,

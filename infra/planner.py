@@ -47,12 +47,9 @@ STATE_BYTES: dict[str, StateBytes] = {
     "fp32": StateBytes(weights=4, grads=4, optimizer=8),
 }
 
-# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198),
-# section 4: activation bytes per layer for 16-bit activations are s·b·h·(34 + 5·a·s/h); tensor parallelism shards
-# 24 of the 34 (10 + 24/t), sequence parallelism the other 10 (34/t); the 5·a·s/h attention scores, softmax and its
-# dropout are what selective recomputation drops. The formula is GPT's (GeLU MLP of 4h, dropout): GPT-NeoX blocks
-# (the gpt_neox family, without dropout) are that; for LLaMA blocks (SwiGLU, no dropout) it is used as is: an
-# approximation, not re-derived.
+# Korthikanti et al. 2022 (arXiv 2205.05198), section 4: 16-bit activation bytes per layer are s·b·h·(34 + 5·a·s/h).
+# TP shards 24 of the 34, SP the other 10; selective recomputation drops the 5·a·s/h scores term.
+# The formula is GPT's (GeLU MLP, dropout); for LLaMA blocks it is an unrederived approximation.
 KORTHIKANTI_SHARDED = 24
 KORTHIKANTI_REPLICATED = 10
 KORTHIKANTI_SCORES = 5
@@ -67,15 +64,11 @@ LOGIT_BYTES = 4
 TP_COLLECTIVES_PER_LAYER = 8
 TP_RECOMPUTE_COLLECTIVES = 4
 
-# Published trn1 throughput (AWS ML blog, "Frugality meets Accuracy: Cost-efficient training of GPT NeoX and
-# Pythia models with AWS Trainium", https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-
-# efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/ : Neuron NeMo runs, trn1.32xlarge, sequence
-# 2048, $7.59 3-year reserved node-hour). Assumption: the runs used AWS's public example scripts
-# (aws-neuron/neuronx-nemo-megatron,
-# nemo/examples/nlp/language_modeling/pythia_6.9B_slurm.sh and neox_20b.sh), which train in BF16 with stochastic
-# rounding, sequence parallelism, full activation checkpointing ('uniform', 1 layer), no ZeRO, micro-batch 2 (Pythia)
-# and 1 (NeoX); `published_config` lays the presets out that way, with the post's global batches. The presets are
-# GPT-NeoX blocks with the published shapes (the gpt_neox family), so the FLOPs per token are the runs'.
+# Published trn1 throughput: Neuron NeMo runs on trn1.32xlarge, sequence 2048, $7.59 3-year reserved node-hour
+# (https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/).
+# Assumed: AWS's public scripts (aws-neuron/neuronx-nemo-megatron pythia_6.9B_slurm.sh, neox_20b.sh): BF16 with
+# stochastic rounding, SP, full checkpointing, no ZeRO, micro-batch 2 (Pythia) and 1 (NeoX). `published_config`
+# lays the presets out that way.
 PUBLISHED_PRICE_PER_NODE_HOUR = 7.59
 
 
