@@ -1,11 +1,9 @@
 """The one typed config tree of an hlat run.
 
-The same object is a Prefect flow parameter, the `config.json` saved with every run and checkpoint, and
-what a training job reads (`python -m hlat.training.train --config <uri>`). Every field is documented by the
-docstring under it; validation happens here, once, and a wrong value raises `ConfigError` naming the dotted
-field and what is allowed. Presets live in `core/presets.py`; dotted overrides are applied by
-`apply_overrides`.
-"""
+It is the flow parameter, the run's `config.json` and what a training job reads.
+Each field's docstring is its description. Validation happens here, once.
+A wrong value raises `ConfigError` naming the dotted field.
+Presets live in `core/presets.py`; `apply_overrides` applies dotted overrides."""
 
 from __future__ import annotations
 
@@ -39,8 +37,7 @@ CREDENTIALS_REFUSED = (
 
 
 def _texts(value: Any) -> Iterator[str]:
-    """The strings of a field's raw value: itself, or a list's or a mapping's values (nested sections check their
-    own fields)."""
+    """The strings of a raw value: itself, or a list's or mapping's values."""
     if isinstance(value, str):
         yield value
     elif isinstance(value, list | tuple):
@@ -50,8 +47,7 @@ def _texts(value: Any) -> Iterator[str]:
 
 
 class Section(BaseModel):
-    """Base of every config section: unknown keys are errors, docstrings are field descriptions, and no field holds
-    a URI with credentials in it."""
+    """Base of every section: unknown keys are errors and no field holds a URI with credentials."""
 
     model_config = ConfigDict(extra="forbid", use_attribute_docstrings=True, validate_assignment=True)
 
@@ -80,16 +76,12 @@ class ModelConfig(Section):
     ffn_hidden: int = Field(344, ge=8)
     """MLP inner width: SwiGLU's (11008 for LLaMA 7B, 28672 for 70B), or GPT-NeoX's GeLU MLP (4 x d_model)."""
     arch: str = "llama"
-    """Model family (`core.models.FAMILIES`, docs/models.md): llama (pre-norm RMSNorm, SwiGLU, RoPE, no biases) or
-    gpt_neox (GPT-NeoX / Pythia: parallel attention and MLP on the same input, LayerNorm with bias, GeLU MLP, biased
-    projections, partial rotary)."""
+    """Model family (`core.models.FAMILIES`, docs/models.md): 'llama' or 'gpt_neox' (GPT-NeoX / Pythia)."""
     vocab_size: int = Field(4096, ge=260)
-    """The tokenizer's vocabulary: the tokenizer stage trains exactly this many pieces (>= 260: 256 byte pieces plus
-    specials); with tokenizer.pretrained it is that tokenizer's size. The model's embedding is padded_vocab_size."""
+    """Tokenizer vocabulary size (>= 260: 256 bytes plus specials); with tokenizer.pretrained, that tokenizer's."""
     vocab_multiple: int = Field(1, ge=1)
-    """Pad the embedding and output rows up to a multiple of this (Megatron/NxDT's make_vocab_size_divisible_by, e.g.
-    128); padded rows never take probability in the loss and are dropped on export. The padded size must also
-    divide evenly over parallelism.tensor."""
+    """Pad embedding and output rows up to a multiple of this (Megatron's make_vocab_size_divisible_by).
+    The padded size must divide over parallelism.tensor; padded rows take no probability."""
     max_seq_len: int = Field(4096, ge=16)
     """Longest context the model supports (RoPE tables are built this long)."""
     norm_eps: float = Field(1e-5, gt=0)
@@ -105,11 +97,8 @@ class ModelConfig(Section):
     tie_embeddings: bool = False
     """Share input embedding and output projection weights (HLAT: untied)."""
     init_from: str | None = None
-    """Start from published weights instead of a random initialisation: a Hugging Face `LlamaForCausalLM` or
-    `GPTNeoXForCausalLM` checkpoint (config.json and safetensors, one file or a sharded index) as a hub name
-    `org/name[@revision]`, a local folder or an s3:// prefix. Its config.json decides the family and shape (where
-    this section says otherwise, the checkpoint wins, with one line saying what changed); the optimizer starts
-    fresh with this run's schedule. Needs tokenizer.pretrained (the tokenizer the weights were trained with)."""
+    """Published weights to start from: a Hugging Face Llama or GPT-NeoX checkpoint (hub `org/name[@rev]`, folder or
+    s3://). Its config.json wins over this section; the optimizer starts fresh. Needs tokenizer.pretrained."""
 
     @field_validator("arch")
     @classmethod
@@ -163,27 +152,21 @@ class ModelConfig(Section):
         return self.n_layers * self.block_params() + embeddings + self.final_norm_params()
 
     def training_state_bytes(self, precision: str) -> int:
-        """Bytes of one whole replica's weights, gradients and AdamW moments (activations not counted): 16 per
-        parameter with FP32 weights (fp32, and bf16-mixed's master weights), 8 in pure BF16 (bf16-sr). What DDP
-        holds on every device, and FSDP2 splits over the ranks."""
+        """Bytes of one replica's weights, gradients and AdamW moments: 16 per parameter, 8 in pure BF16."""
         return (8 if precision == "bf16-sr" else 16) * self.num_params()
 
     def layer_flops_per_token(self, seq_len: int) -> int:
-        """Forward + backward FLOPs of one block per token: 6 per matmul parameter (2 forward, 4 backward), and
-        12·d·T for the attention scores (QKᵀ) and their weighted sum (AV) over T positions."""
+        """Forward + backward FLOPs of one block per token: 6 per matmul parameter plus 12·d·T for attention."""
         return 6 * self.block_params() + 12 * self.d_model * seq_len
 
     def head_flops_per_token(self) -> int:
-        """The output projection (its padded_vocab_size rows are all computed) and the final norm, forward +
-        backward (6 per parameter)."""
+        """FLOPs of the output projection and final norm per token, forward + backward."""
         return 6 * (self.padded_vocab_size * self.d_model + self.final_norm_params())
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs (forward + backward) per token, for MFU: 6·N + 12·L·d·T.
+        """Training FLOPs per token, for MFU: 6·N + 12·L·d·T.
 
-        N is the number of parameters used in matrix multiplies: everything but the input embedding table (a
-        lookup), which with tied embeddings is still counted once as the output projection. As in PaLM's MFU, the
-        causal mask is not discounted (the count is that of full attention over T)."""
+        N excludes the input embedding lookup. As in PaLM's MFU, the causal mask is not discounted."""
         return self.n_layers * self.layer_flops_per_token(seq_len) + self.head_flops_per_token()
 
 
@@ -230,8 +213,7 @@ class SourceReader(Section):
     shorthand."""
 
     source: str = "builtin:python-stdlib"
-    """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
-    'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
+    """A Hugging Face dataset, an s3:// URI, a local file or folder, or 'builtin:python-stdlib' (offline corpus)."""
     hf_config: str | None = None
     """Hugging Face dataset configuration name (e.g. 'wikitext-103-raw-v1')."""
     split: str = "train"
@@ -253,24 +235,19 @@ class SourceReader(Section):
 
 
 class SourceConfig(SourceReader):
-    """One source of the corpus mixture: where its documents come from, its share of the training tokens and how
-    often it may be repeated."""
+    """One source of the corpus mixture: where it comes from, its token share and its repeat limit."""
 
     name: str | None = None
-    """Short name (letters, digits, '-', '_'), used in reports, metrics and the mixture schedule; None derives one
-    from `source` (its last path part, lower-cased)."""
+    """Short name used in reports, metrics and the schedule; None: derived from `source`."""
     source: str
-    """A Hugging Face dataset name, an s3:// URI, a local file or folder (jsonl, json, parquet, txt), or
-    'builtin:python-stdlib' (the offline corpus built from the installed Python standard library)."""
+    """A Hugging Face dataset, an s3:// URI, a local file or folder, or 'builtin:python-stdlib' (offline corpus)."""
     weight: float = Field(1.0, gt=0)
     """This source's share of the training tokens, relative to the other sources' weights (normalised to sum 1)."""
     max_epochs: float | None = Field(4.0, gt=0)
-    """The most passes over this source's training tokens a run may make (OLMo-core's max repetition); a run that
-    would draw more is refused before it starts; None: no limit (the one-source shorthand's). Muennighoff et al.
-    2023 (arXiv 2305.16264): up to ~4 epochs of repeated data are about as good as fresh data."""
+    """Most passes over this source a run may make; more is refused before start (None: no limit).
+    Muennighoff et al. 2023 (arXiv 2305.16264): up to ~4 epochs are about as good as fresh data."""
     tokens: int | None = Field(None, ge=1)
-    """The source's training tokens, if known before prepare-data runs (e.g. from its dataset card): what the dry run
-    and `hlat plan` count epochs against. Once the source is prepared its measured size is used instead."""
+    """The source's training tokens if known before prepare-data; the measured size replaces it."""
 
     @property
     def resolved_name(self) -> str:
@@ -278,8 +255,7 @@ class SourceConfig(SourceReader):
 
 
 def source_slug(source: str) -> str:
-    """'HuggingFaceFW/fineweb' -> 'fineweb', 's3://b/corpus/books/' -> 'books', 'builtin:python-stdlib' ->
-    'python-stdlib': the default name of a source."""
+    """The default name of a source: 'HuggingFaceFW/fineweb' -> 'fineweb', 's3://b/books/' -> 'books'."""
     tail = re.split(r"[/:]", source.rstrip("/"))[-1] or "source"
     tail = re.sub(r"\.(jsonl|json|parquet|txt|gz|zst)$", "", tail.lower())
     return re.sub(r"[^a-z0-9_-]+", "-", tail).strip("-")[:40] or "source"
@@ -295,15 +271,11 @@ class MixtureStep(Section):
 
 
 class CurationConfig(Section):
-    """What prepare-data removes from each source beyond great-expectations' row checks, with Hugging Face's
-    datatrove (https://github.com/huggingface/datatrove). Each rule is a switch; every removed document is counted per
-    source and per rule in the data report. Presets: the tiny rehearsal runs every rule; the HLAT, Pythia and NeoX
-    presets (public, already-filtered corpora) run deduplication and decontamination, not the web-text quality rules,
-    which would drop code, tables and lists from curated sources."""
+    """What prepare-data removes beyond the row checks, with datatrove (https://github.com/huggingface/datatrove).
+    Each rule is a switch; removals are counted per source and rule in the data report."""
 
     exact_dedup: bool = True
-    """Drop exact duplicates across the whole source: datatrove's hash-partitioned exact dedup (signatures, then
-    one finder per hash range, then a filter), so no worker holds more than its own range's hashes."""
+    """Drop exact duplicates across the source (datatrove's hash-partitioned exact dedup)."""
     minhash: bool = False
     """Drop near duplicates: datatrove's MinHash LSH dedup (signatures, buckets, clusters, filter)."""
     minhash_ngrams: int = Field(5, ge=1)
@@ -331,14 +303,13 @@ class CurationConfig(Section):
     fineweb_quality_params: dict[str, Any] = Field(default_factory=dict)
     """Arguments of datatrove's FineWebQualityFilter that differ from its defaults, e.g. {"line_punct_thr": 0.12}."""
     decontaminate: bool = False
-    """Drop documents that share an n-gram with the texts of the evaluation tasks the run scores
-    (evaluation.tasks, the offline ones included)."""
+    """Drop documents sharing an n-gram with the texts of evaluation.tasks."""
     decontamination_ngrams: int = Field(13, ge=4)
     """Word n-gram length of the decontamination match (GPT-3, Brown et al. 2020: 13)."""
     examples_per_rule: int = Field(5, ge=0)
     """Removed documents kept as examples per rule in the data report."""
     finder_workers: int = Field(4, ge=1)
-    """Hash ranges of the exact dedup (and tasks of its find phase); each finder holds only its range."""
+    """Hash ranges of the exact dedup; each finder holds only its range."""
 
     @property
     def any_rule(self) -> bool:
@@ -361,30 +332,25 @@ class DataConfig(SourceReader):
     validation: DataValidationConfig = Field(default_factory=DataValidationConfig)
     """Validation rules and the bad-row policy."""
     sources: list[SourceConfig] = Field(default_factory=list)
-    """The corpus as a weighted mixture of sources, each prepared (and cached) on its own; empty: one source, given
-    by the shorthand fields above (data.source, data.hf_config, ...). When set, those shorthand fields are not read."""
+    """The corpus as a weighted mixture of sources; empty: one source from the shorthand fields above."""
     schedule: list[MixtureStep] = Field(default_factory=list)
-    """Weights that change by step: each entry gives every source's weight from its step on (before the first entry,
-    the sources' own weights)."""
+    """Weights by step: each entry sets every source's weight from its step on."""
     curation: CurationConfig = Field(default_factory=CurationConfig)
     """Deduplication, quality filters and decontamination (datatrove), per source."""
     unit_mb: int = Field(64, ge=1)
-    """Size of the pieces (units) the source is cut into for the workers: a jsonl file larger than this is read as
-    byte ranges, parquet as groups of row groups; each unit is written and committed on its own, so a worker that
-    dies redoes only its unfinished unit."""
+    """Size of the units the source is cut into; each unit is committed alone, so a dead worker redoes only its own."""
     workers: int = Field(1, ge=1)
-    """Worker processes of the prepare-data job (locally: processes on this machine; on SageMaker:
-    data.workers_per_instance per instance of data.instance_type). With data.max_documents set one worker reads."""
+    """Worker processes of prepare-data (SageMaker: workers_per_instance per instance); max_documents means one."""
     workers_per_instance: int = Field(8, ge=1)
-    """SageMaker: worker processes per instance; the job's instance count is data.workers / this (rounded up)."""
+    """SageMaker: worker processes per instance; instances = workers / this, rounded up."""
     instance_type: str = "ml.c5.4xlarge"
-    """SageMaker instance type of the prepare-data job (CPU: it streams, validates and writes shards)."""
+    """SageMaker instance type of the prepare-data job (CPU work)."""
     image_uri: str | None = None
     """Container image of the prepare-data job on SageMaker; None: AWS's PyTorch CPU training image."""
     price_per_hour_usd: float | None = Field(None, ge=0)
     """Price of one data.instance_type node-hour; None: the instance catalog's."""
     worker_retries: int = Field(2, ge=0)
-    """Times a worker that dies (killed, out of memory) is started again, alone, before the job fails."""
+    """Times a dead worker is restarted, alone, before the job fails."""
     max_runtime_hours: float = Field(24.0, gt=0)
     """Max runtime of one prepare-data job; a relaunch resumes from the committed units."""
 
@@ -417,8 +383,7 @@ class DataConfig(SourceReader):
         return [SourceConfig(**self.reader(), max_epochs=None)]
 
     def weights_at(self, step: int) -> dict[str, float]:
-        """Each source's weight at optimizer step `step`, normalised to sum 1 (the schedule's last entry at or
-        before the step, else the sources' own weights)."""
+        """Each source's weight at `step`, normalised to sum 1."""
         raw = {s.resolved_name: s.weight for s in self.mixture}
         for entry in self.schedule:
             if entry.step <= step:
@@ -427,26 +392,23 @@ class DataConfig(SourceReader):
         return {name: w / total for name, w in raw.items()}
 
     def source_data_config(self, source: SourceConfig) -> DataConfig:
-        """This data config with `source`'s reader settings in the shorthand fields and no mixture: what prepares
-        that one source."""
+        """This config narrowed to one source: what prepares that source."""
         return self.model_copy(update={**source.reader(), "sources": [], "schedule": []})
 
 
 class TokenizerConfig(Section):
-    """sentencepiece BPE trained the LLaMA way (the vocabulary size is model.vocab_size), or an existing tokenizer."""
+    """sentencepiece BPE trained the LLaMA way (model.vocab_size pieces), or an existing tokenizer."""
 
     pretrained: str | None = None
-    """An existing tokenizer instead of training one: a Hugging Face hub name (e.g. meta-llama/Llama-2-7b-hf, as
-    HLAT used), a local folder or an s3:// prefix holding it in Hugging Face's format (tokenizer.json and/or a
-    sentencepiece tokenizer.model). The stage validates it and copies it into the run; model.vocab_size follows it.
-    None trains a sentencepiece tokenizer on the run's data."""
+    """An existing tokenizer instead of training one: hub name (HLAT: meta-llama/Llama-2-7b-hf), folder or s3://.
+    model.vocab_size follows it. None trains a sentencepiece tokenizer on the run's data."""
 
     sample_bytes: int = Field(50_000_000, ge=1_000)
-    """Bytes of training text streamed from the shards into the tokenizer trainer (a bounded sample)."""
+    """Bytes of training text sampled into the tokenizer trainer."""
     character_coverage: float = Field(0.99995, gt=0, le=1)
     """Fraction of characters covered by pieces; the rest fall back to bytes."""
     byte_fallback: bool = True
-    """Encode characters outside the vocabulary as UTF-8 byte pieces (<0x..>), so no text is lost."""
+    """Encode characters outside the vocabulary as UTF-8 byte pieces, so no text is lost."""
     split_digits: bool = True
     """Split numbers into single digits."""
     max_sentence_length: int = Field(16384, ge=256)
@@ -471,13 +433,11 @@ class TrainingConfig(Section):
     schedule_steps: int | None = Field(None, ge=1)
     """Schedule horizon in steps (HLAT 7B's cosine: 500k); None means max_steps."""
     schedule: Literal["cosine", "wsd"] = "cosine"
-    """Learning-rate schedule after the linear warm-up: 'cosine' down to min_lr_ratio at the horizon (HLAT), or
-    'wsd' (warmup-stable-decay): the peak held, then a decay over the last decay_steps of the horizon, so that a run
-    can be extended (more steps) without a re-warm or a kink before its decay starts."""
+    """Schedule after warm-up: 'cosine' to min_lr_ratio at the horizon (HLAT), or 'wsd'.
+    WSD holds the peak, then decays over decay_steps, so a run can be extended."""
     decay_steps: int | None = Field(None, ge=1)
-    """With schedule='wsd': the decay's length at the end of the horizon (None: 20% of it), a 1-sqrt decay from
-    the peak to min_lr_ratio of it, reached on the horizon's last step (Hägele et al. 2024,
-    https://arxiv.org/abs/2405.18392)."""
+    """WSD only: the 1-sqrt decay's length at the horizon's end (None: 20%).
+    Hägele et al. 2024, https://arxiv.org/abs/2405.18392."""
     beta1: float = Field(0.9, ge=0, lt=1)
     """AdamW beta1."""
     beta2: float = Field(0.95, ge=0, lt=1)
@@ -501,26 +461,23 @@ class TrainingConfig(Section):
     keep_checkpoints: int = Field(5, ge=1)
     """Most recent checkpoints kept."""
     keep_every: int | None = Field(None, ge=1)
-    """Also keep every checkpoint whose step is a multiple of this, permanently (None: none)."""
+    """Also keep, permanently, every checkpoint whose step is a multiple of this."""
     async_checkpoint: bool = True
-    """Write checkpoints in the background: the loop blocks only while the state is copied to host memory (which
-    then holds one copy of this rank's state between saves); FSDP2's through torch.distributed.checkpoint's
-    async_save. False: the loop waits until each checkpoint is committed."""
+    """Write checkpoints in the background; the loop blocks only for the copy to host memory.
+    False: the loop waits until each checkpoint is committed."""
     commit_timeout_s: float = Field(600.0, gt=0)
-    """How long rank 0 waits for every rank's checkpoint files to appear in storage before it gives up on a
-    commit (the job then fails and is relaunched from the previous checkpoint)."""
+    """Seconds rank 0 waits for every rank's checkpoint files before the commit fails."""
     nan_policy: Literal["exit", "skip"] = "exit"
-    """On a NaN/inf loss: 'exit' non-zero so the job restarts from the last checkpoint (HLAT), or 'skip' the step."""
+    """On a NaN/inf loss: 'exit' to restart from the last checkpoint (HLAT), or 'skip' the step."""
     spike_skip: bool = False
-    """Skip the update of a step whose loss or gradient norm spikes: more than spike_zscore standard deviations
-    above the mean of the trailing spike_window steps, decided on the device (no host sync; OLMo-core's skip-step
-    optimizer). Skipped steps are counted and logged at the next sync point."""
+    """Skip a step whose loss or gradient norm is spike_zscore deviations above the trailing mean.
+    Decided on the device with no host sync (OLMo-core's skip-step optimizer)."""
     spike_window: int = Field(128, ge=8)
-    """Trailing steps whose loss and gradient norm define a spike (no step is judged before the window is full)."""
+    """Trailing steps that define a spike; no step is judged before the window fills."""
     spike_zscore: float = Field(6.0, gt=0)
     """Standard deviations above the trailing mean that make a spike."""
     spike_max_consecutive: int = Field(8, ge=1)
-    """Spiking steps in a row that stop the job (exit code EXIT_LOSS_SPIKES, not relaunched): the run has diverged."""
+    """Spiking steps in a row that stop the job for good (EXIT_LOSS_SPIKES): it diverged."""
     log_every: int = Field(1, ge=1)
     """Steps between metric records."""
     eval_every: int = Field(1000, ge=0)
@@ -528,24 +485,18 @@ class TrainingConfig(Section):
     eval_batches: int = Field(8, ge=1)
     """Micro-batches per rank scored at each validation-loss evaluation (the same ones every time)."""
     compile: bool = False
-    """Compile the model with torch.compile (CPU and CUDA; on XLA the graph is compiled by XLA itself)."""
+    """Compile the model with torch.compile (CPU and CUDA; XLA compiles its own graph)."""
     device: Literal["auto", "cpu", "cuda", "xla"] = "auto"
-    """Device of the training, precompile and burn-in jobs: 'auto' (XLA inside a Neuron container, else CUDA when
-    present, else CPU), or one of them. 'xla' outside a Neuron container runs on XLA:CPU (PJRT_DEVICE=CPU): the local
-    rehearsal of the trn1 code path, in the XLA environment of neuron.sdk (`scripts/install.sh xla-2.28` makes
-    2.28.0's, the default; `scripts/install.sh xla` 2.24.1's)."""
+    """Device of the training, precompile and burn-in jobs; 'auto': XLA in a Neuron container, else CUDA, else CPU.
+    'xla' elsewhere runs XLA:CPU in neuron.sdk's XLA environment (`scripts/install.sh xla-2.28`)."""
     document_masking: bool = False
     """Stop attention at document boundaries inside packed sequences."""
     deterministic: bool = True
-    """On CUDA, deterministic kernels only (`torch.use_deterministic_algorithms`, cuBLAS's fixed workspace
-    `CUBLAS_WORKSPACE_CONFIG=:4096:8`, https://pytorch.org/docs/stable/notes/randomness.html), so that a job killed
-    and resumed reaches bitwise the weights of one never interrupted. Off: some backward kernels (embedding, index
-    adds) accumulate with atomics in any order, for a little speed. CPU and XLA are deterministic either way."""
+    """CUDA: deterministic kernels only, so a resumed job matches an uninterrupted one bitwise.
+    See https://pytorch.org/docs/stable/notes/randomness.html. CPU and XLA are deterministic either way."""
     xla_graph_cuts: Literal["micro-batch", "step"] = "micro-batch"
-    """On XLA (trn1, XLA:CPU), where the traced graph is cut: 'micro-batch' after each micro-batch's backward (the
-    last cut is the one before the optimizer step), as HLAT's and NxD's training scripts cut it: gradient
-    accumulation + 1 graphs per step, each one small to compile; 'step': one graph for the whole optimizer step
-    (fewest launches, largest compile)."""
+    """XLA: where the traced graph is cut. 'micro-batch' after each backward, as HLAT and NxD do (small compiles).
+    'step': one graph per optimizer step (fewest launches, largest compile)."""
 
     @model_validator(mode="after")
     def _check_schedule(self) -> TrainingConfig:
@@ -564,15 +515,13 @@ class TrainingConfig(Section):
 
     @property
     def decay_start(self) -> int:
-        """With schedule='wsd': the first step of the decay, decay_steps (None: 20% of the horizon, at least one
-        step) before the horizon's end, never inside the warm-up; the peak is held from the warm-up's end to here."""
+        """WSD: the decay's first step (decay_steps before the horizon's end, never inside the warm-up)."""
         horizon = self.schedule_horizon
         length = self.decay_steps if self.decay_steps is not None else max(1, horizon // 5)
         return max(self.warmup_steps, horizon - length)
 
     def lr_differs_from(self, other: TrainingConfig) -> int | None:
-        """The first optimizer step whose learning rate differs between this schedule and `other`'s (None: none).
-        Exact where the two share the peak, floor, warm-up and schedule kind; otherwise step 0 (conservatively)."""
+        """The first step whose learning rate differs from `other`'s (None: none); 0 when unsure."""
         same = ("schedule", "lr", "min_lr_ratio", "warmup_steps")
         if any(getattr(self, f) != getattr(other, f) for f in same):
             return 0
@@ -583,9 +532,7 @@ class TrainingConfig(Section):
         return min(self.decay_start, other.decay_start)  # both hold the peak until one of them starts its decay
 
     def extension_problem(self, longer: TrainingConfig, steps_taken: int) -> str | None:
-        """Why a run trained `steps_taken` steps under this schedule cannot go on under `longer`'s (one line), or
-        None when every step already taken had the same learning rate under both (its checkpoints stay valid):
-        a WSD run extended before its decay began."""
+        """Why this run cannot go on under `longer`'s schedule after `steps_taken` steps, or None."""
         first = self.lr_differs_from(longer)
         if first is None or first >= steps_taken:
             return None
@@ -604,41 +551,33 @@ class PrecisionConfig(Section):
     """Numeric format of compute, weights and optimizer state."""
 
     mode: Literal["fp32", "bf16-mixed", "bf16-sr"] = "fp32"
-    """'fp32'; 'bf16-mixed' (BF16 compute, FP32 master weights and optimizer states); 'bf16-sr' (pure BF16
-    with stochastic rounding of the parameter update, HLAT 7B)."""
+    """'fp32'; 'bf16-mixed' (FP32 master weights and states); 'bf16-sr' (pure BF16, stochastic rounding, HLAT 7B)."""
 
 
 NeuronSdkVersion = Literal["2.24.1", "2.28.0"]
 DEFAULT_NEURON_SDK: NeuronSdkVersion = "2.28.0"
-"""neuron.sdk's default, for every preset: Neuron 2.28, the last release that trains with PyTorch/XLA and NxD on trn1,
-the one Neuron advises XLA-training users to stay on. (HLAT itself ran Neuron 2.20.0, which no longer has a PyTorch 2
-image: awslabs/HLAT, common/install_2_20_0.sh.)"""
+"""neuron.sdk's default: 2.28, the last Neuron that trains with PyTorch/XLA and NxD on trn1.
+HLAT ran 2.20.0, which has no PyTorch 2 image (awslabs/HLAT, common/install_2_20_0.sh)."""
 NEURON_RESERVED_ENV = frozenset({"NEURON_COMPILE_CACHE_URL", "RUN_NEURON_PARALLEL_COMPILE", "HLAT_RUN_ID"})
 """Variables the job backends set themselves (the run's compile cache, the precompile wrapper, the run id)."""
 NEURON_ENV_PREFIXES = ("NEURON_", "XLA_", "PJRT_", "FI_", "CCOM_", "NCCL_", "TORCH_DIST_", "TORCH_GLOO_")
-"""What neuron.env may set: the Neuron compiler and runtime (https://awsdocs-neuron.readthedocs-hosted.com/en/latest/
-neuron-runtime/nrt-configurable-parameters.html), torch-xla and PJRT, libfabric/EFA, Neuron's collectives, and
-torch.distributed's process-group switches."""
+"""What neuron.env may set: Neuron compiler and runtime, torch-xla, PJRT, EFA, collectives, process groups.
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/neuron-runtime/nrt-configurable-parameters.html"""
 NEURON_ENV_NAMES = frozenset({"MALLOC_ARENA_MAX", "OMP_NUM_THREADS", "RDMAV_FORK_SAFE", "TF_CPP_MIN_LOG_LEVEL"})
 """Single variables neuron.env may set besides `NEURON_ENV_PREFIXES`'."""
 NEURON_ENV_REFUSED = ("PATH", "LIBRARY", "PLUGIN", "PRELOAD")
-"""Within the prefixes, names holding one of these are refused: a search path, library or plugin to load is code."""
+"""Names within the prefixes that hold these are refused: a path, library or plugin to load is code."""
 
 
 class NeuronConfig(Section):
-    """Neuron compiler and runtime settings of the trn1 jobs (train, precompile, burn-in), as HLAT ran them; the
-    defaults are HLAT 7B's. They become environment variables of those jobs, next to the precision flags of
-    precision.mode (`core.environment.neuron_environment`); jobs off trn1 get none of them. A boolean that is off
-    leaves its variable unset: the reader's own default."""
+    """Neuron compiler and runtime settings of the trn1 jobs; defaults are HLAT 7B's.
+    They become environment variables (`core.environment.neuron_environment`); an off boolean leaves its variable unset.
+    """
 
     sdk: NeuronSdkVersion = DEFAULT_NEURON_SDK
-    """Neuron SDK release of the trn1 jobs: their training image (when job.image_uri is None), what a job installs
-    on it, and how precision.mode is set. '2.28.0' (the default; PyTorch 2.9, NxD 0.17) is the last release that
-    trains with PyTorch/XLA and NxD, and Neuron's advice to XLA-training users; it has no XLA_USE_BF16 /
-    XLA_DOWNCAST_BF16, so the trainer casts the model (bf16-sr) or autocasts (bf16-mixed) itself. '2.24.1'
-    (PyTorch 2.7, NxD 0.13) is the last release that honours those two flags: the closest selectable to HLAT's
-    flag-based precision. Neither is HLAT's own release (Neuron 2.20.0, torch-neuronx 1.13.1, NxD 0.9, with HLAT's
-    patches: awslabs/HLAT, common/install_2_20_0.sh). See `core.environment.NEURON_SDKS`."""
+    """Neuron SDK release of the trn1 jobs: their image, installs and precision flags (`core.environment.NEURON_SDKS`).
+    '2.28.0' is the last that trains with PyTorch/XLA; '2.24.1' is the last with XLA_USE_BF16 (closest to HLAT's 2.20).
+    """
     compiler_flags: str = "--model-type transformer --distribution-strategy=llm-training"
     """neuronx-cc options (NEURON_CC_FLAGS). Part of the compile cache's key: changing them recompiles."""
     fuse_softmax: bool = True
@@ -655,18 +594,15 @@ class NeuronConfig(Section):
     """Compress the replica groups of collectives (NEURON_EXPERIMENTAL_COMPRESS_RG=1; HLAT 70B). Part of the compile
     cache's key."""
     dist_init_barrier: bool = True
-    """Leave TORCH_DIST_INIT_BARRIER unset (torch's and torch-xla's defaults); False sets it to 0, skipping the
-    store-based barrier at process-group init (HLAT 70B)."""
+    """False sets TORCH_DIST_INIT_BARRIER=0, skipping the init barrier (HLAT 70B)."""
     efa: bool = True
-    """Use EFA for inter-node collectives (FI_PROVIDER=efa, FI_EFA_USE_DEVICE_RDMA=1). SageMaker's Torchrun driver
-    sets both on trn1.32xlarge too; turn it off on instance types without EFA (trn1.2xlarge)."""
+    """Use EFA for inter-node collectives (FI_PROVIDER=efa); turn off on instances without EFA."""
     efa_fork_safe: bool = True
     """Make libfabric's EFA provider safe across fork() (FI_EFA_FORK_SAFE=1; SageMaker's Torchrun driver sets
     RDMAV_FORK_SAFE=1 itself)."""
     env: dict[str, str] = Field(default_factory=dict)
-    """Extra or overriding variables of the trn1 jobs, applied last (e.g. {"NEURON_RT_LOG_LEVEL": "INFO"}); numbers
-    are taken as text. Only Neuron, XLA, EFA and process-group variables (`NEURON_ENV_PREFIXES`, `NEURON_ENV_NAMES`);
-    NEURON_COMPILE_CACHE_URL, RUN_NEURON_PARALLEL_COMPILE and HLAT_RUN_ID are the backends'."""
+    """Extra or overriding variables of the trn1 jobs, applied last, e.g. {"NEURON_RT_LOG_LEVEL": "INFO"}.
+    Only `NEURON_ENV_PREFIXES` and `NEURON_ENV_NAMES`; the backends' own variables are refused."""
 
     @field_validator("env", mode="before")
     @classmethod
@@ -718,12 +654,10 @@ class ParallelismConfig(Section):
     zero1: bool = False
     """Shard optimizer states across data-parallel ranks (ZeRO-1)."""
     activation_checkpointing: Literal["none", "selective", "full"] = "none"
-    """Recompute activations in backward: 'selective' the core attention (softmax(QK^T)V) and SwiGLU's
-    silu(gate) * up, as HLAT does; 'full' each whole block."""
+    """Recompute in backward: 'selective' the attention core and SwiGLU product (HLAT); 'full' each block."""
     fsdp: bool = False
-    """Shard parameters, gradients and optimizer states over the data-parallel ranks with FSDP2 (torch's
-    `fully_shard`, one unit per block), checkpointed with torch.distributed.checkpoint: for CPU and CUDA jobs whose
-    model, gradients and AdamW states do not fit one device under DDP. On trn1: tensor parallelism and zero1."""
+    """Shard parameters, gradients and states over data-parallel ranks with FSDP2 (CPU and CUDA).
+    For models that do not fit one device under DDP; trn1 uses tensor parallelism and zero1."""
 
     @model_validator(mode="after")
     def _check_sequence_parallel(self) -> ParallelismConfig:
@@ -750,18 +684,13 @@ class JobConfig(Section):
     image_uri: str | None = None
     """Training container image; None uses the Neuron PyTorch training image of the region."""
     python: str | None = None
-    """Local backend: the Python interpreter that runs the job programs (its stand-in for image_uri); None: the
-    flow's own, or with training.device=xla the XLA environment of neuron.sdk (.venv-xla-2.28 for 2.28.0, the default,
-    from `scripts/install.sh xla-2.28`; .venv-xla for 2.24.1, from `scripts/install.sh xla`)."""
+    """Local backend: the job's Python interpreter; None: the flow's own, or neuron.sdk's XLA venv for device=xla."""
     role_arn: str | None = None
     """IAM role SageMaker assumes (the sagemaker backend needs it, or role_arn_secret)."""
     role_arn_secret: str | None = None
-    """Name of a Prefect Secret block holding the IAM role ARN SageMaker assumes, read by each flow run;
-    used when role_arn is not set (create it with `Secret(value="arn:aws:iam::...").save("<name>")`)."""
+    """Prefect Secret block holding the role ARN; used when role_arn is not set."""
     aws_credentials_block: str | None = None
-    """Name of a prefect-aws AwsCredentials block whose credentials every AWS client of the run uses (S3 storage,
-    SageMaker, CloudWatch, local job processes); None: boto3's default chain (environment, profile, instance or
-    task role). See infra/aws.py for how the block's settings override the environment's."""
+    """prefect-aws AwsCredentials block every AWS client of the run uses; None: boto3's default chain."""
     max_runtime_hours: float = Field(24 * 28, gt=0, le=24 * 28)
     """Longest a single job may run (SageMaker allows 28 days)."""
     volume_size_gb: int = Field(512, ge=1)
@@ -769,61 +698,44 @@ class JobConfig(Section):
     max_restarts: int = Field(100, ge=0)
     """Relaunches from the newest checkpoint before the stage gives up (HLAT: 100)."""
     max_repeats: int = Field(2, ge=1)
-    """Stop the stage when the same failure of the job's own (same cause: the failure record's type and step; a NaN
-    at any step) ends this many attempts in a row with no newer checkpoint committed between them: it repeats
-    deterministically."""
+    """Stop when the same job failure ends this many attempts in a row with no new checkpoint: it repeats."""
     max_attempts_without_progress: int = Field(3, ge=1)
-    """Stop the stage when this many attempts in a row commit no newer checkpoint, whatever ended them (the job's
-    own failure, a platform fault, no capacity, a hang): each costs the whole cluster's start-up, and a fault that
-    repeats that often is not going away by itself (fatal failures stop at once)."""
+    """Stop when this many attempts in a row commit no new checkpoint, whatever ended them."""
     budget_usd: float | None = Field(None, gt=0)
-    """Stop relaunching once this many dollars have been billed. None: on SageMaker, 1.25 x the plan's estimate of
-    the training's cost (the dry run states it; a run with no estimate must set one); locally, no budget."""
+    """Stop relaunching past this spend; None: 1.25 x the plan's estimate on SageMaker, no limit locally."""
     price_per_hour_usd: float | None = Field(None, ge=0)
     """Price of one node-hour; None uses the instance catalog (infra/catalog.py)."""
     poll_seconds: float = Field(60, gt=0)
     """How often the train stage polls the job's status and logs."""
     hang_timeout_minutes: float | None = Field(60, gt=0)
-    """Stop and relaunch a job that logs no new step for this long, counted from its first step once it reached
-    SageMaker's Training status (None: never)."""
+    """Relaunch a job that logs no new step for this long, counted from its first step (None: never)."""
     startup_timeout_minutes: float | None = Field(120, gt=0)
-    """Stop and relaunch a job that logs no first step this long after it reached SageMaker's Training status (the
-    start-up in the container: compile-cache copy, process groups, first graphs); None: no bound."""
+    """Relaunch a job that logs no first step this long after it started training (None: no bound)."""
     backoff_seconds: list[float] = Field(default_factory=lambda: [60.0, 300.0, 900.0, 1800.0])
     """Delays before relaunching after a capacity or throttling failure (the last repeats)."""
     stop_grace_seconds: float = Field(120, ge=0)
-    """Local backend: time between SIGTERM and SIGKILL when a job is stopped (SageMaker gives 120 s)."""
+    """Local backend: seconds between SIGTERM and SIGKILL when a job is stopped (SageMaker: 120)."""
     deadline: datetime | None = None
-    """When the run's training must stop, as ISO 8601 with a time zone (e.g. 2026-12-01T18:00:00Z); None: no
-    deadline. The job itself stops at a checkpoint before it, supervised or not (training/stop_rule.py), and a job
-    is never submitted past it; set a later one to go on."""
+    """When training must stop (ISO 8601 with zone); None: no deadline.
+    The job stops at a checkpoint before it (training/stop_rule.py) and none is submitted past it."""
     unsupervised_stop_minutes: float | None = Field(30, gt=0)
-    """A training job stops itself at a checkpoint when no supervisor has written its heartbeat
-    (jobs/train-supervisor.json) for this long: a dead CLI or flow leaves no job running unwatched. None: never."""
+    """A job stops at a checkpoint when no supervisor heartbeat was written for this long (None: never)."""
     watchdog: Literal["auto", "off"] | float = "auto"
-    """The training job's own hang watchdog (training/watchdog.py), on every rank: with no step, evaluation batch or
-    checkpoint save for longer than its bound it logs every thread's stack, records `HangDetected` and ends the
-    process, so the job (and its bill) ends whether or not a supervisor lives. 'auto': the bound follows this job's
-    measured step and save times (`watchdog_bound_seconds`); a number: that many seconds once each phase has been
-    seen (a phase met for the first time, start-up included, keeps the 60-min allowance); 'off': none."""
+    """The job's own hang watchdog (training/watchdog.py): past its bound it logs stacks and ends the process.
+    'auto': the bound follows measured step and save times; a number: that many seconds; 'off': none."""
     collective_timeout_minutes: float = Field(20, gt=0)
-    """How long a host-side (gloo) collective, and the forming of its group, may wait for its peers before it fails
-    (gloo's own default is 30 min). With the watchdog on, its bound usually ends a hang first and says where."""
+    """How long a gloo collective, or forming its group, waits for peers before failing."""
     subnets: list[str] = Field(default_factory=list)
     """SageMaker: VPC subnet ids (empty: no VPC). trn1 clusters need EFA, so subnets in one AZ."""
     security_group_ids: list[str] = Field(default_factory=list)
-    """SageMaker: VPC security groups (with subnets). With inter-container encryption they must pass UDP 500 and
-    ESP (protocol 50) between their members (deployments/account.yaml's job group passes all traffic among them)."""
+    """SageMaker: VPC security groups; with encryption they must pass UDP 500 and ESP between members."""
     encrypt_inter_container_traffic: bool = True
-    """SageMaker: encrypt the traffic between a job's instances (EnableInterContainerTrafficEncryption, IPsec:
-    https://docs.aws.amazon.com/sagemaker/latest/dg/train-encrypt.html). No fee of its own, but SageMaker states it
-    can lengthen distributed training, by as much as the job's traffic between instances costs to encrypt, and the
-    billed hours with it; one instance is unaffected. What it costs a trn1 step (torchrun's store and gloo go over
-    TCP; whether EFA's collectives pass through it) only a trn1 run can show: docs/trn1.md."""
+    """SageMaker: encrypt traffic between a job's instances (IPsec).
+    It may lengthen multi-instance jobs (https://docs.aws.amazon.com/sagemaker/latest/dg/train-encrypt.html)."""
     kms_key_id: str | None = None
     """SageMaker: KMS key for the training volumes and output."""
     keep_alive_minutes: int | None = Field(None, ge=1, le=60)
-    """SageMaker: keep the instances as a warm pool this long after a job, so a relaunch starts fast."""
+    """SageMaker: keep instances as a warm pool this long after a job, for fast relaunches."""
     training_plan_arn: str | None = None
     """SageMaker: a training plan (reserved capacity) to run the jobs in."""
     sagemaker_retry_attempts: int = Field(0, ge=0, le=30)
@@ -896,31 +808,24 @@ class PrecompileConfig(Section):
     enabled: bool = True
     """Run the stage (it has nothing to do on CPU/CUDA unless training.compile is on)."""
     steps: int = Field(4, ge=1, le=100)
-    """Training steps of the rehearsal that builds every graph a job runs (the steps, a periodic health check, a
-    checkpoint one step before the end, the last step's checkpoint and validation pass): HLAT's compile run took
-    4, with a checkpoint at step 3."""
+    """Steps of the rehearsal that builds every graph a job runs, checkpoints included (HLAT's compile run: 4)."""
 
 
 class PlannerConfig(Section):
-    """The parallelism planner (`hlat plan`, and the plan-parallelism task at the head of the train stage): advice
-    only, it never changes what a run computes."""
+    """The parallelism planner (`hlat plan`, and the train stage's first task): advice only."""
 
     enabled: bool = True
     """Run the plan-parallelism task before training (it warns; it never stops the stage)."""
     warn_if_slower_than: float = Field(0.10, ge=0)
-    """Warn when the configured parallelism is predicted this fraction slower than the best layout (0.10: 10%)."""
+    """Warn when the configured layout is predicted this fraction slower than the best one."""
     prices_usd_per_hour: dict[str, float] = Field(default_factory=dict)
-    """Node-hour prices by instance type for the planner's cost columns, over the catalog's on-demand figures, e.g.
-    {"ml.trn1.32xlarge": 7.59} for a 3-year reserved rate. job.price_per_hour_usd, when set, prices the run's own
-    instance type unless it is listed here."""
+    """Node-hour prices by instance type over the catalog's, e.g. {"ml.trn1.32xlarge": 7.59}."""
     micro_batch_sizes: list[int] = Field(default_factory=lambda: [1, 2, 4])
     """Micro-batch sizes the planner tries."""
     hbm_usable_fraction: float = Field(0.9, gt=0, le=1)
-    """Share of a NeuronCore's HBM a layout may fill; the rest is left to the runtime, collective buffers and
-    fragmentation (an assumption, not a measured figure)."""
+    """Share of a NeuronCore's HBM a layout may fill (an assumption, not a measurement)."""
     compute_efficiency: float | None = Field(None, gt=0, le=1)
-    """Fraction of peak FLOP/s the NeuronCores reach on the model's FLOPs; None: fitted on two rows of the published
-    Pythia 6.9B / GPT-NeoX 20B trn1 throughput (infra/planner.py)."""
+    """Fraction of peak FLOP/s reached; None: fitted on published Pythia / NeoX trn1 throughput."""
     step_overhead_s: float | None = Field(None, ge=0)
     """Fixed seconds per optimizer step beyond compute and communication; None: fitted with compute_efficiency."""
 
@@ -938,18 +843,13 @@ class HealthThresholds(Section):
     """What a healthy device, collective and checkpoint store deliver on one instance type."""
 
     min_matmul_tflops: float = Field(0.0, ge=0)
-    """Per device (NeuronCore, GPU, or CPU rank), on burn_in.matmul_size square matrices: a BF16 floor; an FP32 matmul
-    is held to the same share of the device's FP32 peak (`training/health.py` `matmul_floor_tflops`)."""
+    """Per-device BF16 matmul floor, TFLOP/s; FP32 is held to the same share of its peak."""
     max_matmul_rel_error: float = Field(1e-2, gt=0)
     """Largest relative error of a device's matmul against a float64 reference."""
     min_allreduce_gbps: float = Field(0.0, ge=0)
-    """Bus bandwidth of large all-reduces across all ranks, GB/s (the nccl-tests / nccom-test convention); a check's
-    floor for its message size and rank count comes from a latency-bandwidth model (`training/health.py`
-    `allreduce_floor_gbps`)."""
+    """Bus bandwidth floor of large all-reduces, GB/s (nccl-tests convention), scaled by a latency model."""
     min_allreduce_share_of_first: float = Field(0.25, ge=0, le=1)
-    """The trainer's periodic check: unhealthy when the slowest rank's best all-reduce busbw falls below this share of
-    the job's first check's (a link down to a quarter of what it delivered at the start; one check's timing noise
-    on dedicated hardware stays well inside a factor of 4). 0: no relative check."""
+    """Periodic check: unhealthy below this share of the first check's all-reduce busbw (0: off)."""
     min_write_mbps: float = Field(0.0, ge=0)
     """Write throughput to the checkpoint location, MB/s."""
 
@@ -976,8 +876,7 @@ def _default_thresholds() -> dict[str, HealthThresholds]:
 
 
 class BurnInConfig(Section):
-    """The burn-in stage (before training, on the training's instance type and count) and periodic health
-    checks inside training jobs."""
+    """The burn-in stage before training, and periodic health checks inside training jobs."""
 
     enabled: bool = True
     """Run the burn-in stage before training."""
@@ -986,8 +885,7 @@ class BurnInConfig(Section):
     matmul_repeats: int = Field(10, ge=1)
     """Timed launches per device (after one untimed launch of the same graph)."""
     matmul_batch: int = Field(32, ge=1)
-    """Products per launch (one batched matmul): a 2048² product is about 0.2 ms of a NeuronCore's work at its
-    95 TFLOP/s, less than launching it costs; 32 of them make the launch overhead a few percent."""
+    """Products per launch, so launch overhead stays a few percent of the timing."""
     allreduce_mb: float = Field(256.0, gt=0)
     """Size of the all-reduced buffer, MB."""
     write_mb: float = Field(1024.0, gt=0)
@@ -997,8 +895,7 @@ class BurnInConfig(Section):
     continue_on_failure: bool = False
     """Go on to training when burn-in fails (the report still names the failing ranks)."""
     health_check_every: int | None = Field(None, ge=1)
-    """Inside training jobs: every this many steps, time an all-reduce and check its result; a degraded or wrong
-    collective ends the job (it is relaunched from the last checkpoint). None: never."""
+    """Every this many steps, time and check an all-reduce; a bad one ends the job (None: never)."""
     health_allreduce_mb: float = Field(16.0, gt=0)
     """Size of the periodic health check's all-reduce, MB."""
 
@@ -1009,12 +906,10 @@ not lm-eval's."""
 
 
 class EvaluationConfig(Section):
-    """Post-training evaluation: perplexity on the held-out split and lm-eval-harness tasks on the exported model,
-    in a job of its own (one process on one instance)."""
+    """Post-training evaluation: held-out perplexity and lm-eval tasks, in a job of its own."""
 
     tasks: list[str] = Field(default_factory=list)
-    """lm-eval-harness task names run on the exported model (e.g. 'hellaswag', 'mmlu'). 'hlat_cloze' and
-    'hlat_choice' are the project's own offline tasks, generated from the run's held-out text."""
+    """lm-eval task names, e.g. 'hellaswag'; 'hlat_cloze' and 'hlat_choice' are the offline tasks."""
     limit: int | None = Field(None, ge=1)
     """Examples per task (None: all)."""
     num_fewshot: int | None = Field(None, ge=0)
@@ -1024,38 +919,30 @@ class EvaluationConfig(Section):
     perplexity_tokens: int = Field(1_000_000, ge=0)
     """Held-out tokens scored for perplexity and bits per byte (0: skip perplexity)."""
     every_steps: int | None = Field(None, ge=1)
-    """Also evaluate each checkpoint whose step is a multiple of this while training runs (None: only the
-    final one). Results go to eval/step-NNNNNNNNN/; training is not paused."""
+    """Also evaluate each checkpoint whose step is a multiple of this, during training (None: final only)."""
     instance_type: str | None = None
-    """Instance of the evaluation job (None: job.instance_type). lm-eval runs Hugging Face transformers, so on
-    AWS this is a GPU instance, e.g. 'ml.p4d.24xlarge'."""
+    """Evaluation instance (None: job.instance_type); on AWS a GPU one, e.g. 'ml.p4d.24xlarge'."""
     image_uri: str | None = None
-    """Container image of the evaluation job on SageMaker (None: the PyTorch GPU training image of job.region for
-    a GPU instance, job.image_uri otherwise)."""
+    """Evaluation image on SageMaker; None: the PyTorch GPU image, or job.image_uri off GPU."""
     max_runtime_hours: float = Field(24.0, gt=0)
     """Wall-clock limit of one evaluation job."""
 
 
 class TrackingConfig(Section):
-    """Experiment tracking in the team's own tool, beside the run's TensorBoard files and metrics.jsonl. Every attempt
-    of a run logs into one tracked run (resumed across relaunches, never duplicated)."""
+    """Experiment tracking beside TensorBoard and metrics.jsonl; one tracked run across relaunches."""
 
     backend: Literal["none", "mlflow", "wandb"] = "none"
-    """'mlflow' (MLflow tracking: a server, SageMaker's managed MLflow, or a local store), 'wandb' (Weights & Biases),
-    or 'none' (TensorBoard files and metrics.jsonl only)."""
+    """'mlflow', 'wandb', or 'none' (TensorBoard files and metrics.jsonl only)."""
     mlflow_tracking_uri: str | None = None
-    """MLflow's tracking URI (an http(s) server, a sqlite:/// or file: store); None: a SQLite store in the run's
-    tracking/ folder for a local run, and with mlflow_tracking_server_arn that server."""
+    """MLflow tracking URI; None: a SQLite store in the run's tracking/ folder, or the ARN's server."""
     mlflow_tracking_server_arn: str | None = None
-    """A SageMaker managed MLflow tracking server (arn:aws:sagemaker:REGION:ACCOUNT:mlflow-tracking-server/NAME): the
-    training job's request carries it (CreateTrainingJob MlflowConfig) and the stages log to it through the
-    sagemaker-mlflow plugin."""
+    """A SageMaker managed MLflow server ARN; jobs and stages log to it."""
     experiment: str = "hlat"
     """MLflow experiment, or W&B project, the run is logged under."""
     wandb_entity: str | None = None
     """W&B entity (team or user); None: the API key's default."""
     wandb_mode: Literal["online", "offline"] = "online"
-    """W&B mode: 'offline' writes the run under the run's tracking/ folder for a later `wandb sync`."""
+    """'offline' writes the run under tracking/ for a later `wandb sync`."""
 
     @field_validator("mlflow_tracking_server_arn")
     @classmethod
@@ -1072,24 +959,18 @@ class TrackingConfig(Section):
 
 
 class AlertsConfig(Section):
-    """Notifications when a run needs a person: Prefect automations (created by `hlat deploy`) that send through a
-    Prefect notification block. Each alert says what happened, the run, and how to look."""
+    """Alerts when a run needs a person: Prefect automations made by `hlat deploy`."""
 
     block: str | None = None
-    """The Prefect notification block alerts go through, as 'TYPE/NAME' (e.g. 'slack-webhook/hlat-alerts',
-    'custom-webhook/oncall'); None: no alerts. The block holds the webhook and its secrets, never the config.
-    `hlat deploy` makes the automations (tasks/alerts.py) from the deployments' configs; they are the Prefect
-    server's, one set for every hlat run it sees."""
+    """Prefect notification block as 'TYPE/NAME', e.g. 'slack-webhook/hlat-alerts'; None: no alerts."""
     stalled_minutes: float = Field(60, ge=1 / 6)
-    """Alert when a training job has made no progress (no new step) for this long; at least 10 s, the shortest
-    window a Prefect proactive trigger takes."""
+    """Alert when a job makes no progress for this long (at least 10 s, Prefect's shortest window)."""
     max_relaunches: int = Field(3, ge=1)
     """Alert when a run relaunches its training job more than this many times."""
     budget_fractions: list[float] = Field(default_factory=lambda: [0.5, 0.9])
     """Alert when the spend crosses each of these fractions of job.budget_usd."""
     eval_floors: dict[str, float] = Field(default_factory=dict)
-    """Alert when an evaluation metric comes out below its floor (metric name -> minimum, e.g. {"hellaswag": 0.3}):
-    an lm-eval task (its main metric), '<task>/<metric>', or a field of the perplexity results."""
+    """Alert when an evaluation metric falls below its floor, e.g. {"hellaswag": 0.3}."""
 
     @field_validator("block")
     @classmethod
@@ -1206,8 +1087,7 @@ class HlatConfig(Section):
 
     @property
     def parallel_dims(self) -> ParallelDims:
-        """The job's layout: parallelism.tensor x parallelism.pipeline, data parallelism over the rest of the
-        world. Raises LayoutError when the split does not divide the world (validation reports it by field)."""
+        """The job's layout: tensor x pipeline, data parallel over the rest (LayoutError if it does not divide)."""
         p = self.parallelism
         return ParallelDims.of_world(p.tensor, p.pipeline, self.world_size, p.sequence_parallel)
 
@@ -1221,11 +1101,8 @@ class HlatConfig(Section):
         return self.training.global_batch_size * self.training.seq_len
 
     def fingerprint(self) -> str:
-        """Hash of everything that determines the run's outputs. Excluded: run_id, the storage root, evaluation,
-        tracking, alerts, precompile, burn-in, the planner, the Neuron compiler and runtime settings and the job's
-        operational settings (budget, restarts, polling, networking...), which may change between relaunches of the
-        same run. A relaunch with other Neuron settings continues the same run; the compile cache's key holds the ones
-        that change the compiled graphs, so those are rebuilt."""
+        """Hash of everything that determines the run's outputs.
+        Operational sections and settings (storage, evaluation, Neuron, budgets...) are left out."""
         operational = {"evaluation", "precompile", "burn_in", "planner", "neuron", "tracking", "alerts"}
         body = self.model_dump(mode="json", exclude={"run_id", "storage", *operational})
         body["job"] = {k: v for k, v in body["job"].items() if k not in OPERATIONAL_JOB_FIELDS}
@@ -1234,12 +1111,8 @@ class HlatConfig(Section):
         return stable_hash(body)
 
     def trajectory_fingerprint(self) -> str:
-        """The fingerprint less the run's length, so that a run may be extended from one config to another with the
-        same one (open_run allows it). Cosine: training.max_steps is left out and the horizon made explicit
-        (schedule_steps or max_steps): the two compute the same weights at every step both reach. WSD: the horizon
-        and decay_steps are left out too, since they only move the decay's start: the two compute the same weights
-        until the first of their decays begins, so whether a run can still be extended depends on how far it got
-        (`TrainingConfig.extension_problem`, checked when a job resumes)."""
+        """The fingerprint less the run's length, so a run may be extended to a longer config.
+        For WSD, whether it still can depends on how far it got (`TrainingConfig.extension_problem`)."""
         t = self.training
         if t.schedule == "wsd":
             length: dict[str, Any] = {"max_steps": 1, "schedule_steps": None, "decay_steps": None}
@@ -1257,9 +1130,8 @@ class HlatConfig(Section):
 
 
 def closest_match(value: str, options: list[str]) -> str | None:
-    """The option a typo most likely meant: fewest edits (insertions, deletions, substitutions and swaps of two
-    neighbours: a swap is one typo, `ml.trn1.23xlarge` for `ml.trn1.32xlarge`), then the closest length, then
-    difflib's similarity; None when nothing is close (more edits than a third of the value's length, at least 2)."""
+    """The option a typo most likely meant: fewest edits (a swap counts as one), then length, then difflib.
+    None when nothing is close."""
 
     def edits(a: str, b: str) -> int:  # optimal string alignment distance
         d = [[i + j if i * j == 0 else 0 for j in range(len(b) + 1)] for i in range(len(a) + 1)]
@@ -1335,11 +1207,8 @@ def _plain(value: Any) -> Any:
 
 
 def flatten_config(nested: dict[str, Any], model: type[BaseModel] = HlatConfig, prefix: str = "") -> dict[str, Any]:
-    """A nested partial config (a config file's `{"data": {"sources": [...]}}`) as the dotted-path overrides
-    apply_overrides takes (`{"data.sources": [...]}`), in the file's order. It descends only into fields whose type
-    is a config Section (data, data.curation, training...); any other value, lists and mappings included
-    (data.sources, burn_in.thresholds), is one leaf and replaces the preset's value whole. An unknown key stays a
-    path, for apply_overrides to name with its closest match."""
+    """A nested partial config as the dotted overrides apply_overrides takes, in file order.
+    It descends into Section fields only; lists and mappings are leaves."""
     out: dict[str, Any] = {}
     for key, value in nested.items():
         dotted = f"{prefix}{key}"

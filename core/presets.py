@@ -1,21 +1,10 @@
-"""Named presets, typed: each is an `HlatConfig` built from its sections (what it does not set keeps the defaults), so a
-wrong field name or value fails when this module is imported, and mypy checks every field.
+"""Named presets, typed: each is an `HlatConfig` built from its sections, so a wrong field fails at import.
 
-Figures come from the HLAT paper (7B/70B) and the AWS Neuron NeMo runs of Pythia 6.9B and GPT-NeoX 20B
-(partial rotary 25%, sequence 2048). Pythia and NeoX are GPT-NeoX blocks (the `gpt_neox` family: parallel residual,
-LayerNorm, a 4x GeLU MLP, biases, 25% of each head rotated) with their published depth, width, heads and vocabulary.
-`tiny` is CPU-sized: it trains in minutes on 2 cores, offline.
-
-Each trn1 preset's token budget (training.max_steps x global batch x sequence) follows one named source, recorded
-in TOKEN_BUDGETS: the steps and the batch come from the same training run, never a step count of one and a batch of
-another. The published trn1 throughput runs (AWS ML blog, "Frugality meets Accuracy: Cost-efficient training of GPT
-NeoX and Pythia models with AWS Trainium", infra/planner.py's CALIBRATION_RUNS) set only the layout (TP, PP, nodes);
-the planner lays its calibration runs out with their own batches.
-
-The Neuron compiler and runtime settings of the trn1 jobs (`neuron`) default to HLAT 7B's launch script; hlat-7b,
-pythia-6.9b and neox-20b keep them (like HLAT 7B they train in pure BF16 with stochastic rounding at TP 8);
-hlat-70b sets what HLAT 70B changed.
-"""
+Figures come from the HLAT paper (7B/70B) and the AWS Neuron runs of Pythia 6.9B and GPT-NeoX 20B. Pythia and NeoX use
+the `gpt_neox` family with their published shapes. `tiny` trains in minutes on 2 CPU cores. Each trn1 preset's token
+budget follows one named source (TOKEN_BUDGETS): steps and batch from the same run. The published trn1 throughput runs
+set only the layout (docs/planning.md, "Presets"). `neuron` defaults to HLAT 7B's launch script; hlat-70b sets what HLAT
+70B changed."""
 
 from __future__ import annotations
 
@@ -41,11 +30,9 @@ from hlat.core.config import (
     validate_config,
 )
 
-# The published tokenizers these runs used. HLAT used LLaMA-2's (https://github.com/awslabs/HLAT, "Get Started" step
-# 2): a gated model, so a run needs HF_TOKEN with its licence accepted, or an s3:// copy, or
-# --set tokenizer.pretrained=null to train its own (a sentencepiece BPE of model.vocab_size pieces on the run's data).
+# The published tokenizers these runs used. HLAT used LLaMA-2's (https://github.com/awslabs/HLAT, "Get Started"
+# step 2): gated, so a run needs HF_TOKEN, an s3:// copy, or --set tokenizer.pretrained=null to train its own.
 # Pythia and GPT-NeoX-20B share GPT-NeoX's 50,277-token BPE (https://huggingface.co/EleutherAI/gpt-neox-20b).
-# sample_bytes is what a run that trains its own tokenizer samples.
 _LLAMA2_TOKENIZER = TokenizerConfig(pretrained="meta-llama/Llama-2-7b-hf", sample_bytes=2_000_000_000)
 _GPT_NEOX_TOKENIZER = TokenizerConfig(pretrained="EleutherAI/gpt-neox-20b", sample_bytes=2_000_000_000)
 
@@ -63,11 +50,8 @@ def _trn1_job(instance_count: int) -> JobConfig:
 # duplicates) and decontaminated against the evaluation tasks; the web-text quality rules stay off, since on code,
 # books and papers they drop good documents (docs/data.md).
 _PUBLIC_CORPUS_CURATION = CurationConfig(exact_dedup=True, minhash=True, decontaminate=True)
-# The tiny rehearsal runs every rule, so the whole curation path is exercised before money is spent. Its offline
-# corpus is Python source and docstrings, which the web-text rules at their defaults would mostly remove (Gopher's
-# alphabetic-word ratio alone drops 84% of it): their thresholds are loosened, and curation keeps two thirds of it
-# (920 of 1,376 documents, decontamination against its held-out text the largest cut), every rule still examining
-# every document.
+# The tiny rehearsal runs every rule, so the whole curation path runs before money is spent. Its offline corpus is
+# Python source, which the web-text rules at their defaults mostly remove: thresholds are loosened (docs/data.md).
 _EVERY_RULE = CurationConfig(
     exact_dedup=True,
     minhash=True,
@@ -121,12 +105,10 @@ HLAT_EVAL_TASKS = [
 ]
 
 _GPT_NEOX_VOCABULARY: dict[str, Any] = {"vocab_size": 50277, "vocab_multiple": 256}
-"""GPT-NeoX's tokenizer has 50,277 tokens (https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/tokenizer.json);
-the published Pythia-6.9B and GPT-NeoX-20B models have 50,432 embedding rows
-(https://huggingface.co/EleutherAI/pythia-6.9b/blob/main/config.json,
-https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/config.json): the GPT-NeoX library pads the vocabulary to a
-multiple of make_vocab_size_divisible_by (128) x the model-parallel size (2 in both runs), i.e. of 256, and 50,277
-rounded up to a multiple of 256 is 50,432 (`ModelConfig.padded_vocab_size`; it also divides over TP 8)."""
+"""GPT-NeoX's tokenizer has 50,277 tokens; Pythia-6.9B and NeoX-20B pad to 50,432 rows, a multiple of 256
+(make_vocab_size_divisible_by 128 x model-parallel size 2). Sources: https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/tokenizer.json,
+https://huggingface.co/EleutherAI/pythia-6.9b/blob/main/config.json,
+https://huggingface.co/EleutherAI/gpt-neox-20b/blob/main/config.json."""
 
 TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
     "hlat-7b": (1.8e12, "HLAT paper (arXiv 2404.10630): 1.8T tokens = ~429k steps of 1024 x 4096 tokens"),
@@ -141,7 +123,7 @@ TOKEN_BUDGETS: dict[str, tuple[float, str]] = {
         "1536 here) = ~472B tokens",
     ),
 }
-"""Per trn1 preset: the tokens it trains on and where that figure comes from (`tiny` is sized to run in minutes)."""
+"""Per trn1 preset: the tokens it trains on and the source of that figure."""
 
 PRESETS: dict[str, HlatConfig] = {
     "tiny": HlatConfig(

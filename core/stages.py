@@ -1,11 +1,9 @@
-"""The pipeline's stages, in DAG order: one row per stage, read by every layer that needs to know about stages.
+"""The pipeline's stages, in DAG order: one row per stage, read by every layer that needs stages.
 
-A stage is its row here, its flow (`flows/<module>.py`), its tasks (`tasks/<module>.py`) and, when it runs a
-job, the job's program (`training/<module>.py`). The row carries what other layers decide per stage: when it is
-done, how its output is identified, where its jobs run (`Instances`), and a few flags. Code outside the row and
-the stage's own modules reads these fields; it never compares a stage's name (tests/unit/test_stage_rows.py).
-Adding a stage is one row in STAGES, its three files and its deployment (docs/stages.md, "Adding a stage").
-"""
+A stage is its row, its flow (`flows/<module>.py`), its tasks (`tasks/<module>.py`) and maybe a job program. The row
+says when it is done, how its output is identified, where its jobs run (`Instances`), and a few flags. Code outside the
+row and the stage's modules never compares a stage's name (tests/unit/test_stage_rows.py). docs/stages.md ("Adding a
+stage") gives the recipe."""
 
 from __future__ import annotations
 
@@ -41,19 +39,16 @@ def setting(config: HlatConfig, dotted: str) -> Any:
 
 @dataclass(frozen=True, eq=False)
 class Instances:
-    """Where a stage's jobs run: the settings that give their instances, image, runtime and price. Each is one
-    value (TRAINING, DATA, EVALUATION), compared and hashed by identity."""
+    """Where a stage's jobs run: the settings giving instances, image, runtime and price; compared by identity."""
 
     name: str
     instance_type: Callable[[HlatConfig], str]
     instance_count: Callable[[HlatConfig], int]
     processes_per_node: Callable[[HlatConfig], int]
     settings: Mapping[str, str]
-    """The config setting behind each request field ('instance_type', 'instance_count', 'max_runtime_hours',
-    'image_uri', 'price_per_hour_usd'): what a refused request or a missing price names."""
+    """The config setting behind each request field: what a refused request or missing price names."""
     pytorch_image: str = "never"
-    """When SageMaker runs AWS's PyTorch training image where the image setting is empty: 'never' (the training's
-    image), 'on-gpu' (on p and g instances) or 'always'."""
+    """When an empty image setting means AWS's PyTorch image: 'never', 'on-gpu' (p and g instances) or 'always'."""
     requirements: str | None = None
     """What a SageMaker job pip-installs first (deployments/...); None: its Neuron SDK's lock."""
     named_for: str = ""
@@ -101,8 +96,7 @@ TRAINING = Instances(
     },
     named_for="train",
 )
-"""Jobs on the training's instances (job.instance_type x job.instance_count, job.processes_per_node ranks each),
-its image, and the XLA/Neuron environment when training runs on XLA."""
+"""Jobs on the training's instances and image, with the XLA/Neuron environment when training runs on XLA."""
 DATA = Instances(
     "data-instances",
     instance_type=lambda c: c.data.instance_type if c.job.backend == "sagemaker" else c.job.instance_type,
@@ -152,8 +146,7 @@ def _tokenizer_done(run: Run, config: HlatConfig) -> bool:
 
 
 def _tokenizer_checksum(run: Run) -> str:
-    """The tokenizer's identity as the loader records it (`tokenizer_sha256`: its tokenizer.model's sha256, or
-    the hash of a tokenizer.json-only one's files)."""
+    """The tokenizer's identity as the loader records it (`tokenizer_sha256`)."""
     tokenizer = run.storage.child(TOKENIZER_DIR)
     names = tokenizer_defining_files(tokenizer.list())
     if not names:
@@ -187,9 +180,9 @@ class Stage:
     summary: str
     """What it does, in a line."""
     writes: tuple[str, ...]
-    """What it writes into the run (core/layout.py); a stage with a job also writes its ledger under jobs/."""
+    """What it writes into the run (core/layout.py); a job stage also writes its ledger under jobs/."""
     done: Callable[[Run, HlatConfig], bool]
-    """Whether its outputs are in the run: `hlat status` shows it done, and its tasks trust a cached result."""
+    """Whether its outputs are in the run: status shows it done and its tasks trust the cache."""
     runs_on: Instances | None = None
     """Where its job runs: TRAINING, DATA or EVALUATION; None: in the flow's own process (no job)."""
     cap_hours: float | None = None
@@ -199,12 +192,11 @@ class Stage:
     checksum: Callable[[Run], str] | None = None
     """The identity of its output, for the cache keys of the stages that name it in `inputs`."""
     switch: str | None = None
-    """A boolean setting that turns the stage on (None: always on); its jobs count towards quotas only when on."""
+    """A boolean setting that turns the stage on (None: always); off, its jobs need no quota."""
     beside: str | None = None
     """A setting that, when set, also runs its jobs during training (beside the training's jobs)."""
     prepares_sources: bool = False
-    """It reads data.source (checked first) into the shared sources (its jobs' role writes them); its job is
-    given the stage's cache key."""
+    """It reads data.source into the shared sources, and its job gets the stage's cache key."""
     trains: bool = False
     """Its job trains to training.max_steps: the run's stop terms, tracking, and checkpoint progress in status."""
     compiles: bool = False
@@ -295,7 +287,7 @@ STAGES: tuple[Stage, ...] = (
         takes_checkpoint=True,
     ),
 )
-"""The table. Read it through the functions below: a test may extend it (monkeypatch) and every reader follows."""
+"""The table. Read it through the functions below, so a test may extend it."""
 
 
 def stages() -> tuple[Stage, ...]:

@@ -1,37 +1,9 @@
-"""Parallelism planner: choose how to lay a model out on N trn1 nodes before anything is launched.
+"""Parallelism planner: how to lay a model out on N trn1 nodes, decided before launch.
 
-It enumerates tensor-parallel (TP), pipeline-parallel (PP) and data-parallel (DP) degrees, sequence parallelism
-(SP), ZeRO-1, activation checkpointing (none / selective / full) and the micro-batch; rejects the layouts that are
-not valid or do not fit in a NeuronCore's memory (saying why); predicts the step time of the rest; and ranks them by
-tokens/s (on one instance type and node count, tokens per dollar ranks the same). `compare_instances` turns the best
-layout into time and cost for a token budget next to GPU instances.
-
-The model, per NeuronCore (t = TP, p = PP, d = DP, b = micro-batch, s = sequence, h = hidden, a = heads, L = layers,
-V = vocabulary, m = B / (d x b) micro-batches per step for a global batch of B sequences):
-
-- Memory = weights + gradients + optimizer states of the largest pipeline stage / t (bytes per parameter by
-  `precision.mode`, `STATE_BYTES`; ZeRO-1 divides the optimizer states by d) + activations (Korthikanti et al. 2022,
-  per layer, 16-bit: s·b·h·(34/t + 5·a·s/(h·t)) with SP, s·b·h·(10 + 24/t + 5·a·s/(h·t)) without; selective
-  checkpointing drops the 5·a·s/h attention-score term; full checkpointing keeps only each layer's input, 2·s·b·h
-  (/t with SP), plus one layer recomputed at a time) x L/p layers x min(p, m) micro-batches in flight under 1F1B
-  (the first stage's), + FP32 logits 4·s·b·V/t (the last stage's: adding both is conservative). It must stay under
-  `planner.hbm_usable_fraction` of the HBM.
-- Step time = (m + p - 1) x (compute + TP collectives + pipeline sends of one micro-batch on the slowest stage)
-  + DP gradient reduction + a fixed overhead. (m + p - 1) is m micro-batches plus the 1F1B bubble, (p - 1)/m.
-  Compute: the last stage's FLOPs (its L/p layers, recomputation included, and the output layer) for s·b tokens
-  / t / (per-core peak x compute efficiency). TP: 8 collectives per layer (4 with full recomputation's second
-  forward on top) each moving (t-1)/t·s·b·h·2 bytes per core over NeuronLink. DP: a hierarchical all-reduce (or,
-  with ZeRO-1, reduce-scatter of gradients + all-gather of weights) inside the node over NeuronLink, then across
-  nodes over EFA carrying the gradients a node holds.
-- Calibration: two free parameters, the compute efficiency and the per-step overhead, solved exactly from two rows
-  of the published Pythia 6.9B / GPT-NeoX 20B trn1 table (`CALIBRATION_RUNS`, with its source: Pythia on 4 nodes, NeoX
-  on 64); the other five rows are predictions (`check_published`). The step time is linear in 1/efficiency and in
-  the overhead, so two rows give a 2x2 linear system. EFA and NeuronLink are taken at their specified bandwidths
-  (no derating: whatever a real collective loses is in the fitted overhead and efficiency).
-
-Constants come from the HLAT paper (arXiv 2404.10630), the trn1 runs above, `infra.catalog` (each with its public
-source), or say they are assumptions.
-"""
+It enumerates TP, PP, DP, SP, ZeRO-1, checkpointing and micro-batch, and drops layouts that do not fit. It predicts each
+layout's step time and ranks them by tokens/s. `compare_instances` prices the best layout beside GPU instances. Memory
+and step-time formulas and the calibration are in docs/planning.md. Constants come from the HLAT paper (arXiv
+2404.10630), the published trn1 runs or `infra.catalog`, or say they are assumptions."""
 
 from __future__ import annotations
 
@@ -75,12 +47,9 @@ STATE_BYTES: dict[str, StateBytes] = {
     "fp32": StateBytes(weights=4, grads=4, optimizer=8),
 }
 
-# Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large Transformer Models", arXiv 2205.05198),
-# section 4: activation bytes per layer for 16-bit activations are s·b·h·(34 + 5·a·s/h); tensor parallelism shards
-# 24 of the 34 (10 + 24/t), sequence parallelism the other 10 (34/t); the 5·a·s/h attention scores, softmax and its
-# dropout are what selective recomputation drops. The formula is GPT's (GeLU MLP of 4h, dropout): GPT-NeoX blocks
-# (the gpt_neox family, without dropout) are that; for LLaMA blocks (SwiGLU, no dropout) it is used as is: an
-# approximation, not re-derived.
+# Korthikanti et al. 2022 (arXiv 2205.05198), section 4: 16-bit activation bytes per layer are s·b·h·(34 + 5·a·s/h).
+# TP shards 24 of the 34, SP the other 10; selective recomputation drops the 5·a·s/h scores term.
+# The formula is GPT's (GeLU MLP, dropout); for LLaMA blocks it is an unrederived approximation.
 KORTHIKANTI_SHARDED = 24
 KORTHIKANTI_REPLICATED = 10
 KORTHIKANTI_SCORES = 5
@@ -95,15 +64,11 @@ LOGIT_BYTES = 4
 TP_COLLECTIVES_PER_LAYER = 8
 TP_RECOMPUTE_COLLECTIVES = 4
 
-# Published trn1 throughput (AWS ML blog, "Frugality meets Accuracy: Cost-efficient training of GPT NeoX and
-# Pythia models with AWS Trainium", https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-
-# efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/ : Neuron NeMo runs, trn1.32xlarge, sequence
-# 2048, $7.59 3-year reserved node-hour). Assumption: the runs used AWS's public example scripts
-# (aws-neuron/neuronx-nemo-megatron,
-# nemo/examples/nlp/language_modeling/pythia_6.9B_slurm.sh and neox_20b.sh), which train in BF16 with stochastic
-# rounding, sequence parallelism, full activation checkpointing ('uniform', 1 layer), no ZeRO, micro-batch 2 (Pythia)
-# and 1 (NeoX); `published_config` lays the presets out that way, with the post's global batches. The presets are
-# GPT-NeoX blocks with the published shapes (the gpt_neox family), so the FLOPs per token are the runs'.
+# Published trn1 throughput: Neuron NeMo runs on trn1.32xlarge, sequence 2048, $7.59 3-year reserved node-hour
+# (https://aws.amazon.com/blogs/machine-learning/frugality-meets-accuracy-cost-efficient-training-of-gpt-neox-and-pythia-models-with-aws-trainium/).
+# Assumed: AWS's public scripts (aws-neuron/neuronx-nemo-megatron pythia_6.9B_slurm.sh, neox_20b.sh): BF16 with
+# stochastic rounding, SP, full checkpointing, no ZeRO, micro-batch 2 (Pythia) and 1 (NeoX). `published_config`
+# lays the presets out that way.
 PUBLISHED_PRICE_PER_NODE_HOUR = 7.59
 
 
@@ -133,8 +98,7 @@ PUBLISHED_RUNS: tuple[PublishedRun, ...] = (
     PublishedRun("neox-20b", 8, 4, 64, 16384, 212.0, 3_217_708, 1),
 )
 CALIBRATION_RUNS = (1, 6)
-"""The rows fitted: Pythia 6.9B on 4 nodes (7 s steps, where the fixed overhead weighs) and GPT-NeoX 20B on 64 nodes
-(77 s steps of mostly compute: it pins the efficiency). The other five rows are predictions."""
+"""The rows fitted: Pythia 6.9B on 4 nodes (pins the overhead) and NeoX 20B on 64 (pins the efficiency)."""
 
 
 @dataclass(frozen=True)
@@ -142,8 +106,7 @@ class Calibration:
     compute_efficiency: float
     """Fraction of peak FLOP/s reached on the model's FLOPs (recomputation included)."""
     step_overhead_s: float
-    """Seconds per step beyond modelled compute and communication: optimizer step, gradient clipping, host sync,
-    and whatever the model misses in a multi-node step."""
+    """Seconds per step beyond modelled compute and communication (optimizer, clipping, host sync, misses)."""
     source: str = "fitted"
 
 
@@ -158,8 +121,7 @@ class Layout:
     micro_batch: int
 
     def overrides(self) -> dict[str, Any]:
-        """The config fields that train this layout (the data-parallel degree follows from the node count): one to
-        one with what training.parallel.neuron gives neuronx-distributed."""
+        """The config fields that train this layout, one to one with what NxD is given."""
         return {
             "parallelism.tensor": self.tensor,
             "parallelism.pipeline": self.pipeline,
@@ -339,8 +301,7 @@ def block_params(config: HlatConfig) -> int:
 
 
 def stage_params(config: HlatConfig, pipeline: int) -> int:
-    """Parameters of the largest pipeline stage: its blocks plus the input embedding (first stage) or the output
-    layer and final norm (last stage); with one stage, everything. Embeddings have the padded vocabulary's rows."""
+    """Parameters of the largest pipeline stage: its blocks plus the embedding or output layer at the ends."""
     m = config.model
     if pipeline == 1:
         return m.num_params()
@@ -365,8 +326,7 @@ def flops_per_token(config: HlatConfig) -> float:
 
 
 def recompute_flops_per_token(config: HlatConfig, checkpointing: Checkpointing) -> float:
-    """Extra FLOPs per layer and token that recomputation adds: the core attention's forward (QKᵀ and AV, 4·h·s)
-    for selective, the whole forward (a third of forward + backward) for full."""
+    """Extra FLOPs per layer and token from recomputation: attention's QKᵀ and AV (selective) or the forward (full)."""
     if checkpointing == "selective":
         return 4 * config.model.d_model * config.training.seq_len
     if checkpointing == "full":
@@ -508,8 +468,7 @@ def _divisors(n: int) -> list[int]:
 
 
 def candidate_layouts(config: HlatConfig, nodes: int, topology: Topology) -> Iterator[Layout]:
-    """Every combination the planner weighs: TP over the divisors of a node's cores, PP over the divisors of the
-    layers and the powers of two up to the layers, DP from the rest, SP only with TP, ZeRO-1 only with DP."""
+    """Every layout the planner weighs; SP only with TP, ZeRO-1 only with DP."""
     cores = nodes * topology.cores_per_node
     m = config.model
     pipelines = sorted({*_divisors(m.n_layers), *(2**k for k in range(int(math.log2(m.n_layers)) + 1))})
@@ -600,10 +559,9 @@ def _published_step(run: PublishedRun, calibration: Calibration) -> float:
 
 
 def fit_calibration(rows: tuple[int, int] = CALIBRATION_RUNS) -> Calibration:
-    """Solve compute efficiency and step overhead so that the two rows are reproduced exactly.
+    """Solve compute efficiency and step overhead so the two calibration rows are reproduced exactly.
 
-    Step time is A/efficiency + X + overhead for each row (A: compute at full efficiency; X: communication), so
-    evaluating at efficiency 1 and 1/2 gives A and X, and two measured steps give two linear equations."""
+    Step time is A/efficiency + X + overhead, so two measured rows give two linear equations."""
     coeffs = []
     for i in rows:
         run = PUBLISHED_RUNS[i]
@@ -696,7 +654,7 @@ DEFAULT_INSTANCE = "ml.trn1.32xlarge"
 
 
 def planning_instance(config: HlatConfig) -> tuple[str, str | None]:
-    """The instance type to plan on: the run's own when it is a Trainium type, else trn1.32xlarge (with a note)."""
+    """The instance type to plan on: the run's own if Trainium, else trn1.32xlarge (with a note)."""
     if plannable(config.job.instance_type):
         return config.job.instance_type, None
     return DEFAULT_INSTANCE, (
@@ -715,8 +673,7 @@ def node_price(config: HlatConfig, instance_type: str) -> float:
 
 
 def price_source(config: HlatConfig, instance_type: str) -> str:
-    """Where `node_price` takes its figure from, in a line: the setting that overrides the catalog, or the catalog's
-    own provenance (infra/prices.json: the Price List API's answer and when it was read, or a derived figure)."""
+    """Where `node_price` takes its figure from: the overriding setting or the catalog's provenance."""
     if instance_type in config.planner.prices_usd_per_hour:
         return f"{instance_type}: planner.prices_usd_per_hour"
     if instance_type == config.job.instance_type and config.job.price_per_hour_usd is not None:
@@ -752,9 +709,7 @@ def plan(config: HlatConfig, nodes: int | None = None, instance_type: str | None
 
 
 def compare_instances(config: HlatConfig, the_plan: Plan, tokens: float) -> list[InstanceCost]:
-    """Time and cost for `tokens` on the configured Trainium layout (the run as it stands, the figure its dry run
-    prints), on the best layout when that is another, and, on as many nodes, each GPU instance of the catalog at the
-    MFU measured on its GPU, else an assumed one (`gpu_cost`)."""
+    """Time and cost for `tokens` on the configured layout, the best one, and each catalog GPU on as many nodes."""
     rows: list[InstanceCost] = []
     if isinstance(the_plan.configured, Estimate):
         rows.append(layout_cost(the_plan, the_plan.configured, tokens, "configured"))
@@ -776,9 +731,7 @@ def layout_cost(the_plan: Plan, estimate: Estimate, tokens: float, which: str) -
 
 
 def gpu_cost(config: HlatConfig, name: str, instance: Instance, nodes: int, tokens: float) -> InstanceCost | None:
-    """`tokens` on `nodes` nodes of a GPU instance at its measured, else assumed, MFU (`Topology.comparison`), with
-    DDP or FSDP2 chosen from the training state's bytes (`gpu_data_parallel`; GPU layouts are not otherwise
-    modelled); None for an instance that is not a GPU or has no MFU figure."""
+    """`tokens` on `nodes` GPU nodes at the measured or assumed MFU; None without a figure."""
     topo = instance.topology
     if topo is None or topo.kind != "gpu" or not topo.comparison_mfu:
         return None
@@ -789,9 +742,8 @@ def gpu_cost(config: HlatConfig, name: str, instance: Instance, nodes: int, toke
 
 
 def run_cost(config: HlatConfig) -> InstanceCost | None:
-    """Time and cost of the run's token budget on its own instance type and count: the one figure the dry run and
-    `hlat plan` both print. Trainium: the planner's model at the configured layout; a GPU: its measured or assumed
-    MFU. None when the catalog has no throughput for the instance type, or the configured layout cannot run."""
+    """Time and cost of the run's token budget on its own instances: what the dry run and `hlat plan` print. None when
+    the catalog has no throughput or the layout cannot run."""
     job = config.job
     tokens = default_tokens(config)
     if plannable(job.instance_type):
@@ -804,9 +756,8 @@ def run_cost(config: HlatConfig) -> InstanceCost | None:
 
 
 def gpu_data_parallel(config: HlatConfig, topology: Topology, nodes: int) -> tuple[str, str]:
-    """('ddp' or 'fsdp', why) for training the config's model on `nodes` nodes of GPUs in bf16-mixed (FP32 master
-    weights, the GPU path's precision): DDP while a whole replica's weights, gradients and AdamW states take at most
-    GPU_STATE_SHARE of one GPU's memory (the rest for activations), else FSDP2, which splits them over every GPU."""
+    """('ddp' or 'fsdp', why) for the model on GPUs in bf16-mixed. DDP while a replica's training state takes at most
+    GPU_STATE_SHARE of a GPU, else FSDP2."""
     state = config.model.training_state_bytes("bf16-mixed")
     memory = topology.memory_per_device_gib * GIB
     if state <= GPU_STATE_SHARE * memory:
@@ -848,9 +799,7 @@ def render(
     also: Sequence[str] = (),
     sources: Sequence[str] = (),
 ) -> str:
-    """The ranked table, what does not fit and why, the configured layout, time and cost for a budget (with
-    the lines of `also` under it: the preparation of its data), and the lines of `sources`: the tokens the budget
-    draws from each source of the data mixture."""
+    """The report: ranked table, misfits, configured layout, cost for a budget, and tokens per source."""
     p = the_plan
     gib = 1024**3
     cal = p.calibration

@@ -1,25 +1,10 @@
-"""The live preflight of a run: what AWS and the data source will answer, asked before anything is spent or written.
+"""The live preflight of a run: what AWS and the data source answer, asked before anything is spent.
 
-Two parts, each a list of `Finding`s (one line each; a failure names its fix):
-
-- `source_findings(config)`, for every run (local too): the corpus source can be read. A local path exists; an
-  s3:// object or prefix exists (one HEAD or LIST); a Hugging Face dataset name resolves on the hub (one API call),
-  or, offline (HF_HUB_OFFLINE=1) or with the hub unreachable, has a copy in the local cache. No other network.
-  With tokenizer.pretrained, that tokenizer's files can be fetched (its folder, s3:// prefix or hub name holds a
-  tokenizer.json or tokenizer.model; the hub's through its cache, offline too): the tokenizer stage needs them.
-- `aws_findings(config)`, for a SageMaker run: the caller's identity (STS); the execution role `job.role_arn`
-  exists, trusts sagemaker.amazonaws.com, and the caller may iam:PassRole it; write, read, list and delete of a
-  probe object under the run's prefix (removed afterwards), as the caller and as the job's role (assumed with STS
-  where the caller may; where not, the finding says it was checked as the caller only); the images of the jobs
-  exist in ECR in `job.region`; the SageMaker instance quotas, less what the account's other running training jobs
-  hold, cover the instances each stage needs; and, with `job.training_plan_arn`, the plan's capacity. A check that
-  this account cannot make (an image in AWS's own registry, a caller who may not read IAM or assume the role) is
-  reported as not verified (`checked=False`), never as a failure.
-
-The clients are boto3's default chain in `job.region`, as the job backends build theirs (infra/sagemaker_jobs.py):
-the caller activates `job.aws_credentials_block` first (tasks/aws.py), so the preflight asks as the run will.
-No Prefect here.
-"""
+`source_findings` checks, for every run, that the corpus, tokenizer and init weights can be read. `aws_findings` checks
+a SageMaker run's identity, role, PassRole, storage, images, quotas and plan. Each check is one `Finding` line; a
+failure names its fix. A check this account cannot make is "not verified" (`checked=False`), never a failure. Clients
+come from boto3's default chain in `job.region`, as the job backends build theirs. No Prefect here. docs/deployments.md
+("Preflight") lists every check."""
 
 from __future__ import annotations
 
@@ -43,11 +28,9 @@ SAGEMAKER_SERVICE = "sagemaker.amazonaws.com"
 PROBE_NAME = ".hlat-preflight-"
 """Name prefix of the probe object written (and removed) under the run's prefix."""
 QUOTA_NAME = "{instance_type} for training job usage"
-"""Service Quotas' name of the SageMaker quota on one instance type's instances across running training jobs (its
-quota code differs per type and is read from the listing)."""
+"""Service Quotas' name of one instance type's SageMaker training-job quota (its code is read from the listing)."""
 PASSED_TTL_S = 600.0
-"""A check that passed is not repeated within this many seconds in one process (the CLI checks before its server
-starts; the flow it then starts checks again: one answer serves both)."""
+"""Seconds a passed check is not repeated in one process (the CLI and the flow it starts share it)."""
 
 _IMAGE = re.compile(
     r"^(?P<account>\d{12})\.dkr\.ecr\.(?P<region>[a-z0-9-]+)\.amazonaws\.com(?:\.cn)?/"
@@ -58,8 +41,7 @@ _DENIED = ("AccessDenied", "AccessDeniedException", "UnauthorizedOperation", "Un
 
 @dataclass(frozen=True)
 class Finding:
-    """One check's outcome: `ok` False is a failure that stops the run; `checked` False means this account or
-    machine could not verify it (not a failure)."""
+    """One check's outcome: `ok` False stops the run; `checked` False means it could not be verified here."""
 
     check: str
     ok: bool
@@ -120,14 +102,12 @@ def _aws_key(config: HlatConfig) -> str:
 
 # -- the data source --------------------------------------------------------------------------------------------
 SourceShape = Callable[[DataConfig], str]
-"""Checks data.source's shape without reading it (raising ConfigError) and returns its kind: 'builtin', 'local',
-'s3' or 'hub' (training/data/sources.py's check_source and source_kind, which this layer does not import; the
-flows hand them in: flows/stage.py, source_shape)."""
+"""Checks data.source's shape without reading it and returns its kind: 'builtin', 'local', 's3' or 'hub'. The flows hand
+in training/data/sources.py's functions, which this layer cannot import."""
 
 
 def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
-    """Whether each source of the corpus can be read, asked of what holds it (see the module docstring). The findings
-    of a data.sources entry name it (`data.sources[<name>]: ...`)."""
+    """Whether each corpus source can be read; a data.sources entry's findings name it."""
     findings = []
     for source in config.data.mixture:
         found = _one_source(config.data.source_data_config(source), shape, config.job.backend)
@@ -143,9 +123,8 @@ def source_findings(config: HlatConfig, shape: SourceShape) -> list[Finding]:
 
 
 def _fetched(check: str, source: str, backend: str, describe: Callable[[], str]) -> Finding:
-    """The finding of a check that fetches `source` (`describe` gives the line of a success): a hub that does not
-    answer from here is unchecked, not failed, for SageMaker runs (as a hub data source is: the stage runs on AWS);
-    a name the hub does not have, a bad folder or prefix, fails."""
+    """The finding of a check that fetches `source`; `describe` gives the success line. For SageMaker runs an
+    unreachable hub is unchecked, not failed; a missing name fails."""
     from hlat.core.storage import StorageError
     from hlat.infra.tokenizer import HubUnreachable
 
@@ -160,8 +139,7 @@ def _fetched(check: str, source: str, backend: str, describe: Callable[[], str])
 
 
 def tokenizer_finding(source: str, backend: str = "local") -> Finding:
-    """Whether tokenizer.pretrained can be fetched: its files are copied to a scratch folder as the tokenizer stage
-    will copy them (a few MB; a hub name's land in the hub cache, where the stage finds them)."""
+    """Whether tokenizer.pretrained can be fetched: its files are copied as the tokenizer stage will copy them."""
     import tempfile
 
     from hlat.infra.tokenizer import fetch_pretrained
@@ -176,9 +154,7 @@ def tokenizer_finding(source: str, backend: str = "local") -> Finding:
 
 
 def init_from_finding(source: str, backend: str = "local") -> Finding:
-    """Whether model.init_from can be imported, from its small files only (infra/init_from.py `peek`): a config
-    hlat's model cannot hold, a folder without safetensors or a name the hub does not have fail here, before any
-    stage."""
+    """Whether model.init_from can be imported, judged from its small files (infra/init_from.py `peek`)."""
     from hlat.infra.init_from import peek
 
     return _fetched("init_from", source, backend, lambda: peek(source))
@@ -330,9 +306,7 @@ ClientFactory = Callable[[str], Any]
 
 
 def aws_findings(config: HlatConfig, clients: Mapping[str, Any] | None = None) -> list[Finding]:
-    """The AWS checks of a SageMaker run (see the module docstring). `clients` replaces the boto3 client of a
-    service by name ('service-quotas', 'sagemaker', ...): tests hand in clients with a botocore Stubber where the
-    emulator has no such API."""
+    """The AWS checks of a SageMaker run. `clients` replaces a service's boto3 client by name (for tests)."""
     from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
     from botocore.parsers import ResponseParserError
 
@@ -398,9 +372,8 @@ def aws_findings(config: HlatConfig, clients: Mapping[str, Any] | None = None) -
 
 
 def _unexpected(check: str, exc: Exception) -> Finding:
-    """An answer no check expected, in one line. AWS's refusal fails the check. No usable answer (the network, a
-    500, an API the endpoint lacks) fails what the run needs of the caller's side; the account's quotas and plan,
-    which only AWS can tell, are left unverified rather than failed wrongly."""
+    """An unexpected answer, in one line. A refusal fails the check. No usable answer fails the caller's side, but
+    leaves quotas and plans unverified."""
     status = int(getattr(exc, "response", {}).get("ResponseMetadata", {}).get("HTTPStatusCode") or 0)
     answered = hasattr(exc, "response") and status < 500
     if answered:
@@ -497,9 +470,8 @@ def _listed(value: Any) -> list[Any]:
 
 
 def sagemaker_request_context(config: HlatConfig, account: str) -> dict[str, str]:
-    """The condition keys SageMaker's AssumeRole of the execution role carries for one of the run's jobs: the
-    account and the job's ARN (aws:SourceAccount, aws:SourceArn; the confused-deputy guard of the SageMaker
-    developer guide, https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html), keys lower-cased."""
+    """The condition keys of SageMaker's AssumeRole for a run's job (aws:SourceAccount, aws:SourceArn), lower-cased. See
+    https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html (confused-deputy guard)."""
     from hlat.infra.jobs import job_name
 
     partition = config.job.role_arn.split(":")[1] if config.job.role_arn and ":" in config.job.role_arn else "aws"
@@ -509,8 +481,7 @@ def sagemaker_request_context(config: HlatConfig, account: str) -> dict[str, str
 
 
 def _trusts_sagemaker(document: Any, context: Mapping[str, str] | None = None) -> bool | None:
-    """Whether a trust policy lets sagemaker.amazonaws.com assume the role for a request with the condition keys
-    `context` (sagemaker_request_context): True, False, or None where it hangs on a condition not evaluated here."""
+    """Whether a trust policy lets SageMaker assume the role given `context`; None when a condition is not evaluated."""
     answer: bool | None = False
     for statement in _listed(_document(document).get("Statement")):
         if statement.get("Effect") != "Allow":
@@ -531,8 +502,7 @@ def _trusts_sagemaker(document: Any, context: Mapping[str, str] | None = None) -
 
 
 def _trust_condition_holds(condition: Any, context: Mapping[str, str]) -> bool | None:
-    """A trust statement's Condition for SageMaker's request: string and ARN tests of the keys in `context`
-    (wildcards as IAM's *Like operators match them); None for any other key or operator."""
+    """Whether a trust Condition holds for `context` (string and ARN tests); None for other keys or operators."""
     if not condition:
         return True
     for operator, tests in dict(condition).items():
@@ -549,9 +519,8 @@ def _trust_condition_holds(condition: Any, context: Mapping[str, str]) -> bool |
 
 
 def caller_principal(caller: str, iam: Any) -> str | None:
-    """The IAM principal whose policies decide the caller's permissions: a user's ARN as it is; for an assumed role
-    (arn:aws:sts::A:assumed-role/NAME/SESSION) the role's ARN (read with iam:GetRole for its path); None for the
-    account root (allowed everything) and for principals IAM cannot simulate (federated users)."""
+    """The IAM principal whose policies decide the caller's rights: a user as is, an assumed role's role. None for the
+    root and for principals IAM cannot simulate."""
     from botocore.exceptions import ClientError
 
     parts = caller.split(":", 5)
@@ -576,10 +545,8 @@ PASS_ROLE_STATEMENT = (
 
 
 def _pass_role(iam: Any, caller: str, account: str, role_arn: str) -> Finding:
-    """Whether the caller may pass the role to SageMaker: IAM's policy simulator for the caller's principal (an
-    assumed role's caller is simulated as its role), else the principal's own policies read and evaluated here
-    (`passrole_decision`; moto has no simulator, and a caller may be allowed to read its policies but not to
-    simulate them)."""
+    """Whether the caller may pass the role to SageMaker. IAM's simulator decides; where it is unavailable, the
+    principal's policies are evaluated here."""
     from botocore.exceptions import BotoCoreError, ClientError
     from botocore.parsers import ResponseParserError
 
@@ -658,10 +625,8 @@ def _principal_policies(iam: Any, principal: str) -> list[dict[str, Any]]:
 
 
 def passrole_decision(documents: Iterable[Mapping[str, Any]], role_arn: str) -> bool | None:
-    """Whether identity policies allow iam:PassRole of `role_arn` to SageMaker: False on an explicit Deny or no
-    Allow, True on an Allow, None when the answer hangs on a condition other than iam:PassedToService (only IAM can
-    evaluate those). Action/NotAction and Resource/NotResource with wildcards are matched as IAM matches them;
-    permission boundaries, SCPs and session policies are not seen (the simulator sees boundaries)."""
+    """Whether identity policies allow iam:PassRole of `role_arn` to SageMaker: False, True, or None if unsure.
+    Wildcards match as in IAM; boundaries, SCPs and session policies are not seen."""
 
     def matches(patterns: Any, value: str, case: bool) -> bool:
         return any(
@@ -722,20 +687,15 @@ def _condition_holds(condition: Any) -> bool | None:
 
 # -- the storage prefix -----------------------------------------------------------------------------------------
 PROBE_SESSION = "hlat-preflight-"
-"""Session-name prefix of the preflight's AssumeRole of the execution role: deployments/account.yaml lets
-FlowRunPolicy's holders assume it only in sessions so named (the sts:RoleSessionName condition), and CloudTrail
-shows the probe under that name."""
+"""Session-name prefix of the probe's AssumeRole; deployments/account.yaml allows only sessions so named."""
 PROBE_SESSION_S = 900
 """The assumed session's lifetime: STS's minimum (the probe takes seconds)."""
 RoleAssumer = Callable[[str], Any]
-"""Assumes a role (its ARN) for the preflight and returns an S3 client with its credentials; raises botocore's
-ClientError when STS refuses."""
+"""Assumes a role (its ARN) and returns an S3 client with its credentials; raises ClientError when STS refuses."""
 
 
 def _storage(client: ClientFactory, config: HlatConfig, caller: str, assume: RoleAssumer) -> list[Finding]:
-    """Write, read, list and delete a probe object under the run's prefix, as the caller (the flow writes the run's
-    files there) and as the job's role (every stage's job reads and writes there with it): the role assumed where
-    the caller may (`assume`), else said so."""
+    """Probe the run prefix as the caller and as the job's role (assumed where the caller may)."""
     from botocore.exceptions import ClientError
 
     root = config.storage.root.rstrip("/")
@@ -781,8 +741,7 @@ def _storage(client: ClientFactory, config: HlatConfig, caller: str, assume: Rol
 
 
 def _probe(s3: Any, bucket: str, run_prefix: str, who: str, cleanup: Any) -> Finding:
-    """The four calls every stage makes under the run prefix, by the principal of client `s3` (named `who` in the
-    finding); a probe left by a refused call is removed with client `cleanup`."""
+    """The four S3 calls every stage makes under the run prefix, as `who`; `cleanup` removes a stray probe."""
     from botocore.exceptions import ClientError
 
     key = f"{run_prefix}/{PROBE_NAME}{uuid.uuid4().hex[:12]}"
@@ -817,8 +776,7 @@ def _probe(s3: Any, bucket: str, run_prefix: str, who: str, cleanup: Any) -> Fin
 def _probe_as_job_role(
     caller_s3: Any, bucket: str, run_prefix: str, config: HlatConfig, caller: str, assume: RoleAssumer
 ) -> Finding:
-    """The probe as the job's role (job.role_arn): SageMaker's jobs read and write the run prefix with its rights,
-    not the caller's. Where the caller may not assume it, the finding says so and is not verified."""
+    """The probe as job.role_arn, whose rights the jobs use; not verified where the caller may not assume it."""
     from botocore.exceptions import BotoCoreError, ClientError
     from botocore.parsers import ResponseParserError
 
@@ -864,8 +822,7 @@ def _remove_quietly(s3: Any, bucket: str, key: str) -> bool:
 
 # -- images -----------------------------------------------------------------------------------------------------
 def stage_images(config: HlatConfig) -> dict[str, list[str]]:
-    """The image each SageMaker stage job runs, as the backend resolves it: {image URI: [what runs it]}, each of
-    the rows' instances (`runs_on`) named by its `named_for` stage."""
+    """The image each SageMaker stage job runs, as the backend resolves it: {image URI: [what runs it]}."""
     from hlat.infra.stage_jobs import job_image
 
     job = config.job
@@ -948,8 +905,8 @@ def _images(client: ClientFactory, config: HlatConfig, account: str) -> list[Fin
 
 # -- quotas -----------------------------------------------------------------------------------------------------
 def instance_needs(config: HlatConfig) -> dict[str, tuple[int, list[str]]]:
-    """The most instances of each type the run's SageMaker jobs hold at once, and the stages that need them: the
-    stages run one after another, except a stage whose `beside` setting is set, which also runs beside training."""
+    """The most instances of each type the run's jobs hold at once, and the stages needing them. Stages run in turn,
+    except those set to run beside training."""
     job, trainer = config.job, training_stage()
     uses: list[tuple[str, int, str]] = []
     for row in stage_rows():
@@ -968,9 +925,7 @@ def instance_needs(config: HlatConfig) -> dict[str, tuple[int, list[str]]]:
 
 
 def _quotas(client: ClientFactory, config: HlatConfig) -> list[Finding]:
-    """Each needed type's quota (Service Quotas' `<type> for training job usage`, which caps the instances of that
-    type across all running training jobs) less what the account's other running training jobs hold, against
-    the most instances the run's stages hold at once (instance_needs)."""
+    """Each needed type's training-job quota, less other jobs' use, against instance_needs."""
     from botocore.exceptions import ClientError
 
     quotas = client("service-quotas")
@@ -1057,7 +1012,7 @@ def _quotas(client: ClientFactory, config: HlatConfig) -> list[Finding]:
 
 
 def _held_by(held: list[tuple[str, int]]) -> str:
-    """', N held by K running training job(s) of other runs (a: n, b: m, ...)', or '' when none."""
+    """', N held by K running training job(s) of other runs (...)', or '' when none."""
     if not held:
         return ""
     shown = ", ".join(f"{name}: {n}" for name, n in held[:3]) + (f", {len(held) - 3} more" if len(held) > 3 else "")
@@ -1065,8 +1020,7 @@ def _held_by(held: list[tuple[str, int]]) -> str:
 
 
 def own_job_names(run_id: str) -> Callable[[str], bool]:
-    """Whether a training job is one of run `run_id`'s own (`job_name(run_id, attempt, stage)` of a job stage): the
-    run's jobs are counted by instance_needs (evaluation beside training included), not as other usage."""
+    """Whether a training job name is one of run `run_id`'s own."""
     from hlat.infra.jobs import job_name
 
     def own(name: str) -> bool:
@@ -1077,9 +1031,8 @@ def own_job_names(run_id: str) -> Callable[[str], bool]:
 
 
 def instances_in_use(sagemaker: Any, own: Callable[[str], bool]) -> dict[str, list[tuple[str, int]]]:
-    """The instances the account's running training jobs hold in this region, by instance type: [(job, count)].
-    ListTrainingJobs(StatusEquals=InProgress), every page, then DescribeTrainingJob's ResourceConfig (each instance
-    group of a heterogeneous cluster). Jobs `own` accepts are left out; a job gone between the two calls is too."""
+    """Instances held by the account's running training jobs in this region, by type: [(job, count)]. Jobs `own` accepts
+    are left out."""
     from botocore.exceptions import ClientError
 
     held: dict[str, list[tuple[str, int]]] = {}
@@ -1188,8 +1141,7 @@ def run_preflight(
     clients: Mapping[str, Any] | None = None,
     aws: bool | None = None,
 ) -> PreflightResult:
-    """The source checks (given `shape`) and, for a SageMaker run (or when `aws` is True), the AWS checks. The
-    caller has activated the run's AWS credentials and read its role (tasks/aws.py)."""
+    """The source checks and, for a SageMaker run (or `aws`), the AWS checks; credentials are already active."""
     findings: list[Finding] = []
     if shape is not None:
         findings += source_findings(config, shape)
@@ -1205,8 +1157,7 @@ def require_sources(config: HlatConfig, shape: SourceShape) -> None:
 
 
 def require_aws(config: HlatConfig, *, clients: Mapping[str, Any] | None = None) -> None:
-    """For a SageMaker run, the AWS checks; raise PreflightFailed (one line per failure, no traceback) if any fails.
-    What passed is not asked again for PASSED_TTL_S. Nothing for a local run."""
+    """For a SageMaker run, the AWS checks; raise PreflightFailed listing failures. Passes are cached PASSED_TTL_S."""
     if config.job.backend != "sagemaker":
         return
     _require(_aws_key(config), lambda: aws_findings(config, clients))

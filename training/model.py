@@ -1,17 +1,10 @@
 """The decoder-only transformer every family shares: architecture only, no distributed or device code.
 
-`Transformer(cfg)` builds the modules; `init_weights()` initialises them. Construction alone does not, so a model
-built on the meta device can be materialised with `to_empty()` and then initialised or loaded.
-What differs by family (norm, MLP, biases, residual wiring, RoPE angles) comes from `training.models`.
-docs/models.md describes each family's blocks and RoPE pairing.
-
-Positions are absolute within the packed sequence, also under document masking. RoPE scores depend only on the
-distance between query and key, so a document attends within itself exactly as it would alone.
-
-Parallelism is known at construction: every linear and embedding layer comes from a `Layers` factory. Either way
-`init_weights(seed)` draws each parameter's dense tensor and keeps this rank's slice (`tensor_slices`). The padded
-vocabulary rows (`cfg.vocab_multiple`) get -inf logits, so every TP rank keeps an equal slice of the vocabulary.
-"""
+`Transformer(cfg)` builds the modules and `init_weights()` initialises them, so a meta-device model can be materialised
+with `to_empty()` first. Family differences come from `training.models` (docs/models.md). Positions are absolute within
+a packed sequence; RoPE makes each document attend as it would alone. Every linear and embedding comes from a `Layers`
+factory, so parallelism is known at construction. Padded vocabulary rows get -inf logits, so every TP rank keeps an
+equal slice."""
 
 from __future__ import annotations
 
@@ -32,11 +25,9 @@ from hlat.training.parallel.tensor_slices import DenseParameter, dense_init, den
 def rope_tables(
     cfg: ModelConfig, seq_len: int | None = None, device: torch.device | str | None = None
 ) -> tuple[Tensor, Tensor]:
-    """cos and sin tables, each (seq_len, head_dim) float32, for positions 0..seq_len-1 (default max_seq_len).
+    """cos and sin tables, each (seq_len, head_dim) float32, for positions 0..seq_len-1.
 
-    Computed in float64 so long positions keep their accuracy, then cast; pairs beyond the rotary fraction
-    have frequency zero (cos = 1, sin = 0); the family gives the angles (docs/models.md has the pairing).
-    """
+    Computed in float64 for accuracy at long positions; pairs past the rotary fraction do not turn."""
     seq_len = cfg.max_seq_len if seq_len is None else seq_len
     rotary_dims = rotary_block(cfg)
     # On the CPU whatever the default device (also inside `with torch.device("meta")`), then moved.
@@ -52,16 +43,15 @@ def rotary_block(cfg: ModelConfig) -> int:
 
 
 def rotate_half(x: Tensor) -> Tensor:
-    """(x1, x2) -> (-x2, x1) over the two halves of the last dim: the 90° turn of each (i, i + d/2) pair."""
+    """(x1, x2) -> (-x2, x1) over the last dim's halves: the 90° turn of each (i, i + d/2) pair."""
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat([-x2, x1], dim=-1)
 
 
 def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, block: int | None = None) -> Tensor:
-    """Rotate x (..., T, head_dim) by the tables cos, sin (T, head_dim) (cast to x's dtype, as HF does).
+    """Rotate x (..., T, head_dim) by cos, sin (T, head_dim), cast to x's dtype as HF does.
 
-    `block` (gpt_neox): take rotate_half over each run of `block` dims of the head (pairs (i, i + block/2) within
-    a run) instead of over the whole head; see docs/models.md."""
+    `block` (gpt_neox): rotate within each run of `block` dims instead of the whole head; see docs/models.md."""
     cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     if block is None or block == x.shape[-1]:
         return x * cos + rotate_half(x) * sin
@@ -70,8 +60,7 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor, block: int | None = None) 
 
 
 class Attention(nn.Module):
-    """Grouped-query causal self-attention with rotary embeddings and optional document masking; with tensor
-    parallelism, this rank's heads only. gpt_neox: biased projections, partial rotary over runs of dims."""
+    """Grouped-query causal self-attention with RoPE and optional document masking; this rank's heads under TP."""
 
     rope_cos: Tensor
     rope_sin: Tensor
@@ -116,10 +105,8 @@ class Attention(nn.Module):
 
 
 class CoreAttention(nn.Module):
-    """softmax(QK^T / sqrt(d)) V over rotated queries and keys, causal or within documents: the part of attention
-    without parameters or communication, which 'selective' activation checkpointing recomputes in backward (as
-    HLAT does, after Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models"):
-    its activations are the large ones (B x heads x T x T before a fused kernel), its FLOPs the small ones."""
+    """softmax(QK^T / sqrt(d)) V, causal or within documents: attention without parameters or communication. 'selective'
+    checkpointing recomputes it: large activations, small FLOPs (Korthikanti et al. 2022)."""
 
     def forward(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | BlockMask | None) -> Tensor:
         gqa = k.shape[1] != q.shape[1]
@@ -133,8 +120,7 @@ class CoreAttention(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block. llama: attention then SwiGLU, each added to the residual stream; gpt_neox
-    (parallel residual): attention and the GeLU MLP on the same input, both added to it."""
+    """Pre-norm block: llama adds attention then SwiGLU; gpt_neox adds both from the same input (parallel residual)."""
 
     def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
@@ -154,8 +140,7 @@ class Block(nn.Module):
 
 
 def _fx_tracing() -> bool:
-    """Whether torch.fx is tracing this forward (NxD's pipeline does). Newer torch names the check that excludes
-    torch.export/compile `is_fx_symbolic_tracing` and warns on the older, broader one."""
+    """Whether torch.fx is tracing this forward (NxD's pipeline does)."""
     trace = torch.fx._symbolic_trace
     check = getattr(trace, "is_fx_symbolic_tracing", trace.is_fx_tracing)
     return bool(check())
@@ -167,7 +152,7 @@ def rope_window(table: Tensor, length: int) -> Tensor:
 
 
 def document_mask(doc_ids: Tensor) -> Tensor:
-    """Boolean attention mask (B, 1, T, T), True where query t may attend key s: s <= t, same document."""
+    """Boolean mask (B, 1, T, T), True where query t may attend key s: s <= t, same document."""
     T = doc_ids.shape[1]
     causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()  # (T, T)
     same_doc = doc_ids[:, :, None] == doc_ids[:, None, :]  # (B, T, T)
@@ -175,8 +160,7 @@ def document_mask(doc_ids: Tensor) -> Tensor:
 
 
 def document_block_mask(doc_ids: Tensor) -> BlockMask:
-    """`document_mask` as FlexAttention's block-sparse mask: the same attention pattern, never materialised as
-    (B, T, T); blocks wholly outside a document are skipped rather than computed and masked."""
+    """`document_mask` as FlexAttention's block-sparse mask; blocks outside a document are skipped."""
     B, T = doc_ids.shape
 
     def same_document_causal(b: Tensor, h: Tensor, q: Tensor, kv: Tensor) -> Tensor:
@@ -186,21 +170,15 @@ def document_block_mask(doc_ids: Tensor) -> BlockMask:
 
 
 class Transformer(nn.Module):
-    """A decoder of `cfg`'s family (training/models/). The weights are uninitialised memory until `init_weights()` or
-    `load_state_dict`.
+    """A decoder of `cfg`'s family (training/models/); weights are uninitialised until `init_weights()` or loading.
 
-    `device` (default: torch's default device) is where the parameters live. With `device="meta"` nothing
-    is allocated; then `to_empty(device=...)` and either `init_weights()`, or `init_rope_tables()` and
-    `load_state_dict(...)` (the RoPE tables are non-persistent buffers: not in the state dict, so they are
-    rebuilt here rather than loaded).
-    """
+    With `device="meta"` nothing is allocated: call `to_empty(device=...)`, then `init_weights()`, or
+    `init_rope_tables()` and `load_state_dict(...)` (RoPE tables are not in the state dict)."""
 
     rope_cos: Tensor
     rope_sin: Tensor
     flex_document_mask: bool = False
-    """Document masks as FlexAttention block masks (`document_block_mask`) instead of dense (B, 1, T, T) masks for
-    SDPA. Set by `training.parallel.parallelize.compile_blocks` on CUDA: FlexAttention is fused only under
-    torch.compile."""
+    """Use FlexAttention block masks instead of dense SDPA masks (set on CUDA under torch.compile)."""
 
     def __init__(
         self, cfg: ModelConfig, device: torch.device | str | None = None, layers: Layers | None = None
@@ -229,16 +207,14 @@ class Transformer(nn.Module):
             self.init_rope_tables()
 
     def _real_vocab_columns(self) -> int:
-        """How many of this rank's logits columns are real tokens (the others are padded rows): the vocabulary ids
-        this rank holds start where `tensor_slices.shard` puts its slice (0 unless tensor parallelism splits it)."""
+        """How many of this rank's logit columns are real tokens (the rest are padding)."""
         embed = next(p for p in dense_parameters(self.cfg) if p.name == "embed.weight")
         ids = self.parallel.shard(embed, torch.arange(self.cfg.padded_vocab_size, device="cpu"))
         return int((ids < self.cfg.vocab_size).sum())
 
     def _mask_padding(self, logits: Tensor) -> Tensor:
-        """logits (B, T, V_local) with the padded vocabulary rows' set to -inf (as they are when vocab_multiple
-        pads nothing: then unchanged). -inf rather than a slice keeps every rank's logits the same width. Python
-        ints and slices only: NxD's pipeline traces this with torch.fx."""
+        """logits (B, T, V_local) with padded rows set to -inf, keeping every rank's width equal. Python ints and slices
+        only: NxD's pipeline traces this with torch.fx."""
         if self.cfg.padded_vocab_size == self.cfg.vocab_size:
             return logits
         real = self._real_columns
@@ -249,9 +225,7 @@ class Transformer(nn.Module):
             self.output.weight = self.embed.weight
 
     def to_empty(self, *, device: torch.device | str | int | None, recurse: bool = True) -> Transformer:
-        """As nn.Module.to_empty, keeping the tied embedding tied (new storage would otherwise split it) and the
-        attributes layers hang on their parameters (neuronx-distributed's tensor_model_parallel, partition_dim,
-        sequence_parallel_enabled...: the new parameters would lose them)."""
+        """As nn.Module.to_empty, keeping the tied embedding tied and the parallel attributes on the parameters."""
         marks = {name: dict(vars(p)) for name, p in self.named_parameters() if vars(p)}
         super().to_empty(device=device, recurse=recurse)
         self._tie()
@@ -281,12 +255,8 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int | None = None) -> None:
         """N(0, init_std) for every linear and embedding weight, ones for the norms; this rank's slice of each.
 
-        With `scale_output_init` the projections that write into the residual stream (attention o_proj and
-        MLP w2) use init_std / sqrt(2 * n_layers), so the residual variance does not grow with depth.
-        Each parameter's dense tensor comes from a generator seeded by `seed` and its name
-        (`training.parallel.tensor_slices.dense_init`): the same weights whatever the device or tensor-parallel degree.
-        Without `seed`, one is drawn from torch's global generator (deterministic given torch's seed).
-        """
+        With `scale_output_init`, o_proj and w2 use init_std / sqrt(2 * n_layers), so residual variance stays flat. Each
+        dense tensor is seeded by `seed` and its name, so the weights do not depend on device or TP degree."""
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,)).item())
         for param in dense_parameters(self.cfg):
@@ -295,10 +265,8 @@ class Transformer(nn.Module):
         self.init_rope_tables()
 
     def initialiser(self, seed: int) -> Callable[[nn.Module, torch.device], None]:
-        """`init_weights(seed)` one module at a time, for a model built on the meta device and materialised in parts
-        (NxD's pipeline materialises only its own stage's modules: its `param_init_fn`). The function fills the
-        module's own parameters (already given empty storage) with their slices of the dense weights, and gives an
-        attention module its RoPE tables; the same weights as `init_weights(seed)`."""
+        """`init_weights(seed)` one module at a time, for a meta model materialised in parts (NxD's `param_init_fn`).
+        The weights equal `init_weights(seed)`'s."""
         owners: dict[tuple[int, str], DenseParameter] = {}
         for param in dense_parameters(self.cfg):
             path, _, key = self.parallel.local_name(param.name).rpartition(".")
@@ -318,20 +286,14 @@ class Transformer(nn.Module):
         return init
 
     def num_params(self) -> int:
-        """Number of distinct parameters held here (a tied embedding counts once); equals `cfg.num_params()`
-        unsplit, this rank's share under tensor parallelism."""
+        """Distinct parameters held here (a tied embedding counts once); this rank's share under TP."""
         return sum(p.numel() for p in self.parameters())
 
     def forward(self, tokens: Tensor, doc_ids: Tensor | None = None, targets: Tensor | None = None) -> Tensor:
-        """Logits (B, T, padded_vocab_size) in float32 for tokens (B, T), -inf in the padded columns; with `targets`
-        (B, T), their mean cross-entropy instead (the form a pipeline-parallel stage computes: the last stage ends
-        with the loss).
+        """Logits (B, T, padded_vocab_size) in float32, -inf in padded columns; with `targets`, the mean cross-entropy.
 
-        doc_ids (B, T), optional: document index of each token of a packed sequence; attention then stays
-        within a document (block-diagonal causal mask). Without it, plain causal attention (fast path).
-        The output projection runs in the parameters' dtype; its result is cast to float32 so the loss
-        (log-softmax over a large vocabulary) is computed in full precision.
-        """
+        doc_ids (B, T), optional: each token's document in a packed sequence; attention stays within it. The output
+        projection runs in the parameters' dtype and is cast to float32 for the loss."""
         seq_len = tokens.shape[1]
         if not _fx_tracing():  # the pipeline traces this forward: no branching on shapes
             if seq_len > self.cfg.max_seq_len:

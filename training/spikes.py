@@ -1,24 +1,9 @@
-"""Loss-spike skipping (training.spike_skip): a step whose loss or gradient norm spikes is not applied, decided on
-the device.
+"""Loss-spike skipping (training.spike_skip): a step whose loss or gradient norm spikes is not applied.
 
-The rule follows OLMo-core's skip-step optimizer (allenai/OLMo-core, src/olmo_core/optim/skip_step_optimizer.py): a
-step spikes when its loss, or its gradient norm, is more than training.spike_zscore standard deviations (unbiased, over
-the window) from the mean of the trailing training.spike_window steps. It differs in three ways: only a rise counts (a
-sudden drop of the loss is no reason to drop an update; OLMo-core takes the absolute z-score); no step is judged before
-the window is full (OLMo-core starts at max(20, window / 2) steps); and a spiking step's values do not enter the window,
-so a spike does not inflate the mean and spread that judge the steps after it (OLMo-core appends every step's). A
-non-finite step's values stay out too (training.nan_policy handles those); every other step's replace the oldest.
-
-Everything lives on the device as fixed-shape tensors (a ring buffer of the last `window` losses and norms, integer
-counters) and every update is a `torch.where`, so a spiking step and a normal one run the same ops: no host read, no
-data-dependent Python branch, the same XLA graph. The host reads the counters at the loop's sync points only
-(`tensors`, in the sync point's one transfer) and writes them in each checkpoint (`state_dict`), so a resumed run
-judges every later step exactly as an uninterrupted one. The loss is the step's mean over every rank and the norm is
-the global one, so the state is the same on every rank: it is saved once, with the shared state.
-
-Counters are int32 (under XLA_USE_BF16 a float32 counter would be BF16 on the device); the window itself is float32,
-BF16 on the device under Neuron 2.24's XLA_USE_BF16 (a spike of several sigmas stands well above BF16's rounding).
-"""
+A step spikes when a value is over spike_zscore deviations above the trailing spike_window's mean. The rule follows
+OLMo-core's skip-step optimizer; docs/training.md ("Loss spikes") gives the differences. State is fixed-shape device
+tensors updated with `torch.where`: no host read, one XLA graph either way. The host reads counters at sync points and
+saves them in checkpoints, so a resumed run judges the same. The state is the same on every rank and is saved once."""
 
 from __future__ import annotations
 
@@ -46,11 +31,10 @@ class Verdict:
 
 
 class SpikeDetector:
-    """The trailing window and the spike counters of a run, on `device` (see the module docstring).
+    """A run's trailing window and spike counters, on `device`.
 
-    `judge` decides a step before its update; `record` then counts it and moves the window on. A caller that knows
-    the gradient norm only after the update (NxD's optimizer clips inside step()) judges on the loss alone and
-    passes the norm to `record`, which keeps it in the window all the same."""
+    `judge` decides a step before its update; `record` counts it and moves the window. A caller that learns the norm
+    only after the update judges on the loss and passes the norm to `record`."""
 
     def __init__(self, window: int, zscore: float, max_consecutive: int, device: torch.device) -> None:
         if window < 2:
@@ -71,8 +55,7 @@ class SpikeDetector:
         self.newest = torch.zeros(len(SPIKE_FIELDS), dtype=torch.float32, device=device)
         """The newest spiking step's figures (SPIKE_FIELDS)."""
         self.tripped_at, self.tripped_from = counter(), counter()
-        """The step at which max_consecutive spikes in a row were first reached, and the first step of that run
-        (0: not reached)."""
+        """The step where max_consecutive spikes were first reached, and that run's first step (0: never)."""
 
     # -- on the device, every step ------------------------------------------------------------------------
     def judge(self, loss: torch.Tensor, grad_norm: torch.Tensor | None) -> Verdict:
@@ -88,9 +71,8 @@ class SpikeDetector:
         return Verdict(spike=spike & judged, values=values, mean=mean, std=std)
 
     def record(self, step: torch.Tensor, verdict: Verdict, grad_norm: torch.Tensor | None = None) -> None:
-        """Count step `step` (a device int32, 1-based) as judged; enter its values into the window unless it spiked
-        or is not finite. `grad_norm`: the norm when `judge` did not have it (it joins the window, not the verdict).
-        Every tensor is replaced, none changed in place: a checkpoint staging the previous ones keeps them intact."""
+        """Count 1-based step `step`; its values enter the window unless it spiked or is not finite. Tensors are
+        replaced, never changed in place, so a staged checkpoint stays intact."""
         values = verdict.values
         if grad_norm is not None:
             values = torch.stack([values[LOSS], grad_norm.detach().float().reshape(())])
@@ -133,8 +115,7 @@ class SpikeDetector:
         return {"window": self.window, **{name: getattr(self, name) for name in self._STATE}}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore a saved state. One saved with another window size cannot continue: the window starts empty (the
-        counters go on), as a first run's does."""
+        """Restore a saved state; one with another window size starts an empty window (counters go on)."""
         kept = self._STATE if int(state["window"]) == self.window else tuple(n for n in self._STATE if n != "history")
         for name in kept:
             current = getattr(self, name)
@@ -146,8 +127,7 @@ class SpikeDetector:
 
 # -- on the host, from what a sync point read ----------------------------------------------------------------
 def describe_spike(seen: dict[str, Any], zscore: float) -> str:
-    """'loss spike skipped (loss 9.1 vs window mean 3.2 +/- 0.1)' for the newest spiking step in `seen` (the host
-    copy of `SpikeDetector.tensors`): the loss's figures, the gradient norm's, or both, whichever spiked."""
+    """'loss spike skipped (loss 9.1 vs window mean 3.2 +/- 0.1)' for the newest spike in `seen`."""
     f = dict(zip(SPIKE_FIELDS, (float(x) for x in seen["spike_figures"]), strict=True))
     parts = []
     if f["loss"] - f["loss_mean"] > zscore * f["loss_std"]:

@@ -1,36 +1,11 @@
 """The stop vote: every rank stops after the same step, with no collective at any step boundary.
 
-A stop (SageMaker's SIGTERM to every rank, the stop rule's `request_stop` on rank 0) must end every rank after the
-same step, which every rank then checkpoints: a rank that steps on alone hangs in the next step's collectives, and
-the commit waits for the files of a rank that never writes them. Nothing at a step boundary leaves the process (a
-full-world vote at every boundary costs 2-6% of hlat-70b's step: docs/multi-host.md); the stop step is agreed once,
-when a stop is asked for, through the job's TCPStore (torchrun's store:
-https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore):
-
-- Each rank keeps `passed`, the last boundary it went past. At a boundary the loop calls `at_boundary(step)`: a lock,
-  two comparisons. Nothing else happens at a boundary until some rank has asked for a stop.
-- A stop asked for on a rank (`request`, safe in a signal handler: it sets an Event) commits that rank at its next
-  boundary (the step in progress) and a thread of its own sets the store's `request` key.
-- Every rank's watcher thread waits on that key (`TCPStore.wait`: the store answers when the key is set, so the wait
-  costs nothing while it lasts; renewed every WAIT_S). When it fires, the rank commits, unless it already has, to
-  `passed + 1`, its next boundary, and posts it (`n/<rank>`). A committed rank never goes past its boundary before
-  the decision: it waits there (`at_boundary` blocks).
-- Rank 0's watcher waits for every rank's post, takes the largest (`decide_stop_step`) and sets `step`; every
-  watcher reads it. Every rank is then at or before its own post, so at or before the decision, and goes on to it.
-
-Why no rank passes the decision: it is at least every rank's post, and a rank posts a boundary it has not gone past
-and will not go past without the decision. Why no deadlock: posts come from the watcher threads, not from the loop,
-so a rank blocked inside a collective (waiting for a peer that waits at its boundary) still posts, its next boundary;
-the decision then lets the waiting peer run the step both need. A rank that never posts (hung, dead) leaves the
-others waiting at their boundaries: the watchdog (`training/watchdog.py`) ends that as a hang. A decision at or past
-training.max_steps is no stop: the training ends there (a rank does not wait at the last boundary).
-
-Per step: nothing on the network. Per stop: a few small store operations per rank, once (their count at 8,192 ranks,
-and the connections the store's host holds: docs/multi-host.md, docs/trn1.md).
-
-The stop step is the step in progress when the stop is asked for, or the next when a rank went past its boundary
-before it heard (a race of milliseconds against a step): what the per-step vote gave, as the stop-grace tests check.
-"""
+A rank that steps on alone would hang in the next collective, so a stop must be agreed. The stop step is agreed once,
+when asked, through torchrun's TCPStore (https://pytorch.org/docs/stable/distributed.html#torch.distributed.TCPStore).
+At each boundary the loop calls `at_boundary(step)`: a lock and two comparisons. A watcher thread per rank posts its
+next boundary; rank 0 picks the largest post (`decide_stop_step`). No rank passes a boundary it posted before the
+decision, so none passes the decision. docs/multi-host.md ("Watchdog and stop vote") has the protocol and why it cannot
+deadlock."""
 
 from __future__ import annotations
 
@@ -43,18 +18,14 @@ from typing import Any
 log = logging.getLogger("hlat.train")
 
 WAIT_S = 6 * 3600.0
-"""How long one store wait lasts before it is renewed (its timeout): six hours, well inside the 5 days an AWS
-security group tracks an idle TCP connection
-(https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/security-group-connection-tracking.html). c10d logs two warning
-lines at each renewal (a wait that timed out), so a shorter wait is log noise: at an hour, 64 lines an hour on each
-32-rank host; at six hours, about 11."""
+"""Seconds one store wait lasts before renewal: well inside AWS's 5-day idle TCP tracking, and few c10d warnings.
+https://docs.aws.amazon.com/AWSEC2/latest/UserGuide/security-group-connection-tracking.html"""
 PREFIX = "hlat-stop/"
 REQUEST, DECISION = "request", "step"
 
 
 def decide_stop_step(posts: Iterable[int], max_steps: int) -> int | None:
-    """The step every rank stops after, from every rank's post (the boundary it will not pass undecided): the
-    largest. None when that is at or past `max_steps`: the training ends there anyway, with no stop."""
+    """The step every rank stops after: the largest post. None when at or past `max_steps`."""
     step = max(posts)
     return step if step < max_steps else None
 
@@ -64,8 +35,7 @@ def post_key(rank: int) -> str:
 
 
 class StopVote:
-    """One rank's side of the vote. `connect` makes a new client of the job's store (None: a single process, where
-    the vote is this rank's own request)."""
+    """One rank's side of the vote. `connect` makes a store client (None: a single process)."""
 
     def __init__(
         self,
@@ -99,9 +69,8 @@ class StopVote:
         return self._asked.is_set()
 
     def at_boundary(self, step: int, wait: Callable[[], None] | None = None) -> bool:
-        """Whether every rank stops after `step` (the loop's main thread, at every boundary, in order). Blocks only
-        when this rank is committed to `step` and the decision is not known yet (`wait()` is called each second
-        while it waits: the loop's progress beat)."""
+        """Whether every rank stops after `step`. Blocks only while committed to `step` and undecided. `wait()` is
+        called each second while blocked (the progress beat)."""
         if self.connect is None:
             return self.asked
         with self._lock:
@@ -125,8 +94,7 @@ class StopVote:
             self._threads.append(thread)
 
     def close(self) -> None:
-        """Training is over on this rank: post its next boundary if it has not (so a decision never waits for a rank
-        that finished), and let the threads go."""
+        """Training is over here: post the next boundary if not done, and let the threads go."""
         self._closing.set()
         self._asked.set()  # wakes the poster, which leaves (closing) without asking
         if self.connect is None or self.decision is not None:

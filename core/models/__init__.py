@@ -1,8 +1,6 @@
 """The model families hlat builds, by `model.arch`: the one place core asks which family a config is.
 
-Each family is one module here (its torch-free rules) and one in training/models/ (its torch code).
-`FAMILIES` maps `model.arch` to the family; docs/models.md says how to add one.
-"""
+Each family has a torch-free module here and a torch one in training/models/; docs/models.md says how to add one."""
 
 from __future__ import annotations
 
@@ -14,10 +12,10 @@ from hlat.core.models.gpt_neox import GPT_NEOX
 from hlat.core.models.llama import LLAMA
 
 FAMILIES: dict[str, ModelFamily] = {family.name: family for family in (LLAMA, GPT_NEOX)}
-"""Every family by its `model.arch` name. A new family adds its entry here."""
+"""Every family by its `model.arch` name; a new family adds its entry here."""
 
 DEFAULT = LLAMA.name
-"""The family of a config that names none, and of HF tensors that name none."""
+"""The family of a config or HF tensors that name none."""
 
 __all__ = ["DEFAULT", "FAMILIES", "HfConfigRefused", "ModelFamily", "ModelShape", "family", "family_of", "hf_family"]
 
@@ -36,7 +34,7 @@ def family_of(cfg: ModelShape) -> ModelFamily:
 
 
 def hf_family(hf: Mapping[str, Any]) -> ModelFamily:
-    """The family of a transformers config.json: from `architectures`, else `model_type`; HfConfigRefused."""
+    """The family of a transformers config.json (`architectures`, else `model_type`); else HfConfigRefused."""
     for name in hf.get("architectures") or []:
         for candidate in FAMILIES.values():
             if candidate.hf_architecture == name:

@@ -1,9 +1,7 @@
-"""What a model family decides without torch: its config checks, arithmetic and HF config.json mapping.
+"""What a model family decides without torch: config checks, arithmetic and the HF config.json mapping.
 
-A family subclasses `ModelFamily` in its own module and is registered in `core/models/__init__.py`.
-The methods take any object shaped like `ModelConfig` (`ModelShape`), so this module imports no config.
-docs/models.md lists every piece of a family and where it lives.
-"""
+A family subclasses `ModelFamily` and is registered in `core/models/__init__.py`. Methods take any `ModelConfig`-shaped
+object (`ModelShape`), so no config import is needed."""
 
 from __future__ import annotations
 
@@ -47,11 +45,11 @@ class ModelShape(Protocol):
 
 
 class HfConfigRefused(ValueError):
-    """A config.json this family cannot hold; the message names the key (the caller names the source)."""
+    """A config.json this family cannot hold; the message names the key."""
 
 
 def require(hf: Mapping[str, Any], **expected: Any) -> None:
-    """Keys whose value must be `expected` where present (absent: transformers' default, the expected one)."""
+    """Keys whose value, where present, must be `expected` (transformers' default when absent)."""
     for key, want in expected.items():
         if key in hf and hf[key] != want:
             raise HfConfigRefused(
@@ -60,7 +58,7 @@ def require(hf: Mapping[str, Any], **expected: Any) -> None:
 
 
 class ModelFamily:
-    """One family's torch-free rules. Subclasses set the names and override the methods they need."""
+    """One family's torch-free rules; subclasses set names and override what they need."""
 
     name: str = ""
     """The value of `model.arch` that selects this family."""
@@ -74,7 +72,7 @@ class ModelFamily:
     """BOS and EOS ids of an export without tokenizer files."""
 
     def check(self, cfg: ModelShape) -> None:
-        """Refuse, with ValueError, a shape this family's blocks cannot build (after the shared checks)."""
+        """Refuse, with ValueError, a shape this family's blocks cannot build."""
 
     def block_params(self, cfg: ModelShape) -> int:
         """Parameters of one transformer block."""
@@ -85,15 +83,14 @@ class ModelFamily:
         raise NotImplementedError
 
     def fields_from_hf(self, hf: Mapping[str, Any], rope: Mapping[str, Any]) -> dict[str, Any]:
-        """The family's own `ModelConfig` fields from a config.json (`n_kv_heads`, `norm_eps`, `rotary_fraction`,
-        `tie_embeddings`); `rope` holds the RoPE settings under either transformers naming. HfConfigRefused for
+        """The family's own `ModelConfig` fields from a config.json; `rope` holds its RoPE settings. HfConfigRefused for
         what the family cannot hold."""
         raise NotImplementedError
 
     def hf_config(self, cfg: ModelShape, bos_id: int | None, eos_id: int | None) -> dict[str, Any]:
-        """The keyword arguments of `hf_config_class` that describe the same network as `cfg`."""
+        """The `hf_config_class` keyword arguments describing the same network as `cfg`."""
         raise NotImplementedError
 
     def hf_config_attributes(self, cfg: ModelShape) -> dict[str, Any]:
-        """Attributes set on the built config after construction (names older transformers read)."""
+        """Attributes set on the built config afterwards (names older transformers read)."""
         return {}

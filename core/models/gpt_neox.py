@@ -1,8 +1,6 @@
-"""The GPT-NeoX family's torch-free rules: its shape checks, parameter count and GPTNeoXForCausalLM mapping.
+"""The GPT-NeoX family's torch-free rules: shape checks, parameter count and GPTNeoXForCausalLM mapping.
 
-Blocks: parallel residual, LayerNorm with bias, biased attention, GeLU MLP, partial rotary
-(training/models/gpt_neox.py). Multi-head attention only, untied embeddings.
-"""
+Multi-head attention only, untied embeddings (blocks: training/models/gpt_neox.py)."""
 
 from __future__ import annotations
 
@@ -20,8 +18,7 @@ class GptNeox(ModelFamily):
     special_ids = (0, 0)  # GPT-NeoX's tokenizer's <|endoftext|>
 
     def check(self, cfg: ModelShape) -> None:
-        """Multi-head attention, untied embeddings, and a rotated width that divides the head (the blocks rotate
-        each run of that many dims, the first with the frequencies)."""
+        """Multi-head attention, untied embeddings, and a rotated width that divides the head."""
         head_dim = cfg.head_dim
         rotated = int(head_dim * cfg.rotary_fraction)
         if cfg.kv_heads != cfg.n_heads:
@@ -38,7 +35,7 @@ class GptNeox(ModelFamily):
             )
 
     def block_params(self, cfg: ModelShape) -> int:
-        """Q, K, V and O d x d with biases (4d), the GeLU MLP (two matrices, biases f + d), two LayerNorms (4d)."""
+        """Q, K, V, O d x d with biases, the GeLU MLP with biases, two LayerNorms."""
         d, f = cfg.d_model, cfg.ffn_hidden
         return 4 * d * d + 4 * d + 2 * d * f + f + d + 4 * d
 
@@ -84,7 +81,7 @@ class GptNeox(ModelFamily):
         }
 
     def hf_config_attributes(self, cfg: ModelShape) -> dict[str, Any]:
-        """`rotary_pct` and `rotary_emb_base`: the names transformers before 5 reads (5 reads rope_parameters)."""
+        """`rotary_pct` and `rotary_emb_base`: what transformers before 5 reads."""
         return {"rotary_pct": cfg.rotary_fraction, "rotary_emb_base": cfg.rope_theta}
 
 

@@ -1,8 +1,7 @@
-"""Which model a run's jobs build: decided here once, for the train flow and for every job.
+"""Which model a run's jobs build: decided here once, for the train flow and every job.
 
-The stored config keeps what the user wrote. A job's model follows the imported checkpoint's family and shape,
-then the pretrained tokenizer's vocabulary; the checkpoint's embedding must then fit.
-"""
+The stored config keeps what the user wrote. A job's model follows the imported checkpoint, then the pretrained
+tokenizer's vocabulary; the checkpoint's embedding must fit."""
 
 from __future__ import annotations
 
@@ -17,13 +16,10 @@ from hlat.core.init_from import check_embedding_rows, model_follows_checkpoint
 def job_model(
     cfg: HlatConfig, checkpoint: Mapping[str, Any] | None, tokenizer_vocab: int | None
 ) -> tuple[HlatConfig, list[str]]:
-    """The config a job builds its model from, and one line per change, in order.
+    """The config a job builds its model from, and one line per change.
 
-    `checkpoint` is the imported config.json (None: nothing imported yet). `tokenizer_vocab` is the run's tokenizer's
-    size (None: not known yet). With model.init_from, the checkpoint decides family and shape
-    (`model_follows_checkpoint`). With tokenizer.pretrained, model.vocab_size is the tokenizer's
-    (`model_follows_tokenizer`), and the imported embedding must fit it (`check_embedding_rows`). A trained
-    tokenizer's run keeps its config. ValueError (ConfigError, InitFromError) when the result cannot be built."""
+    `checkpoint` is the imported config.json and `tokenizer_vocab` the tokenizer's size (None: not known yet).
+    ValueError (ConfigError, InitFromError) when the result cannot be built."""
     lines: list[str] = []
     imported = checkpoint if cfg.model.init_from is not None else None
     if imported is not None:

@@ -1,8 +1,6 @@
 """The LLaMA family's torch-free rules: parameter count and the LlamaForCausalLM config.json mapping.
 
-Blocks: pre-norm RMSNorm, grouped-query attention without biases, SwiGLU MLP, RoPE (training/models/llama.py).
-Partial rotary exports as a longrope whose per-pair divisors give hlat's frequencies (`rope_parameters`).
-"""
+Partial rotary exports as a longrope whose divisors give hlat's frequencies (`rope_parameters`)."""
 
 from __future__ import annotations
 
@@ -12,14 +10,14 @@ from typing import Any
 from hlat.core.models.base import ModelFamily, ModelShape, require
 
 UNROTATED = 1e30
-"""The longrope divisor of a pair that does not rotate: finite, so config.json stays JSON (docs/models.md)."""
+"""The longrope divisor of a pair that does not rotate: finite, so config.json stays JSON."""
 
 
 def rope_parameters(cfg: ModelShape) -> dict[str, Any]:
-    """HF Llama's `rope_parameters` for `cfg`: the default RoPE, or for partial rotary a longrope.
+    """HF Llama's `rope_parameters` for `cfg`: default RoPE, or a longrope for partial rotary.
 
-    Llama turns pair i at 1 / (f_i * theta^(2i/d)). hlat turns its first r/2 pairs at theta^(-2i/r) and the
-    others not at all. So f_i = theta^(2i/r - 2i/d) for i < r/2, and UNROTATED beyond."""
+    Llama turns pair i at 1 / (f_i * theta^(2i/d)); hlat turns its first r/2 pairs at theta^(-2i/r). So f_i =
+    theta^(2i/r - 2i/d) for i < r/2, and UNROTATED beyond."""
     if cfg.rotary_fraction == 1.0:
         return {"rope_type": "default", "rope_theta": cfg.rope_theta}
     d = cfg.head_dim
@@ -44,7 +42,7 @@ class Llama(ModelFamily):
     special_ids = (1, 2)  # the sentencepiece ids of <s> and </s> (infra/tokenizer.py): the run's own tokenizer
 
     def block_params(self, cfg: ModelShape) -> int:
-        """Attention with GQA (Q and O d x d, K and V d x kv_dim), SwiGLU (three d x ffn_hidden), two RMSNorms."""
+        """GQA attention (Q, O: d x d; K, V: d x kv_dim), SwiGLU (three d x ffn_hidden), two RMSNorms."""
         d, f, kv_dim = cfg.d_model, cfg.ffn_hidden, cfg.kv_heads * cfg.head_dim
         return 2 * d * d + 2 * d * kv_dim + 3 * d * f + 2 * d
 

@@ -1,9 +1,7 @@
-"""Export a trained `training.model.Transformer` as a Hugging Face checkpoint of its family, and read one back.
+"""Export a `training.model.Transformer` as a Hugging Face checkpoint of its family, and read one back.
 
-Each family's HF tensor names and layout live in its module (training/models/); this module applies them.
-The exported folder (config.json, generation_config.json, model.safetensors, tokenizer files when given) loads
-offline with the family's `from_pretrained`, e.g. for lm-eval-harness. The padded vocabulary rows are dropped.
-BOS and EOS ids come from the tokenizer's own files (`special_token_ids`). docs/models.md has the mappings' details.
+Each family's HF names and layout live in training/models/; this module applies them (docs/models.md). The folder loads
+offline with `from_pretrained`; padded vocabulary rows are dropped. BOS and EOS ids come from the tokenizer's own files.
 """
 
 from __future__ import annotations
@@ -75,12 +73,10 @@ def hf_names(ours: str, family: FamilyModules) -> tuple[str, ...]:
 
 
 def to_hf_state_dict(model: nn.Module | Mapping[str, Tensor], cfg: ModelConfig | None = None) -> dict[str, Tensor]:
-    """Our tensors under HF names (sharing storage with the model, except GPT-NeoX's fused QKV, which is built).
+    """Our tensors under HF names, sharing storage except GPT-NeoX's built fused QKV.
 
-    Accepts a `Transformer` or its state dict (e.g. from a checkpoint) with its `cfg` (default: the model's own;
-    a state dict without one is taken as an unpadded llama). The padded vocabulary rows are dropped. A tied output
-    projection (the same tensor as the embedding) is left out, as HF's own `save_pretrained` does; HF ties it on load.
-    """
+    Takes a `Transformer` or a state dict with its `cfg` (default: unpadded llama). Padded rows are dropped. A tied
+    output projection is left out, as HF's `save_pretrained` does."""
     if cfg is None and isinstance(model, Transformer):
         cfg = model.cfg
     state = model.state_dict() if isinstance(model, nn.Module) else dict(model)
@@ -100,10 +96,8 @@ def to_hf_state_dict(model: nn.Module | Mapping[str, Tensor], cfg: ModelConfig |
 
 
 def from_hf_state_dict(state_dict: Mapping[str, Tensor], cfg: ModelConfig | None = None) -> dict[str, Tensor]:
-    """HF Llama or GPT-NeoX tensors under our names, ready for `Transformer.load_state_dict` (the inverse of
-    `to_hf_state_dict`). Without `lm_head.weight` (tied embeddings) the output projection is the embedding. With
-    `cfg` (needed for GPT-NeoX, whose fused QKV is split by heads) the vocabulary is padded with zero rows up to
-    `cfg.padded_vocab_size` (rows no token reaches and the loss masks)."""
+    """HF Llama or GPT-NeoX tensors under our names, the inverse of `to_hf_state_dict`. Without `lm_head.weight` the
+    output is the embedding. `cfg` (needed for GPT-NeoX) pads the vocabulary with zero rows."""
     family = hf_state_family(state_dict)
     configured = modules_of(cfg) if cfg is not None else family
     if configured is not family:
@@ -128,13 +122,9 @@ def _pad_rows(t: Tensor, rows: int) -> Tensor:
 def export_hf(
     model: Transformer | Mapping[str, Tensor], cfg: ModelConfig, out_dir: str | Path, tokenizer_dir: str | None = None
 ) -> Path:
-    """Write `out_dir` as a float32 HF checkpoint that `LlamaForCausalLM.from_pretrained` (arch llama) or
-    `GPTNeoXForCausalLM.from_pretrained` (gpt_neox) loads offline.
+    """Write `out_dir` as a float32 HF checkpoint that the family's `from_pretrained` loads offline.
 
-    `model` is a `Transformer` built from `cfg`, or its (full, gathered) state dict. Tokenizer files found
-    in `tokenizer_dir` (see TOKENIZER_FILES) are copied alongside, and BOS/EOS are theirs (`special_token_ids`).
-    Returns the output folder.
-    """
+    `model` is a `Transformer` or its full state dict. Tokenizer files in `tokenizer_dir` are copied too."""
     from safetensors.torch import save_file
     from transformers import GenerationConfig
 
@@ -168,7 +158,7 @@ def export_hf(
 
 
 def _check_shapes(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> None:
-    """Every tensor HF expects is there with its shape, so a mismatched config fails here, not on load."""
+    """Check every tensor HF expects is there with its shape, so a bad config fails here."""
     expected = modules_of(cfg).hf_shapes(cfg)
     got = {name: tuple(t.shape) for name, t in tensors.items()}
     if got != expected:
@@ -182,10 +172,8 @@ def _check_shapes(tensors: Mapping[str, Tensor], cfg: ModelConfig) -> None:
 
 
 def special_token_ids(tokenizer_dir: str | Path) -> tuple[int | None, int | None]:
-    """(BOS id, EOS id) of the Hugging Face tokenizer in `tokenizer_dir`, from its own files: the tokens that
-    tokenizer_config.json (else special_tokens_map.json) names, looked up in its added tokens and tokenizer.json's
-    vocabulary. A token the files do not name (or map) is None, unless the folder is a sentencepiece tokenizer
-    (tokenizer.model, as the run's own tokenizer stage writes): then <s> = 1 and </s> = 2, its fixed ids."""
+    """(BOS id, EOS id) of the HF tokenizer in `tokenizer_dir`, from its own files; None where not named. A
+    sentencepiece folder (tokenizer.model) has <s> = 1 and </s> = 2."""
     folder = Path(tokenizer_dir)
     names: dict[str, Any] = {}
     for file in ("special_tokens_map.json", "tokenizer_config.json"):  # the latter wins
@@ -209,8 +197,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _token_ids(folder: Path) -> dict[str, int]:
-    """Token -> id from a tokenizer folder's files: tokenizer.json's vocabulary (a dict for BPE/WordPiece, a list of
-    [piece, score] for Unigram) and added tokens, tokenizer_config.json's added_tokens_decoder."""
+    """Token -> id from a tokenizer folder's tokenizer.json vocabulary and added tokens."""
     ids: dict[str, int] = {}
     tokenizer = _read_json(folder / TOKENIZER_JSON)
     vocab = tokenizer.get("model", {}).get("vocab")
@@ -230,11 +217,8 @@ def _same_storage(a: Tensor, b: Tensor) -> bool:
 
 # -- from a run's checkpoint ------------------------------------------------------------------------------------
 def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
-    """The checkpoint's shared state (with the model's dense state dict) and the run config saved with it. A
-    checkpoint of a split model (one shard per tensor/pipeline-parallel position) is consolidated: each TP rank's
-    pipeline stages merged, then every parameter's slices put back together
-    (`training.parallel.tensor_slices.consolidate`); an FSDP2 checkpoint's shards are gathered from its
-    torch.distributed.checkpoint files."""
+    """The checkpoint's shared state (with the dense model state dict) and its run config. TP, PP and FSDP2 checkpoints
+    are consolidated first (`tensor_slices.consolidate`)."""
     manager = CheckpointManager(ref.checkpoints, keep_last=1)
     if manager.read_meta(ref.step).get("distributed"):
         # FSDP2: every rank's shards of the model, gathered from torch.distributed.checkpoint's files.
@@ -261,7 +245,7 @@ def read_checkpoint(ref: CheckpointRef) -> tuple[dict[str, Any], HlatConfig]:
 
 
 def load_checkpoint_model(ref: CheckpointRef, device: str | torch.device = "cpu") -> tuple[Transformer, HlatConfig]:
-    """The checkpoint's model (eval mode, the dtype it was saved in) and the run config saved with it."""
+    """The checkpoint's model (eval mode, saved dtype) and its run config."""
     shared, config = read_checkpoint(ref)
     model = Transformer(config.model, device="meta")
     model.to_empty(device=device)
@@ -277,16 +261,10 @@ def export_checkpoint(
     tokenizer: str | None = None,
     build_tokenizer_json: Callable[[str, str, int], object] | None = None,
 ) -> tuple[Path, CheckpointRef]:
-    """`hlat export`: write the checkpoint `source` (see `locate_checkpoint`) as a Hugging Face Llama or GPT-NeoX
-    folder with the run's tokenizer files (from `tokenizer`, a folder or s3:// URI, else `<run>/tokenizer/`).
+    """`hlat export`: write checkpoint `source` as an HF folder with the run's tokenizer files.
 
-    The folder must load with `AutoTokenizer.from_pretrained` as it is: that takes `tokenizer.json` (without it
-    transformers would convert the sentencepiece model itself, through protobuf, and fall back to other
-    defaults). When the tokenizer folder has none (a tokenizer made elsewhere, or before the stage wrote one),
-    `build_tokenizer_json(tokenizer.model, folder, max_length)` writes it (the CLI passes
-    `infra.tokenizer.export_hf_tokenizer`, the tokenizer stage's own); without it the export is refused. A
-    pretrained tokenizer's folder may hold tokenizer.json and no sentencepiece tokenizer.model: it is exported as
-    it is."""
+    `AutoTokenizer.from_pretrained` needs tokenizer.json; when missing, `build_tokenizer_json` writes it. Without it the
+    export is refused."""
     ref = locate_checkpoint(source, step)
     shared, config = read_checkpoint(ref)
     hf_config(config.model)  # refuse an unexportable model before fetching anything else

@@ -1,37 +1,11 @@
-"""Start a run from a Hugging Face `LlamaForCausalLM` or `GPTNeoXForCausalLM` checkpoint (`model.init_from`), in
-whatever layout the job's model has: each rank reads the tensors its own parameters need, one at a time.
+"""Start a run from a Hugging Face Llama or GPT-NeoX checkpoint (`model.init_from`), in any layout.
 
-The checkpoint is read as safetensors (https://huggingface.co/docs/safetensors: a file is an 8-byte little-endian
-header length N, N bytes of JSON mapping each tensor's name to its dtype, shape and `data_offsets` [begin, end) within
-the byte buffer that follows the header, then that buffer). `SafetensorsReader` finds every tensor's file (the
-`weight_map` of `model.safetensors.index.json`, or the one `model.safetensors`), parses each file's header from two
-ranged reads, and reads one tensor's bytes at a time with `Storage.read_range` (one ranged GET on S3): no file is
-ever read whole, and it counts what it read.
-
-`import_weights(trainer)` fills this rank's parameters from it (`fill_parameters`), walking the dense model's
-parameters (`tensor_slices.dense_parameters`) in order and, for each this rank holds, reading its HF tensor (the
-names of `hf_export`, in reverse), padding the vocabulary rows with zeros up to `model.padded_vocab_size` as
-`hf_export.from_hf_state_dict` does, and keeping the rank's part of it:
-- dense (one process, DDP, XLA): the whole tensor;
-- NxD tensor parallelism: the rank's slice, by the same rules the model's initialisation slices with
-  (`Layers.shard`: `tensor_slices.shard`), under the rank's local name (`Layers.local_name`);
-- NxD pipeline parallelism: only the parameters of this rank's stage (NxDPPModel's `local_named_parameters`, under
-  their original names), each sliced as above;
-- FSDP2: the rank's shard of each DTensor parameter (`distribute_tensor(..., src_data_rank=None)`: every rank cuts
-  its own shard from the tensor it read, no collective).
-GPT-NeoX's fused `query_key_value` is read once and split into our q, k, v projections (its family's `split_hf`); it is
-held until its three parts are filled, then dropped. So a rank holds its own parameters plus one checkpoint tensor
-(a padded embedding: its copy too; under TP: its slice too) at a time. Values are copied into the parameters' dtype
-(a bf16-sr model is BF16). On XLA the copy into a device parameter is a host-to-device transfer, as loading a
-checkpoint's state dict is: no computation is left pending for the loop's first graph. ZeRO-1's master weights,
-made from the parameters when the optimizer was built, are made again from the imported ones (the optimizer has
-taken no step).
-
-Every parameter of the rank is filled exactly once; a tensor the model needs that the checkpoint lacks, a shape that
-differs from the config's, or a tensor the model does not take (other than known non-parameters: rotary `inv_freq`
-buffers, GPT-NeoX's saved causal-mask buffers, a tied LLaMA's duplicate `lm_head`) fails the job in one line naming
-model.init_from.
-"""
+Each rank reads only the tensors its parameters need, one at a time, by ranged reads of the safetensors
+(https://huggingface.co/docs/safetensors); no file is read whole. `import_weights(trainer)` fills this rank's
+parameters: whole (dense), its TP slice, its PP stage's, or its FSDP2 shard. Slicing follows `tensor_slices.shard`, the
+same rules as initialisation; vocabulary rows are zero-padded. Every parameter is filled exactly once. A missing,
+misshapen or unknown tensor fails in one line naming model.init_from. docs/training.md ("Published
+weights") has the details."""
 
 from __future__ import annotations
 
@@ -88,22 +62,16 @@ class TensorEntry:
 
 NODE_SCRATCH_ENV = "HLAT_NODE_SCRATCH"
 SAGEMAKER_SCRATCH = "/opt/ml/input/data"
-"""A SageMaker job's node-local disk: the instance storage (trn1.32xlarge: 4 x 1900 GB NVMe), as for the Neuron
-cache's node-local copy (training/compile_cache.py)."""
+"""A SageMaker job's node-local disk (instance NVMe), as the Neuron cache's node-local copy uses."""
 NODE_SHARE_TIMEOUT_S = 1800.0
 
 
 class NodeShare:
-    """One read per node of each tensor: the local ranks of a node share what any of them read from remote storage
-    through a folder on the node's disk.
+    """One read per node of each tensor: a node's local ranks share what any of them read, via a folder on its disk.
 
-    Under tensor parallelism every rank of a stage needs the same full tensors (each keeps its slice): read from S3
-    by each, a trn1 host's 32 ranks would fetch its stage 32 times (560 GB per host for LLaMA-2 70B at TP 32 x PP 8)
-    in 32 times the GETs, which S3 throttles past 5,500 a second per prefix. Here the first local rank to ask for a
-    byte range claims it (an O_EXCL file), reads it once and writes it into the folder (renamed into place when
-    whole); the others wait for the file and read it from the disk. No collective is needed (the process group may
-    not be up, and none of its ranks holds more than one tensor). The folder is this job's (`node_job_token`): a
-    relaunch never waits on a claim a dead job left; the last local rank to finish removes it."""
+    Under TP every rank of a stage needs the same full tensors; S3 throttles past 5,500 GETs a second per prefix. The
+    first rank to ask claims a byte range (an O_EXCL file), reads it and writes it; the others wait and read it. No
+    collective is used. The folder is this job's (`node_job_token`), so a relaunch never waits on a dead claim."""
 
     def __init__(self, folder: str, local_rank: int, local_world: int, timeout_s: float = NODE_SHARE_TIMEOUT_S):
         self.folder, self.local_rank, self.local_world, self.timeout_s = folder, local_rank, local_world, timeout_s
@@ -113,8 +81,7 @@ class NodeShare:
 
     @classmethod
     def for_job(cls, location: str, sha256: str) -> NodeShare | None:
-        """The share of this job's local ranks, when it has several and the weights are remote (torchrun's
-        LOCAL_RANK, LOCAL_WORLD_SIZE); None otherwise (a local folder is read in place)."""
+        """The share of this job's local ranks when there are several and the weights are remote; else None."""
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
         if local_world <= 1 or Storage(location).is_local:
             return None
@@ -174,16 +141,15 @@ class NodeShare:
 
 
 class SafetensorsReader:
-    """The tensors of a Hugging Face safetensors checkpoint in `store` (a folder or an s3:// prefix), one at a time
-    (the module docstring). `source` (model.init_from) names the checkpoint in errors. `bytes_read`, `reads` and
-    `largest_read` count every ranged read made."""
+    """A safetensors checkpoint in `store` (folder or s3://), read one tensor at a time. `source` names it in errors;
+    `bytes_read`, `reads` and `largest_read` count the reads."""
 
     def __init__(self, store: Storage, source: str = "", share: NodeShare | None = None) -> None:
         if sys.byteorder != "little":
             raise RuntimeError("safetensors files are little-endian; this host is not")
         self.store = store
         self.share = share
-        """With a NodeShare, tensor data is read once per node (headers and the index by every rank: a few KB)."""
+        """With a NodeShare, tensor data is read once per node."""
         self.source = source or store.uri()
         self.bytes_read = 0
         self.reads = 0
@@ -210,8 +176,7 @@ class SafetensorsReader:
         return set(self.weight_map)
 
     def _read(self, file: str, start: int, end: int, what: str = "tensor") -> bytes:
-        """Bytes [start, end) of `file`: one ranged read (a tensor's through the node's share, when there is one); a
-        missing or short file is a one-line error."""
+        """Bytes [start, end) of `file` in one ranged read; a missing or short file is a one-line error."""
         try:
             if self.share is not None and what == "tensor":
                 data = self.share.read(f"{file}:{start}:{end}", lambda: self.store.read_range(file, start, end))
@@ -294,16 +259,13 @@ _VOCAB = ("embed.weight", "output.weight")
 
 
 def hf_names(name: str, cfg: ModelConfig) -> tuple[str, ...]:
-    """The checkpoint tensor(s) that dense parameter `name` comes from, any one of which may hold it (the family's
-    names, then its aliases: GPT-NeoX's output projection is `embed_out` in its files, `lm_head` in transformers
-    5's)."""
+    """The checkpoint names that dense parameter `name` may be stored under: the family's, then its aliases."""
     family = modules_of(cfg)
     return tuple(hf for ours in family.hf_sources(name) for hf in export_names(ours, family))
 
 
 class _DenseTensors:
-    """The dense model's tensors from the checkpoint, each read when asked for; only the last tensor read is kept
-    (GPT-NeoX's fused QKV, whose three parts are asked for in turn)."""
+    """The dense model's tensors, read when asked; only the last is kept (for GPT-NeoX's fused QKV)."""
 
     def __init__(self, reader: SafetensorsReader, cfg: ModelConfig) -> None:
         self.reader, self.cfg = reader, cfg
@@ -340,16 +302,14 @@ class _DenseTensors:
 
 
 def rank_parameters(trainer: Any) -> dict[str, nn.Parameter]:
-    """This rank's parameters under the model's (local) names: its pipeline stage's only under NxD's pipeline
-    (NxDPPModel gives them their original names), else the whole model's (TP slices, FSDP2's DTensors)."""
+    """This rank's parameters under the model's local names (its stage's only under NxD's pipeline)."""
     if trainer.world.layout.pipeline > 1:
         return dict(trainer.wrapped.local_named_parameters())
     return dict(trainer.model.named_parameters())
 
 
 def _local_targets(model: Transformer, params: Mapping[str, nn.Parameter]) -> Iterator[tuple[DenseParameter, str]]:
-    """(dense parameter, local name) for every parameter in `params`, in the dense model's order. A tied output
-    projection held as its own parameter (a last pipeline stage's copy of the embedding) is the embedding's."""
+    """(dense parameter, local name) per entry of `params`, in model order; a tied output copy is the embedding's."""
     cfg = model.cfg
     dense = dense_parameters(cfg)
     local = {model.parallel.local_name(p.name): p for p in dense}
@@ -365,8 +325,7 @@ def _local_targets(model: Transformer, params: Mapping[str, nn.Parameter]) -> It
 
 
 def check_names(reader: SafetensorsReader, cfg: ModelConfig) -> None:
-    """Every tensor the model needs is in the checkpoint, and every tensor there is one the model takes or a known
-    non-parameter (the family's `hf_non_parameters`; a tied LLaMA's `lm_head`): one line listing what is wrong."""
+    """Check that the checkpoint holds every needed tensor and nothing unknown; one line says what is wrong."""
     available, family = reader.names(), modules_of(cfg).name
     needed: set[str] = set()
     lacking: list[str] = []
@@ -410,8 +369,7 @@ def _copy(param: nn.Parameter, value: Tensor, name: str) -> None:
 
 
 def fill_parameters(model: Transformer, params: Mapping[str, nn.Parameter], reader: SafetensorsReader) -> int:
-    """Fill `params` (this rank's parameters of `model`, under the model's local names) from the checkpoint;
-    return how many checkpoint tensors were read. Each exactly once, or a clear error."""
+    """Fill `params` from the checkpoint, each exactly once, and return how many tensors were read."""
     cfg = model.cfg
     check_names(reader, cfg)
     tensors = _DenseTensors(reader, cfg)
@@ -434,9 +392,7 @@ def fill_parameters(model: Transformer, params: Mapping[str, nn.Parameter], read
 
 
 def _refresh_zero1_masters(optimizer: Any) -> None:
-    """ZeRO-1 (torch-xla's ZeroRedundancyOptimizer under NxD's wrapper) made its master-weight shards from the
-    parameters when it was built; `init_zero` makes them again from the imported ones, as its `load_state_dict`
-    does before loading a checkpoint's state. The optimizer has taken no step, so nothing else is lost."""
+    """Rebuild ZeRO-1's master-weight shards from the imported parameters (as its `load_state_dict` does)."""
     zero1 = getattr(optimizer, "optimizer", optimizer)
     init_zero = getattr(zero1, "init_zero", None)
     if init_zero is None:
@@ -445,10 +401,8 @@ def _refresh_zero1_masters(optimizer: Any) -> None:
 
 
 def import_weights(trainer: Any) -> dict[str, Any]:
-    """Fill the trainer's parameters on this rank from the run's imported checkpoint (`core.init_from.import_record`:
-    its `location`), whatever the layout (the module docstring); log once what was read. Returns
-    {"source", "sha256", "tensors", "parameters", "bytes", "reads", "fetched" (tensor reads this rank made from remote
-    storage for its node, `NodeShare`; None without one), "largest_read", "seconds"}."""
+    """Fill this rank's parameters from the run's imported checkpoint, in any layout, and log what was read. Returns
+    {"source", "sha256", "tensors", "parameters", "bytes", "reads", "fetched", "largest_read", "seconds"}."""
     began = time.perf_counter()
     cfg = trainer.cfg
     record = import_record(trainer.run)

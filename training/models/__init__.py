@@ -1,7 +1,4 @@
-"""The model families' torch code, by `model.arch`: the one place training asks which family a model is.
-
-Each family is one module here and one in core/models/ (its torch-free rules); docs/models.md says how to add one.
-"""
+"""The model families' torch code, by `model.arch`: the one place training asks which family a model is."""
 
 from __future__ import annotations
 
@@ -15,7 +12,7 @@ from hlat.training.models.gpt_neox import GPT_NEOX
 from hlat.training.models.llama import LLAMA
 
 FAMILIES: dict[str, FamilyModules] = {modules.name: modules for modules in (LLAMA, GPT_NEOX)}
-"""Every family's torch code by its `model.arch` name. A new family adds its entry here."""
+"""Every family's torch code by `model.arch`; a new family adds its entry here."""
 
 __all__ = ["FAMILIES", "FamilyModules", "hf_config", "hf_state_family", "modules_of", "norm_classes"]
 
@@ -27,7 +24,7 @@ def modules_of(cfg: ModelConfig) -> FamilyModules:
 
 
 def hf_state_family(names: Iterable[str]) -> FamilyModules:
-    """The family whose HF tensor names these are (by `hf_prefix`); the default family when none matches."""
+    """The family whose HF tensor names these are (by `hf_prefix`); the default when none matches."""
     names = list(names)
     for modules in FAMILIES.values():
         if modules.name != DEFAULT and any(name.startswith(modules.hf_prefix) for name in names):
@@ -41,7 +38,6 @@ def norm_classes() -> list[type]:
 
 
 def hf_config(cfg: ModelConfig) -> Any:
-    """The transformers config describing the same network as `cfg` (its family's config class), with the
-    family's BOS and EOS ids (`ModelFamily.special_ids`)."""
+    """The transformers config of the same network as `cfg`, with the family's BOS and EOS ids."""
     modules = modules_of(cfg)
     return build_hf_config(modules, cfg, *modules.core.special_ids)

@@ -1,9 +1,7 @@
 """What a model family decides with torch: its blocks' parts, TP slicing rules and HF weight names.
 
-A family subclasses `FamilyModules` in its own module and is registered in `training/models/__init__.py`.
-The shared pieces every family uses live here: `Layers` (where linear layers come from) and `DenseParameter`.
-docs/models.md lists every piece of a family and where it lives.
-"""
+A family subclasses `FamilyModules` and is registered in `training/models/__init__.py`. `Layers` and `DenseParameter`
+are shared by all families; docs/models.md lists every piece."""
 
 from __future__ import annotations
 
@@ -30,14 +28,12 @@ class DenseParameter:
     name: str
     shape: tuple[int, ...]
     init: Init
-    """'normal': N(0, init_std); 'output': N(0, init_std / sqrt(2 * n_layers)) with scale_output_init, else as
-    'normal'; 'ones'; 'zeros' (biases)."""
+    """'normal': N(0, init_std); 'output': scaled by 1/sqrt(2 * n_layers) with scale_output_init; 'ones'; 'zeros'."""
     kind: Kind
 
 
 class Layers(Protocol):
-    """Where the model's linear and embedding layers come from, and how its parameters are split (see
-    `DenseLayers`; `training.parallel.neuron.NxdLayers` for tensor parallelism)."""
+    """Where linear and embedding layers come from and how they split (`DenseLayers`, or NxD's `NxdLayers`)."""
 
     tensor: int
     """The tensor-parallel degree: how many ranks share each layer."""
@@ -55,8 +51,7 @@ class Layers(Protocol):
     def shard(self, param: DenseParameter, full: Tensor) -> Tensor: ...
 
     def cross_entropy(self, logits: Tensor, targets: Tensor) -> Tensor:
-        """Mean cross-entropy, in FP32, of the output layer's logits (B, T, V; this rank's slice of the vocabulary
-        when the layers split it) against targets (B, T)."""
+        """Mean FP32 cross-entropy of logits (B, T, V or this rank's vocabulary slice) against targets (B, T)."""
         ...
 
 
@@ -91,10 +86,7 @@ class DenseLayers:
 
 
 class FamilyModules:
-    """One family's torch code. Subclasses set the names and override the methods they need.
-
-    The model (training/model.py) builds every block from these parts: the family's norm and MLP, attention with or
-    without biases, and a sequential or parallel residual."""
+    """One family's torch code; subclasses set names and override what they need."""
 
     core: ModelFamily
     """The family's torch-free rules (core/models/<family>.py)."""
@@ -130,8 +122,7 @@ class FamilyModules:
         return None
 
     def rope_angles(self, cfg: ModelConfig, positions: Tensor, exponents: Tensor) -> Tensor:
-        """Angles (T, head_dim) float64 of each position and head dim; `exponents` is 2i/r for the r/2 rotated
-        pairs. Default: the LLaMA pairing, dims i and i + head_dim/2 share pair i's angle."""
+        """Angles (T, head_dim) float64; `exponents` is 2i/r per rotated pair. Default: LLaMA's pairing (i, i + d/2)."""
         inv_freq = torch.zeros(cfg.head_dim // 2, dtype=torch.float64, device="cpu")  # (head_dim/2,)
         inv_freq[: exponents.shape[0]] = torch.pow(cfg.rope_theta, -exponents)
         angles = torch.outer(positions, inv_freq)  # (T, head_dim/2)

@@ -1,9 +1,7 @@
-"""The GPT-NeoX family's torch code: LayerNorm and the GeLU MLP, partial rotary, TP rules and HF weight names.
+"""The GPT-NeoX family's torch code: LayerNorm, GeLU MLP, partial rotary, TP rules and HF weight names.
 
-Its blocks follow HF `GPTNeoXForCausalLM` with `use_parallel_residual`. HF fuses Q, K and V into one
-`query_key_value` whose rows are laid out per head, (n_heads, 3, head_dim): `fuse_qkv` and `split_qkv`.
-Partial rotary turns each run of `r` head dims; only the first run has frequencies (docs/models.md).
-"""
+Blocks follow HF `GPTNeoXForCausalLM` with `use_parallel_residual`. HF fuses Q, K and V per head, (n_heads, 3,
+head_dim): see `fuse_qkv` and `split_qkv`."""
 
 from __future__ import annotations
 
@@ -20,7 +18,7 @@ from hlat.training.models.base import DenseParameter, FamilyModules, Layers, bui
 
 
 class LayerNorm(nn.Module):
-    """LayerNorm with a learned scale and bias (GPT-NeoX's), as torch's nn.LayerNorm computes it."""
+    """LayerNorm with a learned scale and bias, as nn.LayerNorm computes it."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -50,8 +48,7 @@ class GeLUMLP(nn.Module):
 
 
 class GeLU(nn.Module):
-    """The exact (erf) GeLU, the GeLU MLP's elementwise part: what 'selective' activation checkpointing recomputes
-    in a gpt_neox block, as it does GatedSiLU in a llama one."""
+    """The exact (erf) GeLU: what 'selective' checkpointing recomputes in a gpt_neox block."""
 
     def forward(self, x: Tensor) -> Tensor:
         return F.gelu(x)
@@ -78,15 +75,13 @@ NAMES = (
     ("output.weight", "embed_out.weight"),
 )
 ALIASES = (("output.weight", "lm_head.weight"),)
-"""Read but never written: transformers 5's GPTNeoXForCausalLM holds the output projection as lm_head."""
+"""Read, never written: transformers 5 names the output projection lm_head."""
 
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def fuse_qkv(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """Our per-layer q_proj, k_proj, v_proj weights and biases as GPT-NeoX's fused `attn.qkv.*`: output rows per
-    head, (n_heads, 3, head_dim), i.e. head h's query, key and value rows in turn (HF GPTNeoXAttention views the
-    output as (..., n_heads, 3 * head_dim) and chunks the last dim in three)."""
+    """Our q, k, v projections as GPT-NeoX's fused `attn.qkv.*`, rows per head (n_heads, 3, head_dim)."""
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         prefix, _, rest = name.partition(".attn.q_proj.")
@@ -100,7 +95,7 @@ def fuse_qkv(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]
 
 
 def split_qkv(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor]:
-    """The inverse of `fuse_qkv`: each `attn.qkv.*` taken apart into q_proj, k_proj and v_proj."""
+    """The inverse of `fuse_qkv`."""
     out: dict[str, Tensor] = {}
     for name, t in state.items():
         prefix, _, rest = name.partition(".attn.qkv.")
@@ -114,7 +109,7 @@ def split_qkv(state: Mapping[str, Tensor], cfg: ModelConfig) -> dict[str, Tensor
 
 
 def _fused(name: str) -> str | None:
-    """The fused `attn.qkv.*` name of a q/k/v projection's parameter (None for any other)."""
+    """The fused `attn.qkv.*` name of a q/k/v parameter (None otherwise)."""
     for proj in _QKV:
         prefix, _, rest = name.partition(f".attn.{proj}.")
         if rest in ("weight", "bias") and prefix.startswith("layers."):
@@ -146,12 +141,11 @@ class GptNeoxModules(FamilyModules):
         return GeLUMLP(cfg, parallel)
 
     def rotary_block(self, cfg: ModelConfig) -> int | None:
-        """The rotated dims of a head, `head_dim * rotary_fraction`: also the width of the runs it turns."""
+        """A head's rotated dims, `head_dim * rotary_fraction`: also the width of each turned run."""
         return round(cfg.head_dim * cfg.rotary_fraction)
 
     def rope_angles(self, cfg: ModelConfig, positions: Tensor, exponents: Tensor) -> Tensor:
-        """The first run of r dims turns (pairs (i, i + r/2) at theta^(-2i/r)); the rest of the head has frequency
-        zero: cos = 1, sin = 0."""
+        """The first run of r dims turns at theta^(-2i/r); the rest of the head does not turn."""
         angles = torch.outer(positions, torch.pow(cfg.rope_theta, -exponents))  # (T, r/2)
         rest = cfg.head_dim - 2 * exponents.shape[0]
         return torch.cat([angles, angles, angles.new_zeros(positions.shape[0], rest)], dim=-1)
@@ -163,9 +157,7 @@ class GptNeoxModules(FamilyModules):
         ]
 
     def block_parameters(self, cfg: ModelConfig, prefix: str) -> list[DenseParameter]:
-        """Biased Q, K, V, O and a biased two-matrix GeLU MLP. A column-parallel layer's bias is split with its
-        output features (Q, K, V heads; fc_in); a row-parallel layer's bias is replicated (added once, after the
-        reduction over the ranks)."""
+        """Biased Q, K, V, O and GeLU MLP. Column-parallel biases split with outputs; row-parallel ones replicate."""
         d, f, p = cfg.d_model, cfg.ffn_hidden, prefix
         return [
             *self.norm_parameters(cfg, f"{p}.attn_norm"),
@@ -234,9 +226,8 @@ GPT_NEOX = GptNeoxModules()
 
 
 def hf_gpt_neox_config(cfg: ModelConfig, bos_id: int | None = 0, eos_id: int | None = 0) -> Any:
-    """The `transformers.GPTNeoXConfig` of an arch=gpt_neox `cfg` (float32 weights, the tokenizer's vocab_size rows;
-    BOS/EOS default to GPT-NeoX's tokenizer's <|endoftext|>, 0). `rotary_pct` and `rotary_emb_base` are also written
-    under those names, which transformers before 5 read (5 reads `rope_parameters`)."""
+    """The `transformers.GPTNeoXConfig` of a gpt_neox `cfg` (float32; BOS/EOS 0, GPT-NeoX's <|endoftext|>). Also writes
+    `rotary_pct` and `rotary_emb_base` for transformers before 5."""
     if cfg.arch != GPT_NEOX.name:
         raise ValueError(f"hf_gpt_neox_config: model.arch={cfg.arch}; use hf_config")
     return build_hf_config(GPT_NEOX, cfg, bos_id, eos_id)

@@ -1,8 +1,6 @@
 """The model a job builds: reads what the run holds and asks `core.models.job.job_model`.
 
-Training, precompile and their checkpoints all use `job_config`, so they agree on the model's shape and on the
-compile cache's key. Rank 0 logs each change once.
-"""
+Training, precompile and checkpoints all use `job_config`, so they agree on shape and compile-cache key."""
 
 from __future__ import annotations
 
@@ -21,8 +19,7 @@ log = logging.getLogger("hlat.models")
 
 
 def job_config(run: Run, cfg: HlatConfig) -> HlatConfig:
-    """The config a job builds its model from (`job_model`): the imported checkpoint's record in the run, and the
-    tokenizer's size (the job's tokenizer channel, or the run). A trained tokenizer's run reads nothing."""
+    """The config a job builds its model from: the run's import record and the tokenizer's size."""
     if cfg.tokenizer.pretrained is None:
         return cfg
     record = import_record(run) if cfg.model.init_from is not None else None

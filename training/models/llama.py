@@ -1,8 +1,6 @@
-"""The LLaMA family's torch code: RMSNorm and SwiGLU, its TP slicing rules and its HF weight names.
+"""The LLaMA family's torch code: RMSNorm, SwiGLU, TP slicing rules and HF weight names.
 
-Its blocks follow HF `LlamaForCausalLM` (rotate_half pairing, `repeat_kv` grouping, float32 RMSNorm statistics),
-so HF import and export are a pure renaming (`NAMES`).
-"""
+Blocks follow HF `LlamaForCausalLM`, so import and export are a pure renaming (`NAMES`)."""
 
 from __future__ import annotations
 
@@ -18,7 +16,7 @@ from hlat.training.models.base import DenseParameter, FamilyModules, Layers, bui
 
 
 class RMSNorm(nn.Module):
-    """Root-mean-square norm with a learned scale; statistics in float32 whatever the input dtype."""
+    """Root-mean-square norm with a learned scale; statistics in float32."""
 
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -36,7 +34,7 @@ class RMSNorm(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    """w2(silu(w1 x) * w3 x): w1 is the gate, w3 the up and w2 the down projection."""
+    """w2(silu(w1 x) * w3 x): gate w1, up w3, down w2."""
 
     def __init__(self, cfg: ModelConfig, parallel: Layers) -> None:
         super().__init__()
@@ -50,8 +48,7 @@ class SwiGLU(nn.Module):
 
 
 class GatedSiLU(nn.Module):
-    """silu(gate) * up: SwiGLU's elementwise part, the other thing 'selective' activation checkpointing
-    recomputes (HLAT's 7B and 70B scripts checkpoint it beside the core attention)."""
+    """silu(gate) * up: SwiGLU's elementwise part, which 'selective' checkpointing recomputes (as HLAT does)."""
 
     def forward(self, gate: Tensor, up: Tensor) -> Tensor:
         return F.silu(gate) * up
@@ -132,8 +129,7 @@ LLAMA = LlamaModules()
 
 
 def hf_llama_config(cfg: ModelConfig, bos_id: int | None = 1, eos_id: int | None = 2) -> Any:
-    """The `transformers.LlamaConfig` describing the same network as `cfg` (float32 weights, the tokenizer's
-    vocab_size rows; partial rotary as a longrope). Another family's config is refused (`hf_config` gives it)."""
+    """The `transformers.LlamaConfig` of the same network as `cfg` (float32; partial rotary as a longrope)."""
     if cfg.arch != LLAMA.name:
         raise ValueError(f"model.arch={cfg.arch} does not export as LlamaForCausalLM (hf_config gives its config)")
     return build_hf_config(LLAMA, cfg, bos_id, eos_id)

@@ -1,30 +1,12 @@
-"""How the model's parameters are split over tensor-parallel ranks: pure functions of the config and the degree.
+"""How parameters split over tensor-parallel ranks: pure functions of the config and the degree.
 
-The model's weights are defined once, densely (`dense_parameters`: every parameter of the single-device model,
-its shape, how it is initialised, and how tensor parallelism splits it). A tensor-parallel rank holds a slice of
-each (`shard`), and an exporter puts the slices back together (`unshard`). The model initialises every parameter
-from its dense tensor (drawn from a generator seeded by the run's seed and the parameter's name) and keeps its
-slice, so a TP run starts from exactly the dense model's weights, whatever the degree; and the layout here is the
-one neuronx-distributed's parallel layers compute with (`training/parallel/neuron.py`), so no import of NxD is needed to
-shard or consolidate a checkpoint.
-
-Each family lists its block's parameters and their kinds (training/models/). Kinds (Megatron's split of a LLaMA
-block, one all-reduce per sub-layer):
-- `column`: the output features are split (w1, w3; the output projection over the vocabulary);
-- `row`: the input features are split (w2);
-- `vocab`: the embedding table's rows (the vocabulary) are split;
-- `replicated`: every rank holds all of it (the norms' scales);
-- `q` / `o`: the query projection's output heads / the output projection's input heads are split, heads kept
-  whole. With more TP ranks than KV heads the heads are reordered as `q_head_order` says (below);
-- `kv`: the key/value projections' heads. With TP <= KV heads they are split like `q`. With more ranks than
-  KV heads every rank holds one head, replicated over `core.parallel.kv_replicas` ranks in trn1's layout of
-  neuronx-distributed's GQAQKVColumnParallelLinear: rank r holds KV head r mod n_kv ("(K0, K1, ..., K7) repeated").
-
-Grouped-query attention pairs query head h with KV head h // (n_heads / n_kv) (HF Llama's grouping). Under trn1's
-replicated layout rank r holds KV head g = r mod n_kv, so it must hold query heads of group g: the j-th replica
-(j = r // n_kv) takes the j-th run of n_heads/tp heads of that group. `q_head_order` lists the dense query heads
-in that rank order; `q` and `o` slices follow it, so attention on every rank sees its own heads' queries and keys.
-"""
+Weights are defined once, densely (`dense_parameters`); a rank holds `shard`s and an exporter calls `unshard`. Each
+dense tensor is seeded by the run seed and its name, so a TP run starts from the dense model's weights. The layout
+matches neuronx-distributed's layers (`training/parallel/neuron.py`) without importing NxD. Kinds (Megatron's split):
+`column` and `row` split output and input features; `vocab` the embedding rows; `replicated` is whole on every rank; `q`
+/ `o` split heads, kept whole; `kv` splits KV heads like `q`. With more ranks than KV heads, rank r holds KV head r mod
+n_kv (NxD's GQAQKVColumnParallelLinear). Then `q_head_order` reorders query heads so each rank holds its KV head's
+group."""
 
 from __future__ import annotations
 
@@ -41,8 +23,7 @@ from hlat.training.models.base import Kind as Kind
 
 
 def dense_parameters(cfg: ModelConfig) -> list[DenseParameter]:
-    """Every parameter of the dense model, in a fixed order (names as in its state dict). The embedding and the
-    output projection have `cfg.padded_vocab_size` rows."""
+    """Every dense parameter in a fixed order, named as in the state dict; vocabulary rows are padded."""
     d, v = cfg.d_model, cfg.padded_vocab_size
     out: list[DenseParameter] = [DenseParameter("embed.weight", (v, d), "normal", "vocab")]
     family = modules_of(cfg)
@@ -55,8 +36,7 @@ def dense_parameters(cfg: ModelConfig) -> list[DenseParameter]:
 
 
 def q_head_order(cfg: ModelConfig, tp: int) -> list[int]:
-    """The dense query heads in the order the TP ranks hold them (rank r: positions r*h .. (r+1)*h - 1, with h =
-    n_heads / tp); the identity unless TP exceeds the KV heads (see the module docstring)."""
+    """The dense query heads in the order TP ranks hold them; the identity unless TP exceeds the KV heads."""
     n_heads, n_kv = cfg.n_heads, cfg.kv_heads
     if tp <= n_kv:
         return list(range(n_heads))
@@ -75,7 +55,7 @@ def _heads(t: torch.Tensor, n: int, dim: int) -> torch.Tensor:
 
 
 def shard(param: DenseParameter, full: torch.Tensor, rank: int, tp: int, cfg: ModelConfig) -> torch.Tensor:
-    """Rank `rank`'s slice of the dense tensor `full` of `param` (a copy when it is not the whole)."""
+    """Rank `rank`'s slice of `param`'s dense tensor `full` (a copy unless whole)."""
     if tp == 1 or param.kind == "replicated":
         return full
     if param.kind in ("column", "vocab"):
@@ -126,8 +106,7 @@ def init_std(param: DenseParameter, cfg: ModelConfig) -> float | None:
 
 
 def dense_init(param: DenseParameter, cfg: ModelConfig, seed: int) -> torch.Tensor:
-    """The dense tensor `param` starts from: drawn on the CPU from a generator seeded by (seed, name), so it does
-    not depend on the order parameters are initialised in, the device, or how the model is split."""
+    """`param`'s dense starting tensor, drawn on CPU from a (seed, name) generator, so any split agrees."""
     std = init_std(param, cfg)
     if std is None:
         return torch.zeros(param.shape) if param.init == "zeros" else torch.ones(param.shape)
@@ -152,8 +131,7 @@ def local_name(name: str, cfg: ModelConfig, tp: int) -> str:
 
 
 def consolidate(states: list[dict[str, torch.Tensor]], cfg: ModelConfig) -> dict[str, torch.Tensor]:
-    """The dense state dict from the tensor-parallel ranks' state dicts (rank order; each the union over pipeline
-    stages): every parameter unsharded under its dense name."""
+    """The dense state dict from the TP ranks' state dicts, in rank order."""
     tp = len(states)
     out = {}
     for param in dense_parameters(cfg):
