@@ -82,7 +82,7 @@ def rehearsal(prepared: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -
         def spy(self: Trainer, step: int, _name: str = hook, _original: Any = original) -> Any:
             out = _original(self, step)
             self.ckpt.wait()  # an async save has written what it was going to write
-            local = Path(self.run.url)
+            local = Path(self.run.storage.url)
             seen.append((_name, step, files(run / precompile.REHEARSAL_CHECKPOINTS), files(local)))
             return out
 

@@ -13,6 +13,7 @@ import torch
 
 from hlat.core.config import HlatConfig, validate_config
 from hlat.core.contract import EXIT_NAN
+from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.training.assembly import build_model
 from hlat.training.callbacks import (
@@ -103,7 +104,7 @@ def trainer_of(run: Path, built: bool = False) -> Trainer:
     world = init_world("cpu", cfg)
     return Trainer(
         cfg=cfg,
-        run=Storage(str(run)),
+        run=Run.of(Storage(str(run)), cfg),
         checkpoints=Storage(str(run / "checkpoints")),
         world=world,
         tokenizer_model=str(run / "tokenizer" / "tokenizer.model"),

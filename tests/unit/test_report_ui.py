@@ -77,10 +77,10 @@ def test_the_full_suite_beside_every_baseline_stays_narrow() -> None:
 def test_the_artifact_embeds_small_charts_and_report_md_keeps_its_files(tmp_path: Path) -> None:
     run = fake_run(tmp_path, "tiny-abc", training_lines(range(1, 60), eval_every=10))
     write_report(run, results(), load_baselines())
-    on_disk = run.read_text("eval/report.md")
+    on_disk = run.storage.read_text("eval/report.md")
     assert "](loss.png)" in on_disk and "](grad_norm.png)" in on_disk
 
-    ui = embed_images(on_disk, run.child("eval"))
+    ui = embed_images(on_disk, run.storage.child("eval"))
     assert ".png)" not in ui
     images = list(DATA_URI.finditer(ui))
     assert [m.group("caption") for m in images] == ["loss (training; validation dashed)", "gradient norm"]
@@ -114,4 +114,4 @@ def test_the_published_artifact_carries_its_images(prefect_server: None, tmp_pat
         )
     markdown = str(artifact.data)
     assert len(DATA_URI.findall(markdown)) == 2 and "](loss.png)" not in markdown
-    assert f"`{run.uri('eval')}/`" in markdown
+    assert f"`{run.storage.uri('eval')}/`" in markdown

@@ -18,9 +18,8 @@ import pytest
 import hlat.core.stages as table
 from hlat.core.config import HlatConfig
 from hlat.core.presets import load_config
+from hlat.core.run import Run, open_run
 from hlat.core.stages import STAGES, TRAINING, Stage, stage
-from hlat.core.storage import Storage
-from hlat.infra.runs import Run, open_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LAYERS = ("core", "training", "infra", "tasks", "flows", "hlat")
@@ -109,12 +108,12 @@ def test_no_module_but_the_table_and_the_stages_own_decides_by_a_stage_name() ->
 
 
 # -- a throwaway stage, added as docs/stages.md says ------------------------------------------------------------
-def _rehearse_done(run: Storage, config: HlatConfig) -> bool:
-    return run.exists("rehearse/report.json")
+def _rehearse_done(run: Run, config: HlatConfig) -> bool:
+    return run.storage.exists("rehearse/report.json")
 
 
-def _rehearse_checksum(run: Storage) -> str:
-    return hashlib.sha256(run.read_bytes("rehearse/report.json")).hexdigest()
+def _rehearse_checksum(run: Run) -> str:
+    return hashlib.sha256(run.storage.read_bytes("rehearse/report.json")).hexdigest()
 
 
 REHEARSE = Stage(
@@ -131,7 +130,7 @@ REVIEW = Stage(
     "review",
     "read the rehearsal in the flow's own process",
     ("review.json",),
-    lambda run, config: run.exists("review.json"),
+    lambda run, config: run.storage.exists("review.json"),
     inputs=("rehearse",),
 )
 
@@ -221,14 +220,14 @@ def test_a_throwaway_stage_is_in_status_done_and_cache_keys(tmp_path: Path, monk
 
     monkeypatch.setattr(caching, "output_checksum", caching.output_checksum.fn)  # the task's body, no Prefect API
     run = open_run(load_config("tiny", storage=str(tmp_path / "runs")))
-    stood = dict(run_status(run.storage).stages)
+    stood = dict(run_status(run).stages)
     assert (stood["rehearse"], stood["review"]) == ("not started", "not started")
 
     run.storage.write_bytes("tokenizer/tokenizer.model", b"a tokenizer")
     run.storage.write_text("rehearse/report.json", '{"passed": true}')
-    stood = dict(run_status(run.storage).stages)
+    stood = dict(run_status(run).stages)
     assert stood["rehearse"] == "done" and stood["review"] == "not started"
-    assert "  rehearse " in render(run_status(run.storage))
+    assert "  rehearse " in render(run_status(run))
     assert sys.modules["hlat.tasks.rehearse"].present(run)
 
     before = (caching.stage_cache_key(run, "rehearse"), caching.stage_cache_key(run, "review"))
