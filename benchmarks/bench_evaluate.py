@@ -37,7 +37,7 @@ from torch import nn
 
 from benchmarks.measure import best_of, table
 from hlat.core.config import ModelConfig, TokenizerConfig
-from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
 from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.data.sources import build_stdlib_corpus
 from hlat.training.evaluation.perplexity import score_stream, token_stream

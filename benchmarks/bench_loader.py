@@ -26,7 +26,7 @@ from hlat.core.config import TokenizerConfig
 from hlat.core.layout import MANIFEST_FILE
 from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import train_sentencepiece, training_lines
 from hlat.training.data.loader import PackedLoader
 from hlat.training.data.sources import build_stdlib_corpus
 

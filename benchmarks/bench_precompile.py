@@ -31,7 +31,7 @@ from typing import Any
 from benchmarks.measure import table
 from hlat.core.presets import load_config
 from hlat.core.run import open_run
-from hlat.infra.tokenizer import build_tokenizer
+from hlat.infra.inputs.tokenizer import build_tokenizer
 from hlat.training.compile_cache import CACHE_DIR, KERNELS_FILE, LATEST_FILE, human_bytes
 from hlat.training.data.units import prepare_dataset
 

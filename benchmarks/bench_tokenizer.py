@@ -16,7 +16,7 @@ import sentencepiece as spm
 
 from benchmarks.measure import best_of, table
 from hlat.core.presets import load_config
-from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
 from hlat.training.data.sources import stdlib_documents
 
 

@@ -29,7 +29,7 @@ from hlat.core.layout import CHECKPOINTS_DIR, MANIFEST_FILE
 from hlat.core.presets import load_config
 from hlat.core.shards import DataManifest, ShardWriter, iter_documents
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import train_sentencepiece, training_lines
 
 VOCAB = 512
 

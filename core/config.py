@@ -137,7 +137,8 @@ class ModelConfig(Section):
         return self.d_model // self.n_heads
 
     # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
-    # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/planner.py) use these.
+    # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/cost/planner.py) use
+    # these.
     def block_params(self) -> int:
         """Parameters of one transformer block (the family's count)."""
         return family_of(self).block_params(self)
@@ -704,7 +705,7 @@ class JobConfig(Section):
     budget_usd: float | None = Field(None, gt=0)
     """Stop relaunching past this spend; None: 1.25 x the plan's estimate on SageMaker, no limit locally."""
     price_per_hour_usd: float | None = Field(None, ge=0)
-    """Price of one node-hour; None uses the instance catalog (infra/catalog.py)."""
+    """Price of one node-hour; None uses the instance catalog (infra/cost/catalog.py)."""
     poll_seconds: float = Field(60, gt=0)
     """How often the train stage polls the job's status and logs."""
     hang_timeout_minutes: float | None = Field(60, gt=0)

@@ -103,7 +103,7 @@ def failure_file() -> str | None:
 # -- the failure record: why a job failed, in a form the control plane reads without guessing from prose -----------
 RECORD_TAG = "hlat-failure"
 """Marks a failure record inside any text: SageMaker's FailureReason (the failure file, after its own prefix) or a
-line of the job's log, whichever reaches the control plane (`infra.jobs.classify`)."""
+line of the job's log, whichever reaches the control plane (`infra.backends.protocol.classify`)."""
 _RECORD = re.compile(r"\[" + RECORD_TAG + r" (\{[^{}]*\})\]")
 _current_step: int | None = None
 
@@ -426,7 +426,7 @@ class StopTerms:
 
 STOP_TAG = "hlat-stop"
 """Marks a stop record in a job's log: how the supervisor tells a job that stopped itself from one that finished
-short (`infra.jobs.classify`)."""
+short (`infra.backends.protocol.classify`)."""
 _STOP = re.compile(r"\[" + STOP_TAG + r" (\{[^{}]*\})\]")
 
 

@@ -1,6 +1,7 @@
 """Loading a process's hook object: the no-op defaults, or those of a module an environment variable names.
 
-The training job reads HLAT_JOB_HOOKS (training/hooks.py), the local backend HLAT_BACKEND_HOOKS (infra/job_daemon.py).
+The training job reads HLAT_JOB_HOOKS (training/hooks.py), the local backend HLAT_BACKEND_HOOKS
+(infra/backends/local_daemon.py).
 Tests name their fault modules there; production names none.
 """
 

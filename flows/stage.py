@@ -27,9 +27,9 @@ from hlat.flows.params import (
     build_config,
     overrides_dict,
 )
-from hlat.infra.preflight import require_aws, require_sources
+from hlat.infra.checks.preflight import require_aws, require_sources
 from hlat.infra.stage_jobs import job_python
-from hlat.infra.supervisor import set_identity
+from hlat.infra.supervision.supervisor import set_identity
 from hlat.tasks import aws
 from hlat.tasks.caching import TRANSIENT_RETRIES
 
@@ -113,7 +113,7 @@ def start_run(
     (its config.json written once, or checked):
     - what SageMaker would refuse (an instance type's typo...), and a config the run's config.json refuses
       (`check_run`); a default run that was extended in place is continued (`continued`);
-    - the live preflight (infra/preflight.py): the data source can be read (when the flow reads it,
+    - the live preflight (infra/checks/preflight.py): the data source can be read (when the flow reads it,
       `reads_source`), and for a SageMaker run the caller, role, PassRole, storage, images, quotas and training
       plan. A failure raises PreflightFailed, one line per failure.
     The SageMaker role is read from its Secret block for the preflight, and config.json keeps the block's name,
@@ -148,7 +148,7 @@ def stop_jobs_on_cancel(flow: Any, flow_run: Any, state: Any) -> None:
 
 
 def flow_run_identity() -> tuple[str | None, str | None]:
-    """Who supervises, for the heartbeat of a stage's supervisor (infra.supervisor): this flow run, and the
+    """Who supervises, for the heartbeat of a stage's supervisor (infra.supervision.supervisor): this flow run, and the
     deployment it came from ('deployment pretrain-7b'); the `hlat` command replaces this with its own name."""
     from prefect.runtime import deployment
 

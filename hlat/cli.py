@@ -45,7 +45,7 @@ from hlat.deploy import DEFAULT_POOL, POOL_TYPES
 from hlat.flows.params import build_config, handing_over
 
 if TYPE_CHECKING:
-    from hlat.infra.pricing import ListedPrice
+    from hlat.infra.cost.pricing import ListedPrice
 
 
 def _add_run_options(p: argparse.ArgumentParser) -> None:
@@ -177,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--record",
         action="store_true",
         help="write the listed prices, with their SKU, effective date and today's date, into the catalog's price "
-        "file (infra/prices.json), replacing derived figures",
+        "file (infra/cost/prices.json), replacing derived figures",
     )
     p = add("deploy", help="register deployments/prefect.yaml on the Prefect API (prefect deploy, checked)")
     p.add_argument(
@@ -409,7 +409,7 @@ def _token_count(text: str) -> float:
 
 def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from hlat.core.mixture import source_draws
-    from hlat.infra import planner
+    from hlat.infra.cost import planner
     from hlat.infra.stage_jobs import data_estimate, for_tokens, source_lines
 
     config = load_config(args.preset, overrides)
@@ -439,7 +439,7 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         print(json.dumps(body, indent=2))
     else:
         print(planner.render(the_plan, costs, top=args.top, also=[data.line()], sources=source_lines(budgeted)))
-        from hlat.infra.init_from import model_notes
+        from hlat.infra.inputs.init_from import model_notes
 
         for note in model_notes(config):
             print(note)
@@ -449,8 +449,8 @@ def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from hlat.infra.catalog import CATALOG
-    from hlat.infra.pricing import API_REGION, record_prices, training_prices
+    from hlat.infra.cost.catalog import CATALOG
+    from hlat.infra.cost.pricing import API_REGION, record_prices, training_prices
 
     config = load_config(args.preset, overrides)
     region = args.region or config.job.region
@@ -464,7 +464,7 @@ def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
         ) from exc
     print(prices_table(types, region, listed, config.job.instance_type))
     if args.record:
-        from hlat.infra.catalog import PRICES
+        from hlat.infra.cost.catalog import PRICES
 
         recorded = record_prices(listed, datetime.now(UTC))
         print(f"recorded {len(recorded)} price(s) from the AWS Price List API ({region}) in {PRICES}")
@@ -473,7 +473,7 @@ def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
 
 def prices_table(types: list[str], region: str, listed: dict[str, ListedPrice | None], run_type: str) -> str:
     """The catalog's price of each type beside the Price List's, and the setting that uses the listed one."""
-    from hlat.infra.catalog import CATALOG
+    from hlat.infra.cost.catalog import CATALOG
 
     rows = [("instance type", "catalog $/h", "catalog's source", f"AWS Price List, {region}, $/h", "since")]
     for name in types:
@@ -538,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stopped_by_user(exc: BaseException) -> bool:
-    from hlat.infra.supervisor import StoppedByUser
+    from hlat.infra.supervision.supervisor import StoppedByUser
 
     return isinstance(exc, StoppedByUser)
 
@@ -554,7 +554,7 @@ def _known_error(exc: BaseException) -> str | None:
     """User-facing errors print as one line; anything else keeps its traceback."""
     from hlat.core.storage import StorageError
     from hlat.deploy import DeployError
-    from hlat.infra.supervisor import SupervisorError
+    from hlat.infra.supervision.supervisor import SupervisorError
     from hlat.tasks.burn_in import BurnInFailed
     from hlat.training.checkpoint import CheckpointError
     from hlat.training.data.sources import SourceError
@@ -630,7 +630,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
         if args.command == "run" and stage(args.stage).runs_on is None:
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
             return 2
-        from hlat.infra.aws import AwsBlockError
+        from hlat.infra.checks.aws import AwsBlockError
         from hlat.tasks.aws import with_role
 
         try:
@@ -664,9 +664,9 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
 
 
 def _identify_supervisor(command: str) -> None:
-    """The heartbeat of the stages this command supervises names it and its flow run (infra.supervisor)."""
+    """The heartbeat of the stages this command supervises names it and its flow run (infra.supervision.supervisor)."""
     from hlat.flows.stage import flow_run_identity
-    from hlat.infra.supervisor import set_identity
+    from hlat.infra.supervision.supervisor import set_identity
 
     set_identity(lambda: (flow_run_identity()[0], command))
 
@@ -677,7 +677,7 @@ class Interrupted(KeyboardInterrupt):
 
 def where_interrupted(config: Any) -> str:
     """'the job stopped with its checkpoint at step N; run the same command to resume' (the flow stopped any
-    running job on its way out: `infra.supervisor.follow`)."""
+    running job on its way out: `infra.supervision.supervisor.follow`)."""
     from hlat.core.run import run_for
     from hlat.tasks.train import latest_checkpoint
 
@@ -717,7 +717,7 @@ def _located_run(args: argparse.Namespace) -> Any:
     """The run `hlat status RUN` / `hlat stop RUN` names (its config.json read and validated here, once), with the
     AWS credentials block its config names (if any) made this process's credentials."""
     from hlat.core.run import Run
-    from hlat.infra import status
+    from hlat.infra.supervision import status
 
     run = Run.of(status.locate(args.run, args.storage))
     job = run.config.job
@@ -730,7 +730,7 @@ def _located_run(args: argparse.Namespace) -> Any:
 
 def _status(args: argparse.Namespace) -> int:
     from hlat.core.storage import Storage
-    from hlat.infra import status
+    from hlat.infra.supervision import status
 
     if args.run is None:
         print(status.list_runs(Storage(args.storage or "./runs")))
@@ -740,7 +740,7 @@ def _status(args: argparse.Namespace) -> int:
 
 
 def _stop(args: argparse.Namespace) -> int:
-    from hlat.infra import status
+    from hlat.infra.supervision import status
 
     run = _located_run(args)
     results = status.stop_run(run, wait_s=args.wait, say=lambda text: print(f"hlat: {text}", flush=True))
@@ -749,7 +749,7 @@ def _stop(args: argparse.Namespace) -> int:
 
 
 def _export(args: argparse.Namespace) -> int:
-    from hlat.infra.tokenizer import export_hf_tokenizer
+    from hlat.infra.inputs.tokenizer import export_hf_tokenizer
     from hlat.training.checkpoint.hf_export import export_checkpoint
 
     start = time.perf_counter()
@@ -779,7 +779,7 @@ def _compare(args: argparse.Namespace) -> int:
     from hlat.core.layout import compare_path
     from hlat.core.run import Run
     from hlat.core.storage import Storage
-    from hlat.infra.eval_report import compare_line, compare_runs
+    from hlat.infra.reports.eval_report import compare_line, compare_runs
 
     a, b = Run.at(args.run_a.rstrip("/")), Run.at(args.run_b.rstrip("/"))
     labels = tuple(args.labels) if args.labels else (a.run_id, b.run_id)

@@ -24,7 +24,7 @@ import httpx
 import yaml
 
 from hlat.core.config import ConfigError
-from hlat.infra.run_roles import BOUNDARY_ENV, PATH_ENV
+from hlat.infra.backends.run_roles import BOUNDARY_ENV, PATH_ENV
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
@@ -625,7 +625,7 @@ def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]]
         if out.get(output):
             env[variable] = out[output]
     if out.get("JobEgress") == "aws-endpoints":
-        from hlat.infra.sagemaker_jobs import EGRESS_ENV
+        from hlat.infra.backends.sagemaker import EGRESS_ENV
 
         env[EGRESS_ENV] = "aws-endpoints"
     values: dict[str, Any] = {

@@ -1,4 +1,5 @@
-"""`hlat preflight`: a run's live preflight (infra/preflight.py), one line per check, before anything is paid for.
+"""`hlat preflight`: a run's live preflight (infra/checks/preflight.py), one line per check, before anything is paid
+for.
 
     hlat preflight --preset hlat-7b --storage s3://my-bucket/hlat --set job.role_arn=arn:aws:iam::...:role/...
 
@@ -12,7 +13,7 @@ import sys
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.infra.preflight import Finding, PreflightResult, require_aws, require_sources, run_preflight
+from hlat.infra.checks.preflight import Finding, PreflightResult, require_aws, require_sources, run_preflight
 
 
 def add_preflight_arguments(p: argparse.ArgumentParser) -> None:

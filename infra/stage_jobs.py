@@ -23,9 +23,9 @@ from hlat.core.mixture import draws_table, source_draws
 from hlat.core.run import Run, run_for
 from hlat.core.stages import DATA, TRAINING, Instances, Stage, job_stages, stage
 from hlat.core.stop_timeline import stop_timeline
-from hlat.infra.catalog import CATALOG, Instance, measured, price_per_hour
-from hlat.infra.jobs import JobBackend, JobSpec, JobState, job_name
-from hlat.infra.supervisor import (
+from hlat.infra.backends.protocol import JobBackend, JobSpec, JobState, job_name
+from hlat.infra.cost.catalog import CATALOG, Instance, measured, price_per_hour
+from hlat.infra.supervision.supervisor import (
     STARTUP_FLOOR_S,
     Attempt,
     Ledger,
@@ -51,10 +51,10 @@ def backend_for(run: Run) -> JobBackend:
     """The backend the run's jobs run on (job.backend)."""
     job = run.config.job
     if job.backend == "sagemaker":
-        from hlat.infra.sagemaker_jobs import SageMakerBackend
+        from hlat.infra.backends.sagemaker import SageMakerBackend
 
         return SageMakerBackend(job)
-    from hlat.infra.local_jobs import LocalBackend
+    from hlat.infra.backends.local import LocalBackend
 
     return LocalBackend(jobs_dir(run), stop_grace_seconds=job.stop_grace_seconds, job=job)
 
@@ -89,7 +89,7 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
     tracking.mlflow_tracking_server_arn also gets MLflow's variables (`sagemaker_jobs.tracking_environment`)."""
     config, env, row = run.config, {"HLAT_RUN_ID": run.run_id}, _stage(stage)
     if row.trains:  # SageMaker's managed MLflow: the request's MlflowConfig is made from these
-        from hlat.infra.sagemaker_jobs import tracking_environment
+        from hlat.infra.backends.sagemaker import tracking_environment
 
         env.update(tracking_environment(config.tracking))
         if stage_tracks_metrics(config):
@@ -120,7 +120,7 @@ def job_python(config: HlatConfig, stage: str) -> str | None:
     if config.training.device != "xla":
         return None
     from hlat.core.environment import neuron_sdk
-    from hlat.infra.local_jobs import PROJECT_ROOT
+    from hlat.infra.backends.local import PROJECT_ROOT
 
     sdk = neuron_sdk(config)
     path = PROJECT_ROOT / sdk.local_python
@@ -143,7 +143,7 @@ def job_image(config: HlatConfig, where: Instances) -> str | None:
     instance = where.instance_type(config)
     gpu = instance.startswith(("ml.p", "ml.g"))
     if where.pytorch_image == "always" or (where.pytorch_image == "on-gpu" and gpu):
-        from hlat.infra.sagemaker_jobs import pytorch_training_image
+        from hlat.infra.backends.sagemaker import pytorch_training_image
 
         return pytorch_training_image(job.region, instance)
     return job.image_uri
@@ -217,7 +217,7 @@ def job_spec(
 
 def config_reads(config: HlatConfig) -> tuple[str, ...]:
     """The s3:// prefixes the run's config names for reading: the checkpoint it starts from, the tokenizer it reuses,
-    its corpora (a job's run role may read them: infra/run_roles.py)."""
+    its corpora (a job's run role may read them: infra/backends/run_roles.py)."""
     named = [config.model.init_from, config.tokenizer.pretrained, config.data.source]
     named += [s.source for s in config.data.sources]
     return tuple(sorted({uri for uri in named if uri and uri.startswith("s3://")}))
@@ -355,8 +355,8 @@ def supervisor_for(
 
 def estimate(config: HlatConfig) -> dict[str, Any]:
     """Hourly cost, and time and cost to train to max_steps with where its throughput comes from
-    (`infra.planner.run_cost`: the figure `hlat plan` prints too); hours None when no throughput is known."""
-    from hlat.infra.planner import run_cost
+    (`infra.cost.planner.run_cost`: the figure `hlat plan` prints too); hours None when no throughput is known."""
+    from hlat.infra.cost.planner import run_cost
 
     job = config.job
     hourly = price_per_hour(job.instance_type, job.price_per_hour_usd) * job.instance_count
@@ -529,7 +529,7 @@ class DataEstimate:
 
 def data_estimate(config: HlatConfig, tokens: float | None = None) -> DataEstimate:
     """The prepare-data job for `tokens` (None: the run's training tokens) at BYTES_PER_TOKEN, with the per-worker
-    throughput benchmarks/bench_prepare_data measured (infra/measured.json)."""
+    throughput benchmarks/bench_prepare_data measured (infra/cost/measured.json)."""
     d = config.data
     tokens = config.training.max_steps * config.tokens_per_step if tokens is None else tokens
     figures = measured("prepare_data")
@@ -606,7 +606,8 @@ def describe_layout(config: HlatConfig) -> str:
 def chaining(config: HlatConfig, hours: float, max_runtime_s: int) -> list[str]:
     """How a training longer than one job's max runtime is split into jobs. A job that reaches its
     MaxRuntimeInSeconds ends 'MaxRuntimeExceeded', which the supervisor classifies as resume-at-once
-    (infra.jobs.classify): the next attempt resumes from the newest checkpoint. Each counts against job.max_restarts."""
+    (infra.backends.protocol.classify): the next attempt resumes from the newest checkpoint. Each counts against
+    job.max_restarts."""
     job_hours = max_runtime_s / 3600
     if hours <= job_hours:
         return []
@@ -641,7 +642,7 @@ def preflight(config: HlatConfig) -> None:
 
 
 def _check_requests(config: HlatConfig) -> None:
-    from hlat.infra.sagemaker_jobs import SageMakerBackend, check_request
+    from hlat.infra.backends.sagemaker import SageMakerBackend, check_request
 
     backend = SageMakerBackend(config.job)  # boto3 clients are made, nothing is called
     spec = job_spec(run_for(config), attempt=1)
@@ -678,7 +679,7 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
     lines = [f"dry run: {stage} of run {run_id} on the {job.backend} backend (nothing is sent)"]
     lines.append(f"layout: {describe_layout(config)}")
     lines += [f"  placeholder: {n}" for n in notes]
-    from hlat.infra.init_from import model_notes
+    from hlat.infra.inputs.init_from import model_notes
 
     lines += model_notes(config)
     if row.trains or row.prepares_sources:
@@ -693,7 +694,8 @@ def dry_run(config: HlatConfig, stage: str = "train") -> str:
         # An instance type the catalog does not price: saying $0.00 would be a wrong figure, not an unknown one.
         field = price_setting or where.settings.get("price_per_hour_usd") or "a catalog entry"
         lines.append(
-            f"cost: {spec.instance_count} x {spec.instance_type}: no price in the instance catalog (infra/catalog.py); "
+            f"cost: {spec.instance_count} x {spec.instance_type}: no price in the instance "
+            "catalog (infra/cost/catalog.py); "
             f"set {field} to see costs and enforce job.budget_usd"
         )
         hourly = None

@@ -23,7 +23,7 @@ if TYPE_CHECKING:
     from prefect.events.schemas.automations import AutomationCore
 
     from hlat.core.run import Run
-    from hlat.infra.supervisor import Attempt, Progress
+    from hlat.infra.supervision.supervisor import Attempt, Progress
 
 log = logging.getLogger("hlat.alerts")
 
@@ -247,7 +247,7 @@ def below_floors(results: dict[str, Any], floors: dict[str, float]) -> tuple[lis
     """The metrics of an evaluation's results.json below their floor, and the floors no result names.
 
     A floor's key is an lm-eval task (its main metric), '<task>/<metric>', or a perplexity field."""
-    from hlat.infra.eval_report import choose_metric
+    from hlat.infra.reports.eval_report import choose_metric
 
     tasks = (results.get("lm_eval") or {}).get("tasks") or {}
     perplexity = results.get("perplexity") or {}

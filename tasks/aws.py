@@ -1,4 +1,4 @@
-"""The Prefect side of a run's AWS access: load the blocks named in job.* and hand them to infra/aws.py.
+"""The Prefect side of a run's AWS access: load the blocks named in job.* and hand them to infra/checks/aws.py.
 
 `activate` exports the credentials block into this process, so every client and local job uses it. `with_role` reads the
 role secret per flow run, so a rotated secret applies to the next one.
@@ -12,7 +12,7 @@ from typing import Any
 from prefect.exceptions import ObjectNotFound
 
 from hlat.core.config import HlatConfig, JobConfig
-from hlat.infra.aws import AwsBlockError, apply_environment, check_role_arn, credential_environment
+from hlat.infra.checks.aws import AwsBlockError, apply_environment, check_role_arn, credential_environment
 
 log = logging.getLogger("hlat.aws")
 

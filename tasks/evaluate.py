@@ -2,7 +2,8 @@
 
 The job (`training/evaluate.py`, one process on `evaluation.instance_type`) writes
 `eval/step-NNNNNNNNN/results.json`; the report task copies the newest to `eval/results.json` and writes
-`eval/report.md` with the loss and gradient-norm curves beside it (`infra/eval_report.py`), plus Prefect artifacts;
+`eval/report.md` with the loss and gradient-norm curves beside it (`infra/reports/eval_report.py`), plus Prefect
+artifacts;
 a metric under its `alerts.eval_floors` floor emits an alert event (tasks/alerts.py).
 Intermediate evaluations (`evaluation.every_steps`) run the same job from the train stage while training goes on.
 """
@@ -30,7 +31,7 @@ from hlat.core.layout import (
     step_dir,
 )
 from hlat.core.run import Run
-from hlat.infra.eval_report import (
+from hlat.infra.reports.eval_report import (
     choose_metric,
     embed_images,
     evaluation_history,
@@ -38,7 +39,7 @@ from hlat.infra.eval_report import (
     write_report,
 )
 from hlat.infra.stage_jobs import run_stage_job
-from hlat.infra.supervisor import JobFailed
+from hlat.infra.supervision.supervisor import JobFailed
 from hlat.tasks.alerts import RunEvents, alert_eval_floors
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 

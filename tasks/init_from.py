@@ -10,7 +10,7 @@ from prefect import task
 
 from hlat.core.layout import IMPORT_RECORD
 from hlat.core.run import Run
-from hlat.infra.init_from import import_checkpoint
+from hlat.infra.inputs.init_from import import_checkpoint
 from hlat.tasks.caching import TRANSIENT_RETRIES
 
 log = logging.getLogger("hlat.init_from")
@@ -18,7 +18,7 @@ log = logging.getLogger("hlat.init_from")
 
 @task(name="import-weights", **TRANSIENT_RETRIES)
 def import_weights(run: Run) -> dict[str, Any]:
-    """Resolve model.init_from into the run's record (infra/init_from.py): its files, their hash, the folder the
+    """Resolve model.init_from into the run's record (infra/inputs/init_from.py): its files, their hash, the folder the
     jobs read; one line saying what the run starts from."""
     record = import_checkpoint(run.config, run)
     revision = f" at {record['revision'][:12]}" if record.get("revision") else ""

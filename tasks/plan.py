@@ -1,4 +1,4 @@
-"""plan-parallelism: rank the run's layouts before training (infra/planner.py), publish them, warn if slow.
+"""plan-parallelism: rank the run's layouts before training (infra/cost/planner.py), publish them, warn if slow.
 
 Advice only: it never fails the train stage. Runs it cannot judge get a note; a planner error becomes a warning.
 """
@@ -13,7 +13,7 @@ from prefect.artifacts import create_table_artifact
 
 from hlat.core.config import HlatConfig
 from hlat.core.run import Run
-from hlat.infra import planner
+from hlat.infra.cost import planner
 from hlat.tasks.caching import artifact_key
 
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)

@@ -11,7 +11,7 @@ from prefect.artifacts import create_markdown_artifact, create_table_artifact
 from hlat.core.layout import DATA_DIR, REPORT_FILE, TOKENIZER_DIR
 from hlat.core.run import Run
 from hlat.core.stages import stage
-from hlat.infra.tokenizer import build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
+from hlat.infra.inputs.tokenizer import build_pretrained_tokenizer, build_tokenizer, pretrained_fingerprint
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.training.data.tokenizer import Tokenizer
 

@@ -19,10 +19,11 @@ os.environ["PREFECT_SERVER_ANALYTICS_ENABLED"] = "false"
 os.environ["PREFECT_LOGGING_TO_API_BATCH_INTERVAL"] = "0.3"
 os.environ["PREFECT_LOGGING_TO_API_WHEN_MISSING_FLOW"] = "ignore"  # as hlat.tasks sets it, before prefect loads
 # Test fault injection (HLAT_FAULT_*, HLAT_PREPARE_FAULTS, HLAT_LOCAL_FAULTS) reaches jobs only through these hook
-# modules (training/hooks.py, infra/job_daemon.py): set before anything reads them; every job, daemon and host
+# modules (training/hooks.py, infra/backends/local_daemon.py): set before anything reads them; every job, daemon and
+# host
 # inherits them.
 os.environ.setdefault("HLAT_JOB_HOOKS", "hlat.training.faults")
-os.environ.setdefault("HLAT_BACKEND_HOOKS", "hlat.infra.local_faults")
+os.environ.setdefault("HLAT_BACKEND_HOOKS", "hlat.infra.backends.local_faults")
 os.environ.pop("PREFECT_API_URL", None)
 os.environ["HF_HUB_OFFLINE"] = "1"
 os.environ["HF_HOME"] = str(_SESSION_DIR / "hf")
@@ -170,7 +171,7 @@ def one_multi_host_job_at_a_time() -> Iterator[None]:
     SDK fixes its master port, 7777), and scripts/test.sh runs test files on two pytest-xdist workers at once."""
     import fcntl
 
-    from hlat.infra.sagemaker_emulator import master_port_free
+    from hlat.infra.backends.emulator import master_port_free
 
     def port_released(timeout: float) -> bool:
         """The master port free: the ranks of the job before (this test's, or another worker's) have exited; an
@@ -203,7 +204,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A run folder with prepared data and a trained tokenizer, shared by the training tests."""
     from hlat.core.presets import load_config
     from hlat.core.run import open_run
-    from hlat.infra.tokenizer import build_tokenizer
+    from hlat.infra.inputs.tokenizer import build_tokenizer
     from hlat.training.data.units import prepare_dataset
 
     root = tmp_path_factory.mktemp("prepared")
@@ -257,7 +258,7 @@ def prepared_mixture(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from hlat.core.layout import source_folder
     from hlat.core.presets import load_config
     from hlat.core.run import open_run
-    from hlat.infra.tokenizer import build_tokenizer
+    from hlat.infra.inputs.tokenizer import build_tokenizer
     from hlat.training.data.units import prepare_dataset, write_mixture
 
     root = tmp_path_factory.mktemp("prepared-mixture")

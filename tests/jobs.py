@@ -16,7 +16,7 @@ import torch
 from hlat.core.presets import load_config
 from hlat.core.run import Run, open_run
 from hlat.core.storage import Storage
-from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.backends.local import LocalBackend
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.checkpoint import CheckpointManager
 from tests.sizes import SMALL_DATA
@@ -213,7 +213,7 @@ def require_emulator() -> None:
     or fail it where the run requires them (HLAT_REQUIRE_EMULATOR=1, as CI sets)."""
     import pytest
 
-    from hlat.infra.sagemaker_emulator import namespaces_available
+    from hlat.infra.backends.emulator import namespaces_available
 
     if problem := namespaces_available():
         if os.environ.get("HLAT_REQUIRE_EMULATOR") == "1":

@@ -43,7 +43,7 @@ def neox_like(folder: Path, texts: Iterable[str], vocab_size: int = 400) -> Path
 def llama_like(folder: Path, texts: Iterable[str], vocab_size: int = 400, max_length: int = 128) -> Path:
     """The project's sentencepiece BPE trained on `texts`, with its Hugging Face files, in `folder`."""
     from hlat.core.config import TokenizerConfig
-    from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+    from hlat.infra.inputs.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
 
     model = train_sentencepiece(training_lines(texts, 10**7, 4096), vocab_size, TokenizerConfig(), str(folder))
     export_hf_tokenizer(model, str(folder), max_length)

@@ -1,7 +1,7 @@
 """Entrypoint of a training job: `python -m hlat.training.train --config <path or s3 uri of config.json>`.
 
 Run under torchrun for several processes; on SageMaker the Torchrun driver starts it through the job's entry script
-(`torchrun ... hlat_job.py --config <uri>`, infra/job_entry.py). The run's folder is the
+(`torchrun ... hlat_job.py --config <uri>`, infra/backends/job_entry.py). The run's folder is the
 config's folder: data/ and tokenizer/ are read from it (or from the job's input channels), metrics.jsonl is
 written to it, checkpoints go to its checkpoints/ (or, inside a job, to the local checkpoint folder the backend
 syncs with the run's checkpoint prefix). The job stops itself, checkpointed, when the run's budget or deadline runs

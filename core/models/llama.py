@@ -39,7 +39,7 @@ class Llama(ModelFamily):
     hf_architecture = "LlamaForCausalLM"
     hf_model_type = "llama"
     hf_config_class = "LlamaConfig"
-    special_ids = (1, 2)  # the sentencepiece ids of <s> and </s> (infra/tokenizer.py): the run's own tokenizer
+    special_ids = (1, 2)  # the sentencepiece ids of <s> and </s> (infra/inputs/tokenizer.py): the run's own tokenizer
 
     def block_params(self, cfg: ModelShape) -> int:
         """GQA attention (Q, O: d x d; K, V: d x kv_dim), SwiGLU (three d x ffn_hidden), two RMSNorms."""

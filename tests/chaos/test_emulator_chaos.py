@@ -26,12 +26,12 @@ import torch
 
 from hlat.core.presets import load_config
 from hlat.core.run import Run, open_run
-from hlat.infra.job_daemon import job_processes
-from hlat.infra.jobs import TERMINAL, Status
-from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import HOST_ENV
+from hlat.infra.backends.emulator import HOST_ENV
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.local_daemon import job_processes
+from hlat.infra.backends.protocol import TERMINAL, Status
 from hlat.infra.stage_jobs import job_spec
-from hlat.infra.supervisor import Ledger
+from hlat.infra.supervision.supervisor import Ledger
 from hlat.training.checkpoint import CheckpointManager
 from tests.chaos.test_train_stage import ROOT, cli, cli_env
 from tests.conftest import SMALL_DATA

@@ -18,8 +18,8 @@ import pytest
 
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
-from hlat.infra.job_daemon import job_processes
-from hlat.infra.jobs import job_name
+from hlat.infra.backends.local_daemon import job_processes
+from hlat.infra.backends.protocol import job_name
 from hlat.training.checkpoint import CheckpointManager
 from tests.conftest import SMALL_DATA
 from tests.jobs import environ_of, make_run, require_emulator

@@ -23,8 +23,8 @@ import pytest
 
 from hlat.core.layout import CHECKPOINT_MARKER, step_dir
 from hlat.core.storage import Storage
-from hlat.infra.jobs import Status
-from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.protocol import Status
 from hlat.training.checkpoint import CheckpointManager
 from tests.integration.test_local_jobs import log_text, spec_for, wait
 from tests.jobs import make_run, require_emulator

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hlat.core.run import Run
-from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.supervisor import Ledger
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.supervision.supervisor import Ledger
 from tests.conftest import SMALL_DATA
 from tests.jobs import default_sigint, final_weights, make_run, metrics, processes_mentioning, wait_for
 

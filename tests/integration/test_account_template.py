@@ -430,7 +430,7 @@ def test_the_preflight_may_assume_the_execution_role_in_its_own_sessions_only(
     """The trust delegates to the account's own policies (Principal: the account) for sessions named
     hlat-preflight-*, and FlowRunPolicy allows exactly that; with PreflightAssumesExecutionRole=false the trust names
     SageMaker alone."""
-    from hlat.infra.preflight import PROBE_SESSION, _trusts_sagemaker
+    from hlat.infra.checks.preflight import PROBE_SESSION, _trusts_sagemaker
 
     out, name = default_stack.stack.outputs, default_stack.stack.name
     role = out["SageMakerExecutionRoleArn"]
@@ -471,7 +471,7 @@ def test_the_preflight_passes_on_the_stack_probing_as_its_execution_role(
     template writes it (before, its aws:SourceAccount condition read as 'does not trust'), and the run prefix is
     probed as the assumed execution role."""
     from hlat.core.presets import load_config
-    from hlat.infra.preflight import run_preflight
+    from hlat.infra.checks.preflight import run_preflight
     from tests.integration.test_preflight import stubbed_quotas
 
     set_aws_env(monkeypatch, s3_server, "testing", "testing")
@@ -492,7 +492,8 @@ def test_the_preflight_passes_on_the_stack_probing_as_its_execution_role(
 
 
 def test_the_flow_runs_make_run_roles_only_under_the_stacks_path_with_its_boundary(default_stack: Created) -> None:
-    """Issue 51, a role per run (infra/run_roles.py; tests/integration/test_run_roles.py shows the isolation on an
+    """Issue 51, a role per run (infra/backends/run_roles.py; tests/integration/test_run_roles.py shows the isolation
+    on an
     IAM-enforcing moto): the flow-run policy creates and passes roles under /hlat-runs/<stack>/ only, only carrying
     the stack's run-role boundary, and attaches the stack's <stack>-job-* policies only; the boundary caps storage
     at the run root and the corpus bucket."""
@@ -543,7 +544,7 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     template fixes auto_deregister_task_definition off)."""
     name = default_stack.stack.name
     st = role_statements(default_stack, f"{name}-flow-run")
-    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-run-a-train-1"  # infra/jobs.py job_name
+    job = f"arn:aws:sagemaker:{REGION}:{ACCOUNT}:training-job/hlat-run-a-train-1"  # infra/backends/protocol.py job_name
     tagged = {"aws:RequestTag/hlat:run-id": "run-a", **BOUNDED}
     assert allows(st, "sagemaker:CreateTrainingJob", job, tagged) and allows(st, "sagemaker:AddTags", job, tagged)
     assert not allows(st, "sagemaker:CreateTrainingJob", job, BOUNDED) and not allows(st, "sagemaker:AddTags", job)
@@ -567,7 +568,7 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     group = f"arn:aws:logs:{REGION}:{ACCOUNT}:log-group:/aws/sagemaker/TrainingJobs"
     assert allows(st, "logs:GetLogEvents", f"{group}:log-stream:hlat-run-a-train-1/algo-1-1700000000")
     assert not allows(st, "logs:GetLogEvents", f"{group}:log-stream:their-run-train-1/algo-1-1700000000")
-    from hlat.infra.jobs import job_name
+    from hlat.infra.backends.protocol import job_name
 
     assert job_name("run-a", 1) == "hlat-run-a-train-1"
     worker = role_statements(default_stack, f"{name}-worker")
@@ -575,9 +576,9 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     template = ecs_job_template(default_stack.stack, "x:1")
     assert template["job_configuration"]["auto_deregister_task_definition"] is False
     assert "auto_deregister_task_definition" not in template["variables"]["properties"]
-    from hlat.infra.sagemaker_jobs import _request_with_source  # noqa: F401  (the tags below are its own)
+    from hlat.infra.backends.sagemaker import _request_with_source  # noqa: F401  (the tags below are its own)
 
-    source = (PROJECT_ROOT / "infra" / "sagemaker_jobs.py").read_text()
+    source = (PROJECT_ROOT / "infra" / "backends" / "sagemaker.py").read_text()
     assert 'cfg.Tag(key="hlat:run-id", value=spec.run_id)' in source
 
 
@@ -597,7 +598,7 @@ def test_the_policies_allow_every_aws_call_the_control_plane_makes(default_stack
             operations.setdefault(xform_name(op), f"{prefix}:{op}")
     called = {
         m
-        for path in sorted((PROJECT_ROOT / "infra").glob("*.py"))
+        for path in sorted((PROJECT_ROOT / "infra").rglob("*.py"))
         for m in re.findall(r"\.([a-z]+(?:_[a-z]+)+)\(", path.read_text())
     }
     # The preflight reads the caller's own policies; these calls are made only for an IAM user caller, never for
@@ -674,8 +675,8 @@ def test_jobs_kept_to_aws_endpoints_reach_their_nodes_s3_and_the_endpoints_only(
     nothing at start and need an image of the user's own."""
     import boto3
 
-    from hlat.infra.jobs import JobSpec
-    from hlat.infra.sagemaker_jobs import check_spec
+    from hlat.infra.backends.protocol import JobSpec
+    from hlat.infra.backends.sagemaker import check_spec
 
     ec2 = boto3.client(
         "ec2", endpoint_url=s3_server, region_name=REGION, aws_access_key_id="t", aws_secret_access_key="t"
@@ -734,7 +735,7 @@ def test_jobs_kept_to_aws_endpoints_reach_their_nodes_s3_and_the_endpoints_only(
         check_spec(spec, job, None)
     own = dataclasses.replace(spec, image_uri=f"{ACCOUNT}.dkr.ecr.{REGION}.amazonaws.com/hlat-train@sha256:{'c' * 64}")
     check_spec(own, job, None)
-    from hlat.infra.sagemaker_jobs import SageMakerBackend
+    from hlat.infra.backends.sagemaker import SageMakerBackend
 
     assert SageMakerBackend(job).requirements(own) is None
 

@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 
 from hlat.core.layout import CHECKPOINT_MARKER, step_dir
-from hlat.infra.jobs import JobSpec, Status, job_name
-from hlat.infra.local_faults import FAULTS_ENV
-from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.local_faults import FAULTS_ENV
+from hlat.infra.backends.protocol import JobSpec, Status, job_name
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
 from tests.jobs import make_run, require_emulator
 

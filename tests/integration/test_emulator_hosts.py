@@ -18,11 +18,11 @@ from typing import Any
 import pytest
 
 from hlat.core.storage import Storage
-from hlat.infra import sagemaker_emulator
-from hlat.infra.job_daemon import job_processes
-from hlat.infra.jobs import Status
-from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import HOST_ENV, HostTree, host_command, hosts_file
+from hlat.infra.backends import emulator
+from hlat.infra.backends.emulator import HOST_ENV, HostTree, host_command, hosts_file
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.local_daemon import job_processes
+from hlat.infra.backends.protocol import Status
 from hlat.training.checkpoint.manager import host_of
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, spec_for, wait
@@ -90,7 +90,7 @@ def host_failure_ends_the_job(prepared: Path, tmp_path: Path, hosts: int, victim
     assert seconds < ENDS_WITHIN_S, log
     assert job_processes(backend.job_dir(spec.name)) == []
     # A local run's containers get no AWS credentials at all (the caller's stay out).
-    assert not {k for k in env if k in sagemaker_emulator.CREDENTIALS}
+    assert not {k for k in env if k in emulator.CREDENTIALS}
     return seconds, log
 
 
@@ -168,7 +168,7 @@ def test_hosts_share_no_tmp_shm_or_home(tmp_path: Path) -> None:
         for name, script in zip(names, [write, look], strict=True):
             os.makedirs(trees[name].ml)
             env = {"PATH": os.environ["PATH"], "HOME": "/root", HOST_ENV: name}
-            keep = [*sagemaker_emulator.reachable({}, sys.executable), str(kept)]
+            keep = [*emulator.reachable({}, sys.executable), str(kept)]
             command = host_command(trees[name], hosts_path, [sys.executable, "-c", script], keep=keep)
             procs[name] = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
             if name == "algo-1":
@@ -215,6 +215,6 @@ def test_the_containers_get_the_roles_credentials_and_still_use_s3(
     assert env, "no container process seen"
     assert env["AWS_ACCESS_KEY_ID"] != os.environ["AWS_ACCESS_KEY_ID"]
     assert env["AWS_SECRET_ACCESS_KEY"] != os.environ["AWS_SECRET_ACCESS_KEY"] and env["AWS_SESSION_TOKEN"]
-    role = sagemaker_emulator.LOCAL_ROLE
+    role = emulator.LOCAL_ROLE
     assert f"container credentials: STS AssumeRole of {role}" in log and f"(key {env['AWS_ACCESS_KEY_ID']})" in log
     assert run.exists("checkpoints/step-000000004/meta.json")

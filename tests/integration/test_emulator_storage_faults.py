@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 from hlat.core.storage import Storage, StorageError
-from hlat.infra.jobs import Status
-from hlat.infra.sagemaker_emulator import namespaces_available
+from hlat.infra.backends.emulator import namespaces_available
+from hlat.infra.backends.protocol import Status
 from tests.integration.conftest import S3Env
 from tests.integration.test_local_jobs import log_text, wait
 from tests.jobs import s3_job

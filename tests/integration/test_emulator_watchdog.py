@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from hlat.core.contract import EXIT_HUNG, parse_failure_record
-from hlat.infra.job_daemon import job_processes
-from hlat.infra.jobs import Status
-from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.local_daemon import job_processes
+from hlat.infra.backends.protocol import Status
 from tests.integration.test_local_jobs import log_text, spec_for, wait, wait_for_line
 from tests.jobs import make_run, require_emulator
 

@@ -130,7 +130,7 @@ def test_a_sharded_job_killed_mid_checkpoint_resumes_bitwise_and_exports(prepare
     # Export: the shards gathered into a Hugging Face Llama folder that transformers loads.
     from transformers import LlamaForCausalLM
 
-    from hlat.infra.tokenizer import export_hf_tokenizer
+    from hlat.infra.inputs.tokenizer import export_hf_tokenizer
     from hlat.training.checkpoint.hf_export import export_checkpoint, to_hf_state_dict
 
     out_dir, ref = export_checkpoint(str(chaos), tmp_path / "hf", build_tokenizer_json=export_hf_tokenizer)

@@ -1,4 +1,5 @@
-"""model.init_from resolved before the first job (infra/init_from.py, tasks/init_from.py): the run's record of the
+"""model.init_from resolved before the first job (infra/inputs/init_from.py, tasks/init_from.py): the run's record of
+the
 weights it starts from (source, commit, files and their hashes, the folder the jobs read), from a local folder, an
 s3:// prefix (moto) and a hub name (a hub cache the test makes, offline); the model the checkpoint's config.json
 describes, and what hlat's families cannot hold refused in one line."""
@@ -18,7 +19,7 @@ from hlat.core.layout import IMPORT_RECORD, IMPORTS_DIR
 from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.init_from import import_checkpoint
+from hlat.infra.inputs.init_from import import_checkpoint
 from tests.pretrained_tokenizers import HUB_COMMIT, hub_cache
 
 
@@ -195,7 +196,7 @@ def test_the_imported_embedding_must_hold_the_tokenizer_and_fit_the_padded_rows(
 def test_preflight_reads_only_the_small_files_and_fails_what_the_import_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hlat.infra.preflight import init_from_finding
+    from hlat.infra.checks.preflight import init_from_finding
 
     folder = _llama(tmp_path / "llama", shard_bytes="40KB")
     found = init_from_finding(str(folder))
@@ -218,7 +219,7 @@ def test_preflight_reads_only_the_small_files_and_fails_what_the_import_would(
 
 
 def test_the_dry_run_says_where_the_weights_come_from() -> None:
-    from hlat.infra.init_from import model_notes
+    from hlat.infra.inputs.init_from import model_notes
 
     notes = model_notes(_config(init_from="org/tiny-llama"))
     assert notes[0].startswith("weights: from model.init_from=org/tiny-llama; its config.json decides")

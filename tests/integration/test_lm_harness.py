@@ -29,7 +29,7 @@ import torch
 import yaml
 
 from hlat.core.config import ModelConfig, TokenizerConfig
-from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import export_hf_tokenizer, train_sentencepiece, training_lines
 from hlat.training.checkpoint.hf_export import export_hf
 from hlat.training.evaluation import lm_harness
 from hlat.training.evaluation.lm_harness import (

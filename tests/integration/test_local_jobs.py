@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from hlat.core.storage import Storage
-from hlat.infra.job_daemon import CheckpointMirror, failure_reason
-from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify
-from hlat.infra.local_faults import FAULTS_ENV
-from hlat.infra.local_jobs import SUPERVISOR_DIED, LocalBackend
+from hlat.infra.backends.local import DAEMON_DIED, LocalBackend
+from hlat.infra.backends.local_daemon import CheckpointMirror, failure_reason
+from hlat.infra.backends.local_faults import FAULTS_ENV
+from hlat.infra.backends.protocol import Action, JobSpec, JobState, Status, SubmitError, classify
 from hlat.training.checkpoint import CheckpointManager
 from tests.jobs import make_run
 
@@ -53,7 +53,7 @@ def wait(backend: LocalBackend, name: str, timeout: float = TIMEOUT, poll: float
     while time.monotonic() < deadline:
         state = backend.describe(name)
         assert state is not None
-        crashed = state.terminal and SUPERVISOR_DIED in (state.failure_reason or "")
+        crashed = state.terminal and DAEMON_DIED in (state.failure_reason or "")
         assert crashed or state.billable_seconds >= billed, f"bill fell: {billed} s, then {state.billable_seconds} s"
         billed = state.billable_seconds
         if state.terminal:
@@ -99,7 +99,7 @@ def processes_of(job_dir: str) -> list[int]:
 
 
 def supervisor_pid(backend: LocalBackend, name: str) -> int:
-    return int(json.loads((Path(backend.job_dir(name)) / "supervisor.json").read_text())["pid"])
+    return int(json.loads((Path(backend.job_dir(name)) / "daemon.json").read_text())["pid"])
 
 
 @pytest.fixture
@@ -283,7 +283,7 @@ def test_a_restarted_flow_reattaches_and_a_dead_supervisor_fails_the_job(
     while (state := jobs.describe(spec.name)) is not None and not state.terminal and time.monotonic() < deadline:
         time.sleep(0.1)
     assert state is not None and state.status == Status.FAILED
-    assert state.failure_reason == "InternalServerError: the job's supervisor process died"
+    assert state.failure_reason == "InternalServerError: the job's daemon process died"
     assert classify(state).action == Action.RESUME
     assert processes_of(jobs.job_dir(spec.name)) == []  # the training went down with its "host"
     jobs.stop(spec.name)  # no supervisor to signal: not an error

@@ -1,4 +1,5 @@
-"""The live preflight (infra/preflight.py) against AWS's emulator: moto servers on 127.0.0.1 for STS, IAM, S3, ECR
+"""The live preflight (infra/checks/preflight.py) against AWS's emulator: moto servers on 127.0.0.1 for STS, IAM, S3,
+ECR
 and SageMaker's training-job listing; botocore's Stubber for Service Quotas (moto lists VPC's quotas only) and
 SageMaker's DescribeTrainingPlan (moto has none).
 
@@ -43,7 +44,7 @@ from botocore.stub import Stubber
 
 from hlat.core.config import HlatConfig
 from hlat.core.presets import load_config
-from hlat.infra.preflight import PreflightFailed, instance_needs, run_preflight
+from hlat.infra.checks.preflight import PreflightFailed, instance_needs, run_preflight
 from tests.integration.conftest import REGION, S3Env, free_port, s3_client, set_aws_env, wait_until_up
 
 ACCOUNT = "123456789012"
@@ -419,7 +420,7 @@ def test_quotas_less_what_other_runs_jobs_hold(s3_server: str, account: Account)
     own train job, InProgress on 64 (the run's own holdings are counted by instance_needs, not as other usage)."""
     from moto.sagemaker.models import sagemaker_backends
 
-    from hlat.infra.jobs import job_name
+    from hlat.infra.backends.protocol import job_name
 
     config = sagemaker_config(account)
     sagemaker = s3_client(account.endpoint, service="sagemaker")

@@ -1,4 +1,5 @@
-"""A role per run (infra/run_roles.py, issue 51): one run's job credentials cannot write, overwrite, delete or read
+"""A role per run (infra/backends/run_roles.py, issue 51): one run's job credentials cannot write, overwrite, delete or
+read
 under another run's prefix, nor write the shared sources unless the job is a prepare-data one.
 
 On a moto server of its own with IAM enforced: the roles are made by hlat's own `ensure_run_role` (as the flow run
@@ -23,7 +24,7 @@ import boto3
 import pytest
 from botocore.exceptions import ClientError
 
-from hlat.infra.run_roles import RunRoles, ensure_run_role, role_name, storage_policy
+from hlat.infra.backends.run_roles import RunRoles, ensure_run_role, role_name, storage_policy
 from tests.integration.conftest import REGION, S3Env, moto_process
 
 STACK = "hlat"

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 
 from hlat.core.config import JobConfig
-from hlat.infra.jobs import JobSpec, Status, SubmitError, job_name
-from hlat.infra.sagemaker_jobs import SageMakerBackend
+from hlat.infra.backends.protocol import JobSpec, Status, SubmitError, job_name
+from hlat.infra.backends.sagemaker import SageMakerBackend
 from tests.integration.conftest import REGION, S3Env
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-training"

@@ -19,9 +19,9 @@ import pytest
 
 from hlat.core.layout import heartbeat_path
 from hlat.core.run import Run
-from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_emulator import namespaces_available
-from hlat.infra.supervisor import Ledger
+from hlat.infra.backends.emulator import namespaces_available
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.supervision.supervisor import Ledger
 from tests.conftest import SMALL_DATA
 from tests.jobs import as_from_a_terminal, make_run, processes_mentioning, wait_for
 

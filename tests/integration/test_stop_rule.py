@@ -24,9 +24,9 @@ from hlat.core.contract import (
 from hlat.core.layout import heartbeat_path, stop_record_path
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.catalog import job_cost
-from hlat.infra.jobs import Action, FailureClass, JobState, Status, classify, stored_self_stop
-from hlat.infra.local_jobs import LocalBackend
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.protocol import Action, FailureClass, JobState, Status, classify, stored_self_stop
+from hlat.infra.cost.catalog import job_cost
 from hlat.infra.stage_jobs import job_spec
 from hlat.training.faults import STEP_SECONDS
 from hlat.training.stop_rule import _when
@@ -41,7 +41,7 @@ PACE = "0.2"  # seconds per step: a few steps a second, so a stop lands mid-run
 
 
 def beat(run: Storage, at: float) -> None:
-    """The supervisor's heartbeat, as infra/supervisor.py writes it."""
+    """The supervisor's heartbeat, as infra/supervision/supervisor.py writes it."""
     heartbeat = {"beat_at": at, "pid": 4242, "host": "gone", "flow_run_id": None, "command": "hlat pretrain"}
     run.write_json(heartbeat_path("train"), heartbeat)
 

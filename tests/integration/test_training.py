@@ -82,8 +82,8 @@ def test_sigterm_checkpoints_and_exits_zero(prepared: Path, tmp_path: Path) -> N
 
 
 def test_two_ranks_under_torchrun_on_the_local_backend(prepared: Path, tmp_path: Path) -> None:
-    from hlat.infra.jobs import JobSpec, Status
-    from hlat.infra.local_jobs import LocalBackend
+    from hlat.infra.backends.local import LocalBackend
+    from hlat.infra.backends.protocol import JobSpec, Status
 
     run = make_run(
         prepared, tmp_path, "torchrun", max_steps=6, checkpoint_every=3, eval_every=3, **{"job.processes_per_node": 2}

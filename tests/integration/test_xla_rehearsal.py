@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from hlat.core.environment import NEURON_SDKS
-from hlat.infra.local_jobs import PROJECT_ROOT
+from hlat.infra.backends.local import PROJECT_ROOT
 from tests.jobs import metrics
 
 pytestmark = pytest.mark.slow

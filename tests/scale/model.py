@@ -17,7 +17,7 @@ Sources:
 - gloo's ring all-reduce: 2(P-1) sequential hops, each a message to the next rank
   (https://github.com/facebookincubator/gloo, gloo/allreduce_ring.h); a full-mesh ProcessGroupGloo has every rank
   connect to every other: P-1 sockets per rank per group (https://pytorch.org/docs/stable/distributed.html, "Gloo").
-- Prices: the project's instance catalog (`infra.catalog.price_per_hour`); the step time: the planner's estimate
+- Prices: the project's instance catalog (`infra.cost.catalog.price_per_hour`); the step time: the planner's estimate
   for the preset's layout (`infra.stage_jobs.estimate`, the figure the dry run prints); the checkpoint write:
   `infra.stage_jobs.checkpoint_write_seconds` (the dry run's estimate).
 """
@@ -32,7 +32,7 @@ from typing import Any
 from hlat.core.config import HlatConfig
 from hlat.core.contract import MAX_FAILURE_REASON
 from hlat.core.presets import load_config
-from hlat.infra.catalog import price_per_hour
+from hlat.infra.cost.catalog import price_per_hour
 from hlat.infra.stage_jobs import checkpoint_write_seconds, estimate
 
 RANKS_PER_HOST = 32

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hlat.core.config import JobConfig
-from hlat.infra.jobs import SubmitError
+from hlat.infra.backends.protocol import SubmitError
 from tests.scale import model
 from tests.scale.sim import Failure, Script, SupervisorKilled, World, world
 from tests.scale.sim import record as sim_record
@@ -251,7 +251,7 @@ def scenario_6(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None
     start = _start(w)
     sup = w.supervisor()
     sup_actor = w.sim.spawn("supervisor", sup.run_to_completion)
-    from hlat.infra.status import stop_run
+    from hlat.infra.supervision.status import stop_run
 
     first = w.sim.now + sc.starting_s + sc.downloading_s + sc.startup_s
     when = first + sc.checkpoint_every * sc.step_s + 1.0  # a second into the step after a checkpoint's
@@ -266,7 +266,7 @@ def scenario_6(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None
 def scenario_7(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None = RESTARTS) -> Outcome:
     """The first job fails for capacity 5 min into Starting; during the back-off the user runs `hlat stop`. What
     is billed after that is waste: the user asked for nothing more."""
-    from hlat.infra.status import stop_run, stop_summary
+    from hlat.infra.supervision.status import stop_run, stop_summary
 
     def script(attempt: int) -> Script:
         return Script(fail_starting=("CapacityError: Unable to provision requested ML compute capacity.", 300.0)
@@ -341,8 +341,8 @@ def scenario_11a(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | No
     """The deadline passes during the back-off after a capacity failure: no phantom attempt, `hlat status` true."""
     from datetime import UTC, datetime
 
-    from hlat.infra.status import render, run_status
-    from hlat.infra.supervisor import Ledger
+    from hlat.infra.supervision.status import render, run_status
+    from hlat.infra.supervision.supervisor import Ledger
 
     sc = model.scale(preset)
     deadline = datetime.fromtimestamp(EPOCH_DEADLINE, UTC).isoformat()
@@ -367,8 +367,8 @@ EPOCH_DEADLINE = 1_800_000_000.0 + 300 + model.FAILURE_SEEN_S + 330.0
 def scenario_11b(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | None = RESTARTS) -> Outcome:
     """The run's earlier jobs spent all but $10 of job.budget_usd: a job of N hosts with a MaxRuntimeInSeconds of
     ~126 s (the $10, plus the stop's grace) would be billed more than that for nothing."""
-    from hlat.infra.jobs import job_name
-    from hlat.infra.supervisor import Attempt, Ledger
+    from hlat.infra.backends.protocol import job_name
+    from hlat.infra.supervision.supervisor import Attempt, Ledger
 
     sc = model.scale(preset)
     earlier = sc.usd(3 * 3600.0)

@@ -8,8 +8,10 @@ leave in run storage (committed checkpoints in the real checkpoints/ index, the 
 The clock: every actor (a supervisor, `hlat stop` from another terminal) runs in a thread of its own, but only one
 runs at a time; an actor's `sleep` parks it until the virtual time it asked for, and the scheduler advances the
 clock to the earliest of the actors' wake-ups and the jobs' own events (a step boundary that matters, a checkpoint
-commit, a fault, SIGTERM, SIGKILL, a stop-rule tick). The project's `time` is replaced in infra/supervisor.py,
-infra/status.py and infra/stage_jobs.py for the duration (`patch_time`), so their waits run on the same clock.
+commit, a fault, SIGTERM, SIGKILL, a stop-rule tick). The project's `time` is replaced in
+infra/supervision/supervisor.py,
+infra/supervision/status.py and infra/stage_jobs.py for the duration (`patch_time`), so their waits run on the same
+clock.
 
 Modelled per host, not per rank, except where rank counts matter: every rank's exception line in the log when a
 job fails (what fills the 400-line tail the supervisor classifies from), and the sockets of a gloo group.
@@ -32,7 +34,7 @@ from hlat.core.contract import RECORD_TAG, FailureRecord, StopTerms, format_step
 from hlat.core.layout import CHECKPOINT_MARKER, CHECKPOINT_META, CHECKPOINTS_DIR, CheckpointIndex, step_dir
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
+from hlat.infra.backends.protocol import JobSpec, JobState, Status, SubmitError
 from hlat.training.stop_rule import StopRule
 from tests.scale import model
 from tests.scale.model import Scale
@@ -143,7 +145,8 @@ class Sim:
 def patch_time(monkeypatch: Any, sim: Sim, wall: Callable[[], float]) -> None:
     """The project's time, where the control plane reads it, on the virtual clock: `wall` is the supervisor's
     machine's clock (time.time), the sleeps and the monotonic clock are the simulation's."""
-    from hlat.infra import stage_jobs, status, supervisor
+    from hlat.infra import stage_jobs
+    from hlat.infra.supervision import status, supervisor
 
     shim = SimpleNamespace(time=wall, monotonic=sim.monotonic, sleep=sim.sleep)
     for module in (supervisor, status, stage_jobs):
@@ -167,7 +170,7 @@ class Failure:
 
 
 PEER_LOST = ("RuntimeError", "[gloo] Connection closed by peer [10.0.{host}.7]:41230")
-"""What a rank whose peer died records (a gloo collective's error, `lost-peer` in infra/jobs.py)."""
+"""What a rank whose peer died records (a gloo collective's error, `lost-peer` in infra/backends/protocol.py)."""
 
 
 @dataclass
@@ -684,8 +687,8 @@ def storage_clock(storage: Storage, sim: Sim, written: dict[str, float], legacy:
 def legacy_control_plane(monkeypatch: Any) -> dict[str, Any]:
     """The control plane before issue 50, where a fix has no switch: the old rule put back for the scenario's
     "before" form. Returns the Supervisor fields that turn the rest off."""
-    from hlat.infra import status, supervisor
-    from hlat.infra.jobs import Action, Decision, FailureClass, classify
+    from hlat.infra.backends.protocol import Action, Decision, FailureClass, classify
+    from hlat.infra.supervision import status, supervisor
 
     def old_classify(state: JobState, stop_requested: bool = False, log_tail: str = "", **_: Any) -> Any:
         # No attribution by time (first_record), and ResourceLimitExceeded fatal (its old 'quota' row).
@@ -773,7 +776,7 @@ def world(
     """A run of `preset` at its own scale resumed from the checkpoint at `start_step` (default: two checkpoint
     intervals before training.max_steps), with config `overrides`."""
     from hlat.core.layout import CONFIG_FILE
-    from hlat.infra import status
+    from hlat.infra.supervision import status
 
     scale = model.scale(preset, **overrides)
     sim = Sim()

@@ -83,7 +83,7 @@ def test_partial_rotary_presets(name: str, tp: int, pp: int, batch: int, params:
 @pytest.mark.parametrize("name", ["hlat-7b", "hlat-70b", "pythia-6.9b", "neox-20b"])
 def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
     from hlat.core.presets import TOKEN_BUDGETS
-    from hlat.infra import planner
+    from hlat.infra.cost import planner
     from hlat.infra.stage_jobs import estimate
 
     tokens, source = TOKEN_BUDGETS[name]

@@ -25,7 +25,7 @@ from hlat.core.config import TokenizerConfig
 from hlat.core.layout import MANIFEST_FILE
 from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import EOS_ID, train_sentencepiece, training_lines
 from hlat.training.data.loader import Batch, PackedLoader, epoch_plan
 
 SEED = 7

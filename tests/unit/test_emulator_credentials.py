@@ -7,7 +7,7 @@ import socket
 
 import pytest
 
-from hlat.infra.sagemaker_emulator import role_credentials
+from hlat.infra.backends.emulator import role_credentials
 
 REQUEST = {
     "RoleArn": "arn:aws:iam::123456789012:role/hlat-sagemaker-execution",

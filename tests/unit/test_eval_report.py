@@ -13,7 +13,7 @@ import pytest
 
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.eval_report import (
+from hlat.infra.reports.eval_report import (
     MISSING,
     choose_metric,
     compare_line,

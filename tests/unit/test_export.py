@@ -15,7 +15,7 @@ from hlat.cli import main
 from hlat.core.config import TokenizerConfig
 from hlat.core.presets import load_config
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import export_hf_tokenizer, train_sentencepiece
+from hlat.infra.inputs.tokenizer import export_hf_tokenizer, train_sentencepiece
 from hlat.training.checkpoint import MARKER, CheckpointError, CheckpointManager, step_dir
 from hlat.training.checkpoint.hf_export import export_checkpoint, locate_checkpoint
 from hlat.training.model import Transformer

@@ -1,5 +1,6 @@
 """The failure record a job program leaves when it fails (core/contract.py): what the control plane judges a failure
-by (infra/jobs.py `classify`). Written to the failure file (SageMaker's FailureReason) and the job's log."""
+by (infra/backends/protocol.py `classify`). Written to the failure file (SageMaker's FailureReason) and the job's
+log."""
 
 from __future__ import annotations
 
@@ -17,8 +18,8 @@ from hlat.core.contract import (
     parse_failure_record,
     reporting_failure,
 )
-from hlat.infra.job_daemon import failure_reason
-from hlat.infra.jobs import FailureClass, JobState, Status, classify
+from hlat.infra.backends.local_daemon import failure_reason
+from hlat.infra.backends.protocol import FailureClass, JobState, Status, classify
 
 
 @pytest.fixture
@@ -65,7 +66,7 @@ def test_a_library_error_keeps_its_module_and_the_first_failure_stays(failure_fi
 
 def sagemakers_reason(failure_file_text: str) -> str:
     """SageMaker's FailureReason of a job whose failure file holds `failure_file_text`: its prefix, then the whole
-    cut at 1,024 characters (the emulator's daemon does the same: infra/job_daemon.py `failure_reason`)."""
+    cut at 1,024 characters (the emulator's daemon does the same: infra/backends/local_daemon.py `failure_reason`)."""
     return ("AlgorithmError: " + failure_file_text.strip())[:MAX_FAILURE_REASON]
 
 

@@ -291,7 +291,7 @@ def test_a_tiny_gpt_neox_run_trains_exports_and_transformers_gives_its_logits(pr
     from transformers import GPTNeoXForCausalLM
 
     from hlat.core.layout import locate_checkpoint
-    from hlat.infra.tokenizer import export_hf_tokenizer
+    from hlat.infra.inputs.tokenizer import export_hf_tokenizer
     from hlat.training.checkpoint.hf_export import export_checkpoint, load_checkpoint_model
     from tests.jobs import make_run, metrics, train
 

@@ -14,8 +14,8 @@ import torch
 
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra import job_daemon
-from hlat.infra.local_faults import FAULTS_ENV, LocalFaults
+from hlat.infra.backends import local_daemon
+from hlat.infra.backends.local_faults import FAULTS_ENV, LocalFaults
 from hlat.training import faults
 from hlat.training import hooks as job_hooks
 
@@ -26,17 +26,17 @@ ROOT = Path(__file__).resolve().parents[2]
 def fresh() -> Iterator[None]:
     """Both hook loaders read their variable again (each reads it once per process), and again after the test."""
     job_hooks.hooks.cache_clear()
-    job_daemon.backend_hooks.cache_clear()
+    local_daemon.backend_hooks.cache_clear()
     yield
     job_hooks.hooks.cache_clear()
-    job_daemon.backend_hooks.cache_clear()
+    local_daemon.backend_hooks.cache_clear()
 
 
 def test_the_default_hooks_change_nothing_even_with_faults_asked_for(
     fresh: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     monkeypatch.delenv(job_hooks.HOOKS_ENV, raising=False)
-    monkeypatch.delenv(job_daemon.HOOKS_ENV, raising=False)
+    monkeypatch.delenv(local_daemon.HOOKS_ENV, raising=False)
     for name, value in {
         faults.NAN_AT_STEP: "1", faults.STEP_SECONDS: "5", faults.ALLREDUCE_SECONDS: "5",
         faults.BURN_IN_WRONG_RANK: "0", faults.SAVE_SECONDS: "5", faults.PREPARE_FAULTS: '{"worker": 0}',
@@ -53,8 +53,8 @@ def test_the_default_hooks_change_nothing_even_with_faults_asked_for(
     assert hooks.collective_delay() == 0.0
     assert not hooks.matmul_corrupted(0)
     assert hooks.prepared_batch(0, 1, "job") is None
-    backend = job_daemon.backend_hooks()
-    assert type(backend) is job_daemon.BackendHooks
+    backend = local_daemon.backend_hooks()
+    assert type(backend) is local_daemon.BackendHooks
     assert backend.job_record(1) == {}
     env = {FAULTS_ENV: "x", "PATH": "/bin"}
     assert backend.container_environment(env) == env
@@ -63,7 +63,7 @@ def test_the_default_hooks_change_nothing_even_with_faults_asked_for(
 
 def test_the_named_modules_install_their_faults(fresh: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv(job_hooks.HOOKS_ENV, "hlat.training.faults")
-    monkeypatch.setenv(job_daemon.HOOKS_ENV, "hlat.infra.local_faults")
+    monkeypatch.setenv(local_daemon.HOOKS_ENV, "hlat.infra.backends.local_faults")
     monkeypatch.setenv(faults.NAN_AT_STEP, "3")
     monkeypatch.setenv(faults.STEP_SECONDS, "0.5")
     monkeypatch.setenv(faults.BURN_IN_WRONG_RANK, "1")
@@ -80,7 +80,7 @@ def test_the_named_modules_install_their_faults(fresh: None, monkeypatch: pytest
     assert [hooks.matmul_corrupted(rank) for rank in range(3)] == [False, True, False]
     assert hooks.prepared_batch(1, 1, "job") is None
     assert callable(hooks.prepared_batch(2, 1, "job"))
-    backend = job_daemon.backend_hooks()
+    backend = local_daemon.backend_hooks()
     assert isinstance(backend, LocalFaults)
     assert backend.job_record(1) == {}
     assert backend.job_record(2) == {"kill_at_step": 4}
@@ -89,7 +89,10 @@ def test_the_named_modules_install_their_faults(fresh: None, monkeypatch: pytest
 
 @pytest.mark.parametrize(
     ("variable", "loader"),
-    [(job_hooks.HOOKS_ENV, "hlat.training.hooks:hooks"), (job_daemon.HOOKS_ENV, "hlat.infra.job_daemon:backend_hooks")],
+    [
+        (job_hooks.HOOKS_ENV, "hlat.training.hooks:hooks"),
+        (local_daemon.HOOKS_ENV, "hlat.infra.backends.local_daemon:backend_hooks"),
+    ],
 )
 @pytest.mark.parametrize("module", ["hlat.training.no_such_hooks", "hlat.core.layout"])
 def test_a_wrong_hooks_module_fails_in_one_line(variable: str, loader: str, module: str) -> None:

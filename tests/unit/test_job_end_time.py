@@ -13,11 +13,11 @@ from pathlib import Path
 import boto3
 
 from hlat.core.config import JobConfig
-from hlat.infra.job_daemon import process_start
-from hlat.infra.jobs import JobState, Status
-from hlat.infra.local_jobs import LocalBackend
-from hlat.infra.sagemaker_jobs import SageMakerBackend
-from hlat.infra.supervisor import end_time
+from hlat.infra.backends.local import LocalBackend
+from hlat.infra.backends.local_daemon import process_start
+from hlat.infra.backends.protocol import JobState, Status
+from hlat.infra.backends.sagemaker import SageMakerBackend
+from hlat.infra.supervision.supervisor import end_time
 
 
 def test_the_backends_end_time_wins_over_the_readers_clock() -> None:
@@ -59,7 +59,7 @@ def test_the_bill_never_falls_when_the_job_ends_between_two_reads(tmp_path: Path
     try:
         started = time.time() - 5
         record = {"pid": supervisor.pid, "process_start": process_start(supervisor.pid), "started": started}
-        (job_dir / "supervisor.json").write_text(json.dumps(record))
+        (job_dir / "daemon.json").write_text(json.dumps(record))
         running = backend.describe("j")
         assert running is not None and running.status == Status.IN_PROGRESS
     finally:

@@ -1,4 +1,5 @@
-"""A stop reaches the ranks, never their children: infra/job_init.py as a container's PID 1 (in a PID namespace of
+"""A stop reaches the ranks, never their children: infra/backends/job_init.py as a container's PID 1 (in a PID
+namespace of
 its own) and the local job daemon's one-instance path both send SIGTERM to the processes torchrun started, so a
 compile a rank is waiting for finishes and the rank stops at its next step boundary.
 
@@ -17,10 +18,10 @@ from pathlib import Path
 
 import pytest
 
-from hlat.infra.job_init import rank_processes
+from hlat.infra.backends.job_init import rank_processes
 
 ROOT = Path(__file__).resolve().parents[2]
-JOB_INIT = ROOT / "infra" / "job_init.py"
+JOB_INIT = ROOT / "infra" / "backends" / "job_init.py"
 COMPILE_S = 3.0
 
 
@@ -91,7 +92,7 @@ def test_a_ranks_children_are_not_ranks() -> None:
 
 
 def _pid_namespaces() -> str | None:
-    from hlat.infra.sagemaker_emulator import namespaces_available
+    from hlat.infra.backends.emulator import namespaces_available
 
     return namespaces_available()
 
@@ -129,10 +130,10 @@ def test_a_stop_through_the_init_reaches_the_rank_and_lets_its_compile_finish() 
 def test_the_daemons_one_instance_stop_reaches_the_ranks_only(tmp_path: Path, processes: int) -> None:
     """The local daemon's one-instance job: under torchrun (2 ranks) and without it (the program itself is the
     rank), a stop during a compile lets the compile finish and the job ends Stopped."""
-    from hlat.infra.jobs import JobSpec, Status
+    from hlat.infra.backends.protocol import JobSpec, Status
     from tests.integration.test_local_jobs import log_text, wait, wait_for_line
 
-    backend = __import__("hlat.infra.local_jobs", fromlist=["LocalBackend"]).LocalBackend(str(tmp_path / "jobs"))
+    backend = __import__("hlat.infra.backends.local", fromlist=["LocalBackend"]).LocalBackend(str(tmp_path / "jobs"))
     spec = JobSpec(
         name=f"ranks-{processes}", run_id="ranks", attempt=1, run_uri=str(tmp_path / "run"),
         config_uri=str(tmp_path / "run" / "config.json"), instance_type="local", instance_count=1,

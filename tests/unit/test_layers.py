@@ -93,7 +93,7 @@ def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_
 
 
 # Test fault injection: installed by HLAT_JOB_HOOKS / HLAT_BACKEND_HOOKS through the hook points, never imported.
-FAULT_MODULES = {"hlat.training.faults", "hlat.infra.local_faults"}
+FAULT_MODULES = {"hlat.training.faults", "hlat.infra.backends.local_faults"}
 
 
 def _imported_names(path: Path) -> list[tuple[str, int]]:
@@ -118,7 +118,7 @@ def test_no_module_imports_a_fault_module_and_the_hook_points_name_no_fault() ->
         if imported in FAULT_MODULES
     ]
     assert not wrong, "\n".join(wrong)
-    for module in ("hlat.training.hooks", "hlat.infra.job_daemon", "hlat.infra.local_jobs"):
+    for module in ("hlat.training.hooks", "hlat.infra.backends.local_daemon", "hlat.infra.backends.local"):
         text = project_modules()[module].read_text()
         named = [name for name in ("HLAT_FAULT", "HLAT_LOCAL_FAULTS", "HLAT_PREPARE_FAULTS") if name in text]
         assert not named, f"{module} names {named}: fault variables belong to the fault modules"
@@ -188,9 +188,9 @@ def test_every_run_file_name_is_defined_once_in_the_layout() -> None:
         "hlat.core.contract",
         "hlat.core.environment",
         "hlat.infra.stage_jobs",
-        "hlat.infra.eval_report",
-        "hlat.infra.job_daemon",
-        "hlat.infra.planner",
+        "hlat.infra.reports.eval_report",
+        "hlat.infra.backends.local_daemon",
+        "hlat.infra.cost.planner",
         "hlat.tasks.train",
         "hlat.tasks.evaluate",
         "hlat.tasks.precompile",
@@ -212,7 +212,7 @@ def test_a_job_program_starts_from_its_uploaded_source_as_sagemaker_starts_it(pr
     """SageMaker's Torchrun driver runs the entry script by path from the uploaded source, where hlat is not
     installed, from another folder: the program imports the uploaded hlat package, and only it. (The editable
     install's finder is taken out first, so the program finds hlat as a job would.)"""
-    from hlat.infra.sagemaker_jobs import ENTRY_SCRIPT, JOB_MODULE_ENV, stage_source
+    from hlat.infra.backends.sagemaker import ENTRY_SCRIPT, JOB_MODULE_ENV, stage_source
 
     source = tmp_path / "code"
     stage_source(source, None)

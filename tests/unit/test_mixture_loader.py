@@ -24,7 +24,7 @@ from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
 from hlat.core.run import Run
 from hlat.core.shards import DataManifest, MixtureManifest, MixtureSource, write_shard
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import EOS_ID, train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import EOS_ID, train_sentencepiece, training_lines
 from hlat.training.data.loader import SEED_STRIDE, Batch, PackedLoader, pick_source, source_seed
 
 SEED = 11

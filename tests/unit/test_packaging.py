@@ -43,7 +43,7 @@ def test_the_wheel_holds_each_module_once(tmp_path: Path) -> None:
     modules = [n for n in names if n.endswith(".py")]
     assert len(modules) == len(set(modules))
     assert set(modules) == set(package_files())
-    assert {"hlat/infra/measured.json", "hlat/infra/baselines.json"} <= set(names)  # package data
+    assert {"hlat/infra/cost/measured.json", "hlat/infra/reports/baselines.json"} <= set(names)  # package data
 
 
 def test_a_layer_has_one_identity() -> None:

@@ -13,9 +13,9 @@ import pytest
 
 from hlat.core.presets import load_config, preset_names
 from hlat.core.run import Run
-from hlat.infra import planner
-from hlat.infra.catalog import CATALOG, MEASURED, TRN1_TOPOLOGY, price_per_hour
-from hlat.infra.planner import Estimate, Layout, Rejected, plannable
+from hlat.infra.cost import planner
+from hlat.infra.cost.catalog import CATALOG, MEASURED, TRN1_TOPOLOGY, price_per_hour
+from hlat.infra.cost.planner import Estimate, Layout, Rejected, plannable
 
 GIB = 1024**3
 GQA_24_6 = {"model.n_heads": 24, "model.n_kv_heads": 6, "model.d_model": 3072, "parallelism.tensor": 2}
@@ -237,7 +237,7 @@ def test_time_and_cost_for_a_token_budget() -> None:
     assert configured.tokens_per_s == the_plan.configured.tokens_per_s and configured.layout.tensor == 8
     assert trn1.tokens_per_s == the_plan.best.tokens_per_s and trn1.basis.startswith("best layout TP4")
     assert trn1.usd == pytest.approx(1.8e12 / trn1.tokens_per_s / 3600 * 64 * 24.725)
-    # p5 at the MFU benchmarks/bench_train measured on an H100 (infra/measured.json), p4d at its assumed 42%:
+    # p5 at the MFU benchmarks/bench_train measured on an H100 (infra/cost/measured.json), p4d at its assumed 42%:
     # 64 nodes x 8 GPUs x peak BF16 x MFU over the model FLOPs per token.
     h100 = json.loads(MEASURED.read_text())["train_step"]["NVIDIA H100 80GB HBM3"]
     assert p5.tokens_per_s == pytest.approx(64 * 8 * 989e12 * h100["mfu"] / planner.flops_per_token(config))
@@ -380,7 +380,7 @@ def test_task_publishes_the_table_and_warns_on_a_slow_layout(
 
 def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
     """The planner's layouts map one to one onto the config's parallelism (what training.parallel.neuron hands NxD)."""
-    from hlat.infra.planner import configured_layout
+    from hlat.infra.cost.planner import configured_layout
 
     config = load_config("hlat-70b")
     the_plan = planner.plan(config, nodes=256)

@@ -18,7 +18,7 @@ from botocore.stub import Stubber
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
 from hlat.core.run import check_run, continued, open_run
-from hlat.infra.preflight import (
+from hlat.infra.checks.preflight import (
     _trusts_sagemaker,
     instance_needs,
     instances_in_use,
@@ -216,7 +216,7 @@ def test_an_extension_that_changes_the_schedule_is_refused_before_a_server_start
 def test_each_source_of_a_mixture_is_checked_and_named(tmp_path: Path) -> None:
     from hlat.core.presets import load_config
     from hlat.flows.stage import source_shape
-    from hlat.infra.preflight import source_findings
+    from hlat.infra.checks.preflight import source_findings
 
     present = tmp_path / "books.jsonl"
     present.write_text('{"text": "a book"}\n')

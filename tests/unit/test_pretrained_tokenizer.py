@@ -25,7 +25,7 @@ from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
 from hlat.core.presets import load_config
 from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import (
+from hlat.infra.inputs.tokenizer import (
     build_pretrained_tokenizer,
     build_tokenizer,
     fetch_pretrained,
@@ -349,7 +349,7 @@ def test_preflight_leaves_a_hub_that_does_not_answer_unchecked_for_sagemaker_and
 ) -> None:
     import huggingface_hub.constants
 
-    from hlat.infra.preflight import tokenizer_finding
+    from hlat.infra.checks.preflight import tokenizer_finding
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

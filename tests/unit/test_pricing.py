@@ -16,7 +16,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
-from hlat.infra.pricing import SERVICE_CODE, price_filters, training_prices
+from hlat.infra.cost.pricing import SERVICE_CODE, price_filters, training_prices
 
 
 def entry(instance: str, region: str, usd: str, effective: str = "2026-10-01T00:00:00Z", sku: str = "SKU1") -> str:
@@ -87,7 +87,7 @@ def test_a_type_listed_at_two_prices_is_refused_with_the_setting_to_use(pricing:
 
 def test_the_table_shows_both_prices_and_the_settings_that_use_todays() -> None:
     from hlat.cli import prices_table
-    from hlat.infra.pricing import ListedPrice
+    from hlat.infra.cost.pricing import ListedPrice
 
     listed = {
         "ml.trn1.32xlarge": ListedPrice("ml.trn1.32xlarge", "us-west-2", 21.0, "2026-10-01", "A"),
@@ -122,8 +122,8 @@ def test_without_aws_the_command_fails_in_one_line_naming_the_permission(
 def test_recorded_prices_replace_derived_ones_with_what_the_list_said_and_when(tmp_path: Path) -> None:
     """`hlat prices --record`: the listed figure, its SKU, effective date and the time it was read go into the price
     file; types the list did not price keep their entry, and the catalog then describes the figure as the list's."""
-    from hlat.infra.catalog import PRICES, load_prices
-    from hlat.infra.pricing import ListedPrice, record_prices
+    from hlat.infra.cost.catalog import PRICES, load_prices
+    from hlat.infra.cost.pricing import ListedPrice, record_prices
 
     path = tmp_path / "prices.json"
     shutil.copy(PRICES, path)
@@ -151,7 +151,7 @@ def test_recorded_prices_replace_derived_ones_with_what_the_list_said_and_when(t
 
 
 def test_every_catalog_price_says_where_it_comes_from() -> None:
-    from hlat.infra.catalog import CATALOG
+    from hlat.infra.cost.catalog import CATALOG
 
     for name, instance in CATALOG.items():
         if name == "local":
@@ -163,7 +163,7 @@ def test_every_catalog_price_says_where_it_comes_from() -> None:
 
 def test_the_plan_says_where_its_price_comes_from() -> None:
     from hlat.core.presets import load_config
-    from hlat.infra.planner import plan, price_source
+    from hlat.infra.cost.planner import plan, price_source
 
     assert plan(load_config("hlat-7b"), nodes=4).notes == [f"price: {price_source(load_config('hlat-7b'), TRN1)}"]
     assert "derived, not read from AWS" in price_source(load_config("hlat-7b"), TRN1)

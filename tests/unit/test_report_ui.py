@@ -13,7 +13,7 @@ from PIL import Image
 
 from hlat.core.presets import HLAT_EVAL_TASKS
 from hlat.core.storage import Storage
-from hlat.infra.eval_report import UI_IMAGE_WIDTH, embed_images, load_baselines, render_report, write_report
+from hlat.infra.reports.eval_report import UI_IMAGE_WIDTH, embed_images, load_baselines, render_report, write_report
 from tests.unit.test_eval_report import fake_run, results, training_lines
 
 DATA_URI = re.compile(r"!\[(?P<caption>[^\]]*)\]\(data:image/png;base64,(?P<data>[A-Za-z0-9+/=]+)\)")

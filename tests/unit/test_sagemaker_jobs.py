@@ -23,8 +23,17 @@ from hlat.core.config import JobConfig
 from hlat.core.environment import neuron_environment
 from hlat.core.presets import load_config
 from hlat.core.run import Run
-from hlat.infra.jobs import Action, JobSpec, JobState, Status, SubmitError, classify, classify_reason, job_name
-from hlat.infra.sagemaker_jobs import (
+from hlat.infra.backends.protocol import (
+    Action,
+    JobSpec,
+    JobState,
+    Status,
+    SubmitError,
+    classify,
+    classify_reason,
+    job_name,
+)
+from hlat.infra.backends.sagemaker import (
     LOG_GROUP,
     LOG_LOOKBACK_MS,
     METRIC_DEFINITIONS,
@@ -126,7 +135,7 @@ def expected_create_request() -> dict[str, Any]:
         "AlgorithmSpecification": {
             "TrainingImage": IMAGE,
             "TrainingInputMode": "File",
-            # our init (infra/job_init.py) as PID 1, in front of the SDK's command, which runs unchanged
+            # our init (infra/backends/job_init.py) as PID 1, in front of the SDK's command, which runs unchanged
             "ContainerEntrypoint": ["python3", "/opt/ml/input/data/code/job_init.py", "/bin/bash"],
             "ContainerArguments": ["-c", ANY],
             "MetricDefinitions": [{"Name": k, "Regex": v} for k, v in METRIC_DEFINITIONS.items()],
@@ -654,7 +663,7 @@ def test_supervisor_relaunches_through_capacity_and_internal_errors_to_completio
     """Three jobs through the real request and response shapes: CapacityError (back off), InternalServerError
     after progress (resume at once), Completed. Each job is looked up by name first, created under its
     deterministic name, then polled; its logs are read (none written yet)."""
-    from hlat.infra.supervisor import Supervisor
+    from hlat.infra.supervision.supervisor import Supervisor
 
     backend, _, stubber = offline_backend
     logs = Stubber(backend.logs_client)

@@ -17,9 +17,9 @@ from hlat.core.config import HlatConfig, validate_config
 from hlat.core.contract import EXIT_LOSS_SPIKES, parse_failure_record
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra import job_daemon
-from hlat.infra.jobs import Action, FailureClass, classify_reason
-from hlat.infra.supervisor import JobFailed, loss_spikes_stop
+from hlat.infra.backends import local_daemon
+from hlat.infra.backends.protocol import Action, FailureClass, classify_reason
+from hlat.infra.supervision.supervisor import JobFailed, loss_spikes_stop
 from hlat.training import hooks as job_hooks
 from hlat.training.checkpoint import CheckpointManager
 from hlat.training.loop import Trainer
@@ -201,7 +201,7 @@ def test_too_many_spikes_in_a_row_stop_the_job_with_a_failure_record_and_no_chec
 
 # -- the control plane ---------------------------------------------------------------------------------------
 def test_the_local_backend_names_the_exit_and_the_supervisor_does_not_relaunch_it(tmp_path: Path) -> None:
-    bare = job_daemon.failure_reason(EXIT_LOSS_SPIKES, None, ["last words"])
+    bare = local_daemon.failure_reason(EXIT_LOSS_SPIKES, None, ["last words"])
     assert bare.startswith("AlgorithmError: LossSpikes: ") and f"exit code {EXIT_LOSS_SPIKES}" in bare
     decision = loss_spikes_stop(classify_reason(bare))
     assert (decision.action, decision.failure_class, decision.category) == (

@@ -151,12 +151,12 @@ def test_estimate_of_hlat_7b_is_the_planners_figure_for_its_configured_layout() 
 def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hlat.infra.local_jobs
+    import hlat.infra.backends.local
     from hlat.core.environment import NEURON_SDKS
     from hlat.infra.stage_jobs import job_python
 
     config = load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.24.1"})
-    monkeypatch.setattr(hlat.infra.local_jobs, "PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr(hlat.infra.backends.local, "PROJECT_ROOT", tmp_path)
     with pytest.raises(ConfigError, match=r"training\.device=xla .*2\.24\.1.* run `scripts/install\.sh xla` first"):
         job_python(config, "train")
     newer = load_config("tiny", {"training.device": "xla"})  # the default SDK, 2.28.0

@@ -177,10 +177,10 @@ def test_the_recipe_is_in_the_docs() -> None:
 def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
     from hlat.cli import build_parser, flow_call
     from hlat.flows.pretrain import chain
-    from hlat.infra.preflight import instance_needs, own_job_names, stage_images
-    from hlat.infra.sagemaker_jobs import _config_field, requirements_of
+    from hlat.infra.backends.sagemaker import _config_field, requirements_of
+    from hlat.infra.checks.preflight import instance_needs, own_job_names, stage_images
     from hlat.infra.stage_jobs import job_spec
-    from hlat.infra.status import stage_price
+    from hlat.infra.supervision.status import stage_price
 
     order = [(row.name, flow.name) for row, flow in chain()]
     assert order[3:7] == [("burn-in", "burn-in"), ("rehearse", "rehearse"), ("review", "review"), ("train", "train")]
@@ -216,7 +216,7 @@ def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
 @pytest.mark.usefixtures("throwaway")
 def test_a_throwaway_stage_is_in_status_done_and_cache_keys(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     import hlat.tasks.caching as caching
-    from hlat.infra.status import render, run_status
+    from hlat.infra.supervision.status import render, run_status
 
     monkeypatch.setattr(caching, "output_checksum", caching.output_checksum.fn)  # the task's body, no Prefect API
     run = open_run(load_config("tiny", storage=str(tmp_path / "runs")))
@@ -241,8 +241,8 @@ def test_a_throwaway_stage_is_in_status_done_and_cache_keys(tmp_path: Path, monk
 
 
 def test_an_unknown_stage_is_an_error_not_the_last_stage() -> None:
-    from hlat.infra.run_roles import access_of
-    from hlat.infra.status import stage_price
+    from hlat.infra.backends.run_roles import access_of
+    from hlat.infra.supervision.status import stage_price
 
     config = load_config("tiny")
     for ask in (lambda: stage("rehearse").done, lambda: stage_price(config, "rehearse"), lambda: access_of("x")):

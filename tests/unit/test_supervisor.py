@@ -14,7 +14,7 @@ import pytest
 
 from hlat.core.contract import FailureRecord
 from hlat.core.run import Run
-from hlat.infra.jobs import (
+from hlat.infra.backends.protocol import (
     FAILURE_RULES,
     UNKNOWN,
     Action,
@@ -29,7 +29,7 @@ from hlat.infra.jobs import (
     classify_reason,
     job_name,
 )
-from hlat.infra.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
+from hlat.infra.supervision.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
 
 RUN_ID = "tiny-test"
 TARGET = 100
@@ -211,7 +211,7 @@ def test_platform_faults_keep_relaunching_with_growing_delays(tmp_path: Path, ca
     job.max_attempts_without_progress (here 10; see test_every_class_stops_after_attempts_without_progress),
     job.max_restarts or the budget; the first relaunch is at once, repeats wait longer and longer."""
     clock = [0.0]
-    died = ("Failed", "InternalServerError: the job's supervisor process died")
+    died = ("Failed", "InternalServerError: the job's daemon process died")
     killed = ("Failed", "AlgorithmError: training process killed by signal SIGKILL (exit code 137)")
     plays = [Play([died], reaches=0), Play([killed], reaches=0), Play([died], reaches=0), Play([died], reaches=0)]
     plays += [Play([killed], reaches=20), Play([died], reaches=20), Play()]
@@ -329,7 +329,7 @@ def test_a_job_still_running_after_the_last_checkpoint_is_stopped_and_recorded(t
     its exit barrier for a rank that died, as the emulator's chaos test once saw, for 5 minutes). The next
     supervisor finds the target reached: it stops that job, follows it to its end and records it, launching
     nothing, so that no job outlives the stage."""
-    from hlat.infra.supervisor import Attempt
+    from hlat.infra.supervision.supervisor import Attempt
 
     clock = [0.0]
     backend = ScriptedBackend([Play([("InProgress", None)])], clock)  # it would never end by itself
@@ -351,7 +351,7 @@ def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None
     backend = ScriptedBackend([Play()], clock)
     spec = JobSpec(job_name(RUN_ID, 1), RUN_ID, 1, str(tmp_path), "c", "ml.trn1.32xlarge", 2, 32, 3600)
     backend.submit(spec)
-    from hlat.infra.supervisor import Attempt
+    from hlat.infra.supervision.supervisor import Attempt
 
     Ledger(Run.at(str(tmp_path)), "train").save([Attempt(1, spec.name)])
     attempts = supervisor(tmp_path, backend, clock).run_to_completion()
@@ -640,7 +640,7 @@ def test_the_dry_run_says_whether_a_stop_fits_the_grace() -> None:
 
 def short_job(tmp_path: Path, backend: ScriptedBackend, clock: list[float], max_attempts: int = 3) -> Any:
     """`run_job` as the short jobs' stages call it (burn-in here), on the scripted backend and the fake clock."""
-    from hlat.infra.supervisor import run_job
+    from hlat.infra.supervision.supervisor import run_job
 
     def sleep(seconds: float) -> None:
         clock[0] += seconds

@@ -19,9 +19,9 @@ from hlat.core.layout import lease_path, stop_request_path
 from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageClock
-from hlat.infra.jobs import JobState, Status, SubmitError, classify, first_failure
-from hlat.infra.status import render, run_status, stop_run, stop_summary
-from hlat.infra.supervisor import (
+from hlat.infra.backends.protocol import JobState, Status, SubmitError, classify, first_failure
+from hlat.infra.supervision.status import render, run_status, stop_run, stop_summary
+from hlat.infra.supervision.supervisor import (
     BudgetExhausted,
     DeadlinePassed,
     JobFailed,

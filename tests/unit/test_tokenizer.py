@@ -29,7 +29,13 @@ from hlat.core.config import TokenizerConfig
 from hlat.core.layout import MANIFEST_FILE, REPORT_FILE
 from hlat.core.shards import DataManifest, ShardWriter
 from hlat.core.storage import Storage, StorageNotFound
-from hlat.infra.tokenizer import MODEL_FILE, build_tokenizer, tokenizer_report, train_sentencepiece, training_lines
+from hlat.infra.inputs.tokenizer import (
+    MODEL_FILE,
+    build_tokenizer,
+    tokenizer_report,
+    train_sentencepiece,
+    training_lines,
+)
 
 VOCAB = 512
 MAX_SEQ = 1024

@@ -16,7 +16,7 @@ from hlat.core.config import ConfigError, HlatConfig, TrackingConfig
 from hlat.core.layout import TRACKING_RECORD
 from hlat.core.presets import load_config
 from hlat.core.run import Run
-from hlat.infra.sagemaker_jobs import (
+from hlat.infra.backends.sagemaker import (
     SageMakerBackend,
     config_request,
     mlflow_config,

@@ -29,11 +29,11 @@ from hlat.training.models import FAMILIES, hf_config, hf_state_family, modules_o
 from hlat.training.models.base import FamilyModules, build_hf_config
 from hlat.training.parallel.tensor_slices import consolidate
 
-BOS_ID, EOS_ID = 1, 2  # the sentencepiece ids of <s> and </s> (infra/tokenizer.py): the run's own tokenizer
+BOS_ID, EOS_ID = 1, 2  # the sentencepiece ids of <s> and </s> (infra/inputs/tokenizer.py): the run's own tokenizer
 
 SAFETENSORS_FILE = "model.safetensors"
 
-# Files a tokenizer folder (infra/tokenizer.py, or any HF tokenizer) may hold that from_pretrained reads;
+# Files a tokenizer folder (infra/inputs/tokenizer.py, or any HF tokenizer) may hold that from_pretrained reads;
 # anything else there (e.g. the tokenizer stage's report.json) is not copied.
 TOKENIZER_JSON = "tokenizer.json"
 TOKENIZER_FILES = (

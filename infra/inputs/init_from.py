@@ -32,7 +32,7 @@ from hlat.core.layout import (
 from hlat.core.models import family_of
 from hlat.core.run import Run
 from hlat.core.storage import Storage
-from hlat.infra.tokenizer import hub_snapshot
+from hlat.infra.inputs.tokenizer import hub_snapshot
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -153,7 +153,7 @@ def import_checkpoint(config: HlatConfig, run: Run) -> dict[str, Any]:
 def model_notes(config: HlatConfig) -> list[str]:
     """For the dry run and the plan, which price the model before any stage ran: where the jobs' model comes from
     when it is not all in the config (model.init_from's config.json, tokenizer.pretrained's vocabulary)."""
-    from hlat.infra.tokenizer import vocabulary_note
+    from hlat.infra.inputs.tokenizer import vocabulary_note
 
     notes = []
     if (source := config.model.init_from) is not None:

@@ -126,7 +126,7 @@ def _fetched(check: str, source: str, backend: str, describe: Callable[[], str])
     """The finding of a check that fetches `source`; `describe` gives the success line. For SageMaker runs an
     unreachable hub is unchecked, not failed; a missing name fails."""
     from hlat.core.storage import StorageError
-    from hlat.infra.tokenizer import HubUnreachable
+    from hlat.infra.inputs.tokenizer import HubUnreachable
 
     try:
         return Finding(check, True, describe())
@@ -142,7 +142,7 @@ def tokenizer_finding(source: str, backend: str = "local") -> Finding:
     """Whether tokenizer.pretrained can be fetched: its files are copied as the tokenizer stage will copy them."""
     import tempfile
 
-    from hlat.infra.tokenizer import fetch_pretrained
+    from hlat.infra.inputs.tokenizer import fetch_pretrained
 
     def describe() -> str:
         with tempfile.TemporaryDirectory(prefix="hlat-preflight-tokenizer-") as tmp:
@@ -154,8 +154,8 @@ def tokenizer_finding(source: str, backend: str = "local") -> Finding:
 
 
 def init_from_finding(source: str, backend: str = "local") -> Finding:
-    """Whether model.init_from can be imported, judged from its small files (infra/init_from.py `peek`)."""
-    from hlat.infra.init_from import peek
+    """Whether model.init_from can be imported, judged from its small files (infra/inputs/init_from.py `peek`)."""
+    from hlat.infra.inputs.init_from import peek
 
     return _fetched("init_from", source, backend, lambda: peek(source))
 
@@ -472,7 +472,7 @@ def _listed(value: Any) -> list[Any]:
 def sagemaker_request_context(config: HlatConfig, account: str) -> dict[str, str]:
     """The condition keys of SageMaker's AssumeRole for a run's job (aws:SourceAccount, aws:SourceArn), lower-cased. See
     https://docs.aws.amazon.com/sagemaker/latest/dg/sagemaker-roles.html (confused-deputy guard)."""
-    from hlat.infra.jobs import job_name
+    from hlat.infra.backends.protocol import job_name
 
     partition = config.job.role_arn.split(":")[1] if config.job.role_arn and ":" in config.job.role_arn else "aws"
     name = job_name(config.resolved_run_id(), 1)
@@ -828,7 +828,7 @@ def stage_images(config: HlatConfig) -> dict[str, list[str]]:
     job = config.job
     train = job.image_uri
     if train is None:
-        from hlat.infra.sagemaker_jobs import neuron_training_image
+        from hlat.infra.backends.sagemaker import neuron_training_image
 
         train = neuron_training_image(job.region, config.neuron.sdk)
         if train is None:
@@ -1021,7 +1021,7 @@ def _held_by(held: list[tuple[str, int]]) -> str:
 
 def own_job_names(run_id: str) -> Callable[[str], bool]:
     """Whether a training job name is one of run `run_id`'s own."""
-    from hlat.infra.jobs import job_name
+    from hlat.infra.backends.protocol import job_name
 
     def own(name: str) -> bool:
         match = re.fullmatch(r".+-(\d+)", name)

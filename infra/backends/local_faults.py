@@ -1,4 +1,4 @@
-"""Fault injection for the local backend's tests: the `BackendHooks` HLAT_BACKEND_HOOKS=hlat.infra.local_faults
+"""Fault injection for the local backend's tests: the `BackendHooks` HLAT_BACKEND_HOOKS=hlat.infra.backends.local_faults
 installs. No production module imports it (tests/unit/test_layers.py).
 
 HLAT_LOCAL_FAULTS in the submitting process maps attempt numbers to faults, e.g. `{"1": {"kill_at_step": 8}}`. It is
@@ -7,7 +7,7 @@ read at submit, kept in job.json, and kept out of the job's environment:
 - `{"hang_at_step": N}`: SIGSTOP them instead; the job stays InProgress until stopped.
 - `{"fail": "<reason>", "after_s": S}`: launch nothing; after S seconds end Failed with that reason.
 - `{"complete": true, "after_s": S}`: launch nothing; end Completed without outputs, like a broken image.
-- `{"sdk_entrypoint": true}` (emulated hosts): run the SDK's command without our init (infra/job_init.py).
+- `{"sdk_entrypoint": true}` (emulated hosts): run the SDK's command without our init (infra/backends/job_init.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ import signal
 import time
 from typing import Any
 
-from hlat.infra.job_daemon import POLL_S, BackendHooks, JobDaemon, signal_job
-from hlat.infra.jobs import Status
+from hlat.infra.backends.local_daemon import POLL_S, BackendHooks, JobDaemon, signal_job
+from hlat.infra.backends.protocol import Status
 
 FAULTS_ENV = "HLAT_LOCAL_FAULTS"
 FAULT_KEYS = {"kill_at_step", "hang_at_step", "fail", "complete", "after_s", "sdk_entrypoint"}
@@ -55,7 +55,7 @@ class LocalFaults(BackendHooks):
 
     def emulated_request(self, request: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
         if record.get("sdk_entrypoint"):  # the SDK's container command alone, without our init in front of it
-            from hlat.infra.sagemaker_jobs import JOB_INIT
+            from hlat.infra.backends.sagemaker import JOB_INIT
 
             algorithm = request["AlgorithmSpecification"]
             algorithm["ContainerEntrypoint"] = algorithm["ContainerEntrypoint"][len(JOB_INIT) :]
@@ -91,5 +91,5 @@ class LocalFaults(BackendHooks):
 
 
 def hooks() -> BackendHooks:
-    """The hooks HLAT_BACKEND_HOOKS=hlat.infra.local_faults installs (infra/job_daemon.py)."""
+    """The hooks HLAT_BACKEND_HOOKS=hlat.infra.backends.local_faults installs (infra/backends/local_daemon.py)."""
     return LocalFaults()

@@ -1,6 +1,7 @@
 """Training jobs: the protocol both job backends implement, job naming, and failure classification.
 
-Backends (`infra.sagemaker_jobs`, `infra.local_jobs`) report state in SageMaker's vocabulary. The train stage classifies
+Backends (`infra.backends.sagemaker`, `infra.backends.local`) report state in SageMaker's vocabulary. The train stage
+classifies
 each ending with `classify` and relaunches from the newest checkpoint. docs/jobs.md has the rule table.
 """
 
@@ -396,7 +397,7 @@ FAILURE_RULES: list[FailureRule] = [
         r"InternalServerError|ServiceUnavailable|InternalFailure",
         F.PLATFORM,
         "internal",
-        "InternalServerError: the job's supervisor process died",
+        "InternalServerError: the job's daemon process died",
         S,
     ),
     FailureRule(r"MaxRuntimeExceeded", F.PLATFORM, "max-runtime", "MaxRuntimeExceeded: stopped", S),

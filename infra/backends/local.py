@@ -1,12 +1,13 @@
 """The local job backend: a training job as detached processes on this machine, under SageMaker's contract.
 
 The train stage's supervision runs against it for real, without AWS: kills, timeouts, capacity, lost hosts,
-re-attaching. This module is the client: submit, describe, stop, logs. Each job's daemon (`infra.job_daemon`) plays
+re-attaching. This module is the client: submit, describe, stop, logs. Each job's daemon
+(`infra.backends.local_daemon`) plays
 SageMaker's side. A job ended once status.json exists and its daemon has exited; a daemon gone without it is a crashed
 host (Failed, InternalServerError). Each job lives in `<jobs_dir>/<job name>/`:
 
     job.json          spec, hook record, stop grace, created; an emulated job's CreateTrainingJob request
-    supervisor.json   the daemon's pid, /proc start time and wall-clock start
+    daemon.json       the daemon's pid, /proc start time and wall-clock start
     phase.json        the running job's secondary status
     stop              a stop request (also sent as SIGTERM to the daemon)
     status.json       the final state, written last
@@ -28,7 +29,7 @@ from typing import Any
 
 from hlat.core.config import JobConfig
 from hlat.core.layout import JOB_LOG_FILE
-from hlat.infra.job_daemon import (
+from hlat.infra.backends.local_daemon import (
     PROJECT_ROOT,
     backend_hooks,
     kill_job,
@@ -38,14 +39,14 @@ from hlat.infra.job_daemon import (
     training_command,
     write_json,
 )
-from hlat.infra.jobs import JobSpec, JobState, Status, SubmitError
+from hlat.infra.backends.protocol import JobSpec, JobState, Status, SubmitError
 
 __all__ = ["PROJECT_ROOT", "LocalBackend"]
 
 _LOG_CHUNK = 4 << 20  # bytes read by one logs() call
 START_TIMEOUT_S = 60.0
 """A job folder with no daemon this long after submit is a submitter that died mid-submit."""
-SUPERVISOR_DIED = "InternalServerError: the job's supervisor process died"
+DAEMON_DIED = "InternalServerError: the job's daemon process died"
 """A crashed host's failure reason; it is billed up to its last logged line."""
 
 _JOB_NAME = re.compile(r"[a-zA-Z0-9](-*[a-zA-Z0-9]){0,62}")
@@ -56,8 +57,8 @@ _CHILDREN: dict[str, subprocess.Popen[bytes]] = {}
 Module-wide, since a backend may be dropped while its job runs, and a collected Popen warns."""
 
 
-def _alive(supervisor: dict[str, Any]) -> bool:
-    return supervisor["process_start"] is not None and process_start(supervisor["pid"]) == supervisor["process_start"]
+def _alive(daemon: dict[str, Any]) -> bool:
+    return daemon["process_start"] is not None and process_start(daemon["pid"]) == daemon["process_start"]
 
 
 class LocalBackend:
@@ -96,7 +97,7 @@ class LocalBackend:
         started = time.time()
         with open(os.path.join(job_dir, JOB_LOG_FILE), "ab") as log:
             proc = subprocess.Popen(
-                [sys.executable, "-m", "hlat.infra.job_daemon", job_dir],
+                [sys.executable, "-m", "hlat.infra.backends.local_daemon", job_dir],
                 cwd=PROJECT_ROOT,
                 stdin=subprocess.DEVNULL,
                 stdout=log,
@@ -104,20 +105,20 @@ class LocalBackend:
                 start_new_session=True,  # not in our process group or session: it must outlive us
             )
         _CHILDREN[job_dir] = proc
-        supervisor = {"pid": proc.pid, "process_start": process_start(proc.pid), "started": started}
-        write_json(os.path.join(job_dir, "supervisor.json"), supervisor)
+        daemon = {"pid": proc.pid, "process_start": process_start(proc.pid), "started": started}
+        write_json(os.path.join(job_dir, "daemon.json"), daemon)
 
     def _emulated_request(self, spec: JobSpec, hook_record: dict[str, Any], upload: bool = True) -> dict[str, Any]:
-        """The request a job of several instances runs from on the emulator (`infra.sagemaker_emulator`)."""
-        from hlat.infra import sagemaker_emulator
+        """The request a job of several instances runs from on the emulator (`infra.backends.emulator`)."""
+        from hlat.infra.backends import emulator
 
-        if problem := sagemaker_emulator.namespaces_available():
+        if problem := emulator.namespaces_available():
             raise SubmitError(
                 "ValidationException",
                 f"job.instance_count={spec.instance_count}: the local backend runs several instances as emulated "
                 f"SageMaker hosts, and {problem}; or set job.instance_count=1",
             )
-        request = sagemaker_emulator.build_request(spec, self.job, upload=upload)
+        request = emulator.build_request(spec, self.job, upload=upload)
         return backend_hooks().emulated_request(request, hook_record)
 
     def describe(self, name: str) -> JobState | None:
@@ -131,20 +132,20 @@ class LocalBackend:
         count = int(record["spec"]["instance_count"]) if record else 1
         if job_dir in _CHILDREN and _CHILDREN[job_dir].poll() is not None:
             del _CHILDREN[job_dir]  # reaped: no zombie left in this process
-        supervisor = read_json(os.path.join(job_dir, "supervisor.json"))
-        # Ended once the supervisor has exited too: a job reported over leaves no process of its own behind.
-        if (ended := self._final_state(name, count)) and not (supervisor and _alive(supervisor)):
+        daemon = read_json(os.path.join(job_dir, "daemon.json"))
+        # Ended once the daemon has exited too: a job reported over leaves no process of its own behind.
+        if (ended := self._final_state(name, count)) and not (daemon and _alive(daemon)):
             return ended
-        if supervisor is None:
+        if daemon is None:
             if record is None or time.time() - record["created"] < START_TIMEOUT_S:
                 return JobState(name, Status.IN_PROGRESS, secondary_status="Starting", instance_count=count)
             return JobState(
-                name, Status.FAILED, "InternalServerError: the job's supervisor never started", "Failed",
+                name, Status.FAILED, "InternalServerError: the job's daemon never started", "Failed",
                 instance_count=count,
             )  # fmt: skip
-        # Billed up to now, or up to the end the job recorded while its supervisor exits: never past the final bill.
-        billed = ended.billable_seconds if ended else max(0.0, now - supervisor["started"])
-        if _alive(supervisor):
+        # Billed up to now, or up to the end the job recorded while its daemon exits: never past the final bill.
+        billed = ended.billable_seconds if ended else max(0.0, now - daemon["started"])
+        if _alive(daemon):
             phase = (read_json(os.path.join(job_dir, "phase.json")) or {}).get("secondary_status", "Starting")
             if phase not in _STOPPING and os.path.exists(os.path.join(job_dir, "stop")):
                 phase = "Stopping"
@@ -156,8 +157,8 @@ class LocalBackend:
         kill_job(job_dir)
         # The host "crashed": bill up to its last sign of life, the last line it logged.
         with contextlib.suppress(OSError):
-            billed = max(0.0, os.path.getmtime(os.path.join(job_dir, JOB_LOG_FILE)) - supervisor["started"])
-        reason = SUPERVISOR_DIED
+            billed = max(0.0, os.path.getmtime(os.path.join(job_dir, JOB_LOG_FILE)) - daemon["started"])
+        reason = DAEMON_DIED
         return JobState(name, Status.FAILED, reason, "Failed", billed, count)
 
     def _final_state(self, name: str, instance_count: int) -> JobState | None:
@@ -167,8 +168,8 @@ class LocalBackend:
         # Billed from the launch to status.json's mtime: an earlier describe read its clock before the file existed,
         # so the bill never shrinks at the end.
         path = os.path.join(self.job_dir(name), "status.json")
-        supervisor = read_json(os.path.join(self.job_dir(name), "supervisor.json")) or {}
-        started = min(final["started"], supervisor.get("started", final["started"]))
+        daemon = read_json(os.path.join(self.job_dir(name), "daemon.json")) or {}
+        started = min(final["started"], daemon.get("started", final["started"]))
         with contextlib.suppress(OSError):
             final["ended"] = max(final["ended"], os.path.getmtime(path))
         return JobState(
@@ -185,14 +186,14 @@ class LocalBackend:
         job_dir = self.job_dir(name)
         if not os.path.isdir(job_dir) or os.path.exists(os.path.join(job_dir, "status.json")):
             return
-        # The file reaches a supervisor that is still starting (before its SIGTERM handler is installed).
+        # The file reaches a daemon that is still starting (before its SIGTERM handler is installed).
         write_json(os.path.join(job_dir, "stop"), {"requested": time.time()})
-        supervisor = read_json(os.path.join(job_dir, "supervisor.json"))
-        # Before it writes phase.json the supervisor may not handle SIGTERM yet (it would die of it): the file
+        daemon = read_json(os.path.join(job_dir, "daemon.json"))
+        # Before it writes phase.json the daemon may not handle SIGTERM yet (it would die of it): the file
         # is enough then.
-        if supervisor and _alive(supervisor) and os.path.exists(os.path.join(job_dir, "phase.json")):
+        if daemon and _alive(daemon) and os.path.exists(os.path.join(job_dir, "phase.json")):
             with contextlib.suppress(ProcessLookupError):
-                os.kill(supervisor["pid"], signal.SIGTERM)
+                os.kill(daemon["pid"], signal.SIGTERM)
 
     def logs(self, name: str, cursor: Any = None) -> tuple[list[str], Any]:
         """Complete lines of output.log after byte offset `cursor`; a line still being written waits."""

@@ -1,10 +1,11 @@
 """Today's SageMaker training prices from the AWS Price List Query API (`hlat prices`).
 
-The catalog's prices (`infra.catalog`) are of one date and region; this asks AWS for now. `training_prices` reads the
+The catalog's prices (`infra.cost.catalog`) are of one date and region; this asks AWS for now. `training_prices` reads
+the
 on-demand hourly price of each `ml.` type as a training instance ("ML Instance", `component` "Training";
 https://docs.aws.amazon.com/aws-cost-management/latest/APIReference/API_pricing_GetProducts.html). The API answers in a
 few regions only. It needs `pricing:GetProducts`; nothing else in a run calls it. `record_prices` writes the answers
-into infra/prices.json (`hlat prices --record`).
+into infra/cost/prices.json (`hlat prices --record`).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from hlat.infra.catalog import PRICES, PriceSource
+from hlat.infra.cost.catalog import PRICES, PriceSource
 
 SERVICE_CODE = "AmazonSageMaker"
 API_REGION = "us-east-1"

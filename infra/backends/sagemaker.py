@@ -2,7 +2,7 @@
 
 Requests are built with the SageMaker SDK v3 `ModelTrainer` (the Neuron PyTorch DLC, the `Torchrun` driver,
 `CheckpointConfig` pinned to the run's checkpoints/ prefix) and sent with boto3, under the job name the train
-stage chose (`infra.jobs.job_name`): a restarted flow then finds the job it launched instead of launching a
+stage chose (`infra.backends.protocol.job_name`): a restarted flow then finds the job it launched instead of launching a
 duplicate. Describe, stop and logs are plain boto3 calls (SageMaker and CloudWatch Logs).
 
 `dry_run` builds the very same requests with a boto3 session that answers every AWS call itself (`OfflineAWS`)
@@ -37,8 +37,8 @@ from hlat.core.config import DEFAULT_NEURON_SDK, JobConfig, TrackingConfig, clos
 from hlat.core.contract import SAGEMAKER_CHECKPOINT_DIR, SAGEMAKER_TENSORBOARD_DIR, STEP_LINE_METRICS
 from hlat.core.environment import NEURON_SDKS
 from hlat.core.stages import TRAINING, Instances, stage
-from hlat.infra.jobs import TERMINAL, JobSpec, JobState, Status, SubmitError
-from hlat.infra.run_roles import RunRoleError, RunRoles, ensure_run_role, retry_while_new, run_role_arn
+from hlat.infra.backends.protocol import TERMINAL, JobSpec, JobState, Status, SubmitError
+from hlat.infra.backends.run_roles import RunRoleError, RunRoles, ensure_run_role, retry_while_new, run_role_arn
 
 log = logging.getLogger("hlat.sagemaker")
 
@@ -46,7 +46,7 @@ NEURON_DLC_REPOSITORY = "pytorch-training-neuronx"
 """The Neuron PyTorch training images used when `job.image_uri` is None, one tag per Neuron SDK release
 (`NeuronSdk.image_tag`: 2.9.0-neuronx-py312-sdk2.28.0-ubuntu24.04 by default, neuron.sdk=2.28.0)."""
 
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """The project's checkout: deployments/ holds the requirements files the jobs install."""
 GPU_DLC_VERSION = "2.10.0"
 """PyTorch version of the GPU training image that evaluation jobs on GPU instances use by default."""
@@ -55,14 +55,15 @@ JOB_LAYERS = ("core", "training")
 """The layers of `hlat` a job imports (hlat.core, hlat.training: the job programs import nothing else of the
 project), shipped as the job's source code."""
 ENTRY_SCRIPT = "hlat_job.py"
-"""The script SageMaker's drivers run by path, at the top of the uploaded source (infra/job_entry.py): it runs the
+"""The script SageMaker's drivers run by path, at the top of the uploaded source (infra/backends/job_entry.py): it runs
+the
 module HLAT_JOB_MODULE names."""
 JOB_MODULE_ENV = "HLAT_JOB_MODULE"
 SOURCE_DIR = "/opt/ml/input/data/code"
 """Where SageMaker puts the uploaded source on each instance (the SDK's code channel)."""
 
 INIT_SCRIPT = "job_init.py"
-"""The container's PID 1 (infra/job_init.py), at the top of the uploaded source beside the entry script."""
+"""The container's PID 1 (infra/backends/job_init.py), at the top of the uploaded source beside the entry script."""
 JOB_INIT = ["python3", f"{SOURCE_DIR}/{INIT_SCRIPT}"]
 """Put in front of the SDK's ContainerEntrypoint (/bin/bash): the container's PID 1, run by path from the source code
 channel, which SageMaker downloads before the container starts."""
@@ -770,7 +771,7 @@ def _request_with_source(
         ) from exc
     request["TrainingJobName"] = spec.name
     # Our init in front of the SDK's container command, which runs unchanged: it passes StopTrainingJob's
-    # SIGTERM on to the ranks (infra/job_init.py says why the SDK's shell never would).
+    # SIGTERM on to the ranks (infra/backends/job_init.py says why the SDK's shell never would).
     algorithm = request["AlgorithmSpecification"]
     algorithm["ContainerEntrypoint"] = [*JOB_INIT, *algorithm["ContainerEntrypoint"]]
     mlflow = mlflow_config(spec)  # (ModelTrainer has no MLflow setting: the member is added to its request)
@@ -824,7 +825,9 @@ class SageMakerBackend:
             )
         job, just_created = self.job, False
         roles = RunRoles.from_environment()
-        if roles is not None:  # the run's own role (infra/run_roles.py), in place of the stack's execution role
+        if (
+            roles is not None
+        ):  # the run's own role (infra/backends/run_roles.py), in place of the stack's execution role
             assert job.role_arn is not None  # _check refused it otherwise
             try:
                 arn, just_created = ensure_run_role(

@@ -29,9 +29,9 @@ from hlat.core.run import Run
 from hlat.core.stages import TRAINING, job_stages, stages
 from hlat.core.stages import stage as row_of
 from hlat.core.storage import Storage, StorageClock
-from hlat.infra.catalog import job_cost, price_per_hour
-from hlat.infra.jobs import Action, FailureClass, JobBackend, JobState
-from hlat.infra.supervisor import (
+from hlat.infra.backends.protocol import Action, FailureClass, JobBackend, JobState
+from hlat.infra.cost.catalog import job_cost, price_per_hour
+from hlat.infra.supervision.supervisor import (
     USER_STOP,
     Attempt,
     Ledger,

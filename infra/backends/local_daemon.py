@@ -30,14 +30,14 @@ from hlat.core.contract import MAX_FAILURE_REASON as MAX_REASON
 from hlat.core.hooks import load_hooks
 from hlat.core.layout import CHECKPOINT_MARKER
 from hlat.core.storage import Storage
-from hlat.infra import sagemaker_emulator
-from hlat.infra.job_init import processes_with, rank_processes
-from hlat.infra.jobs import JobSpec, Status
+from hlat.infra.backends import emulator
+from hlat.infra.backends.job_init import processes_with, rank_processes
+from hlat.infra.backends.protocol import JobSpec, Status
 
 HOOKS_ENV = "HLAT_BACKEND_HOOKS"
 """The module whose `hooks()` the local backend's processes use (unset: the no-op `BackendHooks`)."""
 JOB_DIR_ENV = "HLAT_LOCAL_JOB_DIR"
-PROJECT_ROOT = Path(__file__).resolve().parents[1]
+PROJECT_ROOT = Path(__file__).resolve().parents[2]
 """The training processes' working directory."""
 
 POLL_S = 0.25
@@ -247,7 +247,7 @@ class ContainerProcess:
 
     def init_pid(self) -> int | None:
         """Its PID 1 (root namespace pid): what SageMaker signals."""
-        return sagemaker_emulator.init_pid(self.proc.pid) if self.emulated else self.proc.pid
+        return emulator.init_pid(self.proc.pid) if self.emulated else self.proc.pid
 
     def failure_text(self) -> str | None:
         try:
@@ -347,9 +347,9 @@ class JobDaemon:
             return ended
 
         self._phase("Downloading")
-        if self.request is not None and not sagemaker_emulator.master_port_free():
+        if self.request is not None and not emulator.master_port_free():
             reason = (
-                f"CapacityError: port {sagemaker_emulator.MASTER_PORT} (SageMaker's master port) is in use on this "
+                f"CapacityError: port {emulator.MASTER_PORT} (SageMaker's master port) is in use on this "
                 "machine: the local backend runs one multi-host job at a time"
             )
             return self.ending(Status.FAILED, reason, "Failed", None)
@@ -420,7 +420,6 @@ class JobDaemon:
         return "algo-1", training_command(self.spec), env, self._ml(), mirror
 
     def _prepare_hosts(self, request: dict[str, Any]) -> list[Launch]:
-        emulator = sagemaker_emulator
         names = emulator.host_names(request)
         hosts_path = emulator.hosts_file(self.job_dir, names)
         command = emulator.container_command(request)
@@ -498,7 +497,7 @@ class JobDaemon:
     def _signal_instances(self, instances: list[ContainerProcess], sig: signal.Signals) -> None:
         """Send `sig` as SageMaker does: to each container's PID 1.
 
-        On the one-instance path SIGTERM goes to the ranks only, as infra/job_init.py does."""
+        On the one-instance path SIGTERM goes to the ranks only, as infra/backends/job_init.py does."""
         if sig == signal.SIGKILL:
             signal_job(self.job_dir, sig)
         elif not instances[0].emulated:
@@ -563,7 +562,9 @@ class JobDaemon:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hlat.infra.job_daemon", description="Run one local job.")
+    parser = argparse.ArgumentParser(
+        prog="python -m hlat.infra.backends.local_daemon", description="Run one local job."
+    )
     parser.add_argument("job_dir", help="the job's folder, holding job.json")
     job_dir = os.path.abspath(parser.parse_args(argv).job_dir)
     stop_signalled = threading.Event()
@@ -573,7 +574,7 @@ def main(argv: list[str] | None = None) -> int:
         ending = daemon.run()
     except BaseException as exc:
         kill_job(job_dir)
-        reason = f"InternalServerError: the job's supervisor failed: {type(exc).__name__}: {exc}"[:MAX_REASON]
+        reason = f"InternalServerError: the job's daemon failed: {type(exc).__name__}: {exc}"[:MAX_REASON]
         daemon.say(reason)
         ending = daemon.ending(Status.FAILED, reason, "Failed", None)
     daemon.say(f"job ended: {ending['status']} {ending['failure_reason'] or ending['secondary_status']}")
@@ -585,8 +586,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    # The importable module's main, not this __main__ copy's: a hooks module subclasses hlat.infra.job_daemon's
+    # The importable module's main, not this __main__ copy's: a hooks module subclasses
+    # hlat.infra.backends.local_daemon's
     # BackendHooks, which backend_hooks() must recognise.
-    from hlat.infra.job_daemon import main as module_main
+    from hlat.infra.backends.local_daemon import main as module_main
 
     sys.exit(module_main())

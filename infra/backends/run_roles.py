@@ -183,7 +183,7 @@ def not_yet_assumable(code: str, message: str) -> bool:
 
 def retry_while_new(create: Any, just_created: bool, sleep: Any = time.sleep) -> None:
     """Call `create()`, retrying every 5 s for `ROLE_VISIBLE_SECONDS` while a new role is not assumable."""
-    from hlat.infra.jobs import SubmitError
+    from hlat.infra.backends.protocol import SubmitError
 
     deadline = time.monotonic() + ROLE_VISIBLE_SECONDS
     while True:

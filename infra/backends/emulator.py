@@ -21,7 +21,7 @@ from typing import Any
 from hlat.core.config import JobConfig
 from hlat.core.layout import SOURCES_DIR
 from hlat.core.storage import Storage, storage_errors
-from hlat.infra.jobs import JobSpec
+from hlat.infra.backends.protocol import JobSpec
 
 LOCAL_BUCKET = "hlat-local"
 """The bucket a local run's folders appear under in an emulated request; its keys are absolute paths."""
@@ -34,7 +34,7 @@ VALIDATED_AS = "ml.m5.xlarge"
 NETWORK_INTERFACE = "lo"
 GROUP_NAME = "homogeneousCluster"
 HOST_SETUP = Path(__file__).with_name("emulated_host.py")
-PROJECT_ROOT = str(Path(__file__).resolve().parents[1])
+PROJECT_ROOT = str(Path(__file__).resolve().parents[2])
 """The project's source tree, from which the job's Python imports hlat."""
 HOST_ENV = "HLAT_LOCAL_HOST"
 """Every process of an emulated instance carries its host name here; tests kill one host's processes by it."""
@@ -72,7 +72,7 @@ def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[st
     """The CreateTrainingJob request the emulator runs for `spec`, from the sagemaker backend's own builder.
 
     It is checked whole as SageMaker would. The SDK's uploads go to run storage unless `upload` is off."""
-    from hlat.infra.sagemaker_jobs import OfflineAWS, build_request, validate_request
+    from hlat.infra.backends.sagemaker import OfflineAWS, build_request, validate_request
 
     emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
     request_spec = replace(spec, run_uri=request_uri(spec.run_uri), image_uri=LOCAL_IMAGE)

@@ -5,7 +5,8 @@ burn-in, evaluate: `run_job`, a Supervisor with `max_attempts`) run their one jo
 ledger in run storage (`jobs/<stage>-attempts.json`), written before each submission, so a supervisor that dies and
 is restarted finds the job it launched (by its deterministic name) and watches it instead of launching a second one.
 
-Each attempt ends in one of four ways (`infra.jobs.classify`, by the failure's class, judged from the job's own
+Each attempt ends in one of four ways (`infra.backends.protocol.classify`, by the failure's class, judged from the
+job's own
 failure record when it wrote one, else from SageMaker's status fields, else from words in the reason or the log):
 done; resume at once (a failure of the job's own: NaN exit, a crash; or of the platform: a dead host or daemon, a
 killed rank, hardware, an internal error, max runtime, a hang); resume after a growing delay (capacity, throttling,
@@ -55,8 +56,7 @@ from hlat.core.contract import RECORD_TAG, FailureRecord, parse_failure_record, 
 from hlat.core.layout import clock_probe_path, heartbeat_path, lease_path, ledger_path, stop_request_path
 from hlat.core.run import Run
 from hlat.core.storage import StorageClock, is_transient
-from hlat.infra.catalog import job_cost
-from hlat.infra.jobs import (
+from hlat.infra.backends.protocol import (
     Action,
     Decision,
     FailureClass,
@@ -71,6 +71,7 @@ from hlat.infra.jobs import (
     job_name,
     stored_self_stop,
 )
+from hlat.infra.cost.catalog import job_cost
 
 log = logging.getLogger("hlat.supervisor")
 job_log = logging.getLogger("hlat.job")
@@ -148,7 +149,8 @@ class Attempt:
     category: str | None = None
     """How its ending was classified ('completed', 'capacity', 'completed-early'...): what a repeat is judged by."""
     failure_class: str | None = None
-    """Whose fault the ending was (infra.jobs.FailureClass: fatal, job, platform, capacity), None when done."""
+    """Whose fault the ending was (infra.backends.protocol.FailureClass: fatal, job, platform, capacity), None when
+    done."""
     cause: str | None = None
     """What a repeat is judged by: the category, with the failure record's type and step when the job wrote one
     ('nan: NonFiniteLoss at step 41')."""

@@ -1,6 +1,6 @@
 """Turn fresh Linux namespaces into one emulated SageMaker instance, then exec its container command as PID 1.
 
-`infra.sagemaker_emulator` runs it by path under `unshare --mount --uts --pid --fork --mount-proc`. It binds the host's
+`infra.backends.emulator` runs it by path under `unshare --mount --uts --pid --fork --mount-proc`. It binds the host's
 tree over /opt/ml and a hosts file over /etc/hosts, and sets the hostname. With --private, /tmp, /dev/shm and /root
 become the host's own, since SageMaker hosts share nothing but the network; --keep paths are bound back. Mounts stay in
 this namespace. Standard library only.

@@ -164,7 +164,7 @@ def plot_curves(
 
 
 def load_baselines(path: str | os.PathLike[str] | None = None) -> dict[str, Any]:
-    """Published baseline scores (`infra/baselines.json` by default); empty when the file is absent."""
+    """Published baseline scores (`infra/reports/baselines.json` by default); empty when the file is absent."""
     source = Path(path) if path is not None else BASELINES_FILE
     if not source.exists():
         if path is not None:

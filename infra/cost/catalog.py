@@ -1,7 +1,7 @@
 """Instance catalog: node prices, peak throughput and topology, for costs, budgets, estimates and the planner.
 
-Prices are SageMaker training on-demand dollars per node-hour, from infra/prices.json with their provenance. Config
-fields override them. Time to train comes from `infra.planner` or a GPU's MFU, not from here (docs/planning.md).
+Prices are SageMaker training on-demand dollars per node-hour, from infra/cost/prices.json with their provenance. Config
+fields override them. Time to train comes from `infra.cost.planner` or a GPU's MFU, not from here (docs/planning.md).
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ MEASURED = Path(__file__).with_name("measured.json")
 
 
 def measured(section: str) -> dict[str, Any]:
-    """One section of infra/measured.json ('prepare_data', 'train_step'); {} when absent."""
+    """One section of infra/cost/measured.json ('prepare_data', 'train_step'); {} when absent."""
     data: dict[str, Any] = json.loads(MEASURED.read_text()).get(section, {})
     return data
 
@@ -45,7 +45,7 @@ class Topology:
     comparison_mfu: float = 0.0
     """MFU assumed for an instance the planner does not model (GPUs), from a published comparable run; 0: modelled."""
     device_name: str = ""
-    """The device's name as torch reports it; an MFU measured under it (infra/measured.json) replaces
+    """The device's name as torch reports it; an MFU measured under it (infra/cost/measured.json) replaces
     `comparison_mfu`."""
 
     def comparison(self) -> tuple[float, str]:
@@ -113,7 +113,8 @@ P4D_TOPOLOGY = Topology(
 
 # p5.48xlarge: 8 x H100 SXM 80GB. NVIDIA H100 datasheet: 989 TFLOP/s dense BF16 (1,979 with sparsity), 67 FP32,
 # NVLink 900 GB/s per GPU; EC2 Capacity Blocks pricing page: 640 GB HBM3, 3200 Gbit/s EFA.
-# Comparison MFU: our own measurement on an H100 (infra/measured.json, benchmarks/bench_train) when recorded; else 0.40,
+# Comparison MFU: our own measurement on an H100 (infra/cost/measured.json, benchmarks/bench_train) when recorded; else
+# 0.40,
 # an assumption from Llama 3 (Dubey et al. 2024, arXiv 2407.21783): 38-43% BF16 MFU on H100s.
 P5_TOPOLOGY = Topology(
     kind="gpu",
@@ -154,7 +155,8 @@ class PriceSource:
                 f"price (SKU {self.sku}, effective {self.effective}), read {self.read_at}"
             )
         return (
-            f"${self.usd_per_hour:,.3f}/h in {self.region}, {self.basis}, not read from AWS (how: infra/prices.json); "
+            f"${self.usd_per_hour:,.3f}/h in {self.region}, {self.basis}, not read from AWS "
+            "(how: infra/cost/prices.json); "
             "`hlat prices --record` reads SageMaker's own from the AWS Price List API"
         )
 
@@ -189,7 +191,7 @@ _PRICES = load_prices()
 CATALOG: dict[str, Instance] = {
     i.name: i
     for i in (
-        # Prices and their sources: infra/prices.json.
+        # Prices and their sources: infra/cost/prices.json.
         _instance("ml.trn1.32xlarge", 16, 16 * 190e12, TRN1_TOPOLOGY),
         _instance("ml.p4d.24xlarge", 8, 8 * 312e12, P4D_TOPOLOGY),
         _instance("ml.p5.48xlarge", 8, 8 * 989e12, P5_TOPOLOGY),

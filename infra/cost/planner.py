@@ -3,7 +3,7 @@
 It enumerates TP, PP, DP, SP, ZeRO-1, checkpointing and micro-batch, and drops layouts that do not fit. It predicts each
 layout's step time and ranks them by tokens/s. `compare_instances` prices the best layout beside GPU instances. Memory
 and step-time formulas and the calibration are in docs/planning.md. Constants come from the HLAT paper (arXiv
-2404.10630), the published trn1 runs or `infra.catalog`, or say they are assumptions."""
+2404.10630), the published trn1 runs or `infra.cost.catalog`, or say they are assumptions."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from hlat.core.config import HlatConfig
 from hlat.core.parallel import LayoutError, ParallelDims, heads_problem, layers_problem
-from hlat.infra.catalog import CATALOG, GIB, Instance, InstanceCost, Topology, price_per_hour, tokens_per_s_at
+from hlat.infra.cost.catalog import CATALOG, GIB, Instance, InstanceCost, Topology, price_per_hour, tokens_per_s_at
 
 Checkpointing = Literal["none", "selective", "full"]
 CHECKPOINTING: tuple[Checkpointing, ...] = ("none", "selective", "full")
