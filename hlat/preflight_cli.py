@@ -13,7 +13,8 @@ import sys
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
-from hlat.infra.checks.preflight import Finding, PreflightResult, require_aws, require_sources, run_preflight
+from hlat.infra.checks.findings import Finding, PreflightResult
+from hlat.infra.checks.preflight import require_aws, require_sources, run_preflight
 
 
 def add_preflight_arguments(p: argparse.ArgumentParser) -> None:

@@ -430,7 +430,8 @@ def test_the_preflight_may_assume_the_execution_role_in_its_own_sessions_only(
     """The trust delegates to the account's own policies (Principal: the account) for sessions named
     hlat-preflight-*, and FlowRunPolicy allows exactly that; with PreflightAssumesExecutionRole=false the trust names
     SageMaker alone."""
-    from hlat.infra.checks.preflight import PROBE_SESSION, _trusts_sagemaker
+    from hlat.infra.checks.iam import _trusts_sagemaker
+    from hlat.infra.checks.storage_probe import PROBE_SESSION
 
     out, name = default_stack.stack.outputs, default_stack.stack.name
     role = out["SageMakerExecutionRoleArn"]

@@ -196,7 +196,7 @@ def test_the_imported_embedding_must_hold_the_tokenizer_and_fit_the_padded_rows(
 def test_preflight_reads_only_the_small_files_and_fails_what_the_import_would(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from hlat.infra.checks.preflight import init_from_finding
+    from hlat.infra.checks.sources import init_from_finding
 
     folder = _llama(tmp_path / "llama", shard_bytes="40KB")
     found = init_from_finding(str(folder))

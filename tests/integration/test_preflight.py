@@ -44,7 +44,9 @@ from botocore.stub import Stubber
 
 from hlat.core.config import HlatConfig
 from hlat.core.presets import load_config
-from hlat.infra.checks.preflight import PreflightFailed, instance_needs, run_preflight
+from hlat.infra.checks.capacity import instance_needs
+from hlat.infra.checks.findings import PreflightFailed
+from hlat.infra.checks.preflight import run_preflight
 from tests.integration.conftest import REGION, S3Env, free_port, s3_client, set_aws_env, wait_until_up
 
 ACCOUNT = "123456789012"

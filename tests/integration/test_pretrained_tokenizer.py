@@ -17,7 +17,7 @@ from hlat.core.presets import load_config
 from hlat.core.run import open_run
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
-from hlat.infra.checks.preflight import tokenizer_finding
+from hlat.infra.checks.sources import tokenizer_finding
 from hlat.infra.inputs.tokenizer import build_pretrained_tokenizer
 from hlat.training.checkpoint import CheckpointManager
 from hlat.training.data.tokenizer import Tokenizer

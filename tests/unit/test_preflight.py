@@ -18,13 +18,8 @@ from botocore.stub import Stubber
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
 from hlat.core.run import check_run, continued, open_run
-from hlat.infra.checks.preflight import (
-    _trusts_sagemaker,
-    instance_needs,
-    instances_in_use,
-    own_job_names,
-    passrole_decision,
-)
+from hlat.infra.checks.capacity import instance_needs, instances_in_use, own_job_names
+from hlat.infra.checks.iam import _trusts_sagemaker, passrole_decision
 from hlat.preflight_cli import check_before_start
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-sagemaker"
@@ -216,7 +211,7 @@ def test_an_extension_that_changes_the_schedule_is_refused_before_a_server_start
 def test_each_source_of_a_mixture_is_checked_and_named(tmp_path: Path) -> None:
     from hlat.core.presets import load_config
     from hlat.flows.stage import source_shape
-    from hlat.infra.checks.preflight import source_findings
+    from hlat.infra.checks.sources import source_findings
 
     present = tmp_path / "books.jsonl"
     present.write_text('{"text": "a book"}\n')

@@ -349,7 +349,7 @@ def test_preflight_leaves_a_hub_that_does_not_answer_unchecked_for_sagemaker_and
 ) -> None:
     import huggingface_hub.constants
 
-    from hlat.infra.checks.preflight import tokenizer_finding
+    from hlat.infra.checks.sources import tokenizer_finding
 
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)

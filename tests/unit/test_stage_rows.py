@@ -178,7 +178,8 @@ def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
     from hlat.cli import build_parser, flow_call
     from hlat.flows.pretrain import chain
     from hlat.infra.backends.sagemaker import _config_field, requirements_of
-    from hlat.infra.checks.preflight import instance_needs, own_job_names, stage_images
+    from hlat.infra.checks.capacity import instance_needs, own_job_names
+    from hlat.infra.checks.images import stage_images
     from hlat.infra.stage_jobs import job_spec
     from hlat.infra.supervision.status import stage_price
 
