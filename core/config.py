@@ -137,7 +137,7 @@ class ModelConfig(Section):
         return self.d_model // self.n_heads
 
     # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
-    # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/cost/planner.py) use
+    # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/cost/perf_model.py) use
     # these.
     def block_params(self) -> int:
         """Parameters of one transformer block (the family's count)."""
