@@ -413,7 +413,7 @@ def test_gpu_rows_choose_fsdp2_where_a_ddp_replica_does_not_fit() -> None:
 def test_the_dry_run_and_the_plan_print_the_same_days_and_dollars(preset: str) -> None:
     """One figure for a run's time and cost, from one model: the configured layout's throughput by the planner's
     model, in the dry run's estimate and the first row of `hlat plan`'s comparison."""
-    from hlat.infra.stage_jobs import dry_run
+    from hlat.infra.dry_run import dry_run
 
     config = load_config(preset, {"storage.root": "s3://bucket/hlat"})
     text = dry_run(config)
