@@ -137,8 +137,8 @@ class ModelConfig(Section):
         return self.d_model // self.n_heads
 
     # The model's arithmetic, in one place: the model (training/model.py), the config checks, the MFU figure
-    # (training/loop.py), the dry run's estimate (infra/stage_jobs.py) and the planner (infra/cost/planner.py) use
-    # these.
+    # (training/loop.py), the dry run's estimate (infra/cost/estimates.py) and the planner (infra/cost/perf_model.py)
+    # use these.
     def block_params(self) -> int:
         """Parameters of one transformer block (the family's count)."""
         return family_of(self).block_params(self)

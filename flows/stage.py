@@ -120,7 +120,7 @@ def start_run(
     not its value: the Run returned holds the live config (the role read, the run id filled in)."""
     config = continued(build_config(preset, changes, run_id, storage))
     _activate(config)
-    from hlat.infra.stage_jobs import preflight
+    from hlat.infra.checks.requests import preflight
 
     preflight(config)
     check_run(config)

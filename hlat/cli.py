@@ -331,7 +331,7 @@ def check_mixture(config: Any, *, show: bool) -> None:
         check_repetition(config)
     except ConfigError:
         if show:
-            from hlat.infra.stage_jobs import source_lines
+            from hlat.infra.dry_run import source_lines
 
             print("\n".join(source_lines(config)))
         raise
@@ -410,7 +410,8 @@ def _token_count(text: str) -> float:
 def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
     from hlat.core.mixture import source_draws
     from hlat.infra.cost import planner
-    from hlat.infra.stage_jobs import data_estimate, for_tokens, source_lines
+    from hlat.infra.cost.estimates import data_estimate, for_tokens
+    from hlat.infra.dry_run import source_lines
 
     config = load_config(args.preset, overrides)
     # The sources' draws of the budget planned (--tokens, else the run's): a budget that would repeat a source past
@@ -625,7 +626,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
     # before a server starts (the dry run shows the per-source table with the refusal).
     check_mixture(config, show=args.dry_run)
     if args.dry_run:
-        from hlat.infra.stage_jobs import dry_run
+        from hlat.infra.dry_run import dry_run
 
         if args.command == "run" and stage(args.stage).runs_on is None:
             print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)

@@ -28,7 +28,7 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
     """Every check of a run before it starts, as findings; a SageMaker run's AWS checks use its blocks."""
     from hlat.core.run import check_run, continued
     from hlat.flows.stage import source_shape
-    from hlat.infra.stage_jobs import preflight as check_requests
+    from hlat.infra.checks.requests import preflight as check_requests
 
     findings: list[Finding] = []
     try:

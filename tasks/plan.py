@@ -13,7 +13,7 @@ from prefect.artifacts import create_table_artifact
 
 from hlat.core.config import HlatConfig
 from hlat.core.run import Run
-from hlat.infra.cost import planner
+from hlat.infra.cost import perf_model, planner
 from hlat.tasks.caching import artifact_key
 
 log = logging.getLogger("hlat.plan")  # "hlat.*" records reach the Prefect run logs (tasks/__init__.py)
@@ -25,7 +25,7 @@ def not_applicable(config: HlatConfig) -> str | None:
     """Why the planner has nothing to say about this run, or None when it has."""
     if not config.planner.enabled:
         return "planner.enabled is false"
-    if config.job.backend == "local" or not planner.plannable(config.job.instance_type):
+    if config.job.backend == "local" or not perf_model.plannable(config.job.instance_type):
         return (
             f"not applicable: the planner models Trainium nodes; this run uses the {config.job.backend} backend on "
             f"{config.job.instance_type!r}"

@@ -28,7 +28,8 @@ from hlat.core.run import Run
 from hlat.core.shards import read_mixture
 from hlat.core.stages import stage
 from hlat.core.storage import Storage
-from hlat.infra.stage_jobs import budget, supervisor_for
+from hlat.infra.cost.budget import budget
+from hlat.infra.stage_jobs import supervisor_for
 from hlat.infra.supervision.supervisor import Attempt, Progress
 from hlat.tasks.alerts import TrainAlerts
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key

@@ -22,7 +22,7 @@ from hlat.core.presets import load_config
 from hlat.core.run import open_run
 from hlat.core.storage import Storage, StorageError
 from hlat.infra.checks import aws
-from hlat.infra.stage_jobs import PLACEHOLDER_ROLE, dry_run
+from hlat.infra.dry_run import PLACEHOLDER_ROLE, dry_run
 from hlat.tasks.aws import activate, role_arn, with_role
 from tests.integration.conftest import AWS_CREDENTIAL_VARS, FAKE_KEY, REGION, IamS3, S3Env, free_port
 

@@ -18,8 +18,8 @@ Sources:
   (https://github.com/facebookincubator/gloo, gloo/allreduce_ring.h); a full-mesh ProcessGroupGloo has every rank
   connect to every other: P-1 sockets per rank per group (https://pytorch.org/docs/stable/distributed.html, "Gloo").
 - Prices: the project's instance catalog (`infra.cost.catalog.price_per_hour`); the step time: the planner's estimate
-  for the preset's layout (`infra.stage_jobs.estimate`, the figure the dry run prints); the checkpoint write:
-  `infra.stage_jobs.checkpoint_write_seconds` (the dry run's estimate).
+  for the preset's layout (`infra.cost.estimates.estimate`, the figure the dry run prints); the checkpoint write:
+  `infra.cost.estimates.checkpoint_write_seconds` (the dry run's estimate).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from hlat.core.config import HlatConfig
 from hlat.core.contract import MAX_FAILURE_REASON
 from hlat.core.presets import load_config
 from hlat.infra.cost.catalog import price_per_hour
-from hlat.infra.stage_jobs import checkpoint_write_seconds, estimate
+from hlat.infra.cost.estimates import checkpoint_write_seconds, estimate
 
 RANKS_PER_HOST = 32
 """trn1.32xlarge: 16 Trainium chips x 2 NeuronCores, one rank per NeuronCore (the presets' processes_per_node)."""

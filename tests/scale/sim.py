@@ -790,10 +790,13 @@ def world(
     w = World(sim, scale, run, backend, skew_s, None if fixed else legacy_control_plane(monkeypatch), clock)
     patch_time(monkeypatch, sim, w.wall)
     # The plan's estimate (the budget's basis, asked at every submission) is the same for one config: computed once.
+    # Patched where it is looked up: the budget's module and the supervisor's maker.
     from hlat.infra import stage_jobs
+    from hlat.infra.cost import budget as budget_module
+    from hlat.infra.cost import estimates as estimates_module
 
     estimates: dict[int, tuple[Any, dict[str, Any]]] = {}
-    real_estimate = stage_jobs.estimate
+    real_estimate = estimates_module.estimate
 
     def estimate(config: Any) -> dict[str, Any]:
         if id(config) not in estimates:
@@ -801,5 +804,6 @@ def world(
         return estimates[id(config)][1]
 
     monkeypatch.setattr(stage_jobs, "estimate", estimate)
+    monkeypatch.setattr(budget_module, "estimate", estimate)
     monkeypatch.setattr(status, "backend_of", lambda config, run: backend)
     return w

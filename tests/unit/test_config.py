@@ -84,7 +84,7 @@ def test_partial_rotary_presets(name: str, tp: int, pp: int, batch: int, params:
 def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
     from hlat.core.presets import TOKEN_BUDGETS
     from hlat.infra.cost import planner
-    from hlat.infra.stage_jobs import estimate
+    from hlat.infra.cost.estimates import estimate
 
     tokens, source = TOKEN_BUDGETS[name]
     c = load_config(name)

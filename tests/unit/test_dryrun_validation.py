@@ -12,7 +12,8 @@ from botocore.validate import ParamValidator
 from hlat.core.presets import load_config
 from hlat.infra.backends.protocol import Action, JobState, Status, classify
 from hlat.infra.backends.sagemaker import check_request, request_problems, sagemaker_service_model
-from hlat.infra.stage_jobs import PLACEHOLDER_ROLE, dry_run, preflight
+from hlat.infra.checks.requests import preflight
+from hlat.infra.dry_run import PLACEHOLDER_ROLE, dry_run
 
 ROLE = "arn:aws:iam::111122223333:role/hlat-training"
 ROOT = "s3://hlat-runs/prod"

@@ -188,6 +188,7 @@ def test_every_run_file_name_is_defined_once_in_the_layout() -> None:
         "hlat.core.contract",
         "hlat.core.environment",
         "hlat.infra.stage_jobs",
+        "hlat.infra.dry_run",
         "hlat.infra.reports.eval_report",
         "hlat.infra.backends.local_daemon",
         "hlat.infra.cost.planner",

@@ -13,9 +13,10 @@ import pytest
 
 from hlat.core.presets import load_config, preset_names
 from hlat.core.run import Run
-from hlat.infra.cost import planner
+from hlat.infra.cost import calibration, perf_model, planner
 from hlat.infra.cost.catalog import CATALOG, MEASURED, TRN1_TOPOLOGY, price_per_hour
-from hlat.infra.cost.planner import Estimate, Layout, Rejected, plannable
+from hlat.infra.cost.perf_model import Layout, plannable
+from hlat.infra.cost.planner import Estimate, Rejected
 
 GIB = 1024**3
 GQA_24_6 = {"model.n_heads": 24, "model.n_kv_heads": 6, "model.d_model": 3072, "parallelism.tensor": 2}
@@ -24,7 +25,7 @@ MAX_ERROR = 0.15  # the published rows not fitted must be predicted within +-15%
 
 def _evaluate(preset: str, layout: Layout, nodes: int, **overrides: Any) -> Estimate | Rejected:
     config = load_config(preset, overrides)
-    return planner.evaluate(config, layout, nodes, TRN1_TOPOLOGY, planner.default_calibration(), 21.50)
+    return planner.evaluate(config, layout, nodes, TRN1_TOPOLOGY, calibration.default_calibration(), 21.50)
 
 
 # --- memory arithmetic ---------------------------------------------------------------------------------------------
@@ -34,7 +35,7 @@ def test_memory_of_hlat_7b_as_hlat_ran_it() -> None:
     """TP 8, PP 1, SP, selective checkpointing, micro-batch 1, pure BF16 (2 + 2 + 4 bytes per parameter)."""
     config = load_config("hlat-7b")
     layout = Layout(8, 1, 256, True, False, "selective", 1)
-    mem = planner.memory_per_core(config, layout, TRN1_TOPOLOGY, 0.9)
+    mem = perf_model.memory_per_core(config, layout, TRN1_TOPOLOGY, 0.9)
     # 32 blocks of 2·4096² (q, o) + 2·4096·4096 (k, v) + 3·4096·11008 (SwiGLU) + 2·4096 (norms), two 32000 x 4096
     # embeddings, the final norm: 6,738,415,616 parameters, 1/8 of them per core.
     block = 2 * 4096**2 + 2 * 4096 * 4096 + 3 * 4096 * 11008 + 2 * 4096
@@ -54,10 +55,10 @@ def test_memory_of_hlat_70b_as_hlat_ran_it() -> None:
     """TP 32, PP 8, ZeRO-1 over DP 32, mixed precision (FP32 master and moments: 12 bytes sharded)."""
     config = load_config("hlat-70b")
     layout = Layout(32, 8, 32, True, True, "selective", 1)
-    mem = planner.memory_per_core(config, layout, TRN1_TOPOLOGY, 0.9)
+    mem = perf_model.memory_per_core(config, layout, TRN1_TOPOLOGY, 0.9)
     block = 2 * 8192**2 + 2 * 8192 * 1024 + 3 * 8192 * 28672 + 2 * 8192  # GQA: 8 KV heads of 128
     stage = 10 * block + 32000 * 8192 + 8192  # 80/8 blocks and an embedding (first stage) or head + norm (last)
-    assert planner.stage_params(config, 8) == stage == 8_818_696_192
+    assert perf_model.stage_params(config, 8) == stage == 8_818_696_192
     per_core = stage / 32
     assert mem.weights == mem.grads == per_core * 2
     assert mem.optimizer == per_core * 12 / 32
@@ -71,7 +72,7 @@ def test_korthikanti_formulas_by_policy() -> None:
     s, b, h, a = 2048, 2, 4096, 32
     sbh = s * b * h
     scores = 5 * a * s / h  # 5·a·s/h = 160 for these shapes
-    act = planner.activation_bytes_per_layer
+    act = perf_model.activation_bytes_per_layer
     assert act(s, b, h, a, 1, False, "none") == sbh * (34 + scores)
     assert act(s, b, h, a, 8, False, "none") == sbh * (10 + 24 / 8 + scores / 8)
     assert act(s, b, h, a, 8, True, "none") == sbh * (34 / 8 + scores / 8)
@@ -84,14 +85,14 @@ def test_korthikanti_formulas_by_policy() -> None:
 def test_zero1_full_checkpointing_and_fp32_change_memory_as_expected() -> None:
     config = load_config("hlat-7b")
     base = Layout(8, 1, 256, True, False, "selective", 1)
-    mem = planner.memory_per_core(config, base, TRN1_TOPOLOGY, 0.9)
-    zero = planner.memory_per_core(config, Layout(8, 1, 256, True, True, "selective", 1), TRN1_TOPOLOGY, 0.9)
+    mem = perf_model.memory_per_core(config, base, TRN1_TOPOLOGY, 0.9)
+    zero = perf_model.memory_per_core(config, Layout(8, 1, 256, True, True, "selective", 1), TRN1_TOPOLOGY, 0.9)
     assert zero.optimizer == mem.optimizer / 256 and zero.weights == mem.weights
-    full = planner.memory_per_core(config, Layout(8, 1, 256, True, False, "full", 1), TRN1_TOPOLOGY, 0.9)
+    full = perf_model.memory_per_core(config, Layout(8, 1, 256, True, False, "full", 1), TRN1_TOPOLOGY, 0.9)
     sbh = 4096 * 4096
     one_layer_recomputed = sbh * (34 / 8 + 5 * 32 * 4096 / (4096 * 8))
     assert full.activations == 2 * sbh / 8 * 32 + one_layer_recomputed + 4 * 4096 * 32000 / 8
-    fp32 = planner.memory_per_core(load_config("hlat-7b", {"precision.mode": "fp32"}), base, TRN1_TOPOLOGY, 0.9)
+    fp32 = perf_model.memory_per_core(load_config("hlat-7b", {"precision.mode": "fp32"}), base, TRN1_TOPOLOGY, 0.9)
     assert fp32.weights == 2 * mem.weights and fp32.optimizer == 2 * mem.optimizer
 
 
@@ -107,19 +108,19 @@ def test_the_planner_counts_with_the_models_arithmetic() -> None:
     config = load_config("hlat-7b")
     assert config.model.num_params() == 6_738_415_616
     expected = 6 * (6_738_415_616 - 32000 * 4096) + 12 * 32 * 4096 * 4096
-    assert planner.flops_per_token(config) == config.model.flops_per_token(4096) == expected
-    layers = config.model.n_layers * planner.layer_flops_per_token(config)
-    assert layers + planner.head_flops_per_token(config) == expected
+    assert perf_model.flops_per_token(config) == config.model.flops_per_token(4096) == expected
+    layers = config.model.n_layers * perf_model.layer_flops_per_token(config)
+    assert layers + perf_model.head_flops_per_token(config) == expected
 
 
 # --- calibration ---------------------------------------------------------------------------------------------------
 
 
 def test_calibration_reproduces_its_two_rows_and_predicts_the_others_within_15_percent() -> None:
-    cal = planner.default_calibration()
+    cal = calibration.default_calibration()
     assert 0 < cal.compute_efficiency <= 1 and cal.step_overhead_s >= 0
-    checks = planner.check_published(cal)
-    assert len(checks) == len(planner.PUBLISHED_RUNS) == 7
+    checks = calibration.check_published(cal)
+    assert len(checks) == len(calibration.PUBLISHED_RUNS) == 7
     fitted = [c for c in checks if c.fitted]
     assert len(fitted) == 2  # at most two rows, for two free parameters
     for c in fitted:
@@ -131,18 +132,18 @@ def test_calibration_reproduces_its_two_rows_and_predicts_the_others_within_15_p
 
 
 def test_published_layouts_fit_in_memory() -> None:
-    for run in planner.PUBLISHED_RUNS:
-        config = planner.published_config(run)
-        layout = planner.configured_layout(config, run.nodes, TRN1_TOPOLOGY)
+    for run in calibration.PUBLISHED_RUNS:
+        config = calibration.published_config(run)
+        layout = perf_model.configured_layout(config, run.nodes, TRN1_TOPOLOGY)
         assert layout.activation_checkpointing == "full" and layout.micro_batch == run.micro_batch
-        assert planner.memory_per_core(config, layout, TRN1_TOPOLOGY, 0.9).fits, run.label
+        assert perf_model.memory_per_core(config, layout, TRN1_TOPOLOGY, 0.9).fits, run.label
 
 
 def test_calibration_knobs_in_config_override_the_fit() -> None:
     config = load_config("hlat-7b", {"planner.compute_efficiency": 0.2, "planner.step_overhead_s": 0.0})
-    cal = planner.calibration_for(config)
+    cal = calibration.calibration_for(config)
     assert (cal.compute_efficiency, cal.step_overhead_s, cal.source) == (0.2, 0.0, "planner config")
-    assert planner.calibration_for(load_config("hlat-7b")) == planner.default_calibration()
+    assert calibration.calibration_for(load_config("hlat-7b")) == calibration.default_calibration()
 
 
 # --- validity ------------------------------------------------------------------------------------------------------
@@ -240,9 +241,9 @@ def test_time_and_cost_for_a_token_budget() -> None:
     # p5 at the MFU benchmarks/bench_train measured on an H100 (infra/cost/measured.json), p4d at its assumed 42%:
     # 64 nodes x 8 GPUs x peak BF16 x MFU over the model FLOPs per token.
     h100 = json.loads(MEASURED.read_text())["train_step"]["NVIDIA H100 80GB HBM3"]
-    assert p5.tokens_per_s == pytest.approx(64 * 8 * 989e12 * h100["mfu"] / planner.flops_per_token(config))
+    assert p5.tokens_per_s == pytest.approx(64 * 8 * 989e12 * h100["mfu"] / perf_model.flops_per_token(config))
     assert p5.basis.startswith(f"measured {h100['mfu']:.0%} MFU: ") and h100["measured"] in p5.basis
-    assert p4d.tokens_per_s == pytest.approx(64 * 8 * 312e12 * 0.42 / planner.flops_per_token(config))
+    assert p4d.tokens_per_s == pytest.approx(64 * 8 * 312e12 * 0.42 / perf_model.flops_per_token(config))
     assert p4d.basis.startswith("assumed 42% MFU; FSDP2")
     assert p5.usd == pytest.approx(p5.hours * 64 * 113.068)
     assert planner.default_tokens(config) == 429_000 * 1024 * 4096
@@ -380,11 +381,11 @@ def test_task_publishes_the_table_and_warns_on_a_slow_layout(
 
 def test_every_layout_the_planner_ranks_is_a_config_that_trains_it() -> None:
     """The planner's layouts map one to one onto the config's parallelism (what training.parallel.neuron hands NxD)."""
-    from hlat.infra.cost.planner import configured_layout
+    from hlat.infra.cost.perf_model import configured_layout
 
     config = load_config("hlat-70b")
     the_plan = planner.plan(config, nodes=256)
-    topology = planner._topology("ml.trn1.32xlarge")
+    topology = perf_model.neuron_topology("ml.trn1.32xlarge")
     for estimate in the_plan.ranked[:25]:
         layout = estimate.layout
         applied = load_config("hlat-70b", layout.overrides())  # validates: heads, KV heads, batch, world size
@@ -412,7 +413,7 @@ def test_gpu_rows_choose_fsdp2_where_a_ddp_replica_does_not_fit() -> None:
 def test_the_dry_run_and_the_plan_print_the_same_days_and_dollars(preset: str) -> None:
     """One figure for a run's time and cost, from one model: the configured layout's throughput by the planner's
     model, in the dry run's estimate and the first row of `hlat plan`'s comparison."""
-    from hlat.infra.stage_jobs import dry_run
+    from hlat.infra.dry_run import dry_run
 
     config = load_config(preset, {"storage.root": "s3://bucket/hlat"})
     text = dry_run(config)

@@ -178,7 +178,7 @@ TRN1 = "ml.trn1.32xlarge"
 
 def test_the_dry_run_says_where_the_node_price_comes_from() -> None:
     from hlat.core.presets import load_config
-    from hlat.infra.stage_jobs import dry_run
+    from hlat.infra.dry_run import dry_run
 
     storage = {"storage.root": "s3://bucket/runs", "job.role_arn": "arn:aws:iam::123456789012:role/hlat"}
     lines = dry_run(load_config("hlat-7b", storage)).splitlines()

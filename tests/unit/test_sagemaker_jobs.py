@@ -42,7 +42,7 @@ from hlat.infra.backends.sagemaker import (
     neuron_training_image,
     requirements_of,
 )
-from hlat.infra.stage_jobs import dry_run
+from hlat.infra.dry_run import dry_run
 
 REGION = "us-west-2"
 ROLE = "arn:aws:iam::111122223333:role/hlat-training"

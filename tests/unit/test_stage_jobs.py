@@ -13,7 +13,8 @@ from hlat.core.contract import UNSUPERVISED_ENV
 from hlat.core.environment import neuron_environment, xla_precision_environment
 from hlat.core.presets import load_config
 from hlat.core.run import Run
-from hlat.infra.stage_jobs import estimate, job_environment, job_spec, stop_terms
+from hlat.infra.cost.estimates import estimate
+from hlat.infra.stage_jobs import job_environment, job_spec, stop_terms
 
 RUN = "s3://bucket/hlat/r1"
 
@@ -151,12 +152,12 @@ def test_estimate_of_hlat_7b_is_the_planners_figure_for_its_configured_layout() 
 def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import hlat.infra.backends.local
+    import hlat.infra.stage_jobs
     from hlat.core.environment import NEURON_SDKS
     from hlat.infra.stage_jobs import job_python
 
     config = load_config("tiny", {"training.device": "xla", "neuron.sdk": "2.24.1"})
-    monkeypatch.setattr(hlat.infra.backends.local, "PROJECT_ROOT", tmp_path)
+    monkeypatch.setattr(hlat.infra.stage_jobs, "PROJECT_ROOT", tmp_path)  # job_python reads it from there
     with pytest.raises(ConfigError, match=r"training\.device=xla .*2\.24\.1.* run `scripts/install\.sh xla` first"):
         job_python(config, "train")
     newer = load_config("tiny", {"training.device": "xla"})  # the default SDK, 2.28.0
@@ -174,7 +175,7 @@ def test_xla_jobs_run_in_the_xla_environment_and_its_absence_is_one_clear_error(
 
 
 def test_the_dry_run_shows_hlats_layouts() -> None:
-    from hlat.infra.stage_jobs import describe_layout
+    from hlat.infra.dry_run import describe_layout
 
     assert describe_layout(load_config("hlat-7b")) == (
         "2048 ranks = TP 8 x PP 1 x DP 256, micro-batch 1 x 4 accumulation steps, sequence parallel, selective "
@@ -189,7 +190,7 @@ def test_the_dry_run_shows_hlats_layouts() -> None:
 def test_the_accounts_ceiling_refuses_a_run_over_it_whatever_its_parameters() -> None:
     """Issue 51: a run's parameters cannot lift what the account allows (HLAT_MAX_BUDGET_USD, HLAT_MAX_INSTANCES, in
     the environment where flow runs start), and a node-hour price of 0 cannot switch budget enforcement off."""
-    from hlat.infra.stage_jobs import check_spend
+    from hlat.infra.cost.budget import check_spend
 
     aws = {"job.backend": "sagemaker", "job.region": "us-west-2", "job.role_arn": "arn:aws:iam::123456789012:role/r"}
     limits = {"HLAT_MAX_BUDGET_USD": "100000", "HLAT_MAX_INSTANCES": "64"}

@@ -178,7 +178,7 @@ def test_the_constants_agree_with_the_code_they_describe() -> None:
 
 
 def test_the_dry_run_shows_the_stops_phases() -> None:
-    from hlat.infra.stage_jobs import dry_run
+    from hlat.infra.dry_run import dry_run
 
     line = next(x for x in dry_run(load_config("hlat-70b", SAGEMAKER)).splitlines() if x.startswith("stop:"))
     assert line.startswith("stop: 42 s of the 120 s grace from SIGTERM, fits: to the vote 18.6 s"), line

@@ -611,7 +611,10 @@ def test_a_sagemaker_run_always_has_a_budget() -> None:
     """job.budget_usd unset on SageMaker: 1.25 x the plan's estimate, stated in the dry run; no estimate: refused."""
     from hlat.core.config import ConfigError
     from hlat.core.presets import load_config
-    from hlat.infra.stage_jobs import BUDGET_MARGIN, budget, dry_run, estimate, supervisor_for
+    from hlat.infra.cost.budget import BUDGET_MARGIN, budget
+    from hlat.infra.cost.estimates import estimate
+    from hlat.infra.dry_run import dry_run
+    from hlat.infra.stage_jobs import supervisor_for
 
     role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
     config = load_config("hlat-7b", role)
@@ -628,7 +631,7 @@ def test_a_sagemaker_run_always_has_a_budget() -> None:
 
 def test_the_dry_run_says_whether_a_stop_fits_the_grace() -> None:
     from hlat.core.presets import load_config
-    from hlat.infra.stage_jobs import dry_run
+    from hlat.infra.dry_run import dry_run
 
     role = {"job.role_arn": "arn:aws:iam::123456789012:role/hlat", "storage.root": "s3://bucket/runs"}
     line = next(x for x in dry_run(load_config("hlat-70b", role)).splitlines() if x.startswith("stop:"))
