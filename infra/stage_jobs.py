@@ -89,7 +89,7 @@ def job_environment(run: Run, stage: str = "train") -> dict[str, str]:
     tracking.mlflow_tracking_server_arn also gets MLflow's variables (`sagemaker_jobs.tracking_environment`)."""
     config, env, row = run.config, {"HLAT_RUN_ID": run.run_id}, _stage(stage)
     if row.trains:  # SageMaker's managed MLflow: the request's MlflowConfig is made from these
-        from hlat.infra.backends.sagemaker import tracking_environment
+        from hlat.infra.backends.sagemaker_request import tracking_environment
 
         env.update(tracking_environment(config.tracking))
         if stage_tracks_metrics(config):
@@ -143,7 +143,7 @@ def job_image(config: HlatConfig, where: Instances) -> str | None:
     instance = where.instance_type(config)
     gpu = instance.startswith(("ml.p", "ml.g"))
     if where.pytorch_image == "always" or (where.pytorch_image == "on-gpu" and gpu):
-        from hlat.infra.backends.sagemaker import pytorch_training_image
+        from hlat.infra.backends.sagemaker_images import pytorch_training_image
 
         return pytorch_training_image(job.region, instance)
     return job.image_uri
@@ -642,7 +642,8 @@ def preflight(config: HlatConfig) -> None:
 
 
 def _check_requests(config: HlatConfig) -> None:
-    from hlat.infra.backends.sagemaker import SageMakerBackend, check_request
+    from hlat.infra.backends.sagemaker import SageMakerBackend
+    from hlat.infra.backends.sagemaker_validation import check_request
 
     backend = SageMakerBackend(config.job)  # boto3 clients are made, nothing is called
     spec = job_spec(run_for(config), attempt=1)

@@ -828,7 +828,7 @@ def stage_images(config: HlatConfig) -> dict[str, list[str]]:
     job = config.job
     train = job.image_uri
     if train is None:
-        from hlat.infra.backends.sagemaker import neuron_training_image
+        from hlat.infra.backends.sagemaker_images import neuron_training_image
 
         train = neuron_training_image(job.region, config.neuron.sdk)
         if train is None:
