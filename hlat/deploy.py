@@ -625,7 +625,7 @@ def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]]
         if out.get(output):
             env[variable] = out[output]
     if out.get("JobEgress") == "aws-endpoints":
-        from hlat.infra.backends.sagemaker import EGRESS_ENV
+        from hlat.infra.backends.sagemaker_source import EGRESS_ENV
 
         env[EGRESS_ENV] = "aws-endpoints"
     values: dict[str, Any] = {

@@ -23,7 +23,9 @@ from hlat.core.run import Run, run_for
 from hlat.core.stages import TRAINING, Instances, Stage, job_stages, stage
 from hlat.infra.backends.local import PROJECT_ROOT, LocalBackend
 from hlat.infra.backends.protocol import JobBackend, JobSpec, JobState, job_name
-from hlat.infra.backends.sagemaker import SageMakerBackend, pytorch_training_image, tracking_environment
+from hlat.infra.backends.sagemaker import SageMakerBackend
+from hlat.infra.backends.sagemaker_images import pytorch_training_image
+from hlat.infra.backends.sagemaker_request import tracking_environment
 from hlat.infra.cost.budget import budget
 from hlat.infra.cost.catalog import price_per_hour
 from hlat.infra.cost.estimates import estimate

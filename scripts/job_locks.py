@@ -11,8 +11,8 @@ image's file both as requirements (it is installed) and as constraints (it may n
 image does not already hold at that version, pinned, with the sha256 of each of that release's files on PyPI (pip's
 hash-checking mode: a file whose hash is not listed is refused, so a release replaced on the index, or a package
 the lock does not name, fails the job at start instead of running). This is what the jobs install
-(infra/backends/sagemaker.py: requirements_of); tests/integration/test_job_requirements.py checks that each lock is what
-the resolution gives today. Needs PyPI.
+(infra/backends/sagemaker_source.py: requirements_of); tests/integration/test_job_requirements.py checks that each
+lock is what the resolution gives today. Needs PyPI.
 """
 
 from __future__ import annotations

@@ -72,7 +72,9 @@ def build_request(spec: JobSpec, job: JobConfig, upload: bool = True) -> dict[st
     """The CreateTrainingJob request the emulator runs for `spec`, from the sagemaker backend's own builder.
 
     It is checked whole as SageMaker would. The SDK's uploads go to run storage unless `upload` is off."""
-    from hlat.infra.backends.sagemaker import OfflineAWS, build_request, validate_request
+    from hlat.infra.backends.sagemaker_offline import OfflineAWS
+    from hlat.infra.backends.sagemaker_request import build_request
+    from hlat.infra.backends.sagemaker_validation import validate_request
 
     emulated = job.model_copy(update={"role_arn": LOCAL_ROLE, "role_arn_secret": None, "image_uri": LOCAL_IMAGE})
     request_spec = replace(spec, run_uri=request_uri(spec.run_uri), image_uri=LOCAL_IMAGE)

@@ -55,7 +55,7 @@ class LocalFaults(BackendHooks):
 
     def emulated_request(self, request: dict[str, Any], record: dict[str, Any]) -> dict[str, Any]:
         if record.get("sdk_entrypoint"):  # the SDK's container command alone, without our init in front of it
-            from hlat.infra.backends.sagemaker import JOB_INIT
+            from hlat.infra.backends.sagemaker_source import JOB_INIT
 
             algorithm = request["AlgorithmSpecification"]
             algorithm["ContainerEntrypoint"] = algorithm["ContainerEntrypoint"][len(JOB_INIT) :]

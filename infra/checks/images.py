@@ -12,7 +12,7 @@ from botocore.exceptions import ClientError
 
 from hlat.core.config import ConfigError, HlatConfig
 from hlat.core.stages import stages as stage_rows
-from hlat.infra.backends.sagemaker import neuron_training_image
+from hlat.infra.backends.sagemaker_images import neuron_training_image
 from hlat.infra.checks.aws_clients import DENIED, ClientFactory, error_code
 from hlat.infra.checks.findings import Finding
 from hlat.infra.stage_jobs import job_image

@@ -9,7 +9,8 @@ import dataclasses
 
 from hlat.core.config import HlatConfig
 from hlat.core.run import run_for
-from hlat.infra.backends.sagemaker import SageMakerBackend, check_request
+from hlat.infra.backends.sagemaker import SageMakerBackend
+from hlat.infra.backends.sagemaker_validation import check_request
 from hlat.infra.cost.budget import budget, check_spend
 from hlat.infra.stage_jobs import job_spec
 

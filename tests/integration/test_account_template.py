@@ -577,9 +577,9 @@ def test_the_flow_runs_create_tagged_jobs_and_stop_only_hlats(default_stack: Cre
     template = ecs_job_template(default_stack.stack, "x:1")
     assert template["job_configuration"]["auto_deregister_task_definition"] is False
     assert "auto_deregister_task_definition" not in template["variables"]["properties"]
-    from hlat.infra.backends.sagemaker import _request_with_source  # noqa: F401  (the tags below are its own)
+    from hlat.infra.backends.sagemaker_request import _request_with_source  # noqa: F401  (the tags below are its own)
 
-    source = (PROJECT_ROOT / "infra" / "backends" / "sagemaker.py").read_text()
+    source = (PROJECT_ROOT / "infra" / "backends" / "sagemaker_request.py").read_text()
     assert 'cfg.Tag(key="hlat:run-id", value=spec.run_id)' in source
 
 
@@ -677,7 +677,7 @@ def test_jobs_kept_to_aws_endpoints_reach_their_nodes_s3_and_the_endpoints_only(
     import boto3
 
     from hlat.infra.backends.protocol import JobSpec
-    from hlat.infra.backends.sagemaker import check_spec
+    from hlat.infra.backends.sagemaker_request import check_spec
 
     ec2 = boto3.client(
         "ec2", endpoint_url=s3_server, region_name=REGION, aws_access_key_id="t", aws_secret_access_key="t"

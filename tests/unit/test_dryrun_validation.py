@@ -11,7 +11,7 @@ from botocore.validate import ParamValidator
 
 from hlat.core.presets import load_config
 from hlat.infra.backends.protocol import Action, JobState, Status, classify
-from hlat.infra.backends.sagemaker import check_request, request_problems, sagemaker_service_model
+from hlat.infra.backends.sagemaker_validation import check_request, request_problems, sagemaker_service_model
 from hlat.infra.checks.requests import preflight
 from hlat.infra.dry_run import PLACEHOLDER_ROLE, dry_run
 

@@ -213,7 +213,7 @@ def test_a_job_program_starts_from_its_uploaded_source_as_sagemaker_starts_it(pr
     """SageMaker's Torchrun driver runs the entry script by path from the uploaded source, where hlat is not
     installed, from another folder: the program imports the uploaded hlat package, and only it. (The editable
     install's finder is taken out first, so the program finds hlat as a job would.)"""
-    from hlat.infra.backends.sagemaker import ENTRY_SCRIPT, JOB_MODULE_ENV, stage_source
+    from hlat.infra.backends.sagemaker_source import ENTRY_SCRIPT, JOB_MODULE_ENV, stage_source
 
     source = tmp_path / "code"
     stage_source(source, None)

@@ -33,15 +33,11 @@ from hlat.infra.backends.protocol import (
     classify_reason,
     job_name,
 )
-from hlat.infra.backends.sagemaker import (
-    LOG_GROUP,
-    LOG_LOOKBACK_MS,
-    METRIC_DEFINITIONS,
-    OfflineAWS,
-    SageMakerBackend,
-    neuron_training_image,
-    requirements_of,
-)
+from hlat.infra.backends.sagemaker import LOG_GROUP, LOG_LOOKBACK_MS, SageMakerBackend
+from hlat.infra.backends.sagemaker_images import neuron_training_image
+from hlat.infra.backends.sagemaker_offline import OfflineAWS
+from hlat.infra.backends.sagemaker_request import METRIC_DEFINITIONS
+from hlat.infra.backends.sagemaker_source import requirements_of
 from hlat.infra.dry_run import dry_run
 
 REGION = "us-west-2"

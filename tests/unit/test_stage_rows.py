@@ -177,7 +177,8 @@ def test_the_recipe_is_in_the_docs() -> None:
 def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
     from hlat.cli import build_parser, flow_call
     from hlat.flows.pretrain import chain
-    from hlat.infra.backends.sagemaker import _config_field, requirements_of
+    from hlat.infra.backends.sagemaker_source import requirements_of
+    from hlat.infra.backends.sagemaker_validation import _config_field
     from hlat.infra.checks.capacity import instance_needs, own_job_names
     from hlat.infra.checks.images import stage_images
     from hlat.infra.stage_jobs import job_spec

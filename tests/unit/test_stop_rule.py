@@ -34,7 +34,8 @@ from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.backends.protocol import Action, FailureClass, JobState, Status, classify, stored_self_stop
-from hlat.infra.backends.sagemaker import SageMakerBackend, request_problems, sagemaker_service_model
+from hlat.infra.backends.sagemaker import SageMakerBackend
+from hlat.infra.backends.sagemaker_validation import request_problems, sagemaker_service_model
 from hlat.infra.stage_jobs import billed_usd, job_spec, runtime_cap, stop_terms, supervisor_for
 from hlat.infra.supervision.supervisor import Attempt, JobFailed, Ledger
 from hlat.training.stop_rule import StopRule, stop_rule

@@ -16,13 +16,9 @@ from hlat.core.config import ConfigError, HlatConfig, TrackingConfig
 from hlat.core.layout import TRACKING_RECORD
 from hlat.core.presets import load_config
 from hlat.core.run import Run
-from hlat.infra.backends.sagemaker import (
-    SageMakerBackend,
-    config_request,
-    mlflow_config,
-    tracking_environment,
-    validate_request,
-)
+from hlat.infra.backends.sagemaker import SageMakerBackend
+from hlat.infra.backends.sagemaker_request import config_request, mlflow_config, tracking_environment
+from hlat.infra.backends.sagemaker_validation import validate_request
 from hlat.training.metrics import MetricsLog
 from hlat.training.tracking import (
     LOGGED_TAG,
