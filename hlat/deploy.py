@@ -25,11 +25,10 @@ import yaml
 
 from hlat.core.config import ConfigError
 from hlat.infra.backends.run_roles import BOUNDARY_ENV, PATH_ENV
+from hlat.pools import DEFAULT_POOL
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
-DEFAULT_POOL = "hlat"
-POOL_TYPES = ("process", "ecs", "kubernetes")
 
 IMAGE_CODE_DIR = "/opt/hlat"
 """The worker image's WORKDIR, where container pools find the AWS deployments' code."""

@@ -15,6 +15,7 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
+from hlat.commands.preflight import check_before_start
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
 from hlat.core.run import check_run, continued, open_run
@@ -25,7 +26,6 @@ from hlat.infra.checks.preflight import (
     own_job_names,
     passrole_decision,
 )
-from hlat.preflight_cli import check_before_start
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-sagemaker"
 
