@@ -331,3 +331,24 @@ def test_no_parameter_named_run_is_a_storage() -> None:
                     if arg.arg == "run" and arg.annotation is not None and "Storage" in ast.unparse(arg.annotation):
                         storages.append(f"{path.relative_to(ROOT)}:{node.lineno}: run: {ast.unparse(arg.annotation)}")
     assert not storages, "parameters named run that are a Storage (take a Run):\n" + "\n".join(storages)
+
+
+def test_the_cli_parses_without_importing_a_command_module_prefect_torch_or_boto3() -> None:
+    """`hlat --help` and a mistyped option stay fast: the command modules are imported when their command runs."""
+    code = (
+        "import sys, hlat.cli; hlat.cli.build_parser().format_help()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'torch', 'boto3')"
+        " or m.startswith('hlat.commands.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_command_of_the_parser_has_its_handler_in_the_table() -> None:
+    parser = cli.build_parser()
+    (sub,) = (a for a in parser._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted(cli.COMMANDS)
+    for name, command in cli.COMMANDS.items():
+        assert callable(getattr(cli.command_module(command.module), command.handler)), name
+    assert callable(cli.command_module(cli.ERRORS).known_error)
