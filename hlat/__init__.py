@@ -10,4 +10,5 @@ one name, `hlat`, to site-packages:
     hlat.tasks      Prefect tasks, one retryable unit of work each
     hlat.flows      Prefect flows chaining the tasks
     hlat.cli, hlat.deploy   the `hlat` command and the deployment tooling
+    hlat.commands   the `hlat` command's commands, imported when one runs
 """

@@ -28,27 +28,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import math
 import sys
-import time
 import traceback
 from collections.abc import Sequence
-from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import Any, NamedTuple
 
+import yaml
+
+from hlat.cli_log import CommandLog
+from hlat.commands import Interrupted
 from hlat.core.config import ConfigError, apply_overrides, closest_match, flatten_config, parse_override
-from hlat.core.presets import PRESETS, load_config
-from hlat.core.stages import stage, stage_names, stages, training_stage
-from hlat.deploy import DEFAULT_POOL, POOL_TYPES
-from hlat.flows.params import build_config, handing_over
-
-if TYPE_CHECKING:
-    from hlat.infra.cost.pricing import ListedPrice
+from hlat.core.presets import PRESETS
+from hlat.core.stages import stage_names
+from hlat.pools import DEFAULT_POOL, POOL_TYPES
 
 
-def _add_run_options(p: argparse.ArgumentParser) -> None:
+def add_run_options(p: argparse.ArgumentParser) -> None:
+    """--preset, --config, --set, --run-id and --storage: the options of a command that runs or checks a run."""
     _add_config_options(p)
     p.add_argument("--run-id", help="run identifier (default: <preset>-<config hash>)")
     p.add_argument("--storage", help="storage root: a folder or s3://bucket/prefix (default: ./runs)")
@@ -114,11 +115,11 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, parents=[common], **kwargs)
 
     p = add("pretrain", help="run the whole DAG (the parent flow 'hlat')")
-    _add_run_options(p)
+    add_run_options(p)
     _add_dry_run(p)
     p = add("run", help="run one stage flow alone")
     p.add_argument("stage", choices=stage_names())
-    _add_run_options(p)
+    add_run_options(p)
     _add_dry_run(p)
     p.add_argument("--step", type=int, help="evaluate: the checkpoint step to evaluate (default: the newest)")
     p.add_argument(
@@ -151,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )  # fmt: skip
     add("presets", help="list presets with their key figures")
     p = add("config", help="print the resolved config as JSON")
-    _add_run_options(p)
+    add_run_options(p)
     p = add("plan", help="rank TP/PP/DP, SP, ZeRO-1, checkpointing and micro-batch layouts on trn1, with time and cost")
     _add_config_options(p)
     p.add_argument("--nodes", type=_positive_int, help="nodes (default: the preset's job.instance_count)")
@@ -213,10 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="serve the stack's ECS pool from a Prefect API that answers without credentials (refused otherwise)",
     )
-    from hlat.preflight_cli import add_preflight_arguments
-
     p = add("preflight", help="check the account, role, storage, images, quotas and data source before a run")
-    add_preflight_arguments(p)
+    add_run_options(p)
     return parser
 
 
@@ -310,8 +309,6 @@ def _parse_config_file(file: Path) -> Any:
             return json.loads(text)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{file}: not valid JSON: {exc.msg} at line {exc.lineno}, column {exc.colno}") from None
-    import yaml
-
     try:
         return yaml.safe_load(text)
     except yaml.YAMLError as exc:
@@ -319,73 +316,6 @@ def _parse_config_file(file: Path) -> Any:
         where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
         problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
         raise ConfigError(f"{file}: not valid YAML{where}: {problem}") from None
-
-
-def check_mixture(config: Any, *, show: bool) -> None:
-    """Refuse (ConfigError naming the source and its numbers) a run that would repeat a source of its data mixture
-    more often than that source's max_epochs (core.mixture.check_repetition), before anything starts; `show`:
-    print the per-source table first (dry run, plan), so the refusal comes with the numbers of every source."""
-    from hlat.core.mixture import check_repetition
-
-    try:
-        check_repetition(config)
-    except ConfigError:
-        if show:
-            from hlat.infra.dry_run import source_lines
-
-            print("\n".join(source_lines(config)))
-        raise
-
-
-def presets_table() -> str:
-    head = (
-        "preset",
-        "params",
-        "layers",
-        "d_model",
-        "heads/kv",
-        "seq",
-        "vocab",
-        "batch",
-        "lr",
-        "precision",
-        "TPxPP",
-        "nodes",
-    )
-    rows = [head]
-    for name in PRESETS:
-        c = load_config(name)
-        m, t = c.model, c.training
-        rows.append(
-            (
-                name,
-                _human(m.num_params()),
-                str(m.n_layers),
-                str(m.d_model),
-                f"{m.n_heads}/{m.kv_heads}",
-                str(t.seq_len),
-                str(m.vocab_size),
-                str(t.global_batch_size),
-                f"{t.lr:g}",
-                c.precision.mode,
-                f"{c.parallelism.tensor}x{c.parallelism.pipeline}",
-                f"{c.job.instance_count} x {c.job.instance_type}",
-            )
-        )
-    return "\n".join(columns(rows))
-
-
-def columns(rows: Sequence[Sequence[str]]) -> list[str]:
-    """Rows of cells as left-aligned columns, two spaces apart."""
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    return ["  ".join(cell.ljust(w) for cell, w in zip(r, widths, strict=True)).rstrip() for r in rows]
-
-
-def _human(n: int) -> str:
-    for unit, size in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= size:
-            return f"{n / size:.2f}{unit}"
-    return str(n)
 
 
 def _positive_int(text: str) -> int:
@@ -407,106 +337,10 @@ def _token_count(text: str) -> float:
     return value
 
 
-def _plan(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from hlat.core.mixture import source_draws
-    from hlat.infra.cost import planner
-    from hlat.infra.cost.estimates import data_estimate, for_tokens
-    from hlat.infra.dry_run import source_lines
-
-    config = load_config(args.preset, overrides)
-    # The sources' draws of the budget planned (--tokens, else the run's): a budget that would repeat a source past
-    # its max_epochs is refused with the table (exit 2), as the run itself would be.
-    budgeted = for_tokens(config, args.tokens) if args.tokens else config
-    check_mixture(budgeted, show=not args.json)
-    instance_type, note = planner.planning_instance(config)
-    the_plan = planner.plan(config, nodes=args.nodes, instance_type=instance_type)
-    if note:
-        the_plan.notes.append(note)
-    tokens = args.tokens or planner.default_tokens(config)
-    costs = planner.compare_instances(config, the_plan, tokens) if the_plan.ranked else []
-    data = data_estimate(config, tokens)  # the text behind those tokens, prepared before training
-    if args.json:
-        body = {**the_plan.to_dict(top=args.top), "tokens": tokens, "costs": [c.row() for c in costs]}
-        body["prepare_data"] = {
-            "bytes": data.bytes, "hours": round(data.hours, 3), "usd": None if data.usd is None else round(data.usd, 2),
-            "workers": data.workers, "instances": data.instances, "instance_type": data.instance_type,
-            "mb_per_s_per_worker": data.mb_per_s_per_worker, "basis": data.basis,
-        }  # fmt: skip
-        body["sources"] = [
-            {"name": d.name, "share": round(d.share, 6), "tokens": d.tokens, "source_tokens": d.available,
-             "epochs": None if d.epochs is None else round(d.epochs, 4), "max_epochs": d.max_epochs}
-            for d in source_draws(budgeted)
-        ]  # fmt: skip
-        print(json.dumps(body, indent=2))
-    else:
-        print(planner.render(the_plan, costs, top=args.top, also=[data.line()], sources=source_lines(budgeted)))
-        from hlat.infra.inputs.init_from import model_notes
-
-        for note in model_notes(config):
-            print(note)
-    return 0
-
-
-def _prices(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    from hlat.infra.cost.catalog import CATALOG
-    from hlat.infra.cost.pricing import API_REGION, record_prices, training_prices
-
-    config = load_config(args.preset, overrides)
-    region = args.region or config.job.region
-    types = args.instance_types or [name for name in CATALOG if name.startswith("ml.")]
-    try:
-        listed = training_prices(types, region)
-    except (BotoCoreError, ClientError) as exc:  # no credentials, no network, access denied: one line, the cause
-        raise ConfigError(
-            f"the AWS Price List API ({API_REGION}) did not answer: {type(exc).__name__}: {exc}; it needs AWS "
-            "credentials allowed pricing:GetProducts"
-        ) from exc
-    print(prices_table(types, region, listed, config.job.instance_type))
-    if args.record:
-        from hlat.infra.cost.catalog import PRICES
-
-        recorded = record_prices(listed, datetime.now(UTC))
-        print(f"recorded {len(recorded)} price(s) from the AWS Price List API ({region}) in {PRICES}")
-    return 0
-
-
-def prices_table(types: list[str], region: str, listed: dict[str, ListedPrice | None], run_type: str) -> str:
-    """The catalog's price of each type beside the Price List's, and the setting that uses the listed one."""
-    from hlat.infra.cost.catalog import CATALOG
-
-    rows = [("instance type", "catalog $/h", "catalog's source", f"AWS Price List, {region}, $/h", "since")]
-    for name in types:
-        known, now = CATALOG.get(name), listed.get(name)
-        source: str = known.price.basis if known and known.price else "-"
-        if known and known.price and known.price.basis == "price-list":
-            source = f"price list, {known.price.region}, read {known.price.read_at[:10]}"
-        rows.append(
-            (
-                name,
-                f"{known.price_per_hour_usd:,.3f}" if known else "-",
-                source,
-                f"{now.usd_per_hour:,.3f}" if now else "not offered",
-                now.effective if now else "",
-            )
-        )
-    lines = columns(rows)
-    ours = listed.get(run_type)
-    if ours is not None:
-        lines.append(f"this run ({run_type}): --set job.price_per_hour_usd={ours.usd_per_hour:g}")
-    others = {n: p.usd_per_hour for n, p in listed.items() if p is not None}
-    if others:
-        lines.append(f"the planner: --set 'planner.prices_usd_per_hour={json.dumps(others)}'")
-    return "\n".join(lines)
-
-
 FLOW_COMMANDS = ("pretrain", "run")  # the commands that run flows: their whole log goes to a file
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from hlat.cli_log import CommandLog
-
     args = build_parser().parse_args(argv)
     log = CommandLog(args.command)
     runs_flows = args.command in FLOW_COMMANDS and not getattr(args, "dry_run", False)
@@ -526,11 +360,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         log.write(traceback.format_exc())
         if args.verbose:
             traceback.print_exc()
-        if _stopped_by_user(exc):  # `hlat stop` from another terminal: a deliberate end, not a failure
+        errors = command_module(ERRORS)
+        if errors.stopped_by_user(exc):  # `hlat stop` from another terminal: a deliberate end, not a failure
             _cancel_interrupted(log)
             print(f"hlat: stopped: {exc}", file=sys.stderr)
             return 0
-        known = _known_error(exc)
+        known = errors.known_error(exc)
         cause = known if known is not None else f"{type(exc).__name__}: {exc}".strip().splitlines()[0]
         print(f"hlat: error: {cause}", file=sys.stderr)
         if runs_flows or known is None:
@@ -538,262 +373,58 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 1
 
 
-def _stopped_by_user(exc: BaseException) -> bool:
-    from hlat.infra.supervision.supervisor import StoppedByUser
-
-    return isinstance(exc, StoppedByUser)
-
-
-def _cancel_interrupted(log: Any) -> None:
+def _cancel_interrupted(log: CommandLog) -> None:
     """The runs Ctrl-C or `hlat stop` ended are Cancelled, not Crashed or Failed (cli_log.Interruptions); a second
     Ctrl-C skips it."""
     with contextlib.suppress(KeyboardInterrupt):
         log.interruptions.cancel()
 
 
-def _known_error(exc: BaseException) -> str | None:
-    """User-facing errors print as one line; anything else keeps its traceback."""
-    from hlat.core.storage import StorageError
-    from hlat.deploy import DeployError
-    from hlat.infra.supervision.supervisor import SupervisorError
-    from hlat.tasks.burn_in import BurnInFailed
-    from hlat.training.checkpoint import CheckpointError
-    from hlat.training.data.sources import SourceError
-    from hlat.training.data.validation import DataValidationError
+class Command(NamedTuple):
+    """Where a command's handler lives: `hlat.commands.<module>.<handler>`."""
 
-    known = (
-        DeployError,
-        SourceError,
-        StorageError,
-        DataValidationError,
-        SupervisorError,
-        BurnInFailed,
-        CheckpointError,
-        ValueError,
-    )
-    if isinstance(exc, known):
-        return str(exc)
-    return None
+    module: str
+    handler: str
+    config: bool = False  # takes --preset, --config and --set: the handler gets the command's overrides too
+
+
+COMMANDS = {
+    "pretrain": Command("flows", "run_flow", config=True),
+    "run": Command("flows", "run_flow", config=True),
+    "preflight": Command("preflight", "preflight_command", config=True),
+    "presets": Command("planning", "presets"),
+    "config": Command("planning", "show_config", config=True),
+    "plan": Command("planning", "plan", config=True),
+    "prices": Command("prices", "prices", config=True),
+    "status": Command("runs", "status"),
+    "stop": Command("runs", "stop"),
+    "compare": Command("runs", "compare"),
+    "export": Command("checkpoints", "export"),
+    "average": Command("checkpoints", "average"),
+    "deploy": Command("deploy", "deploy"),
+    "worker": Command("deploy", "worker"),
+}
+ERRORS = "errors"  # hlat.commands.errors: which failures print as one line, read when a command fails
+
+
+def command_module(name: str) -> ModuleType:
+    """`hlat.commands.<name>`, imported when one of its commands runs (or, `errors`, when one fails).
+
+    The CLI's one lazy import, for start-up time: the command modules import Prefect, torch or boto3 at their top,
+    and `hlat --help`, `hlat presets` or a mistyped option must not wait for them."""
+    return importlib.import_module(f"hlat.commands.{name}")
 
 
 def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
-    if args.command == "presets":
-        print(presets_table())
-        return 0
-    if args.command == "export":
-        return _export(args)
-    if args.command == "average":
-        return _average(args)
-    if args.command == "compare":
-        return _compare(args)
-    if args.command == "status":
-        return _status(args)
-    if args.command == "stop":
-        return _stop(args)
-    if args.command == "deploy":
-        from hlat.deploy import deploy
-
-        return deploy(
-            args.names,
-            pool_type=args.pool_type,
-            stack=args.stack,
-            region=args.region,
-            alerts_block=args.alerts_block,
-            allow_open_server=args.allow_open_server,
-        )
-    if args.command == "worker":
-        from hlat.deploy import worker
-
-        worker(args.pool, pool_type=args.pool_type, limit=args.limit, name=args.name, stack=args.stack,
-               region=args.region, allow_open_server=args.allow_open_server)  # fmt: skip
-    overrides = command_overrides(args)
-    if args.command == "preflight":
-        from hlat.preflight_cli import preflight_command
-
-        return preflight_command(args, overrides)
-    if args.command == "plan":
-        return _plan(args, overrides)
-    if args.command == "prices":
-        return _prices(args, overrides)
-    if args.command == "config":
-        config = load_config(args.preset, overrides, run_id=args.run_id, storage=args.storage)
-        print(json.dumps(config.model_dump(mode="json") | {"run_id": config.resolved_run_id()}, indent=2))
-        return 0
-    # The command's one config: a bad one fails here, before Prefect starts (an ephemeral API takes seconds to come
-    # up); the flow the command runs is handed this one (handing_over), not a second.
-    config = build_config(args.preset, overrides, args.run_id, args.storage)
-    # A run that would repeat a source past its max_epochs is refused here: before any job is shown or sent, and
-    # before a server starts (the dry run shows the per-source table with the refusal).
-    check_mixture(config, show=args.dry_run)
-    if args.dry_run:
-        from hlat.infra.dry_run import dry_run
-
-        if args.command == "run" and stage(args.stage).runs_on is None:
-            print(f"hlat: --dry-run shows a stage's job; {args.stage} runs in the flow's own process", file=sys.stderr)
-            return 2
-        from hlat.infra.checks.aws import AwsBlockError
-        from hlat.tasks.aws import with_role
-
-        try:
-            config = with_role(config)
-        except AwsBlockError as exc:  # shown with the placeholder role, as when none is set
-            print(f"hlat: note: {exc}", file=sys.stderr)
-        print(dry_run(config, stage=args.stage if args.command == "run" else training_stage().name))
-        from hlat.preflight_cli import print_preflight
-
-        print()
-        print_preflight(config)  # what the run would meet on AWS; the dry run itself sends nothing
-        return 0
-    from hlat.preflight_cli import check_before_start
-
-    # A run its storage refuses, a source that cannot be read, and (AWS) an account not ready fail here, in a line
-    # each, before a server starts or a run opens.
-    check_before_start(config, reads_source=args.command == "pretrain" or stage(args.stage).prepares_sources)
-    flow_fn, params = flow_call(args, overrides)
-    _identify_supervisor("hlat pretrain" if args.command == "pretrain" else f"hlat run {args.stage}")
-    from hlat.temporary_server import start_temporary_server
-
-    start_temporary_server(log_path)  # out of the terminal's process group: Ctrl-C interrupts the flow, not its API
-    start = time.perf_counter()
-    try:
-        with handing_over(config, args.preset, overrides, args.run_id, args.storage):
-            flow_fn(**params)
-    except KeyboardInterrupt:
-        raise Interrupted(where_interrupted(config)) from None
-    print(f"hlat: {args.command} finished in {time.perf_counter() - start:.1f} s")
-    return 0
-
-
-def _identify_supervisor(command: str) -> None:
-    """The heartbeat of the stages this command supervises names it and its flow run (infra.supervision.supervisor)."""
-    from hlat.flows.stage import flow_run_identity
-    from hlat.infra.supervision.supervisor import set_identity
-
-    set_identity(lambda: (flow_run_identity()[0], command))
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C during a flow, with what the user needs to know: where the run stands, and how to go on."""
-
-
-def where_interrupted(config: Any) -> str:
-    """'the job stopped with its checkpoint at step N; run the same command to resume' (the flow stopped any
-    running job on its way out: `infra.supervision.supervisor.follow`)."""
-    from hlat.core.run import run_for
-    from hlat.tasks.train import latest_checkpoint
-
-    try:
-        step = latest_checkpoint(run_for(config))
-    except Exception:  # the message must not fail: it is what the user reads last
-        step = None
-    how = "run the same command to resume (finished stages are cached)"
-    if step is None:
-        return f"no checkpoint yet; {how}"
-    return f"the run's newest checkpoint is step {step}; {how}"
-
-
-def flow_call(args: argparse.Namespace, overrides: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
-    """The flow `hlat pretrain` or `hlat run <stage>` calls, and its parameters."""
-    if args.command == "pretrain":
-        from hlat.flows.pretrain import hlat
-
-        flow_fn: Any = hlat
-    else:
-        from hlat.flows.pretrain import stage_flow_of
-
-        flow_fn = stage_flow_of(stage(args.stage))
-    picks = args.command == "run" and stage(args.stage).takes_checkpoint
-    if args.command == "run" and not picks and (args.step is not None or args.averaged):
-        which = " or ".join(f"'hlat run {s.name}'" for s in stages() if s.takes_checkpoint)
-        raise ConfigError(f"--step and --averaged apply to {which} only, not {args.stage}")
-    params = {"preset": args.preset, "overrides": overrides, "run_id": args.run_id, "storage": args.storage}
-    if picks:
-        params["step"] = args.step
-        if args.averaged:
-            params["averaged"] = True
-    return flow_fn, params
-
-
-def _located_run(args: argparse.Namespace) -> Any:
-    """The run `hlat status RUN` / `hlat stop RUN` names (its config.json read and validated here, once), with the
-    AWS credentials block its config names (if any) made this process's credentials."""
-    from hlat.core.run import Run
-    from hlat.infra.supervision import status
-
-    run = Run.of(status.locate(args.run, args.storage))
-    job = run.config.job
-    if job.aws_credentials_block:
-        from hlat.tasks.aws import activate
-
-        activate(job)
-    return run
-
-
-def _status(args: argparse.Namespace) -> int:
-    from hlat.core.storage import Storage
-    from hlat.infra.supervision import status
-
-    if args.run is None:
-        print(status.list_runs(Storage(args.storage or "./runs")))
-        return 0
-    print(status.render(status.run_status(_located_run(args))))
-    return 0
-
-
-def _stop(args: argparse.Namespace) -> int:
-    from hlat.infra.supervision import status
-
-    run = _located_run(args)
-    results = status.stop_run(run, wait_s=args.wait, say=lambda text: print(f"hlat: {text}", flush=True))
-    print(status.stop_summary(results, args.run))
-    return 0
-
-
-def _export(args: argparse.Namespace) -> int:
-    from hlat.infra.inputs.tokenizer import export_hf_tokenizer
-    from hlat.training.checkpoint.hf_export import export_checkpoint
-
-    start = time.perf_counter()
-    out, ref = export_checkpoint(
-        args.source, args.out, step=args.step, tokenizer=args.tokenizer, build_tokenizer_json=export_hf_tokenizer
-    )
-    files = ", ".join(sorted(p.name for p in out.iterdir()))
-    print(f"hlat: exported {ref.uri} (step {ref.step}) to {out} in {time.perf_counter() - start:.1f} s: {files}")
-    architecture = json.loads((out / "config.json").read_text())["architectures"][0]
-    print(f"  load it with transformers: {architecture}.from_pretrained({str(out)!r})")
-    return 0
-
-
-def _average(args: argparse.Namespace) -> int:
-    from hlat.training.checkpoint.average import average_checkpoints
-
-    start = time.perf_counter()
-    averaged = average_checkpoints(args.run, args.last, out=args.out)
-    steps = ", ".join(map(str, averaged.steps))
-    print(f"hlat: averaged the model weights of steps {steps} ({averaged.layout}) into {averaged.uri} in "
-          f"{time.perf_counter() - start:.1f} s (optimizer state left out)")  # fmt: skip
-    print(f"  export it: hlat export {averaged.uri} <out> (--tokenizer <run>/tokenizer when it is not in the run)")
-    return 0
-
-
-def _compare(args: argparse.Namespace) -> int:
-    from hlat.core.layout import compare_path
-    from hlat.core.run import Run
-    from hlat.core.storage import Storage
-    from hlat.infra.reports.eval_report import compare_line, compare_runs
-
-    a, b = Run.at(args.run_a.rstrip("/")), Run.at(args.run_b.rstrip("/"))
-    labels = tuple(args.labels) if args.labels else (a.run_id, b.run_id)
-    out = Storage(args.out) if args.out else a.storage.child(compare_path(labels[1]))
-    summary = compare_runs(a, b, out, labels=labels)
-    print(f"hlat: compared {labels[0]} and {labels[1]} over {summary['common_steps']} common steps")
-    for key in ("loss", "grad_norm"):
-        d = summary.get(key) or {}
-        if d:
-            print(f"  {compare_line(key, d)}")
-    for name, uri in summary.get("files", {}).items():
-        print(f"  {name}: {uri}")
-    return 0
+    command = COMMANDS[args.command]
+    # The overrides first: a bad --config file or --set fails before the command's module is imported.
+    overrides = command_overrides(args) if command.config else None
+    handler = getattr(command_module(command.module), command.handler)
+    if overrides is None:
+        return int(handler(args))
+    if args.command in FLOW_COMMANDS:
+        return int(handler(args, overrides, log_path))
+    return int(handler(args, overrides))
 
 
 if __name__ == "__main__":

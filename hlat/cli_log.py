@@ -13,6 +13,9 @@ import logging
 import os
 import time
 from pathlib import Path
+from uuid import UUID
+
+# Prefect is imported in the functions that use it: `hlat.cli` imports this module for every command, --help included.
 
 KEEP = 50  # the newest log files kept; older ones are removed when a new one is made
 _FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
@@ -61,8 +64,6 @@ class Interruptions(logging.Filter):
         """Set the interrupted runs Cancelled (Prefect marked them Crashed); a failure is a line in the log file."""
         if not (self.flow_runs or self.task_runs):
             return
-        from uuid import UUID
-
         from prefect.client.orchestration import get_client
         from prefect.states import Cancelled
 

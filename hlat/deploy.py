@@ -7,29 +7,43 @@ hand-edit, and creates the alert automations. docs/deployments.md is the user's 
 
 from __future__ import annotations
 
+import argparse
 import base64
 import fnmatch
+import hashlib
+import ipaddress
+import json
 import os
 import re
 import shutil
 import signal
 import subprocess
 import sys
+import time
+import urllib.request
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn
 
+import boto3
 import httpx
 import yaml
+from botocore.exceptions import BotoCoreError, ClientError
 
 from hlat.core.config import ConfigError
+from hlat.core.presets import load_config
+from hlat.flows.params import overrides_dict
 from hlat.infra.backends.run_roles import BOUNDARY_ENV, PATH_ENV
+from hlat.infra.backends.sagemaker_source import EGRESS_ENV
+from hlat.pools import DEFAULT_POOL
+from hlat.tasks.alerts import alerts_settings, block_document_id, sync_automations
+
+# Prefect is imported in the functions that talk to its API: hlat.tasks, imported above, sets Prefect's environment
+# when it loads, and must come before it.
 
 PROJECT_ROOT = Path(__file__).resolve().parents[1]
 PREFECT_FILE = PROJECT_ROOT / "deployments" / "prefect.yaml"
-DEFAULT_POOL = "hlat"
-POOL_TYPES = ("process", "ecs", "kubernetes")
 
 IMAGE_CODE_DIR = "/opt/hlat"
 """The worker image's WORKDIR, where container pools find the AWS deployments' code."""
@@ -158,9 +172,6 @@ API_WAIT_SECONDS = 90.0
 
 def wait_for_api(url: str, timeout: float = API_WAIT_SECONDS) -> None:
     """Wait until the API at `url` passes its health check (a fresh background server takes ~20 s)."""
-    import time
-    import urllib.request
-
     opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
     deadline = time.monotonic() + timeout
     said = False
@@ -197,8 +208,6 @@ def api_guarded(url: str) -> bool:
 
 def loopback(url: str) -> bool:
     """Whether `url`'s host is this machine's loopback."""
-    import ipaddress
-
     host = httpx.URL(url).host
     if host == "localhost":
         return True
@@ -359,8 +368,6 @@ def deploy(
     wait_for_api(api)
     check_api_guarded(api, exposed_deployments(chosen), kind, allow_open_server)
     if alerts is not None:  # a block that is not there fails before anything is registered
-        from hlat.tasks.alerts import block_document_id
-
         block_document_id(alerts[0])
     chosen_pools = sorted({(d.get("work_pool") or {}).get("name", DEFAULT_POOL) for d in chosen})
     for pool in chosen_pools:
@@ -384,8 +391,6 @@ def deploy(
     if code == 0:
         submittable_forms([d["name"] for d in chosen])
         if alerts is not None:
-            from hlat.tasks.alerts import sync_automations
-
             block, stalled_minutes = alerts
             print(f"hlat: alerts through the notification block {block!r}:")
             for line in sync_automations(block, stalled_minutes):
@@ -397,10 +402,6 @@ def deploy(
 
 def deployment_alerts(deployments: Iterable[dict[str, Any]], block: str | None) -> tuple[str, float] | None:
     """The alert automations' block and stall window from the deployments' configs and `block`; None: no alerts."""
-    from hlat.core.presets import load_config
-    from hlat.flows.params import overrides_dict
-    from hlat.tasks.alerts import alerts_settings
-
     configs = {}
     for dep in deployments:
         params = dep.get("parameters") or {}
@@ -487,8 +488,6 @@ class Stack:
 
 
 def _aws_error(exc: Exception) -> str:
-    from botocore.exceptions import ClientError
-
     if isinstance(exc, ClientError):
         return f"{exc.response['Error'].get('Code', '?')}: {exc.response['Error'].get('Message', '')}".rstrip(": ")
     return f"{type(exc).__name__}: {exc}"
@@ -496,9 +495,6 @@ def _aws_error(exc: Exception) -> str:
 
 def read_stack(name: str, region: str | None = None, session: Any = None) -> Stack:
     """The outputs of the CloudFormation stack `name`, or a one-line error saying why not."""
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
-
     session = session or boto3.Session(region_name=region)
     where = session.region_name or "no region"
     if not session.region_name:
@@ -535,8 +531,6 @@ def image_tag() -> str:
         raise DeployError(f"{PROJECT_ROOT} is not a git checkout: set HLAT_WORKER_TAG to the worker image's tag")
     if not _git("status", "--porcelain", "--untracked-files=no"):
         return commit
-    import hashlib
-
     changes = _git("diff", "HEAD", "--binary") or ""
     return f"{commit}-dirty-{hashlib.sha256(changes.encode()).hexdigest()[:10]}"
 
@@ -552,9 +546,6 @@ def pinned(image: str, digest: str) -> str:
 
 def check_pushed(stack: Stack, image: str, session: Any = None) -> str:
     """Refuse a worker image not in ECR; return its digest."""
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
-
     repository, tag = image.split("/", 1)[1].rsplit(":", 1)
     ecr = (session or boto3.Session(region_name=stack.region)).client("ecr")
     try:
@@ -590,9 +581,6 @@ _ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 def flow_run_secrets(stack: Stack, session: Any = None) -> list[dict[str, str]]:
     """The flow runs' ECS `secrets`, one ARN per secret `<stack>/env/<NAME>`, listed at deploy time."""
-    import boto3
-    from botocore.exceptions import BotoCoreError, ClientError
-
     prefix = f"{stack.name}/{SECRET_ENV_PREFIX}"
     client = (session or boto3.Session(region_name=stack.region)).client("secretsmanager")
     found: list[dict[str, str]] = []
@@ -625,8 +613,6 @@ def ecs_job_template(stack: Stack, image: str, secrets: Sequence[dict[str, str]]
         if out.get(output):
             env[variable] = out[output]
     if out.get("JobEgress") == "aws-endpoints":
-        from hlat.infra.backends.sagemaker_source import EGRESS_ENV
-
         env[EGRESS_ENV] = "aws-endpoints"
     values: dict[str, Any] = {
         "image": image,
@@ -721,8 +707,6 @@ def base_digest(docker: str, pull: list[str]) -> str:
         found = subprocess.run(inspect, capture_output=True, text=True, check=False)
     except FileNotFoundError as exc:
         raise DeployError(f"{docker}: not found: install Docker (with buildx) to build the worker image") from exc
-    import json
-
     digests = json.loads(found.stdout or "[]") if found.returncode == 0 else []
     repository = name.split(":", 1)[0]
     for digest in digests:
@@ -737,8 +721,6 @@ def push_worker_image(
     """Build the worker image for Fargate, tag it with the commit and push it to the stack's ECR; return it.
 
     `dry_run` prints the commands. The registry password never appears in output or on a command line."""
-    import boto3
-
     image = worker_image(stack, tag)
     registry = image.split("/", 1)[0]
     version = image.rsplit(":", 1)[1]
@@ -763,8 +745,6 @@ def push_worker_image(
     for cmd, stdin in steps:
         if stdin == "password":
             if password is None:
-                from botocore.exceptions import BotoCoreError, ClientError
-
                 ecr = (session or boto3.Session(region_name=stack.region)).client("ecr")
                 try:
                     token = ecr.get_authorization_token()["authorizationData"][0]["authorizationToken"]
@@ -785,8 +765,6 @@ def push_worker_image(
 
 def push_image_main(argv: Sequence[str] | None = None) -> int:
     """deployments/push-worker-image.sh: `--stack NAME [--region R] [--tag T] [--dry-run]`."""
-    import argparse
-
     parser = argparse.ArgumentParser(
         prog="push-worker-image.sh", description="build the worker image from this checkout and push it to ECR"
     )

@@ -189,10 +189,11 @@ def test_hlat_preflight_prints_one_line_per_check_and_exits_1_on_a_failure(
 ) -> None:
     import argparse
 
-    from hlat.preflight_cli import add_preflight_arguments, preflight_command
+    from hlat.cli import add_run_options
+    from hlat.commands.preflight import preflight_command
 
     parser = argparse.ArgumentParser()
-    add_preflight_arguments(parser)
+    add_run_options(parser)
     overrides = {
         "job.backend": "sagemaker", "job.region": REGION, "job.role_arn": account.role_arn,
         "job.image_uri": account.image, "data.image_uri": account.image, "evaluation.image_uri": account.image,
@@ -486,7 +487,7 @@ def test_a_bad_s3_source_fails_with_one_line_and_leaves_no_run_folder(s3_env: S3
 
 
 def test_a_hub_name_offline_without_a_cached_copy_fails_naming_hf_hub_offline(tmp_path: Path) -> None:
-    from hlat.preflight_cli import check_before_start
+    from hlat.commands.preflight import check_before_start
 
     with pytest.raises(PreflightFailed) as failed:
         local_start(tmp_path, "HuggingFaceFW/finewbe")  # the test session is offline (tests/conftest.py)

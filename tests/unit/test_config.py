@@ -96,7 +96,7 @@ def test_each_presets_token_budget_follows_its_named_source(name: str) -> None:
     assert estimate(c)["tokens"] == planner.default_tokens(c) == t.max_steps * c.tokens_per_step
     assert c.parallel_dims.data * t.micro_batch_size * c.gradient_accumulation == t.global_batch_size
     assert "arXiv" in source
-    from hlat.cli import presets_table
+    from hlat.commands.planning import presets_table
 
     [row] = [line for line in presets_table().splitlines() if line.startswith(f"{name} ")]
     assert f" {t.global_batch_size} " in row  # `hlat presets` shows the batch the budget is made of

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
-import hlat.preflight_cli
+import hlat.commands.preflight
 import hlat.temporary_server
 from hlat.cli import _dispatch, build_parser, command_overrides, main, read_config_file
 from hlat.core.config import ConfigError, flatten_config
@@ -149,7 +149,7 @@ def nothing_starts(monkeypatch: pytest.MonkeyPatch) -> list[str]:
         return called
 
     monkeypatch.setattr(hlat.temporary_server, "start_temporary_server", record("start_temporary_server"))
-    monkeypatch.setattr(hlat.preflight_cli, "check_before_start", record("check_before_start"))
+    monkeypatch.setattr(hlat.commands.preflight, "check_before_start", record("check_before_start"))
     return started
 
 

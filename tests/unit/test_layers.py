@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 
 import hlat.core.layout
+from hlat import cli
 from tests.layout import project_modules
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -49,17 +50,12 @@ def _under_main_guard(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
     return False
 
 
-def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[str, int]]:
-    """(imported module, line) for every import of the file; `top_level_only`: those run when it is imported."""
+def imports(path: Path) -> list[tuple[str, int]]:
+    """(imported module, line) for every import of the file, inside functions too (not under a main guard)."""
     tree = ast.parse(path.read_text())
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     found = []
     for node in ast.walk(tree):
-        if top_level_only and any(
-            isinstance(p, (ast.FunctionDef, ast.AsyncFunctionDef))
-            for p in _ancestors(node, parents)  # imports inside functions run only when called
-        ):
-            continue
         if _under_main_guard(node, parents):
             continue
         if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
@@ -67,14 +63,6 @@ def imports(path: Path, *, top_level_only: bool = False) -> list[tuple[str, int]
         elif isinstance(node, ast.Import):
             found.extend((alias.name, node.lineno) for alias in node.names)
     return found
-
-
-def _ancestors(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> list[ast.AST]:
-    out = []
-    while node in parents:
-        node = parents[node]
-        out.append(node)
-    return out
 
 
 def test_every_layer_imports_only_the_layers_below_it_and_none_of_its_forbidden_packages() -> None:
@@ -136,17 +124,19 @@ def test_one_import_namespace_no_module_imports_a_layer_by_its_bare_name() -> No
 
 
 def test_no_import_circle_among_the_modules() -> None:
+    """Function-level imports count, and so does the CLI's one import by name: each command's module."""
     modules = project_modules()
     graph = {
         module: {
             name
-            for imported, _ in imports(path, top_level_only=True)
+            for imported, _ in imports(path)
             for name in (imported, imported.rpartition(".")[0])
             # (a module of a package imports its siblings while the package's __init__ is being imported)
             if name in modules and name != module and not module.startswith(f"{name}.")
         }
         for module, path in modules.items()
     }
+    graph["hlat.cli"] |= {f"hlat.commands.{c.module}" for c in cli.COMMANDS.values()} | {f"hlat.commands.{cli.ERRORS}"}
     done: set[str] = set()
 
     def visit(module: str, stack: list[str]) -> None:
@@ -199,6 +189,7 @@ def test_every_run_file_name_is_defined_once_in_the_layout() -> None:
         "hlat.flows.evaluate",
         "hlat.flows.pretrain",
         "hlat.cli",
+        "hlat.commands.runs",
     ],
 )
 def test_looking_at_a_run_imports_no_torch(module: str) -> None:
@@ -341,3 +332,24 @@ def test_no_parameter_named_run_is_a_storage() -> None:
                     if arg.arg == "run" and arg.annotation is not None and "Storage" in ast.unparse(arg.annotation):
                         storages.append(f"{path.relative_to(ROOT)}:{node.lineno}: run: {ast.unparse(arg.annotation)}")
     assert not storages, "parameters named run that are a Storage (take a Run):\n" + "\n".join(storages)
+
+
+def test_the_cli_parses_without_importing_a_command_module_prefect_torch_or_boto3() -> None:
+    """`hlat --help` and a mistyped option stay fast: the command modules are imported when their command runs."""
+    code = (
+        "import sys, hlat.cli; hlat.cli.build_parser().format_help()\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] in ('prefect', 'torch', 'boto3')"
+        " or m.startswith('hlat.commands.')))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "[]"
+
+
+def test_every_command_of_the_parser_has_its_handler_in_the_table() -> None:
+    parser = cli.build_parser()
+    (sub,) = (a for a in parser._actions if a.dest == "command")
+    assert sorted(sub.choices) == sorted(cli.COMMANDS)
+    for name, command in cli.COMMANDS.items():
+        assert callable(getattr(cli.command_module(command.module), command.handler)), name
+    assert callable(cli.command_module(cli.ERRORS).known_error)

@@ -11,7 +11,8 @@ import pytest
 from prefect.utilities.callables import parameter_schema
 from pydantic import ValidationError
 
-from hlat.cli import build_parser, command_overrides, flow_call
+from hlat.cli import build_parser, command_overrides
+from hlat.commands.flows import flow_call
 from hlat.core.config import ConfigError, HlatConfig, SourceConfig, parse_override
 from hlat.core.presets import PRESETS, load_config
 from hlat.core.stages import stage, stage_names

@@ -15,12 +15,12 @@ import boto3
 import pytest
 from botocore.stub import Stubber
 
+from hlat.commands.preflight import check_before_start
 from hlat.core.config import ConfigError
 from hlat.core.presets import load_config
 from hlat.core.run import check_run, continued, open_run
 from hlat.infra.checks.capacity import instance_needs, instances_in_use, own_job_names
 from hlat.infra.checks.iam import _trusts_sagemaker, passrole_decision
-from hlat.preflight_cli import check_before_start
 
 ROLE = "arn:aws:iam::123456789012:role/hlat-sagemaker"
 

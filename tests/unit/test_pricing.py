@@ -86,7 +86,7 @@ def test_a_type_listed_at_two_prices_is_refused_with_the_setting_to_use(pricing:
 
 
 def test_the_table_shows_both_prices_and_the_settings_that_use_todays() -> None:
-    from hlat.cli import prices_table
+    from hlat.commands.prices import prices_table
     from hlat.infra.cost.pricing import ListedPrice
 
     listed = {

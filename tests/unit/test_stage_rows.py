@@ -175,7 +175,8 @@ def test_the_recipe_is_in_the_docs() -> None:
 
 @pytest.mark.usefixtures("throwaway")
 def test_a_throwaway_stage_joins_the_dag_the_cli_and_its_job() -> None:
-    from hlat.cli import build_parser, flow_call
+    from hlat.cli import build_parser
+    from hlat.commands.flows import flow_call
     from hlat.flows.pretrain import chain
     from hlat.infra.backends.sagemaker_source import requirements_of
     from hlat.infra.backends.sagemaker_validation import _config_field

@@ -13,23 +13,17 @@ import sys
 from typing import Any
 
 from hlat.core.config import ConfigError, HlatConfig
+from hlat.core.run import check_run, continued
+from hlat.flows.params import build_config
+from hlat.flows.stage import source_shape
 from hlat.infra.checks.findings import Finding, PreflightResult
 from hlat.infra.checks.preflight import require_aws, require_sources, run_preflight
-
-
-def add_preflight_arguments(p: argparse.ArgumentParser) -> None:
-    """The options of `hlat preflight`, as `hlat pretrain` takes them."""
-    from hlat.cli import _add_run_options
-
-    _add_run_options(p)
+from hlat.infra.checks.requests import preflight as check_requests
+from hlat.tasks.aws import activate, with_role
 
 
 def preflight_result(config: HlatConfig) -> PreflightResult:
     """Every check of a run before it starts, as findings; a SageMaker run's AWS checks use its blocks."""
-    from hlat.core.run import check_run, continued
-    from hlat.flows.stage import source_shape
-    from hlat.infra.checks.requests import preflight as check_requests
-
     findings: list[Finding] = []
     try:
         config = continued(config)
@@ -46,8 +40,6 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
         findings.append(Finding("config", False, str(exc)))
     aws = config.job.backend == "sagemaker"
     if aws:
-        from hlat.tasks.aws import activate, with_role
-
         try:
             activate(config.job)
             config = with_role(config)
@@ -58,8 +50,6 @@ def preflight_result(config: HlatConfig) -> PreflightResult:
 
 
 def preflight_command(args: argparse.Namespace, overrides: dict[str, Any]) -> int:
-    from hlat.flows.params import build_config
-
     config = build_config(args.preset, overrides, args.run_id, args.storage)
     return print_preflight(config)
 
@@ -80,8 +70,6 @@ def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
     """What the CLI checks before starting a Prefect server, so it fails in seconds; raises ConfigError.
 
     AWS checks run here only when no Prefect block is named. The flow reuses what passed (PASSED_TTL_S)."""
-    from hlat.core.run import check_run, continued
-
     try:
         config = continued(config)
         check_run(config)
@@ -90,8 +78,6 @@ def check_before_start(config: HlatConfig, *, reads_source: bool) -> None:
     except Exception:  # storage not readable without the run's credentials: the flow opens the run and says why
         pass
     if reads_source:
-        from hlat.flows.stage import source_shape
-
         require_sources(config, source_shape)
     if not (config.job.aws_credentials_block or config.job.role_arn_secret):
         require_aws(config)
