@@ -23,11 +23,11 @@ COPY deployments/ deployments/
 
 # CPU torch first, from PyTorch's CPU index (PyPI's build of the same version brings GBs of CUDA libraries),
 # then the project with the pins that work together. Editable, so that `hlat` imports from /opt/hlat itself: the
-# SageMaker driver uploads deployments/*-requirements.txt from beside the package (infra/sagemaker_jobs.py:
+# SageMaker driver uploads deployments/*-requirements.txt from beside the package (infra/backends/sagemaker_source.py:
 # PROJECT_ROOT), which a wheel install into site-packages would not have.
 RUN pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
  && pip install --no-cache-dir -c constraints.txt -e . \
- && python -c "import hlat.flows.pretrain, prefect_aws, hlat.infra.sagemaker_jobs as s; \
+ && python -c "import hlat.flows.pretrain, prefect_aws, hlat.infra.backends.sagemaker_source as s; \
 assert str(s.PROJECT_ROOT) == '/opt/hlat', s.PROJECT_ROOT"
 
 # The commit the code was built from (deployments/push-worker-image.sh passes it), for `docker inspect` and logs.
