@@ -538,7 +538,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _stopped_by_user(exc: BaseException) -> bool:
-    from hlat.infra.supervision.supervisor import StoppedByUser
+    from hlat.infra.supervision.errors import StoppedByUser
 
     return isinstance(exc, StoppedByUser)
 
@@ -554,7 +554,7 @@ def _known_error(exc: BaseException) -> str | None:
     """User-facing errors print as one line; anything else keeps its traceback."""
     from hlat.core.storage import StorageError
     from hlat.deploy import DeployError
-    from hlat.infra.supervision.supervisor import SupervisorError
+    from hlat.infra.supervision.errors import SupervisorError
     from hlat.tasks.burn_in import BurnInFailed
     from hlat.training.checkpoint import CheckpointError
     from hlat.training.data.sources import SourceError
@@ -666,7 +666,7 @@ def _dispatch(args: argparse.Namespace, log_path: Path | None = None) -> int:
 def _identify_supervisor(command: str) -> None:
     """The heartbeat of the stages this command supervises names it and its flow run (infra.supervision.supervisor)."""
     from hlat.flows.stage import flow_run_identity
-    from hlat.infra.supervision.supervisor import set_identity
+    from hlat.infra.supervision.lease import set_identity
 
     set_identity(lambda: (flow_run_identity()[0], command))
 

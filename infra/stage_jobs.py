@@ -25,15 +25,11 @@ from hlat.core.stages import DATA, TRAINING, Instances, Stage, job_stages, stage
 from hlat.core.stop_timeline import stop_timeline
 from hlat.infra.backends.protocol import JobBackend, JobSpec, JobState, job_name
 from hlat.infra.cost.catalog import CATALOG, Instance, measured, price_per_hour
-from hlat.infra.supervision.supervisor import (
-    STARTUP_FLOOR_S,
-    Attempt,
-    Ledger,
-    Progress,
-    Supervisor,
-    run_job,
-    stop_live_job,
-)
+from hlat.infra.supervision.accounts import STARTUP_FLOOR_S
+from hlat.infra.supervision.lease import stop_live_job
+from hlat.infra.supervision.ledger import Attempt, Ledger
+from hlat.infra.supervision.progress import Progress
+from hlat.infra.supervision.supervisor import Supervisor, run_job
 
 PLACEHOLDER_ROOT = "s3://YOUR-BUCKET/hlat"
 PLACEHOLDER_ROLE = "arn:aws:iam::111122223333:role/YOUR-SAGEMAKER-ROLE"
