@@ -29,7 +29,7 @@ from hlat.flows.params import (
 )
 from hlat.infra.checks.preflight import require_aws, require_sources
 from hlat.infra.stage_jobs import job_python
-from hlat.infra.supervision.supervisor import set_identity
+from hlat.infra.supervision.lease import set_identity
 from hlat.tasks import aws
 from hlat.tasks.caching import TRANSIENT_RETRIES
 

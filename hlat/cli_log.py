@@ -23,7 +23,7 @@ INTERRUPTED = "Execution was aborted by an interrupt signal."
 """Prefect's message for a run ended by KeyboardInterrupt (prefect.states.exception_to_crashed_state)."""
 CANCELLED_MESSAGE = "Interrupted (Ctrl-C): its job was stopped at a checkpoint; run the same command to resume"
 USER_STOP = "StoppedByUser"
-"""The exception a stage raises when `hlat stop` stopped its job (infra.supervision.supervisor.StoppedByUser)."""
+"""The exception a stage raises when `hlat stop` stopped its job (infra.supervision.errors.StoppedByUser)."""
 USER_STOP_MESSAGE = "Stopped by hlat stop at a checkpoint; run the same command to go on"
 
 

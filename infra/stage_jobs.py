@@ -29,15 +29,11 @@ from hlat.infra.backends.sagemaker_request import tracking_environment
 from hlat.infra.cost.budget import budget
 from hlat.infra.cost.catalog import price_per_hour
 from hlat.infra.cost.estimates import estimate
-from hlat.infra.supervision.supervisor import (
-    STARTUP_FLOOR_S,
-    Attempt,
-    Ledger,
-    Progress,
-    Supervisor,
-    run_job,
-    stop_live_job,
-)
+from hlat.infra.supervision.accounts import STARTUP_FLOOR_S
+from hlat.infra.supervision.lease import stop_live_job
+from hlat.infra.supervision.ledger import Attempt, Ledger
+from hlat.infra.supervision.progress import Progress
+from hlat.infra.supervision.supervisor import Supervisor, run_job
 
 
 def jobs_dir(run: Run) -> str:

@@ -23,7 +23,8 @@ if TYPE_CHECKING:
     from prefect.events.schemas.automations import AutomationCore
 
     from hlat.core.run import Run
-    from hlat.infra.supervision.supervisor import Attempt, Progress
+    from hlat.infra.supervision.ledger import Attempt
+    from hlat.infra.supervision.progress import Progress
 
 log = logging.getLogger("hlat.alerts")
 

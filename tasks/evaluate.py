@@ -39,7 +39,7 @@ from hlat.infra.reports.eval_report import (
     write_report,
 )
 from hlat.infra.stage_jobs import run_stage_job
-from hlat.infra.supervision.supervisor import JobFailed
+from hlat.infra.supervision.errors import JobFailed
 from hlat.tasks.alerts import RunEvents, alert_eval_floors
 from hlat.tasks.caching import CACHED_STAGE, TRANSIENT_RETRIES, artifact_key, stage_cache_key
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from hlat.core.layout import job_log_path
 from hlat.core.run import Run
 from hlat.infra.backends.protocol import Action
-from hlat.infra.supervision.supervisor import Attempt, JobFailed, Ledger
+from hlat.infra.supervision.errors import JobFailed
+from hlat.infra.supervision.ledger import Attempt, Ledger
 
 
 def job_ended_badly(run: Run, stage: str, record: Attempt, output: str) -> JobFailed:

@@ -30,7 +30,8 @@ from hlat.core.stages import stage
 from hlat.core.storage import Storage
 from hlat.infra.cost.budget import budget
 from hlat.infra.stage_jobs import supervisor_for
-from hlat.infra.supervision.supervisor import Attempt, Progress
+from hlat.infra.supervision.ledger import Attempt
+from hlat.infra.supervision.progress import Progress
 from hlat.tasks.alerts import TrainAlerts
 from hlat.tasks.caching import CACHED_STAGE, artifact_key, stage_cache_key
 from hlat.tasks.init_from import imported_identity

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from hlat.core.storage import StorageError
 from hlat.deploy import DeployError
-from hlat.infra.supervision.supervisor import StoppedByUser, SupervisorError
+from hlat.infra.supervision.errors import StoppedByUser, SupervisorError
 from hlat.tasks.burn_in import BurnInFailed
 from hlat.training.checkpoint import CheckpointError
 from hlat.training.data.sources import SourceError

@@ -22,7 +22,7 @@ from hlat.flows.pretrain import hlat, stage_flow_of
 from hlat.flows.stage import flow_run_identity
 from hlat.infra.checks.aws import AwsBlockError
 from hlat.infra.dry_run import dry_run
-from hlat.infra.supervision.supervisor import set_identity
+from hlat.infra.supervision.lease import set_identity
 from hlat.tasks.aws import with_role
 from hlat.tasks.train import latest_checkpoint
 

@@ -31,19 +31,17 @@ from hlat.core.stages import stage as row_of
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.backends.protocol import Action, FailureClass, JobBackend, JobState
 from hlat.infra.cost.catalog import job_cost, price_per_hour
-from hlat.infra.supervision.supervisor import (
-    USER_STOP,
-    Attempt,
-    Ledger,
-    _duration,
+from hlat.infra.supervision.lease import (
     describe_holder,
-    end_time,
     lease_live,
     pid_alive,
     read_heartbeat,
     read_lease,
     request_stop,
 )
+from hlat.infra.supervision.ledger import USER_STOP, Attempt, Ledger
+from hlat.infra.supervision.progress import duration
+from hlat.infra.supervision.watch import end_time
 
 STALE_POLLS = 3
 """A heartbeat older than this many of the run's polls (and at least STALE_MIN_S) means nobody supervises."""
@@ -237,8 +235,8 @@ def _supervisor(live: LiveJob) -> str:
     if beat.get("flow_run_id"):
         who += f", flow run {beat['flow_run_id']}"
     if live.supervised:
-        return f"{who}, last beat {_duration(age)} ago"
-    return f"nobody for {_duration(age)} (last: {who}); `hlat stop` stops the job, the same command re-attaches to it"
+        return f"{who}, last beat {duration(age)} ago"
+    return f"nobody for {duration(age)} (last: {who}); `hlat stop` stops the job, the same command re-attaches to it"
 
 
 def list_runs(root: Storage) -> str:

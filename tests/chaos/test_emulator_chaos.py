@@ -31,7 +31,7 @@ from hlat.infra.backends.local import LocalBackend
 from hlat.infra.backends.local_daemon import job_processes
 from hlat.infra.backends.protocol import TERMINAL, Status
 from hlat.infra.stage_jobs import job_spec
-from hlat.infra.supervision.supervisor import Ledger
+from hlat.infra.supervision.ledger import Ledger
 from hlat.training.checkpoint import CheckpointManager
 from tests.chaos.test_train_stage import ROOT, cli, cli_env
 from tests.conftest import SMALL_DATA

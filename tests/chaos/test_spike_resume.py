@@ -90,7 +90,7 @@ def test_a_job_stopped_by_spikes_in_a_row_is_not_relaunched_by_the_train_stage(
     from hlat.core.presets import load_config
     from hlat.core.run import Run
     from hlat.infra.stage_jobs import supervisor_for
-    from hlat.infra.supervision.supervisor import JobFailed
+    from hlat.infra.supervision.errors import JobFailed
     from tests.sizes import SMALL_DATA
 
     training = {**RUN, "max_steps": 14, "spike_max_consecutive": 3}

@@ -19,7 +19,7 @@ import torch
 
 from hlat.core.run import Run
 from hlat.infra.backends.local import LocalBackend
-from hlat.infra.supervision.supervisor import Ledger
+from hlat.infra.supervision.ledger import Ledger
 from tests.conftest import SMALL_DATA
 from tests.jobs import default_sigint, final_weights, make_run, metrics, processes_mentioning, wait_for
 

@@ -156,7 +156,7 @@ def test_cancelling_a_train_run_stops_its_job(prefect_env: dict[str, str], prepa
     """Cancel from the API (as from the UI) while the job trains on the block's worker: the job is stopped, no
     process is left."""
     from hlat.infra.backends.local import LocalBackend
-    from hlat.infra.supervision.supervisor import Ledger
+    from hlat.infra.supervision.ledger import Ledger
 
     training = {"max_steps": 5000, "checkpoint_every": 50, "eval_every": 0, "log_every": 1}
     run = make_run(prepared, tmp_path / "runs", "cancel", **training)

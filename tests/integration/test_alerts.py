@@ -21,7 +21,7 @@ import pytest
 
 from hlat.core.presets import load_config
 from hlat.core.run import Run
-from hlat.infra.supervision.supervisor import Progress
+from hlat.infra.supervision.progress import Progress
 from hlat.tasks.alerts import ALERTS, AUTOMATION_PREFIX, TrainAlerts, alert_eval_floors, sync_automations
 from tests.integration.conftest import free_port
 

@@ -22,7 +22,7 @@ from hlat.core.run import Run, open_run
 from hlat.core.shards import iter_documents, read_manifest
 from hlat.core.storage import Storage
 from hlat.infra.backends.protocol import job_name
-from hlat.infra.supervision.supervisor import Ledger
+from hlat.infra.supervision.ledger import Ledger
 from hlat.training.data.units import DataReport, UnitResult
 from tests.jobs import prepare_job, source_data
 

@@ -21,7 +21,7 @@ from hlat.core.layout import heartbeat_path
 from hlat.core.run import Run
 from hlat.infra.backends.emulator import namespaces_available
 from hlat.infra.backends.local import LocalBackend
-from hlat.infra.supervision.supervisor import Ledger
+from hlat.infra.supervision.ledger import Ledger
 from tests.conftest import SMALL_DATA
 from tests.jobs import as_from_a_terminal, make_run, processes_mentioning, wait_for
 

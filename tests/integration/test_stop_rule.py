@@ -41,7 +41,7 @@ PACE = "0.2"  # seconds per step: a few steps a second, so a stop lands mid-run
 
 
 def beat(run: Storage, at: float) -> None:
-    """The supervisor's heartbeat, as infra/supervision/supervisor.py writes it."""
+    """The supervisor's heartbeat, as infra/supervision/lease.py writes it."""
     heartbeat = {"beat_at": at, "pid": 4242, "host": "gone", "flow_run_id": None, "command": "hlat pretrain"}
     run.write_json(heartbeat_path("train"), heartbeat)
 

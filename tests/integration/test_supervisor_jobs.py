@@ -20,7 +20,8 @@ from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.backends.local_faults import FAULTS_ENV
-from hlat.infra.supervision.supervisor import JobFailed, Ledger
+from hlat.infra.supervision.errors import JobFailed
+from hlat.infra.supervision.ledger import Ledger
 from hlat.training.checkpoint import CheckpointManager
 from tests.conftest import SMALL_DATA
 from tests.jobs import make_run, metrics, processes_mentioning

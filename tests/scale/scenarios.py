@@ -341,8 +341,8 @@ def scenario_11a(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | No
     """The deadline passes during the back-off after a capacity failure: no phantom attempt, `hlat status` true."""
     from datetime import UTC, datetime
 
+    from hlat.infra.supervision.ledger import Ledger
     from hlat.infra.supervision.status import render, run_status
-    from hlat.infra.supervision.supervisor import Ledger
 
     sc = model.scale(preset)
     deadline = datetime.fromtimestamp(EPOCH_DEADLINE, UTC).isoformat()
@@ -368,7 +368,7 @@ def scenario_11b(mp: Any, tmp: Any, preset: str, fixed: bool, restarts: int | No
     """The run's earlier jobs spent all but $10 of job.budget_usd: a job of N hosts with a MaxRuntimeInSeconds of
     ~126 s (the $10, plus the stop's grace) would be billed more than that for nothing."""
     from hlat.infra.backends.protocol import job_name
-    from hlat.infra.supervision.supervisor import Attempt, Ledger
+    from hlat.infra.supervision.ledger import Attempt, Ledger
 
     sc = model.scale(preset)
     earlier = sc.usd(3 * 3600.0)

@@ -8,10 +8,9 @@ leave in run storage (committed checkpoints in the real checkpoints/ index, the 
 The clock: every actor (a supervisor, `hlat stop` from another terminal) runs in a thread of its own, but only one
 runs at a time; an actor's `sleep` parks it until the virtual time it asked for, and the scheduler advances the
 clock to the earliest of the actors' wake-ups and the jobs' own events (a step boundary that matters, a checkpoint
-commit, a fault, SIGTERM, SIGKILL, a stop-rule tick). The project's `time` is replaced in
-infra/supervision/supervisor.py,
-infra/supervision/status.py and infra/stage_jobs.py for the duration (`patch_time`), so their waits run on the same
-clock.
+commit, a fault, SIGTERM, SIGKILL, a stop-rule tick). The project's `time` is replaced in infra/supervision/
+(supervisor.py, lease.py, watch.py, status.py) and infra/stage_jobs.py for the duration (`patch_time`), so their
+waits run on the same clock.
 
 Modelled per host, not per rank, except where rank counts matter: every rank's exception line in the log when a
 job fails (what fills the 400-line tail the supervisor classifies from), and the sockets of a gloo group.
@@ -146,10 +145,10 @@ def patch_time(monkeypatch: Any, sim: Sim, wall: Callable[[], float]) -> None:
     """The project's time, where the control plane reads it, on the virtual clock: `wall` is the supervisor's
     machine's clock (time.time), the sleeps and the monotonic clock are the simulation's."""
     from hlat.infra import stage_jobs
-    from hlat.infra.supervision import status, supervisor
+    from hlat.infra.supervision import lease, status, supervisor, watch
 
     shim = SimpleNamespace(time=wall, monotonic=sim.monotonic, sleep=sim.sleep)
-    for module in (supervisor, status, stage_jobs):
+    for module in (supervisor, lease, watch, status, stage_jobs):
         monkeypatch.setattr(module, "time", shim)
 
 
@@ -688,7 +687,7 @@ def legacy_control_plane(monkeypatch: Any) -> dict[str, Any]:
     """The control plane before issue 50, where a fix has no switch: the old rule put back for the scenario's
     "before" form. Returns the Supervisor fields that turn the rest off."""
     from hlat.infra.backends.protocol import Action, Decision, FailureClass, classify
-    from hlat.infra.supervision import status, supervisor
+    from hlat.infra.supervision import judgement, lease, status, supervisor
 
     def old_classify(state: JobState, stop_requested: bool = False, log_tail: str = "", **_: Any) -> Any:
         # No attribution by time (first_record), and ResourceLimitExceeded fatal (its old 'quota' row).
@@ -705,10 +704,11 @@ def legacy_control_plane(monkeypatch: Any) -> dict[str, Any]:
 
     monkeypatch.setattr(supervisor, "classify", old_classify)
     monkeypatch.setattr(supervisor, "classify_reason", old_classify_reason)
+    monkeypatch.setattr(judgement, "classify_reason", old_classify_reason)
     # No lease: any number of supervisors per run.
     for name in ("acquire", "check", "renew", "release"):
-        if hasattr(supervisor, "SupervisorLease"):
-            monkeypatch.setattr(supervisor.SupervisorLease, name, lambda self, *a, **k: 0)
+        if hasattr(lease, "SupervisorLease"):
+            monkeypatch.setattr(lease.SupervisorLease, name, lambda self, *a, **k: 0)
     # `hlat stop` only stops a live job (no recorded request that the supervisor honours before a submission).
     if hasattr(status, "request_stop"):
         monkeypatch.setattr(status, "request_stop", lambda *a, **k: None)

@@ -16,7 +16,8 @@ from hlat.core.config import AlertsConfig, ConfigError
 from hlat.core.layout import ALERTS_SENT
 from hlat.core.presets import load_config
 from hlat.core.run import Run
-from hlat.infra.supervision.supervisor import Attempt, Progress
+from hlat.infra.supervision.ledger import Attempt
+from hlat.infra.supervision.progress import Progress
 from hlat.tasks import alerts
 from hlat.tasks.alerts import (
     BUDGET_CROSSED,
@@ -214,7 +215,7 @@ class FakeSupervisor:
         self.fail, self.callbacks = fail, callbacks
 
     def run_to_completion(self) -> list[Attempt]:
-        from hlat.infra.supervision.supervisor import JobFailed
+        from hlat.infra.supervision.errors import JobFailed
 
         attempts = [Attempt(1, "r1-train-1")]
         self.callbacks["on_attempts"](attempts)
@@ -237,7 +238,7 @@ class FakeSupervisor:
 def test_the_train_task_emits_start_progress_and_end_around_its_supervisor(
     tmp_path: Path, emitted: list[dict[str, Any]], monkeypatch: pytest.MonkeyPatch, fail: bool
 ) -> None:
-    from hlat.infra.supervision.supervisor import JobFailed
+    from hlat.infra.supervision.errors import JobFailed
     from hlat.tasks import train
 
     def supervisor_for(run: Run, current_step: Any, **callbacks: Any) -> FakeSupervisor:

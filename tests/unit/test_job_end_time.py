@@ -17,7 +17,7 @@ from hlat.infra.backends.local import LocalBackend
 from hlat.infra.backends.local_daemon import process_start
 from hlat.infra.backends.protocol import JobState, Status
 from hlat.infra.backends.sagemaker import SageMakerBackend
-from hlat.infra.supervision.supervisor import end_time
+from hlat.infra.supervision.watch import end_time
 
 
 def test_the_backends_end_time_wins_over_the_readers_clock() -> None:

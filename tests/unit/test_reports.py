@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from hlat.infra.supervision.supervisor import Attempt
+from hlat.infra.supervision.ledger import Attempt
 from hlat.tasks.evaluate import evaluation_summary
 from hlat.tasks.train import summary_line, summary_rows
 

@@ -19,7 +19,8 @@ from hlat.core.run import Run
 from hlat.core.storage import Storage
 from hlat.infra.backends import local_daemon
 from hlat.infra.backends.protocol import Action, FailureClass, classify_reason
-from hlat.infra.supervision.supervisor import JobFailed, loss_spikes_stop
+from hlat.infra.supervision.errors import JobFailed
+from hlat.infra.supervision.judgement import loss_spikes_stop
 from hlat.training import hooks as job_hooks
 from hlat.training.checkpoint import CheckpointManager
 from hlat.training.loop import Trainer

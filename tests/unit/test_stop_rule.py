@@ -37,7 +37,8 @@ from hlat.infra.backends.protocol import Action, FailureClass, JobState, Status,
 from hlat.infra.backends.sagemaker import SageMakerBackend
 from hlat.infra.backends.sagemaker_validation import request_problems, sagemaker_service_model
 from hlat.infra.stage_jobs import billed_usd, job_spec, runtime_cap, stop_terms, supervisor_for
-from hlat.infra.supervision.supervisor import Attempt, JobFailed, Ledger
+from hlat.infra.supervision.errors import JobFailed
+from hlat.infra.supervision.ledger import Attempt, Ledger
 from hlat.training.stop_rule import StopRule, stop_rule
 from tests.unit.test_supervisor import Play, ScriptedBackend, supervisor
 

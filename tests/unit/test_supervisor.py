@@ -29,7 +29,9 @@ from hlat.infra.backends.protocol import (
     classify_reason,
     job_name,
 )
-from hlat.infra.supervision.supervisor import BudgetExhausted, JobFailed, Ledger, RestartsExhausted, Supervisor
+from hlat.infra.supervision.errors import BudgetExhausted, JobFailed, RestartsExhausted
+from hlat.infra.supervision.ledger import Ledger
+from hlat.infra.supervision.supervisor import Supervisor
 
 RUN_ID = "tiny-test"
 TARGET = 100
@@ -329,7 +331,7 @@ def test_a_job_still_running_after_the_last_checkpoint_is_stopped_and_recorded(t
     its exit barrier for a rank that died, as the emulator's chaos test once saw, for 5 minutes). The next
     supervisor finds the target reached: it stops that job, follows it to its end and records it, launching
     nothing, so that no job outlives the stage."""
-    from hlat.infra.supervision.supervisor import Attempt
+    from hlat.infra.supervision.ledger import Attempt
 
     clock = [0.0]
     backend = ScriptedBackend([Play([("InProgress", None)])], clock)  # it would never end by itself
@@ -351,7 +353,7 @@ def test_job_submitted_but_not_recorded_is_found_by_name(tmp_path: Path) -> None
     backend = ScriptedBackend([Play()], clock)
     spec = JobSpec(job_name(RUN_ID, 1), RUN_ID, 1, str(tmp_path), "c", "ml.trn1.32xlarge", 2, 32, 3600)
     backend.submit(spec)
-    from hlat.infra.supervision.supervisor import Attempt
+    from hlat.infra.supervision.ledger import Attempt
 
     Ledger(Run.at(str(tmp_path)), "train").save([Attempt(1, spec.name)])
     attempts = supervisor(tmp_path, backend, clock).run_to_completion()

@@ -20,19 +20,18 @@ from hlat.core.presets import load_config
 from hlat.core.run import Run
 from hlat.core.storage import Storage, StorageClock
 from hlat.infra.backends.protocol import JobState, Status, SubmitError, classify, first_failure
-from hlat.infra.supervision.status import render, run_status, stop_run, stop_summary
-from hlat.infra.supervision.supervisor import (
+from hlat.infra.supervision.errors import (
     BudgetExhausted,
     DeadlinePassed,
     JobFailed,
     LeaseLost,
-    Ledger,
     NoProgress,
     StoppedByUser,
     SupervisorBusy,
-    read_lease,
-    request_stop,
 )
+from hlat.infra.supervision.lease import read_lease, request_stop
+from hlat.infra.supervision.ledger import Ledger
+from hlat.infra.supervision.status import render, run_status, stop_run, stop_summary
 from tests.unit.test_supervisor import Play, ScriptedBackend, logged_steps, record_reason, supervisor
 
 T = 1_800_000_000.0

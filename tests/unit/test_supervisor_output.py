@@ -13,15 +13,10 @@ import pytest
 
 from hlat.core.run import Run
 from hlat.infra.backends.protocol import JobSpec, JobState, Status, job_name
-from hlat.infra.supervision.supervisor import (
-    Attempt,
-    JobFailed,
-    Ledger,
-    Progress,
-    ProgressGate,
-    Throughput,
-    ending_reason,
-)
+from hlat.infra.supervision.errors import JobFailed
+from hlat.infra.supervision.ledger import Attempt, Ledger
+from hlat.infra.supervision.progress import Progress, ProgressGate, Throughput
+from hlat.infra.supervision.watch import ending_reason
 from tests.unit.test_supervisor import RUN_ID, TARGET, Play, ScriptedBackend, supervisor
 
 TOKENS_PER_STEP = 1000  # test_supervisor's supervisor()
@@ -204,7 +199,7 @@ def test_the_reason_column_adds_to_the_status_or_is_empty(state: JobState, reaso
 
 
 def test_a_progress_bar_in_a_jobs_log_is_followed_as_the_terminal_shows_it() -> None:
-    from hlat.infra.supervision.supervisor import as_displayed, read_logs
+    from hlat.infra.supervision.watch import as_displayed, read_logs
 
     bar = "Running requests:   0%|  | 0/250 [00:00<?, ?it/s]\rRunning requests:  4%|▎ | 9/250\r" + (
         "Running requests: 100%|██████████| 250/250 [00:01<00:00, 243.02it/s]\r"
