@@ -77,7 +77,7 @@ def _identify_supervisor(command: str) -> None:
 
 def where_interrupted(config: Any) -> str:
     """'the job stopped with its checkpoint at step N; run the same command to resume' (the flow stopped any
-    running job on its way out: `infra.supervision.supervisor.follow`)."""
+    running job on its way out: `infra.supervision.watch.follow`)."""
     try:
         step = latest_checkpoint(run_for(config))
     except Exception:  # the message must not fail: it is what the user reads last
