@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -108,6 +109,21 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> LoadFileSche
 FIXTURE_BUDGETS = 3
 _overruns: list[tuple[str, str, float, float]] = []  # (test, phase, seconds, budget)
 _config: pytest.Config | None = None
+
+
+@pytest.fixture(autouse=True)
+def _no_capture_handler_left_on_named_loggers() -> Iterator[None]:
+    """Take pytest's own log handlers off every named logger after each test.
+
+    Prefect's logging set-up (a flow run in a test) gives its extra loggers ("hlat", PREFECT_LOGGING_EXTRA_LOGGERS)
+    the root logger's handlers of that moment, pytest's capture handlers among them. pytest reuses one capture
+    handler per session, so a later test's `caplog` would see each "hlat.*" record twice: once from the root, once
+    from "hlat"."""
+    yield
+    for logger in logging.Logger.manager.loggerDict.values():
+        if isinstance(logger, logging.Logger):
+            for handler in [h for h in logger.handlers if type(h).__module__ == "_pytest.logging"]:
+                logger.removeHandler(handler)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
