@@ -312,8 +312,8 @@ class CheckpointRef:
     checkpoints: Storage
     """The run's checkpoints/ folder."""
     step: int
-    run: Storage | None
-    """The run folder (the checkpoints folder's parent) when it has one: where tokenizer/ is."""
+    run_folder: Storage | None
+    """The folder above checkpoints/ (a run's) when it has one: where tokenizer/ is."""
 
     @property
     def uri(self) -> str:
@@ -353,5 +353,5 @@ def locate_checkpoint(source: str, step: int | None = None) -> CheckpointRef:
         )
     manager.read_meta(step)  # raises CheckpointError naming the problem of an incomplete checkpoint
     base, _, last = checkpoints.uri().rstrip("/").rpartition("/")
-    run = Storage(base) if last in (CHECKPOINTS_DIR, AVERAGED_DIR) and base else None
-    return CheckpointRef(checkpoints=checkpoints, step=step, run=run)
+    above = Storage(base) if last in (CHECKPOINTS_DIR, AVERAGED_DIR) and base else None
+    return CheckpointRef(checkpoints=checkpoints, step=step, run_folder=above)

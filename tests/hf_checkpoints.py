@@ -229,7 +229,9 @@ def assert_first_checkpoint_exports_the_original(run: Path, folder: Path) -> Non
     from hlat.core.layout import CheckpointRef
     from hlat.training.checkpoint.hf_export import read_checkpoint, to_hf_state_dict
 
-    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run=None))
+    shared, config = read_checkpoint(
+        CheckpointRef(checkpoints=Storage(str(run / "checkpoints")), step=0, run_folder=None)
+    )
     exported = to_hf_state_dict(shared["model"], config.model)
     original = original_tensors(folder)
     assert set(exported) == set(original)

@@ -52,6 +52,8 @@ def test_a_tp2_job_killed_while_committing_resumes_bitwise_and_its_shards_consol
                 if isinstance(value, torch.Tensor):
                     assert torch.equal(value, b[name]["optimizer"]["state"][index][key]), (name, index, key)
 
-    shared, config = read_checkpoint(CheckpointRef(checkpoints=Storage(str(broken / "checkpoints")), step=8, run=None))
+    shared, config = read_checkpoint(
+        CheckpointRef(checkpoints=Storage(str(broken / "checkpoints")), step=8, run_folder=None)
+    )
     dense = shared["model"]
     assert {p.name: p.shape for p in dense_parameters(config.model)} == {k: tuple(v.shape) for k, v in dense.items()}

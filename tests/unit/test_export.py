@@ -72,7 +72,7 @@ def test_a_checkpoint_is_found_from_its_folder_the_checkpoints_folder_or_the_run
     assert locate_checkpoint(str(run / "checkpoints")).step == 10
     assert locate_checkpoint(str(run), step=5).step == 5
     ref = locate_checkpoint(str(run / "checkpoints"))
-    assert ref.run is not None and ref.run.uri() == str(run)
+    assert ref.run_folder is not None and ref.run_folder.uri() == str(run)
     with pytest.raises(CheckpointError, match="is step 5, not the step 10"):
         locate_checkpoint(str(run / "checkpoints" / step_dir(5)), step=10)
 

@@ -331,6 +331,16 @@ def test_no_parameter_named_run_is_a_storage() -> None:
                 for arg in (*args.posonlyargs, *args.args, *args.kwonlyargs):
                     if arg.arg == "run" and arg.annotation is not None and "Storage" in ast.unparse(arg.annotation):
                         storages.append(f"{path.relative_to(ROOT)}:{node.lineno}: run: {ast.unparse(arg.annotation)}")
+            # A dataclass's or NamedTuple's field is its constructor's parameter.
+            if isinstance(node, ast.ClassDef):
+                for field in node.body:
+                    if (
+                        isinstance(field, ast.AnnAssign)
+                        and isinstance(field.target, ast.Name)
+                        and field.target.id == "run"
+                        and "Storage" in ast.unparse(field.annotation)
+                    ):
+                        storages.append(f"{path.relative_to(ROOT)}:{field.lineno}: field run: Storage")
     assert not storages, "parameters named run that are a Storage (take a Run):\n" + "\n".join(storages)
 
 

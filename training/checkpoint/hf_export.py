@@ -268,9 +268,9 @@ def export_checkpoint(
     ref = locate_checkpoint(source, step)
     shared, config = read_checkpoint(ref)
     hf_config(config.model)  # refuse an unexportable model before fetching anything else
-    if tokenizer is None and ref.run is None:
+    if tokenizer is None and ref.run_folder is None:
         raise ValueError(f"{ref.checkpoints.uri()} is not inside a run folder: pass the tokenizer folder too")
-    tokenizer_store = Storage(tokenizer) if tokenizer else ref.run.child("tokenizer")  # type: ignore[union-attr]
+    tokenizer_store = Storage(tokenizer) if tokenizer else ref.run_folder.child("tokenizer")  # type: ignore[union-attr]
     if not tokenizer_store.exists(TOKENIZER_MODEL) and not tokenizer_store.exists(TOKENIZER_JSON):
         raise ValueError(
             f"no {TOKENIZER_MODEL} or {TOKENIZER_JSON} in {tokenizer_store.uri()}: run train-tokenizer, or pass "
