@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import resource
 import tempfile
 import time
 from collections.abc import Iterator
@@ -135,6 +136,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="fail the run when the body of a test not marked slow took over SECONDS (a fixture's set-up or "
         f"teardown: {FIXTURE_BUDGETS}x), times the load average per core when that is over 1",
     )
+    parser.addoption(
+        "--cpu-durations",
+        type=int,
+        default=0,
+        metavar="N",
+        help="show the N test phases that took the most CPU time (the test process's and its reaped children's)",
+    )
 
 
 def phase_budget(budget: float, phase: str) -> float:
@@ -147,6 +155,9 @@ def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     """Note a phase of a test not marked slow that overran --test-budget (in the process that reports the run:
     under pytest-xdist, the controller, which receives its workers' reports)."""
     config = _config
+    cpu = dict(report.user_properties).get("cpu_s")
+    if cpu is not None and config is not None and not hasattr(config, "workerinput"):
+        _cpu.append((float(cpu), report.duration, report.when, report.nodeid))
     budget = config.getoption("test_budget") if config is not None else None
     if budget is None or hasattr(config, "workerinput") or "slow" in report.keywords:
         return
@@ -160,6 +171,43 @@ def pytest_configure(config: pytest.Config) -> None:
     _config = config
 
 
+# --cpu-durations=N: the N phases that took the most CPU (this process's and its children's, as the kernel counts
+# them when a child is reaped): on a machine whose cores are shared by several streams, wall time says how long a
+# test waited; CPU time says what it costs the others.
+_cpu: list[tuple[float, float, str, str]] = []  # (cpu seconds, wall seconds, phase, test)
+
+
+def _cpu_seconds() -> float:
+    own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    outcome = yield
+    started = getattr(item, "_hlat_cpu_started", None)
+    if started is not None:
+        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - started))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    item._hlat_cpu_started = _cpu_seconds()  # type: ignore[attr-defined]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    item._hlat_cpu_started = _cpu_seconds()  # type: ignore[attr-defined]
+    yield
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
+    item._hlat_cpu_started = _cpu_seconds()  # type: ignore[attr-defined]
+    yield
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     """A run with an overrun fails (exit code 1), even when every test passed."""
     if _overruns and session.exitstatus == pytest.ExitCode.OK:
@@ -167,6 +215,12 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 def pytest_terminal_summary(terminalreporter: Any) -> None:
+    shown = terminalreporter.config.getoption("cpu_durations")
+    if shown and _cpu:
+        terminalreporter.section(f"the {shown} phases that took the most CPU (the process's and its children's)")
+        terminalreporter.line(f"in all: {sum(c for c, *_ in _cpu):.0f} s of CPU in {len(_cpu)} phases")
+        for cpu, wall, phase, nodeid in sorted(_cpu, reverse=True)[:shown]:
+            terminalreporter.line(f"{cpu:8.1f}s cpu {wall:8.1f}s wall  {phase:8s} {nodeid}")
     if not _overruns:
         return
     terminalreporter.section("tests over the fast tier's budget: mark them @pytest.mark.slow", red=True)
