@@ -11,8 +11,8 @@
 # makes the tier fail, naming it, rather than slow. Arguments after --fast go to its pytest.
 #
 # `scripts/test.sh`: before a commit that touches flows, jobs, the CLI or deployments, and in CI (.ci/run), after
-# `scripts/install.sh dev xla xla-2.28`: the main suite (every test of tests/, slow ones included) in .venv on two
-# pytest-xdist workers, and beside it, for each Neuron SDK of HLAT_TEST_SDKS whose environment was installed
+# `scripts/install.sh dev xla xla-2.28`: the main suite (every test of tests/, slow ones included) in .venv on three
+# pytest-xdist workers (HLAT_TEST_WORKERS), and beside it, for each Neuron SDK of HLAT_TEST_SDKS whose environment was installed
 # (.venv-xla-2.28: 2.28.0, the default neuron.sdk; .venv-xla: 2.24.1, the last release with XLA_USE_BF16 /
 # XLA_DOWNCAST_BF16), the XLA tier (tests/xla: the training loop on XLA:CPU) then the NxD tier (tests/nxd:
 # tensor/sequence/pipeline parallelism on neuronx-distributed's CPU mode, that SDK's release of it).
@@ -111,8 +111,11 @@ trap 'rm -f "$tiers_log"' EXIT
 
 # One test file per worker at a time (--dist loadfile), so a file's module fixtures are built once; files in
 # collection order (--no-loadscope-reorder: xdist otherwise starts with the files of most tests), which
-# tests/conftest.py makes longest first.
-tier "main suite" .venv/bin/python -m pytest -n 2 --dist loadfile --no-loadscope-reorder --durations=20 "$@"
+# tests/conftest.py makes longest first. Three workers on two cores: the suite alone on two kept 1.3 cores busy
+# (44 min of CPU in 34 min, 2026-12-07: servers starting, jobs polled, grace periods), and the tiers beside it end
+# long before it; a third worker fills that time.
+tier "main suite" .venv/bin/python -m pytest -n "${HLAT_TEST_WORKERS:-3}" --dist loadfile --no-loadscope-reorder \
+  --durations=20 --cpu-durations=20 "$@"
 main=$?
 wait "$tiers"
 echo "----- the XLA and NxD tiers of Neuron SDK ${sdks// /, }, run beside the main suite -----"

@@ -57,21 +57,22 @@ EMULATOR_FILES = (
     "tests/chaos/test_stop_grace.py",
     "tests/chaos/test_failure_causes.py",
     "tests/integration/test_emulator_storage_faults.py",
-    "tests/integration/test_status_stop.py",
+    "tests/integration/test_status_stop_emulator.py",
     "tests/integration/test_emulator_watchdog.py",
 )
 EMULATOR_UNIT = "tests: the SageMaker emulator's files"
 
-# The longest work units first (docs/testing.md has the times): scripts/test.sh hands units to its two
-# pytest-xdist workers in collection order (`--dist loadfile --no-loadscope-reorder`). The emulator's files come
-# first, as one unit; the e2e blocks then start on the other worker; a long unit started last would keep one
-# worker busy while the other idles.
+# The longest work units first (docs/testing.md has the times): scripts/test.sh hands units to its pytest-xdist
+# workers in collection order (`--dist loadfile --no-loadscope-reorder`). The emulator's files come first, as one
+# unit; the e2e blocks then start on the other workers; a long unit started last would keep one worker busy while
+# the others idle.
 LONGEST_FILES = (
     *EMULATOR_FILES,
     "tests/e2e/test_readme.py",
     "tests/e2e/test_deployments.py",
     "tests/integration/test_job_requirements.py",
     "tests/integration/test_cli.py",
+    "tests/integration/test_status_stop.py",
     "tests/unit/test_benchmarks.py",
     "tests/integration/test_flows.py",
     "tests/integration/test_training.py",
@@ -238,7 +239,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 @pytest.fixture
 def one_multi_host_job_at_a_time() -> Iterator[None]:
     """Hold the machine's SageMaker-emulator lock for one test: one multi-host job runs on a machine at a time (the
-    SDK fixes its master port, 7777), and scripts/test.sh runs test files on two pytest-xdist workers at once."""
+    SDK fixes its master port, 7777), and scripts/test.sh runs test files on several pytest-xdist workers at once."""
     import fcntl
 
     from hlat.infra.backends.emulator import master_port_free

@@ -1,6 +1,7 @@
 """`hlat status` and `hlat stop` from another process, after the command that started the run has died (SIGHUP of
 its terminal's session, SIGKILL), on the local backend and on the SageMaker emulator; and what an interrupted run
-records: the attempt's end at the stop, its flow run Cancelled, no ERROR line. Real processes throughout: `hlat run
+records: the attempt's end at the stop, its flow run Cancelled, no ERROR line. (The same on the SageMaker emulator:
+tests/integration/test_status_stop_emulator.py, among the emulator's files.) Real processes throughout: `hlat run
 train` in a session of its own (`setsid`, as a terminal starts it), its job daemon, the training processes."""
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ import pytest
 
 from hlat.core.layout import heartbeat_path
 from hlat.core.run import Run
-from hlat.infra.backends.emulator import namespaces_available
 from hlat.infra.backends.local import LocalBackend
 from hlat.infra.supervision.ledger import Ledger
 from tests.conftest import SMALL_DATA
@@ -29,8 +29,8 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
-TRAINING = {"max_steps": 5000, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 0, "log_every": 1}
 TWO_HOSTS = {"job.instance_count": 2, "job.processes_per_node": 2, "training.micro_batch_size": 2}
+TRAINING = {"max_steps": 5000, "checkpoint_every": 4, "keep_checkpoints": 2, "eval_every": 0, "log_every": 1}
 
 
 def overrides(**extra: Any) -> dict[str, Any]:
@@ -134,17 +134,6 @@ def test_a_killed_command_leaves_its_job_to_status_and_stop_from_another_process
 ) -> None:
     run = new_run(prepared, tmp_path, "alone")
     dead_cli_then_status_and_stop(tmp_path, run, "alone", signal.SIGKILL)
-
-
-@pytest.mark.usefixtures("one_multi_host_job_at_a_time")
-@pytest.mark.skipif(bool(namespaces_available()), reason=str(namespaces_available()))
-def test_status_and_stop_of_a_job_on_the_sagemaker_emulator_after_its_terminal_closed(
-    prepared: Path, tmp_path: Path
-) -> None:
-    """The same on two emulated SageMaker hosts, the command's terminal closed (SIGHUP to its session's group): the
-    stop reaches every host's ranks, which checkpoint."""
-    run = new_run(prepared, tmp_path, "hosts", **TWO_HOSTS)
-    dead_cli_then_status_and_stop(tmp_path, run, "hosts", signal.SIGHUP, **TWO_HOSTS)
 
 
 def test_hlat_stop_ends_the_stage_of_a_live_supervisor_without_a_relaunch(prepared: Path, tmp_path: Path) -> None:
