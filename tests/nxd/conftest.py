@@ -98,34 +98,17 @@ def run_ranks(
 ) -> list[dict[str, Any]]:
     """Run `scenario` of tests/nxd/worker.py on `processes` torchrun ranks (`env` added to their environment); each
     rank's result, in rank order."""
-    return run_cases(processes, {scenario: (scenario, out, args)}, timeout, env)[scenario]
-
-
-def run_cases(
-    processes: int,
-    cases: dict[str, tuple[str, Path, dict[str, Any]]],
-    timeout: float = 600,
-    env: dict[str, str] | None = None,
-) -> dict[str, list[dict[str, Any]]]:
-    """Run each case (name: its scenario, out folder and arguments) of tests/nxd/worker.py, one after the other, in
-    one torchrun of `processes` ranks; each case's rank results, in rank order."""
-    for _, out, _ in cases.values():
-        out.mkdir(parents=True, exist_ok=True)
-    listed = [[scenario, str(out), args] for scenario, out, args in cases.values()]
-    call = listed[0] if len(listed) == 1 else ["cases", listed[0][1], {"cases": listed}]
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**cpu_mode_environment(), **(env or {})}
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        "-m", "tests.nxd.worker", call[0], call[1], json.dumps(call[2]),
+        "-m", "tests.nxd.worker", scenario, str(out), json.dumps(args),
     ]  # fmt: skip
-    full_env = {**cpu_mode_environment(), **(env or {})}
-    done = subprocess.run(command, cwd=PROJECT, env=full_env, capture_output=True, text=True, timeout=timeout)
+    done = subprocess.run(command, cwd=PROJECT, env=env, capture_output=True, text=True, timeout=timeout)
     if done.returncode != 0:
         output = f"{done.stdout[-4000:]}\n{done.stderr[-6000:]}"
-        raise AssertionError(f"{', '.join(cases)} on {processes} ranks exited {done.returncode}:\n{output}")
-    return {
-        name: [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(processes)]
-        for name, (_, out, _) in cases.items()
-    }
+        raise AssertionError(f"{scenario} on {processes} ranks exited {done.returncode}:\n{output}")
+    return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(processes)]
 
 
 @pytest.fixture(scope="session")

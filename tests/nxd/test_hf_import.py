@@ -15,7 +15,6 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Sequence
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -53,22 +52,14 @@ def tokens(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def run_import_ranks(
-    processes: int,
-    out: Path,
-    run: Path,
-    scenario: str = "layout",
-    env: dict[str, str] | None = None,
-    more: Sequence[tuple[Path, Path]] = (),
+    processes: int, out: Path, run: Path, scenario: str = "layout", env: dict[str, str] | None = None
 ) -> list[dict[str, Any]]:
     """`scenario` of this module (`SCENARIOS`) on `processes` torchrun ranks in NxD's CPU mode (`env` added); each
-    rank's result, in rank order. `more` (out, run) pairs run after it in the same ranks (their results are in their
-    own `out`)."""
-    for folder in (out, *(o for o, _ in more)):
-        folder.mkdir(parents=True, exist_ok=True)
-    args = {"run": str(run), "more": [[str(o), str(r)] for o, r in more]}
+    rank's result, in rank order."""
+    out.mkdir(parents=True, exist_ok=True)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-        "-m", "tests.nxd.test_hf_import", scenario, str(out), json.dumps(args),
+        "-m", "tests.nxd.test_hf_import", scenario, str(out), json.dumps({"run": str(run)}),
     ]  # fmt: skip
     environment = {**cpu_mode_environment(), **(env or {})}
     done = subprocess.run(command, cwd=PROJECT, env=environment, capture_output=True, text=True, timeout=600)
@@ -77,35 +68,19 @@ def run_import_ranks(
     return [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(processes)]
 
 
-CASES = [(arch, layout) for arch in ARCHS for layout in LAYOUTS]
-
-
-@pytest.fixture(scope="module")
-def imported(prepared: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Any]:
-    """Each (arch, layout) case's HF folder, run and rank results: the cases one after the other in one torchrun of 2
-    ranks (each forms its own NxD groups), as a torchrun and its ranks' imports cost more than a case."""
-    cases = {}
-    for arch, layout in CASES:
-        root = tmp_path_factory.mktemp(f"{arch}-{layout}")
-        folder = root / "hf"
-        write_checkpoint(arch, folder, seed=31)
-        overrides = {**config_overrides(folder, VOCAB_MULTIPLE), **COMMON, **LAYOUTS[layout]}
-        run = make_run(prepared, root, layout, **overrides)
-        write_import_record(Run.at(str(run)), folder)
-        cases[arch, layout] = (folder, run, root / "ranks")
-    (first, *rest) = cases.values()
-    run_import_ranks(2, first[2], first[1], more=[(out, run) for _, run, out in rest])
-    return {
-        key: (folder, run, [torch.load(out / f"rank-{r}.pt", weights_only=False) for r in range(2)])
-        for key, (folder, run, out) in cases.items()
-    }
-
-
-@pytest.mark.parametrize(("arch", "layout"), CASES, ids=[f"{layout}-{arch}" for arch, layout in CASES])
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("arch", ARCHS)
 def test_an_import_into_tp2_and_pp2_gives_the_dense_logits_and_its_checkpoint_exports_bitwise(
-    arch: str, layout: str, imported: dict[tuple[str, str], Any]
+    arch: str, layout: str, prepared: Path, tmp_path: Path
 ) -> None:
-    folder, run, ranks = imported[arch, layout]
+
+    folder = tmp_path / "hf"
+    write_checkpoint(arch, folder, seed=31)
+    overrides = {**config_overrides(folder, VOCAB_MULTIPLE), **COMMON, **LAYOUTS[layout]}
+    run = make_run(prepared, tmp_path, layout, **overrides)
+    write_import_record(Run.at(str(run)), folder)
+    ranks = run_import_ranks(2, tmp_path / "ranks", run)
+
     inputs, targets = tokens(ranks[0]["rows"])
     with torch.no_grad():
         logits = dense_import(folder, VOCAB_MULTIPLE)(inputs)[..., :VOCAB]
@@ -193,50 +168,38 @@ def zero1_main(out: Path, args: dict[str, Any]) -> None:
 
 
 def rank_main(out: Path, args: dict[str, Any]) -> None:
-    """One rank: for the run and each of `more`, the Trainer of the run (its resume imports the checkpoint), the loss
-    (and under TP the gathered logits) on `tokens`, then a checkpoint of step 0; the results in
-    `<out>/rank-<rank>.pt`. Each run forms its own NxD groups; the process group stays."""
-    from hlat.training.parallel.distributed import close_world
-    from tests.nxd import worker  # noqa: F401  (installs the Neuron stand-ins before NxD is imported)
-
-    from neuronx_distributed.parallel_layers import parallel_state  # isort: skip
-
-    try:
-        for case_out, run in [[str(out), args["run"]], *args.get("more", [])]:
-            layout_case(Path(case_out), run)
-            parallel_state.destroy_model_parallel()
-    finally:
-        close_world()
-
-
-def layout_case(out: Path, run: str) -> None:
+    """One rank: the Trainer of the run (its resume imports the checkpoint), the loss (and under TP the gathered
+    logits) on `tokens`, then a checkpoint of step 0; the results in `<out>/rank-<rank>.pt`."""
     import torch.distributed as dist
 
     from hlat.core.contract import read_job_config
     from hlat.training.checkpoint.hf_import import rank_parameters
-    from hlat.training.parallel.distributed import init_world
+    from hlat.training.parallel.distributed import close_world, init_world
     from tests.nxd import worker  # installs the Neuron stand-ins (nothing above imports NxD)
 
-    cfg = read_job_config(f"{run}/config.json").config
+    cfg = read_job_config(f"{args['run']}/config.json").config
     world = init_world("cpu", cfg)
-    trainer = worker.trainer_for(cfg, world, run)
-    assert trainer.resume() == 0  # no checkpoint: it imports model.init_from
-    rows = cfg.gradient_accumulation * cfg.training.micro_batch_size
-    inputs, targets = tokens(rows)
-    result: dict[str, Any] = {"rows": rows, "names": sorted(rank_parameters(trainer))}
-    with torch.no_grad():
-        if world.layout.pipeline > 1:
-            result["loss"] = float(trainer.wrapped.run_eval(tokens=inputs, targets=targets))
-        else:
-            local = trainer.model(inputs)
-            result["loss"] = float(trainer.model.loss(local, targets))
-            pieces = [torch.empty_like(local) for _ in range(world.layout.tensor)]
-            dist.all_gather(pieces, local.contiguous(), group=worker.tp_group())
-            result["logits"] = torch.cat(pieces, dim=-1)
-    trainer.save_checkpoint(0)
-    trainer.ckpt.wait()
-    trainer.loader.close()
-    torch.save(result, out / f"rank-{world.rank}.pt")
+    try:
+        trainer = worker.trainer_for(cfg, world, args["run"])
+        assert trainer.resume() == 0  # no checkpoint: it imports model.init_from
+        rows = cfg.gradient_accumulation * cfg.training.micro_batch_size
+        inputs, targets = tokens(rows)
+        result: dict[str, Any] = {"rows": rows, "names": sorted(rank_parameters(trainer))}
+        with torch.no_grad():
+            if world.layout.pipeline > 1:
+                result["loss"] = float(trainer.wrapped.run_eval(tokens=inputs, targets=targets))
+            else:
+                local = trainer.model(inputs)
+                result["loss"] = float(trainer.model.loss(local, targets))
+                pieces = [torch.empty_like(local) for _ in range(world.layout.tensor)]
+                dist.all_gather(pieces, local.contiguous(), group=worker.tp_group())
+                result["logits"] = torch.cat(pieces, dim=-1)
+        trainer.save_checkpoint(0)
+        trainer.ckpt.wait()
+        trainer.loader.close()
+        torch.save(result, out / f"rank-{world.rank}.pt")
+    finally:
+        close_world()
 
 
 SCENARIOS = {"layout": rank_main, "zero1": zero1_main}

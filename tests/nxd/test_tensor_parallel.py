@@ -4,11 +4,12 @@ sliced, and its forward and backward equal the dense model's."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.nxd.conftest import run_cases
+from tests.nxd.conftest import run_ranks
 
 CASES: dict[str, tuple[int, dict[str, Any]]] = {
     "tp2": (2, {"config": {"parallelism.tensor": 2}}),
@@ -51,23 +52,10 @@ CASES: dict[str, tuple[int, dict[str, Any]]] = {
 }  # fmt: skip
 
 
-@pytest.fixture(scope="module")
-def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
-    """Every case's rank results: the cases of each rank count in one torchrun, one after the other (each forms its
-    own NxD groups), as a torchrun and its ranks' imports cost more than a case."""
-    root = tmp_path_factory.mktemp("tp")
-    found: dict[str, list[dict[str, Any]]] = {}
-    for processes in sorted({processes for processes, _ in CASES.values()}):
-        cases = {name: ("tp_equals_dense", root / name, args) for name, (n, args) in CASES.items() if n == processes}
-        found.update(run_cases(processes, cases))
-    return found
-
-
 @pytest.mark.parametrize("case", list(CASES))
-def test_forward_and_backward_equal_the_dense_model(case: str, results: dict[str, list[dict[str, Any]]]) -> None:
+def test_forward_and_backward_equal_the_dense_model(case: str, tmp_path: Path) -> None:
     processes, args = CASES[case]
-    ranks = results[case]
-    assert len(ranks) == processes
+    ranks = run_ranks(processes, "tp_equals_dense", tmp_path, **args)
     for rank, result in enumerate(ranks):
         assert result["tp"] == (rank, processes)
         assert result["weight_error"] == 0.0  # every rank holds exactly its slice of the dense weights

@@ -315,33 +315,18 @@ SCENARIOS: dict[str, Callable[[HlatConfig, World, dict[str, Any]], dict[str, Any
 
 
 def main() -> None:
-    """`<scenario> <out> <args>`; or `cases <out> {"cases": [[scenario, out, args], ...]}`: several scenarios one after
-    the other in these processes (each with its own config and NxD groups; the process group stays), which spares a
-    torchrun and its ranks' imports per scenario."""
     scenario, out, raw = sys.argv[1], Path(sys.argv[2]), sys.argv[3]
     args = json.loads(raw)
-    cases = args["cases"] if scenario == "cases" else [[scenario, str(out), args]]
-    try:
-        for name, case_out, case_args in cases:
-            run_case(name, Path(case_out), case_args)
-    finally:
-        close_world()
-
-
-def run_case(scenario: str, out: Path, args: dict[str, Any]) -> None:
     processes = int(os.environ["WORLD_SIZE"])
     cfg = read_job_config(f"{args['run']}/config.json").config if "run" in args else config(args, processes)
-    if processes == 1 and args.get("group_of_one") and not dist.is_initialized():
+    if processes == 1 and args.get("group_of_one"):
         dist.init_process_group("gloo")  # NxD forms its groups (here each of one rank) inside torch.distributed's
     world = init_world("cpu", cfg)
     try:
         result = SCENARIOS[scenario](cfg, world, args)
         torch.save(result, out / f"rank-{world.rank}.pt")
     finally:
-        if world.nxd is not None:
-            from neuronx_distributed.parallel_layers import parallel_state
-
-            parallel_state.destroy_model_parallel()  # the next case forms its own groups
+        close_world()
 
 
 if __name__ == "__main__":
