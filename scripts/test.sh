@@ -39,8 +39,8 @@ export TORCHINDUCTOR_COMPILE_THREADS="${TORCHINDUCTOR_COMPILE_THREADS:-1}"
 declare -A BUDGET_S=(
   ["fast tier"]=300
   ["main suite"]=2700
-  ["XLA tier (2.28.0)"]=420
-  ["NxD tier (2.28.0)"]=600
+  ["XLA tier (2.28.0)"]=480
+  ["NxD tier (2.28.0)"]=720
   ["XLA tier (2.24.1)"]=480
   ["NxD tier (2.24.1)"]=540
 )
