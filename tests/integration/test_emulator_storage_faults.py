@@ -95,7 +95,9 @@ def test_a_refused_upload_fails_its_rank_at_once_and_the_failure_names_it(
     state = wait(backend, name, timeout=120)
     log = log_text(backend, name)
     assert state.status == Status.FAILED, log[-3000:]
-    assert rank_failed_s < 5, log[-3000:]
+    # At once: the refused PUT was sent once, never retried, and the rank failed within seconds of it (not after a
+    # back-off; 5.9 s under CI's load on 2026-12-07, so the bound is loose and the request count is the proof).
+    assert len(rule.hits) == 1 and rank_failed_s < 30, (len(rule.hits), rank_failed_s, log[-3000:])
     reason = state.failure_reason or ""
     # What the checkpoint manager says of a failed background save: the checkpoint, the rank and its host.
     assert "failed (rank 1 on algo-2)" in reason and "access denied to " in reason, reason
