@@ -184,29 +184,20 @@ def _cpu_seconds() -> float:
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
-    outcome = yield
-    started = getattr(item, "_hlat_cpu_started", None)
-    if started is not None:
-        outcome.get_result().user_properties.append(("cpu_s", _cpu_seconds() - started))
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
     item._hlat_cpu_started = _cpu_seconds()  # type: ignore[attr-defined]
     yield
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
-    item._hlat_cpu_started = _cpu_seconds()  # type: ignore[attr-defined]
-    yield
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_teardown(item: pytest.Item) -> Iterator[None]:
-    item._hlat_cpu_started = _cpu_seconds()  # type: ignore[attr-defined]
-    yield
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """Each phase's CPU: from its start (set-up's, or the report of the phase before, which it follows at once)."""
+    outcome = yield
+    started = getattr(item, "_hlat_cpu_started", None)
+    if started is not None:
+        now = _cpu_seconds()
+        outcome.get_result().user_properties.append(("cpu_s", now - started))
+        item._hlat_cpu_started = now  # type: ignore[attr-defined]
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
